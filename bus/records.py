@@ -1,0 +1,186 @@
+"""The records that travel between the loops, field by field.
+
+Every record is a `msgspec.Struct` encoded as JSON on the wire. Each carries `schema`, the
+version of its layout: a consumer accepts any record whose `schema` it knows and ignores
+fields it does not (so a producer may add optional fields without breaking older consumers;
+removing or retyping a field bumps `SCHEMA_VERSION`).
+
+Who produces and consumes what:
+
+    Turn          serve    -> collect   one finished request: exact tokens, logprobs, versions
+    SessionEvent  serve    -> collect   feedback (a reward and/or text) or an explicit end
+    Trajectory    collect  -> judge     a closed session's turns stitched into token segments
+    Sample        judge    -> train     a trajectory with its rewards
+    WeightUpdate  train    -> serve     a new policy version published to the weight store
+
+Token conventions (invariants 1 and 2 of DESIGN.md): `prompt_ids` and `output_ids` are the ids
+the engine saw and sampled, never a re-tokenization; `output_logprobs[i]` is the behaviour
+log-probability of `output_ids[i]` under the distribution it was sampled from, and
+`output_versions[i]` the weight version that sampled it.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Literal
+
+import msgspec
+
+SCHEMA_VERSION = 1
+
+TurnType = Literal["main", "side"]
+FinishReason = Literal["stop", "length", "tool_calls", "abort"]
+
+
+class Record(msgspec.Struct, kw_only=True, omit_defaults=False, forbid_unknown_fields=False):
+    """Base of every bus record: a unique id and the layout version."""
+
+    id: str
+    """Unique record id; consumers deduplicate by it and JetStream by `Nats-Msg-Id`."""
+    schema: int = SCHEMA_VERSION
+    created_at: float = msgspec.field(default_factory=time.time)
+    """Unix time at which the producer created the record."""
+
+
+class Timings(msgspec.Struct, kw_only=True):
+    """Where a request's time went, in seconds."""
+
+    queued_s: float = 0.0
+    """From arrival at the gateway until the engine started it."""
+    first_token_s: float = 0.0
+    """From arrival until the first output token existed."""
+    total_s: float = 0.0
+    """From arrival until the response was complete."""
+
+
+class Turn(Record, kw_only=True):
+    """One request/response through the gateway, with the exact tokens the engine used."""
+
+    session_id: str
+    """From `X-Session-Id`, else `metadata.session_id`, else `user`, else a fresh id (the turn
+    is then a one-turn session of its own)."""
+    turn_index: int
+    """Position of this turn in its conversation: the number of assistant messages in the
+    request's history. Lets the collector order turns that arrive out of order."""
+    turn_type: TurnType = "main"
+    """`side` turns (from `X-Turn-Type: side`) are served and recorded but not trained."""
+    task_id: str | None = None
+    """Groups samples of the same task (`X-Task-Id`), e.g. the n samples of one prompt."""
+    model: str
+    messages: list[dict[str, Any]]
+    """The request's messages, as received."""
+    response: dict[str, Any]
+    """The assistant message returned to the client."""
+    prompt_ids: list[int]
+    output_ids: list[int]
+    output_logprobs: list[float]
+    output_versions: list[int]
+    finish_reason: FinishReason
+    sampling: dict[str, Any] = msgspec.field(default_factory=dict)
+    """The sampling parameters the engine used (temperature, top_p, max_new_tokens, ...)."""
+    session_done: bool = False
+    """The client marked this turn as the last of its session (`X-Session-Done: true`)."""
+    timings: Timings = msgspec.field(default_factory=Timings)
+
+    @property
+    def oldest_version(self) -> int | None:
+        return min(self.output_versions) if self.output_versions else None
+
+
+class SessionEvent(Record, kw_only=True):
+    """A signal about a session that is not a turn: feedback, or an explicit end."""
+
+    session_id: str
+    kind: Literal["feedback", "end"]
+    reward: float | None = None
+    """For feedback: the reward given (any float; judges decide how to scale it)."""
+    turn_index: int | None = None
+    """For feedback about one turn; None means the whole session."""
+    text: str | None = None
+    """Free-text feedback, for judges that read it."""
+    source: str = "user"
+    """Who gave it: `user` (a person or client), `env` (an environment's verdict), ..."""
+
+
+class Segment(msgspec.Struct, kw_only=True):
+    """A run of consecutive tokens that the model saw as one sequence.
+
+    Turns are merged into one segment while each turn's prompt extends the previous prompt plus
+    output exactly; a chat template that rewrites history starts a new segment. All four lists
+    have the same length.
+    """
+
+    token_ids: list[int]
+    loss_mask: list[int]
+    """1 exactly on sampled tokens; 0 on prompt, user text, tool output and template glue."""
+    logprobs: list[float]
+    """Behaviour log-probabilities on sampled tokens; 0.0 where `loss_mask` is 0."""
+    versions: list[int]
+    """Weight version that sampled each token; -1 where `loss_mask` is 0."""
+    turn_spans: list[tuple[int, int, int]] = msgspec.field(default_factory=list)
+    """(turn_index, start, end) of each turn's sampled tokens within `token_ids`."""
+
+
+class Trajectory(Record, kw_only=True):
+    """A closed session: its turns (main only), stitched into token segments."""
+
+    session_id: str
+    task_id: str | None = None
+    segments: list[Segment]
+    turns: list[Turn]
+    """The main turns, ordered by turn_index (kept whole so judges see the text)."""
+    feedback: list[SessionEvent] = msgspec.field(default_factory=list)
+    close_reason: Literal["done", "end", "feedback", "idle", "limit"]
+
+    @property
+    def oldest_version(self) -> int | None:
+        versions = [v for seg in self.segments for v, m in zip(seg.versions, seg.loss_mask) if m]
+        return min(versions) if versions else None
+
+    @property
+    def num_sampled_tokens(self) -> int:
+        return sum(sum(seg.loss_mask) for seg in self.segments)
+
+
+class Sample(Record, kw_only=True):
+    """A scored trajectory, ready for the trainer."""
+
+    trajectory: Trajectory
+    reward: float
+    """The trajectory's scalar reward (outcome)."""
+    turn_rewards: list[float] = msgspec.field(default_factory=list)
+    """Optional per-turn rewards, aligned with `trajectory.turns`."""
+    judge: str
+    """Which judge produced the reward, e.g. `rule`."""
+
+
+class WeightUpdate(Record, kw_only=True):
+    """A new policy version, published to the weight store and ready to load."""
+
+    version: int
+    path: str
+    """Directory in the weight store holding the checkpoint (safetensors + config)."""
+    step: int
+    """Trainer step that produced it."""
+
+
+_ENCODER = msgspec.json.Encoder()
+_DECODERS: dict[type, msgspec.json.Decoder] = {}
+
+
+def encode(record: Record) -> bytes:
+    """Serialize a record to JSON bytes."""
+    return _ENCODER.encode(record)
+
+
+def decode(data: bytes, kind: type[Record]) -> Record:
+    """Parse JSON bytes as a record of `kind`; raises `msgspec.ValidationError` if malformed."""
+    decoder = _DECODERS.get(kind)
+    if decoder is None:
+        decoder = _DECODERS[kind] = msgspec.json.Decoder(kind)
+    record = decoder.decode(data)
+    if record.schema > SCHEMA_VERSION:
+        raise msgspec.ValidationError(
+            f"{kind.__name__} has schema {record.schema}; this build reads up to {SCHEMA_VERSION}"
+        )
+    return record

@@ -1,0 +1,48 @@
+"""JetStream streams, their subjects, and which record type each subject carries.
+
+One stream per hand-off between loops. Turns and session events share the TRAFFIC stream so
+that a collector sees a session's feedback after the turns that one gateway published before
+it (JetStream orders messages within a stream).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from bus.records import Record, Sample, SessionEvent, Trajectory, Turn, WeightUpdate
+
+
+@dataclass(frozen=True)
+class StreamSpec:
+    name: str
+    subjects: tuple[str, ...]
+    max_age_s: float
+    """How long records are kept (for replay, `bus.tail` and late consumers)."""
+    max_msgs_per_subject: int = -1
+
+
+TRAFFIC_SUBJECTS = "flywheel.traffic.>"
+"""Turns and session events together, in the order they were published."""
+TURN_SUBJECT = "flywheel.traffic.turn"
+SESSION_EVENT_SUBJECT = "flywheel.traffic.event"
+TRAJECTORY_SUBJECT = "flywheel.trajectories"
+SAMPLE_SUBJECT = "flywheel.samples"
+WEIGHTS_SUBJECT = "flywheel.weights"
+
+DAY = 24 * 3600.0
+
+TRAFFIC = StreamSpec("TRAFFIC", (TRAFFIC_SUBJECTS,), max_age_s=7 * DAY)
+TRAJECTORIES = StreamSpec("TRAJECTORIES", (TRAJECTORY_SUBJECT,), max_age_s=7 * DAY)
+SAMPLES = StreamSpec("SAMPLES", (SAMPLE_SUBJECT,), max_age_s=7 * DAY)
+WEIGHTS = StreamSpec("WEIGHTS", (WEIGHTS_SUBJECT,), max_age_s=30 * DAY, max_msgs_per_subject=64)
+
+STREAMS: dict[str, StreamSpec] = {s.name: s for s in (TRAFFIC, TRAJECTORIES, SAMPLES, WEIGHTS)}
+
+RECORD_TYPES: dict[str, type[Record]] = {
+    TURN_SUBJECT: Turn,
+    SESSION_EVENT_SUBJECT: SessionEvent,
+    TRAJECTORY_SUBJECT: Trajectory,
+    SAMPLE_SUBJECT: Sample,
+    WEIGHTS_SUBJECT: WeightUpdate,
+}
+"""Which record type a subject carries; the bus decodes by subject."""

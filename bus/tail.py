@@ -1,0 +1,99 @@
+"""Print the records of a stream or subject as JSON lines: `python -m bus.tail NAME`.
+
+NAME is a stream (`TRAFFIC`, `SAMPLES`, ...), a subject (`flywheel.samples`) or a short alias
+(`turns`, `events`, `trajectories`, `samples`, `weights`). Prints what the stream holds and
+exits; `--follow` keeps printing new records. The bus is found through `--url`, or through the
+`bus.url` file a running deployment writes into its run directory.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import sys
+
+from nats.js.api import DeliverPolicy
+
+from bus.client import Bus
+from bus.embedded import read_bus_url
+from bus.streams import (
+    SAMPLE_SUBJECT,
+    SESSION_EVENT_SUBJECT,
+    STREAMS,
+    TRAJECTORY_SUBJECT,
+    TURN_SUBJECT,
+    WEIGHTS_SUBJECT,
+)
+
+ALIASES = {
+    "turns": TURN_SUBJECT,
+    "events": SESSION_EVENT_SUBJECT,
+    "trajectories": TRAJECTORY_SUBJECT,
+    "samples": SAMPLE_SUBJECT,
+    "weights": WEIGHTS_SUBJECT,
+}
+
+
+def resolve_subject(name: str) -> str:
+    """A subject filter for NAME; raises ValueError naming the accepted forms."""
+    if name in ALIASES:
+        return ALIASES[name]
+    if name.upper() in STREAMS:
+        return STREAMS[name.upper()].subjects[0]
+    if name.startswith("flywheel."):
+        return name
+    accepted = ", ".join([*ALIASES, *STREAMS])
+    raise ValueError(f"unknown stream or subject {name!r}; accepted: {accepted}, or a flywheel.* subject")
+
+
+async def tail(url: str, subject: str, follow: bool, limit: int | None, out=sys.stdout) -> int:
+    """Write records on `subject` to `out`, one JSON object per line; returns how many."""
+    bus = await Bus.connect(url, name="bus.tail", ensure_streams=False)
+    stream = await bus.js.find_stream_name_by_subject(subject)
+    info = await bus.js.stream_info(stream, subjects_filter=subject)
+    if not follow and not info.state.subjects:
+        await bus.close()
+        return 0
+    queue: asyncio.Queue = asyncio.Queue()
+    sub = await bus.js.subscribe(
+        subject, cb=queue.put, ordered_consumer=True, deliver_policy=DeliverPolicy.ALL
+    )
+    count = 0
+    try:
+        while limit is None or count < limit:
+            msg = await queue.get()
+            out.write(msg.data.decode() + "\n")
+            out.flush()
+            count += 1
+            if not follow and msg.metadata.num_pending == 0:
+                break
+        return count
+    finally:
+        await sub.unsubscribe()
+        await bus.close()
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bus.tail", description=__doc__.splitlines()[0])
+    parser.add_argument("name", help="stream, subject or alias: " + ", ".join(ALIASES))
+    parser.add_argument("--url", help="NATS URL (default: read from RUN_DIR/bus.url)")
+    parser.add_argument("--run-dir", default="runs/local", help="run directory of a deployment")
+    parser.add_argument("-f", "--follow", action="store_true", help="keep printing new records")
+    parser.add_argument("-n", "--limit", type=int, default=None, help="stop after this many records")
+    args = parser.parse_args(argv)
+    try:
+        subject = resolve_subject(args.name)
+        url = args.url or read_bus_url(args.run_dir)
+    except (ValueError, FileNotFoundError) as exc:
+        parser.error(str(exc))
+    try:
+        asyncio.run(tail(url, subject, args.follow, args.limit))
+    except KeyboardInterrupt:
+        pass
+    except BrokenPipeError:  # e.g. piped into `head`
+        pass
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,141 @@
+"""The rollout driver: turns an environment into traffic through the serve endpoint.
+
+For each task it sends `gconfig.n_samples` chat requests with the official `openai` client,
+each its own session (`X-Session-Id`) sharing the task's id (`X-Task-Id`), scores each answer
+with the environment's verifier, and reports the verdict as session feedback
+(`POST /v1/sessions/{id}/feedback`, source `env`), which closes the session. It is one more
+client of the endpoint: the collector, judge and trainer treat its traffic like anyone's.
+
+Staleness control (AReaL's admission rule): with η = `rollout.max_head_offpolicyness`, B =
+`train.batch_size` and v the newest weight version announced on the bus, a group of n samples
+may start only while accepted + running + n <= (η + v + 1)·B and running + n <= the concurrency
+cap (`rollout.max_concurrent_rollouts`). `accepted` counts samples whose verdict was reported.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import random
+import uuid
+from collections import deque
+from typing import Any
+
+import httpx
+import openai
+
+from bus import WEIGHTS_SUBJECT, Bus
+from bus.process import repeat
+from config import ConfigError, FlywheelConfig
+from envs import Env, Task, make_env
+
+log = logging.getLogger(__name__)
+
+
+class RolloutDriver:
+    def __init__(self, config: FlywheelConfig, bus_url: str, endpoint: str | None = None):
+        self.config = config
+        self.bus_url = bus_url
+        self.endpoint = (endpoint or config.rollout.endpoint or "").rstrip("/")
+        if not self.endpoint:
+            raise ConfigError("rollout.endpoint: no endpoint to send rollouts to")
+        try:
+            self.env: Env = make_env(config.rollout.env)
+        except ValueError as exc:
+            raise ConfigError(f"rollout.env: {exc}") from None
+        self.rng = random.Random(config.seed)
+        self.version = 0
+        self.running = 0
+        self.accepted = 0
+        self.failed = 0
+        self.recent_rewards: deque[float] = deque(maxlen=256)
+        self._changed = asyncio.Event()
+        self._tasks: list[asyncio.Task] = []
+        self._groups: set[asyncio.Task] = set()
+
+    @property
+    def model_name(self) -> str:
+        return self.config.serve.served_model_name or self.config.model
+
+    def capacity(self, group: int) -> bool:
+        """Whether a group of `group` samples may start now (the staleness bound)."""
+        bound = (self.config.rollout.max_head_offpolicyness + self.version + 1) * self.config.train.batch_size
+        return (
+            self.accepted + self.running + group <= bound
+            and self.running + group <= self.config.rollout.max_concurrent_rollouts
+        )
+
+    async def start(self) -> None:
+        self.bus = await Bus.connect(self.bus_url, name="rollout")
+        self.openai = openai.AsyncOpenAI(base_url=f"{self.endpoint}/v1", api_key="flywheel", max_retries=3, timeout=600)
+        self.http = httpx.AsyncClient(base_url=self.endpoint, timeout=60)
+        self._tasks = [
+            asyncio.create_task(repeat(self._follow_versions, "rollout.versions"), name="versions"),
+            asyncio.create_task(self._admit(), name="admit"),
+        ]
+
+    async def _follow_versions(self) -> None:
+        async for update in self.bus.follow(WEIGHTS_SUBJECT):
+            self.version = max(self.version, update.version)
+            self._changed.set()
+
+    async def _admit(self) -> None:
+        n = self.config.gconfig.n_samples
+        while True:
+            while not self.capacity(n):
+                self._changed.clear()
+                await self._changed.wait()
+            task = self.env.reset(self.rng)
+            self.running += n
+            group = asyncio.create_task(self._run_group(task, n))
+            self._groups.add(group)
+            group.add_done_callback(self._groups.discard)
+
+    async def _run_group(self, task: Task, n: int) -> None:
+        await asyncio.gather(*(self._run_one(task, k) for k in range(n)))
+
+    async def _run_one(self, task: Task, k: int) -> None:
+        gconfig = self.config.gconfig
+        session_id = f"{task.id}-{k}-{uuid.uuid4().hex[:8]}"
+        try:
+            completion = await self.openai.chat.completions.create(
+                model=self.model_name,
+                messages=task.messages,
+                max_tokens=gconfig.max_new_tokens,
+                temperature=gconfig.temperature,
+                top_p=gconfig.top_p,
+                extra_headers={"X-Session-Id": session_id, "X-Task-Id": task.id},
+            )
+            reward = self.env.verify(task, completion.choices[0].message.content or "")
+            response = await self.http.post(
+                f"/v1/sessions/{session_id}/feedback", json={"reward": reward, "source": "env"}
+            )
+            response.raise_for_status()
+            self.accepted += 1
+            self.recent_rewards.append(reward)
+        except Exception as exc:
+            self.failed += 1
+            log.warning("rollout %s failed: %s", session_id, exc)
+        finally:
+            self.running -= 1
+            self._changed.set()
+
+    async def stop(self) -> None:
+        for task in [*self._tasks, *self._groups]:
+            task.cancel()
+        with contextlib.suppress(Exception):
+            await asyncio.gather(*self._tasks, *self._groups, return_exceptions=True)
+        await self.openai.close()
+        await self.http.aclose()
+        await self.bus.close()
+
+    def stats(self) -> dict[str, Any]:
+        rewards = list(self.recent_rewards)
+        return {
+            "version": self.version,
+            "running": self.running,
+            "accepted": self.accepted,
+            "failed": self.failed,
+            "reward_mean": sum(rewards) / len(rewards) if rewards else None,
+        }

@@ -1,0 +1,38 @@
+"""Stitch a session's turns into token segments with loss masks, logprobs and versions.
+
+Turns are taken in turn order. A turn whose prompt ids start with everything the current
+segment holds (the previous prompts and sampled outputs, exactly) extends that segment: the new
+prompt tokens (user text, tool output, template glue) join with mask 0, the sampled tokens with
+mask 1. Otherwise (a chat template that rewrote history, or a client that edited it) the turn
+starts a new segment. No text is ever re-tokenized.
+"""
+
+from __future__ import annotations
+
+from bus import Segment, Turn
+
+
+def _starts_with(ids: list[int], prefix: list[int]) -> bool:
+    return len(ids) >= len(prefix) and ids[: len(prefix)] == prefix
+
+
+def stitch(turns: list[Turn]) -> list[Segment]:
+    """Segments for `turns`, which must already be in turn order."""
+    segments: list[Segment] = []
+    for turn in turns:
+        current = segments[-1] if segments else None
+        if current is None or not _starts_with(turn.prompt_ids, current.token_ids):
+            current = Segment(token_ids=[], loss_mask=[], logprobs=[], versions=[])
+            segments.append(current)
+        glue = turn.prompt_ids[len(current.token_ids):]
+        current.token_ids.extend(glue)
+        current.loss_mask.extend([0] * len(glue))
+        current.logprobs.extend([0.0] * len(glue))
+        current.versions.extend([-1] * len(glue))
+        start = len(current.token_ids)
+        current.token_ids.extend(turn.output_ids)
+        current.loss_mask.extend([1] * len(turn.output_ids))
+        current.logprobs.extend(turn.output_logprobs)
+        current.versions.extend(turn.output_versions)
+        current.turn_spans.append((turn.turn_index, start, len(current.token_ids)))
+    return segments

@@ -1,0 +1,137 @@
+"""The typed configuration of a Flywheel deployment, one section per concern.
+
+Names follow AReaL where it has one (`rollout.max_head_offpolicyness`,
+`rollout.max_concurrent_rollouts`, `actor.use_decoupled_loss`, `actor.recompute_logprobs`,
+`actor.eps_clip`, `actor.behav_imp_weight_cap`, `gconfig.n_samples`, ...). Every section forbids
+unknown keys, so a typo is an error that names the key rather than a silently ignored setting.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+
+class Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class BusConfig(Section):
+    url: str = "embedded"
+    """`embedded` starts a private nats-server under `run_dir/nats`; otherwise a NATS URL."""
+
+
+class ServeConfig(Section):
+    host: str = "127.0.0.1"
+    port: int = Field(8000, ge=0, le=65535)
+    """0 picks a free port (the chosen one is written to `run_dir/serve.url`)."""
+    served_model_name: str | None = None
+    """The model id clients use; defaults to the `model` setting."""
+    max_batch_size: int = Field(32, ge=1)
+    """Most sequences the engine decodes together."""
+    max_new_tokens: int = Field(1024, ge=1)
+    """Upper bound on a request's `max_tokens`."""
+    default_max_new_tokens: int = Field(256, ge=1)
+    """Used when a request does not say."""
+    publish_queue_size: int = Field(10_000, ge=1)
+    """Finished turns waiting to be published, off the response path."""
+    torch_threads: int = Field(1, ge=1)
+
+
+class CollectConfig(Section):
+    idle_timeout_s: float = Field(600.0, gt=0)
+    """A session with no traffic for this long is closed and emitted."""
+
+
+class GenerationConfig(Section):
+    """How the rollout driver samples (AReaL's `gconfig`)."""
+
+    n_samples: int = Field(4, ge=1)
+    """Samples per prompt: the group that advantages are normalised over."""
+    max_new_tokens: int = Field(32, ge=1)
+    temperature: float = Field(1.0, ge=0.0)
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+
+
+class RolloutConfig(Section):
+    enabled: bool = True
+    """Run the rollout driver (offline RL / environment traffic); off for live traffic only."""
+    env: str = "digits"
+    """Task source, by name (see `envs.make_env`)."""
+    endpoint: str | None = None
+    """OpenAI-compatible base URL to send rollouts to; default: this deployment's serve loop."""
+    max_head_offpolicyness: int = Field(4, ge=0)
+    """η: rollouts may start only while (accepted + running) < (η + version + 1) · batch size;
+    the trainer also drops samples whose oldest token is more than η versions old."""
+    max_concurrent_rollouts: int = Field(32, ge=1)
+
+
+class OptimizerConfig(Section):
+    lr: float = Field(1e-3, gt=0)
+    weight_decay: float = Field(0.0, ge=0)
+    betas: tuple[float, float] = (0.9, 0.999)
+    max_grad_norm: float = Field(1.0, gt=0)
+
+
+class ActorConfig(Section):
+    """The policy being trained and its objective (decoupled PPO, see DESIGN.md)."""
+
+    optimizer: OptimizerConfig = OptimizerConfig()
+    eps_clip: float = Field(0.2, gt=0)
+    behav_imp_weight_cap: float | None = Field(5.0, gt=1.0)
+    """Cap on π_prox/π_behav; tokens above it are masked out of the loss. None: no cap."""
+    use_decoupled_loss: bool = True
+    recompute_logprobs: bool = True
+    """Recompute π_prox with one no-grad pass at the start of each step."""
+    temperature: float = Field(1.0, gt=0)
+    """Logits are divided by this before log-probabilities, matching how rollouts sampled."""
+
+    @model_validator(mode="after")
+    def _decoupled_needs_recompute(self) -> "ActorConfig":
+        if self.use_decoupled_loss and not self.recompute_logprobs:
+            raise ValueError(
+                "actor.use_decoupled_loss=true requires actor.recompute_logprobs=true "
+                "(the proximal policy's logprobs must be recomputed)"
+            )
+        return self
+
+
+class TrainConfig(Section):
+    batch_size: int = Field(32, ge=1)
+    """Samples per optimizer step (B in the staleness bound)."""
+    max_steps: int | None = Field(None, ge=1)
+    """Stop training after this many steps; None trains as long as samples come."""
+    weight_update_interval: int = Field(1, ge=1)
+    """Publish weights to the store and announce them every this many steps."""
+    keep_versions: int = Field(3, ge=1)
+    """Weight versions kept in the store."""
+    torch_threads: int = Field(1, ge=1)
+
+
+class JudgeConfig(Section):
+    kind: Literal["rule"] = "rule"
+
+
+class DeployConfig(Section):
+    ray_address: str | None = None
+    """None starts a local Ray; otherwise the address of an existing cluster (`auto`, `ray://…`)."""
+    num_cpus: int | None = Field(None, ge=1)
+    """CPUs for a local Ray (default: all)."""
+
+
+class FlywheelConfig(Section):
+    run_dir: str = "runs/local"
+    """Where a run keeps its bus data, weight store, logs and metrics."""
+    model: str = "tiny"
+    """`tiny`, `smollm2-135m`, or a local Hugging Face model directory."""
+    seed: int = 0
+    bus: BusConfig = BusConfig()
+    serve: ServeConfig = ServeConfig()
+    collect: CollectConfig = CollectConfig()
+    judge: JudgeConfig = JudgeConfig()
+    gconfig: GenerationConfig = GenerationConfig()
+    rollout: RolloutConfig = RolloutConfig()
+    actor: ActorConfig = ActorConfig()
+    train: TrainConfig = TrainConfig()
+    deploy: DeployConfig = DeployConfig()

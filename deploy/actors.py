@@ -1,0 +1,49 @@
+"""Each loop as a Ray actor: one generic async actor that builds, starts, reports and stops a loop.
+
+The actors hold no CPU reservation (`num_cpus=0`): they are long-lived services, and fractional
+reservations on a small machine can starve Ray's own tasks (see machine-notes). Loop classes are
+imported inside the actor, so a process only loads what its loop needs (collect and judge never
+import torch).
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+from typing import Any
+
+import ray
+
+LOOPS = {
+    "serve": "serve.loop:ServeLoop",
+    "collect": "collect.loop:CollectLoop",
+    "rollout": "collect.rollout:RolloutDriver",
+    "judge": "judge.loop:JudgeLoop",
+    "train": "train.loop:TrainLoop",
+}
+
+
+def loop_class(kind: str) -> type:
+    module, _, name = LOOPS[kind].partition(":")
+    return getattr(importlib.import_module(module), name)
+
+
+@ray.remote(num_cpus=0, max_concurrency=16)
+class LoopActor:
+    """Hosts one loop (`kind` in LOOPS) on the actor's event loop."""
+
+    def __init__(self, kind: str, config: dict[str, Any], bus_url: str):
+        from config import FlywheelConfig
+
+        logging.basicConfig(level=logging.INFO, format=f"%(asctime)s {kind} %(name)s %(levelname)s %(message)s")
+        self.kind = kind
+        self.loop = loop_class(kind)(FlywheelConfig.model_validate(config), bus_url)
+
+    async def start(self) -> Any:
+        return await self.loop.start()
+
+    async def stats(self) -> dict[str, Any]:
+        return self.loop.stats()
+
+    async def stop(self) -> None:
+        await self.loop.stop()

@@ -1,0 +1,116 @@
+"""A running Flywheel: the bus plus the loops hosted as Ray actors.
+
+    with Deployment(config) as deployment:
+        deployment.stats()   # every loop's counters
+
+Starting: the bus (an embedded nats-server unless `bus.url` names one), Ray (local unless
+`deploy.ray_address` names a cluster), then serve, collect, judge, train and, when
+`rollout.enabled`, the rollout driver pointed at serve's URL. Stopping reverses that and leaves
+no process behind: every loop is stopped, its actor killed, a Ray this deployment started is
+shut down, and an embedded nats-server is terminated.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+from typing import Any
+
+import ray
+
+from bus.embedded import EmbeddedNats, start_bus
+from config import FlywheelConfig, dump_config
+from deploy.actors import LoopActor
+
+log = logging.getLogger(__name__)
+
+RAY_ENV = {
+    "RAY_USAGE_STATS_ENABLED": "0",
+    "RAY_AUTH_MODE": "disabled",
+    "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",
+}
+CALL_TIMEOUT_S = 300.0
+
+
+class Deployment:
+    def __init__(self, config: FlywheelConfig):
+        self.config = config
+        self.bus_url: str | None = None
+        self.serve_url: str | None = None
+        self.actors: dict[str, Any] = {}
+        self._nats: EmbeddedNats | None = None
+        self._owns_ray = False
+
+    def start(self) -> "Deployment":
+        try:
+            self._start()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def _start(self) -> None:
+        run_dir = Path(self.config.run_dir)
+        run_dir.mkdir(parents=True, exist_ok=True)
+        (run_dir / "config.yaml").write_text(dump_config(self.config))
+        self.bus_url, self._nats = start_bus(self.config.bus.url, run_dir)
+        if not ray.is_initialized():
+            for key, value in RAY_ENV.items():
+                os.environ.setdefault(key, value)
+            ray.init(
+                address=self.config.deploy.ray_address,
+                num_cpus=self.config.deploy.num_cpus,
+                include_dashboard=False,
+                log_to_driver=False,
+            )
+            self._owns_ray = self.config.deploy.ray_address is None
+        self.serve_url = self._launch("serve", self.config)
+        for kind in ("collect", "judge", "train"):
+            self._launch(kind, self.config)
+        if self.config.rollout.enabled:
+            rollout = self.config.model_copy(deep=True)
+            rollout.rollout.endpoint = self.config.rollout.endpoint or self.serve_url
+            self._launch("rollout", rollout)
+
+    def _launch(self, kind: str, config: FlywheelConfig) -> Any:
+        actor = LoopActor.options(name=f"flywheel-{kind}-{os.getpid()}").remote(
+            kind, config.model_dump(mode="json"), self.bus_url
+        )
+        self.actors[kind] = actor
+        return ray.get(actor.start.remote(), timeout=CALL_TIMEOUT_S)
+
+    def stats(self, timeout_s: float = 10.0) -> dict[str, dict[str, Any]]:
+        """Each loop's counters; a loop that does not answer reports its error."""
+        refs = {kind: actor.stats.remote() for kind, actor in self.actors.items()}
+        out: dict[str, dict[str, Any]] = {}
+        for kind, ref in refs.items():
+            try:
+                out[kind] = ray.get(ref, timeout=timeout_s)
+            except Exception as exc:
+                out[kind] = {"error": f"{type(exc).__name__}: {exc}"}
+        return out
+
+    def stop(self) -> None:
+        # Traffic sources first, then the loops downstream of them.
+        for kind in ("rollout", "serve", "collect", "judge", "train"):
+            actor = self.actors.pop(kind, None)
+            if actor is None:
+                continue
+            try:
+                ray.get(actor.stop.remote(), timeout=30)
+            except Exception as exc:
+                log.warning("%s did not stop cleanly: %s", kind, exc)
+            ray.kill(actor)
+        if self._owns_ray and ray.is_initialized():
+            ray.shutdown()
+            self._owns_ray = False
+        if self._nats is not None:
+            self._nats.stop()
+            self._nats = None
+
+    def __enter__(self) -> "Deployment":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()

@@ -1,0 +1,1 @@
+"""The judge loop: process-reward judges turning trajectories into scored samples."""

@@ -1,0 +1,1 @@
+"""The serve loop: OpenAI-compatible gateway, embedded engine, turn recording, hot weight swaps."""

@@ -1,0 +1,104 @@
+"""Per-request sampling parameters (SGLang's `sampling_params`) and the batched sampler.
+
+The behaviour log-probability recorded for a token is log softmax(logits / temperature) at that
+token: the distribution the token was drawn from before top-p/top-k truncation, which is what
+the trainer recomputes with `actor.temperature` equal to the rollout temperature. With
+temperature 0 (greedy) it is the plain log softmax.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+import torch
+
+TOP_K_ALL = 1 << 30  # SGLang's "no top-k" value
+
+
+class SamplingParams(msgspec.Struct, kw_only=True, forbid_unknown_fields=False):
+    """The subset of SGLang's `SamplingParams` the embedded engine implements."""
+
+    max_new_tokens: int = 128
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = TOP_K_ALL
+    min_new_tokens: int = 0
+    stop: list[str] = msgspec.field(default_factory=list)
+    stop_token_ids: list[int] = msgspec.field(default_factory=list)
+    ignore_eos: bool = False
+    skip_special_tokens: bool = True
+    no_stop_trim: bool = False
+    sampling_seed: int | None = None
+
+    def validate(self) -> None:
+        """Raise ValueError naming the parameter if a value is out of range."""
+        if self.max_new_tokens < 0:
+            raise ValueError("sampling_params.max_new_tokens must be >= 0")
+        if self.temperature < 0:
+            raise ValueError("sampling_params.temperature must be >= 0")
+        if not 0 < self.top_p <= 1:
+            raise ValueError("sampling_params.top_p must be in (0, 1]")
+        if self.top_k == -1:
+            self.top_k = TOP_K_ALL
+        if self.top_k < 1:
+            raise ValueError("sampling_params.top_k must be >= 1 or -1")
+        if self.min_new_tokens < 0:
+            raise ValueError("sampling_params.min_new_tokens must be >= 0")
+
+    @classmethod
+    def from_dict(cls, raw: dict[str, Any] | None) -> "SamplingParams":
+        raw = dict(raw or {})
+        if isinstance(raw.get("stop"), str):
+            raw["stop"] = [raw["stop"]]
+        if raw.get("stop") is None:
+            raw.pop("stop", None)
+        if raw.get("stop_token_ids") is None:
+            raw.pop("stop_token_ids", None)
+        if raw.get("top_k") == "all":
+            raw["top_k"] = TOP_K_ALL
+        params = msgspec.convert(raw, cls)
+        params.validate()
+        return params
+
+
+def sample(
+    logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Draw one token per row of `logits` [B, V]; returns (token ids [B], behaviour logprobs [B])."""
+    logits = logits.float()
+    temps = torch.tensor([p.temperature for p in params], dtype=torch.float32)
+    greedy = temps == 0
+    scaled = logits / torch.where(greedy, torch.ones_like(temps), temps).unsqueeze(1)
+    logprobs = torch.log_softmax(scaled, dim=-1)
+
+    filtered = _truncate(scaled, params)
+    probs = torch.softmax(filtered, dim=-1)
+    tokens = torch.empty(len(params), dtype=torch.long)
+    shared_rows = [i for i, g in enumerate(generators) if g is None and not greedy[i]]
+    if shared_rows:
+        tokens[shared_rows] = torch.multinomial(probs[shared_rows], 1).squeeze(1)
+    for i, generator in enumerate(generators):
+        if generator is not None and not greedy[i]:
+            tokens[i] = torch.multinomial(probs[i], 1, generator=generator).item()
+    if greedy.any():
+        tokens[greedy] = logits[greedy].argmax(dim=-1)
+    return tokens, logprobs.gather(1, tokens.unsqueeze(1)).squeeze(1)
+
+
+def _truncate(scaled: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """Apply each row's top-k and top-p by setting excluded logits to -inf."""
+    need_k = [p.top_k < scaled.shape[1] for p in params]
+    need_p = [p.top_p < 1.0 for p in params]
+    if not any(need_k) and not any(need_p):
+        return scaled
+    sorted_logits, order = scaled.sort(dim=-1, descending=True)
+    ranks = torch.arange(scaled.shape[1]).unsqueeze(0)
+    top_k = torch.tensor([min(p.top_k, scaled.shape[1]) for p in params]).unsqueeze(1)
+    drop = ranks >= top_k
+    top_p = torch.tensor([p.top_p for p in params]).unsqueeze(1)
+    cumulative = torch.softmax(sorted_logits, dim=-1).cumsum(dim=-1)
+    # Keep the smallest prefix whose mass reaches top_p (the first token is always kept).
+    drop |= (cumulative - torch.softmax(sorted_logits, dim=-1)) >= top_p
+    sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+    return torch.empty_like(scaled).scatter_(1, order, sorted_logits)

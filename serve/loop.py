@@ -1,0 +1,111 @@
+"""The serve loop: the embedded engine, the gateway on HTTP, turn recording, and hot swaps.
+
+Weight announcements are followed from the bus (starting with the newest one, so a restarted
+server comes back on the current policy) and handed to the engine, which loads them between
+batches while the gateway keeps answering.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from pathlib import Path
+from typing import Any
+
+import torch
+import uvicorn
+
+from bus import WEIGHTS_SUBJECT, Bus, WeightUpdate
+from config import FlywheelConfig
+from models import load_model, load_weights
+from serve.engine import Engine
+from serve.engine_client import InProcessEngineClient
+from serve.gateway import GatewayLimits, create_gateway
+from serve.recorder import Recorder
+
+log = logging.getLogger(__name__)
+
+URL_FILE = "serve.url"
+
+
+class ServeLoop:
+    def __init__(self, config: FlywheelConfig, bus_url: str):
+        self.config = config
+        self.bus_url = bus_url
+        self.url: str | None = None
+        self.swaps = 0
+        self._tasks: list[asyncio.Task] = []
+
+    async def start(self) -> str:
+        """Load the model, start serving; returns the gateway's base URL."""
+        cfg = self.config.serve
+        torch.set_num_threads(cfg.torch_threads)
+        model, tokenizer = await asyncio.to_thread(load_model, self.config.model)
+        self.engine = Engine(
+            model, tokenizer, max_batch_size=cfg.max_batch_size, load_weights=load_weights
+        ).start()
+        self.client = InProcessEngineClient(self.engine)
+        self.bus = await Bus.connect(self.bus_url, name="serve")
+        self.recorder = Recorder(self.bus, cfg.publish_queue_size)
+        limits = GatewayLimits(cfg.max_new_tokens, cfg.default_max_new_tokens, self.engine.context_length)
+        self.app = create_gateway(self.client, tokenizer, self.recorder, self.model_name, limits)
+        self._server = uvicorn.Server(
+            uvicorn.Config(self.app, host=cfg.host, port=cfg.port, log_level="warning", lifespan="off")
+        )
+        self._tasks = [
+            asyncio.create_task(self.recorder.run(), name="recorder"),
+            asyncio.create_task(self._follow_weights(), name="weights"),
+            asyncio.create_task(self._server.serve(), name="http"),
+        ]
+        while not self._server.started:
+            if self._tasks[2].done():
+                self._tasks[2].result()  # raises the reason it could not start
+            await asyncio.sleep(0.01)
+        port = self._server.servers[0].sockets[0].getsockname()[1]
+        self.url = f"http://{cfg.host}:{port}"
+        run_dir = Path(self.config.run_dir)
+        run_dir.mkdir(parents=True, exist_ok=True)
+        (run_dir / URL_FILE).write_text(self.url + "\n")
+        log.info("serving %s at %s", self.model_name, self.url)
+        return self.url
+
+    @property
+    def model_name(self) -> str:
+        return self.config.serve.served_model_name or self.config.model
+
+    async def _follow_weights(self) -> None:
+        async for update in self.bus.follow(WEIGHTS_SUBJECT):
+            assert isinstance(update, WeightUpdate)
+            if update.version <= self.client.weight_version:
+                continue
+            try:
+                await self.client.update_weights_from_disk(update.path, update.version)
+                self.swaps += 1
+            except Exception:
+                log.exception("could not load weights v%d from %s", update.version, update.path)
+
+    async def stop(self) -> None:
+        self._server.should_exit = True
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(self._tasks[2], 10)
+        with contextlib.suppress(Exception):
+            await self.recorder.flush(timeout_s=5)
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        self.engine.stop()
+        await self.bus.close()
+
+    def stats(self) -> dict[str, Any]:
+        gateway = self.app.state.stats
+        return {
+            "url": self.url,
+            "version": self.engine.version,
+            "requests": gateway.requests,
+            "turns": gateway.turns,
+            "published": self.recorder.published,
+            "dropped": self.recorder.dropped,
+            "swaps": self.swaps,
+            "engine": dict(self.engine.stats),
+        }

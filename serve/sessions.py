@@ -1,0 +1,63 @@
+"""Which session a request belongs to, and the session signals clients send.
+
+Session id: the `X-Session-Id` header, else `metadata.session_id`, else `user`; a request with
+none of these is a one-turn session of its own (still recorded and trainable: an unpatched
+client must never silently produce nothing). `X-Turn-Type: side` marks turns that are served but
+not trained; `X-Session-Done: true` ends the session with this turn; `X-Task-Id` (or
+`metadata.task_id`) groups sessions of one task, e.g. the samples of one prompt.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from serve.errors import APIError
+
+_TRUE = {"1", "true", "yes"}
+_FALSE = {"0", "false", "no", ""}
+
+
+@dataclass(frozen=True)
+class SessionInfo:
+    session_id: str
+    turn_type: str
+    task_id: str | None
+    done: bool
+
+
+def session_of(headers: Mapping[str, str], metadata: dict[str, str] | None, user: str | None) -> SessionInfo:
+    metadata = metadata or {}
+    session_id = headers.get("x-session-id") or metadata.get("session_id") or user
+    anonymous = not session_id
+    turn_type = headers.get("x-turn-type", "main").strip().lower()
+    if turn_type not in ("main", "side"):
+        raise APIError(400, "X-Turn-Type must be 'main' or 'side'", param="X-Turn-Type")
+    done_header = headers.get("x-session-done", "").strip().lower()
+    if done_header not in _TRUE | _FALSE:
+        raise APIError(400, "X-Session-Done must be 'true' or 'false'", param="X-Session-Done")
+    return SessionInfo(
+        session_id=session_id or f"anon-{uuid.uuid4().hex}",
+        turn_type=turn_type,
+        task_id=headers.get("x-task-id") or metadata.get("task_id"),
+        done=anonymous or done_header in _TRUE,
+    )
+
+
+class FeedbackRequest(BaseModel):
+    """Body of `POST /v1/sessions/{id}/feedback`."""
+
+    model_config = ConfigDict(extra="forbid")
+    reward: float | None = Field(None, allow_inf_nan=False)
+    turn_index: int | None = Field(None, ge=0)
+    """The turn the feedback is about; omitted means the whole session."""
+    text: str | None = None
+    source: str = Field("user", min_length=1, max_length=64)
+
+    @model_validator(mode="after")
+    def _says_something(self) -> "FeedbackRequest":
+        if self.reward is None and not self.text:
+            raise ValueError("feedback needs a reward or a text")
+        return self

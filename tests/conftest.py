@@ -1,0 +1,54 @@
+"""Shared fixtures: a private NATS server per test, one Ray session, the tiny model."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+os.environ.setdefault("FLYWHEEL_CACHE", str(ROOT / ".cache" / "flywheel"))
+os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+@pytest.fixture
+def nats_server(tmp_path):
+    """A fresh embedded nats-server with JetStream (a new one per test: no shared state)."""
+    from bus import EmbeddedNats
+
+    with EmbeddedNats(tmp_path / "nats") as server:
+        yield server
+
+
+@pytest.fixture
+def nats_url(nats_server) -> str:
+    return nats_server.url
+
+
+@pytest.fixture
+async def bus(nats_url):
+    from bus import Bus
+
+    connection = await Bus.connect(nats_url, name="test")
+    yield connection
+    await connection.close()
+
+
+@pytest.fixture(scope="session")
+def tiny_path() -> Path:
+    from models import resolve_model
+
+    return resolve_model("tiny")
+
+
+@pytest.fixture(scope="session")
+def ray_session():
+    import ray
+
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    yield ray
+    ray.shutdown()

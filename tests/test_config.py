@@ -1,0 +1,73 @@
+"""Config: YAML plus overrides, and errors that name the key."""
+
+import pytest
+
+from config import ConfigError, dump_config, load_config, parse_overrides
+
+
+def test_defaults_yaml_and_overrides_compose(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("model: tiny\ntrain:\n  batch_size: 8\nactor:\n  optimizer:\n    lr: 0.01\n")
+    config = load_config(path, ["train.batch_size=16", "rollout.max_head_offpolicyness=0", "deploy.ray_address=null"])
+    assert config.train.batch_size == 16
+    assert config.actor.optimizer.lr == 0.01
+    assert config.rollout.max_head_offpolicyness == 0
+    assert config.deploy.ray_address is None
+    assert config.serve.port == 8000  # untouched default
+    assert load_config(None, []).model == "tiny"
+
+
+def test_dumped_config_loads_back_identically(tmp_path):
+    config = load_config(None, ["train.batch_size=7", "actor.behav_imp_weight_cap=null"])
+    path = tmp_path / "dump.yaml"
+    path.write_text(dump_config(config))
+    assert load_config(path) == config
+
+
+def test_shipped_configs_are_valid():
+    from pathlib import Path
+
+    for path in Path("deploy/configs").glob("*.yaml"):
+        load_config(path)
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (["actor.use_decoupled_loss=true", "actor.recompute_logprobs=false"],
+         "actor.use_decoupled_loss=true requires actor.recompute_logprobs=true"),
+        (["actor.eps_clip=-1"], "actor.eps_clip: "),
+        (["serve.prot=1"], "serve.prot: unknown key"),
+        (["train.batch_size=many"], "train.batch_size: "),
+        (["rollout.max_head_offpolicyness=-1"], "rollout.max_head_offpolicyness: "),
+        (["nosuchsection.x=1"], "nosuchsection: unknown key"),
+        (["train=3"], "train: "),
+        (["novalue"], "expected key=value"),
+    ],
+)
+def test_errors_name_the_key(overrides, message):
+    with pytest.raises(ConfigError) as err:
+        load_config(None, overrides)
+    assert message in str(err.value)
+
+
+def test_file_errors_are_config_errors(tmp_path):
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_config(tmp_path / "missing.yaml")
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("- a list\n- not a mapping\n")
+    with pytest.raises(ConfigError, match="mapping"):
+        load_config(bad)
+    bad.write_text("train: {batch_size: [unclosed\n")
+    with pytest.raises(ConfigError, match="not valid YAML"):
+        load_config(bad)
+
+
+def test_override_values_parse_as_yaml():
+    assert parse_overrides(["a.b=1", "a.c=true", "d=0.5", "e=[1, 2]", "f=text", "g="]) == {
+        "a": {"b": 1, "c": True}, "d": 0.5, "e": [1, 2], "f": "text", "g": ""
+    }
+
+
+def test_exponent_floats_coerce_for_float_keys():
+    assert load_config(None, ["actor.optimizer.lr=3e-4"]).actor.optimizer.lr == 3e-4

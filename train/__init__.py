@@ -1,0 +1,1 @@
+"""The train loop: decoupled PPO on scored samples, publishing new weight versions."""
