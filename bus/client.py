@@ -172,4 +172,7 @@ class Bus:
         """Close the connection. Publishes are acknowledged before `publish` returns, so there is
         nothing to drain (draining would wait on consumers' outstanding pull requests)."""
         if not self.nc.is_closed:
-            await self.nc.close()
+            try:
+                await self.nc.close()
+            except ConnectionError:  # the server went first; nothing left to close cleanly
+                pass

@@ -64,7 +64,9 @@ class EmbeddedNats:
             "-l", str(self.data_dir / "nats-server.log"),
         ]
         preexec = _die_with_parent if sys.platform.startswith("linux") else None
-        self._proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, preexec_fn=preexec)
+        # Its own session: a Ctrl-C in the terminal reaches the process that owns the run, which
+        # stops the loops before the bus; the death signal covers an owner that dies abruptly.
+        self._proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, preexec_fn=preexec, start_new_session=True)
         ports_file = ports_dir / f"{Path(cmd[0]).name}_{self._proc.pid}.ports"
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:

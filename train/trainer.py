@@ -32,7 +32,8 @@ class Trainer:
         logits = logits[:, :-1].float() / self.actor.temperature
         logp_all = torch.log_softmax(logits, dim=-1)
         logp = logp_all.gather(2, batch.input_ids[:, 1:].unsqueeze(2)).squeeze(2)
-        entropy = -(logp_all.exp() * logp_all).sum(-1)
+        with torch.no_grad():
+            entropy = -(logp_all.exp() * logp_all).sum(-1)
         pad = torch.zeros((logp.shape[0], 1), dtype=logp.dtype)
         return torch.cat([pad, logp], dim=1), torch.cat([pad, entropy], dim=1)
 
@@ -60,7 +61,7 @@ class Trainer:
         self.step_count += 1
         mask = batch.loss_mask
         return {
-            "loss": float(loss),
+            "loss": float(loss.detach()),
             "grad_norm": float(grad_norm) if math.isfinite(float(grad_norm)) else None,
             "entropy": float((entropy * mask).sum() / mask.sum().clamp(min=1)),
             "clip_fraction": stats.clip_fraction,

@@ -1,0 +1,92 @@
+"""Where built models live, and how directories are written so nobody sees half of one.
+
+Everything Flywheel builds or converts (the tiny test model, the SmolLM2 import) is cached under
+`cache_root()`. Directories are always written into a temporary sibling first and then renamed
+into place with one `os.rename`, which is atomic on POSIX file systems: concurrent processes
+building the same thing race harmlessly, and a reader sees either no directory or a complete one.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+TMP_PREFIX = ".tmp-"
+
+
+def cache_root() -> Path:
+    """`$FLYWHEEL_CACHE` if set, else `~/.cache/flywheel`."""
+    env = os.environ.get("FLYWHEEL_CACHE")
+    return Path(env).expanduser() if env else Path.home() / ".cache" / "flywheel"
+
+
+def fsync_tree(path: Path) -> None:
+    """Flush every file under `path`, then the directories themselves, to disk."""
+    dirs = [path]
+    for entry in sorted(path.rglob("*")):
+        if entry.is_dir():
+            dirs.append(entry)
+        elif entry.is_file():
+            with open(entry, "rb") as f:
+                os.fsync(f.fileno())
+    for d in dirs:
+        _fsync_dir(d)
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+@contextmanager
+def atomic_directory(dest: Path) -> Iterator[Path]:
+    """Yield an empty temporary sibling of `dest`; on a clean exit, rename it to `dest`.
+
+    The temporary directory is `dest.parent/.tmp-<dest.name>-<random>`. Its files are fsynced before
+    the rename. If the block raises, or `dest` already exists when the block ends, the temporary
+    directory is removed; the latter raises `FileExistsError`.
+    """
+    dest = Path(dest)
+    if dest.exists():
+        raise FileExistsError(f"{dest} already exists")
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f"{TMP_PREFIX}{dest.name}-", dir=dest.parent))
+    tmp.chmod(0o755)  # mkdtemp's 0700 would hide the result from other users (e.g. an engine's)
+    try:
+        yield tmp
+        fsync_tree(tmp)
+        try:
+            os.rename(tmp, dest)
+        except OSError as e:
+            if dest.exists():
+                raise FileExistsError(f"{dest} already exists") from e
+            raise
+        _fsync_dir(dest.parent)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def cached_build(name: str, build: Callable[[Path], None]) -> Path:
+    """Return `cache_root()/name`, calling `build(tmp_dir)` to create it the first time.
+
+    `build` fills an empty temporary directory; it is renamed into place when `build` returns. If
+    another process finished the same build first, this one's output is discarded and theirs is
+    returned.
+    """
+    dest = cache_root() / name
+    if dest.is_dir():
+        return dest
+    try:
+        with atomic_directory(dest) as tmp:
+            build(tmp)
+    except FileExistsError:
+        if not dest.is_dir():
+            raise
+    return dest

@@ -1,0 +1,153 @@
+"""The serve loop over real HTTP with the official openai client: completions, recorded turns
+with exact tokens, session signals, OpenAI-shaped errors, and hot swaps from the bus."""
+
+import asyncio
+
+import httpx
+import openai
+import pytest
+
+from bus import TRAFFIC_SUBJECTS, WEIGHTS_SUBJECT, SessionEvent, Turn, WeightUpdate
+from config import load_config
+from models import WeightStore, load_model
+from serve.loop import ServeLoop
+
+
+@pytest.fixture
+async def served(nats_url, tmp_path):
+    config = load_config(None, [f"run_dir={tmp_path}", "serve.port=0", "serve.max_new_tokens=64"])
+    loop = ServeLoop(config, nats_url)
+    await loop.start()
+    yield loop
+    await loop.stop()
+
+
+@pytest.fixture
+def client(served):
+    return openai.AsyncOpenAI(base_url=f"{served.url}/v1", api_key="unused", max_retries=0)
+
+
+async def records(bus, n: int, durable: str = "check") -> list:
+    consumer = bus.consumer(TRAFFIC_SUBJECTS, durable)
+    out = []
+    for _ in range(100):
+        out += [d.record for d in await consumer.fetch(timeout_s=0.2)]
+        if len(out) >= n:
+            break
+    return out
+
+
+async def test_chat_completion_is_recorded_with_exact_tokens(served, client, bus):
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Write some digits."}]
+    reply = await client.chat.completions.create(
+        model="tiny", messages=messages, max_tokens=12, temperature=0.8, seed=7,
+        extra_headers={"X-Session-Id": "sess-1", "X-Task-Id": "task-9"},
+    )
+    choice = reply.choices[0]
+    assert choice.message.role == "assistant" and choice.finish_reason in ("stop", "length")
+    assert reply.system_fingerprint == "flywheel-v0" and reply.model == "tiny"
+    [turn] = await records(bus, 1)
+    assert isinstance(turn, Turn)
+    tokenizer = served.engine.tokenizer
+    rendered = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    assert turn.prompt_ids == tokenizer.encode(rendered, add_special_tokens=False)
+    assert tokenizer.decode(turn.output_ids, skip_special_tokens=True) == choice.message.content
+    assert len(turn.output_ids) == len(turn.output_logprobs) == len(turn.output_versions) == reply.usage.completion_tokens
+    assert reply.usage.prompt_tokens == len(turn.prompt_ids)
+    assert turn.session_id == "sess-1" and turn.task_id == "task-9" and turn.turn_type == "main"
+    assert turn.turn_index == 0 and not turn.session_done
+    assert turn.sampling["temperature"] == 0.8 and turn.sampling["sampling_seed"] == 7
+    assert turn.response == {"role": "assistant", "content": choice.message.content}
+
+
+async def test_session_ids_fall_back_and_anonymous_requests_are_one_turn_sessions(served, client, bus):
+    base = dict(model="tiny", max_tokens=2, messages=[{"role": "user", "content": "hi"}])
+    await client.chat.completions.create(**base, metadata={"session_id": "from-metadata"})
+    await client.chat.completions.create(**base, user="from-user")
+    await client.chat.completions.create(**base)
+    await client.chat.completions.create(**base, extra_headers={"X-Session-Id": "s", "X-Turn-Type": "side", "X-Session-Done": "true"})
+    turns = await records(bus, 4)
+    assert [t.session_id for t in turns[:2]] == ["from-metadata", "from-user"]
+    assert turns[2].session_id.startswith("anon-") and turns[2].session_done
+    assert not turns[0].session_done and not turns[1].session_done
+    assert turns[3].turn_type == "side" and turns[3].session_done
+
+
+async def test_feedback_and_end_become_session_events(served, bus):
+    async with httpx.AsyncClient(base_url=served.url) as http:
+        ok = await http.post("/v1/sessions/s1/feedback", json={"reward": 0.5, "turn_index": 2, "text": "good", "source": "env"})
+        assert ok.status_code == 200 and ok.json()["kind"] == "feedback"
+        assert (await http.post("/v1/sessions/s1/end")).status_code == 200
+        bad = await http.post("/v1/sessions/s1/feedback", json={})
+        assert bad.status_code == 400 and "reward or a text" in bad.json()["error"]["message"]
+        bad = await http.post("/v1/sessions/s1/feedback", json={"reward": "lots"})
+        assert bad.status_code == 400 and bad.json()["error"]["param"] == "reward"
+    feedback, end = await records(bus, 2)
+    assert isinstance(feedback, SessionEvent) and feedback.reward == 0.5 and feedback.turn_index == 2
+    assert feedback.text == "good" and feedback.source == "env"
+    assert end.kind == "end" and end.session_id == "s1"
+
+
+async def test_models_and_health(served, client):
+    models = await client.models.list()
+    assert [m.id for m in models.data] == ["tiny"]
+    async with httpx.AsyncClient(base_url=served.url) as http:
+        assert (await http.get("/health")).json() == {"status": "ok", "weight_version": 0}
+
+
+@pytest.mark.parametrize("body, status, fragment", [
+    ({"model": "gpt-9", "messages": [{"role": "user", "content": "x"}]}, 404, "does not exist"),
+    ({"model": "tiny", "messages": []}, 400, "messages"),
+    ({"model": "tiny", "messages": [{"role": "wizard", "content": "x"}]}, 400, "role"),
+    ({"model": "tiny", "messages": [{"role": "user"}]}, 400, "needs content"),
+    ({"model": "tiny", "messages": [{"role": "user", "content": "x"}], "stream": True}, 400, "stream"),
+    ({"model": "tiny", "messages": [{"role": "user", "content": "x"}], "n": 3}, 400, "n=1"),
+    ({"model": "tiny", "messages": [{"role": "user", "content": "x"}], "logit_bias": {"1": 2}}, 400, "unsupported parameter: logit_bias"),
+    ({"model": "tiny", "messages": [{"role": "user", "content": "x"}], "max_tokens": 10**9}, 400, "limit"),
+    ({"model": "tiny", "messages": [{"role": "user", "content": "x"}], "temperature": "hot"}, 400, "temperature"),
+    ({"model": "tiny", "messages": [{"role": "user", "content": "word " * 3000}]}, 400, "context window"),
+    ({"messages": [{"role": "user", "content": "x"}]}, 400, "model"),
+])
+async def test_bad_requests_get_openai_errors(served, body, status, fragment):
+    async with httpx.AsyncClient(base_url=served.url) as http:
+        response = await http.post("/v1/chat/completions", json=body)
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert fragment in error["message"] and error["type"].endswith("error")
+
+
+async def test_malformed_bodies_and_headers(served):
+    async with httpx.AsyncClient(base_url=served.url) as http:
+        r = await http.post("/v1/chat/completions", content=b"{not json", headers={"content-type": "application/json"})
+        assert r.status_code == 400 and "JSON" in r.json()["error"]["message"]
+        r = await http.post("/v1/chat/completions", content=b"\xff\xfe\xfa", headers={"content-type": "application/json"})
+        assert r.status_code == 400
+        ok = {"model": "tiny", "messages": [{"role": "user", "content": "x"}], "max_tokens": 1}
+        r = await http.post("/v1/chat/completions", json=ok, headers={"X-Turn-Type": "sideways"})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "X-Turn-Type"
+        r = await http.post("/v1/chat/completions", json=ok)
+        assert r.status_code == 200
+
+
+async def test_sync_client_works_too(served):
+    def call():
+        with openai.OpenAI(base_url=f"{served.url}/v1", api_key="x", max_retries=0) as sync:
+            return sync.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=3)
+
+    reply = await asyncio.to_thread(call)
+    assert reply.usage.completion_tokens <= 3
+
+
+async def test_announced_weights_are_swapped_in_and_versions_recorded(served, client, bus, tmp_path):
+    model, _ = load_model("tiny")
+    path = WeightStore(tmp_path / "store").publish(model, 3)
+    await bus.publish(WEIGHTS_SUBJECT, WeightUpdate(id="w3", version=3, path=str(path), step=3))
+    for _ in range(200):
+        if served.engine.version == 3:
+            break
+        await asyncio.sleep(0.02)
+    reply = await client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=4)
+    assert reply.system_fingerprint == "flywheel-v3"
+    [turn] = await records(bus, 1)
+    assert turn.output_versions == [3] * len(turn.output_ids)
+    assert served.stats()["swaps"] == 1

@@ -1,0 +1,97 @@
+"""The trainer on the real tiny model: a step moves probability toward rewarded sampled tokens;
+the train loop filters stale samples, publishes weights and announces versions."""
+
+import asyncio
+import json
+import math
+
+import msgspec
+
+import pytest
+import torch
+
+from bus import SAMPLE_SUBJECT, WEIGHTS_SUBJECT, Sample, Trajectory
+from collect.stitch import stitch
+from config import load_config
+from models import load_model
+from serve.engine import Engine, SamplingParams
+from tests.test_records import make_turn
+from train.advantages import RunningBaseline, group_advantages
+from train.batch import build_batch
+from train.loop import TrainLoop
+from train.trainer import Trainer
+
+
+async def sampled_turns(n: int, version: int = 0) -> list:
+    """Real engine samples from the tiny model, as the gateway would record them."""
+    model, tokenizer = load_model("tiny")
+    engine = Engine(model, tokenizer).start()
+    try:
+        text = tokenizer.apply_chat_template([{"role": "user", "content": "Write some digits."}], add_generation_prompt=True, tokenize=False)
+        prompt = tokenizer.encode(text, add_special_tokens=False)
+        results = await asyncio.gather(*(engine.generate(prompt, SamplingParams(max_new_tokens=8, sampling_seed=i)) for i in range(n)))
+    finally:
+        engine.stop()
+    return [
+        make_turn(id=f"t{i}", session_id=f"s{i}", prompt_ids=r.prompt_ids, output_ids=r.output_ids,
+                  output_logprobs=r.logprobs, output_versions=[version] * len(r.output_ids), task_id="task")
+        for i, r in enumerate(results)
+    ]
+
+
+def sample_of(turn, reward: float, version: int | None = None) -> Sample:
+    if version is not None:
+        turn = msgspec.structs.replace(turn, output_versions=[version] * len(turn.output_ids))
+    traj = Trajectory(id=turn.session_id, session_id=turn.session_id, task_id=turn.task_id, segments=stitch([turn]), turns=[turn], close_reason="feedback")
+    return Sample(id=f"{turn.session_id}-{version}", trajectory=traj, reward=reward, judge="rule")
+
+
+async def test_a_step_raises_rewarded_and_lowers_unrewarded_sequences():
+    turns = await sampled_turns(2)
+    samples = [sample_of(turns[0], 1.0), sample_of(turns[1], 0.0)]
+    model, tokenizer = load_model("tiny")
+    trainer = Trainer(model, load_config(None, ["actor.optimizer.lr=0.01"]).actor)
+    advantages = group_advantages([1.0, 0.0], ["task", "task"], RunningBaseline())
+    batch = build_batch(samples, advantages, tokenizer.pad_token_id)
+    # Engine logprobs are the behaviour policy: they match the trainer's own before any step.
+    with torch.no_grad():
+        before, _ = trainer.token_logprobs(batch)
+    mask = batch.loss_mask.bool()
+    assert before[mask].tolist() == pytest.approx(batch.behav_logp[mask].tolist(), abs=2e-4)
+    metrics = trainer.step(batch)
+    with torch.no_grad():
+        after, _ = trainer.token_logprobs(batch)
+    gain = ((after - before) * batch.loss_mask).sum(dim=1)
+    assert gain[0] > 0 > gain[1]
+    assert metrics["tokens"] == int(batch.loss_mask.sum()) and math.isfinite(metrics["loss"])
+    assert metrics["behav_weight_max"] == pytest.approx(1.0, abs=1e-3)
+
+
+async def test_train_loop_publishes_versions_and_drops_stale_samples(bus, nats_url, tmp_path):
+    turns = await sampled_turns(4)
+    config = load_config(None, [f"run_dir={tmp_path}", "train.batch_size=2", "rollout.max_head_offpolicyness=0"])
+    loop = TrainLoop(config, nats_url)
+    await loop.start()
+    announcements = bus.follow(WEIGHTS_SUBJECT, from_last=False)
+    try:
+        for i, reward in ((0, 1.0), (1, 0.0)):
+            await bus.publish(SAMPLE_SUBJECT, sample_of(turns[i], reward, version=0))
+        first = await asyncio.wait_for(anext(announcements), 60)
+        assert first.version == 1 and (tmp_path / "weights" / "v1" / "model.safetensors").exists()
+        # Version 0 samples are now one version behind: with eta = 0 they must not be trained on.
+        for i in (2, 3):
+            await bus.publish(SAMPLE_SUBJECT, sample_of(turns[i], 1.0, version=0))
+        for i, reward in ((2, 1.0), (3, 0.5)):
+            await bus.publish(SAMPLE_SUBJECT, sample_of(turns[i], reward, version=1))
+        second = await asyncio.wait_for(anext(announcements), 60)
+        assert second.version == 2
+        assert loop.stats()["stale_dropped"] == 2 and loop.stats()["samples"] == 4
+        lines = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+        assert [line["step"] for line in lines] == [1, 2]
+        for key in ("version", "reward_mean", "staleness_max", "n_samples", "loss", "elapsed_s"):
+            assert key in lines[0]
+        assert lines[0]["reward_mean"] == 0.5 and lines[1]["reward_mean"] == 0.75
+        assert all(line["staleness_max"] == 0 for line in lines)
+    finally:
+        await announcements.aclose()
+        await loop.stop()
