@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import importlib
 import logging
 import signal
 import sys
@@ -28,6 +29,13 @@ class Loop(Protocol):
 
 
 LoopFactory = Callable[[FlywheelConfig, str], Loop]
+
+
+def import_object(spec: str) -> Any:
+    """`"package.module:Name"` -> the object, imported on demand (loops load torch; a config
+    error should be reported before that)."""
+    module, _, name = spec.partition(":")
+    return getattr(importlib.import_module(module), name)
 
 
 def config_parser(prog: str, description: str) -> argparse.ArgumentParser:
@@ -61,13 +69,14 @@ async def run_until_signalled(factory: LoopFactory, config: FlywheelConfig) -> N
 
 
 def loop_main(
-    factory: LoopFactory,
+    loop_spec: str,
     prog: str,
     description: str,
     argv: list[str] | None = None,
     flags: dict[str, tuple[str, type]] | None = None,
 ) -> int:
-    """Parse the command line, then run the loop until signalled.
+    """Parse and validate the command line, then import the loop (`"module:Class"`) and run it
+    until signalled.
 
     `flags` adds shortcuts for config keys: `{"--port": ("serve.port", int)}`.
     """
@@ -82,7 +91,7 @@ def loop_main(
     except ConfigError as exc:
         print(f"config error: {exc}", file=sys.stderr)
         return 2
-    asyncio.run(run_until_signalled(factory, config))
+    asyncio.run(run_until_signalled(import_object(loop_spec), config))
     return 0
 
 

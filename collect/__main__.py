@@ -1,7 +1,6 @@
 """`python -m collect`: the collect loop as a process of its own (session tracker: turns to trajectories)."""
 
 from bus.process import loop_main
-from collect.loop import CollectLoop
 
 if __name__ == "__main__":
-    raise SystemExit(loop_main(CollectLoop, "python -m collect", "session tracker: turns to trajectories"))
+    raise SystemExit(loop_main("collect.loop:CollectLoop", "python -m collect", "session tracker: turns to trajectories"))

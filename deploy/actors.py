@@ -8,11 +8,12 @@ import torch).
 
 from __future__ import annotations
 
-import importlib
 import logging
 from typing import Any
 
 import ray
+
+from bus.process import import_object
 
 LOOPS = {
     "serve": "serve.loop:ServeLoop",
@@ -21,11 +22,6 @@ LOOPS = {
     "judge": "judge.loop:JudgeLoop",
     "train": "train.loop:TrainLoop",
 }
-
-
-def loop_class(kind: str) -> type:
-    module, _, name = LOOPS[kind].partition(":")
-    return getattr(importlib.import_module(module), name)
 
 
 @ray.remote(num_cpus=0, max_concurrency=16)
@@ -37,7 +33,7 @@ class LoopActor:
 
         logging.basicConfig(level=logging.INFO, format=f"%(asctime)s {kind} %(name)s %(levelname)s %(message)s")
         self.kind = kind
-        self.loop = loop_class(kind)(FlywheelConfig.model_validate(config), bus_url)
+        self.loop = import_object(LOOPS[kind])(FlywheelConfig.model_validate(config), bus_url)
 
     async def start(self) -> Any:
         return await self.loop.start()

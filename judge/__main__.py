@@ -1,7 +1,6 @@
 """`python -m judge`: the judge loop as a process of its own (judge: trajectories to scored samples)."""
 
 from bus.process import loop_main
-from judge.loop import JudgeLoop
 
 if __name__ == "__main__":
-    raise SystemExit(loop_main(JudgeLoop, "python -m judge", "judge: trajectories to scored samples"))
+    raise SystemExit(loop_main("judge.loop:JudgeLoop", "python -m judge", "judge: trajectories to scored samples"))

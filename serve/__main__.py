@@ -1,9 +1,8 @@
 """`python -m serve --model tiny --port 8000`: the serve loop as a process of its own."""
 
 from bus.process import loop_main
-from serve.loop import ServeLoop
 
 FLAGS = {"--model": ("model", str), "--host": ("serve.host", str), "--port": ("serve.port", int)}
 
 if __name__ == "__main__":
-    raise SystemExit(loop_main(ServeLoop, "python -m serve", "OpenAI-compatible gateway over the embedded engine", flags=FLAGS))
+    raise SystemExit(loop_main("serve.loop:ServeLoop", "python -m serve", "OpenAI-compatible gateway over the embedded engine", flags=FLAGS))

@@ -3,12 +3,16 @@ and the reward of the random tiny model climbs; `deploy.up` stops cleanly on Ctr
 
 import asyncio
 import json
+import os
 import signal
 import subprocess
 import sys
+import tempfile
 import time
+from pathlib import Path
 from statistics import fmean
 
+import httpx
 import openai
 import psutil
 
@@ -59,8 +63,9 @@ def test_the_loop_closes_and_the_reward_rises(ray_session, tmp_path):
         client = openai.OpenAI(base_url=f"{deployment.serve_url}/v1", api_key="x", max_retries=0)
         reply = client.chat.completions.create(
             model="tiny", messages=[{"role": "user", "content": "Reply with a number."}], max_tokens=8,
-            extra_headers={"X-Session-Id": "probe", "X-Session-Done": "true"},
+            extra_headers={"X-Session-Id": "probe"},
         )
+        httpx.post(f"{deployment.serve_url}/v1/sessions/probe/feedback", json={"reward": 1.0}).raise_for_status()
         stats = deployment.stats()
         turns = asyncio.run(turns_until(deployment.bus_url, "probe"))
 
@@ -106,3 +111,39 @@ def test_up_shows_progress_and_ctrl_c_leaves_no_process(tmp_path):
     finally:
         if proc.poll() is None:
             proc.kill()
+
+
+def test_up_joins_an_existing_cluster_and_leaves_it_running(tmp_path):
+    ray_cli = str(Path(sys.executable).parent / "ray")
+    port = 6390
+    env = {**os.environ, "RAY_ADDRESS": ""}
+    temp_dir = tempfile.mkdtemp(prefix="rayx", dir="/tmp")  # marks this cluster's processes
+    subprocess.run(
+        [ray_cli, "start", "--head", f"--port={port}", "--num-cpus=2", "--include-dashboard=false",
+         "--disable-usage-stats", "--node-ip-address=127.0.0.1", f"--temp-dir={temp_dir}"],
+        check=True, capture_output=True, env=env, timeout=120,
+    )
+    try:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "deploy.up", "--config", "deploy/configs/local.yaml", f"run_dir={tmp_path}",
+             "serve.port=0", f"deploy.ray_address=127.0.0.1:{port}", "--refresh-s", "0.5"],
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+        )
+        lines = []
+        for line in proc.stdout:
+            lines.append(line)
+            if line.startswith("version=") and int(line.split()[0].removeprefix("version=")) >= 1:
+                break
+        assert any("Flywheel is up" in line for line in lines), "".join(lines)
+        proc.send_signal(signal.SIGINT)
+        rest, _ = proc.communicate(timeout=120)
+        assert proc.returncode == 0 and "stopped." in rest, rest
+        status = subprocess.run([ray_cli, "status", f"--address=127.0.0.1:{port}"], capture_output=True, text=True, timeout=60, env=env)
+        assert status.returncode == 0, status.stderr  # the cluster outlives the deployment
+    finally:  # stop this cluster only (`ray stop` would take the test session's Ray down too)
+        ours = [p for p in psutil.process_iter(["cmdline"]) if temp_dir in " ".join(p.info["cmdline"] or [])]
+        for process in ours:
+            process.terminate()
+        _, alive = psutil.wait_procs(ours, timeout=20)
+        for process in alive:
+            process.kill()
