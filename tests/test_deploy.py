@@ -86,19 +86,27 @@ def test_the_loop_closes_and_the_reward_rises(ray_session, tmp_path):
     assert stats["serve"]["swaps"] >= 1 and stats["judge"]["unscored"] == 0
 
 
-def test_up_shows_progress_and_ctrl_c_leaves_no_process(tmp_path):
+def start_up(run_dir, *overrides: str, env=None) -> subprocess.Popen:
+    """`python -m deploy.up` on the local config, returned once it is up and has trained a step."""
     proc = subprocess.Popen(
-        [sys.executable, "-m", "deploy.up", "--config", "deploy/configs/local.yaml", f"run_dir={tmp_path}",
-         "serve.port=0", "--refresh-s", "0.5"],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        [sys.executable, "-m", "deploy.up", "--config", "deploy/configs/local.yaml", f"run_dir={run_dir}",
+         "serve.port=0", *overrides, "--refresh-s", "0.5"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
     )
+    lines = []
+    for line in proc.stdout:
+        lines.append(line)
+        if line.startswith("version=") and int(line.split()[0].removeprefix("version=")) >= 1:
+            break
+    if not any("Flywheel is up" in line for line in lines):
+        proc.kill()
+        raise AssertionError("deploy.up did not come up:\n" + "".join(lines))
+    return proc
+
+
+def test_up_shows_progress_and_ctrl_c_leaves_no_process(tmp_path):
+    proc = start_up(tmp_path)
     try:
-        lines = []
-        for line in proc.stdout:
-            lines.append(line)
-            if line.startswith("version=") and int(line.split()[0].removeprefix("version=")) >= 1:
-                break
-        assert any("Flywheel is up" in line for line in lines), "".join(lines)
         family = psutil.Process(proc.pid).children(recursive=True)
         names = {p.name() for p in family if p.is_running()}
         assert "nats-server" in names and any("raylet" in n for n in names), names
@@ -124,17 +132,7 @@ def test_up_joins_an_existing_cluster_and_leaves_it_running(tmp_path):
         check=True, capture_output=True, env=env, timeout=120,
     )
     try:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "deploy.up", "--config", "deploy/configs/local.yaml", f"run_dir={tmp_path}",
-             "serve.port=0", f"deploy.ray_address=127.0.0.1:{port}", "--refresh-s", "0.5"],
-            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
-        )
-        lines = []
-        for line in proc.stdout:
-            lines.append(line)
-            if line.startswith("version=") and int(line.split()[0].removeprefix("version=")) >= 1:
-                break
-        assert any("Flywheel is up" in line for line in lines), "".join(lines)
+        proc = start_up(tmp_path, f"deploy.ray_address=127.0.0.1:{port}", env=env)
         proc.send_signal(signal.SIGINT)
         rest, _ = proc.communicate(timeout=120)
         assert proc.returncode == 0 and "stopped." in rest, rest
