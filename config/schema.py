@@ -37,6 +37,12 @@ class ServeConfig(Section):
     publish_queue_size: int = Field(10_000, ge=1)
     """Finished turns waiting to be published, off the response path."""
     torch_threads: int = Field(1, ge=1)
+    engine_urls: list[str] = Field(default_factory=list)
+    """External engines speaking SGLang's protocol (real SGLang, or `python -m serve.engine`);
+    empty: one embedded engine in this process."""
+    swap_mode: Literal["in_place", "retract"] = "in_place"
+    """How in-flight generations cross a weight swap: keep their KV cache (`in_place`; later
+    tokens carry the new version) or have it recomputed under the new weights (`retract`)."""
 
 
 class CollectConfig(Section):
