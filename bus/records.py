@@ -67,10 +67,13 @@ class Turn(Record, kw_only=True):
     task_id: str | None = None
     """Groups samples of the same task (`X-Task-Id`), e.g. the n samples of one prompt."""
     model: str
-    messages: list[dict[str, Any]]
-    """The request's messages, as received."""
+    endpoint: Literal["chat", "completions"] = "chat"
+    messages: list[dict[str, Any]] = msgspec.field(default_factory=list)
+    """The chat request's messages, as received (empty for `completions`)."""
+    prompt: str | None = None
+    """The `completions` request's text prompt (None for chat, or a prompt given as ids)."""
     response: dict[str, Any]
-    """The assistant message returned to the client."""
+    """The assistant message returned to the client (for `completions`: {"text": ...})."""
     prompt_ids: list[int]
     output_ids: list[int]
     output_logprobs: list[float]
@@ -80,6 +83,9 @@ class Turn(Record, kw_only=True):
     """The sampling parameters the engine used (temperature, top_p, max_new_tokens, ...)."""
     session_done: bool = False
     """The client marked this turn as the last of its session (`X-Session-Done: true`)."""
+    client_disconnected: bool = False
+    """The client went away before the answer was complete (the output is what was generated
+    until then; `finish_reason` is `abort`)."""
     timings: Timings = msgspec.field(default_factory=Timings)
 
     @property

@@ -43,6 +43,25 @@ class ServeConfig(Section):
     swap_mode: Literal["in_place", "retract"] = "in_place"
     """How in-flight generations cross a weight swap: keep their KV cache (`in_place`; later
     tokens carry the new version) or have it recomputed under the new weights (`retract`)."""
+    api_keys: list[str] = Field(default_factory=list)
+    """Keys clients send as `Authorization: Bearer <key>` on `/v1/...`; empty: no key needed."""
+    admin_key: str | None = None
+    """Key for the engine's control routes (pause, weight loading, aborts); None: not required."""
+    max_concurrent_requests: int = Field(256, ge=1)
+    """Generations in flight at once; more wait in line."""
+    max_queued_requests: int = Field(1024, ge=0)
+    """Requests waiting for a generation slot at most; beyond that a 429 with `Retry-After`."""
+    retry_after_s: float = Field(1.0, gt=0)
+    """What the 429 asks clients to wait before retrying."""
+    max_body_bytes: int = Field(4 * 1024 * 1024, ge=1)
+    """Larger request bodies get a 413."""
+    request_timeout_s: float = Field(600.0, gt=0)
+    """A request still unanswered after this long (waiting for a slot included) gets a 504."""
+    shutdown_grace_s: float = Field(30.0, ge=0)
+    """How long a graceful shutdown waits for in-flight requests to finish."""
+    spill_dir: str | None = None
+    """Where turns go while the bus is unreachable or the publish queue is full, to be published
+    later in order; None: `run_dir/spill`."""
 
 
 class CollectConfig(Section):

@@ -28,12 +28,20 @@ _TYPES = {
 
 
 class APIError(Exception):
-    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None):
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        param: str | None = None,
+        code: str | None = None,
+        headers: dict[str, str] | None = None,
+    ):
         super().__init__(message)
         self.status = status
         self.message = message
         self.param = param
         self.code = code
+        self.headers = headers
 
     def response(self) -> JSONResponse:
         body = {
@@ -44,7 +52,7 @@ class APIError(Exception):
                 "code": self.code,
             }
         }
-        return JSONResponse(body, status_code=self.status)
+        return JSONResponse(body, status_code=self.status, headers=self.headers)
 
 
 def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:

@@ -1,9 +1,10 @@
-"""The OpenAI-compatible HTTP gateway: chat completions, models, and session signals.
+"""The OpenAI-compatible HTTP gateway: chat and text completions, models, session signals.
 
-Each completed chat request is answered from an engine (through SGLang's native protocol) and
-recorded as a `Turn` with the exact prompt ids the gateway built, the output ids the engine
-sampled, their behaviour logprobs and weight versions. Feedback and explicit session ends become
-`SessionEvent`s. Recording goes through the `Recorder`, off the response path.
+The gateway renders chat templates and tokenizes once; those prompt ids, and the output ids,
+logprobs and weight versions the engine returns, are what each recorded `Turn` carries. It
+reaches engines only through SGLang's native protocol (`EnginePool` / `EngineClient`).
+Feedback and explicit session ends become `SessionEvent`s. Recording goes through the
+`Recorder`, off the response path.
 """
 
 from __future__ import annotations
@@ -14,13 +15,17 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from fastapi import FastAPI, Request
+from fastapi.responses import StreamingResponse
 
-from bus import SESSION_EVENT_SUBJECT, TURN_SUBJECT, SessionEvent, Timings, Turn
-from serve.chat import ChatCompletionRequest, completion_response, sampling_params
-from serve.engine_client import EngineClient
+from bus import SESSION_EVENT_SUBJECT, SessionEvent
+from serve.engine_client import EngineError
+from serve.engine_pool import EnginePool
 from serve.errors import APIError, install_error_handlers
+from serve.generation import Generation
 from serve.recorder import Recorder
+from serve.schema import ChatCompletionRequest, CompletionRequest
 from serve.sessions import FeedbackRequest, session_of
+from serve.tools import adapt_messages, forced_prefix, template_support
 
 
 @dataclass
@@ -33,50 +38,81 @@ class GatewayLimits:
 @dataclass
 class GatewayStats:
     requests: int = 0
-    errors: int = 0
     turns: int = 0
     feedback: int = 0
     started_at: float = field(default_factory=time.time)
 
 
-def token_versions(meta: dict[str, Any], n_tokens: int) -> list[int]:
-    """Per-token weight versions from `meta_info` (`weight_versions` spans, else one version)."""
-    spans = meta.get("weight_versions")
-    if not spans:
-        return [int(meta["weight_version"])] * n_tokens
-    versions = [0] * n_tokens
-    for span in spans:
-        versions[span["start"]:span["end"]] = [int(span["version"])] * (span["end"] - span["start"])
-    return versions
+class PromptBuilder:
+    """Chat messages (and tools) to prompt token ids, through the model's chat template."""
+
+    def __init__(self, tokenizer: Any):
+        self.tokenizer = tokenizer
+        self.renders_tools, self.renders_calls = template_support(tokenizer)
+
+    def chat(self, body: ChatCompletionRequest) -> tuple[list[int], str, bool]:
+        """(prompt ids, forced tool-call prefix, whether tool calls are parsed)."""
+        tools = None
+        if body.tools and body.tool_choice != "none":
+            tools = [tool.model_dump(exclude_none=True) for tool in body.tools]
+        messages = adapt_messages([m.for_template() for m in body.messages], tools, self.renders_tools, self.renders_calls)
+        try:
+            text = self.tokenizer.apply_chat_template(
+                messages, tools=tools if self.renders_tools else None, add_generation_prompt=True, tokenize=False
+            )
+        except Exception as exc:  # the template rejected this conversation
+            raise APIError(400, f"messages cannot be rendered by the chat template: {exc}", "messages") from None
+        forced = forced_prefix(body.tool_choice) if tools else ""
+        return self.tokenizer.encode(text + forced, add_special_tokens=False), forced, tools is not None
+
+    def completion(self, body: CompletionRequest) -> list[int]:
+        if isinstance(body.prompt, str):
+            return self.tokenizer.encode(body.prompt, add_special_tokens=False)
+        vocab = len(self.tokenizer)
+        if not all(0 <= t < vocab for t in body.prompt):
+            raise APIError(400, f"prompt token ids must be in [0, {vocab})", "prompt")
+        return list(body.prompt)
 
 
-def create_gateway(
-    engine: EngineClient, tokenizer: Any, recorder: Recorder, model_name: str, limits: GatewayLimits
-) -> FastAPI:
+def create_gateway(pool: EnginePool, tokenizer: Any, recorder: Recorder, model_name: str, limits: GatewayLimits) -> FastAPI:
     app = FastAPI(title="Flywheel gateway", docs_url=None, redoc_url=None)
     install_error_handlers(app)
     stats = GatewayStats()
     app.state.stats = stats
+    prompts = PromptBuilder(tokenizer)
 
-    def prompt_ids(request: ChatCompletionRequest) -> list[int]:
-        messages = [m.for_template() for m in request.messages]
+    def finished(generation: Generation) -> None:
+        stats.turns += generation.body.n
+
+    async def run(body: ChatCompletionRequest | CompletionRequest, request: Request, prompt_ids: list[int],
+                  forced: str = "", tools_active: bool = False) -> Any:
+        stats.requests += 1
+        if body.model != model_name:
+            raise APIError(404, f"model {body.model!r} does not exist; this server serves {model_name!r}", "model", "model_not_found")
+        if len(prompt_ids) >= limits.context_length:
+            raise APIError(400, f"the prompt is {len(prompt_ids)} tokens; this model's context window is {limits.context_length}",
+                           "messages" if isinstance(body, ChatCompletionRequest) else "prompt", "context_length_exceeded")
+        requested = body.requested_max_tokens()
+        if requested is not None and requested > limits.max_new_tokens:
+            raise APIError(400, f"max_tokens is {requested}; the limit is {limits.max_new_tokens}", "max_tokens")
+        session = session_of(request.headers, body.metadata, body.user)
+        generation = Generation(
+            body=body, engine=pool.route(session.session_id), tokenizer=tokenizer, recorder=recorder,
+            model_name=model_name, session=session, prompt_ids=prompt_ids,
+            max_new_tokens=min(requested or limits.default_max_new_tokens, limits.context_length - len(prompt_ids)),
+            forced=forced, tools_active=tools_active, on_finish=finished,
+        )
+        if body.stream:
+            return StreamingResponse(generation.events(), media_type="text/event-stream",
+                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
         try:
-            text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-        except Exception as exc:  # the template rejected this conversation
-            raise APIError(400, f"messages cannot be rendered by the chat template: {exc}", "messages")
-        ids = tokenizer.encode(text, add_special_tokens=False)
-        if len(ids) >= limits.context_length:
-            raise APIError(
-                400,
-                f"the prompt is {len(ids)} tokens; this model's context window is {limits.context_length}",
-                "messages",
-                "context_length_exceeded",
-            )
-        return ids
+            return await generation.complete()
+        except EngineError as exc:
+            raise APIError(exc.status, str(exc)) from None
 
     @app.get("/health")
     async def health() -> dict[str, Any]:
-        return {"status": "ok", "weight_version": engine.weight_version}
+        return {"status": "ok", "weight_version": pool.weight_version}
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
@@ -86,53 +122,13 @@ def create_gateway(
         }
 
     @app.post("/v1/chat/completions")
-    async def chat_completions(body: ChatCompletionRequest, request: Request) -> dict[str, Any]:
-        arrived = time.monotonic()
-        stats.requests += 1
-        if body.model != model_name:
-            raise APIError(404, f"model {body.model!r} does not exist; this server serves {model_name!r}", "model", "model_not_found")
-        session = session_of(request.headers, body.metadata, body.user)
-        requested = body.requested_max_tokens()
-        if requested is not None and requested > limits.max_new_tokens:
-            raise APIError(400, f"max_tokens is {requested}; the limit is {limits.max_new_tokens}", "max_tokens")
-        ids = prompt_ids(body)
-        max_new = min(requested or limits.default_max_new_tokens, limits.context_length - len(ids))
-        rid = uuid.uuid4().hex
-        params = sampling_params(body, max_new)
-        native = await engine.generate(
-            {"input_ids": ids, "sampling_params": params, "return_logprob": True, "rid": rid}
-        )
-        meta = native["meta_info"]
-        output_ids = native["output_ids"]
-        versions = token_versions(meta, len(output_ids))
-        response = completion_response(body, model_name, native, meta["weight_version"])
-        recorder.record(
-            TURN_SUBJECT,
-            Turn(
-                id=rid,
-                session_id=session.session_id,
-                turn_index=sum(1 for m in body.messages if m.role == "assistant"),
-                turn_type=session.turn_type,
-                task_id=session.task_id,
-                model=model_name,
-                messages=[m.model_dump(exclude_none=True) for m in body.messages],
-                response=response["choices"][0]["message"],
-                prompt_ids=ids,
-                output_ids=output_ids,
-                output_logprobs=[entry[0] for entry in meta["output_token_logprobs"]],
-                output_versions=versions,
-                finish_reason=response["choices"][0]["finish_reason"],
-                sampling=params,
-                session_done=session.done,
-                timings=Timings(
-                    queued_s=meta.get("queue_time", 0.0),
-                    first_token_s=meta.get("first_token_latency", 0.0),
-                    total_s=time.monotonic() - arrived,
-                ),
-            ),
-        )
-        stats.turns += 1
-        return response
+    async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any:
+        prompt_ids, forced, tools_active = prompts.chat(body)
+        return await run(body, request, prompt_ids, forced, tools_active)
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, request: Request) -> Any:
+        return await run(body, request, prompts.completion(body))
 
     def session_event(session_id: str, kind: str, feedback: FeedbackRequest | None = None) -> dict[str, Any]:
         event = SessionEvent(

@@ -1,8 +1,10 @@
-"""The serve loop: the embedded engine, the gateway on HTTP, turn recording, and hot swaps.
+"""The serve loop: engines, the gateway on HTTP, turn recording, and hot swaps.
 
-Weight announcements are followed from the bus (starting with the newest one, so a restarted
-server comes back on the current policy) and handed to the engine, which loads them between
-batches while the gateway keeps answering.
+The engines are one embedded engine in this process, or the external ones in
+`serve.engine_urls` (SGLang, or `python -m serve.engine`). Weight announcements are followed
+from the bus (starting with the newest one, so a restarted server comes back on the current
+policy) and rolled across the engines (`EnginePool.swap`, in `serve.swap_mode`) while the
+gateway keeps answering.
 """
 
 from __future__ import annotations
@@ -17,10 +19,12 @@ import torch
 import uvicorn
 
 from bus import WEIGHTS_SUBJECT, Bus, WeightUpdate
+from bus.process import repeat
 from config import FlywheelConfig
 from models import load_model, load_weights
 from serve.engine import Engine
-from serve.engine_client import InProcessEngineClient
+from serve.engine_client import HTTPEngineClient, InProcessEngineClient
+from serve.engine_pool import EnginePool
 from serve.gateway import GatewayLimits, create_gateway
 from serve.recorder import Recorder
 
@@ -35,27 +39,34 @@ class ServeLoop:
         self.bus_url = bus_url
         self.url: str | None = None
         self.swaps = 0
+        self.pauses: list[float] = []
         self._tasks: list[asyncio.Task] = []
 
     async def start(self) -> str:
-        """Load the model, start serving; returns the gateway's base URL."""
+        """Start the engines and the gateway; returns the gateway's base URL."""
         cfg = self.config.serve
         torch.set_num_threads(cfg.torch_threads)
         model, tokenizer = await asyncio.to_thread(load_model, self.config.model)
-        self.engine = Engine(
-            model, tokenizer, max_batch_size=cfg.max_batch_size, load_weights=load_weights
-        ).start()
-        self.client = InProcessEngineClient(self.engine)
+        self.engine: Engine | None = None
+        if cfg.engine_urls:
+            del model  # external engines hold the weights; the gateway needs the tokenizer only
+            engines = [await HTTPEngineClient(url).connect() for url in cfg.engine_urls]
+            context_length = tokenizer.model_max_length if tokenizer.model_max_length < 10**8 else 2048
+        else:
+            self.engine = Engine(model, tokenizer, max_batch_size=cfg.max_batch_size, load_weights=load_weights).start()
+            engines = [InProcessEngineClient(self.engine)]
+            context_length = self.engine.context_length
+        self.pool = EnginePool(engines)
         self.bus = await Bus.connect(self.bus_url, name="serve")
         self.recorder = Recorder(self.bus, cfg.publish_queue_size)
-        limits = GatewayLimits(cfg.max_new_tokens, cfg.default_max_new_tokens, self.engine.context_length)
-        self.app = create_gateway(self.client, tokenizer, self.recorder, self.model_name, limits)
+        limits = GatewayLimits(cfg.max_new_tokens, cfg.default_max_new_tokens, context_length)
+        self.app = create_gateway(self.pool, tokenizer, self.recorder, self.model_name, limits)
         self._server = uvicorn.Server(
             uvicorn.Config(self.app, host=cfg.host, port=cfg.port, log_level="warning", lifespan="off")
         )
         self._tasks = [
             asyncio.create_task(self.recorder.run(), name="recorder"),
-            asyncio.create_task(self._follow_weights(), name="weights"),
+            asyncio.create_task(repeat(self._follow_weights, "serve.weights"), name="weights"),
             asyncio.create_task(self._server.serve(), name="http"),
         ]
         while not self._server.started:
@@ -77,10 +88,10 @@ class ServeLoop:
     async def _follow_weights(self) -> None:
         async for update in self.bus.follow(WEIGHTS_SUBJECT):
             assert isinstance(update, WeightUpdate)
-            if update.version <= self.client.weight_version:
+            if update.version <= self.pool.weight_version:
                 continue
             try:
-                await self.client.update_weights_from_disk(update.path, update.version)
+                self.pauses += await self.pool.swap(update.path, update.version, self.config.serve.swap_mode)
                 self.swaps += 1
             except Exception:
                 log.exception("could not load weights v%d from %s", update.version, update.path)
@@ -94,18 +105,21 @@ class ServeLoop:
         for task in self._tasks:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
-        self.engine.stop()
+        await self.pool.close()
+        if self.engine is not None:
+            self.engine.stop()
         await self.bus.close()
 
     def stats(self) -> dict[str, Any]:
         gateway = self.app.state.stats
         return {
             "url": self.url,
-            "version": self.engine.version,
+            "version": self.pool.weight_version,
             "requests": gateway.requests,
             "turns": gateway.turns,
             "published": self.recorder.published,
             "dropped": self.recorder.dropped,
             "swaps": self.swaps,
-            "engine": dict(self.engine.stats),
+            "engine": dict(self.engine.stats) if self.engine else None,
+            "last_pause_s": self.pauses[-1] if self.pauses else None,
         }

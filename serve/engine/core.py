@@ -1,11 +1,14 @@
-"""The embedded engine: batched generation with a KV cache, exact token ids, behaviour logprobs
-and the weight version of every sampled token.
+"""The embedded engine: continuous batching over a KV cache, with exact token ids, behaviour
+logprobs and the weight version of every sampled token.
 
-A worker thread owns the model. It takes up to `max_batch_size` waiting requests, decodes them
-together (left-padded, one shared `DynamicCache`) until every row has finished, and resolves
-each request's future on its event loop. Weight updates are queued and applied by the same
-thread between batches, so a generation never sees weights change under it and the version
-recorded for each token is the one that sampled it.
+A worker thread owns the model. Between two decode steps it runs control commands (pause,
+continue, abort, weight updates), admits waiting requests (prefilled together, then merged into
+the running batch, see `batch.KVBatch`), and removes finished ones; each decode step advances
+every running request by one token. A weight update is applied between steps: generations in
+flight go on, and each token records the version that sampled it. Pausing follows SGLang's
+modes: `abort` ends every request with its partial output, `retract` sends running requests
+back to the queue (their KV cache is recomputed, under whatever weights are current, when they
+resume), `in_place` just stops stepping and keeps the cache.
 """
 
 from __future__ import annotations
@@ -16,63 +19,31 @@ import threading
 import time
 import uuid
 from collections import deque
-from collections.abc import Callable
-from dataclasses import dataclass, field
-from typing import Any
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+from typing import Any, Literal
 
 import torch
-from transformers import DynamicCache
 
+from serve.engine.batch import KVBatch
+from serve.engine.request import GenerationResult, Request, StreamError, TokenDelta, resolve
 from serve.engine.sampling import SamplingParams, sample
 
 log = logging.getLogger(__name__)
 
-
-@dataclass
-class GenerationResult:
-    """What the engine returns for one request (the native `/generate` response carries it)."""
-
-    rid: str
-    prompt_ids: list[int]
-    output_ids: list[int]
-    logprobs: list[float]
-    versions: list[int]
-    text: str
-    finish_reason: dict[str, Any]
-    """SGLang's shape: {"type": "stop", "matched": id|str} or {"type": "length", "length": n}."""
-    queued_s: float
-    first_token_s: float
-    total_s: float
+PauseMode = Literal["abort", "retract", "in_place"]
 
 
 @dataclass
-class _Request:
-    rid: str
-    input_ids: list[int]
-    params: SamplingParams
-    loop: asyncio.AbstractEventLoop
-    future: asyncio.Future
-    arrived: float = field(default_factory=time.monotonic)
-
-
-@dataclass
-class _Row:
-    """Decoding state of one request inside a running batch."""
-
-    request: _Request
-    generator: torch.Generator | None
-    stop_ids: set[int]
-    output_ids: list[int] = field(default_factory=list)
-    logprobs: list[float] = field(default_factory=list)
-    versions: list[int] = field(default_factory=list)
-    text: str = ""
-    finish: dict[str, Any] | None = None
-    started: float = 0.0
-    first_token: float = 0.0
+class _Command:
+    name: str
+    args: dict[str, Any]
+    loop: asyncio.AbstractEventLoop | None
+    future: asyncio.Future | None
 
 
 class Engine:
-    """Generation over one model; thread-safe to call from any asyncio loop."""
+    """Generation over one model; safe to call from any asyncio event loop."""
 
     def __init__(
         self,
@@ -94,12 +65,16 @@ class Engine:
         eos = eos if eos is not None else tokenizer.eos_token_id
         self.eos_ids: set[int] = set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else min(self.eos_ids, default=0)
-        self._waiting: deque[_Request] = deque()
-        self._updates: deque[tuple[str, int, asyncio.AbstractEventLoop, asyncio.Future]] = deque()
+        self.vocab_size = len(tokenizer)
+        self.paused = False
+        self._waiting: deque[Request] = deque()
+        self._commands: deque[_Command] = deque()
+        self._rows: list[Request] = []
+        self._batch: KVBatch | None = None
         self._wake = threading.Condition()
         self._running = False
         self._thread: threading.Thread | None = None
-        self.stats = {"requests": 0, "tokens": 0, "batches": 0, "weight_updates": 0}
+        self.stats = {"requests": 0, "tokens": 0, "steps": 0, "prefills": 0, "weight_updates": 0, "aborted": 0}
 
     # ---- lifecycle -------------------------------------------------------------------------
 
@@ -117,193 +92,246 @@ class Engine:
             self._thread.join()
             self._thread = None
 
-    # ---- API -------------------------------------------------------------------------------
+    # ---- generation ------------------------------------------------------------------------
 
-    async def generate(
-        self, input_ids: list[int], params: SamplingParams, rid: str | None = None
-    ) -> GenerationResult:
+    def _submit(self, input_ids: list[int], params: SamplingParams, rid: str | None, stream: bool) -> Request:
         if not input_ids:
             raise ValueError("input_ids must not be empty")
         if len(input_ids) >= self.context_length:
-            raise ValueError(
-                f"prompt has {len(input_ids)} tokens; the context window is {self.context_length}"
-            )
+            raise ValueError(f"prompt has {len(input_ids)} tokens; the context window is {self.context_length}")
         loop = asyncio.get_running_loop()
-        request = _Request(rid or uuid.uuid4().hex, list(input_ids), params, loop, loop.create_future())
+        request = Request(
+            rid or uuid.uuid4().hex, list(input_ids), params, loop, loop.create_future(),
+            asyncio.Queue() if stream else None, self.eos_ids, self.context_length, self.tokenizer,
+        )
         with self._wake:
             if not self._running:
                 raise RuntimeError("engine is not running")
             self._waiting.append(request)
             self._wake.notify()
-        return await request.future
+        return request
 
-    async def update_weights(self, path: str, version: int) -> None:
-        """Load weights from `path` between batches and label later tokens with `version`."""
+    async def generate(self, input_ids: list[int], params: SamplingParams, rid: str | None = None) -> GenerationResult:
+        request = self._submit(input_ids, params, rid, stream=False)
+        try:
+            return await asyncio.shield(request.future)
+        except asyncio.CancelledError:
+            self.abort_nowait(request.rid)
+            raise
+
+    async def stream(
+        self, input_ids: list[int], params: SamplingParams, rid: str | None = None
+    ) -> AsyncIterator[TokenDelta | GenerationResult]:
+        """Token deltas as they are sampled, then the final `GenerationResult`. A consumer that
+        stops iterating early aborts the request."""
+        request = self._submit(input_ids, params, rid, stream=True)
+        try:
+            while True:
+                item = await request.queue.get()
+                if isinstance(item, StreamError):
+                    raise item.error
+                yield item
+                if isinstance(item, GenerationResult):
+                    return
+        finally:
+            if not request.future.done():
+                self.abort_nowait(request.rid)
+
+    # ---- control ---------------------------------------------------------------------------
+
+    async def _command(self, name: str, **args: Any) -> Any:
+        loop = asyncio.get_running_loop()
+        command = _Command(name, args, loop, loop.create_future())
+        with self._wake:
+            self._commands.append(command)
+            self._wake.notify()
+        return await command.future
+
+    async def pause(self, mode: PauseMode = "abort") -> None:
+        await self._command("pause", mode=mode)
+
+    async def resume(self) -> None:
+        await self._command("resume")
+
+    async def update_weights(self, path: str, version: int, abort_all: bool = False) -> float:
+        """Load weights from `path` at the next step boundary; later tokens carry `version`.
+        Returns the seconds generation stood still for the load."""
         if self._load_weights is None:
             raise RuntimeError("this engine was built without a weight loader")
-        loop = asyncio.get_running_loop()
-        future = loop.create_future()
+        return await self._command("update", path=path, version=version, abort_all=abort_all)
+
+    async def abort(self, rid: str | None = None) -> int:
+        """Abort one request (or all, when `rid` is None); returns how many were aborted."""
+        return await self._command("abort", rid=rid)
+
+    def abort_nowait(self, rid: str) -> None:
         with self._wake:
-            self._updates.append((path, version, loop, future))
+            self._commands.append(_Command("abort", {"rid": rid}, None, None))
             self._wake.notify()
-        await future
+
+    def load(self) -> dict[str, Any]:
+        batch = self._batch
+        return {
+            "num_running_reqs": len(self._rows),
+            "num_waiting_reqs": len(self._waiting),
+            "paused": self.paused,
+            "cached_tokens": batch.cached_tokens if batch else 0,
+            "cache_slots": batch.rows * batch.width if batch else 0,
+            "weight_version": self.version,
+        }
 
     # ---- worker ----------------------------------------------------------------------------
 
     def _work(self) -> None:
+        with torch.inference_mode():
+            self._serve_forever()
+
+    def _serve_forever(self) -> None:
         while True:
             with self._wake:
-                while self._running and not self._waiting and not self._updates:
+                while self._running and not self._commands and (self.paused or not (self._rows or self._waiting)):
                     self._wake.wait()
                 if not self._running:
                     break
-                updates = list(self._updates)
-                self._updates.clear()
-                batch = [self._waiting.popleft() for _ in range(min(len(self._waiting), self.max_batch_size))]
-            for path, version, loop, future in updates:
-                self._apply_update(path, version, loop, future)
-            if batch:
-                try:
-                    self._run_batch(batch)
-                except Exception as exc:  # a bug or OOM fails these requests, not the engine
-                    log.exception("batch failed")
-                    for request in batch:
-                        _resolve(request.loop, request.future, error=exc)
-        for request in self._waiting:
-            _resolve(request.loop, request.future, error=RuntimeError("engine stopped"))
+                commands = list(self._commands)
+                self._commands.clear()
+            for command in commands:
+                self._execute(command)
+            if self.paused:
+                continue
+            try:
+                self._admit()
+                self._decode()
+            except Exception as exc:  # a bug or OOM fails the running requests, not the engine
+                log.exception("engine step failed")
+                self._fail_all(exc)
+        self._fail_all(RuntimeError("engine stopped"))
 
-    def _apply_update(self, path: str, version: int, loop, future) -> None:
-        started = time.monotonic()
+    def _execute(self, command: _Command) -> None:
         try:
-            self._load_weights(self.model, path)
-            self.version = version
-            self.stats["weight_updates"] += 1
-            log.info("weights v%d loaded in %.3fs", version, time.monotonic() - started)
-            _resolve(loop, future, None)
+            result = getattr(self, f"_do_{command.name}")(**command.args)
         except Exception as exc:
-            log.exception("weight update to v%d from %s failed", version, path)
-            _resolve(loop, future, error=exc)
+            log.exception("engine command %s failed", command.name)
+            if command.future is not None:
+                resolve(command.loop, command.future, error=exc)
+            return
+        if command.future is not None:
+            resolve(command.loop, command.future, result)
 
-    @torch.inference_mode()
-    def _run_batch(self, batch: list[_Request]) -> None:
+    def _do_pause(self, mode: PauseMode) -> None:
+        if mode == "abort":
+            self._do_abort(None)
+        elif mode == "retract":
+            with self._wake:
+                self._waiting.extendleft(reversed(self._rows))
+            self._rows, self._batch = [], None
+        self.paused = True
+
+    def _do_resume(self) -> None:
+        self.paused = False
+
+    def _do_update(self, path: str, version: int, abort_all: bool) -> float:
+        if abort_all:
+            self._do_abort(None)
+        started = time.monotonic()
+        self._load_weights(self.model, path)
+        self.version = version
+        self.stats["weight_updates"] += 1
+        seconds = time.monotonic() - started
+        log.info("weights v%d loaded in %.3fs", version, seconds)
+        return seconds
+
+    def _do_abort(self, rid: str | None) -> int:
+        with self._wake:
+            waiting = [r for r in self._waiting if rid is None or r.rid == rid]
+            for request in waiting:
+                self._waiting.remove(request)
+        running = [r for r in self._rows if rid is None or r.rid == rid]
+        for request in waiting:
+            request.finish = {"type": "abort", "message": "Abort in waiting queue"}
+        for request in running:
+            request.finish = {"type": "abort", "message": "Abort requested"}
+        self._drop_finished()
+        for request in waiting:
+            self._complete(request)
+        self.stats["aborted"] += len(waiting) + len(running)
+        return len(waiting) + len(running)
+
+    def _fail_all(self, error: Exception) -> None:
+        with self._wake:
+            doomed = list(self._waiting) + self._rows
+            self._waiting.clear()
+        self._rows, self._batch = [], None
+        for request in doomed:
+            request.fail(error)
+
+    def _admit(self) -> None:
+        with self._wake:
+            room = self.max_batch_size - len(self._rows)
+            new = [self._waiting.popleft() for _ in range(min(room, len(self._waiting)))]
         now = time.monotonic()
-        rows = [self._new_row(request, now) for request in batch]
-        for row in rows:
-            if row.request.params.max_new_tokens == 0:
-                row.finish = {"type": "length", "length": 0}
-        live = [row for row in rows if row.finish is None]
-        if live:
-            self._decode(live)
-        self.stats["batches"] += 1
-        for row in rows:
-            self._finish(row)
-
-    def _new_row(self, request: _Request, now: float) -> _Row:
-        params = request.params
-        generator = None
-        if params.sampling_seed is not None:
-            generator = torch.Generator().manual_seed(params.sampling_seed)
-        stop_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else self.eos_ids)
-        return _Row(request, generator, stop_ids, started=now)
-
-    def _decode(self, rows: list[_Row]) -> None:
-        lengths = [len(row.request.input_ids) for row in rows]
-        width = max(lengths)
-        input_ids = torch.full((len(rows), width), self.pad_id, dtype=torch.long)
-        attention = torch.zeros((len(rows), width), dtype=torch.long)
-        for i, row in enumerate(rows):
-            input_ids[i, width - lengths[i]:] = torch.tensor(row.request.input_ids)
-            attention[i, width - lengths[i]:] = 1
-        positions = (attention.cumsum(-1) - 1).clamp(min=0)
-        cache = DynamicCache()
-        logits = self._forward(input_ids, attention, positions, cache)
-        params = [row.request.params for row in rows]
-        generators = [row.generator for row in rows]
-        while True:
-            self._suppress_early_stops(logits, rows)
-            tokens, logprobs = sample(logits, params, generators)
-            now = time.monotonic()
-            for i, row in enumerate(rows):
-                if row.finish is None:
-                    self._append(row, int(tokens[i]), float(logprobs[i]), now)
-            if all(row.finish is not None for row in rows):
-                return
-            feed = torch.tensor([self.pad_id if row.finish else row.output_ids[-1] for row in rows])
-            attention = torch.cat([attention, torch.ones((len(rows), 1), dtype=torch.long)], dim=1)
-            positions = positions[:, -1:] + 1
-            logits = self._forward(feed.unsqueeze(1), attention, positions, cache)
-
-    def _forward(self, input_ids, attention, positions, cache) -> torch.Tensor:
-        out = self.model(
-            input_ids=input_ids,
-            attention_mask=attention,
-            position_ids=positions,
-            past_key_values=cache,
-            use_cache=True,
-            logits_to_keep=1,
-        )
-        return out.logits[:, -1, :]
-
-    def _suppress_early_stops(self, logits: torch.Tensor, rows: list[_Row]) -> None:
-        for i, row in enumerate(rows):
-            if row.finish is None and len(row.output_ids) < row.request.params.min_new_tokens and row.stop_ids:
-                logits[i, list(row.stop_ids)] = float("-inf")
-
-    def _append(self, row: _Row, token: int, logprob: float, now: float) -> None:
-        params = row.request.params
-        if not row.output_ids:
-            row.first_token = now
-        row.output_ids.append(token)
-        row.logprobs.append(logprob)
-        row.versions.append(self.version)
-        if token in row.stop_ids:
-            row.finish = {"type": "stop", "matched": token}
+        for request in new:
+            request.started = request.started or now
+            if request.finish is not None:  # max_new_tokens=0: nothing to generate
+                self._complete(request)
+        new = [r for r in new if r.finish is None]
+        if not new:
             return
-        if params.stop:
-            text = self.tokenizer.decode(row.output_ids, skip_special_tokens=params.skip_special_tokens)
-            hits = [(text.find(s), s) for s in params.stop if s and s in text]
-            if hits:
-                at, matched = min(hits)
-                row.text = text if params.no_stop_trim else text[:at]
-                row.finish = {"type": "stop", "matched": matched}
-                return
-        total = len(row.request.input_ids) + len(row.output_ids)
-        if len(row.output_ids) >= params.max_new_tokens or total >= self.context_length:
-            row.finish = {"type": "length", "length": len(row.output_ids)}
+        batch, logits = KVBatch.prefill(self.model, [r.input_ids + r.output_ids for r in new], self.pad_id)
+        self.stats["prefills"] += 1
+        self._sample(new, logits)
+        self._batch = batch if self._batch is None else self._batch.merge(batch)
+        self._rows.extend(new)
+        self._drop_finished()
 
-    def _finish(self, row: _Row) -> None:
-        request = row.request
-        params = request.params
-        if not (row.finish["type"] == "stop" and isinstance(row.finish["matched"], str)):
-            row.text = self.tokenizer.decode(row.output_ids, skip_special_tokens=params.skip_special_tokens)
-        end = time.monotonic()
+    def _decode(self) -> None:
+        if not self._rows:
+            return
+        tokens = torch.tensor([r.output_ids[-1] for r in self._rows])
+        logits = self._batch.step(self.model, tokens)
+        self.stats["steps"] += 1
+        self._sample(self._rows, logits)
+        self._drop_finished()
+
+    def _sample(self, rows: list[Request], logits: torch.Tensor) -> None:
+        for i, request in enumerate(rows):
+            banned = request.banned_now()
+            if banned:
+                logits[i, banned] = float("-inf")
+        top_n = max(r.params.top_logprobs_num for r in rows)
+        tokens, logprobs, top = sample(logits, [r.params for r in rows], [r.generator for r in rows], top_n)
+        now = time.monotonic()
+        deltas: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, TokenDelta]]] = {}
+        for i, request in enumerate(rows):
+            tops = top[i][: request.params.top_logprobs_num] if top is not None else None
+            delta = request.append(int(tokens[i]), float(logprobs[i]), self.version, tops, now)
+            if request.queue is not None:
+                deltas.setdefault(request.loop, []).append((request.queue, delta))
+        self.stats["tokens"] += len(rows)
+        for loop, items in deltas.items():
+            _post(loop, items)
+
+    def _drop_finished(self) -> None:
+        keep = [i for i, r in enumerate(self._rows) if r.finish is None]
+        if len(keep) == len(self._rows):
+            return
+        finished = [r for r in self._rows if r.finish is not None]
+        self._rows = [self._rows[i] for i in keep]
+        self._batch = self._batch.select(keep) if self._batch is not None else None
+        for request in finished:
+            self._complete(request)
+
+    def _complete(self, request: Request) -> None:
         self.stats["requests"] += 1
-        self.stats["tokens"] += len(row.output_ids)
-        result = GenerationResult(
-            rid=request.rid,
-            prompt_ids=request.input_ids,
-            output_ids=row.output_ids,
-            logprobs=row.logprobs,
-            versions=row.versions,
-            text=row.text,
-            finish_reason=row.finish,
-            queued_s=row.started - request.arrived,
-            first_token_s=(row.first_token or end) - request.arrived,
-            total_s=end - request.arrived,
-        )
-        _resolve(request.loop, request.future, result)
+        request.complete()
 
 
-def _resolve(loop: asyncio.AbstractEventLoop, future: asyncio.Future, result=None, error=None) -> None:
-    def settle() -> None:
-        if future.done():
-            return
-        if error is not None:
-            future.set_exception(error)
-        else:
-            future.set_result(result)
+def _post(loop: asyncio.AbstractEventLoop, items: list[tuple[asyncio.Queue, TokenDelta]]) -> None:
+    def put_all() -> None:
+        for queue, delta in items:
+            queue.put_nowait(delta)
 
     try:
-        loop.call_soon_threadsafe(settle)
-    except RuntimeError:  # the caller's loop has closed; nobody is waiting any more
+        loop.call_soon_threadsafe(put_all)
+    except RuntimeError:  # the consumer's loop has closed
         pass

@@ -3,17 +3,23 @@
 `generate(engine, body)` takes the JSON body SGLang's `/generate` takes and returns the JSON it
 returns (see `shared/reference/sglang-api.md`, A.1): `text`, `output_ids` and `meta_info` with
 `finish_reason`, `weight_version`, per-token `weight_versions` spans and, with
-`return_logprob`, `output_token_logprobs` as `[logprob, token_id, null]` triples. The HTTP
-server and the gateway's in-process client both go through this one function, so the protocol
-the gateway speaks to an embedded engine is byte for byte what it speaks to SGLang.
+`return_logprob`, `output_token_logprobs` as `[logprob, token_id, null]` triples (plus
+`output_top_logprobs` with `top_logprobs_num`). `generate_stream` yields the chunks of a
+`stream: true` request: cumulative like SGLang's default, or deltas (`incremental`, like
+`--incremental-streaming-output`). The engine's HTTP server and the gateway's in-process client
+both go through these functions, so what the gateway reads from an embedded engine is what it
+reads from SGLang.
 """
 
 from __future__ import annotations
 
 import asyncio
+import uuid
+from collections.abc import AsyncIterator
 from typing import Any
 
-from serve.engine.core import Engine, GenerationResult
+from serve.engine.core import Engine
+from serve.engine.request import GenerationResult, TokenDelta
 from serve.engine.sampling import SamplingParams
 
 
@@ -32,24 +38,32 @@ def version_spans(versions: list[int]) -> list[dict[str, Any]]:
     return spans
 
 
-def to_response(result: GenerationResult, engine_version: int, return_logprob: bool, return_prompt_ids: bool) -> dict[str, Any]:
-    spans = version_spans(result.versions)
+def _meta(rid: str, prompt_tokens: int, ids: list[int], logprobs: list[float], versions: list[int],
+          tops: list | None, finish: dict | None, engine_version: int, return_logprob: bool) -> dict[str, Any]:
+    """`meta_info` for output tokens `ids`; `engine_version` labels a chunk with no tokens."""
+    spans = version_spans(versions)
     meta: dict[str, Any] = {
-        "id": result.rid,
-        "finish_reason": result.finish_reason,
-        "prompt_tokens": len(result.prompt_ids),
-        "completion_tokens": len(result.output_ids),
+        "id": rid,
+        "finish_reason": finish,
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": len(ids),
         "cached_tokens": 0,
         "weight_version": spans[-1]["version"] if spans else str(engine_version),
-        "e2e_latency": result.total_s,
-        "queue_time": result.queued_s,
-        "first_token_latency": result.first_token_s,
     }
     if len(spans) > 1:
         meta["weight_versions"] = spans
     if return_logprob:
-        meta["output_token_logprobs"] = [[lp, tid, None] for lp, tid in zip(result.logprobs, result.output_ids)]
-        meta["output_token_logprobs_length"] = len(result.output_ids)
+        meta["output_token_logprobs"] = [[lp, tid, None] for lp, tid in zip(logprobs, ids)]
+        meta["output_token_logprobs_length"] = len(ids)
+        if tops is not None:
+            meta["output_top_logprobs"] = [[[lp, tid, None] for tid, lp in position] for position in tops]
+    return meta
+
+
+def to_response(result: GenerationResult, engine_version: int, return_logprob: bool, return_prompt_ids: bool) -> dict[str, Any]:
+    meta = _meta(result.rid, len(result.prompt_ids), result.output_ids, result.logprobs, result.versions,
+                 result.top_logprobs, result.finish_reason, engine_version, return_logprob)
+    meta.update(e2e_latency=result.total_s, queue_time=result.queued_s, first_token_latency=result.first_token_s)
     response: dict[str, Any] = {"text": result.text, "output_ids": result.output_ids, "meta_info": meta}
     if return_prompt_ids:
         response["prompt_token_ids"] = result.prompt_ids
@@ -66,45 +80,106 @@ def _prompts(engine: Engine, body: dict[str, Any]) -> tuple[list[list[int]], boo
     if given[0] == "text":
         text = body["text"]
         texts = text if isinstance(text, list) else [text]
-        if not all(isinstance(t, str) for t in texts):
-            raise ProtocolError("text must be a string or a list of strings")
+        if not texts or not all(isinstance(t, str) for t in texts):
+            raise ProtocolError("text must be a string or a non-empty list of strings")
         return [engine.tokenizer.encode(t, add_special_tokens=False) for t in texts], isinstance(text, list)
     ids = body["input_ids"]
     batch = isinstance(ids, list) and bool(ids) and isinstance(ids[0], list)
     prompts = ids if batch else [ids]
-    vocab = len(engine.tokenizer)
     for prompt in prompts:
-        if not isinstance(prompt, list) or not all(isinstance(t, int) and 0 <= t < vocab for t in prompt):
-            raise ProtocolError(f"input_ids must be lists of token ids in [0, {vocab})")
+        if not isinstance(prompt, list) or not all(type(t) is int and 0 <= t < engine.vocab_size for t in prompt):
+            raise ProtocolError(f"input_ids must be lists of token ids in [0, {engine.vocab_size})")
     return prompts, batch
 
 
-def _sampling(raw: Any, i: int) -> SamplingParams:
-    item = raw[i] if isinstance(raw, list) else raw
+def _sampling(body: dict[str, Any], i: int) -> SamplingParams:
+    raw = body.get("sampling_params")
+    item = raw[i] if isinstance(raw, list) and i < len(raw) else raw
     if item is not None and not isinstance(item, dict):
         raise ProtocolError("sampling_params must be an object or a list of objects")
+    item = dict(item or {})
+    if body.get("return_logprob") and body.get("top_logprobs_num"):
+        item["top_logprobs_num"] = body["top_logprobs_num"]
     try:
         return SamplingParams.from_dict(item)
     except Exception as exc:  # msgspec.ValidationError or our ValueError
         raise ProtocolError(f"sampling_params: {exc}") from None
 
 
-async def generate(engine: Engine, body: dict[str, Any]) -> dict[str, Any] | list[dict[str, Any]]:
-    """Serve one `/generate` body; raises ProtocolError for a request SGLang would reject."""
-    if body.get("stream"):
-        raise ProtocolError("stream=true is not supported by the embedded engine yet")
+def _requests(engine: Engine, body: dict[str, Any]) -> tuple[list[tuple[list[int], SamplingParams, str | None]], bool]:
     prompts, batch = _prompts(engine, body)
-    rid = body.get("rid")
-    rids = rid if isinstance(rid, list) else [f"{rid}-{i}" if rid and batch else rid for i in range(len(prompts))]
-    params = [_sampling(body.get("sampling_params"), i) for i in range(len(prompts))]
-    try:
-        results = await asyncio.gather(
-            *(engine.generate(p, s, r) for p, s, r in zip(prompts, params, rids))
-        )
-    except ValueError as exc:  # e.g. prompt beyond the context window
-        raise ProtocolError(str(exc)) from None
+    rid = body.get("rid") or uuid.uuid4().hex
+    rids = rid if isinstance(rid, list) else [f"{rid}-{i}" if batch else rid for i in range(len(prompts))]
+    if len(rids) != len(prompts):
+        raise ProtocolError("rid must have one entry per prompt")
+    for prompt in prompts:
+        if len(prompt) >= engine.context_length:
+            raise ProtocolError(f"prompt has {len(prompt)} tokens; the context window is {engine.context_length}")
+    return [(p, _sampling(body, i), r) for i, (p, r) in enumerate(zip(prompts, rids))], batch
+
+
+async def generate(engine: Engine, body: dict[str, Any]) -> dict[str, Any] | list[dict[str, Any]]:
+    """Serve one non-streaming `/generate` body; raises ProtocolError for a request SGLang
+    would reject."""
+    if body.get("stream"):
+        raise ProtocolError("use generate_stream for stream=true")
+    requests, batch = _requests(engine, body)
+    results = await asyncio.gather(*(engine.generate(p, s, r) for p, s, r in requests))
     responses = [
         to_response(r, engine.version, bool(body.get("return_logprob")), bool(body.get("return_prompt_token_ids")))
         for r in results
     ]
     return responses if batch else responses[0]
+
+
+class _TextStream:
+    """Text of a growing output, released only where it can no longer change: not the end of
+    an unfinished UTF-8 character, nor what could still turn out to be part of a stop string."""
+
+    def __init__(self, tokenizer: Any, params: SamplingParams):
+        self.tokenizer = tokenizer
+        self.skip_special = params.skip_special_tokens
+        self.hold = max((len(s) for s in params.stop), default=1) - 1
+        self.sent = ""
+
+    def advance(self, ids: list[int]) -> str:
+        text = self.tokenizer.decode(ids, skip_special_tokens=self.skip_special)
+        text = text.rstrip("\ufffd")
+        ready = text[: max(len(self.sent), len(text) - self.hold)]
+        delta, self.sent = ready[len(self.sent):], ready
+        return delta
+
+    def finish(self, final_text: str) -> str:
+        delta, self.sent = final_text[len(self.sent):], final_text
+        return delta
+
+
+async def generate_stream(engine: Engine, body: dict[str, Any], incremental: bool = False) -> AsyncIterator[dict[str, Any]]:
+    """The chunks of a streaming `/generate` request (one prompt); the last has `finish_reason`."""
+    requests, batch = _requests(engine, body)
+    if batch:
+        raise ProtocolError("streaming takes one prompt, not a batch")
+    [(prompt, params, rid)] = requests
+    return_logprob = bool(body.get("return_logprob"))
+    ids: list[int] = []
+    logprobs: list[float] = []
+    versions: list[int] = []
+    tops: list | None = [] if params.top_logprobs_num else None
+    text = _TextStream(engine.tokenizer, params)
+    async for item in engine.stream(prompt, params, rid):
+        start = len(ids)
+        if isinstance(item, TokenDelta):
+            ids += item.token_ids
+            logprobs += item.logprobs
+            versions += item.versions
+            if tops is not None:
+                tops += item.top_logprobs or []
+            delta_text, finish = text.advance(ids), None
+        else:
+            delta_text, finish = text.finish(item.text), item.finish_reason
+        cut = start if incremental else 0
+        current = versions[-1] if versions else engine.version
+        meta = _meta(rid, len(prompt), ids[cut:], logprobs[cut:], versions[cut:],
+                     tops[cut:] if tops is not None else None, finish, current, return_logprob)
+        meta["completion_tokens"] = len(ids)
+        yield {"text": delta_text if incremental else text.sent, "output_ids": ids[cut:], "meta_info": meta}

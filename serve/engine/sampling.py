@@ -30,6 +30,8 @@ class SamplingParams(msgspec.Struct, kw_only=True, forbid_unknown_fields=False):
     skip_special_tokens: bool = True
     no_stop_trim: bool = False
     sampling_seed: int | None = None
+    top_logprobs_num: int = 0
+    """Also return this many most likely tokens (with logprobs) at each output position."""
 
     def validate(self) -> None:
         """Raise ValueError naming the parameter if a value is out of range."""
@@ -45,6 +47,8 @@ class SamplingParams(msgspec.Struct, kw_only=True, forbid_unknown_fields=False):
             raise ValueError("sampling_params.top_k must be >= 1 or -1")
         if self.min_new_tokens < 0:
             raise ValueError("sampling_params.min_new_tokens must be >= 0")
+        if not 0 <= self.top_logprobs_num <= 20:
+            raise ValueError("top_logprobs_num must be between 0 and 20")
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any] | None) -> "SamplingParams":
@@ -63,17 +67,20 @@ class SamplingParams(msgspec.Struct, kw_only=True, forbid_unknown_fields=False):
 
 
 def sample(
-    logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None]
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Draw one token per row of `logits` [B, V]; returns (token ids [B], behaviour logprobs [B])."""
+    logits: torch.Tensor,
+    params: list[SamplingParams],
+    generators: list[torch.Generator | None],
+    top_n: int = 0,
+) -> tuple[torch.Tensor, torch.Tensor, list[list[tuple[int, float]]] | None]:
+    """Draw one token per row of `logits` [B, V]. Returns token ids [B], their behaviour
+    logprobs [B] and, when `top_n` > 0, each row's `top_n` most likely (id, logprob) pairs."""
     logits = logits.float()
     temps = torch.tensor([p.temperature for p in params], dtype=torch.float32)
     greedy = temps == 0
     scaled = logits / torch.where(greedy, torch.ones_like(temps), temps).unsqueeze(1)
     logprobs = torch.log_softmax(scaled, dim=-1)
 
-    filtered = _truncate(scaled, params)
-    probs = torch.softmax(filtered, dim=-1)
+    probs = torch.softmax(_truncate(scaled, params), dim=-1)
     tokens = torch.empty(len(params), dtype=torch.long)
     shared_rows = [i for i, g in enumerate(generators) if g is None and not greedy[i]]
     if shared_rows:
@@ -83,7 +90,12 @@ def sample(
             tokens[i] = torch.multinomial(probs[i], 1, generator=generator).item()
     if greedy.any():
         tokens[greedy] = logits[greedy].argmax(dim=-1)
-    return tokens, logprobs.gather(1, tokens.unsqueeze(1)).squeeze(1)
+    chosen = logprobs.gather(1, tokens.unsqueeze(1)).squeeze(1)
+    top = None
+    if top_n > 0:
+        values, indices = logprobs.topk(top_n, dim=-1)
+        top = [list(zip(row_ids, row_lps)) for row_ids, row_lps in zip(indices.tolist(), values.tolist())]
+    return tokens, chosen, top
 
 
 def _truncate(scaled: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:

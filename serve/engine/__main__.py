@@ -1,0 +1,45 @@
+"""`python -m serve.engine --model tiny --port 30000`: the embedded engine as a standalone server
+speaking SGLang's native protocol, with flags named like `sglang.launch_server`'s."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+
+import torch
+import uvicorn
+
+from models import load_model, load_weights
+from serve.engine.core import Engine
+from serve.engine.server import create_engine_app
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m serve.engine", description=__doc__.splitlines()[0])
+    parser.add_argument("--model", "--model-path", dest="model", default="tiny", help="tiny, smollm2-135m or a model directory")
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=30000)
+    parser.add_argument("--served-model-name")
+    parser.add_argument("--max-running-requests", "--max-batch-size", dest="max_batch_size", type=int, default=32)
+    parser.add_argument("--context-length", type=int)
+    parser.add_argument("--weight-version", type=int, default=0)
+    parser.add_argument("--admin-api-key", help="required (Bearer) on control routes")
+    parser.add_argument("--incremental-streaming-output", action="store_true", help="stream deltas, not cumulative chunks")
+    parser.add_argument("--torch-threads", type=int, default=1)
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    torch.set_num_threads(args.torch_threads)
+    model, tokenizer = load_model(args.model)
+    engine = Engine(model, tokenizer, version=args.weight_version, max_batch_size=args.max_batch_size,
+                    context_length=args.context_length, load_weights=load_weights).start()
+    app = create_engine_app(engine, args.model, args.served_model_name or args.model, args.admin_api_key,
+                            args.incremental_streaming_output)
+    try:
+        uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
+    finally:
+        engine.stop()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,160 @@
+"""One generation request inside the engine: its output so far, when it finishes, and how its
+caller hears about it (a future for the final result, a queue of deltas when streaming).
+
+Finish rules, checked after every sampled token: a stop token id (or EOS unless `ignore_eos`)
+finishes with `{"type": "stop", "matched": id}` and the token is kept in the output; a stop
+string finishes with `{"type": "stop", "matched": str}` and the text is cut before it (unless
+`no_stop_trim`); `max_new_tokens` or the context window finishes with `{"type": "length"}`.
+Until `min_new_tokens` are out, stop tokens cannot be sampled.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from serve.engine.sampling import SamplingParams
+
+
+@dataclass
+class TokenDelta:
+    """Tokens sampled for one request in one step (streamed to its caller)."""
+
+    token_ids: list[int]
+    logprobs: list[float]
+    versions: list[int]
+    top_logprobs: list[list[tuple[int, float]]] | None = None
+
+
+@dataclass
+class GenerationResult:
+    """The finished request (the native `/generate` response carries it)."""
+
+    rid: str
+    prompt_ids: list[int]
+    output_ids: list[int]
+    logprobs: list[float]
+    versions: list[int]
+    top_logprobs: list[list[tuple[int, float]]] | None
+    text: str
+    finish_reason: dict[str, Any]
+    """SGLang's shape: {"type": "stop", "matched": id|str}, {"type": "length", "length": n},
+    or {"type": "abort", "message": ...}."""
+    queued_s: float
+    first_token_s: float
+    total_s: float
+
+
+@dataclass
+class Request:
+    rid: str
+    input_ids: list[int]
+    params: SamplingParams
+    loop: asyncio.AbstractEventLoop
+    future: asyncio.Future
+    queue: asyncio.Queue | None
+    eos_ids: set[int]
+    context_length: int
+    tokenizer: Any
+    arrived: float = field(default_factory=time.monotonic)
+    output_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)
+    top_logprobs: list[list[tuple[int, float]]] | None = None
+    finish: dict[str, Any] | None = None
+    text: str | None = None
+    started: float = 0.0
+    first_token: float = 0.0
+
+    def __post_init__(self) -> None:
+        params = self.params
+        self.stop_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else self.eos_ids)
+        self.generator = torch.Generator().manual_seed(params.sampling_seed) if params.sampling_seed is not None else None
+        if params.top_logprobs_num:
+            self.top_logprobs = []
+        if params.max_new_tokens == 0:
+            self.finish = {"type": "length", "length": 0}
+
+    def banned_now(self) -> list[int]:
+        """Token ids that may not be sampled yet (stop tokens before `min_new_tokens`)."""
+        return list(self.stop_ids) if len(self.output_ids) < self.params.min_new_tokens else []
+
+    def append(self, token: int, logprob: float, version: int, top: list[tuple[int, float]] | None, now: float) -> TokenDelta:
+        if not self.output_ids:
+            self.first_token = now
+        self.output_ids.append(token)
+        self.logprobs.append(logprob)
+        self.versions.append(version)
+        if self.top_logprobs is not None:
+            self.top_logprobs.append(top or [])
+        self.finish = self._finish_after(token)
+        return TokenDelta([token], [logprob], [version], [top or []] if self.top_logprobs is not None else None)
+
+    def _finish_after(self, token: int) -> dict[str, Any] | None:
+        params = self.params
+        if token in self.stop_ids:
+            return {"type": "stop", "matched": token}
+        if params.stop:
+            text = self.tokenizer.decode(self.output_ids, skip_special_tokens=params.skip_special_tokens)
+            hits = [(text.find(s), s) for s in params.stop if s in text]
+            if hits:
+                at, matched = min(hits)
+                self.text = text if params.no_stop_trim else text[:at]
+                return {"type": "stop", "matched": matched}
+        if len(self.output_ids) >= params.max_new_tokens or len(self.input_ids) + len(self.output_ids) >= self.context_length:
+            return {"type": "length", "length": len(self.output_ids)}
+        return None
+
+    def complete(self) -> None:
+        """Deliver the final result to the caller (future, and the stream if any)."""
+        if self.text is None:
+            self.text = self.tokenizer.decode(self.output_ids, skip_special_tokens=self.params.skip_special_tokens)
+        end = time.monotonic()
+        started = self.started or end
+        result = GenerationResult(
+            rid=self.rid,
+            prompt_ids=self.input_ids,
+            output_ids=self.output_ids,
+            logprobs=self.logprobs,
+            versions=self.versions,
+            top_logprobs=self.top_logprobs,
+            text=self.text,
+            finish_reason=self.finish,
+            queued_s=started - self.arrived,
+            first_token_s=(self.first_token or end) - self.arrived,
+            total_s=end - self.arrived,
+        )
+        resolve(self.loop, self.future, result, queue=self.queue)
+
+    def fail(self, error: Exception) -> None:
+        resolve(self.loop, self.future, error=error, queue=self.queue)
+
+
+def resolve(loop, future: asyncio.Future, result=None, error: Exception | None = None, queue: asyncio.Queue | None = None) -> None:
+    """Settle `future` (and end `queue`) from any thread, on the owner's event loop."""
+
+    def settle() -> None:
+        if queue is not None:  # a stream's consumer reads the outcome from its queue
+            queue.put_nowait(result if error is None else StreamError(error))
+        if future.done():
+            return
+        if error is not None and queue is None:
+            future.set_exception(error)
+        else:
+            future.set_result(result)
+
+    try:
+        loop.call_soon_threadsafe(settle)
+    except RuntimeError:  # the caller's loop has closed; nobody is waiting any more
+        pass
+
+
+@dataclass
+class StreamError:
+    """Put on a stream's queue when its request failed."""
+
+    error: Exception

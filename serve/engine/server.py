@@ -1,0 +1,195 @@
+"""The embedded engine as an HTTP server speaking SGLang's native protocol.
+
+Routes and reply shapes follow SGLang (shared/reference/sglang-api.md): `/generate` (JSON, or
+server-sent events with `stream: true`), `/pause_generation`, `/continue_generation`,
+`/update_weights_from_disk`, `/update_weight_version`, `/abort_request`, `/flush_cache`,
+`/model_info` (and `/get_model_info`), `/health`, `/health_generate`, `/v1/loads`,
+`/server_info`. Control routes need the admin key when one is set.
+
+One deliberate difference: `/update_weights_from_disk` on a server that is not paused does not
+wait for in-flight requests to drain; the engine loads the weights between two decode steps and
+the requests go on, their later tokens labelled with the new version.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+
+from serve.engine import native
+from serve.engine.core import Engine
+from serve.engine.native import ProtocolError
+
+ADMIN_ROUTES = {
+    "/pause_generation", "/continue_generation", "/update_weights_from_disk", "/update_weight_version",
+    "/abort_request", "/flush_cache",
+}
+
+
+def _ok(message: str, **extra: Any) -> JSONResponse:
+    return JSONResponse({"success": True, "message": message, **extra})
+
+
+def _fail(message: str, status: int = 400) -> JSONResponse:
+    return JSONResponse({"success": False, "message": message}, status_code=status)
+
+
+async def _body(request: Request) -> dict[str, Any]:
+    raw = await request.body()
+    if not raw:
+        return {}
+    try:
+        body = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise ProtocolError(f"the request body is not valid JSON: {exc}") from None
+    if not isinstance(body, dict):
+        raise ProtocolError("the request body must be a JSON object")
+    return body
+
+
+def _sse(chunks: AsyncIterator[dict[str, Any]]) -> AsyncIterator[bytes]:
+    async def events() -> AsyncIterator[bytes]:
+        try:
+            async for chunk in chunks:
+                yield b"data: " + json.dumps(chunk).encode() + b"\n\n"
+        except Exception as exc:  # reported in-band: the status line is already sent
+            error = {"message": str(exc), "type": type(exc).__name__, "code": 500, "retryable": False}
+            yield b"data: " + json.dumps({"error": error}).encode() + b"\n\n"
+        yield b"data: [DONE]\n\n"
+
+    return events()
+
+
+def create_engine_app(
+    engine: Engine,
+    model_path: str,
+    served_model_name: str,
+    admin_key: str | None = None,
+    incremental_streaming: bool = False,
+) -> FastAPI:
+    app = FastAPI(title="Flywheel engine (SGLang protocol)", docs_url=None, redoc_url=None)
+    started = time.time()
+
+    @app.middleware("http")
+    async def admin_only(request: Request, call_next):
+        if admin_key and request.url.path in ADMIN_ROUTES:
+            if request.headers.get("authorization", "") != f"Bearer {admin_key}":
+                return JSONResponse({"error": "Unauthorized"}, status_code=401)
+        return await call_next(request)
+
+    @app.exception_handler(ProtocolError)
+    async def protocol_error(_: Request, exc: ProtocolError) -> JSONResponse:
+        return JSONResponse({"error": str(exc)}, status_code=400)
+
+    @app.api_route("/generate", methods=["POST", "PUT"])
+    async def generate(request: Request) -> Response:
+        body = await _body(request)
+        if body.get("stream"):
+            chunks = native.generate_stream(engine, body, incremental_streaming)
+            first = await anext(chunks)  # errors in the request itself still answer 400
+
+            async def replay() -> AsyncIterator[dict[str, Any]]:
+                yield first
+                async for chunk in chunks:
+                    yield chunk
+
+            return StreamingResponse(_sse(replay()), media_type="text/event-stream")
+        return JSONResponse(await native.generate(engine, body))
+
+    @app.post("/pause_generation")
+    async def pause(request: Request) -> JSONResponse:
+        mode = (await _body(request)).get("mode", "abort")
+        if mode not in ("abort", "retract", "in_place"):
+            raise ProtocolError("mode must be abort, retract or in_place")
+        await engine.pause(mode)
+        return JSONResponse({"message": "Generation paused successfully.", "status": "ok"})
+
+    @app.post("/continue_generation")
+    async def resume() -> JSONResponse:
+        await engine.resume()
+        return JSONResponse({"message": "Generation continued successfully.", "status": "ok"})
+
+    @app.post("/update_weights_from_disk")
+    async def update_weights(request: Request) -> JSONResponse:
+        body = await _body(request)
+        if not body.get("model_path"):
+            return _fail("model_path is required")
+        try:
+            version = int(body.get("weight_version", engine.version + 1))
+        except (TypeError, ValueError):
+            return _fail("weight_version must be an integer for the embedded engine")
+        try:
+            seconds = await engine.update_weights(body["model_path"], version, bool(body.get("abort_all_requests")))
+        except Exception as exc:
+            return _fail(f"Failed to update weights: {exc}")
+        return _ok(f"Succeeded to update model weights in {seconds:.3f}s. Weight version updated to {version}.",
+                   num_paused_requests=0)
+
+    @app.post("/update_weight_version")
+    async def update_weight_version(request: Request) -> JSONResponse:
+        body = await _body(request)
+        try:
+            version = int(body["new_version"])
+        except (KeyError, TypeError, ValueError):
+            return _fail("new_version must be an integer for the embedded engine")
+        if body.get("abort_all_requests", True):
+            await engine.abort(None)
+        engine.version = version
+        return _ok(f"Weight version updated to {version}", new_version=str(version))
+
+    @app.post("/abort_request")
+    async def abort(request: Request) -> Response:
+        body = await _body(request)
+        await engine.abort(None if body.get("abort_all") else body.get("rid"))
+        return Response(status_code=200)
+
+    @app.api_route("/flush_cache", methods=["GET", "POST"])
+    async def flush_cache() -> PlainTextResponse:
+        load = engine.load()
+        if load["num_running_reqs"] or load["num_waiting_reqs"]:
+            return PlainTextResponse("Cache not flushed: requests are running or waiting.\n", status_code=400)
+        return PlainTextResponse("Cache flushed.\nPlease check backend logs for more details.\n")
+
+    @app.get("/model_info")
+    @app.get("/get_model_info")
+    async def model_info() -> dict[str, Any]:
+        config = engine.model.config
+        return {
+            "model_path": model_path, "tokenizer_path": model_path, "served_model_name": served_model_name,
+            "is_generation": True, "preferred_sampling_params": None, "weight_version": str(engine.version),
+            "load_format": "auto", "model_type": config.model_type, "architectures": config.architectures,
+            "context_length": engine.context_length,
+        }
+
+    @app.get("/health")
+    async def health() -> Response:
+        return Response(status_code=200)
+
+    @app.get("/health_generate")
+    async def health_generate() -> Response:
+        try:
+            await native.generate(engine, {"input_ids": [engine.pad_id], "sampling_params": {"max_new_tokens": 1}})
+        except Exception:
+            return Response(status_code=503)
+        return Response(status_code=200)
+
+    @app.get("/v1/loads")
+    async def loads() -> dict[str, Any]:
+        return engine.load()
+
+    @app.get("/server_info")
+    @app.get("/get_server_info")
+    async def server_info() -> dict[str, Any]:
+        return {
+            "model_path": model_path, "served_model_name": served_model_name, "max_running_requests": engine.max_batch_size,
+            "context_length": engine.context_length, "incremental_streaming_output": incremental_streaming,
+            "weight_version": str(engine.version), "uptime_s": time.time() - started, "version": "flywheel-embedded",
+            "internal_states": [engine.load()],
+        }
+
+    return app

@@ -1,0 +1,56 @@
+"""The engines behind one gateway: session-affine routing and rolling weight swaps.
+
+Routing is rendezvous hashing of the session id over the engines' names: a session keeps going
+to the same engine (its prefix cache stays warm there), and when an engine is added or removed
+only the sessions that hashed to it move. Weight swaps roll across the engines one at a time
+(pause in the configured mode, load, continue), so with several engines some engine is always
+generating; with the embedded engine the pause lasts only as long as the load.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import time
+
+from serve.engine_client import EngineClient
+
+log = logging.getLogger(__name__)
+
+
+class EnginePool:
+    def __init__(self, engines: list[EngineClient]):
+        if not engines:
+            raise ValueError("an engine pool needs at least one engine")
+        self.engines = engines
+
+    def route(self, session_id: str) -> EngineClient:
+        def score(engine: EngineClient) -> bytes:
+            return hashlib.blake2b(f"{engine.name}\0{session_id}".encode(), digest_size=8).digest()
+
+        return max(self.engines, key=score)
+
+    @property
+    def weight_version(self) -> int:
+        """The version every engine has reached (the oldest one, during a rolling swap)."""
+        return min(engine.weight_version for engine in self.engines)
+
+    async def swap(self, model_path: str, version: int, mode: str = "in_place") -> list[float]:
+        """Load `version` into every engine, one after another; returns how long each paused."""
+        paused = []
+        for engine in self.engines:
+            if engine.weight_version >= version:
+                continue
+            started = time.monotonic()
+            await engine.pause(mode)
+            try:
+                await engine.update_weights_from_disk(model_path, version)
+            finally:
+                await engine.resume()
+            paused.append(time.monotonic() - started)
+            log.info("engine %s now on v%d (paused %.3fs)", engine.name, version, paused[-1])
+        return paused
+
+    async def close(self) -> None:
+        for engine in self.engines:
+            await engine.close()

@@ -1,0 +1,92 @@
+"""OpenAI response objects: chat completions, text completions, their stream chunks, logprobs.
+
+`system_fingerprint` is `flywheel-v{N}`: the weight version that produced the answer (the
+version of its last token).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from serve.choices import Choice
+from serve.tools import parse_tool_calls
+
+
+def fingerprint(version: int | None) -> str | None:
+    return None if version is None else f"flywheel-v{version}"
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens, "total_tokens": prompt_tokens + completion_tokens}
+
+
+def _token(tokenizer: Any, token_id: int) -> tuple[str, list[int]]:
+    text = tokenizer.decode([token_id], skip_special_tokens=False)
+    return text, list(text.encode("utf-8"))
+
+
+def chat_logprobs(tokenizer: Any, choice: Choice, start: int = 0, end: int | None = None) -> dict[str, Any]:
+    """`choices[].logprobs` of a chat completion for output tokens [start, end)."""
+    content = []
+    for i in range(start, len(choice.output_ids) if end is None else end):
+        text, raw = _token(tokenizer, choice.output_ids[i])
+        tops = []
+        for token_id, logprob in (choice.top_logprobs[i] if choice.top_logprobs else []):
+            top_text, top_raw = _token(tokenizer, token_id)
+            tops.append({"token": top_text, "logprob": logprob, "bytes": top_raw})
+        content.append({"token": text, "logprob": choice.logprobs[i], "bytes": raw, "top_logprobs": tops})
+    return {"content": content, "refusal": None}
+
+
+def completion_logprobs(tokenizer: Any, choice: Choice, start: int = 0, text_offset: int = 0) -> dict[str, Any]:
+    """`choices[].logprobs` of a text completion (the legacy shape) for tokens from `start`."""
+    tokens, offsets, tops = [], [], []
+    offset = text_offset
+    for i in range(start, len(choice.output_ids)):
+        text, _ = _token(tokenizer, choice.output_ids[i])
+        tokens.append(text)
+        offsets.append(offset)
+        offset += len(text)
+        if choice.top_logprobs is not None:
+            tops.append({_token(tokenizer, t)[0]: lp for t, lp in choice.top_logprobs[i]})
+    return {
+        "tokens": tokens,
+        "token_logprobs": choice.logprobs[start:],
+        "top_logprobs": tops if choice.top_logprobs is not None else None,
+        "text_offset": offsets,
+    }
+
+
+def chat_message(choice: Choice, tools_active: bool, forced: str = "") -> tuple[dict[str, Any], str]:
+    """The assistant message of a finished choice and its finish reason."""
+    text = forced + choice.text
+    if tools_active:
+        content, calls = parse_tool_calls(text)
+        if calls:
+            return {"role": "assistant", "content": content, "tool_calls": calls}, "tool_calls"
+    return {"role": "assistant", "content": text}, choice.finish_reason
+
+
+def chat_chunk(rid: str, created: int, model: str, version: int | None, index: int, delta: dict[str, Any],
+               finish_reason: str | None = None, logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
+    return {
+        "id": rid, "object": "chat.completion.chunk", "created": created, "model": model,
+        "system_fingerprint": fingerprint(version),
+        "choices": [{"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}],
+    }
+
+
+def usage_chunk(rid: str, created: int, model: str, version: int | None, obj: str, prompt_tokens: int, completion_tokens: int) -> dict[str, Any]:
+    return {
+        "id": rid, "object": obj, "created": created, "model": model, "system_fingerprint": fingerprint(version),
+        "choices": [], "usage": usage(prompt_tokens, completion_tokens),
+    }
+
+
+def completion_chunk(rid: str, created: int, model: str, version: int | None, index: int, text: str,
+                     finish_reason: str | None = None, logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
+    return {
+        "id": rid, "object": "text_completion", "created": created, "model": model,
+        "system_fingerprint": fingerprint(version),
+        "choices": [{"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}],
+    }

@@ -1,0 +1,244 @@
+"""One chat or completions request in flight: its n choices against an engine, the OpenAI
+answer (whole, or as server-sent events), and a recorded turn per choice when it ends.
+
+Every path ends in `_record`: a finished answer, an engine error, and a client that disconnects
+mid-stream (its choices are aborted in the engine and recorded with `client_disconnected`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from bus import TURN_SUBJECT, Timings, Turn
+from serve.choices import Choice
+from serve.engine_client import EngineClient, EngineError
+from serve.formatting import (
+    chat_chunk,
+    chat_logprobs,
+    chat_message,
+    completion_chunk,
+    completion_logprobs,
+    fingerprint,
+    usage,
+    usage_chunk,
+)
+from serve.recorder import Recorder
+from serve.schema import ChatCompletionRequest, CompletionRequest, sampling_params
+from serve.sessions import SessionInfo
+from serve.tools import OPEN
+
+
+@dataclass
+class Generation:
+    body: ChatCompletionRequest | CompletionRequest
+    engine: EngineClient
+    tokenizer: Any
+    recorder: Recorder
+    model_name: str
+    session: SessionInfo
+    prompt_ids: list[int]
+    max_new_tokens: int
+    forced: str = ""
+    """Prompt text that forces a tool call; the answer's text starts with it."""
+    tools_active: bool = False
+    on_finish: Callable[["Generation"], None] | None = None
+    id: str = field(default_factory=lambda: uuid.uuid4().hex)
+    created: int = field(default_factory=lambda: int(time.time()))
+    arrived: float = field(default_factory=time.monotonic)
+
+    def __post_init__(self) -> None:
+        self.chat = isinstance(self.body, ChatCompletionRequest)
+        self.choices = [Choice(i, f"{self.id}-{i}") for i in range(self.body.n)]
+        self.top_n = (self.body.top_logprobs or 0) if self.chat else (self.body.logprobs or 0)
+        self.want_logprobs = bool(self.body.logprobs) if self.chat else self.body.logprobs is not None
+        self._recorded = False
+
+    @property
+    def response_id(self) -> str:
+        return f"{'chatcmpl' if self.chat else 'cmpl'}-{self.id}"
+
+    def _engine_body(self, i: int) -> dict[str, Any]:
+        return {
+            "input_ids": self.prompt_ids,
+            "sampling_params": sampling_params(self.body, self.max_new_tokens, i),
+            "return_logprob": True,
+            "top_logprobs_num": self.top_n,
+            "rid": self.choices[i].rid,
+        }
+
+    # ---- whole answers ---------------------------------------------------------------------
+
+    async def complete(self) -> dict[str, Any]:
+        try:
+            responses = await asyncio.gather(*(self.engine.generate(self._engine_body(i)) for i in range(self.body.n)))
+            self.choices = [Choice.from_response(i, c.rid, r) for i, (c, r) in enumerate(zip(self.choices, responses))]
+        finally:
+            self._record()
+        return self._answer()
+
+    def _answer(self) -> dict[str, Any]:
+        choices = []
+        for choice in self.choices:
+            if self.chat:
+                message, finish = chat_message(choice, self.tools_active, self.forced)
+                logprobs = chat_logprobs(self.tokenizer, choice) if self.want_logprobs else None
+                choices.append({"index": choice.index, "message": message, "logprobs": logprobs, "finish_reason": finish})
+            else:
+                logprobs = completion_logprobs(self.tokenizer, choice) if self.want_logprobs else None
+                choices.append({"index": choice.index, "text": choice.text, "logprobs": logprobs, "finish_reason": choice.finish_reason})
+        return {
+            "id": self.response_id,
+            "object": "chat.completion" if self.chat else "text_completion",
+            "created": self.created,
+            "model": self.model_name,
+            "system_fingerprint": fingerprint(self._version()),
+            "choices": choices,
+            "usage": usage(len(self.prompt_ids), sum(len(c.output_ids) for c in self.choices)),
+        }
+
+    def _version(self) -> int:
+        versions = [c.version for c in self.choices if c.version is not None]
+        return max(versions) if versions else self.engine.weight_version
+
+    # ---- streams ---------------------------------------------------------------------------
+
+    async def events(self) -> AsyncIterator[bytes]:
+        """The answer as server-sent events; recording happens however the stream ends."""
+        queue: asyncio.Queue[tuple[int, dict[str, Any] | Exception | None]] = asyncio.Queue()
+
+        async def pump(i: int) -> None:
+            try:
+                async for chunk in self.engine.generate_stream(self._engine_body(i)):
+                    await queue.put((i, chunk))
+                await queue.put((i, None))
+            except Exception as exc:  # delivered in-band, after the status line
+                await queue.put((i, exc))
+
+        tasks = [asyncio.create_task(pump(i)) for i in range(self.body.n)]
+        finished = 0
+        streamed = ["" for _ in self.choices]
+        try:
+            if self.chat:
+                for choice in self.choices:
+                    yield _sse(chat_chunk(self.response_id, self.created, self.model_name, None, choice.index,
+                                          {"role": "assistant", "content": ""}))
+            while finished < self.body.n:
+                i, item = await queue.get()
+                choice = self.choices[i]
+                if isinstance(item, Exception):
+                    message = str(item) if isinstance(item, EngineError) else f"internal error: {type(item).__name__}"
+                    yield _sse({"error": {"message": message, "type": "server_error", "param": None, "code": None}})
+                    break
+                if item is None:
+                    finished += 1
+                    yield _sse(self._final_chunk(choice, streamed[i]))
+                    continue
+                start = len(choice.output_ids)
+                text = choice.add(item)
+                chunk = self._delta_chunk(choice, text, start, streamed)
+                if chunk is not None:
+                    yield _sse(chunk)
+            else:
+                if self.body.include_usage:
+                    yield _sse(usage_chunk(self.response_id, self.created, self.model_name, self._version(),
+                                           "chat.completion.chunk" if self.chat else "text_completion",
+                                           len(self.prompt_ids), sum(len(c.output_ids) for c in self.choices)))
+            yield b"data: [DONE]\n\n"
+        except (GeneratorExit, asyncio.CancelledError):  # the client went away
+            for choice in self.choices:
+                choice.disconnected = choice.finish is None
+            raise
+        finally:
+            for task in tasks:
+                task.cancel()  # a choice still generating is aborted in its engine
+            self._record()
+
+    def _delta_chunk(self, choice: Choice, text: str, start: int, streamed: list[str]) -> dict[str, Any] | None:
+        version = choice.version
+        if not self.chat:
+            logprobs = completion_logprobs(self.tokenizer, choice, start, len(streamed[choice.index])) if self.want_logprobs else None
+            streamed[choice.index] += text
+            return completion_chunk(self.response_id, self.created, self.model_name, version, choice.index, text, None, logprobs)
+        logprobs = chat_logprobs(self.tokenizer, choice, start) if self.want_logprobs else None
+        if self.tools_active:  # hold back anything that may be (the start of) a tool call
+            full = self.forced + choice.text
+            cut = full.find(OPEN)
+            safe = full if cut < 0 else full[:cut]
+            safe = safe[: len(safe) - _partial_open(safe)]
+            text = safe[len(streamed[choice.index]):] if len(safe) > len(streamed[choice.index]) else ""
+        if not text and logprobs is None:
+            return None
+        streamed[choice.index] += text
+        return chat_chunk(self.response_id, self.created, self.model_name, version, choice.index, {"content": text}, None, logprobs)
+
+    def _final_chunk(self, choice: Choice, streamed: str) -> dict[str, Any]:
+        version = choice.version
+        if not self.chat:
+            return completion_chunk(self.response_id, self.created, self.model_name, version, choice.index, "", choice.finish_reason)
+        message, finish = chat_message(choice, self.tools_active, self.forced)
+        delta: dict[str, Any] = {}
+        content = message.get("content") or ""
+        if content.startswith(streamed) and len(content) > len(streamed):
+            delta["content"] = content[len(streamed):]
+        if message.get("tool_calls"):
+            delta["tool_calls"] = [{"index": k, **call} for k, call in enumerate(message["tool_calls"])]
+        return chat_chunk(self.response_id, self.created, self.model_name, version, choice.index, delta, finish)
+
+    # ---- recording -------------------------------------------------------------------------
+
+    def _record(self) -> None:
+        if self._recorded:
+            return
+        self._recorded = True
+        several = self.body.n > 1
+        for choice in self.choices:
+            if self.chat:
+                response, finish = chat_message(choice, self.tools_active, self.forced)
+            else:
+                response, finish = {"text": choice.text}, choice.finish_reason
+            if choice.disconnected or choice.finish is None:
+                finish = "abort"
+            self.recorder.record(TURN_SUBJECT, Turn(
+                id=choice.rid,
+                session_id=f"{self.session.session_id}/{choice.index}" if several else self.session.session_id,
+                turn_index=sum(1 for m in self.body.messages if m.role == "assistant") if self.chat else 0,
+                turn_type=self.session.turn_type,
+                task_id=self.session.task_id or (self.id if several else None),
+                model=self.model_name,
+                endpoint="chat" if self.chat else "completions",
+                messages=[m.model_dump(exclude_none=True) for m in self.body.messages] if self.chat else [],
+                prompt=self.body.prompt if not self.chat and isinstance(self.body.prompt, str) else None,
+                response=response,
+                prompt_ids=self.prompt_ids,
+                output_ids=choice.output_ids,
+                output_logprobs=choice.logprobs,
+                output_versions=choice.versions,
+                finish_reason=finish,
+                sampling=sampling_params(self.body, self.max_new_tokens, choice.index),
+                session_done=self.session.done,
+                client_disconnected=choice.disconnected,
+                timings=Timings(
+                    first_token_s=(choice.first_token_at - self.arrived) if choice.first_token_at else 0.0,
+                    total_s=time.monotonic() - self.arrived,
+                ),
+            ))
+        if self.on_finish is not None:
+            self.on_finish(self)
+
+
+def _sse(obj: dict[str, Any]) -> bytes:
+    return b"data: " + json.dumps(obj).encode() + b"\n\n"
+
+
+def _partial_open(text: str) -> int:
+    """Length of the longest end of `text` that is a proper start of the tool-call tag."""
+    for k in range(min(len(OPEN) - 1, len(text)), 0, -1):
+        if text.endswith(OPEN[:k]):
+            return k
+    return 0

@@ -1,0 +1,343 @@
+"""The serve loop's operational pieces over real HTTP and a real NATS: API keys, body and load
+limits, timeouts, Prometheus metrics, and the recorder's spill to disk through a bus outage."""
+
+import asyncio
+import time
+from contextlib import asynccontextmanager
+
+import httpx
+import openai
+import pytest
+import uvicorn
+from fastapi import FastAPI
+from prometheus_client.parser import text_string_to_metric_families
+from pydantic import BaseModel
+
+from bus import TRAFFIC_SUBJECTS, TURN_SUBJECT, Bus, EmbeddedNats
+from serve.auth import install_auth
+from serve.errors import install_error_handlers
+from serve.limits import ConcurrencyLimiter, install_body_limit, request_timeout
+from serve.metrics import ServeMetrics, install_metrics_route, install_request_metrics
+from serve.recorder import Recorder
+from tests.test_records import make_turn
+
+
+async def until(condition, timeout_s: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, "condition not met in time"
+        await asyncio.sleep(0.01)
+
+
+class StandIn(BaseModel):
+    hold: bool = False
+    """Wait for the test to open the gate while holding a generation slot."""
+    timeout_s: float = 30.0
+    padding: str = ""
+
+
+class Gateway:
+    """A small app wired like the gateway: a generation stand-in behind every operational piece."""
+
+    def __init__(self, api_keys=(), admin_key=None, max_body_bytes=1024, max_concurrent=2, max_queue=1):
+        self.gate = asyncio.Event()
+        self.limiter = ConcurrencyLimiter(max_concurrent, max_queue, retry_after_s=1.5)
+        self.metrics = ServeMetrics()
+        self.app = app = FastAPI()
+        install_error_handlers(app)
+
+        @app.post("/v1/chat/completions")
+        async def complete(body: StandIn) -> dict:
+            async with request_timeout(body.timeout_s), self.limiter.slot():
+                if body.hold:
+                    await self.gate.wait()
+            self.metrics.tokens(prompt=3, completion=2)
+            self.metrics.time_to_first_token(0.004)
+            self.metrics.time_per_output_token(0.002)
+            message = {"role": "assistant", "content": "42"}
+            return {"id": "c", "object": "chat.completion", "created": 0, "model": "tiny",
+                    "choices": [{"index": 0, "message": message, "finish_reason": "stop"}]}
+
+        @app.get("/v1/models")
+        async def models() -> dict:
+            return {"object": "list", "data": [{"id": "tiny", "object": "model", "created": 0, "owned_by": "me"}]}
+
+        @app.post("/pause_generation")
+        async def pause() -> dict:
+            return {"paused": True}
+
+        @app.get("/health")
+        async def health() -> dict:
+            return {"status": "ok"}
+
+        install_metrics_route(app, self.metrics)
+        install_body_limit(app, max_body_bytes)
+        install_auth(app, list(api_keys), admin_key)
+        install_request_metrics(app, self.metrics)
+
+    @asynccontextmanager
+    async def serving(self):
+        server = uvicorn.Server(uvicorn.Config(
+            self.app, host="127.0.0.1", port=0, log_level="warning", lifespan="off", timeout_graceful_shutdown=5
+        ))
+        task = asyncio.create_task(server.serve())
+        await until(lambda: server.started or task.done())
+        port = server.servers[0].sockets[0].getsockname()[1]
+        try:
+            yield f"http://127.0.0.1:{port}"
+        finally:
+            self.gate.set()
+            server.should_exit = True
+            await task
+
+
+def error_of(response: httpx.Response) -> dict:
+    return response.json()["error"]
+
+
+async def test_api_keys_guard_the_api_and_the_admin_key_guards_control_routes():
+    gateway = Gateway(api_keys=["k1", "k2"], admin_key="root")
+    async with gateway.serving() as url, httpx.AsyncClient(base_url=url) as http:
+        async with openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="k3", max_retries=0) as wrong:
+            with pytest.raises(openai.AuthenticationError) as refused:
+                await wrong.models.list()
+        assert refused.value.status_code == 401 and "invalid API key" in refused.value.message
+        missing = await http.get("/v1/models")
+        assert missing.status_code == 401 and missing.headers["www-authenticate"] == "Bearer"
+        assert error_of(missing)["type"] == "authentication_error" and "missing API key" in error_of(missing)["message"]
+
+        async with openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="k2", max_retries=0) as right:
+            assert [m.id for m in (await right.models.list()).data] == ["tiny"]
+            reply = await right.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}])
+        assert reply.choices[0].message.content == "42"
+
+        assert (await http.post("/pause_generation")).status_code == 401
+        as_client = await http.post("/pause_generation", headers={"Authorization": "Bearer k1"})
+        assert as_client.status_code == 401 and "invalid admin key" in error_of(as_client)["message"]
+        as_admin = await http.post("/pause_generation", headers={"Authorization": "bearer root"})
+        assert as_admin.status_code == 200 and as_admin.json() == {"paused": True}
+        admin_is_no_client = await http.get("/v1/models", headers={"Authorization": "Bearer root"})
+        assert admin_is_no_client.status_code == 401
+        assert (await http.get("/health")).status_code == 200 and (await http.get("/metrics")).status_code == 200
+
+
+async def test_without_keys_everything_is_open():
+    async with Gateway().serving() as url, httpx.AsyncClient(base_url=url) as http:
+        assert (await http.get("/v1/models")).status_code == 200
+        assert (await http.post("/pause_generation")).status_code == 200
+
+
+async def test_oversize_bodies_get_413_declared_or_chunked():
+    async with Gateway(max_body_bytes=1024).serving() as url, httpx.AsyncClient(base_url=url) as http:
+        declared = await http.post("/v1/chat/completions", json={"padding": "x" * 4096})
+        assert declared.status_code == 413
+        assert error_of(declared)["type"] == "invalid_request_error" and "1024 bytes" in error_of(declared)["message"]
+
+        async def chunks(n: int):
+            yield b'{"padding": "'
+            for _ in range(n):
+                yield b"x" * 256
+            yield b'"}'
+
+        chunked = await http.post("/v1/chat/completions", content=chunks(16), headers={"content-type": "application/json"})
+        assert chunked.status_code == 413 and error_of(chunked)["code"] == "request_too_large"
+        small = await http.post("/v1/chat/completions", content=chunks(2), headers={"content-type": "application/json"})
+        assert small.status_code == 200 and small.json()["choices"][0]["message"]["content"] == "42"
+
+
+async def test_overload_is_a_429_with_retry_after_until_slots_free_up():
+    gateway = Gateway(max_concurrent=2, max_queue=1)
+    limiter = gateway.limiter
+    async with gateway.serving() as url, httpx.AsyncClient(base_url=url, timeout=30) as http:
+        held = [asyncio.create_task(http.post("/v1/chat/completions", json={"hold": True})) for _ in range(3)]
+        await until(lambda: limiter.active == 2 and limiter.waiting == 1)
+        refused = await http.post("/v1/chat/completions", json={})
+        assert refused.status_code == 429 and error_of(refused)["code"] == "overloaded"
+        assert error_of(refused)["type"] == "rate_limit_error"
+        assert refused.headers["retry-after"] == "2" and refused.headers["retry-after-ms"] == "1500"
+        async with openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0) as client:
+            with pytest.raises(openai.RateLimitError):
+                await client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}])
+        assert limiter.rejected == 2
+
+        gateway.gate.set()
+        assert [r.status_code for r in await asyncio.gather(*held)] == [200, 200, 200]
+        assert (await http.post("/v1/chat/completions", json={})).status_code == 200
+        assert limiter.active == 0 and limiter.waiting == 0
+
+
+async def test_timeouts_are_504_and_give_back_slots_and_places_in_line():
+    gateway = Gateway(max_concurrent=1, max_queue=4)
+    limiter = gateway.limiter
+    async with gateway.serving() as url, httpx.AsyncClient(base_url=url, timeout=30) as http:
+        holder = asyncio.create_task(http.post("/v1/chat/completions", json={"hold": True}))
+        await until(lambda: limiter.active == 1)
+        queued = await http.post("/v1/chat/completions", json={"timeout_s": 0.2})
+        assert queued.status_code == 504
+        error = error_of(queued)
+        assert error["code"] == "timeout" and error["type"] == "server_error" and "0.2 s" in error["message"]
+        assert limiter.waiting == 0 and limiter.active == 1
+        gateway.gate.set()
+        assert (await holder).status_code == 200
+
+        gateway.gate = asyncio.Event()
+        stuck = await http.post("/v1/chat/completions", json={"hold": True, "timeout_s": 0.2})
+        assert stuck.status_code == 504 and limiter.active == 0
+        assert (await http.post("/v1/chat/completions", json={})).status_code == 200
+
+
+def scrape(text: str) -> dict[tuple[str, tuple], float]:
+    return {
+        (sample.name, tuple(sorted(sample.labels.items()))): sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+    }
+
+
+async def test_metrics_expose_requests_tokens_latencies_and_state():
+    gateway = Gateway(api_keys=["k"])
+    metrics = gateway.metrics
+    recorder_totals = {"published": 0, "dropped": 0, "spilled": 0, "pending": 0}
+    metrics.on_scrape(lambda m: m.recorder(**recorder_totals))
+    metrics.on_scrape(lambda m: m.admission(gateway.limiter.active, gateway.limiter.waiting, gateway.limiter.rejected))
+    async with gateway.serving() as url, httpx.AsyncClient(base_url=url) as http:
+        first = await http.get("/metrics")
+        assert first.headers["content-type"].startswith("text/plain")
+        before = scrape(first.text)
+        assert before[("flywheel_prompt_tokens_total", ())] == 0
+
+        key = {"Authorization": "Bearer k"}
+        for _ in range(2):
+            assert (await http.post("/v1/chat/completions", json={}, headers=key)).status_code == 200
+        assert (await http.post("/v1/chat/completions", json={})).status_code == 401
+        assert (await http.get("/nowhere")).status_code == 404
+        metrics.engine_state(batch_size=3, waiting=1, kv_tokens=512, kv_capacity_tokens=2048)
+        metrics.weight_version(7)
+        metrics.swap(0.3)
+        recorder_totals.update(published=5, spilled=2, pending=1)
+        after = scrape((await http.get("/metrics")).text)
+
+    def requests(endpoint: str, status: str) -> float:
+        return after[("flywheel_requests_total", (("endpoint", endpoint), ("status", status)))]
+
+    assert requests("/v1/chat/completions", "200") == 2 and requests("/v1/chat/completions", "401") == 1
+    assert requests("unmatched", "404") == 1 and requests("/metrics", "200") == 1
+    assert after[("flywheel_request_duration_seconds_count", (("endpoint", "/v1/chat/completions"),))] == 3
+    assert after[("flywheel_prompt_tokens_total", ())] == 6 and after[("flywheel_completion_tokens_total", ())] == 4
+    assert after[("flywheel_time_to_first_token_seconds_count", ())] == 2
+    assert after[("flywheel_time_to_first_token_seconds_bucket", (("le", "0.005"),))] == 2
+    assert after[("flywheel_time_per_output_token_seconds_sum", ())] == pytest.approx(0.004)
+    assert after[("flywheel_engine_batch_size", ())] == 3 and after[("flywheel_engine_kv_cache_usage_ratio", ())] == 0.25
+    assert after[("flywheel_weight_version", ())] == 7 and after[("flywheel_weight_swap_duration_seconds_count", ())] == 1
+    assert after[("flywheel_recorder_published_total", ())] == 5 and after[("flywheel_recorder_spilled_total", ())] == 2
+    assert after[("flywheel_recorder_pending", ())] == 1 and after[("flywheel_requests_active", ())] == 0
+
+
+class RestartableNats:
+    """A nats-server that can go away and come back on the same port with the same data."""
+
+    def __init__(self, data_dir):
+        self.data_dir = data_dir
+        self.server = EmbeddedNats(data_dir)
+        self.url = self.server.start()
+
+    def stop(self) -> None:
+        self.server.stop()
+
+    def restart(self) -> None:
+        self.server = EmbeddedNats(self.data_dir, port=int(self.url.rsplit(":", 1)[1]))
+        assert self.server.start() == self.url
+
+
+@pytest.fixture
+def outage_nats(tmp_path):
+    nats = RestartableNats(tmp_path / "nats")
+    yield nats
+    nats.stop()
+
+
+async def stream_ids(bus: Bus, n: int) -> list[str]:
+    """The ids of everything on the traffic stream, read until n arrived and then once more."""
+    consumer = bus.consumer(TRAFFIC_SUBJECTS, "check")
+    ids: list[str] = []
+    deadline = time.monotonic() + 10
+    while len(ids) < n and time.monotonic() < deadline:
+        ids += [d.record.id for d in await consumer.fetch(timeout_s=0.2)]
+    return ids + [d.record.id for d in await consumer.fetch(timeout_s=0.3)]
+
+
+def spill_files(spill_dir) -> list:
+    return sorted(spill_dir.glob("*.jsonl")) if spill_dir.exists() else []
+
+
+async def test_records_made_during_a_bus_outage_are_spilled_and_published_in_order(outage_nats, tmp_path):
+    spill_dir = tmp_path / "spill"
+    bus = await Bus.connect(outage_nats.url, name="serve")
+    recorder = Recorder(bus, maxsize=1000, spill_dir=spill_dir)
+    publisher = asyncio.create_task(recorder.run())
+    assert recorder.record(TURN_SUBJECT, make_turn(id="before"))
+    await recorder.flush(timeout_s=10)
+    assert recorder.spilled == 0 and recorder.published == 1
+
+    outage_nats.stop()
+    await until(lambda: not bus.nc.is_connected)
+    started = time.monotonic()
+    assert all(recorder.record(TURN_SUBJECT, make_turn(id=f"t{i}", turn_index=i)) for i in range(200))
+    assert time.monotonic() - started < 1.0
+    assert recorder.spilled == 200 and recorder.pending == 200 and recorder.dropped == 0
+    assert spill_files(spill_dir)
+
+    outage_nats.restart()
+    await recorder.flush(timeout_s=30)
+    assert spill_files(spill_dir) == [] and recorder.pending == 0 and recorder.published == 201
+    assert await stream_ids(bus, 201) == ["before"] + [f"t{i}" for i in range(200)]
+    publisher.cancel()
+    await asyncio.gather(publisher, return_exceptions=True)
+    await bus.close()
+
+
+async def test_a_full_queue_spills_instead_of_dropping(bus, tmp_path):
+    spill_dir = tmp_path / "spill"
+    recorder = Recorder(bus, maxsize=4, spill_dir=spill_dir)
+    assert all(recorder.record(TURN_SUBJECT, make_turn(id=f"t{i}")) for i in range(30))
+    assert recorder.dropped == 0 and recorder.spilled == 30 and recorder.pending == 30
+    publisher = asyncio.create_task(recorder.run())
+    await recorder.flush(timeout_s=10)
+    assert recorder.record(TURN_SUBJECT, make_turn(id="after"))  # the disk is drained: back to memory
+    await recorder.flush(timeout_s=10)
+    assert recorder.spilled == 30 and recorder.published == 31 and spill_files(spill_dir) == []
+    assert await stream_ids(bus, 31) == [f"t{i}" for i in range(30)] + ["after"]
+    publisher.cancel()
+    await asyncio.gather(publisher, return_exceptions=True)
+
+    without_spill = Recorder(bus, maxsize=4)
+    accepted = [without_spill.record(TURN_SUBJECT, make_turn(id=f"u{i}")) for i in range(30)]
+    assert accepted.count(True) == 4 and without_spill.dropped == 26
+
+
+async def test_a_new_recorder_replays_what_a_stopped_one_left_on_disk(outage_nats, tmp_path):
+    spill_dir = tmp_path / "spill"
+    old_bus = await Bus.connect(outage_nats.url, name="old")
+    old = Recorder(old_bus, maxsize=100, spill_dir=spill_dir)
+    publisher = asyncio.create_task(old.run())
+    outage_nats.stop()
+    await until(lambda: not old_bus.nc.is_connected)
+    assert all(old.record(TURN_SUBJECT, make_turn(id=f"a{i}")) for i in range(10))
+    publisher.cancel()  # the old process stops during the outage
+    await asyncio.gather(publisher, return_exceptions=True)
+    assert old.record(TURN_SUBJECT, make_turn(id="a10"))  # after its publisher stopped: to disk too
+    await old_bus.close()
+    assert spill_files(spill_dir) and old.published == 0
+
+    outage_nats.restart()
+    bus = await Bus.connect(outage_nats.url, name="new")
+    new = Recorder(bus, maxsize=100, spill_dir=spill_dir)
+    assert new.pending == 11
+    assert all(new.record(TURN_SUBJECT, make_turn(id=f"b{i}")) for i in range(5))
+    publisher = asyncio.create_task(new.run())
+    await new.flush(timeout_s=30)
+    assert spill_files(spill_dir) == [] and new.published == 16
+    assert await stream_ids(bus, 16) == [f"a{i}" for i in range(11)] + [f"b{i}" for i in range(5)]
+    publisher.cancel()
+    await asyncio.gather(publisher, return_exceptions=True)
+    await bus.close()
