@@ -72,7 +72,7 @@ class Consumer:
         sub = await self._subscription()
         try:
             msgs = await sub.fetch(batch, timeout=timeout_s)
-        except NatsTimeoutError:
+        except (NatsTimeoutError, asyncio.TimeoutError):  # nats-py raises either when nothing came
             return []
         out = []
         for msg in msgs:

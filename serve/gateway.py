@@ -15,7 +15,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from fastapi import FastAPI, Request
-from fastapi.responses import StreamingResponse
 
 from bus import SESSION_EVENT_SUBJECT, SessionEvent
 from serve.engine_client import EngineError
@@ -25,6 +24,7 @@ from serve.generation import Generation
 from serve.recorder import Recorder
 from serve.schema import ChatCompletionRequest, CompletionRequest
 from serve.sessions import FeedbackRequest, session_of
+from serve.sse import EventStreamResponse
 from serve.tools import adapt_messages, forced_prefix, template_support
 
 
@@ -103,8 +103,7 @@ def create_gateway(pool: EnginePool, tokenizer: Any, recorder: Recorder, model_n
             forced=forced, tools_active=tools_active, on_finish=finished,
         )
         if body.stream:
-            return StreamingResponse(generation.events(), media_type="text/event-stream",
-                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+            return EventStreamResponse(generation.events())
         try:
             return await generation.complete()
         except EngineError as exc:

@@ -19,11 +19,12 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
 
 from serve.engine import native
 from serve.engine.core import Engine
 from serve.engine.native import ProtocolError
+from serve.sse import EventStreamResponse
 
 ADMIN_ROUTES = {
     "/pause_generation", "/continue_generation", "/update_weights_from_disk", "/update_weight_version",
@@ -98,7 +99,7 @@ def create_engine_app(
                 async for chunk in chunks:
                     yield chunk
 
-            return StreamingResponse(_sse(replay()), media_type="text/event-stream")
+            return EventStreamResponse(_sse(replay()))
         return JSONResponse(await native.generate(engine, body))
 
     @app.post("/pause_generation")
