@@ -1,0 +1,163 @@
+"""The embedded engine behind HTTP, speaking SGLang's native protocol, and the gateway reaching
+engines only through it: several engines, session-affine routing, rolling weight swaps."""
+
+import asyncio
+import json
+
+import httpx
+import openai
+import pytest
+import torch
+
+from bus import TRAFFIC_SUBJECTS, WEIGHTS_SUBJECT, Turn, WeightUpdate
+from config import load_config
+from models import WeightStore, load_model, load_weights
+from serve.engine import Engine
+from serve.engine.server import create_engine_app
+from serve.engine_client import HTTPEngineClient
+from serve.engine_pool import EnginePool
+from serve.loop import ServeLoop
+from tests.conftest import RunningApp
+
+
+def make_engine() -> Engine:
+    model, tokenizer = load_model("tiny")
+    return Engine(model, tokenizer, max_batch_size=8, load_weights=load_weights).start()
+
+
+@pytest.fixture
+async def engine_url():
+    engine = make_engine()
+    async with RunningApp(create_engine_app(engine, "tiny", "tiny", admin_key="adm")) as url:
+        yield url, engine
+    engine.stop()
+
+
+def sse_chunks(text: str) -> list:
+    lines = [line[5:].strip() for line in text.splitlines() if line.startswith("data:")]
+    assert lines[-1] == "[DONE]"
+    return [json.loads(line) for line in lines[:-1]]
+
+
+async def test_generate_json_and_cumulative_stream(engine_url):
+    url, engine = engine_url
+    body = {"text": "hello", "sampling_params": {"max_new_tokens": 6, "temperature": 0, "ignore_eos": True}, "return_logprob": True}
+    async with httpx.AsyncClient(base_url=url) as http:
+        whole = (await http.post("/generate", json=body)).json()
+        streamed = sse_chunks((await http.post("/generate", json={**body, "stream": True})).text)
+        assert (await http.put("/generate", json=body)).status_code == 200
+    assert whole["meta_info"]["finish_reason"] == {"type": "length", "length": 6}
+    assert [e[1] for e in whole["meta_info"]["output_token_logprobs"]] == whole["output_ids"]
+    last = streamed[-1]
+    assert last["output_ids"] == whole["output_ids"] and last["text"] == whole["text"]  # cumulative
+    assert all(c["meta_info"]["finish_reason"] is None for c in streamed[:-1])
+    assert [len(c["output_ids"]) for c in streamed[:-1]] == list(range(1, len(streamed)))
+
+
+async def test_control_routes_speak_sglang(engine_url, tmp_path):
+    url, engine = engine_url
+    admin = {"Authorization": "Bearer adm"}
+    async with httpx.AsyncClient(base_url=url) as http:
+        assert (await http.post("/pause_generation", json={})).status_code == 401
+        assert (await http.post("/pause_generation", json={}, headers=admin)).json() == {"message": "Generation paused successfully.", "status": "ok"}
+        assert engine.paused
+        assert (await http.post("/continue_generation", json={}, headers=admin)).json()["status"] == "ok"
+        path = WeightStore(tmp_path).publish(engine.model, 4)
+        reply = await http.post("/update_weights_from_disk", json={"model_path": str(path), "weight_version": "4"}, headers=admin)
+        assert reply.json()["success"] and "updated to 4" in reply.json()["message"]
+        bad = await http.post("/update_weights_from_disk", json={"model_path": str(tmp_path / "none")}, headers=admin)
+        assert bad.status_code == 400 and bad.json()["success"] is False
+        info = (await http.get("/model_info")).json()
+        assert info["weight_version"] == "4" and info["model_type"] == "qwen2"
+        assert (await http.get("/get_model_info")).json() == info
+        flushed = await http.get("/flush_cache", headers=admin)
+        assert flushed.status_code == 200 and flushed.text.startswith("Cache flushed")
+        assert (await http.get("/health")).status_code == 200 and (await http.get("/health")).content == b""
+        assert (await http.get("/health_generate")).status_code == 200
+        assert (await http.get("/v1/loads")).json()["num_running_reqs"] == 0
+        assert (await http.post("/abort_request", json={"abort_all": True}, headers=admin)).status_code == 200
+        error = await http.post("/generate", json={"text": "x", "input_ids": [1]})
+        assert error.status_code == 400 and "exactly one" in error.json()["error"]
+        assert (await http.post("/generate", content=b"{oops")).status_code == 400
+
+
+async def test_abort_request_returns_partial_output_over_http(engine_url):
+    url, engine = engine_url
+    body = {"text": "hello", "rid": "slow", "sampling_params": {"max_new_tokens": 500, "ignore_eos": True}}
+    async with httpx.AsyncClient(base_url=url, timeout=60) as http:
+        pending = asyncio.ensure_future(http.post("/generate", json=body))
+        while not engine.load()["num_running_reqs"]:
+            await asyncio.sleep(0.005)
+        await http.post("/abort_request", json={"rid": "slow"}, headers={"Authorization": "Bearer adm"})
+        reply = (await pending).json()
+    assert reply["meta_info"]["finish_reason"]["type"] == "abort"
+    assert 0 < len(reply["output_ids"]) < 500
+
+
+async def test_http_client_turns_cumulative_streams_into_deltas(engine_url):
+    url, _ = engine_url
+    client = await HTTPEngineClient(url, admin_key="adm").connect()
+    body = {"input_ids": [5, 6, 7], "sampling_params": {"max_new_tokens": 5, "temperature": 0, "ignore_eos": True}, "return_logprob": True}
+    whole = await client.generate(body)
+    deltas = [chunk async for chunk in client.generate_stream(body)]
+    assert [t for d in deltas for t in d["output_ids"]] == whole["output_ids"]
+    assert "".join(d["text"] for d in deltas) == whole["text"]
+    assert [e[0] for d in deltas for e in d["meta_info"]["output_token_logprobs"]] == pytest.approx(
+        [e[0] for e in whole["meta_info"]["output_token_logprobs"]], abs=1e-5)
+    await client.close()
+
+
+def test_routing_is_sticky_and_spreads():
+    class Named:
+        def __init__(self, name):
+            self.name, self.weight_version = name, 0
+
+    pool = EnginePool([Named(f"http://e{i}") for i in range(3)])
+    first = {f"s{i}": pool.route(f"s{i}").name for i in range(300)}
+    assert first == {f"s{i}": pool.route(f"s{i}").name for i in range(300)}
+    assert set(first.values()) == {"http://e0", "http://e1", "http://e2"}
+    smaller = EnginePool(pool.engines[:2])  # only e2's sessions move when e2 goes
+    assert all(smaller.route(s).name == e for s, e in first.items() if e != "http://e2")
+
+
+async def test_gateway_over_two_http_engines_with_a_rolling_swap(nats_url, bus, tmp_path):
+    engines = [make_engine(), make_engine()]
+    apps = [RunningApp(create_engine_app(e, "tiny", "tiny")) for e in engines]
+    urls = [await app.__aenter__() for app in apps]
+    config = load_config(None, [f"run_dir={tmp_path}", "serve.port=0", f"serve.engine_urls={json.dumps(urls)}"])
+    loop = ServeLoop(config, nats_url)
+    await loop.start()
+    try:
+        client = openai.AsyncOpenAI(base_url=f"{loop.url}/v1", api_key="x", max_retries=0)
+        for i in range(6):
+            await client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=3,
+                                                 extra_headers={"X-Session-Id": f"s{i}"})
+            await client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=3,
+                                                 extra_headers={"X-Session-Id": f"s{i}"})
+        served = [e.stats["requests"] for e in engines]
+        assert sum(served) == 12 and all(n % 2 == 0 for n in served)  # a session's turns stay on one engine
+        model, _ = load_model("tiny")
+        with torch.no_grad():
+            model.lm_head.weight.mul_(1.5)
+        path = WeightStore(tmp_path / "store").publish(model, 2)
+        await bus.publish(WEIGHTS_SUBJECT, WeightUpdate(id="w2", version=2, path=str(path), step=2))
+        for _ in range(500):
+            if all(e.version == 2 for e in engines) and loop.pool.weight_version == 2:
+                break
+            await asyncio.sleep(0.01)
+        assert [e.version for e in engines] == [2, 2] and loop.stats()["swaps"] == 1
+        stream = await client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}],
+                                                      max_tokens=4, stream=True, extra_headers={"X-Session-Id": "after"})
+        chunks = [c async for c in stream]
+        assert chunks[-1].system_fingerprint == "flywheel-v2"
+        consumer = bus.consumer(TRAFFIC_SUBJECTS, "check")
+        recorded = []
+        while len(recorded) < 13:
+            recorded += [d.record for d in await consumer.fetch(timeout_s=1) if isinstance(d.record, Turn)]
+        assert recorded[-1].session_id == "after" and set(recorded[-1].output_versions) == {2}
+        assert all(set(t.output_versions) == {0} for t in recorded[:12])
+    finally:
+        await loop.stop()
+        for app, engine in zip(apps, engines):
+            await app.__aexit__()
+            engine.stop()
