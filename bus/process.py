@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import importlib
+import json
 import logging
 import signal
 import sys
@@ -78,14 +79,20 @@ def loop_main(
     """Parse and validate the command line, then import the loop (`"module:Class"`) and run it
     until signalled.
 
-    `flags` adds shortcuts for config keys: `{"--port": ("serve.port", int)}`.
+    `flags` adds shortcuts for config keys: `{"--port": ("serve.port", int)}`; a `list` kind
+    makes a repeatable flag.
     """
     parser = config_parser(prog, description)
     for flag, (key, kind) in (flags or {}).items():
-        parser.add_argument(flag, type=kind, dest=key, help=f"sets {key}")
+        if kind is list:
+            parser.add_argument(flag, action="append", dest=key, help=f"adds to {key} (repeatable)")
+        else:
+            parser.add_argument(flag, type=kind, dest=key, help=f"sets {key}")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    shortcuts = [f"{key}={getattr(args, key)}" for key, _ in (flags or {}).values() if getattr(args, key) is not None]
+    shortcuts = [
+        f"{key}={json.dumps(getattr(args, key))}" for key, _ in (flags or {}).values() if getattr(args, key) is not None
+    ]
     try:
         config = config_from_args(args, shortcuts)
     except ConfigError as exc:

@@ -41,14 +41,17 @@ class Choice:
     """SGLang's finish_reason object; None while running (or if the client went away)."""
     prompt_tokens: int = 0
     first_token_at: float | None = None
+    last_token_at: float | None = None
     disconnected: bool = False
 
     def add(self, chunk: dict[str, Any]) -> str:
         """Take one (delta) chunk; returns its text."""
         meta = chunk["meta_info"]
         ids = chunk["output_ids"]
-        if ids and self.first_token_at is None:
-            self.first_token_at = time.monotonic()
+        if ids:
+            now = time.monotonic()
+            self.first_token_at = self.first_token_at or now
+            self.last_token_at = now
         self.output_ids += ids
         self.logprobs += [entry[0] for entry in meta.get("output_token_logprobs", [])]
         self.versions += token_versions(meta, len(ids))

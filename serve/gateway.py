@@ -17,22 +17,19 @@ from typing import Any
 from fastapi import FastAPI, Request
 
 from bus import SESSION_EVENT_SUBJECT, SessionEvent
+from config.schema import ServeConfig
+from serve.auth import install_auth
 from serve.engine_client import EngineError
 from serve.engine_pool import EnginePool
 from serve.errors import APIError, install_error_handlers
 from serve.generation import Generation
+from serve.limits import ConcurrencyLimiter, install_body_limit, request_timeout
+from serve.metrics import ServeMetrics, install_metrics_route, install_request_metrics
 from serve.recorder import Recorder
 from serve.schema import ChatCompletionRequest, CompletionRequest
 from serve.sessions import FeedbackRequest, session_of
 from serve.sse import EventStreamResponse
 from serve.tools import adapt_messages, forced_prefix, template_support
-
-
-@dataclass
-class GatewayLimits:
-    max_new_tokens: int = 1024
-    default_max_new_tokens: int = 256
-    context_length: int = 2048
 
 
 @dataclass
@@ -74,38 +71,60 @@ class PromptBuilder:
         return list(body.prompt)
 
 
-def create_gateway(pool: EnginePool, tokenizer: Any, recorder: Recorder, model_name: str, limits: GatewayLimits) -> FastAPI:
+def create_gateway(pool: EnginePool, tokenizer: Any, recorder: Recorder, model_name: str, config: ServeConfig,
+                   context_length: int, metrics: ServeMetrics) -> FastAPI:
+    """The gateway app. Operations: API keys and the admin key (`serve.api_keys`,
+    `serve.admin_key`), a body size limit (413), a concurrency limit with a bounded queue
+    (429 with Retry-After), a per-request timeout (504), Prometheus metrics on `/metrics`."""
     app = FastAPI(title="Flywheel gateway", docs_url=None, redoc_url=None)
     install_error_handlers(app)
+    install_metrics_route(app, metrics)
+    install_body_limit(app, config.max_body_bytes)
+    install_auth(app, config.api_keys, config.admin_key)
+    install_request_metrics(app, metrics)
     stats = GatewayStats()
     app.state.stats = stats
     prompts = PromptBuilder(tokenizer)
+    limiter = ConcurrencyLimiter(config.max_concurrent_requests, config.max_queued_requests, config.retry_after_s)
+    app.state.limiter = limiter
+    metrics.on_scrape(lambda m: m.admission(limiter.active, limiter.waiting, limiter.rejected))
+    metrics.on_scrape(lambda m: m.recorder(recorder.published, recorder.dropped, recorder.spilled, recorder.pending))
+    metrics.on_scrape(lambda m: m.weight_version(pool.weight_version))
 
     def finished(generation: Generation) -> None:
         stats.turns += generation.body.n
+        metrics.tokens(len(generation.prompt_ids) * generation.body.n, sum(len(c.output_ids) for c in generation.choices))
+        for choice in generation.choices:
+            if choice.first_token_at is None:
+                continue
+            metrics.time_to_first_token(choice.first_token_at - generation.arrived)
+            if len(choice.output_ids) > 1 and choice.last_token_at:
+                metrics.time_per_output_token((choice.last_token_at - choice.first_token_at) / (len(choice.output_ids) - 1))
 
     async def run(body: ChatCompletionRequest | CompletionRequest, request: Request, prompt_ids: list[int],
                   forced: str = "", tools_active: bool = False) -> Any:
         stats.requests += 1
         if body.model != model_name:
             raise APIError(404, f"model {body.model!r} does not exist; this server serves {model_name!r}", "model", "model_not_found")
-        if len(prompt_ids) >= limits.context_length:
-            raise APIError(400, f"the prompt is {len(prompt_ids)} tokens; this model's context window is {limits.context_length}",
+        if len(prompt_ids) >= context_length:
+            raise APIError(400, f"the prompt is {len(prompt_ids)} tokens; this model's context window is {context_length}",
                            "messages" if isinstance(body, ChatCompletionRequest) else "prompt", "context_length_exceeded")
         requested = body.requested_max_tokens()
-        if requested is not None and requested > limits.max_new_tokens:
-            raise APIError(400, f"max_tokens is {requested}; the limit is {limits.max_new_tokens}", "max_tokens")
+        if requested is not None and requested > config.max_new_tokens:
+            raise APIError(400, f"max_tokens is {requested}; the limit is {config.max_new_tokens}", "max_tokens")
         session = session_of(request.headers, body.metadata, body.user)
         generation = Generation(
             body=body, engine=pool.route(session.session_id), tokenizer=tokenizer, recorder=recorder,
             model_name=model_name, session=session, prompt_ids=prompt_ids,
-            max_new_tokens=min(requested or limits.default_max_new_tokens, limits.context_length - len(prompt_ids)),
-            forced=forced, tools_active=tools_active, on_finish=finished,
+            max_new_tokens=min(requested or config.default_max_new_tokens, context_length - len(prompt_ids)),
+            forced=forced, tools_active=tools_active, on_finish=finished, timeout_s=config.request_timeout_s,
         )
         if body.stream:
-            return EventStreamResponse(generation.events())
+            await limiter.acquire()  # a 429 must be a real status, before the stream starts
+            return EventStreamResponse(generation.events(), on_close=limiter.release)
         try:
-            return await generation.complete()
+            async with request_timeout(config.request_timeout_s), limiter.slot():
+                return await generation.complete()
         except EngineError as exc:
             raise APIError(exc.status, str(exc)) from None
 

@@ -48,6 +48,8 @@ class Generation:
     """Prompt text that forces a tool call; the answer's text starts with it."""
     tools_active: bool = False
     on_finish: Callable[["Generation"], None] | None = None
+    timeout_s: float | None = None
+    """A stream running longer than this ends with an error event (its choices are aborted)."""
     id: str = field(default_factory=lambda: uuid.uuid4().hex)
     created: int = field(default_factory=lambda: int(time.time()))
     arrived: float = field(default_factory=time.monotonic)
@@ -129,7 +131,12 @@ class Generation:
                     yield _sse(chat_chunk(self.response_id, self.created, self.model_name, None, choice.index,
                                           {"role": "assistant", "content": ""}))
             while finished < self.body.n:
-                i, item = await queue.get()
+                try:
+                    i, item = await asyncio.wait_for(queue.get(), self._time_left())
+                except asyncio.TimeoutError:
+                    yield _sse({"error": {"message": f"the request did not finish within {self.timeout_s} s",
+                                          "type": "server_error", "param": None, "code": "timeout"}})
+                    break
                 choice = self.choices[i]
                 if isinstance(item, Exception):
                     message = str(item) if isinstance(item, EngineError) else f"internal error: {type(item).__name__}"
@@ -158,6 +165,11 @@ class Generation:
             for task in tasks:
                 task.cancel()  # a choice still generating is aborted in its engine
             self._record()
+
+    def _time_left(self) -> float | None:
+        if self.timeout_s is None:
+            return None
+        return max(0.0, self.timeout_s - (time.monotonic() - self.arrived))
 
     def _delta_chunk(self, choice: Choice, text: str, start: int, streamed: list[str]) -> dict[str, Any] | None:
         version = choice.version

@@ -100,7 +100,7 @@ class ConcurrencyLimiter:
         """Callers queued for a slot now."""
         return len(self._waiters)
 
-    def overloaded(self) -> APIError:
+    def _overloaded(self) -> APIError:
         headers = {
             "Retry-After": str(max(1, math.ceil(self.retry_after_s))),  # HTTP wants whole seconds
             "retry-after-ms": str(round(self.retry_after_s * 1000)),  # what OpenAI's clients read first
@@ -111,31 +111,33 @@ class ConcurrencyLimiter:
     async def slot(self) -> AsyncIterator[None]:
         """Hold a slot for the body; waits in line if all are taken, or raises the 429 `APIError`
         when the line is full too."""
-        await self._acquire()
+        await self.acquire()
         try:
             yield
         finally:
-            self._release()
+            self.release()
 
-    async def _acquire(self) -> None:
+    async def acquire(self) -> None:
+        """What `slot()` does on entry, for a slot held beyond one block (a streamed answer):
+        pair it with exactly one `release()`."""
         if self.active < self.max_concurrent and not self._waiters:
             self.active += 1
             return
         if len(self._waiters) >= self.max_queue:
             self.rejected += 1
-            raise self.overloaded()
+            raise self._overloaded()
         turn = asyncio.get_running_loop().create_future()
         self._waiters.append(turn)
         try:
             await turn
         except asyncio.CancelledError:
             if turn.done() and not turn.cancelled():
-                self._release()  # the slot was handed over just as this caller gave up
+                self.release()  # the slot was handed over just as this caller gave up
             elif turn in self._waiters:  # (a release may already have skipped past it)
                 self._waiters.remove(turn)
             raise
 
-    def _release(self) -> None:
+    def release(self) -> None:
         """Hand the slot to the first caller in line (it stays counted in `active`), or free it."""
         while self._waiters:
             turn = self._waiters.popleft()

@@ -25,7 +25,8 @@ from models import load_model, load_weights
 from serve.engine import Engine
 from serve.engine_client import HTTPEngineClient, InProcessEngineClient
 from serve.engine_pool import EnginePool
-from serve.gateway import GatewayLimits, create_gateway
+from serve.gateway import create_gateway
+from serve.metrics import ServeMetrics
 from serve.recorder import Recorder
 
 log = logging.getLogger(__name__)
@@ -58,12 +59,17 @@ class ServeLoop:
             context_length = self.engine.context_length
         self.pool = EnginePool(engines)
         self.bus = await Bus.connect(self.bus_url, name="serve")
-        self.recorder = Recorder(self.bus, cfg.publish_queue_size)
-        limits = GatewayLimits(cfg.max_new_tokens, cfg.default_max_new_tokens, context_length)
-        self.app = create_gateway(self.pool, tokenizer, self.recorder, self.model_name, limits)
-        self._server = uvicorn.Server(
-            uvicorn.Config(self.app, host=cfg.host, port=cfg.port, log_level="warning", lifespan="off")
-        )
+        spill_dir = Path(cfg.spill_dir) if cfg.spill_dir else Path(self.config.run_dir) / "spill"
+        self.recorder = Recorder(self.bus, cfg.publish_queue_size, spill_dir=spill_dir)
+        self.metrics = ServeMetrics()
+        if self.engine is not None:
+            engine = self.engine
+            self.metrics.on_scrape(lambda m: m.engine_state(**_engine_state(engine)))
+        self.app = create_gateway(self.pool, tokenizer, self.recorder, self.model_name, cfg, context_length, self.metrics)
+        self._server = uvicorn.Server(uvicorn.Config(
+            self.app, host=cfg.host, port=cfg.port, log_level="warning", lifespan="off",
+            timeout_graceful_shutdown=cfg.shutdown_grace_s,
+        ))
         self._tasks = [
             asyncio.create_task(self.recorder.run(), name="recorder"),
             asyncio.create_task(repeat(self._follow_weights, "serve.weights"), name="weights"),
@@ -91,15 +97,20 @@ class ServeLoop:
             if update.version <= self.pool.weight_version:
                 continue
             try:
-                self.pauses += await self.pool.swap(update.path, update.version, self.config.serve.swap_mode)
+                pauses = await self.pool.swap(update.path, update.version, self.config.serve.swap_mode)
+                for seconds in pauses:
+                    self.metrics.swap(seconds)
+                self.pauses += pauses
                 self.swaps += 1
             except Exception:
                 log.exception("could not load weights v%d from %s", update.version, update.path)
 
     async def stop(self) -> None:
+        """Stop taking requests, let in-flight ones finish (up to `serve.shutdown_grace_s`),
+        publish what was recorded (what cannot be published now stays in the spill dir)."""
         self._server.should_exit = True
         with contextlib.suppress(Exception):
-            await asyncio.wait_for(self._tasks[2], 10)
+            await asyncio.wait_for(self._tasks[2], self.config.serve.shutdown_grace_s + 5)
         with contextlib.suppress(Exception):
             await self.recorder.flush(timeout_s=5)
         for task in self._tasks:
@@ -119,7 +130,18 @@ class ServeLoop:
             "turns": gateway.turns,
             "published": self.recorder.published,
             "dropped": self.recorder.dropped,
+            "spilled": self.recorder.spilled,
             "swaps": self.swaps,
             "engine": dict(self.engine.stats) if self.engine else None,
             "last_pause_s": self.pauses[-1] if self.pauses else None,
         }
+
+
+def _engine_state(engine: Engine) -> dict[str, Any]:
+    load = engine.load()
+    return {
+        "batch_size": load["num_running_reqs"],
+        "waiting": load["num_waiting_reqs"],
+        "kv_tokens": load["cached_tokens"],
+        "kv_capacity_tokens": load["cache_slots"] or None,
+    }

@@ -54,7 +54,7 @@ class ServeMetrics:
         self._engine_waiting = Gauge("flywheel_engine_waiting_requests", "Requests queued in the engine.", registry=r)
         self._kv_tokens = Gauge("flywheel_engine_kv_cache_tokens", "Tokens held in the KV cache.", registry=r)
         self._kv_capacity = Gauge(
-            "flywheel_engine_kv_cache_capacity_tokens", "Tokens the KV cache can hold (absent if unbounded).", registry=r
+            "flywheel_engine_kv_cache_capacity_tokens", "Tokens the KV cache can hold (0: not reported).", registry=r
         )
         self._kv_usage = Gauge("flywheel_engine_kv_cache_usage_ratio", "KV cache tokens held / capacity.", registry=r)
         self._version = Gauge("flywheel_weight_version", "Weight version the engine serves.", registry=r)

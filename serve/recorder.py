@@ -12,7 +12,8 @@ was in flight when the switch happened may be published twice: JetStream drops t
 its `Nats-Msg-Id` inside its duplicate window, and consumers deduplicate by id beyond it.
 
 Without a spill directory a full queue drops the record (counted in `dropped`) and a failed
-publish is retried with backoff until the bus answers.
+publish is retried with backoff until the bus answers. Either way, a record larger than the bus
+accepts (NATS `max_payload`) is dropped and counted rather than retried forever.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from pathlib import Path
 from typing import BinaryIO
 
 import msgspec
+from nats.errors import MaxPayloadError
 
 from bus import Bus, Record, decode, encode
 from bus.streams import RECORD_TYPES
@@ -56,7 +58,7 @@ class SpillLog:
     def __init__(self, directory: Path):
         self.directory = directory
         directory.mkdir(parents=True, exist_ok=True)
-        self._files = collections.deque(sorted(directory.glob("spill-*.jsonl"), key=_sequence, reverse=True))
+        self._files = collections.deque(sorted(directory.glob("spill-*.jsonl"), key=_sequence))
         self.backlog = 0
         """Records in the files not yet acknowledged (the whole of files left by a previous process)."""
         for path in self._files:
@@ -202,11 +204,26 @@ class Recorder:
                     log.exception("could not save %d queued records to %s", len(self._queue), self._spill.directory)
                 self._spill.close()
 
+    async def _publish(self, subject: str, record: Record) -> bool:
+        """True once acknowledged; False for a record too large for the bus, which can never be
+        published. Other failures raise, for the caller to retry or spill."""
+        try:
+            await self._bus.publish(subject, record)
+            return True
+        except MaxPayloadError:
+            return False
+
+    def _settled(self, record: Record, acked: bool) -> None:
+        if acked:
+            self.published += 1
+        else:
+            self._drop(record, f"larger than the bus accepts ({self._bus.nc.max_payload} bytes)")
+
     async def _publish_head(self) -> None:
         subject, record = self._queue[0]
         moves = self._moves
         try:
-            await self._bus.publish(subject, record)
+            acked = await self._publish(subject, record)
         except Exception as exc:
             if moves != self._moves:
                 return  # it went to disk meanwhile and will be published from there
@@ -223,7 +240,7 @@ class Recorder:
         self._delay = 0.0
         if moves == self._moves:
             self._queue.popleft()
-            self.published += 1
+            self._settled(record, acked)
 
     async def _replay(self, path: Path) -> None:
         """Publish a spill file's records in order, each until acknowledged, then delete it."""
@@ -236,14 +253,14 @@ class Recorder:
             subject, record = entry
             while True:
                 try:
-                    await self._bus.publish(subject, record)
+                    acked = await self._publish(subject, record)
                     break
                 except Exception as exc:
                     self.retries += 1
                     await self._back_off(record, exc)
             self._delay = 0.0
             self._spill.backlog -= 1
-            self.published += 1
+            self._settled(record, acked)
         self._spill.remove(path)
 
     async def _back_off(self, record: Record, exc: Exception) -> None:

@@ -1,5 +1,5 @@
-"""The serve loop's operational pieces over real HTTP and a real NATS: API keys, body and load
-limits, timeouts, Prometheus metrics, and the recorder's spill to disk through a bus outage."""
+"""The serve loop's operational pieces over real HTTP: API keys, body and load limits, timeouts,
+and Prometheus metrics, on a stand-in app wired the way the gateway wires them."""
 
 import asyncio
 import time
@@ -13,13 +13,10 @@ from fastapi import FastAPI
 from prometheus_client.parser import text_string_to_metric_families
 from pydantic import BaseModel
 
-from bus import TRAFFIC_SUBJECTS, TURN_SUBJECT, Bus, EmbeddedNats
 from serve.auth import install_auth
 from serve.errors import install_error_handlers
 from serve.limits import ConcurrencyLimiter, install_body_limit, request_timeout
 from serve.metrics import ServeMetrics, install_metrics_route, install_request_metrics
-from serve.recorder import Recorder
-from tests.test_records import make_turn
 
 
 async def until(condition, timeout_s: float = 10.0) -> None:
@@ -186,6 +183,29 @@ async def test_timeouts_are_504_and_give_back_slots_and_places_in_line():
         assert (await http.post("/v1/chat/completions", json={})).status_code == 200
 
 
+async def test_request_timeout_leaves_finished_bodies_and_foreign_cancellations_alone():
+    async def quick_then_linger() -> str:
+        async with request_timeout(0.05):
+            pass
+        await asyncio.sleep(0.2)  # outlives the time limit of a body that has finished
+        return "done"
+
+    assert await asyncio.create_task(quick_then_linger()) == "done"
+
+    entered = asyncio.Event()
+
+    async def cancelled_from_outside() -> None:
+        async with request_timeout(10):
+            entered.set()
+            await asyncio.Event().wait()
+
+    task = asyncio.create_task(cancelled_from_outside())
+    await entered.wait()
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+
+
 def scrape(text: str) -> dict[tuple[str, tuple], float]:
     return {
         (sample.name, tuple(sorted(sample.labels.items()))): sample.value
@@ -231,113 +251,3 @@ async def test_metrics_expose_requests_tokens_latencies_and_state():
     assert after[("flywheel_weight_version", ())] == 7 and after[("flywheel_weight_swap_duration_seconds_count", ())] == 1
     assert after[("flywheel_recorder_published_total", ())] == 5 and after[("flywheel_recorder_spilled_total", ())] == 2
     assert after[("flywheel_recorder_pending", ())] == 1 and after[("flywheel_requests_active", ())] == 0
-
-
-class RestartableNats:
-    """A nats-server that can go away and come back on the same port with the same data."""
-
-    def __init__(self, data_dir):
-        self.data_dir = data_dir
-        self.server = EmbeddedNats(data_dir)
-        self.url = self.server.start()
-
-    def stop(self) -> None:
-        self.server.stop()
-
-    def restart(self) -> None:
-        self.server = EmbeddedNats(self.data_dir, port=int(self.url.rsplit(":", 1)[1]))
-        assert self.server.start() == self.url
-
-
-@pytest.fixture
-def outage_nats(tmp_path):
-    nats = RestartableNats(tmp_path / "nats")
-    yield nats
-    nats.stop()
-
-
-async def stream_ids(bus: Bus, n: int) -> list[str]:
-    """The ids of everything on the traffic stream, read until n arrived and then once more."""
-    consumer = bus.consumer(TRAFFIC_SUBJECTS, "check")
-    ids: list[str] = []
-    deadline = time.monotonic() + 10
-    while len(ids) < n and time.monotonic() < deadline:
-        ids += [d.record.id for d in await consumer.fetch(timeout_s=0.2)]
-    return ids + [d.record.id for d in await consumer.fetch(timeout_s=0.3)]
-
-
-def spill_files(spill_dir) -> list:
-    return sorted(spill_dir.glob("*.jsonl")) if spill_dir.exists() else []
-
-
-async def test_records_made_during_a_bus_outage_are_spilled_and_published_in_order(outage_nats, tmp_path):
-    spill_dir = tmp_path / "spill"
-    bus = await Bus.connect(outage_nats.url, name="serve")
-    recorder = Recorder(bus, maxsize=1000, spill_dir=spill_dir)
-    publisher = asyncio.create_task(recorder.run())
-    assert recorder.record(TURN_SUBJECT, make_turn(id="before"))
-    await recorder.flush(timeout_s=10)
-    assert recorder.spilled == 0 and recorder.published == 1
-
-    outage_nats.stop()
-    await until(lambda: not bus.nc.is_connected)
-    started = time.monotonic()
-    assert all(recorder.record(TURN_SUBJECT, make_turn(id=f"t{i}", turn_index=i)) for i in range(200))
-    assert time.monotonic() - started < 1.0
-    assert recorder.spilled == 200 and recorder.pending == 200 and recorder.dropped == 0
-    assert spill_files(spill_dir)
-
-    outage_nats.restart()
-    await recorder.flush(timeout_s=30)
-    assert spill_files(spill_dir) == [] and recorder.pending == 0 and recorder.published == 201
-    assert await stream_ids(bus, 201) == ["before"] + [f"t{i}" for i in range(200)]
-    publisher.cancel()
-    await asyncio.gather(publisher, return_exceptions=True)
-    await bus.close()
-
-
-async def test_a_full_queue_spills_instead_of_dropping(bus, tmp_path):
-    spill_dir = tmp_path / "spill"
-    recorder = Recorder(bus, maxsize=4, spill_dir=spill_dir)
-    assert all(recorder.record(TURN_SUBJECT, make_turn(id=f"t{i}")) for i in range(30))
-    assert recorder.dropped == 0 and recorder.spilled == 30 and recorder.pending == 30
-    publisher = asyncio.create_task(recorder.run())
-    await recorder.flush(timeout_s=10)
-    assert recorder.record(TURN_SUBJECT, make_turn(id="after"))  # the disk is drained: back to memory
-    await recorder.flush(timeout_s=10)
-    assert recorder.spilled == 30 and recorder.published == 31 and spill_files(spill_dir) == []
-    assert await stream_ids(bus, 31) == [f"t{i}" for i in range(30)] + ["after"]
-    publisher.cancel()
-    await asyncio.gather(publisher, return_exceptions=True)
-
-    without_spill = Recorder(bus, maxsize=4)
-    accepted = [without_spill.record(TURN_SUBJECT, make_turn(id=f"u{i}")) for i in range(30)]
-    assert accepted.count(True) == 4 and without_spill.dropped == 26
-
-
-async def test_a_new_recorder_replays_what_a_stopped_one_left_on_disk(outage_nats, tmp_path):
-    spill_dir = tmp_path / "spill"
-    old_bus = await Bus.connect(outage_nats.url, name="old")
-    old = Recorder(old_bus, maxsize=100, spill_dir=spill_dir)
-    publisher = asyncio.create_task(old.run())
-    outage_nats.stop()
-    await until(lambda: not old_bus.nc.is_connected)
-    assert all(old.record(TURN_SUBJECT, make_turn(id=f"a{i}")) for i in range(10))
-    publisher.cancel()  # the old process stops during the outage
-    await asyncio.gather(publisher, return_exceptions=True)
-    assert old.record(TURN_SUBJECT, make_turn(id="a10"))  # after its publisher stopped: to disk too
-    await old_bus.close()
-    assert spill_files(spill_dir) and old.published == 0
-
-    outage_nats.restart()
-    bus = await Bus.connect(outage_nats.url, name="new")
-    new = Recorder(bus, maxsize=100, spill_dir=spill_dir)
-    assert new.pending == 11
-    assert all(new.record(TURN_SUBJECT, make_turn(id=f"b{i}")) for i in range(5))
-    publisher = asyncio.create_task(new.run())
-    await new.flush(timeout_s=30)
-    assert spill_files(spill_dir) == [] and new.published == 16
-    assert await stream_ids(bus, 16) == [f"a{i}" for i in range(11)] + [f"b{i}" for i in range(5)]
-    publisher.cancel()
-    await asyncio.gather(publisher, return_exceptions=True)
-    await bus.close()

@@ -1,0 +1,137 @@
+"""The recorder against a real nats-server: records made during a bus outage, or while the queue
+is full, go to spill files and are published in order exactly once; a new recorder replays what
+a stopped one left on disk."""
+
+import asyncio
+import time
+
+import pytest
+
+from bus import TRAFFIC_SUBJECTS, TURN_SUBJECT, Bus, EmbeddedNats
+from serve.recorder import Recorder
+from tests.test_records import make_turn
+from tests.test_serve_ops import until
+
+
+class RestartableNats:
+    """A nats-server that can go away and come back on the same port with the same data."""
+
+    def __init__(self, data_dir):
+        self.data_dir = data_dir
+        self.server = EmbeddedNats(data_dir)
+        self.url = self.server.start()
+
+    def stop(self) -> None:
+        self.server.stop()
+
+    def restart(self) -> None:
+        self.server = EmbeddedNats(self.data_dir, port=int(self.url.rsplit(":", 1)[1]))
+        assert self.server.start() == self.url
+
+
+@pytest.fixture
+def outage_nats(tmp_path):
+    nats = RestartableNats(tmp_path / "nats")
+    yield nats
+    nats.stop()
+
+
+async def stream_ids(bus: Bus, n: int) -> list[str]:
+    """The ids of everything on the traffic stream, read until n arrived and then once more."""
+    consumer = bus.consumer(TRAFFIC_SUBJECTS, "check")
+    ids: list[str] = []
+    deadline = time.monotonic() + 10
+    while len(ids) < n and time.monotonic() < deadline:
+        ids += [d.record.id for d in await consumer.fetch(timeout_s=0.2)]
+    return ids + [d.record.id for d in await consumer.fetch(timeout_s=0.3)]
+
+
+def spill_files(spill_dir) -> list:
+    return sorted(spill_dir.glob("*.jsonl")) if spill_dir.exists() else []
+
+
+async def test_records_made_during_a_bus_outage_are_spilled_and_published_in_order(outage_nats, tmp_path):
+    spill_dir = tmp_path / "spill"
+    bus = await Bus.connect(outage_nats.url, name="serve")
+    recorder = Recorder(bus, maxsize=1000, spill_dir=spill_dir)
+    publisher = asyncio.create_task(recorder.run())
+    assert recorder.record(TURN_SUBJECT, make_turn(id="before"))
+    await recorder.flush(timeout_s=10)
+    assert recorder.spilled == 0 and recorder.published == 1
+
+    outage_nats.stop()
+    await until(lambda: not bus.nc.is_connected)
+    started = time.monotonic()
+    assert all(recorder.record(TURN_SUBJECT, make_turn(id=f"t{i}", turn_index=i)) for i in range(200))
+    assert time.monotonic() - started < 1.0
+    assert recorder.spilled == 200 and recorder.pending == 200 and recorder.dropped == 0
+    assert spill_files(spill_dir)
+
+    outage_nats.restart()
+    await recorder.flush(timeout_s=30)
+    assert spill_files(spill_dir) == [] and recorder.pending == 0 and recorder.published == 201
+    assert await stream_ids(bus, 201) == ["before"] + [f"t{i}" for i in range(200)]
+    publisher.cancel()
+    await asyncio.gather(publisher, return_exceptions=True)
+    await bus.close()
+
+
+async def test_a_full_queue_spills_instead_of_dropping(bus, tmp_path):
+    spill_dir = tmp_path / "spill"
+    recorder = Recorder(bus, maxsize=4, spill_dir=spill_dir)
+    assert all(recorder.record(TURN_SUBJECT, make_turn(id=f"t{i}")) for i in range(30))
+    assert recorder.dropped == 0 and recorder.spilled == 30 and recorder.pending == 30
+    publisher = asyncio.create_task(recorder.run())
+    await recorder.flush(timeout_s=10)
+    assert recorder.record(TURN_SUBJECT, make_turn(id="after"))  # the disk is drained: back to memory
+    await recorder.flush(timeout_s=10)
+    assert recorder.spilled == 30 and recorder.published == 31 and spill_files(spill_dir) == []
+    assert await stream_ids(bus, 31) == [f"t{i}" for i in range(30)] + ["after"]
+    publisher.cancel()
+    await asyncio.gather(publisher, return_exceptions=True)
+
+    without_spill = Recorder(bus, maxsize=4)
+    accepted = [without_spill.record(TURN_SUBJECT, make_turn(id=f"u{i}")) for i in range(30)]
+    assert accepted.count(True) == 4 and without_spill.dropped == 26
+
+
+async def test_a_record_too_large_for_the_bus_is_dropped_and_the_rest_go_on(bus, tmp_path):
+    recorder = Recorder(bus, maxsize=10, spill_dir=tmp_path / "spill")
+    huge = make_turn(id="huge", messages=[{"role": "user", "content": "x" * bus.nc.max_payload}])
+    assert recorder.record(TURN_SUBJECT, make_turn(id="first"))
+    assert recorder.record(TURN_SUBJECT, huge)
+    assert recorder.record(TURN_SUBJECT, make_turn(id="last"))
+    publisher = asyncio.create_task(recorder.run())
+    await recorder.flush(timeout_s=10)
+    assert recorder.dropped == 1 and recorder.published == 2
+    assert await stream_ids(bus, 2) == ["first", "last"]
+    publisher.cancel()
+    await asyncio.gather(publisher, return_exceptions=True)
+
+
+async def test_a_new_recorder_replays_what_a_stopped_one_left_on_disk(outage_nats, tmp_path):
+    spill_dir = tmp_path / "spill"
+    old_bus = await Bus.connect(outage_nats.url, name="old")
+    old = Recorder(old_bus, maxsize=100, spill_dir=spill_dir)
+    publisher = asyncio.create_task(old.run())
+    outage_nats.stop()
+    await until(lambda: not old_bus.nc.is_connected)
+    assert all(old.record(TURN_SUBJECT, make_turn(id=f"a{i}")) for i in range(10))
+    publisher.cancel()  # the old process stops during the outage
+    await asyncio.gather(publisher, return_exceptions=True)
+    assert old.record(TURN_SUBJECT, make_turn(id="a10"))  # after its publisher stopped: to disk too
+    await old_bus.close()
+    assert spill_files(spill_dir) and old.published == 0
+
+    outage_nats.restart()
+    bus = await Bus.connect(outage_nats.url, name="new")
+    new = Recorder(bus, maxsize=100, spill_dir=spill_dir)
+    assert new.pending == 11
+    assert all(new.record(TURN_SUBJECT, make_turn(id=f"b{i}")) for i in range(5))
+    publisher = asyncio.create_task(new.run())
+    await new.flush(timeout_s=30)
+    assert spill_files(spill_dir) == [] and new.published == 16
+    assert await stream_ids(bus, 16) == [f"a{i}" for i in range(11)] + [f"b{i}" for i in range(5)]
+    publisher.cancel()
+    await asyncio.gather(publisher, return_exceptions=True)
+    await bus.close()
