@@ -40,6 +40,10 @@ class ServeConfig(Section):
     engine_urls: list[str] = Field(default_factory=list)
     """External engines speaking SGLang's protocol (real SGLang, or `python -m serve.engine`);
     empty: one embedded engine in this process."""
+    keep_alive_s: float = Field(75.0, gt=0)
+    """How long an idle client connection is kept open. Longer than clients' own idle expiry
+    (httpx, under the openai client, drops idle connections after 5 s) so a client never sends
+    a request on a connection the server is closing."""
     swap_mode: Literal["in_place", "retract"] = "in_place"
     """How in-flight generations cross a weight swap: keep their KV cache (`in_place`; later
     tokens carry the new version) or have it recomputed under the new weights (`retract`)."""

@@ -68,7 +68,7 @@ class ServeLoop:
         self.app = create_gateway(self.pool, tokenizer, self.recorder, self.model_name, cfg, context_length, self.metrics)
         self._server = uvicorn.Server(uvicorn.Config(
             self.app, host=cfg.host, port=cfg.port, log_level="warning", lifespan="off",
-            timeout_graceful_shutdown=cfg.shutdown_grace_s,
+            timeout_graceful_shutdown=cfg.shutdown_grace_s, timeout_keep_alive=cfg.keep_alive_s,
         ))
         self._tasks = [
             asyncio.create_task(self.recorder.run(), name="recorder"),

@@ -26,11 +26,12 @@ async def test_streams_survive_swaps_with_correct_versions(nats_url, bus, tmp_pa
     store = WeightStore(tmp_path / "store", keep=SWAPS + 2)
     model, _ = load_model("tiny")
     store.publish(model, 0)  # the served starting point, kept for the check below
-    client = openai.AsyncOpenAI(base_url=f"{loop.url}/v1", api_key="x", max_retries=0, timeout=120)
     done = asyncio.Event()
     completed, failures, streams = [], [], {}
 
     async def user(i: int) -> None:
+        # Each user is an independent agent with its own client (and connection pool).
+        client = openai.AsyncOpenAI(base_url=f"{loop.url}/v1", api_key="x", max_retries=0, timeout=120)
         k = 0
         while not done.is_set():
             session = f"user{i}-{k}"

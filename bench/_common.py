@@ -1,0 +1,240 @@
+"""Helpers shared by the benchmark scripts in `bench/`: machine description, a record of how
+much CPU other processes used while a benchmark ran (the machine is shared), percentiles, a
+plain-text table, and writing the JSON result file under `bench/results/`.
+
+Not a benchmark itself; the scripts import it as `bench._common` (run them from the repository
+root: `.venv/bin/python -m bench.<name>` or `.venv/bin/python bench/<name>.py`).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import platform
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+RESULTS = ROOT / "bench" / "results"
+CLK_TCK = os.sysconf("SC_CLK_TCK")
+
+if str(ROOT) not in sys.path:  # `python bench/x.py` as well as `python -m bench.x`
+    sys.path.insert(0, str(ROOT))
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+def quiet_logs() -> None:
+    """Keep library chatter (weight-loading bars, HF warnings) out of the results table."""
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    try:
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.set_verbosity_error()
+        hf_logging.disable_progress_bar()
+    except Exception:
+        pass
+
+
+def machine(torch_threads: int | None) -> dict[str, Any]:
+    import torch
+    import transformers
+
+    model_name = ""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                model_name = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return {
+        "cpus": os.cpu_count(),
+        "cpu_model": model_name,
+        "torch_threads": torch_threads,
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "loadavg_at_start": os.getloadavg(),
+    }
+
+
+# ---- CPU used by other processes ---------------------------------------------------------
+
+def _proc_table() -> dict[int, tuple[int, int, str]]:
+    """pid -> (ppid, cpu ticks incl. waited-for children, command)."""
+    table = {}
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit():
+            continue
+        try:
+            raw = Path(f"/proc/{entry.name}/stat").read_text()
+        except OSError:
+            continue
+        close = raw.rfind(")")
+        comm = raw[raw.find("(") + 1:close]
+        fields = raw[close + 2:].split()
+        # fields[0] is state; ppid=1, utime=11, stime=12, cutime=13, cstime=14 (0-based here)
+        try:
+            ppid = int(fields[1])
+            ticks = int(fields[11]) + int(fields[12]) + int(fields[13]) + int(fields[14])
+        except (IndexError, ValueError):
+            continue
+        table[int(entry.name)] = (ppid, ticks, comm)
+    return table
+
+
+def _busy_ticks() -> int:
+    parts = Path("/proc/stat").read_text().splitlines()[0].split()[1:]
+    user, nice, system, idle, iowait, irq, softirq, steal = (int(x) for x in parts[:8])
+    return user + nice + system + irq + softirq + steal
+
+
+def _ours(table: dict[int, tuple[int, int, str]]) -> set[int]:
+    me = os.getpid()
+    children: dict[int, list[int]] = {}
+    for pid, (ppid, _, _) in table.items():
+        children.setdefault(ppid, []).append(pid)
+    mine, todo = set(), [me]
+    while todo:
+        pid = todo.pop()
+        mine.add(pid)
+        todo += children.get(pid, [])
+    return mine
+
+
+class CpuWatch:
+    """How many cores processes outside this benchmark's process tree used between `start()`
+    and `stop()` (measured from /proc: whole-machine busy time minus our tree's), and which
+    ones used the most. The benchmark machine is shared; this says how noisy a phase was."""
+
+    def start(self) -> "CpuWatch":
+        self.t0 = time.monotonic()
+        self.busy0 = _busy_ticks()
+        self.table0 = _proc_table()
+        return self
+
+    def stop(self) -> dict[str, Any]:
+        wall = time.monotonic() - self.t0
+        busy = _busy_ticks() - self.busy0
+        table = _proc_table()
+        mine = _ours(table) | _ours(self.table0)
+        ours = 0
+        foreign: list[tuple[float, int, str]] = []
+        for pid, (ppid, ticks, comm) in table.items():
+            before = self.table0.get(pid, (0, 0, ""))[1] if pid in self.table0 else 0
+            used = max(0, ticks - before)
+            if pid in mine:
+                ours += used
+            elif used:
+                foreign.append((used / CLK_TCK, pid, comm))
+        foreign_cores = max(0.0, (busy - ours) / CLK_TCK / wall) if wall > 0 else 0.0
+        foreign.sort(reverse=True)
+        return {
+            "wall_s": round(wall, 3),
+            "machine_busy_cores": round(busy / CLK_TCK / wall, 3) if wall > 0 else 0.0,
+            "ours_cores": round(ours / CLK_TCK / wall, 3) if wall > 0 else 0.0,
+            "foreign_cores": round(foreign_cores, 3),
+            "top_foreign": [{"pid": pid, "cmd": _cmdline(pid, comm), "cpu_s": round(s, 2)} for s, pid, comm in foreign[:3] if s >= 0.5],
+        }
+
+
+def _cmdline(pid: int, comm: str) -> str:
+    try:
+        raw = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace").strip()
+    except OSError:
+        raw = ""
+    return (raw or comm)[:120]
+
+
+# ---- numbers -------------------------------------------------------------------------------
+
+def percentile(values: list[float], q: float) -> float | None:
+    """The q-th percentile (0..100), linear interpolation; None for no values."""
+    if not values:
+        return None
+    data = sorted(values)
+    if len(data) == 1:
+        return data[0]
+    pos = (len(data) - 1) * q / 100.0
+    lo = int(pos)
+    hi = min(lo + 1, len(data) - 1)
+    return data[lo] + (data[hi] - data[lo]) * (pos - lo)
+
+
+def median(values: list[float]) -> float | None:
+    return percentile(values, 50)
+
+
+def table(headers: list[str], rows: list[list[Any]]) -> str:
+    def cell(v: Any) -> str:
+        if v is None:
+            return "-"
+        if isinstance(v, float):
+            return f"{v:.3g}" if abs(v) < 1000 else f"{v:.0f}"
+        return str(v)
+
+    cells = [[cell(v) for v in row] for row in rows]
+    widths = [max(len(h), *(len(r[i]) for r in cells)) if cells else len(h) for i, h in enumerate(headers)]
+    line = lambda items: "| " + " | ".join(s.ljust(w) for s, w in zip(items, widths)) + " |"  # noqa: E731
+    out = [line(headers), "|" + "|".join("-" * (w + 2) for w in widths) + "|"]
+    out += [line(r) for r in cells]
+    return "\n".join(out)
+
+
+def git_commit() -> str | None:
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True,
+                              timeout=5).stdout.strip() or None
+    except Exception:
+        return None
+
+
+def write_result(name: str, data: dict[str, Any]) -> Path:
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    path = RESULTS / f"{name}.json"
+    data = {"benchmark": name, "finished_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "commit": git_commit(), **data}
+    path.write_text(json.dumps(data, indent=2, default=str) + "\n")
+    return path
+
+
+def _foreign_now(sample_s: float) -> float:
+    watch = CpuWatch().start()
+    time.sleep(sample_s)
+    return watch.stop()["foreign_cores"]
+
+
+async def _foreign_now_async(sample_s: float) -> float:
+    import asyncio
+
+    watch = CpuWatch().start()
+    await asyncio.sleep(sample_s)
+    return watch.stop()["foreign_cores"]
+
+
+def wait_quiet(threshold: float = 0.25, sample_s: float = 1.0, max_wait_s: float = 90.0) -> dict[str, float]:
+    """Wait (up to `max_wait_s`) until other processes use less than `threshold` cores, so a
+    timed phase does not start while someone else's heavy job runs on this shared machine."""
+    if os.environ.get("BENCH_NO_WAIT"):  # for debugging the benchmarks themselves
+        return {"waited_s": 0.0, "foreign_cores": -1.0}
+    started = time.monotonic()
+    while True:
+        level = _foreign_now(sample_s)
+        if level < threshold or time.monotonic() - started > max_wait_s:
+            return {"waited_s": round(time.monotonic() - started, 1), "foreign_cores": level}
+
+
+async def wait_quiet_async(threshold: float = 0.25, sample_s: float = 1.0, max_wait_s: float = 90.0) -> dict[str, float]:
+    """`wait_quiet` for code running inside an event loop (a server it hosts keeps running)."""
+    if os.environ.get("BENCH_NO_WAIT"):
+        return {"waited_s": 0.0, "foreign_cores": -1.0}
+    started = time.monotonic()
+    while True:
+        level = await _foreign_now_async(sample_s)
+        if level < threshold or time.monotonic() - started > max_wait_s:
+            return {"waited_s": round(time.monotonic() - started, 1), "foreign_cores": level}

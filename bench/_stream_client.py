@@ -1,0 +1,163 @@
+"""Streaming chat-completions load generator, run as a separate process by the gateway and hot
+swap benchmarks (so its own CPU work does not compete for the server's GIL). Not a benchmark
+by itself.
+
+    python bench/_stream_client.py CONFIG.json
+
+CONFIG: {"url", "model", "client": "httpx"|"openai", "concurrency", "max_tokens",
+"messages": [[...], ...] (one conversation per worker, cycled), "logprobs": bool,
+"mode": "rounds" with "rounds" and "warmup_rounds" | "duration" with "duration_s",
+"out": path}. The process prints `ready` once imported and connected, waits for a line on
+stdin, runs, writes the per-request records to `out` as JSON and prints `done`.
+A `duration` run's workers each send one request after another until the time is up.
+
+Per request it records (time.monotonic(), comparable with the parent on Linux): send time,
+the time of every chunk that carries output tokens and how many it carries (with logprobs:
+its number of logprobs entries, exact; without: a chunk with text counts 1, approximate), the
+finish time, the token count from the usage chunk, the finish reason, the response id, the
+fingerprint version of each token chunk (`flywheel-vN`: the version of its last token), and
+any error.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import resource
+import sys
+import time
+
+
+async def one_httpx(http, cfg, worker: int, tag: str) -> dict:
+    messages = cfg["messages"][worker % len(cfg["messages"])]
+    body = {"model": cfg["model"], "messages": messages, "max_tokens": cfg["max_tokens"], "stream": True,
+            "stream_options": {"include_usage": True}}
+    if cfg.get("logprobs"):
+        body["logprobs"] = True
+    rec = {"worker": worker, "tag": tag, "t_send": time.monotonic(), "chunks": [], "n": [], "versions": [],
+           "t_first": None, "t_finish": None, "tokens": None, "finish_reason": None, "error": None, "done": False}
+    try:
+        async with http.stream("POST", "/v1/chat/completions", json=body) as resp:
+            if resp.status_code != 200:
+                await resp.aread()
+                rec["error"] = f"HTTP {resp.status_code}: {resp.text[:200]}"
+                return rec
+            async for line in resp.aiter_lines():
+                if not line.startswith("data: "):
+                    continue
+                payload = line[6:]
+                now = time.monotonic()
+                if payload == "[DONE]":
+                    rec["done"] = True
+                    break
+                chunk = json.loads(payload)
+                rec["id"] = rec.get("id") or chunk.get("id")
+                if "error" in chunk:
+                    rec["error"] = str(chunk["error"])
+                    continue
+                if chunk.get("usage"):
+                    rec["tokens"] = chunk["usage"]["completion_tokens"]
+                for choice in chunk.get("choices") or []:
+                    delta = choice.get("delta") or {}
+                    if cfg.get("logprobs"):  # one logprobs entry per token (a chunk may carry text only)
+                        n = len((choice.get("logprobs") or {}).get("content") or [])
+                    else:
+                        n = 1 if delta.get("content") else 0
+                    if n:
+                        rec["t_first"] = rec["t_first"] or now
+                        rec["chunks"].append(now)
+                        rec["n"].append(n)
+                        fp = chunk.get("system_fingerprint")
+                        if fp:
+                            rec["versions"].append(int(fp.rsplit("v", 1)[1]))
+                    if choice.get("finish_reason"):
+                        rec["finish_reason"] = choice["finish_reason"]
+                        rec["t_finish"] = now
+    except Exception as exc:  # recorded: a failed request is a result, not a crash
+        rec["error"] = f"{type(exc).__name__}: {exc}"
+    return rec
+
+
+async def one_openai(client, cfg, worker: int, tag: str) -> dict:
+    messages = cfg["messages"][worker % len(cfg["messages"])]
+    rec = {"worker": worker, "tag": tag, "t_send": time.monotonic(), "chunks": [], "n": [], "versions": [],
+           "t_first": None, "t_finish": None, "tokens": None, "finish_reason": None, "error": None, "done": False}
+    try:
+        stream = await client.chat.completions.create(
+            model=cfg["model"], messages=messages, max_tokens=cfg["max_tokens"], stream=True,
+            stream_options={"include_usage": True}, logprobs=bool(cfg.get("logprobs")) or None,
+        )
+        async for chunk in stream:
+            now = time.monotonic()
+            rec["id"] = rec.get("id") or chunk.id
+            if chunk.usage:
+                rec["tokens"] = chunk.usage.completion_tokens
+            for choice in chunk.choices:
+                if cfg.get("logprobs"):
+                    n = len((choice.logprobs.content or []) if choice.logprobs else [])
+                else:
+                    n = 1 if choice.delta.content else 0
+                if n:
+                    rec["t_first"] = rec["t_first"] or now
+                    rec["chunks"].append(now)
+                    rec["n"].append(n)
+                    if chunk.system_fingerprint:
+                        rec["versions"].append(int(chunk.system_fingerprint.rsplit("v", 1)[1]))
+                if choice.finish_reason:
+                    rec["finish_reason"] = choice.finish_reason
+                    rec["t_finish"] = now
+        rec["done"] = True
+    except Exception as exc:
+        rec["error"] = f"{type(exc).__name__}: {exc}"
+    return rec
+
+
+async def main(cfg: dict) -> None:
+    conc = cfg["concurrency"]
+    if cfg.get("client", "httpx") == "openai":
+        import httpx
+        from openai import AsyncOpenAI
+
+        http = httpx.AsyncClient(timeout=600, limits=httpx.Limits(max_connections=conc + 8, max_keepalive_connections=conc + 8))
+        client = AsyncOpenAI(base_url=cfg["url"] + "/v1", api_key="unused", http_client=http, max_retries=0)
+        one = lambda w, tag: one_openai(client, cfg, w, tag)  # noqa: E731
+    else:
+        import httpx
+
+        http = httpx.AsyncClient(base_url=cfg["url"], timeout=600,
+                                 limits=httpx.Limits(max_connections=conc + 8, max_keepalive_connections=conc + 8))
+        one = lambda w, tag: one_httpx(http, cfg, w, tag)  # noqa: E731
+    await http.get(cfg["url"] + "/health")
+    print("ready", flush=True)
+    await asyncio.get_running_loop().run_in_executor(None, sys.stdin.readline)
+    records: list[dict] = []
+    rounds: list[dict] = []
+    cpu0 = resource.getrusage(resource.RUSAGE_SELF)
+    if cfg["mode"] == "rounds":
+        for r in range(cfg.get("warmup_rounds", 0) + cfg["rounds"]):
+            tag = "warmup" if r < cfg.get("warmup_rounds", 0) else f"round{r}"
+            started = time.monotonic()
+            batch = await asyncio.gather(*(one(w, tag) for w in range(conc)))
+            rounds.append({"tag": tag, "start": started, "end": time.monotonic()})
+            records += batch
+    else:
+        deadline = time.monotonic() + cfg["duration_s"]
+
+        async def worker(w: int) -> None:
+            i = 0
+            while time.monotonic() < deadline:
+                records.append(await one(w, f"w{w}r{i}"))
+                i += 1
+
+        await asyncio.gather(*(worker(w) for w in range(conc)))
+    cpu1 = resource.getrusage(resource.RUSAGE_SELF)
+    await http.aclose()
+    with open(cfg["out"], "w") as f:
+        json.dump({"records": records, "rounds": rounds,
+                   "client_cpu_s": (cpu1.ru_utime - cpu0.ru_utime) + (cpu1.ru_stime - cpu0.ru_stime)}, f)
+    print("done", flush=True)
+
+
+if __name__ == "__main__":
+    with open(sys.argv[1]) as f:
+        asyncio.run(main(json.load(f)))

@@ -1,0 +1,43 @@
+"""Seeded synthetic workloads shared by the benchmarks: chat prompts of varied length and a
+heavy-tailed distribution of output lengths. Not a benchmark itself."""
+
+from __future__ import annotations
+
+import random
+from typing import Any
+
+WORDS = (
+    "the model reads a question and writes an answer with digits only please count from one to ten "
+    "what is two plus three tell me a short story about a cat who learns to add numbers quickly "
+    "explain why the sky looks blue during the day and red at sunset in plain words for a child "
+    "list four colours then name a fruit for each of them and say which one you like the best"
+).split()
+
+# Prompt sizes in words, and how often each occurs.
+PROMPT_WORDS = (4, 16, 48, 120, 240)
+PROMPT_WEIGHTS = (3, 4, 3, 2, 1)
+
+
+def user_message(rng: random.Random, words: int) -> str:
+    return " ".join(rng.choice(WORDS) for _ in range(words))
+
+
+def render(tokenizer: Any, messages: list[dict[str, str]]) -> list[int]:
+    """Prompt ids exactly as the gateway makes them (`serve.gateway.PromptBuilder.chat`)."""
+    text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    return tokenizer.encode(text, add_special_tokens=False)
+
+
+def mixed_requests(tokenizer: Any, n: int, lengths: list[int], weights: list[float], seed: int) -> list[dict[str, Any]]:
+    """n requests in arrival order: {"messages", "prompt_ids", "max_new_tokens"}."""
+    rng = random.Random(seed)
+    out = []
+    for _ in range(n):
+        words = rng.choices(PROMPT_WORDS, PROMPT_WEIGHTS)[0]
+        messages = [{"role": "user", "content": user_message(rng, words)}]
+        out.append({
+            "messages": messages,
+            "prompt_ids": render(tokenizer, messages),
+            "max_new_tokens": rng.choices(lengths, weights)[0],
+        })
+    return out
