@@ -84,7 +84,7 @@ def forced_prefix(tool_choice: Any) -> str:
         return OPEN
     name = getattr(tool_choice, "name", None)
     if name:
-        return f'{OPEN}{{"name": {json.dumps(name)}, "arguments": '
+        return f'{OPEN}{{"name": {json.dumps(name)}, "arguments":'  # no trailing space: a token boundary
     return ""
 
 
