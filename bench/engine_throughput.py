@@ -25,7 +25,7 @@ What it measures
 
 How to run (from the repository root)
     .venv/bin/python bench/engine_throughput.py                      # tiny: N=128, B=32
-    .venv/bin/python bench/engine_throughput.py --model smollm2-135m # N=32, B=8, lengths 4..128
+    .venv/bin/python bench/engine_throughput.py --model smollm2-135m # N=32, B=8, lengths 8..128
     options: --requests N --batch B --lengths 8,16,32 --weights 4,2,1 --repeats R --threads T --seed S
 
     torch runs with `--threads` intra-op threads (default 2, set with torch.set_num_threads).
@@ -47,7 +47,7 @@ from bench.workload import mixed_requests  # noqa: E402
 
 DEFAULTS = {
     "tiny": {"requests": 128, "batch": 32, "lengths": [8, 16, 32, 64, 128, 256], "weights": [32, 16, 8, 4, 2, 1], "repeats": 3},
-    "smollm2-135m": {"requests": 32, "batch": 8, "lengths": [4, 8, 16, 32, 64, 128], "weights": [32, 16, 8, 4, 2, 1], "repeats": 1},
+    "smollm2-135m": {"requests": 32, "batch": 8, "lengths": [8, 16, 32, 64, 128], "weights": [16, 8, 4, 2, 1], "repeats": 2},
 }
 
 

@@ -64,7 +64,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--concurrency", type=int, default=32)
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--prompt-words", type=int, default=24)
-    p.add_argument("--rounds", type=int, default=6, help="rounds per block")
+    p.add_argument("--rounds", type=int, default=8, help="rounds per block")
     p.add_argument("--blocks", type=int, default=3)
     p.add_argument("--threads", type=int, default=2, help="serve.torch_threads (default 2)")
     p.add_argument("--client", choices=["httpx", "openai"], default="httpx")

@@ -50,7 +50,8 @@ class ServeConfig(Section):
     api_keys: list[str] = Field(default_factory=list)
     """Keys clients send as `Authorization: Bearer <key>` on `/v1/...`; empty: no key needed."""
     admin_key: str | None = None
-    """Key for the engine's control routes (pause, weight loading, aborts); None: not required."""
+    """Key for engines' control routes (pause, weight loading, aborts): the gateway sends it to
+    the engines in `engine_urls` (SGLang's `--admin-api-key`); None: not required."""
     max_concurrent_requests: int = Field(256, ge=1)
     """Generations in flight at once; more wait in line."""
     max_queued_requests: int = Field(1024, ge=0)

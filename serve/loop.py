@@ -51,7 +51,7 @@ class ServeLoop:
         self.engine: Engine | None = None
         if cfg.engine_urls:
             del model  # external engines hold the weights; the gateway needs the tokenizer only
-            engines = [await HTTPEngineClient(url).connect() for url in cfg.engine_urls]
+            engines = [await HTTPEngineClient(url, admin_key=cfg.admin_key).connect() for url in cfg.engine_urls]
             context_length = tokenizer.model_max_length if tokenizer.model_max_length < 10**8 else 2048
         else:
             self.engine = Engine(model, tokenizer, max_batch_size=cfg.max_batch_size, load_weights=load_weights).start()

@@ -79,7 +79,8 @@ def test_the_loop_closes_and_the_reward_rises(ray_session, tmp_path):
     served = int(reply.system_fingerprint.removeprefix("flywheel-v"))
     assert served >= 1
     probe = turns[-1]
-    assert probe.output_versions == [served] * len(probe.output_ids)
+    # Swaps land between decode steps, so a generation may cross one: its versions only go up.
+    assert probe.output_versions == sorted(probe.output_versions) and probe.output_versions[-1] == served
     # Turns recorded after updates carry the new versions, never one the trainer had not made.
     versions = {v for t in turns for v in t.output_versions}
     assert len(versions) > 3 and max(versions) <= stats["train"]["version"]

@@ -155,3 +155,21 @@ async def test_announced_weights_are_swapped_in_and_versions_recorded(served, cl
     [turn] = await records(bus, 1)
     assert turn.output_versions == [3] * len(turn.output_ids)
     assert served.stats()["swaps"] == 1
+
+
+async def test_shutdown_lets_in_flight_streams_finish(nats_url, tmp_path, bus):
+    config = load_config(None, [f"run_dir={tmp_path}", "serve.port=0", "serve.shutdown_grace_s=30"])
+    loop = ServeLoop(config, nats_url)
+    await loop.start()
+    client = openai.AsyncOpenAI(base_url=f"{loop.url}/v1", api_key="x", max_retries=0)
+    stream = await client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}],
+                                                  max_tokens=60, temperature=0, stream=True,
+                                                  extra_headers={"X-Session-Id": "draining"})
+    first = await anext(aiter(stream))
+    stopping = asyncio.create_task(loop.stop())
+    rest = [chunk async for chunk in stream]
+    await stopping
+    assert first.choices[0].delta.role == "assistant"
+    assert [c.choices[0].finish_reason for c in rest if c.choices and c.choices[0].finish_reason] in (["stop"], ["length"])
+    [turn] = await records(bus, 1)  # recorded and published before the loop stopped
+    assert turn.session_id == "draining" and not turn.client_disconnected
