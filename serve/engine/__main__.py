@@ -4,6 +4,7 @@ speaking SGLang's native protocol, with flags named like `sglang.launch_server`'
 from __future__ import annotations
 
 import argparse
+import asyncio
 import logging
 
 import torch
@@ -18,7 +19,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m serve.engine", description=__doc__.splitlines()[0])
     parser.add_argument("--model", "--model-path", dest="model", default="tiny", help="tiny, smollm2-135m or a model directory")
     parser.add_argument("--host", default="127.0.0.1")
-    parser.add_argument("--port", type=int, default=30000)
+    parser.add_argument("--port", type=int, default=30000, help="0 picks a free port (printed at start)")
     parser.add_argument("--served-model-name")
     parser.add_argument("--max-running-requests", "--max-batch-size", dest="max_batch_size", type=int, default=32)
     parser.add_argument("--context-length", type=int)
@@ -34,8 +35,19 @@ def main(argv: list[str] | None = None) -> int:
                     context_length=args.context_length, load_weights=load_weights).start()
     app = create_engine_app(engine, args.model, args.served_model_name or args.model, args.admin_api_key,
                             args.incremental_streaming_output)
+    server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level="warning"))
+
+    async def serve() -> None:
+        task = asyncio.create_task(server.serve())
+        while not server.started and not task.done():
+            await asyncio.sleep(0.01)
+        if server.started:
+            port = server.servers[0].sockets[0].getsockname()[1]
+            print(f"engine serving {args.model} at http://{args.host}:{port}", flush=True)
+        await task
+
     try:
-        uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
+        asyncio.run(serve())
     finally:
         engine.stop()
     return 0
