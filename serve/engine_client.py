@@ -43,8 +43,6 @@ class EngineClient(Protocol):
 
     async def abort(self, rid: str) -> None: ...
 
-    async def load(self) -> dict[str, Any]: ...
-
     async def close(self) -> None: ...
 
 
@@ -83,9 +81,6 @@ class InProcessEngineClient:
 
     async def abort(self, rid: str) -> None:
         await self.engine.abort(rid)
-
-    async def load(self) -> dict[str, Any]:
-        return self.engine.load()
 
     async def close(self) -> None:
         pass
@@ -161,9 +156,6 @@ class HTTPEngineClient:
 
     async def abort(self, rid: str) -> None:
         await self._call("POST", "/abort_request", {"rid": rid})
-
-    async def load(self) -> dict[str, Any]:
-        return (await self._call("GET", "/v1/loads")).json()
 
     async def close(self) -> None:
         await self._http.aclose()

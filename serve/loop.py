@@ -128,6 +128,7 @@ class ServeLoop:
             "version": self.pool.weight_version,
             "requests": gateway.requests,
             "turns": gateway.turns,
+            "feedback": gateway.feedback,
             "published": self.recorder.published,
             "dropped": self.recorder.dropped,
             "spilled": self.recorder.spilled,
