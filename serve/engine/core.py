@@ -123,11 +123,20 @@ class Engine:
         self, input_ids: list[int], params: SamplingParams, rid: str | None = None
     ) -> AsyncIterator[TokenDelta | GenerationResult]:
         """Token deltas as they are sampled, then the final `GenerationResult`. A consumer that
-        stops iterating early aborts the request."""
+        falls behind gets the tokens that piled up as one delta (fewer, larger chunks, never
+        fewer tokens). A consumer that stops iterating early aborts the request."""
         request = self._submit(input_ids, params, rid, stream=True)
+        queue = request.queue
+        held = None  # what ended a run of deltas, delivered next
         try:
             while True:
-                item = await request.queue.get()
+                item, held = held or await queue.get(), None
+                while isinstance(item, TokenDelta) and not queue.empty():
+                    later = queue.get_nowait()
+                    if not isinstance(later, TokenDelta):
+                        held = later
+                        break
+                    item = item.extend(later)
                 if isinstance(item, StreamError):
                     raise item.error
                 yield item

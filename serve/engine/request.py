@@ -29,6 +29,15 @@ class TokenDelta:
     versions: list[int]
     top_logprobs: list[list[tuple[int, float]]] | None = None
 
+    def extend(self, later: "TokenDelta") -> "TokenDelta":
+        """This delta followed by a later one, as one."""
+        self.token_ids += later.token_ids
+        self.logprobs += later.logprobs
+        self.versions += later.versions
+        if self.top_logprobs is not None:
+            self.top_logprobs += later.top_logprobs or []
+        return self
+
 
 @dataclass
 class GenerationResult:
