@@ -123,6 +123,8 @@ class Generation:
                 await queue.put((i, exc))
 
         tasks = [asyncio.create_task(pump(i)) for i in range(self.body.n)]
+        # One timer per request (not per chunk) ends a stream that outlives the timeout.
+        timer = asyncio.get_running_loop().call_later(self.timeout_s, queue.put_nowait, (-1, None)) if self.timeout_s else None
         finished = 0
         streamed = ["" for _ in self.choices]
         try:
@@ -131,9 +133,8 @@ class Generation:
                     yield _sse(chat_chunk(self.response_id, self.created, self.model_name, None, choice.index,
                                           {"role": "assistant", "content": ""}))
             while finished < self.body.n:
-                try:
-                    i, item = await asyncio.wait_for(queue.get(), self._time_left())
-                except asyncio.TimeoutError:
+                i, item = await queue.get()
+                if i < 0:
                     yield _sse({"error": {"message": f"the request did not finish within {self.timeout_s} s",
                                           "type": "server_error", "param": None, "code": "timeout"}})
                     break
@@ -162,14 +163,11 @@ class Generation:
                 choice.disconnected = choice.finish is None
             raise
         finally:
+            if timer is not None:
+                timer.cancel()
             for task in tasks:
                 task.cancel()  # a choice still generating is aborted in its engine
             self._record()
-
-    def _time_left(self) -> float | None:
-        if self.timeout_s is None:
-            return None
-        return max(0.0, self.timeout_s - (time.monotonic() - self.arrived))
 
     def _delta_chunk(self, choice: Choice, text: str, start: int, streamed: list[str]) -> dict[str, Any] | None:
         version = choice.version

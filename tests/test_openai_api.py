@@ -117,3 +117,4 @@ async def test_a_client_that_disconnects_mid_stream_is_recorded_and_aborted(serv
             break
         await asyncio.sleep(0.02)
     assert served.engine.load()["num_running_reqs"] == 0
+

@@ -173,3 +173,24 @@ async def test_shutdown_lets_in_flight_streams_finish(nats_url, tmp_path, bus):
     assert [c.choices[0].finish_reason for c in rest if c.choices and c.choices[0].finish_reason] in (["stop"], ["length"])
     [turn] = await records(bus, 1)  # recorded and published before the loop stopped
     assert turn.session_id == "draining" and not turn.client_disconnected
+
+
+async def test_requests_past_the_timeout_end_with_a_504_or_an_error_event(nats_url, tmp_path, bus):
+    config = load_config(None, [f"run_dir={tmp_path}", "serve.port=0", "serve.request_timeout_s=0.5"])
+    loop = ServeLoop(config, nats_url)
+    await loop.start()
+    try:
+        await loop.engine.pause("in_place")  # nothing can finish now
+        body = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 5}
+        async with httpx.AsyncClient(base_url=loop.url, timeout=30) as http:
+            whole = await http.post("/v1/chat/completions", json=body)
+            streamed = await http.post("/v1/chat/completions", json={**body, "stream": True})
+        assert whole.status_code == 504 and whole.json()["error"]["code"] == "timeout"
+        events = [line for line in streamed.text.splitlines() if line.startswith("data:")]
+        assert streamed.status_code == 200 and '"code": "timeout"' in events[-2] and events[-1] == "data: [DONE]"
+        await loop.engine.resume()
+        turns = await records(bus, 2)
+        assert [t.finish_reason for t in turns] == ["abort", "abort"]  # recorded, marked unfinished
+        assert loop.engine.load()["num_waiting_reqs"] == 0  # and aborted in the engine
+    finally:
+        await loop.stop()
