@@ -51,7 +51,9 @@ async def test_generate_json_and_cumulative_stream(engine_url):
     last = streamed[-1]
     assert last["output_ids"] == whole["output_ids"] and last["text"] == whole["text"]  # cumulative
     assert all(c["meta_info"]["finish_reason"] is None for c in streamed[:-1])
-    assert [len(c["output_ids"]) for c in streamed[:-1]] == list(range(1, len(streamed)))
+    lengths = [len(c["output_ids"]) for c in streamed]  # a slow reader may get tokens in batches
+    assert lengths == sorted(lengths) and lengths[-1] == 6 and 0 not in lengths
+    assert all(whole["output_ids"][: len(c["output_ids"])] == c["output_ids"] for c in streamed)
 
 
 async def test_control_routes_speak_sglang(engine_url, tmp_path):

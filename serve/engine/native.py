@@ -133,19 +133,29 @@ async def generate(engine: Engine, body: dict[str, Any]) -> dict[str, Any] | lis
 
 
 class _TextStream:
-    """Text of a growing output, released only where it can no longer change: not the end of
-    an unfinished UTF-8 character, nor what could still turn out to be part of a stop string."""
+    """Text of a growing output, decoded incrementally (a window of a few tokens per step, not
+    the whole output again) and released only where it can no longer change: not the end of an
+    unfinished UTF-8 character, nor what could still turn out to be part of a stop string."""
 
     def __init__(self, tokenizer: Any, params: SamplingParams):
         self.tokenizer = tokenizer
         self.skip_special = params.skip_special_tokens
         self.hold = max((len(s) for s in params.stop), default=1) - 1
-        self.sent = ""
+        self.prefix = self.read = 0  # token offsets: decoded context / decoded so far
+        self.text = ""  # stable decoded text
+        self.sent = ""  # released text
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special)
 
     def advance(self, ids: list[int]) -> str:
-        text = self.tokenizer.decode(ids, skip_special_tokens=self.skip_special)
-        text = text.rstrip("\ufffd")
-        ready = text[: max(len(self.sent), len(text) - self.hold)]
+        # Decoding from a few tokens back keeps tokenizers' word-boundary handling right.
+        before = self._decode(ids[self.prefix:self.read])
+        after = self._decode(ids[self.prefix:])
+        if len(after) > len(before) and not after.endswith("\ufffd"):
+            self.text += after[len(before):]
+            self.prefix, self.read = self.read, len(ids)
+        ready = self.text[: max(len(self.sent), len(self.text) - self.hold)]
         delta, self.sent = ready[len(self.sent):], ready
         return delta
 
