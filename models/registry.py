@@ -56,6 +56,12 @@ def load_model(
     path = resolve_model(path_or_spec)
     tokenizer = AutoTokenizer.from_pretrained(path)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+    # The loaded parameters are copy-on-write pages of the mapped checkpoint; the first write
+    # into them (a hot swap, an optimizer step) would fault every page in (seconds for
+    # SmolLM2). Own the memory now, at start-up, instead. Tied parameters stay tied.
+    with torch.no_grad():
+        for param in model.parameters():
+            param.data = param.data.clone()
     model.eval()
     return model, tokenizer
 

@@ -178,7 +178,8 @@ class Recorder:
             self._queue.clear()
             self._moves += 1
         self._spilling = True
-        log.warning("recorder spilling to %s (%d queued records moved)", self._spill.directory, len(moved))
+        if moved or not self._stopped:  # a clean stop with nothing queued is not news
+            log.warning("recorder spilling to %s (%d queued records moved)", self._spill.directory, len(moved))
 
     async def run(self) -> None:
         """Publish forever; cancel to stop (call `flush` first to drain). On the way out, records
