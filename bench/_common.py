@@ -195,10 +195,14 @@ def git_commit() -> str | None:
         return None
 
 
+START_COMMIT = git_commit()  # the code a benchmark imported (HEAD may move while it runs)
+
+
 def write_result(name: str, data: dict[str, Any]) -> Path:
     RESULTS.mkdir(parents=True, exist_ok=True)
     path = RESULTS / f"{name}.json"
-    data = {"benchmark": name, "finished_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "commit": git_commit(), **data}
+    data = {"benchmark": name, "finished_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "commit": START_COMMIT,
+            "commit_at_finish": git_commit(), **data}
     path.write_text(json.dumps(data, indent=2, default=str) + "\n")
     return path
 
@@ -241,3 +245,37 @@ async def wait_quiet_async(threshold: float = 0.25, sample_s: float = 1.0, max_w
         level = await _foreign_now_async(sample_s)
         if level < threshold or time.monotonic() - started > max_wait_s:
             return {"waited_s": round(time.monotonic() - started, 1), "foreign_cores": level}
+
+
+def thread_times() -> dict[int, dict[str, float]]:
+    """This process's threads: {tid: {"cpu_s", "voluntary_switches", "involuntary_switches"}}."""
+    out = {}
+    for entry in os.scandir("/proc/self/task"):
+        try:
+            raw = Path(f"/proc/self/task/{entry.name}/stat").read_text()
+            status = Path(f"/proc/self/task/{entry.name}/status").read_text()
+        except OSError:
+            continue
+        fields = raw[raw.rfind(")") + 2:].split()
+        row = {"cpu_s": (int(fields[11]) + int(fields[12])) / CLK_TCK, "voluntary_switches": 0, "involuntary_switches": 0}
+        for line in status.splitlines():
+            if line.startswith("voluntary_ctxt_switches:"):
+                row["voluntary_switches"] = int(line.split()[1])
+            elif line.startswith("nonvoluntary_ctxt_switches:"):
+                row["involuntary_switches"] = int(line.split()[1])
+        out[int(entry.name)] = row
+    return out
+
+
+def thread_delta(before: dict, after: dict, named: dict[str, int]) -> dict[str, dict[str, float]]:
+    """Per named thread (name -> tid) the change between two `thread_times()`; the rest of the
+    process's threads summed as "other"."""
+    keys = ("cpu_s", "voluntary_switches", "involuntary_switches")
+    out = {name: dict.fromkeys(keys, 0) for name in [*named, "other"]}
+    by_tid = {tid: name for name, tid in named.items()}
+    for tid, now in after.items():
+        then = before.get(tid, dict.fromkeys(keys, 0))
+        name = by_tid.get(tid, "other")
+        for key in keys:
+            out[name][key] += now[key] - then[key]
+    return out

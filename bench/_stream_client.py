@@ -4,7 +4,7 @@ by itself.
 
     python bench/_stream_client.py CONFIG.json
 
-CONFIG: {"url", "model", "client": "httpx"|"openai", "concurrency", "max_tokens",
+CONFIG: {"url", "model", "client": "httpx"|"openai"|"raw", "concurrency", "max_tokens",
 "messages": [[...], ...] (one conversation per worker, cycled), "logprobs": bool,
 "mode": "rounds" with "rounds" and "warmup_rounds" | "duration" with "duration_s",
 "out": path}. The process prints `ready` once imported and connected, waits for a line on
@@ -28,64 +28,111 @@ import sys
 import time
 
 
-async def one_httpx(http, cfg, worker: int, tag: str) -> dict:
-    messages = cfg["messages"][worker % len(cfg["messages"])]
-    body = {"model": cfg["model"], "messages": messages, "max_tokens": cfg["max_tokens"], "stream": True,
-            "stream_options": {"include_usage": True}}
+def _body(cfg: dict, worker: int) -> dict:
+    body = {"model": cfg["model"], "messages": cfg["messages"][worker % len(cfg["messages"])], "max_tokens": cfg["max_tokens"],
+            "stream": True, "stream_options": {"include_usage": True}}
     if cfg.get("logprobs"):
         body["logprobs"] = True
-    rec = {"worker": worker, "tag": tag, "t_send": time.monotonic(), "chunks": [], "n": [], "versions": [],
-           "t_first": None, "t_finish": None, "tokens": None, "finish_reason": None, "error": None, "done": False}
+    return body
+
+
+def _record(worker: int, tag: str) -> dict:
+    return {"worker": worker, "tag": tag, "t_send": time.monotonic(), "chunks": [], "n": [], "versions": [],
+            "t_first": None, "t_finish": None, "tokens": None, "finish_reason": None, "error": None, "done": False}
+
+
+def _on_event(rec: dict, cfg: dict, payload: str | bytes, now: float) -> bool:
+    """Take one SSE `data:` payload; True once it is [DONE]."""
+    if payload in ("[DONE]", b"[DONE]"):
+        rec["done"] = True
+        return True
+    chunk = json.loads(payload)
+    rec["id"] = rec.get("id") or chunk.get("id")
+    if "error" in chunk:
+        rec["error"] = str(chunk["error"])
+        return False
+    if chunk.get("usage"):
+        rec["tokens"] = chunk["usage"]["completion_tokens"]
+    for choice in chunk.get("choices") or []:
+        delta = choice.get("delta") or {}
+        if cfg.get("logprobs"):  # one logprobs entry per token (a chunk may carry text only)
+            n = len((choice.get("logprobs") or {}).get("content") or [])
+        else:
+            n = 1 if delta.get("content") else 0
+        if n:
+            rec["t_first"] = rec["t_first"] or now
+            rec["chunks"].append(now)
+            rec["n"].append(n)
+            fp = chunk.get("system_fingerprint")
+            if fp:
+                rec["versions"].append(int(fp.rsplit("v", 1)[1]))
+        if choice.get("finish_reason"):
+            rec["finish_reason"] = choice["finish_reason"]
+            rec["t_finish"] = now
+    return False
+
+
+async def one_httpx(http, cfg, worker: int, tag: str) -> dict:
+    rec = _record(worker, tag)
     try:
-        async with http.stream("POST", "/v1/chat/completions", json=body) as resp:
+        async with http.stream("POST", "/v1/chat/completions", json=_body(cfg, worker)) as resp:
             if resp.status_code != 200:
                 await resp.aread()
                 rec["error"] = f"HTTP {resp.status_code}: {resp.text[:200]}"
                 return rec
             async for line in resp.aiter_lines():
-                if not line.startswith("data: "):
-                    continue
-                payload = line[6:]
-                now = time.monotonic()
-                if payload == "[DONE]":
-                    rec["done"] = True
+                if line.startswith("data: ") and _on_event(rec, cfg, line[6:], time.monotonic()):
                     break
-                chunk = json.loads(payload)
-                rec["id"] = rec.get("id") or chunk.get("id")
-                if "error" in chunk:
-                    rec["error"] = str(chunk["error"])
-                    continue
-                if chunk.get("usage"):
-                    rec["tokens"] = chunk["usage"]["completion_tokens"]
-                for choice in chunk.get("choices") or []:
-                    delta = choice.get("delta") or {}
-                    if cfg.get("logprobs"):  # one logprobs entry per token (a chunk may carry text only)
-                        n = len((choice.get("logprobs") or {}).get("content") or [])
-                    else:
-                        n = 1 if delta.get("content") else 0
-                    if n:
-                        rec["t_first"] = rec["t_first"] or now
-                        rec["chunks"].append(now)
-                        rec["n"].append(n)
-                        fp = chunk.get("system_fingerprint")
-                        if fp:
-                            rec["versions"].append(int(fp.rsplit("v", 1)[1]))
-                    if choice.get("finish_reason"):
-                        rec["finish_reason"] = choice["finish_reason"]
-                        rec["t_finish"] = now
     except Exception as exc:  # recorded: a failed request is a result, not a crash
         rec["error"] = f"{type(exc).__name__}: {exc}"
     return rec
 
 
+async def one_raw(cfg, worker: int, tag: str) -> dict:
+    """HTTP/1.1 over a plain asyncio connection (one per request), chunked SSE parsed by hand:
+    the cheapest client, to keep the load generator's CPU off the server's cores."""
+    host, port = cfg["url"].removeprefix("http://").split(":")
+    rec = _record(worker, tag)
+    writer = None
+    try:
+        reader, writer = await asyncio.open_connection(host, int(port))
+        body = json.dumps(_body(cfg, worker)).encode()
+        writer.write(b"POST /v1/chat/completions HTTP/1.1\r\nHost: %s\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: %d\r\nConnection: close\r\n\r\n%s" % (host.encode(), len(body), body))
+        status = await reader.readline()
+        headers = (await reader.readuntil(b"\r\n\r\n")).lower()
+        if b" 200 " not in status:
+            rec["error"] = f"HTTP {status.decode().strip()}: {(await reader.read(200)).decode(errors='replace')}"
+            return rec
+        if b"transfer-encoding: chunked" not in headers:
+            raise RuntimeError("expected a chunked event stream")
+        pending = b""
+        while True:
+            size = int((await reader.readline()).split(b";")[0], 16)
+            if size == 0:
+                break
+            pending += (await reader.readexactly(size + 2))[:-2]
+            *events, pending = pending.split(b"\n\n")
+            now = time.monotonic()
+            for event in events:
+                if event.startswith(b"data: ") and _on_event(rec, cfg, event[6:], now):
+                    return rec
+    except Exception as exc:
+        rec["error"] = f"{type(exc).__name__}: {exc}"
+    finally:
+        if writer is not None:
+            writer.close()
+    return rec
+
+
 async def one_openai(client, cfg, worker: int, tag: str) -> dict:
     messages = cfg["messages"][worker % len(cfg["messages"])]
-    rec = {"worker": worker, "tag": tag, "t_send": time.monotonic(), "chunks": [], "n": [], "versions": [],
-           "t_first": None, "t_finish": None, "tokens": None, "finish_reason": None, "error": None, "done": False}
+    rec = _record(worker, tag)
     try:
+        extra = {"logprobs": True} if cfg.get("logprobs") else {}  # an explicit null would be a 400
         stream = await client.chat.completions.create(
             model=cfg["model"], messages=messages, max_tokens=cfg["max_tokens"], stream=True,
-            stream_options={"include_usage": True}, logprobs=bool(cfg.get("logprobs")) or None,
+            stream_options={"include_usage": True}, **extra,
         )
         async for chunk in stream:
             now = time.monotonic()
@@ -114,7 +161,10 @@ async def one_openai(client, cfg, worker: int, tag: str) -> dict:
 
 async def main(cfg: dict) -> None:
     conc = cfg["concurrency"]
-    if cfg.get("client", "httpx") == "openai":
+    http = None
+    if cfg.get("client", "httpx") == "raw":
+        one = lambda w, tag: one_raw(cfg, w, tag)  # noqa: E731
+    elif cfg.get("client", "httpx") == "openai":
         import httpx
         from openai import AsyncOpenAI
 
@@ -127,7 +177,8 @@ async def main(cfg: dict) -> None:
         http = httpx.AsyncClient(base_url=cfg["url"], timeout=600,
                                  limits=httpx.Limits(max_connections=conc + 8, max_keepalive_connections=conc + 8))
         one = lambda w, tag: one_httpx(http, cfg, w, tag)  # noqa: E731
-    await http.get(cfg["url"] + "/health")
+    if http is not None:
+        await http.get(cfg["url"] + "/health")
     print("ready", flush=True)
     await asyncio.get_running_loop().run_in_executor(None, sys.stdin.readline)
     records: list[dict] = []
@@ -151,7 +202,8 @@ async def main(cfg: dict) -> None:
 
         await asyncio.gather(*(worker(w) for w in range(conc)))
     cpu1 = resource.getrusage(resource.RUSAGE_SELF)
-    await http.aclose()
+    if http is not None:
+        await http.aclose()
     with open(cfg["out"], "w") as f:
         json.dump({"records": records, "rounds": rounds,
                    "client_cpu_s": (cpu1.ru_utime - cpu0.ru_utime) + (cpu1.ru_stime - cpu0.ru_stime)}, f)

@@ -17,8 +17,11 @@ What it measures
 
     Both count only useful tokens (the sum of the requested lengths). Reported: useful output
     tokens/s of each and the ratio engine/baseline (target >= 1.5x). Runs are repeated
-    (`--repeats`, interleaved engine/baseline) after one untimed warm-up of each; the ratio is
-    of the medians. Each timed run first waits (up to 90 s) until other processes use under
+    (`--repeats`, interleaved engine/baseline); the ratio is of the medians. Every timed run
+    happens in a fresh process (model loaded, one small untimed warm-up, then the run): once
+    `generate` has run torch ops on one thread, the engine's own thread in the same process
+    decodes ~1.8x slower (two OpenMP thread teams on two cores), so sharing a process would
+    handicap whichever side runs second. Each timed run first waits (up to 90 s) until other processes use under
     0.25 cores, and the CPU they used during the run is recorded (the machine is shared); a run
     during which they used more than `--max-noise` cores (0.3) is discarded and redone (up to
     `--attempts` times; the last attempt is kept, and its noise is in the result file).
@@ -36,6 +39,8 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -63,6 +68,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--max-noise", type=float, default=0.3, help="redo a run during which other processes used more cores")
     p.add_argument("--attempts", type=int, default=3)
+    p.add_argument("--worker", choices=["engine", "static"], help=argparse.SUPPRESS)
     args = p.parse_args()
     base = DEFAULTS.get(args.model, DEFAULTS["smollm2-135m"])
     args.requests = args.requests or base["requests"]
@@ -136,8 +142,9 @@ def run_static(model, pad_id: int, requests, batch: int) -> dict:
     }
 
 
-def main() -> None:
-    args = parse_args()
+def worker(args: argparse.Namespace) -> None:
+    """One timed run of one side in a fresh process: load, warm up, say `ready`, wait for a
+    line on stdin, run, print the result as JSON."""
     quiet_logs()
     import torch
 
@@ -147,35 +154,72 @@ def main() -> None:
 
     model, tokenizer = load_model(args.model)
     requests = mixed_requests(tokenizer, args.requests, args.lengths, args.weights, args.seed)
-    engine = Engine(model, tokenizer, max_batch_size=args.batch).start()
-    pad_id = engine.pad_id
+    warm = [dict(r, max_new_tokens=min(8, r["max_new_tokens"])) for r in requests[: args.batch]]
+    if args.worker == "engine":
+        engine = Engine(model, tokenizer, max_batch_size=args.batch).start()
+        run_engine(engine, warm)  # untimed: allocator, kernels, first-call overheads
+        run = lambda: run_engine(engine, requests)  # noqa: E731
+    else:
+        pad_id = Engine(model, tokenizer).pad_id  # the engine's padding rule (not started)
+        run_static(model, pad_id, warm, args.batch)
+        run = lambda: run_static(model, pad_id, requests, args.batch)  # noqa: E731
+    print("ready", flush=True)
+    sys.stdin.readline()
+    result = run()
+    result["torch_threads"] = torch.get_num_threads()
+    print(json.dumps(result), flush=True)
+
+
+def run_side(args: argparse.Namespace, side: str) -> dict:
+    cmd = [sys.executable, __file__, "--worker", side, "--model", args.model, "--requests", str(args.requests),
+           "--batch", str(args.batch), "--lengths", ",".join(map(str, args.lengths)),
+           "--weights", ",".join(map(str, args.weights)), "--threads", str(args.threads), "--seed", str(args.seed)]
+    proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    line = proc.stdout.readline()
+    if line.strip() != "ready":
+        proc.kill()
+        raise RuntimeError(f"{side} worker did not start: {line!r}")
+    quiet = wait_quiet()
+    proc.stdin.write("go\n")
+    proc.stdin.flush()
+    result = json.loads(proc.stdout.readline())
+    proc.wait()
+    result["waited_for_quiet"] = quiet
+    return result
+
+
+def main() -> None:
+    args = parse_args()
+    if args.worker:
+        worker(args)
+        return
+    quiet_logs()
+    from transformers import AutoTokenizer
+
+    from models import resolve_model
+
+    tokenizer = AutoTokenizer.from_pretrained(resolve_model(args.model))
+    requests = mixed_requests(tokenizer, args.requests, args.lengths, args.weights, args.seed)
     prompt_lens = [len(r["prompt_ids"]) for r in requests]
     useful = sum(r["max_new_tokens"] for r in requests)
-    print(f"model={args.model} requests={args.requests} batch={args.batch} torch_threads={torch.get_num_threads()} "
+    print(f"model={args.model} requests={args.requests} batch={args.batch} torch_threads={args.threads} "
           f"prompt tokens {min(prompt_lens)}..{max(prompt_lens)} (mean {sum(prompt_lens) / len(prompt_lens):.0f}) "
           f"useful output tokens {useful}", flush=True)
-
-    # Untimed warm-up of both paths (allocator, kernels, first-call overheads).
-    warm = requests[: min(len(requests), args.batch)]
-    warm = [dict(r, max_new_tokens=min(8, r["max_new_tokens"])) for r in warm]
-    run_engine(engine, warm)
-    run_static(model, pad_id, warm, args.batch)
 
     engine_runs, static_runs = [], []
     for rep in range(args.repeats):
         order = ("engine", "static") if rep % 2 == 0 else ("static", "engine")
         for which in order:
             for attempt in range(1, args.attempts + 1):
-                quiet = wait_quiet()
-                r = run_engine(engine, requests) if which == "engine" else run_static(model, pad_id, requests, args.batch)
-                r["waited_for_quiet"], r["attempt"] = quiet, attempt
+                r = run_side(args, which)
+                r["attempt"] = attempt
                 if r["cpu"]["foreign_cores"] <= args.max_noise or attempt == args.attempts:
                     break
                 print(f"  rep {rep + 1} {which:6s} discarded: other processes used {r['cpu']['foreign_cores']:.2f} cores", flush=True)
             (engine_runs if which == "engine" else static_runs).append(r)
             print(f"  rep {rep + 1} {which:6s} {r['wall_s']:7.2f}s {r['tokens_per_s']:8.1f} tok/s "
-                  f"(other processes: {r['cpu']['foreign_cores']:.2f} cores; waited {quiet['waited_s']:.0f}s for quiet)", flush=True)
-    engine.stop()
+                  f"(other processes: {r['cpu']['foreign_cores']:.2f} cores; waited {r['waited_for_quiet']['waited_s']:.0f}s "
+                  f"for quiet)", flush=True)
 
     e_tps = median([r["tokens_per_s"] for r in engine_runs])
     s_tps = median([r["tokens_per_s"] for r in static_runs])
@@ -194,7 +238,7 @@ def main() -> None:
     path = write_result(f"engine_throughput_{args.model}", {
         "model": args.model, "requests": args.requests, "batch": args.batch, "lengths": args.lengths,
         "weights": args.weights, "seed": args.seed, "repeats": args.repeats,
-        "machine": machine(torch.get_num_threads()),
+        "machine": machine(args.threads),
         "prompt_tokens": {"min": min(prompt_lens), "max": max(prompt_lens), "mean": sum(prompt_lens) / len(prompt_lens)},
         "useful_tokens": useful,
         "engine": engine_runs, "static": static_runs,

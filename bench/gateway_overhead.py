@@ -11,8 +11,9 @@ What it measures
     - native:  C concurrent `InProcessEngineClient.generate_stream(body)`, the SGLang-protocol
                layer the gateway itself uses (same body the gateway builds, with logprobs);
     - gateway: C concurrent streaming `/v1/chat/completions` requests over loopback HTTP from a
-               separate client process (httpx SSE by default, `--client openai` for the
-               official AsyncOpenAI client), which also pays for the chat template,
+               separate client process (httpx SSE by default; `--client openai`: the
+               official AsyncOpenAI client; `--client raw`: hand-parsed HTTP/1.1 on an asyncio
+               socket, the cheapest load generator), which also pays for the chat template,
                tokenization, validation, SSE/JSON encoding and recording each turn on NATS.
 
     Every stream has its own user message (seeded); `direct` and `native` get exactly the
@@ -24,7 +25,9 @@ What it measures
     A round is C requests started together; its wall time runs from the start to the last
     stream's end. Per mode: output tokens/s (tokens / summed round walls), time per output
     token per stream (TPOT = (finish - first token) / (tokens - 1)) p50/p99, and time to first
-    token (TTFT) p50/p99. Overhead = gateway vs direct: extra wall time per generated token
+    token (TTFT) p50/p99; and, to show where the time goes, the engine's wall time per decode
+    step and the server threads' CPU time and context switches per token (event loop, engine
+    thread, the rest: torch's intra-op pool etc.). Overhead = gateway vs direct: extra wall time per generated token
     (direct tok/s / gateway tok/s - 1) and TPOT p50 ratio - 1; target <= 5%. Modes run in
     blocks of `--rounds` rounds, rotated, `--blocks` times, after one warm-up round each. Each
     block first waits (up to 90 s) until other processes use under 0.25 cores, and the CPU
@@ -38,7 +41,7 @@ How to run (from the repository root)
     options: --model M --concurrency C --max-tokens K --rounds R --blocks N --threads T
 
     The server's torch uses `--threads` intra-op threads (serve.torch_threads, default 2).
-    Writes bench/results/gateway_overhead_<model>[_openai].json.
+    Writes bench/results/gateway_overhead_<model>[_openai|_raw][_t<threads> unless 2].json.
 """
 
 from __future__ import annotations
@@ -47,13 +50,16 @@ import argparse
 import asyncio
 import random
 import sys
+import threading
 import time
 import uuid
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench._common import CpuWatch, machine, percentile, quiet_logs, table, wait_quiet_async, write_result  # noqa: E402
+from bench._common import (  # noqa: E402
+    CpuWatch, machine, percentile, quiet_logs, table, thread_delta, thread_times, wait_quiet_async, write_result,
+)
 from bench._serve import ClientRun, Served  # noqa: E402
 from bench.workload import render, user_message  # noqa: E402
 
@@ -67,7 +73,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--rounds", type=int, default=8, help="rounds per block")
     p.add_argument("--blocks", type=int, default=3)
     p.add_argument("--threads", type=int, default=2, help="serve.torch_threads (default 2)")
-    p.add_argument("--client", choices=["httpx", "openai"], default="httpx")
+    p.add_argument("--client", choices=["httpx", "openai", "raw"], default="httpx")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--max-noise", type=float, default=0.3, help="redo a block during which other processes used more cores")
     p.add_argument("--attempts", type=int, default=3)
@@ -143,10 +149,15 @@ def summarize(records: list[dict], walls: list[float]) -> dict:
         "mean_tokens_per_request": tokens / max(1, len(ok)),
         "finish_reasons": {k: sum(1 for r in ok if r["finish_reason"] == k) for k in {r["finish_reason"] for r in ok}},
         "wall_s": wall, "tokens_per_s": tokens / wall if wall else None,
-        "tpot_p50_ms": 1e3 * percentile(tpot, 50), "tpot_p99_ms": 1e3 * percentile(tpot, 99),
-        "tpot_mean_ms": 1e3 * sum(tpot) / len(tpot),
-        "ttft_p50_ms": 1e3 * percentile(ttft, 50), "ttft_p99_ms": 1e3 * percentile(ttft, 99),
+        "tpot_p50_ms": _ms(percentile(tpot, 50)), "tpot_p99_ms": _ms(percentile(tpot, 99)),
+        "tpot_mean_ms": _ms(sum(tpot) / len(tpot)) if tpot else None,
+        "ttft_p50_ms": _ms(percentile(ttft, 50)), "ttft_p99_ms": _ms(percentile(ttft, 99)),
+        "failures": [{k: r.get(k) for k in ("error", "finish_reason", "done")} for r in timed if r not in ok][:3],
     }
+
+
+def _ms(seconds: float | None) -> float | None:
+    return None if seconds is None else 1e3 * seconds
 
 
 async def main_async(args: argparse.Namespace) -> None:
@@ -170,6 +181,7 @@ async def main_async(args: argparse.Namespace) -> None:
         print(f"model={args.model} streams={args.concurrency} max_tokens={args.max_tokens} torch_threads={torch.get_num_threads()} "
               f"client={args.client} prompt tokens {min(map(len, prompts))}..{max(map(len, prompts))} url={served.url}", flush=True)
 
+        thread_ids = {"event_loop": threading.main_thread().native_id, "engine": engine._thread.native_id}
         results: dict[str, dict] = {m: {"records": [], "walls": [], "cpu": [], "client_cpu_s": 0.0} for m in ("direct", "native", "gateway")}
 
         async def run_mode(mode: str, rounds: int, warmup: int) -> None:
@@ -185,6 +197,8 @@ async def main_async(args: argparse.Namespace) -> None:
             if rounds:
                 results[mode]["cpu"].append(cpu)
                 s = summarize(res["records"], res["walls"])
+                if s["failed"] == s["requests"]:
+                    raise RuntimeError(f"every {mode} request failed, e.g. {s['failures']}")
                 print(f"  {mode:8s} {rounds} rounds: {s['tokens_per_s']:8.1f} tok/s  TPOT p50 {s['tpot_p50_ms']:6.2f} ms  "
                       f"TTFT p50 {s['ttft_p50_ms']:7.1f} ms  failed {s['failed']}  (other processes: {cpu['foreign_cores']:.2f} cores)",
                       flush=True)
@@ -192,6 +206,7 @@ async def main_async(args: argparse.Namespace) -> None:
         async def run_block(mode: str, rounds: int, warmup: int) -> tuple[dict, dict, float]:
             quiet = await wait_quiet_async() if rounds else {"waited_s": 0.0}
             client_cpu = 0.0
+            threads0, steps0 = thread_times(), engine.stats["steps"]
             if mode == "gateway":
                 client = ClientRun(served.tmp, dict(client_cfg, rounds=rounds, warmup_rounds=warmup))
                 out = await client.run()
@@ -206,6 +221,8 @@ async def main_async(args: argparse.Namespace) -> None:
                 res = await in_process_rounds(make, prompts, rounds, warmup)
                 cpu = watch.stop()
             cpu["waited_for_quiet_s"] = quiet["waited_s"]
+            cpu["threads"] = thread_delta(threads0, thread_times(), thread_ids)
+            cpu["decode_steps"] = engine.stats["steps"] - steps0
             return res, cpu, client_cpu
 
         modes = [m for m in ("direct", "native", "gateway") if m in args.modes.split(",")]
@@ -226,6 +243,16 @@ async def main_async(args: argparse.Namespace) -> None:
         print({m: {k: summary[m][k] for k in ("tokens_per_s", "tpot_p50_ms", "ttft_p50_ms")} for m in modes})
         return
     for m in summary:
+        blocks = results[m]["cpu"]
+        tokens = summary[m]["tokens"]
+        steps = sum(b["decode_steps"] for b in blocks)
+        summary[m]["decode_steps"] = steps
+        summary[m]["ms_per_decode_step"] = 1e3 * summary[m]["wall_s"] / steps if steps else None
+        summary[m]["threads_us_per_token"] = {
+            name: {k: (1e6 if k == "cpu_s" else 1.0) * sum(b["threads"][name][k] for b in blocks) / tokens
+                   for k in ("cpu_s", "voluntary_switches", "involuntary_switches")}
+            for name in ("event_loop", "engine", "other")
+        }
         summary[m]["foreign_cores_mean"] = sum(c["foreign_cores"] for c in results[m]["cpu"]) / len(results[m]["cpu"])
         summary[m]["cpu_blocks"] = results[m]["cpu"]
     summary["gateway"]["client_cpu_s"] = results["gateway"]["client_cpu_s"]
@@ -233,7 +260,7 @@ async def main_async(args: argparse.Namespace) -> None:
     overhead_tps = d["tokens_per_s"] / g["tokens_per_s"] - 1
     overhead_tpot = g["tpot_p50_ms"] / d["tpot_p50_ms"] - 1
     rows = []
-    for m in ("direct", "native", "gateway"):
+    for m in modes:
         s = summary[m]
         rows.append([m, s["requests"], s["failed"], s["mean_tokens_per_request"], s["tokens_per_s"],
                      1e3 / s["tokens_per_s"] * args.concurrency, s["tpot_p50_ms"], s["tpot_p99_ms"], s["ttft_p50_ms"], s["ttft_p99_ms"],
@@ -241,18 +268,30 @@ async def main_async(args: argparse.Namespace) -> None:
     print()
     print(table(["path", "requests", "failed", "tokens/req", "tok/s", "wall ms/token/stream", "TPOT p50 ms", "TPOT p99 ms",
                  "TTFT p50 ms", "TTFT p99 ms", "other procs (cores)"], rows))
+    print()
+    print(table(["path", "wall ms per decode step", "event-loop CPU us/token", "engine-thread CPU us/token",
+                 "other threads CPU us/token", "event-loop ctx switches/token", "engine ctx switches/token"],
+                [[m, summary[m]["ms_per_decode_step"], summary[m]["threads_us_per_token"]["event_loop"]["cpu_s"],
+                  summary[m]["threads_us_per_token"]["engine"]["cpu_s"], summary[m]["threads_us_per_token"]["other"]["cpu_s"],
+                  summary[m]["threads_us_per_token"]["event_loop"]["voluntary_switches"]
+                  + summary[m]["threads_us_per_token"]["event_loop"]["involuntary_switches"],
+                  summary[m]["threads_us_per_token"]["engine"]["voluntary_switches"]
+                  + summary[m]["threads_us_per_token"]["engine"]["involuntary_switches"]] for m in modes]))
     met = overhead_tps <= 0.05 and overhead_tpot <= 0.05
+    native_overhead = d["tokens_per_s"] / summary["native"]["tokens_per_s"] - 1 if "native" in summary else None
     print(f"\ngateway overhead vs direct: {100 * overhead_tps:+.1f}% wall time per token (tok/s), "
           f"{100 * overhead_tpot:+.1f}% TPOT p50; native layer alone: "
-          f"{100 * (d['tokens_per_s'] / summary['native']['tokens_per_s'] - 1):+.1f}% (tok/s); target <= 5%: {'MET' if met else 'MISSED'}")
+          f"{100 * native_overhead if native_overhead is not None else float('nan'):+.1f}% (tok/s); "
+          f"target <= 5%: {'MET' if met else 'MISSED'}")
     print(f"turns published {stats['published']}, dropped {stats['dropped']}; recorded prompt ids match the direct path's: "
           f"{prompt_ids_match}; client process CPU {g['client_cpu_s']:.1f} s for {g['tokens']} tokens")
-    name = f"gateway_overhead_{args.model}" + ("_openai" if args.client == "openai" else "")
+    name = (f"gateway_overhead_{args.model}" + ("" if args.client == "httpx" else f"_{args.client}")
+            + ("" if args.threads == 2 else f"_t{args.threads}"))
     path = write_result(name, {
         "model": args.model, "concurrency": args.concurrency, "max_tokens": args.max_tokens, "rounds_per_block": args.rounds,
         "blocks": args.blocks, "client": args.client, "seed": args.seed, "machine": machine(args.threads),
         "summary": summary, "overhead_tokens_per_s": overhead_tps, "overhead_tpot_p50": overhead_tpot,
-        "overhead_native_tokens_per_s": d["tokens_per_s"] / summary["native"]["tokens_per_s"] - 1,
+        "overhead_native_tokens_per_s": native_overhead,
         "target": 0.05, "target_met": met, "turns_published": stats["published"], "turns_dropped": stats["dropped"],
         "prompt_ids_match": prompt_ids_match,
     })
