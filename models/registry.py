@@ -58,10 +58,17 @@ def load_model(
     model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
     # The loaded parameters are copy-on-write pages of the mapped checkpoint; the first write
     # into them (a hot swap, an optimizer step) would fault every page in (seconds for
-    # SmolLM2). Own the memory now, at start-up, instead. Tied parameters stay tied.
-    with torch.no_grad():
-        for param in model.parameters():
-            param.data = param.data.clone()
+    # SmolLM2). Own the memory now, at start-up, instead. Tied parameters stay tied. The copy is
+    # single-threaded: a multi-threaded torch op on this thread would start a second OpenMP team,
+    # and an engine decoding on another thread of the process runs ~2x slower for good after that.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        with torch.no_grad():
+            for param in model.parameters():
+                param.data = param.data.clone()
+    finally:
+        torch.set_num_threads(threads)
     model.eval()
     return model, tokenizer
 
