@@ -14,6 +14,7 @@ from bus.records import (
     Timings,
     Trajectory,
     Turn,
+    Unscored,
     WeightUpdate,
     decode,
     encode,
@@ -24,13 +25,14 @@ from bus.streams import (
     TRAFFIC_SUBJECTS,
     TRAJECTORY_SUBJECT,
     TURN_SUBJECT,
+    UNSCORED_SUBJECT,
     WEIGHTS_SUBJECT,
 )
 
 __all__ = [
     "Bus", "Consumer", "Delivery", "EmbeddedNats", "read_bus_url", "start_bus",
     "SCHEMA_VERSION", "Record", "Sample", "Segment", "SessionEvent", "Timings", "Trajectory",
-    "Turn", "WeightUpdate", "decode", "encode",
+    "Turn", "Unscored", "WeightUpdate", "decode", "encode",
     "SAMPLE_SUBJECT", "SESSION_EVENT_SUBJECT", "TRAFFIC_SUBJECTS", "TRAJECTORY_SUBJECT", "TURN_SUBJECT",
-    "WEIGHTS_SUBJECT",
+    "UNSCORED_SUBJECT", "WEIGHTS_SUBJECT",
 ]

@@ -11,6 +11,7 @@ Who produces and consumes what:
     SessionEvent  serve    -> collect   feedback (a reward and/or text) or an explicit end
     Trajectory    collect  -> judge     a closed session's turns stitched into token segments
     Sample        judge    -> train     a trajectory with its rewards
+    Unscored      judge    -> (people)  a trajectory no judge could score, and why
     WeightUpdate  train    -> serve     a new policy version published to the weight store
 
 Token conventions (invariants 1 and 2 of DESIGN.md): `prompt_ids` and `output_ids` are the ids
@@ -135,6 +136,10 @@ class Trajectory(Record, kw_only=True):
     segments: list[Segment]
     turns: list[Turn]
     """The main turns, ordered by turn_index (kept whole so judges see the text)."""
+    next_states: list[list[dict[str, Any]]] = msgspec.field(default_factory=list)
+    """Aligned with `turns`: the messages that followed each assistant turn in the
+    conversation (the user's reply, tool results - parallel ones together), taken from the
+    next turn's request. Empty for the last turn (its consequence, if any, is in `feedback`)."""
     feedback: list[SessionEvent] = msgspec.field(default_factory=list)
     close_reason: Literal["done", "end", "feedback", "idle", "limit"]
 
@@ -158,6 +163,17 @@ class Sample(Record, kw_only=True):
     """Optional per-turn rewards, aligned with `trajectory.turns`."""
     judge: str
     """Which judge produced the reward, e.g. `rule`."""
+    details: dict[str, Any] = msgspec.field(default_factory=dict)
+    """What the judge saw and decided, for people: e.g. each component's scores, the votes."""
+
+
+class Unscored(Record, kw_only=True):
+    """A trajectory the judge could not score: kept, never turned into a silent zero."""
+
+    trajectory: Trajectory
+    judge: str
+    reason: str
+    """Why, e.g. `no reward in the feedback`, `deadline of 30s exceeded`, `unparseable votes`."""
 
 
 class WeightUpdate(Record, kw_only=True):

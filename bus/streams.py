@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from bus.records import Record, Sample, SessionEvent, Trajectory, Turn, WeightUpdate
+from bus.records import Record, Sample, SessionEvent, Trajectory, Turn, Unscored, WeightUpdate
 
 
 @dataclass(frozen=True)
@@ -27,6 +27,7 @@ TURN_SUBJECT = "flywheel.traffic.turn"
 SESSION_EVENT_SUBJECT = "flywheel.traffic.event"
 TRAJECTORY_SUBJECT = "flywheel.trajectories"
 SAMPLE_SUBJECT = "flywheel.samples"
+UNSCORED_SUBJECT = "flywheel.unscored"
 WEIGHTS_SUBJECT = "flywheel.weights"
 
 DAY = 24 * 3600.0
@@ -34,15 +35,17 @@ DAY = 24 * 3600.0
 TRAFFIC = StreamSpec("TRAFFIC", (TRAFFIC_SUBJECTS,), max_age_s=7 * DAY)
 TRAJECTORIES = StreamSpec("TRAJECTORIES", (TRAJECTORY_SUBJECT,), max_age_s=7 * DAY)
 SAMPLES = StreamSpec("SAMPLES", (SAMPLE_SUBJECT,), max_age_s=7 * DAY)
+UNSCORED = StreamSpec("UNSCORED", (UNSCORED_SUBJECT,), max_age_s=30 * DAY)
 WEIGHTS = StreamSpec("WEIGHTS", (WEIGHTS_SUBJECT,), max_age_s=30 * DAY, max_msgs_per_subject=64)
 
-STREAMS: dict[str, StreamSpec] = {s.name: s for s in (TRAFFIC, TRAJECTORIES, SAMPLES, WEIGHTS)}
+STREAMS: dict[str, StreamSpec] = {s.name: s for s in (TRAFFIC, TRAJECTORIES, SAMPLES, UNSCORED, WEIGHTS)}
 
 RECORD_TYPES: dict[str, type[Record]] = {
     TURN_SUBJECT: Turn,
     SESSION_EVENT_SUBJECT: SessionEvent,
     TRAJECTORY_SUBJECT: Trajectory,
     SAMPLE_SUBJECT: Sample,
+    UNSCORED_SUBJECT: Unscored,
     WEIGHTS_SUBJECT: WeightUpdate,
 }
 """Which record type a subject carries; the bus decodes by subject."""
