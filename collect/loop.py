@@ -27,7 +27,7 @@ class CollectLoop:
         self.config = config
         self.bus_url = bus_url
         self.durable = durable
-        self.tracker = SessionTracker(config.collect.idle_timeout_s)
+        self.tracker = SessionTracker(config.collect)
         self._task: asyncio.Task | None = None
 
     async def start(self) -> None:

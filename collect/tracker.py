@@ -7,18 +7,34 @@ A session closes when:
 - an `end` event arrives: reason `end`;
 - session-level feedback arrives (a reward or text not tied to one turn): reason `feedback`;
   feedback about one turn (`turn_index` set) attaches to the session and does not close it;
-- no traffic for `idle_timeout_s`: reason `idle`.
-A close signal that arrives before any turn (events can overtake turns across gateways) is held
-until the session's first main turn arrives. Sessions with only side turns produce nothing.
+- no traffic for `idle_timeout_s`: reason `idle`;
+- it reaches `max_turns` main turns or `max_tokens` stitched tokens: reason `limit`. Its later
+  turns open the next trajectory of the same session.
+
+Feedback and its timing:
+- A session ended by `done` or `end` with no session-level reward yet waits `feedback_grace_s`
+  for one (clients often post the reward right after the last turn); session feedback ends the
+  wait at once. Turns that arrive late for it (a lower turn index than its last) still join.
+- A close signal that arrives before any turn (events can overtake turns across gateways) is held
+  until the session's first main turn arrives.
+- **Late feedback** (for a session already emitted, e.g. after the grace period) is not applied:
+  the trajectory may already be judged and trained on, and rewriting history would make rewards
+  depend on timing. It is counted (`late_feedback`), logged with the session id, and stays in
+  the TRAFFIC stream for replay. Raise `feedback_grace_s` if clients are slower than that.
+
+Sessions with only side turns produce nothing. Turns are ordered by `turn_index` whatever order
+they arrive in, and deduplicated by id (also after their session was emitted, for the last
+`remember_closed` sessions).
 
 The tracker is pure bookkeeping: each record comes with an opaque `handle` (the bus delivery),
 and every closed session is returned with the handles of everything that went into it, for the
-caller to acknowledge once the trajectory is safely published. Turns are deduplicated by id.
+caller to acknowledge once the trajectory is safely published.
 """
 
 from __future__ import annotations
 
 import hashlib
+import logging
 import time
 from collections import OrderedDict
 from collections.abc import Callable
@@ -27,15 +43,29 @@ from typing import Any
 
 from bus import SessionEvent, Trajectory, Turn
 from collect.stitch import stitch
+from config.schema import CollectConfig
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
 class _Session:
+    session_id: str
     turns: dict[str, Turn] = field(default_factory=dict)
     feedback: list[SessionEvent] = field(default_factory=list)
+    handles: list[Any] = field(default_factory=list)
     close_reason: str | None = None
     last_seen: float = 0.0
-    handles: list[Any] = field(default_factory=list)
+    tokens_bound: int = 0
+    """Sum of the main turns' prompt + output lengths: an upper bound of the stitched length."""
+
+    @property
+    def has_session_reward(self) -> bool:
+        return any(e.reward is not None and e.turn_index is None for e in self.feedback)
+
+    @property
+    def last_turn_index(self) -> int:
+        return max(t.turn_index for t in self.turns.values())
 
 
 @dataclass
@@ -46,88 +76,172 @@ class Closed:
     handles: list[Any]
 
 
+def next_state(turn: Turn) -> list[dict[str, Any]]:
+    """What a turn's request says happened after the previous assistant turn: the messages after
+    its last assistant message (the user's reply, tool results)."""
+    messages = turn.messages
+    last_assistant = max((i for i, m in enumerate(messages) if m.get("role") == "assistant"), default=None)
+    return [] if last_assistant is None else list(messages[last_assistant + 1:])
+
+
 class SessionTracker:
-    def __init__(self, idle_timeout_s: float, clock: Callable[[], float] = time.monotonic, remember: int = 100_000):
-        self.idle_timeout_s = idle_timeout_s
+    def __init__(self, config: CollectConfig, clock: Callable[[], float] = time.monotonic):
+        self.config = config
         self._clock = clock
-        self._sessions: dict[str, _Session] = {}
-        self._emitted: OrderedDict[str, None] = OrderedDict()
-        self._remember = remember
-        self.counts = {"turns": 0, "duplicates": 0, "side_turns": 0, "events": 0, "trajectories": 0, "empty": 0}
+        self._open: OrderedDict[str, _Session] = OrderedDict()
+        """Sessions receiving traffic, least recently active first (idle expiry is O(expired))."""
+        self._waiting: OrderedDict[str, tuple[float, _Session]] = OrderedDict()
+        """Ended sessions waiting for a reward, with their deadline, earliest first."""
+        self._emitted_turns: OrderedDict[str, None] = OrderedDict()
+        self._emitted_sessions: OrderedDict[str, None] = OrderedDict()
+        self.counts = {
+            "turns": 0, "duplicates": 0, "side_turns": 0, "events": 0, "trajectories": 0, "empty": 0,
+            "splits": 0, "limit": 0, "late_feedback": 0,
+        }
 
     @property
     def open_sessions(self) -> int:
-        return len(self._sessions)
+        return len(self._open) + len(self._waiting)
 
     def add(self, record: Turn | SessionEvent, handle: Any = None) -> list[Closed]:
         if isinstance(record, Turn):
             return self._add_turn(record, handle)
         return self._add_event(record, handle)
 
-    def _session(self, session_id: str) -> _Session:
-        session = self._sessions.setdefault(session_id, _Session())
+    def expire(self) -> list[Closed]:
+        """Emit sessions idle for longer than the timeout and those whose grace period is over."""
+        now = self._clock()
+        closed = []
+        while self._open:
+            session = next(iter(self._open.values()))
+            if session.last_seen > now - self.config.idle_timeout_s:
+                break
+            closed.append(self._emit(self._open.pop(session.session_id), session.close_reason or "idle"))
+        while self._waiting:
+            deadline, session = next(iter(self._waiting.values()))
+            if deadline > now:
+                break
+            del self._waiting[session.session_id]
+            closed.append(self._emit(session, session.close_reason))
+        return closed
+
+    def _touch(self, session_id: str) -> _Session:
+        session = self._open.get(session_id)
+        if session is None:
+            session = self._open[session_id] = _Session(session_id)
+        else:
+            self._open.move_to_end(session_id)
         session.last_seen = self._clock()
         return session
 
+    def _is_duplicate(self, turn: Turn) -> bool:
+        if turn.id in self._emitted_turns:
+            return True
+        open_session = self._open.get(turn.session_id)
+        waiting = self._waiting.get(turn.session_id)
+        return any(s is not None and turn.id in s.turns for s in (open_session, waiting and waiting[1]))
+
     def _add_turn(self, turn: Turn, handle: Any) -> list[Closed]:
-        existing = self._sessions.get(turn.session_id)
-        if turn.id in self._emitted or (existing is not None and turn.id in existing.turns):
+        if self._is_duplicate(turn):
             self.counts["duplicates"] += 1
             return [Closed(None, [handle])]
-        session = self._session(turn.session_id)
+        waiting = self._waiting.get(turn.session_id)
+        if waiting is not None and turn.turn_type == "main" and turn.turn_index <= waiting[1].last_turn_index:
+            session = waiting[1]  # a straggler of the ended session
+        else:
+            session = self._touch(turn.session_id)
         session.handles.append(handle)
         if turn.turn_type == "side":
             self.counts["side_turns"] += 1
-        else:
-            self.counts["turns"] += 1
-            session.turns[turn.id] = turn
+            return []
+        self.counts["turns"] += 1
+        session.turns[turn.id] = turn
+        session.tokens_bound += len(turn.prompt_ids) + len(turn.output_ids)
+        if session is not self._open.get(turn.session_id):
+            return []
         if turn.session_done:
             session.close_reason = session.close_reason or "done"
-        return self._close_if_ready(turn.session_id)
+        if session.close_reason is None and self._over_limit(session):
+            self.counts["limit"] += 1
+            return [self._emit(self._open.pop(session.session_id), "limit")]
+        return self._end_if_signalled(session)
+
+    def _over_limit(self, session: _Session) -> bool:
+        if len(session.turns) >= self.config.max_turns:
+            return True
+        if session.tokens_bound < self.config.max_tokens:
+            return False
+        segments = stitch(sorted(session.turns.values(), key=_turn_order))
+        return sum(len(s.token_ids) for s in segments) >= self.config.max_tokens
 
     def _add_event(self, event: SessionEvent, handle: Any) -> list[Closed]:
         self.counts["events"] += 1
-        session = self._session(event.session_id)
+        sid = event.session_id
+        if sid in self._waiting:
+            _, session = self._waiting[sid]
+            session.handles.append(handle)
+            if event.kind == "feedback":
+                session.feedback.append(event)
+                if event.turn_index is None:
+                    del self._waiting[sid]
+                    return [self._emit(session, session.close_reason)]
+            return []
+        if sid not in self._open and sid in self._emitted_sessions:
+            if event.kind == "feedback":
+                self.counts["late_feedback"] += 1
+                log.warning("feedback for session %s arrived after it was emitted; not applied", sid)
+            return [Closed(None, [handle])]
+        session = self._touch(sid)
         session.handles.append(handle)
         if event.kind == "end":
             session.close_reason = session.close_reason or "end"
         else:
             session.feedback.append(event)
             if event.turn_index is None:
-                session.close_reason = session.close_reason or "feedback"
-        return self._close_if_ready(event.session_id)
+                session.close_reason = "feedback"
+        return self._end_if_signalled(session)
 
-    def _close_if_ready(self, session_id: str) -> list[Closed]:
-        session = self._sessions[session_id]
+    def _end_if_signalled(self, session: _Session) -> list[Closed]:
+        """Close (or start the grace period of) an open session with a close signal and turns."""
         if session.close_reason is None or not session.turns:
             return []
-        return [self._close(session_id, session.close_reason)]
+        del self._open[session.session_id]
+        wait = session.close_reason in ("done", "end") and not session.has_session_reward
+        if wait and self.config.feedback_grace_s > 0:
+            self._waiting[session.session_id] = (self._clock() + self.config.feedback_grace_s, session)
+            return []
+        return [self._emit(session, session.close_reason)]
 
-    def expire(self) -> list[Closed]:
-        """Close sessions idle for longer than the timeout."""
-        cutoff = self._clock() - self.idle_timeout_s
-        idle = [sid for sid, s in self._sessions.items() if s.last_seen <= cutoff]
-        return [self._close(sid, "idle") for sid in idle]
-
-    def _close(self, session_id: str, reason: str) -> Closed:
-        session = self._sessions.pop(session_id)
+    def _emit(self, session: _Session, reason: str) -> Closed:
         if not session.turns:
             self.counts["empty"] += 1
             return Closed(None, session.handles)
-        turns = sorted(session.turns.values(), key=lambda t: (t.turn_index, t.created_at))
-        for turn in turns:
-            self._emitted[turn.id] = None
-        while len(self._emitted) > self._remember:
-            self._emitted.popitem(last=False)
+        turns = sorted(session.turns.values(), key=_turn_order)
+        self._remember(self._emitted_turns, [t.id for t in turns])
+        self._remember(self._emitted_sessions, [session.session_id])
+        segments = stitch(turns)
         self.counts["trajectories"] += 1
+        self.counts["splits"] += len(segments) - 1
         digest = hashlib.sha1("\n".join(sorted(session.turns)).encode()).hexdigest()[:16]
         trajectory = Trajectory(
-            id=f"{session_id}#{digest}",
-            session_id=session_id,
+            id=f"{session.session_id}#{digest}",
+            session_id=session.session_id,
             task_id=next((t.task_id for t in turns if t.task_id), None),
-            segments=stitch(turns),
+            segments=segments,
             turns=turns,
+            next_states=[next_state(t) for t in turns[1:]] + [[]],
             feedback=session.feedback,
             close_reason=reason,
         )
         return Closed(trajectory, session.handles)
+
+    def _remember(self, memory: OrderedDict[str, None], keys: list[str]) -> None:
+        for key in keys:
+            memory[key] = None
+            memory.move_to_end(key)
+        while len(memory) > self.config.remember_closed:
+            memory.popitem(last=False)
+
+
+def _turn_order(turn: Turn) -> tuple[int, float]:
+    return turn.turn_index, turn.created_at

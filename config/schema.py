@@ -72,6 +72,18 @@ class ServeConfig(Section):
 class CollectConfig(Section):
     idle_timeout_s: float = Field(600.0, gt=0)
     """A session with no traffic for this long is closed and emitted."""
+    feedback_grace_s: float = Field(5.0, ge=0)
+    """A session ended by `X-Session-Done` or the end endpoint, with no session reward yet,
+    waits this long for one before it is emitted (clients often send the reward right after the
+    last turn). Session feedback ends the wait at once."""
+    max_turns: int = Field(256, ge=1)
+    """A session reaching this many main turns is emitted (reason `limit`); its later turns
+    form the next trajectory."""
+    max_tokens: int = Field(131_072, ge=1)
+    """Likewise for the total length of its stitched token segments."""
+    remember_closed: int = Field(100_000, ge=1)
+    """How many emitted sessions, and as many turn ids, are remembered to drop duplicate
+    deliveries and to recognise late feedback."""
 
 
 class GenerationConfig(Section):

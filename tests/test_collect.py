@@ -8,6 +8,7 @@ from collect.loop import CollectLoop
 from collect.stitch import stitch
 from collect.tracker import SessionTracker
 from config import load_config
+from config.schema import CollectConfig
 from tests.test_records import make_turn
 
 
@@ -39,7 +40,7 @@ def test_turns_merge_when_the_prompt_extends_and_split_when_history_is_rewritten
 
 
 def test_feedback_closes_a_session_with_its_turns_in_order():
-    tracker = SessionTracker(idle_timeout_s=60)
+    tracker = SessionTracker(CollectConfig(idle_timeout_s=60, feedback_grace_s=0))
     assert tracker.add(turn("b", index=1, prompt=[1, 2, 3, 4], output=[5]), "hb") == []
     assert tracker.add(turn("a", index=0, prompt=[1, 2], output=[3, 4]), "ha") == []
     [closed] = tracker.add(SessionEvent(id="e", session_id="s", kind="feedback", reward=1.0), "he")
@@ -51,7 +52,7 @@ def test_feedback_closes_a_session_with_its_turns_in_order():
 
 
 def test_turn_feedback_attaches_without_closing_and_end_closes():
-    tracker = SessionTracker(idle_timeout_s=60)
+    tracker = SessionTracker(CollectConfig(idle_timeout_s=60, feedback_grace_s=0))
     tracker.add(turn("a"), 1)
     assert tracker.add(SessionEvent(id="e1", session_id="s", kind="feedback", reward=0.5, turn_index=0), 2) == []
     [closed] = tracker.add(SessionEvent(id="e2", session_id="s", kind="end"), 3)
@@ -60,7 +61,7 @@ def test_turn_feedback_attaches_without_closing_and_end_closes():
 
 
 def test_done_turn_closes_at_once_and_duplicates_are_dropped():
-    tracker = SessionTracker(idle_timeout_s=60)
+    tracker = SessionTracker(CollectConfig(idle_timeout_s=60, feedback_grace_s=0))
     [closed] = tracker.add(turn("a", session_done=True), 1)
     assert closed.trajectory.close_reason == "done"
     [dup] = tracker.add(turn("a", session_done=True), 2)
@@ -69,7 +70,7 @@ def test_done_turn_closes_at_once_and_duplicates_are_dropped():
 
 
 def test_end_before_turn_is_held_and_side_turns_are_not_trained():
-    tracker = SessionTracker(idle_timeout_s=60)
+    tracker = SessionTracker(CollectConfig(idle_timeout_s=60, feedback_grace_s=0))
     assert tracker.add(SessionEvent(id="e", session_id="s", kind="end"), 1) == []
     assert tracker.add(turn("side", turn_type="side"), 2) == []
     [closed] = tracker.add(turn("main"), 3)
@@ -79,7 +80,7 @@ def test_end_before_turn_is_held_and_side_turns_are_not_trained():
 
 def test_idle_sessions_expire():
     now = [0.0]
-    tracker = SessionTracker(idle_timeout_s=10, clock=lambda: now[0])
+    tracker = SessionTracker(CollectConfig(idle_timeout_s=10), clock=lambda: now[0])
     tracker.add(turn("a"), 1)
     tracker.add(SessionEvent(id="e", session_id="lonely", kind="feedback", reward=1.0, turn_index=3), 2)
     now[0] = 5.0
@@ -89,6 +90,119 @@ def test_idle_sessions_expire():
     assert closed[1].trajectory.close_reason == "idle"
     assert closed[2].trajectory is None  # feedback with no turn: nothing to train
     assert tracker.open_sessions == 0
+
+
+class Clock:
+    def __init__(self):
+        self.now = 0.0
+
+    def __call__(self):
+        return self.now
+
+
+def feedback(session="s", reward=1.0, turn_index=None, eid="f"):
+    return SessionEvent(id=eid, session_id=session, kind="feedback", reward=reward, turn_index=turn_index)
+
+
+def test_done_waits_for_a_reward_during_the_grace_period_and_takes_stragglers():
+    clock = Clock()
+    tracker = SessionTracker(CollectConfig(feedback_grace_s=5), clock=clock)
+    assert tracker.add(turn("b", index=1, prompt=[1, 2, 3, 4], output=[5], session_done=True), 1) == []
+    assert tracker.add(turn("a", index=0, prompt=[1, 2], output=[3, 4]), 2) == []  # straggler joins
+    clock.now = 4.0
+    assert tracker.expire() == []
+    [closed] = tracker.add(feedback(reward=0.5), 3)
+    traj = closed.trajectory
+    assert traj.close_reason == "done" and [t.id for t in traj.turns] == ["a", "b"]
+    assert traj.feedback[0].reward == 0.5 and sorted(closed.handles) == [1, 2, 3]
+    assert traj.segments[0].token_ids == [1, 2, 3, 4, 5]
+
+
+def test_without_a_reward_the_session_is_emitted_when_the_grace_period_ends():
+    clock = Clock()
+    tracker = SessionTracker(CollectConfig(feedback_grace_s=5), clock=clock)
+    tracker.add(turn("a"), 1)
+    assert tracker.add(SessionEvent(id="end", session_id="s", kind="end"), 2) == []
+    assert tracker.add(feedback(reward=2.0, turn_index=0, eid="t0"), 3) == []  # turn feedback: keeps waiting
+    clock.now = 5.0
+    [closed] = tracker.expire()
+    assert closed.trajectory.close_reason == "end" and closed.trajectory.feedback[0].turn_index == 0
+    assert tracker.open_sessions == 0
+
+
+def test_late_feedback_is_counted_not_applied_and_acknowledged():
+    tracker = SessionTracker(CollectConfig(feedback_grace_s=0))
+    [closed] = tracker.add(turn("a", session_done=True), 1)
+    assert closed.trajectory is not None
+    [late] = tracker.add(feedback(reward=1.0), 2)
+    assert late.trajectory is None and late.handles == [2]
+    assert tracker.counts["late_feedback"] == 1 and tracker.open_sessions == 0
+
+
+def test_turn_limit_emits_and_later_turns_form_the_next_trajectory():
+    tracker = SessionTracker(CollectConfig(max_turns=2, feedback_grace_s=0))
+    assert tracker.add(turn("a", index=0, prompt=[1], output=[2]), 1) == []
+    [first] = tracker.add(turn("b", index=1, prompt=[1, 2, 3], output=[4]), 2)
+    assert first.trajectory.close_reason == "limit" and [t.id for t in first.trajectory.turns] == ["a", "b"]
+    [second] = tracker.add(turn("c", index=2, prompt=[1, 2, 3, 4, 5], output=[6], session_done=True), 3)
+    assert [t.id for t in second.trajectory.turns] == ["c"] and second.trajectory.id != first.trajectory.id
+    assert second.trajectory.segments[0].loss_mask == [0, 0, 0, 0, 0, 1]
+    assert tracker.counts["limit"] == 1
+
+
+def test_token_limit_counts_stitched_tokens_not_the_sum_of_prompts():
+    tracker = SessionTracker(CollectConfig(max_tokens=8, feedback_grace_s=0))
+    assert tracker.add(turn("a", index=0, prompt=[1, 2], output=[3, 4]), 1) == []  # 4 tokens
+    assert tracker.add(turn("b", index=1, prompt=[1, 2, 3, 4, 5], output=[6]), 2) == []  # 6 stitched, bound 10
+    [closed] = tracker.add(turn("c", index=2, prompt=[1, 2, 3, 4, 5, 6, 7], output=[8]), 3)  # 8 stitched
+    assert closed.trajectory.close_reason == "limit" and len(closed.trajectory.turns) == 3
+
+
+def test_next_state_is_what_followed_each_turn_including_parallel_tool_results():
+    call = {"role": "assistant", "content": None, "tool_calls": [{"id": "c1"}, {"id": "c2"}]}
+    results = [{"role": "tool", "tool_call_id": "c1", "content": "4"}, {"role": "tool", "tool_call_id": "c2", "content": "9"}]
+    user = {"role": "user", "content": "add them"}
+    turns = [
+        turn("a", index=0, prompt=[1], output=[2], messages=[user]),
+        turn("b", index=1, prompt=[1, 2, 3], output=[4], messages=[user, call, *results]),
+        turn("c", index=2, prompt=[1, 2, 3, 4, 5], output=[6],
+             messages=[user, call, *results, {"role": "assistant", "content": "13"}, {"role": "user", "content": "thanks"}]),
+    ]
+    tracker = SessionTracker(CollectConfig(feedback_grace_s=0))
+    for t in turns:
+        tracker.add(t)
+    [closed] = tracker.add(feedback())
+    assert closed.trajectory.next_states == [results, [{"role": "user", "content": "thanks"}], []]
+
+
+def test_thousands_of_interleaved_sessions_out_of_order_with_duplicates():
+    import random
+
+    rng = random.Random(7)
+    tracker = SessionTracker(CollectConfig(feedback_grace_s=0))
+    records = []
+    for s in range(2000):
+        prompt: list[int] = [s]
+        for i in range(3):
+            out = [1000 + i]
+            records.append(turn(f"{s}-{i}", session=f"s{s}", index=i, prompt=list(prompt), output=out))
+            prompt = prompt + out + [7]
+        records.append(feedback(session=f"s{s}", reward=float(s), eid=f"f{s}"))
+    turns = [r for r in records if not isinstance(r, SessionEvent)]
+    events = [r for r in records if isinstance(r, SessionEvent)]
+    rng.shuffle(turns)
+    closed = []
+    for r in turns + rng.sample(turns, 500) + events:  # every turn before its feedback, 500 redelivered
+        closed += tracker.add(r)
+    trajectories = [c.trajectory for c in closed if c.trajectory is not None]
+    assert len(trajectories) == 2000 and tracker.counts["duplicates"] == 500
+    for traj in trajectories:
+        s = int(traj.session_id[1:])
+        assert [t.turn_index for t in traj.turns] == [0, 1, 2] and traj.feedback[0].reward == float(s)
+        [seg] = traj.segments
+        assert seg.token_ids == [s, 1000, 7, 1001, 7, 1002]
+        assert seg.loss_mask == [0, 1, 0, 1, 0, 1]
+    assert tracker.open_sessions == 0 and tracker.counts["splits"] == 0
 
 
 async def test_collect_loop_publishes_trajectories_and_acks(bus, nats_url, tmp_path):
