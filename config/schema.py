@@ -67,6 +67,21 @@ class ServeConfig(Section):
     spill_dir: str | None = None
     """Where turns go while the bus is unreachable or the publish queue is full, to be published
     later in order; None: `run_dir/spill`."""
+    chat_template: str | None = None
+    """A Jinja chat template to use instead of the model's: a file path, or the template text."""
+    continue_sessions: int = Field(4096, ge=0)
+    """How many sessions' latest token sequences the gateway keeps so that their next prompt
+    continues the exact ids the model saw (`serve/continuation.py`); 0 turns this off."""
+
+    @field_validator("chat_template")
+    @classmethod
+    def _template_or_file(cls, value: str | None) -> str | None:
+        if value is None or "{{" in value or "{%" in value:
+            return value
+        try:
+            return Path(value).read_text()
+        except OSError as exc:
+            raise ValueError(f"neither a Jinja template nor a readable file: {exc}") from None
 
 
 class CollectConfig(Section):

@@ -19,6 +19,7 @@ from fastapi import FastAPI, Request
 from bus import SESSION_EVENT_SUBJECT, SessionEvent
 from config.schema import ServeConfig
 from serve.auth import install_auth
+from serve.continuation import SessionContinuations
 from serve.engine_client import EngineError
 from serve.engine_pool import EnginePool
 from serve.errors import APIError, install_error_handlers
@@ -27,7 +28,7 @@ from serve.limits import ConcurrencyLimiter, install_body_limit, request_timeout
 from serve.metrics import ServeMetrics, install_metrics_route, install_request_metrics
 from serve.recorder import Recorder
 from serve.schema import ChatCompletionRequest, CompletionRequest
-from serve.sessions import FeedbackRequest, session_of
+from serve.sessions import FeedbackRequest, SessionInfo, session_of
 from serve.sse import EventStreamResponse
 from serve.tools import adapt_messages, forced_prefix, template_support
 
@@ -41,13 +42,15 @@ class GatewayStats:
 
 
 class PromptBuilder:
-    """Chat messages (and tools) to prompt token ids, through the model's chat template."""
+    """Chat messages (and tools) to prompt token ids, through the model's chat template; a
+    session's prompt continues the exact ids of its previous turn where its text does."""
 
-    def __init__(self, tokenizer: Any):
+    def __init__(self, tokenizer: Any, continuations: SessionContinuations):
         self.tokenizer = tokenizer
+        self.continuations = continuations
         self.renders_tools, self.renders_calls = template_support(tokenizer)
 
-    def chat(self, body: ChatCompletionRequest) -> tuple[list[int], str, bool]:
+    def chat(self, body: ChatCompletionRequest, session: SessionInfo) -> tuple[list[int], str, bool]:
         """(prompt ids, forced tool-call prefix, whether tool calls are parsed)."""
         tools = None
         if body.tools and body.tool_choice != "none":
@@ -60,11 +63,11 @@ class PromptBuilder:
         except Exception as exc:  # the template rejected this conversation
             raise APIError(400, f"messages cannot be rendered by the chat template: {exc}", "messages") from None
         forced = forced_prefix(body.tool_choice) if tools else ""
-        return self.tokenizer.encode(text + forced, add_special_tokens=False), forced, tools is not None
+        return self.continuations.encode(session.session_id, text + forced), forced, tools is not None
 
-    def completion(self, body: CompletionRequest) -> list[int]:
+    def completion(self, body: CompletionRequest, session: SessionInfo) -> list[int]:
         if isinstance(body.prompt, str):
-            return self.tokenizer.encode(body.prompt, add_special_tokens=False)
+            return self.continuations.encode(session.session_id, body.prompt)
         vocab = len(self.tokenizer)
         if not all(0 <= t < vocab for t in body.prompt):
             raise APIError(400, f"prompt token ids must be in [0, {vocab})", "prompt")
@@ -84,7 +87,8 @@ def create_gateway(pool: EnginePool, tokenizer: Any, recorder: Recorder, model_n
     install_request_metrics(app, metrics)
     stats = GatewayStats()
     app.state.stats = stats
-    prompts = PromptBuilder(tokenizer)
+    continuations = SessionContinuations(tokenizer, config.continue_sessions)
+    prompts = PromptBuilder(tokenizer, continuations)
     limiter = ConcurrencyLimiter(config.max_concurrent_requests, config.max_queued_requests, config.retry_after_s)
     app.state.limiter = limiter
     metrics.on_scrape(lambda m: m.admission(limiter.active, limiter.waiting, limiter.rejected))
@@ -93,6 +97,9 @@ def create_gateway(pool: EnginePool, tokenizer: Any, recorder: Recorder, model_n
 
     def finished(generation: Generation) -> None:
         stats.turns += generation.body.n
+        if generation.session.turn_type == "main" and not generation.session.anonymous:
+            for choice in generation.choices:
+                continuations.remember(generation.session.session_id, generation.prompt_ids + choice.output_ids)
         metrics.tokens(len(generation.prompt_ids) * generation.body.n, sum(len(c.output_ids) for c in generation.choices))
         for choice in generation.choices:
             if choice.first_token_at is None:
@@ -101,7 +108,7 @@ def create_gateway(pool: EnginePool, tokenizer: Any, recorder: Recorder, model_n
             if len(choice.output_ids) > 1 and choice.last_token_at:
                 metrics.time_per_output_token((choice.last_token_at - choice.first_token_at) / (len(choice.output_ids) - 1))
 
-    async def run(body: ChatCompletionRequest | CompletionRequest, request: Request, prompt_ids: list[int],
+    async def run(body: ChatCompletionRequest | CompletionRequest, session: SessionInfo, prompt_ids: list[int],
                   forced: str = "", tools_active: bool = False) -> Any:
         stats.requests += 1
         if body.model != model_name:
@@ -112,7 +119,6 @@ def create_gateway(pool: EnginePool, tokenizer: Any, recorder: Recorder, model_n
         requested = body.requested_max_tokens()
         if requested is not None and requested > config.max_new_tokens:
             raise APIError(400, f"max_tokens is {requested}; the limit is {config.max_new_tokens}", "max_tokens")
-        session = session_of(request.headers, body.metadata, body.user)
         generation = Generation(
             body=body, engine=pool.route(session.session_id), tokenizer=tokenizer, recorder=recorder,
             model_name=model_name, session=session, prompt_ids=prompt_ids,
@@ -141,12 +147,14 @@ def create_gateway(pool: EnginePool, tokenizer: Any, recorder: Recorder, model_n
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any:
-        prompt_ids, forced, tools_active = prompts.chat(body)
-        return await run(body, request, prompt_ids, forced, tools_active)
+        session = session_of(request.headers, body.metadata, body.user)
+        prompt_ids, forced, tools_active = prompts.chat(body, session)
+        return await run(body, session, prompt_ids, forced, tools_active)
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request) -> Any:
-        return await run(body, request, prompts.completion(body))
+        session = session_of(request.headers, body.metadata, body.user)
+        return await run(body, session, prompts.completion(body, session))
 
     def session_event(session_id: str, kind: str, feedback: FeedbackRequest | None = None) -> dict[str, Any]:
         event = SessionEvent(

@@ -48,6 +48,8 @@ class ServeLoop:
         cfg = self.config.serve
         torch.set_num_threads(cfg.torch_threads)
         model, tokenizer = await asyncio.to_thread(load_model, self.config.model)
+        if cfg.chat_template is not None:
+            tokenizer.chat_template = cfg.chat_template
         self.engine: Engine | None = None
         if cfg.engine_urls:
             del model  # external engines hold the weights; the gateway needs the tokenizer only

@@ -26,6 +26,8 @@ class SessionInfo:
     turn_type: str
     task_id: str | None
     done: bool
+    anonymous: bool
+    """No session id was given: a one-turn session of its own."""
 
 
 def session_of(headers: Mapping[str, str], metadata: dict[str, str] | None, user: str | None) -> SessionInfo:
@@ -43,6 +45,7 @@ def session_of(headers: Mapping[str, str], metadata: dict[str, str] | None, user
         turn_type=turn_type,
         task_id=headers.get("x-task-id") or metadata.get("task_id"),
         done=anonymous or done_header in _TRUE,
+        anonymous=anonymous,
     )
 
 

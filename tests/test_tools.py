@@ -5,14 +5,14 @@ import json
 
 import openai
 import pytest
-import torch
 from transformers import AutoTokenizer
 
 from bus import TRAFFIC_SUBJECTS, Turn
 from config import load_config
-from models import load_model, resolve_model, save_model
+from models import resolve_model
 from serve.loop import ServeLoop
 from serve.tools import adapt_messages, parse_tool_calls, template_support
+from tests.teaching import teach_tiny
 
 WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "Weather in a city",
                                               "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}
@@ -23,21 +23,7 @@ CALL = '<tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}</tool
 @pytest.fixture(scope="module")
 def tool_model(tmp_path_factory):
     """The tiny model, taught by a few supervised steps to answer ASK with CALL."""
-    model, tokenizer = load_model("tiny")
-    prompt = tokenizer.apply_chat_template(ASK, tools=[WEATHER], add_generation_prompt=True, tokenize=False)
-    prompt_ids = tokenizer.encode(prompt, add_special_tokens=False)
-    target = tokenizer.encode(CALL + "<|im_end|>", add_special_tokens=False)
-    ids = torch.tensor([prompt_ids + target])
-    optimizer = torch.optim.Adam(model.parameters(), lr=3e-3)
-    model.train()
-    for _ in range(150):
-        logits = model(input_ids=ids).logits[0, len(prompt_ids) - 1 : -1]
-        loss = torch.nn.functional.cross_entropy(logits, torch.tensor(target))
-        optimizer.zero_grad()
-        loss.backward()
-        optimizer.step()
-    assert loss.item() < 0.05
-    return str(save_model(model.eval(), tokenizer, tmp_path_factory.mktemp("tool") / "model"))
+    return teach_tiny(ASK, [WEATHER], CALL, tmp_path_factory.mktemp("tool"))
 
 
 @pytest.fixture

@@ -1,0 +1,53 @@
+"""Prompts that continue the exact tokens of a session's previous turn.
+
+An agent sends the whole conversation on every turn. Rendering it through the chat template and
+tokenizing that text again need not give back the ids the model sampled (a BPE merge across the
+end of the previous answer, another split of the same text), and then the next turn's prompt
+does not extend the previous prompt + output: the collector has to start a new segment, and the
+model is trained on a context it never saw.
+
+So the gateway remembers, per session, the token sequences (prompt + output) of its latest main
+turns and the text each decodes to. When a new prompt's rendered text starts with one of those
+texts, its ids are that sequence followed by the tokenization of the rest of the text only. The
+text comparison keeps this exact: if the template rewrote history, or the client edited it,
+nothing matches and the prompt is tokenized whole, as before.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from typing import Any
+
+
+class SessionContinuations:
+    def __init__(self, tokenizer: Any, max_sessions: int, per_session: int = 8):
+        self.tokenizer = tokenizer
+        self.max_sessions = max_sessions
+        self.per_session = per_session
+        self._sessions: OrderedDict[str, list[tuple[str, list[int]]]] = OrderedDict()
+        self.continued = 0
+        """Prompts that continued a remembered sequence."""
+
+    def encode(self, session_id: str | None, text: str) -> list[int]:
+        """Token ids for `text`, continuing the session's longest remembered sequence that it
+        extends."""
+        best: tuple[str, list[int]] | None = None
+        for known_text, ids in self._sessions.get(session_id, ()) if session_id else ():
+            if text.startswith(known_text) and (best is None or len(known_text) > len(best[0])):
+                best = known_text, ids
+        if best is None:
+            return self.tokenizer.encode(text, add_special_tokens=False)
+        self.continued += 1
+        return best[1] + self.tokenizer.encode(text[len(best[0]):], add_special_tokens=False)
+
+    def remember(self, session_id: str, ids: list[int]) -> None:
+        """Keep `ids` (a turn's prompt + output) as a sequence the session's next prompt may extend."""
+        if self.max_sessions == 0:
+            return
+        text = self.tokenizer.decode(ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
+        entries = self._sessions.setdefault(session_id, [])
+        self._sessions.move_to_end(session_id)
+        entries.append((text, ids))
+        del entries[: -self.per_session]
+        while len(self._sessions) > self.max_sessions:
+            self._sessions.popitem(last=False)

@@ -1,0 +1,173 @@
+"""Collect through the real serve loop: multi-turn chats sent with the official openai client
+become trajectories holding exactly the ids the engine saw and sampled, with the loss mask 1
+exactly on sampled tokens: the `tiny` ChatML template, SmolLM2's, parallel tool calls and their
+results, a template that rewrites history (a split), and many interleaved sessions."""
+
+import asyncio
+from contextlib import asynccontextmanager
+
+import httpx
+import openai
+import pytest
+
+from bus import TRAFFIC_SUBJECTS, TRAJECTORY_SUBJECT, Trajectory, Turn
+from collect.loop import CollectLoop
+from config import load_config
+from models.tiny import CHAT_TEMPLATE
+from serve.loop import ServeLoop
+from tests.teaching import teach_tiny
+
+WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}
+ASK_TWO = [{"role": "user", "content": "Weather in Paris and in Rome?"}]
+TWO_CALLS = ('<tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}</tool_call>\n'
+             '<tool_call>{"name": "get_weather", "arguments": {"city": "Rome"}}</tool_call>')
+# Like reasoning models' templates: the generation prompt opens a <think> block that the
+# rendering of earlier assistant turns leaves out, so no turn's prompt extends the last one.
+THINKING_TEMPLATE = CHAT_TEMPLATE.replace("{{- '<|im_start|>assistant\n' }}", "{{- '<|im_start|>assistant\n<think>\n' }}")
+assert THINKING_TEMPLATE != CHAT_TEMPLATE
+
+
+@asynccontextmanager
+async def platform(nats_url, tmp_path, *overrides):
+    config = load_config(None, [f"run_dir={tmp_path}", "serve.port=0", "collect.feedback_grace_s=0", *overrides])
+    serve, collect = ServeLoop(config, nats_url), CollectLoop(config, nats_url)
+    await serve.start()
+    await collect.start()
+    try:
+        yield serve, collect, openai.AsyncOpenAI(base_url=f"{serve.url}/v1", api_key="x", max_retries=0)
+    finally:
+        await collect.stop()
+        await serve.stop()
+
+
+async def conversation(serve, client, session: str, user_texts: list[str], reward: float = 1.0, **kw) -> list[dict]:
+    """Chat turn by turn as an agent does (the whole history each time), then send a reward."""
+    messages: list[dict] = []
+    for i, text in enumerate(user_texts):
+        messages.append({"role": "user", "content": text})
+        reply = await client.chat.completions.create(
+            model=serve.model_name, messages=messages, max_tokens=8, seed=i, extra_headers={"X-Session-Id": session}, **kw
+        )
+        messages.append(reply.choices[0].message.model_dump(exclude_none=True))
+    await post_feedback(serve, session, reward)
+    return messages
+
+
+async def post_feedback(serve, session: str, reward: float) -> None:
+    async with httpx.AsyncClient() as http:
+        response = await http.post(f"{serve.url}/v1/sessions/{session}/feedback", json={"reward": reward})
+        response.raise_for_status()
+
+
+async def fetch_all(bus, subject: str, durable: str, kind: type, n: int) -> list:
+    consumer = bus.consumer(subject, durable)
+    out: list = []
+    while len(out) < n:
+        out += [d.record for d in await consumer.fetch(timeout_s=5) if isinstance(d.record, kind)]
+    return out
+
+
+async def collected(bus, n_sessions: int, n_turns: int) -> tuple[dict[str, Trajectory], dict[str, list[Turn]]]:
+    trajectories = await fetch_all(bus, TRAJECTORY_SUBJECT, "live-trajectories", Trajectory, n_sessions)
+    turns: dict[str, list[Turn]] = {}
+    for turn in await fetch_all(bus, TRAFFIC_SUBJECTS, "live-turns", Turn, n_turns):
+        turns.setdefault(turn.session_id, []).append(turn)
+    return {t.session_id: t for t in trajectories}, {s: sorted(ts, key=lambda t: t.turn_index) for s, ts in turns.items()}
+
+
+def assert_segment_is_exact(segment, turns: list[Turn]) -> None:
+    """The segment is the last turn's prompt + output; every turn's prompt + output is a prefix of
+    it; mask, logprobs and versions are set exactly on each turn's sampled tokens."""
+    last = turns[-1]
+    assert segment.token_ids == last.prompt_ids + last.output_ids
+    mask, logprobs, versions = [0] * len(segment.token_ids), [0.0] * len(segment.token_ids), [-1] * len(segment.token_ids)
+    for turn in turns:
+        start, end = len(turn.prompt_ids), len(turn.prompt_ids) + len(turn.output_ids)
+        assert segment.token_ids[:end] == turn.prompt_ids + turn.output_ids
+        mask[start:end], logprobs[start:end], versions[start:end] = [1] * len(turn.output_ids), turn.output_logprobs, turn.output_versions
+        assert (turn.turn_index, start, end) in segment.turn_spans
+    assert segment.loss_mask == mask and segment.logprobs == logprobs and segment.versions == versions
+
+
+def assert_prompts_render_the_conversation(tokenizer, turns: list[Turn], **template_kw) -> None:
+    for turn in turns:
+        rendered = tokenizer.apply_chat_template(turn.messages, add_generation_prompt=True, tokenize=False, **template_kw)
+        assert tokenizer.decode(turn.prompt_ids, skip_special_tokens=False) == rendered
+
+
+async def test_a_tiny_chatml_conversation_is_one_exact_segment(nats_url, tmp_path, bus):
+    async with platform(nats_url, tmp_path) as (serve, _, client):
+        await conversation(serve, client, "chat-1", ["Count to three.", "Now backwards.", "Thanks!"])
+        trajectories, turns = await collected(bus, 1, 3)
+    traj, session_turns = trajectories["chat-1"], turns["chat-1"]
+    assert [t.turn_index for t in traj.turns] == [0, 1, 2] and traj.close_reason == "feedback"
+    [segment] = traj.segments
+    assert_segment_is_exact(segment, session_turns)
+    assert_prompts_render_the_conversation(serve.engine.tokenizer, session_turns)
+    assert traj.next_states == [[{"role": "user", "content": "Now backwards."}], [{"role": "user", "content": "Thanks!"}], []]
+
+
+async def test_smollm2_template_conversation_is_one_exact_segment(nats_url, tmp_path, bus):
+    async with platform(nats_url, tmp_path, "model=smollm2-135m") as (serve, _, client):
+        await conversation(serve, client, "smol", ["What is 2 + 2?", "And 3 + 3?"])
+        trajectories, turns = await collected(bus, 1, 2)
+    [segment] = trajectories["smol"].segments
+    assert_segment_is_exact(segment, turns["smol"])
+    assert_prompts_render_the_conversation(serve.engine.tokenizer, turns["smol"])
+    assert "SmolLM" in serve.engine.tokenizer.decode(segment.token_ids)  # SmolLM2's default system prompt
+
+
+@pytest.fixture(scope="module")
+def two_call_model(tmp_path_factory):
+    return teach_tiny(ASK_TWO, [WEATHER], TWO_CALLS, tmp_path_factory.mktemp("two-calls"))
+
+
+async def test_parallel_tool_calls_and_their_results_stay_in_one_segment(two_call_model, nats_url, tmp_path, bus):
+    async with platform(nats_url, tmp_path, f"model={two_call_model}") as (serve, _, client):
+        head = {"X-Session-Id": "tools"}
+        reply = await client.chat.completions.create(
+            model=serve.model_name, messages=ASK_TWO, tools=[WEATHER], temperature=0, max_tokens=60, extra_headers=head
+        )
+        assert reply.choices[0].finish_reason == "tool_calls"
+        calls = reply.choices[0].message.tool_calls
+        assert [c.function.arguments for c in calls] == ['{"city": "Paris"}', '{"city": "Rome"}']
+        results = [{"role": "tool", "tool_call_id": c.id, "content": f"sunny in call {i}"} for i, c in enumerate(calls)]
+        history = ASK_TWO + [reply.choices[0].message.model_dump(exclude_none=True)] + results
+        await client.chat.completions.create(model=serve.model_name, messages=history, tools=[WEATHER], max_tokens=5,
+                                             extra_headers=head)
+        await post_feedback(serve, "tools", 1.0)
+        trajectories, turns = await collected(bus, 1, 2)
+    traj = trajectories["tools"]
+    [segment] = traj.segments
+    assert_segment_is_exact(segment, turns["tools"])
+    assert_prompts_render_the_conversation(serve.engine.tokenizer, turns["tools"], tools=[WEATHER])
+    assert traj.next_states[0] == results  # both tool results, together, are what followed the calls
+
+
+async def test_a_template_that_rewrites_history_splits_the_session(nats_url, tmp_path, bus):
+    template = tmp_path / "thinking.jinja"
+    template.write_text(THINKING_TEMPLATE)
+    async with platform(nats_url, tmp_path, f"serve.chat_template={template}") as (serve, collect, client):
+        await conversation(serve, client, "think", ["First question?", "Second question?"])
+        trajectories, turns = await collected(bus, 1, 2)
+        assert collect.stats()["splits"] == 1
+    first, second = turns["think"]
+    assert serve.engine.tokenizer.decode(first.prompt_ids).endswith("<|im_start|>assistant\n<think>\n")
+    segments = trajectories["think"].segments
+    assert len(segments) == 2
+    assert_segment_is_exact(segments[0], [first])
+    assert_segment_is_exact(segments[1], [second])
+
+
+async def test_many_interleaved_sessions_each_get_their_exact_trajectory(nats_url, tmp_path, bus):
+    sessions = [f"many-{i}" for i in range(12)]
+    async with platform(nats_url, tmp_path) as (serve, _, client):
+        await asyncio.gather(*(conversation(serve, client, s, ["Hello.", "More.", "Done."], reward=i)
+                               for i, s in enumerate(sessions)))
+        trajectories, turns = await collected(bus, len(sessions), 3 * len(sessions))
+    assert sorted(trajectories) == sorted(sessions)
+    for i, session in enumerate(sessions):
+        traj = trajectories[session]
+        assert traj.feedback[0].reward == i and [t.session_id for t in traj.turns] == [session] * 3
+        [segment] = traj.segments
+        assert_segment_is_exact(segment, turns[session])
