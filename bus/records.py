@@ -135,7 +135,9 @@ class Trajectory(Record, kw_only=True):
     task_id: str | None = None
     segments: list[Segment]
     turns: list[Turn]
-    """The main turns, ordered by turn_index (kept whole so judges see the text)."""
+    """The main turns, ordered by turn_index, with their text for the judges but without their
+    token lists (`prompt_ids`, `output_ids`, `output_logprobs`, `output_versions` are empty):
+    the tokens are in `segments`, once."""
     next_states: list[list[dict[str, Any]]] = msgspec.field(default_factory=list)
     """Aligned with `turns`: the messages that followed each assistant turn in the
     conversation (the user's reply, tool results - parallel ones together), taken from the

@@ -44,13 +44,20 @@ class CollectLoop:
         for delivery in deliveries:
             self._closed.extend(self.tracker.add(delivery.record, delivery))
         self._closed.extend(self.tracker.expire())
-        while self._closed:  # what fails to publish stays here and is retried next step
-            item = self._closed[0]
-            if item.trajectory is not None:
-                await self.bus.publish(TRAJECTORY_SUBJECT, item.trajectory)
-            for delivery in item.handles:
-                await delivery.ack()
-            self._closed.pop(0)
+        if self._closed:  # what fails to publish stays here and is retried next step
+            closed, self._closed = self._closed, []
+            results = await asyncio.gather(*(self._publish(item) for item in closed), return_exceptions=True)
+            self._closed = [item for item, result in zip(closed, results) if result is not None]
+            if self._closed:
+                raise next(r for r in results if r is not None)
+
+    async def _publish(self, item: Closed) -> None:
+        """Publish one trajectory (trajectories are published concurrently, each acknowledged by
+        JetStream), then acknowledge the records that went into it."""
+        if item.trajectory is not None:
+            await self.bus.publish(TRAJECTORY_SUBJECT, item.trajectory)
+        for delivery in item.handles:
+            await delivery.ack()
 
     async def stop(self) -> None:
         if self._task is not None:

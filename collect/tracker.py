@@ -22,6 +22,11 @@ Feedback and its timing:
   depend on timing. It is counted (`late_feedback`), logged with the session id, and stays in
   the TRAFFIC stream for replay. Raise `feedback_grace_s` if clients are slower than that.
 
+A trajectory's `turns` keep their text and metadata for the judges but not their token lists:
+the tokens are in its `segments` once, where `turn_spans` locate each turn's sampled tokens
+(a turn's prompt repeats the whole history; keeping every turn's ids would make a trajectory
+grow with the square of its length).
+
 Sessions with only side turns produce nothing. Turns are ordered by `turn_index` whatever order
 they arrive in, and deduplicated by id (also after their session was emitted, for the last
 `remember_closed` sessions).
@@ -40,6 +45,8 @@ from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
+
+import msgspec
 
 from bus import SessionEvent, Trajectory, Turn
 from collect.stitch import stitch
@@ -228,7 +235,8 @@ class SessionTracker:
             session_id=session.session_id,
             task_id=next((t.task_id for t in turns if t.task_id), None),
             segments=segments,
-            turns=turns,
+            turns=[msgspec.structs.replace(t, prompt_ids=[], output_ids=[], output_logprobs=[], output_versions=[])
+                   for t in turns],
             next_states=[next_state(t) for t in turns[1:]] + [[]],
             feedback=session.feedback,
             close_reason=reason,
