@@ -129,6 +129,14 @@ class OptimizerConfig(Section):
     weight_decay: float = Field(0.0, ge=0)
     betas: tuple[float, float] = (0.9, 0.999)
     max_grad_norm: float = Field(1.0, gt=0)
+    lr_schedule: Literal["constant", "linear", "cosine"] = "constant"
+    """After the warm-up: keep `lr`, or decay it linearly or along a cosine to `min_lr_ratio`·lr
+    at `schedule_steps`."""
+    warmup_steps: int = Field(0, ge=0)
+    """Steps over which the learning rate rises linearly from 0 to `lr`."""
+    min_lr_ratio: float = Field(0.0, ge=0.0, le=1.0)
+    schedule_steps: int | None = Field(None, ge=1)
+    """Where a decaying schedule ends; None: `train.max_steps` (required for a decay)."""
 
 
 class ActorConfig(Section):
@@ -137,7 +145,14 @@ class ActorConfig(Section):
     optimizer: OptimizerConfig = OptimizerConfig()
     eps_clip: float = Field(0.2, gt=0)
     behav_imp_weight_cap: float | None = Field(5.0, gt=1.0)
-    """Cap on π_prox/π_behav; tokens above it are masked out of the loss. None: no cap."""
+    """Cap on π_prox/π_behav; what happens above it is `behav_imp_weight_cap_mode`. None: no cap."""
+    behav_imp_weight_cap_mode: Literal["mask", "clamp"] = "mask"
+    """`mask`: tokens above the cap leave the loss (AReaL); `clamp`: their weight is the cap."""
+    dual_clip: float | None = Field(None, gt=1.0)
+    """Dual-clip PPO's c: for negative advantages the objective is bounded below by c·Â."""
+    kl_coef: float = Field(0.0, ge=0.0)
+    """Weight of a KL penalty to the reference policy (the weights the run started from), per
+    token with the k3 estimator; 0 turns it off (and keeps no reference copy)."""
     use_decoupled_loss: bool = True
     recompute_logprobs: bool = True
     """Recompute π_prox with one no-grad pass at the start of each step."""
@@ -164,6 +179,27 @@ class TrainConfig(Section):
     keep_versions: int = Field(3, ge=1)
     """Weight versions kept in the store."""
     torch_threads: int = Field(1, ge=1)
+    micro_batch_tokens: int = Field(4096, ge=16)
+    """Token budget of one forward/backward pass; a step accumulates gradients over as many
+    micro-batches as its samples need (a segment longer than this gets one of its own)."""
+    packing: bool = True
+    """Pack segments into rows with no padding (block-diagonal attention); false: one padded
+    row per segment (for comparison)."""
+    turn_reward_coef: float = Field(1.0, ge=0.0)
+    """β: how much a judge's per-turn rewards add to a turn's advantage (see train/advantages.py)."""
+    turn_discount: float = Field(1.0, ge=0.0, le=1.0)
+    """γ: per-turn rewards reach earlier turns discounted by γ per turn."""
+    checkpoint_interval: int = Field(50, ge=0)
+    """Save a full checkpoint (model, optimizer, schedule, counters, RNG) every this many steps,
+    and when the loop stops; 0: only when it stops."""
+    keep_checkpoints: int = Field(2, ge=1)
+    resume: bool = False
+    """Continue from the newest checkpoint in `run_dir/checkpoints` (`train.run --resume`)."""
+    device: str = "cpu"
+    """`cpu`, `cuda`, `cuda:N`; on CUDA the forward passes run under bf16 autocast."""
+    fsdp: bool = False
+    """Shard the model with FSDP2 across the ranks of an initialised torch.distributed process
+    group (multi-GPU; see docs/architecture.md). Refused without one."""
 
 
 class JudgeConfig(Section):

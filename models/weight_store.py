@@ -145,13 +145,24 @@ class WeightStore:
     def _prune(self, published: int) -> None:
         others = [v for v in self.versions() if v != published]
         for version in others[: max(0, len(others) + 1 - self.keep)]:
-            # Rename first, so that no reader ever lists a half-deleted version.
-            doomed = self.root / f"{TMP_PREFIX}deleted-v{version}-{uuid.uuid4().hex[:8]}"
-            try:
-                os.rename(self._dir(version), doomed)
-            except FileNotFoundError:
-                continue  # another process pruned it first
-            shutil.rmtree(doomed, ignore_errors=True)
+            self._remove(version)
+
+    def discard_newer(self, version: int) -> list[int]:
+        """Remove the versions newer than `version` (a trainer resuming from an older checkpoint
+        will publish those numbers again); returns them."""
+        newer = [v for v in self.versions() if v > version]
+        for v in newer:
+            self._remove(v)
+        return newer
+
+    def _remove(self, version: int) -> None:
+        # Rename first, so that no reader ever lists a half-deleted version.
+        doomed = self.root / f"{TMP_PREFIX}deleted-v{version}-{uuid.uuid4().hex[:8]}"
+        try:
+            os.rename(self._dir(version), doomed)
+        except FileNotFoundError:
+            return  # another process removed it first
+        shutil.rmtree(doomed, ignore_errors=True)
 
     def load_state_dict(self, version: int) -> dict[str, torch.Tensor]:
         """The weights of `version`, ready for `model.load_state_dict` on the same architecture.

@@ -17,7 +17,7 @@ from models import load_model
 from serve.engine import Engine, SamplingParams
 from tests.test_records import make_turn
 from train.advantages import RunningBaseline, group_advantages
-from train.batch import build_batch
+from train.batch import Row, micro_batches
 from train.loop import TrainLoop
 from train.trainer import Trainer
 
@@ -46,19 +46,25 @@ def sample_of(turn, reward: float, version: int | None = None) -> Sample:
     return Sample(id=f"{turn.session_id}-{version}", trajectory=traj, reward=reward, judge="rule")
 
 
+def rows_of(samples: list[Sample], advantages: list[float]) -> list[Row]:
+    return [Row(seg, [a * m for m in seg.loss_mask]) for s, a in zip(samples, advantages) for seg in s.trajectory.segments]
+
+
 async def test_a_step_raises_rewarded_and_lowers_unrewarded_sequences():
     turns = await sampled_turns(2)
     samples = [sample_of(turns[0], 1.0), sample_of(turns[1], 0.0)]
     model, tokenizer = load_model("tiny")
-    trainer = Trainer(model, load_config(None, ["actor.optimizer.lr=0.01"]).actor)
+    config = load_config(None, ["actor.optimizer.lr=0.01"])
+    trainer = Trainer(model, config.actor, config.train)
     advantages = group_advantages([1.0, 0.0], ["task", "task"], RunningBaseline())
-    batch = build_batch(samples, advantages, tokenizer.pad_token_id)
+    batches = micro_batches(rows_of(samples, advantages), budget=4096, pad_id=tokenizer.pad_token_id, packing=False)
+    [batch] = batches
     # Engine logprobs are the behaviour policy: they match the trainer's own before any step.
     with torch.no_grad():
         before, _ = trainer.token_logprobs(batch)
     mask = batch.loss_mask.bool()
     assert before[mask].tolist() == pytest.approx(batch.behav_logp[mask].tolist(), abs=2e-4)
-    metrics = trainer.step(batch)
+    metrics = trainer.step(batches)
     with torch.no_grad():
         after, _ = trainer.token_logprobs(batch)
     gain = ((after - before) * batch.loss_mask).sum(dim=1)

@@ -71,3 +71,24 @@ def test_group_advantages_normalise_within_groups_and_baseline_singletons():
     assert adv[5] == 0.0 and baseline.value == 0.3  # first singleton: its own baseline
     assert group_advantages([1.3], [None], baseline) == pytest.approx([1.0])
     assert baseline.value == pytest.approx(0.8)
+
+
+def test_dual_clip_bounds_negative_advantages_and_leaves_positive_ones():
+    # u = e^1.5 ≈ 4.48 on both tokens: Â = -1 gives min(u·Â, 1.2·Â) = -4.48, bounded below by c·Â = -3.
+    logp = torch.tensor([-0.5, -0.5], requires_grad=True)
+    prox = behav = torch.tensor([-2.0, -2.0])
+    adv, mask = torch.tensor([-1.0, 1.0]), torch.ones(2)
+    loss, _ = decoupled_ppo_loss(logp, prox, behav, adv, mask, 0.2, None, dual_clip=3.0)
+    assert loss.item() == pytest.approx((3.0 - 1.2) / 2, rel=1e-6)
+    loss.backward()
+    assert logp.grad.tolist() == [0.0, 0.0]  # both bounds are constants
+    plain, _ = decoupled_ppo_loss(logp.detach(), prox, behav, adv, mask, 0.2, None)
+    assert plain.item() == pytest.approx((math.exp(1.5) - 1.2) / 2, rel=1e-6)
+
+
+def test_a_given_denominator_makes_micro_batch_losses_add_up_to_the_global_mean():
+    logp, prox, behav, adv, mask = tensors()
+    whole, _ = decoupled_ppo_loss(logp, prox, behav, adv, mask, 0.2, 2.0)
+    parts = [decoupled_ppo_loss(logp[i:i + 2], prox[i:i + 2], behav[i:i + 2], adv[i:i + 2], mask[i:i + 2], 0.2, 2.0,
+                                denominator=2.0)[0] for i in (0, 2)]
+    assert sum(p.item() for p in parts) == pytest.approx(whole.item(), rel=1e-6)

@@ -1,17 +1,30 @@
-"""Advantages from sample rewards.
+"""Advantages from sample rewards, per sample and per token.
 
 Samples that share a task id and are in the same batch form a group (the n samples of one
 prompt): their advantage is the reward minus the group mean, divided by the group's standard
 deviation (0 when all rewards are equal: nothing to learn from that group). A sample with no
 group peer in the batch (live traffic: one sample per prompt) uses a running baseline instead:
-reward minus an exponential moving average of past rewards. The advantage of a sample applies
-to every sampled token of its trajectory.
+reward minus an exponential moving average of past rewards.
+
+Per token (`token_advantages`): a sample's advantage A applies to every sampled token of its
+trajectory. A judge may also give per-turn rewards r_0..r_{K-1} (`Sample.turn_rewards`, aligned
+with the trajectory's turns, e.g. a process-reward judge's score of each assistant turn or
+feedback about one turn). Turn k's sampled tokens then get
+
+    A + β · Σ_{j ≥ k} γ^(j−k) · r_j
+
+(β = `train.turn_reward_coef`, γ = `train.turn_discount`): a turn is credited with its own
+reward and, discounted, those of the turns after it, which it led to. The outcome is not
+discounted: it is the trajectory's result, owed to every turn alike. Tokens off the loss mask
+get 0.
 """
 
 from __future__ import annotations
 
 from collections import defaultdict
 from statistics import fmean, pstdev
+
+from bus import Sample
 
 
 class RunningBaseline:
@@ -43,3 +56,29 @@ def group_advantages(
         advantages[i] = rewards[i] - (baseline.value if baseline.value is not None else rewards[i])
         baseline.update(rewards[i])
     return advantages
+
+
+def turn_returns(turn_rewards: list[float], discount: float) -> list[float]:
+    """Σ_{j ≥ k} γ^(j−k) r_j for each turn k."""
+    returns, running = [0.0] * len(turn_rewards), 0.0
+    for k in range(len(turn_rewards) - 1, -1, -1):
+        running = turn_rewards[k] + discount * running
+        returns[k] = running
+    return returns
+
+
+def token_advantages(sample: Sample, advantage: float, coef: float, discount: float) -> list[list[float]]:
+    """One list per segment of `sample.trajectory`: each token's advantage (0 off the mask)."""
+    trajectory = sample.trajectory
+    per_turn: dict[int, float] = {}
+    if coef and sample.turn_rewards:
+        returns = turn_returns(sample.turn_rewards, discount)
+        per_turn = {turn.turn_index: coef * g for turn, g in zip(trajectory.turns, returns)}
+    out = []
+    for segment in trajectory.segments:
+        values = [0.0] * len(segment.token_ids)
+        for turn_index, start, end in segment.turn_spans:
+            value = advantage + per_turn.get(turn_index, 0.0)
+            values[start:end] = [value if m else 0.0 for m in segment.loss_mask[start:end]]
+        out.append(values)
+    return out

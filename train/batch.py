@@ -1,7 +1,20 @@
-"""Token tensors for a training step, built from samples' segments (exact sampled ids).
+"""Micro-batches of token rows for a training step, built from samples' segments (the exact
+sampled ids), packed or padded.
 
-Each segment of each sample is one row, right-padded to the longest row. Position t of every
-per-token tensor describes the token at t; the trainer predicts it from position t-1.
+A step's samples are split into micro-batches of at most `train.micro_batch_tokens` computed
+tokens; the trainer accumulates gradients over them and steps once.
+
+- **Packed** (default): segments go first-fit-decreasing into rows of at most the budget, and
+  one row is one micro-batch. Each segment restarts its position ids; with no attention mask,
+  transformers derives block-diagonal causal attention from the position ids, so no segment
+  sees another and no token is padding.
+- **Padded** (`train.packing: false`): one segment per row, rows right-padded to the longest of
+  their micro-batch, micro-batches filled in arrival order while rows × width fits the budget:
+  what a plain padded loop computes, kept to measure what packing saves.
+
+A segment longer than the budget gets a micro-batch of its own. Position t of every per-token
+tensor describes the token at t, which the trainer predicts from t − 1; the first token of a
+segment has no prediction, and it is a prompt token (mask 0), so packing loses nothing there.
 """
 
 from __future__ import annotations
@@ -10,42 +23,92 @@ from dataclasses import dataclass
 
 import torch
 
-from bus import Sample
+from bus import Segment
 
 
 @dataclass
-class TokenBatch:
+class Row:
+    """One segment with the advantage of each of its tokens."""
+
+    segment: Segment
+    advantages: list[float]
+
+    def __len__(self) -> int:
+        return len(self.segment.token_ids)
+
+
+@dataclass
+class MicroBatch:
     input_ids: torch.Tensor  # [rows, T] long
-    attention_mask: torch.Tensor  # [rows, T] long
+    position_ids: torch.Tensor  # [rows, T] long; restarting at each packed segment
+    attention_mask: torch.Tensor | None  # [rows, T] long for padded rows; None when packed
     loss_mask: torch.Tensor  # [rows, T] float, 1 on sampled tokens
     behav_logp: torch.Tensor  # [rows, T] float
     versions: torch.Tensor  # [rows, T] long, -1 off the mask
     advantages: torch.Tensor  # [rows, T] float
+    real_tokens: int
+    """Tokens that belong to a segment (the rest is padding)."""
 
     @property
-    def num_tokens(self) -> int:
-        return int(self.attention_mask.sum())
+    def computed_tokens(self) -> int:
+        return self.input_ids.numel()
 
 
-def build_batch(samples: list[Sample], advantages: list[float], pad_id: int) -> TokenBatch:
-    rows = [(seg, adv) for sample, adv in zip(samples, advantages) for seg in sample.trajectory.segments]
-    width = max(len(seg.token_ids) for seg, _ in rows)
-    shape = (len(rows), width)
-    batch = TokenBatch(
+def _tensors(lines: list[list[Row]], width: int, pad_id: int, packed: bool) -> MicroBatch:
+    shape = (len(lines), width)
+    batch = MicroBatch(
         input_ids=torch.full(shape, pad_id, dtype=torch.long),
-        attention_mask=torch.zeros(shape, dtype=torch.long),
+        position_ids=torch.zeros(shape, dtype=torch.long),
+        attention_mask=None if packed else torch.zeros(shape, dtype=torch.long),
         loss_mask=torch.zeros(shape),
         behav_logp=torch.zeros(shape),
         versions=torch.full(shape, -1, dtype=torch.long),
         advantages=torch.zeros(shape),
+        real_tokens=sum(len(row) for line in lines for row in line),
     )
-    for i, (seg, adv) in enumerate(rows):
-        n = len(seg.token_ids)
-        batch.input_ids[i, :n] = torch.tensor(seg.token_ids)
-        batch.attention_mask[i, :n] = 1
-        batch.loss_mask[i, :n] = torch.tensor(seg.loss_mask, dtype=torch.float32)
-        batch.behav_logp[i, :n] = torch.tensor(seg.logprobs)
-        batch.versions[i, :n] = torch.tensor(seg.versions)
-        batch.advantages[i, :n] = adv * batch.loss_mask[i, :n]
-    # The first token has no prediction; it is never sampled, so its mask is already 0.
+    for i, line in enumerate(lines):
+        at = 0
+        for row in line:
+            seg, end = row.segment, at + len(row)
+            batch.input_ids[i, at:end] = torch.tensor(seg.token_ids)
+            batch.position_ids[i, at:end] = torch.arange(len(row))
+            batch.loss_mask[i, at:end] = torch.tensor(seg.loss_mask, dtype=torch.float32)
+            batch.behav_logp[i, at:end] = torch.tensor(seg.logprobs)
+            batch.versions[i, at:end] = torch.tensor(seg.versions)
+            batch.advantages[i, at:end] = torch.tensor(row.advantages)
+            if batch.attention_mask is not None:
+                batch.attention_mask[i, at:end] = 1
+            at = end
     return batch
+
+
+def pack(rows: list[Row], budget: int, pad_id: int) -> list[MicroBatch]:
+    """First-fit-decreasing into rows of at most `budget` tokens; one packed row per micro-batch."""
+    bins: list[list[Row]] = []
+    space: list[int] = []
+    for row in sorted(rows, key=len, reverse=True):
+        for i, free in enumerate(space):
+            if len(row) <= free:
+                bins[i].append(row)
+                space[i] -= len(row)
+                break
+        else:
+            bins.append([row])
+            space.append(budget - len(row))
+    return [_tensors([line], sum(map(len, line)), pad_id, packed=True) for line in bins]
+
+
+def pad(rows: list[Row], budget: int, pad_id: int) -> list[MicroBatch]:
+    """One right-padded row per segment, in arrival order, while rows × width fits `budget`."""
+    groups: list[list[Row]] = []
+    for row in rows:
+        group = groups[-1] if groups else None
+        if group is None or (len(group) + 1) * max(len(row), *map(len, group)) > budget:
+            groups.append([row])
+        else:
+            group.append(row)
+    return [_tensors([[row] for row in group], max(map(len, group)), pad_id, packed=False) for group in groups]
+
+
+def micro_batches(rows: list[Row], budget: int, pad_id: int, packing: bool = True) -> list[MicroBatch]:
+    return (pack if packing else pad)(rows, budget, pad_id)

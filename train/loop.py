@@ -7,6 +7,13 @@ traffic cannot be refused at the door, so staleness is enforced here too). Every
 it. Every `train.weight_update_interval` steps the weights go to the versioned store and a
 `WeightUpdate` is announced on the bus. A version is the count of optimizer steps.
 One JSON line per step goes to `run_dir/metrics.jsonl`.
+
+Checkpoints (`train/checkpoint.py`) are saved every `train.checkpoint_interval` steps and when
+the loop stops. With `train.resume` the loop continues from the newest one: weights, optimizer,
+schedule, step, counters, baseline and RNG. Weight versions newer than that checkpoint are
+removed from the store (they will be trained again) and the checkpoint's version is announced
+anew, so serving follows. Without `train.resume`, a run directory that already has published
+weights continues from the newest of them (weights only), as a redeployed live system does.
 """
 
 from __future__ import annotations
@@ -16,6 +23,8 @@ import contextlib
 import json
 import logging
 import time
+import uuid
+from collections import Counter
 from pathlib import Path
 from statistics import fmean
 from typing import Any
@@ -24,10 +33,11 @@ import torch
 
 from bus import SAMPLE_SUBJECT, WEIGHTS_SUBJECT, Bus, Delivery, Sample, WeightUpdate
 from bus.process import repeat
-from config import FlywheelConfig
+from config import ConfigError, FlywheelConfig
 from models import WeightStore, load_model, load_weights
-from train.advantages import RunningBaseline, group_advantages
-from train.batch import build_batch
+from train.advantages import RunningBaseline, group_advantages, token_advantages
+from train.batch import Row, micro_batches
+from train.checkpoint import Checkpoints
 from train.trainer import Trainer
 
 log = logging.getLogger(__name__)
@@ -42,8 +52,12 @@ class TrainLoop:
         self.baseline = RunningBaseline()
         self.buffer: list[Delivery] = []
         self.counts = {"samples": 0, "stale_dropped": 0}
+        self.staleness_seen: Counter[int] = Counter()
+        """How many trained samples had each staleness (versions behind the trainer), all run."""
+        self._checkpointed_at = 0
         self.last_metrics: dict[str, Any] = {}
         self._task: asyncio.Task | None = None
+        self._inflight: asyncio.Task | None = None
         self._started = time.monotonic()
 
     @property
@@ -55,15 +69,33 @@ class TrainLoop:
         torch.set_num_threads(self.config.train.torch_threads)
         model, self.tokenizer = await asyncio.to_thread(load_model, self.config.model)
         self.store = WeightStore(self.run_dir / "weights", keep=self.config.train.keep_versions)
-        self.trainer = Trainer(model, self.config.actor)
-        latest = self.store.latest()
-        if latest is not None:  # continue from the newest published policy
-            load_weights(model, self.store.path(latest))
-            self.trainer.step_count = latest
+        self.checkpoints = Checkpoints(self.run_dir / "checkpoints", keep=self.config.train.keep_checkpoints)
+        self.trainer = Trainer(model, self.config.actor, self.config.train)
         self.bus = await Bus.connect(self.bus_url, name="train")
+        if self.config.train.resume:
+            await self._resume()
+        elif (latest := self.store.latest()) is not None:  # continue from the newest published policy
+            load_weights(self.trainer.model, self.store.path(latest))
+            self.trainer.step_count = latest
+        self._checkpointed_at = self.version
         self.consumer = self.bus.consumer(SAMPLE_SUBJECT, self.durable)
         self.metrics_file = (self.run_dir / "metrics.jsonl").open("a")
         self._task = asyncio.create_task(repeat(self._step, "train"), name="train")
+
+    async def _resume(self) -> None:
+        path = self.checkpoints.latest()
+        if path is None:
+            raise ConfigError(f"train.resume: no checkpoint in {self.checkpoints.directory}")
+        state = await asyncio.to_thread(self.checkpoints.load, path, self.trainer.model)
+        self.trainer.restore(state["trainer"])
+        loop = state["loop"]
+        self.counts, self.baseline.value = loop["counts"], loop["baseline"]
+        self.staleness_seen = Counter(loop["staleness_seen"])
+        discarded = self.store.discard_newer(self.version)
+        if self.version not in self.store.versions():
+            await asyncio.to_thread(self.store.publish, self.trainer.model, self.version)
+        await self._announce(f"weights-v{self.version}-resumed-{uuid.uuid4().hex[:8]}")
+        log.info("resumed from %s at step %d (discarded newer versions %s)", path, self.version, discarded)
 
     def is_stale(self, sample: Sample) -> bool:
         oldest = sample.trajectory.oldest_version
@@ -84,36 +116,66 @@ class TrainLoop:
         if len(self.buffer) < batch_size or (max_steps is not None and self.version >= max_steps):
             return
         taken, self.buffer = self.buffer[:batch_size], self.buffer[batch_size:]
+        # A step runs to its end even if the loop is stopped meanwhile: `stop` waits for it.
+        self._inflight = asyncio.create_task(self._optimize(taken))
+        await asyncio.shield(self._inflight)
+
+    async def _optimize(self, taken: list[Delivery]) -> None:
+        """One optimizer step on `taken`, the publish and checkpoint it calls for, then the acks."""
         samples: list[Sample] = [d.record for d in taken]  # type: ignore[misc]
         metrics = await asyncio.to_thread(self._train, samples)
         if self.version % self.config.train.weight_update_interval == 0:
             await self._publish()
+        interval = self.config.train.checkpoint_interval
+        if interval and self.version % interval == 0:
+            await self._checkpoint()
         for delivery in taken:
             await delivery.ack()
         self.counts["samples"] += len(samples)
         self._record(metrics)
 
     def _train(self, samples: list[Sample]) -> dict[str, Any]:
+        cfg = self.config.train
         rewards = [s.reward for s in samples]
         advantages = group_advantages(rewards, [s.trajectory.task_id for s in samples], self.baseline)
-        batch = build_batch(samples, advantages, self.tokenizer.pad_token_id or 0)
+        rows = [
+            Row(segment, values)
+            for sample, advantage in zip(samples, advantages)
+            for segment, values in zip(
+                sample.trajectory.segments, token_advantages(sample, advantage, cfg.turn_reward_coef, cfg.turn_discount)
+            )
+        ]
+        batches = micro_batches(rows, cfg.micro_batch_tokens, self.tokenizer.pad_token_id or 0, cfg.packing)
         staleness = [self.version - s.trajectory.oldest_version for s in samples if s.trajectory.oldest_version is not None]
-        metrics = self.trainer.step(batch)
+        self.staleness_seen.update(staleness)
+        metrics = self.trainer.step(batches)
         return {
             "reward_mean": fmean(rewards),
             "staleness_max": max(staleness, default=0),
             "staleness_mean": fmean(staleness) if staleness else 0.0,
+            "staleness_hist": {str(k): v for k, v in sorted(Counter(staleness).items())},
             "n_samples": len(samples),
+            "stale_dropped": self.counts["stale_dropped"],
             **metrics,
         }
 
     async def _publish(self) -> None:
         version = self.version
-        path = await asyncio.to_thread(self.store.publish, self.trainer.model, version)
-        await self.bus.publish(
-            WEIGHTS_SUBJECT, WeightUpdate(id=f"weights-v{version}", version=version, path=str(path), step=version)
-        )
+        await asyncio.to_thread(self.store.publish, self.trainer.model, version)
+        await self._announce(f"weights-v{version}")
         log.info("published weights v%d", version)
+
+    async def _announce(self, announcement_id: str) -> None:
+        update = WeightUpdate(id=announcement_id, version=self.version, path=str(self.store.path(self.version)), step=self.version)
+        await self.bus.publish(WEIGHTS_SUBJECT, update)
+
+    async def _checkpoint(self) -> None:
+        state = {
+            "trainer": self.trainer.state(),
+            "loop": {"counts": dict(self.counts), "baseline": self.baseline.value, "staleness_seen": dict(self.staleness_seen)},
+        }
+        await asyncio.to_thread(self.checkpoints.save, self.version, self.trainer.model, state)
+        self._checkpointed_at = self.version
 
     def _record(self, metrics: dict[str, Any]) -> None:
         line = {"step": self.version, "version": self.version, **metrics, "elapsed_s": time.monotonic() - self._started}
@@ -126,8 +188,14 @@ class TrainLoop:
             self._task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task
+            if self._inflight is not None:
+                with contextlib.suppress(Exception):
+                    await self._inflight
+            if self.version > self._checkpointed_at:
+                await self._checkpoint()
         self.metrics_file.close()
         await self.bus.close()
 
     def stats(self) -> dict[str, Any]:
-        return {"version": self.version, "buffered": len(self.buffer), **self.counts, "last": self.last_metrics}
+        return {"version": self.version, "buffered": len(self.buffer), **self.counts,
+                "staleness_seen": dict(self.staleness_seen), "last": self.last_metrics}

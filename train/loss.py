@@ -7,8 +7,13 @@ w = π_prox/π_behav and advantage Â:
     loss = − w · min(u·Â, clip(u, 1−ε, 1+ε)·Â)
 
 Tokens whose behaviour weight w exceeds `behav_weight_cap` are masked out of the loss (AReaL's
-choice; `cap_mode="clamp"` clamps w instead). Passing `prox_logp = behav_logp` gives standard
-PPO/GRPO (w ≡ 1). The mean is over all loss-mask tokens of the batch (a global token mean).
+choice; `cap_mode="clamp"` clamps w instead). With `dual_clip` c, a token with Â < 0 has its
+objective bounded below by c·Â: loss = − w · max(min(u·Â, clip(u)·Â), c·Â). Passing
+`prox_logp = behav_logp` gives standard PPO/GRPO (w ≡ 1).
+
+The loss is a token mean: the sum over counted tokens divided by `denominator`, by default the
+number of counted tokens here. A step split into micro-batches passes the whole step's count, so
+the accumulated gradient is that of one global token mean.
 """
 
 from __future__ import annotations
@@ -21,11 +26,37 @@ import torch
 
 @dataclass
 class LossStats:
-    clip_fraction: float
-    behav_weight_mean: float
-    behav_weight_max: float
-    capped_fraction: float
+    """Counts over one loss computation; `merge` adds those of several micro-batches."""
+
     tokens: int
+    """Tokens that counted in the loss (on the mask, not capped away)."""
+    clipped: int
+    """Counted tokens whose clipped term was the smaller one (no gradient through u)."""
+    candidates: int
+    """Tokens on the loss mask before the cap."""
+    capped: int
+    """Candidates whose behaviour weight exceeded the cap."""
+    behav_weight_sum: float
+    behav_weight_max: float
+
+    def merge(self, other: "LossStats") -> "LossStats":
+        return LossStats(
+            self.tokens + other.tokens, self.clipped + other.clipped, self.candidates + other.candidates,
+            self.capped + other.capped, self.behav_weight_sum + other.behav_weight_sum,
+            max(self.behav_weight_max, other.behav_weight_max),
+        )
+
+    @property
+    def clip_fraction(self) -> float:
+        return self.clipped / max(self.tokens, 1)
+
+    @property
+    def capped_fraction(self) -> float:
+        return self.capped / max(self.candidates, 1)
+
+    @property
+    def behav_weight_mean(self) -> float:
+        return self.behav_weight_sum / self.candidates if self.candidates else 1.0
 
 
 def decoupled_ppo_loss(
@@ -37,6 +68,8 @@ def decoupled_ppo_loss(
     eps_clip: float,
     behav_weight_cap: float | None = None,
     cap_mode: Literal["mask", "clamp"] = "mask",
+    dual_clip: float | None = None,
+    denominator: float | None = None,
 ) -> tuple[torch.Tensor, LossStats]:
     """All tensors have the same shape; `mask` is 1 on tokens that count. Returns (loss, stats)."""
     mask = mask.to(logp.dtype)
@@ -52,19 +85,23 @@ def decoupled_ppo_loss(
     ratio = torch.exp(logp - prox_logp)
     unclipped = ratio * advantages
     clipped = ratio.clamp(1.0 - eps_clip, 1.0 + eps_clip) * advantages
-    per_token = -behav_weight * torch.minimum(unclipped, clipped)
+    objective = torch.minimum(unclipped, clipped)
+    if dual_clip is not None:
+        objective = torch.where(advantages < 0, torch.maximum(objective, dual_clip * advantages), objective)
+    per_token = -behav_weight * objective
     n_tokens = mask.sum()
-    loss = (per_token * mask).sum() / n_tokens.clamp(min=1.0)
+    loss = (per_token * mask).sum() / (n_tokens.clamp(min=1.0) if denominator is None else max(denominator, 1.0))
     with torch.no_grad():
         counted = mask.bool()
         was_clipped = (clipped < unclipped) & counted
         original = mask.bool() | capped
         weights = torch.exp(prox_logp - behav_logp)[original]
         stats = LossStats(
-            clip_fraction=float(was_clipped.sum() / n_tokens.clamp(min=1.0)),
-            behav_weight_mean=float(weights.mean()) if weights.numel() else 1.0,
-            behav_weight_max=float(weights.max()) if weights.numel() else 1.0,
-            capped_fraction=float(capped.sum() / max(int(original.sum()), 1)),
             tokens=int(n_tokens),
+            clipped=int(was_clipped.sum()),
+            candidates=int(original.sum()),
+            capped=int(capped.sum()),
+            behav_weight_sum=float(weights.sum()),
+            behav_weight_max=float(weights.max()) if weights.numel() else 1.0,
         )
     return loss, stats

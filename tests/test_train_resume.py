@@ -1,0 +1,70 @@
+"""Checkpoints and `train.resume`: weights, optimizer, schedule, step, counters, baseline and RNG
+come back; weight versions from after the checkpoint are discarded and the checkpoint's version
+is announced again; training goes on from there."""
+
+import asyncio
+import json
+
+import pytest
+import torch
+
+from bus import SAMPLE_SUBJECT, WEIGHTS_SUBJECT
+from config import ConfigError, load_config
+from models import WeightStore
+from tests.test_train_loop import sample_of, sampled_turns
+from train.loop import TrainLoop
+
+
+async def wait_for_version(loop: TrainLoop, version: int) -> None:
+    for _ in range(600):
+        if loop.version >= version and not loop.buffer:
+            return
+        await asyncio.sleep(0.05)
+    raise AssertionError(f"the trainer did not reach version {version} (at {loop.version})")
+
+
+async def test_resume_restores_the_whole_training_state(bus, nats_url, tmp_path):
+    turns = await sampled_turns(6)
+    overrides = [f"run_dir={tmp_path}", "train.batch_size=2", "train.checkpoint_interval=1", "rollout.max_head_offpolicyness=8",
+                 "actor.optimizer.lr_schedule=linear", "train.max_steps=10"]
+    first = TrainLoop(load_config(None, overrides), nats_url)
+    await first.start()
+    for i, reward in enumerate([1.0, 0.0, 0.5, 0.25]):
+        await bus.publish(SAMPLE_SUBJECT, sample_of(turns[i], reward, version=0))
+    await wait_for_version(first, 2)
+    saved_optimizer = {k: v.clone() for k, v in first.trainer.optimizer.state[next(first.trainer.model.parameters())].items()}
+    saved = {"lr": first.trainer.scheduler.get_last_lr(), "baseline": first.baseline.value, "counts": dict(first.counts),
+             "staleness": dict(first.staleness_seen)}
+    await first.stop()
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["step-00000001", "step-00000002"]
+    store = WeightStore(tmp_path / "weights")
+    store.publish(first.trainer.model, 3)  # a version from "after" the checkpoint, as if the trainer died later
+
+    torch.manual_seed(999)
+    second = TrainLoop(load_config(None, [*overrides, "train.resume=true"]), nats_url)
+    await second.start()
+    try:
+        assert second.version == 2 and 3 not in store.versions()
+        assert second.trainer.scheduler.get_last_lr() == saved["lr"]
+        assert second.baseline.value == saved["baseline"] and second.counts == saved["counts"]
+        assert dict(second.staleness_seen) == saved["staleness"]
+        state = second.trainer.optimizer.state[next(second.trainer.model.parameters())]
+        assert all(torch.equal(state[k], v) for k, v in saved_optimizer.items())
+        checkpoint = torch.load(tmp_path / "checkpoints" / "step-00000002" / "state.pt", weights_only=False)
+        assert torch.equal(torch.get_rng_state(), checkpoint["rng"]["torch"])
+        announced = await bus.last(WEIGHTS_SUBJECT)
+        assert announced.version == 2 and "resumed" in announced.id
+        for i, reward in ((4, 1.0), (5, 0.0)):
+            await bus.publish(SAMPLE_SUBJECT, sample_of(turns[i], reward, version=2))
+        await wait_for_version(second, 3)
+    finally:
+        await second.stop()
+    steps = [json.loads(line)["step"] for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert steps == [1, 2, 3]
+
+
+async def test_resume_without_a_checkpoint_is_a_config_error(nats_url, tmp_path):
+    loop = TrainLoop(load_config(None, [f"run_dir={tmp_path}", "train.resume=true"]), nats_url)
+    with pytest.raises(ConfigError, match="train.resume: no checkpoint"):
+        await loop.start()
+    await loop.bus.close()
