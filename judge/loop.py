@@ -1,8 +1,20 @@
-"""The judge loop: trajectories in, scored samples out.
+"""The judge loop: trajectories in, scored samples (or unscored reports) out.
 
-Consumes TRAJECTORIES durably, scores each with the configured judge and publishes a `Sample`
-(its id is the trajectory's, so a re-publish after a crash is dropped as a duplicate). A
-trajectory the judge cannot score is counted and logged, and acknowledged without a sample.
+Consumes TRAJECTORIES durably and scores each trajectory with the configured judge
+(`judge/registry.py`), up to `judge.max_concurrency` at once: it keeps fetching while
+judgements run. Each judgement has `judge.deadline_s`. The result is published, and only then
+the trajectory acknowledged:
+
+- a `Sample` on SAMPLES (with the judge's `details`), or
+- an `Unscored` on UNSCORED with the reason, when the judge cannot score it (`Unscorable`),
+  ran past the deadline, or failed unexpectedly (`judge error`, logged with its traceback).
+  Never a silent zero.
+
+Both records carry the trajectory's id, so a re-publish after a crash is dropped as a
+duplicate. If publishing fails (the bus is away), the trajectory is negatively acknowledged and
+judged again on redelivery: nothing is lost, and one judgement failing never stops the loop.
+The consumer's ack wait is the deadline plus a margin, so a trajectory being judged is not
+redelivered meanwhile. Other loops never wait on this one: it only consumes.
 """
 
 from __future__ import annotations
@@ -10,16 +22,22 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+from collections import Counter
 from typing import Any
 
-from bus import SAMPLE_SUBJECT, TRAJECTORY_SUBJECT, Bus, Sample, Trajectory
+from bus import SAMPLE_SUBJECT, TRAJECTORY_SUBJECT, UNSCORED_SUBJECT, Bus, Sample, Trajectory, Unscored
+from bus.client import Delivery
 from bus.process import repeat
 from config import FlywheelConfig
-from judge.rule import RuleJudge
+from judge.base import Unscorable, Verdict
+from judge.registry import build_judge
 
 log = logging.getLogger(__name__)
 
-JUDGES = {"rule": RuleJudge}
+ACK_MARGIN_S = 60.0
+"""How much longer than the deadline a fetched trajectory stays unacknowledged before redelivery."""
+REDELIVERY_DELAY_S = 1.0
+"""Pause before a trajectory whose result could not be published is delivered again."""
 
 
 class JudgeLoop:
@@ -27,38 +45,93 @@ class JudgeLoop:
         self.config = config
         self.bus_url = bus_url
         self.durable = durable
-        self.judge = JUDGES[config.judge.kind]()
-        self.counts = {"scored": 0, "unscored": 0}
+        self.judge = build_judge(config)
+        self.scored = 0
+        self.unscored: Counter[str] = Counter()
+        """Unscored trajectories by reason category (`no reward`, `no valid vote`, `deadline`, ...)."""
+        self.publish_failures = 0
+        self._in_flight: set[asyncio.Task] = set()
         self._task: asyncio.Task | None = None
 
     async def start(self) -> None:
+        await self.judge.start()
         self.bus = await Bus.connect(self.bus_url, name="judge")
-        self.consumer = self.bus.consumer(TRAJECTORY_SUBJECT, self.durable)
+        self.consumer = self.bus.consumer(
+            TRAJECTORY_SUBJECT, self.durable, ack_wait_s=self.config.judge.deadline_s + ACK_MARGIN_S
+        )
         self._task = asyncio.create_task(repeat(self._step, "judge"), name="judge")
 
     async def _step(self) -> None:
-        for delivery in await self.consumer.fetch(batch=256, timeout_s=0.5):
-            trajectory = delivery.record
-            assert isinstance(trajectory, Trajectory)
-            scored = self.judge.score(trajectory)
-            if scored is None:
-                self.counts["unscored"] += 1
-                log.warning("trajectory %s has no reward the %s judge can use", trajectory.id, self.judge.name)
-            else:
-                reward, turn_rewards = scored
-                sample = Sample(
-                    id=trajectory.id, trajectory=trajectory, reward=reward, turn_rewards=turn_rewards, judge=self.judge.name
-                )
-                await self.bus.publish(SAMPLE_SUBJECT, sample)
-                self.counts["scored"] += 1
+        room = self.config.judge.max_concurrency - len(self._in_flight)
+        if room <= 0:
+            await asyncio.wait(self._in_flight, return_when=asyncio.FIRST_COMPLETED)
+            return
+        for delivery in await self.consumer.fetch(batch=room, timeout_s=0.5):
+            task = asyncio.create_task(self._handle(delivery), name=f"judge {delivery.record.id}")
+            self._in_flight.add(task)
+            task.add_done_callback(self._in_flight.discard)
+
+    async def _handle(self, delivery: Delivery) -> None:
+        trajectory = delivery.record
+        assert isinstance(trajectory, Trajectory)
+        unscorable: Unscorable | None = None
+        try:
+            record: Sample | Unscored = await self._score(trajectory)
+        except Unscorable as error:
+            unscorable = error
+            record = Unscored(id=trajectory.id, trajectory=trajectory, judge=self.judge.name, reason=error.reason)
+        try:
+            await self.bus.publish(UNSCORED_SUBJECT if unscorable else SAMPLE_SUBJECT, record)
             await delivery.ack()
+        except Exception:
+            self.publish_failures += 1
+            log.exception("could not publish the judgement of %s; it will be redelivered", trajectory.id)
+            with contextlib.suppress(Exception):
+                await delivery.nak(delay_s=REDELIVERY_DELAY_S)
+            return
+        if unscorable is None:
+            self.scored += 1
+        else:
+            self.unscored[unscorable.category] += 1
+            log.warning("trajectory %s unscored by the %s judge: %s", trajectory.id, self.judge.name, unscorable.reason)
+
+    async def _score(self, trajectory: Trajectory) -> Sample:
+        """The sample for `trajectory`; `Unscorable` for whatever keeps it from being scored."""
+        deadline_s = self.config.judge.deadline_s
+        try:
+            async with asyncio.timeout(deadline_s) as deadline:
+                verdict: Verdict = await self.judge.score(trajectory)
+            verdict.check(trajectory)
+        except Unscorable:
+            raise
+        except TimeoutError as error:
+            if not deadline.expired():
+                raise Unscorable("judge error", f"TimeoutError: {error}") from error
+            raise Unscorable("deadline", f"not judged within {deadline_s:g}s") from None
+        except Exception as error:
+            log.exception("the %s judge failed on %s", self.judge.name, trajectory.id)
+            raise Unscorable("judge error", f"{type(error).__name__}: {error}") from error
+        return Sample(
+            id=trajectory.id, trajectory=trajectory, reward=verdict.reward, turn_rewards=verdict.turn_rewards,
+            judge=self.judge.name, details=verdict.details,
+        )
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
+        """Stop fetching and abandon judgements in flight (unacknowledged: they are redelivered)."""
+        tasks = [t for t in [self._task, *self._in_flight] if t is not None]
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        await self.judge.close()
         await self.bus.close()
 
     def stats(self) -> dict[str, Any]:
-        return dict(self.counts, malformed=self.consumer.malformed)
+        return {
+            "scored": self.scored,
+            "unscored": sum(self.unscored.values()),
+            "unscored_by_reason": dict(self.unscored),
+            "in_flight": len(self._in_flight),
+            "publish_failures": self.publish_failures,
+            "malformed": self.consumer.malformed,
+            "judge": self.judge.stats(),
+        }

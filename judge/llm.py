@@ -1,0 +1,116 @@
+"""The `llm` judge: an LLM behind any OpenAI-compatible endpoint scores each assistant turn.
+
+For every turn it sends `votes` requests (k), each with the configured prompt templates filled in
+for that turn (`judge/prompt.py`: the task context, what the turn was asked, the reply, and the
+next state, all fenced with a fresh nonce per request), at `temperature`. Each reply is parsed
+for the judge's final labelled score (`judge/parse.py`). The turn's score is the mean of its
+valid votes, mapped from [score_min, score_max] to a reward in [0, 1]; the outcome follows from
+the turn rewards (`outcome`: mean, last or min).
+
+A turn with fewer than `min_valid_votes` valid votes (replies without a score, scores out of
+range, requests that failed after their retries) makes the whole trajectory `Unscorable`, with
+the reason: `endpoint error` when every missing vote was lost to the endpoint, else
+`no valid vote`. Nothing is scored zero for want of an answer.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections import Counter
+from dataclasses import dataclass
+from statistics import fmean
+
+from bus import Trajectory
+from config.schema import LLMJudgeConfig
+from judge.base import Judge, Unscorable, Verdict, outcome_of
+from judge.endpoint import EndpointError, JudgeEndpoint
+from judge.parse import Vote, parse_score
+from judge.prompt import PromptBuilder
+
+ENDPOINT_ERROR = "endpoint error"
+
+
+@dataclass
+class TurnVotes:
+    position: int
+    votes: list[Vote]
+    last_problem_text: str
+    """The last invalid reply (or endpoint error message), for the unscored reason."""
+
+    @property
+    def valid(self) -> list[float]:
+        return [v.score for v in self.votes if v.score is not None]
+
+
+class LLMJudge(Judge):
+    name = "llm"
+
+    def __init__(self, config: LLMJudgeConfig, base_url: str, api_key: str, model: str):
+        self.config = config
+        self.base_url = base_url
+        self.api_key = api_key
+        self.model = model
+        self.prompts = PromptBuilder(config)
+        self.endpoint: JudgeEndpoint | None = None
+        self.votes = 0
+        self.valid_votes = 0
+
+    async def start(self) -> None:
+        self.endpoint = JudgeEndpoint(self.config, self.base_url, self.api_key, self.model)
+
+    async def close(self) -> None:
+        if self.endpoint is not None:
+            await self.endpoint.close()
+
+    async def score(self, trajectory: Trajectory) -> Verdict:
+        if not trajectory.turns:
+            raise Unscorable("no turns", "the trajectory has no assistant turn to score")
+        turns = await asyncio.gather(*(self._judge_turn(trajectory, i) for i in range(len(trajectory.turns))))
+        for turn in turns:
+            self._check(trajectory, turn)
+        cfg = self.config
+        scores = [fmean(turn.valid) for turn in turns]
+        turn_rewards = [(s - cfg.score_min) / (cfg.score_max - cfg.score_min) for s in scores]
+        problems = Counter(v.problem for turn in turns for v in turn.votes if not v.valid)
+        details = {
+            "model": self.model,
+            "scores": scores,
+            "votes": [[v.score for v in turn.votes] for turn in turns],
+            "invalid_votes": dict(problems),
+        }
+        return Verdict(outcome_of(turn_rewards, cfg.outcome), turn_rewards, details)
+
+    def _check(self, trajectory: Trajectory, turn: TurnVotes) -> None:
+        if len(turn.valid) >= self.config.min_valid_votes:
+            return
+        problems = Counter(v.problem for v in turn.votes if not v.valid)
+        category = ENDPOINT_ERROR if set(problems) == {ENDPOINT_ERROR} else "no valid vote"
+        listed = ", ".join(f"{problem} x{n}" for problem, n in problems.items())
+        raise Unscorable(
+            category,
+            f"turn {turn.position + 1} of {len(trajectory.turns)}: {len(turn.valid)} of {len(turn.votes)} votes valid "
+            f"({listed}; need {self.config.min_valid_votes}); last: {turn.last_problem_text[:160]!r}",
+        )
+
+    async def _judge_turn(self, trajectory: Trajectory, position: int) -> TurnVotes:
+        replies = await asyncio.gather(*(self._ask(trajectory, position) for _ in range(self.config.votes)))
+        last_problem = next((text for vote, text in reversed(replies) if not vote.valid), "")
+        turn = TurnVotes(position, [vote for vote, _ in replies], last_problem)
+        self.votes += len(turn.votes)
+        self.valid_votes += len(turn.valid)
+        return turn
+
+    async def _ask(self, trajectory: Trajectory, position: int) -> tuple[Vote, str]:
+        """One vote on one turn, and the reply it was read from (or the endpoint's error)."""
+        assert self.endpoint is not None, "LLMJudge.start() was not awaited"
+        messages, _ = self.prompts.render(trajectory, position)
+        try:
+            reply = await self.endpoint.complete(messages, session_id=f"judge/{trajectory.id}")
+        except EndpointError as error:
+            return Vote(None, ENDPOINT_ERROR), str(error)
+        return parse_score(reply, self.config.score_min, self.config.score_max), reply
+
+    def stats(self) -> dict[str, int]:
+        """Requests, retries and failed requests; votes cast and how many held a valid score."""
+        endpoint = self.endpoint.stats() if self.endpoint else {}
+        return {**endpoint, "votes": self.votes, "valid_votes": self.valid_votes}

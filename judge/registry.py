@@ -1,0 +1,54 @@
+"""Building the configured judge (`judge.kind`) from the configuration.
+
+`rule`, `llm`, `model` and `composite` (whose components are built the same way, each from its
+own sub-config or the top-level `judge.llm` / `judge.model`). An `llm` judge without
+`base_url` talks to this deployment's serve loop (the URL in `run_dir/serve.url`), and without
+`model` asks for the served model; its API key is `api_key`, else the `api_key_env` variable.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from config import ConfigError, FlywheelConfig
+from config.schema import CompositeComponentConfig, LLMJudgeConfig
+from judge.base import Judge
+from judge.composite import Component, CompositeJudge
+from judge.llm import LLMJudge
+from judge.normalize import Normalizer
+from judge.rule import RuleJudge
+
+SERVE_URL_FILE = "serve.url"
+"""Where the serve loop writes its URL in the run directory (`serve.loop.URL_FILE`)."""
+
+
+def build_judge(config: FlywheelConfig) -> Judge:
+    judge = config.judge
+    if judge.kind == "composite":
+        components = [Component(_build_component(config, c), c.weight, c.required) for c in judge.composite.components]
+        normalizer = Normalizer(judge.composite.normalize_warmup) if judge.composite.normalize else None
+        return CompositeJudge(components, normalizer)
+    return _build_component(config, CompositeComponentConfig(kind=judge.kind))
+
+
+def _build_component(config: FlywheelConfig, component: CompositeComponentConfig) -> Judge:
+    if component.kind == "rule":
+        return RuleJudge()
+    if component.kind == "llm":
+        return _build_llm(config, component.llm or config.judge.llm)
+    from judge.reward_model import RewardModelJudge  # imports torch only when asked for
+
+    return RewardModelJudge(component.model or config.judge.model)
+
+
+def _build_llm(config: FlywheelConfig, llm: LLMJudgeConfig) -> LLMJudge:
+    base_url = llm.base_url
+    if base_url is None:
+        url_file = Path(config.run_dir) / SERVE_URL_FILE
+        if not url_file.exists():
+            raise ConfigError(f"judge.llm.base_url: not set, and no serve loop has written {url_file} (is serve running?)")
+        base_url = url_file.read_text().strip() + "/v1"
+    api_key = llm.api_key or os.environ.get(llm.api_key_env) or "unused"
+    model = llm.model or config.serve.served_model_name or config.model
+    return LLMJudge(llm, base_url, api_key, model)
