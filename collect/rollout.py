@@ -10,16 +10,23 @@ Staleness control (AReaL's admission rule): with η = `rollout.max_head_offpolic
 `train.batch_size` and v the newest weight version announced on the bus, a group of n samples
 may start only while accepted + running + n <= (η + v + 1)·B and running + n <= the concurrency
 cap (`rollout.max_concurrent_rollouts`). `accepted` counts samples whose verdict was reported.
+
+Data position: after each task drawn, the driver writes how many tasks it has drawn and its RNG
+state to `run_dir/rollout_state.json` (atomically); with `train.resume` it continues from there,
+so a resumed run draws the tasks the stopped one would have drawn next.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
+import os
 import random
 import uuid
 from collections import deque
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -28,7 +35,7 @@ import openai
 from bus import WEIGHTS_SUBJECT, Bus
 from bus.process import repeat
 from config import ConfigError, FlywheelConfig
-from envs import Env, Task, make_env
+from envs import ENVS, Env, Task, make_env
 
 log = logging.getLogger(__name__)
 
@@ -41,10 +48,18 @@ class RolloutDriver:
         if not self.endpoint:
             raise ConfigError("rollout.endpoint: no endpoint to send rollouts to")
         try:
-            self.env: Env = make_env(config.rollout.env)
-        except ValueError as exc:
-            raise ConfigError(f"rollout.env: {exc}") from None
+            self.env: Env = make_env(config.rollout.env, config.rollout.env_args)
+        except (TypeError, ValueError) as exc:
+            key = "rollout.env" if config.rollout.env not in ENVS else "rollout.env_args"
+            raise ConfigError(f"{key}: {exc}") from None
         self.rng = random.Random(config.seed)
+        self.tasks_drawn = 0
+        self.state_path = Path(config.run_dir) / "rollout_state.json"
+        if config.train.resume and self.state_path.exists():
+            state = json.loads(self.state_path.read_text())
+            version, internal, gauss = state["rng"]
+            self.rng.setstate((version, tuple(internal), gauss))
+            self.tasks_drawn = state["tasks_drawn"]
         self.version = 0
         self.running = 0
         self.accepted = 0
@@ -87,10 +102,18 @@ class RolloutDriver:
                 self._changed.clear()
                 await self._changed.wait()
             task = self.env.reset(self.rng)
+            self.tasks_drawn += 1
+            self._save_position()
             self.running += n
             group = asyncio.create_task(self._run_group(task, n))
             self._groups.add(group)
             group.add_done_callback(self._groups.discard)
+
+    def _save_position(self) -> None:
+        self.state_path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = self.state_path.with_suffix(".tmp")
+        tmp.write_text(json.dumps({"tasks_drawn": self.tasks_drawn, "rng": self.rng.getstate()}))
+        os.replace(tmp, self.state_path)
 
     async def _run_group(self, task: Task, n: int) -> None:
         await asyncio.gather(*(self._run_one(task, k) for k in range(n)))
@@ -137,5 +160,6 @@ class RolloutDriver:
             "running": self.running,
             "accepted": self.accepted,
             "failed": self.failed,
+            "tasks_drawn": self.tasks_drawn,
             "reward_mean": sum(rewards) / len(rewards) if rewards else None,
         }
