@@ -120,8 +120,6 @@ class RolloutConfig(Section):
     """Task source, by name (see `envs.make_env`)."""
     env_args: dict[str, Any] = Field(default_factory=dict)
     """Keyword arguments of the environment, e.g. `{max_operand: 50, word_problems: true}`."""
-    env_args: dict[str, Any] = Field(default_factory=dict)
-    """Keyword arguments of the environment, e.g. `{max_operand: 50, word_problems: true}`."""
     endpoint: str | None = None
     """OpenAI-compatible base URL to send rollouts to; default: this deployment's serve loop."""
     max_head_offpolicyness: int = Field(4, ge=0)
