@@ -6,6 +6,8 @@ version of its last token).
 
 from __future__ import annotations
 
+import json
+import json.encoder
 from typing import Any
 
 from serve.choices import Choice
@@ -90,3 +92,36 @@ def completion_chunk(rid: str, created: int, model: str, version: int | None, in
         "system_fingerprint": fingerprint(version),
         "choices": [{"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}],
     }
+
+
+_HOLES = ("\x00fingerprint\x00", "\x00text\x00", "\x00logprobs\x00")
+_encode_str = json.encoder.encode_basestring_ascii  # json.dumps(str), without the encoder object
+
+
+class ChunkTemplate:
+    """The server-sent event of a stream chunk of one choice, pre-encoded: only the fingerprint,
+    the text and the logprobs change from chunk to chunk, so the rest is encoded once per
+    stream. `event(...)` gives exactly the bytes of `b"data: " + json.dumps(chunk) + b"\\n\\n"`
+    for the `chat_chunk` with delta `{"content": text}` (or the `completion_chunk` with `text`)
+    and no finish reason."""
+
+    def __init__(self, chat: bool, rid: str, created: int, model: str, index: int):
+        make = chat_chunk if chat else completion_chunk
+        probe = make(rid, created, model, None, index, {"content": _HOLES[1]} if chat else _HOLES[1], None, _HOLES[2])
+        probe["system_fingerprint"] = _HOLES[0]
+        encoded = "data: " + json.dumps(probe) + "\n\n"
+        parts = []
+        for hole in _HOLES:
+            before, encoded = encoded.split(json.dumps(hole))
+            parts.append(before.encode())
+        parts.append(encoded.encode())
+        self._parts = parts
+        self._fingerprints: dict[int | None, bytes] = {}
+
+    def event(self, version: int | None, text: str, logprobs: dict[str, Any] | None = None) -> bytes:
+        fp = self._fingerprints.get(version)
+        if fp is None:
+            fp = self._fingerprints[version] = json.dumps(fingerprint(version)).encode()
+        p = self._parts
+        return b"".join((p[0], fp, p[1], _encode_str(text).encode(), p[2],
+                         b"null" if logprobs is None else json.dumps(logprobs).encode(), p[3]))

@@ -19,6 +19,7 @@ from bus import TURN_SUBJECT, Timings, Turn
 from serve.choices import Choice
 from serve.engine_client import EngineClient, EngineError
 from serve.formatting import (
+    ChunkTemplate,
     chat_chunk,
     chat_logprobs,
     chat_message,
@@ -110,8 +111,99 @@ class Generation:
 
     # ---- streams ---------------------------------------------------------------------------
 
-    async def events(self) -> AsyncIterator[bytes]:
+    def events(self) -> AsyncIterator[bytes]:
         """The answer as server-sent events; recording happens however the stream ends."""
+        return self._events_one() if self.body.n == 1 else self._events_many()
+
+    def _timeout_event(self) -> bytes:
+        return _sse({"error": {"message": f"the request did not finish within {self.timeout_s} s",
+                               "type": "server_error", "param": None, "code": "timeout"}})
+
+    @staticmethod
+    def _error_event(exc: Exception) -> bytes:
+        message = str(exc) if isinstance(exc, EngineError) else f"internal error: {type(exc).__name__}"
+        return _sse({"error": {"message": message, "type": "server_error", "param": None, "code": None}})
+
+    def _usage_event(self) -> bytes:
+        return _sse(usage_chunk(self.response_id, self.created, self.model_name, self._version(),
+                                "chat.completion.chunk" if self.chat else "text_completion",
+                                len(self.prompt_ids), sum(len(c.output_ids) for c in self.choices)))
+
+    def _role_event(self, choice: Choice) -> bytes:
+        return _sse(chat_chunk(self.response_id, self.created, self.model_name, None, choice.index,
+                               {"role": "assistant", "content": ""}))
+
+    async def _events_one(self) -> AsyncIterator[bytes]:
+        """One choice: the engine's stream is read right here, in the response's task (no pump
+        task and queue in between). The timeout cancels this task while it waits on the
+        engine; while it is elsewhere (writing to a slow client) it ends the stream at the next
+        chunk."""
+        choice = self.choices[0]
+        streamed = [""]
+        template = ChunkTemplate(self.chat, self.response_id, self.created, self.model_name, 0)
+        plain = self.chat and not self.tools_active and not self.want_logprobs  # a delta is the engine's text as it comes
+        task = asyncio.current_task()
+        assert task is not None
+        waiting = expired = False
+
+        def expire() -> None:
+            nonlocal expired
+            expired = True
+            if waiting:  # then this task is suspended on the engine, inside the try below
+                task.cancel()
+
+        timer = asyncio.get_running_loop().call_later(self.timeout_s, expire) if self.timeout_s else None
+        stream = self.engine.generate_stream(self._engine_body(0))
+        try:
+            if self.chat:
+                yield self._role_event(choice)
+            failed = False
+            try:
+                waiting = True
+                async for item in stream:
+                    waiting = False
+                    if expired:
+                        raise asyncio.CancelledError
+                    start = len(choice.output_ids)
+                    text = choice.add(item)
+                    if plain:
+                        if text:
+                            streamed[0] += text
+                            yield template.event(choice.version, text)
+                    else:
+                        chunk = self._delta_chunk(choice, text, start, streamed, template)
+                        if chunk is not None:
+                            yield chunk
+                    waiting = True
+                waiting = False
+            except asyncio.CancelledError:
+                waiting = False
+                if not expired or (task.cancelling() and task.uncancel() > 0):
+                    raise  # the client went away (or someone else cancelled): see below
+                failed = True
+                yield self._timeout_event()
+            except Exception as exc:  # delivered in-band, after the status line
+                failed = True
+                yield self._error_event(exc)
+            if not failed:
+                yield _sse(self._final_chunk(choice, streamed[0]))
+                if self.body.include_usage:
+                    yield self._usage_event()
+            yield b"data: [DONE]\n\n"
+        except (GeneratorExit, asyncio.CancelledError):  # the client went away
+            choice.disconnected = choice.finish is None
+            raise
+        finally:
+            waiting = False
+            if timer is not None:
+                timer.cancel()
+            try:
+                await stream.aclose()  # a choice still generating is aborted in its engine
+            finally:
+                self._record()
+
+    async def _events_many(self) -> AsyncIterator[bytes]:
+        """Several choices: one pump task per choice feeds a queue read here."""
         queue: asyncio.Queue[tuple[int, dict[str, Any] | Exception | None]] = asyncio.Queue()
 
         async def pump(i: int) -> None:
@@ -127,21 +219,19 @@ class Generation:
         timer = asyncio.get_running_loop().call_later(self.timeout_s, queue.put_nowait, (-1, None)) if self.timeout_s else None
         finished = 0
         streamed = ["" for _ in self.choices]
+        templates = [ChunkTemplate(self.chat, self.response_id, self.created, self.model_name, c.index) for c in self.choices]
         try:
             if self.chat:
                 for choice in self.choices:
-                    yield _sse(chat_chunk(self.response_id, self.created, self.model_name, None, choice.index,
-                                          {"role": "assistant", "content": ""}))
+                    yield self._role_event(choice)
             while finished < self.body.n:
                 i, item = await queue.get()
                 if i < 0:
-                    yield _sse({"error": {"message": f"the request did not finish within {self.timeout_s} s",
-                                          "type": "server_error", "param": None, "code": "timeout"}})
+                    yield self._timeout_event()
                     break
                 choice = self.choices[i]
                 if isinstance(item, Exception):
-                    message = str(item) if isinstance(item, EngineError) else f"internal error: {type(item).__name__}"
-                    yield _sse({"error": {"message": message, "type": "server_error", "param": None, "code": None}})
+                    yield self._error_event(item)
                     break
                 if item is None:
                     finished += 1
@@ -149,14 +239,12 @@ class Generation:
                     continue
                 start = len(choice.output_ids)
                 text = choice.add(item)
-                chunk = self._delta_chunk(choice, text, start, streamed)
+                chunk = self._delta_chunk(choice, text, start, streamed, templates[i])
                 if chunk is not None:
-                    yield _sse(chunk)
+                    yield chunk
             else:
                 if self.body.include_usage:
-                    yield _sse(usage_chunk(self.response_id, self.created, self.model_name, self._version(),
-                                           "chat.completion.chunk" if self.chat else "text_completion",
-                                           len(self.prompt_ids), sum(len(c.output_ids) for c in self.choices)))
+                    yield self._usage_event()
             yield b"data: [DONE]\n\n"
         except (GeneratorExit, asyncio.CancelledError):  # the client went away
             for choice in self.choices:
@@ -169,12 +257,14 @@ class Generation:
                 task.cancel()  # a choice still generating is aborted in its engine
             self._record()
 
-    def _delta_chunk(self, choice: Choice, text: str, start: int, streamed: list[str]) -> dict[str, Any] | None:
+    def _delta_chunk(self, choice: Choice, text: str, start: int, streamed: list[str], template: ChunkTemplate) -> bytes | None:
+        """The event for a choice's new tokens (from output position `start`) and their text;
+        None when there is nothing to send yet."""
         version = choice.version
         if not self.chat:
             logprobs = completion_logprobs(self.tokenizer, choice, start, len(streamed[choice.index])) if self.want_logprobs else None
             streamed[choice.index] += text
-            return completion_chunk(self.response_id, self.created, self.model_name, version, choice.index, text, None, logprobs)
+            return template.event(version, text, logprobs)
         logprobs = chat_logprobs(self.tokenizer, choice, start) if self.want_logprobs else None
         if self.tools_active:  # hold back anything that may be (the start of) a tool call
             full = self.forced + choice.text
@@ -185,7 +275,7 @@ class Generation:
         if not text and logprobs is None:
             return None
         streamed[choice.index] += text
-        return chat_chunk(self.response_id, self.created, self.model_name, version, choice.index, {"content": text}, None, logprobs)
+        return template.event(version, text, logprobs)
 
     def _final_chunk(self, choice: Choice, streamed: str) -> dict[str, Any]:
         version = choice.version

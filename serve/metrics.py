@@ -9,7 +9,9 @@ as such; the counters advance by the difference. Callbacks registered with `on_s
 before each scrape, so such values can be read when they are wanted rather than polled.
 
 `install_request_metrics` adds a pure ASGI middleware that reports every HTTP request (its route
-template, status and duration) through `request_finished`, errors included.
+template, status and duration) through `request_finished`, errors included. It also leaves its
+own `send` in the scope (`serve.sse.BODY_SEND`) for event streams' body chunks, which need not
+pass every inner wrapper once the status is known.
 """
 
 from __future__ import annotations
@@ -22,6 +24,8 @@ from fastapi import FastAPI, Response
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from starlette.routing import Match
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from serve.sse import BODY_SEND
 
 log = logging.getLogger(__name__)
 
@@ -169,6 +173,8 @@ class RequestMetricsMiddleware:
                 status = message["status"]
             await send(message)
 
+        # An event stream may send its body past the wrappers below (it only needs to show us the start).
+        scope[BODY_SEND] = send
         try:
             await self.app(scope, receive, observing_send)
         finally:
