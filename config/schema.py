@@ -189,8 +189,10 @@ class TrainConfig(Section):
     packing: bool = True
     """Pack segments into rows with no padding (block-diagonal attention); false: one padded
     row per segment (for comparison)."""
-    turn_reward_coef: float = Field(1.0, ge=0.0)
-    """β: how much a judge's per-turn rewards add to a turn's advantage (see train/advantages.py)."""
+    turn_reward_coef: float = Field(0.0, ge=0.0)
+    """β: how much a judge's per-turn rewards add to a turn's advantage (see train/advantages.py);
+    0: the outcome alone. Use centred per-turn rewards (e.g. the composite judge's
+    normalisation): raw scores in [0, 1] would push every turn up."""
     turn_discount: float = Field(1.0, ge=0.0, le=1.0)
     """γ: per-turn rewards reach earlier turns discounted by γ per turn."""
     checkpoint_interval: int = Field(50, ge=0)

@@ -66,8 +66,11 @@ class Deployment:
             )
             self._owns_ray = self.config.deploy.ray_address is None
         self.serve_url = self._launch("serve", self.config)
-        for kind in ("collect", "judge", "train"):
-            self._launch(kind, self.config)
+        judge = self.config.model_copy(deep=True)  # an llm judge defaults to this serve (any node)
+        judge.judge.llm.base_url = self.config.judge.llm.base_url or f"{self.serve_url}/v1"
+        self._launch("collect", self.config)
+        self._launch("judge", judge)
+        self._launch("train", self.config)
         if self.config.rollout.enabled:
             rollout = self.config.model_copy(deep=True)
             rollout.rollout.endpoint = self.config.rollout.endpoint or self.serve_url

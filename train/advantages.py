@@ -14,9 +14,11 @@ feedback about one turn). Turn k's sampled tokens then get
     A + β · Σ_{j ≥ k} γ^(j−k) · r_j
 
 (β = `train.turn_reward_coef`, γ = `train.turn_discount`): a turn is credited with its own
-reward and, discounted, those of the turns after it, which it led to. The outcome is not
-discounted: it is the trajectory's result, owed to every turn alike. Tokens off the loss mask
-get 0.
+reward and, discounted, those of the turns after it, which it led to (γ = 0: its own only).
+The outcome is not discounted: it is the trajectory's result, owed to every turn alike. Tokens
+off the loss mask get 0. β defaults to 0 (the outcome alone): per-turn rewards get no baseline
+here, so they should come centred, e.g. from the composite judge's normalisation per
+(task, turn index).
 """
 
 from __future__ import annotations
