@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import importlib
 import json
 import logging
@@ -98,8 +99,17 @@ def loop_main(
     except ConfigError as exc:
         print(f"config error: {exc}", file=sys.stderr)
         return 2
+    tune_gc()
     asyncio.run(run_until_signalled(import_object(loop_spec), config))
     return 0
+
+
+def tune_gc() -> None:
+    """Collect the youngest generation every 50,000 allocations instead of 700. The loops
+    allocate many short-lived objects (every decoded record) and create almost no reference
+    cycles; at the default, collections cost the collect loop ~18 % of its time
+    (bench/collect_judge.py) and freed nothing."""
+    gc.set_threshold(50_000, 20, 100)
 
 
 async def repeat(step: Callable[[], Any], name: str, backoff_s: float = 1.0) -> None:

@@ -10,13 +10,18 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import sys
+from typing import Any
 
+import msgspec
 from nats.js.api import DeliverPolicy
 
 from bus.client import Bus
 from bus.embedded import read_bus_url
+from bus.records import decode, encode
 from bus.streams import (
+    RECORD_TYPES,
     SAMPLE_SUBJECT,
     SESSION_EVENT_SUBJECT,
     STREAMS,
@@ -46,6 +51,17 @@ def resolve_subject(name: str) -> str:
     raise ValueError(f"unknown stream or subject {name!r}; accepted: {accepted}, or a flywheel.* subject")
 
 
+def _as_json(msg: Any) -> str:
+    """A message as one JSON line: the record re-encoded, or what is wrong with it."""
+    kind = RECORD_TYPES.get(msg.subject)
+    try:
+        if kind is None:
+            raise msgspec.ValidationError(f"no record type is defined for {msg.subject}")
+        return encode(decode(msg.data, kind), "json").decode()
+    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+        return json.dumps({"subject": msg.subject, "malformed": str(exc)})
+
+
 async def tail(url: str, subject: str, follow: bool, limit: int | None, out=sys.stdout) -> int:
     """Write records on `subject` to `out`, one JSON object per line; returns how many."""
     bus = await Bus.connect(url, name="bus.tail", ensure_streams=False)
@@ -62,7 +78,7 @@ async def tail(url: str, subject: str, follow: bool, limit: int | None, out=sys.
     try:
         while limit is None or count < limit:
             msg = await queue.get()
-            out.write(msg.data.decode() + "\n")
+            out.write(_as_json(msg) + "\n")
             out.flush()
             count += 1
             if not follow and msg.metadata.num_pending == 0:

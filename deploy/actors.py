@@ -13,7 +13,7 @@ from typing import Any
 
 import ray
 
-from bus.process import import_object
+from bus.process import import_object, tune_gc
 
 LOOPS = {
     "serve": "serve.loop:ServeLoop",
@@ -33,6 +33,7 @@ class LoopActor:
 
         logging.basicConfig(level=logging.INFO, format=f"%(asctime)s {kind} %(name)s %(levelname)s %(message)s")
         self.kind = kind
+        tune_gc()
         self.loop = import_object(LOOPS[kind])(FlywheelConfig.model_validate(config), bus_url)
 
     async def start(self) -> Any:

@@ -73,7 +73,7 @@ class SpillLog:
 
     def append(self, entries: list[tuple[str, Record]]) -> None:
         """Write records at the end, in order (flushed to the OS: a process crash loses nothing)."""
-        data = b"".join(msgspec.json.encode(SpillLine(s, msgspec.Raw(encode(r)))) + b"\n" for s, r in entries)
+        data = b"".join(msgspec.json.encode(SpillLine(s, msgspec.Raw(encode(r, "json")))) + b"\n" for s, r in entries)
         if self._writer is None or self._writer.tell() > SPILL_FILE_BYTES:
             self.close()
             path = self.directory / f"spill-{self._next:012d}.jsonl"
@@ -96,7 +96,7 @@ class SpillLog:
             for number, line in enumerate(f, 1):
                 try:
                     entry = _LINE_DECODER.decode(line)
-                    yield entry.subject, decode(entry.record, RECORD_TYPES[entry.subject])
+                    yield entry.subject, decode(entry.record, RECORD_TYPES[entry.subject], "json")
                 except (msgspec.DecodeError, msgspec.ValidationError, KeyError) as exc:
                     log.error("spill file %s line %d cannot be read (%s); skipped", path, number, exc)
                     yield None

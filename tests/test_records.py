@@ -42,16 +42,22 @@ def test_nested_records_round_trip():
 
 
 def test_unknown_fields_are_ignored_and_newer_schemas_rejected():
-    raw = json.loads(encode(make_turn()))
+    raw = msgspec.msgpack.decode(encode(make_turn()))
     raw["added_later"] = {"anything": 1}
-    assert decode(json.dumps(raw).encode(), Turn).id == "t1"
+    assert decode(msgspec.msgpack.encode(raw), Turn).id == "t1"
     raw["schema"] = SCHEMA_VERSION + 1
     with pytest.raises(msgspec.ValidationError, match="schema"):
-        decode(json.dumps(raw).encode(), Turn)
+        decode(msgspec.msgpack.encode(raw), Turn)
 
 
 def test_malformed_records_raise_validation_errors():
     with pytest.raises(msgspec.ValidationError):
-        decode(b'{"id": "x", "session_id": 5}', SessionEvent)
+        decode(msgspec.msgpack.encode({"id": "x", "session_id": 5}), SessionEvent)
     with pytest.raises(msgspec.DecodeError):
-        decode(b"not json", SessionEvent)
+        decode(b"\xc1 not msgpack", SessionEvent)
+
+
+def test_json_codec_for_files_and_people_round_trips_exactly():
+    turn = make_turn(output_logprobs=[-0.1234567890123, -1e-300])
+    assert json.loads(encode(turn, "json"))["output_logprobs"] == turn.output_logprobs
+    assert decode(encode(turn, "json"), Turn, "json") == turn == decode(encode(turn), Turn)
