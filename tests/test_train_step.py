@@ -15,7 +15,7 @@ from models import load_model
 from tests.test_records import make_turn
 from tests.test_train_loop import rows_of, sample_of, sampled_turns
 from train.advantages import token_advantages, turn_returns
-from train.batch import micro_batches
+from train.batch import Row, micro_batches
 from train.fsdp import shard
 from train.schedule import lr_factor
 from train.trainer import Trainer
@@ -51,12 +51,25 @@ async def test_packed_rows_give_the_padded_and_the_engine_logprobs(samples):
     rows = rows_of(samples, [1.0] * len(samples))
     packed = micro_batches(rows, budget=10_000, pad_id=0, packing=True)
     padded = micro_batches(rows, budget=10_000, pad_id=0, packing=False)
-    assert len(packed) == 1 and packed[0].input_ids.shape[0] == 1 and packed[0].attention_mask is None
-    assert packed[0].computed_tokens == packed[0].real_tokens == sum(len(r) for r in rows)
-    assert padded[0].computed_tokens > padded[0].real_tokens  # padding waste that packing avoids
+    [batch] = packed
+    assert batch.attention_mask is None and batch.real_tokens == sum(len(r) for r in rows)
     engine = sorted(lp for s in samples for seg in s.trajectory.segments for lp, m in zip(seg.logprobs, seg.loss_mask) if m)
     assert per_token(trainer, packed) == pytest.approx(per_token(trainer, padded), abs=1e-5)
     assert per_token(trainer, packed) == pytest.approx(engine, abs=2e-4)
+
+
+def test_packing_fills_rows_as_long_as_the_longest_segment_within_the_budget():
+    def row(n: int) -> Row:
+        return Row(Segment(token_ids=list(range(n)), loss_mask=[0] + [1] * (n - 1), logprobs=[0.0] * n, versions=[0] * n),
+                   [1.0] * n)
+
+    rows = [row(n) for n in (10, 6, 4, 3, 3, 2, 2)]
+    packed = micro_batches(rows, budget=20, pad_id=0, packing=True)
+    assert [tuple(b.input_ids.shape) for b in packed] == [(2, 10), (1, 10)]  # rows: 10 | 6+4 | 3+3+2+2
+    assert sum(b.real_tokens for b in packed) == 30 and sum(b.computed_tokens for b in packed) == 30
+    assert packed[0].position_ids[1].tolist() == list(range(6)) + list(range(4))
+    padded = micro_batches(rows, budget=20, pad_id=0, packing=False)
+    assert sum(b.computed_tokens for b in padded) > 30
 
 
 async def test_micro_batches_accumulate_to_the_gradient_of_one_batch(samples):

@@ -4,10 +4,13 @@ sampled ids), packed or padded.
 A step's samples are split into micro-batches of at most `train.micro_batch_tokens` computed
 tokens; the trainer accumulates gradients over them and steps once.
 
-- **Packed** (default): segments go first-fit-decreasing into rows of at most the budget, and
-  one row is one micro-batch. Each segment restarts its position ids; with no attention mask,
-  transformers derives block-diagonal causal attention from the position ids, so no segment
-  sees another and no token is padding.
+- **Packed** (default): segments go first-fit-decreasing into rows as long as the step's
+  longest segment, and as many rows as fit the budget make a micro-batch. Each segment restarts
+  its position ids; with no attention mask, transformers derives block-diagonal causal
+  attention from the position ids, so no segment sees another, and only the ends of rows that
+  no segment fills are padding. Rows are no longer than the longest segment because attention
+  without a variable-length kernel costs the square of the row length (one row of the whole
+  budget was 2x slower than padding on CPU: bench/trainer_efficiency.py).
 - **Padded** (`train.packing: false`): one segment per row, rows right-padded to the longest of
   their micro-batch, micro-batches filled in arrival order while rows × width fits the budget:
   what a plain padded loop computes, kept to measure what packing saves.
@@ -79,23 +82,29 @@ def _tensors(lines: list[list[Row]], width: int, pad_id: int, packed: bool) -> M
             if batch.attention_mask is not None:
                 batch.attention_mask[i, at:end] = 1
             at = end
+        if packed:  # padding at the end of a row: a sequence of its own, off the loss mask
+            batch.position_ids[i, at:] = torch.arange(width - at)
     return batch
 
 
 def pack(rows: list[Row], budget: int, pad_id: int) -> list[MicroBatch]:
-    """First-fit-decreasing into rows of at most `budget` tokens; one packed row per micro-batch."""
-    bins: list[list[Row]] = []
+    """First-fit-decreasing into rows as long as the longest segment; rows grouped into
+    micro-batches of at most `budget` tokens."""
+    width = max(map(len, rows))
+    lines: list[list[Row]] = []
     space: list[int] = []
     for row in sorted(rows, key=len, reverse=True):
         for i, free in enumerate(space):
             if len(row) <= free:
-                bins[i].append(row)
+                lines[i].append(row)
                 space[i] -= len(row)
                 break
         else:
-            bins.append([row])
-            space.append(budget - len(row))
-    return [_tensors([line], sum(map(len, line)), pad_id, packed=True) for line in bins]
+            lines.append([row])
+            space.append(width - len(row))
+    per_batch = max(1, budget // width)
+    groups = [lines[i:i + per_batch] for i in range(0, len(lines), per_batch)]
+    return [_tensors(group, max(sum(map(len, line)) for line in group), pad_id, packed=True) for group in groups]
 
 
 def pad(rows: list[Row], budget: int, pad_id: int) -> list[MicroBatch]:

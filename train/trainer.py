@@ -47,9 +47,9 @@ class Trainer:
         return torch.autocast(device_type=self.device.type, dtype=torch.bfloat16, enabled=self.device.type == "cuda")
 
     def token_logprobs(self, batch: MicroBatch, model: torch.nn.Module | None = None,
-                       with_entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """(logprob of each token given its prefix, entropy of that prediction or None); 0 at
-        position 0."""
+                       with_entropy: bool = False) -> tuple[torch.Tensor, float | None]:
+        """(logprob of each token given its prefix, 0 at position 0; the summed entropy of the
+        predictions of loss-mask tokens, or None)."""
         with self._autocast():
             logits = (model or self.model)(
                 input_ids=batch.input_ids, attention_mask=batch.attention_mask, position_ids=batch.position_ids,
@@ -58,11 +58,12 @@ class Trainer:
         logits = logits[:, :-1].float() / self.actor.temperature
         logp_all = torch.log_softmax(logits, dim=-1)
         logp = logp_all.gather(2, batch.input_ids[:, 1:].unsqueeze(2)).squeeze(2)
-        pad = torch.zeros((logp.shape[0], 1), dtype=logp.dtype, device=logp.device)
         entropy = None
-        if with_entropy:
+        if with_entropy:  # only where it is reported: over the vocabulary, it is not cheap
             with torch.no_grad():
-                entropy = torch.cat([pad, -(logp_all.exp() * logp_all).sum(-1)], dim=1)
+                counted = logp_all[batch.loss_mask[:, 1:].bool()]
+                entropy = float(-(counted.exp() * counted).sum())
+        pad = torch.zeros((logp.shape[0], 1), dtype=logp.dtype, device=logp.device)
         return torch.cat([pad, logp], dim=1), entropy
 
     def _to_device(self, batch: MicroBatch) -> MicroBatch:
@@ -98,7 +99,7 @@ class Trainer:
                 kl_sum += float(kl.detach())
             loss.backward()
             loss_sum += float(loss.detach())
-            entropy_sum += float((entropy * batch.loss_mask).sum())
+            entropy_sum += entropy
             stats = part if stats is None else stats.merge(part)
         grad_norm = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.actor.optimizer.max_grad_norm))
         lr = self.scheduler.get_last_lr()[0]
