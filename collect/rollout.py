@@ -54,6 +54,7 @@ class RolloutDriver:
             raise ConfigError(f"{key}: {exc}") from None
         self.rng = random.Random(config.seed)
         self.tasks_drawn = 0
+        self.length_rng = random.Random(config.seed + 1)
         self.state_path = Path(config.run_dir) / "rollout_state.json"
         if config.train.resume and self.state_path.exists():
             state = json.loads(self.state_path.read_text())
@@ -109,6 +110,15 @@ class RolloutDriver:
             self._groups.add(group)
             group.add_done_callback(self._groups.discard)
 
+    def draw_length(self) -> int:
+        """A heavy-tailed generation length (`gconfig.length_tail`): inverse-CDF sampling of a
+        Pareto tail truncated to [min_new_tokens, max_new_tokens]."""
+        g = self.config.gconfig
+        lo, hi, alpha = g.min_new_tokens, max(g.min_new_tokens, g.max_new_tokens), g.length_tail
+        u = self.length_rng.random()
+        tail = 1.0 - u * (1.0 - (lo / hi) ** alpha)
+        return min(hi, int(lo / tail ** (1.0 / alpha)))
+
     def _save_position(self) -> None:
         self.state_path.parent.mkdir(parents=True, exist_ok=True)
         tmp = self.state_path.with_suffix(".tmp")
@@ -122,13 +132,17 @@ class RolloutDriver:
         gconfig = self.config.gconfig
         session_id = f"{task.id}-{k}-{uuid.uuid4().hex[:8]}"
         try:
+            length, extra = gconfig.max_new_tokens, {}
+            if gconfig.length_tail is not None:
+                length, extra = self.draw_length(), {"ignore_eos": True}
             completion = await self.openai.chat.completions.create(
                 model=self.model_name,
                 messages=task.messages,
-                max_tokens=gconfig.max_new_tokens,
+                max_tokens=length,
                 temperature=gconfig.temperature,
                 top_p=gconfig.top_p,
                 extra_headers={"X-Session-Id": session_id, "X-Task-Id": task.id},
+                extra_body=extra,
             )
             reward = self.env.verify(task, completion.choices[0].message.content or "")
             response = await self.http.post(

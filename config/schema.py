@@ -111,6 +111,11 @@ class GenerationConfig(Section):
     max_new_tokens: int = Field(32, ge=1)
     temperature: float = Field(1.0, ge=0.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
+    length_tail: float | None = Field(None, gt=0.0)
+    """α of heavy-tailed generation lengths, as reasoning models produce: each sample's length
+    is drawn from a Pareto tail P(L >= x) ∝ x^-α on [`min_new_tokens`, `max_new_tokens`] and
+    generated to the end (`ignore_eos`). None: the model decides, up to `max_new_tokens`."""
+    min_new_tokens: int = Field(1, ge=1)
 
 
 class RolloutConfig(Section):

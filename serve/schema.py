@@ -110,6 +110,10 @@ class Sampling(Strict):
     metadata: dict[str, str] | None = None
     frequency_penalty: float = 0.0
     presence_penalty: float = 0.0
+    min_tokens: int = Field(0, ge=0)
+    """SGLang / vLLM extension (send it in `extra_body`): no end-of-sequence before this many tokens."""
+    ignore_eos: bool = False
+    """SGLang / vLLM extension: generate to `max_tokens` whatever the model's end tokens say."""
 
     @field_validator("stop")
     @classmethod
@@ -204,4 +208,8 @@ def sampling_params(request: Sampling, max_new_tokens: int, choice: int) -> dict
         params["stop"] = request.stop
     if request.seed is not None:
         params["sampling_seed"] = request.seed + choice
+    if request.min_tokens:
+        params["min_new_tokens"] = min(request.min_tokens, max_new_tokens)
+    if request.ignore_eos:
+        params["ignore_eos"] = True
     return params

@@ -118,3 +118,13 @@ async def test_a_client_that_disconnects_mid_stream_is_recorded_and_aborted(serv
         await asyncio.sleep(0.02)
     assert served.engine.load()["num_running_reqs"] == 0
 
+
+
+async def test_sglang_length_extensions_ignore_eos_and_min_tokens(served, client):
+    reply = await client.chat.completions.create(**CHAT, max_tokens=20, extra_body={"ignore_eos": True})
+    assert reply.usage.completion_tokens == 20 and reply.choices[0].finish_reason == "length"
+    for seed in range(4):
+        reply = await client.chat.completions.create(**CHAT, max_tokens=30, seed=seed, extra_body={"min_tokens": 12})
+        assert reply.usage.completion_tokens >= 12
+    with pytest.raises(openai.BadRequestError, match="min_tokens"):
+        await client.chat.completions.create(**CHAT, max_tokens=5, extra_body={"min_tokens": -1})
