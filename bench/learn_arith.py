@@ -74,8 +74,9 @@ def train(run_dir: Path, minutes: float, overrides: list[str]) -> dict:
         child.send_signal(signal.SIGTERM)  # train.run stops the loops; the trainer saves a checkpoint
         child.wait(timeout=300)
         stopped_early = True
+    summary = run_dir / "summary.json"
     return {"returncode": child.returncode, "stopped_by_time_limit": stopped_early,
-            "summary": json.loads((run_dir / "summary.json").read_text())}
+            "summary": json.loads(summary.read_text()) if summary.exists() else None}
 
 
 def main() -> None:
@@ -83,18 +84,23 @@ def main() -> None:
     parser.add_argument("--minutes", type=float, default=30.0, help="training time limit")
     parser.add_argument("--problems", type=int, default=200, help="held-out problems to evaluate")
     parser.add_argument("--run-dir", default="runs/bench_learn_arith")
+    parser.add_argument("--reuse-run", action="store_true",
+                        help="skip training: evaluate the newest checkpoint of an existing --run-dir")
     parser.add_argument("overrides", nargs="*", metavar="key=value", help="passed to train.run")
     args = parser.parse_args()
     quiet_logs()
     config = load_config(CONFIG, args.overrides)
     env = make_env(config.rollout.env, config.rollout.env_args)
     run_dir = ROOT / args.run_dir
-    shutil.rmtree(run_dir, ignore_errors=True)
+    if not args.reuse_run:
+        shutil.rmtree(run_dir, ignore_errors=True)
 
     wait_quiet()
     before = asyncio.run(accuracy(None, config.model, env, args.problems, config.gconfig.max_new_tokens))
     print(f"before: {before['accuracy']:.3f} on {before['problems']} held-out problems", flush=True)
-    run = train(run_dir, args.minutes, args.overrides)
+    summary = run_dir / "summary.json"
+    run = {"reused": True, "summary": json.loads(summary.read_text()) if summary.exists() else None} if args.reuse_run \
+        else train(run_dir, args.minutes, args.overrides)
     checkpoint = Checkpoints(run_dir / "checkpoints", keep=1).latest()
     after = asyncio.run(accuracy(checkpoint, config.model, env, args.problems, config.gconfig.max_new_tokens))
     print(f"after:  {after['accuracy']:.3f} ({checkpoint.name})", flush=True)

@@ -42,6 +42,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         with console.status("starting the bus, Ray and the loops..."):
             deployment.start()
+        signal.signal(signal.SIGTERM, _raise_interrupt)  # again: starting Ray installed its own handler
         console.print(
             f"Flywheel is up. OpenAI endpoint: {deployment.serve_url}/v1  model: {config.model}  "
             f"bus: {deployment.bus_url}  run dir: {config.run_dir}  (Ctrl-C stops)",

@@ -3,8 +3,10 @@ all four loops; its outputs; `--resume`; a used run_dir refused; and the stalene
 η = 0, 1 and 4: no trained sample's oldest token is ever more than η versions old."""
 
 import json
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -58,3 +60,21 @@ def test_no_sample_older_than_eta_is_trained_on(tmp_path, eta):
     for m in lines:
         assert m["staleness_max"] <= eta
         assert all(int(staleness) <= eta for staleness in m["staleness_hist"])
+
+
+def test_sigterm_stops_a_run_cleanly_with_a_final_checkpoint(tmp_path):
+    run_dir = tmp_path / "run"
+    child = subprocess.Popen([sys.executable, "-m", "train.run", "--config", CONFIG, f"run_dir={run_dir}", "train.max_steps=10000",
+                              "train.batch_size=8"], cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 240
+        while not ((run_dir / "metrics.jsonl").exists() and (run_dir / "metrics.jsonl").read_text().count("\n") >= 2):
+            assert child.poll() is None and time.monotonic() < deadline, "the run did not reach step 2"
+            time.sleep(0.2)
+        child.send_signal(signal.SIGTERM)
+        assert child.wait(timeout=120) == 0, child.stderr.read()[-3000:]
+    finally:
+        child.kill()
+    steps = [m["step"] for m in metrics(run_dir)]
+    assert (run_dir / "checkpoints" / f"step-{steps[-1]:08d}").is_dir()  # the last step, saved on the way out
+    assert json.loads((run_dir / "summary.json").read_text())["steps"] == steps[-1]

@@ -118,6 +118,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         with console.status("starting the bus, Ray and the loops..."):
             deployment.start()
+        signal.signal(signal.SIGTERM, _raise_interrupt)  # again: starting Ray installed its own handler
         stats = watch(deployment, config, console, args.refresh_s)
     except KeyboardInterrupt:
         console.print("stopping...")
