@@ -3,7 +3,7 @@ trained samples with η = 4 (asynchronous, decoupled PPO) against η = 0 (synchr
 rollout driver admits a batch only once the trainer has consumed the previous one).
 
 Workload: bench/configs/digits_tail.yaml (the `tiny` model on `digits`, heavy-tailed generation
-lengths: Pareto tail, alpha 1, 8 to 128 tokens, generated to the end), `train.max_steps` steps
+lengths: Pareto tail, alpha 1, 8 to 512 tokens, generated to the end), `train.max_steps` steps
 of `train.batch_size` samples each, `--seeds` seeds per setting, run one after another through
 `python -m train.run`. Reported per setting: wall-clock time from the train loop's start to its
 last step, the final reward (mean batch reward of the last 10 steps) and staleness; and the
@@ -11,7 +11,7 @@ ratio of the mean times (target >= 2x; AReaL reports up to 2.77x) with the final
 across seeds as the noise level. Writes bench/results/async_vs_sync.json and
 docs/img/async_vs_sync.png.
 
-    .venv/bin/python bench/async_vs_sync.py                      # 2 seeds x 2 settings, ~10 min
+    .venv/bin/python bench/async_vs_sync.py                      # 2 seeds x 2 settings, ~5 min
     .venv/bin/python bench/async_vs_sync.py --seeds 1 train.max_steps=20
 """
 
