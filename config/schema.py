@@ -9,14 +9,12 @@ unknown keys, so a typo is an error that names the key rather than a silently ig
 from __future__ import annotations
 
 from pathlib import Path
-from string import Template
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
+from pydantic import Field, field_validator, model_validator
 
-
-class Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+from config.judge import JudgeConfig
+from config.section import Section
 
 
 class BusConfig(Section):
@@ -211,179 +209,6 @@ class TrainConfig(Section):
     fsdp: bool = False
     """Shard the model with FSDP2 across the ranks of an initialised torch.distributed process
     group (multi-GPU; see docs/architecture.md). Refused without one."""
-
-
-JUDGE_SYSTEM_PROMPT = (
-    "You are a strict, fair evaluator of an AI assistant's replies. You judge one assistant turn "
-    "of a conversation: how correct, helpful and appropriate it is for the task and for what the "
-    "assistant was asked at that point. What followed the reply (the user's answer, tool results) "
-    "is evidence of whether it worked. Think briefly, then end with a line `Score: N`, where N is "
-    "a number from $score_min (worst) to $score_max (best)."
-)
-JUDGE_USER_PROMPT = (
-    "The task:\n$context\n\n"
-    "What the assistant was asked at turn $turn_number of $num_turns:\n$request\n\n"
-    "The assistant's reply (the turn to judge):\n$response\n\n"
-    "What followed the reply:\n$next_state\n\n"
-    "Evaluate the reply, then end with `Score: N` ($score_min to $score_max)."
-)
-JUDGE_TRUSTED_PLACEHOLDERS = frozenset({"score_min", "score_max", "turn_number", "num_turns"})
-"""Placeholders filled by the judge itself: allowed in both prompt templates."""
-JUDGE_FENCED_PLACEHOLDERS = frozenset({"context", "request", "response", "next_state"})
-"""Placeholders filled with conversation text (agent-controlled), each as a fenced block: only
-in the user prompt, never in the system prompt."""
-
-
-def _template_names(template: str) -> set[str]:
-    parsed = Template(template)
-    if not parsed.is_valid():
-        raise ValueError("malformed placeholder (write $$ for a literal $)")
-    return set(parsed.get_identifiers())
-
-
-class TurnJudgeConfig(Section):
-    """Settings shared by judges that score each assistant turn (`llm`, `model`)."""
-
-    outcome: Literal["mean", "last", "min"] = "mean"
-    """How the trajectory's outcome reward follows from its turn rewards."""
-
-
-class LLMJudgeConfig(TurnJudgeConfig):
-    """An LLM as judge behind any OpenAI-compatible endpoint (see docs/judges.md)."""
-
-    base_url: str | None = None
-    """The endpoint's base URL (ending in `/v1`); None: this deployment's serve loop (the URL
-    it wrote to `run_dir/serve.url`)."""
-    api_key: str | None = None
-    """The key sent as `Authorization: Bearer`; None: read from the `api_key_env` variable."""
-    api_key_env: str = "FLYWHEEL_JUDGE_API_KEY"
-    model: str | None = None
-    """The judge model's name at the endpoint; None: this deployment's served model name."""
-    system_prompt: str = JUDGE_SYSTEM_PROMPT
-    """`string.Template` text; may use $score_min, $score_max, $turn_number, $num_turns."""
-    user_prompt: str = JUDGE_USER_PROMPT
-    """`string.Template` text; must use $response, may use $context, $request, $next_state
-    (each becomes a fenced block of conversation text) and the system prompt's placeholders."""
-    votes: int = Field(3, ge=1)
-    """Judge requests per turn (k); the turn's score is the mean of the valid votes."""
-    min_valid_votes: int = Field(1, ge=1)
-    """A turn with fewer valid votes than this makes the trajectory unscored."""
-    temperature: float = Field(0.7, ge=0.0)
-    max_tokens: int = Field(256, ge=1)
-    score_min: float = 1.0
-    score_max: float = 10.0
-    """The judge's scale; a score s becomes the reward (s - score_min) / (score_max - score_min)
-    in [0, 1]. A vote outside the scale is invalid."""
-    max_concurrency: int = Field(8, ge=1)
-    """Judge requests in flight at once, across all trajectories."""
-    max_retries: int = Field(4, ge=0)
-    """Retries of a request after a connection error, timeout, 408, 429 or 5xx."""
-    retry_backoff_s: float = Field(0.5, gt=0)
-    """First pause before a retry; doubled each time (with jitter), up to `retry_backoff_max_s`.
-    A `Retry-After` header from the endpoint is honoured up to the same maximum."""
-    retry_backoff_max_s: float = Field(8.0, gt=0)
-    request_timeout_s: float = Field(60.0, gt=0)
-    max_field_chars: int = Field(8000, ge=100)
-    """Longest text put into one fenced block; longer text keeps its start and end."""
-
-    @field_validator("system_prompt")
-    @classmethod
-    def _check_system_prompt(cls, template: str) -> str:
-        if unknown := _template_names(template) - JUDGE_TRUSTED_PLACEHOLDERS:
-            raise ValueError(
-                f"placeholder(s) {sorted(unknown)} not allowed here (allowed: "
-                f"{sorted(JUDGE_TRUSTED_PLACEHOLDERS)}; conversation text goes in user_prompt)"
-            )
-        return template
-
-    @field_validator("user_prompt")
-    @classmethod
-    def _check_user_prompt(cls, template: str) -> str:
-        names = _template_names(template)
-        if unknown := names - JUDGE_TRUSTED_PLACEHOLDERS - JUDGE_FENCED_PLACEHOLDERS:
-            raise ValueError(
-                f"unknown placeholder(s) {sorted(unknown)} "
-                f"(known: {sorted(JUDGE_TRUSTED_PLACEHOLDERS | JUDGE_FENCED_PLACEHOLDERS)})"
-            )
-        if "response" not in names:
-            raise ValueError("must contain $response (the turn being judged)")
-        return template
-
-    @field_validator("min_valid_votes")
-    @classmethod
-    def _check_min_valid_votes(cls, value: int, info: ValidationInfo) -> int:
-        if value > info.data.get("votes", value):
-            raise ValueError("cannot exceed votes")
-        return value
-
-    @field_validator("score_max")
-    @classmethod
-    def _check_score_max(cls, value: float, info: ValidationInfo) -> float:
-        if value <= info.data.get("score_min", value - 1):
-            raise ValueError("must be greater than score_min")
-        return value
-
-
-class RewardModelJudgeConfig(TurnJudgeConfig):
-    """A learned reward model: a local HF checkpoint with a scalar head (num_labels=1)."""
-
-    path: str | None = None
-    """The checkpoint directory (loads with AutoModelForSequenceClassification and AutoTokenizer)."""
-    batch_size: int = Field(8, ge=1)
-    """Turns scored in one forward pass."""
-    max_length: int = Field(2048, ge=8)
-    """Longest input in tokens; a longer conversation keeps its end (the turn being scored)."""
-    device: str = "cpu"
-    torch_threads: int = Field(1, ge=1)
-    """torch intra-op threads, set when the judge starts (process-wide: keep 1 beside an engine)."""
-
-
-class CompositeComponentConfig(Section):
-    """One judge inside a composite."""
-
-    kind: Literal["rule", "llm", "model"]
-    weight: float = 1.0
-    required: bool = True
-    """When false, a trajectory this component cannot score is scored by the others (the
-    component is left out of the sum); when true, the whole trajectory is unscored."""
-    llm: LLMJudgeConfig | None = None
-    """Settings for an `llm` component; None: `judge.llm`."""
-    model: RewardModelJudgeConfig | None = None
-    """Settings for a `model` component; None: `judge.model`."""
-
-
-class CompositeJudgeConfig(Section):
-    components: list[CompositeComponentConfig] = Field(default_factory=list)
-    normalize: bool = False
-    """Normalise each component's scores per (task_id, turn index) with a running mean and
-    standard deviation before weighting (see docs/judges.md)."""
-    normalize_warmup: int = Field(8, ge=2)
-    """Scores a key must have seen before they are also divided by its standard deviation;
-    until then they are only centred on the running mean."""
-
-
-class JudgeConfig(Section):
-    kind: Literal["rule", "llm", "model", "composite"] = "rule"
-    max_concurrency: int = Field(64, ge=1)
-    """Trajectories being judged at once; the loop keeps fetching while they run."""
-    deadline_s: float = Field(300.0, gt=0)
-    """A trajectory not judged within this time is published as unscored."""
-    llm: LLMJudgeConfig = LLMJudgeConfig()
-    model: RewardModelJudgeConfig = RewardModelJudgeConfig()
-    composite: CompositeJudgeConfig = CompositeJudgeConfig()
-
-    @model_validator(mode="after")
-    def _check_kind(self) -> "JudgeConfig":
-        if self.kind == "model" and self.model.path is None:
-            raise ValueError("judge.model.path: required when judge.kind is model")
-        if self.kind == "composite":
-            if not self.composite.components:
-                raise ValueError("judge.composite.components: a composite judge needs at least one component")
-            for i, component in enumerate(self.composite.components):
-                model = component.model or self.model
-                if component.kind == "model" and model.path is None:
-                    raise ValueError(f"judge.composite.components.{i}.model.path: required for a model component")
-        return self
 
 
 class DeployConfig(Section):

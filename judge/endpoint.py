@@ -18,7 +18,7 @@ from typing import Any
 
 import openai
 
-from config.schema import LLMJudgeConfig
+from config.judge import LLMJudgeConfig
 
 RETRYABLE_STATUS = frozenset({408, 429})
 

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from statistics import fmean
 
 from bus import Trajectory
-from config.schema import LLMJudgeConfig
+from config.judge import LLMJudgeConfig
 from judge.base import Judge, Unscorable, Verdict, outcome_of
 from judge.endpoint import EndpointError, JudgeEndpoint
 from judge.parse import Vote, parse_score

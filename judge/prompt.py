@@ -21,7 +21,7 @@ from __future__ import annotations
 from string import Template
 
 from bus import Trajectory
-from config.schema import LLMJudgeConfig
+from config.judge import LLMJudgeConfig
 from judge import transcript
 from judge.fence import Fence, clip
 

@@ -12,7 +12,7 @@ import os
 from pathlib import Path
 
 from config import ConfigError, FlywheelConfig
-from config.schema import CompositeComponentConfig, LLMJudgeConfig
+from config.judge import CompositeComponentConfig, LLMJudgeConfig
 from judge.base import Judge
 from judge.composite import Component, CompositeJudge
 from judge.llm import LLMJudge

@@ -20,7 +20,7 @@ import asyncio
 from concurrent.futures import ThreadPoolExecutor
 
 from bus import Trajectory
-from config.schema import RewardModelJudgeConfig
+from config.judge import RewardModelJudgeConfig
 from judge import transcript
 from judge.base import Judge, Unscorable, Verdict, outcome_of
 

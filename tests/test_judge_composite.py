@@ -9,7 +9,7 @@ import torch
 from transformers import AutoTokenizer, LlamaConfig, LlamaForSequenceClassification
 
 from config import load_config
-from config.schema import RewardModelJudgeConfig
+from config.judge import RewardModelJudgeConfig
 from judge.base import Judge, Unscorable, Verdict
 from judge.composite import Component, CompositeJudge
 from judge.normalize import Normalizer, RunningStats

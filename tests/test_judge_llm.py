@@ -12,7 +12,7 @@ from starlette.routing import Route
 
 from bus import TRAFFIC_SUBJECTS, TRAJECTORY_SUBJECT, Sample, Turn, Unscored
 from config import ConfigError, load_config
-from config.schema import LLMJudgeConfig
+from config.judge import LLMJudgeConfig
 from judge.base import Unscorable
 from judge.llm import LLMJudge
 from judge.loop import JudgeLoop
