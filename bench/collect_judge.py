@@ -7,10 +7,11 @@ pre-encoded turn records (sessions of `--turns` turns whose prompts grow by the 
 plus a user message, as an agent's do; token ids, logprobs, versions and message text of
 realistic sizes) and one reward per session, and listens for the samples.
 
-1. *Throughput*: `--sessions` sessions published as fast as JetStream takes them, about
-   `--concurrent` of them open at any time (each starts at a random point; a session's records
-   are in order, its reward last), timed from the first publish to the last sample: turns per
-   second.
+1. *Throughput*: `--sessions` sessions published as fast as JetStream takes them (pipelined,
+   up to `--window` acknowledgements outstanding, so the stand-in gateways take little of the two
+   cores), about `--concurrent` of them open at any time (each starts at a random point; a
+   session's records are in order, its reward last), timed from the first publish to the last
+   sample: turns per second.
 2. *Latency*: sessions published one after another at `--rate` turns/s, each session's reward
    right after its last turn; per session, the time from sending the record that ends it to
    the arrival of its sample (so the wait for a session to end is excluded, as the target
@@ -94,6 +95,12 @@ async def publish(bus: Bus, record: tuple[str, str, bytes]) -> None:
     await bus.js.publish(subject, payload, headers={"Nats-Msg-Id": rid})
 
 
+async def publish_pipelined(bus: Bus, record: tuple[str, str, bytes]) -> asyncio.Future:
+    """Send a record; the returned future completes with JetStream's acknowledgement."""
+    subject, rid, payload = record
+    return await bus.js.publish_async(subject, payload, headers={"Nats-Msg-Id": rid})
+
+
 def interleave(sessions: list[list[tuple[str, str, bytes]]], concurrent: int, rng: random.Random) -> list:
     """All records in one arrival order with about `concurrent` sessions open at any time: each
     session starts at a random point and its records follow `concurrent` records apart."""
@@ -111,8 +118,8 @@ async def throughput(bus: Bus, samples: Samples, sessions: list[list[tuple[str, 
     n_turns = sum(len(s) - 1 for s in sessions)
     watch = CpuWatch().start()
     started = time.perf_counter()
-    for i in range(0, len(order), window):
-        await asyncio.gather(*(publish(bus, r) for r in order[i:i + window]))
+    for i in range(0, len(order), window):  # pipelined, `window` PubAcks outstanding at most
+        await asyncio.gather(*[await publish_pipelined(bus, r) for r in order[i:i + window]])
     published = time.perf_counter()
     await samples.wait_for(len(sessions), timeout_s=600)
     finished = max(samples.arrived.values())
@@ -140,7 +147,7 @@ async def latency(bus: Bus, samples: Samples, sessions: list[list[tuple[str, str
 
 async def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--sessions", type=int, default=5000, help="sessions in the throughput phase")
+    parser.add_argument("--sessions", type=int, default=20000, help="sessions in the throughput phase")
     parser.add_argument("--turns", type=int, default=4, help="turns per session")
     parser.add_argument("--window", type=int, default=512, help="publishes in flight at once (throughput phase)")
     parser.add_argument("--concurrent", type=int, default=1000, help="sessions open at once (throughput phase)")

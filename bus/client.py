@@ -2,8 +2,8 @@
 
 `Bus.connect(url)` opens a NATS connection that reconnects forever (a loop survives a NATS
 restart) and makes sure the streams of `bus.streams` exist. `publish` sets `Nats-Msg-Id` to the
-record id, so JetStream drops a re-publish of the same record inside its duplicate window.
-`consumer` returns a durable pull consumer: it resumes where the named consumer left off after a
+record id, so JetStream drops a re-publish of the same record inside its duplicate window;
+`publish_all` pipelines many (`bus/acks.py`). `consumer` returns a durable pull consumer: it resumes where the named consumer left off after a
 restart, and delivers each message until it is acked (at-least-once). A message that does not
 decode as its subject's record type is terminated and counted, never allowed to crash a loop.
 """
@@ -18,12 +18,14 @@ from dataclasses import dataclass
 import msgspec
 import nats
 from nats.aio.msg import Msg
-from nats.errors import TimeoutError as NatsTimeoutError
+from nats.errors import MaxPayloadError
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy, StreamConfig
 from nats.js.errors import NotFoundError
 
-from bus.records import Record, decode, encode
-from bus.streams import RECORD_TYPES, STREAMS, StreamSpec
+from bus.acks import PublishAcks
+from bus.pull import PullRequests
+from bus.records import Record, Sample, Trajectory, decode, encode
+from bus.streams import RECORD_TYPES, STREAMS, TRAJECTORIES, StreamSpec
 
 log = logging.getLogger(__name__)
 
@@ -35,11 +37,20 @@ class Delivery:
     record: Record
     msg: Msg
 
+    @property
+    def stream_seq(self) -> int:
+        """The message's sequence number in its stream (how a `Sample` refers to a trajectory)."""
+        return self.msg.metadata.sequence.stream
+
     async def ack(self) -> None:
         await self.msg.ack()
 
     async def nak(self, delay_s: float | None = None) -> None:
         await self.msg.nak(delay=delay_s)
+
+    async def term(self) -> None:
+        """Never deliver this message again."""
+        await self.msg.term()
 
 
 class Consumer:
@@ -56,24 +67,26 @@ class Consumer:
             max_ack_pending=max_ack_pending,
             filter_subject=subject,
         )
-        self._sub = None
+        self._pull: PullRequests | None = None
         self.malformed = 0
         """Messages terminated because they did not decode."""
 
-    async def _subscription(self):
-        if self._sub is None:
-            self._sub = await self._bus.js.pull_subscribe(
-                self.subject, durable=self.durable, config=self._config
-            )
-        return self._sub
+    async def _requests(self) -> PullRequests:
+        """Create the durable consumer if it does not exist yet (an existing one keeps its
+        configuration), then pull from it."""
+        if self._pull is None:
+            js = self._bus.js
+            stream = await js.find_stream_name_by_subject(self.subject)
+            try:
+                await js.consumer_info(stream, self.durable)
+            except NotFoundError:
+                await js.add_consumer(stream, config=self._config)
+            self._pull = PullRequests(self._bus.nc, stream, self.durable)
+        return self._pull
 
     async def fetch(self, batch: int = 256, timeout_s: float = 1.0) -> list[Delivery]:
         """Up to `batch` records; an empty list when none arrived within `timeout_s`."""
-        sub = await self._subscription()
-        try:
-            msgs = await sub.fetch(batch, timeout=timeout_s)
-        except (NatsTimeoutError, asyncio.TimeoutError):  # nats-py raises either when nothing came
-            return []
+        msgs = await (await self._requests()).pull(batch, timeout_s)
         out = []
         for msg in msgs:
             kind = RECORD_TYPES.get(msg.subject)
@@ -93,12 +106,22 @@ class Consumer:
                 yield delivery
 
 
+def _outcome(sent: asyncio.Future | BaseException, timeout_s: float) -> BaseException | None:
+    if not isinstance(sent, asyncio.Future):
+        return sent
+    if not sent.done():
+        sent.cancel()
+        return TimeoutError(f"no acknowledgement from JetStream within {timeout_s:g}s")
+    return sent.exception()
+
+
 class Bus:
     """A connection to NATS JetStream with the Flywheel streams in place."""
 
     def __init__(self, nc: nats.NATS):
         self.nc = nc
         self.js = nc.jetstream()
+        self._acks = PublishAcks(nc)
 
     @classmethod
     async def connect(cls, url: str, name: str = "flywheel", ensure_streams: bool = True) -> "Bus":
@@ -122,6 +145,7 @@ class Bus:
                 max_age=spec.max_age_s,
                 max_msgs_per_subject=spec.max_msgs_per_subject,
                 duplicate_window=120.0,
+                allow_direct=True,  # `resolve` reads trajectories by sequence number
             )
             try:
                 await self.js.stream_info(spec.name)
@@ -131,11 +155,54 @@ class Bus:
 
     async def publish(self, subject: str, record: Record, timeout_s: float = 10.0) -> None:
         """Publish and wait for JetStream's ack (the record is then durable)."""
-        if not isinstance(record, RECORD_TYPES[subject]):
-            raise TypeError(f"{subject} carries {RECORD_TYPES[subject].__name__}, not {type(record).__name__}")
-        await self.js.publish(
-            subject, encode(record), timeout=timeout_s, headers={"Nats-Msg-Id": record.id}
-        )
+        [error] = await self.publish_all(subject, [record], timeout_s)
+        if error is not None:
+            raise error
+
+    async def publish_all(
+        self, subject: str, records: list[Record], timeout_s: float = 10.0
+    ) -> list[BaseException | None]:
+        """Publish records pipelined: send them all, then wait for JetStream's acks together
+        (one round trip and no task per record). Per record: None once it is durable, else the
+        error (`MaxPayloadError` for one larger than the server accepts, `TimeoutError`, ...)."""
+        kind = RECORD_TYPES[subject]
+        for record in records:
+            if not isinstance(record, kind):
+                raise TypeError(f"{subject} carries {kind.__name__}, not {type(record).__name__}")
+        sent: list[asyncio.Future | BaseException] = []
+        for record in records:
+            try:
+                sent.append(await self._send(subject, record))
+            except Exception as exc:
+                sent.append(exc)
+        futures = [f for f in sent if isinstance(f, asyncio.Future)]
+        if futures:
+            await asyncio.wait(futures, timeout=timeout_s)
+        return [_outcome(item, timeout_s) for item in sent]
+
+    async def _send(self, subject: str, record: Record) -> asyncio.Future:
+        payload = encode(record)
+        if len(payload) > self.nc.max_payload:
+            raise MaxPayloadError(f"{len(payload)} bytes; the server accepts {self.nc.max_payload}")
+        return await self._acks.send(subject, payload, headers={"Nats-Msg-Id": record.id})
+
+    async def resolve(self, sample: Sample) -> bool:
+        """Attach the trajectory a sample refers to (nothing to do if it carries one). False if
+        the TRAJECTORIES stream no longer holds it (past its retention) or holds something else
+        at that sequence."""
+        if sample.trajectory is not None:
+            return True
+        try:
+            raw = await self.js.get_msg(TRAJECTORIES.name, sample.trajectory_seq, direct=True)
+            trajectory = decode(raw.data, Trajectory)
+        except (NotFoundError, msgspec.ValidationError, msgspec.DecodeError) as exc:
+            log.error("sample %s: no trajectory at TRAJECTORIES #%s (%s)", sample.id, sample.trajectory_seq, exc)
+            return False
+        if trajectory.id != sample.id:
+            log.error("sample %s: TRAJECTORIES #%s holds %s", sample.id, sample.trajectory_seq, trajectory.id)
+            return False
+        sample.trajectory = trajectory
+        return True
 
     def consumer(
         self, subject: str, durable: str, ack_wait_s: float = 600.0, max_ack_pending: int = 100_000

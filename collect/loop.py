@@ -46,18 +46,29 @@ class CollectLoop:
         self._closed.extend(self.tracker.expire())
         if self._closed:  # what fails to publish stays here and is retried next step
             closed, self._closed = self._closed, []
-            results = await asyncio.gather(*(self._publish(item) for item in closed), return_exceptions=True)
-            self._closed = [item for item, result in zip(closed, results) if result is not None]
-            if self._closed:
-                raise next(r for r in results if r is not None)
+            failures = await self._publish(closed)
+            self._closed = [item for item, _ in failures]
+            if failures:
+                raise failures[0][1]
 
-    async def _publish(self, item: Closed) -> None:
-        """Publish one trajectory (trajectories are published concurrently, each acknowledged by
-        JetStream), then acknowledge the records that went into it."""
-        if item.trajectory is not None:
-            await self.bus.publish(TRAJECTORY_SUBJECT, item.trajectory)
-        for delivery in item.handles:
-            await delivery.ack()
+    async def _publish(self, closed: list[Closed]) -> list[tuple[Closed, BaseException]]:
+        """Publish the trajectories (pipelined, each acknowledged by JetStream), then
+        acknowledge the records that went into each published one. Returns what failed."""
+        with_trajectory = [item for item in closed if item.trajectory is not None]
+        errors = await self.bus.publish_all(TRAJECTORY_SUBJECT, [item.trajectory for item in with_trajectory])
+        failed = {id(item): error for item, error in zip(with_trajectory, errors) if error is not None}
+        failures = []
+        for item in closed:
+            error = failed.get(id(item))
+            if error is None:
+                try:
+                    for delivery in item.handles:
+                        await delivery.ack()
+                except Exception as exc:  # published again next step: JetStream drops the repeat
+                    error = exc
+            if error is not None:
+                failures.append((item, error))
+        return failures
 
     async def stop(self) -> None:
         if self._task is not None:

@@ -10,9 +10,12 @@ starts a new segment. No text is ever re-tokenized.
 from __future__ import annotations
 
 from bus import Segment, Turn
+from bus.arrays import Float64s, Int8s, Int32s
+
+_ZERO_MASK, _SAMPLED_MASK, _ZERO_LOGPROB, _NO_VERSION = Int8s([0]), Int8s([1]), Float64s([0.0]), Int32s([-1])
 
 
-def _starts_with(ids: list[int], prefix: list[int]) -> bool:
+def _starts_with(ids: Int32s, prefix: Int32s) -> bool:
     return len(ids) >= len(prefix) and ids[: len(prefix)] == prefix
 
 
@@ -22,16 +25,16 @@ def stitch(turns: list[Turn]) -> list[Segment]:
     for turn in turns:
         current = segments[-1] if segments else None
         if current is None or not _starts_with(turn.prompt_ids, current.token_ids):
-            current = Segment(token_ids=[], loss_mask=[], logprobs=[], versions=[])
+            current = Segment(token_ids=Int32s(), loss_mask=Int8s(), logprobs=Float64s(), versions=Int32s())
             segments.append(current)
         glue = turn.prompt_ids[len(current.token_ids):]
         current.token_ids.extend(glue)
-        current.loss_mask.extend([0] * len(glue))
-        current.logprobs.extend([0.0] * len(glue))
-        current.versions.extend([-1] * len(glue))
+        current.loss_mask.extend(_ZERO_MASK * len(glue))
+        current.logprobs.extend(_ZERO_LOGPROB * len(glue))
+        current.versions.extend(_NO_VERSION * len(glue))
         start = len(current.token_ids)
         current.token_ids.extend(turn.output_ids)
-        current.loss_mask.extend([1] * len(turn.output_ids))
+        current.loss_mask.extend(_SAMPLED_MASK * len(turn.output_ids))
         current.logprobs.extend(turn.output_logprobs)
         current.versions.extend(turn.output_versions)
         current.turn_spans.append((turn.turn_index, start, len(current.token_ids)))

@@ -49,6 +49,7 @@ from typing import Any
 import msgspec
 
 from bus import SessionEvent, Trajectory, Turn
+from bus.arrays import Float64s, Int32s
 from collect.stitch import stitch
 from config.schema import CollectConfig
 
@@ -235,8 +236,7 @@ class SessionTracker:
             session_id=session.session_id,
             task_id=next((t.task_id for t in turns if t.task_id), None),
             segments=segments,
-            turns=[msgspec.structs.replace(t, prompt_ids=[], output_ids=[], output_logprobs=[], output_versions=[])
-                   for t in turns],
+            turns=[_without_tokens(t) for t in turns],
             next_states=[next_state(t) for t in turns[1:]] + [[]],
             feedback=session.feedback,
             close_reason=reason,
@@ -249,6 +249,12 @@ class SessionTracker:
             memory.move_to_end(key)
         while len(memory) > self.config.remember_closed:
             memory.popitem(last=False)
+
+
+def _without_tokens(turn: Turn) -> Turn:
+    return msgspec.structs.replace(
+        turn, prompt_ids=Int32s(), output_ids=Int32s(), output_logprobs=Float64s(), output_versions=Int32s()
+    )
 
 
 def _turn_order(turn: Turn) -> tuple[int, float]:

@@ -5,7 +5,8 @@ Consumes TRAJECTORIES durably and scores each trajectory with the configured jud
 judgements run. Each judgement has `judge.deadline_s`. The result is published, and only then
 the trajectory acknowledged:
 
-- a `Sample` on SAMPLES (with the judge's `details`), or
+- a `Sample` on SAMPLES (with the judge's `details`), referring to the trajectory by its
+  sequence in TRAJECTORIES instead of carrying its tokens again, or
 - an `Unscored` on UNSCORED with the reason, when the judge cannot score it (`Unscorable`),
   ran past the deadline, or failed unexpectedly (`judge error`, logged with its traceback).
   Never a silent zero.
@@ -76,7 +77,7 @@ class JudgeLoop:
         assert isinstance(trajectory, Trajectory)
         unscorable: Unscorable | None = None
         try:
-            record: Sample | Unscored = await self._score(trajectory)
+            record: Sample | Unscored = await self._score(trajectory, delivery.stream_seq)
         except Unscorable as error:
             unscorable = error
             record = Unscored(id=trajectory.id, trajectory=trajectory, judge=self.judge.name, reason=error.reason)
@@ -95,8 +96,9 @@ class JudgeLoop:
             self.unscored[unscorable.category] += 1
             log.warning("trajectory %s unscored by the %s judge: %s", trajectory.id, self.judge.name, unscorable.reason)
 
-    async def _score(self, trajectory: Trajectory) -> Sample:
-        """The sample for `trajectory`; `Unscorable` for whatever keeps it from being scored."""
+    async def _score(self, trajectory: Trajectory, stream_seq: int) -> Sample:
+        """The sample for `trajectory` (referring to it by its sequence in the TRAJECTORIES
+        stream); `Unscorable` for whatever keeps it from being scored."""
         deadline_s = self.config.judge.deadline_s
         try:
             async with asyncio.timeout(deadline_s) as deadline:
@@ -112,7 +114,7 @@ class JudgeLoop:
             log.exception("the %s judge failed on %s", self.judge.name, trajectory.id)
             raise Unscorable("judge error", f"{type(error).__name__}: {error}") from error
         return Sample(
-            id=trajectory.id, trajectory=trajectory, reward=verdict.reward, turn_rewards=verdict.turn_rewards,
+            id=trajectory.id, trajectory_seq=stream_seq, reward=verdict.reward, turn_rewards=verdict.turn_rewards,
             judge=self.judge.name, details=verdict.details,
         )
 

@@ -5,21 +5,27 @@ import json
 import subprocess
 import sys
 
+import nats
 import psutil
 import pytest
+from nats.js.errors import NoStreamResponseError
 
 from bus import (
     SESSION_EVENT_SUBJECT,
     TRAFFIC_SUBJECTS,
+    TRAJECTORY_SUBJECT,
     TURN_SUBJECT,
     WEIGHTS_SUBJECT,
     Bus,
     EmbeddedNats,
+    Sample,
     SessionEvent,
+    Trajectory,
     WeightUpdate,
     read_bus_url,
     start_bus,
 )
+from bus.pull import PullRefused
 from bus.tail import resolve_subject
 from tests.test_records import make_turn
 
@@ -132,3 +138,65 @@ def test_tail_rejects_unknown_names():
         resolve_subject("nonsense")
     proc = subprocess.run([sys.executable, "-m", "bus.tail", "nonsense", "--url", "nats://x"], capture_output=True, text=True)
     assert proc.returncode == 2 and "unknown stream or subject" in proc.stderr
+
+
+async def test_publish_all_pipelines_and_reports_each_record(bus):
+    big = make_turn(id="big", messages=[{"role": "user", "content": "x" * (bus.nc.max_payload + 1)}])
+    records = [make_turn(id="a"), big, make_turn(id="b"), make_turn(id="a")]
+    errors = await bus.publish_all(TURN_SUBJECT, records)
+    assert [type(e).__name__ if e else None for e in errors] == [None, "MaxPayloadError", None, None]
+    got = await bus.consumer(TRAFFIC_SUBJECTS, "t").fetch(batch=10, timeout_s=1)
+    assert [d.record.id for d in got] == ["a", "b"]  # the repeat of "a" was dropped as a duplicate
+    assert bus._acks.outstanding == 0
+
+
+async def test_a_jetstream_error_fails_its_publish_without_leaking(bus):
+    future = await bus._acks.send("no.stream.here", b"x", headers={})
+    with pytest.raises(NoStreamResponseError):
+        await asyncio.wait_for(future, 5)
+    assert bus._acks.outstanding == 0
+
+
+async def test_publish_all_times_out_when_the_server_is_gone(nats_server):
+    bus = await Bus.connect(nats_server.url)
+    nats_server.stop()
+    errors = await bus.publish_all(SESSION_EVENT_SUBJECT, [event(1), event(2)], timeout_s=0.5)
+    assert all(isinstance(e, (TimeoutError, ConnectionError, nats.errors.Error)) for e in errors), errors
+    await asyncio.sleep(0)  # the given-up futures' callbacks run
+    assert bus._acks.outstanding == 0
+    await bus.close()
+
+
+async def test_fetch_waits_for_the_first_record_then_takes_what_is_there(bus):
+    consumer = bus.consumer(TRAFFIC_SUBJECTS, "t")
+    loop = asyncio.get_running_loop()
+    started = loop.time()
+    assert await consumer.fetch(batch=10, timeout_s=0.3) == []
+    assert loop.time() - started >= 0.25  # waited, and was ended by the server's expiry
+    waiting = asyncio.create_task(consumer.fetch(batch=10, timeout_s=30))
+    await asyncio.sleep(0.2)
+    started = loop.time()
+    await bus.publish(SESSION_EVENT_SUBJECT, event(1))
+    assert [d.record.id for d in await waiting] == ["e1"]
+    assert loop.time() - started < 5  # answered on arrival, not at the 30 s expiry
+    await bus.publish_all(SESSION_EVENT_SUBJECT, [event(i) for i in range(2, 9)])
+    assert [d.record.id for d in await consumer.fetch(batch=5, timeout_s=1)] == [f"e{i}" for i in range(2, 7)]
+    assert [d.record.id for d in await consumer.fetch(batch=5, timeout_s=1)] == ["e7", "e8"]
+
+
+async def test_fetch_from_a_deleted_consumer_is_refused(bus):
+    consumer = bus.consumer(TRAFFIC_SUBJECTS, "t")
+    assert await consumer.fetch(timeout_s=0.1) == []
+    await bus.js.delete_consumer("TRAFFIC", "t")
+    with pytest.raises(PullRefused):
+        await consumer.fetch(timeout_s=1)
+
+
+async def test_resolve_attaches_the_referred_trajectory_or_says_it_cannot(bus):
+    trajectory = Trajectory(id="s#1", session_id="s", segments=[], turns=[make_turn()], close_reason="done")
+    await bus.publish(TRAJECTORY_SUBJECT, trajectory)
+    seq = (await bus.consumer(TRAJECTORY_SUBJECT, "t").fetch(timeout_s=1))[0].stream_seq
+    sample = Sample(id="s#1", trajectory_seq=seq, reward=1.0, judge="rule")
+    assert await bus.resolve(sample) and sample.trajectory == trajectory
+    assert not await bus.resolve(Sample(id="other#1", trajectory_seq=seq, reward=1.0, judge="rule"))
+    assert not await bus.resolve(Sample(id="s#1", trajectory_seq=seq + 100, reward=1.0, judge="rule"))

@@ -129,7 +129,9 @@ async def test_judge_loop_publishes_samples_and_reports_unscored(bus, nats_url, 
         await bus.publish(TRAJECTORY_SUBJECT, conversation("good", ["x"], feedback=[fb(0.75)]))
         out = await judged(bus, 2)
         sample, unscored = out["good"], out["none"]
-        assert sample.reward == 0.75 and sample.judge == "rule" and sample.trajectory.turns[0].id == "good-0"
+        assert sample.reward == 0.75 and sample.judge == "rule"
+        assert sample.trajectory is None and sample.trajectory_seq is not None  # a reference, not a copy
+        assert await bus.resolve(sample) and sample.trajectory.turns[0].id == "good-0"
         assert sample.details == {"session_feedback": 1, "turn_feedback": 0}
         assert unscored.judge == "rule" and unscored.reason.startswith("no reward:")
         assert unscored.trajectory.turns[0].id == "none-0"

@@ -10,7 +10,7 @@ import msgspec
 import pytest
 import torch
 
-from bus import SAMPLE_SUBJECT, WEIGHTS_SUBJECT, Sample, Trajectory
+from bus import SAMPLE_SUBJECT, TRAJECTORY_SUBJECT, WEIGHTS_SUBJECT, Sample, Trajectory, encode
 from collect.stitch import stitch
 from config import load_config
 from models import load_model
@@ -44,6 +44,13 @@ def sample_of(turn, reward: float, version: int | None = None) -> Sample:
         turn = msgspec.structs.replace(turn, output_versions=[version] * len(turn.output_ids))
     traj = Trajectory(id=turn.session_id, session_id=turn.session_id, task_id=turn.task_id, segments=stitch([turn]), turns=[turn], close_reason="feedback")
     return Sample(id=f"{turn.session_id}-{version}", trajectory=traj, reward=reward, judge="rule")
+
+
+async def referring_sample(bus, turn, reward: float, version: int) -> Sample:
+    """A sample as the judge publishes it: its trajectory on TRAJECTORIES, referred to by sequence."""
+    trajectory = sample_of(turn, reward, version).trajectory
+    ack = await bus.js.publish(TRAJECTORY_SUBJECT, encode(trajectory), headers={"Nats-Msg-Id": f"{trajectory.id}-{version}"})
+    return Sample(id=trajectory.id, trajectory_seq=ack.seq, reward=reward, judge="rule")
 
 
 def rows_of(samples: list[Sample], advantages: list[float]) -> list[Row]:
@@ -80,18 +87,20 @@ async def test_train_loop_publishes_versions_and_drops_stale_samples(bus, nats_u
     await loop.start()
     announcements = bus.follow(WEIGHTS_SUBJECT, from_last=False)
     try:
-        for i, reward in ((0, 1.0), (1, 0.0)):
-            await bus.publish(SAMPLE_SUBJECT, sample_of(turns[i], reward, version=0))
+        await bus.publish(SAMPLE_SUBJECT, Sample(id="gone", trajectory_seq=10**6, reward=1.0, judge="rule"))
+        await bus.publish(SAMPLE_SUBJECT, await referring_sample(bus, turns[0], 1.0, version=0))
+        await bus.publish(SAMPLE_SUBJECT, sample_of(turns[1], 0.0, version=0))
         first = await asyncio.wait_for(anext(announcements), 60)
         assert first.version == 1 and (tmp_path / "weights" / "v1" / "model.safetensors").exists()
         # Version 0 samples are now one version behind: with eta = 0 they must not be trained on.
         for i in (2, 3):
-            await bus.publish(SAMPLE_SUBJECT, sample_of(turns[i], 1.0, version=0))
+            await bus.publish(SAMPLE_SUBJECT, await referring_sample(bus, turns[i], 1.0, version=0))
         for i, reward in ((2, 1.0), (3, 0.5)):
             await bus.publish(SAMPLE_SUBJECT, sample_of(turns[i], reward, version=1))
         second = await asyncio.wait_for(anext(announcements), 60)
         assert second.version == 2
         assert loop.stats()["stale_dropped"] == 2 and loop.stats()["samples"] == 4
+        assert loop.stats()["unresolved"] == 1  # its trajectory is not on the bus: counted, not trained
         lines = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
         assert [line["step"] for line in lines] == [1, 2]
         for key in ("version", "reward_mean", "staleness_max", "n_samples", "loss", "elapsed_s"):

@@ -22,11 +22,20 @@ segment has no prediction, and it is a prompt token (mask 0), so packing loses n
 
 from __future__ import annotations
 
+import array
 from dataclasses import dataclass
 
 import torch
 
 from bus import Segment
+
+_TORCH_DTYPES = {"i": torch.int32, "d": torch.float64, "b": torch.int8}
+
+
+def as_tensor(values: array.array) -> torch.Tensor:
+    """A tensor over a bus array's memory (no copy); a copy into a batch slot converts dtype."""
+    dtype = _TORCH_DTYPES[values.typecode]
+    return torch.frombuffer(values, dtype=dtype) if len(values) else torch.empty(0, dtype=dtype)
 
 
 @dataclass
@@ -73,11 +82,11 @@ def _tensors(lines: list[list[Row]], width: int, pad_id: int, packed: bool) -> M
         at = 0
         for row in line:
             seg, end = row.segment, at + len(row)
-            batch.input_ids[i, at:end] = torch.tensor(seg.token_ids)
+            batch.input_ids[i, at:end] = as_tensor(seg.token_ids)
             batch.position_ids[i, at:end] = torch.arange(len(row))
-            batch.loss_mask[i, at:end] = torch.tensor(seg.loss_mask, dtype=torch.float32)
-            batch.behav_logp[i, at:end] = torch.tensor(seg.logprobs)
-            batch.versions[i, at:end] = torch.tensor(seg.versions)
+            batch.loss_mask[i, at:end] = as_tensor(seg.loss_mask)
+            batch.behav_logp[i, at:end] = as_tensor(seg.logprobs)
+            batch.versions[i, at:end] = as_tensor(seg.versions)
             batch.advantages[i, at:end] = torch.tensor(row.advantages)
             if batch.attention_mask is not None:
                 batch.attention_mask[i, at:end] = 1

@@ -51,7 +51,7 @@ class TrainLoop:
         self.run_dir = Path(config.run_dir)
         self.baseline = RunningBaseline()
         self.buffer: list[Delivery] = []
-        self.counts = {"samples": 0, "stale_dropped": 0}
+        self.counts = {"samples": 0, "stale_dropped": 0, "unresolved": 0}
         self.staleness_seen: Counter[int] = Counter()
         """How many trained samples had each staleness (versions behind the trainer), all run."""
         self._checkpointed_at = 0
@@ -89,7 +89,7 @@ class TrainLoop:
         state = await asyncio.to_thread(self.checkpoints.load, path, self.trainer.model)
         self.trainer.restore(state["trainer"])
         loop = state["loop"]
-        self.counts, self.baseline.value = loop["counts"], loop["baseline"]
+        self.counts, self.baseline.value = {**self.counts, **loop["counts"]}, loop["baseline"]
         self.staleness_seen = Counter(loop["staleness_seen"])
         discarded = self.store.discard_newer(self.version)
         if self.version not in self.store.versions():
@@ -101,9 +101,19 @@ class TrainLoop:
         oldest = sample.trajectory.oldest_version
         return oldest is not None and self.version - oldest > self.config.rollout.max_head_offpolicyness
 
+    async def _fetch(self, batch_size: int) -> list[Delivery]:
+        """Up to `batch_size` samples, each with its trajectory attached. A sample whose
+        trajectory the bus no longer holds is counted (`unresolved`) and terminated."""
+        deliveries = await self.consumer.fetch(batch=batch_size, timeout_s=0.5)
+        found = await asyncio.gather(*(self.bus.resolve(d.record) for d in deliveries))
+        for delivery in (d for d, ok in zip(deliveries, found) if not ok):
+            self.counts["unresolved"] += 1
+            await delivery.term()
+        return [d for d, ok in zip(deliveries, found) if ok]
+
     async def _step(self) -> None:
         batch_size = self.config.train.batch_size
-        self.buffer.extend(await self.consumer.fetch(batch=batch_size, timeout_s=0.5))
+        self.buffer.extend(await self._fetch(batch_size))
         fresh = []
         for delivery in self.buffer:  # re-checked each step: a waiting sample ages too
             if self.is_stale(delivery.record):
@@ -156,6 +166,7 @@ class TrainLoop:
             "staleness_hist": {str(k): v for k, v in sorted(Counter(staleness).items())},
             "n_samples": len(samples),
             "stale_dropped": self.counts["stale_dropped"],
+            "unresolved": self.counts["unresolved"],
             **metrics,
         }
 
