@@ -116,6 +116,7 @@ async def repeat(step: Callable[[], Any], name: str, backoff_s: float = 1.0) -> 
     """Run `await step()` forever; an exception is logged and retried after a pause, so a
     passing fault (the bus restarting, a bad record) never ends a loop. Cancel to stop."""
     log = logging.getLogger(name)
+    task = asyncio.current_task()
     while True:
         try:
             await step()
@@ -124,3 +125,5 @@ async def repeat(step: Callable[[], Any], name: str, backoff_s: float = 1.0) -> 
         except Exception:
             log.exception("%s step failed; retrying in %.1fs", name, backoff_s)
             await asyncio.sleep(backoff_s)
+        if task is not None and task.cancelling():  # a library swallowed the cancellation (gh-86296)
+            raise asyncio.CancelledError

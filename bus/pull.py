@@ -83,8 +83,10 @@ class PullRequests:
             request.ended.set()
         try:
             await self._nc.publish(self._next_subject, json.dumps(body).encode(), reply=f"{self._inbox}.{token}")
-            await asyncio.wait_for(request.ended.wait(), (wait_s or 0.0) + _SERVER_GRACE_S)
-        except asyncio.TimeoutError:
+            # asyncio.timeout, not wait_for: on 3.11 wait_for can swallow a cancellation (gh-86296)
+            async with asyncio.timeout((wait_s or 0.0) + _SERVER_GRACE_S):
+                await request.ended.wait()
+        except TimeoutError:
             log.warning("pull request on %s was not ended by the server", self._next_subject)
         finally:
             self._open = None

@@ -25,6 +25,7 @@ from bus import (
     read_bus_url,
     start_bus,
 )
+from bus.process import repeat
 from bus.pull import PullRefused
 from bus.tail import resolve_subject
 from tests.test_records import make_turn
@@ -200,3 +201,22 @@ async def test_resolve_attaches_the_referred_trajectory_or_says_it_cannot(bus):
     assert await bus.resolve(sample) and sample.trajectory == trajectory
     assert not await bus.resolve(Sample(id="other#1", trajectory_seq=seq, reward=1.0, judge="rule"))
     assert not await bus.resolve(Sample(id="s#1", trajectory_seq=seq + 100, reward=1.0, judge="rule"))
+
+
+async def test_repeat_stops_even_when_a_step_swallows_its_cancellation():
+    steps = 0
+
+    async def swallowing_step():  # what asyncio.wait_for does on 3.11 when its inner future just finished
+        nonlocal steps
+        steps += 1
+        try:
+            await asyncio.sleep(10)
+        except asyncio.CancelledError:
+            pass
+
+    task = asyncio.create_task(repeat(swallowing_step, "test"))
+    await asyncio.sleep(0.05)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await asyncio.wait_for(task, 5)
+    assert steps == 1
