@@ -123,6 +123,11 @@ class Bus:
         self.js = nc.jetstream()
         self._acks = PublishAcks(nc)
 
+    @property
+    def publishes_in_flight(self) -> int:
+        """Records sent whose JetStream acknowledgement has neither arrived nor been given up on."""
+        return self._acks.outstanding
+
     @classmethod
     async def connect(cls, url: str, name: str = "flywheel", ensure_streams: bool = True) -> "Bus":
         nc = await nats.connect(

@@ -8,7 +8,7 @@ import sys
 import nats
 import psutil
 import pytest
-from nats.js.errors import NoStreamResponseError
+from nats.js.errors import APIError, NoStreamResponseError
 
 from bus import (
     SESSION_EVENT_SUBJECT,
@@ -25,6 +25,7 @@ from bus import (
     read_bus_url,
     start_bus,
 )
+from bus.acks import PublishAcks
 from bus.process import repeat
 from bus.pull import PullRefused
 from bus.tail import resolve_subject
@@ -148,14 +149,19 @@ async def test_publish_all_pipelines_and_reports_each_record(bus):
     assert [type(e).__name__ if e else None for e in errors] == [None, "MaxPayloadError", None, None]
     got = await bus.consumer(TRAFFIC_SUBJECTS, "t").fetch(batch=10, timeout_s=1)
     assert [d.record.id for d in got] == ["a", "b"]  # the repeat of "a" was dropped as a duplicate
-    assert bus._acks.outstanding == 0
+    assert bus.publishes_in_flight == 0
 
 
 async def test_a_jetstream_error_fails_its_publish_without_leaking(bus):
-    future = await bus._acks.send("no.stream.here", b"x", headers={})
+    acks = PublishAcks(bus.nc)
+    future = await acks.send("no.stream.here", b"x", headers={})
     with pytest.raises(NoStreamResponseError):
         await asyncio.wait_for(future, 5)
-    assert bus._acks.outstanding == 0
+    refused = await acks.send(TURN_SUBJECT, b"x", headers={"Nats-Expected-Stream": "ANOTHER"})
+    with pytest.raises(APIError, match="expected stream"):
+        await asyncio.wait_for(refused, 5)
+    await asyncio.sleep(0)
+    assert acks.outstanding == 0
 
 
 async def test_publish_all_times_out_when_the_server_is_gone(nats_server):
@@ -164,7 +170,7 @@ async def test_publish_all_times_out_when_the_server_is_gone(nats_server):
     errors = await bus.publish_all(SESSION_EVENT_SUBJECT, [event(1), event(2)], timeout_s=0.5)
     assert all(isinstance(e, (TimeoutError, ConnectionError, nats.errors.Error)) for e in errors), errors
     await asyncio.sleep(0)  # the given-up futures' callbacks run
-    assert bus._acks.outstanding == 0
+    assert bus.publishes_in_flight == 0
     await bus.close()
 
 
