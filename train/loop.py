@@ -134,6 +134,8 @@ class TrainLoop:
         """One optimizer step on `taken`, the publish and checkpoint it calls for, then the acks."""
         samples: list[Sample] = [d.record for d in taken]  # type: ignore[misc]
         metrics = await asyncio.to_thread(self._train, samples)
+        self.counts["samples"] += len(samples)  # before the announcement and the checkpoint: they show this step
+        self._record(metrics)
         if self.version % self.config.train.weight_update_interval == 0:
             await self._publish()
         interval = self.config.train.checkpoint_interval
@@ -141,8 +143,6 @@ class TrainLoop:
             await self._checkpoint()
         for delivery in taken:
             await delivery.ack()
-        self.counts["samples"] += len(samples)
-        self._record(metrics)
 
     def _train(self, samples: list[Sample]) -> dict[str, Any]:
         cfg = self.config.train
