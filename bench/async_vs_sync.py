@@ -8,11 +8,13 @@ of `train.batch_size` samples each, `--seeds` seeds per setting, run one after a
 `python -m train.run`. Reported per setting: wall-clock time from the train loop's start to its
 last step, the final reward (mean batch reward of the last 10 steps) and staleness; and the
 ratio of the mean times (target >= 2x; AReaL reports up to 2.77x) with the final rewards' spread
-across seeds as the noise level. Writes bench/results/async_vs_sync.json and
-docs/img/async_vs_sync.png.
+across seeds as the noise level. Writes bench/results/NAME.json and docs/img/NAME.png
+(`--name`, default async_vs_sync).
 
     .venv/bin/python bench/async_vs_sync.py                      # 2 seeds x 2 settings, ~5 min
     .venv/bin/python bench/async_vs_sync.py --seeds 1 train.max_steps=20
+    .venv/bin/python bench/async_vs_sync.py --name async_vs_sync_smollm2 model=smollm2-135m \
+        train.batch_size=16 gconfig.max_new_tokens=1024 train.max_steps=8 actor.optimizer.lr=0.00001   # ~17 min
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ SETTINGS = {"async (η=4)": ["rollout.max_head_offpolicyness=4"], "sync (η=0)":
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--seeds", type=int, default=2)
+    parser.add_argument("--name", default="async_vs_sync", help="writes bench/results/NAME.json and docs/img/NAME.png")
     parser.add_argument("overrides", nargs="*", metavar="key=value", help="passed to every train.run")
     args = parser.parse_args()
     quiet_logs()
@@ -58,11 +61,12 @@ def main() -> None:
     speedup = fmean(stats["sync (η=0)"]["wall_s"]) / fmean(stats["async (η=4)"]["wall_s"])
     print(table(["setting", "wall s (mean)", "final reward (mean)", "final reward (sd)", "staleness max"], rows))
     print(f"sync / async wall-clock: {speedup:.2f}x (target >= 2x)")
-    curve = ROOT / "docs" / "img" / "async_vs_sync.png"
+    curve = ROOT / "docs" / "img" / f"{args.name}.png"
     curve.parent.mkdir(parents=True, exist_ok=True)
+    model = next((o.split("=", 1)[1] for o in args.overrides if o.startswith("model=")), "tiny")
     plot_runs({r.label: r.run_dir / "metrics.jsonl" for done in runs.values() for r in done}, curve,
-              title="tiny on digits, heavy-tailed lengths: η=4 vs η=0")
-    write_result("async_vs_sync", {"args": vars(args), "machine": machine(None), "settings": SETTINGS, "runs": stats,
+              title=f"{model} on digits, heavy-tailed lengths: η=4 vs η=0")
+    write_result(args.name, {"args": vars(args), "machine": machine(None), "settings": SETTINGS, "runs": stats,
                                    "speedup": speedup})
 
 
