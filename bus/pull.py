@@ -75,12 +75,13 @@ class PullRequests:
 
     async def _request(self, batch: int, wait_s: float | None) -> list[Msg]:
         """One request: `no_wait` when `wait_s` is None, else expiring after `wait_s`."""
+        if len(self._received) >= batch:  # late arrivals already make up the batch
+            messages, self._received = self._received, []
+            return messages
         self._count += 1
         token = str(self._count)
         body = {"batch": batch, "no_wait": True} if wait_s is None else {"batch": batch, "expires": int(wait_s * 1e9)}
         request = self._open = _Open(token, batch, asyncio.Event())
-        if len(self._received) >= batch:
-            request.ended.set()
         try:
             await self._nc.publish(self._next_subject, json.dumps(body).encode(), reply=f"{self._inbox}.{token}")
             # asyncio.timeout, not wait_for: on 3.11 wait_for can swallow a cancellation (gh-86296)
