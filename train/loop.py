@@ -103,13 +103,21 @@ class TrainLoop:
 
     async def _fetch(self, batch_size: int) -> list[Delivery]:
         """Up to `batch_size` samples, each with its trajectory attached. A sample whose
-        trajectory the bus no longer holds is counted (`unresolved`) and terminated."""
+        trajectory the bus no longer holds is counted (`unresolved`) and terminated; one whose
+        lookup failed (the bus away) is redelivered shortly."""
         deliveries = await self.consumer.fetch(batch=batch_size, timeout_s=0.5)
-        found = await asyncio.gather(*(self.bus.resolve(d.record) for d in deliveries))
-        for delivery in (d for d, ok in zip(deliveries, found) if not ok):
-            self.counts["unresolved"] += 1
-            await delivery.term()
-        return [d for d, ok in zip(deliveries, found) if ok]
+        found = await asyncio.gather(*(self.bus.resolve(d.record) for d in deliveries), return_exceptions=True)
+        ready = []
+        for delivery, outcome in zip(deliveries, found):
+            if outcome is True:
+                ready.append(delivery)
+            elif outcome is False:
+                self.counts["unresolved"] += 1
+                await delivery.term()
+            else:
+                log.warning("could not look up the trajectory of %s (%s); retrying", delivery.record.id, outcome)
+                await delivery.nak(delay_s=1.0)
+        return ready
 
     async def _step(self) -> None:
         batch_size = self.config.train.batch_size
