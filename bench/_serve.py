@@ -17,11 +17,17 @@ CLIENT = Path(__file__).resolve().parent / "_stream_client.py"
 
 
 class Served:
-    """`async with Served(model, overrides) as s:` -> s.loop (ServeLoop), s.url, s.nats_url, s.tmp."""
+    """`async with Served(model, overrides) as s:` -> s.loop (ServeLoop), s.url, s.nats_url, s.tmp;
+    with `native=True` also s.native_url: the same embedded engine behind its SGLang-protocol
+    server (`serve.engine.server`, incremental streaming) on a second loopback port, in the
+    same process and event loop as the gateway."""
 
-    def __init__(self, model: str, overrides: list[str]):
+    def __init__(self, model: str, overrides: list[str], native: bool = False):
         self.model = model
         self.overrides = overrides
+        self.native = native
+        self.native_url: str | None = None
+        self._native_server = None
 
     async def __aenter__(self) -> "Served":
         from bus import EmbeddedNats
@@ -36,10 +42,29 @@ class Served:
         self.config = config
         self.loop = ServeLoop(config, self.nats_url)
         self.url = await self.loop.start()
+        if self.native:
+            self.native_url = await self._serve_native()
         return self
+
+    async def _serve_native(self) -> str:
+        import uvicorn
+
+        from serve.engine.server import create_engine_app
+
+        app = create_engine_app(self.loop.engine, self.model, self.loop.model_name, incremental_streaming=True)
+        self._native_server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning", lifespan="off"))
+        self._native_task = asyncio.create_task(self._native_server.serve())
+        while not self._native_server.started:
+            if self._native_task.done():
+                self._native_task.result()  # raises the reason it could not start
+            await asyncio.sleep(0.01)
+        return f"http://127.0.0.1:{self._native_server.servers[0].sockets[0].getsockname()[1]}"
 
     async def __aexit__(self, *exc: Any) -> None:
         try:
+            if self._native_server is not None:
+                self._native_server.should_exit = True
+                await self._native_task
             await self.loop.stop()
         finally:
             self.nats.stop()

@@ -1,11 +1,15 @@
-"""Streaming chat-completions load generator, run as a separate process by the gateway and hot
-swap benchmarks (so its own CPU work does not compete for the server's GIL). Not a benchmark
-by itself.
+"""Streaming load generator (chat completions, or SGLang `/generate`), run as a separate
+process by the gateway and hot swap benchmarks (so its own CPU work does not compete for the
+server's GIL). Not a benchmark by itself.
 
     python bench/_stream_client.py CONFIG.json
 
 CONFIG: {"url", "model", "client": "httpx"|"openai"|"raw", "concurrency", "max_tokens",
 "messages": [[...], ...] (one conversation per worker, cycled), "logprobs": bool,
+"protocol": "openai" (default: streaming `/v1/chat/completions`) | "native" (streaming
+SGLang `/generate` with "prompts": [[token ids], ...] (cycled) and incremental output;
+"logprobs" sets `return_logprob`; httpx or raw client), "seed": int
+(optional: worker w's requests are seeded seed + w, in either protocol),
 "mode": "rounds" with "rounds" and "warmup_rounds" | "duration" with "duration_s",
 "out": path}. The process prints `ready` once imported and connected, waits for a line on
 stdin, runs, writes the per-request records to `out` as JSON and prints `done`.
@@ -28,11 +32,25 @@ import sys
 import time
 
 
-def _body(cfg: dict, worker: int) -> dict:
+def _request(cfg: dict, worker: int) -> tuple[str, dict]:
+    """The path and JSON body of `worker`'s request."""
+    if cfg.get("protocol") == "native":
+        return "/generate", {
+            "input_ids": cfg["prompts"][worker % len(cfg["prompts"])], "stream": True,
+            "return_logprob": bool(cfg.get("logprobs")),
+            "sampling_params": {"max_new_tokens": cfg["max_tokens"], "temperature": 1.0, "top_p": 1.0,
+                                **({"sampling_seed": cfg["seed"] + worker} if "seed" in cfg else {})},
+        }
+    return "/v1/chat/completions", _chat_body(cfg, worker)
+
+
+def _chat_body(cfg: dict, worker: int) -> dict:
     body = {"model": cfg["model"], "messages": cfg["messages"][worker % len(cfg["messages"])], "max_tokens": cfg["max_tokens"],
             "stream": True, "stream_options": {"include_usage": True}}
     if cfg.get("logprobs"):
         body["logprobs"] = True
+    if "seed" in cfg:
+        body["seed"] = cfg["seed"] + worker
     return body
 
 
@@ -47,10 +65,13 @@ def _on_event(rec: dict, cfg: dict, payload: str | bytes, now: float) -> bool:
         rec["done"] = True
         return True
     chunk = json.loads(payload)
-    rec["id"] = rec.get("id") or chunk.get("id")
     if "error" in chunk:
         rec["error"] = str(chunk["error"])
         return False
+    if cfg.get("protocol") == "native":
+        _on_native_chunk(rec, chunk, now)
+        return False
+    rec["id"] = rec.get("id") or chunk.get("id")
     if chunk.get("usage"):
         rec["tokens"] = chunk["usage"]["completion_tokens"]
     for choice in chunk.get("choices") or []:
@@ -72,10 +93,26 @@ def _on_event(rec: dict, cfg: dict, payload: str | bytes, now: float) -> bool:
     return False
 
 
+def _on_native_chunk(rec: dict, chunk: dict, now: float) -> None:
+    """One incremental `/generate` chunk: its `output_ids` are the new tokens (exact count)."""
+    meta = chunk["meta_info"]
+    rec["id"] = meta["id"]
+    if chunk["output_ids"]:
+        rec["t_first"] = rec["t_first"] or now
+        rec["chunks"].append(now)
+        rec["n"].append(len(chunk["output_ids"]))
+        rec["versions"].append(int(meta["weight_version"]))
+    if meta["finish_reason"]:
+        rec["finish_reason"] = meta["finish_reason"]["type"]
+        rec["t_finish"] = now
+        rec["tokens"] = meta["completion_tokens"]
+
+
 async def one_httpx(http, cfg, worker: int, tag: str) -> dict:
     rec = _record(worker, tag)
     try:
-        async with http.stream("POST", "/v1/chat/completions", json=_body(cfg, worker)) as resp:
+        path, body = _request(cfg, worker)
+        async with http.stream("POST", path, json=body) as resp:
             if resp.status_code != 200:
                 await resp.aread()
                 rec["error"] = f"HTTP {resp.status_code}: {resp.text[:200]}"
@@ -96,9 +133,10 @@ async def one_raw(cfg, worker: int, tag: str) -> dict:
     writer = None
     try:
         reader, writer = await asyncio.open_connection(host, int(port))
-        body = json.dumps(_body(cfg, worker)).encode()
-        writer.write(b"POST /v1/chat/completions HTTP/1.1\r\nHost: %s\r\nContent-Type: application/json\r\n"
-                     b"Content-Length: %d\r\nConnection: close\r\n\r\n%s" % (host.encode(), len(body), body))
+        path, body = _request(cfg, worker)
+        data = json.dumps(body).encode()
+        writer.write(b"POST %s HTTP/1.1\r\nHost: %s\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: %d\r\nConnection: close\r\n\r\n%s" % (path.encode(), host.encode(), len(data), data))
         status = await reader.readline()
         headers = (await reader.readuntil(b"\r\n\r\n")).lower()
         if b" 200 " not in status:
@@ -130,6 +168,8 @@ async def one_openai(client, cfg, worker: int, tag: str) -> dict:
     rec = _record(worker, tag)
     try:
         extra = {"logprobs": True} if cfg.get("logprobs") else {}  # an explicit null would be a 400
+        if "seed" in cfg:
+            extra["seed"] = cfg["seed"] + worker
         stream = await client.chat.completions.create(
             model=cfg["model"], messages=messages, max_tokens=cfg["max_tokens"], stream=True,
             stream_options={"include_usage": True}, **extra,
@@ -165,6 +205,8 @@ async def main(cfg: dict) -> None:
     if cfg.get("client", "httpx") == "raw":
         one = lambda w, tag: one_raw(cfg, w, tag)  # noqa: E731
     elif cfg.get("client", "httpx") == "openai":
+        if cfg.get("protocol") == "native":
+            raise SystemExit("the openai client speaks the OpenAI protocol only")
         import httpx
         from openai import AsyncOpenAI
 

@@ -1,35 +1,53 @@
-"""Gateway overhead: the OpenAI gateway over HTTP vs calling the engine directly, at 32
-concurrent streams.
+"""Gateway overhead: the OpenAI gateway vs calling the engine directly, at 32 concurrent
+streams.
 
 What it measures
     One `serve.loop.ServeLoop` (embedded engine, max_batch_size = concurrency, recording turns
     to a private nats-server) serves every mode, so the model, engine, threads and process are
     the same; only the path in front of the engine changes:
 
+    - engine_http: C concurrent streaming SGLang `/generate` requests (prompt ids,
+               incremental output, no logprobs: the gateway's client asks for none either)
+               over loopback HTTP from a separate client process to the same engine's native
+               server (`serve.engine.server`, second port, same process and event loop):
+               calling the engine directly, as a client of an SGLang server would;
+    - gateway: C concurrent streaming `/v1/chat/completions` requests over loopback HTTP from
+               the same kind of client process, which also pays for the chat template,
+               tokenization, validation, asking the engine for logprobs, OpenAI chunk
+               encoding and recording each turn on NATS;
     - direct:  C concurrent consumers of `engine.stream(prompt_ids, SamplingParams(...))` in
-               the server's own event loop (no HTTP, no template, no recording);
-    - native:  C concurrent `InProcessEngineClient.generate_stream(body)`, the SGLang-protocol
-               layer the gateway itself uses (same body the gateway builds, with logprobs);
-    - gateway: C concurrent streaming `/v1/chat/completions` requests over loopback HTTP from a
-               separate client process (httpx SSE by default; `--client openai`: the
-               official AsyncOpenAI client; `--client raw`: hand-parsed HTTP/1.1 on an asyncio
-               socket, the cheapest load generator), which also pays for the chat template,
-               tokenization, validation, SSE/JSON encoding and recording each turn on NATS.
+               the server's own event loop: no HTTP, no protocol layer and no load generator
+               on the machine (a lower bound, not something a client can call);
+    - native:  (`--modes` only) C concurrent `InProcessEngineClient.generate_stream(body)`,
+               the protocol layer the gateway calls, in-process.
 
-    Every stream has its own user message (seeded); `direct` and `native` get exactly the
-    prompt ids the gateway renders from it (checked against a recorded turn), and the same
-    sampling the gateway sends (max_new_tokens = `--max-tokens`, temperature 1, top_p 1). The
-    gateway does not accept `ignore_eos`, so no mode uses it: outputs may end early at EOS
-    and every figure is per token actually produced.
+    The client process is httpx SSE by default; `--client raw`: hand-parsed HTTP/1.1 on an
+    asyncio socket, the cheapest load generator; `--client openai` (gateway only): the
+    official AsyncOpenAI client, with engine_http on httpx.
 
-    A round is C requests started together; its wall time runs from the start to the last
-    stream's end. Per mode: output tokens/s (tokens / summed round walls), time per output
-    token per stream (TPOT = (finish - first token) / (tokens - 1)) p50/p99, and time to first
-    token (TTFT) p50/p99; and, to show where the time goes, the engine's wall time per decode
-    step and the server threads' CPU time and context switches per token (event loop, engine
-    thread, the rest: torch's intra-op pool etc.). Overhead = gateway vs direct: extra wall time per generated token
-    (direct tok/s / gateway tok/s - 1) and TPOT p50 ratio - 1; target <= 5%. Modes run in
-    blocks of `--rounds` rounds, rotated, `--blocks` times, after one warm-up round each. Each
+    Every stream has its own user message (seeded); the other modes get exactly the prompt
+    ids the gateway renders from it (checked against a recorded turn), and the same sampling
+    (max_new_tokens = `--max-tokens`, temperature 1, top_p 1, stream i seeded `--seed` * 1000
+    + i in every mode and round, so the modes generate the same tokens). The gateway does not
+    accept `ignore_eos`, so no mode uses it: outputs may end early at EOS and every figure is
+    per token actually produced.
+
+    Load (`--load`): `rounds` (default): a round is C requests started together, the next
+    round starts when the last stream ended, its wall time runs from the start to that end;
+    every request's admission (parsing, template, tokenization) happens in a burst and the
+    slowest stream sets the round's time. `steady`: each of C streams sends its next request
+    as soon as its previous one ended, for `--duration` seconds per block (closed loop, as
+    serving benchmarks run at a fixed concurrency); the wall time runs from the first
+    request's start to the last stream's end.
+
+    Per mode: output tokens/s (tokens / summed walls), time per output token per stream
+    (TPOT = (finish - first token) / (tokens - 1)) p50/p99, and time to first token (TTFT)
+    p50/p99; and, to show where the time goes, the engine's wall time per decode step and the
+    server threads' CPU time and context switches per token (event loop, engine thread, the
+    rest: torch's intra-op pool etc.). Overhead = gateway vs engine_http: extra wall time per
+    generated token (engine_http tok/s / gateway tok/s - 1) and TPOT p50 ratio - 1; target
+    <= 5%; the same against direct is reported too. Modes run in blocks (of `--rounds` rounds
+    or `--duration` seconds), rotated, `--blocks` times, after one warm-up round each. Each
     block first waits (up to 90 s) until other processes use under 0.25 cores, and the CPU
     they used during the block is recorded (the machine is shared; the client process's own
     CPU is counted as ours); a block during which they used more than `--max-noise` cores
@@ -37,11 +55,13 @@ What it measures
 
 How to run (from the repository root)
     .venv/bin/python bench/gateway_overhead.py                 # tiny, 32 streams x 64 tokens
-    .venv/bin/python bench/gateway_overhead.py --client openai
-    options: --model M --concurrency C --max-tokens K --rounds R --blocks N --threads T
+    .venv/bin/python bench/gateway_overhead.py --model smollm2-135m --rounds 2 --blocks 3
+    .venv/bin/python bench/gateway_overhead.py --load steady --client raw
+    options: --model M --concurrency C --max-tokens K --load rounds|steady --rounds R
+             --duration S --blocks N --threads T --client httpx|raw|openai --modes ...
 
     The server's torch uses `--threads` intra-op threads (serve.torch_threads, default 2).
-    Writes bench/results/gateway_overhead_<model>[_openai|_raw][_t<threads> unless 2].json.
+    Writes bench/results/gateway_overhead_<model>[_openai|_raw][_steady][_t<threads> unless 2].json.
 """
 
 from __future__ import annotations
@@ -70,14 +90,19 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--concurrency", type=int, default=32)
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--prompt-words", type=int, default=24)
-    p.add_argument("--rounds", type=int, default=8, help="rounds per block")
+    p.add_argument("--load", choices=["rounds", "steady"], default="rounds",
+                   help="rounds: C requests started together, the next round when all ended; steady: each of C streams "
+                        "sends its next request as soon as its last one ended")
+    p.add_argument("--rounds", type=int, default=8, help="rounds per block (--load rounds)")
+    p.add_argument("--duration", type=float, default=12.0, help="seconds per block (--load steady)")
     p.add_argument("--blocks", type=int, default=3)
     p.add_argument("--threads", type=int, default=2, help="serve.torch_threads (default 2)")
     p.add_argument("--client", choices=["httpx", "openai", "raw"], default="httpx")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--max-noise", type=float, default=0.3, help="redo a block during which other processes used more cores")
     p.add_argument("--attempts", type=int, default=3)
-    p.add_argument("--modes", default="direct,native,gateway", help="subset to run (for profiling); overhead needs direct and gateway")
+    p.add_argument("--modes", default="direct,engine_http,gateway",
+                   help="comma-separated, of direct, native, engine_http, gateway (overhead needs engine_http and gateway)")
     return p.parse_args()
 
 
@@ -86,12 +111,13 @@ def new_record(tag: str) -> dict:
             "tokens": None, "finish_reason": None, "error": None, "done": False}
 
 
-async def direct_stream(engine, ids: list[int], max_tokens: int, tag: str) -> dict:
+async def direct_stream(engine, ids: list[int], max_tokens: int, seed: int, tag: str) -> dict:
     from serve.engine import SamplingParams, TokenDelta
 
     rec = new_record(tag)
+    params = SamplingParams(max_new_tokens=max_tokens, temperature=1.0, top_p=1.0, sampling_seed=seed)
     try:
-        async for item in engine.stream(ids, SamplingParams(max_new_tokens=max_tokens, temperature=1.0, top_p=1.0)):
+        async for item in engine.stream(ids, params):
             now = time.monotonic()
             if isinstance(item, TokenDelta):
                 rec["t_first"] = rec["t_first"] or now
@@ -105,9 +131,10 @@ async def direct_stream(engine, ids: list[int], max_tokens: int, tag: str) -> di
     return rec
 
 
-async def native_stream(client, ids: list[int], max_tokens: int, tag: str) -> dict:
+async def native_stream(client, ids: list[int], max_tokens: int, seed: int, tag: str) -> dict:
     rec = new_record(tag)
-    body = {"input_ids": ids, "sampling_params": {"max_new_tokens": max_tokens, "temperature": 1.0, "top_p": 1.0},
+    sampling = {"max_new_tokens": max_tokens, "temperature": 1.0, "top_p": 1.0, "sampling_seed": seed}
+    body = {"input_ids": ids, "sampling_params": sampling,
             "return_logprob": True, "top_logprobs_num": 0, "rid": uuid.uuid4().hex}
     try:
         async for chunk in client.generate_stream(body):
@@ -125,16 +152,33 @@ async def native_stream(client, ids: list[int], max_tokens: int, tag: str) -> di
     return rec
 
 
-async def in_process_rounds(make, prompts: list[list[int]], rounds: int, warmup: int) -> dict:
+async def in_process_load(make, prompts: list[list[int]], seed: int, load: dict) -> dict:
+    """Run `load` (see `timed_load`) through `make(ids, seed, tag)` in this event loop, as the
+    client process runs it over HTTP: {"records", "walls"}."""
     records, walls = [], []
-    for r in range(warmup + rounds):
+    if load["mode"] == "duration":
+        deadline = time.monotonic() + load["duration_s"]
+
+        async def worker(i: int) -> None:
+            while time.monotonic() < deadline:
+                records.append(await make(prompts[i], seed + i, f"w{i}"))
+
+        await asyncio.gather(*(worker(i) for i in range(len(prompts))))
+        return {"records": records, "walls": [steady_wall(records)]}
+    warmup = load["warmup_rounds"]
+    for r in range(warmup + load["rounds"]):
         tag = "warmup" if r < warmup else f"round{r}"
         started = time.monotonic()
-        batch = await asyncio.gather(*(make(ids, tag) for ids in prompts))
+        batch = await asyncio.gather(*(make(ids, seed + i, tag) for i, ids in enumerate(prompts)))
         if r >= warmup:
             walls.append(time.monotonic() - started)
         records += batch
     return {"records": records, "walls": walls}
+
+
+def steady_wall(records: list[dict]) -> float:
+    """A steady block's wall time: from its first request's start to its last stream's end."""
+    return max(r["t_finish"] or r["t_send"] for r in records) - min(r["t_send"] for r in records)
 
 
 def summarize(records: list[dict], walls: list[float]) -> dict:
@@ -160,13 +204,18 @@ def _ms(seconds: float | None) -> float | None:
     return None if seconds is None else 1e3 * seconds
 
 
+MODES = ("direct", "native", "engine_http", "gateway")
+
+
 async def main_async(args: argparse.Namespace) -> None:
     from bus import TURN_SUBJECT
     from serve.engine_client import InProcessEngineClient
 
+    modes = [m for m in MODES if m in args.modes.split(",")]
     overrides = [f"serve.max_batch_size={args.concurrency}", f"serve.torch_threads={args.threads}",
                  f"serve.max_new_tokens={max(1024, args.max_tokens)}"]
-    async with Served(args.model, overrides) as served:
+    seed = 1000 * args.seed
+    async with Served(args.model, overrides, native="engine_http" in modes) as served:
         import torch
 
         engine = served.loop.engine
@@ -175,63 +224,68 @@ async def main_async(args: argparse.Namespace) -> None:
         conversations = [[{"role": "user", "content": user_message(rng, args.prompt_words)}] for _ in range(args.concurrency)]
         prompts = [render(tokenizer, c) for c in conversations]
         native = InProcessEngineClient(engine)
-        client_cfg = {"url": served.url, "model": served.loop.model_name, "client": args.client,
-                      "concurrency": args.concurrency, "max_tokens": args.max_tokens, "messages": conversations,
-                      "mode": "rounds"}
+        client_cfg = {
+            "gateway": {"url": served.url, "model": served.loop.model_name, "client": args.client, "messages": conversations},
+            "engine_http": {"url": served.native_url, "protocol": "native", "prompts": prompts,
+                            "client": "httpx" if args.client == "openai" else args.client},
+        }
         print(f"model={args.model} streams={args.concurrency} max_tokens={args.max_tokens} torch_threads={torch.get_num_threads()} "
               f"client={args.client} prompt tokens {min(map(len, prompts))}..{max(map(len, prompts))} url={served.url}", flush=True)
 
         thread_ids = {"event_loop": threading.main_thread().native_id, "engine": engine._thread.native_id}
-        results: dict[str, dict] = {m: {"records": [], "walls": [], "cpu": [], "client_cpu_s": 0.0} for m in ("direct", "native", "gateway")}
+        results: dict[str, dict] = {m: {"records": [], "walls": [], "cpu": [], "client_cpu_s": 0.0} for m in modes}
 
-        async def run_mode(mode: str, rounds: int, warmup: int) -> None:
+        async def run_mode(mode: str, load: dict) -> None:
+            timed = load["mode"] == "duration" or load["rounds"] > 0
             for attempt in range(1, args.attempts + 1):
-                res, cpu, client_cpu = await run_block(mode, rounds, warmup)
-                if not rounds or cpu["foreign_cores"] <= args.max_noise or attempt == args.attempts:
+                res, cpu, client_cpu = await run_block(mode, load, timed)
+                if not timed or cpu["foreign_cores"] <= args.max_noise or attempt == args.attempts:
                     break
-                print(f"  {mode:8s} block discarded: other processes used {cpu['foreign_cores']:.2f} cores", flush=True)
+                print(f"  {mode:11s} block discarded: other processes used {cpu['foreign_cores']:.2f} cores", flush=True)
             cpu["attempt"] = attempt
             results[mode]["client_cpu_s"] += client_cpu
             results[mode]["records"] += [r for r in res["records"] if r["tag"] != "warmup"]
             results[mode]["walls"] += res["walls"]
-            if rounds:
+            if timed:
                 results[mode]["cpu"].append(cpu)
                 s = summarize(res["records"], res["walls"])
                 if s["failed"] == s["requests"]:
                     raise RuntimeError(f"every {mode} request failed, e.g. {s['failures']}")
-                print(f"  {mode:8s} {rounds} rounds: {s['tokens_per_s']:8.1f} tok/s  TPOT p50 {s['tpot_p50_ms']:6.2f} ms  "
+                print(f"  {mode:11s} {s['requests']:4d} requests: {s['tokens_per_s']:8.1f} tok/s  TPOT p50 {s['tpot_p50_ms']:6.2f} ms  "
                       f"TTFT p50 {s['ttft_p50_ms']:7.1f} ms  failed {s['failed']}  (other processes: {cpu['foreign_cores']:.2f} cores)",
                       flush=True)
 
-        async def run_block(mode: str, rounds: int, warmup: int) -> tuple[dict, dict, float]:
-            quiet = await wait_quiet_async() if rounds else {"waited_s": 0.0}
+        async def run_block(mode: str, load: dict, timed: bool) -> tuple[dict, dict, float]:
+            quiet = await wait_quiet_async() if timed else {"waited_s": 0.0}
             client_cpu = 0.0
             threads0, steps0 = thread_times(), engine.stats["steps"]
-            if mode == "gateway":
-                client = ClientRun(served.tmp, dict(client_cfg, rounds=rounds, warmup_rounds=warmup))
-                out = await client.run()
-                walls = [r["end"] - r["start"] for r in out["rounds"] if r["tag"] != "warmup"]
+            if mode in client_cfg:
+                cfg = dict(client_cfg[mode], concurrency=args.concurrency, max_tokens=args.max_tokens, seed=seed, **load)
+                out = await ClientRun(served.tmp, cfg).run()
+                walls = [r["end"] - r["start"] for r in out["rounds"] if r["tag"] != "warmup"] if load["mode"] == "rounds" \
+                    else [steady_wall(out["records"])]
                 res = {"records": out["records"], "walls": walls}
                 cpu = out["cpu"]
                 client_cpu = out["client_cpu_s"]
             else:
-                make = (lambda ids, tag: direct_stream(engine, ids, args.max_tokens, tag)) if mode == "direct" else \
-                       (lambda ids, tag: native_stream(native, ids, args.max_tokens, tag))
+                make = (lambda ids, s, tag: direct_stream(engine, ids, args.max_tokens, s, tag)) if mode == "direct" else \
+                       (lambda ids, s, tag: native_stream(native, ids, args.max_tokens, s, tag))
                 watch = CpuWatch().start()
-                res = await in_process_rounds(make, prompts, rounds, warmup)
+                res = await in_process_load(make, prompts, seed, load)
                 cpu = watch.stop()
             cpu["waited_for_quiet_s"] = quiet["waited_s"]
             cpu["threads"] = thread_delta(threads0, thread_times(), thread_ids)
             cpu["decode_steps"] = engine.stats["steps"] - steps0
             return res, cpu, client_cpu
 
-        modes = [m for m in ("direct", "native", "gateway") if m in args.modes.split(",")]
+        block_load = {"mode": "duration", "duration_s": args.duration} if args.load == "steady" else \
+            {"mode": "rounds", "rounds": args.rounds, "warmup_rounds": 0}
         for mode in modes:  # warm-up round of each path, untimed
-            await run_mode(mode, 0, 1)
+            await run_mode(mode, {"mode": "rounds", "rounds": 0, "warmup_rounds": 1})
         for block in range(args.blocks):
             order = modes[block % len(modes):] + modes[: block % len(modes)]
             for mode in order:
-                await run_mode(mode, args.rounds, 0)
+                await run_mode(mode, block_load)
 
         await served.loop.recorder.flush(timeout_s=10)
         last_turn = await served.loop.bus.last(TURN_SUBJECT)
@@ -239,9 +293,6 @@ async def main_async(args: argparse.Namespace) -> None:
         stats = served.loop.stats()
 
     summary = {m: summarize(results[m]["records"], results[m]["walls"]) for m in modes}
-    if not {"direct", "gateway"} <= set(modes):
-        print({m: {k: summary[m][k] for k in ("tokens_per_s", "tpot_p50_ms", "ttft_p50_ms")} for m in modes})
-        return
     for m in summary:
         blocks = results[m]["cpu"]
         tokens = summary[m]["tokens"]
@@ -253,49 +304,51 @@ async def main_async(args: argparse.Namespace) -> None:
                    for k in ("cpu_s", "voluntary_switches", "involuntary_switches")}
             for name in ("event_loop", "engine", "other")
         }
-        summary[m]["foreign_cores_mean"] = sum(c["foreign_cores"] for c in results[m]["cpu"]) / len(results[m]["cpu"])
-        summary[m]["cpu_blocks"] = results[m]["cpu"]
-    summary["gateway"]["client_cpu_s"] = results["gateway"]["client_cpu_s"]
-    d, g = summary["direct"], summary["gateway"]
-    overhead_tps = d["tokens_per_s"] / g["tokens_per_s"] - 1
-    overhead_tpot = g["tpot_p50_ms"] / d["tpot_p50_ms"] - 1
-    rows = []
-    for m in modes:
-        s = summary[m]
-        rows.append([m, s["requests"], s["failed"], s["mean_tokens_per_request"], s["tokens_per_s"],
-                     1e3 / s["tokens_per_s"] * args.concurrency, s["tpot_p50_ms"], s["tpot_p99_ms"], s["ttft_p50_ms"], s["ttft_p99_ms"],
-                     s["foreign_cores_mean"]])
+        summary[m]["client_us_per_token"] = 1e6 * results[m]["client_cpu_s"] / tokens if m in client_cfg else None
+        summary[m]["foreign_cores_mean"] = sum(c["foreign_cores"] for c in blocks) / len(blocks)
+        summary[m]["cpu_blocks"] = blocks
     print()
     print(table(["path", "requests", "failed", "tokens/req", "tok/s", "wall ms/token/stream", "TPOT p50 ms", "TPOT p99 ms",
-                 "TTFT p50 ms", "TTFT p99 ms", "other procs (cores)"], rows))
+                 "TTFT p50 ms", "TTFT p99 ms", "other procs (cores)"],
+                [[m, s["requests"], s["failed"], s["mean_tokens_per_request"], s["tokens_per_s"],
+                  1e3 / s["tokens_per_s"] * args.concurrency, s["tpot_p50_ms"], s["tpot_p99_ms"], s["ttft_p50_ms"], s["ttft_p99_ms"],
+                  s["foreign_cores_mean"]] for m, s in summary.items()]))
     print()
     print(table(["path", "wall ms per decode step", "event-loop CPU us/token", "engine-thread CPU us/token",
-                 "other threads CPU us/token", "event-loop ctx switches/token", "engine ctx switches/token"],
-                [[m, summary[m]["ms_per_decode_step"], summary[m]["threads_us_per_token"]["event_loop"]["cpu_s"],
-                  summary[m]["threads_us_per_token"]["engine"]["cpu_s"], summary[m]["threads_us_per_token"]["other"]["cpu_s"],
-                  summary[m]["threads_us_per_token"]["event_loop"]["voluntary_switches"]
-                  + summary[m]["threads_us_per_token"]["event_loop"]["involuntary_switches"],
-                  summary[m]["threads_us_per_token"]["engine"]["voluntary_switches"]
-                  + summary[m]["threads_us_per_token"]["engine"]["involuntary_switches"]] for m in modes]))
-    met = overhead_tps <= 0.05 and overhead_tpot <= 0.05
-    native_overhead = d["tokens_per_s"] / summary["native"]["tokens_per_s"] - 1 if "native" in summary else None
-    print(f"\ngateway overhead vs direct: {100 * overhead_tps:+.1f}% wall time per token (tok/s), "
-          f"{100 * overhead_tpot:+.1f}% TPOT p50; native layer alone: "
-          f"{100 * native_overhead if native_overhead is not None else float('nan'):+.1f}% (tok/s); "
-          f"target <= 5%: {'MET' if met else 'MISSED'}")
-    print(f"turns published {stats['published']}, dropped {stats['dropped']}; recorded prompt ids match the direct path's: "
-          f"{prompt_ids_match}; client process CPU {g['client_cpu_s']:.1f} s for {g['tokens']} tokens")
+                 "other threads CPU us/token", "client CPU us/token", "event-loop ctx switches/token", "engine ctx switches/token"],
+                [[m, s["ms_per_decode_step"], s["threads_us_per_token"]["event_loop"]["cpu_s"],
+                  s["threads_us_per_token"]["engine"]["cpu_s"], s["threads_us_per_token"]["other"]["cpu_s"], s["client_us_per_token"],
+                  s["threads_us_per_token"]["event_loop"]["voluntary_switches"] + s["threads_us_per_token"]["event_loop"]["involuntary_switches"],
+                  s["threads_us_per_token"]["engine"]["voluntary_switches"] + s["threads_us_per_token"]["engine"]["involuntary_switches"]]
+                 for m, s in summary.items()]))
+    overheads = {base: overhead(summary[base], summary["gateway"]) for base in ("engine_http", "direct")
+                 if {base, "gateway"} <= summary.keys()}
+    if not overheads:
+        return  # a run of one path (for profiling) has nothing to compare and keeps no JSON
+    print()
+    for base, o in overheads.items():
+        print(f"gateway vs {base}: {100 * o['tokens_per_s']:+.1f}% wall time per token (tok/s), {100 * o['tpot_p50']:+.1f}% TPOT p50")
+    met = "engine_http" in overheads and max(overheads["engine_http"].values()) <= 0.05
+    print(f"target (gateway vs engine_http) <= 5%: {'MET' if met else 'MISSED' if 'engine_http' in overheads else 'not measured'}")
+    print(f"turns published {stats['published']}, dropped {stats['dropped']}; recorded prompt ids match the other modes': "
+          f"{prompt_ids_match}")
     name = (f"gateway_overhead_{args.model}" + ("" if args.client == "httpx" else f"_{args.client}")
-            + ("" if args.threads == 2 else f"_t{args.threads}"))
+            + ("" if args.load == "rounds" else f"_{args.load}") + ("" if args.threads == 2 else f"_t{args.threads}"))
     path = write_result(name, {
-        "model": args.model, "concurrency": args.concurrency, "max_tokens": args.max_tokens, "rounds_per_block": args.rounds,
+        "model": args.model, "concurrency": args.concurrency, "max_tokens": args.max_tokens, "load": args.load,
+        "rounds_per_block": args.rounds if args.load == "rounds" else None,
+        "seconds_per_block": args.duration if args.load == "steady" else None,
         "blocks": args.blocks, "client": args.client, "seed": args.seed, "machine": machine(args.threads),
-        "summary": summary, "overhead_tokens_per_s": overhead_tps, "overhead_tpot_p50": overhead_tpot,
-        "overhead_native_tokens_per_s": native_overhead,
-        "target": 0.05, "target_met": met, "turns_published": stats["published"], "turns_dropped": stats["dropped"],
-        "prompt_ids_match": prompt_ids_match,
+        "summary": summary, "overheads": overheads, "target": 0.05, "target_met": met,
+        "turns_published": stats["published"], "turns_dropped": stats["dropped"], "prompt_ids_match": prompt_ids_match,
     })
     print(f"wrote {path}")
+
+
+def overhead(base: dict, gateway: dict) -> dict:
+    """The gateway's extra wall time per token and its TPOT p50 ratio - 1, against `base`."""
+    return {"tokens_per_s": base["tokens_per_s"] / gateway["tokens_per_s"] - 1,
+            "tpot_p50": gateway["tpot_p50_ms"] / base["tpot_p50_ms"] - 1}
 
 
 def main() -> None:

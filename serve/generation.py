@@ -32,6 +32,7 @@ from serve.formatting import (
 from serve.recorder import Recorder
 from serve.schema import ChatCompletionRequest, CompletionRequest, sampling_params
 from serve.sessions import SessionInfo
+from serve.sse import DONE
 from serve.tools import OPEN
 
 
@@ -155,9 +156,8 @@ class Generation:
         timer = asyncio.get_running_loop().call_later(self.timeout_s, expire) if self.timeout_s else None
         stream = self.engine.generate_stream(self._engine_body(0))
         try:
-            if self.chat:
-                yield self._role_event(choice)
-            failed = False
+            head = self._role_event(choice) if self.chat else b""  # sent with the first event: one write fewer
+            tail = b""  # the stream's last events, sent in one write
             try:
                 waiting = True
                 async for item in stream:
@@ -169,27 +169,27 @@ class Generation:
                     if plain:
                         if text:
                             streamed[0] += text
-                            yield template.event(choice.version, text)
+                            yield head + template.event(choice.version, text)
+                            head = b""
                     else:
                         chunk = self._delta_chunk(choice, text, start, streamed, template)
                         if chunk is not None:
-                            yield chunk
+                            yield head + chunk
+                            head = b""
                     waiting = True
                 waiting = False
             except asyncio.CancelledError:
                 waiting = False
                 if not expired or (task.cancelling() and task.uncancel() > 0):
                     raise  # the client went away (or someone else cancelled): see below
-                failed = True
-                yield self._timeout_event()
+                tail = self._timeout_event()
             except Exception as exc:  # delivered in-band, after the status line
-                failed = True
-                yield self._error_event(exc)
-            if not failed:
-                yield _sse(self._final_chunk(choice, streamed[0]))
+                tail = self._error_event(exc)
+            else:
+                tail = _sse(self._final_chunk(choice, streamed[0]))
                 if self.body.include_usage:
-                    yield self._usage_event()
-            yield b"data: [DONE]\n\n"
+                    tail += self._usage_event()
+            yield head + tail + DONE
         except (GeneratorExit, asyncio.CancelledError):  # the client went away
             choice.disconnected = choice.finish is None
             raise
@@ -222,20 +222,24 @@ class Generation:
         templates = [ChunkTemplate(self.chat, self.response_id, self.created, self.model_name, c.index) for c in self.choices]
         try:
             if self.chat:
-                for choice in self.choices:
-                    yield self._role_event(choice)
+                yield b"".join(self._role_event(choice) for choice in self.choices)
+            tail = b""  # the stream's last events, sent in one write
             while finished < self.body.n:
                 i, item = await queue.get()
                 if i < 0:
-                    yield self._timeout_event()
+                    tail = self._timeout_event()
                     break
                 choice = self.choices[i]
                 if isinstance(item, Exception):
-                    yield self._error_event(item)
+                    tail = self._error_event(item)
                     break
                 if item is None:
                     finished += 1
-                    yield _sse(self._final_chunk(choice, streamed[i]))
+                    final = _sse(self._final_chunk(choice, streamed[i]))
+                    if finished < self.body.n:
+                        yield final
+                    else:
+                        tail = final
                     continue
                 start = len(choice.output_ids)
                 text = choice.add(item)
@@ -244,8 +248,8 @@ class Generation:
                     yield chunk
             else:
                 if self.body.include_usage:
-                    yield self._usage_event()
-            yield b"data: [DONE]\n\n"
+                    tail += self._usage_event()
+            yield tail + DONE
         except (GeneratorExit, asyncio.CancelledError):  # the client went away
             for choice in self.choices:
                 choice.disconnected = choice.finish is None

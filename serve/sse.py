@@ -24,6 +24,9 @@ from starlette.types import Receive, Scope, Send
 BODY_SEND = "flywheel.body_send"
 """Scope key: the send callable that body messages of a started event stream may go to."""
 
+DONE = b"data: [DONE]\n\n"
+"""The event that ends a stream, in OpenAI's protocol and SGLang's."""
+
 
 class EventStreamResponse(StreamingResponse):
     def __init__(self, events: AsyncIterator[bytes], on_close: Callable[[], None] | None = None):

@@ -62,6 +62,28 @@ async def test_n_choices_are_separate_sessions_of_one_task(served, client, bus):
     assert reply.usage.completion_tokens == sum(len(t.output_ids) for t in recorded)
 
 
+async def test_streamed_n_choices_each_end_and_match_their_turns(served, client, bus):
+    stream = await client.chat.completions.create(**CHAT, max_tokens=6, n=2, seed=5, stream=True,
+                                                  stream_options={"include_usage": True},
+                                                  extra_headers={"X-Session-Id": "multi-stream"})
+    chunks = [chunk async for chunk in stream]
+    assert sorted(c.choices[0].index for c in chunks if c.choices and c.choices[0].delta.role == "assistant") == [0, 1]
+    content = {0: "", 1: ""}
+    finishes = {0: [], 1: []}
+    for chunk in chunks:
+        for choice in chunk.choices:
+            content[choice.index] += choice.delta.content or ""
+            if choice.finish_reason:
+                finishes[choice.index].append(choice.finish_reason)
+    assert all(len(f) == 1 and f[0] in ("stop", "length") for f in finishes.values())
+    assert chunks[-1].choices == []
+    recorded = {t.session_id: t for t in await turns(bus, 2)}
+    for i in (0, 1):
+        turn = recorded[f"multi-stream/{i}"]
+        assert served.engine.tokenizer.decode(turn.output_ids, skip_special_tokens=True) == content[i]
+    assert chunks[-1].usage.completion_tokens == sum(len(t.output_ids) for t in recorded.values())
+
+
 async def test_logprobs_are_the_recorded_behaviour_logprobs(served, client, bus):
     reply = await client.chat.completions.create(**CHAT, max_tokens=8, logprobs=True, top_logprobs=3)
     content = reply.choices[0].logprobs.content

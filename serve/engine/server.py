@@ -20,16 +20,30 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
+from starlette.datastructures import Headers
+from starlette.types import ASGIApp, Receive, Scope, Send
 
+from serve.auth import ADMIN_PATHS, bearer_token, key_matches
 from serve.engine import native
 from serve.engine.core import Engine
 from serve.engine.native import ProtocolError
-from serve.sse import EventStreamResponse
+from serve.sse import DONE, EventStreamResponse
 
-ADMIN_ROUTES = {
-    "/pause_generation", "/continue_generation", "/update_weights_from_disk", "/update_weight_version",
-    "/abort_request", "/flush_cache",
-}
+
+class AdminOnly:
+    """Control routes need `Bearer <admin key>`; a refusal is SGLang's 401 `{"error": "Unauthorized"}`.
+    Pure ASGI: Starlette's `@app.middleware("http")` would pipe every streamed `/generate` chunk
+    through a memory stream and a task group of its own."""
+
+    def __init__(self, app: ASGIApp, admin_key: str):
+        self.app = app
+        self.keys = [admin_key.encode()]
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and scope["path"] in ADMIN_PATHS and not key_matches(bearer_token(Headers(scope=scope)), self.keys):
+            await JSONResponse({"error": "Unauthorized"}, status_code=401)(scope, receive, send)
+            return
+        await self.app(scope, receive, send)
 
 
 def _ok(message: str, **extra: Any) -> JSONResponse:
@@ -54,14 +68,21 @@ async def _body(request: Request) -> dict[str, Any]:
 
 
 def _sse(chunks: AsyncIterator[dict[str, Any]]) -> AsyncIterator[bytes]:
+    """The chunks as events; the last one (it has a finish reason, or is an error) goes out in
+    one write with `[DONE]`."""
     async def events() -> AsyncIterator[bytes]:
+        tail = b""
         try:
             async for chunk in chunks:
-                yield b"data: " + json.dumps(chunk).encode() + b"\n\n"
+                event = b"data: " + json.dumps(chunk).encode() + b"\n\n"
+                if chunk["meta_info"]["finish_reason"] is None:
+                    yield event
+                else:
+                    tail = event
         except Exception as exc:  # reported in-band: the status line is already sent
             error = {"message": str(exc), "type": type(exc).__name__, "code": 500, "retryable": False}
-            yield b"data: " + json.dumps({"error": error}).encode() + b"\n\n"
-        yield b"data: [DONE]\n\n"
+            tail += b"data: " + json.dumps({"error": error}).encode() + b"\n\n"
+        yield tail + DONE
 
     return events()
 
@@ -76,12 +97,8 @@ def create_engine_app(
     app = FastAPI(title="Flywheel engine (SGLang protocol)", docs_url=None, redoc_url=None)
     started = time.time()
 
-    @app.middleware("http")
-    async def admin_only(request: Request, call_next):
-        if admin_key and request.url.path in ADMIN_ROUTES:
-            if request.headers.get("authorization", "") != f"Bearer {admin_key}":
-                return JSONResponse({"error": "Unauthorized"}, status_code=401)
-        return await call_next(request)
+    if admin_key:
+        app.add_middleware(AdminOnly, admin_key=admin_key)
 
     @app.exception_handler(ProtocolError)
     async def protocol_error(_: Request, exc: ProtocolError) -> JSONResponse:
