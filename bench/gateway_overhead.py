@@ -153,8 +153,9 @@ async def native_stream(client, ids: list[int], max_tokens: int, seed: int, tag:
 
 
 async def in_process_load(make, prompts: list[list[int]], seed: int, load: dict) -> dict:
-    """Run `load` (see `timed_load`) through `make(ids, seed, tag)` in this event loop, as the
-    client process runs it over HTTP: {"records", "walls"}."""
+    """Run `load` (the client process's load config: {"mode": "rounds", "rounds",
+    "warmup_rounds"} or {"mode": "duration", "duration_s"}) through `make(ids, seed, tag)` in
+    this event loop, as the client process runs it over HTTP: {"records", "walls"}."""
     records, walls = [], []
     if load["mode"] == "duration":
         deadline = time.monotonic() + load["duration_s"]
