@@ -102,18 +102,18 @@ def main() -> None:
     real = sum(len(r) for r in rows)
 
     def trainer(*overrides: str) -> Trainer:
-        config = load_config(None, [f"train.micro_batch_tokens={args.budget}", *overrides])
+        config = load_config(None, [f"train.micro_batch_tokens={args.budget}", "actor.ppo_n_minibatches=1", *overrides])
         return Trainer(model, config.actor, config.train)
 
     wait_quiet()
     watch = CpuWatch().start()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-6)
-    plain, decoupled = trainer("actor.use_decoupled_loss=false"), trainer()
+    plain, decoupled = trainer("actor.use_decoupled_loss=false", "actor.recompute_logprobs=false"), trainer()
     seconds = {
         "bare (packed)": timed(lambda: bare_step(model, optimizer, packed), args.repeats),
-        "trainer, standard PPO (packed)": timed(lambda: plain.step(packed), args.repeats),
-        "trainer, decoupled PPO (packed)": timed(lambda: decoupled.step(packed), args.repeats),
-        "trainer, standard PPO (padded)": timed(lambda: plain.step(padded), args.repeats),
+        "trainer, standard PPO (packed)": timed(lambda: plain.step([packed]), args.repeats),
+        "trainer, decoupled PPO (packed)": timed(lambda: decoupled.step([packed]), args.repeats),
+        "trainer, standard PPO (padded)": timed(lambda: plain.step([padded]), args.repeats),
     }
     cpu = watch.stop()
     computed = {"padded": sum(b.computed_tokens for b in padded), "packed": sum(b.computed_tokens for b in packed)}

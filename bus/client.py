@@ -47,6 +47,10 @@ class Delivery:
     async def ack(self) -> None:
         await self.msg.ack()
 
+    async def in_progress(self) -> None:
+        """Still being worked on: restart the ack wait (JetStream's `+WPI`)."""
+        await self.msg.in_progress()
+
     async def nak(self, delay_s: float | None = None) -> None:
         await self.msg.nak(delay=delay_s)
 
@@ -74,15 +78,12 @@ class Consumer:
         """Messages terminated because they did not decode."""
 
     async def _requests(self) -> PullRequests:
-        """Create the durable consumer if it does not exist yet (an existing one keeps its
-        configuration), then pull from it."""
+        """Create the durable consumer, or update an existing one to this configuration (its
+        position and pending records are kept), then pull from it."""
         if self._pull is None:
             js = self._bus.js
             stream = await js.find_stream_name_by_subject(self.subject)
-            try:
-                await js.consumer_info(stream, self.durable)
-            except NotFoundError:
-                await js.add_consumer(stream, config=self._config)
+            await js.add_consumer(stream, config=self._config)
             self._pull = PullRequests(self._bus.nc, stream, self.durable)
         return self._pull
 
@@ -212,7 +213,7 @@ class Bus:
         return True
 
     def consumer(
-        self, subject: str, durable: str, ack_wait_s: float = 600.0, max_ack_pending: int = 100_000
+        self, subject: str, durable: str, ack_wait_s: float = 30.0, max_ack_pending: int = 100_000
     ) -> Consumer:
         return Consumer(self, subject, durable, ack_wait_s, max_ack_pending)
 

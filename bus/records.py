@@ -75,6 +75,10 @@ class Turn(Record, kw_only=True):
     """`side` turns (from `X-Turn-Type: side`) are served and recorded but not trained."""
     task_id: str | None = None
     """Groups samples of the same task (`X-Task-Id`), e.g. the n samples of one prompt."""
+    group_size: int | None = None
+    """How many sessions the task group has in all (`X-Group-Size`, or n for the choices of
+    one request): the trainer takes a group once all of them are scored. None: unknown (the
+    group is complete when no member has arrived for `train.group_timeout_s`)."""
     model: str
     endpoint: Literal["chat", "completions"] = "chat"
     messages: list[dict[str, Any]] = msgspec.field(default_factory=list)
@@ -153,6 +157,8 @@ class Trajectory(Record, kw_only=True):
 
     session_id: str
     task_id: str | None = None
+    group_size: int | None = None
+    """The task group's size, from its turns (see `Turn.group_size`)."""
     segments: list[Segment]
     turns: list[Turn]
     """The main turns, ordered by turn_index, with their text for the judges but without their

@@ -1,7 +1,8 @@
 """The rollout driver: turns an environment into traffic through the serve endpoint.
 
 For each task it sends `gconfig.n_samples` chat requests with the official `openai` client,
-each its own session (`X-Session-Id`) sharing the task's id (`X-Task-Id`), scores each answer
+each its own session (`X-Session-Id`) sharing the task's id (`X-Task-Id`) and saying how many
+there are (`X-Group-Size`, so the trainer takes the group whole), scores each answer
 with the environment's verifier, and reports the verdict as session feedback
 (`POST /v1/sessions/{id}/feedback`, source `env`), which closes the session. It is one more
 client of the endpoint: the collector, judge and trainer treat its traffic like anyone's.
@@ -141,7 +142,7 @@ class RolloutDriver:
                 max_tokens=length,
                 temperature=gconfig.temperature,
                 top_p=gconfig.top_p,
-                extra_headers={"X-Session-Id": session_id, "X-Task-Id": task.id},
+                extra_headers={"X-Session-Id": session_id, "X-Task-Id": task.id, "X-Group-Size": str(gconfig.n_samples)},
                 extra_body=extra,
             )
             reward = self.env.verify(task, completion.choices[0].message.content or "")

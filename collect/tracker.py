@@ -50,6 +50,7 @@ import msgspec
 
 from bus import SessionEvent, Trajectory, Turn
 from bus.arrays import Float64s, Int32s
+from bus.dedup import RecentIds
 from collect.stitch import stitch
 from config.schema import CollectConfig
 
@@ -100,8 +101,8 @@ class SessionTracker:
         """Sessions receiving traffic, least recently active first (idle expiry is O(expired))."""
         self._waiting: OrderedDict[str, tuple[float, _Session]] = OrderedDict()
         """Ended sessions waiting for a reward, with their deadline, earliest first."""
-        self._emitted_turns: OrderedDict[str, None] = OrderedDict()
-        self._emitted_sessions: OrderedDict[str, None] = OrderedDict()
+        self._emitted_turns = RecentIds(config.remember_closed)
+        self._emitted_sessions = RecentIds(config.remember_closed)
         self.counts = {
             "turns": 0, "duplicates": 0, "side_turns": 0, "events": 0, "trajectories": 0, "empty": 0,
             "splits": 0, "limit": 0, "late_feedback": 0,
@@ -225,8 +226,8 @@ class SessionTracker:
             self.counts["empty"] += 1
             return Closed(None, session.handles)
         turns = sorted(session.turns.values(), key=_turn_order)
-        self._remember(self._emitted_turns, [t.id for t in turns])
-        self._remember(self._emitted_sessions, [session.session_id])
+        self._emitted_turns.add(t.id for t in turns)
+        self._emitted_sessions.add([session.session_id])
         segments = stitch(turns)
         self.counts["trajectories"] += 1
         self.counts["splits"] += len(segments) - 1
@@ -235,6 +236,7 @@ class SessionTracker:
             id=f"{session.session_id}#{digest}",
             session_id=session.session_id,
             task_id=next((t.task_id for t in turns if t.task_id), None),
+            group_size=next((t.group_size for t in turns if t.group_size), None),
             segments=segments,
             turns=[_without_tokens(t) for t in turns],
             next_states=[next_state(t) for t in turns[1:]] + [[]],
@@ -242,13 +244,6 @@ class SessionTracker:
             close_reason=reason,
         )
         return Closed(trajectory, session.handles)
-
-    def _remember(self, memory: OrderedDict[str, None], keys: list[str]) -> None:
-        for key in keys:
-            memory[key] = None
-            memory.move_to_end(key)
-        while len(memory) > self.config.remember_closed:
-            memory.popitem(last=False)
 
 
 def _without_tokens(turn: Turn) -> Turn:

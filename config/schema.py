@@ -20,6 +20,10 @@ from config.section import Section
 class BusConfig(Section):
     url: str = "embedded"
     """`embedded` starts a private nats-server under `run_dir/nats`; otherwise a NATS URL."""
+    ack_wait_s: float = Field(30.0, ge=1.0)
+    """How long a record a loop has taken may stay unacknowledged before the bus delivers it
+    again: how soon a dead loop's records reach its successor. Records held longer (open
+    sessions, samples waiting for their group or checkpoint) are kept alive meanwhile."""
 
 
 class ServeConfig(Section):
@@ -163,8 +167,10 @@ class ActorConfig(Section):
     use_decoupled_loss: bool = True
     recompute_logprobs: bool = True
     """Recompute π_prox with one no-grad pass at the start of each step."""
-    temperature: float = Field(1.0, gt=0)
-    """Logits are divided by this before log-probabilities, matching how rollouts sampled."""
+    ppo_n_minibatches: int = Field(4, ge=1)
+    """Optimizer steps per training step: the batch is split into this many minibatches (whole
+    samples, about equal tokens), all weighed against the π_prox of the step's start. More than
+    one makes the PPO clip a real trust region; 1 is a single policy-gradient step."""
 
     @model_validator(mode="after")
     def _decoupled_needs_recompute(self) -> "ActorConfig":
@@ -192,6 +198,10 @@ class TrainConfig(Section):
     packing: bool = True
     """Pack segments into rows with no padding (block-diagonal attention); false: one padded
     row per segment (for comparison)."""
+    attn_implementation: Literal["sdpa", "eager", "flex_attention", "flash_attention_2", "flash_attention_3"] = "sdpa"
+    """The trainer's attention kernel (transformers' `attn_implementation`). Packing needs the
+    segments of a row kept apart: sdpa, eager and flex_attention derive that from the restarting
+    position ids; flash-attention does only for a single row, so it is refused with packing."""
     turn_reward_coef: float = Field(0.0, ge=0.0)
     """β: how much a judge's per-turn rewards add to a turn's advantage (see train/advantages.py);
     0: the outcome alone. Use centred per-turn rewards (e.g. the composite judge's
@@ -199,16 +209,35 @@ class TrainConfig(Section):
     turn_discount: float = Field(1.0, ge=0.0, le=1.0)
     """γ: per-turn rewards reach earlier turns discounted by γ per turn."""
     checkpoint_interval: int = Field(50, ge=0)
-    """Save a full checkpoint (model, optimizer, schedule, counters, RNG) every this many steps,
-    and when the loop stops; 0: only when it stops."""
+    """Save a full checkpoint (model, optimizer, schedule, counters, RNG, trained sample ids)
+    every this many steps, and when the loop stops; 0: only when it stops. Samples are
+    acknowledged on the bus when the checkpoint that holds them is saved: a trainer that dies
+    is sent again what it trained since, and trains it once more from that checkpoint."""
     keep_checkpoints: int = Field(2, ge=1)
     resume: bool = False
-    """Continue from the newest checkpoint in `run_dir/checkpoints` (`train.run --resume`)."""
+    """Require a checkpoint to continue from (`train.run --resume`). The train loop continues
+    from the newest checkpoint in `run_dir/checkpoints` whenever there is one."""
+    group_timeout_s: float = Field(60.0, gt=0)
+    """A task group of unknown size, or one that never fills, is trained once no member has
+    arrived for this long (see train/batcher.py)."""
+    remember_samples: int = Field(100_000, ge=1)
+    """How many trained sample ids are remembered (and checkpointed) to drop redeliveries."""
     device: str = "cpu"
     """`cpu`, `cuda`, `cuda:N`; on CUDA the forward passes run under bf16 autocast."""
     fsdp: bool = False
     """Shard the model with FSDP2 across the ranks of an initialised torch.distributed process
     group (multi-GPU; see docs/architecture.md). Refused without one."""
+
+
+    @model_validator(mode="after")
+    def _packing_needs_separate_segments(self) -> "TrainConfig":
+        if self.packing and self.attn_implementation.startswith("flash_attention"):
+            raise ValueError(
+                f"train.attn_implementation: {self.attn_implementation} would attend across the packed segments of a "
+                "row (transformers separates them for single-row batches only); use sdpa, eager or flex_attention, "
+                "or set train.packing=false"
+            )
+        return self
 
 
 class DeployConfig(Section):

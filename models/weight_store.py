@@ -147,14 +147,6 @@ class WeightStore:
         for version in others[: max(0, len(others) + 1 - self.keep)]:
             self._remove(version)
 
-    def discard_newer(self, version: int) -> list[int]:
-        """Remove the versions newer than `version` (a trainer resuming from an older checkpoint
-        will publish those numbers again); returns them."""
-        newer = [v for v in self.versions() if v > version]
-        for v in newer:
-            self._remove(v)
-        return newer
-
     def _remove(self, version: int) -> None:
         # Rename first, so that no reader ever lists a half-deleted version.
         doomed = self.root / f"{TMP_PREFIX}deleted-v{version}-{uuid.uuid4().hex[:8]}"

@@ -314,6 +314,7 @@ class Generation:
                 turn_index=sum(1 for m in self.body.messages if m.role == "assistant") if self.chat else 0,
                 turn_type=self.session.turn_type,
                 task_id=self.session.task_id or (self.id if several else None),
+                group_size=self.session.group_size if self.session.task_id else (self.body.n if several else None),
                 model=self.model_name,
                 endpoint="chat" if self.chat else "completions",
                 messages=[m.model_dump(exclude_none=True) for m in self.body.messages] if self.chat else [],

@@ -4,7 +4,9 @@ Session id: the `X-Session-Id` header, else `metadata.session_id`, else `user`; 
 none of these is a one-turn session of its own (still recorded and trainable: an unpatched
 client must never silently produce nothing). `X-Turn-Type: side` marks turns that are served but
 not trained; `X-Session-Done: true` ends the session with this turn; `X-Task-Id` (or
-`metadata.task_id`) groups sessions of one task, e.g. the samples of one prompt.
+`metadata.task_id`) groups sessions of one task, e.g. the samples of one prompt, and
+`X-Group-Size` says how many sessions that group has in all, so the trainer knows when it is
+whole.
 """
 
 from __future__ import annotations
@@ -25,6 +27,8 @@ class SessionInfo:
     session_id: str
     turn_type: str
     task_id: str | None
+    group_size: int | None
+    """`X-Group-Size`: how many sessions the task group has in all (None: not said)."""
     done: bool
     anonymous: bool
     """No session id was given: a one-turn session of its own."""
@@ -40,10 +44,14 @@ def session_of(headers: Mapping[str, str], metadata: dict[str, str] | None, user
     done_header = headers.get("x-session-done", "").strip().lower()
     if done_header not in _TRUE | _FALSE:
         raise APIError(400, "X-Session-Done must be 'true' or 'false'", param="X-Session-Done")
+    size_header = headers.get("x-group-size", "").strip()
+    if size_header and not (size_header.isdigit() and 1 <= int(size_header) <= 1_000_000):
+        raise APIError(400, "X-Group-Size must be a whole number from 1 to 1000000", param="X-Group-Size")
     return SessionInfo(
         session_id=session_id or f"anon-{uuid.uuid4().hex}",
         turn_type=turn_type,
         task_id=headers.get("x-task-id") or metadata.get("task_id"),
+        group_size=int(size_header) if size_header else None,
         done=anonymous or done_header in _TRUE,
         anonymous=anonymous,
     )

@@ -22,19 +22,22 @@ from train.loop import TrainLoop
 from train.trainer import Trainer
 
 
-async def sampled_turns(n: int, version: int = 0) -> list:
-    """Real engine samples from the tiny model, as the gateway would record them."""
+async def sampled_turns(n: int, version: int = 0, task_id: str | None = None, temperature: float = 1.0) -> list:
+    """Real engine samples from the tiny model, as the gateway would record them (without a
+    task id, each is a group of its own)."""
     model, tokenizer = load_model("tiny")
     engine = Engine(model, tokenizer).start()
     try:
         text = tokenizer.apply_chat_template([{"role": "user", "content": "Write some digits."}], add_generation_prompt=True, tokenize=False)
         prompt = tokenizer.encode(text, add_special_tokens=False)
-        results = await asyncio.gather(*(engine.generate(prompt, SamplingParams(max_new_tokens=8, sampling_seed=i)) for i in range(n)))
+        params = [SamplingParams(max_new_tokens=8, sampling_seed=i, temperature=temperature) for i in range(n)]
+        results = await asyncio.gather(*(engine.generate(prompt, p) for p in params))
     finally:
         engine.stop()
     return [
         make_turn(id=f"t{i}", session_id=f"s{i}", prompt_ids=r.prompt_ids, output_ids=r.output_ids,
-                  output_logprobs=r.logprobs, output_versions=[version] * len(r.output_ids), task_id="task")
+                  output_logprobs=r.logprobs, output_versions=[version] * len(r.output_ids), task_id=task_id,
+                  sampling={"temperature": temperature, "max_new_tokens": 8, "sampling_seed": i})
         for i, r in enumerate(results)
     ]
 
@@ -42,7 +45,8 @@ async def sampled_turns(n: int, version: int = 0) -> list:
 def sample_of(turn, reward: float, version: int | None = None) -> Sample:
     if version is not None:
         turn = msgspec.structs.replace(turn, output_versions=[version] * len(turn.output_ids))
-    traj = Trajectory(id=turn.session_id, session_id=turn.session_id, task_id=turn.task_id, segments=stitch([turn]), turns=[turn], close_reason="feedback")
+    traj = Trajectory(id=turn.session_id, session_id=turn.session_id, task_id=turn.task_id, group_size=turn.group_size,
+                      segments=stitch([turn]), turns=[turn], close_reason="feedback")
     return Sample(id=f"{turn.session_id}-{version}", trajectory=traj, reward=reward, judge="rule")
 
 
@@ -71,7 +75,7 @@ async def test_a_step_raises_rewarded_and_lowers_unrewarded_sequences():
         before, _ = trainer.token_logprobs(batch)
     mask = batch.loss_mask.bool()
     assert before[mask].tolist() == pytest.approx(batch.behav_logp[mask].tolist(), abs=2e-4)
-    metrics = trainer.step(batches)
+    metrics = trainer.step([batches])
     with torch.no_grad():
         after, _ = trainer.token_logprobs(batch)
     gain = ((after - before) * batch.loss_mask).sum(dim=1)

@@ -46,8 +46,10 @@ def per_token(trainer, batches) -> list[list[float]]:
     return sorted(out)
 
 
-async def test_packed_rows_give_the_padded_and_the_engine_logprobs(samples):
-    trainer = trainer_for()
+@pytest.mark.parametrize("attention", ["sdpa", "eager", "flex_attention"])
+async def test_packed_rows_give_the_padded_and_the_engine_logprobs(samples, attention):
+    trainer = trainer_for(f"train.attn_implementation={attention}")
+    assert trainer.model.config._attn_implementation == attention
     rows = rows_of(samples, [1.0] * len(samples))
     packed = micro_batches(rows, budget=10_000, pad_id=0, packing=True)
     padded = micro_batches(rows, budget=10_000, pad_id=0, packing=False)
@@ -74,11 +76,11 @@ def test_packing_fills_rows_as_long_as_the_longest_segment_within_the_budget():
 
 async def test_micro_batches_accumulate_to_the_gradient_of_one_batch(samples):
     rows = rows_of(samples, [1.0, -1.0, 0.5, -0.5, 2.0, -2.0])
-    one, many = trainer_for("actor.optimizer.max_grad_norm=1e9"), trainer_for("actor.optimizer.max_grad_norm=1e9")
+    one, many = (trainer_for("actor.optimizer.max_grad_norm=1e9", "actor.ppo_n_minibatches=1") for _ in range(2))
     whole = micro_batches(rows, budget=100_000, pad_id=0)
     split = micro_batches(rows, budget=max(len(r) for r in rows), pad_id=0)
     assert len(whole) == 1 and len(split) > 2
-    m1, m2 = one.step(whole), many.step(split)
+    m1, m2 = one.step([whole]), many.step([split])
     assert m2["micro_batches"] == len(split) and m1["tokens"] == m2["tokens"]
     assert m1["loss"] == pytest.approx(m2["loss"], rel=1e-4, abs=1e-6)
     for (name, p1), p2 in zip(one.model.named_parameters(), many.model.parameters()):
@@ -113,11 +115,17 @@ def test_learning_rate_schedules():
 
 
 async def test_kl_to_the_reference_is_zero_at_the_start_and_grows_after_steps(samples):
-    trainer = trainer_for("actor.kl_coef=0.5", "actor.optimizer.lr=0.05")
+    trainer = trainer_for("actor.kl_coef=0.5", "actor.optimizer.lr=0.05", "actor.ppo_n_minibatches=1")
     batches = micro_batches(rows_of(samples, [1.0, -1.0] * 3), budget=100_000, pad_id=0)
-    first = trainer.step(batches)
-    second = trainer.step(batches)
+    first = trainer.step([batches])
+    second = trainer.step([batches])
     assert first["kl"] == pytest.approx(0.0, abs=1e-6) and second["kl"] > 1e-4
+
+
+def test_flash_attention_is_refused_with_packing():
+    with pytest.raises(ConfigError, match="train.attn_implementation: flash_attention_2 would attend across"):
+        load_config(None, ["train.attn_implementation=flash_attention_2"])
+    assert load_config(None, ["train.attn_implementation=flash_attention_2", "train.packing=false"]).train.packing is False
 
 
 def test_fsdp_is_refused_without_a_process_group():

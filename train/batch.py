@@ -40,10 +40,14 @@ def as_tensor(values: array.array) -> torch.Tensor:
 
 @dataclass
 class Row:
-    """One segment with the advantage of each of its tokens."""
+    """One segment with, per token, its advantage, the temperature it was sampled at, and
+    whether it counts in the loss (the segment's mask without excluded tokens, see
+    `train/sampled.py`). Without the last two: temperature 1 and the segment's own mask."""
 
     segment: Segment
     advantages: list[float]
+    temperatures: list[float] | None = None
+    loss_mask: list[int] | None = None
 
     def __len__(self) -> int:
         return len(self.segment.token_ids)
@@ -54,8 +58,9 @@ class MicroBatch:
     input_ids: torch.Tensor  # [rows, T] long
     position_ids: torch.Tensor  # [rows, T] long; restarting at each packed segment
     attention_mask: torch.Tensor | None  # [rows, T] long for padded rows; None when packed
-    loss_mask: torch.Tensor  # [rows, T] float, 1 on sampled tokens
+    loss_mask: torch.Tensor  # [rows, T] float, 1 on sampled tokens that count in the loss
     behav_logp: torch.Tensor  # [rows, T] float
+    temperatures: torch.Tensor  # [rows, T] float, the temperature each token was sampled at
     versions: torch.Tensor  # [rows, T] long, -1 off the mask
     advantages: torch.Tensor  # [rows, T] float
     real_tokens: int
@@ -74,6 +79,7 @@ def _tensors(lines: list[list[Row]], width: int, pad_id: int, packed: bool) -> M
         attention_mask=None if packed else torch.zeros(shape, dtype=torch.long),
         loss_mask=torch.zeros(shape),
         behav_logp=torch.zeros(shape),
+        temperatures=torch.ones(shape),
         versions=torch.full(shape, -1, dtype=torch.long),
         advantages=torch.zeros(shape),
         real_tokens=sum(len(row) for line in lines for row in line),
@@ -84,7 +90,9 @@ def _tensors(lines: list[list[Row]], width: int, pad_id: int, packed: bool) -> M
             seg, end = row.segment, at + len(row)
             batch.input_ids[i, at:end] = as_tensor(seg.token_ids)
             batch.position_ids[i, at:end] = torch.arange(len(row))
-            batch.loss_mask[i, at:end] = as_tensor(seg.loss_mask)
+            batch.loss_mask[i, at:end] = as_tensor(seg.loss_mask) if row.loss_mask is None else torch.tensor(row.loss_mask)
+            if row.temperatures is not None:
+                batch.temperatures[i, at:end] = torch.tensor(row.temperatures)
             batch.behav_logp[i, at:end] = as_tensor(seg.logprobs)
             batch.versions[i, at:end] = as_tensor(seg.versions)
             batch.advantages[i, at:end] = torch.tensor(row.advantages)
@@ -130,3 +138,17 @@ def pad(rows: list[Row], budget: int, pad_id: int) -> list[MicroBatch]:
 
 def micro_batches(rows: list[Row], budget: int, pad_id: int, packing: bool = True) -> list[MicroBatch]:
     return (pack if packing else pad)(rows, budget, pad_id)
+
+
+def split_minibatches(rows: list[list[Row]], n: int) -> list[list[Row]]:
+    """Split samples (each a list of rows) into `n` minibatches of about equal token counts,
+    keeping each sample whole (fewer minibatches when there are fewer samples): the largest
+    sample goes to the lightest minibatch, in turn."""
+    n = max(1, min(n, len(rows)))
+    bins: list[list[Row]] = [[] for _ in range(n)]
+    loads = [0] * n
+    for sample in sorted(rows, key=lambda rs: sum(map(len, rs)), reverse=True):
+        lightest = loads.index(min(loads))
+        bins[lightest].extend(sample)
+        loads[lightest] += sum(map(len, sample))
+    return bins

@@ -1,19 +1,26 @@
-"""The train loop: scored samples in, new policy versions out.
+"""The train loop: scored samples in, new policy versions out, each sample trained once.
 
-Consumes SAMPLES durably. Samples whose oldest sampled token is more than
-`rollout.max_head_offpolicyness` versions behind the trainer are dropped and counted (live
-traffic cannot be refused at the door, so staleness is enforced here too). Every
-`train.batch_size` fresh samples make one optimizer step; the samples are acknowledged after
-it. Every `train.weight_update_interval` steps the weights go to the versioned store and a
-`WeightUpdate` is announced on the bus. A version is the count of optimizer steps.
+Consumes SAMPLES durably and hands the pieces to their owners:
+
+- each sample gets its trajectory (`Bus.resolve`; one the stream no longer holds is counted
+  `unresolved`) and is dropped if it was trained already (`duplicates_dropped`: the bus
+  delivers at least once; the ids trained are remembered, and checkpointed);
+- `GroupBatcher` (train/batcher.py) holds samples until their task group is whole and drops
+  groups older than η = `rollout.max_head_offpolicyness` versions (`stale_dropped`);
+- `train/step_batch.py` turns a step's groups into advantages, minibatches and micro-batches;
+  `Trainer` (train/trainer.py) takes the step;
+- `WeightPublisher` (train/publisher.py) publishes and announces a new version every
+  `train.weight_update_interval` steps; `Checkpoints` saves every `train.checkpoint_interval`.
+
+Exactly once. A sample is acknowledged only when a checkpoint that holds it (its effect on the
+weights and its id) is saved; until then it is kept from redelivery with progress
+acknowledgements. A trainer that dies restarts from its newest checkpoint (always, whether or
+not `train.resume` is set), the bus sends it again what it trained since, and it trains that
+once more from the same state; redeliveries of what the checkpoint holds are dropped by id.
+The steps of the abandoned weights are marked in `run_dir/trained.jsonl` (train/ledger.py).
+Versions only grow: restarting behind published versions gives the weights a new one.
+
 One JSON line per step goes to `run_dir/metrics.jsonl`.
-
-Checkpoints (`train/checkpoint.py`) are saved every `train.checkpoint_interval` steps and when
-the loop stops. With `train.resume` the loop continues from the newest one: weights, optimizer,
-schedule, step, counters, baseline and RNG. Weight versions newer than that checkpoint are
-removed from the store (they will be trained again) and the checkpoint's version is announced
-anew, so serving follows. Without `train.resume`, a run directory that already has published
-weights continues from the newest of them (weights only), as a redeployed live system does.
 """
 
 from __future__ import annotations
@@ -23,21 +30,24 @@ import contextlib
 import json
 import logging
 import time
-import uuid
 from collections import Counter
 from pathlib import Path
-from statistics import fmean
 from typing import Any
 
 import torch
 
-from bus import SAMPLE_SUBJECT, WEIGHTS_SUBJECT, Bus, Delivery, Sample, WeightUpdate
+from bus import SAMPLE_SUBJECT, Bus, Delivery, Sample
+from bus.dedup import RecentIds
+from bus.keepalive import keep_alive
 from bus.process import repeat
 from config import ConfigError, FlywheelConfig
-from models import WeightStore, load_model, load_weights
-from train.advantages import RunningBaseline, group_advantages, token_advantages
-from train.batch import Row, micro_batches
+from models import WeightStore, load_model
+from train.advantages import RunningBaseline
+from train.batcher import Group, GroupBatcher
 from train.checkpoint import Checkpoints
+from train.ledger import Ledger
+from train.publisher import WeightPublisher
+from train.step_batch import StepBatch
 from train.trainer import Trainer
 
 log = logging.getLogger(__name__)
@@ -50,52 +60,74 @@ class TrainLoop:
         self.durable = durable
         self.run_dir = Path(config.run_dir)
         self.baseline = RunningBaseline()
-        self.buffer: list[Delivery] = []
-        self.counts = {"samples": 0, "stale_dropped": 0, "unresolved": 0}
+        self.counts = {"samples": 0, "stale_dropped": 0, "unresolved": 0, "duplicates_dropped": 0}
+        self.excluded: Counter[str] = Counter()
+        """Sampled tokens left out of the loss, by reason (train/sampled.py), all run."""
         self.staleness_seen: Counter[int] = Counter()
         """How many trained samples had each staleness (versions behind the trainer), all run."""
-        self._checkpointed_at = 0
+        self.version = 0
+        self.batcher = GroupBatcher(config.train.batch_size, config.train.group_timeout_s)
+        self.trained = RecentIds(config.train.remember_samples)
+        self.unacknowledged: list[Delivery] = []
+        """Deliveries of trained samples, acknowledged at the next checkpoint."""
+        self._checkpointed_at = -1
         self.last_metrics: dict[str, Any] = {}
-        self._task: asyncio.Task | None = None
+        self._tasks: list[asyncio.Task] = []
         self._inflight: asyncio.Task | None = None
         self._started = time.monotonic()
 
     @property
-    def version(self) -> int:
-        return self.trainer.step_count
+    def buffer(self) -> int:
+        """Samples waiting for their group or a batch."""
+        return len(self.batcher)
 
     async def start(self) -> None:
         torch.manual_seed(self.config.seed)
         torch.set_num_threads(self.config.train.torch_threads)
         model, self.tokenizer = await asyncio.to_thread(load_model, self.config.model)
-        self.store = WeightStore(self.run_dir / "weights", keep=self.config.train.keep_versions)
         self.checkpoints = Checkpoints(self.run_dir / "checkpoints", keep=self.config.train.keep_checkpoints)
         self.trainer = Trainer(model, self.config.actor, self.config.train)
         self.bus = await Bus.connect(self.bus_url, name="train")
-        if self.config.train.resume:
-            await self._resume()
-        elif (latest := self.store.latest()) is not None:  # continue from the newest published policy
-            load_weights(self.trainer.model, self.store.path(latest))
-            self.trainer.step_count = latest
-        self._checkpointed_at = self.version
-        self.consumer = self.bus.consumer(SAMPLE_SUBJECT, self.durable)
+        self.publisher = WeightPublisher(WeightStore(self.run_dir / "weights", keep=self.config.train.keep_versions), self.bus)
+        self.ledger = Ledger(self.run_dir / "trained.jsonl")
+        await self._restore()
+        self._checkpointed_at = self.trainer.step_count
+        ack_wait = self.config.bus.ack_wait_s
+        self.consumer = self.bus.consumer(SAMPLE_SUBJECT, self.durable, ack_wait_s=ack_wait)
         self.metrics_file = (self.run_dir / "metrics.jsonl").open("a")
-        self._task = asyncio.create_task(repeat(self._step, "train"), name="train")
+        self._tasks = [
+            asyncio.create_task(repeat(self._step, "train"), name="train"),
+            asyncio.create_task(repeat(lambda: keep_alive(self._held, ack_wait), "train.keepalive"), name="keepalive"),
+        ]
 
-    async def _resume(self) -> None:
+    def _held(self) -> list[Delivery]:
+        return [*self.batcher.deliveries(), *self.unacknowledged]
+
+    async def _restore(self) -> None:
+        """Continue from the newest checkpoint, if any; then make sure the version is newer than
+        anything published before (a trainer that died after publishing)."""
         path = self.checkpoints.latest()
-        if path is None:
+        if path is None and self.config.train.resume:
             raise ConfigError(f"train.resume: no checkpoint in {self.checkpoints.directory}")
-        state = await asyncio.to_thread(self.checkpoints.load, path, self.trainer.model)
-        self.trainer.restore(state["trainer"])
-        loop = state["loop"]
-        self.counts, self.baseline.value = {**self.counts, **loop["counts"]}, loop["baseline"]
-        self.staleness_seen = Counter(loop["staleness_seen"])
-        discarded = self.store.discard_newer(self.version)
-        if self.version not in self.store.versions():
-            await asyncio.to_thread(self.store.publish, self.trainer.model, self.version)
-        await self._announce(f"weights-v{self.version}-resumed-{uuid.uuid4().hex[:8]}")
-        log.info("resumed from %s at step %d (discarded newer versions %s)", path, self.version, discarded)
+        if path is not None:
+            state = await asyncio.to_thread(self.checkpoints.load, path, self.trainer.model)
+            self.trainer.restore(state["trainer"])
+            loop = state["loop"]
+            self.counts = {**self.counts, **loop["counts"]}
+            self.baseline.value = loop["baseline"]
+            self.staleness_seen = Counter({int(k): v for k, v in loop["staleness_seen"].items()})
+            self.excluded = Counter(loop.get("excluded", {}))
+            self.batcher.counts.update(loop.get("batcher", {}))
+            self.version = loop.get("version", self.trainer.step_count)
+            self.trained.add(loop.get("trained", []))
+            self.ledger.resumed(self.trainer.step_count)
+            log.info("resumed from %s at step %d, version %d", path, self.trainer.step_count, self.version)
+        newest = await self.publisher.newest()
+        if newest is not None and newest > self.version:
+            log.info("versions up to %d were published after this state: it becomes version %d", newest, newest + 1)
+            self.version = newest + 1
+        if newest is not None:
+            await self.publisher.publish(self.trainer.model, self.version, self.trainer.step_count)
 
     def is_stale(self, sample: Sample) -> bool:
         oldest = sample.trajectory.oldest_version
@@ -119,102 +151,111 @@ class TrainLoop:
                 await delivery.nak(delay_s=1.0)
         return ready
 
-    async def _step(self) -> None:
-        batch_size = self.config.train.batch_size
-        self.buffer.extend(await self._fetch(batch_size))
-        fresh = []
-        for delivery in self.buffer:  # re-checked each step: a waiting sample ages too
-            if self.is_stale(delivery.record):
-                self.counts["stale_dropped"] += 1
-                await delivery.ack()
+    async def _admit(self, delivery: Delivery) -> None:
+        """Into the batcher, unless the sample was trained or is held already (a redelivery:
+        its delivery is kept with the first, so the message is acknowledged only when that is)."""
+        sample: Sample = delivery.record  # type: ignore[assignment]
+        held = self.batcher.holds(sample.id)
+        if sample.id in self.trained or held is not None:
+            self.counts["duplicates_dropped"] += 1
+            if held is not None:
+                held.deliveries.append(delivery)
+            elif any(d.record.id == sample.id for d in self.unacknowledged):
+                self.unacknowledged.append(delivery)
             else:
-                fresh.append(delivery)
-        self.buffer = fresh
-        max_steps = self.config.train.max_steps
-        if len(self.buffer) < batch_size or (max_steps is not None and self.version >= max_steps):
+                await delivery.ack()
             return
-        taken, self.buffer = self.buffer[:batch_size], self.buffer[batch_size:]
+        self.batcher.add(sample, delivery)
+
+    async def _step(self) -> None:
+        for delivery in await self._fetch(self.config.train.batch_size):
+            await self._admit(delivery)
+        for group in self.batcher.drop_stale(self.is_stale):  # re-checked each step: a waiting sample ages too
+            self.counts["stale_dropped"] += len(group.members)
+            for delivery in group.deliveries:
+                await delivery.ack()
+        max_steps = self.config.train.max_steps
+        if max_steps is not None and self.trainer.step_count >= max_steps:
+            return
+        groups = self.batcher.take()
+        if groups is None:
+            return
         # A step runs to its end even if the loop is stopped meanwhile: `stop` waits for it.
-        self._inflight = asyncio.create_task(self._optimize(taken))
+        self._inflight = asyncio.create_task(self._optimize(groups))
         await asyncio.shield(self._inflight)
 
-    async def _optimize(self, taken: list[Delivery]) -> None:
-        """One optimizer step on `taken`, the publish and checkpoint it calls for, then the acks."""
-        samples: list[Sample] = [d.record for d in taken]  # type: ignore[misc]
-        metrics = await asyncio.to_thread(self._train, samples)
-        self.counts["samples"] += len(samples)  # before the announcement and the checkpoint: they show this step
+    async def _optimize(self, groups: list[Group]) -> None:
+        """One training step on `groups`, then the publish and checkpoint it calls for."""
+        metrics = await asyncio.to_thread(self._train, groups)
+        ids = [s.id for g in groups for s in g.samples]
+        self.counts["samples"] += len(ids)  # before the announcement and the checkpoint: they show this step
+        self.trained.add(ids)
+        self.unacknowledged.extend(d for g in groups for d in g.deliveries)
+        self.ledger.trained(self.trainer.step_count, self.version, ids)
         self._record(metrics)
-        if self.version % self.config.train.weight_update_interval == 0:
-            await self._publish()
+        if self.trainer.step_count % self.config.train.weight_update_interval == 0:
+            await self.publisher.publish(self.trainer.model, self.version, self.trainer.step_count)
+            log.info("published weights v%d", self.version)
         interval = self.config.train.checkpoint_interval
-        if interval and self.version % interval == 0:
+        if interval and self.trainer.step_count % interval == 0:
             await self._checkpoint()
-        for delivery in taken:
-            await delivery.ack()
 
-    def _train(self, samples: list[Sample]) -> dict[str, Any]:
-        cfg = self.config.train
-        rewards = [s.reward for s in samples]
-        advantages = group_advantages(rewards, [s.trajectory.task_id for s in samples], self.baseline)
-        rows = [
-            Row(segment, values)
-            for sample, advantage in zip(samples, advantages)
-            for segment, values in zip(
-                sample.trajectory.segments, token_advantages(sample, advantage, cfg.turn_reward_coef, cfg.turn_discount)
-            )
-        ]
-        batches = micro_batches(rows, cfg.micro_batch_tokens, self.tokenizer.pad_token_id or 0, cfg.packing)
-        staleness = [self.version - s.trajectory.oldest_version for s in samples if s.trajectory.oldest_version is not None]
+    def _train(self, groups: list[Group]) -> dict[str, Any]:
+        batch = StepBatch(groups, self.config, self.baseline, self.tokenizer.pad_token_id or 0)
+        staleness = [self.version - v for v in batch.oldest_versions if v is not None]
         self.staleness_seen.update(staleness)
-        metrics = self.trainer.step(batches)
+        self.excluded.update(batch.excluded)
+        metrics = self.trainer.step(batch.minibatches, version=self.version)
+        self.version += 1
         return {
-            "reward_mean": fmean(rewards),
+            "reward_mean": batch.reward_mean,
             "staleness_max": max(staleness, default=0),
-            "staleness_mean": fmean(staleness) if staleness else 0.0,
+            "staleness_mean": sum(staleness) / len(staleness) if staleness else 0.0,
             "staleness_hist": {str(k): v for k, v in sorted(Counter(staleness).items())},
-            "n_samples": len(samples),
-            "stale_dropped": self.counts["stale_dropped"],
-            "unresolved": self.counts["unresolved"],
+            "n_samples": batch.n_samples,
+            "n_groups": len(groups),
+            "excluded_tokens": dict(batch.excluded),
+            **self.counts,
+            **self.batcher.counts,
             **metrics,
         }
 
-    async def _publish(self) -> None:
-        version = self.version
-        await asyncio.to_thread(self.store.publish, self.trainer.model, version)
-        await self._announce(f"weights-v{version}")
-        log.info("published weights v%d", version)
-
-    async def _announce(self, announcement_id: str) -> None:
-        update = WeightUpdate(id=announcement_id, version=self.version, path=str(self.store.path(self.version)), step=self.version)
-        await self.bus.publish(WEIGHTS_SUBJECT, update)
-
     async def _checkpoint(self) -> None:
+        """Save everything, then acknowledge the samples it holds."""
         state = {
             "trainer": self.trainer.state(),
-            "loop": {"counts": dict(self.counts), "baseline": self.baseline.value, "staleness_seen": dict(self.staleness_seen)},
+            "loop": {"counts": dict(self.counts), "baseline": self.baseline.value, "staleness_seen": dict(self.staleness_seen),
+                     "excluded": dict(self.excluded), "batcher": dict(self.batcher.counts), "version": self.version,
+                     "trained": self.trained.to_list()},
         }
-        await asyncio.to_thread(self.checkpoints.save, self.version, self.trainer.model, state)
-        self._checkpointed_at = self.version
+        await asyncio.to_thread(self.checkpoints.save, self.trainer.step_count, self.trainer.model, state)
+        self._checkpointed_at = self.trainer.step_count
+        acknowledged, self.unacknowledged = self.unacknowledged, []
+        for delivery in acknowledged:
+            with contextlib.suppress(Exception):  # a lost ack is a redelivery, dropped by id
+                await delivery.ack()
 
     def _record(self, metrics: dict[str, Any]) -> None:
-        line = {"step": self.version, "version": self.version, **metrics, "elapsed_s": time.monotonic() - self._started}
+        line = {"step": self.trainer.step_count, "version": self.version, **metrics, "elapsed_s": time.monotonic() - self._started}
         self.last_metrics = line
         self.metrics_file.write(json.dumps(line) + "\n")
         self.metrics_file.flush()
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
+        if self._tasks:
+            for task in self._tasks:
+                task.cancel()
+            await asyncio.gather(*self._tasks, return_exceptions=True)
             if self._inflight is not None:
                 with contextlib.suppress(Exception):
                     await self._inflight
-            if self.version > self._checkpointed_at:
+            if self.trainer.step_count > self._checkpointed_at or self.unacknowledged:
                 await self._checkpoint()
-        self.metrics_file.close()
+            self.metrics_file.close()
+        self.ledger.close()
         await self.bus.close()
 
     def stats(self) -> dict[str, Any]:
-        return {"version": self.version, "buffered": len(self.buffer), **self.counts,
-                "staleness_seen": dict(self.staleness_seen), "last": self.last_metrics}
+        return {"version": self.version, "step": self.trainer.step_count, "buffered": self.buffer, **self.counts,
+                **self.batcher.counts, "excluded_tokens": dict(self.excluded), "staleness_seen": dict(self.staleness_seen),
+                "last": self.last_metrics}

@@ -1,14 +1,20 @@
-"""One optimizer step of decoupled PPO over a step's micro-batches.
+"""One training step of decoupled PPO: π_prox recomputed once, then several optimizer steps.
 
-Log-probabilities are computed the way the engine sampled: log softmax(logits / temperature) at
-the exact token ids, position t predicted from position t − 1. A step:
+Log-probabilities are computed the way the engine sampled: log softmax(logits / T) at the exact
+token ids, position t predicted from position t − 1, T being each token's own sampling
+temperature (`train/sampled.py`). A step takes the batch as `actor.ppo_n_minibatches`
+minibatches, each a list of micro-batches:
 
-1. for each micro-batch, π_prox's logprobs in one no-grad pass (when the loss is decoupled; the
-   weights do not change until the optimizer step, so this is the policy at the step's start),
-   then the loss with gradients, divided by the step's total count of loss tokens so that the
-   accumulated gradient is that of one token mean over the whole step; with `actor.kl_coef`, a
-   k3 KL penalty to the frozen reference policy is added per token;
-2. gradient clipping to `actor.optimizer.max_grad_norm`, one AdamW step, one schedule step.
+1. π_prox: one no-grad pass over every micro-batch at the step's start (when
+   `actor.recompute_logprobs`), so every minibatch is weighed against the same proximal
+   policy. `behav_logprob_gap`, the mean |log π_prox − log π_behav| over the tokens the current
+   version sampled, shows that the recomputation reproduces the engine (≈ 0 up to float noise).
+2. per minibatch: the loss with gradients, accumulated over its micro-batches and divided by the
+   minibatch's count of loss tokens (one token mean per minibatch); with `actor.kl_coef`, a k3
+   KL penalty to the frozen reference policy per token; then gradient clipping to
+   `actor.optimizer.max_grad_norm` and one AdamW step. From the second minibatch on π_θ ≠ π_prox,
+   so the PPO clip is a real trust region (`clip_fraction`).
+3. one learning-rate schedule step per training step.
 
 On CUDA the forward passes run under bf16 autocast (the weights and the optimizer stay fp32).
 `train.fsdp` shards the model over a process group (`train/fsdp.py`).
@@ -30,10 +36,34 @@ from train.loss import LossStats, decoupled_ppo_loss
 from train.schedule import make_scheduler
 
 
+class GapStats:
+    """|log π_prox − log π_behav| over the loss tokens that `version` itself sampled."""
+
+    def __init__(self) -> None:
+        self.total = 0.0
+        self.max: float | None = None
+        self.tokens = 0
+
+    def add(self, prox_logp: torch.Tensor, batch: MicroBatch, version: int | None) -> None:
+        if version is None:
+            return
+        own = batch.loss_mask.bool() & (batch.versions == version)
+        diff = (prox_logp - batch.behav_logp)[own].abs()
+        if diff.numel():
+            self.total += float(diff.sum())
+            self.max = max(self.max or 0.0, float(diff.max()))
+            self.tokens += diff.numel()
+
+    @property
+    def mean(self) -> float | None:
+        return self.total / self.tokens if self.tokens else None
+
+
 class Trainer:
     def __init__(self, model: torch.nn.Module, actor: ActorConfig, train: TrainConfig):
         self.actor = actor
         self.device = torch.device(train.device)
+        model.set_attn_implementation(train.attn_implementation)
         self.model = model.to(self.device)
         if train.fsdp:
             self.model = shard(self.model)
@@ -55,7 +85,7 @@ class Trainer:
                 input_ids=batch.input_ids, attention_mask=batch.attention_mask, position_ids=batch.position_ids,
                 use_cache=False,
             ).logits
-        logits = logits[:, :-1].float() / self.actor.temperature
+        logits = logits[:, :-1].float() / batch.temperatures[:, 1:].unsqueeze(2)
         logp_all = torch.log_softmax(logits, dim=-1)
         logp = logp_all.gather(2, batch.input_ids[:, 1:].unsqueeze(2)).squeeze(2)
         entropy = None
@@ -72,53 +102,60 @@ class Trainer:
         moved = {k: v.to(self.device) if isinstance(v, torch.Tensor) else v for k, v in vars(batch).items()}
         return MicroBatch(**moved)
 
-    def step(self, batches: list[MicroBatch]) -> dict[str, Any]:
+    def step(self, minibatches: list[list[MicroBatch]], version: int | None = None) -> dict[str, Any]:
+        """One training step; `version` is the policy version of the current weights (for
+        `behav_logprob_gap`)."""
         started = time.perf_counter()
         self.model.train()
-        self.optimizer.zero_grad(set_to_none=True)
-        total = float(sum(b.loss_mask.sum() for b in batches))
+        minibatches = [[self._to_device(b) for b in minibatch] for minibatch in minibatches if minibatch]
+        prox, gap = self._proximal(minibatches, version)
         stats: LossStats | None = None
-        loss_sum = kl_sum = entropy_sum = 0.0
-        for batch in map(self._to_device, batches):
-            if self.actor.use_decoupled_loss:
-                with torch.no_grad():
-                    prox_logp, _ = self.token_logprobs(batch)
-            else:
-                prox_logp = batch.behav_logp
-            logp, entropy = self.token_logprobs(batch, with_entropy=True)
-            loss, part = decoupled_ppo_loss(
-                logp, prox_logp, batch.behav_logp, batch.advantages, batch.loss_mask, self.actor.eps_clip,
-                self.actor.behav_imp_weight_cap, self.actor.behav_imp_weight_cap_mode, self.actor.dual_clip, denominator=total,
-            )
-            if self.reference is not None:
-                with torch.no_grad():
-                    ref_logp, _ = self.token_logprobs(batch, self.reference)
-                log_ratio = ref_logp - logp
-                kl = ((log_ratio.exp() - log_ratio - 1.0) * batch.loss_mask).sum() / max(total, 1.0)
-                loss = loss + self.actor.kl_coef * kl
-                kl_sum += float(kl.detach())
-            loss.backward()
-            loss_sum += float(loss.detach())
-            entropy_sum += entropy
-            stats = part if stats is None else stats.merge(part)
-        grad_norm = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.actor.optimizer.max_grad_norm))
+        loss_sum = kl_sum = entropy_sum = grad_norm_sum = 0.0
+        for minibatch, minibatch_prox in zip(minibatches, prox):
+            self.optimizer.zero_grad(set_to_none=True)
+            total = float(sum(b.loss_mask.sum() for b in minibatch))
+            for batch, prox_logp in zip(minibatch, minibatch_prox):
+                logp, entropy = self.token_logprobs(batch, with_entropy=True)
+                loss, part = decoupled_ppo_loss(
+                    logp, batch.behav_logp if prox_logp is None else prox_logp, batch.behav_logp, batch.advantages,
+                    batch.loss_mask, self.actor.eps_clip, self.actor.behav_imp_weight_cap,
+                    self.actor.behav_imp_weight_cap_mode, self.actor.dual_clip, denominator=total,
+                )
+                if self.reference is not None:
+                    with torch.no_grad():
+                        ref_logp, _ = self.token_logprobs(batch, self.reference)
+                    log_ratio = ref_logp - logp
+                    kl = ((log_ratio.exp() - log_ratio - 1.0) * batch.loss_mask).sum() / max(total, 1.0)
+                    loss = loss + self.actor.kl_coef * kl
+                    kl_sum += float(kl.detach())
+                loss.backward()
+                loss_sum += float(loss.detach())
+                entropy_sum += entropy
+                stats = part if stats is None else stats.merge(part)
+            grad_norm_sum += float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.actor.optimizer.max_grad_norm))
+            self.optimizer.step()
         lr = self.scheduler.get_last_lr()[0]
-        self.optimizer.step()
         self.scheduler.step()
         self.step_count += 1
-        assert stats is not None
+        assert stats is not None, "a training step needs at least one micro-batch"
+        batches = [b for minibatch in minibatches for b in minibatch]
         computed = sum(b.computed_tokens for b in batches)
         elapsed = time.perf_counter() - started
+        n = len(minibatches)
         return {
-            "loss": loss_sum,
-            "kl": kl_sum if self.reference is not None else None,
-            "grad_norm": grad_norm if math.isfinite(grad_norm) else None,
+            "loss": loss_sum / n,
+            "kl": kl_sum / n if self.reference is not None else None,
+            "grad_norm": grad_norm_sum / n if math.isfinite(grad_norm_sum) else None,
             "lr": lr,
-            "entropy": entropy_sum / max(total, 1.0),
+            "entropy": entropy_sum / max(float(sum(b.loss_mask.sum() for b in batches)), 1.0),
             "clip_fraction": stats.clip_fraction,
             "behav_weight_mean": stats.behav_weight_mean,
             "behav_weight_max": stats.behav_weight_max,
             "capped_fraction": stats.capped_fraction,
+            "behav_logprob_gap": gap.mean,
+            "behav_logprob_gap_max": gap.max,
+            "gap_tokens": gap.tokens,
+            "minibatches": n,
             "tokens": stats.tokens,
             "real_tokens": sum(b.real_tokens for b in batches),
             "computed_tokens": computed,
@@ -126,6 +163,21 @@ class Trainer:
             "step_s": elapsed,
             "tokens_per_s": computed / elapsed if elapsed > 0 else None,
         }
+
+    def _proximal(self, minibatches: list[list[MicroBatch]], version: int | None) -> tuple[list[list[torch.Tensor | None]], "GapStats"]:
+        """π_prox's logprobs of every micro-batch (None where the loss is not decoupled: it
+        uses π_behav), and how far they are from the engine's on the current version's tokens."""
+        gap = GapStats()
+        if not self.actor.recompute_logprobs:
+            return [[None] * len(minibatch) for minibatch in minibatches], gap
+        prox = []
+        with torch.no_grad():
+            for minibatch in minibatches:
+                logps = [self.token_logprobs(batch)[0] for batch in minibatch]
+                for batch, logp in zip(minibatch, logps):
+                    gap.add(logp, batch, version)
+                prox.append(logps if self.actor.use_decoupled_loss else [None] * len(minibatch))
+        return prox, gap
 
     def state(self) -> dict[str, Any]:
         return {"optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict(), "step": self.step_count}

@@ -1,0 +1,46 @@
+"""Which samples made which version: `run_dir/trained.jsonl`, one line per training step.
+
+    {"step": 12, "version": 12, "samples": ["<sample id>", ...]}
+
+A trainer that restarts from a checkpoint writes `{"resumed_at_step": N}` first: the steps
+after N that the previous process wrote belong to weights that no longer lead anywhere (their
+samples were not acknowledged, and are trained again). `lineage` reads the file the way it is
+meant: the steps that made the current weights, each once.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, TextIO
+
+
+class Ledger:
+    def __init__(self, path: Path):
+        self.path = path
+        self._file: TextIO = path.open("a")
+
+    def _write(self, line: dict[str, Any]) -> None:
+        self._file.write(json.dumps(line) + "\n")
+        self._file.flush()
+
+    def resumed(self, step: int) -> None:
+        self._write({"resumed_at_step": step})
+
+    def trained(self, step: int, version: int, sample_ids: list[str]) -> None:
+        self._write({"step": step, "version": version, "samples": sample_ids})
+
+    def close(self) -> None:
+        self._file.close()
+
+
+def lineage(path: Path) -> list[dict[str, Any]]:
+    """The steps that led to the newest weights, in order."""
+    steps: list[dict[str, Any]] = []
+    for raw in path.read_text().splitlines():
+        line = json.loads(raw)
+        if "resumed_at_step" in line:
+            steps = [s for s in steps if s["step"] <= line["resumed_at_step"]]
+        else:
+            steps.append(line)
+    return steps
