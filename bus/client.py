@@ -7,7 +7,8 @@ record id, so JetStream drops a re-publish of the same record inside its duplica
 (`bus/pull.py`): it resumes where the named consumer left off after a restart, and delivers
 each message until it is acked (at-least-once). A message that does not decode as its
 subject's record type is terminated and counted, never allowed to crash a loop. `resolve`
-attaches to a `Sample` the trajectory it refers to.
+attaches to a `Sample` the trajectory it refers to. Records of any size are carried whole: one
+larger than a NATS message goes through the object store (`bus/large.py`).
 """
 
 from __future__ import annotations
@@ -20,11 +21,11 @@ from dataclasses import dataclass
 import msgspec
 import nats
 from nats.aio.msg import Msg
-from nats.errors import MaxPayloadError
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy, StreamConfig
 from nats.js.errors import NotFoundError
 
 from bus.acks import PublishAcks
+from bus.large import HEADER, HEADROOM, LargeRecords, is_large, read_payload
 from bus.pull import PullRequests
 from bus.records import Record, Sample, Trajectory, decode, encode
 from bus.streams import RECORD_TYPES, STREAMS, TRAJECTORIES, StreamSpec
@@ -82,10 +83,17 @@ class Consumer:
         position and pending records are kept), then pull from it."""
         if self._pull is None:
             js = self._bus.js
-            stream = await js.find_stream_name_by_subject(self.subject)
-            await js.add_consumer(stream, config=self._config)
-            self._pull = PullRequests(self._bus.nc, stream, self.durable)
+            self.stream = await js.find_stream_name_by_subject(self.subject)
+            await js.add_consumer(self.stream, config=self._config)
+            self._pull = PullRequests(self._bus.nc, self.stream, self.durable)
         return self._pull
+
+    async def unacknowledged(self) -> tuple[int, int]:
+        """(how many records were delivered and not acknowledged yet, the highest stream
+        sequence delivered so far): what a previous consumer still held when it stopped."""
+        await self._requests()
+        info = await self._bus.js.consumer_info(self.stream, self.durable)
+        return info.num_ack_pending, info.delivered.stream_seq
 
     async def fetch(self, batch: int = 256, timeout_s: float = 1.0) -> list[Delivery]:
         """Up to `batch` records; an empty list when none arrived within `timeout_s`."""
@@ -96,7 +104,8 @@ class Consumer:
             try:
                 if kind is None:
                     raise msgspec.ValidationError(f"no record type is defined for {msg.subject}")
-                out.append(Delivery(decode(msg.data, kind), msg))
+                data = await read_payload(self._bus, msg.data, msg.headers) if is_large(msg.headers) else msg.data
+                out.append(Delivery(decode(data, kind), msg))
             except (msgspec.ValidationError, msgspec.DecodeError) as exc:
                 self.malformed += 1
                 log.error("dropping malformed record on %s: %s", msg.subject, exc)
@@ -125,6 +134,7 @@ class Bus:
         self.nc = nc
         self.js = nc.jetstream()
         self._acks = PublishAcks(nc)
+        self.large = LargeRecords(self.js)
 
     @property
     def publishes_in_flight(self) -> int:
@@ -172,7 +182,7 @@ class Bus:
     ) -> list[BaseException | None]:
         """Publish records pipelined: send them all, then wait for JetStream's acks together
         (one round trip and no task per record). Per record: None once it is durable, else the
-        error (`MaxPayloadError` for one larger than the server accepts, `TimeoutError`, ...)."""
+        error (`TimeoutError`, ...)."""
         kind = RECORD_TYPES[subject]
         for record in records:
             if not isinstance(record, kind):
@@ -190,9 +200,11 @@ class Bus:
 
     async def _send(self, subject: str, record: Record) -> asyncio.Future:
         payload = encode(record)
-        if len(payload) > self.nc.max_payload:
-            raise MaxPayloadError(f"{len(payload)} bytes; the server accepts {self.nc.max_payload}")
-        return await self._acks.send(subject, payload, headers={"Nats-Msg-Id": record.id})
+        headers = {"Nats-Msg-Id": record.id}
+        if len(payload) > self.nc.max_payload - HEADROOM:
+            headers[HEADER] = await self.large.put(subject, record.id, payload)
+            payload = b""
+        return await self._acks.send(subject, payload, headers=headers)
 
     async def resolve(self, sample: Sample) -> bool:
         """Attach the trajectory a sample refers to (nothing to do if it carries one). False if
@@ -202,7 +214,7 @@ class Bus:
             return True
         try:
             raw = await self.js.get_msg(TRAJECTORIES.name, sample.trajectory_seq, direct=True)
-            trajectory = decode(raw.data, Trajectory)
+            trajectory = decode(await read_payload(self, raw.data, raw.headers), Trajectory)
         except (NotFoundError, msgspec.ValidationError, msgspec.DecodeError) as exc:
             log.error("sample %s: no trajectory at TRAJECTORIES #%s (%s)", sample.id, sample.trajectory_seq, exc)
             return False
@@ -224,7 +236,7 @@ class Bus:
             raw = await self.js.get_last_msg(stream, subject)
         except NotFoundError:
             return None
-        return decode(raw.data, RECORD_TYPES[subject])
+        return decode(await read_payload(self, raw.data, raw.headers), RECORD_TYPES[subject])
 
     async def follow(self, subject: str, from_last: bool = True) -> AsyncIterator[Record]:
         """Every new record on a subject (starting with the newest existing one if `from_last`),
@@ -237,7 +249,7 @@ class Bus:
             while True:
                 msg = await queue.get()
                 try:
-                    yield decode(msg.data, kind)
+                    yield decode(await read_payload(self, msg.data, msg.headers), kind)
                 except (msgspec.ValidationError, msgspec.DecodeError) as exc:
                     log.error("ignoring malformed %s record: %s", kind.__name__, exc)
         finally:

@@ -19,6 +19,7 @@ from nats.js.api import DeliverPolicy
 
 from bus.client import Bus
 from bus.embedded import read_bus_url
+from bus.large import read_payload
 from bus.records import decode, encode
 from bus.streams import (
     RECORD_TYPES,
@@ -51,13 +52,13 @@ def resolve_subject(name: str) -> str:
     raise ValueError(f"unknown stream or subject {name!r}; accepted: {accepted}, or a flywheel.* subject")
 
 
-def _as_json(msg: Any) -> str:
+async def _as_json(bus: Bus, msg: Any) -> str:
     """A message as one JSON line: the record re-encoded, or what is wrong with it."""
     kind = RECORD_TYPES.get(msg.subject)
     try:
         if kind is None:
             raise msgspec.ValidationError(f"no record type is defined for {msg.subject}")
-        return encode(decode(msg.data, kind), "json").decode()
+        return encode(decode(await read_payload(bus, msg.data, msg.headers), kind), "json").decode()
     except (msgspec.DecodeError, msgspec.ValidationError) as exc:
         return json.dumps({"subject": msg.subject, "malformed": str(exc)})
 
@@ -78,7 +79,7 @@ async def tail(url: str, subject: str, follow: bool, limit: int | None, out=sys.
     try:
         while limit is None or count < limit:
             msg = await queue.get()
-            out.write(_as_json(msg) + "\n")
+            out.write(await _as_json(bus, msg) + "\n")
             out.flush()
             count += 1
             if not follow and msg.metadata.num_pending == 0:

@@ -2,20 +2,24 @@
 
 Consumes the TRAFFIC stream with a durable consumer and feeds the `SessionTracker`. A record is
 acknowledged only after the trajectory it went into has been published (or after it was found
-to be a duplicate, or part of a session with nothing to train on), so a collector that dies
-loses nothing: its unacknowledged records are redelivered to the next one, which rebuilds the
-open sessions, and JetStream drops the re-publish of a trajectory already sent (same id).
+to be a duplicate, or part of a session with nothing to train on); until then it is kept from
+redelivery with progress acknowledgements (`bus/keepalive.py`), so the ack wait is short. A
+collector that dies loses nothing: within an ack wait its records are redelivered to the next
+one, which rebuilds the open sessions in stream order before taking anything newer
+(`collect/recovery.py`), and JetStream drops the re-publish of a trajectory already sent (same
+id, within its duplicate window).
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 from typing import Any
 
 from bus import TRAFFIC_SUBJECTS, TRAJECTORY_SUBJECT, Bus, Delivery
+from bus.keepalive import keep_alive
 from bus.process import repeat
+from collect.recovery import RestartBarrier
 from collect.tracker import Closed, SessionTracker
 from config import FlywheelConfig
 
@@ -28,19 +32,31 @@ class CollectLoop:
         self.bus_url = bus_url
         self.durable = durable
         self.tracker = SessionTracker(config.collect)
-        self._task: asyncio.Task | None = None
+        self._tasks: list[asyncio.Task] = []
 
     async def start(self) -> None:
         self.bus = await Bus.connect(self.bus_url, name="collect")
-        # Open sessions hold their records unacknowledged: allow many, for a long time.
-        self.consumer = self.bus.consumer(
-            TRAFFIC_SUBJECTS, self.durable, ack_wait_s=max(3600.0, 2 * self.config.collect.idle_timeout_s)
-        )
+        ack_wait = self.config.bus.ack_wait_s
+        self.consumer = self.bus.consumer(TRAFFIC_SUBJECTS, self.durable, ack_wait_s=ack_wait)
+        outstanding, last_delivered = await self.consumer.unacknowledged()
+        self._barrier = RestartBarrier(outstanding, last_delivered, ack_wait) if outstanding else None
         self._closed: list[Closed] = []
-        self._task = asyncio.create_task(repeat(self._step, "collect"), name="collect")
+        self._tasks = [
+            asyncio.create_task(repeat(self._step, "collect"), name="collect"),
+            asyncio.create_task(repeat(lambda: keep_alive(self._held, ack_wait), "collect.keepalive"), name="keepalive"),
+        ]
+
+    def _held(self) -> list[Delivery]:
+        barrier = self._barrier.held if self._barrier is not None else []
+        return [*self.tracker.handles(), *barrier, *(h for item in self._closed for h in item.handles)]
 
     async def _step(self) -> None:
-        deliveries: list[Delivery] = await self.consumer.fetch(batch=512, timeout_s=0.25)
+        deliveries: list[Delivery] | None = await self.consumer.fetch(batch=512, timeout_s=0.25)
+        if self._barrier is not None:
+            deliveries = self._barrier.hold(deliveries)
+            if deliveries is None:
+                return
+            self._barrier = None
         for delivery in deliveries:
             self._closed.extend(self.tracker.add(delivery.record, delivery))
         self._closed.extend(self.tracker.expire())
@@ -71,11 +87,11 @@ class CollectLoop:
         return failures
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
         await self.bus.close()
 
     def stats(self) -> dict[str, Any]:
-        return {**self.tracker.counts, "open_sessions": self.tracker.open_sessions, "malformed": self.consumer.malformed}
+        return {**self.tracker.counts, "open_sessions": self.tracker.open_sessions, "malformed": self.consumer.malformed,
+                "recovering": self._barrier is not None}

@@ -28,8 +28,9 @@ the tokens are in its `segments` once, where `turn_spans` locate each turn's sam
 grow with the square of its length).
 
 Sessions with only side turns produce nothing. Turns are ordered by `turn_index` whatever order
-they arrive in, and deduplicated by id (also after their session was emitted, for the last
-`remember_closed` sessions).
+they arrive in. Records are deduplicated by id: a repeat of one its session holds (the bus
+delivered it again) is kept with the session, to be acknowledged with it, and a repeat of one
+already emitted (for the last `remember_closed` sessions) is acknowledged at once.
 
 The tracker is pure bookkeeping: each record comes with an opaque `handle` (the bus delivery),
 and every closed session is returned with the handles of everything that went into it, for the
@@ -63,6 +64,8 @@ class _Session:
     turns: dict[str, Turn] = field(default_factory=dict)
     feedback: list[SessionEvent] = field(default_factory=list)
     handles: list[Any] = field(default_factory=list)
+    seen: set[str] = field(default_factory=set)
+    """Ids of every record (turn or event) that went into the session."""
     close_reason: str | None = None
     last_seen: float = 0.0
     tokens_bound: int = 0
@@ -101,7 +104,7 @@ class SessionTracker:
         """Sessions receiving traffic, least recently active first (idle expiry is O(expired))."""
         self._waiting: OrderedDict[str, tuple[float, _Session]] = OrderedDict()
         """Ended sessions waiting for a reward, with their deadline, earliest first."""
-        self._emitted_turns = RecentIds(config.remember_closed)
+        self._emitted_records = RecentIds(config.remember_closed)
         self._emitted_sessions = RecentIds(config.remember_closed)
         self.counts = {
             "turns": 0, "duplicates": 0, "side_turns": 0, "events": 0, "trajectories": 0, "empty": 0,
@@ -113,9 +116,30 @@ class SessionTracker:
         return len(self._open) + len(self._waiting)
 
     def add(self, record: Turn | SessionEvent, handle: Any = None) -> list[Closed]:
+        repeat = self._repeat(record, handle)
+        if repeat is not None:
+            return repeat
         if isinstance(record, Turn):
             return self._add_turn(record, handle)
         return self._add_event(record, handle)
+
+    def handles(self) -> list[Any]:
+        """The handles of every record held in a session not emitted yet."""
+        sessions = [*self._open.values(), *(session for _, session in self._waiting.values())]
+        return [handle for session in sessions for handle in session.handles]
+
+    def _repeat(self, record: Turn | SessionEvent, handle: Any) -> list[Closed] | None:
+        """None for a record not seen before; else what to do with a repeat of it."""
+        waiting = self._waiting.get(record.session_id)
+        for session in (self._open.get(record.session_id), waiting and waiting[1]):
+            if session is not None and record.id in session.seen:
+                self.counts["duplicates"] += 1
+                session.handles.append(handle)
+                return []
+        if record.id in self._emitted_records:
+            self.counts["duplicates"] += 1
+            return [Closed(None, [handle])]
+        return None
 
     def expire(self) -> list[Closed]:
         """Emit sessions idle for longer than the timeout and those whose grace period is over."""
@@ -143,23 +167,14 @@ class SessionTracker:
         session.last_seen = self._clock()
         return session
 
-    def _is_duplicate(self, turn: Turn) -> bool:
-        if turn.id in self._emitted_turns:
-            return True
-        open_session = self._open.get(turn.session_id)
-        waiting = self._waiting.get(turn.session_id)
-        return any(s is not None and turn.id in s.turns for s in (open_session, waiting and waiting[1]))
-
     def _add_turn(self, turn: Turn, handle: Any) -> list[Closed]:
-        if self._is_duplicate(turn):
-            self.counts["duplicates"] += 1
-            return [Closed(None, [handle])]
         waiting = self._waiting.get(turn.session_id)
         if waiting is not None and turn.turn_type == "main" and turn.turn_index <= waiting[1].last_turn_index:
             session = waiting[1]  # a straggler of the ended session
         else:
             session = self._touch(turn.session_id)
         session.handles.append(handle)
+        session.seen.add(turn.id)
         if turn.turn_type == "side":
             self.counts["side_turns"] += 1
             return []
@@ -189,6 +204,7 @@ class SessionTracker:
         if sid in self._waiting:
             _, session = self._waiting[sid]
             session.handles.append(handle)
+            session.seen.add(event.id)
             if event.kind == "feedback":
                 session.feedback.append(event)
                 if event.turn_index is None:
@@ -202,6 +218,7 @@ class SessionTracker:
             return [Closed(None, [handle])]
         session = self._touch(sid)
         session.handles.append(handle)
+        session.seen.add(event.id)
         if event.kind == "end":
             session.close_reason = session.close_reason or "end"
         else:
@@ -222,11 +239,11 @@ class SessionTracker:
         return [self._emit(session, session.close_reason)]
 
     def _emit(self, session: _Session, reason: str) -> Closed:
+        self._emitted_records.add(session.seen)
         if not session.turns:
             self.counts["empty"] += 1
             return Closed(None, session.handles)
         turns = sorted(session.turns.values(), key=_turn_order)
-        self._emitted_turns.add(t.id for t in turns)
         self._emitted_sessions.add([session.session_id])
         segments = stitch(turns)
         self.counts["trajectories"] += 1

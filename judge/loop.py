@@ -14,8 +14,9 @@ the trajectory acknowledged:
 Both records carry the trajectory's id, so a re-publish after a crash is dropped as a
 duplicate. If publishing fails (the bus is away), the trajectory is negatively acknowledged and
 judged again on redelivery: nothing is lost, and one judgement failing never stops the loop.
-The consumer's ack wait is the deadline plus a margin, so a trajectory being judged is not
-redelivered meanwhile. Other loops never wait on this one: it only consumes.
+The consumer's ack wait is short (`bus.ack_wait_s`), so a judge that dies has its trajectories
+redelivered to the next one promptly; the ones being judged are kept from redelivery meanwhile
+(`bus/keepalive.py`). Other loops never wait on this one: it only consumes.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from typing import Any
 
 from bus import SAMPLE_SUBJECT, TRAJECTORY_SUBJECT, UNSCORED_SUBJECT, Bus, Sample, Trajectory, Unscored
 from bus.client import Delivery
+from bus.keepalive import keep_alive
 from bus.process import repeat
 from config import FlywheelConfig
 from judge.base import Unscorable, Verdict
@@ -35,8 +37,6 @@ from judge.registry import build_judge
 
 log = logging.getLogger(__name__)
 
-ACK_MARGIN_S = 60.0
-"""How much longer than the deadline a fetched trajectory stays unacknowledged before redelivery."""
 REDELIVERY_DELAY_S = 1.0
 """Pause before a trajectory whose result could not be published is delivered again."""
 
@@ -51,26 +51,28 @@ class JudgeLoop:
         self.unscored: Counter[str] = Counter()
         """Unscored trajectories by reason category (`no reward`, `no valid vote`, `deadline`, ...)."""
         self.publish_failures = 0
-        self._in_flight: set[asyncio.Task] = set()
-        self._task: asyncio.Task | None = None
+        self._in_flight: dict[asyncio.Task, Delivery] = {}
+        self._tasks: list[asyncio.Task] = []
 
     async def start(self) -> None:
         await self.judge.start()
         self.bus = await Bus.connect(self.bus_url, name="judge")
-        self.consumer = self.bus.consumer(
-            TRAJECTORY_SUBJECT, self.durable, ack_wait_s=self.config.judge.deadline_s + ACK_MARGIN_S
-        )
-        self._task = asyncio.create_task(repeat(self._step, "judge"), name="judge")
+        ack_wait = self.config.bus.ack_wait_s
+        self.consumer = self.bus.consumer(TRAJECTORY_SUBJECT, self.durable, ack_wait_s=ack_wait)
+        self._tasks = [
+            asyncio.create_task(repeat(self._step, "judge"), name="judge"),
+            asyncio.create_task(repeat(lambda: keep_alive(self._in_flight.values, ack_wait), "judge.keepalive"), name="keepalive"),
+        ]
 
     async def _step(self) -> None:
         room = self.config.judge.max_concurrency - len(self._in_flight)
         if room <= 0:
-            await asyncio.wait(self._in_flight, return_when=asyncio.FIRST_COMPLETED)
+            await asyncio.wait(list(self._in_flight), return_when=asyncio.FIRST_COMPLETED)
             return
         for delivery in await self.consumer.fetch(batch=room, timeout_s=0.5):
             task = asyncio.create_task(self._handle(delivery), name=f"judge {delivery.record.id}")
-            self._in_flight.add(task)
-            task.add_done_callback(self._in_flight.discard)
+            self._in_flight[task] = delivery
+            task.add_done_callback(lambda done: self._in_flight.pop(done, None))
 
     async def _handle(self, delivery: Delivery) -> None:
         trajectory = delivery.record
@@ -120,7 +122,7 @@ class JudgeLoop:
 
     async def stop(self) -> None:
         """Stop fetching and abandon judgements in flight (unacknowledged: they are redelivered)."""
-        tasks = [t for t in [self._task, *self._in_flight] if t is not None]
+        tasks = [*self._tasks, *self._in_flight]
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)

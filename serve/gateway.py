@@ -26,7 +26,7 @@ from serve.errors import APIError, install_error_handlers
 from serve.generation import Generation
 from serve.limits import ConcurrencyLimiter, install_body_limit, request_timeout
 from serve.metrics import ServeMetrics, install_metrics_route, install_request_metrics
-from serve.recorder import Recorder
+from serve.recorder import RecordLost, Recorder
 from serve.schema import ChatCompletionRequest, CompletionRequest
 from serve.sessions import FeedbackRequest, SessionInfo, session_of
 from serve.sse import EventStreamResponse
@@ -133,6 +133,8 @@ def create_gateway(pool: EnginePool, tokenizer: Any, recorder: Recorder, model_n
                 return await generation.complete()
         except EngineError as exc:
             raise APIError(exc.status, str(exc)) from None
+        except RecordLost as exc:
+            raise APIError(503, f"the answer could not be recorded ({exc}); send the request again", code="not_recorded") from None
 
     @app.get("/health")
     async def health() -> dict[str, Any]:
@@ -156,7 +158,8 @@ def create_gateway(pool: EnginePool, tokenizer: Any, recorder: Recorder, model_n
         session = session_of(request.headers, body.metadata, body.user)
         return await run(body, session, prompts.completion(body, session))
 
-    def session_event(session_id: str, kind: str, feedback: FeedbackRequest | None = None) -> dict[str, Any]:
+    async def session_event(session_id: str, kind: str, feedback: FeedbackRequest | None = None) -> dict[str, Any]:
+        """Record a session event; answered only once it is durable (a 200 means it is kept)."""
         event = SessionEvent(
             id=uuid.uuid4().hex,
             session_id=session_id,
@@ -166,16 +169,19 @@ def create_gateway(pool: EnginePool, tokenizer: Any, recorder: Recorder, model_n
             text=feedback.text if feedback else None,
             source=feedback.source if feedback else "user",
         )
-        recorder.record(SESSION_EVENT_SUBJECT, event)
+        try:
+            await recorder.durable(SESSION_EVENT_SUBJECT, event)
+        except RecordLost as exc:
+            raise APIError(503, f"the event could not be recorded ({exc}); send it again", code="not_recorded") from None
         return {"id": event.id, "object": "session.event", "session_id": session_id, "kind": kind}
 
     @app.post("/v1/sessions/{session_id}/feedback")
     async def feedback(session_id: str, body: FeedbackRequest) -> dict[str, Any]:
         stats.feedback += 1
-        return session_event(session_id, "feedback", body)
+        return await session_event(session_id, "feedback", body)
 
     @app.post("/v1/sessions/{session_id}/end")
     async def end(session_id: str) -> dict[str, Any]:
-        return session_event(session_id, "end")
+        return await session_event(session_id, "end")
 
     return app

@@ -1,8 +1,12 @@
 """One chat or completions request in flight: its n choices against an engine, the OpenAI
 answer (whole, or as server-sent events), and a recorded turn per choice when it ends.
 
-Every path ends in `_record`: a finished answer, an engine error, and a client that disconnects
-mid-stream (its choices are aborted in the engine and recorded with `client_disconnected`).
+Every path records its turns: a finished answer, an engine error, a timeout, and a client that
+disconnects mid-stream (its choices are aborted in the engine and recorded with
+`client_disconnected`). What the client is told ends only once its turns are durable (on the
+bus, or fsync'd to the spill file): a whole answer is sent, and a stream's last events with
+`[DONE]`, after `Recorder.durable`; if the turns cannot be kept, a whole answer is a 503 and a
+stream ends with an error event instead of `[DONE]`.
 """
 
 from __future__ import annotations
@@ -29,7 +33,7 @@ from serve.formatting import (
     usage,
     usage_chunk,
 )
-from serve.recorder import Recorder
+from serve.recorder import RecordLost, Recorder
 from serve.schema import ChatCompletionRequest, CompletionRequest, sampling_params
 from serve.sessions import SessionInfo
 from serve.sse import DONE
@@ -79,11 +83,14 @@ class Generation:
     # ---- whole answers ---------------------------------------------------------------------
 
     async def complete(self) -> dict[str, Any]:
+        """The whole answer, once its turns are durable (`RecordLost` if they cannot be)."""
         try:
             responses = await asyncio.gather(*(self.engine.generate(self._engine_body(i)) for i in range(self.body.n)))
             self.choices = [Choice.from_response(i, c.rid, r) for i, (c, r) in enumerate(zip(self.choices, responses))]
-        finally:
+        except BaseException:
             self._record()
+            raise
+        await self._record_durably()
         return self._answer()
 
     def _answer(self) -> dict[str, Any]:
@@ -122,7 +129,7 @@ class Generation:
 
     @staticmethod
     def _error_event(exc: Exception) -> bytes:
-        message = str(exc) if isinstance(exc, EngineError) else f"internal error: {type(exc).__name__}"
+        message = str(exc) if isinstance(exc, (EngineError, RecordLost)) else f"internal error: {type(exc).__name__}"
         return _sse({"error": {"message": message, "type": "server_error", "param": None, "code": None}})
 
     def _usage_event(self) -> bytes:
@@ -189,7 +196,7 @@ class Generation:
                 tail = _sse(self._final_chunk(choice, streamed[0]))
                 if self.body.include_usage:
                     tail += self._usage_event()
-            yield head + tail + DONE
+            yield head + await self._durable_end(tail)
         except (GeneratorExit, asyncio.CancelledError):  # the client went away
             choice.disconnected = choice.finish is None
             raise
@@ -249,7 +256,7 @@ class Generation:
             else:
                 if self.body.include_usage:
                     tail += self._usage_event()
-            yield tail + DONE
+            yield await self._durable_end(tail)
         except (GeneratorExit, asyncio.CancelledError):  # the client went away
             for choice in self.choices:
                 choice.disconnected = choice.finish is None
@@ -294,13 +301,33 @@ class Generation:
             delta["tool_calls"] = [{"index": k, **call} for k, call in enumerate(message["tool_calls"])]
         return chat_chunk(self.response_id, self.created, self.model_name, version, choice.index, delta, finish)
 
+    async def _durable_end(self, tail: bytes) -> bytes:
+        """The stream's last events: `tail` and `[DONE]` once the turns are durable; else an
+        error event (and no `[DONE]`)."""
+        try:
+            await self._record_durably()
+        except RecordLost as exc:
+            return tail + self._error_event(exc)
+        return tail + DONE
+
     # ---- recording -------------------------------------------------------------------------
 
     def _record(self) -> None:
+        """Record the turns (not waiting for them to be durable)."""
+        for turn in self._turns():
+            self.recorder.record(TURN_SUBJECT, turn)
+
+    async def _record_durably(self) -> None:
+        """Record the turns and wait until they are durable; `RecordLost` if they cannot be."""
+        await asyncio.gather(*(self.recorder.durable(TURN_SUBJECT, turn) for turn in self._turns()))
+
+    def _turns(self) -> list[Turn]:
+        """The request's turns, once (later calls: none)."""
         if self._recorded:
-            return
+            return []
         self._recorded = True
         several = self.body.n > 1
+        turns = []
         for choice in self.choices:
             if self.chat:
                 response, finish = chat_message(choice, self.tools_active, self.forced)
@@ -308,7 +335,7 @@ class Generation:
                 response, finish = {"text": choice.text}, choice.finish_reason
             if choice.disconnected or choice.finish is None:
                 finish = "abort"
-            self.recorder.record(TURN_SUBJECT, Turn(
+            turns.append(Turn(
                 id=choice.rid,
                 session_id=f"{self.session.session_id}/{choice.index}" if several else self.session.session_id,
                 turn_index=sum(1 for m in self.body.messages if m.role == "assistant") if self.chat else 0,
@@ -335,6 +362,7 @@ class Generation:
             ))
         if self.on_finish is not None:
             self.on_finish(self)
+        return turns
 
 
 def _sse(obj: dict[str, Any]) -> bytes:

@@ -1,6 +1,9 @@
 """Publishes turn records and session events to the bus, off the response path, losing nothing.
 
-`record()` never blocks and never raises. Normally it puts the record on a bounded in-memory
+`record()` never blocks and never raises; `durable()` waits until the record is safe: acknowledged
+by JetStream, or written and fsync'd to a spill file. The gateway answers a client (a feedback
+200, a stream's final `[DONE]`, a whole completion) only after `durable()`, so whatever a client
+was told is recorded survives a kill -9 of the gateway. Normally a record goes on a bounded in-memory
 queue that one background task (`run`) publishes in order, so a session's feedback follows the
 turns recorded before it. With a spill directory, the recorder switches to disk when the queue
 is full, when the bus connection is down, or when a publish fails: what is queued moves to the
@@ -12,8 +15,8 @@ was in flight when the switch happened may be published twice: JetStream drops t
 its `Nats-Msg-Id` inside its duplicate window, and consumers deduplicate by id beyond it.
 
 Without a spill directory a full queue drops the record (counted in `dropped`) and a failed
-publish is retried with backoff until the bus answers. Either way, a record larger than the bus
-accepts (NATS `max_payload`) is dropped and counted rather than retried forever.
+publish is retried with backoff until the bus answers. Records of any size are published whole
+(`bus/large.py`).
 """
 
 from __future__ import annotations
@@ -21,12 +24,12 @@ from __future__ import annotations
 import asyncio
 import collections
 import logging
+import os
 from collections.abc import Iterator
 from pathlib import Path
 from typing import BinaryIO
 
 import msgspec
-from nats.errors import MaxPayloadError
 
 from bus import Bus, Record, decode, encode
 from bus.streams import RECORD_TYPES
@@ -72,7 +75,7 @@ class SpillLog:
         return not self._files
 
     def append(self, entries: list[tuple[str, Record]]) -> None:
-        """Write records at the end, in order (flushed to the OS: a process crash loses nothing)."""
+        """Write records at the end, in order, and fsync them: once this returns they are on disk."""
         data = b"".join(msgspec.json.encode(SpillLine(s, msgspec.Raw(encode(r, "json")))) + b"\n" for s, r in entries)
         if self._writer is None or self._writer.tell() > SPILL_FILE_BYTES:
             self.close()
@@ -80,8 +83,10 @@ class SpillLog:
             self._next += 1
             self._writer = path.open("ab")
             self._files.append(path)
+            _fsync_directory(self.directory)  # the new file's name is durable too
         self._writer.write(data)
         self._writer.flush()
+        os.fsync(self._writer.fileno())
         self.backlog += len(entries)
 
     def oldest(self) -> Path | None:
@@ -112,11 +117,26 @@ class SpillLog:
             self._writer = None
 
 
+def _fsync_directory(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+class RecordLost(RuntimeError):
+    """A record could be neither published nor saved to disk."""
+
+
+_Entry = tuple[str, Record, "asyncio.Future[None] | None"]
+
+
 class Recorder:
     def __init__(self, bus: Bus, maxsize: int = 10_000, spill_dir: Path | None = None):
         self._bus = bus
         self._maxsize = maxsize
-        self._queue: collections.deque[tuple[str, Record]] = collections.deque()
+        self._queue: collections.deque[_Entry] = collections.deque()
         """The head stays here while it is being published, until it is acknowledged."""
         self._spill = SpillLog(Path(spill_dir)) if spill_dir is not None else None
         self._spilling = self._spill is not None and not self._spill.empty
@@ -140,8 +160,18 @@ class Recorder:
 
     def record(self, subject: str, record: Record) -> bool:
         """Hand a record over for publishing; False (and counted in `dropped`) if it is lost."""
+        return self._take(subject, record, None)
+
+    async def durable(self, subject: str, record: Record) -> None:
+        """Hand a record over and wait until it is durable (acknowledged by JetStream, or
+        fsync'd to a spill file); `RecordLost` if it can be neither."""
+        done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._take(subject, record, done)
+        await done
+
+    def _take(self, subject: str, record: Record, done: asyncio.Future[None] | None) -> bool:
         if not isinstance(record, RECORD_TYPES.get(subject, ())):
-            return self._drop(record, f"{subject} does not carry {type(record).__name__}")
+            return self._drop(record, f"{subject} does not carry {type(record).__name__}", done)
         if self._spill is not None and (
             self._spilling or self._stopped or len(self._queue) >= self._maxsize or not self._bus.nc.is_connected
         ):
@@ -151,19 +181,21 @@ class Recorder:
                 if self._stopped:
                     self._spill.close()  # no publisher will close it
             except OSError as exc:
-                return self._drop(record, f"spill to {self._spill.directory} failed: {exc}")
+                return self._drop(record, f"spill to {self._spill.directory} failed: {exc}", done)
             self.spilled += 1
+            _settle(done)
         elif len(self._queue) >= self._maxsize:
-            return self._drop(record, "queue full")
+            return self._drop(record, "queue full", done)
         else:
-            self._queue.append((subject, record))
+            self._queue.append((subject, record, done))
         self._drained.clear()
         self._work.set()
         return True
 
-    def _drop(self, record: Record, reason: str) -> bool:
+    def _drop(self, record: Record, reason: str, done: asyncio.Future[None] | None = None) -> bool:
         self.dropped += 1
         log.error("recorder dropped %s %s: %s", type(record).__name__, record.id, reason)
+        _settle(done, RecordLost(f"{type(record).__name__} {record.id} was not recorded: {reason}"))
         return False
 
     def _move_queue_to_disk(self) -> None:
@@ -173,10 +205,12 @@ class Recorder:
         assert self._spill is not None
         moved = list(self._queue)
         if moved:
-            self._spill.append(moved)
+            self._spill.append([(subject, record) for subject, record, _ in moved])
             self.spilled += len(moved)
             self._queue.clear()
             self._moves += 1
+            for _, _, done in moved:
+                _settle(done)
         self._spilling = True
         if moved or not self._stopped:  # a clean stop with nothing queued is not news
             log.warning("recorder spilling to %s (%d queued records moved)", self._spill.directory, len(moved))
@@ -204,27 +238,18 @@ class Recorder:
                 except OSError:
                     log.exception("could not save %d queued records to %s", len(self._queue), self._spill.directory)
                 self._spill.close()
+            for _, record, done in self._queue:  # kept in memory (or lost with the process), not durable
+                _settle(done, RecordLost(f"{type(record).__name__} {record.id}: the recorder stopped before publishing it"))
 
-    async def _publish(self, subject: str, record: Record) -> bool:
-        """True once acknowledged; False for a record too large for the bus, which can never be
-        published. Other failures raise, for the caller to retry or spill."""
-        try:
-            await self._bus.publish(subject, record)
-            return True
-        except MaxPayloadError:
-            return False
-
-    def _settled(self, record: Record, acked: bool) -> None:
-        if acked:
-            self.published += 1
-        else:
-            self._drop(record, f"larger than the bus accepts ({self._bus.nc.max_payload} bytes)")
+    def _published(self, done: asyncio.Future[None] | None = None) -> None:
+        self.published += 1
+        _settle(done)
 
     async def _publish_head(self) -> None:
-        subject, record = self._queue[0]
+        subject, record, done = self._queue[0]
         moves = self._moves
         try:
-            acked = await self._publish(subject, record)
+            await self._bus.publish(subject, record)
         except Exception as exc:
             if moves != self._moves:
                 return  # it went to disk meanwhile and will be published from there
@@ -241,7 +266,7 @@ class Recorder:
         self._delay = 0.0
         if moves == self._moves:
             self._queue.popleft()
-            self._settled(record, acked)
+            self._published(done)
 
     async def _replay(self, path: Path) -> None:
         """Publish a spill file's records in order, each until acknowledged, then delete it."""
@@ -254,14 +279,14 @@ class Recorder:
             subject, record = entry
             while True:
                 try:
-                    acked = await self._publish(subject, record)
+                    await self._bus.publish(subject, record)
                     break
                 except Exception as exc:
                     self.retries += 1
                     await self._back_off(record, exc)
             self._delay = 0.0
             self._spill.backlog -= 1
-            self._settled(record, acked)
+            self._published()
         self._spill.remove(path)
 
     async def _back_off(self, record: Record, exc: Exception) -> None:
@@ -272,3 +297,12 @@ class Recorder:
     async def flush(self, timeout_s: float = 10.0) -> None:
         """Wait until everything recorded so far is published, spill files included."""
         await asyncio.wait_for(self._drained.wait(), timeout_s)
+
+
+def _settle(done: asyncio.Future[None] | None, error: Exception | None = None) -> None:
+    if done is None or done.done():
+        return
+    if error is None:
+        done.set_result(None)
+    else:
+        done.set_exception(error)

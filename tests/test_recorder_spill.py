@@ -95,16 +95,18 @@ async def test_a_full_queue_spills_instead_of_dropping(bus, tmp_path):
     assert accepted.count(True) == 4 and without_spill.dropped == 26
 
 
-async def test_a_record_too_large_for_the_bus_is_dropped_and_the_rest_go_on(bus, tmp_path):
+async def test_a_record_larger_than_a_nats_message_is_carried_whole_in_order(bus, tmp_path):
     recorder = Recorder(bus, maxsize=10, spill_dir=tmp_path / "spill")
-    huge = make_turn(id="huge", messages=[{"role": "user", "content": "x" * bus.nc.max_payload}])
+    huge = make_turn(id="huge", messages=[{"role": "user", "content": "x" * (3 * bus.nc.max_payload)}])
     assert recorder.record(TURN_SUBJECT, make_turn(id="first"))
     assert recorder.record(TURN_SUBJECT, huge)
     assert recorder.record(TURN_SUBJECT, make_turn(id="last"))
     publisher = asyncio.create_task(recorder.run())
     await recorder.flush(timeout_s=10)
-    assert recorder.dropped == 1 and recorder.published == 2
-    assert await stream_ids(bus, 2) == ["first", "last"]
+    assert recorder.dropped == 0 and recorder.published == 3
+    assert await stream_ids(bus, 3) == ["first", "huge", "last"]
+    [delivery] = [d for d in await bus.consumer(TURN_SUBJECT, "check-huge").fetch(batch=3) if d.record.id == "huge"]
+    assert delivery.record.messages == huge.messages
     publisher.cancel()
     await asyncio.gather(publisher, return_exceptions=True)
 

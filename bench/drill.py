@@ -1,0 +1,237 @@
+"""Fault drills: the four loops as processes of their own on one nats-server, agents talking to
+the gateway, kill -9 of a component under that load, and an audit of what came out.
+
+`Cluster` runs nats-server (its data on disk, restartable on the same port) and `python -m
+serve|collect|judge|train` over it, each killable with SIGKILL and restartable. `agents` drives
+multi-turn sessions through the official `openai` client (each session: `turns` chat turns that
+resend the growing history, then a reward as feedback), grouped into task groups with
+`X-Task-Id` and `X-Group-Size`, and counts every 5xx the clients saw (retried or not). `audit`
+reads the streams and the trainer's ledger and says, for the sessions the clients were told
+were recorded (every turn and the feedback answered 200):
+
+- `lost`: no trajectory; `truncated`: a trajectory missing a turn or the feedback;
+- `duplicated`: more than one trajectory for a session, or a trajectory twice in the stream;
+- samples twice in the stream, samples trained twice in the weights' lineage, and whether the
+  announced versions only grew.
+
+`python -m bench.fault_drill` runs it for each component; tests/test_fault_drills.py runs a
+small one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections import Counter, defaultdict
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+import openai
+
+ROOT = Path(__file__).resolve().parent.parent
+LOOPS = ("serve", "collect", "judge", "train")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Cluster:
+    """nats-server plus the loops as processes, all sharing `run_dir`."""
+
+    def __init__(self, run_dir: Path, overrides: list[str]):
+        self.run_dir = run_dir
+        self.overrides = overrides
+        self.nats_port = free_port()
+        self.serve_port = free_port()
+        self.bus_url = f"nats://127.0.0.1:{self.nats_port}"
+        self.serve_url = f"http://127.0.0.1:{self.serve_port}"
+        self.procs: dict[str, subprocess.Popen] = {}
+        self.restarts: Counter[str] = Counter()
+
+    def start_nats(self) -> None:
+        from bus import EmbeddedNats
+
+        self.nats = EmbeddedNats(self.run_dir / "nats", port=self.nats_port)
+        self.nats.start()
+
+    def start(self, kind: str) -> None:
+        if kind == "nats":
+            self.start_nats()
+            return
+        log = (self.run_dir / f"{kind}.log").open("a")
+        args = [sys.executable, "-m", kind, "--bus-url", self.bus_url, f"run_dir={self.run_dir}",
+                f"serve.port={self.serve_port}", *self.overrides]
+        self.procs[kind] = subprocess.Popen(args, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+
+    def kill(self, kind: str) -> None:
+        """SIGKILL: no cleanup of any kind."""
+        pid = self.nats.pid if kind == "nats" else self.procs[kind].pid
+        os.kill(pid, signal.SIGKILL)
+        if kind == "nats":
+            self.nats._proc.wait()
+        else:
+            self.procs[kind].wait()
+
+    def restart(self, kind: str) -> None:
+        self.restarts[kind] += 1
+        self.start(kind)
+
+    def alive(self) -> dict[str, bool]:
+        return {kind: proc.poll() is None for kind, proc in self.procs.items()}
+
+    async def wait_serving(self, timeout_s: float = 180.0) -> None:
+        deadline = time.monotonic() + timeout_s
+        async with httpx.AsyncClient() as http:
+            while True:
+                try:
+                    if (await http.get(f"{self.serve_url}/health")).status_code == 200:
+                        return
+                except httpx.HTTPError:
+                    pass
+                dead = [k for k, up in self.alive().items() if not up]
+                if dead or time.monotonic() > deadline:
+                    raise RuntimeError(f"the cluster did not come up (dead: {dead}); see {self.run_dir}/*.log")
+                await asyncio.sleep(0.2)
+
+    def stop(self) -> None:
+        for proc in self.procs.values():
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+        for proc in self.procs.values():
+            try:
+                proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+        self.nats.stop()
+
+
+@dataclass
+class Load:
+    """What the agents saw."""
+
+    answered: set[str] = field(default_factory=set)
+    """Sessions whose every turn and feedback got a 200."""
+    failed: dict[str, str] = field(default_factory=dict)
+    server_errors: int = 0
+    """5xx responses the clients received (including ones their retries hid)."""
+    requests: int = 0
+
+
+async def agents(url: str, sessions: int, turns: int, concurrency: int, group_size: int, tag: str = "s") -> Load:
+    """Run `sessions` multi-turn sessions, `concurrency` at a time."""
+    load = Load()
+
+    async def count(response: httpx.Response) -> None:
+        load.requests += 1
+        if response.status_code >= 500:
+            load.server_errors += 1
+
+    http = httpx.AsyncClient(base_url=url, timeout=120, event_hooks={"response": [count]})
+    client = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="drill", max_retries=10, http_client=http)
+    gate = asyncio.Semaphore(concurrency)
+
+    async def session(i: int) -> None:
+        sid, task = f"{tag}{i}", f"{tag}-task{i // group_size}"
+        headers = {"X-Session-Id": sid, "X-Task-Id": task, "X-Group-Size": str(group_size)}
+        messages: list[dict[str, Any]] = [{"role": "user", "content": f"Count from {i}."}]
+        async with gate:
+            try:
+                for turn in range(turns):
+                    reply = await client.chat.completions.create(model="tiny", messages=messages, max_tokens=6,
+                                                                 extra_headers=headers)
+                    messages += [reply.choices[0].message.model_dump(exclude_none=True), {"role": "user", "content": f"and {turn}?"}]
+                for attempt in range(20):
+                    try:
+                        response = await http.post(f"/v1/sessions/{sid}/feedback", json={"reward": (i % 3) / 2, "source": "env"})
+                        if response.status_code == 200:
+                            break
+                    except httpx.HTTPError:
+                        pass
+                    await asyncio.sleep(min(0.25 * 2 ** attempt, 4.0))
+                else:
+                    raise RuntimeError("feedback was never answered 200")
+                load.answered.add(sid)
+            except Exception as exc:
+                load.failed[sid] = f"{type(exc).__name__}: {exc}"
+
+    try:
+        await asyncio.gather(*(session(i) for i in range(sessions)))
+    finally:
+        await client.close()
+    return load
+
+
+async def read_stream(bus: Any, stream: str, kind: type) -> list[Any]:
+    """Every record in a stream, in order (direct gets by sequence)."""
+    from bus import decode
+    from bus.large import read_payload
+
+    info = await bus.js.stream_info(stream)
+    records = []
+    for seq in range(info.state.first_seq, info.state.last_seq + 1):
+        try:
+            raw = await bus.js.get_msg(stream, seq, direct=True)
+        except Exception:  # deleted or expired
+            continue
+        records.append(decode(await read_payload(bus, raw.data, raw.headers), kind))
+    return records
+
+
+async def audit(bus_url: str, run_dir: Path, load: Load, turns: int) -> dict[str, Any]:
+    from bus import Bus, Sample, Trajectory, WeightUpdate
+    from train.ledger import lineage
+
+    bus = await Bus.connect(bus_url, name="audit", ensure_streams=False)
+    try:
+        trajectories = await read_stream(bus, "TRAJECTORIES", Trajectory)
+        samples = await read_stream(bus, "SAMPLES", Sample)
+        updates = await read_stream(bus, "WEIGHTS", WeightUpdate)
+    finally:
+        await bus.close()
+    by_session: dict[str, list[Any]] = defaultdict(list)
+    for trajectory in trajectories:
+        by_session[trajectory.session_id].append(trajectory)
+    complete = truncated = lost = 0
+    for sid in load.answered:
+        found = by_session.get(sid, [])
+        if not found:
+            lost += 1
+            continue
+        indices = {t.turn_index for t in found[0].turns}
+        rewarded = any(e.reward is not None for e in found[0].feedback)
+        if indices >= set(range(turns)) and rewarded:
+            complete += 1
+        else:
+            truncated += 1
+    trajectory_copies = Counter(t.id for t in trajectories)
+    sample_copies = Counter(s.id for s in samples)
+    ledger = run_dir / "trained.jsonl"
+    trained = Counter(sid for step in lineage(ledger) for sid in step["samples"]) if ledger.exists() else Counter()
+    versions = [u.version for u in updates]
+    return {
+        "sessions_answered": len(load.answered),
+        "sessions_failed": len(load.failed),
+        "requests": load.requests,
+        "server_errors": load.server_errors,
+        "complete": complete,
+        "lost": lost,
+        "truncated": truncated,
+        "duplicated_sessions": sum(1 for sid in load.answered if len(by_session.get(sid, [])) > 1),
+        "duplicated_trajectories": sum(n - 1 for n in trajectory_copies.values()),
+        "samples": len(sample_copies),
+        "duplicated_samples": sum(n - 1 for n in sample_copies.values()),
+        "trained": len(trained),
+        "trained_twice": sum(1 for n in trained.values() if n > 1),
+        "versions_increasing": all(a < b for a, b in zip(versions, versions[1:])),
+        "versions": versions[-1] if versions else None,
+    }
