@@ -235,3 +235,43 @@ async def audit(bus_url: str, run_dir: Path, load: Load, turns: int) -> dict[str
         "versions_increasing": all(a < b for a, b in zip(versions, versions[1:])),
         "versions": versions[-1] if versions else None,
     }
+
+
+DRILL_CONFIG = [
+    "bus.ack_wait_s=3", "collect.feedback_grace_s=1", "train.batch_size=8", "train.group_timeout_s=5",
+    "train.checkpoint_interval=3", "rollout.max_head_offpolicyness=1000", "serve.max_batch_size=16",
+]
+"""Short waits so a drill takes seconds; no staleness drops, so every sample must be trained."""
+
+
+async def drill(run_dir: Path, victims: list[str], sessions: int = 160, turns: int = 3, concurrency: int = 8,
+                group_size: int = 4, every_s: float = 3.0, down_s: float = 1.5, settle_s: float = 90.0) -> dict[str, Any]:
+    """Start the cluster, put it under the agents' load, kill -9 each victim in turn (`every_s`
+    apart, down for `down_s`, then restarted), and audit once everything has settled."""
+    cluster = Cluster(run_dir, DRILL_CONFIG)
+    cluster.start_nats()
+    try:
+        for kind in LOOPS:
+            cluster.start(kind)
+        await cluster.wait_serving()
+        started = time.monotonic()
+        load_task = asyncio.create_task(agents(cluster.serve_url, sessions, turns, concurrency, group_size))
+        for victim in victims:
+            await asyncio.sleep(every_s)
+            if load_task.done():
+                raise RuntimeError(f"the load ended before {victim} was killed: raise `sessions`")
+            cluster.kill(victim)
+            await asyncio.sleep(down_s)
+            cluster.restart(victim)
+        load = await load_task
+        load_s = time.monotonic() - started
+        deadline = time.monotonic() + settle_s
+        while True:  # until every answered session is trained (all groups fill: nothing is left waiting)
+            report = await audit(cluster.bus_url, run_dir, load, turns)
+            if report["trained"] >= len(load.answered) or time.monotonic() > deadline:
+                break
+            await asyncio.sleep(1.0)
+        return {"victims": victims, "load_s": round(load_s, 1), "settled_s": round(time.monotonic() - started, 1),
+                "alive": cluster.alive(), **report}
+    finally:
+        cluster.stop()
