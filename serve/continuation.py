@@ -7,10 +7,17 @@ does not extend the previous prompt + output: the collector has to start a new s
 model is trained on a context it never saw.
 
 So the gateway remembers, per session, the token sequences (prompt + output) of its latest main
-turns and the text each decodes to. When a new prompt's rendered text starts with one of those
+turns and the text each stands for (the prompt's text as rendered, then the output's). When a new prompt's rendered text starts with one of those
 texts, its ids are that sequence followed by the tokenization of the rest of the text only. The
 text comparison keeps this exact: if the template rewrote history, or the client edited it,
 nothing matches and the prompt is tokenized whole, as before.
+
+A turn ended by a stop string is the one case where the model's tokens and the client's text
+part: the output ids run to the token that completed the match (those tokens are the model's
+action, like an end token, and are trained), while the client gets the text before it and sends
+only that back. Such a turn is remembered with the text the client saw, so the next prompt
+continues the recorded ids, stop tokens included, and the session stays one segment: the
+context the model is trained in is the one it generated.
 """
 
 from __future__ import annotations
@@ -40,11 +47,14 @@ class SessionContinuations:
         self.continued += 1
         return best[1] + self.tokenizer.encode(text[len(best[0]):], add_special_tokens=False)
 
-    def remember(self, session_id: str, ids: list[int]) -> None:
-        """Keep `ids` (a turn's prompt + output) as a sequence the session's next prompt may extend."""
+    def remember(self, session_id: str, ids: list[int], text: str | None = None) -> None:
+        """Keep `ids` (a turn's prompt + output) as a sequence the session's next prompt may
+        extend; `text` is what they stand for in the client's words (default: their decoding;
+        they differ when earlier stop tokens are in the ids but not in the client's text)."""
         if self.max_sessions == 0:
             return
-        text = self.tokenizer.decode(ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
+        if text is None:
+            text = self.tokenizer.decode(ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
         entries = self._sessions.setdefault(session_id, [])
         self._sessions.move_to_end(session_id)
         entries.append((text, ids))

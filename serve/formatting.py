@@ -11,7 +11,7 @@ import json.encoder
 from typing import Any
 
 from serve.choices import Choice
-from serve.tools import parse_tool_calls
+from serve.tools import CLOSE, parse_tool_calls
 
 
 def fingerprint(version: int | None) -> str | None:
@@ -59,9 +59,21 @@ def completion_logprobs(tokenizer: Any, choice: Choice, start: int = 0, text_off
     }
 
 
+def stop_string(choice: Choice) -> str | None:
+    """The stop string that ended a choice, if one did."""
+    matched = (choice.finish or {}).get("matched")
+    return matched if isinstance(matched, str) else None
+
+
+def output_text(choice: Choice) -> str:
+    """The choice's text as the client gets it: the engine's, cut before a stop string, except
+    that a call the gateway ended at its closing tag (`parallel_tool_calls: false`) keeps it."""
+    return choice.text + CLOSE if stop_string(choice) == CLOSE else choice.text
+
+
 def chat_message(choice: Choice, tools_active: bool, forced: str = "") -> tuple[dict[str, Any], str]:
     """The assistant message of a finished choice and its finish reason."""
-    text = forced + choice.text
+    text = forced + output_text(choice)
     if tools_active:
         content, calls = parse_tool_calls(text)
         if calls:

@@ -50,8 +50,8 @@ class PromptBuilder:
         self.continuations = continuations
         self.renders_tools, self.renders_calls = template_support(tokenizer)
 
-    def chat(self, body: ChatCompletionRequest, session: SessionInfo) -> tuple[list[int], str, bool]:
-        """(prompt ids, forced tool-call prefix, whether tool calls are parsed)."""
+    def chat(self, body: ChatCompletionRequest, session: SessionInfo) -> tuple[list[int], str, str, bool]:
+        """(prompt ids, the text they stand for, forced tool-call prefix, whether tool calls are parsed)."""
         tools = None
         if body.tools and body.tool_choice != "none":
             tools = [tool.model_dump(exclude_none=True) for tool in body.tools]
@@ -63,15 +63,16 @@ class PromptBuilder:
         except Exception as exc:  # the template rejected this conversation
             raise APIError(400, f"messages cannot be rendered by the chat template: {exc}", "messages") from None
         forced = forced_prefix(body.tool_choice) if tools else ""
-        return self.continuations.encode(session.session_id, text + forced), forced, tools is not None
+        return self.continuations.encode(session.session_id, text + forced), text + forced, forced, tools is not None
 
-    def completion(self, body: CompletionRequest, session: SessionInfo) -> list[int]:
+    def completion(self, body: CompletionRequest, session: SessionInfo) -> tuple[list[int], str | None]:
+        """(prompt ids, the text they stand for: None for a prompt given as ids)."""
         if isinstance(body.prompt, str):
-            return self.continuations.encode(session.session_id, body.prompt)
+            return self.continuations.encode(session.session_id, body.prompt), body.prompt
         vocab = len(self.tokenizer)
         if not all(0 <= t < vocab for t in body.prompt):
             raise APIError(400, f"prompt token ids must be in [0, {vocab})", "prompt")
-        return list(body.prompt)
+        return list(body.prompt), None
 
 
 def create_gateway(pool: EnginePool, tokenizer: Any, recorder: Recorder, model_name: str, config: ServeConfig,
@@ -99,7 +100,8 @@ def create_gateway(pool: EnginePool, tokenizer: Any, recorder: Recorder, model_n
         stats.turns += generation.body.n
         if generation.session.turn_type == "main" and not generation.session.anonymous:
             for choice in generation.choices:
-                continuations.remember(generation.session.session_id, generation.prompt_ids + choice.output_ids)
+                continuations.remember(generation.session.session_id, generation.prompt_ids + choice.output_ids,
+                                       generation.continued_text(choice))
         metrics.tokens(len(generation.prompt_ids) * generation.body.n, sum(len(c.output_ids) for c in generation.choices))
         for choice in generation.choices:
             if choice.first_token_at is None:
@@ -109,7 +111,7 @@ def create_gateway(pool: EnginePool, tokenizer: Any, recorder: Recorder, model_n
                 metrics.time_per_output_token((choice.last_token_at - choice.first_token_at) / (len(choice.output_ids) - 1))
 
     async def run(body: ChatCompletionRequest | CompletionRequest, session: SessionInfo, prompt_ids: list[int],
-                  forced: str = "", tools_active: bool = False) -> Any:
+                  prompt_text: str | None, forced: str = "", tools_active: bool = False) -> Any:
         stats.requests += 1
         if body.model != model_name:
             raise APIError(404, f"model {body.model!r} does not exist; this server serves {model_name!r}", "model", "model_not_found")
@@ -121,7 +123,7 @@ def create_gateway(pool: EnginePool, tokenizer: Any, recorder: Recorder, model_n
             raise APIError(400, f"max_tokens is {requested}; the limit is {config.max_new_tokens}", "max_tokens")
         generation = Generation(
             body=body, engine=pool.route(session.session_id), tokenizer=tokenizer, recorder=recorder,
-            model_name=model_name, session=session, prompt_ids=prompt_ids,
+            model_name=model_name, session=session, prompt_ids=prompt_ids, prompt_text=prompt_text,
             max_new_tokens=min(requested or config.default_max_new_tokens, context_length - len(prompt_ids)),
             forced=forced, tools_active=tools_active, on_finish=finished, timeout_s=config.request_timeout_s,
         )
@@ -150,13 +152,13 @@ def create_gateway(pool: EnginePool, tokenizer: Any, recorder: Recorder, model_n
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any:
         session = session_of(request.headers, body.metadata, body.user)
-        prompt_ids, forced, tools_active = prompts.chat(body, session)
-        return await run(body, session, prompt_ids, forced, tools_active)
+        prompt_ids, prompt_text, forced, tools_active = prompts.chat(body, session)
+        return await run(body, session, prompt_ids, prompt_text, forced, tools_active)
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request) -> Any:
         session = session_of(request.headers, body.metadata, body.user)
-        return await run(body, session, prompts.completion(body, session))
+        return await run(body, session, *prompts.completion(body, session))
 
     async def session_event(session_id: str, kind: str, feedback: FeedbackRequest | None = None) -> dict[str, Any]:
         """Record a session event; answered only once it is durable (a 200 means it is kept)."""

@@ -30,6 +30,8 @@ from serve.formatting import (
     completion_chunk,
     completion_logprobs,
     fingerprint,
+    output_text,
+    stop_string,
     usage,
     usage_chunk,
 )
@@ -37,7 +39,7 @@ from serve.recorder import RecordLost, Recorder
 from serve.schema import ChatCompletionRequest, CompletionRequest, sampling_params
 from serve.sessions import SessionInfo
 from serve.sse import DONE
-from serve.tools import OPEN
+from serve.tools import CLOSE, OPEN
 
 
 @dataclass
@@ -49,6 +51,8 @@ class Generation:
     model_name: str
     session: SessionInfo
     prompt_ids: list[int]
+    prompt_text: str | None
+    """The text the prompt ids stand for, as the client wrote it (None: the client gave ids)."""
     max_new_tokens: int
     forced: str = ""
     """Prompt text that forces a tool call; the answer's text starts with it."""
@@ -74,11 +78,31 @@ class Generation:
     def _engine_body(self, i: int) -> dict[str, Any]:
         return {
             "input_ids": self.prompt_ids,
-            "sampling_params": sampling_params(self.body, self.max_new_tokens, i),
+            "sampling_params": self._sampling(i),
             "return_logprob": True,
             "top_logprobs_num": self.top_n,
             "rid": self.choices[i].rid,
         }
+
+    def _sampling(self, i: int) -> dict[str, Any]:
+        """Choice i's SGLang sampling parameters. With `parallel_tool_calls: false` a call's
+        closing tag is a stop string too: the answer ends after its first call."""
+        params = sampling_params(self.body, self.max_new_tokens, i)
+        if self.tools_active and not self.body.parallel_tool_calls:
+            params["stop"] = [*params.get("stop", []), CLOSE]
+        return params
+
+    def continued_text(self, choice: Choice) -> str | None:
+        """The text that this prompt plus the choice's output ids stand for, as the client will
+        send it back: the prompt's text, then the output's, cut before a stop string as the
+        client got it (the stop tokens the model sampled stay in the ids). None when the prompt
+        was given as ids."""
+        if self.prompt_text is None:
+            return None
+        if stop_string(choice) is not None:
+            return self.prompt_text + output_text(choice)
+        return self.prompt_text + self.tokenizer.decode(choice.output_ids, skip_special_tokens=False,
+                                                        clean_up_tokenization_spaces=False)
 
     # ---- whole answers ---------------------------------------------------------------------
 
@@ -352,7 +376,7 @@ class Generation:
                 output_logprobs=choice.logprobs,
                 output_versions=choice.versions,
                 finish_reason=finish,
-                sampling=sampling_params(self.body, self.max_new_tokens, choice.index),
+                sampling=self._sampling(choice.index),
                 session_done=self.session.done,
                 client_disconnected=choice.disconnected,
                 timings=Timings(

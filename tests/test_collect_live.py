@@ -144,6 +144,45 @@ async def test_parallel_tool_calls_and_their_results_stay_in_one_segment(two_cal
     assert traj.next_states[0] == results  # both tool results, together, are what followed the calls
 
 
+async def test_parallel_tool_calls_false_ends_the_answer_after_one_call(two_call_model, nats_url, tmp_path, bus):
+    async with platform(nats_url, tmp_path, f"model={two_call_model}") as (serve, _, client):
+        reply = await client.chat.completions.create(
+            model=serve.model_name, messages=ASK_TWO, tools=[WEATHER], temperature=0, max_tokens=60,
+            parallel_tool_calls=False, extra_headers={"X-Session-Id": "one-call"},
+        )
+        assert reply.choices[0].finish_reason == "tool_calls"
+        assert [c.function.arguments for c in reply.choices[0].message.tool_calls] == ['{"city": "Paris"}']
+        await post_feedback(serve, "one-call", 1.0)
+        _, turns = await collected(bus, 1, 1)
+    [turn] = turns["one-call"]
+    decode = serve.engine.tokenizer.decode
+    assert "</tool_call>" in decode(turn.output_ids) and "</tool_call>" not in decode(turn.output_ids[:-1])  # ends there
+    assert turn.sampling["stop"] == ["</tool_call>"]
+
+
+async def test_a_conversation_with_stop_strings_stays_one_segment(nats_url, tmp_path, bus):
+    """The client gets the text before the stop string; the recorded output runs to the token
+    that completed it (the model's action); the next turn continues those exact ids."""
+    stops = [" ", "e", "a", "o"]
+    async with platform(nats_url, tmp_path) as (serve, _, client):
+        messages: list[dict] = []
+        for i, text in enumerate(["Say something.", "And now?", "Go on."]):
+            messages.append({"role": "user", "content": text})
+            reply = await client.chat.completions.create(model=serve.model_name, messages=messages, max_tokens=16, seed=i,
+                                                         stop=stops, extra_headers={"X-Session-Id": "stops"})
+            messages.append(reply.choices[0].message.model_dump(exclude_none=True))
+        await post_feedback(serve, "stops", 1.0)
+        trajectories, turns = await collected(bus, 1, 3)
+    tokenizer = serve.engine.tokenizer
+    for turn in turns["stops"]:  # each answer was cut by a stop string (the seeds make sure of it)
+        output = tokenizer.decode(turn.output_ids)
+        assert turn.finish_reason == "stop" and any(s in output for s in stops)
+        assert not any(s in turn.response["content"] for s in stops) and output.startswith(turn.response["content"])
+        assert not any(s in tokenizer.decode(turn.output_ids[:-1]) for s in stops)  # it ends at the completing token
+    [segment] = trajectories["stops"].segments
+    assert_segment_is_exact(segment, turns["stops"])
+
+
 async def test_a_template_that_rewrites_history_splits_the_session(nats_url, tmp_path, bus):
     template = tmp_path / "thinking.jinja"
     template.write_text(THINKING_TEMPLATE)
