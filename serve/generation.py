@@ -145,7 +145,7 @@ class Generation:
 
     def events(self) -> AsyncIterator[bytes]:
         """The answer as server-sent events; recording happens however the stream ends."""
-        return self._events_one() if self.body.n == 1 else self._events_many()
+        return self._events()
 
     def _timeout_event(self) -> bytes:
         return _sse({"error": {"message": f"the request did not finish within {self.timeout_s} s",
@@ -165,15 +165,49 @@ class Generation:
         return _sse(chat_chunk(self.response_id, self.created, self.model_name, None, choice.index,
                                {"role": "assistant", "content": ""}))
 
-    async def _events_one(self) -> AsyncIterator[bytes]:
-        """One choice: the engine's stream is read right here, in the response's task (no pump
-        task and queue in between). The timeout cancels this task while it waits on the
-        engine; while it is elsewhere (writing to a slow client) it ends the stream at the next
-        chunk."""
-        choice = self.choices[0]
-        streamed = [""]
-        template = ChunkTemplate(self.chat, self.response_id, self.created, self.model_name, 0)
-        plain = self.chat and not self.tools_active and not self.want_logprobs  # a delta is the engine's text as it comes
+    async def _chunks(self) -> AsyncIterator[tuple[int, dict[str, Any] | None]]:
+        """Every choice's engine chunks as (choice index, chunk), and (index, None) when that
+        choice's stream has ended; an engine error is raised. One choice is read right here, in
+        the response's task (no task and queue in between: the common case is the cheap one);
+        several through a pump task each."""
+        if self.body.n == 1:
+            stream = self.engine.generate_stream(self._engine_body(0))
+            try:
+                async for chunk in stream:
+                    yield 0, chunk
+            finally:
+                await stream.aclose()  # a choice still generating is aborted in its engine
+            yield 0, None
+            return
+        queue: asyncio.Queue[tuple[int, dict[str, Any] | Exception | None]] = asyncio.Queue()
+
+        async def pump(i: int) -> None:
+            try:
+                async for chunk in self.engine.generate_stream(self._engine_body(i)):
+                    await queue.put((i, chunk))
+                await queue.put((i, None))
+            except Exception as exc:
+                await queue.put((i, exc))
+
+        tasks = [asyncio.create_task(pump(i)) for i in range(self.body.n)]
+        try:
+            ended = 0
+            while ended < self.body.n:
+                i, item = await queue.get()
+                if isinstance(item, Exception):
+                    raise item
+                ended += item is None
+                yield i, item
+        finally:
+            for task in tasks:
+                task.cancel()  # a choice still generating is aborted in its engine
+
+    async def _events(self) -> AsyncIterator[bytes]:
+        """The stream for any number of choices, chat or completions. Role events go out with
+        the first event; a choice's final chunk as it finishes, the last one together with the
+        usage and `[DONE]` in one write. The request's one timer ends a stream that outlives
+        `timeout_s`: it cancels this task while it waits on the engine; while it is elsewhere
+        (writing to a slow client) the stream ends at the next chunk."""
         task = asyncio.current_task()
         assert task is not None
         waiting = expired = False
@@ -185,27 +219,31 @@ class Generation:
                 task.cancel()
 
         timer = asyncio.get_running_loop().call_later(self.timeout_s, expire) if self.timeout_s else None
-        stream = self.engine.generate_stream(self._engine_body(0))
+        chunks = self._chunks()
+        streamed = ["" for _ in self.choices]
+        templates = [ChunkTemplate(self.chat, self.response_id, self.created, self.model_name, c.index) for c in self.choices]
+        head = b"".join(self._role_event(choice) for choice in self.choices) if self.chat else b""
+        finished = 0
         try:
-            head = self._role_event(choice) if self.chat else b""  # sent with the first event: one write fewer
             tail = b""  # the stream's last events, sent in one write
             try:
                 waiting = True
-                async for item in stream:
+                async for i, item in chunks:
                     waiting = False
                     if expired:
                         raise asyncio.CancelledError
-                    start = len(choice.output_ids)
-                    text = choice.add(item)
-                    if plain:
-                        if text:
-                            streamed[0] += text
-                            yield head + template.event(choice.version, text)
-                            head = b""
+                    choice = self.choices[i]
+                    if item is None:
+                        finished += 1
+                        tail = _sse(self._final_chunk(choice, streamed[i]))
+                        if finished < self.body.n:
+                            yield head + tail
+                            head = tail = b""
                     else:
-                        chunk = self._delta_chunk(choice, text, start, streamed, template)
-                        if chunk is not None:
-                            yield head + chunk
+                        start = len(choice.output_ids)
+                        event = self._delta_chunk(choice, choice.add(item), start, streamed, templates[i])
+                        if event is not None:
+                            yield head + event
                             head = b""
                     waiting = True
                 waiting = False
@@ -217,80 +255,21 @@ class Generation:
             except Exception as exc:  # delivered in-band, after the status line
                 tail = self._error_event(exc)
             else:
-                tail = _sse(self._final_chunk(choice, streamed[0]))
                 if self.body.include_usage:
                     tail += self._usage_event()
             yield head + await self._durable_end(tail)
         except (GeneratorExit, asyncio.CancelledError):  # the client went away
-            choice.disconnected = choice.finish is None
+            for choice in self.choices:
+                choice.disconnected = choice.finish is None
             raise
         finally:
             waiting = False
             if timer is not None:
                 timer.cancel()
             try:
-                await stream.aclose()  # a choice still generating is aborted in its engine
+                await chunks.aclose()
             finally:
                 self._record()
-
-    async def _events_many(self) -> AsyncIterator[bytes]:
-        """Several choices: one pump task per choice feeds a queue read here."""
-        queue: asyncio.Queue[tuple[int, dict[str, Any] | Exception | None]] = asyncio.Queue()
-
-        async def pump(i: int) -> None:
-            try:
-                async for chunk in self.engine.generate_stream(self._engine_body(i)):
-                    await queue.put((i, chunk))
-                await queue.put((i, None))
-            except Exception as exc:  # delivered in-band, after the status line
-                await queue.put((i, exc))
-
-        tasks = [asyncio.create_task(pump(i)) for i in range(self.body.n)]
-        # One timer per request (not per chunk) ends a stream that outlives the timeout.
-        timer = asyncio.get_running_loop().call_later(self.timeout_s, queue.put_nowait, (-1, None)) if self.timeout_s else None
-        finished = 0
-        streamed = ["" for _ in self.choices]
-        templates = [ChunkTemplate(self.chat, self.response_id, self.created, self.model_name, c.index) for c in self.choices]
-        try:
-            if self.chat:
-                yield b"".join(self._role_event(choice) for choice in self.choices)
-            tail = b""  # the stream's last events, sent in one write
-            while finished < self.body.n:
-                i, item = await queue.get()
-                if i < 0:
-                    tail = self._timeout_event()
-                    break
-                choice = self.choices[i]
-                if isinstance(item, Exception):
-                    tail = self._error_event(item)
-                    break
-                if item is None:
-                    finished += 1
-                    final = _sse(self._final_chunk(choice, streamed[i]))
-                    if finished < self.body.n:
-                        yield final
-                    else:
-                        tail = final
-                    continue
-                start = len(choice.output_ids)
-                text = choice.add(item)
-                chunk = self._delta_chunk(choice, text, start, streamed, templates[i])
-                if chunk is not None:
-                    yield chunk
-            else:
-                if self.body.include_usage:
-                    tail += self._usage_event()
-            yield await self._durable_end(tail)
-        except (GeneratorExit, asyncio.CancelledError):  # the client went away
-            for choice in self.choices:
-                choice.disconnected = choice.finish is None
-            raise
-        finally:
-            if timer is not None:
-                timer.cancel()
-            for task in tasks:
-                task.cancel()  # a choice still generating is aborted in its engine
-            self._record()
 
     def _delta_chunk(self, choice: Choice, text: str, start: int, streamed: list[str], template: ChunkTemplate) -> bytes | None:
         """The event for a choice's new tokens (from output position `start`) and their text;
