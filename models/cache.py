@@ -34,10 +34,10 @@ def fsync_tree(path: Path) -> None:
             with open(entry, "rb") as f:
                 os.fsync(f.fileno())
     for d in dirs:
-        _fsync_dir(d)
+        fsync_directory(d)
 
 
-def _fsync_dir(path: Path) -> None:
+def fsync_directory(path: Path) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
@@ -68,7 +68,7 @@ def atomic_directory(dest: Path) -> Iterator[Path]:
             if dest.exists():
                 raise FileExistsError(f"{dest} already exists") from e
             raise
-        _fsync_dir(dest.parent)
+        fsync_directory(dest.parent)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
 

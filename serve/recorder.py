@@ -32,6 +32,7 @@ from typing import BinaryIO
 import msgspec
 
 from bus import Bus, Record, decode, encode
+from models.cache import fsync_directory
 from bus.streams import RECORD_TYPES
 
 log = logging.getLogger(__name__)
@@ -83,7 +84,7 @@ class SpillLog:
             self._next += 1
             self._writer = path.open("ab")
             self._files.append(path)
-            _fsync_directory(self.directory)  # the new file's name is durable too
+            fsync_directory(self.directory)  # the new file's name is durable too
         self._writer.write(data)
         self._writer.flush()
         os.fsync(self._writer.fileno())
@@ -115,14 +116,6 @@ class SpillLog:
         if self._writer is not None:
             self._writer.close()
             self._writer = None
-
-
-def _fsync_directory(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 class RecordLost(RuntimeError):

@@ -52,9 +52,10 @@ async def test_logprobs_are_recomputed_at_the_temperature_each_turn_was_sampled_
     assert logp[mask].tolist() == pytest.approx(batch.behav_logp[mask].tolist(), abs=2e-4)
 
 
-async def test_the_step_metrics_show_a_zero_gap_at_temperature_0_7(bus, nats_url, tmp_path):
-    turns = await sampled_turns(4, temperature=0.7)
-    loop = TrainLoop(load_config(None, [f"run_dir={tmp_path}", "train.batch_size=4", "rollout.max_head_offpolicyness=0"]), nats_url)
+async def one_step(bus, nats_url, tmp_path, turns) -> dict:
+    """The metrics line of a train loop's one step on `turns` (version 0, rewards 0 and 1)."""
+    loop = TrainLoop(load_config(None, [f"run_dir={tmp_path}", f"train.batch_size={len(turns)}",
+                                        "rollout.max_head_offpolicyness=0"]), nats_url)
     await loop.start()
     try:
         for i, turn in enumerate(turns):
@@ -63,6 +64,12 @@ async def test_the_step_metrics_show_a_zero_gap_at_temperature_0_7(bus, nats_url
     finally:
         await loop.stop()
     [line] = lines(tmp_path)
+    return line
+
+
+async def test_the_step_metrics_show_a_zero_gap_at_temperature_0_7(bus, nats_url, tmp_path):
+    turns = await sampled_turns(4, temperature=0.7)
+    line = await one_step(bus, nats_url, tmp_path, turns)
     assert line["gap_tokens"] == sum(len(t.output_ids) for t in turns)
     assert line["behav_logprob_gap"] < 1e-4  # float noise: the engine's distribution, reproduced
 
@@ -71,15 +78,7 @@ async def test_greedy_truncated_and_constrained_tokens_leave_the_loss_and_are_co
     turns = await sampled_turns(4)
     samplings = [{"temperature": 0.0}, {"temperature": 1.0, "top_p": 0.9}, {"temperature": 1.0, "min_new_tokens": 2}, {"temperature": 1.0}]
     turns = [msgspec.structs.replace(t, sampling=s) for t, s in zip(turns, samplings)]
-    loop = TrainLoop(load_config(None, [f"run_dir={tmp_path}", "train.batch_size=4"]), nats_url)
-    await loop.start()
-    try:
-        for i, turn in enumerate(turns):
-            await bus.publish(SAMPLE_SUBJECT, sample_of(turn, float(i % 2), version=0))
-        await until(lambda: loop.trainer.step_count == 1)
-    finally:
-        await loop.stop()
-    [line] = lines(tmp_path)
+    line = await one_step(bus, nats_url, tmp_path, turns)
     n = [len(t.output_ids) for t in turns]
     assert line["excluded_tokens"] == {"greedy": n[0], "truncated": n[1], "constrained": 2}
     assert line["tokens"] == n[2] - 2 + n[3]
