@@ -5,7 +5,8 @@ the gateway, kill -9 of a component under that load, and an audit of what came o
 serve|collect|judge|train` over it, each killable with SIGKILL and restartable. `agents` drives
 multi-turn sessions through the official `openai` client (each session: `turns` chat turns that
 resend the growing history, then a reward as feedback), grouped into task groups with
-`X-Task-Id` and `X-Group-Size`, and counts every 5xx the clients saw (retried or not). `audit`
+`X-Task-Id` and `X-Group-Size`, until told to stop, and counts every 5xx the clients saw
+(retried or not). `audit`
 reads the streams and the trainer's ledger and says, for the sessions the clients were told
 were recorded (every turn and the feedback answered 200):
 
@@ -127,8 +128,10 @@ class Load:
     requests: int = 0
 
 
-async def agents(url: str, sessions: int, turns: int, concurrency: int, group_size: int, tag: str = "s") -> Load:
-    """Run `sessions` multi-turn sessions, `concurrency` at a time."""
+async def agents(url: str, stop: asyncio.Event, turns: int, concurrency: int, group_size: int, round_to: int,
+                 tag: str = "s") -> Load:
+    """Run multi-turn sessions, `concurrency` at a time, until `stop` is set; then only until the
+    count of sessions is a multiple of `round_to` (whole groups and training batches)."""
     load = Load()
 
     async def count(response: httpx.Response) -> None:
@@ -138,34 +141,44 @@ async def agents(url: str, sessions: int, turns: int, concurrency: int, group_si
 
     http = httpx.AsyncClient(base_url=url, timeout=120, event_hooks={"response": [count]})
     client = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="drill", max_retries=10, http_client=http)
-    gate = asyncio.Semaphore(concurrency)
+    started = iter(range(10**9))
 
     async def session(i: int) -> None:
         sid, task = f"{tag}{i}", f"{tag}-task{i // group_size}"
         headers = {"X-Session-Id": sid, "X-Task-Id": task, "X-Group-Size": str(group_size)}
         messages: list[dict[str, Any]] = [{"role": "user", "content": f"Count from {i}."}]
-        async with gate:
-            try:
-                for turn in range(turns):
-                    reply = await client.chat.completions.create(model="tiny", messages=messages, max_tokens=6,
-                                                                 extra_headers=headers)
-                    messages += [reply.choices[0].message.model_dump(exclude_none=True), {"role": "user", "content": f"and {turn}?"}]
-                for attempt in range(20):
-                    try:
-                        response = await http.post(f"/v1/sessions/{sid}/feedback", json={"reward": (i % 3) / 2, "source": "env"})
-                        if response.status_code == 200:
-                            break
-                    except httpx.HTTPError:
-                        pass
-                    await asyncio.sleep(min(0.25 * 2 ** attempt, 4.0))
-                else:
-                    raise RuntimeError("feedback was never answered 200")
-                load.answered.add(sid)
-            except Exception as exc:
-                load.failed[sid] = f"{type(exc).__name__}: {exc}"
+        try:
+            for turn in range(turns):
+                reply = await client.chat.completions.create(model="tiny", messages=messages, max_tokens=6,
+                                                             extra_headers=headers)
+                messages += [reply.choices[0].message.model_dump(exclude_none=True), {"role": "user", "content": f"and {turn}?"}]
+            for attempt in range(20):
+                try:
+                    response = await http.post(f"/v1/sessions/{sid}/feedback", json={"reward": (i % 3) / 2, "source": "env"})
+                    if response.status_code == 200:
+                        break
+                except httpx.HTTPError:
+                    pass
+                await asyncio.sleep(min(0.25 * 2 ** attempt, 4.0))
+            else:
+                raise RuntimeError("feedback was never answered 200")
+            load.answered.add(sid)
+        except Exception as exc:
+            load.failed[sid] = f"{type(exc).__name__}: {exc}"
+
+    limit: int | None = None
+
+    async def worker() -> None:
+        nonlocal limit
+        for i in started:
+            if stop.is_set():
+                limit = limit if limit is not None else -(-i // round_to) * round_to
+                if i >= limit:
+                    return
+            await session(i)
 
     try:
-        await asyncio.gather(*(session(i) for i in range(sessions)))
+        await asyncio.gather(*(worker() for _ in range(concurrency)))
     finally:
         await client.close()
     return load
@@ -237,17 +250,19 @@ async def audit(bus_url: str, run_dir: Path, load: Load, turns: int) -> dict[str
     }
 
 
+BATCH = 8
 DRILL_CONFIG = [
-    "bus.ack_wait_s=3", "collect.feedback_grace_s=1", "train.batch_size=8", "train.group_timeout_s=5",
+    "bus.ack_wait_s=3", "collect.feedback_grace_s=1", f"train.batch_size={BATCH}", "train.group_timeout_s=5",
     "train.checkpoint_interval=3", "rollout.max_head_offpolicyness=1000", "serve.max_batch_size=16",
 ]
 """Short waits so a drill takes seconds; no staleness drops, so every sample must be trained."""
 
 
-async def drill(run_dir: Path, victims: list[str], sessions: int = 160, turns: int = 3, concurrency: int = 8,
-                group_size: int = 4, every_s: float = 3.0, down_s: float = 1.5, settle_s: float = 90.0) -> dict[str, Any]:
+async def drill(run_dir: Path, victims: list[str], turns: int = 3, concurrency: int = 8, group_size: int = 4,
+                every_s: float = 3.0, down_s: float = 1.5, settle_s: float = 90.0) -> dict[str, Any]:
     """Start the cluster, put it under the agents' load, kill -9 each victim in turn (`every_s`
-    apart, down for `down_s`, then restarted), and audit once everything has settled."""
+    apart, down for `down_s`, then restarted), keep the load on for `every_s` more, and audit
+    once everything has settled."""
     cluster = Cluster(run_dir, DRILL_CONFIG)
     cluster.start_nats()
     try:
@@ -255,14 +270,15 @@ async def drill(run_dir: Path, victims: list[str], sessions: int = 160, turns: i
             cluster.start(kind)
         await cluster.wait_serving()
         started = time.monotonic()
-        load_task = asyncio.create_task(agents(cluster.serve_url, sessions, turns, concurrency, group_size))
+        stop = asyncio.Event()
+        load_task = asyncio.create_task(agents(cluster.serve_url, stop, turns, concurrency, group_size, BATCH))
         for victim in victims:
             await asyncio.sleep(every_s)
-            if load_task.done():
-                raise RuntimeError(f"the load ended before {victim} was killed: raise `sessions`")
             cluster.kill(victim)
             await asyncio.sleep(down_s)
             cluster.restart(victim)
+        await asyncio.sleep(every_s)
+        stop.set()
         load = await load_task
         load_s = time.monotonic() - started
         deadline = time.monotonic() + settle_s

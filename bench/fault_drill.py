@@ -4,7 +4,7 @@ was lost, truncated or duplicated, what was trained twice, and the 5xx the agent
 (bench/drill.py). Every count but `complete` and `trained` must be 0.
 
     .venv/bin/python -m bench.fault_drill                      # each component alone, then all in a row
-    .venv/bin/python -m bench.fault_drill --victims collect --sessions 320
+    .venv/bin/python -m bench.fault_drill --victims collect --every-s 10
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ FAILURES = ("lost", "truncated", "duplicated_sessions", "duplicated_trajectories
 def main() -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.fault_drill", description=__doc__.splitlines()[0])
     parser.add_argument("--victims", nargs="*", default=None, help="components to kill (default: each alone, then all)")
-    parser.add_argument("--sessions", type=int, default=400)
+    parser.add_argument("--every-s", type=float, default=3.0, help="seconds of load before each kill, and after the last")
     parser.add_argument("--concurrency", type=int, default=8)
     args = parser.parse_args()
     plans = [args.victims] if args.victims else [["collect"], ["judge"], ["train"], ["serve"], ["nats"],
@@ -33,7 +33,7 @@ def main() -> int:
     results = []
     for victims in plans:
         with tempfile.TemporaryDirectory(prefix="flywheel-drill-") as tmp:
-            report = asyncio.run(drill(Path(tmp), victims, sessions=args.sessions, concurrency=args.concurrency))
+            report = asyncio.run(drill(Path(tmp), victims, concurrency=args.concurrency, every_s=args.every_s))
         results.append(report)
         bad = {k: report[k] for k in FAILURES if report[k]}
         print(f"kill -9 {' then '.join(victims)}: {report['complete']}/{report['sessions_answered']} sessions complete, "

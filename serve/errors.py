@@ -8,6 +8,7 @@ exceptions into the same shape, so a client always gets JSON it can parse.
 from __future__ import annotations
 
 import logging
+from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -25,6 +26,14 @@ _TYPES = {
     429: "rate_limit_error",
     503: "service_unavailable",
 }
+
+
+def _printable(text: str | None) -> str | None:
+    """`text` with lone surrogates escaped: a message quoting a client's invalid string must
+    still encode as UTF-8."""
+    if text is None or text.isascii():
+        return text
+    return text.encode("utf-8", "backslashreplace").decode("utf-8")
 
 
 class APIError(Exception):
@@ -46,24 +55,48 @@ class APIError(Exception):
     def response(self) -> JSONResponse:
         body = {
             "error": {
-                "message": self.message,
+                "message": _printable(self.message),
                 "type": _TYPES.get(self.status, "server_error"),
-                "param": self.param,
+                "param": _printable(self.param),
                 "code": self.code,
             }
         }
         return JSONResponse(body, status_code=self.status, headers=self.headers)
 
 
+def _is_union_tag(part: str | int) -> bool:
+    """Whether a location part names the member of a union pydantic tried (`str`,
+    `list[TextPart]`, `NamedToolChoice`, `function-after[...]`) rather than a field or key (a
+    dict key that looks like one is dropped too: `param` then names the dict)."""
+    return isinstance(part, str) and ("[" in part or part in ("str", "int", "float", "bool") or part[:1].isupper())
+
+
+def _param(error: dict[str, Any]) -> list[str]:
+    loc = list(error.get("loc", ()))
+    if loc[:1] == ["body"]:
+        loc = loc[1:]
+    parts = [str(p) for p in loc if not _is_union_tag(p)]
+    at = (error.get("ctx") or {}).get("at")  # a validator's own pointer below its location
+    return parts + at.split(".") if at else parts
+
+
 def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
-    first = exc.errors()[0]
-    loc = [str(p) for p in first.get("loc", ()) if p != "body"]
-    param = ".".join(loc) or None
+    errors = exc.errors()
+    first = errors[0]
     if first.get("type") == "json_invalid":
         return "the request body is not valid JSON", None
-    if first.get("type") == "extra_forbidden":
+    if first.get("type") in ("missing", "model_attributes_type", "dict_type") and list(first.get("loc", ())) == ["body"]:
+        return "the request body must be a JSON object (Content-Type: application/json)", None
+    # A value no member of a union accepts fails once per member: report the member that got
+    # furthest (a content part's missing `text` rather than "content should be a string").
+    prefix = _param(first)
+    related = [e for e in errors if _param(e)[:len(prefix)] == prefix]
+    chosen = max(related, key=lambda e: len(_param(e)))  # the first of the deepest
+    param = ".".join(_param(chosen)) or None
+    if chosen.get("type") == "extra_forbidden":
         return f"unsupported parameter: {param}", param
-    return (f"{param}: {first['msg']}" if param else first["msg"]), param
+    message = chosen["msg"].removeprefix("Value error, ")
+    return (f"{param}: {message}" if param else message), param
 
 
 def install_error_handlers(app: FastAPI) -> None:

@@ -123,6 +123,8 @@ class RecordLost(RuntimeError):
 
 
 _Entry = tuple[str, Record, "asyncio.Future[None] | None"]
+_UNENCODABLE = (msgspec.MsgspecError, UnicodeError, OverflowError, ValueError, TypeError)
+"""What encoding a record with an impossible value raises (a lone surrogate, an int over 64 bits)."""
 
 
 class Recorder:
@@ -165,6 +167,10 @@ class Recorder:
     def _take(self, subject: str, record: Record, done: asyncio.Future[None] | None) -> bool:
         if not isinstance(record, RECORD_TYPES.get(subject, ())):
             return self._drop(record, f"{subject} does not carry {type(record).__name__}", done)
+        try:  # refused here, one record, rather than failing a publish or spill of many later
+            encode(record)
+        except _UNENCODABLE as exc:
+            return self._drop(record, f"it cannot be encoded ({type(exc).__name__}: {exc})", done)
         if self._spill is not None and (
             self._spilling or self._stopped or len(self._queue) >= self._maxsize or not self._bus.nc.is_connected
         ):

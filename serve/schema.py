@@ -1,8 +1,16 @@
 """Request schemas of `/v1/chat/completions` and `/v1/completions`, validated strictly.
 
 A parameter the gateway does not implement is a 400 naming it, never silently ignored: the
-models forbid unknown keys, and known OpenAI parameters with no effect here are accepted only at
-their neutral value.
+request models forbid unknown keys, and known OpenAI parameters with no effect here are accepted
+only at their neutral value. Inside messages it is the other way round: clients send their own
+response objects back in the history (the openai SDK's `refusal`, `annotations`, `audio`,
+`function_call`; litellm's `provider_specific_fields`, `reasoning_content`, `thinking_blocks`;
+LangChain's block `id`s), so keys a message, a text part or a tool call does not define are
+ignored; they never reach the prompt or the recorded turn.
+
+Every string must be valid Unicode (JSON's `\\ud800` escapes can carry lone surrogates, which no
+tokenizer, UTF-8 encoder or bus record takes): `Body` checks the whole request before anything
+else and names the first field that is not. `seed` is bounded to the signed 64-bit range.
 """
 
 from __future__ import annotations
@@ -10,42 +18,133 @@ from __future__ import annotations
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic_core import PydanticCustomError
 
 MAX_N = 16
 MAX_TOP_LOGPROBS = 20
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+GREEDY_BELOW = 1e-6
+"""SGLang's `_SAMPLING_EPS`: a smaller temperature samples greedily (logits / temperature would
+overflow)."""
+
+
+def invalid(at: str, reason: str) -> PydanticCustomError:
+    """A validation error about the part `at` (dotted, relative to where it is raised) of the
+    value being validated; `serve.errors` joins `at` onto the location in `param`."""
+    return PydanticCustomError("invalid_value", "{reason}", {"reason": reason, "at": at})
+
+
+def _is_valid_unicode(text: str) -> bool:
+    if text.isascii():  # O(1) in CPython
+        return True
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+def all_valid_unicode(value: Any) -> bool:
+    """Whether every string in a JSON value, keys included, is valid Unicode. Iterative (a deep
+    value cannot exhaust the stack) and cheap: about a microsecond per kilobyte of non-ASCII text."""
+    stack = [value]
+    while stack:
+        node = stack.pop()
+        kind = type(node)
+        if kind is str:
+            if not _is_valid_unicode(node):
+                return False
+        elif kind is dict:
+            if not all(_is_valid_unicode(key) for key in node if type(key) is str):
+                return False
+            stack.extend(node.values())
+        elif kind is list:
+            stack.extend(node)
+    return True
+
+
+def first_invalid_string(value: Any) -> tuple[str, bool]:
+    """(dotted path, whether it is a key) of the first string in a JSON value that is not valid
+    Unicode; the value must hold one (`all_valid_unicode` said so)."""
+    stack: list[tuple[Any, str]] = [(value, "")]
+    while stack:
+        node, path = stack.pop()
+        if isinstance(node, str) and not _is_valid_unicode(node):
+            return path, False
+        if isinstance(node, dict):
+            if not all(_is_valid_unicode(key) for key in node if isinstance(key, str)):
+                return path, True
+            children = [(child, f"{path}.{key}" if path else str(key)) for key, child in node.items()]
+        elif isinstance(node, list):
+            children = [(child, f"{path}.{i}" if path else str(i)) for i, child in enumerate(node)]
+        else:
+            continue
+        stack.extend(reversed(children))  # depth first, in document order
+    raise ValueError("no invalid string in the value")
 
 
 class Strict(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
 
-class TextPart(Strict):
+class Body(Strict):
+    """A request body: before the fields are validated, every string in it (keys included) must
+    be valid Unicode."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _valid_unicode(cls, value: Any) -> Any:
+        if not all_valid_unicode(value):
+            path, is_key = first_invalid_string(value)
+            what = "a key" if is_key else "the string"
+            raise invalid(path, f"{what} contains a lone surrogate (U+D800 to U+DFFF), which is not valid Unicode")
+        return value
+
+
+class Lenient(BaseModel):
+    """A part of a message: keys it does not define are what clients add to their own
+    response objects; they are ignored (and not recorded)."""
+
+    model_config = ConfigDict(extra="ignore")
+
+
+class TextPart(Lenient):
     type: Literal["text"]
     text: str
 
 
-class FunctionCall(Strict):
+class FunctionCall(Lenient):
     name: str = Field(min_length=1)
     arguments: str
 
 
-class ToolCall(Strict):
+class ToolCall(Lenient):
     id: str
     type: Literal["function"] = "function"
     function: FunctionCall
 
 
-class Message(Strict):
+class Message(Lenient):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
     tool_calls: list[ToolCall] | None = None
     tool_call_id: str | None = None
 
+    @field_validator("content", mode="before")
+    @classmethod
+    def _text_parts_only(cls, value: Any) -> Any:
+        if isinstance(value, list):
+            for i, part in enumerate(value):
+                kind = part.get("type") if isinstance(part, dict) else None
+                if isinstance(kind, str) and kind != "text":
+                    raise invalid(f"{i}.type", f"content parts of type {kind!r} are not supported: this model takes text only")
+        return value
+
     @model_validator(mode="after")
     def _has_content(self) -> "Message":
         if self.content is None and not (self.role == "assistant" and self.tool_calls):
-            raise ValueError(f"a {self.role} message needs content")
+            raise ValueError(f"{'an' if self.role == 'assistant' else 'a'} {self.role} message needs content")
         if self.role == "tool" and not self.tool_call_id:
             raise ValueError("a tool message needs tool_call_id")
         return self
@@ -94,7 +193,7 @@ class StreamOptions(Strict):
     include_usage: bool = False
 
 
-class Sampling(Strict):
+class Sampling(Body):
     """Fields shared by both endpoints."""
 
     model: str
@@ -103,7 +202,8 @@ class Sampling(Strict):
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     n: int = Field(1, ge=1, le=MAX_N)
     stop: str | list[str] | None = None
-    seed: int | None = None
+    seed: int | None = Field(None, ge=INT64_MIN, le=INT64_MAX)
+    """OpenAI's and SGLang's range; choice i samples with seed + i (wrapped into the same range)."""
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
@@ -202,12 +302,14 @@ class CompletionRequest(Sampling):
 
 
 def sampling_params(request: Sampling, max_new_tokens: int, choice: int) -> dict[str, Any]:
-    """SGLang `sampling_params` for one choice of a request (seeded choices get seed + index)."""
-    params: dict[str, Any] = {"max_new_tokens": max_new_tokens, "temperature": request.temperature, "top_p": request.top_p}
+    """SGLang `sampling_params` for one choice of a request (seeded choices get seed + index;
+    temperatures below `GREEDY_BELOW` are sent, and recorded, as 0: greedy, as SGLang does)."""
+    temperature = request.temperature if request.temperature >= GREEDY_BELOW else 0.0
+    params: dict[str, Any] = {"max_new_tokens": max_new_tokens, "temperature": temperature, "top_p": request.top_p}
     if request.stop:
         params["stop"] = request.stop
     if request.seed is not None:
-        params["sampling_seed"] = request.seed + choice
+        params["sampling_seed"] = (request.seed + choice - INT64_MIN) % 2**64 + INT64_MIN
     if request.min_tokens:
         params["min_new_tokens"] = min(request.min_tokens, max_new_tokens)
     if request.ignore_eos:

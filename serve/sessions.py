@@ -14,9 +14,11 @@ from __future__ import annotations
 import uuid
 from collections.abc import Mapping
 from dataclasses import dataclass
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from pydantic import Field, model_validator
 
 from serve.errors import APIError
+from serve.schema import INT64_MAX, Body
 
 _TRUE = {"1", "true", "yes"}
 _FALSE = {"0", "false", "no", ""}
@@ -57,12 +59,11 @@ def session_of(headers: Mapping[str, str], metadata: dict[str, str] | None, user
     )
 
 
-class FeedbackRequest(BaseModel):
-    """Body of `POST /v1/sessions/{id}/feedback`."""
+class FeedbackRequest(Body):
+    """Body of `POST /v1/sessions/{id}/feedback` (strict, and valid Unicode throughout)."""
 
-    model_config = ConfigDict(extra="forbid")
     reward: float | None = Field(None, allow_inf_nan=False)
-    turn_index: int | None = Field(None, ge=0)
+    turn_index: int | None = Field(None, ge=0, le=INT64_MAX)
     """The turn the feedback is about; omitted means the whole session."""
     text: str | None = None
     source: str = Field("user", min_length=1, max_length=64)

@@ -1,8 +1,10 @@
-"""The gateway under hostile and operational conditions through real HTTP: fuzzed bodies never
-produce a 5xx, keys are enforced, bodies and concurrency are bounded, metrics are exposed, and a
-real agent framework (LangChain's ChatOpenAI) works unmodified."""
+"""The gateway under hostile and operational conditions through real HTTP: fuzzed bodies (lone
+surrogates, huge integers, deep nesting included) never produce a 5xx, invalid strings and seeds
+are 400s naming their field, keys are enforced, bodies and concurrency are bounded, metrics are
+exposed, and a real agent framework (LangChain's ChatOpenAI) works unmodified."""
 
 import asyncio
+import functools
 import json
 import threading
 
@@ -16,22 +18,58 @@ from bus import EmbeddedNats
 from config import load_config
 from serve.loop import ServeLoop
 
+CHAT, COMPLETIONS, FEEDBACK = "/v1/chat/completions", "/v1/completions", "/v1/sessions/s1/feedback"
+SURROGATE = "\ud800"
+huge_ints = st.sampled_from([2**63 - 1, 2**63, 2**64, 2**70, -(2**63) - 1, -(2**70)])
+texts = st.text(max_size=20)
+strings = st.one_of(texts, texts, texts, texts, texts, st.lists(  # lone surrogates, alone or inside text
+    st.text(max_size=6) | st.text(st.characters(min_codepoint=0xD800, max_codepoint=0xDFFF), min_size=1, max_size=2),
+    min_size=1, max_size=3).map("".join))
+nested = st.tuples(st.integers(30, 500), st.booleans()).map(
+    lambda spec: functools.reduce(lambda inner, _: [inner] if spec[1] else {"k": inner}, range(spec[0]), 0))
 json_values = st.recursive(
-    st.none() | st.booleans() | st.integers(-2**40, 2**40) | st.floats(allow_nan=False) | st.text(max_size=20),
-    lambda children: st.lists(children, max_size=4) | st.dictionaries(st.text(max_size=12), children, max_size=4),
+    st.none() | st.booleans() | st.integers(-2**40, 2**40) | huge_ints | st.floats(allow_nan=False) | strings | nested,
+    lambda children: st.lists(children, max_size=4) | st.dictionaries(strings, children, max_size=4),
     max_leaves=12,
 )
 KEYS = ["model", "messages", "max_tokens", "max_completion_tokens", "temperature", "top_p", "n", "stop", "seed",
         "stream", "logprobs", "top_logprobs", "tools", "tool_choice", "user", "metadata", "prompt", "echo", "extra"]
 message = st.fixed_dictionaries({"role": st.sampled_from(["user", "assistant", "system", "tool", "bad"]),
-                                 "content": st.one_of(st.text(max_size=40), st.none(), json_values)})
-bodies = st.one_of(
-    st.dictionaries(st.sampled_from(KEYS), json_values, max_size=6),
-    st.fixed_dictionaries({"model": st.just("tiny"), "messages": st.lists(message, max_size=3)},
-                          optional={"max_tokens": st.integers(-5, 5000), "n": st.integers(-1, 40),
-                                    "temperature": st.floats(-1, 3), "stop": json_values, "stream": st.booleans(),
-                                    "logprobs": json_values, "top_logprobs": st.integers(-2, 30), "tools": json_values}),
-)
+                                 "content": st.one_of(strings, st.none(), json_values)},
+                                optional={"name": json_values, "tool_call_id": strings, "tool_calls": json_values,
+                                          "refusal": json_values})
+plain_message = st.fixed_dictionaries({"role": st.sampled_from(["user", "assistant", "system"]), "content": strings},
+                                      optional={"refusal": json_values, "annotations": json_values})
+tool = st.fixed_dictionaries({"type": st.just("function"), "function": st.fixed_dictionaries(
+    {"name": st.sampled_from(["f", "get_weather"])}, optional={"description": strings, "parameters": json_values})})
+random_bodies = st.dictionaries(st.sampled_from(KEYS), json_values, max_size=6)
+BODIES = {
+    CHAT: st.one_of(
+        random_bodies,
+        st.fixed_dictionaries({"model": st.just("tiny"), "messages": st.lists(message, max_size=3)},
+                              optional={"max_tokens": st.integers(-5, 5000), "n": st.integers(-1, 40),
+                                        "temperature": st.floats(-1, 3), "stop": json_values, "stream": st.booleans(),
+                                        "logprobs": json_values, "top_logprobs": st.integers(-2, 30),
+                                        "tools": json_values}),
+        st.fixed_dictionaries(  # mostly valid, so that hostile details reach generation and recording
+            {"model": st.just("tiny"), "messages": st.lists(plain_message, min_size=1, max_size=3)},
+            optional={"max_tokens": st.integers(1, 8), "n": st.integers(1, 3), "temperature": st.floats(0, 2),
+                      "seed": st.integers() | huge_ints, "stop": st.lists(strings, max_size=2), "stream": st.booleans(),
+                      "logprobs": st.booleans(), "user": strings, "metadata": st.dictionaries(texts, strings, max_size=2),
+                      "tools": st.lists(tool, max_size=2)}),
+    ),
+    COMPLETIONS: st.one_of(
+        random_bodies,
+        st.fixed_dictionaries({"model": st.just("tiny"), "prompt": strings | st.lists(st.integers() | huge_ints, max_size=3)},
+                              optional={"max_tokens": st.integers(-5, 8), "seed": st.integers() | huge_ints,
+                                        "stop": st.lists(strings, max_size=2), "stream": st.booleans()}),
+    ),
+    FEEDBACK: st.one_of(
+        st.dictionaries(st.sampled_from(["reward", "turn_index", "text", "source", "extra"]), json_values, max_size=4),
+        st.fixed_dictionaries({}, optional={"reward": st.floats() | st.integers() | huge_ints,
+                                            "turn_index": st.integers() | huge_ints, "text": strings, "source": strings}),
+    ),
+}
 
 
 @pytest.fixture(scope="module")
@@ -52,23 +90,106 @@ def gateway(tmp_path_factory):
         thread.join()
 
 
-@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(body=bodies, path=st.sampled_from(["/v1/chat/completions", "/v1/completions"]))
-def test_fuzzed_bodies_never_get_a_5xx(gateway, body, path):
-    with httpx.Client(base_url=gateway.url, timeout=60) as http:
-        response = http.post(path, content=json.dumps(body))
+def post(gateway, path: str, body) -> httpx.Response:
+    """`body` as JSON (lone surrogates as `\\ud800` escapes), on a fresh connection."""
+    return httpx.post(gateway.url + path, content=json.dumps(body), headers={"content-type": "application/json"},
+                      timeout=60)
+
+
+def assert_openai_error(response: httpx.Response) -> dict:
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"} and error["message"] and error["type"]
+    return error
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture,
+                                                                  HealthCheck.too_slow, HealthCheck.data_too_large])
+@given(path=st.sampled_from(list(BODIES)), data=st.data())
+def test_fuzzed_bodies_never_get_a_5xx(gateway, path, data):
+    response = post(gateway, path, data.draw(BODIES[path], label="body"))
     assert response.status_code < 500, response.text
     if response.status_code >= 400:
-        error = response.json()["error"]
-        assert error["message"] and error["type"]
+        assert_openai_error(response)
+
+
+def test_a_missing_body_or_one_sent_without_a_json_content_type_is_a_clear_400(gateway):
+    body = json.dumps({"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2})
+    for response in (httpx.post(gateway.url + CHAT, content=body, timeout=60), httpx.post(gateway.url + CHAT, timeout=60)):
+        assert response.status_code == 400 and "JSON object" in assert_openai_error(response)["message"]
+
+
+ASK = [{"role": "user", "content": "hi"}]
+INVALID = [  # (path, body, the param the 400 names)
+    (CHAT, {"messages": [{"role": "user", "content": SURROGATE}]}, "messages.0.content"),
+    (CHAT, {"messages": [{"role": "user", "content": [{"type": "text", "text": "a" + SURROGATE}]}]},
+     "messages.0.content.0.text"),
+    (CHAT, {"messages": ASK, "stop": ["ok", SURROGATE]}, "stop.1"),
+    (CHAT, {"messages": ASK, "metadata": {"session_id": SURROGATE}}, "metadata.session_id"),
+    (CHAT, {"messages": ASK, "metadata": {SURROGATE: "x"}}, "metadata"),
+    (CHAT, {"messages": ASK, "user": SURROGATE}, "user"),
+    (CHAT, {"messages": ASK, "tools": [{"type": "function", "function": {"name": "f", "description": SURROGATE}}]},
+     "tools.0.function.description"),
+    (CHAT, {"messages": ASK, "tools": [{"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "properties": {"city": {"description": SURROGATE}}}}}]},
+     "tools.0.function.parameters.properties.city.description"),
+    (CHAT, {"messages": ASK + [{"role": "assistant", "content": None, "tool_calls": [
+        {"id": "c", "type": "function", "function": {"name": "f", "arguments": SURROGATE}}]}]},
+     "messages.1.tool_calls.0.function.arguments"),
+    (CHAT, {"messages": ASK + [{"role": "assistant", "content": "x", "refusal": SURROGATE}]}, "messages.1.refusal"),
+    (COMPLETIONS, {"prompt": SURROGATE}, "prompt"),
+    (FEEDBACK, {"text": SURROGATE}, "text"),
+    (FEEDBACK, {"reward": 1.0, "source": SURROGATE}, "source"),
+    (FEEDBACK, {"reward": 1.0, "turn_index": 2**70}, "turn_index"),
+    (CHAT, {"messages": ASK, "seed": 2**70}, "seed"),
+    (CHAT, {"messages": ASK, "seed": -(2**70)}, "seed"),
+    (COMPLETIONS, {"prompt": "hi", "seed": 2**64}, "seed"),
+]
+
+
+@pytest.mark.parametrize("path, body, param", INVALID, ids=[param for _, _, param in INVALID])
+def test_invalid_strings_and_integers_are_400s_naming_the_field(gateway, path, body, param):
+    if path != FEEDBACK:
+        body = {"model": "tiny", "max_tokens": 2, **body}
+    response = post(gateway, path, body)
+    assert response.status_code == 400, response.text
+    error = assert_openai_error(response)
+    assert error["param"] == param and error["type"] == "invalid_request_error"
+    # Nothing the rejected request carried reached the recorder: the next requests are served.
+    assert post(gateway, CHAT, {"model": "tiny", "messages": ASK, "max_tokens": 2}).status_code == 200
+    assert post(gateway, FEEDBACK, {"reward": 1.0, "turn_index": 3}).status_code == 200
+
+
+def test_seeds_at_the_ends_of_the_64_bit_range_are_served(gateway):
+    for seed in (2**63 - 1, -(2**63)):  # choice i samples with seed + i, wrapped into the range
+        response = post(gateway, CHAT, {"model": "tiny", "messages": ASK, "max_tokens": 2, "seed": seed, "n": 3})
+        assert response.status_code == 200, response.text
+        assert [c["index"] for c in response.json()["choices"]] == [0, 1, 2]
+
+
+def test_a_temperature_too_small_to_divide_by_samples_greedily(gateway):
+    answers = [post(gateway, COMPLETIONS, {"model": "tiny", "prompt": "12 + 7 =", "max_tokens": 4, "temperature": t})
+               for t in (1e-45, 0.0)]
+    assert [a.status_code for a in answers] == [200, 200], answers[0].text
+    assert answers[0].json()["choices"][0]["text"] == answers[1].json()["choices"][0]["text"]
+
+
+@pytest.mark.parametrize("depth", [400, 5000])
+def test_deeply_nested_values_are_not_a_5xx(gateway, depth):
+    parameters = "[" * depth + "]" * depth  # written out: too deep for json.dumps
+    raw = '{"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "tools": [' \
+          '{"type": "function", "function": {"name": "f", "parameters": {"p": ' + parameters + "}}}]}"
+    response = httpx.post(gateway.url + CHAT, content=raw, headers={"content-type": "application/json"}, timeout=60)
+    assert response.status_code in (200, 400), response.text
+    if response.status_code == 400:
+        assert_openai_error(response)
 
 
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(raw=st.binary(max_size=300))
 def test_fuzzed_bytes_never_get_a_5xx(gateway, raw):
-    with httpx.Client(base_url=gateway.url, timeout=60) as http:
-        response = http.post("/v1/chat/completions", content=raw, headers={"content-type": "application/json"})
-    assert response.status_code == 400 and "error" in response.json()
+    response = httpx.post(gateway.url + CHAT, content=raw, headers={"content-type": "application/json"}, timeout=60)
+    assert response.status_code == 400
+    assert_openai_error(response)
 
 
 def test_large_bodies_are_refused_and_metrics_count_requests(gateway):

@@ -8,7 +8,7 @@ import time
 import pytest
 
 from bus import TRAFFIC_SUBJECTS, TURN_SUBJECT, Bus, EmbeddedNats
-from serve.recorder import Recorder
+from serve.recorder import RecordLost, Recorder
 from tests.test_records import make_turn
 from tests.test_serve_ops import until
 
@@ -137,3 +137,20 @@ async def test_a_new_recorder_replays_what_a_stopped_one_left_on_disk(outage_nat
     publisher.cancel()
     await asyncio.gather(publisher, return_exceptions=True)
     await bus.close()
+
+
+async def test_a_record_that_cannot_be_encoded_is_refused_alone(bus, tmp_path):
+    """A lone surrogate (or an int over 64 bits) cannot go on the bus: that record is refused
+    and counted; it never blocks the queue or a spill of the records around it."""
+    recorder = Recorder(bus, maxsize=10, spill_dir=tmp_path / "spill")
+    publisher = asyncio.create_task(recorder.run())
+    bad = make_turn(id="bad", messages=[{"role": "user", "content": "\ud800"}])
+    huge = make_turn(id="huge", sampling={"sampling_seed": 2**70})
+    with pytest.raises(RecordLost, match="cannot be encoded"):
+        await recorder.durable(TURN_SUBJECT, bad)
+    assert not recorder.record(TURN_SUBJECT, huge)
+    await recorder.durable(TURN_SUBJECT, make_turn(id="good"))
+    assert recorder.dropped == 2 and recorder.published == 1
+    assert await stream_ids(bus, 1) == ["good"]
+    publisher.cancel()
+    await asyncio.gather(publisher, return_exceptions=True)

@@ -1,0 +1,82 @@
+"""Property-based fuzzing of the gateway from its own OpenAPI document.
+
+schemathesis reads `/openapi.json` from the real serve loop (the `tiny` model, at most 8 new
+tokens a request) and generates requests for every operation in it, valid ones (positive mode)
+and ones that break the schema (negative mode). However a request is wrong, the answer is never
+a 5xx, and every 4xx carries OpenAI's error shape. Valid requests name the served model and stay
+within the server's token limit, so that they reach generation instead of stopping at a 404 or
+400. The budget is bounded: `EXAMPLES` requests per operation and mode.
+
+schemathesis's own pytest integration (`schemathesis.pytest.from_fixture`, 4.32) fails under
+pytest 9.2 (it uses `Function._nodeid`, which pytest 9.2 no longer has), so hypothesis drives
+each operation's strategy (`APIOperation.as_strategy`) here.
+"""
+
+import httpx
+import pytest
+import schemathesis
+from hypothesis import HealthCheck, given, settings
+from schemathesis import GenerationMode
+
+from tests.test_gateway_robustness import assert_openai_error, gateway  # noqa: F401  (fixture)
+
+EXAMPLES = 60
+MAX_NEW_TOKENS = 8  # the fixture's serve.max_new_tokens
+OPERATIONS = {
+    "/v1/chat/completions": {"post"},
+    "/v1/completions": {"post"},
+    "/v1/sessions/{session_id}/feedback": {"post"},
+    "/v1/sessions/{session_id}/end": {"post"},
+    "/v1/models": {"get"},
+    "/health": {"get"},
+}
+
+WITH_BODY = {"/v1/chat/completions", "/v1/completions", "/v1/sessions/{session_id}/feedback"}
+
+
+@pytest.fixture(scope="module")
+def api_schema(gateway):  # noqa: F811
+    return schemathesis.openapi.from_url(f"{gateway.url}/openapi.json")
+
+
+def served(case: schemathesis.Case) -> schemathesis.Case:
+    """A valid case made one this server can serve: its model, its token limit."""
+    if isinstance(case.body, dict):
+        if "model" in case.body:
+            case.body["model"] = "tiny"
+        for key in ("max_tokens", "max_completion_tokens"):
+            if isinstance(case.body.get(key), int):
+                case.body[key] = min(case.body[key], MAX_NEW_TOKENS)
+    return case
+
+
+def test_the_openapi_document_covers_the_api(gateway):  # noqa: F811
+    document = httpx.get(f"{gateway.url}/openapi.json", timeout=30).json()
+    assert {path: set(operations) for path, operations in document["paths"].items()} == OPERATIONS
+    body = document["paths"]["/v1/chat/completions"]["post"]["requestBody"]["content"]["application/json"]
+    assert body["schema"] == {"$ref": "#/components/schemas/ChatCompletionRequest"}
+
+
+@pytest.mark.parametrize("path, method, mode", [
+    (path, method, mode) for path, methods in OPERATIONS.items() for method in methods for mode in GenerationMode
+    if mode is GenerationMode.POSITIVE or path in WITH_BODY  # nothing else can be made invalid
+], ids=lambda value: value.value if isinstance(value, GenerationMode) else value)
+def test_no_generated_request_gets_a_5xx(api_schema, gateway, path, method, mode):  # noqa: F811
+    strategy = api_schema[path][method.upper()].as_strategy(generation_mode=mode)
+    if mode is GenerationMode.POSITIVE:
+        strategy = strategy.map(served)
+    statuses: list[int] = []
+
+    @settings(max_examples=EXAMPLES, deadline=None, database=None, suppress_health_check=list(HealthCheck))
+    @given(case=strategy)
+    def check(case: schemathesis.Case) -> None:
+        response = case.call(base_url=gateway.url, timeout=60)
+        statuses.append(response.status_code)
+        assert response.status_code < 500, f"{case.as_curl_command(base_url=gateway.url)}\n{response.text}"
+        if response.status_code >= 400:
+            assert_openai_error(response)
+
+    check()
+    assert statuses  # requests were sent
+    if mode is GenerationMode.POSITIVE and method == "get":
+        assert set(statuses) == {200}
