@@ -99,7 +99,40 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
     return (f"{param}: {message}" if param else message), param
 
 
+ERROR_SCHEMA = {
+    "type": "object",
+    "required": ["error"],
+    "properties": {"error": {"type": "object", "required": ["message", "type", "param", "code"], "properties": {
+        "message": {"type": "string"}, "type": {"type": "string"},
+        "param": {"type": ["string", "null"]}, "code": {"type": ["string", "null"]},
+    }}},
+}
+
+
+def openapi_with_openai_errors(app: FastAPI) -> None:
+    """Make `/openapi.json` say what the gateway answers: an invalid request is a 400 with
+    OpenAI's error object (FastAPI documents its own 422 `HTTPValidationError`)."""
+    build = app.openapi
+
+    def openapi() -> dict:
+        if app.openapi_schema is None:
+            schema = build()
+            for operation in (op for path in schema.get("paths", {}).values() for op in path.values()):
+                responses = operation.get("responses", {})
+                if responses.pop("422", None) is not None:
+                    responses["400"] = {"description": "Invalid request",
+                                        "content": {"application/json": {"schema": ERROR_SCHEMA}}}
+            for name in ("HTTPValidationError", "ValidationError"):
+                schema.get("components", {}).get("schemas", {}).pop(name, None)
+            app.openapi_schema = schema
+        return app.openapi_schema
+
+    app.openapi = openapi
+
+
 def install_error_handlers(app: FastAPI) -> None:
+    openapi_with_openai_errors(app)
+
     @app.exception_handler(APIError)
     async def _api_error(_: Request, exc: APIError) -> JSONResponse:
         return exc.response()

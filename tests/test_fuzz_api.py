@@ -80,3 +80,21 @@ def test_no_generated_request_gets_a_5xx(api_schema, gateway, path, method, mode
     assert statuses  # requests were sent
     if mode is GenerationMode.POSITIVE and method == "get":
         assert set(statuses) == {200}
+
+
+def test_the_schema_documents_openais_error_object_not_fastapis_422():
+    from fastapi import FastAPI
+
+    from serve.errors import ERROR_SCHEMA, install_error_handlers
+
+    app = FastAPI()
+    install_error_handlers(app)
+
+    @app.post("/v1/echo")
+    async def echo(body: dict) -> dict:
+        return body
+
+    schema = app.openapi()
+    responses = schema["paths"]["/v1/echo"]["post"]["responses"]
+    assert "422" not in responses and responses["400"]["content"]["application/json"]["schema"] == ERROR_SCHEMA
+    assert "HTTPValidationError" not in schema.get("components", {}).get("schemas", {})
