@@ -151,7 +151,7 @@ class EngineTimeline:
         def do_update(path, version, abort_all):
             started = time.monotonic()
             out = update(path, version, abort_all)
-            self.events.append(("update", time.monotonic(), version, started))
+            self.events.append(("update", time.monotonic(), int(version), started))
             return out
 
         engine._do_pause, engine._do_resume, engine._do_update = do_pause, do_resume, do_update

@@ -4,6 +4,26 @@ behaviour logprobs and weight versions, the text, and how it finished.
 `Choice` accumulates a streamed choice chunk by chunk (each chunk a delta in SGLang's
 `/generate` shape) or takes a whole non-streaming response at once; either way the gateway gets
 what it needs both to answer the client and to record the turn.
+
+**Version labels.** An engine names its weights with an opaque string (SGLang: `--weight-version`,
+"default" unless given; a weight update may set any label). Flywheel's versions are integers
+and its trainer labels weights `str(N)`. One rule, `version_of`, turns a label into a version:
+a non-negative decimal integer (below 2**31, what records hold) is that version; any other
+label ("default", "heldout-7") is version 0, the weights the engine started with: the oldest
+possible, so staleness computed from it is never under-estimated.
+
+**Which version sampled a token.** Where a chunk (or whole response) carries `weight_versions`
+spans, they say so exactly (SGLang 0.5.23 reports them once a request's weights changed in
+flight; so does the embedded engine). Without spans, `weight_version` is only the engine's label
+when the chunk was produced: tokens sampled before a swap would look newer than they are. The
+HTTP client (`serve.engine_client`) then applies `bound_versions`: a chunk's tokens get the older
+of the version the gateway knew for that engine when those tokens began (at the request's start
+for the first chunk, the previous chunk's version for a later one) and the version the chunk
+reports. The gateway knows an engine's version because it drives the swaps: it learns the new
+one when `/update_weights_from_disk` returns, after the engine loaded it. Tokens are therefore
+never labelled newer than the weights that sampled them (staleness is never under-estimated);
+what it costs is that tokens of a chunk that straddles a swap, and a whole non-streamed answer
+that does, count as the older version.
 """
 
 from __future__ import annotations
@@ -13,19 +33,37 @@ from dataclasses import dataclass, field
 from typing import Any
 
 FINISH_REASONS = {"stop": "stop", "length": "length", "abort": "abort"}
+MAX_VERSION = 2**31 - 1
+
+
+def version_of(label: Any) -> int:
+    """Flywheel's version for an engine's weight version label: a non-negative decimal integer
+    (up to `MAX_VERSION`) is that version, any other label 0."""
+    text = str(label) if type(label) is int else label
+    if isinstance(text, str) and len(text) <= 10 and text.isascii() and text.isdecimal() and int(text) <= MAX_VERSION:
+        return int(text)
+    return 0
 
 
 def token_versions(meta: dict[str, Any], n_tokens: int) -> list[int]:
     """Per-token weight versions of a chunk's tokens: `weight_versions` spans if present, else
     `weight_version` for all of them."""
-    spans = meta.get("weight_versions")
-    if not spans:
-        return [int(meta["weight_version"])] * n_tokens
-    versions = [int(meta["weight_version"])] * n_tokens
-    for span in spans:
+    versions = [version_of(meta.get("weight_version"))] * n_tokens
+    for span in meta.get("weight_versions") or []:
         start, end = max(0, span["start"]), min(n_tokens, span["end"])
-        versions[start:end] = [int(span["version"])] * max(0, end - start)
+        versions[start:end] = [version_of(span["version"])] * max(0, end - start)
     return versions
+
+
+def bound_versions(meta: dict[str, Any], n_tokens: int, known: int) -> int:
+    """For a chunk of `n_tokens` tokens without spans, the rule above: label them all
+    min(`known`, the version the chunk reports), written as one span. `known` is the version
+    the gateway knew for the engine when these tokens began; returns the one the next chunk's
+    tokens begin from (what this chunk reports)."""
+    reported = version_of(meta.get("weight_version"))
+    if n_tokens and not meta.get("weight_versions"):
+        meta["weight_versions"] = [{"version": str(min(known, reported)), "start": 0, "end": n_tokens}]
+    return reported
 
 
 @dataclass

@@ -6,6 +6,11 @@ drives weight swaps with `/pause_generation`, `/update_weights_from_disk` and
 `python -m serve.engine`); `InProcessEngineClient` hands the same bodies to the same
 `serve.engine.native` functions the engine's HTTP server uses, without the socket. Streams come
 out of both as deltas: the HTTP client turns SGLang's default cumulative chunks into deltas.
+
+An engine's `weight_version` here is Flywheel's integer version (`serve.choices.version_of` of
+the engine's label). The in-process client reads the embedded engine's exact per-token versions;
+the HTTP client, which may be talking to a server that reports one label per response or chunk,
+bounds each chunk's versions by what it knew of the engine (`serve.choices.bound_versions`).
 """
 
 from __future__ import annotations
@@ -16,11 +21,13 @@ from typing import Any, Protocol
 
 import httpx
 
-from serve.engine import Engine, ProtocolError, generate, generate_stream
+from serve.choices import bound_versions, version_of
+from serve.engine import Engine, ProtocolError, RequestFailed, generate, generate_stream
 
 
 class EngineError(Exception):
-    """An engine refused a request (`status` 400) or could not be reached (503)."""
+    """An engine refused a request (`status` 400), failed it (500; the requests batched with it
+    went on) or could not be reached (503)."""
 
     def __init__(self, status: int, message: str):
         super().__init__(message)
@@ -55,13 +62,15 @@ class InProcessEngineClient:
 
     @property
     def weight_version(self) -> int:
-        return self.engine.version
+        return version_of(self.engine.version)
 
     async def generate(self, body: dict[str, Any]) -> dict[str, Any]:
         try:
             return await generate(self.engine, body)
         except ProtocolError as exc:
             raise EngineError(400, str(exc)) from None
+        except RequestFailed as exc:
+            raise EngineError(500, str(exc)) from None
 
     async def generate_stream(self, body: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
         try:
@@ -69,6 +78,8 @@ class InProcessEngineClient:
                 yield chunk
         except ProtocolError as exc:
             raise EngineError(400, str(exc)) from None
+        except RequestFailed as exc:
+            raise EngineError(500, str(exc)) from None
 
     async def pause(self, mode: str) -> None:
         await self.engine.pause(mode)
@@ -77,7 +88,7 @@ class InProcessEngineClient:
         await self.engine.resume()
 
     async def update_weights_from_disk(self, model_path: str, weight_version: int) -> None:
-        await self.engine.update_weights(model_path, weight_version)
+        await self.engine.update_weights(model_path, str(weight_version))
 
     async def abort(self, rid: str) -> None:
         await self.engine.abort(rid)
@@ -92,6 +103,7 @@ class HTTPEngineClient:
     def __init__(self, url: str, admin_key: str | None = None, timeout_s: float = 600.0):
         self.name = url.rstrip("/")
         self.weight_version = 0
+        """Flywheel's version of the engine's label, as of the last `connect` or weight update."""
         self.incremental = False
         """Whether the server streams deltas (`--incremental-streaming-output`) or cumulative chunks."""
         headers = {"Authorization": f"Bearer {admin_key}"} if admin_key else {}
@@ -100,7 +112,7 @@ class HTTPEngineClient:
 
     async def connect(self) -> "HTTPEngineClient":
         info = (await self._call("GET", "/model_info")).json()
-        self.weight_version = _version(info.get("weight_version"))
+        self.weight_version = version_of(info.get("weight_version"))
         server = (await self._call("GET", "/server_info")).json()
         self.incremental = bool(server.get("incremental_streaming_output", False))
         return self
@@ -111,19 +123,23 @@ class HTTPEngineClient:
         except httpx.HTTPError as exc:
             raise EngineError(503, f"engine {self.name} unreachable: {exc}") from None
         if response.status_code >= 400:
-            raise EngineError(400 if response.status_code == 400 else 503, f"engine {self.name}: {_message(response)}")
+            raise EngineError(_status(response), f"engine {self.name}: {_message(response)}")
         return response
 
     async def generate(self, body: dict[str, Any]) -> dict[str, Any]:
-        return (await self._call("POST", "/generate", body)).json()
+        known = self.weight_version
+        response = (await self._call("POST", "/generate", body)).json()
+        bound_versions(response["meta_info"], len(response["output_ids"]), known)
+        return response
 
     async def generate_stream(self, body: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
         text_sent, ids_sent = "", 0
+        known = self.weight_version
         try:
             async with self._http.stream("POST", "/generate", json={**body, "stream": True}) as response:
                 if response.status_code >= 400:
                     await response.aread()
-                    raise EngineError(400 if response.status_code == 400 else 503, f"engine {self.name}: {_message(response)}")
+                    raise EngineError(_status(response), f"engine {self.name}: {_message(response)}")
                 async for line in response.aiter_lines():
                     if not line.startswith("data:"):
                         continue
@@ -137,6 +153,7 @@ class HTTPEngineClient:
                         chunk = _delta(chunk, text_sent, ids_sent)
                     text_sent += chunk["text"]
                     ids_sent += len(chunk["output_ids"])
+                    known = bound_versions(chunk["meta_info"], len(chunk["output_ids"]), known)
                     yield chunk
         except httpx.HTTPError as exc:
             raise EngineError(503, f"engine {self.name} stream failed: {exc}") from None
@@ -176,6 +193,11 @@ def _delta(chunk: dict[str, Any], text_sent: str, ids_sent: int) -> dict[str, An
     return {**chunk, "text": chunk["text"][len(text_sent):], "output_ids": chunk["output_ids"][ids_sent:], "meta_info": meta}
 
 
+def _status(response: httpx.Response) -> int:
+    """An engine's error status as the gateway reports it: 400 and 500 as they are, else 503."""
+    return response.status_code if response.status_code in (400, 500) else 503
+
+
 def _message(response: httpx.Response) -> str:
     try:
         body = response.json()
@@ -185,10 +207,3 @@ def _message(response: httpx.Response) -> str:
     if isinstance(error, dict):
         return str(error.get("message"))
     return str(error or body.get("message") or body)
-
-
-def _version(label: Any) -> int:
-    try:
-        return int(label)
-    except (TypeError, ValueError):
-        return 0

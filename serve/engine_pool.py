@@ -5,6 +5,10 @@ to the same engine (its prefix cache stays warm there), and when an engine is ad
 only the sessions that hashed to it move. Weight swaps roll across the engines one at a time
 (pause in the configured mode, load, continue), so with several engines some engine is always
 generating; with the embedded engine the pause lasts only as long as the load.
+
+Versions here are Flywheel's integers: each client turns its engine's opaque label into one
+(`serve.choices.version_of`: "12" is 12, a label such as "default" is 0) and sends a swap's
+version to the engine as the label `str(version)`.
 """
 
 from __future__ import annotations

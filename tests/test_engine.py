@@ -45,7 +45,7 @@ async def test_behaviour_logprobs_match_a_full_forward_pass(engine, model_and_to
         assert result.prompt_ids == ids and len(result.output_ids) == len(result.logprobs) > 0
         expected = recomputed_logprobs(model, ids, result.output_ids, temperature)
         assert result.logprobs == pytest.approx(expected, abs=2e-4)
-        assert result.versions == [0] * len(result.output_ids)
+        assert result.versions == ["0"] * len(result.output_ids)
 
 
 async def test_batched_rows_of_different_lengths_decode_like_single_requests(engine, model_and_tokenizer):
@@ -134,17 +134,17 @@ async def test_weight_update_applies_between_batches_and_labels_tokens(engine, m
     greedy = SamplingParams(max_new_tokens=10, temperature=0, ignore_eos=True)
     before = await engine.generate(ids, greedy)
     try:
-        await engine.update_weights(str(path), 5)
+        await engine.update_weights(str(path), "5")
         after = await engine.generate(ids, greedy)
-        assert engine.version == 5 and after.versions == [5] * 10
+        assert engine.version == "5" and after.versions == ["5"] * 10
         assert after.logprobs != pytest.approx(before.logprobs, abs=1e-4)
         assert torch.equal(model.lm_head.weight, model.model.embed_tokens.weight) or not model.config.tie_word_embeddings
     finally:
         model.load_state_dict(original)
-        engine.version = 0
+        engine.version = "0"
     with pytest.raises(Exception):
-        await engine.update_weights(str(tmp_path / "missing"), 6)
-    assert engine.version == 0
+        await engine.update_weights(str(tmp_path / "missing"), "6")
+    assert engine.version == "0"
 
 
 async def test_native_generate_speaks_sglang(engine, model_and_tokenizer):
@@ -179,5 +179,7 @@ async def test_native_generate_rejects_bad_requests(engine, body, message):
 
 
 def test_version_spans():
-    assert version_spans([3, 3, 4, 4, 4]) == [{"version": "3", "start": 0, "end": 2}, {"version": "4", "start": 2, "end": 5}]
+    assert version_spans(["3", "3", "4", "4", "4"]) == [{"version": "3", "start": 0, "end": 2}, {"version": "4", "start": 2, "end": 5}]
+    assert version_spans(["default", "heldout-7"]) == [{"version": "default", "start": 0, "end": 1},
+                                                       {"version": "heldout-7", "start": 1, "end": 2}]
     assert version_spans([]) == []

@@ -91,14 +91,14 @@ async def test_weights_swapped_mid_generation_label_later_tokens(engine, perturb
     stream = engine.stream(ids, LONG)
     before = await take(stream, 10)
     await engine.pause(mode)
-    await engine.update_weights(perturbed, 1)
+    await engine.update_weights(perturbed, "1")
     await engine.resume()
     rest = [item async for item in stream]
     result = rest[-1]
     assert result.finish_reason == {"type": "length", "length": 60}
-    old = result.versions.count(0)  # the engine ran on until the pause
+    old = result.versions.count("0")  # the engine ran on until the pause
     assert old >= len(before) and old < 60
-    assert result.versions == [0] * old + [1] * (60 - old)
+    assert result.versions == ["0"] * old + ["1"] * (60 - old)
     # After the swap, each token is what the new weights make of the prefix; with `retract`
     # even the cache is recomputed, so they match a fresh forward pass exactly.
     if mode == "retract":
@@ -110,16 +110,16 @@ async def test_update_without_pause_lands_between_steps(engine, perturbed):
     ids = prompt(engine.tokenizer, "Give me a long number.")
     stream = engine.stream(ids, LONG)
     await take(stream, 5)
-    seconds = await engine.update_weights(perturbed, 1)
+    seconds = await engine.update_weights(perturbed, "1")
     result = [item async for item in stream][-1]
-    assert seconds >= 0 and engine.version == 1
-    assert result.versions[0] == 0 and result.versions[-1] == 1
+    assert seconds >= 0 and engine.version == "1"
+    assert result.versions[0] == "0" and result.versions[-1] == "1"
     assert result.versions == sorted(result.versions)  # one switch, never back
 
 
 async def test_failed_update_keeps_serving_the_old_version(engine, tmp_path):
     with pytest.raises(FileNotFoundError):
-        await engine.update_weights(str(tmp_path / "nothing"), 7)
-    assert engine.version == 0
+        await engine.update_weights(str(tmp_path / "nothing"), "7")
+    assert engine.version == "0"
     result = await engine.generate(prompt(engine.tokenizer, "hi"), SamplingParams(max_new_tokens=2))
-    assert result.versions == [0] * len(result.output_ids)
+    assert result.versions == ["0"] * len(result.output_ids)

@@ -147,7 +147,7 @@ async def test_announced_weights_are_swapped_in_and_versions_recorded(served, cl
     path = WeightStore(tmp_path / "store").publish(model, 3)
     await bus.publish(WEIGHTS_SUBJECT, WeightUpdate(id="w3", version=3, path=str(path), step=3))
     for _ in range(200):
-        if served.engine.version == 3:
+        if served.engine.version == "3":
             break
         await asyncio.sleep(0.02)
     reply = await client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=4)

@@ -2,10 +2,10 @@
 
 from serve.engine.core import Engine
 from serve.engine.native import ProtocolError, generate, generate_stream, version_spans
-from serve.engine.request import GenerationResult, TokenDelta
+from serve.engine.request import GenerationResult, RequestFailed, TokenDelta
 from serve.engine.sampling import SamplingParams
 
 __all__ = [
-    "Engine", "GenerationResult", "ProtocolError", "SamplingParams", "TokenDelta",
+    "Engine", "GenerationResult", "ProtocolError", "RequestFailed", "SamplingParams", "TokenDelta",
     "generate", "generate_stream", "version_spans",
 ]

@@ -23,9 +23,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--served-model-name")
     parser.add_argument("--max-running-requests", "--max-batch-size", dest="max_batch_size", type=int, default=32)
     parser.add_argument("--context-length", type=int)
-    parser.add_argument("--weight-version", type=int, default=0)
+    parser.add_argument("--weight-version", default="0",
+                        help='the starting weight version label, any string (SGLang\'s default is "default")')
     parser.add_argument("--admin-api-key", help="required (Bearer) on control routes")
     parser.add_argument("--incremental-streaming-output", action="store_true", help="stream deltas, not cumulative chunks")
+    parser.add_argument("--no-version-spans", dest="version_spans", action="store_false",
+                        help="report only the current weight version label per response or chunk, no per-token "
+                             "spans (like a server that does not track them)")
     parser.add_argument("--torch-threads", type=int, default=1)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
@@ -34,7 +38,7 @@ def main(argv: list[str] | None = None) -> int:
     engine = Engine(model, tokenizer, version=args.weight_version, max_batch_size=args.max_batch_size,
                     context_length=args.context_length, load_weights=load_weights).start()
     app = create_engine_app(engine, args.model, args.served_model_name or args.model, args.admin_api_key,
-                            args.incremental_streaming_output)
+                            args.incremental_streaming_output, args.version_spans)
     server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level="warning"))
 
     async def serve() -> None:

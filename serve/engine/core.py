@@ -9,6 +9,13 @@ flight go on, and each token records the version that sampled it. Pausing follow
 modes: `abort` ends every request with its partial output, `retract` sends running requests
 back to the queue (their KV cache is recomputed, under whatever weights are current, when they
 resume), `in_place` just stops stepping and keeps the cache.
+
+The version is an opaque string label, as in SGLang ("0" unless given; a weight update sets the
+label it names). A failure that belongs to one request (its prefill raises, its distribution
+is not finite, its bans or finish checks raise, its result cannot be built) fails that request
+alone: it leaves the batch, its caller gets a `RequestFailed`, and the others go on (newcomers
+whose joint prefill failed are prefilled again one by one, to find the one to blame). Only a
+failed decode step, which no request can be blamed for, fails every running request.
 """
 
 from __future__ import annotations
@@ -26,7 +33,7 @@ from typing import Any, Literal
 import torch
 
 from serve.engine.batch import KVBatch
-from serve.engine.request import GenerationResult, Request, StreamError, TokenDelta, resolve
+from serve.engine.request import GenerationResult, Request, RequestFailed, StreamError, TokenDelta, resolve
 from serve.engine.sampling import SamplingParams, sample
 
 log = logging.getLogger(__name__)
@@ -50,7 +57,7 @@ class Engine:
         model: torch.nn.Module,
         tokenizer: Any,
         *,
-        version: int = 0,
+        version: str = "0",
         max_batch_size: int = 32,
         context_length: int | None = None,
         load_weights: Callable[[torch.nn.Module, str], None] | None = None,
@@ -74,7 +81,8 @@ class Engine:
         self._wake = threading.Condition()
         self._running = False
         self._thread: threading.Thread | None = None
-        self.stats = {"requests": 0, "tokens": 0, "steps": 0, "prefills": 0, "weight_updates": 0, "aborted": 0}
+        self.stats = {"requests": 0, "tokens": 0, "steps": 0, "prefills": 0, "weight_updates": 0, "aborted": 0,
+                      "failed": 0}
 
     # ---- lifecycle -------------------------------------------------------------------------
 
@@ -162,8 +170,8 @@ class Engine:
     async def resume(self) -> None:
         await self._command("resume")
 
-    async def update_weights(self, path: str, version: int, abort_all: bool = False) -> float:
-        """Load weights from `path` at the next step boundary; later tokens carry `version`.
+    async def update_weights(self, path: str, version: str, abort_all: bool = False) -> float:
+        """Load weights from `path` at the next step boundary; later tokens carry the label `version`.
         Returns the seconds generation stood still for the load."""
         if self._load_weights is None:
             raise RuntimeError("this engine was built without a weight loader")
@@ -239,7 +247,7 @@ class Engine:
     def _do_resume(self) -> None:
         self.paused = False
 
-    def _do_update(self, path: str, version: int, abort_all: bool) -> float:
+    def _do_update(self, path: str, version: str, abort_all: bool) -> float:
         if abort_all:
             self._do_abort(None)
         started = time.monotonic()
@@ -247,7 +255,7 @@ class Engine:
         self.version = version
         self.stats["weight_updates"] += 1
         seconds = time.monotonic() - started
-        log.info("weights v%d loaded in %.3fs", version, seconds)
+        log.info("weights %r loaded in %.3fs", version, seconds)
         return seconds
 
     def _do_abort(self, rid: str | None) -> int:
@@ -272,7 +280,11 @@ class Engine:
             self._waiting.clear()
         self._rows, self._batch = [], None
         for request in doomed:
-            request.fail(error)
+            self._fail(request, error)
+
+    def _fail(self, request: Request, error: Exception) -> None:
+        self.stats["failed"] += 1
+        request.fail(error)
 
     def _admit(self) -> None:
         with self._wake:
@@ -286,12 +298,28 @@ class Engine:
         new = [r for r in new if r.finish is None]
         if not new:
             return
-        batch, logits = KVBatch.prefill(self.model, [r.input_ids + r.output_ids for r in new], self.pad_id)
-        self.stats["prefills"] += 1
-        self._sample(new, logits)
-        self._batch = batch if self._batch is None else self._batch.merge(batch)
-        self._rows.extend(new)
+        for rows, batch, logits in self._prefill(new):
+            # Rows join the running batch before they are sampled: whatever happens next, the
+            # engine knows them (a failure fails them, never leaves them waiting forever).
+            self._batch = batch if self._batch is None else self._batch.merge(batch)
+            self._rows.extend(rows)
+            self._sample(rows, logits)
         self._drop_finished()
+
+    def _prefill(self, new: list[Request]) -> list[tuple[list[Request], KVBatch, torch.Tensor]]:
+        """Prefill `new` together; if that fails, each alone, so that only a request whose own
+        prefill fails (say, a token id the model has no embedding for) fails. The running batch
+        is not touched either way."""
+        try:
+            batch, logits = KVBatch.prefill(self.model, [r.input_ids + r.output_ids for r in new], self.pad_id)
+        except Exception as exc:
+            if len(new) > 1:
+                return [part for request in new for part in self._prefill([request])]
+            log.exception("prefill of request %s failed", new[0].rid)
+            self._fail(new[0], RequestFailed(f"request {new[0].rid} failed: its prefill raised: {exc}"))
+            return []
+        self.stats["prefills"] += 1
+        return [(new, batch, logits)]
 
     def _decode(self) -> None:
         if not self._rows:
@@ -303,36 +331,58 @@ class Engine:
         self._drop_finished()
 
     def _sample(self, rows: list[Request], logits: torch.Tensor) -> None:
+        """Sample each row's next token. What goes wrong for one row (its bans, a distribution
+        that is not finite, its finish checks) marks that request failed; the rows go on."""
         for i, request in enumerate(rows):
-            banned = request.banned_now()
-            if banned:
-                logits[i, banned] = float("-inf")
+            try:
+                banned = request.banned_now()
+                if banned:
+                    logits[i, banned] = float("-inf")
+            except Exception as exc:
+                request.mark_failed(f"could not ban its stop tokens: {exc}")
         top_n = max(r.params.top_logprobs_num for r in rows)
-        tokens, logprobs, top = sample(logits, [r.params for r in rows], [r.generator for r in rows], top_n)
+        tokens, logprobs, top, failed = sample(logits, [r.params for r in rows], [r.generator for r in rows], top_n)
+        for i in failed:
+            rows[i].mark_failed("its next-token probabilities are not finite (a temperature too small for "
+                                "logits / temperature, or the model produced NaN or inf)")
         now = time.monotonic()
         deltas: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, TokenDelta]]] = {}
         for i, request in enumerate(rows):
+            if request.error is not None:
+                continue
             tops = top[i][: request.params.top_logprobs_num] if top is not None else None
-            delta = request.append(int(tokens[i]), float(logprobs[i]), self.version, tops, now)
+            try:
+                delta = request.append(int(tokens[i]), float(logprobs[i]), self.version, tops, now)
+            except Exception as exc:
+                request.mark_failed(f"its finish checks raised: {exc}")
+                continue
+            self.stats["tokens"] += 1
             if request.queue is not None:
                 deltas.setdefault(request.loop, []).append((request.queue, delta))
-        self.stats["tokens"] += len(rows)
         for loop, items in deltas.items():
             _post(loop, items)
 
     def _drop_finished(self) -> None:
-        keep = [i for i, r in enumerate(self._rows) if r.finish is None]
+        keep = [i for i, r in enumerate(self._rows) if not r.done]
         if len(keep) == len(self._rows):
             return
-        finished = [r for r in self._rows if r.finish is not None]
+        finished = [r for r in self._rows if r.done]
         self._rows = [self._rows[i] for i in keep]
         self._batch = self._batch.select(keep) if self._batch is not None else None
         for request in finished:
-            self._complete(request)
+            if request.error is not None:
+                self._fail(request, request.error)
+            else:
+                self._complete(request)
 
     def _complete(self, request: Request) -> None:
+        try:
+            request.complete()
+        except Exception as exc:
+            log.exception("request %s: could not build its result", request.rid)
+            self._fail(request, RequestFailed(f"request {request.rid} failed: could not build its result: {exc}"))
+            return
         self.stats["requests"] += 1
-        request.complete()
 
 
 def _post(loop: asyncio.AbstractEventLoop, items: list[tuple[asyncio.Queue, TokenDelta]]) -> None:

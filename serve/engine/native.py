@@ -9,6 +9,15 @@ returns (see `shared/reference/sglang-api.md`, A.1): `text`, `output_ids` and `m
 `--incremental-streaming-output`). The engine's HTTP server and the gateway's in-process client
 both go through these functions, so what the gateway reads from an embedded engine is what it
 reads from SGLang.
+
+Versions are the engine's opaque labels. With `spans` (the default, like SGLang 0.5.23) a
+response or chunk reports what sampled its tokens: once a request's tokens come from more than
+one version, `weight_versions` spans cover the chunk's tokens (positions relative to the chunk),
+and `weight_version` is the label of the chunk's last token (the engine's current label before
+any token). Without `spans` it reports only the engine's current label when the response or
+chunk is produced, like a server that does not track per-token versions: a token sampled
+before a swap may then be reported under the newer label (see `serve/choices.py` for how the
+gateway copes).
 """
 
 from __future__ import annotations
@@ -27,31 +36,41 @@ class ProtocolError(ValueError):
     """A malformed `/generate` request (HTTP 400 `{"error": ...}`, as SGLang answers)."""
 
 
-def version_spans(versions: list[int]) -> list[dict[str, Any]]:
+def version_spans(versions: list[str]) -> list[dict[str, Any]]:
     """Run-length spans `{version, start, end}` over the output tokens."""
     spans: list[dict[str, Any]] = []
     for i, version in enumerate(versions):
-        if spans and spans[-1]["version"] == str(version):
+        if spans and spans[-1]["version"] == version:
             spans[-1]["end"] = i + 1
         else:
-            spans.append({"version": str(version), "start": i, "end": i + 1})
+            spans.append({"version": version, "start": i, "end": i + 1})
     return spans
 
 
-def _meta(rid: str, prompt_tokens: int, ids: list[int], logprobs: list[float], versions: list[int],
-          tops: list | None, finish: dict | None, engine_version: int, return_logprob: bool) -> dict[str, Any]:
-    """`meta_info` for output tokens `ids`; `engine_version` labels a chunk with no tokens."""
-    spans = version_spans(versions)
+def _version_meta(versions: list[str], start: int, mixed: bool, current: str, spans: bool) -> dict[str, Any]:
+    """`weight_version` (and `weight_versions`) for a chunk holding a request's tokens from
+    `start` on; `versions`: the labels of all its tokens so far, `mixed`: whether they differ;
+    `current`: the engine's label now."""
+    if not spans:
+        return {"weight_version": current}
+    meta: dict[str, Any] = {"weight_version": versions[-1] if versions else current}
+    runs = version_spans(versions[start:]) if mixed else []
+    if runs:
+        meta["weight_versions"] = runs
+    return meta
+
+
+def _meta(rid: str, prompt_tokens: int, ids: list[int], logprobs: list[float], tops: list | None,
+          finish: dict | None, return_logprob: bool, versions: dict[str, Any]) -> dict[str, Any]:
+    """`meta_info` for output tokens `ids`, with `versions` from `_version_meta`."""
     meta: dict[str, Any] = {
         "id": rid,
         "finish_reason": finish,
         "prompt_tokens": prompt_tokens,
         "completion_tokens": len(ids),
         "cached_tokens": 0,
-        "weight_version": spans[-1]["version"] if spans else str(engine_version),
+        **versions,
     }
-    if len(spans) > 1:
-        meta["weight_versions"] = spans
     if return_logprob:
         meta["output_token_logprobs"] = [[lp, tid, None] for lp, tid in zip(logprobs, ids)]
         meta["output_token_logprobs_length"] = len(ids)
@@ -60,9 +79,11 @@ def _meta(rid: str, prompt_tokens: int, ids: list[int], logprobs: list[float], v
     return meta
 
 
-def to_response(result: GenerationResult, engine_version: int, return_logprob: bool, return_prompt_ids: bool) -> dict[str, Any]:
-    meta = _meta(result.rid, len(result.prompt_ids), result.output_ids, result.logprobs, result.versions,
-                 result.top_logprobs, result.finish_reason, engine_version, return_logprob)
+def to_response(result: GenerationResult, engine_version: str, return_logprob: bool, return_prompt_ids: bool,
+                spans: bool = True) -> dict[str, Any]:
+    mixed = any(v != result.versions[0] for v in result.versions)
+    meta = _meta(result.rid, len(result.prompt_ids), result.output_ids, result.logprobs, result.top_logprobs,
+                 result.finish_reason, return_logprob, _version_meta(result.versions, 0, mixed, engine_version, spans))
     meta.update(e2e_latency=result.total_s, queue_time=result.queued_s, first_token_latency=result.first_token_s)
     response: dict[str, Any] = {"text": result.text, "output_ids": result.output_ids, "meta_info": meta}
     if return_prompt_ids:
@@ -118,15 +139,15 @@ def _requests(engine: Engine, body: dict[str, Any]) -> tuple[list[tuple[list[int
     return [(p, _sampling(body, i), r) for i, (p, r) in enumerate(zip(prompts, rids))], batch
 
 
-async def generate(engine: Engine, body: dict[str, Any]) -> dict[str, Any] | list[dict[str, Any]]:
+async def generate(engine: Engine, body: dict[str, Any], spans: bool = True) -> dict[str, Any] | list[dict[str, Any]]:
     """Serve one non-streaming `/generate` body; raises ProtocolError for a request SGLang
-    would reject."""
+    would reject, and `RequestFailed` for one that failed in the engine."""
     if body.get("stream"):
         raise ProtocolError("use generate_stream for stream=true")
     requests, batch = _requests(engine, body)
     results = await asyncio.gather(*(engine.generate(p, s, r) for p, s, r in requests))
     responses = [
-        to_response(r, engine.version, bool(body.get("return_logprob")), bool(body.get("return_prompt_token_ids")))
+        to_response(r, engine.version, bool(body.get("return_logprob")), bool(body.get("return_prompt_token_ids")), spans)
         for r in results
     ]
     return responses if batch else responses[0]
@@ -177,16 +198,23 @@ class _TextStream:
         return delta
 
 
-async def generate_stream(engine: Engine, body: dict[str, Any], incremental: bool = False) -> AsyncIterator[dict[str, Any]]:
-    """The chunks of a streaming `/generate` request (one prompt); the last has `finish_reason`."""
+def generate_stream(engine: Engine, body: dict[str, Any], incremental: bool = False,
+                    spans: bool = True) -> AsyncIterator[dict[str, Any]]:
+    """The chunks of a streaming `/generate` request (one prompt); the last has `finish_reason`.
+    A request SGLang would reject raises ProtocolError here, before any chunk; one that fails in
+    the engine raises `RequestFailed` from the iteration."""
     requests, batch = _requests(engine, body)
     if batch:
         raise ProtocolError("streaming takes one prompt, not a batch")
-    [(prompt, params, rid)] = requests
-    return_logprob = bool(body.get("return_logprob"))
+    return _chunks(engine, *requests[0], bool(body.get("return_logprob")), incremental, spans)
+
+
+async def _chunks(engine: Engine, prompt: list[int], params: SamplingParams, rid: str, return_logprob: bool,
+                  incremental: bool, spans: bool) -> AsyncIterator[dict[str, Any]]:
     ids: list[int] = []
     logprobs: list[float] = []
-    versions: list[int] = []
+    versions: list[str] = []
+    mixed = False
     tops: list | None = [] if params.top_logprobs_num else None
     text = _TextStream(engine.tokenizer, params)
     async for item in engine.stream(prompt, params, rid):
@@ -194,6 +222,9 @@ async def generate_stream(engine: Engine, body: dict[str, Any], incremental: boo
         if isinstance(item, TokenDelta):
             ids += item.token_ids
             logprobs += item.logprobs
+            if not mixed:
+                first = (versions or item.versions)[0]
+                mixed = any(v != first for v in item.versions)
             versions += item.versions
             if tops is not None:
                 tops += item.top_logprobs or []
@@ -201,8 +232,7 @@ async def generate_stream(engine: Engine, body: dict[str, Any], incremental: boo
         else:
             delta_text, finish = text.finish(item.text), item.finish_reason
         cut = start if incremental else 0
-        current = versions[-1] if versions else engine.version
-        meta = _meta(rid, len(prompt), ids[cut:], logprobs[cut:], versions[cut:],
-                     tops[cut:] if tops is not None else None, finish, current, return_logprob)
+        meta = _meta(rid, len(prompt), ids[cut:], logprobs[cut:], tops[cut:] if tops is not None else None,
+                     finish, return_logprob, _version_meta(versions, cut, mixed, engine.version, spans))
         meta["completion_tokens"] = len(ids)
         yield {"text": delta_text if incremental else text.sent, "output_ids": ids[cut:], "meta_info": meta}

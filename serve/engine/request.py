@@ -6,6 +6,11 @@ finishes with `{"type": "stop", "matched": id}` and the token is kept in the out
 string finishes with `{"type": "stop", "matched": str}` and the text is cut before it (unless
 `no_stop_trim`); `max_new_tokens` or the context window finishes with `{"type": "length"}`.
 Until `min_new_tokens` are out, stop tokens cannot be sampled.
+
+A request can also fail on its own (`RequestFailed`: its distribution was not finite, or its bans
+or finish checks raised); it leaves the batch and its caller gets the error, the rest go on.
+Each token records the label of the weights that sampled it (the engine's opaque version
+string, as SGLang has it).
 """
 
 from __future__ import annotations
@@ -17,7 +22,11 @@ from typing import Any
 
 import torch
 
-from serve.engine.sampling import SamplingParams
+from serve.engine.sampling import SEED_RANGE, SamplingParams
+
+
+class RequestFailed(RuntimeError):
+    """One request failed inside the engine; the requests batched with it went on."""
 
 
 @dataclass
@@ -26,7 +35,7 @@ class TokenDelta:
 
     token_ids: list[int]
     logprobs: list[float]
-    versions: list[int]
+    versions: list[str]
     top_logprobs: list[list[tuple[int, float]]] | None = None
 
     def extend(self, later: "TokenDelta") -> "TokenDelta":
@@ -47,7 +56,7 @@ class GenerationResult:
     prompt_ids: list[int]
     output_ids: list[int]
     logprobs: list[float]
-    versions: list[int]
+    versions: list[str]
     top_logprobs: list[list[tuple[int, float]]] | None
     text: str
     finish_reason: dict[str, Any]
@@ -72,9 +81,11 @@ class Request:
     arrived: float = field(default_factory=time.monotonic)
     output_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
-    versions: list[int] = field(default_factory=list)
+    versions: list[str] = field(default_factory=list)
     top_logprobs: list[list[tuple[int, float]]] | None = None
     finish: dict[str, Any] | None = None
+    error: RequestFailed | None = None
+    """Set when this request failed; it then leaves the batch like a finished one."""
     text: str | None = None
     started: float = 0.0
     first_token: float = 0.0
@@ -82,17 +93,26 @@ class Request:
     def __post_init__(self) -> None:
         params = self.params
         self.stop_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else self.eos_ids)
-        self.generator = torch.Generator().manual_seed(params.sampling_seed) if params.sampling_seed is not None else None
+        seed = params.sampling_seed
+        self.generator = torch.Generator().manual_seed(seed % SEED_RANGE) if seed is not None else None
         if params.top_logprobs_num:
             self.top_logprobs = []
         if params.max_new_tokens == 0:
             self.finish = {"type": "length", "length": 0}
 
+    @property
+    def done(self) -> bool:
+        return self.finish is not None or self.error is not None
+
+    def mark_failed(self, reason: str) -> None:
+        """Mark this request as failed (the engine drops it and tells its caller)."""
+        self.error = self.error or RequestFailed(f"request {self.rid} failed: {reason}")
+
     def banned_now(self) -> list[int]:
         """Token ids that may not be sampled yet (stop tokens before `min_new_tokens`)."""
         return list(self.stop_ids) if len(self.output_ids) < self.params.min_new_tokens else []
 
-    def append(self, token: int, logprob: float, version: int, top: list[tuple[int, float]] | None, now: float) -> TokenDelta:
+    def append(self, token: int, logprob: float, version: str, top: list[tuple[int, float]] | None, now: float) -> TokenDelta:
         if not self.output_ids:
             self.first_token = now
         self.output_ids.append(token)

@@ -4,6 +4,11 @@ The behaviour log-probability recorded for a token is log softmax(logits / tempe
 token: the distribution the token was drawn from before top-p/top-k truncation, which is what
 the trainer recomputes with `actor.temperature` equal to the rollout temperature. With
 temperature 0 (greedy) it is the plain log softmax.
+
+Sampling is safe for any valid parameters: the top-p nucleus is computed in float64 (a top_p as
+small as 1e-300 does not underflow) and always keeps the most likely token. A row whose
+distribution is still not finite (a temperature so small that logits / temperature overflow, or
+a model that produced NaN) is reported as failed; the other rows are sampled as usual.
 """
 
 from __future__ import annotations
@@ -14,6 +19,7 @@ import msgspec
 import torch
 
 TOP_K_ALL = 1 << 30  # SGLang's "no top-k" value
+SEED_RANGE = 1 << 64  # torch.Generator.manual_seed takes [0, 2**64) (and negatives down to -2**63)
 
 
 class SamplingParams(msgspec.Struct, kw_only=True, forbid_unknown_fields=False):
@@ -30,6 +36,8 @@ class SamplingParams(msgspec.Struct, kw_only=True, forbid_unknown_fields=False):
     skip_special_tokens: bool = True
     no_stop_trim: bool = False
     sampling_seed: int | None = None
+    """Any integer; taken modulo 2**64 (the seeds a `torch.Generator` holds), so seeds that differ
+    by a multiple of 2**64 draw the same tokens."""
     top_logprobs_num: int = 0
     """Also return this many most likely tokens (with logprobs) at each output position."""
 
@@ -71,9 +79,11 @@ def sample(
     params: list[SamplingParams],
     generators: list[torch.Generator | None],
     top_n: int = 0,
-) -> tuple[torch.Tensor, torch.Tensor, list[list[tuple[int, float]]] | None]:
+) -> tuple[torch.Tensor, torch.Tensor, list[list[tuple[int, float]]] | None, list[int]]:
     """Draw one token per row of `logits` [B, V]. Returns token ids [B], their behaviour
-    logprobs [B] and, when `top_n` > 0, each row's `top_n` most likely (id, logprob) pairs."""
+    logprobs [B], when `top_n` > 0 each row's `top_n` most likely (id, logprob) pairs, and the
+    rows whose distribution is not finite (nothing was drawn for them: their token and logprob
+    are meaningless)."""
     logits = logits.float()
     temps = torch.tensor([p.temperature for p in params], dtype=torch.float32)
     greedy = temps == 0
@@ -81,12 +91,15 @@ def sample(
     logprobs = torch.log_softmax(scaled, dim=-1)
 
     probs = torch.softmax(_truncate(scaled, params), dim=-1)
-    tokens = torch.empty(len(params), dtype=torch.long)
-    shared_rows = [i for i, g in enumerate(generators) if g is None and not greedy[i]]
+    finite = torch.isfinite(probs).all(dim=-1)
+    failed = (~finite).nonzero().squeeze(1).tolist()
+    tokens = torch.zeros(len(params), dtype=torch.long)
+    drawn = finite & ~greedy
+    shared_rows = [i for i, g in enumerate(generators) if g is None and drawn[i]]
     if shared_rows:
         tokens[shared_rows] = torch.multinomial(probs[shared_rows], 1).squeeze(1)
     for i, generator in enumerate(generators):
-        if generator is not None and not greedy[i]:
+        if generator is not None and drawn[i]:
             tokens[i] = torch.multinomial(probs[i], 1, generator=generator).item()
     if greedy.any():
         tokens[greedy] = logits[greedy].argmax(dim=-1)
@@ -95,22 +108,26 @@ def sample(
     if top_n > 0:
         values, indices = logprobs.topk(top_n, dim=-1)
         top = [list(zip(row_ids, row_lps)) for row_ids, row_lps in zip(indices.tolist(), values.tolist())]
-    return tokens, chosen, top
+    return tokens, chosen, top, failed
 
 
 def _truncate(scaled: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
-    """Apply each row's top-k and top-p by setting excluded logits to -inf."""
+    """Apply each row's top-k and top-p by setting excluded logits to -inf. The most likely token
+    is always kept; the top-p mass is summed in float64, where no top_p in (0, 1] underflows."""
     need_k = [p.top_k < scaled.shape[1] for p in params]
-    need_p = [p.top_p < 1.0 for p in params]
-    if not any(need_k) and not any(need_p):
+    need_p = [i for i, p in enumerate(params) if p.top_p < 1.0]
+    if not any(need_k) and not need_p:
         return scaled
     sorted_logits, order = scaled.sort(dim=-1, descending=True)
     ranks = torch.arange(scaled.shape[1]).unsqueeze(0)
     top_k = torch.tensor([min(p.top_k, scaled.shape[1]) for p in params]).unsqueeze(1)
     drop = ranks >= top_k
-    top_p = torch.tensor([p.top_p for p in params]).unsqueeze(1)
-    cumulative = torch.softmax(sorted_logits, dim=-1).cumsum(dim=-1)
-    # Keep the smallest prefix whose mass reaches top_p (the first token is always kept).
-    drop |= (cumulative - torch.softmax(sorted_logits, dim=-1)) >= top_p
+    if need_p:
+        top_p = torch.tensor([params[i].top_p for i in need_p], dtype=torch.float64).unsqueeze(1)
+        probs = torch.softmax(sorted_logits[need_p].double(), dim=-1)
+        # Keep the smallest prefix whose mass reaches top_p: drop a token once the more likely
+        # ones already hold top_p.
+        drop[need_p] |= (probs.cumsum(dim=-1) - probs) >= top_p
+    drop[:, 0] = False
     sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
     return torch.empty_like(scaled).scatter_(1, order, sorted_logits)

@@ -6,6 +6,17 @@ server-sent events with `stream: true`), `/pause_generation`, `/continue_generat
 `/model_info` (and `/get_model_info`), `/health`, `/health_generate`, `/v1/loads`,
 `/server_info`. Control routes need the admin key when one is set.
 
+The weight version is an opaque string label, as in SGLang: the engine's starting label, then
+whatever string `/update_weights_from_disk` (`weight_version`, optional: without it the label
+stays) or `/update_weight_version` (`new_version`) names. With `version_spans` (the default)
+responses say which version sampled each token; without it (`--no-version-spans`) they carry
+only the label current when the response or chunk is produced, like a server that does not
+track per-token versions (see `native`).
+
+A request that fails inside the engine (`RequestFailed`; the requests batched with it go on)
+answers 500 `{"error": {"message", "type", "code"}}`, or, streaming, ends its stream with an
+error event; a malformed request is a 400 `{"error": ...}` before any event.
+
 One deliberate difference: `/update_weights_from_disk` on a server that is not paused does not
 wait for in-flight requests to drain; the engine loads the weights between two decode steps and
 the requests go on, their later tokens labelled with the new version.
@@ -27,6 +38,7 @@ from serve.auth import ADMIN_PATHS, bearer_token, key_matches
 from serve.engine import native
 from serve.engine.core import Engine
 from serve.engine.native import ProtocolError
+from serve.engine.request import RequestFailed
 from serve.sse import DONE, EventStreamResponse
 
 
@@ -67,6 +79,21 @@ async def _body(request: Request) -> dict[str, Any]:
     return body
 
 
+def _error(exc: Exception, code: int) -> dict[str, Any]:
+    return {"error": {"message": str(exc), "type": type(exc).__name__, "code": code, "retryable": False}}
+
+
+def _label(body: dict[str, Any], key: str) -> str | None:
+    """The version label a control body names, if any: any string (a number is taken as its
+    decimal text). Raises ValueError for anything else."""
+    label = body.get(key)
+    if label is None or isinstance(label, str):
+        return label
+    if isinstance(label, int) and not isinstance(label, bool):
+        return str(label)
+    raise ValueError(f"{key} must be a string")
+
+
 def _sse(chunks: AsyncIterator[dict[str, Any]]) -> AsyncIterator[bytes]:
     """The chunks as events; the last one (it has a finish reason, or is an error) goes out in
     one write with `[DONE]`."""
@@ -80,8 +107,7 @@ def _sse(chunks: AsyncIterator[dict[str, Any]]) -> AsyncIterator[bytes]:
                 else:
                     tail = event
         except Exception as exc:  # reported in-band: the status line is already sent
-            error = {"message": str(exc), "type": type(exc).__name__, "code": 500, "retryable": False}
-            tail += b"data: " + json.dumps({"error": error}).encode() + b"\n\n"
+            tail += b"data: " + json.dumps(_error(exc, 500)).encode() + b"\n\n"
         yield tail + DONE
 
     return events()
@@ -93,6 +119,7 @@ def create_engine_app(
     served_model_name: str,
     admin_key: str | None = None,
     incremental_streaming: bool = False,
+    version_spans: bool = True,
 ) -> FastAPI:
     app = FastAPI(title="Flywheel engine (SGLang protocol)", docs_url=None, redoc_url=None)
     started = time.time()
@@ -104,20 +131,16 @@ def create_engine_app(
     async def protocol_error(_: Request, exc: ProtocolError) -> JSONResponse:
         return JSONResponse({"error": str(exc)}, status_code=400)
 
+    @app.exception_handler(RequestFailed)
+    async def request_failed(_: Request, exc: RequestFailed) -> JSONResponse:
+        return JSONResponse(_error(exc, 500), status_code=500)
+
     @app.api_route("/generate", methods=["POST", "PUT"])
     async def generate(request: Request) -> Response:
         body = await _body(request)
-        if body.get("stream"):
-            chunks = native.generate_stream(engine, body, incremental_streaming)
-            first = await anext(chunks)  # errors in the request itself still answer 400
-
-            async def replay() -> AsyncIterator[dict[str, Any]]:
-                yield first
-                async for chunk in chunks:
-                    yield chunk
-
-            return EventStreamResponse(_sse(replay()))
-        return JSONResponse(await native.generate(engine, body))
+        if body.get("stream"):  # a malformed request raises ProtocolError here, before the stream
+            return EventStreamResponse(_sse(native.generate_stream(engine, body, incremental_streaming, version_spans)))
+        return JSONResponse(await native.generate(engine, body, version_spans))
 
     @app.post("/pause_generation")
     async def pause(request: Request) -> JSONResponse:
@@ -138,27 +161,30 @@ def create_engine_app(
         if not body.get("model_path"):
             return _fail("model_path is required")
         try:
-            version = int(body.get("weight_version", engine.version + 1))
-        except (TypeError, ValueError):
-            return _fail("weight_version must be an integer for the embedded engine")
+            label = _label(body, "weight_version")
+        except ValueError as exc:
+            return _fail(str(exc))
         try:
-            seconds = await engine.update_weights(body["model_path"], version, bool(body.get("abort_all_requests")))
+            seconds = await engine.update_weights(body["model_path"], engine.version if label is None else label,
+                                                  bool(body.get("abort_all_requests")))
         except Exception as exc:
             return _fail(f"Failed to update weights: {exc}")
-        return _ok(f"Succeeded to update model weights in {seconds:.3f}s. Weight version updated to {version}.",
-                   num_paused_requests=0)
+        named = "" if label is None else f" Weight version updated to {label}."
+        return _ok(f"Succeeded to update model weights in {seconds:.3f}s.{named}", num_paused_requests=0)
 
     @app.post("/update_weight_version")
     async def update_weight_version(request: Request) -> JSONResponse:
         body = await _body(request)
         try:
-            version = int(body["new_version"])
-        except (KeyError, TypeError, ValueError):
-            return _fail("new_version must be an integer for the embedded engine")
+            label = _label(body, "new_version")
+        except ValueError as exc:
+            return _fail(str(exc))
+        if label is None:
+            return _fail("new_version is required")
         if body.get("abort_all_requests", True):
             await engine.abort(None)
-        engine.version = version
-        return _ok(f"Weight version updated to {version}", new_version=str(version))
+        engine.version = label
+        return _ok(f"Weight version updated to {label}", new_version=label)
 
     @app.post("/abort_request")
     async def abort(request: Request) -> Response:
@@ -179,7 +205,7 @@ def create_engine_app(
         config = engine.model.config
         return {
             "model_path": model_path, "tokenizer_path": model_path, "served_model_name": served_model_name,
-            "is_generation": True, "preferred_sampling_params": None, "weight_version": str(engine.version),
+            "is_generation": True, "preferred_sampling_params": None, "weight_version": engine.version,
             "load_format": "auto", "model_type": config.model_type, "architectures": config.architectures,
             "context_length": engine.context_length,
         }
@@ -206,8 +232,8 @@ def create_engine_app(
         return {
             "model_path": model_path, "served_model_name": served_model_name, "max_running_requests": engine.max_batch_size,
             "context_length": engine.context_length, "incremental_streaming_output": incremental_streaming,
-            "weight_version": str(engine.version), "uptime_s": time.time() - started, "version": "flywheel-embedded",
-            "internal_states": [engine.load()],
+            "weight_version_spans": version_spans, "weight_version": engine.version, "uptime_s": time.time() - started,
+            "version": "flywheel-embedded", "internal_states": [engine.load()],
         }
 
     return app
