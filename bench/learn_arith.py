@@ -84,6 +84,7 @@ def main() -> None:
     parser.add_argument("--minutes", type=float, default=30.0, help="training time limit")
     parser.add_argument("--problems", type=int, default=200, help="held-out problems to evaluate")
     parser.add_argument("--run-dir", default="runs/bench_learn_arith")
+    parser.add_argument("--name", default="learn_arith", help="results go to bench/results/NAME.json and docs/img/NAME.png")
     parser.add_argument("--reuse-run", action="store_true",
                         help="skip training: evaluate the newest checkpoint of an existing --run-dir")
     parser.add_argument("overrides", nargs="*", metavar="key=value", help="passed to train.run")
@@ -105,12 +106,12 @@ def main() -> None:
     after = asyncio.run(accuracy(checkpoint, config.model, env, args.problems, config.gconfig.max_new_tokens))
     print(f"after:  {after['accuracy']:.3f} ({checkpoint.name})", flush=True)
 
-    curve = ROOT / "docs" / "img" / "learn_arith.png"
+    curve = ROOT / "docs" / "img" / f"{args.name}.png"
     curve.parent.mkdir(parents=True, exist_ok=True)
     plot_runs({"SmolLM2-135M, η=4": run_dir / "metrics.jsonl"}, curve, title="SmolLM2-135M on arithmetic (train.run)")
     result = {"args": vars(args), "machine": machine(config.train.torch_threads), "before": before, "after": after,
               "gain_points": 100 * (after["accuracy"] - before["accuracy"]), "checkpoint": checkpoint.name, "run": run}
-    path = write_result("learn_arith", result)
+    path = write_result(args.name, result)
     print(f"gain: {result['gain_points']:+.1f} points; results: {path}; curve: {curve}")
 
 
