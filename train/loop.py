@@ -70,6 +70,8 @@ class TrainLoop:
         self.trained = RecentIds(config.train.remember_samples)
         self.unacknowledged: list[Delivery] = []
         """Deliveries of trained samples, acknowledged at the next checkpoint."""
+        self._training: list[Group] = []
+        """The groups of the step under way (held too: a step can outlast the ack wait)."""
         self._checkpointed_at = -1
         self.last_metrics: dict[str, Any] = {}
         self._tasks: list[asyncio.Task] = []
@@ -101,7 +103,7 @@ class TrainLoop:
         ]
 
     def _held(self) -> list[Delivery]:
-        return [*self.batcher.deliveries(), *self.unacknowledged]
+        return [*self.batcher.deliveries(), *(d for g in self._training for d in g.deliveries), *self.unacknowledged]
 
     async def _restore(self) -> None:
         """Continue from the newest checkpoint, if any; then make sure the version is newer than
@@ -186,11 +188,13 @@ class TrainLoop:
 
     async def _optimize(self, groups: list[Group]) -> None:
         """One training step on `groups`, then the publish and checkpoint it calls for."""
+        self._training = groups
         metrics = await asyncio.to_thread(self._train, groups)
         ids = [s.id for g in groups for s in g.samples]
         self.counts["samples"] += len(ids)  # before the announcement and the checkpoint: they show this step
         self.trained.add(ids)
         self.unacknowledged.extend(d for g in groups for d in g.deliveries)
+        self._training = []
         self.ledger.trained(self.trainer.step_count, self.version, ids)
         self._record(metrics)
         if self.trainer.step_count % self.config.train.weight_update_interval == 0:
