@@ -101,7 +101,7 @@ class Deployment:
             if actor is None:
                 continue
             try:
-                ray.get(actor.stop.remote(), timeout=30)
+                ray.get(actor.stop.remote(), timeout=CALL_TIMEOUT_S)  # train finishes its step and checkpoints
             except Exception as exc:
                 log.warning("%s did not stop cleanly: %s", kind, exc)
             ray.kill(actor)
