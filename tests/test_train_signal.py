@@ -184,17 +184,17 @@ async def test_samples_are_kept_from_redelivery_while_their_step_outlasts_the_ac
     """A step slower than the ack wait (SmolLM2's take ~35 s against 30 s) must not have its
     samples delivered again meanwhile."""
     [turn] = await sampled_turns(1)
-    samples = [sample_of(msgspec.structs.replace(turn, session_id=f"s{i}"), float(i % 2)) for i in range(160)]
-    overrides = [f"run_dir={tmp_path}", "bus.ack_wait_s=1", "train.batch_size=160", "train.micro_batch_tokens=16"]
+    samples = [sample_of(msgspec.structs.replace(turn, session_id=f"s{i}"), float(i % 2)) for i in range(240)]
+    overrides = [f"run_dir={tmp_path}", "bus.ack_wait_s=1", "train.batch_size=240", "train.micro_batch_tokens=16"]
     loop = TrainLoop(load_config(None, overrides), nats_url)
     await loop.start()
     try:
         for sample in samples:
             await bus.publish(SAMPLE_SUBJECT, sample)
         await until(lambda: loop.trainer.step_count == 1)
-        assert lines(tmp_path)[0]["step_s"] > 1.5  # the step did outlast the ack wait
+        assert lines(tmp_path)[0]["step_s"] > 1.2  # the step did outlast the 1 s ack wait
         await asyncio.sleep(2.5)  # two more ack waits, the loop fetching all along: a redelivery would be in
         info = await bus.js.consumer_info("SAMPLES", "train")
-        assert info.delivered.consumer_seq == 160 and loop.counts["duplicates_dropped"] == 0
+        assert info.delivered.consumer_seq == 240 and loop.counts["duplicates_dropped"] == 0
     finally:
         await loop.stop()
