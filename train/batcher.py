@@ -64,6 +64,8 @@ class GroupBatcher:
         self.group_timeout_s = group_timeout_s
         self._clock = clock
         self._groups: dict[str, Group] = {}
+        self._group_of: dict[str, str] = {}
+        """Sample id -> its group's key, for every sample held."""
         self._taken = RecentIds(remember)
         self.counts = {"groups_split": 0, "groups_timed_out": 0}
 
@@ -72,7 +74,8 @@ class GroupBatcher:
         return sum(len(g.members) for g in self._groups.values())
 
     def holds(self, sample_id: str) -> Member | None:
-        return next((g.members[sample_id] for g in self._groups.values() if sample_id in g.members), None)
+        key = self._group_of.get(sample_id)
+        return None if key is None else self._groups[key].members[sample_id]
 
     def add(self, sample: Sample, delivery: Any) -> None:
         trajectory = sample.trajectory
@@ -84,6 +87,7 @@ class GroupBatcher:
                 self.counts["groups_split"] += 1
             group = self._groups[key] = Group(key, trajectory.group_size if trajectory.task_id else 1, now, now)
         group.members[sample.id] = Member(sample, [delivery])
+        self._group_of[sample.id] = key
         group.last_at = now
 
     def deliveries(self) -> Iterator[Any]:
@@ -95,8 +99,13 @@ class GroupBatcher:
         """Remove and return the groups with a member that `is_stale`."""
         stale = [g for g in self._groups.values() if any(is_stale(s) for s in g.samples)]
         for group in stale:
-            del self._groups[group.key]
+            self._remove(group)
         return stale
+
+    def _remove(self, group: Group) -> None:
+        del self._groups[group.key]
+        for sample_id in group.members:
+            del self._group_of[sample_id]
 
     @staticmethod
     def _full(group: Group) -> bool:
@@ -119,7 +128,7 @@ class GroupBatcher:
             taken.append(group)
             count += len(group.members)
         for group in taken:
-            del self._groups[group.key]
+            self._remove(group)
             self._taken.add([group.key])
             if not self._full(group):
                 self.counts["groups_timed_out"] += 1
