@@ -125,6 +125,8 @@ class SessionEvent(Record, kw_only=True):
     """Free-text feedback, for judges that read it."""
     source: str = "user"
     """Who gave it: `user` (a person or client), `env` (an environment's verdict), ..."""
+    details: dict[str, Any] | None = None
+    """Structured facts behind the feedback (e.g. an environment's per-test outcomes)."""
 
 
 class Segment(msgspec.Struct, kw_only=True):

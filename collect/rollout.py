@@ -1,11 +1,13 @@
 """The rollout driver: turns an environment into traffic through the serve endpoint.
 
-For each task it sends `gconfig.n_samples` chat requests with the official `openai` client,
-each its own session (`X-Session-Id`) sharing the task's id (`X-Task-Id`) and saying how many
-there are (`X-Group-Size`, so the trainer takes the group whole), scores each answer
-with the environment's verifier, and reports the verdict as session feedback
-(`POST /v1/sessions/{id}/feedback`, source `env`), which closes the session. It is one more
-client of the endpoint: the collector, judge and trainer treat its traffic like anyone's.
+For each task it runs `gconfig.n_samples` episodes (attempts), each its own session
+(`X-Session-Id`) sharing the task's id (`X-Task-Id`) and saying how many there are
+(`X-Group-Size`, so the trainer takes the group whole). An episode is one or more chat turns with
+the official `openai` client, acting in the environment between turns, graded at its end; the
+grade goes back as session feedback (`POST /v1/sessions/{id}/feedback`, source `env`), which
+closes the session (collect/episode.py). Episodes run in the driver's process or on a pool of Ray
+workers (`rollout.n_parallel_envs`, collect/env_pool.py). The driver is one more client of the
+endpoint: the collector, judge and trainer treat its traffic like anyone's.
 
 Staleness control (AReaL's admission rule): with η = `rollout.max_head_offpolicyness`, B =
 `train.batch_size` and v the newest weight version announced on the bus, a group of n samples
@@ -30,11 +32,9 @@ from collections import deque
 from pathlib import Path
 from typing import Any
 
-import httpx
-import openai
-
 from bus import WEIGHTS_SUBJECT, Bus
 from bus.process import repeat
+from collect.env_pool import make_runner
 from config import ConfigError, FlywheelConfig
 from envs import ENVS, Env, Task, make_env
 
@@ -67,6 +67,7 @@ class RolloutDriver:
         self.accepted = 0
         self.failed = 0
         self.recent_rewards: deque[float] = deque(maxlen=256)
+        self.recent_turns: deque[int] = deque(maxlen=256)
         self._changed = asyncio.Event()
         self._tasks: list[asyncio.Task] = []
         self._groups: set[asyncio.Task] = set()
@@ -85,8 +86,7 @@ class RolloutDriver:
 
     async def start(self) -> None:
         self.bus = await Bus.connect(self.bus_url, name="rollout")
-        self.openai = openai.AsyncOpenAI(base_url=f"{self.endpoint}/v1", api_key="flywheel", max_retries=3, timeout=600)
-        self.http = httpx.AsyncClient(base_url=self.endpoint, timeout=60)
+        self.runner = make_runner(self.config, self.env, self.endpoint, self.model_name)
         self._tasks = [
             asyncio.create_task(repeat(self._follow_versions, "rollout.versions"), name="versions"),
             asyncio.create_task(self._admit(), name="admit"),
@@ -130,28 +130,18 @@ class RolloutDriver:
         await asyncio.gather(*(self._run_one(task, k) for k in range(n)))
 
     async def _run_one(self, task: Task, k: int) -> None:
-        gconfig = self.config.gconfig
         session_id = f"{task.id}-{k}-{uuid.uuid4().hex[:8]}"
+        turn: dict = {}
+        if self.config.gconfig.length_tail is not None:
+            turn = {"turn_length": self.draw_length(), "extra_body": {"ignore_eos": True}}
         try:
-            length, extra = gconfig.max_new_tokens, {}
-            if gconfig.length_tail is not None:
-                length, extra = self.draw_length(), {"ignore_eos": True}
-            completion = await self.openai.chat.completions.create(
-                model=self.model_name,
-                messages=task.messages,
-                max_tokens=length,
-                temperature=gconfig.temperature,
-                top_p=gconfig.top_p,
-                extra_headers={"X-Session-Id": session_id, "X-Task-Id": task.id, "X-Group-Size": str(gconfig.n_samples)},
-                extra_body=extra,
-            )
-            reward = self.env.verify(task, completion.choices[0].message.content or "")
-            response = await self.http.post(
-                f"/v1/sessions/{session_id}/feedback", json={"reward": reward, "source": "env"}
-            )
-            response.raise_for_status()
-            self.accepted += 1
-            self.recent_rewards.append(reward)
+            result = await self.runner.run(task, session_id, **turn)
+            if result.reward is None:
+                self.failed += 1
+            else:
+                self.accepted += 1
+                self.recent_rewards.append(result.reward)
+                self.recent_turns.append(result.turns)
         except Exception as exc:
             self.failed += 1
             log.warning("rollout %s failed: %s", session_id, exc)
@@ -164,8 +154,7 @@ class RolloutDriver:
             task.cancel()
         with contextlib.suppress(Exception):
             await asyncio.gather(*self._tasks, *self._groups, return_exceptions=True)
-        await self.openai.close()
-        await self.http.aclose()
+        await self.runner.close()
         await self.bus.close()
 
     def stats(self) -> dict[str, Any]:
@@ -177,4 +166,5 @@ class RolloutDriver:
             "failed": self.failed,
             "tasks_drawn": self.tasks_drawn,
             "reward_mean": sum(rewards) / len(rewards) if rewards else None,
+            "turns_mean": sum(self.recent_turns) / len(self.recent_turns) if self.recent_turns else None,
         }

@@ -120,6 +120,19 @@ class GenerationConfig(Section):
     min_new_tokens: int = Field(1, ge=1)
 
 
+class EpisodeConfig(Section):
+    """Limits on one episode (one attempt at a task); single-turn tasks end at their first reply."""
+
+    max_turns: int = Field(20, ge=1)
+    """Model replies per episode; then the attempt is graded as it stands."""
+    max_tokens: int | None = Field(None, ge=1)
+    """Sampled tokens per episode, over all turns (each turn's `max_tokens` is cut to what is
+    left); None: only `gconfig.max_new_tokens` per turn."""
+    timeout_s: float = Field(900.0, gt=0)
+    """Wall-clock limit: past it the episode stops acting and is graded; an episode that does
+    not come back within twice this time fails (unscored, with the reason)."""
+
+
 class RolloutConfig(Section):
     enabled: bool = True
     """Run the rollout driver (offline RL / environment traffic); off for live traffic only."""
@@ -133,6 +146,14 @@ class RolloutConfig(Section):
     """η: rollouts may start only while (accepted + running) < (η + version + 1) · batch size;
     the trainer also drops samples whose oldest token is more than η versions old."""
     max_concurrent_rollouts: int = Field(32, ge=1)
+    episode: EpisodeConfig = EpisodeConfig()
+    n_parallel_envs: int = Field(0, ge=0)
+    """0: episodes run in the driver's process (light environments). N > 0: a pool of N Ray
+    workers, each running one episode at a time in its own slot (a sandbox's uid is
+    10000 + slot); placed by `env_worker_resources`, so a Ray cluster spreads them unchanged."""
+    env_worker_resources: dict[str, float] = Field(default_factory=lambda: {"CPU": 0.0})
+    """Ray resources each environment worker requests, e.g. `{CPU: 1}` or a custom
+    `{env_node: 1}` that only CPU nodes advertise."""
 
 
 class OptimizerConfig(Section):

@@ -1,25 +1,37 @@
-"""Environments: task sources with verifiers, sending their traffic through the serve endpoint."""
+"""Environments: task sources with graders, sending their traffic through the serve endpoint.
 
+Environments are imported by name when first made, so a process loads only what it runs (the
+SWE environment's task tooling stays out of a puzzle run).
+"""
+
+import importlib
 import inspect
 from typing import Any
 
-from envs.arithmetic import ArithmeticEnv
-from envs.base import Env, Task
-from envs.digits import DigitsEnv
-from envs.humaneval import HumanEvalEnv
+from envs.base import AnswerEnv, Env, Episode, Grade, Step, Task
 
-ENVS = {"digits": DigitsEnv, "arithmetic": ArithmeticEnv, "humaneval": HumanEvalEnv}
+ENVS = {
+    "digits": "envs.digits:DigitsEnv",
+    "arithmetic": "envs.arithmetic:ArithmeticEnv",
+    "humaneval": "envs.humaneval:HumanEvalEnv",
+    "swe": "envs.swe.env:SweEnv",
+}
+
+
+def env_class(name: str) -> type:
+    if name not in ENVS:
+        raise ValueError(f"unknown environment {name!r}; known: {', '.join(sorted(ENVS))}")
+    module, _, attribute = ENVS[name].partition(":")
+    return getattr(importlib.import_module(module), attribute)
 
 
 def make_env(name: str, args: dict[str, Any] | None = None) -> Env:
     """The environment `name` built with `args`; ValueError naming what is wrong."""
-    if name not in ENVS:
-        raise ValueError(f"unknown environment {name!r}; known: {', '.join(sorted(ENVS))}")
-    cls = ENVS[name]
+    cls = env_class(name)
     accepted = set(inspect.signature(cls).parameters)
     if unknown := sorted(set(args or {}) - accepted):
         raise ValueError(f"{name} takes no argument(s) {unknown}; it takes {sorted(accepted) or 'none'}")
     return cls(**(args or {}))
 
 
-__all__ = ["ArithmeticEnv", "DigitsEnv", "ENVS", "Env", "HumanEvalEnv", "Task", "make_env"]
+__all__ = ["ENVS", "AnswerEnv", "Env", "Episode", "Grade", "Step", "Task", "env_class", "make_env"]

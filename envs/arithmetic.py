@@ -4,7 +4,7 @@ as short word problems; reward 1 when the last integer in the answer is the resu
 The last integer, not the first: a model that works the problem out ("3 boxes of 4 is 12") is
 judged on its conclusion. A fixed held-out set (`held_out(n)`, drawn from its own seed) never
 appears in training: `reset` redraws any problem in it, so accuracy on it measures learning,
-not memory.
+not memory. With `attempts` > 1 a wrong answer is met with "try again" (a multi-turn episode).
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from __future__ import annotations
 import random
 import re
 
-from envs.base import Task
+from envs.base import AnswerEnv, Task
 
 _INTEGER = re.compile(r"-?\d+")
 HELD_OUT_SEED = 20_261_121
@@ -29,12 +29,16 @@ _NAMES = ("Ana", "Ben", "Chloe", "Dev", "Eli", "Fay")
 _THINGS = ("apple", "book", "coin", "marble", "pencil", "stamp")
 
 
-class ArithmeticEnv:
+class ArithmeticEnv(AnswerEnv):
     name = "arithmetic"
 
-    def __init__(self, max_operand: int = 20, word_problems: bool = False, held_out_size: int | None = None):
+    def __init__(self, max_operand: int = 20, word_problems: bool = False, held_out_size: int | None = None,
+                 attempts: int = 1):
         if max_operand < 1:
             raise ValueError("max_operand must be at least 1")
+        if attempts < 1:
+            raise ValueError("attempts must be at least 1")
+        self.attempts = attempts
         self.max_operand = max_operand
         self.word_problems = word_problems
         if held_out_size is None:  # a fifth of the bare problems, at most 200

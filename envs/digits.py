@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import random
 
-from envs.base import Task
+from envs.base import AnswerEnv, Task
 
 PROMPTS = (
     "Reply with a number.",
@@ -19,7 +19,7 @@ PROMPTS = (
 )
 
 
-class DigitsEnv:
+class DigitsEnv(AnswerEnv):
     name = "digits"
 
     def reset(self, rng: random.Random) -> Task:

@@ -26,7 +26,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from envs.base import Task
+from envs.base import AnswerEnv, Task
 
 _CODE_BLOCK = re.compile(r"```(?:python|py)?\s*\n(.*?)```", re.DOTALL)
 INSTRUCTION = "Complete this Python function. Reply with the whole function in a ```python code block.\n\n"
@@ -37,7 +37,7 @@ def extract_code(answer: str) -> str:
     return blocks[-1] if blocks else answer
 
 
-class HumanEvalEnv:
+class HumanEvalEnv(AnswerEnv):
     name = "humaneval"
 
     def __init__(self, timeout_s: float = 10.0, memory_mb: int = 1024, held_out_every: int = 5):

@@ -170,6 +170,7 @@ def create_gateway(pool: EnginePool, tokenizer: Any, recorder: Recorder, model_n
             turn_index=feedback.turn_index if feedback else None,
             text=feedback.text if feedback else None,
             source=feedback.source if feedback else "user",
+            details=feedback.details if feedback else None,
         )
         try:
             await recorder.durable(SESSION_EVENT_SUBJECT, event)

@@ -14,6 +14,7 @@ from __future__ import annotations
 import uuid
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
 from pydantic import Field, model_validator
 
@@ -67,6 +68,9 @@ class FeedbackRequest(Body):
     """The turn the feedback is about; omitted means the whole session."""
     text: str | None = None
     source: str = Field("user", min_length=1, max_length=64)
+    details: dict[str, Any] | None = None
+    """Structured facts behind the verdict (e.g. an environment's per-test outcomes), kept on
+    the trajectory for judges and analysis."""
 
     @model_validator(mode="after")
     def _says_something(self) -> "FeedbackRequest":

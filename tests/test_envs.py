@@ -6,7 +6,9 @@ import random
 
 import pytest
 
-from envs import ArithmeticEnv, HumanEvalEnv, make_env
+from envs import make_env
+from envs.arithmetic import ArithmeticEnv
+from envs.humaneval import HumanEvalEnv
 
 
 def test_arithmetic_never_trains_on_its_held_out_problems():

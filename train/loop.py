@@ -218,6 +218,7 @@ class TrainLoop:
             "staleness_hist": {str(k): v for k, v in sorted(Counter(staleness).items())},
             "n_samples": batch.n_samples,
             "n_groups": len(groups),
+            "turns_mean": batch.turns_mean,
             "excluded_tokens": dict(batch.excluded),
             **self.counts,
             **self.batcher.counts,

@@ -26,6 +26,7 @@ class StepBatch:
         self.n_samples = len(samples)
         rewards = [s.reward for s in samples]
         self.reward_mean = fmean(rewards)
+        self.turns_mean = fmean(len(s.trajectory.turns) for s in samples)
         self.oldest_versions = [s.trajectory.oldest_version for s in samples]
         self.excluded: Counter[str] = Counter()
         train = config.train

@@ -1,0 +1,116 @@
+"""Where episodes run: in the rollout driver's process, or on a pool of Ray workers.
+
+Both runners hand out parallel *slots* (an episode holds one from open to close; a sandbox's
+uid derives from it, so two episodes never share one) and run `collect.episode.run_episode`.
+
+- `LocalRunner` (`rollout.n_parallel_envs: 0`): episodes run on the driver's event loop, their
+  environment calls in threads; as many slots as `rollout.max_concurrent_rollouts`. For light
+  environments (puzzles, HumanEval).
+- `RayEnvPool` (`n_parallel_envs: N`): N Ray actors, one slot each, placed by
+  `rollout.env_worker_resources`; on a Ray cluster they spread over the nodes that advertise
+  those resources. A worker that dies or hangs fails only its own episode: the driver reports
+  that episode unscored with the reason, the worker is restarted (killed first if it hung), and
+  the slot goes back to the pool.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+from typing import Any
+
+import ray
+
+from collect.episode import Endpoint, EpisodeResult, report_failure, run_episode
+from config import FlywheelConfig
+from envs import Env, Task, make_env
+
+log = logging.getLogger(__name__)
+
+
+class LocalRunner:
+    def __init__(self, config: FlywheelConfig, env: Env, endpoint_url: str, model: str):
+        self.config = config
+        self.env = env
+        self.endpoint = Endpoint(endpoint_url, model)
+        self._slots: asyncio.Queue[int] = asyncio.Queue()
+        for slot in range(config.rollout.max_concurrent_rollouts):
+            self._slots.put_nowait(slot)
+
+    async def run(self, task: Task, session_id: str, **turn: Any) -> EpisodeResult:
+        slot = await self._slots.get()
+        try:
+            return await run_episode(self.endpoint, self.env, task, session_id, self.config, slot, **turn)
+        finally:
+            self._slots.put_nowait(slot)
+
+    async def close(self) -> None:
+        await self.endpoint.close()
+
+
+@ray.remote(max_restarts=-1, max_task_retries=0)
+class EnvWorker:
+    """One slot of the pool: runs episodes one at a time, in its own process."""
+
+    def __init__(self, config: dict[str, Any], endpoint_url: str, model: str, slot: int):
+        logging.basicConfig(level=logging.INFO, format=f"%(asctime)s env-{slot} %(name)s %(levelname)s %(message)s")
+        self.config = FlywheelConfig.model_validate(config)
+        self.env = make_env(self.config.rollout.env, self.config.rollout.env_args)
+        self.endpoint = Endpoint(endpoint_url, model)
+        self.slot = slot
+
+    async def run(self, task: Task, session_id: str, turn: dict[str, Any]) -> EpisodeResult:
+        return await run_episode(self.endpoint, self.env, task, session_id, self.config, self.slot, **turn)
+
+    def pid(self) -> int:
+        return os.getpid()
+
+
+def _placement(resources: dict[str, float]) -> dict[str, Any]:
+    """`{CPU: 1, GPU: 0, env_node: 1}` -> Ray actor options."""
+    custom = {k: v for k, v in resources.items() if k not in ("CPU", "GPU")}
+    return {"num_cpus": resources.get("CPU", 0.0), "num_gpus": resources.get("GPU", 0.0), "resources": custom}
+
+
+class RayEnvPool:
+    def __init__(self, config: FlywheelConfig, endpoint_url: str, model: str):
+        self.config = config
+        self.endpoint = Endpoint(endpoint_url, model)  # for reporting episodes whose worker failed
+        options = _placement(config.rollout.env_worker_resources)
+        self.workers = [
+            EnvWorker.options(**options).remote(config.model_dump(mode="json"), endpoint_url, model, slot)
+            for slot in range(config.rollout.n_parallel_envs)
+        ]
+        self._slots: asyncio.Queue[int] = asyncio.Queue()
+        for slot in range(len(self.workers)):
+            self._slots.put_nowait(slot)
+        self.worker_failures = 0
+
+    async def run(self, task: Task, session_id: str, **turn: Any) -> EpisodeResult:
+        slot = await self._slots.get()
+        worker = self.workers[slot]
+        # Past twice the episode's own limit the worker is hung, not slow.
+        deadline = 2 * self.config.rollout.episode.timeout_s
+        try:
+            return await asyncio.wait_for(worker.run.remote(task, session_id, turn), deadline)
+        except (ray.exceptions.RayError, TimeoutError) as exc:
+            self.worker_failures += 1
+            if isinstance(exc, TimeoutError):
+                ray.kill(worker, no_restart=False)  # a hung worker is replaced like a crashed one
+            reason = "environment worker hung" if isinstance(exc, TimeoutError) else f"environment worker died: {exc}"
+            return await report_failure(self.endpoint, EpisodeResult(session_id, None), reason)
+        finally:
+            self._slots.put_nowait(slot)
+
+    async def close(self) -> None:
+        for worker in self.workers:
+            ray.kill(worker)
+        await self.endpoint.close()
+
+
+def make_runner(config: FlywheelConfig, env: Env, endpoint_url: str, model: str) -> LocalRunner | RayEnvPool:
+    """The pool of `rollout.n_parallel_envs` Ray workers, or (0) a runner in this process using `env`."""
+    if config.rollout.n_parallel_envs:
+        return RayEnvPool(config, endpoint_url, model)
+    return LocalRunner(config, env, endpoint_url, model)
