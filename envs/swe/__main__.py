@@ -1,0 +1,96 @@
+"""Command line for SWE task sets: build one, validate one, run a command in a task's sandbox.
+
+    python -m envs.swe build --out DIR [--n 300] [--seed 0] [--projects tinydb,parse] [--jobs 2] [--bundle]
+    python -m envs.swe validate DIR/tasks.jsonl [--jobs 2] [--instances ID,ID]
+    python -m envs.swe exec [--timeout S] DIR/tasks.jsonl INSTANCE_ID -- COMMAND...
+
+`build` writes DIR/tasks.jsonl, DIR/repos/ and DIR/build.json (envs/swe/build.py). `validate`
+prints one line per task and a summary, and exits 1 if any task is invalid. `exec` runs COMMAND
+(its words joined by spaces, run by bash) in a fresh sandbox at the task's base commit with the
+task's test environment, prints its output, and exits with its status (124 on timeout).
+`--slot-base` moves the sandbox slots (uids 10000 + slot) away from others' on this machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from envs.swe.gitstore import GitError
+from envs.swe.projects import PROJECTS
+
+
+def _build(args: argparse.Namespace) -> int:
+    from envs.swe.build import build
+    from envs.swe.testenv import default_backend
+
+    projects = args.projects.split(",") if args.projects else list(PROJECTS)
+    summary = build(args.out, args.n, args.seed, projects, default_backend(), jobs=args.jobs,
+                    slot_base=args.slot_base, bundle=args.bundle, log=lambda s: print(s, flush=True))
+    print(json.dumps({k: summary[k] for k in ("tasks", "difficulty", "seconds")}))
+    return 0 if summary["tasks"] else 1
+
+
+def _validate(args: argparse.Namespace) -> int:
+    from envs.swe.tasks import load_tasks
+    from envs.swe.testenv import default_backend
+    from envs.swe.validate import validate
+
+    tasks = load_tasks(args.tasks)
+    if args.instances:
+        wanted = set(args.instances.split(","))
+        tasks = [t for t in tasks if t.instance_id in wanted]
+    verdicts = validate(tasks, default_backend(), jobs=args.jobs, slot_base=args.slot_base,
+                        log=lambda s: print(s, flush=True))
+    return 0 if verdicts and all(v.ok for v in verdicts) else 1
+
+
+def _exec(args: argparse.Namespace) -> int:
+    from envs.swe.execute import execute
+    from envs.swe.tasks import find_task, load_tasks
+
+    if not args.command:
+        print("exec: no command given (put it after --)", file=sys.stderr)
+        return 2
+    task = find_task(load_tasks(args.tasks), args.instance_id)
+    result = execute(task, " ".join(args.command), timeout_s=args.timeout, slot=args.slot_base)
+    sys.stdout.write(result["output"])
+    if result["exception_info"]:
+        print(result["exception_info"], file=sys.stderr)
+    return result["returncode"]
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m envs.swe", description=__doc__.split("\n\n")[0])
+    sub = p.add_subparsers(dest="cmd", required=True)
+    b = sub.add_parser("build", help="synthesize tasks from the pinned projects")
+    b.add_argument("--out", required=True)
+    b.add_argument("--n", type=int, default=300, help="tasks wanted in all (default 300)")
+    b.add_argument("--seed", type=int, default=0)
+    b.add_argument("--projects", help=f"comma-separated, default all: {','.join(PROJECTS)}")
+    b.add_argument("--bundle", action="store_true", help="ship repos as repos/<project>.bundle files")
+    v = sub.add_parser("validate", help="prove every task in its sandbox")
+    v.add_argument("tasks")
+    v.add_argument("--instances", help="comma-separated instance ids (default all)")
+    e = sub.add_parser("exec", help="run one command in a fresh sandbox of a task")
+    e.add_argument("--timeout", type=float, help="seconds (default: the task's timeout_s)")
+    e.add_argument("tasks")
+    e.add_argument("instance_id")
+    for s in (b, v):
+        s.add_argument("--jobs", type=int, default=2, help="suites run at once (default 2)")
+    for s in (b, v, e):
+        s.add_argument("--slot-base", type=int, default=0, help="first sandbox slot (default 0)")
+    argv = list(sys.argv[1:] if argv is None else argv)
+    command = argv[argv.index("--") + 1:] if "--" in argv else []
+    args = p.parse_args(argv[:argv.index("--")] if "--" in argv else argv)
+    args.command = command
+    try:
+        return {"build": _build, "validate": _validate, "exec": _exec}[args.cmd](args)
+    except (KeyError, OSError, ValueError, GitError) as e:  # a missing task, file, repository or commit
+        print(f"error: {e.args[0] if isinstance(e, KeyError) else e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
