@@ -10,7 +10,7 @@ uid derives from it, so two episodes never share one) and run `collect.episode.r
   `rollout.env_worker_resources`; on a Ray cluster they spread over the nodes that advertise
   those resources. A worker that dies or hangs fails only its own episode: the driver reports
   that episode unscored with the reason, the worker is restarted (killed first if it hung), and
-  the slot goes back to the pool.
+  the slot goes back to the pool once the new worker answers.
 """
 
 from __future__ import annotations
@@ -86,6 +86,7 @@ class RayEnvPool:
         for slot in range(len(self.workers)):
             self._slots.put_nowait(slot)
         self.worker_failures = 0
+        self._reviving: set[asyncio.Task] = set()
 
     async def run(self, task: Task, session_id: str, **turn: Any) -> EpisodeResult:
         slot = await self._slots.get()
@@ -93,17 +94,31 @@ class RayEnvPool:
         # Past twice the episode's own limit the worker is hung, not slow.
         deadline = 2 * self.config.rollout.episode.timeout_s
         try:
-            return await asyncio.wait_for(worker.run.remote(task, session_id, turn), deadline)
+            result = await asyncio.wait_for(worker.run.remote(task, session_id, turn), deadline)
         except (ray.exceptions.RayError, TimeoutError) as exc:
             self.worker_failures += 1
             if isinstance(exc, TimeoutError):
                 ray.kill(worker, no_restart=False)  # a hung worker is replaced like a crashed one
             reason = "environment worker hung" if isinstance(exc, TimeoutError) else f"environment worker died: {exc}"
+            # The slot goes back once its restarted worker answers, so no episode lands on a restarting one.
+            self._reviving.add(asyncio.create_task(self._revive(slot)))
             return await report_failure(self.endpoint, EpisodeResult(session_id, None), reason)
-        finally:
-            self._slots.put_nowait(slot)
+        self._slots.put_nowait(slot)
+        return result
+
+    async def _revive(self, slot: int) -> None:
+        while True:
+            try:
+                await self.workers[slot].pid.remote()
+                break
+            except ray.exceptions.RayError:  # still restarting
+                await asyncio.sleep(0.2)
+        self._slots.put_nowait(slot)
+        self._reviving.discard(asyncio.current_task())
 
     async def close(self) -> None:
+        for revival in self._reviving:
+            revival.cancel()
         for worker in self.workers:
             ray.kill(worker)
         await self.endpoint.close()
