@@ -101,11 +101,14 @@ async def with_model(parallel: int, episodes: int, args: argparse.Namespace, env
         rng = random.Random(0)
         started = time.monotonic()
 
+        running = asyncio.Semaphore(parallel)  # an episode's time, not its wait for a slot
+
         async def one(i: int) -> dict[str, Any]:
-            t0 = time.monotonic()
-            result = await pool.run(env.reset(rng), f"bench-{parallel}-{i}")
-            return {"reward": result.reward, "turns": result.turns, "end": result.end, "total_s": time.monotonic() - t0,
-                    "commands": result.details.get("commands"), "submitted": result.details.get("submitted")}
+            async with running:
+                t0 = time.monotonic()
+                result = await pool.run(env.reset(rng), f"bench-{parallel}-{i}")
+                return {"reward": result.reward, "turns": result.turns, "end": result.end, "total_s": time.monotonic() - t0,
+                        "commands": result.details.get("commands"), "submitted": result.details.get("submitted")}
 
         results = await asyncio.gather(*(one(i) for i in range(episodes)))
         wall = time.monotonic() - started
@@ -120,6 +123,8 @@ def summarize(results: list[dict[str, Any]], wall: float) -> dict[str, Any]:
     summary = {"episodes": len(results), "wall_s": wall, "episodes_per_min": 60 * len(results) / wall,
                "episode_s_p50": median(totals), "episode_s_p95": percentile(totals, 95),
                "rewards": [r["reward"] for r in results], "loadavg_1m": os.getloadavg()[0]}
+    if results and "commands" in results[0]:  # model runs: what the policy did
+        summary["episodes_detail"] = [{k: r[k] for k in ("turns", "end", "commands", "submitted")} for r in results]
     for key in ("open_s", "act_s", "grade_s"):
         if results and key in results[0]:
             summary[f"{key}_p50"] = median([r[key] for r in results])
