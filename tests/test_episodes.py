@@ -66,13 +66,15 @@ async def test_a_dead_env_worker_fails_its_own_episode_and_the_pool_goes_on(nats
 
 
 async def test_a_worker_that_does_not_answer_in_time_is_replaced(nats_url, tmp_path, bus, ray_session):
-    """Past twice `episode.timeout_s` without an answer, the pool treats its worker as hung: the
-    episode is reported unscored with the reason and the worker is killed and restarted."""
-    overrides = [*ARITHMETIC, "rollout.n_parallel_envs=1", "rollout.episode.timeout_s=0.02"]
+    """Past twice `episode.timeout_s` without an answer (here: its process is frozen with
+    SIGSTOP), the pool treats its worker as hung: the episode is reported unscored with the
+    reason and the worker is killed and restarted."""
+    overrides = [*ARITHMETIC, "rollout.n_parallel_envs=1", "rollout.episode.timeout_s=0.5"]
     async with platform(nats_url, tmp_path, *overrides) as (serve, collect, _):
         pool = RayEnvPool(serve.config, serve.url, serve.model_name)
         pid = await pool.workers[0].pid.remote()
         env = make_env("arithmetic", {"max_operand": 20, "attempts": 3})
+        os.kill(pid, signal.SIGSTOP)
         stuck = await pool.run(env.reset(random.Random(2)), "stuck")
         assert stuck.reward is None and "hung" in stuck.end and pool.worker_failures == 1
         while pool._slots.empty():  # the slot comes back once the restarted worker answers
