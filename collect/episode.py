@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -28,7 +27,7 @@ import httpx
 import openai
 
 from config import FlywheelConfig
-from envs import Env, Grade, Task
+from envs import Env, Episode, Grade, Task
 
 log = logging.getLogger(__name__)
 
@@ -37,7 +36,7 @@ log = logging.getLogger(__name__)
 class EpisodeResult:
     session_id: str
     reward: float | None
-    """None: the episode failed and was reported unscored (`reason` says why)."""
+    """None: the episode failed and was reported unscored (`end` says why)."""
     turns: int = 0
     sampled_tokens: int = 0
     end: str = ""
@@ -95,7 +94,8 @@ async def run_episode(
     return result
 
 
-async def _act(endpoint, episode, task, session_id, config, result, turn_length, extra_body) -> None:
+async def _act(endpoint: Endpoint, episode: Episode, task: Task, session_id: str, config: FlywheelConfig,
+               result: EpisodeResult, turn_length: int | None, extra_body: dict[str, Any] | None) -> None:
     limits, gconfig = config.rollout.episode, config.gconfig
     messages = list(task.messages)
     headers = {"X-Session-Id": session_id, "X-Task-Id": task.id, "X-Group-Size": str(gconfig.n_samples)}
@@ -122,9 +122,7 @@ async def _act(endpoint, episode, task, session_id, config, result, turn_length,
         result.turns += 1
         result.sampled_tokens += completion.usage.completion_tokens if completion.usage else 0
         reply = completion.choices[0].message.content or ""
-        started = time.monotonic()
         step = await asyncio.to_thread(episode.step, reply)
-        log.debug("%s turn %d: step took %.2f s", session_id, result.turns, time.monotonic() - started)
         if step.done:
             result.end = "done"
             return
