@@ -101,22 +101,13 @@ def prepare_task(work: Path) -> tuple[dict[str, Any], Any]:
     return {**info, "workdir": str(workdir), "env": spec.env, "readonly": list(dict.fromkeys(readonly))}, task
 
 
-def work_diff(workdir: Path) -> str:
-    """The repository's working tree against its base commit, new files included."""
-    git = ["git", "-c", "safe.directory=*", "-C", str(workdir)]
-    env = {"GIT_INDEX_FILE": str(workdir / ".git" / "bench-index"), "PATH": "/usr/bin:/bin"}
-    subprocess.run([*git, "read-tree", "HEAD"], env=env, check=True, capture_output=True)
-    subprocess.run([*git, "add", "-A"], env=env, check=True, capture_output=True)
-    return subprocess.run([*git, "diff", "--cached", "--binary", "HEAD"], env=env, check=True, capture_output=True,
-                          text=True).stdout
-
-
 def episode_reward(task: Any, workdir: Path) -> tuple[float, dict[str, Any]]:
     """The task's grade of what the agent left in the repository (the tiny set's `grade`)."""
     from envs.sandbox import make_backend
     from envs.swe import grade
+    from envs.swe.gitstore import working_diff
 
-    diff = work_diff(workdir)
+    diff = working_diff(workdir)
     result = grade(task, diff, make_backend("bubblewrap"), SLOT)
     return result.reward, {"diff_chars": len(diff), "resolved": result.details.get("resolved"),
                            "reason": result.details.get("reason"), "stats": result.details.get("stats")}

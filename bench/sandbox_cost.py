@@ -8,8 +8,10 @@ What it measures (each `--runs` times, median / p95 / mean / min in ms)
       the PID namespace to be gone);
     - `python3 -c pass`, plain vs `Sandbox.execute`, the same interpreter (the one whose prefix
       the sandbox binds; interpreter start-up through the binds).
-    per episode (an SWE reset + the agent's first command + the end)
-    - copy a tinydb-sized repository with its .git (shutil.copytree), `backend.open` (chown
+    per episode (the sandbox's share of an SWE episode's set-up and end)
+    - copy a tinydb-sized repository with its .git (shutil.copytree, standing in for the SWE
+      environment's `materialize`, which exports the task's commit with a few git commands and
+      costs more), `backend.open` (chown
       to the slot's uid), the first command (`git status --porcelain`), and `close()` (sweep
       the slot's uid, remove the copy).
 

@@ -40,6 +40,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench._common import CpuWatch, percentile, table, write_result  # noqa: E402
 from envs.swe import TINY_TASKS, SweTask, grade, load_tasks, materialize  # noqa: E402
+from envs.swe.gitstore import working_diff  # noqa: E402
 from envs.swe.mutate import find_sites, mutate  # noqa: E402
 from envs.swe.testenv import default_backend, new_workdir  # noqa: E402
 
@@ -62,12 +63,6 @@ def parse_args() -> argparse.Namespace:
     return p.parse_args()
 
 
-def _git_diff(repo: Path) -> str:
-    git = ["git", "-c", "safe.directory=*", "-C", str(repo)]
-    subprocess.run([*git, "add", "-A"], check=True, capture_output=True)
-    return subprocess.run([*git, "diff", "--cached"], check=True, capture_output=True, text=True).stdout
-
-
 def wrong_diffs(task: SweTask, same_repo: list[SweTask], rng: random.Random) -> dict[str, str]:
     """The four wrong candidates for `task` (a kind is left out when it cannot be made)."""
     diffs = {"empty": ""}
@@ -82,12 +77,12 @@ def wrong_diffs(task: SweTask, same_repo: list[SweTask], rng: random.Random) -> 
         if sites:
             path = repo / bug_file
             path.write_text(mutate(path.read_text(), rng.choice(sites)))
-            diffs["unrelated"] = _git_diff(repo)
+            diffs["unrelated"] = working_diff(repo)
             subprocess.run(["git", "-C", str(repo), "reset", "-q", "--hard"], check=True)
         (repo / "conftest.py").write_text(CHEAT)
         test_file = repo / task.FAIL_TO_PASS[0].split("::")[0]
         test_file.write_text(test_file.read_text() + "\n# edited by the benchmark\n")
-        diffs["test_edit"] = _git_diff(repo)
+        diffs["test_edit"] = working_diff(repo)
     finally:
         shutil.rmtree(repo, ignore_errors=True)
     return diffs

@@ -55,10 +55,13 @@ def parse_action(reply: str) -> Action:
     return Action(blocks[0].strip())
 
 
-def is_submission(output: str, returncode: int) -> bool:
-    """Whether a command's result submits the work (its first output line is the marker)."""
-    lines = output.lstrip().splitlines()
-    return returncode == 0 and bool(lines) and lines[0].strip() == SUBMIT_MARKER
+def submission(output: str, returncode: int) -> str | None:
+    """What a command's result submits (the output after its first line), when that first line
+    is the marker and the command succeeded; else None."""
+    lines = output.lstrip().splitlines(keepends=True)
+    if returncode == 0 and lines and lines[0].strip() == SUBMIT_MARKER:
+        return "".join(lines[1:])
+    return None
 
 
 def observation(output: str, returncode: int, exception_info: str = "", limit: int = 4000) -> str:

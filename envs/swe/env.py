@@ -21,13 +21,13 @@ from __future__ import annotations
 
 import random
 import shutil
-import subprocess
 from pathlib import Path
 from typing import Any
 
 from envs.base import Grade, Step, Task
 from envs.sandbox import make_backend
-from envs.swe.agent import INSTANCE, SYSTEM, is_submission, observation, parse_action
+from envs.swe.agent import INSTANCE, SYSTEM, observation, parse_action, submission
+from envs.swe.gitstore import working_diff
 from envs.swe.grading import grade
 from envs.swe.tasks import TINY_TASKS, SweTask, load_tasks, materialize
 from envs.swe.testenv import sandbox_spec, work_root
@@ -49,25 +49,14 @@ class SweEpisode:
             return Step([{"role": "user", "content": action.error}])
         self.commands += 1
         result = self.sandbox.execute(action.command)
-        if is_submission(result["output"], result["returncode"]):
+        if submission(result["output"], result["returncode"]) is not None:
             self.submitted = True
             return Step(done=True)
         content = observation(result["output"], result["returncode"], result["exception_info"])
         return Step([{"role": "user", "content": content}])
 
-    def diff(self) -> str:
-        """The working tree against the base commit, new files included (the repository's own
-        index is left alone)."""
-        git = ["git", "-c", "safe.directory=*", "-C", str(self.workdir)]
-        index = self.workdir / ".git" / "flywheel-grade-index"
-        env = {"GIT_INDEX_FILE": str(index), "PATH": "/usr/bin:/bin"}
-        subprocess.run([*git, "read-tree", "HEAD"], env=env, check=True, capture_output=True)
-        subprocess.run([*git, "add", "-A"], env=env, check=True, capture_output=True)
-        return subprocess.run([*git, "diff", "--cached", "--binary", "HEAD"], env=env, check=True,
-                              capture_output=True, text=True).stdout
-
     def finish(self) -> Grade:
-        diff = self.diff()
+        diff = working_diff(self.workdir)
         result = grade(self.task, diff, self.backend, self.slot)
         details: dict[str, Any] = {"instance_id": self.task.instance_id, "submitted": self.submitted,
                                    "commands": self.commands, "diff_chars": len(diff), **result.details}

@@ -134,3 +134,12 @@ def apply(repo: Path, diff: str) -> str:
     except GitError as e:
         return str(e)[-2000:]
     return ""
+
+
+def working_diff(repo: Path) -> str:
+    """`repo`'s working tree against HEAD, new files included, staged through a private index so
+    the repository's own index is left as the agent left it."""
+    env = {"GIT_INDEX_FILE": str(repo / ".git" / "flywheel-diff-index")}
+    git("read-tree", "HEAD", cwd=repo, env=env)
+    git("add", "-A", cwd=repo, env=env)
+    return git("diff", "--cached", "--binary", "HEAD", cwd=repo, env=env)

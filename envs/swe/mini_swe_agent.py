@@ -35,8 +35,7 @@ from pathlib import Path
 from typing import Any
 
 from envs.sandbox.base import Sandbox
-
-SUBMIT_MARKER = "COMPLETE_TASK_AND_SUBMIT_FINAL_OUTPUT"
+from envs.swe.agent import SUBMIT_MARKER, submission
 
 
 class _LocalSubmitted(Exception):
@@ -110,11 +109,10 @@ class MiniSweAgentEnvironment:
         return output
 
     def _check_finished(self, output: dict[str, Any]) -> None:
-        lines = output.get("output", "").lstrip().splitlines(keepends=True)
-        if lines and lines[0].strip() == SUBMIT_MARKER and output["returncode"] == 0:
-            submission = "".join(lines[1:])
+        submitted = submission(output.get("output", ""), output["returncode"])
+        if submitted is not None:
             raise submitted_class()(
-                {"role": "exit", "content": submission, "extra": {"exit_status": "Submitted", "submission": submission}}
+                {"role": "exit", "content": submitted, "extra": {"exit_status": "Submitted", "submission": submitted}}
             )
 
     def get_template_vars(self, **kwargs: Any) -> dict[str, Any]:

@@ -14,7 +14,6 @@ makes finding it a search within one file; a hard statement points at one sympto
 
 from __future__ import annotations
 
-TIERS = ("easy", "medium", "hard")
 MESSAGE_CHARS = 300
 
 

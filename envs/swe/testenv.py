@@ -37,7 +37,6 @@ from envs.swe.paths import work_root
 
 PLUGIN_DIR = Path(__file__).resolve().parent / "pytest_plugin"
 REPORT_FILE = ".swe_report.json"
-OUTPUT_BYTES = 20_000
 
 
 @functools.cache
@@ -72,7 +71,7 @@ def task_env(workdir: Path, pythonpath: str) -> dict[str, str]:
 
 def sandbox_spec(workdir: Path, pythonpath: str, timeout_s: float) -> SandboxSpec:
     return SandboxSpec(workdir=workdir, readonly=(venv_dir(), PLUGIN_DIR), env=task_env(workdir, pythonpath),
-                       limits=Limits(timeout_s=timeout_s, output_bytes=OUTPUT_BYTES))
+                       limits=Limits(timeout_s=timeout_s))
 
 
 @contextmanager
@@ -103,9 +102,6 @@ class TestRun:
 
     def passed(self, nodeid: str) -> bool:
         return self.tests.get(nodeid, {}).get("outcome") == "passed"
-
-    def passing(self) -> set[str]:
-        return {t for t, r in self.tests.items() if r["outcome"] == "passed"}
 
     def stats(self) -> dict[str, Any]:
         counts: dict[str, int] = {}
