@@ -80,7 +80,8 @@ class Turn(Record, kw_only=True):
     one request): the trainer takes a group once all of them are scored. None: unknown (the
     group is complete when no member has arrived for `train.group_timeout_s`)."""
     model: str
-    endpoint: Literal["chat", "completions"] = "chat"
+    endpoint: Literal["chat", "completions", "responses", "messages"] = "chat"
+    """The API the client called (Responses and Messages requests are served, and recorded, as chat)."""
     messages: list[dict[str, Any]] = msgspec.field(default_factory=list)
     """The chat request's messages, as received (empty for `completions`)."""
     prompt: str | None = None

@@ -1,7 +1,8 @@
 """API-key authentication for the gateway: client keys for the OpenAI API, one admin key for control.
 
 `install_auth` adds a pure ASGI middleware. When client keys are configured, every path under
-`/v1/` needs `Authorization: Bearer <one of them>`. The engine's control routes (SGLang's
+`/v1/` needs `Authorization: Bearer <one of them>` (or `x-api-key: <one of them>`, as Anthropic's
+clients send it). The engine's control routes (SGLang's
 `ADMIN_PATHS`: pausing, weight loading, aborts, cache flushes) need `Bearer <admin_key>` when an
 admin key is configured. Anything else (`/health`, `/metrics`) is open. A refusal is a 401 in
 OpenAI's error shape with `WWW-Authenticate: Bearer`. Keys are compared in constant time.
@@ -15,7 +16,7 @@ from fastapi import FastAPI
 from starlette.datastructures import Headers
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from serve.errors import APIError
+from serve.errors import APIError, anthropic_path
 
 ADMIN_PATHS = frozenset({
     "/pause_generation",
@@ -34,6 +35,12 @@ def bearer_token(headers: Headers) -> bytes | None:
     if scheme.lower() != "bearer" or not token.strip():
         return None
     return token.strip().encode("latin-1")
+
+
+def client_key(headers: Headers) -> bytes | None:
+    """The key a client sent: a bearer token, else Anthropic's `x-api-key` header."""
+    api_key = headers.get("x-api-key", "").strip()
+    return bearer_token(headers) or (api_key.encode("latin-1") if api_key else None)
 
 
 def key_matches(token: bytes | None, keys: list[bytes]) -> bool:
@@ -64,11 +71,12 @@ class AuthMiddleware:
         required = self._required(scope["path"]) if scope["type"] == "http" else None
         if required is not None:
             keys, what = required
-            token = bearer_token(Headers(scope=scope))
+            headers = Headers(scope=scope)
+            token = bearer_token(headers) if keys is self.admin_keys else client_key(headers)
             if not key_matches(token, keys):
                 reason = f"invalid {what}" if token else f"missing {what}: send 'Authorization: Bearer <key>'"
                 error = APIError(401, reason, code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
-                await error.response()(scope, receive, send)
+                await error.response(anthropic_path(scope["path"]))(scope, receive, send)
                 return
         await self.app(scope, receive, send)
 

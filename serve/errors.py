@@ -1,4 +1,6 @@
-"""OpenAI-shaped errors: `{"error": {"message", "type", "param", "code"}}` with the right status.
+"""API errors with the right status, in the shape the client's API has: OpenAI's
+`{"error": {"message", "type", "param", "code"}}`, and under `/v1/messages` Anthropic's
+`{"type": "error", "error": {"type", "message"}}`.
 
 Every failure the gateway reports goes through `APIError`, and the handlers installed by
 `install_error_handlers` turn request-validation failures, malformed JSON and unexpected
@@ -28,6 +30,19 @@ _TYPES = {
 }
 
 
+_ANTHROPIC_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+                    404: "not_found_error", 413: "request_too_large", 429: "rate_limit_error", 503: "overloaded_error"}
+
+
+def anthropic_path(path: str) -> bool:
+    """Whether `path` belongs to Anthropic's Messages API (its errors take Anthropic's shape)."""
+    return path == "/v1/messages" or path.startswith("/v1/messages/")
+
+
+def anthropic_error(status: int, message: str) -> dict[str, Any]:
+    return {"type": "error", "error": {"type": _ANTHROPIC_TYPES.get(status, "api_error"), "message": message}}
+
+
 def _printable(text: str | None) -> str | None:
     """`text` with lone surrogates escaped: a message quoting a client's invalid string must
     still encode as UTF-8."""
@@ -52,7 +67,12 @@ class APIError(Exception):
         self.code = code
         self.headers = headers
 
-    def response(self) -> JSONResponse:
+    def response(self, anthropic: bool = False) -> JSONResponse:
+        if anthropic:
+            message = _printable(self.message) or ""
+            if self.param:
+                message = message if message.startswith(f"{self.param}:") else f"{self.param}: {message}"
+            return JSONResponse(anthropic_error(self.status, message), status_code=self.status, headers=self.headers)
         body = {
             "error": {
                 "message": _printable(self.message),
@@ -80,8 +100,8 @@ def _param(error: dict[str, Any]) -> list[str]:
     return parts + at.split(".") if at else parts
 
 
-def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
-    errors = exc.errors()
+def validation_message(errors: list[dict[str, Any]]) -> tuple[str, str | None]:
+    """(message, param) for pydantic's errors about a request body."""
     first = errors[0]
     if first.get("type") == "json_invalid":
         return "the request body is not valid JSON", None
@@ -109,19 +129,31 @@ ERROR_SCHEMA = {
 }
 
 
+ANTHROPIC_ERROR_SCHEMA = {
+    "type": "object",
+    "required": ["type", "error"],
+    "properties": {"type": {"const": "error"}, "error": {"type": "object", "required": ["type", "message"], "properties": {
+        "type": {"type": "string"}, "message": {"type": "string"},
+    }}},
+}
+
+
 def openapi_with_openai_errors(app: FastAPI) -> None:
     """Make `/openapi.json` say what the gateway answers: an invalid request is a 400 with
-    OpenAI's error object (FastAPI documents its own 422 `HTTPValidationError`)."""
+    OpenAI's error object, or Anthropic's under `/v1/messages` (FastAPI documents its own 422
+    `HTTPValidationError`)."""
     build = app.openapi
 
     def openapi() -> dict:
         if app.openapi_schema is None:
             schema = build()
-            for operation in (op for path in schema.get("paths", {}).values() for op in path.values()):
-                responses = operation.get("responses", {})
-                if responses.pop("422", None) is not None:
-                    responses["400"] = {"description": "Invalid request",
-                                        "content": {"application/json": {"schema": ERROR_SCHEMA}}}
+            for path, operations in schema.get("paths", {}).items():
+                shape = ANTHROPIC_ERROR_SCHEMA if anthropic_path(path) else ERROR_SCHEMA
+                for operation in operations.values():
+                    responses = operation.get("responses", {})
+                    if responses.pop("422", None) is not None:
+                        responses["400"] = {"description": "Invalid request",
+                                            "content": {"application/json": {"schema": shape}}}
             for name in ("HTTPValidationError", "ValidationError"):
                 schema.get("components", {}).get("schemas", {}).pop(name, None)
             app.openapi_schema = schema
@@ -134,19 +166,19 @@ def install_error_handlers(app: FastAPI) -> None:
     openapi_with_openai_errors(app)
 
     @app.exception_handler(APIError)
-    async def _api_error(_: Request, exc: APIError) -> JSONResponse:
-        return exc.response()
+    async def _api_error(request: Request, exc: APIError) -> JSONResponse:
+        return exc.response(anthropic_path(request.url.path))
 
     @app.exception_handler(RequestValidationError)
-    async def _invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
-        message, param = _validation_message(exc)
-        return APIError(400, message, param=param).response()
+    async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
+        message, param = validation_message(exc.errors())
+        return APIError(400, message, param=param).response(anthropic_path(request.url.path))
 
     @app.exception_handler(StarletteHTTPException)
-    async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
-        return APIError(exc.status_code, str(exc.detail)).response()
+    async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        return APIError(exc.status_code, str(exc.detail)).response(anthropic_path(request.url.path))
 
     @app.exception_handler(Exception)
-    async def _unexpected(_: Request, exc: Exception) -> JSONResponse:
+    async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
         log.exception("unhandled error")
-        return APIError(500, f"internal error: {type(exc).__name__}").response()
+        return APIError(500, f"internal error: {type(exc).__name__}").response(anthropic_path(request.url.path))

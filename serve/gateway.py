@@ -1,4 +1,5 @@
-"""The OpenAI-compatible HTTP gateway: chat and text completions, models, session signals.
+"""The HTTP gateway: OpenAI's chat and text completions and Responses, Anthropic's Messages,
+models, session signals.
 
 The gateway renders chat templates and tokenizes once; those prompt ids, and the output ids,
 logprobs and weight versions the engine returns, are what each recorded `Turn` carries. It
@@ -11,10 +12,12 @@ from __future__ import annotations
 
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 from fastapi import FastAPI, Request
+from pydantic import ValidationError
 
 from bus import SESSION_EVENT_SUBJECT, SessionEvent
 from config.schema import ServeConfig
@@ -22,15 +25,20 @@ from serve.auth import install_auth
 from serve.continuation import SessionContinuations
 from serve.engine_client import EngineError
 from serve.engine_pool import EnginePool
-from serve.errors import APIError, install_error_handlers
+from serve.errors import APIError, install_error_handlers, validation_message
 from serve.generation import Generation
 from serve.limits import ConcurrencyLimiter, install_body_limit, request_timeout
 from serve.metrics import ServeMetrics, install_metrics_route, install_request_metrics
+from serve.messages import CountTokensRequest, MessagesRequest
+from serve.messages_wire import MessagesWire
 from serve.recorder import RecordLost, Recorder
+from serve.responses import ResponsesRequest
+from serve.responses_wire import ResponsesWire, ResponseStore
 from serve.schema import ChatCompletionRequest, CompletionRequest
 from serve.sessions import FeedbackRequest, SessionInfo, session_of
 from serve.sse import EventStreamResponse
 from serve.tools import adapt_messages, forced_prefix, template_support
+from serve.wire import OpenAIWire, Wire
 
 
 @dataclass
@@ -65,6 +73,14 @@ class PromptBuilder:
         forced = forced_prefix(body.tool_choice) if tools else ""
         return self.continuations.encode(session.session_id, text + forced), text + forced, forced, tools is not None
 
+    def translated(self, make: Callable[[], ChatCompletionRequest]) -> ChatCompletionRequest:
+        """The chat request another API's request stands for; one it cannot stand for is a 400."""
+        try:
+            return make()
+        except ValidationError as exc:
+            message, param = validation_message(exc.errors())
+            raise APIError(400, message, param) from None
+
     def completion(self, body: CompletionRequest, session: SessionInfo) -> tuple[list[int], str | None]:
         """(prompt ids, the text they stand for: None for a prompt given as ids)."""
         if isinstance(body.prompt, str):
@@ -90,6 +106,7 @@ def create_gateway(pool: EnginePool, tokenizer: Any, recorder: Recorder, model_n
     app.state.stats = stats
     continuations = SessionContinuations(tokenizer, config.continue_sessions)
     prompts = PromptBuilder(tokenizer, continuations)
+    stored_responses = ResponseStore(config.stored_responses)
     limiter = ConcurrencyLimiter(config.max_concurrent_requests, config.max_queued_requests, config.retry_after_s)
     app.state.limiter = limiter
     metrics.on_scrape(lambda m: m.admission(limiter.active, limiter.waiting, limiter.rejected))
@@ -111,7 +128,7 @@ def create_gateway(pool: EnginePool, tokenizer: Any, recorder: Recorder, model_n
                 metrics.time_per_output_token((choice.last_token_at - choice.first_token_at) / (len(choice.output_ids) - 1))
 
     async def run(body: ChatCompletionRequest | CompletionRequest, session: SessionInfo, prompt_ids: list[int],
-                  prompt_text: str | None, forced: str = "", tools_active: bool = False) -> Any:
+                  prompt_text: str | None, forced: str = "", tools_active: bool = False, wire: Wire | None = None) -> Any:
         stats.requests += 1
         if body.model != model_name:
             raise APIError(404, f"model {body.model!r} does not exist; this server serves {model_name!r}", "model", "model_not_found")
@@ -120,10 +137,13 @@ def create_gateway(pool: EnginePool, tokenizer: Any, recorder: Recorder, model_n
                            "messages" if isinstance(body, ChatCompletionRequest) else "prompt", "context_length_exceeded")
         requested = body.requested_max_tokens()
         if requested is not None and requested > config.max_new_tokens:
-            raise APIError(400, f"max_tokens is {requested}; the limit is {config.max_new_tokens}", "max_tokens")
+            if wire is None:  # chat and completions: a limit the client asked past is refused
+                raise APIError(400, f"max_tokens is {requested}; the limit is {config.max_new_tokens}", "max_tokens")
+            requested = config.max_new_tokens  # agents send their model's maximum (Claude Code: 32000)
         generation = Generation(
             body=body, engine=pool.route(session.session_id), tokenizer=tokenizer, recorder=recorder,
             model_name=model_name, session=session, prompt_ids=prompt_ids, prompt_text=prompt_text,
+            wire=wire or OpenAIWire(isinstance(body, ChatCompletionRequest)),
             max_new_tokens=min(requested or config.default_max_new_tokens, context_length - len(prompt_ids)),
             forced=forced, tools_active=tools_active, on_finish=finished, timeout_s=config.request_timeout_s,
         )
@@ -159,6 +179,48 @@ def create_gateway(pool: EnginePool, tokenizer: Any, recorder: Recorder, model_n
     async def completions(body: CompletionRequest, request: Request) -> Any:
         session = session_of(request.headers, body.metadata, body.user)
         return await run(body, session, *prompts.completion(body, session))
+
+    @app.post("/v1/responses")
+    async def responses(body: ResponsesRequest, request: Request) -> Any:
+        previous = None
+        if body.previous_response_id is not None:
+            previous = stored_responses.get(body.previous_response_id)
+            if previous is None:
+                raise APIError(404, f"previous response {body.previous_response_id!r} not found (never stored, or evicted)",
+                               "previous_response_id", "previous_response_not_found")
+        response_id = f"resp_{uuid.uuid4().hex}"
+        conversation = (previous.session_id if previous else request.headers.get("session-id") or body.prompt_cache_key
+                        or (response_id if body.store else None))  # a stored response may be continued
+        session = session_of(request.headers, body.metadata, body.user, conversation)
+        history = previous.conversation if previous else []
+        chat = prompts.translated(lambda: body.to_chat(history))
+        wire = ResponsesWire(body, stored_responses, response_id, session.session_id, history)
+        return await run(chat, session, *prompts.chat(chat, session), wire=wire)
+
+    @app.get("/v1/responses/{response_id}")
+    async def stored_response(response_id: str) -> dict[str, Any]:
+        stored = stored_responses.get(response_id)
+        if stored is None:
+            raise APIError(404, f"response {response_id!r} not found (never stored, or evicted)", "response_id", "not_found")
+        return stored.response
+
+    @app.post("/v1/messages")
+    async def messages(body: MessagesRequest, request: Request) -> Any:
+        conversation = request.headers.get("x-claude-code-session-id") or body.session_hint()
+        session = session_of(request.headers, None, None, conversation)
+        chat = prompts.translated(body.to_chat)
+        return await run(chat, session, *prompts.chat(chat, session), wire=MessagesWire(body.stop_sequences))
+
+    @app.post("/v1/messages/count_tokens")
+    async def count_tokens(body: CountTokensRequest) -> dict[str, int]:
+        chat = prompts.translated(body.to_chat)
+        prompt_ids, *_ = prompts.chat(chat, session_of({}, None, None))
+        return {"input_tokens": len(prompt_ids)}
+
+    @app.api_route("/", methods=["GET", "HEAD"], include_in_schema=False)
+    async def root() -> dict[str, str]:
+        """Claude Code probes `HEAD /` before it starts."""
+        return {"status": "ok"}
 
     async def session_event(session_id: str, kind: str, feedback: FeedbackRequest | None = None) -> dict[str, Any]:
         """Record a session event; answered only once it is durable (a 200 means it is kept)."""

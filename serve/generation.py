@@ -12,7 +12,6 @@ stream ends with an error event instead of `[DONE]`.
 from __future__ import annotations
 
 import asyncio
-import json
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
@@ -22,24 +21,12 @@ from typing import Any
 from bus import TURN_SUBJECT, Timings, Turn
 from serve.choices import Choice
 from serve.engine_client import EngineClient, EngineError
-from serve.formatting import (
-    ChunkTemplate,
-    chat_chunk,
-    chat_logprobs,
-    chat_message,
-    completion_chunk,
-    completion_logprobs,
-    fingerprint,
-    output_text,
-    stop_string,
-    usage,
-    usage_chunk,
-)
+from serve.formatting import chat_message, output_text, stop_string
 from serve.recorder import RecordLost, Recorder
 from serve.schema import ChatCompletionRequest, CompletionRequest, sampling_params
 from serve.sessions import SessionInfo
-from serve.sse import DONE
 from serve.tools import CLOSE, OPEN
+from serve.wire import Wire
 
 
 @dataclass
@@ -54,6 +41,8 @@ class Generation:
     prompt_text: str | None
     """The text the prompt ids stand for, as the client wrote it (None: the client gave ids)."""
     max_new_tokens: int
+    wire: Wire
+    """What the client sees: the API's answer object and stream events."""
     forced: str = ""
     """Prompt text that forces a tool call; the answer's text starts with it."""
     tools_active: bool = False
@@ -65,15 +54,19 @@ class Generation:
     arrived: float = field(default_factory=time.monotonic)
 
     def __post_init__(self) -> None:
-        self.chat = isinstance(self.body, ChatCompletionRequest)
+        self.chat = self.wire.chat
         self.choices = [Choice(i, f"{self.id}-{i}") for i in range(self.body.n)]
         self.top_n = (self.body.top_logprobs or 0) if self.chat else (self.body.logprobs or 0)
         self.want_logprobs = bool(self.body.logprobs) if self.chat else self.body.logprobs is not None
         self._recorded = False
+        self._messages: dict[int, tuple[dict[str, Any], str]] = {}
 
-    @property
-    def response_id(self) -> str:
-        return f"{'chatcmpl' if self.chat else 'cmpl'}-{self.id}"
+    def message(self, choice: Choice) -> tuple[dict[str, Any], str]:
+        """A finished chat choice's assistant message and finish reason, parsed once: the tool
+        call ids the client gets are the ones recorded."""
+        if choice.index not in self._messages:
+            self._messages[choice.index] = chat_message(choice, self.tools_active, self.forced)
+        return self._messages[choice.index]
 
     def _engine_body(self, i: int) -> dict[str, Any]:
         return {
@@ -115,31 +108,15 @@ class Generation:
             self._record()
             raise
         await self._record_durably()
-        return self._answer()
+        return self.wire.answer(self)
 
-    def _answer(self) -> dict[str, Any]:
-        choices = []
-        for choice in self.choices:
-            if self.chat:
-                message, finish = chat_message(choice, self.tools_active, self.forced)
-                logprobs = chat_logprobs(self.tokenizer, choice) if self.want_logprobs else None
-                choices.append({"index": choice.index, "message": message, "logprobs": logprobs, "finish_reason": finish})
-            else:
-                logprobs = completion_logprobs(self.tokenizer, choice) if self.want_logprobs else None
-                choices.append({"index": choice.index, "text": choice.text, "logprobs": logprobs, "finish_reason": choice.finish_reason})
-        return {
-            "id": self.response_id,
-            "object": "chat.completion" if self.chat else "text_completion",
-            "created": self.created,
-            "model": self.model_name,
-            "system_fingerprint": fingerprint(self._version()),
-            "choices": choices,
-            "usage": usage(len(self.prompt_ids), sum(len(c.output_ids) for c in self.choices)),
-        }
-
-    def _version(self) -> int:
+    def version(self) -> int:
+        """The weight version of the answer: its newest token's (the engine's before any)."""
         versions = [c.version for c in self.choices if c.version is not None]
         return max(versions) if versions else self.engine.weight_version
+
+    def output_tokens(self) -> int:
+        return sum(len(c.output_ids) for c in self.choices)
 
     # ---- streams ---------------------------------------------------------------------------
 
@@ -147,23 +124,9 @@ class Generation:
         """The answer as server-sent events; recording happens however the stream ends."""
         return self._events()
 
-    def _timeout_event(self) -> bytes:
-        return _sse({"error": {"message": f"the request did not finish within {self.timeout_s} s",
-                               "type": "server_error", "param": None, "code": "timeout"}})
-
-    @staticmethod
-    def _error_event(exc: Exception) -> bytes:
+    def _error_event(self, exc: Exception) -> bytes:
         message = str(exc) if isinstance(exc, (EngineError, RecordLost)) else f"internal error: {type(exc).__name__}"
-        return _sse({"error": {"message": message, "type": "server_error", "param": None, "code": None}})
-
-    def _usage_event(self) -> bytes:
-        return _sse(usage_chunk(self.response_id, self.created, self.model_name, self._version(),
-                                "chat.completion.chunk" if self.chat else "text_completion",
-                                len(self.prompt_ids), sum(len(c.output_ids) for c in self.choices)))
-
-    def _role_event(self, choice: Choice) -> bytes:
-        return _sse(chat_chunk(self.response_id, self.created, self.model_name, None, choice.index,
-                               {"role": "assistant", "content": ""}))
+        return self.wire.failure(self, message, None)
 
     async def _chunks(self) -> AsyncIterator[tuple[int, dict[str, Any] | None]]:
         """Every choice's engine chunks as (choice index, chunk), and (index, None) when that
@@ -221,8 +184,7 @@ class Generation:
         timer = asyncio.get_running_loop().call_later(self.timeout_s, expire) if self.timeout_s else None
         chunks = self._chunks()
         streamed = ["" for _ in self.choices]
-        templates = [ChunkTemplate(self.chat, self.response_id, self.created, self.model_name, c.index) for c in self.choices]
-        head = b"".join(self._role_event(choice) for choice in self.choices) if self.chat else b""
+        head = self.wire.open(self)
         finished = 0
         try:
             tail = b""  # the stream's last events, sent in one write
@@ -235,13 +197,15 @@ class Generation:
                     choice = self.choices[i]
                     if item is None:
                         finished += 1
-                        tail = _sse(self._final_chunk(choice, streamed[i]))
+                        tail = self.wire.close(self, choice, streamed[i])
                         if finished < self.body.n:
                             yield head + tail
                             head = tail = b""
                     else:
                         start = len(choice.output_ids)
-                        event = self._delta_chunk(choice, choice.add(item), start, streamed, templates[i])
+                        text = self._visible(choice, choice.add(item), streamed[i])
+                        event = self.wire.delta(self, choice, text, start, streamed[i])
+                        streamed[i] += text
                         if event is not None:
                             yield head + event
                             head = b""
@@ -251,12 +215,11 @@ class Generation:
                 waiting = False
                 if not expired or (task.cancelling() and task.uncancel() > 0):
                     raise  # the client went away (or someone else cancelled): see below
-                tail = self._timeout_event()
+                tail = self.wire.failure(self, f"the request did not finish within {self.timeout_s} s", "timeout")
             except Exception as exc:  # delivered in-band, after the status line
                 tail = self._error_event(exc)
             else:
-                if self.body.include_usage:
-                    tail += self._usage_event()
+                tail += self.wire.finish(self)
             yield head + await self._durable_end(tail)
         except (GeneratorExit, asyncio.CancelledError):  # the client went away
             for choice in self.choices:
@@ -271,47 +234,25 @@ class Generation:
             finally:
                 self._record()
 
-    def _delta_chunk(self, choice: Choice, text: str, start: int, streamed: list[str], template: ChunkTemplate) -> bytes | None:
-        """The event for a choice's new tokens (from output position `start`) and their text;
-        None when there is nothing to send yet."""
-        version = choice.version
-        if not self.chat:
-            logprobs = completion_logprobs(self.tokenizer, choice, start, len(streamed[choice.index])) if self.want_logprobs else None
-            streamed[choice.index] += text
-            return template.event(version, text, logprobs)
-        logprobs = chat_logprobs(self.tokenizer, choice, start) if self.want_logprobs else None
-        if self.tools_active:  # hold back anything that may be (the start of) a tool call
-            full = self.forced + choice.text
-            cut = full.find(OPEN)
-            safe = full if cut < 0 else full[:cut]
-            safe = safe[: len(safe) - _partial_open(safe)]
-            text = safe[len(streamed[choice.index]):] if len(safe) > len(streamed[choice.index]) else ""
-        if not text and logprobs is None:
-            return None
-        streamed[choice.index] += text
-        return template.event(version, text, logprobs)
-
-    def _final_chunk(self, choice: Choice, streamed: str) -> dict[str, Any]:
-        version = choice.version
-        if not self.chat:
-            return completion_chunk(self.response_id, self.created, self.model_name, version, choice.index, "", choice.finish_reason)
-        message, finish = chat_message(choice, self.tools_active, self.forced)
-        delta: dict[str, Any] = {}
-        content = message.get("content") or ""
-        if content.startswith(streamed) and len(content) > len(streamed):
-            delta["content"] = content[len(streamed):]
-        if message.get("tool_calls"):
-            delta["tool_calls"] = [{"index": k, **call} for k, call in enumerate(message["tool_calls"])]
-        return chat_chunk(self.response_id, self.created, self.model_name, version, choice.index, delta, finish)
+    def _visible(self, choice: Choice, text: str, streamed: str) -> str:
+        """What of a choice's new `text` the client may see now: with tools, anything that may
+        be (the start of) a tool call is held back until the choice ends."""
+        if not self.tools_active:
+            return text
+        full = self.forced + choice.text
+        cut = full.find(OPEN)
+        safe = full if cut < 0 else full[:cut]
+        safe = safe[: len(safe) - _partial_open(safe)]
+        return safe[len(streamed):] if len(safe) > len(streamed) else ""
 
     async def _durable_end(self, tail: bytes) -> bytes:
-        """The stream's last events: `tail` and `[DONE]` once the turns are durable; else an
-        error event (and no `[DONE]`)."""
+        """The stream's last events: `tail` and the wire's end once the turns are durable; else
+        an error event (and no successful end)."""
         try:
             await self._record_durably()
         except RecordLost as exc:
             return tail + self._error_event(exc)
-        return tail + DONE
+        return tail + self.wire.done(self)
 
     # ---- recording -------------------------------------------------------------------------
 
@@ -333,7 +274,7 @@ class Generation:
         turns = []
         for choice in self.choices:
             if self.chat:
-                response, finish = chat_message(choice, self.tools_active, self.forced)
+                response, finish = self.message(choice)
             else:
                 response, finish = {"text": choice.text}, choice.finish_reason
             if choice.disconnected or choice.finish is None:
@@ -346,7 +287,7 @@ class Generation:
                 task_id=self.session.task_id or (self.id if several else None),
                 group_size=self.session.group_size if self.session.task_id else (self.body.n if several else None),
                 model=self.model_name,
-                endpoint="chat" if self.chat else "completions",
+                endpoint=self.wire.endpoint,
                 messages=[m.model_dump(exclude_none=True) for m in self.body.messages] if self.chat else [],
                 prompt=self.body.prompt if not self.chat and isinstance(self.body.prompt, str) else None,
                 response=response,
@@ -366,10 +307,6 @@ class Generation:
         if self.on_finish is not None:
             self.on_finish(self)
         return turns
-
-
-def _sse(obj: dict[str, Any]) -> bytes:
-    return b"data: " + json.dumps(obj).encode() + b"\n\n"
 
 
 def _partial_open(text: str) -> int:

@@ -23,7 +23,7 @@ from fastapi import FastAPI
 from starlette.datastructures import Headers
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from serve.errors import APIError
+from serve.errors import APIError, anthropic_path
 
 
 def body_too_large(max_body_bytes: int) -> APIError:
@@ -45,7 +45,7 @@ class BodyLimitMiddleware:
         declared = Headers(scope=scope).get("content-length", "")
         if declared.isdigit():  # the HTTP server holds a declared body to its length
             if int(declared) > self.max_body_bytes:
-                await body_too_large(self.max_body_bytes).response()(scope, receive, send)
+                await body_too_large(self.max_body_bytes).response(anthropic_path(scope["path"]))(scope, receive, send)
             else:
                 await self.app(scope, receive, send)  # nothing to watch: no wrappers on the hot path
             return
@@ -76,7 +76,7 @@ class BodyLimitMiddleware:
             if not exceeded or response_started:
                 raise
         if exceeded and not response_started:
-            await body_too_large(self.max_body_bytes).response()(scope, receive, send)
+            await body_too_large(self.max_body_bytes).response(anthropic_path(scope["path"]))(scope, receive, send)
 
 
 def install_body_limit(app: FastAPI, max_body_bytes: int) -> None:

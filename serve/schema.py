@@ -15,9 +15,9 @@ else and names the first field that is not. `seed` is bounded to the signed 64-b
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
 MAX_N = 16
@@ -81,6 +81,18 @@ def first_invalid_string(value: Any) -> tuple[str, bool]:
             continue
         stack.extend(reversed(children))  # depth first, in document order
     raise ValueError("no invalid string in the value")
+
+
+def by_type(members: dict[str, type[BaseModel]], default: str | None = None) -> Any:
+    """A union of models chosen by the value's `type` (`default` when it has none). Members are
+    tagged with their class names, which error locations leave out, so a refusal names the
+    field (`input.0.content`), not the tag; an unknown `type` is an error at the value."""
+    def tag(value: Any) -> str | None:
+        kind = value.get("type", default) if isinstance(value, dict) else getattr(value, "type", None)
+        return members[kind].__name__ if kind in members else None
+
+    classes = list(dict.fromkeys(members.values()))
+    return Annotated[Union[tuple(Annotated[c, Tag(c.__name__)] for c in classes)], Discriminator(tag)]  # noqa: UP007
 
 
 class Strict(BaseModel):

@@ -1,7 +1,9 @@
 """Which session a request belongs to, and the session signals clients send.
 
-Session id: the `X-Session-Id` header, else `metadata.session_id`, else `user`; a request with
-none of these is a one-turn session of its own (still recorded and trainable: an unpatched
+Session id: the `X-Session-Id` header, else `metadata.session_id`, else the client's own
+conversation id where its API has one (a Responses chain, Codex CLI's `session-id` header, Claude
+Code's `x-claude-code-session-id`: see the README's table), else `user`; a request with none of
+these is a one-turn session of its own (still recorded and trainable: an unpatched
 client must never silently produce nothing). `X-Turn-Type: side` marks turns that are served but
 not trained; `X-Session-Done: true` ends the session with this turn; `X-Task-Id` (or
 `metadata.task_id`) groups sessions of one task, e.g. the samples of one prompt, and
@@ -37,9 +39,10 @@ class SessionInfo:
     """No session id was given: a one-turn session of its own."""
 
 
-def session_of(headers: Mapping[str, str], metadata: dict[str, str] | None, user: str | None) -> SessionInfo:
+def session_of(headers: Mapping[str, str], metadata: dict[str, str] | None, user: str | None,
+               conversation: str | None = None) -> SessionInfo:
     metadata = metadata or {}
-    session_id = headers.get("x-session-id") or metadata.get("session_id") or user
+    session_id = headers.get("x-session-id") or metadata.get("session_id") or conversation or user
     anonymous = not session_id
     turn_type = headers.get("x-turn-type", "main").strip().lower()
     if turn_type not in ("main", "side"):

@@ -102,6 +102,15 @@ def assert_openai_error(response: httpx.Response) -> dict:
     return error
 
 
+def assert_api_error(response: httpx.Response, path: str) -> dict:
+    """The error in the shape of the API that was called: Anthropic's under /v1/messages."""
+    if not path.startswith("/v1/messages"):
+        return assert_openai_error(response)
+    body = response.json()
+    assert body.get("type") == "error" and set(body["error"]) == {"type", "message"} and body["error"]["message"], response.text
+    return body["error"]
+
+
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture,
                                                                   HealthCheck.too_slow, HealthCheck.data_too_large])
 @given(path=st.sampled_from(list(BODIES)), data=st.data())
