@@ -11,7 +11,7 @@ import json.encoder
 from typing import Any
 
 from serve.choices import Choice
-from serve.tools import CLOSE, parse_tool_calls
+from serve.tools import CLOSE, parse_tool_calls, truncated_call
 
 
 def fingerprint(version: int | None) -> str | None:
@@ -78,6 +78,9 @@ def chat_message(choice: Choice, tools_active: bool, forced: str = "") -> tuple[
         content, calls = parse_tool_calls(text)
         if calls:
             return {"role": "assistant", "content": content, "tool_calls": calls}, "tool_calls"
+        call = truncated_call(forced, output_text(choice)) if forced else None
+        if call is not None:  # a forced call that max_tokens cut short
+            return {"role": "assistant", "content": None, "tool_calls": [call]}, choice.finish_reason
     return {"role": "assistant", "content": text}, choice.finish_reason
 
 

@@ -25,7 +25,7 @@ from serve.formatting import chat_message, output_text, stop_string
 from serve.recorder import RecordLost, Recorder
 from serve.schema import ChatCompletionRequest, CompletionRequest, sampling_params
 from serve.sessions import SessionInfo
-from serve.tools import CLOSE, OPEN
+from serve.tools import CLOSE, OPEN, forced_grammar
 from serve.wire import Wire
 
 
@@ -59,6 +59,8 @@ class Generation:
         self.top_n = (self.body.top_logprobs or 0) if self.chat else (self.body.logprobs or 0)
         self.want_logprobs = bool(self.body.logprobs) if self.chat else self.body.logprobs is not None
         self._recorded = False
+        self._grammar = forced_grammar(self.body.tool_choice, [t.model_dump(exclude_none=True) for t in self.body.tools]) \
+            if self.forced else None
         self._messages: dict[int, tuple[dict[str, Any], str]] = {}
 
     def message(self, choice: Choice) -> tuple[dict[str, Any], str]:
@@ -83,6 +85,9 @@ class Generation:
         params = sampling_params(self.body, self.max_new_tokens, i)
         if self.tools_active and not self.body.parallel_tool_calls:
             params["stop"] = [*params.get("stop", []), CLOSE]
+        if self._grammar is not None:  # a forced call: it, not the response format, is the answer
+            params.pop("json_schema", None)
+            params["ebnf"] = self._grammar
         return params
 
     def continued_text(self, choice: Choice) -> str | None:

@@ -20,13 +20,14 @@ What maps where:
                                      `serve.max_new_tokens` is capped there, not refused
     previous_response_id             the stored conversation of that response, then this input;
                                      the chain is one session
-    reasoning, include, text (plain text format), client_metadata, prompt_cache_key, truncation,
+    text.format                      chat's response_format (text, json_object, json_schema)
+    reasoning, include, text.verbosity, client_metadata, prompt_cache_key, truncation,
     service_tier, safety_identifier, prompt_cache_retention, store, background=false
                                      accepted, no effect on the answer (`store` keeps it for
                                      `previous_response_id` and `GET /v1/responses/{id}`)
 
 Anything else is a 400 naming the field: a request model that forbids unknown keys, content
-parts that are not text, tool types no well-known client sends, `text.format` other than text.
+parts that are not text, tool types no well-known client sends, an unknown `text.format`.
 """
 
 from __future__ import annotations
@@ -114,7 +115,18 @@ class NamedFunction(Strict):
 
 
 class TextFormat(Lenient):
-    type: Literal["text"]
+    """`text.format`: text, or JSON (any object, or matching `schema`) as chat's `response_format`."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    name: str | None = None
+    schema_: dict[str, Any] | None = Field(None, alias="schema")
+    strict: bool | None = None
+
+    def response_format(self) -> dict[str, Any] | None:
+        if self.type == "json_schema":
+            return {"type": "json_schema", "json_schema": {"name": self.name or "response", "schema": self.schema_,
+                                                           "strict": self.strict}}
+        return {"type": self.type}
 
 
 class TextConfig(Lenient):
@@ -193,5 +205,6 @@ class ResponsesRequest(Body):
             tools=tools or None, tool_choice=choice if tools else None, parallel_tool_calls=self.parallel_tool_calls,
             max_tokens=self.max_output_tokens, temperature=self.temperature, top_p=self.top_p,
             stream=self.stream, metadata=self.metadata, user=self.user,
+            response_format=self.text.format.response_format() if self.text and self.text.format else None,
         )
 

@@ -15,10 +15,13 @@ else and names the first field that is not. `seed` is bounded to the signed 64-b
 
 from __future__ import annotations
 
+import json
 from typing import Annotated, Any, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, field_validator, model_validator
 from pydantic_core import PydanticCustomError
+
+from serve.tools import JSON_STYLE
 
 MAX_N = 16
 MAX_TOP_LOGPROBS = 20
@@ -89,7 +92,7 @@ def by_type(members: dict[str, type[BaseModel]], default: str | None = None) -> 
     field (`input.0.content`), not the tag; an unknown `type` is an error at the value."""
     def tag(value: Any) -> str | None:
         kind = value.get("type", default) if isinstance(value, dict) else getattr(value, "type", None)
-        return members[kind].__name__ if kind in members else None
+        return members[kind].__name__ if isinstance(kind, str) and kind in members else None
 
     classes = list(dict.fromkeys(members.values()))
     return Annotated[Union[tuple(Annotated[c, Tag(c.__name__)] for c in classes)], Discriminator(tag)]  # noqa: UP007
@@ -201,6 +204,36 @@ class NamedToolChoice(Strict):
         return self.function.get("name", "")
 
 
+class JsonSchemaFormat(Strict):
+    name: str = Field(min_length=1, max_length=64)
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(Strict):
+    """`response_format`: plain text, any JSON object, or JSON matching a schema; the engine
+    decodes under the schema (`json_schema` sampling parameter), so the answer always parses,
+    unless `max_tokens` cuts it short."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_given(self) -> "ResponseFormat":
+        if (self.type == "json_schema") != (self.json_schema is not None):
+            raise ValueError("json_schema goes with type 'json_schema', and only with it")
+        return self
+
+    def constraint(self) -> str | None:
+        """The engine's `json_schema` parameter for this format (None for text)."""
+        if self.type == "text":
+            return None
+        schema = dict((self.json_schema.schema_ if self.json_schema else None) or {"type": "object"})
+        schema["x-guidance"] = JSON_STYLE
+        return json.dumps(schema)
+
+
 class StreamOptions(Strict):
     include_usage: bool = False
 
@@ -266,6 +299,7 @@ class ChatCompletionRequest(Sampling):
     tools: list[Tool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool = True
+    response_format: ResponseFormat | None = None
 
     @model_validator(mode="after")
     def _consistent(self) -> "ChatCompletionRequest":
@@ -326,4 +360,7 @@ def sampling_params(request: Sampling, max_new_tokens: int, choice: int) -> dict
         params["min_new_tokens"] = min(request.min_tokens, max_new_tokens)
     if request.ignore_eos:
         params["ignore_eos"] = True
+    response_format = getattr(request, "response_format", None)
+    if response_format is not None and response_format.constraint() is not None:
+        params["json_schema"] = response_format.constraint()
     return params

@@ -12,7 +12,12 @@ is. For one that does not (SmolLM2's), the gateway adds the tool list to the sys
 the same wording the `tiny` template uses and writes earlier calls into the assistant text, so
 the model always sees one format. `tool_choice: "required"` or a named function is enforced by
 ending the prompt with the opening of a call, which the model then completes; those forced
-tokens belong to the prompt (loss mask 0), the rest is sampled.
+tokens belong to the prompt (loss mask 0), the rest is sampled under a grammar
+(`forced_grammar`, SGLang's `ebnf` parameter in llguidance's Lark dialect): the function's name
+when any may be called, arguments that match its JSON schema, the closing tag, then the end of
+the answer. A forced call therefore always parses, unless `max_tokens` cuts it short (then, as
+OpenAI does, it comes back as a call with truncated arguments and finish reason `length`).
+With a real SGLang engine this needs `--grammar-backend llguidance`.
 """
 
 from __future__ import annotations
@@ -86,6 +91,44 @@ def forced_prefix(tool_choice: Any) -> str:
     if name:
         return f'{OPEN}{{"name": {json.dumps(name)}, "arguments":'  # no trailing space: a token boundary
     return ""
+
+
+JSON_STYLE = {"whitespace_flexible": False, "key_separator": ": ", "item_separator": ", "}
+"""How constrained arguments are spaced: as `json.dumps` writes them, the way the template shows calls."""
+
+
+def _arguments_grammar(function: dict[str, Any]) -> str:
+    schema = dict(function.get("parameters") or {"type": "object"})
+    schema["x-guidance"] = JSON_STYLE
+    return f"%json {json.dumps(schema)}"
+
+
+def forced_grammar(tool_choice: Any, tools: list[dict[str, Any]]) -> str | None:
+    """The Lark grammar of what follows `forced_prefix(tool_choice)` (None when nothing is forced)."""
+    functions = {t["function"]["name"]: t["function"] for t in tools}
+    name = getattr(tool_choice, "name", None)
+    if name:
+        return f"start: \" \" {_arguments_grammar(functions[name])} {json.dumps('}' + CLOSE)}"
+    if tool_choice != "required":
+        return None
+    calls = [f"{json.dumps('{' + json.dumps('name') + ': ' + json.dumps(n) + ', ' + json.dumps('arguments') + ': ')} "
+             f"{_arguments_grammar(f)} {json.dumps('}' + CLOSE)}" for n, f in functions.items()]
+    return "start: " + " | ".join(calls)
+
+
+_FORCED_NAME = re.compile(r'^\{"name": "([^"]*)"')
+
+
+def truncated_call(forced: str, text: str) -> dict[str, Any] | None:
+    """The call a forced answer cut short by `max_tokens` stands for: the name when it is whole,
+    the arguments written so far."""
+    body = (forced + text)[len(OPEN):]
+    match = _FORCED_NAME.match(body)
+    if match is None:
+        return None
+    arguments = body.split('"arguments": ', 1)[1] if '"arguments": ' in body else ""
+    return {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
+            "function": {"name": match.group(1), "arguments": arguments}}
 
 
 def parse_tool_calls(text: str) -> tuple[str | None, list[dict[str, Any]]]:

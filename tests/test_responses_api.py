@@ -139,7 +139,9 @@ async def test_codex_cli_requests_are_served_and_stitched_by_its_session_header(
     ({"truncate": True}, "truncate"),
     ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "http://x"}]}]}, "input.0.content.0.type"),
     ({"tools": [{"type": "file_search", "vector_store_ids": ["v"]}]}, "tools.0"),
-    ({"text": {"format": {"type": "json_schema", "name": "x", "schema": {}}}}, "text.format"),
+    ({"tools": [{"type": []}]}, "tools.0"),  # found by the fuzzer: an unhashable type was a 500
+    ({"input": [{"type": {"x": 1}}]}, "input.0"),
+    ({"text": {"format": {"type": "grammar", "definition": "x"}}}, "text.format"),
     ({"tool_choice": {"type": "function", "name": "nope"}}, None),
 ])
 async def test_what_no_client_sends_is_a_400_naming_it(served, change, param):

@@ -33,6 +33,7 @@ from typing import Any, Literal
 import torch
 
 from serve.engine.batch import KVBatch
+from serve.engine.grammar import Grammars, mask_logits
 from serve.engine.request import GenerationResult, Request, RequestFailed, StreamError, TokenDelta, resolve
 from serve.engine.sampling import SamplingParams, sample
 
@@ -73,6 +74,7 @@ class Engine:
         self.eos_ids: set[int] = set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else min(self.eos_ids, default=0)
         self.vocab_size = len(tokenizer)
+        self.grammars = Grammars(tokenizer, model.config.vocab_size, self.eos_ids)
         self.paused = False
         self._waiting: deque[Request] = deque()
         self._commands: deque[_Command] = deque()
@@ -111,6 +113,7 @@ class Engine:
         request = Request(
             rid or uuid.uuid4().hex, list(input_ids), params, loop, loop.create_future(),
             asyncio.Queue() if stream else None, self.eos_ids, self.context_length, self.tokenizer,
+            matcher=self.grammars.matcher(params),
         )
         with self._wake:
             if not self._running:
@@ -340,6 +343,14 @@ class Engine:
                     logits[i, banned] = float("-inf")
             except Exception as exc:
                 request.mark_failed(f"could not ban its stop tokens: {exc}")
+        matchers = [r.matcher for r in rows]
+        if any(m is not None for m in matchers):
+            try:
+                mask_logits(logits, matchers)
+            except Exception as exc:
+                for request in rows:
+                    if request.matcher is not None:
+                        request.mark_failed(f"could not apply its grammar: {exc}")
         top_n = max(r.params.top_logprobs_num for r in rows)
         tokens, logprobs, top, failed = sample(logits, [r.params for r in rows], [r.generator for r in rows], top_n)
         for i in failed:

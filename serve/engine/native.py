@@ -113,7 +113,7 @@ def _prompts(engine: Engine, body: dict[str, Any]) -> tuple[list[list[int]], boo
     return prompts, batch
 
 
-def _sampling(body: dict[str, Any], i: int) -> SamplingParams:
+def _sampling(engine: Engine, body: dict[str, Any], i: int) -> SamplingParams:
     raw = body.get("sampling_params")
     item = raw[i] if isinstance(raw, list) and i < len(raw) else raw
     if item is not None and not isinstance(item, dict):
@@ -122,9 +122,13 @@ def _sampling(body: dict[str, Any], i: int) -> SamplingParams:
     if body.get("return_logprob") and body.get("top_logprobs_num"):
         item["top_logprobs_num"] = body["top_logprobs_num"]
     try:
-        return SamplingParams.from_dict(item)
-    except Exception as exc:  # msgspec.ValidationError or our ValueError
+        params = SamplingParams.from_dict(item)
+        constraint = engine.grammars.constraint(params)
+        if constraint is not None:
+            engine.grammars.serialized(*constraint)  # an invalid grammar is the client's error
+    except Exception as exc:  # msgspec.ValidationError, our ValueError, GrammarError
         raise ProtocolError(f"sampling_params: {exc}") from None
+    return params
 
 
 def _requests(engine: Engine, body: dict[str, Any]) -> tuple[list[tuple[list[int], SamplingParams, str | None]], bool]:
@@ -136,7 +140,7 @@ def _requests(engine: Engine, body: dict[str, Any]) -> tuple[list[tuple[list[int
     for prompt in prompts:
         if len(prompt) >= engine.context_length:
             raise ProtocolError(f"prompt has {len(prompt)} tokens; the context window is {engine.context_length}")
-    return [(p, _sampling(body, i), r) for i, (p, r) in enumerate(zip(prompts, rids))], batch
+    return [(p, _sampling(engine, body, i), r) for i, (p, r) in enumerate(zip(prompts, rids))], batch
 
 
 async def generate(engine: Engine, body: dict[str, Any], spans: bool = True) -> dict[str, Any] | list[dict[str, Any]]:

@@ -89,6 +89,8 @@ class Request:
     text: str | None = None
     started: float = 0.0
     first_token: float = 0.0
+    matcher: Any = None
+    """The grammar matcher of a constrained request (`serve.engine.grammar`), else None."""
 
     def __post_init__(self) -> None:
         params = self.params
@@ -120,6 +122,8 @@ class Request:
         self.versions.append(version)
         if self.top_logprobs is not None:
             self.top_logprobs.append(top or [])
+        if self.matcher is not None and not self.matcher.consume_token(token):
+            raise RuntimeError(f"its grammar rejected token {token}: {self.matcher.get_error()}")
         self.finish = self._finish_after(token)
         return TokenDelta([token], [logprob], [version], [top or []] if self.top_logprobs is not None else None)
 

@@ -40,6 +40,11 @@ class SamplingParams(msgspec.Struct, kw_only=True, forbid_unknown_fields=False):
     by a multiple of 2**64 draw the same tokens."""
     top_logprobs_num: int = 0
     """Also return this many most likely tokens (with logprobs) at each output position."""
+    json_schema: str | None = None
+    regex: str | None = None
+    ebnf: str | None = None
+    structural_tag: str | None = None
+    """At most one constraint on the output (`serve.engine.grammar`)."""
 
     def validate(self) -> None:
         """Raise ValueError naming the parameter if a value is out of range."""
