@@ -76,6 +76,9 @@ class ServeConfig(Section):
     continue_sessions: int = Field(4096, ge=0)
     """How many sessions' latest token sequences the gateway keeps so that their next prompt
     continues the exact ids the model saw (`serve/continuation.py`); 0 turns this off."""
+    tool_format: Literal["auto", "hermes", "llama3_json", "mistral"] = "auto"
+    """How the model writes tool calls (`serve/tool_formats.py`); `auto` reads it from the chat
+    template. A template that renders no tools always gets the gateway's Hermes prompt."""
     stored_responses: int = Field(10_000, ge=0)
     """How many Responses API answers (with `store`) the gateway keeps in memory for
     `previous_response_id` and `GET /v1/responses/{id}`; the oldest go first."""

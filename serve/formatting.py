@@ -11,7 +11,7 @@ import json.encoder
 from typing import Any
 
 from serve.choices import Choice
-from serve.tools import CLOSE, parse_tool_calls, truncated_call
+from serve.tool_formats import ToolFormat
 
 
 def fingerprint(version: int | None) -> str | None:
@@ -65,20 +65,22 @@ def stop_string(choice: Choice) -> str | None:
     return matched if isinstance(matched, str) else None
 
 
-def output_text(choice: Choice) -> str:
+def output_text(choice: Choice, tool_format: ToolFormat | None = None) -> str:
     """The choice's text as the client gets it: the engine's, cut before a stop string, except
     that a call the gateway ended at its closing tag (`parallel_tool_calls: false`) keeps it."""
-    return choice.text + CLOSE if stop_string(choice) == CLOSE else choice.text
+    stop = tool_format.single_call_stop if tool_format else None
+    return choice.text + stop if stop and stop_string(choice) == stop else choice.text
 
 
-def chat_message(choice: Choice, tools_active: bool, forced: str = "") -> tuple[dict[str, Any], str]:
-    """The assistant message of a finished choice and its finish reason."""
-    text = forced + output_text(choice)
-    if tools_active:
-        content, calls = parse_tool_calls(text)
+def chat_message(choice: Choice, tool_format: ToolFormat | None, forced: str = "") -> tuple[dict[str, Any], str]:
+    """The assistant message of a finished choice and its finish reason; `tool_format` is None
+    when no tools are active."""
+    text = forced + output_text(choice, tool_format)
+    if tool_format is not None:
+        content, calls = tool_format.parse(text)
         if calls:
             return {"role": "assistant", "content": content, "tool_calls": calls}, "tool_calls"
-        call = truncated_call(forced, output_text(choice)) if forced else None
+        call = tool_format.truncated_call(forced, output_text(choice, tool_format)) if forced else None
         if call is not None:  # a forced call that max_tokens cut short
             return {"role": "assistant", "content": None, "tool_calls": [call]}, choice.finish_reason
     return {"role": "assistant", "content": text}, choice.finish_reason

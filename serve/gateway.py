@@ -37,7 +37,8 @@ from serve.responses_wire import ResponsesWire, ResponseStore
 from serve.schema import ChatCompletionRequest, CompletionRequest
 from serve.sessions import FeedbackRequest, SessionInfo, session_of
 from serve.sse import EventStreamResponse
-from serve.tools import adapt_messages, forced_prefix, template_support
+from serve.tool_formats import FORMATS, HERMES, ToolFormat, detect
+from serve.tools import adapt_messages, template_support
 from serve.wire import OpenAIWire, Wire
 
 
@@ -53,13 +54,18 @@ class PromptBuilder:
     """Chat messages (and tools) to prompt token ids, through the model's chat template; a
     session's prompt continues the exact ids of its previous turn where its text does."""
 
-    def __init__(self, tokenizer: Any, continuations: SessionContinuations):
+    def __init__(self, tokenizer: Any, continuations: SessionContinuations, tool_format: str = "auto"):
         self.tokenizer = tokenizer
         self.continuations = continuations
         self.renders_tools, self.renders_calls = template_support(tokenizer)
+        if not self.renders_tools:
+            self.tool_format = HERMES  # the gateway writes the tool prompt, in its format
+        else:
+            self.tool_format = detect(tokenizer.chat_template) if tool_format == "auto" else FORMATS[tool_format]
 
-    def chat(self, body: ChatCompletionRequest, session: SessionInfo) -> tuple[list[int], str, str, bool]:
-        """(prompt ids, the text they stand for, forced tool-call prefix, whether tool calls are parsed)."""
+    def chat(self, body: ChatCompletionRequest, session: SessionInfo) -> tuple[list[int], str, str, ToolFormat | None]:
+        """(prompt ids, the text they stand for, forced tool-call prefix, the tool-call format
+        when tools are active)."""
         tools = None
         if body.tools and body.tool_choice != "none":
             tools = [tool.model_dump(exclude_none=True) for tool in body.tools]
@@ -70,8 +76,9 @@ class PromptBuilder:
             )
         except Exception as exc:  # the template rejected this conversation
             raise APIError(400, f"messages cannot be rendered by the chat template: {exc}", "messages") from None
-        forced = forced_prefix(body.tool_choice) if tools else ""
-        return self.continuations.encode(session.session_id, text + forced), text + forced, forced, tools is not None
+        forced = self.tool_format.forced_prefix(body.tool_choice) if tools else ""
+        active = self.tool_format if tools else None
+        return self.continuations.encode(session.session_id, text + forced), text + forced, forced, active
 
     def translated(self, make: Callable[[], ChatCompletionRequest]) -> ChatCompletionRequest:
         """The chat request another API's request stands for; one it cannot stand for is a 400."""
@@ -105,7 +112,7 @@ def create_gateway(pool: EnginePool, tokenizer: Any, recorder: Recorder, model_n
     stats = GatewayStats()
     app.state.stats = stats
     continuations = SessionContinuations(tokenizer, config.continue_sessions)
-    prompts = PromptBuilder(tokenizer, continuations)
+    prompts = PromptBuilder(tokenizer, continuations, config.tool_format)
     stored_responses = ResponseStore(config.stored_responses)
     limiter = ConcurrencyLimiter(config.max_concurrent_requests, config.max_queued_requests, config.retry_after_s)
     app.state.limiter = limiter
@@ -128,7 +135,8 @@ def create_gateway(pool: EnginePool, tokenizer: Any, recorder: Recorder, model_n
                 metrics.time_per_output_token((choice.last_token_at - choice.first_token_at) / (len(choice.output_ids) - 1))
 
     async def run(body: ChatCompletionRequest | CompletionRequest, session: SessionInfo, prompt_ids: list[int],
-                  prompt_text: str | None, forced: str = "", tools_active: bool = False, wire: Wire | None = None) -> Any:
+                  prompt_text: str | None, forced: str = "", tool_format: ToolFormat | None = None,
+                  wire: Wire | None = None) -> Any:
         stats.requests += 1
         if body.model != model_name:
             raise APIError(404, f"model {body.model!r} does not exist; this server serves {model_name!r}", "model", "model_not_found")
@@ -145,7 +153,7 @@ def create_gateway(pool: EnginePool, tokenizer: Any, recorder: Recorder, model_n
             model_name=model_name, session=session, prompt_ids=prompt_ids, prompt_text=prompt_text,
             wire=wire or OpenAIWire(isinstance(body, ChatCompletionRequest)),
             max_new_tokens=min(requested or config.default_max_new_tokens, context_length - len(prompt_ids)),
-            forced=forced, tools_active=tools_active, on_finish=finished, timeout_s=config.request_timeout_s,
+            forced=forced, tool_format=tool_format, on_finish=finished, timeout_s=config.request_timeout_s,
         )
         if body.stream:
             await limiter.acquire()  # a 429 must be a real status, before the stream starts
@@ -172,8 +180,7 @@ def create_gateway(pool: EnginePool, tokenizer: Any, recorder: Recorder, model_n
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any:
         session = session_of(request.headers, body.metadata, body.user)
-        prompt_ids, prompt_text, forced, tools_active = prompts.chat(body, session)
-        return await run(body, session, prompt_ids, prompt_text, forced, tools_active)
+        return await run(body, session, *prompts.chat(body, session))
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request) -> Any:

@@ -25,7 +25,7 @@ from serve.formatting import chat_message, output_text, stop_string
 from serve.recorder import RecordLost, Recorder
 from serve.schema import ChatCompletionRequest, CompletionRequest, sampling_params
 from serve.sessions import SessionInfo
-from serve.tools import CLOSE, OPEN, forced_grammar
+from serve.tool_formats import ToolFormat
 from serve.wire import Wire
 
 
@@ -45,7 +45,8 @@ class Generation:
     """What the client sees: the API's answer object and stream events."""
     forced: str = ""
     """Prompt text that forces a tool call; the answer's text starts with it."""
-    tools_active: bool = False
+    tool_format: ToolFormat | None = None
+    """How the model writes tool calls, when the request has tools active (None: no tools)."""
     on_finish: Callable[["Generation"], None] | None = None
     timeout_s: float | None = None
     """A stream running longer than this ends with an error event (its choices are aborted)."""
@@ -59,15 +60,17 @@ class Generation:
         self.top_n = (self.body.top_logprobs or 0) if self.chat else (self.body.logprobs or 0)
         self.want_logprobs = bool(self.body.logprobs) if self.chat else self.body.logprobs is not None
         self._recorded = False
-        self._grammar = forced_grammar(self.body.tool_choice, [t.model_dump(exclude_none=True) for t in self.body.tools]) \
-            if self.forced else None
+        self._grammar = None
+        if self.forced and self.tool_format is not None:
+            tools = [t.model_dump(exclude_none=True) for t in self.body.tools]
+            self._grammar = self.tool_format.forced_grammar(self.body.tool_choice, tools)
         self._messages: dict[int, tuple[dict[str, Any], str]] = {}
 
     def message(self, choice: Choice) -> tuple[dict[str, Any], str]:
         """A finished chat choice's assistant message and finish reason, parsed once: the tool
         call ids the client gets are the ones recorded."""
         if choice.index not in self._messages:
-            self._messages[choice.index] = chat_message(choice, self.tools_active, self.forced)
+            self._messages[choice.index] = chat_message(choice, self.tool_format, self.forced)
         return self._messages[choice.index]
 
     def _engine_body(self, i: int) -> dict[str, Any]:
@@ -83,8 +86,9 @@ class Generation:
         """Choice i's SGLang sampling parameters. With `parallel_tool_calls: false` a call's
         closing tag is a stop string too: the answer ends after its first call."""
         params = sampling_params(self.body, self.max_new_tokens, i)
-        if self.tools_active and not self.body.parallel_tool_calls:
-            params["stop"] = [*params.get("stop", []), CLOSE]
+        stop = self.tool_format.single_call_stop if self.tool_format else None
+        if stop and not self.body.parallel_tool_calls:
+            params["stop"] = [*params.get("stop", []), stop]
         if self._grammar is not None:  # a forced call: it, not the response format, is the answer
             params.pop("json_schema", None)
             params["ebnf"] = self._grammar
@@ -98,7 +102,7 @@ class Generation:
         if self.prompt_text is None:
             return None
         if stop_string(choice) is not None:
-            return self.prompt_text + output_text(choice)
+            return self.prompt_text + output_text(choice, self.tool_format)
         return self.prompt_text + self.tokenizer.decode(choice.output_ids, skip_special_tokens=False,
                                                         clean_up_tokenization_spaces=False)
 
@@ -242,12 +246,9 @@ class Generation:
     def _visible(self, choice: Choice, text: str, streamed: str) -> str:
         """What of a choice's new `text` the client may see now: with tools, anything that may
         be (the start of) a tool call is held back until the choice ends."""
-        if not self.tools_active:
+        if self.tool_format is None:
             return text
-        full = self.forced + choice.text
-        cut = full.find(OPEN)
-        safe = full if cut < 0 else full[:cut]
-        safe = safe[: len(safe) - _partial_open(safe)]
+        safe = self.tool_format.safe_prefix(self.forced + choice.text)
         return safe[len(streamed):] if len(safe) > len(streamed) else ""
 
     async def _durable_end(self, tail: bytes) -> bytes:
@@ -313,10 +314,3 @@ class Generation:
             self.on_finish(self)
         return turns
 
-
-def _partial_open(text: str) -> int:
-    """Length of the longest end of `text` that is a proper start of the tool-call tag."""
-    for k in range(min(len(OPEN) - 1, len(text)), 0, -1):
-        if text.endswith(OPEN[:k]):
-            return k
-    return 0

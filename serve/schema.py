@@ -21,7 +21,7 @@ from typing import Annotated, Any, Literal, Union
 from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
-from serve.tools import JSON_STYLE
+from serve.tool_formats import JSON_STYLE
 
 MAX_N = 16
 MAX_TOP_LOGPROBS = 20

@@ -9,10 +9,13 @@ import torch
 from models import load_model, save_model
 
 
-def teach_tiny(messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None, answer: str, out_dir: Path) -> str:
+def teach_tiny(messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None, answer: str, out_dir: Path,
+               chat_template: str | None = None) -> str:
     """Train `tiny` until it answers `messages` (rendered with `tools`) with `answer` and its end
-    token; returns the saved model's directory."""
+    token; returns the saved model's directory (its tokenizer carries `chat_template` if given)."""
     model, tokenizer = load_model("tiny")
+    if chat_template is not None:
+        tokenizer.chat_template = chat_template
     prompt = tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=True, tokenize=False)
     prompt_ids = tokenizer.encode(prompt, add_special_tokens=False)
     target = tokenizer.encode(answer + "<|im_end|>", add_special_tokens=False)

@@ -11,7 +11,8 @@ from bus import TRAFFIC_SUBJECTS, Turn
 from config import load_config
 from models import resolve_model
 from serve.loop import ServeLoop
-from serve.tools import adapt_messages, parse_tool_calls, template_support
+from serve.tool_formats import HERMES
+from serve.tools import adapt_messages, template_support
 from tests.teaching import teach_tiny
 
 WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "Weather in a city",
@@ -98,11 +99,11 @@ async def test_history_with_calls_and_results_is_rendered(served_tools, bus):
 
 
 def test_parsing_keeps_what_is_not_a_call():
-    content, calls = parse_tool_calls(f"Let me check. {CALL}\n<tool_call>not json</tool_call>")
+    content, calls = HERMES.parse(f"Let me check. {CALL}\n<tool_call>not json</tool_call>")
     assert [c["function"]["name"] for c in calls] == ["get_weather"]
     assert content == "Let me check. \n<tool_call>not json</tool_call>".strip()
-    assert parse_tool_calls("plain text") == ("plain text", [])
-    content, calls = parse_tool_calls(CALL + CALL.replace("Paris", "Rome"))
+    assert HERMES.parse("plain text") == ("plain text", [])
+    content, calls = HERMES.parse(CALL + CALL.replace("Paris", "Rome"))
     assert content is None and [json.loads(c["function"]["arguments"])["city"] for c in calls] == ["Paris", "Rome"]
 
 

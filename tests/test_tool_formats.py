@@ -1,0 +1,96 @@
+"""Tool calls for real model families: Llama 3 JSON and Mistral `[TOOL_CALLS]`, chosen from the
+chat template, each served with its family's template (tests/data/templates): the `tiny` model
+taught the family's call gets it back as `tool_calls` (whole and streamed, nothing leaked), the
+call's history renders through the template, and a forced call under the family's grammar is
+valid even from the untaught model."""
+
+import json
+from pathlib import Path
+
+import jsonschema
+import openai
+import pytest
+
+from config import load_config
+from serve.loop import ServeLoop
+from serve.tool_formats import FORMATS, HERMES, detect
+from tests.teaching import teach_tiny
+from tests.test_tools import ASK, WEATHER, recorded
+
+TEMPLATES = Path(__file__).parent / "data" / "templates"
+FAMILIES = {
+    "llama3_json": ("llama3.1_json.jinja", '{"name": "get_weather", "parameters": {"city": "Paris"}}'),
+    "mistral": ("mistral_parallel.jinja", '[TOOL_CALLS] [{"name": "get_weather", "arguments": {"city": "Paris"}}]'),
+}
+
+
+def test_each_format_parses_its_calls_and_leaves_text_alone():
+    llama, mistral = FORMATS["llama3_json"], FORMATS["mistral"]
+    content, [call] = llama.parse('<|python_tag|>{"name": "f", "parameters": {"x": 1}}')
+    assert content is None and call["function"] == {"name": "f", "arguments": '{"x": 1}'}
+    _, calls = llama.parse('{"name": "f", "parameters": {}}; {"name": "g", "parameters": {"y": "a;b"}}')
+    assert [c["function"]["name"] for c in calls] == ["f", "g"]
+    assert llama.parse("The weather is {fine}.") == ("The weather is {fine}.", [])
+    assert llama.parse('{"name": "f"} and more') == ('{"name": "f"} and more', [])
+    content, calls = mistral.parse('Let me see. [TOOL_CALLS] [{"name": "f", "arguments": {"x": 1}}, {"name": "g", "arguments": {}}]')
+    assert content == "Let me see." and [c["function"]["name"] for c in calls] == ["f", "g"]
+    assert mistral.parse("[TOOL_CALLS] not json") == ("[TOOL_CALLS] not json", [])
+    assert llama.safe_prefix('  {"na') == "" and llama.safe_prefix("Hello {") == "Hello {"
+    assert mistral.safe_prefix("Sure [TOOL_C") == "Sure " and HERMES.safe_prefix("ok <tool") == "ok "
+
+
+def test_the_format_is_read_from_the_template(tiny_path):
+    from transformers import AutoTokenizer
+
+    for name, (template, _) in FAMILIES.items():
+        assert detect((TEMPLATES / template).read_text()).name == name
+    assert detect(AutoTokenizer.from_pretrained(tiny_path).chat_template) is HERMES
+
+
+@pytest.fixture(scope="module", params=list(FAMILIES))
+def family_model(request, tmp_path_factory):
+    template, answer = FAMILIES[request.param]
+    path = teach_tiny(ASK, [WEATHER], answer, tmp_path_factory.mktemp(request.param), (TEMPLATES / template).read_text())
+    return request.param, path
+
+
+@pytest.fixture
+async def family(family_model, nats_url, tmp_path):
+    name, path = family_model
+    loop = ServeLoop(load_config(None, [f"run_dir={tmp_path}", "serve.port=0", f"model={path}",
+                                        "serve.served_model_name=fam"]), nats_url)
+    await loop.start()
+    yield name, openai.AsyncOpenAI(base_url=f"{loop.url}/v1", api_key="x", max_retries=0)
+    await loop.stop()
+
+
+async def test_a_familys_call_comes_back_as_tool_calls_and_its_history_renders(family, bus):
+    name, client = family
+    reply = await client.chat.completions.create(model="fam", messages=ASK, tools=[WEATHER], temperature=0, max_tokens=40)
+    choice = reply.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content is None
+    [call] = choice.message.tool_calls
+    assert call.function.name == "get_weather" and json.loads(call.function.arguments) == {"city": "Paris"}
+    stream = await client.chat.completions.create(model="fam", messages=ASK, tools=[WEATHER], temperature=0, max_tokens=40,
+                                                  stream=True)
+    chunks = [chunk async for chunk in stream]
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == ""  # nothing of the call leaked
+    assert chunks[-1].choices[0].delta.tool_calls[0].function.name == "get_weather"
+    history = [*ASK, {"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},
+               {"role": "tool", "tool_call_id": call.id, "content": "Sunny"}]
+    await client.chat.completions.create(model="fam", messages=history, tools=[WEATHER], temperature=0, max_tokens=4)
+    *_, last = await recorded(bus, 3)
+    assert last.messages[1]["tool_calls"][0]["function"]["name"] == "get_weather"
+
+
+async def test_a_forced_call_follows_the_familys_format_and_schema(family):
+    name, client = family
+    bounded = {"type": "function", "function": {"name": "alarm", "parameters": {
+        "type": "object", "additionalProperties": False, "required": ["on"], "properties": {"on": {"type": "boolean"}}}}}
+    for seed in range(3):
+        reply = await client.chat.completions.create(
+            model="fam", messages=[{"role": "user", "content": "Wake me."}], tools=[WEATHER, bounded], max_tokens=30, seed=seed,
+            tool_choice={"type": "function", "function": {"name": "alarm"}})
+        [call] = reply.choices[0].message.tool_calls
+        assert call.function.name == "alarm"
+        jsonschema.validate(json.loads(call.function.arguments), bounded["function"]["parameters"])
