@@ -3,11 +3,15 @@
     python -m envs.swe build --out DIR [--n 300] [--seed 0] [--projects tinydb,parse] [--jobs 2] [--bundle]
     python -m envs.swe validate DIR/tasks.jsonl [--jobs 2] [--instances ID,ID]
     python -m envs.swe exec [--timeout S] DIR/tasks.jsonl INSTANCE_ID -- COMMAND...
+    python -m envs.swe demos DIR/tasks.jsonl --out DEMOS.jsonl [--held-out 0.1] [--seed 0]
 
 `build` writes DIR/tasks.jsonl, DIR/repos/ and DIR/build.json (envs/swe/build.py). `validate`
 prints one line per task and a summary, and exits 1 if any task is invalid. `exec` runs COMMAND
 (its words joined by spaces, run by bash) in a fresh sandbox at the task's base commit with the
 task's test environment, prints its output, and exits with its status (124 on timeout).
+`demos` writes gold demonstrations (envs/swe/demos.py) of the easy tasks outside a seeded
+held-out share, one JSON object per line (`instance_id`, `messages`), for `python -m train.sft`;
+the held-out instance ids go to DEMOS.heldout.txt.
 `--slot-base` moves the sandbox slots (uids 10000 + slot) away from others' on this machine.
 """
 
@@ -61,6 +65,27 @@ def _exec(args: argparse.Namespace) -> int:
     return result["returncode"]
 
 
+def _demos(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from envs.swe.demos import demonstration, split
+    from envs.swe.env import SweEnv
+
+    env = SweEnv(args.tasks, difficulty=["easy"], slot_base=args.slot_base)
+    train, held_out = split(list(env.tasks.values()), args.held_out, args.seed)
+    out = Path(args.out)
+    written = 0
+    with out.open("w") as f:
+        for task in train:
+            messages = demonstration(env, task)
+            if messages is not None:
+                f.write(json.dumps({"instance_id": task.instance_id, "messages": messages}) + "\n")
+                written += 1
+    out.with_suffix(".heldout.txt").write_text("".join(t.instance_id + "\n" for t in held_out))
+    print(json.dumps({"demonstrations": written, "train_tasks": len(train), "held_out": len(held_out)}))
+    return 0 if written else 1
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m envs.swe", description=__doc__.split("\n\n")[0])
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -77,16 +102,21 @@ def main(argv: list[str] | None = None) -> int:
     e.add_argument("--timeout", type=float, help="seconds (default: the task's timeout_s)")
     e.add_argument("tasks")
     e.add_argument("instance_id")
+    d = sub.add_parser("demos", help="gold demonstrations of the easy tasks, for a supervised warm start")
+    d.add_argument("tasks")
+    d.add_argument("--out", required=True)
+    d.add_argument("--held-out", type=float, default=0.1, help="share of the easy tasks set aside (default 0.1)")
+    d.add_argument("--seed", type=int, default=0)
     for s in (b, v):
         s.add_argument("--jobs", type=int, default=2, help="suites run at once (default 2)")
-    for s in (b, v, e):
+    for s in (b, v, e, d):
         s.add_argument("--slot-base", type=int, default=0, help="first sandbox slot (default 0)")
     argv = list(sys.argv[1:] if argv is None else argv)
     command = argv[argv.index("--") + 1:] if "--" in argv else []
     args = p.parse_args(argv[:argv.index("--")] if "--" in argv else argv)
     args.command = command
     try:
-        return {"build": _build, "validate": _validate, "exec": _exec}[args.cmd](args)
+        return {"build": _build, "validate": _validate, "exec": _exec, "demos": _demos}[args.cmd](args)
     except (KeyError, OSError, ValueError, GitError) as e:  # a missing task, file, repository or commit
         print(f"error: {e.args[0] if isinstance(e, KeyError) else e}", file=sys.stderr)
         return 2

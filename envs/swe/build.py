@@ -36,7 +36,7 @@ from envs.sandbox.base import SandboxBackend
 from envs.swe import gitstore, sdist
 from envs.swe.mutate import Site, find_sites, mutate, sample_sites
 from envs.swe.projects import PROJECTS, Project
-from envs.swe.statement import difficulty, problem_statement
+from envs.swe.statement import difficulty, enclosing_function, problem_statement
 from envs.swe.tasks import SweTask, save_tasks
 from envs.swe.testenv import TestRun, new_workdir, opened, run_tests
 
@@ -115,7 +115,8 @@ class ProjectBuild:
         return SweTask(
             instance_id=iid, repo=self.project.name, base_commit=base, patch=gitstore.diff(self.store, tree, self.tree),
             FAIL_TO_PASS=f2p, PASS_TO_PASS=p2p,
-            problem_statement=problem_statement(failures, self.project.test_cmd, tier, site.file),
+            problem_statement=problem_statement(failures, self.project.test_cmd, tier, site.file, enclosing_function(
+                (self.pristine / site.file).read_text(), site.line)),
             version=self.project.version, difficulty=tier, test_cmd=self.project.test_cmd,
             pythonpath=self.project.pythonpath, timeout_s=self.timeout_s,
             extra={"mutation": site.kind, "file": site.file, "line": site.line, "seed": self.seed,
