@@ -4,15 +4,17 @@ What it measures
     B requests at once (the same prompt, temperature 1, distinct seeds), each generating exactly
     T tokens, in one `serve.engine.Engine`:
 
-    - free: no constraint, `ignore_eos` (every request runs to T tokens);
     - json: `json_schema` = an object with one free string field, the way a forced tool call's
-      arguments or a `response_format` answer are decoded: the grammar keeps the (untrained)
-      model inside the string, so every request also runs to T tokens, and every token pays for
-      the llguidance mask (computed on the engine thread, then applied to the logits).
+      arguments or a `response_format` answer are decoded, up to T tokens; every token pays for
+      the llguidance mask (computed on the engine thread, then applied to the logits). A model
+      may finish the object early.
+    - free: the same requests without a constraint, each made to generate exactly as many
+      tokens as its constrained twin did (`ignore_eos`, `max_new_tokens` = that length), so both
+      runs do the same model work.
 
-    Reported per batch size: wall ms per decode step and per token of each, and the extra
-    cost of the constraint per token, absolute (µs) and relative to the free run measured in
-    the same process right before it (median of `--repeats` alternating runs). The first
+    Reported per batch size: wall ms per generated token of each, and the extra cost of the
+    constraint per token, absolute (µs) and relative (median of `--repeats` runs, each a json
+    run then its free twin, in the same process). The first
     constrained request, which builds llguidance's view of the vocabulary, is warmed up and not
     timed; that one-off cost is reported separately.
 
@@ -35,17 +37,18 @@ SCHEMA = json.dumps({"type": "object", "properties": {"text": {"type": "string"}
                      "x-guidance": {"whitespace_flexible": False}})
 
 
-async def run(engine, prompt: list[int], batch: int, tokens: int, constrained: bool, seed: int) -> tuple[float, int]:
+async def run(engine, prompt: list[int], lengths: list[int], constrained: bool, seed: int) -> tuple[float, list[int]]:
+    """One request per entry of `lengths` (its token budget), all at once; (seconds, tokens each)."""
     from serve.engine.sampling import SamplingParams
 
-    def params(i: int) -> SamplingParams:
-        raw = {"max_new_tokens": tokens, "temperature": 1.0, "sampling_seed": seed * 1000 + i}
+    def params(i: int, length: int) -> SamplingParams:
+        raw = {"max_new_tokens": length, "temperature": 1.0, "sampling_seed": seed * 1000 + i}
         raw.update({"json_schema": SCHEMA} if constrained else {"ignore_eos": True})
         return SamplingParams.from_dict(raw)
 
     start = time.perf_counter()
-    results = await asyncio.gather(*(engine.generate(prompt, params(i)) for i in range(batch)))
-    return time.perf_counter() - start, sum(len(r.output_ids) for r in results)
+    results = await asyncio.gather(*(engine.generate(prompt, params(i, n)) for i, n in enumerate(lengths)))
+    return time.perf_counter() - start, [len(r.output_ids) for r in results]
 
 
 async def main() -> None:
@@ -70,29 +73,30 @@ async def main() -> None:
                                          tokenize=False)
     prompt = tokenizer.encode(text, add_special_tokens=False)
     first = time.perf_counter()
-    await run(engine, prompt, 1, 2, True, 0)  # builds the vocabulary view
+    await run(engine, prompt, [2], True, 0)  # builds the vocabulary view
     setup_s = time.perf_counter() - first
     wait_quiet(max_wait_s=60)
     rows, results = [], []
     for batch in batches:
         timings: dict[str, list[float]] = {"free": [], "json": []}
-        counts: dict[str, int] = {}
+        produced = 0
         for repeat in range(args.repeats):
-            for mode in ("free", "json"):
-                seconds, produced = await run(engine, prompt, batch, args.tokens, mode == "json", repeat)
-                timings[mode].append(seconds)
-                counts[mode] = produced
-        free, constrained = median(timings["free"]), median(timings["json"])
-        per_token = {mode: median(timings[mode]) / counts[mode] for mode in timings}
+            seconds, lengths = await run(engine, prompt, [args.tokens] * batch, True, repeat)
+            timings["json"].append(seconds / sum(lengths))
+            seconds, twins = await run(engine, prompt, lengths, False, repeat)
+            assert twins == lengths
+            timings["free"].append(seconds / sum(lengths))
+            produced += sum(lengths)
+        per_token = {mode: median(values) for mode, values in timings.items()}
         extra_us = (per_token["json"] - per_token["free"]) * 1e6
-        result = {"batch": batch, "tokens_per_request": args.tokens, "free_s": free, "json_s": constrained,
-                  "tokens": counts, "ms_per_step": {m: median(timings[m]) / args.tokens * 1e3 for m in timings},
-                  "extra_us_per_token": extra_us, "ratio": constrained / free}
+        result = {"batch": batch, "max_tokens": args.tokens, "tokens_per_repeat": produced / args.repeats,
+                  "ms_per_token": {m: v * 1e3 for m, v in per_token.items()}, "extra_us_per_token": extra_us,
+                  "ratio": per_token["json"] / per_token["free"]}
         results.append(result)
-        rows.append([batch, f"{result['ms_per_step']['free']:.2f}", f"{result['ms_per_step']['json']:.2f}",
-                     f"{extra_us:.0f}", f"{result['ratio']:.2f}x", f"{counts['json']}/{batch * args.tokens}"])
+        rows.append([batch, f"{per_token['free'] * 1e3:.3f}", f"{per_token['json'] * 1e3:.3f}", f"{extra_us:.0f}",
+                     f"{result['ratio']:.2f}x", f"{produced / args.repeats:.0f}"])
     engine.stop()
-    print(table(["B", "free ms/step", "json ms/step", "extra µs/token", "json / free", "json tokens"], rows))
+    print(table(["B", "free ms/token", "json ms/token", "extra µs/token", "json / free", "tokens per run"], rows))
     print(f"first constrained request (builds llguidance's vocabulary view): {setup_s * 1e3:.0f} ms")
     path = write_result(f"constrained_decoding_{args.model}", {
         "commit": git_commit(), "machine": machine(args.threads), "model": args.model, "schema": SCHEMA,

@@ -93,12 +93,15 @@ async def with_model(parallel: int, episodes: int, args: argparse.Namespace, env
     from envs import make_env
 
     overrides = ["rollout.env=swe", f"rollout.n_parallel_envs={parallel}", f"rollout.episode.max_turns={args.max_turns}",
-                 f"gconfig.max_new_tokens={args.max_new_tokens}", f"rollout.max_concurrent_rollouts={max(parallel, 1)}"]
+                 f"gconfig.max_new_tokens={args.max_new_tokens}", f"rollout.max_concurrent_rollouts={max(parallel, 1)}",
+                 f"gconfig.temperature={args.temperature}"]
     async with Served(args.model, overrides) as served:
         config = served.config.model_copy(update={"rollout": served.config.rollout.model_copy(update={"env_args": env_args})})
         pool = RayEnvPool(config, served.url, served.loop.model_name)
         env = make_env("swe", env_args)
         rng = random.Random(0)
+        listed = [env.task(record, f"-{i}") for i, record in enumerate(env.tasks.values())] if args.instances else None
+        episodes = len(listed) if listed else episodes
         started = time.monotonic()
 
         running = asyncio.Semaphore(parallel)  # an episode's time, not its wait for a slot
@@ -106,8 +109,8 @@ async def with_model(parallel: int, episodes: int, args: argparse.Namespace, env
         async def one(i: int) -> dict[str, Any]:
             async with running:
                 t0 = time.monotonic()
-                result = await pool.run(env.reset(rng), f"bench-{parallel}-{i}")
-                return {"reward": result.reward, "turns": result.turns, "end": result.end, "total_s": time.monotonic() - t0,
+                result = await pool.run(listed[i] if listed else env.reset(rng), f"bench-{parallel}-{i}")
+                return {"instance": result.details.get("instance_id"), "reward": result.reward, "turns": result.turns, "end": result.end, "total_s": time.monotonic() - t0,
                         "commands": result.details.get("commands"), "submitted": result.details.get("submitted")}
 
         results = await asyncio.gather(*(one(i) for i in range(episodes)))
@@ -124,7 +127,7 @@ def summarize(results: list[dict[str, Any]], wall: float) -> dict[str, Any]:
                "episode_s_p50": median(totals), "episode_s_p95": percentile(totals, 95),
                "rewards": [r["reward"] for r in results], "loadavg_1m": os.getloadavg()[0]}
     if results and "commands" in results[0]:  # model runs: what the policy did
-        summary["episodes_detail"] = [{k: r[k] for k in ("turns", "end", "commands", "submitted")} for r in results]
+        summary["episodes_detail"] = [{k: r[k] for k in ("instance", "turns", "end", "commands", "submitted")} for r in results]
     for key in ("open_s", "act_s", "grade_s"):
         if results and key in results[0]:
             summary[f"{key}_p50"] = median([r[key] for r in results])
@@ -143,11 +146,16 @@ def main() -> None:
     parser.add_argument("--model", default="tiny", help="the policy for the model runs (tiny, smollm2-135m)")
     parser.add_argument("--max-new-tokens", type=int, default=32)
     parser.add_argument("--modes", default="scripted,model")
+    parser.add_argument("--temperature", type=float, default=1.0, help="the policy's sampling temperature")
+    parser.add_argument("--instances", help="a file of instance ids: the model runs work each once, in order")
+    parser.add_argument("--name", help="result file name (default: swe_throughput[_MODEL])")
     args = parser.parse_args()
     quiet_logs()
     env_args: dict[str, Any] = {"difficulty": [args.difficulty], "slot_base": 200}  # clear of the tests' slots
     if args.tasks:
         env_args["tasks"] = os.path.abspath(args.tasks)
+    if args.instances:
+        env_args["instances"] = Path(args.instances).read_text().split()
     ray.init(num_cpus=os.cpu_count(), include_dashboard=False, log_to_driver=False)
     levels = [int(p) for p in args.parallel.split(",")]
     runs: dict[str, dict[int, dict[str, Any]]] = {"scripted": {}, "model": {}}
@@ -162,7 +170,7 @@ def main() -> None:
              f"{r.get('grade_s_p50', float('nan')):.2f}", f"{r['loadavg_1m']:.1f}"]
             for mode, by_n in runs.items() for n, r in by_n.items()]
     print(table(["agent", "parallel", "episodes/min", "episode p50 s", "p95 s", "grade p50 s", "load 1m"], rows))
-    name = "swe_throughput" if args.model == "tiny" else f"swe_throughput_{args.model}"
+    name = args.name or ("swe_throughput" if args.model == "tiny" else f"swe_throughput_{args.model}")
     write_result(name, {"machine": machine(None), "args": vars(args), "runs": runs})
 
 
