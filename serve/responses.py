@@ -32,9 +32,9 @@ parts that are not text, tool types no well-known client sends, an unknown `text
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import Field, field_validator, model_validator
+from pydantic import AfterValidator, Field, model_validator
 
 from serve.schema import Body, ChatCompletionRequest, Lenient, Strict, by_type, invalid
 
@@ -57,15 +57,14 @@ def _text(content: str | list[Part], at: str = "content") -> str:
     return "".join(part.text for part in content if part.type in TEXT_PARTS)
 
 
+TextContent = Annotated[str | list[Part], AfterValidator(_text)]
+"""A string, or text parts joined into one (other parts are refused, naming them)."""
+
+
 class MessageItem(Lenient):
     type: Literal["message"] = "message"
     role: Literal["user", "assistant", "system", "developer"]
-    content: str | list[Part]
-
-    @field_validator("content")
-    @classmethod
-    def _text_only(cls, value: str | list[Part]) -> str:
-        return _text(value)
+    content: TextContent
 
 
 class FunctionCallItem(Lenient):
@@ -78,12 +77,7 @@ class FunctionCallItem(Lenient):
 class FunctionCallOutputItem(Lenient):
     type: Literal["function_call_output"]
     call_id: str = Field(min_length=1)
-    output: str | list[Part]
-
-    @field_validator("output")
-    @classmethod
-    def _text_only(cls, value: str | list[Part]) -> str:
-        return _text(value)
+    output: TextContent
 
 
 class ReasoningItem(Lenient):
