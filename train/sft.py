@@ -1,6 +1,6 @@
 """Supervised fine-tuning on chat transcripts: a warm start before RL, e.g. on gold SWE
 demonstrations (`python -m envs.swe demos`), so that a small model keeps to an agent's format
-and sometimes solves a task, and RL gets rewards above zero to learn from.
+and sometimes solves a task, giving RL rewards above zero to learn from.
 
     python -m train.sft --data DEMOS.jsonl --model smollm2-135m --out DIR [--epochs 1] [--lr 5e-5] [--batch 8]
 
