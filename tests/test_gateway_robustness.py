@@ -19,6 +19,7 @@ from config import load_config
 from serve.loop import ServeLoop
 
 CHAT, COMPLETIONS, FEEDBACK = "/v1/chat/completions", "/v1/completions", "/v1/sessions/s1/feedback"
+RESPONSES, MESSAGES = "/v1/responses", "/v1/messages"
 SURROGATE = "\ud800"
 huge_ints = st.sampled_from([2**63 - 1, 2**63, 2**64, 2**70, -(2**63) - 1, -(2**70)])
 texts = st.text(max_size=20)
@@ -63,6 +64,33 @@ BODIES = {
         st.fixed_dictionaries({"model": st.just("tiny"), "prompt": strings | st.lists(st.integers() | huge_ints, max_size=3)},
                               optional={"max_tokens": st.integers(-5, 8), "seed": st.integers() | huge_ints,
                                         "stop": st.lists(strings, max_size=2), "stream": st.booleans()}),
+    ),
+    RESPONSES: st.one_of(
+        random_bodies,
+        st.fixed_dictionaries({"model": st.just("tiny"), "input": strings | st.lists(st.one_of(
+            st.fixed_dictionaries({"role": st.sampled_from(["user", "assistant", "developer", "system", "bad"]),
+                                   "content": strings | json_values}),
+            st.fixed_dictionaries({"type": st.sampled_from(["message", "function_call", "function_call_output", "reasoning", "x"])},
+                                  optional={"call_id": strings, "name": strings, "arguments": strings, "role": strings,
+                                            "output": strings | json_values, "content": json_values})), max_size=3)},
+            optional={"max_output_tokens": st.integers(-5, 5000), "temperature": st.floats(-1, 3), "stream": st.booleans(),
+                      "instructions": strings, "tools": st.lists(json_values | st.fixed_dictionaries(
+                          {"type": st.sampled_from(["function", "custom", "namespace", "file_search"]), "name": strings},
+                          optional={"parameters": json_values}), max_size=2),
+                      "tool_choice": json_values, "previous_response_id": strings, "store": st.booleans(),
+                      "text": json_values, "metadata": json_values}),
+    ),
+    MESSAGES: st.one_of(
+        random_bodies,
+        st.fixed_dictionaries({"model": st.just("tiny"), "max_tokens": st.integers(-5, 64000), "messages": st.lists(
+            st.fixed_dictionaries({"role": st.sampled_from(["user", "assistant", "system", "bad"]), "content": strings | st.lists(
+                st.fixed_dictionaries({"type": st.sampled_from(["text", "tool_use", "tool_result", "image", "thinking", "x"])},
+                                      optional={"text": strings, "id": strings, "name": strings, "input": json_values,
+                                                "tool_use_id": strings, "content": strings | json_values}), max_size=3)}),
+            max_size=3)},
+            optional={"system": strings | json_values, "stream": st.booleans(), "stop_sequences": json_values,
+                      "tools": st.lists(json_values, max_size=2), "tool_choice": json_values, "metadata": json_values,
+                      "thinking": json_values, "temperature": st.floats(-1, 3)}),
     ),
     FEEDBACK: st.one_of(
         st.dictionaries(st.sampled_from(["reward", "turn_index", "text", "source", "extra"]), json_values, max_size=4),
@@ -111,14 +139,14 @@ def assert_api_error(response: httpx.Response, path: str) -> dict:
     return body["error"]
 
 
-@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture,
+@settings(max_examples=250, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture,
                                                                   HealthCheck.too_slow, HealthCheck.data_too_large])
 @given(path=st.sampled_from(list(BODIES)), data=st.data())
 def test_fuzzed_bodies_never_get_a_5xx(gateway, path, data):
     response = post(gateway, path, data.draw(BODIES[path], label="body"))
     assert response.status_code < 500, response.text
     if response.status_code >= 400:
-        assert_openai_error(response)
+        assert_api_error(response, path)
 
 
 def test_a_missing_body_or_one_sent_without_a_json_content_type_is_a_clear_400(gateway):
