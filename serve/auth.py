@@ -72,7 +72,7 @@ class AuthMiddleware:
         if required is not None:
             keys, what = required
             headers = Headers(scope=scope)
-            token = bearer_token(headers) if keys is self.admin_keys else client_key(headers)
+            token = client_key(headers) if what == "API key" else bearer_token(headers)  # admin: bearer only
             if not key_matches(token, keys):
                 reason = f"invalid {what}" if token else f"missing {what}: send 'Authorization: Bearer <key>'"
                 error = APIError(401, reason, code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})

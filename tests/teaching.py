@@ -1,12 +1,16 @@
 """Teaching the `tiny` model one answer by a few supervised steps, for tests that need a model
-that reliably produces something specific (a tool call, parallel calls)."""
+that reliably produces something specific (a tool call, parallel calls), and serving it."""
 
+import contextlib
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from config import load_config
 from models import load_model, save_model
+from serve.loop import ServeLoop
 
 
 def teach_tiny(messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None, answer: str, out_dir: Path,
@@ -30,3 +34,15 @@ def teach_tiny(messages: list[dict[str, Any]], tools: list[dict[str, Any]] | Non
         optimizer.step()
     assert loss.item() < 0.05
     return str(save_model(model.eval(), tokenizer, out_dir / "model"))
+
+
+@contextlib.asynccontextmanager
+async def serving(model: str, name: str, nats_url: str, run_dir: Path, *overrides: str) -> AsyncIterator[ServeLoop]:
+    """A running serve loop for `model` (a path from `teach_tiny`), served as `name`."""
+    loop = ServeLoop(load_config(None, [f"run_dir={run_dir}", "serve.port=0", f"model={model}",
+                                        f"serve.served_model_name={name}", *overrides]), nats_url)
+    await loop.start()
+    try:
+        yield loop
+    finally:
+        await loop.stop()

@@ -11,10 +11,8 @@ import jsonschema
 import openai
 import pytest
 
-from config import load_config
-from serve.loop import ServeLoop
 from serve.tool_formats import FORMATS, HERMES, detect
-from tests.teaching import teach_tiny
+from tests.teaching import serving, teach_tiny
 from tests.test_tools import ASK, WEATHER, recorded
 
 TEMPLATES = Path(__file__).parent / "data" / "templates"
@@ -57,11 +55,8 @@ def family_model(request, tmp_path_factory):
 @pytest.fixture
 async def family(family_model, nats_url, tmp_path):
     name, path = family_model
-    loop = ServeLoop(load_config(None, [f"run_dir={tmp_path}", "serve.port=0", f"model={path}",
-                                        "serve.served_model_name=fam"]), nats_url)
-    await loop.start()
-    yield name, openai.AsyncOpenAI(base_url=f"{loop.url}/v1", api_key="x", max_retries=0)
-    await loop.stop()
+    async with serving(path, "fam", nats_url, tmp_path) as loop:
+        yield name, openai.AsyncOpenAI(base_url=f"{loop.url}/v1", api_key="x", max_retries=0)
 
 
 async def test_a_familys_call_comes_back_as_tool_calls_and_its_history_renders(family, bus):

@@ -8,12 +8,10 @@ import pytest
 from transformers import AutoTokenizer
 
 from bus import TRAFFIC_SUBJECTS, Turn
-from config import load_config
 from models import resolve_model
-from serve.loop import ServeLoop
 from serve.tool_formats import HERMES
 from serve.tools import adapt_messages, template_support
-from tests.teaching import teach_tiny
+from tests.teaching import serving, teach_tiny
 
 WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "Weather in a city",
                                               "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}
@@ -29,11 +27,8 @@ def tool_model(tmp_path_factory):
 
 @pytest.fixture
 async def served_tools(tool_model, nats_url, tmp_path):
-    loop = ServeLoop(load_config(None, [f"run_dir={tmp_path}", "serve.port=0", f"model={tool_model}",
-                                        "serve.served_model_name=tool-tiny"]), nats_url)
-    await loop.start()
-    yield loop, openai.AsyncOpenAI(base_url=f"{loop.url}/v1", api_key="x", max_retries=0)
-    await loop.stop()
+    async with serving(tool_model, "tool-tiny", nats_url, tmp_path) as loop:
+        yield loop, openai.AsyncOpenAI(base_url=f"{loop.url}/v1", api_key="x", max_retries=0)
 
 
 async def recorded(bus, n=1) -> list[Turn]:

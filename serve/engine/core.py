@@ -33,7 +33,7 @@ from typing import Any, Literal
 import torch
 
 from serve.engine.batch import KVBatch
-from serve.engine.grammar import Grammars, mask_logits
+from serve.engine.grammar import Grammars, apply_grammars
 from serve.engine.request import GenerationResult, Request, RequestFailed, StreamError, TokenDelta, resolve
 from serve.engine.sampling import SamplingParams, sample
 
@@ -343,14 +343,7 @@ class Engine:
                     logits[i, banned] = float("-inf")
             except Exception as exc:
                 request.mark_failed(f"could not ban its stop tokens: {exc}")
-        matchers = [r.matcher for r in rows]
-        if any(m is not None for m in matchers):
-            try:
-                mask_logits(logits, matchers)
-            except Exception as exc:
-                for request in rows:
-                    if request.matcher is not None:
-                        request.mark_failed(f"could not apply its grammar: {exc}")
+        apply_grammars(rows, logits)
         top_n = max(r.params.top_logprobs_num for r in rows)
         tokens, logprobs, top, failed = sample(logits, [r.params for r in rows], [r.generator for r in rows], top_n)
         for i in failed:

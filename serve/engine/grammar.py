@@ -107,6 +107,20 @@ def _validate(grammar: str, tokenizer: Any) -> tuple[bool, str]:
     return not is_error, "; ".join(messages)
 
 
+def apply_grammars(rows: list[Any], logits: torch.Tensor) -> None:
+    """Mask each constrained request's row of `logits` (rows in the order of `rows`); if the
+    masks cannot be computed, the constrained requests fail and the others go on."""
+    matchers = [request.matcher for request in rows]
+    if all(m is None for m in matchers):
+        return
+    try:
+        mask_logits(logits, matchers)
+    except Exception as exc:
+        for request in rows:
+            if request.matcher is not None:
+                request.mark_failed(f"could not apply its grammar: {exc}")
+
+
 def mask_logits(logits: torch.Tensor, matchers: list[Any]) -> None:
     """Mask, in place, the tokens each row's matcher does not allow next (rows without one are
     left alone). The bitmask is unpacked with plain tensor ops (llguidance's own kernel is a
