@@ -37,7 +37,9 @@ MODEL_PARAMS = {
     "num_attention_heads": 4,
     "num_key_value_heads": 2,
     "intermediate_size": 384,
-    "max_position_embeddings": 2048,
+    # Room for what agent CLIs send on their first turn (Claude Code 2.1: 39 K tokens in this
+    # tokenizer); RoPE has no learned positions, so the weights do not depend on it.
+    "max_position_embeddings": 65536,
     "tie_word_embeddings": True,
 }
 

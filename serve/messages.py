@@ -130,7 +130,7 @@ class MessagesRequest(Body):
     @field_validator("tools", mode="before")
     @classmethod
     def _custom_tools_only(cls, value: Any) -> Any:
-        for i, tool in enumerate(value or []):
+        for i, tool in enumerate(value if isinstance(value, list) else []):
             kind = tool.get("type", "custom") if isinstance(tool, dict) else "custom"
             if kind != "custom":
                 raise invalid(f"{i}.type", f"server tools ({kind!r}) are not supported: give client tools with an input_schema")

@@ -18,7 +18,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from pydantic import Field, model_validator
+import msgspec
+from pydantic import Field, field_validator, model_validator
 
 from serve.errors import APIError
 from serve.schema import INT64_MAX, Body
@@ -74,6 +75,15 @@ class FeedbackRequest(Body):
     details: dict[str, Any] | None = None
     """Structured facts behind the verdict (e.g. an environment's per-test outcomes), kept on
     the trajectory for judges and analysis."""
+
+    @field_validator("details")
+    @classmethod
+    def _recordable(cls, details: dict[str, Any] | None) -> dict[str, Any] | None:
+        try:  # the bus carries MessagePack, whose integers are 64-bit
+            msgspec.msgpack.encode(details)
+        except OverflowError:
+            raise ValueError("details holds an integer outside the 64-bit range; send it as a string") from None
+        return details
 
     @model_validator(mode="after")
     def _says_something(self) -> "FeedbackRequest":

@@ -171,7 +171,7 @@ async def test_native_generate_speaks_sglang(engine, model_and_tokenizer):
     ({"input_ids": [1], "sampling_params": {"temperature": -1}}, "temperature"),
     ({"input_ids": [1], "sampling_params": {"max_new_tokens": "x"}}, "sampling_params"),
     ({"input_ids": [1], "stream": True}, "stream"),
-    ({"input_ids": [1] * 5000}, "context window"),
+    ({"input_ids": [1] * 70_000}, "context window"),
 ])
 async def test_native_generate_rejects_bad_requests(engine, body, message):
     with pytest.raises(ProtocolError, match=message):

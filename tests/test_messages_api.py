@@ -154,3 +154,7 @@ async def test_errors_and_auth_take_anthropics_shape(served_tools):
             r = await http.post("/v1/messages", json={"model": "tool-tiny", "max_tokens": 4, "messages": ASK, **change},
                                 headers={"x-api-key": "secret"})
             assert r.status_code == 400 and r.json()["error"]["message"].startswith(next(iter(change)))
+        # found by the fuzzer: tools that are not a list were a 500
+        r = await http.post("/v1/messages/count_tokens", json={"model": "tool-tiny", "messages": ASK, "tools": 1.0},
+                            headers={"x-api-key": "secret"})
+        assert r.status_code == 400 and r.json()["error"]["message"].startswith("tools"), r.text

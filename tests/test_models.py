@@ -155,7 +155,7 @@ def test_tiny_config_and_special_tokens(tiny_dir: Path) -> None:
     assert config.model_type == "qwen2"
     assert (config.hidden_size, config.num_hidden_layers, config.intermediate_size) == (128, 4, 384)
     assert (config.num_attention_heads, config.num_key_value_heads) == (4, 2)
-    assert config.tie_word_embeddings and config.max_position_embeddings == 2048
+    assert config.tie_word_embeddings and config.max_position_embeddings == 65536
     assert config.vocab_size == len(tok) == 2048
     im_end = tok.convert_tokens_to_ids("<|im_end|>")
     assert tok.eos_token == "<|im_end|>" and tok.eos_token_id == im_end == config.eos_token_id

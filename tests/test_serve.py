@@ -82,6 +82,9 @@ async def test_feedback_and_end_become_session_events(served, bus):
         assert bad.status_code == 400 and "reward or a text" in bad.json()["error"]["message"]
         bad = await http.post("/v1/sessions/s1/feedback", json={"reward": "lots"})
         assert bad.status_code == 400 and bad.json()["error"]["param"] == "reward"
+        # found by the fuzzer: a number the bus cannot carry was a 503 "send it again", forever
+        bad = await http.post("/v1/sessions/s1/feedback", json={"reward": 1, "details": {"n": [-(2**63) - 1]}})
+        assert bad.status_code == 400 and bad.json()["error"]["param"] == "details", bad.text
     feedback, end = await records(bus, 2)
     assert isinstance(feedback, SessionEvent) and feedback.reward == 0.5 and feedback.turn_index == 2
     assert feedback.text == "good" and feedback.source == "env"
@@ -109,7 +112,7 @@ async def test_models_and_health(served, client):
     ({"model": "tiny", "messages": [{"role": "user", "content": "x"}], "logit_bias": {"1": 2}}, 400, "unsupported parameter: logit_bias"),
     ({"model": "tiny", "messages": [{"role": "user", "content": "x"}], "max_tokens": 10**9}, 400, "limit"),
     ({"model": "tiny", "messages": [{"role": "user", "content": "x"}], "temperature": "hot"}, 400, "temperature"),
-    ({"model": "tiny", "messages": [{"role": "user", "content": "word " * 3000}]}, 400, "context window"),
+    ({"model": "tiny", "messages": [{"role": "user", "content": "word " * 70_000}]}, 400, "context window"),
     ({"messages": [{"role": "user", "content": "x"}]}, 400, "model"),
 ])
 async def test_bad_requests_get_openai_errors(served, body, status, fragment):
