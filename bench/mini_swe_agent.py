@@ -5,14 +5,14 @@ the Flywheel endpoint in a Flywheel sandbox, and its session becomes one traject
   `--model`, default `tiny`) and the collect loop, in this process.
 - The client: mini-swe-agent 2.4.6's own `mini` CLI from its own virtualenv (`make msa-venv`:
   `.venv-msa`; through litellm it pins `openai<3` and `huggingface-hub<2`, so it cannot share
-  Flywheel's venv), unchanged: `mini.yaml` with its `LitellmModel` as `openai/<model>`,
+  Flywheel's venv), unchanged: `mini.yaml` with its `LitellmModel` as `openai/<model>` (or,
+  `--config text`, `mini_textbased.yaml` with its `LitellmTextbasedModel`),
   `api_base` at the gateway and `extra_headers` carrying `X-Session-Id` / `X-Task-Id`, and
   `--environment-class envs.swe.mini_swe_agent.MiniSweAgentEnvironment`, which opens a
   bubblewrap sandbox over the task's repository (the first task of the checked-in tiny SWE
-  task set). Only mini.yaml's two agent prompts are replaced by short ones (`--prompts
-  compact`): the stock ones nearly fill tiny's 2,048-token window on their own. The model's
-  replies are not scripted; tiny's are random text without a tool call, so each step is a
-  format error that mini-swe-agent sends back, until `--steps` model calls.
+  task set), with the configuration's own prompts. The model's replies are not scripted;
+  tiny's are random text without an action, so each step is a format error that
+  mini-swe-agent sends back, until `--steps` model calls.
 - The episode's reward is the task's grade of the repository the agent left (`envs.swe.grade`);
   posting it closes the session. The TRAFFIC stream must then hold exactly `api_calls` turns,
   all of that session (every request carried the header), and the TRAJECTORY stream exactly
@@ -23,9 +23,10 @@ the Flywheel endpoint in a Flywheel sandbox, and its session becomes one traject
   mini-swe-agent's own `Submitted` with the diff as the submission.
 
     make msa-venv                                   # once
-    .venv/bin/python bench/mini_swe_agent.py [--steps 3] [--max-tokens 48] [--model tiny]
+    .venv/bin/python bench/mini_swe_agent.py [--config tool|text] [--steps 3] [--max-tokens 48] [--model tiny]
 
-Result: bench/results/mini_swe_agent.json (other models: mini_swe_agent_<model>.json).
+Result: bench/results/mini_swe_agent.json (other models: mini_swe_agent_<model>.json; the text
+configuration: ..._text.json).
 """
 
 from __future__ import annotations
@@ -115,25 +116,20 @@ def episode_reward(task: Any, workdir: Path) -> tuple[float, dict[str, Any]]:
 
 # ---- the real client through the endpoint ---------------------------------------------------
 
-# `mini.yaml`'s own prompts are ~1,700 `tiny` tokens before the task: with a task statement the
-# first request nearly fills tiny's 2,048-token window and the second is refused (400
-# context_length_exceeded). `--prompts compact` (the default) keeps everything else of mini.yaml
-# and replaces only these two templates by short ones with the same rules.
-COMPACT_SYSTEM = "You are a helpful assistant that can interact with a computer. Call the bash tool once per response."
-COMPACT_INSTANCE = """Please solve this issue: {{task}}
+# mini-swe-agent's two stock configurations: actions as tool calls (`mini.yaml`, litellm's
+# function calling), or as a fenced ```mswea_bash_command block in the text (`mini_textbased.yaml`
+# with its `litellm_textbased` model class, for models without tool calling).
+CONFIGS = {"tool": ["-c", "mini.yaml"], "text": ["-c", "mini_textbased.yaml", "--model-class", "litellm_textbased"]}
 
-You are at the root of the repository ({{system}} {{machine}}). Each command runs in a new subshell.
-When the fix is done, run `echo COMPLETE_TASK_AND_SUBMIT_FINAL_OUTPUT` as a command of its own."""
 
 def mini_argv(url: str, model: str, session: str, task: dict[str, Any], steps: int, max_tokens: int, out: Path,
-              prompts: str = "compact") -> list[str]:
+              config: str = "tool") -> list[str]:
     """The stock `mini` command line: only configuration, no code of ours but the environment."""
     headers = {"X-Session-Id": session, "X-Task-Id": task["instance_id"]}
-    compact = ["-c", f"agent.system_template={COMPACT_SYSTEM}", "-c", f"agent.instance_template={COMPACT_INSTANCE}"]
     return [
         str(MSA_VENV / "bin" / "mini"), "-m", f"openai/{model}", "-t", task["problem_statement"],
         "-y", "--exit-immediately", "-o", str(out), "--environment-class", ADAPTER,
-        "-c", "mini.yaml", *(compact if prompts == "compact" else []),
+        *CONFIGS[config],
         "-c", f"agent.step_limit={steps}", "-c", "agent.cost_limit=0",
         "-c", "model.cost_tracking=ignore_errors",
         "-c", f"model.model_kwargs.api_base={url}/v1", "-c", "model.model_kwargs.api_key=flywheel",
@@ -237,7 +233,7 @@ async def endpoint_run(args: argparse.Namespace, work: Path) -> dict[str, Any]:
         await collect.start()
         try:
             mini_out = work / "mini.traj.json"
-            argv = mini_argv(url, serve.model_name, session, task, args.steps, args.max_tokens, mini_out, args.prompts)
+            argv = mini_argv(url, serve.model_name, session, task, args.steps, args.max_tokens, mini_out, args.config)
             rc, wall = await run_mini(argv, work, work / "mini.log", args.timeout)
             log_tail = (work / "mini.log").read_text(errors="replace")[-3000:]
             mini_traj = json.loads(mini_out.read_text()) if mini_out.exists() else {}
@@ -353,10 +349,10 @@ async def main_async(args: argparse.Namespace) -> int:
     versions = {p["name"]: p["version"] for p in json.loads(msa_version or "[]")
                 if p["name"].lower() in ("mini-swe-agent", "litellm", "openai")}
     result = {"ok": endpoint["ok"] and protocol["ok"], "model": args.model, "client_versions": versions,
-              "steps": args.steps, "prompts": args.prompts,
+              "steps": args.steps, "config": args.config,
               "max_tokens": args.max_tokens, "endpoint": endpoint, "protocol": protocol, "machine": machine(None)}
     name = ("mini_swe_agent" + ("" if args.model == "tiny" else f"_{Path(args.model).name}")
-            + ("" if args.prompts == "compact" else "_stock"))
+            + ("" if args.config == "tool" else f"_{args.config}"))
     path = write_result(name, result)
     print(f"client: {versions}")
     print(f"task: {endpoint['task']['instance_id']} ({endpoint['task']['source']})")
@@ -384,8 +380,8 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=3, help="mini-swe-agent's step limit (model calls)")
     parser.add_argument("--max-tokens", type=int, default=48, help="max_tokens of each model call")
     parser.add_argument("--timeout", type=float, default=300, help="limit for each client run, seconds")
-    parser.add_argument("--prompts", choices=("compact", "stock"), default="compact",
-                        help="mini.yaml's agent prompts as they are (too long for tiny's context) or compact ones")
+    parser.add_argument("--config", choices=sorted(CONFIGS), default="tool",
+                        help="mini-swe-agent's stock configuration: tool calls (mini.yaml) or text (mini_textbased.yaml)")
     parser.add_argument("--no-grade", dest="grade", action="store_false", help="reward 0 instead of grading the repository")
     parser.add_argument("--protocol-check", metavar="TASK_JSON", help=argparse.SUPPRESS)  # inside .venv-msa
     args = parser.parse_args()

@@ -37,7 +37,7 @@ class ServeConfig(Section):
     max_new_tokens: int = Field(1024, ge=1)
     """Upper bound on a request's `max_tokens`."""
     default_max_new_tokens: int = Field(256, ge=1)
-    """Used when a request does not say."""
+    """Used when a request does not say (`max_new_tokens` still bounds it)."""
     publish_queue_size: int = Field(10_000, ge=1)
     """Finished turns waiting to be published, off the response path."""
     torch_threads: int = Field(1, ge=1)

@@ -152,7 +152,7 @@ def create_gateway(pool: EnginePool, tokenizer: Any, recorder: Recorder, model_n
             body=body, engine=pool.route(session.session_id), tokenizer=tokenizer, recorder=recorder,
             model_name=model_name, session=session, prompt_ids=prompt_ids, prompt_text=prompt_text,
             wire=wire or OpenAIWire(isinstance(body, ChatCompletionRequest)),
-            max_new_tokens=min(requested or config.default_max_new_tokens, context_length - len(prompt_ids)),
+            max_new_tokens=min(requested or config.default_max_new_tokens, config.max_new_tokens, context_length - len(prompt_ids)),
             forced=forced, tool_format=tool_format, on_finish=finished, timeout_s=config.request_timeout_s,
         )
         if body.stream:

@@ -91,6 +91,12 @@ async def test_feedback_and_end_become_session_events(served, bus):
     assert end.kind == "end" and end.session_id == "s1"
 
 
+async def test_serve_max_new_tokens_bounds_requests_that_name_no_limit(served, client):
+    """The fixture's serve.max_new_tokens (64) is below default_max_new_tokens (256)."""
+    reply = await client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "Talk."}], seed=3)
+    assert reply.usage.completion_tokens <= 64 and reply.choices[0].finish_reason == "length"
+
+
 async def test_models_and_health(served, client):
     models = await client.models.list()
     assert [m.id for m in models.data] == ["tiny"]
