@@ -1,4 +1,10 @@
-"""Shared fixtures: a private NATS server per test, one Ray session, the tiny model."""
+"""Shared fixtures: a private NATS server per test, one Ray session, the tiny model.
+
+Property-based tests (the fuzzers) draw the same examples on every run (hypothesis's
+`derandomize`), so the suite passes or fails the same way each time. To search for new failures,
+run them with fresh random examples: `FLYWHEEL_HYPOTHESIS=explore pytest tests/test_fuzz_api.py
+tests/test_gateway_robustness.py`; each failure found that way becomes a fixed example in a test.
+"""
 
 from __future__ import annotations
 
@@ -6,6 +12,11 @@ import os
 from pathlib import Path
 
 import pytest
+from hypothesis import settings
+
+settings.register_profile("repeatable", derandomize=True, database=None)
+settings.register_profile("explore", derandomize=False)
+settings.load_profile(os.environ.get("FLYWHEEL_HYPOTHESIS", "repeatable"))
 
 ROOT = Path(__file__).resolve().parent.parent
 os.environ.setdefault("FLYWHEEL_CACHE", str(ROOT / ".cache" / "flywheel"))
