@@ -35,7 +35,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
-import shlex
 import subprocess
 import tempfile
 import time
@@ -67,7 +66,7 @@ def claude_command(executable: str, served_url: str, model: str, home: Path) -> 
 COMMANDS = {"codex": codex_command, "claude": claude_command}
 
 
-async def run_cli(name: str, executable: str, extra: list[str], served, consumers, timeout: float) -> dict[str, Any]:
+async def run_cli(name: str, executable: str, served, consumers, timeout: float) -> dict[str, Any]:
     """Run one CLI to its end; returns its exit, output, recorded turns and trajectories."""
     from bus import Trajectory, Turn
 
@@ -75,7 +74,6 @@ async def run_cli(name: str, executable: str, extra: list[str], served, consumer
     (work / "a.txt").write_text("a")
     (work / "b.txt").write_text("b")
     command, env = COMMANDS[name](executable, served.url, served.loop.model_name, home)
-    command += extra
     started = time.monotonic()
     process = await asyncio.create_subprocess_exec(*command, cwd=work, env={**os.environ, **env}, stdin=subprocess.DEVNULL,
                                                    stdout=subprocess.PIPE, stderr=subprocess.PIPE)
@@ -121,7 +119,6 @@ async def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     for cli in COMMANDS:
         parser.add_argument(f"--{cli}", metavar="EXECUTABLE", help=f"run {cli} (the executable npm installed)")
-        parser.add_argument(f"--{cli}-args", default="", help=f"more arguments for {cli} (e.g. claude's '--tools Bash')")
     parser.add_argument("--model", default="tiny")
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--timeout", type=float, default=900)
@@ -141,8 +138,7 @@ async def main() -> None:
             consumers = (bus.consumer(TRAFFIC_SUBJECTS, "agent-clis-traffic"),
                          bus.consumer(TRAJECTORY_SUBJECT, "agent-clis-trajectories"))
             try:
-                results[cli] = summary = await run_cli(cli, getattr(args, cli), shlex.split(getattr(args, f"{cli}_args")),
-                                                         served, consumers, args.timeout)
+                results[cli] = summary = await run_cli(cli, getattr(args, cli), served, consumers, args.timeout)
             finally:
                 await bus.close()
                 await collect.stop()
