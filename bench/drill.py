@@ -1,7 +1,8 @@
 """Fault drills: the four loops as processes of their own on one nats-server, agents talking to
 the gateway, kill -9 of a component under that load, and an audit of what came out.
 
-`Cluster` runs nats-server (its data on disk, restartable on the same port) and `python -m
+`Cluster` runs nats-server (its data on disk, restartable on the same port), or a JetStream
+cluster of three (`bus.cluster`, every stream replicated three times), and `python -m
 serve|collect|judge|train` over it, each killable with SIGKILL and restartable. `agents` drives
 multi-turn sessions through the official `openai` client (each session: `turns` chat turns that
 resend the growing history, then a reward as feedback), grouped into task groups with
@@ -24,7 +25,6 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -34,38 +34,43 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import nats
 import openai
+
+from bus.cluster import LocalNatsCluster, free_port
+from bus.embedded import EmbeddedNats
 
 ROOT = Path(__file__).resolve().parent.parent
 LOOPS = ("serve", "collect", "judge", "train")
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 class Cluster:
-    """nats-server plus the loops as processes, all sharing `run_dir`."""
+    """nats-server (or a JetStream cluster of `nats_nodes` members, `bus.replicas=3`) plus the
+    loops as processes, all sharing `run_dir`. Victims: a loop's name, `nats` (the one server),
+    or `nats-0`, `nats-1`, ... (members of the cluster)."""
 
-    def __init__(self, run_dir: Path, overrides: list[str]):
+    def __init__(self, run_dir: Path, overrides: list[str], nats_nodes: int = 1):
         self.run_dir = run_dir
-        self.overrides = overrides
-        self.nats_port = free_port()
         self.serve_port = free_port()
-        self.bus_url = f"nats://127.0.0.1:{self.nats_port}"
+        if nats_nodes > 1:
+            self.nats = LocalNatsCluster(run_dir / "nats", nats_nodes)
+            self.bus_url = self.nats.url
+            overrides = [*overrides, "bus.replicas=3"]
+        else:
+            self.nats = EmbeddedNats(run_dir / "nats", port=free_port())
+            self.bus_url = f"nats://127.0.0.1:{self.nats.port}"
+        self.overrides = overrides
         self.serve_url = f"http://127.0.0.1:{self.serve_port}"
         self.procs: dict[str, subprocess.Popen] = {}
         self.restarts: Counter[str] = Counter()
 
     def start_nats(self) -> None:
-        from bus import EmbeddedNats
-
-        self.nats = EmbeddedNats(self.run_dir / "nats", port=self.nats_port)
         self.nats.start()
 
     def start(self, kind: str) -> None:
+        if kind.startswith("nats-"):
+            self.nats.restart(int(kind.removeprefix("nats-")))
+            return
         if kind == "nats":
             self.start_nats()
             return
@@ -76,16 +81,23 @@ class Cluster:
 
     def kill(self, kind: str) -> None:
         """SIGKILL: no cleanup of any kind."""
-        pid = self.nats.pid if kind == "nats" else self.procs[kind].pid
-        os.kill(pid, signal.SIGKILL)
-        if kind == "nats":
-            self.nats._proc.wait()
+        if kind.startswith("nats-"):
+            self.nats.kill(int(kind.removeprefix("nats-")))
+        elif kind == "nats":
+            self.nats.kill()
         else:
+            os.kill(self.procs[kind].pid, signal.SIGKILL)
             self.procs[kind].wait()
 
     def restart(self, kind: str) -> None:
         self.restarts[kind] += 1
         self.start(kind)
+
+    async def back(self, kind: str) -> None:
+        """Until a restarted cluster member serves JetStream again and has caught up (a loop or
+        the one server: at once)."""
+        if kind.startswith("nats-"):
+            await asyncio.to_thread(self.nats.wait_healthy, int(kind.removeprefix("nats-")))
 
     def alive(self) -> dict[str, bool]:
         return {kind: proc.poll() is None for kind, proc in self.procs.items()}
@@ -185,7 +197,9 @@ async def agents(url: str, stop: asyncio.Event, turns: int, concurrency: int, gr
 
 
 async def read_stream(bus: Any, stream: str, kind: type) -> list[Any]:
-    """Every record in a stream, in order (direct gets by sequence)."""
+    """Every record in a stream, in order (gets by sequence)."""
+    from nats.js.errors import NotFoundError
+
     from bus import decode
     from bus.large import read_payload
 
@@ -193,8 +207,8 @@ async def read_stream(bus: Any, stream: str, kind: type) -> list[Any]:
     records = []
     for seq in range(info.state.first_seq, info.state.last_seq + 1):
         try:
-            raw = await bus.js.get_msg(stream, seq, direct=True)
-        except Exception:  # deleted or expired
+            raw = await bus.get_message(stream, seq)
+        except NotFoundError:  # deleted or expired
             continue
         records.append(decode(await read_payload(bus, raw.data, raw.headers), kind))
     return records
@@ -209,6 +223,7 @@ async def audit(bus_url: str, run_dir: Path, load: Load, turns: int) -> dict[str
         trajectories = await read_stream(bus, "TRAJECTORIES", Trajectory)
         samples = await read_stream(bus, "SAMPLES", Sample)
         updates = await read_stream(bus, "WEIGHTS", WeightUpdate)
+        replicas = (await bus.js.stream_info("TRAFFIC")).config.num_replicas
     finally:
         await bus.close()
     by_session: dict[str, list[Any]] = defaultdict(list)
@@ -232,6 +247,7 @@ async def audit(bus_url: str, run_dir: Path, load: Load, turns: int) -> dict[str
     trained = Counter(sid for step in lineage(ledger) for sid in step["samples"]) if ledger.exists() else Counter()
     versions = [u.version for u in updates]
     return {
+        "stream_replicas": replicas,
         "sessions_answered": len(load.answered),
         "sessions_failed": len(load.failed),
         "requests": load.requests,
@@ -252,18 +268,20 @@ async def audit(bus_url: str, run_dir: Path, load: Load, turns: int) -> dict[str
 
 BATCH = 8
 DRILL_CONFIG = [
-    "bus.ack_wait_s=3", "collect.feedback_grace_s=1", f"train.batch_size={BATCH}", "train.group_timeout_s=5",
+    "bus.ack_wait_s=3", "collect.feedback_grace_s=1", f"train.batch_size={BATCH}", "train.group_timeout_s=30",
     "train.checkpoint_interval=3", "rollout.max_head_offpolicyness=1000", "serve.max_batch_size=16",
 ]
-"""Short waits so a drill takes seconds; no staleness drops, so every sample must be trained."""
+"""Short waits so a drill takes seconds; no staleness drops, so every sample must be trained. The
+group timeout is long enough for a group's last member to come back from redelivery or the
+gateway's spill file after a kill: a group split by its timeout leaves a partial batch behind."""
 
 
 async def drill(run_dir: Path, victims: list[str], turns: int = 3, concurrency: int = 8, group_size: int = 4,
-                every_s: float = 3.0, down_s: float = 1.5, settle_s: float = 90.0) -> dict[str, Any]:
+                every_s: float = 3.0, down_s: float = 1.5, settle_s: float = 90.0, nats_nodes: int = 1) -> dict[str, Any]:
     """Start the cluster, put it under the agents' load, kill -9 each victim in turn (`every_s`
-    apart, down for `down_s`, then restarted), keep the load on for `every_s` more, and audit
-    once everything has settled."""
-    cluster = Cluster(run_dir, DRILL_CONFIG)
+    apart, down for `down_s`, then restarted and back), keep the load on for `every_s` more, and
+    audit once everything has settled."""
+    cluster = Cluster(run_dir, DRILL_CONFIG, nats_nodes)
     cluster.start_nats()
     try:
         for kind in LOOPS:
@@ -277,17 +295,24 @@ async def drill(run_dir: Path, victims: list[str], turns: int = 3, concurrency: 
             cluster.kill(victim)
             await asyncio.sleep(down_s)
             cluster.restart(victim)
+            await cluster.back(victim)
         await asyncio.sleep(every_s)
         stop.set()
         load = await load_task
         load_s = time.monotonic() - started
         deadline = time.monotonic() + settle_s
+        audit_retries = 0
         while True:  # until every answered session is trained (all groups fill: nothing is left waiting)
-            report = await audit(cluster.bus_url, run_dir, load, turns)
+            try:
+                report = await audit(cluster.bus_url, run_dir, load, turns)
+            except nats.errors.Error:  # a JetStream API request refused or unanswered while the cluster settles
+                audit_retries += 1
+                await asyncio.sleep(1.0)
+                continue
             if report["trained"] >= len(load.answered) or time.monotonic() > deadline:
                 break
             await asyncio.sleep(1.0)
         return {"victims": victims, "load_s": round(load_s, 1), "settled_s": round(time.monotonic() - started, 1),
-                "alive": cluster.alive(), **report}
+                "alive": cluster.alive(), "audit_retries": audit_retries, **report}
     finally:
         cluster.stop()

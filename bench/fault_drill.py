@@ -5,6 +5,8 @@ was lost, truncated or duplicated, what was trained twice, and the 5xx the agent
 
     .venv/bin/python -m bench.fault_drill                      # each component alone, then all in a row
     .venv/bin/python -m bench.fault_drill --victims collect --every-s 10
+    .venv/bin/python -m bench.fault_drill --nats-nodes 3 --victims nats-0 nats-1 \
+        --out bench/results/fault_drill_nats_cluster.json              # a 3-server bus
 """
 
 from __future__ import annotations
@@ -27,19 +29,24 @@ def main() -> int:
     parser.add_argument("--victims", nargs="*", default=None, help="components to kill (default: each alone, then all)")
     parser.add_argument("--every-s", type=float, default=3.0, help="seconds of load before each kill, and after the last")
     parser.add_argument("--concurrency", type=int, default=8)
+    parser.add_argument("--nats-nodes", type=int, default=1,
+                        help="with --victims: 3 runs the bus as a JetStream cluster (victims nats-0, nats-1, nats-2)")
+    parser.add_argument("--out", type=Path, default=RESULTS, help="where the reports go (JSON)")
     args = parser.parse_args()
-    plans = [args.victims] if args.victims else [["collect"], ["judge"], ["train"], ["serve"], ["nats"],
-                                                 ["collect", "judge", "train", "serve", "nats"]]
+    plans = [(args.victims, args.nats_nodes)] if args.victims else [
+        (["collect"], 1), (["judge"], 1), (["train"], 1), (["serve"], 1), (["nats"], 1),
+        (["collect", "judge", "train", "serve", "nats"], 1), (["nats-0", "nats-1"], 3)]
     results = []
-    for victims in plans:
+    for victims, nats_nodes in plans:
         with tempfile.TemporaryDirectory(prefix="flywheel-drill-") as tmp:
-            report = asyncio.run(drill(Path(tmp), victims, concurrency=args.concurrency, every_s=args.every_s))
+            report = asyncio.run(drill(Path(tmp), victims, concurrency=args.concurrency, every_s=args.every_s,
+                                       nats_nodes=nats_nodes))
         results.append(report)
         bad = {k: report[k] for k in FAILURES if report[k]}
         print(f"kill -9 {' then '.join(victims)}: {report['complete']}/{report['sessions_answered']} sessions complete, "
               f"{report['trained']} trained, versions increasing: {report['versions_increasing']}; "
               f"{'FAILED ' + json.dumps(bad) if bad else 'nothing lost, duplicated or refused'}", flush=True)
-    RESULTS.write_text(json.dumps(results, indent=2) + "\n")
+    args.out.write_text(json.dumps(results, indent=2) + "\n")
     return 0 if all(not any(r[k] for k in FAILURES) and r["versions_increasing"] for r in results) else 1
 
 

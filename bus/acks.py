@@ -9,6 +9,11 @@ nats-py has the same idea as `publish_async`, but as of 2.16 it leaks its pendin
 send itself fails (a full reconnect buffer), and leaves the future unresolved when JetStream
 answers with an error; after enough of either it blocks forever. Here a failed send removes
 its future, and an error answer fails the future with the error.
+
+A message is kept until its acknowledgement comes, and `resend` sends every such one again
+after a reconnect: whatever was on its way to a server that died is lost with the connection,
+and otherwise its publisher would wait out the whole timeout. The copy carries the same
+`Nats-Msg-Id`, so JetStream drops it if the first did arrive.
 """
 
 from __future__ import annotations
@@ -30,6 +35,8 @@ class PublishAcks:
         self._nc = nc
         self._prefix = f"{nc.new_inbox()}."
         self._pending: dict[str, asyncio.Future[PubAck]] = {}
+        self._unacked: dict[str, tuple[str, bytes, dict[str, str]]] = {}
+        """What was sent under each pending token, for `resend`."""
         self._count = 0
         self._subscribed = False
 
@@ -43,13 +50,26 @@ class PublishAcks:
         token = str(self._count)
         future: asyncio.Future[PubAck] = asyncio.get_running_loop().create_future()
         self._pending[token] = future
-        future.add_done_callback(lambda _: self._pending.pop(token, None))
+        self._unacked[token] = (subject, payload, headers)
+        future.add_done_callback(lambda _: self._forget(token))
         try:
             await self._nc.publish(subject, payload, reply=self._prefix + token, headers=headers)
         except BaseException:
             future.cancel()
             raise
         return future
+
+    def _forget(self, token: str) -> None:
+        self._pending.pop(token, None)
+        self._unacked.pop(token, None)
+
+    async def resend(self) -> None:
+        """Send every message still waiting for its acknowledgement again (after a reconnect)."""
+        for token, (subject, payload, headers) in list(self._unacked.items()):
+            try:
+                await self._nc.publish(subject, payload, reply=self._prefix + token, headers=headers)
+            except Exception:  # disconnected again: the next reconnect resends it
+                return
 
     @property
     def outstanding(self) -> int:

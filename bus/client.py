@@ -17,12 +17,13 @@ import asyncio
 import logging
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
+from typing import Any
 
 import msgspec
 import nats
 from nats.aio.msg import Msg
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy, StreamConfig
-from nats.js.errors import NotFoundError
+from nats.js.errors import APIError, NotFoundError
 
 from bus.acks import PublishAcks
 from bus.large import HEADER, HEADROOM, LargeRecords, is_large, read_payload
@@ -130,11 +131,12 @@ def _outcome(sent: asyncio.Future | BaseException, timeout_s: float) -> BaseExce
 class Bus:
     """A connection to NATS JetStream with the Flywheel streams in place."""
 
-    def __init__(self, nc: nats.NATS):
+    def __init__(self, nc: nats.NATS, replicas: int = 1):
         self.nc = nc
         self.js = nc.jetstream()
+        self.replicas = replicas
         self._acks = PublishAcks(nc)
-        self.large = LargeRecords(self.js)
+        self.large = LargeRecords(self.js, replicas)
 
     @property
     def publishes_in_flight(self) -> int:
@@ -142,15 +144,25 @@ class Bus:
         return self._acks.outstanding
 
     @classmethod
-    async def connect(cls, url: str, name: str = "flywheel", ensure_streams: bool = True) -> "Bus":
+    async def connect(cls, url: str, name: str = "flywheel", ensure_streams: bool = True, replicas: int = 1) -> "Bus":
+        """Connect to `url`: one server, or several of a cluster separated by commas (the client
+        picks one and fails over to the others). The streams are kept in `replicas` copies.
+        After a reconnect, publishes still waiting for their acknowledgement are sent again."""
+        bus: Bus | None = None
+
+        async def reconnected() -> None:
+            if bus is not None:
+                await bus._acks.resend()
+
         nc = await nats.connect(
-            url,
+            [server.strip() for server in url.split(",")],
             name=name,
             max_reconnect_attempts=-1,
             reconnect_time_wait=0.5,
             connect_timeout=5,
+            reconnected_cb=reconnected,
         )
-        bus = cls(nc)
+        bus = cls(nc, replicas)
         if ensure_streams:
             await bus.ensure_streams()
         return bus
@@ -164,6 +176,7 @@ class Bus:
                 max_msgs_per_subject=spec.max_msgs_per_subject,
                 duplicate_window=120.0,
                 allow_direct=True,  # `resolve` reads trajectories by sequence number
+                num_replicas=self.replicas,
             )
             try:
                 await self.js.stream_info(spec.name)
@@ -213,7 +226,7 @@ class Bus:
         if sample.trajectory is not None:
             return True
         try:
-            raw = await self.js.get_msg(TRAJECTORIES.name, sample.trajectory_seq, direct=True)
+            raw = await self.get_message(TRAJECTORIES.name, sample.trajectory_seq)
             trajectory = decode(await read_payload(self, raw.data, raw.headers), Trajectory)
         except (NotFoundError, msgspec.ValidationError, msgspec.DecodeError) as exc:
             log.error("sample %s: no trajectory at TRAJECTORIES #%s (%s)", sample.id, sample.trajectory_seq, exc)
@@ -223,6 +236,17 @@ class Bus:
             return False
         sample.trajectory = trajectory
         return True
+
+    async def get_message(self, stream: str, seq: int) -> Any:
+        """A stream's message by sequence number. A direct get first (any replica answers it:
+        cheap, and it spreads reads); then through the stream's leader if that found nothing,
+        failed or was not answered, because a replica that is behind, or just restarted, does not
+        hold the newest messages yet (it answers 404, or 408). `NotFoundError` when the stream
+        does not hold it."""
+        try:
+            return await self.js.get_msg(stream, seq, direct=True)
+        except (APIError, nats.errors.TimeoutError):
+            return await self.js.get_msg(stream, seq)
 
     def consumer(
         self, subject: str, durable: str, ack_wait_s: float = 30.0, max_ack_pending: int = 100_000
@@ -238,9 +262,11 @@ class Bus:
             return None
         return decode(await read_payload(self, raw.data, raw.headers), RECORD_TYPES[subject])
 
-    async def follow(self, subject: str, from_last: bool = True) -> AsyncIterator[Record]:
+    async def follow(self, subject: str, from_last: bool = True, newest_only: bool = False) -> AsyncIterator[Record]:
         """Every new record on a subject (starting with the newest existing one if `from_last`),
-        through an ephemeral ordered consumer: for state every process must see, like weights."""
+        through an ephemeral ordered consumer: for state every process must see, like weights.
+        `newest_only`: of records that arrived together (a backlog after the bus was away, or
+        while the caller was busy) only the newest, for state where it supersedes the rest."""
         queue: asyncio.Queue[Msg] = asyncio.Queue()
         policy = DeliverPolicy.LAST if from_last else DeliverPolicy.NEW
         sub = await self.js.subscribe(subject, cb=queue.put, ordered_consumer=True, deliver_policy=policy)
@@ -248,6 +274,8 @@ class Bus:
         try:
             while True:
                 msg = await queue.get()
+                while newest_only and not queue.empty():
+                    msg = queue.get_nowait()
                 try:
                     yield decode(await read_payload(self, msg.data, msg.headers), kind)
                 except (msgspec.ValidationError, msgspec.DecodeError) as exc:

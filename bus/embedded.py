@@ -42,10 +42,12 @@ def _die_with_parent() -> None:
 class EmbeddedNats:
     """Start and stop a local nats-server; use as a context manager or call start/stop."""
 
-    def __init__(self, data_dir: str | Path, host: str = "127.0.0.1", port: int = -1):
+    def __init__(self, data_dir: str | Path, host: str = "127.0.0.1", port: int = -1, extra_args: list[str] = ()):
         self.data_dir = Path(data_dir)
         self.host = host
         self.port = port
+        self.extra_args = list(extra_args)
+        """More nats-server options (a cluster member's: `bus.cluster`)."""
         self.url: str | None = None
         self._proc: subprocess.Popen | None = None
 
@@ -62,6 +64,7 @@ class EmbeddedNats:
             "-sd", str(self.data_dir / "jetstream"),
             "--ports_file_dir", str(ports_dir),
             "-l", str(self.data_dir / "nats-server.log"),
+            *self.extra_args,
         ]
         preexec = _die_with_parent if sys.platform.startswith("linux") else None
         # Its own session: a Ctrl-C in the terminal reaches the process that owns the run, which
@@ -91,6 +94,13 @@ class EmbeddedNats:
         try:
             proc.wait(timeout=10)
         except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+    def kill(self) -> None:
+        """SIGKILL: no clean shutdown (for drills)."""
+        proc, self._proc = self._proc, None
+        if proc is not None and proc.poll() is None:
             proc.kill()
             proc.wait()
 

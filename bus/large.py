@@ -26,8 +26,9 @@ KEEP_S = 30 * 24 * 3600.0
 
 
 class LargeRecords:
-    def __init__(self, js: Any):
+    def __init__(self, js: Any, replicas: int = 1):
         self._js = js
+        self._replicas = replicas
         self._store: Any = None
 
     async def _bucket(self) -> Any:
@@ -35,7 +36,8 @@ class LargeRecords:
             try:
                 self._store = await self._js.object_store(BUCKET)
             except BucketNotFoundError:
-                config = ObjectStoreConfig(ttl=KEEP_S, storage=StorageType.FILE, description="Flywheel records over max_payload")
+                config = ObjectStoreConfig(ttl=KEEP_S, storage=StorageType.FILE, description="Flywheel records over max_payload",
+                                           replicas=self._replicas)
                 self._store = await self._js.create_object_store(BUCKET, config=config)
         return self._store
 

@@ -24,6 +24,7 @@ import ray
 
 from collect.episode import Endpoint, EpisodeResult, report_failure, run_episode
 from config import FlywheelConfig
+from config.placement import ray_options
 from envs import Env, Task, make_env
 
 log = logging.getLogger(__name__)
@@ -67,17 +68,11 @@ class EnvWorker:
         return os.getpid()
 
 
-def _placement(resources: dict[str, float]) -> dict[str, Any]:
-    """`{CPU: 1, GPU: 0, env_node: 1}` -> Ray actor options."""
-    custom = {k: v for k, v in resources.items() if k not in ("CPU", "GPU")}
-    return {"num_cpus": resources.get("CPU", 0.0), "num_gpus": resources.get("GPU", 0.0), "resources": custom}
-
-
 class RayEnvPool:
     def __init__(self, config: FlywheelConfig, endpoint_url: str, model: str):
         self.config = config
         self.endpoint = Endpoint(endpoint_url, model)  # for reporting episodes whose worker failed
-        options = _placement(config.rollout.env_worker_resources)
+        options = ray_options(config.rollout.env_worker_resources)
         self.workers = [
             EnvWorker.options(**options).remote(config.model_dump(mode="json"), endpoint_url, model, slot)
             for slot in range(config.rollout.n_parallel_envs)

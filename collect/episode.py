@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -45,12 +46,14 @@ class EpisodeResult:
 
 
 class Endpoint:
-    """The clients an episode talks through: chat turns and session feedback."""
+    """The clients an episode talks through: chat turns and session feedback, authenticated with
+    the key in `FLYWHEEL_API_KEY` when the gateway asks for one (`serve.api_keys`)."""
 
     def __init__(self, base_url: str, model: str):
         self.model = model
-        self.openai = openai.AsyncOpenAI(base_url=f"{base_url}/v1", api_key="flywheel", max_retries=3, timeout=600)
-        self.http = httpx.AsyncClient(base_url=base_url, timeout=60)
+        key = os.environ.get("FLYWHEEL_API_KEY", "flywheel")
+        self.openai = openai.AsyncOpenAI(base_url=f"{base_url}/v1", api_key=key, max_retries=3, timeout=600)
+        self.http = httpx.AsyncClient(base_url=base_url, timeout=60, headers={"Authorization": f"Bearer {key}"})
 
     async def feedback(self, session_id: str, body: dict[str, Any]) -> None:
         response = await self.http.post(f"/v1/sessions/{session_id}/feedback", json={"source": "env", **body})

@@ -35,7 +35,7 @@ class CollectLoop:
         self._tasks: list[asyncio.Task] = []
 
     async def start(self) -> None:
-        self.bus = await Bus.connect(self.bus_url, name="collect")
+        self.bus = await Bus.connect(self.bus_url, name="collect", replicas=self.config.bus.replicas)
         ack_wait = self.config.bus.ack_wait_s
         self.consumer = self.bus.consumer(TRAFFIC_SUBJECTS, self.durable, ack_wait_s=ack_wait)
         outstanding, last_delivered = await self.consumer.unacknowledged()

@@ -85,7 +85,7 @@ class RolloutDriver:
         )
 
     async def start(self) -> None:
-        self.bus = await Bus.connect(self.bus_url, name="rollout")
+        self.bus = await Bus.connect(self.bus_url, name="rollout", replicas=self.config.bus.replicas)
         self.runner = make_runner(self.config, self.env, self.endpoint, self.model_name)
         self._tasks = [
             asyncio.create_task(repeat(self._follow_versions, "rollout.versions"), name="versions"),
@@ -93,7 +93,7 @@ class RolloutDriver:
         ]
 
     async def _follow_versions(self) -> None:
-        async for update in self.bus.follow(WEIGHTS_SUBJECT):
+        async for update in self.bus.follow(WEIGHTS_SUBJECT, newest_only=True):
             self.version = max(self.version, update.version)
             self._changed.set()
 

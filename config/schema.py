@@ -19,11 +19,37 @@ from config.section import Section
 
 class BusConfig(Section):
     url: str = "embedded"
-    """`embedded` starts a private nats-server under `run_dir/nats`; otherwise a NATS URL."""
+    """`embedded` starts a private nats-server under `run_dir/nats`; otherwise the URL of a NATS
+    server, or of several servers of one cluster separated by commas
+    (`nats://a:4222,nats://b:4222,nats://c:4222`): the client connects to any and fails over."""
+    replicas: int = Field(1, ge=1, le=5)
+    """Copies JetStream keeps of every stream (and of the large-record store), on different
+    servers of a cluster: 3 survives the loss of any one server. 1 on a single server."""
     ack_wait_s: float = Field(30.0, ge=1.0)
     """How long a record a loop has taken may stay unacknowledged before the bus delivers it
     again: how soon a dead loop's records reach its successor. Records held longer (open
     sessions, samples waiting for their group or checkpoint) are kept alive meanwhile."""
+
+    @field_validator("url")
+    @classmethod
+    def _embedded_or_nats_urls(cls, value: str) -> str:
+        if value == "embedded":
+            return value
+        for server in (part.strip() for part in value.split(",")):
+            scheme, found, rest = server.partition("://")
+            if not server or (found and scheme not in ("nats", "tls", "ws", "wss")) or not (rest if found else server):
+                raise ValueError(f"{server!r} is not a NATS URL (nats://host:port; several separated by commas)")
+        return value
+
+    @model_validator(mode="after")
+    def _replicas_need_a_cluster(self) -> "BusConfig":
+        if self.replicas > 1 and self.url == "embedded":
+            raise ValueError(
+                f"bus.replicas={self.replicas} needs a JetStream cluster, and `embedded` is one server: point "
+                "bus.url at the cluster's servers (`python -m bus.cluster` starts one on this machine)"
+            )
+        return self
+
 
 
 class ServeConfig(Section):
@@ -147,7 +173,8 @@ class RolloutConfig(Section):
     env_args: dict[str, Any] = Field(default_factory=dict)
     """Keyword arguments of the environment, e.g. `{max_operand: 50, word_problems: true}`."""
     endpoint: str | None = None
-    """OpenAI-compatible base URL to send rollouts to; default: this deployment's serve loop."""
+    """OpenAI-compatible base URL to send rollouts to; default: this deployment's serve loop.
+    Requests carry the key in the environment variable `FLYWHEEL_API_KEY` when it is set."""
     max_head_offpolicyness: int = Field(4, ge=0)
     """η: rollouts may start only while (accepted + running) < (η + version + 1) · batch size;
     the trainer also drops samples whose oldest token is more than η versions old."""
@@ -267,11 +294,33 @@ class TrainConfig(Section):
         return self
 
 
+LOOP_NAMES = ("serve", "collect", "judge", "train", "rollout")
+
+
 class DeployConfig(Section):
     ray_address: str | None = None
     """None starts a local Ray; otherwise the address of an existing cluster (`auto`, `ray://…`)."""
     num_cpus: int | None = Field(None, ge=1)
     """CPUs for a local Ray (default: all)."""
+    loops: list[Literal["serve", "collect", "judge", "train"]] = ["serve", "collect", "judge", "train"]
+    """The loops this deployment hosts (the rollout driver joins them when `rollout.enabled`).
+    Where gateways run on their own (a Kubernetes Deployment), the Ray cluster hosts
+    `[collect, judge, train]` and rollouts reach the gateways at `rollout.endpoint`."""
+    resources: dict[str, dict[str, float]] = Field(default_factory=dict)
+    """Ray resources each loop's actor requests, by loop (serve, collect, judge, train, rollout),
+    e.g. `{train: {trainer: 1}, serve: {engine: 1}}`: a custom resource places the loop on the
+    nodes started with it (`ray start --resources '{"trainer": 1}'`); `CPU` and `GPU` are
+    Ray's own. A loop not named reserves nothing and runs on any node."""
+
+    @field_validator("resources")
+    @classmethod
+    def _known_loops(cls, value: dict[str, dict[str, float]]) -> dict[str, dict[str, float]]:
+        for loop, wanted in value.items():
+            if loop not in LOOP_NAMES:
+                raise ValueError(f"{loop!r} is not a loop (one of {', '.join(LOOP_NAMES)})")
+            if any(amount < 0 for amount in wanted.values()):
+                raise ValueError(f"{loop}: resource amounts cannot be negative")
+        return value
 
 
 class FlywheelConfig(Section):
@@ -289,3 +338,12 @@ class FlywheelConfig(Section):
     actor: ActorConfig = ActorConfig()
     train: TrainConfig = TrainConfig()
     deploy: DeployConfig = DeployConfig()
+
+    @model_validator(mode="after")
+    def _rollouts_need_a_gateway(self) -> "FlywheelConfig":
+        if self.rollout.enabled and "serve" not in self.deploy.loops and self.rollout.endpoint is None:
+            raise ValueError(
+                "rollout.enabled=true and deploy.loops without serve: set rollout.endpoint to the gateways' URL "
+                "(or rollout.enabled=false for live traffic only)"
+            )
+        return self

@@ -4,8 +4,10 @@
         deployment.stats()   # every loop's counters
 
 Starting: the bus (an embedded nats-server unless `bus.url` names one), Ray (local unless
-`deploy.ray_address` names a cluster), then serve, collect, judge, train and, when
-`rollout.enabled`, the rollout driver pointed at serve's URL. Stopping reverses that and leaves
+`deploy.ray_address` names a cluster), then the loops of `deploy.loops` (serve, collect, judge,
+train), each placed by `deploy.resources`, and, when `rollout.enabled`, the rollout driver
+pointed at serve's URL (or `rollout.endpoint`). Ray restarts a loop whose process or node dies
+(`deploy.actors`). Stopping reverses that and leaves
 no process behind: every loop is stopped, its actor killed, a Ray this deployment started is
 shut down, and an embedded nats-server is terminated.
 """
@@ -21,15 +23,15 @@ import ray
 
 from bus.embedded import EmbeddedNats, start_bus
 from config import FlywheelConfig, dump_config
+from config.placement import ray_options
 from deploy.actors import LoopActor
 
 log = logging.getLogger(__name__)
 
-RAY_ENV = {
-    "RAY_USAGE_STATS_ENABLED": "0",
-    "RAY_AUTH_MODE": "disabled",
-    "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",
-}
+RAY_ENV = {"RAY_USAGE_STATS_ENABLED": "0", "RAY_AUTH_MODE": "disabled"}
+LOCAL_RAY_ENV = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
+"""Only for a Ray this deployment starts itself: its node advertises the loopback address. Never
+set when joining a cluster (`deploy.ray_address`), whose nodes must reach this driver."""
 CALL_TIMEOUT_S = 300.0
 
 
@@ -56,7 +58,8 @@ class Deployment:
         (run_dir / "config.yaml").write_text(dump_config(self.config))
         self.bus_url, self._nats = start_bus(self.config.bus.url, run_dir)
         if not ray.is_initialized():
-            for key, value in RAY_ENV.items():
+            local = self.config.deploy.ray_address is None
+            for key, value in {**RAY_ENV, **(LOCAL_RAY_ENV if local else {})}.items():
                 os.environ.setdefault(key, value)
             ray.init(
                 address=self.config.deploy.ray_address,
@@ -65,23 +68,29 @@ class Deployment:
                 log_to_driver=False,
             )
             self._owns_ray = self.config.deploy.ray_address is None
-        self.serve_url = self._launch("serve", self.config)
+        loops = self.config.deploy.loops
+        if "serve" in loops:
+            self.serve_url = self._launch("serve", self.config)
+        gateway = self.serve_url or self.config.rollout.endpoint  # gateways hosted elsewhere
         judge = self.config.model_copy(deep=True)  # an llm judge defaults to this serve (any node)
-        judge.judge.llm.base_url = self.config.judge.llm.base_url or f"{self.serve_url}/v1"
-        self._launch("collect", self.config)
-        self._launch("judge", judge)
-        self._launch("train", self.config)
+        judge.judge.llm.base_url = self.config.judge.llm.base_url or (gateway and f"{gateway}/v1")
+        for kind in ("collect", "judge", "train"):
+            if kind in loops:
+                self._launch(kind, judge if kind == "judge" else self.config)
         if self.config.rollout.enabled:
             rollout = self.config.model_copy(deep=True)
-            rollout.rollout.endpoint = self.config.rollout.endpoint or self.serve_url
+            rollout.rollout.endpoint = gateway
             self._launch("rollout", rollout)
 
     def _launch(self, kind: str, config: FlywheelConfig) -> Any:
-        actor = LoopActor.options(name=f"flywheel-{kind}-{os.getpid()}").remote(
+        """Start a loop's actor where `deploy.resources` places it; its `start` result."""
+        placement = self.config.deploy.resources.get(kind)
+        options = ray_options(placement) if placement is not None else {}
+        actor = LoopActor.options(name=f"flywheel-{kind}-{os.getpid()}", **options).remote(
             kind, config.model_dump(mode="json"), self.bus_url
         )
         self.actors[kind] = actor
-        return ray.get(actor.start.remote(), timeout=CALL_TIMEOUT_S)
+        return ray.get(actor.address.remote(), timeout=CALL_TIMEOUT_S)
 
     def stats(self, timeout_s: float = 10.0) -> dict[str, dict[str, Any]]:
         """Each loop's counters; a loop that does not answer reports its error."""

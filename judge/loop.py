@@ -56,7 +56,7 @@ class JudgeLoop:
 
     async def start(self) -> None:
         await self.judge.start()
-        self.bus = await Bus.connect(self.bus_url, name="judge")
+        self.bus = await Bus.connect(self.bus_url, name="judge", replicas=self.config.bus.replicas)
         ack_wait = self.config.bus.ack_wait_s
         self.consumer = self.bus.consumer(TRAJECTORY_SUBJECT, self.durable, ack_wait_s=ack_wait)
         self._tasks = [

@@ -61,7 +61,7 @@ class ServeLoop:
             engines = [InProcessEngineClient(self.engine)]
             context_length = self.engine.context_length
         self.pool = EnginePool(engines)
-        self.bus = await Bus.connect(self.bus_url, name="serve")
+        self.bus = await Bus.connect(self.bus_url, name="serve", replicas=self.config.bus.replicas)
         spill_dir = Path(cfg.spill_dir) if cfg.spill_dir else Path(self.config.run_dir) / "spill"
         self.recorder = Recorder(self.bus, cfg.publish_queue_size, spill_dir=spill_dir)
         self.metrics = ServeMetrics()
@@ -99,7 +99,7 @@ class ServeLoop:
         return self.config.serve.served_model_name or self.config.model
 
     async def _follow_weights(self) -> None:
-        async for update in self.bus.follow(WEIGHTS_SUBJECT):
+        async for update in self.bus.follow(WEIGHTS_SUBJECT, newest_only=True):
             assert isinstance(update, WeightUpdate)
             if update.version <= self.pool.weight_version:
                 continue

@@ -43,6 +43,12 @@ def test_shipped_configs_are_valid():
         (["nosuchsection.x=1"], "nosuchsection: unknown key"),
         (["train=3"], "train: "),
         (["novalue"], "expected key=value"),
+        (["bus.replicas=3"], "bus.replicas=3 needs a JetStream cluster"),
+        (['deploy.resources={trainer: {GPU: 1}}'], "deploy.resources: 'trainer' is not a loop"),
+        (["deploy.loops=[collect, judge, train]"], "set rollout.endpoint to the gateways' URL"),
+        (["bus.replicas=0"], "bus.replicas: "),
+        (["bus.url=nats://a:4222,http://b:4222"], "bus.url: 'http://b:4222' is not a NATS URL"),
+        (["bus.url=nats://a:4222,"], "bus.url: '' is not a NATS URL"),
     ],
 )
 def test_errors_name_the_key(overrides, message):

@@ -2,13 +2,14 @@
 the gateway and the NATS server, one after another, each restarted, while agents run multi-turn
 sessions with feedback. Every session the agents were told was recorded yields exactly one
 complete trajectory; nothing is duplicated or trained twice; the agents never see a 5xx; the
-announced versions only grow (bench/drill.py; bench/fault_drill.py runs larger drills)."""
+announced versions only grow (bench/drill.py; bench/fault_drill.py runs larger drills). The same
+holds on a bus of three nats-servers (`bus.replicas=3`) losing one member, then another once the
+first is back."""
 
 from bench.drill import drill
 
 
-async def test_kill_9_of_every_component_under_load_loses_and_duplicates_nothing(tmp_path):
-    report = await drill(tmp_path, ["collect", "judge", "train", "serve", "nats"], every_s=1.5, down_s=1.0)
+def assert_nothing_lost(report):
     answered = report["sessions_answered"]
     assert report["sessions_failed"] == 0 and answered >= 100, report
     assert report["complete"] == answered and report["lost"] == report["truncated"] == 0, report
@@ -16,3 +17,15 @@ async def test_kill_9_of_every_component_under_load_loses_and_duplicates_nothing
     assert report["samples"] == answered and report["trained"] == answered and report["trained_twice"] == 0, report
     assert report["server_errors"] == 0 and report["versions_increasing"], report
     assert all(report["alive"].values()), report
+
+
+async def test_kill_9_of_every_component_under_load_loses_and_duplicates_nothing(tmp_path):
+    report = await drill(tmp_path, ["collect", "judge", "train", "serve", "nats"], every_s=1.5, down_s=1.0)
+    assert report["stream_replicas"] == 1
+    assert_nothing_lost(report)
+
+
+async def test_kill_9_of_two_members_of_a_three_server_bus_in_turn_loses_nothing(tmp_path):
+    report = await drill(tmp_path, ["nats-0", "nats-1"], every_s=1.5, down_s=1.0, nats_nodes=3)
+    assert report["stream_replicas"] == 3
+    assert_nothing_lost(report)

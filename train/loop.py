@@ -89,7 +89,7 @@ class TrainLoop:
         model, self.tokenizer = await asyncio.to_thread(load_model, self.config.model)
         self.checkpoints = Checkpoints(self.run_dir / "checkpoints", keep=self.config.train.keep_checkpoints)
         self.trainer = Trainer(model, self.config.actor, self.config.train)
-        self.bus = await Bus.connect(self.bus_url, name="train")
+        self.bus = await Bus.connect(self.bus_url, name="train", replicas=self.config.bus.replicas)
         self.publisher = WeightPublisher(WeightStore(self.run_dir / "weights", keep=self.config.train.keep_versions), self.bus)
         self.ledger = Ledger(self.run_dir / "trained.jsonl")
         await self._restore()

@@ -1,0 +1,80 @@
+"""The bus on a JetStream cluster of three real nats-servers (`bus.cluster`), and publishes that
+outlive the server they were sent to."""
+
+import asyncio
+import os
+import signal
+
+import nats.errors
+
+from bus import TRAJECTORY_SUBJECT, TURN_SUBJECT, Bus, EmbeddedNats, Sample, Trajectory
+from bus.cluster import LocalNatsCluster, free_port
+from bus.large import BUCKET
+from bus.pull import PullRefused
+from tests.test_records import make_turn
+
+
+async def eventually(step, tries: int = 300):
+    """`await step()`, retried as the loops retry a failed step (`bus.process.repeat`): while a
+    stream elects a new leader, its requests are refused or go unanswered for a few seconds."""
+    for _ in range(tries - 1):
+        try:
+            return await step()
+        except (nats.errors.Error, PullRefused):
+            await asyncio.sleep(0.1)
+    return await step()
+
+
+def trajectory(i: int) -> Trajectory:
+    return Trajectory(id=f"s{i}#1", session_id=f"s{i}", segments=[], turns=[make_turn()], close_reason="done")
+
+
+async def test_a_three_server_bus_keeps_three_copies_and_serves_through_the_loss_of_any_member(tmp_path):
+    with LocalNatsCluster(tmp_path / "cluster") as cluster:
+        assert len(cluster.url.split(",")) == 3
+        bus = await Bus.connect(cluster.url, name="test", replicas=3)
+        try:
+            for stream in ("TRAFFIC", "TRAJECTORIES", "SAMPLES", "UNSCORED", "WEIGHTS"):
+                assert (await bus.js.stream_info(stream)).config.num_replicas == 3
+            await bus.large.put(TRAJECTORY_SUBJECT, "x", b"payload")
+            assert (await bus.js.stream_info(f"OBJ_{BUCKET}")).config.num_replicas == 3
+
+            consumer = bus.consumer(TRAJECTORY_SUBJECT, "t")
+            await bus.publish(TRAJECTORY_SUBJECT, trajectory(1))
+            connected = bus.nc.connected_url.port
+            victim = next(i for i, m in enumerate(cluster.members) if m.port == connected)
+            cluster.kill(victim)  # the member this client talks to
+            await eventually(lambda: bus.publish(TRAJECTORY_SUBJECT, trajectory(2)))
+            assert bus.nc.connected_url.port != connected
+            got = []
+            while len(got) < 2:
+                for delivery in await eventually(lambda: consumer.fetch(timeout_s=1)):
+                    got.append(delivery)
+                    await delivery.ack()
+            assert [d.record.id for d in got] == ["s1#1", "s2#1"]
+
+            cluster.restart(victim)
+            cluster.wait_healthy(victim)
+            for delivery in got:  # whichever replica answers, a sample finds its trajectory
+                sample = Sample(id=delivery.record.id, trajectory_seq=delivery.stream_seq, reward=1.0, judge="rule")
+                assert await bus.resolve(sample) and sample.trajectory == delivery.record
+        finally:
+            await bus.close()
+
+
+async def test_a_publish_lost_with_the_server_that_took_it_is_sent_again_on_reconnect(tmp_path):
+    server = EmbeddedNats(tmp_path / "nats", port=free_port())
+    server.start()
+    bus = await Bus.connect(server.url, name="test")
+    try:
+        os.kill(server.pid, signal.SIGSTOP)  # takes the bytes into its socket, never reads them
+        publish = asyncio.create_task(bus.publish(TURN_SUBJECT, make_turn(), timeout_s=60))
+        while bus.publishes_in_flight == 0:
+            await asyncio.sleep(0.01)
+        server.kill()  # dies with the message unread
+        server.start()
+        await asyncio.wait_for(publish, 30)  # acknowledged after the reconnect, not timed out at 60 s
+        assert (await bus.js.stream_info("TRAFFIC")).state.messages == 1
+    finally:
+        await bus.close()
+        server.stop()
