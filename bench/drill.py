@@ -46,12 +46,14 @@ LOOPS = ("serve", "collect", "judge", "train")
 
 class Cluster:
     """nats-server (or a JetStream cluster of `nats_nodes` members, `bus.replicas=3`) plus the
-    loops as processes, all sharing `run_dir`. Victims: a loop's name, `nats` (the one server),
-    or `nats-0`, `nats-1`, ... (members of the cluster)."""
+    loops as processes, all sharing `run_dir`, with `gateways` serve processes (`serve`,
+    `serve-1`, ...: each its own port, spill directory and embedded engine). Victims: a loop's
+    or gateway's name, `nats` (the one server), or `nats-0`, `nats-1`, ... (cluster members)."""
 
-    def __init__(self, run_dir: Path, overrides: list[str], nats_nodes: int = 1):
+    def __init__(self, run_dir: Path, overrides: list[str], nats_nodes: int = 1, gateways: int = 1):
         self.run_dir = run_dir
-        self.serve_port = free_port()
+        self.gateways = ["serve"] + [f"serve-{i}" for i in range(1, gateways)]
+        self.serve_ports = {name: free_port() for name in self.gateways}
         if nats_nodes > 1:
             self.nats = LocalNatsCluster(run_dir / "nats", nats_nodes)
             self.bus_url = self.nats.url
@@ -60,7 +62,7 @@ class Cluster:
             self.nats = EmbeddedNats(run_dir / "nats", port=free_port())
             self.bus_url = f"nats://127.0.0.1:{self.nats.port}"
         self.overrides = overrides
-        self.serve_url = f"http://127.0.0.1:{self.serve_port}"
+        self.serve_urls = [f"http://127.0.0.1:{port}" for port in self.serve_ports.values()]
         self.procs: dict[str, subprocess.Popen] = {}
         self.restarts: Counter[str] = Counter()
 
@@ -75,8 +77,10 @@ class Cluster:
             self.start_nats()
             return
         log = (self.run_dir / f"{kind}.log").open("a")
-        args = [sys.executable, "-m", kind, "--bus-url", self.bus_url, f"run_dir={self.run_dir}",
-                f"serve.port={self.serve_port}", *self.overrides]
+        gateway = [f"serve.port={self.serve_ports[kind]}", f"serve.spill_dir={self.run_dir / 'spill' / kind}"] \
+            if kind in self.serve_ports else []
+        args = [sys.executable, "-m", kind.partition("-")[0], "--bus-url", self.bus_url, f"run_dir={self.run_dir}",
+                *gateway, *self.overrides]
         self.procs[kind] = subprocess.Popen(args, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
 
     def kill(self, kind: str) -> None:
@@ -107,7 +111,7 @@ class Cluster:
         async with httpx.AsyncClient() as http:
             while True:
                 try:
-                    if (await http.get(f"{self.serve_url}/health")).status_code == 200:
+                    if all([(await http.get(f"{url}/health")).status_code == 200 for url in self.serve_urls]):
                         return
                 except httpx.HTTPError:
                     pass
@@ -140,18 +144,45 @@ class Load:
     requests: int = 0
 
 
-async def agents(url: str, stop: asyncio.Event, turns: int, concurrency: int, group_size: int, round_to: int,
+class Balancer(httpx.AsyncBaseTransport):
+    """A load balancer that knows nothing of sessions, in front of several gateways: each request
+    goes to the next gateway in turn, and one that refuses connections is skipped (what a
+    balancer's health checks do)."""
+
+    def __init__(self, urls: list[str]):
+        self.targets = [httpx.URL(url) for url in urls]
+        self.inner = httpx.AsyncHTTPTransport()
+        self.turn = 0
+
+    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        for _ in range(len(self.targets)):
+            target = self.targets[self.turn % len(self.targets)]
+            self.turn += 1
+            request.url = request.url.copy_with(host=target.host, port=target.port)
+            try:
+                return await self.inner.handle_async_request(request)
+            except httpx.ConnectError:
+                continue
+        raise httpx.ConnectError("no gateway accepts connections", request=request)
+
+    async def aclose(self) -> None:
+        await self.inner.aclose()
+
+
+async def agents(urls: list[str], stop: asyncio.Event, turns: int, concurrency: int, group_size: int, round_to: int,
                  tag: str = "s") -> Load:
-    """Run multi-turn sessions, `concurrency` at a time, until `stop` is set; then only until the
-    count of sessions is a multiple of `round_to` (whole groups and training batches)."""
+    """Run multi-turn sessions through the gateways at `urls` (round robin, `Balancer`),
+    `concurrency` at a time, until `stop` is set; then only until the count of sessions is a
+    multiple of `round_to` (whole groups and training batches)."""
     load = Load()
+    url = urls[0]
 
     async def count(response: httpx.Response) -> None:
         load.requests += 1
         if response.status_code >= 500:
             load.server_errors += 1
 
-    http = httpx.AsyncClient(base_url=url, timeout=120, event_hooks={"response": [count]})
+    http = httpx.AsyncClient(base_url=url, timeout=120, event_hooks={"response": [count]}, transport=Balancer(urls))
     client = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="drill", max_retries=10, http_client=http)
     started = iter(range(10**9))
 
@@ -246,7 +277,9 @@ async def audit(bus_url: str, run_dir: Path, load: Load, turns: int) -> dict[str
     ledger = run_dir / "trained.jsonl"
     trained = Counter(sid for step in lineage(ledger) for sid in step["samples"]) if ledger.exists() else Counter()
     versions = [u.version for u in updates]
+    answered = [by_session[sid][0] for sid in load.answered if by_session.get(sid)]
     return {
+        "segments_per_trajectory": round(sum(len(t.segments) for t in answered) / max(len(answered), 1), 2),
         "stream_replicas": replicas,
         "sessions_answered": len(load.answered),
         "sessions_failed": len(load.failed),
@@ -277,19 +310,20 @@ gateway's spill file after a kill: a group split by its timeout leaves a partial
 
 
 async def drill(run_dir: Path, victims: list[str], turns: int = 3, concurrency: int = 8, group_size: int = 4,
-                every_s: float = 3.0, down_s: float = 1.5, settle_s: float = 90.0, nats_nodes: int = 1) -> dict[str, Any]:
+                every_s: float = 3.0, down_s: float = 1.5, settle_s: float = 90.0, nats_nodes: int = 1,
+                gateways: int = 1) -> dict[str, Any]:
     """Start the cluster, put it under the agents' load, kill -9 each victim in turn (`every_s`
     apart, down for `down_s`, then restarted and back), keep the load on for `every_s` more, and
     audit once everything has settled."""
-    cluster = Cluster(run_dir, DRILL_CONFIG, nats_nodes)
+    cluster = Cluster(run_dir, DRILL_CONFIG, nats_nodes, gateways)
     cluster.start_nats()
     try:
-        for kind in LOOPS:
+        for kind in (*cluster.gateways, *LOOPS[1:]):
             cluster.start(kind)
         await cluster.wait_serving()
         started = time.monotonic()
         stop = asyncio.Event()
-        load_task = asyncio.create_task(agents(cluster.serve_url, stop, turns, concurrency, group_size, BATCH))
+        load_task = asyncio.create_task(agents(cluster.serve_urls, stop, turns, concurrency, group_size, BATCH))
         for victim in victims:
             await asyncio.sleep(every_s)
             cluster.kill(victim)

@@ -7,6 +7,8 @@ was lost, truncated or duplicated, what was trained twice, and the 5xx the agent
     .venv/bin/python -m bench.fault_drill --victims collect --every-s 10
     .venv/bin/python -m bench.fault_drill --nats-nodes 3 --victims nats-0 nats-1 \
         --out bench/results/fault_drill_nats_cluster.json              # a 3-server bus
+    .venv/bin/python -m bench.fault_drill --gateways 2 --victims serve-1 \
+        --out bench/results/fault_drill_gateways.json                  # one of two gateways
 """
 
 from __future__ import annotations
@@ -31,16 +33,18 @@ def main() -> int:
     parser.add_argument("--concurrency", type=int, default=8)
     parser.add_argument("--nats-nodes", type=int, default=1,
                         help="with --victims: 3 runs the bus as a JetStream cluster (victims nats-0, nats-1, nats-2)")
+    parser.add_argument("--gateways", type=int, default=1,
+                        help="with --victims: gateways behind a round-robin balancer (victims serve, serve-1, ...)")
     parser.add_argument("--out", type=Path, default=RESULTS, help="where the reports go (JSON)")
     args = parser.parse_args()
-    plans = [(args.victims, args.nats_nodes)] if args.victims else [
-        (["collect"], 1), (["judge"], 1), (["train"], 1), (["serve"], 1), (["nats"], 1),
-        (["collect", "judge", "train", "serve", "nats"], 1), (["nats-0", "nats-1"], 3)]
+    plans = [(args.victims, args.nats_nodes, args.gateways)] if args.victims else [
+        (["collect"], 1, 1), (["judge"], 1, 1), (["train"], 1, 1), (["serve"], 1, 1), (["nats"], 1, 1),
+        (["collect", "judge", "train", "serve", "nats"], 1, 1), (["nats-0", "nats-1"], 3, 1), (["serve-1"], 1, 2)]
     results = []
-    for victims, nats_nodes in plans:
+    for victims, nats_nodes, gateways in plans:
         with tempfile.TemporaryDirectory(prefix="flywheel-drill-") as tmp:
             report = asyncio.run(drill(Path(tmp), victims, concurrency=args.concurrency, every_s=args.every_s,
-                                       nats_nodes=nats_nodes))
+                                       nats_nodes=nats_nodes, gateways=gateways))
         results.append(report)
         bad = {k: report[k] for k in FAILURES if report[k]}
         print(f"kill -9 {' then '.join(victims)}: {report['complete']}/{report['sessions_answered']} sessions complete, "

@@ -133,7 +133,7 @@ async def drill(run_dir: Path, temp_dir: str, every_s: float = 5.0, concurrency:
         node_before = await trainer.node_id.remote()
         stop = asyncio.Event()
         started = time.monotonic()
-        load_task = asyncio.create_task(agents(deployment.serve_url, stop, turns, concurrency, group_size, BATCH))
+        load_task = asyncio.create_task(agents([deployment.serve_url], stop, turns, concurrency, group_size, BATCH))
         await asyncio.sleep(every_s)
         nodes.kill(worker)
         killed_at = time.monotonic()

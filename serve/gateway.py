@@ -118,7 +118,7 @@ def create_gateway(pool: EnginePool, tokenizer: Any, recorder: Recorder, model_n
     app.state.limiter = limiter
     metrics.on_scrape(lambda m: m.admission(limiter.active, limiter.waiting, limiter.rejected))
     metrics.on_scrape(lambda m: m.recorder(recorder.published, recorder.dropped, recorder.spilled, recorder.pending))
-    metrics.on_scrape(lambda m: m.weight_version(pool.weight_version))
+    metrics.on_scrape(lambda m: m.weight_versions({engine.name: engine.weight_version for engine in pool.engines}))
 
     def finished(generation: Generation) -> None:
         stats.turns += generation.body.n

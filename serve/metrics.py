@@ -61,7 +61,10 @@ class ServeMetrics:
             "flywheel_engine_kv_cache_capacity_tokens", "Tokens the KV cache can hold (0: not reported).", registry=r
         )
         self._kv_usage = Gauge("flywheel_engine_kv_cache_usage_ratio", "KV cache tokens held / capacity.", registry=r)
-        self._version = Gauge("flywheel_weight_version", "Weight version the engine serves.", registry=r)
+        self._version = Gauge("flywheel_weight_version", "Weight version every engine serves (the oldest).", registry=r)
+        self._engine_version = Gauge(
+            "flywheel_engine_weight_version", "Weight version each engine serves.", ["engine"], registry=r
+        )
         self._swap_seconds = Histogram(
             "flywheel_weight_swap_duration_seconds", "Duration of hot weight swaps (its count: swaps done).",
             buckets=SWAP_BUCKETS, registry=r,
@@ -98,8 +101,11 @@ class ServeMetrics:
             self._kv_capacity.set(kv_capacity_tokens)
             self._kv_usage.set(kv_tokens / kv_capacity_tokens)
 
-    def weight_version(self, v: int) -> None:
-        self._version.set(v)
+    def weight_versions(self, by_engine: dict[str, int]) -> None:
+        """Each engine's version (they differ during a rolling swap) and the oldest of them."""
+        for engine, version in by_engine.items():
+            self._engine_version.labels(engine).set(version)
+        self._version.set(min(by_engine.values()))
 
     def swap(self, seconds: float) -> None:
         self._swap_seconds.observe(seconds)

@@ -232,7 +232,7 @@ async def test_metrics_expose_requests_tokens_latencies_and_state():
         assert (await http.post("/v1/chat/completions", json={})).status_code == 401
         assert (await http.get("/nowhere")).status_code == 404
         metrics.engine_state(batch_size=3, waiting=1, kv_tokens=512, kv_capacity_tokens=2048)
-        metrics.weight_version(7)
+        metrics.weight_versions({"http://engine-a": 7, "http://engine-b": 8})  # mid rolling swap
         metrics.swap(0.3)
         recorder_totals.update(published=5, spilled=2, pending=1)
         after = scrape((await http.get("/metrics")).text)
@@ -249,5 +249,6 @@ async def test_metrics_expose_requests_tokens_latencies_and_state():
     assert after[("flywheel_time_per_output_token_seconds_sum", ())] == pytest.approx(0.004)
     assert after[("flywheel_engine_batch_size", ())] == 3 and after[("flywheel_engine_kv_cache_usage_ratio", ())] == 0.25
     assert after[("flywheel_weight_version", ())] == 7 and after[("flywheel_weight_swap_duration_seconds_count", ())] == 1
+    assert after[("flywheel_engine_weight_version", (("engine", "http://engine-b"),))] == 8
     assert after[("flywheel_recorder_published_total", ())] == 5 and after[("flywheel_recorder_spilled_total", ())] == 2
     assert after[("flywheel_recorder_pending", ())] == 1 and after[("flywheel_requests_active", ())] == 0
