@@ -1,114 +1,220 @@
-"""The running batch of continuous batching: many sequences decoded together over one KV cache.
+"""The running batch of continuous batching: many sequences decoded together over one
+preallocated KV cache.
 
-All rows end at the same column of a shared `DynamicCache`: a row shorter than the longest is
-left-padded (attention mask 0), and each row carries its own position ids. So every decode step
-is one forward pass of the model on a [rows, 1] batch, and rows can come and go between steps:
+Each layer's keys and values live in one tensor [row slots, kv heads, columns, head dim] that is
+allocated once and only grows (doubling) when a row outgrows it, never per step. Row i of the
+running batch is slot i (the live rows are always slots 0..n-1), and its tokens sit left-aligned
+in columns 0..length-1: no left padding, no per-step concatenation. A decode step writes each
+row's new key and value at its own column and attends over columns 0..max length with a mask
+that hides, for shorter rows, the columns they have not reached.
 
-- `prefill` runs new sequences (left-padded among themselves) and returns a batch of them;
-- `merge` pads the shorter of two batches on the left to the same width and stacks them;
-- `select` keeps some rows (finished ones leave) and trims padding no row needs any more.
+- `prefill` runs new sequences with a throwaway cache: sorted by length and grouped so that
+  little is padded (left padding within a group, so every row's last token is the same column)
+  and returns their keys, values and last-token logits without touching the batch;
+- `add` copies a prefill into the next free slots;
+- `step` feeds one token per row and returns the next-token logits;
+- `retain` keeps some rows: finished rows' slots are refilled from the tail (one row's copy per
+  hole), and the new order is returned so the caller can reorder its own rows alike.
 
 Each row's newest sampled token is not in the cache yet: it is the input of the next step.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
-from transformers import DynamicCache
+from transformers import Cache, DynamicCache
+
+PREFILL_TOKENS = 4096
+"""A prefill forward holds at most this many positions (rows x longest row), unless one
+sequence alone is longer."""
+PREFILL_PADDING = 0.125
+"""At most this share of a prefill group's positions is padding."""
 
 
-class KVBatch:
-    def __init__(self, cache: DynamicCache, attention: torch.Tensor, positions: torch.Tensor):
-        self.cache = cache
-        self.attention = attention
-        """[rows, width] 1 where the cache holds a real token of that row."""
-        self.positions = positions
-        """[rows] position id of each row's next input token (= its real length so far)."""
+@dataclass
+class Prefill:
+    """New sequences run through the model, not yet in the batch."""
+
+    keys: list[list[torch.Tensor]]
+    """Per sequence, per layer [kv heads, its length, head dim]."""
+    values: list[list[torch.Tensor]]
+    logits: torch.Tensor
+    """[sequences, vocab]: next-token logits after each sequence's last token."""
+
+    @property
+    def lengths(self) -> list[int]:
+        return [layers[0].shape[1] for layers in self.keys]
+
+
+class KVBatch(Cache):
+    """The slots of the running batch, and the `Cache` the model writes a decode step into."""
+
+    def __init__(self, model: torch.nn.Module, max_rows: int, first_columns: int = 256):
+        super().__init__(layers=[])
+        config = model.config
+        self.layer_count = config.num_hidden_layers
+        self.kv_heads = config.num_key_value_heads
+        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        parameter = next(model.parameters())
+        self.dtype, self.device = parameter.dtype, parameter.device
+        self.max_rows = max_rows
+        self.first_columns = first_columns
+        self.keys: list[torch.Tensor] = []
+        self.values: list[torch.Tensor] = []
+        self.lengths = torch.zeros(0, dtype=torch.long, device=self.device)
+        """[rows] tokens in the cache of each row (= the position id of its next input)."""
+        self._write_columns: torch.Tensor | None = None
+        self._step_width = 0
+
+    # ---- size ------------------------------------------------------------------------------
 
     @property
     def rows(self) -> int:
-        return self.attention.shape[0]
+        return len(self.lengths)
 
     @property
-    def width(self) -> int:
-        return self.attention.shape[1]
+    def columns(self) -> int:
+        """Allocated columns per row slot."""
+        return self.keys[0].shape[2] if self.keys else 0
 
     @property
     def cached_tokens(self) -> int:
-        """Real tokens held in the cache, over all rows."""
-        return int(self.attention.sum())
+        return int(self.lengths.sum())
 
-    @classmethod
-    def prefill(cls, model: torch.nn.Module, sequences: list[list[int]], pad_id: int) -> tuple["KVBatch", torch.Tensor]:
-        """Run `sequences` through the model; returns the batch and the logits [rows, vocab] of
-        each sequence's last token."""
-        width = max(len(s) for s in sequences)
-        input_ids = torch.full((len(sequences), width), pad_id, dtype=torch.long)
-        attention = torch.zeros((len(sequences), width), dtype=torch.long)
-        for i, seq in enumerate(sequences):
-            input_ids[i, width - len(seq):] = torch.tensor(seq)
-            attention[i, width - len(seq):] = 1
-        positions = (attention.cumsum(-1) - 1).clamp(min=0)
-        cache = DynamicCache()
-        logits = _forward(model, input_ids, attention, positions, cache)
-        return cls(cache, attention, attention.sum(-1)), logits
+    @property
+    def capacity_tokens(self) -> int:
+        return self.max_rows * self.columns
+
+    def _reserve(self, columns: int) -> None:
+        """Make every slot hold at least `columns` tokens (doubling; existing rows are kept)."""
+        if columns <= self.columns:
+            return
+        size = max(self.first_columns, self.columns)
+        while size < columns:
+            size *= 2
+        shape = (self.max_rows, self.kv_heads, size, self.head_dim)
+        used = self.columns
+        for store in (self.keys, self.values):
+            for layer in range(self.layer_count):
+                grown = torch.zeros(shape, dtype=self.dtype, device=self.device)  # masked, but 0 * NaN is NaN
+                if used:
+                    grown[: self.rows, :, :used] = store[layer][: self.rows]
+                    store[layer] = grown
+                else:
+                    store.append(grown)
+
+    def clear(self) -> None:
+        """Drop every row and give the memory back."""
+        self.keys, self.values = [], []
+        self.lengths = self.lengths[:0]
+
+    # ---- prefill ---------------------------------------------------------------------------
+
+    def prefill(self, model: torch.nn.Module, sequences: list[list[int]], pad_id: int) -> Prefill:
+        """Run `sequences` through the model (see the module docstring). The batch is not changed,
+        so a prefill that raises leaves it as it was."""
+        keys: list = [None] * len(sequences)
+        values: list = [None] * len(sequences)
+        logits: list = [None] * len(sequences)
+        for group in _groups(sequences):
+            width = max(len(sequences[i]) for i in group)
+            input_ids = torch.full((len(group), width), pad_id, dtype=torch.long)
+            attention = torch.zeros((len(group), width), dtype=torch.long)
+            for row, i in enumerate(group):
+                input_ids[row, width - len(sequences[i]):] = torch.tensor(sequences[i])
+                attention[row, width - len(sequences[i]):] = 1
+            positions = (attention.cumsum(-1) - 1).clamp(min=0)
+            cache = DynamicCache()
+            out = model(input_ids=input_ids.to(self.device), attention_mask=attention.to(self.device),
+                        position_ids=positions.to(self.device), past_key_values=cache, use_cache=True,
+                        logits_to_keep=1)
+            for row, i in enumerate(group):
+                start = width - len(sequences[i])
+                keys[i] = [layer.keys[row, :, start:] for layer in cache.layers]
+                values[i] = [layer.values[row, :, start:] for layer in cache.layers]
+                logits[i] = out.logits[row, -1]
+        return Prefill(keys, values, torch.stack(logits))
+
+    def add(self, prefill: Prefill) -> None:
+        """Put the prefilled sequences in the next free slots (after the running rows)."""
+        lengths = prefill.lengths
+        first = self.rows
+        if first + len(lengths) > self.max_rows:
+            raise ValueError(f"{first} + {len(lengths)} rows exceed the batch's {self.max_rows} slots")
+        self._reserve(max(lengths) + 1)
+        for row, (keys, values, length) in enumerate(zip(prefill.keys, prefill.values, lengths), start=first):
+            for layer in range(self.layer_count):
+                self.keys[layer][row, :, :length] = keys[layer]
+                self.values[layer][row, :, :length] = values[layer]
+        added = torch.tensor(lengths, dtype=torch.long, device=self.device)
+        self.lengths = torch.cat([self.lengths, added])
+
+    # ---- decode ----------------------------------------------------------------------------
 
     def step(self, model: torch.nn.Module, tokens: torch.Tensor) -> torch.Tensor:
         """Feed one token per row [rows]; returns next-token logits [rows, vocab]."""
-        self.attention = torch.cat([self.attention, torch.ones((self.rows, 1), dtype=torch.long)], dim=1)
-        logits = _forward(model, tokens.unsqueeze(1), self.attention, self.positions.unsqueeze(1), self.cache)
-        self.positions = self.positions + 1
-        return logits
+        width = int(self.lengths.max()) + 1
+        self._reserve(width)
+        self._write_columns, self._step_width = self.lengths, width
+        visible = torch.arange(width, device=self.device)[None, :] <= self.lengths[:, None]
+        out = model(input_ids=tokens.unsqueeze(1).to(self.device), attention_mask=visible[:, None, None, :],
+                    position_ids=self.lengths.unsqueeze(1), past_key_values=self, use_cache=True, logits_to_keep=1)
+        self._write_columns = None
+        self.lengths = self.lengths + 1
+        return out.logits[:, -1, :]
 
-    def merge(self, other: "KVBatch") -> "KVBatch":
-        """This batch's rows followed by `other`'s, in one cache (both are consumed)."""
-        width = max(self.width, other.width)
-        self._pad_to(width)
-        other._pad_to(width)
-        for mine, theirs in zip(self.cache.layers, other.cache.layers):
-            mine.keys = torch.cat([mine.keys, theirs.keys])
-            mine.values = torch.cat([mine.values, theirs.values])
-        self.attention = torch.cat([self.attention, other.attention])
-        self.positions = torch.cat([self.positions, other.positions])
-        return self
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
+        """`Cache.update`, called by each attention layer during `step`: store the step's key and
+        value [rows, kv heads, 1, head dim] at each row's column; return the rows' keys and
+        values up to the widest row."""
+        rows = torch.arange(self.rows, device=self.device)
+        keys, values = self.keys[layer_idx], self.values[layer_idx]
+        keys[rows, :, self._write_columns] = key_states[:, :, 0]
+        values[rows, :, self._write_columns] = value_states[:, :, 0]
+        return keys[: self.rows, :, : self._step_width], values[: self.rows, :, : self._step_width]
 
-    def _pad_to(self, width: int) -> None:
-        extra = width - self.width
-        if extra == 0:
-            return
-        for layer in self.cache.layers:
-            layer.keys = torch.nn.functional.pad(layer.keys, (0, 0, extra, 0))
-            layer.values = torch.nn.functional.pad(layer.values, (0, 0, extra, 0))
-        self.attention = torch.nn.functional.pad(self.attention, (extra, 0))
+    # ---- leaving rows ----------------------------------------------------------------------
 
-    def select(self, keep: list[int]) -> "KVBatch | None":
-        """The batch of rows `keep` (None if empty), without padding columns nobody uses."""
-        if not keep:
-            return None
-        if len(keep) < self.rows:
-            index = torch.tensor(keep)
-            self.attention = self.attention[index]
-            self.positions = self.positions[index]
-            for layer in self.cache.layers:
-                layer.keys = layer.keys[index]
-                layer.values = layer.values[index]
-        used = self.attention.any(dim=0).nonzero()
-        first = int(used[0]) if len(used) else self.width
-        if first > 0:
-            self.attention = self.attention[:, first:]
-            for layer in self.cache.layers:
-                layer.keys = layer.keys[:, :, first:]
-                layer.values = layer.values[:, :, first:]
-        return self
+    def retain(self, keep: list[int]) -> list[int]:
+        """Keep the rows `keep` (ascending) and drop the rest. Holes left by dropped rows below
+        the new row count are filled with kept rows from the tail, so only those rows' caches
+        move. Returns the new order: new row i is old row `order[i]`."""
+        count = len(keep)
+        order = list(range(self.rows))
+        dropped = sorted(set(order) - set(keep))
+        holes = [row for row in dropped if row < count]
+        movers = [row for row in keep if row >= count]
+        for hole, mover in zip(holes, movers):
+            order[hole] = mover
+            length = int(self.lengths[mover])
+            for store in (self.keys, self.values):
+                for layer in store:
+                    layer[hole, :, :length] = layer[mover, :, :length]
+        order = order[:count]
+        if count == 0:
+            self.clear()
+        else:
+            self.lengths = self.lengths[torch.tensor(order, device=self.device)]
+        return order
 
 
-def _forward(model, input_ids, attention, positions, cache) -> torch.Tensor:
-    out = model(
-        input_ids=input_ids,
-        attention_mask=attention,
-        position_ids=positions,
-        past_key_values=cache,
-        use_cache=True,
-        logits_to_keep=1,
-    )
-    return out.logits[:, -1, :]
+def _groups(sequences: list[list[int]]) -> list[list[int]]:
+    """Indices of `sequences` in prefill groups: sorted by length, a sequence joins the group of
+    the shorter ones before it while the group stays within PREFILL_TOKENS positions and pads at
+    most PREFILL_PADDING of them (a forward costs about the same per position from a few hundred
+    positions up, so small groups lose little; padding is computed for nothing)."""
+    order = sorted(range(len(sequences)), key=lambda i: len(sequences[i]))
+    groups: list[list[int]] = []
+    real = 0
+    for i in order:
+        length = len(sequences[i])
+        positions = (len(groups[-1]) + 1) * length if groups else 0
+        if groups and positions <= PREFILL_TOKENS and positions - real - length <= PREFILL_PADDING * positions:
+            groups[-1].append(i)
+            real += length
+        else:
+            groups.append([i])
+            real = length
+    return groups

@@ -32,7 +32,7 @@ from typing import Any, Literal
 
 import torch
 
-from serve.engine.batch import KVBatch
+from serve.engine.batch import KVBatch, Prefill
 from serve.engine.grammar import Grammars, apply_grammars
 from serve.engine.request import GenerationResult, Request, RequestFailed, StreamError, TokenDelta, resolve
 from serve.engine.sampling import SamplingParams, sample
@@ -79,7 +79,8 @@ class Engine:
         self._waiting: deque[Request] = deque()
         self._commands: deque[_Command] = deque()
         self._rows: list[Request] = []
-        self._batch: KVBatch | None = None
+        """The running requests; row i of the batch is `_rows[i]`."""
+        self._batch = KVBatch(model, max_batch_size)
         self._wake = threading.Condition()
         self._running = False
         self._thread: threading.Thread | None = None
@@ -190,13 +191,12 @@ class Engine:
             self._wake.notify()
 
     def load(self) -> dict[str, Any]:
-        batch = self._batch
         return {
             "num_running_reqs": len(self._rows),
             "num_waiting_reqs": len(self._waiting),
             "paused": self.paused,
-            "cached_tokens": batch.cached_tokens if batch else 0,
-            "cache_slots": batch.rows * batch.width if batch else 0,
+            "cached_tokens": self._batch.cached_tokens,
+            "cache_slots": self._batch.capacity_tokens,
             "weight_version": self.version,
         }
 
@@ -244,7 +244,8 @@ class Engine:
         elif mode == "retract":
             with self._wake:
                 self._waiting.extendleft(reversed(self._rows))
-            self._rows, self._batch = [], None
+            self._rows = []
+            self._batch.clear()
         self.paused = True
 
     def _do_resume(self) -> None:
@@ -281,7 +282,8 @@ class Engine:
         with self._wake:
             doomed = list(self._waiting) + self._rows
             self._waiting.clear()
-        self._rows, self._batch = [], None
+        self._rows = []
+        self._batch.clear()
         for request in doomed:
             self._fail(request, error)
 
@@ -301,20 +303,20 @@ class Engine:
         new = [r for r in new if r.finish is None]
         if not new:
             return
-        for rows, batch, logits in self._prefill(new):
+        for rows, prefill in self._prefill(new):
             # Rows join the running batch before they are sampled: whatever happens next, the
             # engine knows them (a failure fails them, never leaves them waiting forever).
-            self._batch = batch if self._batch is None else self._batch.merge(batch)
+            self._batch.add(prefill)
             self._rows.extend(rows)
-            self._sample(rows, logits)
+            self._sample(rows, prefill.logits)
         self._drop_finished()
 
-    def _prefill(self, new: list[Request]) -> list[tuple[list[Request], KVBatch, torch.Tensor]]:
+    def _prefill(self, new: list[Request]) -> list[tuple[list[Request], Prefill]]:
         """Prefill `new` together; if that fails, each alone, so that only a request whose own
         prefill fails (say, a token id the model has no embedding for) fails. The running batch
         is not touched either way."""
         try:
-            batch, logits = KVBatch.prefill(self.model, [r.input_ids + r.output_ids for r in new], self.pad_id)
+            prefill = self._batch.prefill(self.model, [r.input_ids + r.output_ids for r in new], self.pad_id)
         except Exception as exc:
             if len(new) > 1:
                 return [part for request in new for part in self._prefill([request])]
@@ -322,7 +324,7 @@ class Engine:
             self._fail(new[0], RequestFailed(f"request {new[0].rid} failed: its prefill raised: {exc}"))
             return []
         self.stats["prefills"] += 1
-        return [(new, batch, logits)]
+        return [(new, prefill)]
 
     def _decode(self) -> None:
         if not self._rows:
@@ -371,8 +373,8 @@ class Engine:
         if len(keep) == len(self._rows):
             return
         finished = [r for r in self._rows if r.done]
-        self._rows = [self._rows[i] for i in keep]
-        self._batch = self._batch.select(keep) if self._batch is not None else None
+        order = self._batch.retain(keep)
+        self._rows = [self._rows[i] for i in order]
         for request in finished:
             if request.error is not None:
                 self._fail(request, request.error)

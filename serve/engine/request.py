@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 
+from serve.engine.detokenizer import IncrementalText
 from serve.engine.sampling import SEED_RANGE, SamplingParams
 
 
@@ -101,6 +102,10 @@ class Request:
             self.top_logprobs = []
         if params.max_new_tokens == 0:
             self.finish = {"type": "length", "length": 0}
+        self._detokenizer = IncrementalText(self.tokenizer, params.skip_special_tokens) if params.stop else None
+        self._stop_window = max((len(s) for s in params.stop), default=0) - 1
+        self._tail = ""
+        """The end of the output's text, as long as the longest stop string less one character."""
 
     @property
     def done(self) -> bool:
@@ -131,7 +136,7 @@ class Request:
         params = self.params
         if token in self.stop_ids:
             return {"type": "stop", "matched": token}
-        if params.stop:
+        if params.stop and self._stop_hit():
             text = self.tokenizer.decode(self.output_ids, skip_special_tokens=params.skip_special_tokens)
             hits = [(text.find(s), s) for s in params.stop if s in text]
             if hits:
@@ -141,6 +146,13 @@ class Request:
         if len(self.output_ids) >= params.max_new_tokens or len(self.input_ids) + len(self.output_ids) >= self.context_length:
             return {"type": "length", "length": len(self.output_ids)}
         return None
+
+    def _stop_hit(self) -> bool:
+        """Whether the text the newest token added completes a stop string: only the added text
+        and the few characters before it are searched (a hit is then placed in the whole text)."""
+        window = self._tail + self._detokenizer.added(self.output_ids)
+        self._tail = window[-self._stop_window:] if self._stop_window > 0 else ""
+        return any(s in window for s in self.params.stop)
 
     def complete(self) -> None:
         """Deliver the final result to the caller (future, and the stream if any)."""
