@@ -67,6 +67,9 @@ class ServeConfig(Section):
     publish_queue_size: int = Field(10_000, ge=1)
     """Finished turns waiting to be published, off the response path."""
     torch_threads: int = Field(1, ge=1)
+    device: str = Field("cpu", pattern=r"^(cpu|cuda(:\d+)?)$")
+    """Where the embedded engine runs: `cpu`, `cuda` or `cuda:N` (then its weights, KV cache and
+    sampling are on that GPU; a machine without one refuses to start, naming this key)."""
     engine_urls: list[str] = Field(default_factory=list)
     """External engines speaking SGLang's protocol (real SGLang, or `python -m serve.engine`);
     empty: one embedded engine in this process."""

@@ -6,7 +6,7 @@ in with `load_weights`.
 """
 
 from models.cache import atomic_directory, cache_root, cached_build
-from models.registry import load_model, resolve_model, save_model
+from models.registry import load_model, place, resolve_model, save_model
 from models.smollm2 import import_smollm2
 from models.tiny import build_tiny
 from models.weight_store import WeightStore, load_weights
@@ -19,6 +19,7 @@ __all__ = [
     "cached_build",
     "import_smollm2",
     "load_model",
+    "place",
     "load_weights",
     "resolve_model",
     "save_model",

@@ -73,6 +73,14 @@ def load_model(
     return model, tokenizer
 
 
+def place(model: PreTrainedModel, device: str) -> PreTrainedModel:
+    """`model` on `device` (`cpu`, `cuda`, `cuda:N`); a ValueError naming the device when it
+    asks for a GPU this machine does not have."""
+    if device != "cpu" and not (torch.cuda.is_available() and torch.device(device).index in (None, *range(torch.cuda.device_count()))):
+        raise ValueError(f"device {device!r} is not available here (CUDA devices: {torch.cuda.device_count()})")
+    return model.to(device)
+
+
 def save_model(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, dest: Path) -> Path:
     """Write config, safetensors weights and tokenizer to `dest`, all at once or not at all.
 

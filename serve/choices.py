@@ -74,7 +74,8 @@ class Choice:
     logprobs: list[float] = field(default_factory=list)
     versions: list[int] = field(default_factory=list)
     top_logprobs: list[list[tuple[int, float]]] | None = None
-    text: str = ""
+    pieces: list[str] = field(default_factory=list)
+    """The output's text as it came, chunk by chunk (`text` joins it)."""
     finish: dict[str, Any] | None = None
     """SGLang's finish_reason object; None while running (or if the client went away)."""
     prompt_tokens: int = 0
@@ -98,7 +99,8 @@ class Choice:
                 [(entry[1], entry[0]) for entry in position] for position in meta["output_top_logprobs"]
             ]
         self.prompt_tokens = meta.get("prompt_tokens", self.prompt_tokens)
-        self.text += chunk["text"]
+        if chunk["text"]:
+            self.pieces.append(chunk["text"])
         if meta.get("finish_reason"):
             self.finish = meta["finish_reason"]
         return chunk["text"]
@@ -108,6 +110,12 @@ class Choice:
         choice = cls(index, rid)
         choice.add(response)
         return choice
+
+    @property
+    def text(self) -> str:
+        if len(self.pieces) > 1:
+            self.pieces[:] = ["".join(self.pieces)]
+        return self.pieces[0] if self.pieces else ""
 
     @property
     def finish_reason(self) -> str:

@@ -25,6 +25,7 @@ from serve.formatting import chat_message, output_text, stop_string
 from serve.recorder import RecordLost, Recorder
 from serve.schema import ChatCompletionRequest, CompletionRequest, sampling_params
 from serve.sessions import SessionInfo
+from serve.streamed_text import StreamedText
 from serve.tool_formats import ToolFormat
 from serve.wire import Wire
 
@@ -192,7 +193,7 @@ class Generation:
 
         timer = asyncio.get_running_loop().call_later(self.timeout_s, expire) if self.timeout_s else None
         chunks = self._chunks()
-        streamed = ["" for _ in self.choices]
+        streamed = [StreamedText(self.tool_format, self.forced) for _ in self.choices]
         head = self.wire.open(self)
         finished = 0
         try:
@@ -206,15 +207,15 @@ class Generation:
                     choice = self.choices[i]
                     if item is None:
                         finished += 1
-                        tail = self.wire.close(self, choice, streamed[i])
+                        tail = self.wire.close(self, choice, streamed[i].shown)
                         if finished < self.body.n:
                             yield head + tail
                             head = tail = b""
                     else:
                         start = len(choice.output_ids)
-                        text = self._visible(choice, choice.add(item), streamed[i])
-                        event = self.wire.delta(self, choice, text, start, streamed[i])
-                        streamed[i] += text
+                        sent = streamed[i].length
+                        text = streamed[i].add(choice.add(item))
+                        event = self.wire.delta(self, choice, text, start, sent)
                         if event is not None:
                             yield head + event
                             head = b""
@@ -242,14 +243,6 @@ class Generation:
                 await chunks.aclose()
             finally:
                 self._record()
-
-    def _visible(self, choice: Choice, text: str, streamed: str) -> str:
-        """What of a choice's new `text` the client may see now: with tools, anything that may
-        be (the start of) a tool call is held back until the choice ends."""
-        if self.tool_format is None:
-            return text
-        safe = self.tool_format.safe_prefix(self.forced + choice.text)
-        return safe[len(streamed):] if len(safe) > len(streamed) else ""
 
     async def _durable_end(self, tail: bytes) -> bytes:
         """The stream's last events: `tail` and the wire's end once the turns are durable; else

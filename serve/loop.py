@@ -21,8 +21,8 @@ import uvicorn
 
 from bus import WEIGHTS_SUBJECT, Bus, WeightUpdate
 from bus.process import repeat
-from config import FlywheelConfig
-from models import load_model, load_weights
+from config import ConfigError, FlywheelConfig
+from models import load_model, load_weights, place
 from serve.engine import Engine
 from serve.engine_client import HTTPEngineClient, InProcessEngineClient
 from serve.engine_pool import EnginePool
@@ -57,6 +57,10 @@ class ServeLoop:
             engines = [await HTTPEngineClient(url, admin_key=cfg.admin_key).connect() for url in cfg.engine_urls]
             context_length = tokenizer.model_max_length if tokenizer.model_max_length < 10**8 else 2048
         else:
+            try:
+                model = place(model, cfg.device)
+            except ValueError as exc:
+                raise ConfigError(f"serve.device: {exc}") from None
             self.engine = Engine(model, tokenizer, max_batch_size=cfg.max_batch_size, load_weights=load_weights).start()
             engines = [InProcessEngineClient(self.engine)]
             context_length = self.engine.context_length

@@ -94,7 +94,7 @@ class MessagesWire(Wire):
                    "usage": {**self._usage(g), "output_tokens": 0}}
         return self._event("message_start", message=message)
 
-    def delta(self, g: Generation, choice: Choice, text: str, start: int, streamed: str) -> bytes | None:
+    def delta(self, g: Generation, choice: Choice, text: str, start: int, sent: int) -> bytes | None:
         if not text:
             return None
         head = b""

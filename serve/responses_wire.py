@@ -149,7 +149,7 @@ class ResponsesWire(Wire):
         response = self._response(g, "in_progress", [])
         return self._event("response.created", response=response) + self._event("response.in_progress", response=response)
 
-    def delta(self, g: Generation, choice: Choice, text: str, start: int, streamed: str) -> bytes | None:
+    def delta(self, g: Generation, choice: Choice, text: str, start: int, sent: int) -> bytes | None:
         if not text:
             return None
         return (b"" if self.message_open else self._open_message()) + self._text_delta(text)

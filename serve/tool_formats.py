@@ -62,14 +62,18 @@ class ToolFormat:
         """(content, tool calls) of an answer; no calls means the text is all content."""
         raise NotImplementedError
 
-    def safe_prefix(self, text: str) -> str:
-        """The part of an answer so far that cannot be (the start of) a call."""
-        cut = text.find(self.start)
-        safe = text if cut < 0 else text[:cut]
-        for k in range(min(len(self.start) - 1, len(safe)), 0, -1):
-            if safe.endswith(self.start[:k]):
-                return safe[:-k]
-        return safe
+    def release(self, pending: str, shown: bool) -> tuple[int, bool]:
+        """How much of `pending` (streamed text not yet shown; `shown`: whether any text before it
+        was) cannot be (the start of) a call and may be shown now, and whether the rest is a
+        call for good (nothing more will be shown). Shown text never ends with the beginning of
+        `start`, so a call cannot begin before `pending` does."""
+        cut = pending.find(self.start)
+        if cut >= 0:
+            return cut, True
+        for k in range(min(len(self.start) - 1, len(pending)), 0, -1):
+            if pending.endswith(self.start[:k]):
+                return len(pending) - k, False
+        return len(pending), False
 
     def forced_prefix(self, tool_choice: Any) -> str:
         """Text the prompt ends with to force a call ("" when the model may choose)."""
@@ -158,11 +162,15 @@ class Llama3Json(ToolFormat):
             position = len(body) - len(rest[1:].lstrip())
         return None, calls
 
-    def safe_prefix(self, text: str) -> str:
-        stripped = text.lstrip()
-        if not stripped or stripped.startswith("{") or self.PYTHON_TAG.startswith(stripped[:len(self.PYTHON_TAG)]):
-            return ""  # (maybe) the start of a call: an answer that is calls is nothing but calls
-        return text
+    def release(self, pending: str, shown: bool) -> tuple[int, bool]:
+        if shown:
+            return len(pending), False  # the answer began with text: it is not calls
+        stripped = pending.lstrip()
+        if not stripped or self.PYTHON_TAG.startswith(stripped[:len(self.PYTHON_TAG)]) and len(stripped) < len(self.PYTHON_TAG):
+            return 0, False  # maybe the start of a call
+        if stripped.startswith(("{", self.PYTHON_TAG)):
+            return 0, True  # an answer that is calls is nothing but calls
+        return len(pending), False
 
 
 class Mistral(ToolFormat):

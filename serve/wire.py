@@ -55,9 +55,9 @@ class Wire:
     def open(self, g: Generation) -> bytes:
         return b""
 
-    def delta(self, g: Generation, choice: Choice, text: str, start: int, streamed: str) -> bytes | None:
+    def delta(self, g: Generation, choice: Choice, text: str, start: int, sent: int) -> bytes | None:
         """The event for a choice's new output (tokens from position `start`, visible `text`,
-        after `streamed` was sent); None when there is nothing to send yet."""
+        after `sent` characters of text were sent); None when there is nothing to send yet."""
         raise NotImplementedError
 
     def close(self, g: Generation, choice: Choice, streamed: str) -> bytes:
@@ -112,9 +112,9 @@ class OpenAIWire(Wire):
         return b"".join(sse(chat_chunk(rid, g.created, g.model_name, None, c.index, {"role": "assistant", "content": ""}))
                         for c in g.choices)
 
-    def delta(self, g: Generation, choice: Choice, text: str, start: int, streamed: str) -> bytes | None:
+    def delta(self, g: Generation, choice: Choice, text: str, start: int, sent: int) -> bytes | None:
         if not self.chat:
-            logprobs = completion_logprobs(g.tokenizer, choice, start, len(streamed)) if g.want_logprobs else None
+            logprobs = completion_logprobs(g.tokenizer, choice, start, sent) if g.want_logprobs else None
             return self.templates[choice.index].event(choice.version, text, logprobs)
         logprobs = chat_logprobs(g.tokenizer, choice, start) if g.want_logprobs else None
         if not text and logprobs is None:

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from bus import TRAFFIC_SUBJECTS, WEIGHTS_SUBJECT, Turn, WeightUpdate
-from config import load_config
+from config import ConfigError, load_config
 from models import WeightStore, load_model, load_weights
 from serve.engine import Engine
 from serve.engine.server import create_engine_app
@@ -120,6 +120,13 @@ def test_routing_is_sticky_and_spreads():
     assert set(first.values()) == {"http://e0", "http://e1", "http://e2"}
     smaller = EnginePool(pool.engines[:2])  # only e2's sessions move when e2 goes
     assert all(smaller.route(s).name == e for s, e in first.items() if e != "http://e2")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without a GPU")
+async def test_a_gpu_engine_without_a_gpu_is_a_config_error_naming_the_key(nats_url, tmp_path):
+    config = load_config(None, [f"run_dir={tmp_path}", "serve.port=0", "serve.device=cuda:0"])
+    with pytest.raises(ConfigError, match=r"serve.device: device 'cuda:0' is not available here"):
+        await ServeLoop(config, nats_url).start()
 
 
 async def test_gateway_over_two_http_engines_with_a_rolling_swap(nats_url, bus, tmp_path):

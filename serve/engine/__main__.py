@@ -10,7 +10,7 @@ import logging
 import torch
 import uvicorn
 
-from models import load_model, load_weights
+from models import load_model, load_weights, place
 from serve.engine.core import Engine
 from serve.engine.server import create_engine_app
 
@@ -31,10 +31,15 @@ def main(argv: list[str] | None = None) -> int:
                         help="report only the current weight version label per response or chunk, no per-token "
                              "spans (like a server that does not track them)")
     parser.add_argument("--torch-threads", type=int, default=1)
+    parser.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     torch.set_num_threads(args.torch_threads)
     model, tokenizer = load_model(args.model)
+    try:
+        model = place(model, args.device)
+    except ValueError as exc:
+        parser.error(f"--device: {exc}")
     engine = Engine(model, tokenizer, version=args.weight_version, max_batch_size=args.max_batch_size,
                     context_length=args.context_length, load_weights=load_weights).start()
     app = create_engine_app(engine, args.model, args.served_model_name or args.model, args.admin_api_key,

@@ -351,6 +351,7 @@ class Engine:
         for i in failed:
             rows[i].mark_failed("its next-token probabilities are not finite (a temperature too small for "
                                 "logits / temperature, or the model produced NaN or inf)")
+        tokens, logprobs = tokens.tolist(), logprobs.tolist()  # one copy (one sync on a GPU), not one per row
         now = time.monotonic()
         deltas: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, TokenDelta]]] = {}
         for i, request in enumerate(rows):
@@ -358,7 +359,7 @@ class Engine:
                 continue
             tops = top[i][: request.params.top_logprobs_num] if top is not None else None
             try:
-                delta = request.append(int(tokens[i]), float(logprobs[i]), self.version, tops, now)
+                delta = request.append(tokens[i], logprobs[i], self.version, tops, now)
             except Exception as exc:
                 request.mark_failed(f"its finish checks raised: {exc}")
                 continue

@@ -133,7 +133,7 @@ def mask_logits(logits: torch.Tensor, matchers: list[Any]) -> None:
     for k, i in enumerate(rows):
         fill_next_token_bitmask(matchers[i], bitmask, k)
     allowed = ((bitmask.unsqueeze(-1) >> _BITS) & 1).view(len(rows), -1)[:, :vocab].bool()
-    logits[rows] = logits[rows].masked_fill(~allowed, float("-inf"))
+    logits[rows] = logits[rows].masked_fill(~allowed.to(logits.device), float("-inf"))
 
 
 _BITS = torch.arange(32, dtype=torch.int32)

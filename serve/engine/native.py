@@ -28,6 +28,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from serve.engine.core import Engine
+from serve.engine.detokenizer import IncrementalText
 from serve.engine.request import GenerationResult, TokenDelta
 from serve.engine.sampling import SamplingParams
 
@@ -157,49 +158,42 @@ async def generate(engine: Engine, body: dict[str, Any], spans: bool = True) -> 
     return responses if batch else responses[0]
 
 
-def _decoder(tokenizer: Any, skip_special: bool) -> Any:
-    """`ids -> tokenizer.decode(ids, skip_special_tokens=skip_special)`; straight to the Rust
-    tokenizer when that is all transformers' decode would do (a fast tokenizer without the
-    clean-up pass), which skips a few microseconds of Python per call on the per-token path."""
-    try:
-        from transformers.tokenization_utils_base import PreTrainedTokenizerBase
-        from transformers.tokenization_utils_tokenizers import TokenizersBackend
-    except ImportError:  # another transformers layout: keep the public call
-        TokenizersBackend = PreTrainedTokenizerBase = None
-    backend = getattr(tokenizer, "_tokenizer", None)
-    if (TokenizersBackend is not None and backend is not None and not tokenizer.clean_up_tokenization_spaces
-            and type(tokenizer)._decode is TokenizersBackend._decode
-            and type(tokenizer).decode is PreTrainedTokenizerBase.decode):
-        return lambda ids: backend.decode(ids, skip_special_tokens=skip_special)
-    return lambda ids: tokenizer.decode(ids, skip_special_tokens=skip_special)
-
-
 class _TextStream:
-    """Text of a growing output, decoded incrementally (a window of a few tokens per step, not
-    the whole output again) and released only where it can no longer change: not the end of an
-    unfinished UTF-8 character, nor what could still turn out to be part of a stop string."""
+    """Text of a growing output, decoded incrementally and released only where it can no longer
+    change: not the end of an unfinished UTF-8 character (`IncrementalText`), nor what could
+    still turn out to be part of a stop string (the last `hold` characters). Each step costs
+    the new text, not the output so far."""
 
     def __init__(self, tokenizer: Any, params: SamplingParams):
-        self._decode = _decoder(tokenizer, params.skip_special_tokens)
+        self._text = IncrementalText(tokenizer, params.skip_special_tokens)
         self.hold = max((len(s) for s in params.stop), default=1) - 1
-        self.prefix = self.read = 0  # token offsets: decoded context / decoded so far
-        self.text = ""  # stable decoded text
-        self.sent = ""  # released text
+        self._pending = ""  # decoded, not yet released
+        self._sent: list[str] = []
+        self._sent_chars = 0
 
     def advance(self, ids: list[int]) -> str:
-        # Decoding from a few tokens back keeps tokenizers' word-boundary handling right.
-        before = self._decode(ids[self.prefix:self.read])
-        after = self._decode(ids[self.prefix:])
-        if len(after) > len(before) and not after.endswith("\ufffd"):
-            self.text += after[len(before):]
-            self.prefix, self.read = self.read, len(ids)
-        ready = self.text[: max(len(self.sent), len(self.text) - self.hold)]
-        delta, self.sent = ready[len(self.sent):], ready
-        return delta
+        self._pending += self._text.added(ids)
+        count = len(self._pending) - self.hold
+        if count <= 0:
+            return ""
+        delta, self._pending = self._pending[:count], self._pending[count:]
+        return self._release(delta)
 
     def finish(self, final_text: str) -> str:
-        delta, self.sent = final_text[len(self.sent):], final_text
+        return self._release(final_text[self._sent_chars:])
+
+    def _release(self, delta: str) -> str:
+        if delta:
+            self._sent.append(delta)
+            self._sent_chars += len(delta)
         return delta
+
+    @property
+    def sent(self) -> str:
+        """All the text released so far."""
+        if len(self._sent) > 1:
+            self._sent[:] = ["".join(self._sent)]
+        return self._sent[0] if self._sent else ""
 
 
 def generate_stream(engine: Engine, body: dict[str, Any], incremental: bool = False,

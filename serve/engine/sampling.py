@@ -90,7 +90,8 @@ def sample(
     rows whose distribution is not finite (nothing was drawn for them: their token and logprob
     are meaningless)."""
     logits = logits.float()
-    temps = torch.tensor([p.temperature for p in params], dtype=torch.float32)
+    device = logits.device
+    temps = torch.tensor([p.temperature for p in params], dtype=torch.float32, device=device)
     greedy = temps == 0
     scaled = logits / torch.where(greedy, torch.ones_like(temps), temps).unsqueeze(1)
     logprobs = torch.log_softmax(scaled, dim=-1)
@@ -98,14 +99,14 @@ def sample(
     probs = torch.softmax(_truncate(scaled, params), dim=-1)
     finite = torch.isfinite(probs).all(dim=-1)
     failed = (~finite).nonzero().squeeze(1).tolist()
-    tokens = torch.zeros(len(params), dtype=torch.long)
+    tokens = torch.zeros(len(params), dtype=torch.long, device=device)
     drawn = finite & ~greedy
     shared_rows = [i for i, g in enumerate(generators) if g is None and drawn[i]]
     if shared_rows:
         tokens[shared_rows] = torch.multinomial(probs[shared_rows], 1).squeeze(1)
     for i, generator in enumerate(generators):
         if generator is not None and drawn[i]:
-            tokens[i] = torch.multinomial(probs[i], 1, generator=generator).item()
+            tokens[i] = torch.multinomial(probs[i].cpu(), 1, generator=generator).item()  # seeded: a CPU generator
     if greedy.any():
         tokens[greedy] = logits[greedy].argmax(dim=-1)
     chosen = logprobs.gather(1, tokens.unsqueeze(1)).squeeze(1)
@@ -124,11 +125,11 @@ def _truncate(scaled: torch.Tensor, params: list[SamplingParams]) -> torch.Tenso
     if not any(need_k) and not need_p:
         return scaled
     sorted_logits, order = scaled.sort(dim=-1, descending=True)
-    ranks = torch.arange(scaled.shape[1]).unsqueeze(0)
-    top_k = torch.tensor([min(p.top_k, scaled.shape[1]) for p in params]).unsqueeze(1)
+    ranks = torch.arange(scaled.shape[1], device=scaled.device).unsqueeze(0)
+    top_k = torch.tensor([min(p.top_k, scaled.shape[1]) for p in params], device=scaled.device).unsqueeze(1)
     drop = ranks >= top_k
     if need_p:
-        top_p = torch.tensor([params[i].top_p for i in need_p], dtype=torch.float64).unsqueeze(1)
+        top_p = torch.tensor([params[i].top_p for i in need_p], dtype=torch.float64, device=scaled.device).unsqueeze(1)
         probs = torch.softmax(sorted_logits[need_p].double(), dim=-1)
         # Keep the smallest prefix whose mass reaches top_p: drop a token once the more likely
         # ones already hold top_p.
