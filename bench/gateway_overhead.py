@@ -283,6 +283,7 @@ async def main_async(args: argparse.Namespace) -> None:
             {"mode": "rounds", "rounds": args.rounds, "warmup_rounds": 0}
         for mode in modes:  # warm-up round of each path, untimed
             await run_mode(mode, {"mode": "rounds", "rounds": 0, "warmup_rounds": 1})
+        thread_ids.update({t.name: t.native_id for t in threading.enumerate() if t.name.startswith("prompts")})
         for block in range(args.blocks):
             order = modes[block % len(modes):] + modes[: block % len(modes)]
             for mode in order:
@@ -303,8 +304,9 @@ async def main_async(args: argparse.Namespace) -> None:
         summary[m]["threads_us_per_token"] = {
             name: {k: (1e6 if k == "cpu_s" else 1.0) * sum(b["threads"][name][k] for b in blocks) / tokens
                    for k in ("cpu_s", "voluntary_switches", "involuntary_switches")}
-            for name in ("event_loop", "engine", "other")
+            for name in ("event_loop", "engine", "other", *(n for n in thread_ids if n.startswith("prompts")))
         }
+        summary[m]["cpu_share"] = cpu_share(summary[m]["threads_us_per_token"])
         summary[m]["client_us_per_token"] = 1e6 * results[m]["client_cpu_s"] / tokens if m in client_cfg else None
         summary[m]["foreign_cores_mean"] = sum(c["foreign_cores"] for c in blocks) / len(blocks)
         summary[m]["cpu_blocks"] = blocks
@@ -329,6 +331,10 @@ async def main_async(args: argparse.Namespace) -> None:
     print()
     for base, o in overheads.items():
         print(f"gateway vs {base}: {100 * o['tokens_per_s']:+.1f}% wall time per token (tok/s), {100 * o['tpot_p50']:+.1f}% TPOT p50")
+    for m, s in summary.items():
+        share = s["cpu_share"]
+        print(f"{m}: front (event loop + prompt thread) {share['front_us']:.0f} us/token = {100 * share['ratio']:.1f}% of the "
+              f"engine's {share['engine_us']:.0f} us/token (engine thread + torch threads)")
     met = "engine_http" in overheads and max(overheads["engine_http"].values()) <= 0.05
     print(f"target (gateway vs engine_http) <= 5%: {'MET' if met else 'MISSED' if 'engine_http' in overheads else 'not measured'}")
     print(f"turns published {stats['published']}, dropped {stats['dropped']}; recorded prompt ids match the other modes': "
@@ -344,6 +350,15 @@ async def main_async(args: argparse.Namespace) -> None:
         "turns_published": stats["published"], "turns_dropped": stats["dropped"], "prompt_ids_match": prompt_ids_match,
     })
     print(f"wrote {path}")
+
+
+def cpu_share(per_token: dict) -> dict:
+    """CPU per token of the front (the event loop, which parses, validates, streams and records,
+    and the prompt-rendering thread) against the engine's (its thread and torch's intra-op
+    threads, "other": nothing else in the process does steady work)."""
+    front = per_token["event_loop"]["cpu_s"] + sum(v["cpu_s"] for k, v in per_token.items() if k.startswith("prompts"))
+    engine = per_token["engine"]["cpu_s"] + per_token["other"]["cpu_s"]
+    return {"front_us": front, "engine_us": engine, "ratio": front / engine}
 
 
 def overhead(base: dict, gateway: dict) -> dict:

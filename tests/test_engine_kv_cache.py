@@ -114,3 +114,39 @@ async def test_stop_strings_end_where_a_search_of_the_whole_text_would(model_and
         assert result.finish_reason == {"type": "stop", "matched": matched}
         assert result.text == whole[:at]
         assert free[i // 2].output_ids[: len(result.output_ids)] == result.output_ids
+
+
+def test_a_slot_left_with_non_finite_values_does_not_reach_its_next_row(model_and_tokenizer):
+    """Masked columns still take part in attention with weight 0, and 0 x NaN is NaN: what a row
+    left in its slot (here: NaN, as a model fed a broken embedding would write) is cleared for
+    the next row, both in a hole filled from the tail and in a slot a newcomer takes, while a
+    longer row makes the step attend over those columns."""
+    model, _ = model_and_tokenizer
+    long, short, newcomer, broken = [3] * 13, [4, 5, 6, 7, 8], [9, 10], [1] * 14
+
+    def poisoned(batch: KVBatch, row: int) -> None:
+        for store in (batch.keys, batch.values):
+            for layer in store:
+                layer[row].fill_(float("nan"))
+
+    def after_one_step(rows: list[list[int]]) -> torch.Tensor:
+        clean = KVBatch(model, max_rows=3, first_columns=16)
+        clean.add(clean.prefill(model, rows, pad_id=0))
+        return clean.step(model, torch.tensor([3] * len(rows)))
+
+    with torch.inference_mode():
+        hole = KVBatch(model, max_rows=3, first_columns=16)
+        hole.add(hole.prefill(model, [broken, long, short], pad_id=0))
+        poisoned(hole, 0)
+        assert hole.retain([1, 2]) == [2, 1]  # the short row moves into the broken row's slot
+        hole_logits = hole.step(model, torch.tensor([3, 3]))
+
+        slot = KVBatch(model, max_rows=3, first_columns=16)
+        slot.add(slot.prefill(model, [long, broken], pad_id=0))
+        poisoned(slot, 1)
+        assert slot.retain([0]) == [0]
+        slot.add(slot.prefill(model, [newcomer], pad_id=0))  # takes the broken row's slot
+        slot_logits = slot.step(model, torch.tensor([3, 3]))
+
+        assert torch.allclose(hole_logits, after_one_step([short, long]), atol=1e-5)
+        assert torch.allclose(slot_logits, after_one_step([long, newcomer]), atol=1e-5)

@@ -16,6 +16,10 @@ that hides, for shorter rows, the columns they have not reached.
 - `retain` keeps some rows: finished rows' slots are refilled from the tail (one row's copy per
   hole), and the new order is returned so the caller can reorder its own rows alike.
 
+The allocation outlives an empty batch unless it grew (then it is given back). A slot taken by
+a new row has what its last occupant wrote beyond the new row's tokens zeroed (masked columns
+still take part in the attention product with weight 0, and 0 x NaN is NaN).
+
 Each row's newest sampled token is not in the cache yet: it is the input of the next step.
 """
 
@@ -67,6 +71,8 @@ class KVBatch(Cache):
         """[rows] tokens in the cache of each row (= the position id of its next input)."""
         self._write_columns: torch.Tensor | None = None
         self._step_width = 0
+        self._written = 0
+        """Columns some row has written since the allocation: beyond them every slot is zeros."""
 
     # ---- size ------------------------------------------------------------------------------
 
@@ -106,9 +112,20 @@ class KVBatch(Cache):
                     store.append(grown)
 
     def clear(self) -> None:
-        """Drop every row and give the memory back."""
-        self.keys, self.values = [], []
+        """Drop every row. The first allocation is kept for the next rows; a grown one is given
+        back."""
+        if self.columns > self.first_columns:
+            self.keys, self.values, self._written = [], [], 0
         self.lengths = self.lengths[:0]
+
+    def _take_slot(self, row: int, length: int) -> None:
+        """Zero what an earlier occupant of slot `row` left beyond `length`. Attention gives
+        those columns weight 0, but 0 x NaN is NaN: a row whose keys or values were not finite
+        must not reach the next one."""
+        if self._written > length:
+            for store in (self.keys, self.values):
+                for layer in store:
+                    layer[row, :, length:self._written] = 0
 
     # ---- prefill ---------------------------------------------------------------------------
 
@@ -145,11 +162,13 @@ class KVBatch(Cache):
             raise ValueError(f"{first} + {len(lengths)} rows exceed the batch's {self.max_rows} slots")
         self._reserve(max(lengths) + 1)
         for row, (keys, values, length) in enumerate(zip(prefill.keys, prefill.values, lengths), start=first):
+            self._take_slot(row, length)
             for layer in range(self.layer_count):
                 self.keys[layer][row, :, :length] = keys[layer]
                 self.values[layer][row, :, :length] = values[layer]
         added = torch.tensor(lengths, dtype=torch.long, device=self.device)
         self.lengths = torch.cat([self.lengths, added])
+        self._written = max(self._written, *lengths)
 
     # ---- decode ----------------------------------------------------------------------------
 
@@ -163,6 +182,7 @@ class KVBatch(Cache):
                     position_ids=self.lengths.unsqueeze(1), past_key_values=self, use_cache=True, logits_to_keep=1)
         self._write_columns = None
         self.lengths = self.lengths + 1
+        self._written = max(self._written, width)
         return out.logits[:, -1, :]
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
@@ -189,6 +209,7 @@ class KVBatch(Cache):
         for hole, mover in zip(holes, movers):
             order[hole] = mover
             length = int(self.lengths[mover])
+            self._take_slot(hole, length)
             for store in (self.keys, self.values):
                 for layer in store:
                     layer[hole, :, :length] = layer[mover, :, :length]
