@@ -23,6 +23,7 @@ small one.
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import os
 import signal
 import subprocess
@@ -145,19 +146,30 @@ class Load:
 
 
 class Balancer(httpx.AsyncBaseTransport):
-    """A load balancer that knows nothing of sessions, in front of several gateways: each request
-    goes to the next gateway in turn, and one that refuses connections is skipped (what a
-    balancer's health checks do)."""
+    """A load balancer in front of several gateways. Session-blind (`by_session` false): each
+    request goes to the next gateway in turn. By session: a request goes to the gateway its
+    session id (the `X-Session-Id` header, or the id in a `/v1/sessions/{id}/...` path) ranks
+    first by rendezvous hashing, as ingress-nginx's `upstream-hash-by` does with a consistent
+    hash. Either way a gateway that refuses connections is skipped for the next (what a
+    balancer's health checks and retries do)."""
 
-    def __init__(self, urls: list[str]):
+    def __init__(self, urls: list[str], by_session: bool = False):
         self.targets = [httpx.URL(url) for url in urls]
+        self.by_session = by_session
         self.inner = httpx.AsyncHTTPTransport()
         self.turn = 0
 
+    def _order(self, request: httpx.Request) -> list[httpx.URL]:
+        session = request.headers.get("x-session-id")
+        if session is None and request.url.path.startswith("/v1/sessions/"):
+            session = request.url.path.split("/")[3]
+        if self.by_session and session is not None:
+            return sorted(self.targets, key=lambda t: hashlib.blake2b(f"{t}\0{session}".encode()).digest(), reverse=True)
+        self.turn += 1
+        return self.targets[self.turn % len(self.targets):] + self.targets[: self.turn % len(self.targets)]
+
     async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
-        for _ in range(len(self.targets)):
-            target = self.targets[self.turn % len(self.targets)]
-            self.turn += 1
+        for target in self._order(request):
             request.url = request.url.copy_with(host=target.host, port=target.port)
             try:
                 return await self.inner.handle_async_request(request)
@@ -170,8 +182,8 @@ class Balancer(httpx.AsyncBaseTransport):
 
 
 async def agents(urls: list[str], stop: asyncio.Event, turns: int, concurrency: int, group_size: int, round_to: int,
-                 tag: str = "s") -> Load:
-    """Run multi-turn sessions through the gateways at `urls` (round robin, `Balancer`),
+                 tag: str = "s", by_session: bool = False) -> Load:
+    """Run multi-turn sessions through the gateways at `urls` (`Balancer`, by session or not),
     `concurrency` at a time, until `stop` is set; then only until the count of sessions is a
     multiple of `round_to` (whole groups and training batches)."""
     load = Load()
@@ -182,7 +194,7 @@ async def agents(urls: list[str], stop: asyncio.Event, turns: int, concurrency: 
         if response.status_code >= 500:
             load.server_errors += 1
 
-    http = httpx.AsyncClient(base_url=url, timeout=120, event_hooks={"response": [count]}, transport=Balancer(urls))
+    http = httpx.AsyncClient(base_url=url, timeout=120, event_hooks={"response": [count]}, transport=Balancer(urls, by_session))
     client = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="drill", max_retries=10, http_client=http)
     started = iter(range(10**9))
 
@@ -311,7 +323,7 @@ gateway's spill file after a kill: a group split by its timeout leaves a partial
 
 async def drill(run_dir: Path, victims: list[str], turns: int = 3, concurrency: int = 8, group_size: int = 4,
                 every_s: float = 3.0, down_s: float = 1.5, settle_s: float = 90.0, nats_nodes: int = 1,
-                gateways: int = 1) -> dict[str, Any]:
+                gateways: int = 1, by_session: bool = False) -> dict[str, Any]:
     """Start the cluster, put it under the agents' load, kill -9 each victim in turn (`every_s`
     apart, down for `down_s`, then restarted and back), keep the load on for `every_s` more, and
     audit once everything has settled."""
@@ -323,7 +335,8 @@ async def drill(run_dir: Path, victims: list[str], turns: int = 3, concurrency: 
         await cluster.wait_serving()
         started = time.monotonic()
         stop = asyncio.Event()
-        load_task = asyncio.create_task(agents(cluster.serve_urls, stop, turns, concurrency, group_size, BATCH))
+        load_task = asyncio.create_task(agents(cluster.serve_urls, stop, turns, concurrency, group_size, BATCH,
+                                                by_session=by_session))
         for victim in victims:
             await asyncio.sleep(every_s)
             cluster.kill(victim)

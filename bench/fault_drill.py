@@ -9,6 +9,8 @@ was lost, truncated or duplicated, what was trained twice, and the 5xx the agent
         --out bench/results/fault_drill_nats_cluster.json              # a 3-server bus
     .venv/bin/python -m bench.fault_drill --gateways 2 --victims serve-1 \
         --out bench/results/fault_drill_gateways.json                  # one of two gateways
+    .venv/bin/python -m bench.fault_drill --gateways 2 --route session --victims serve-1 \
+        --out bench/results/fault_drill_gateways_by_session.json       # the same, routed by session
 """
 
 from __future__ import annotations
@@ -34,7 +36,9 @@ def main() -> int:
     parser.add_argument("--nats-nodes", type=int, default=1,
                         help="with --victims: 3 runs the bus as a JetStream cluster (victims nats-0, nats-1, nats-2)")
     parser.add_argument("--gateways", type=int, default=1,
-                        help="with --victims: gateways behind a round-robin balancer (victims serve, serve-1, ...)")
+                        help="with --victims: gateways behind a balancer (victims serve, serve-1, ...)")
+    parser.add_argument("--route", choices=["round-robin", "session"], default="round-robin",
+                        help="how the balancer in front of several gateways picks one (session: hash of X-Session-Id)")
     parser.add_argument("--out", type=Path, default=RESULTS, help="where the reports go (JSON)")
     args = parser.parse_args()
     plans = [(args.victims, args.nats_nodes, args.gateways)] if args.victims else [
@@ -44,7 +48,7 @@ def main() -> int:
     for victims, nats_nodes, gateways in plans:
         with tempfile.TemporaryDirectory(prefix="flywheel-drill-") as tmp:
             report = asyncio.run(drill(Path(tmp), victims, concurrency=args.concurrency, every_s=args.every_s,
-                                       nats_nodes=nats_nodes, gateways=gateways))
+                                       nats_nodes=nats_nodes, gateways=gateways, by_session=args.route == "session"))
         results.append(report)
         bad = {k: report[k] for k in FAILURES if report[k]}
         print(f"kill -9 {' then '.join(victims)}: {report['complete']}/{report['sessions_answered']} sessions complete, "

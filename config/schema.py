@@ -80,6 +80,13 @@ class ServeConfig(Section):
     swap_mode: Literal["in_place", "retract"] = "in_place"
     """How in-flight generations cross a weight swap: keep their KV cache (`in_place`; later
     tokens carry the new version) or have it recomputed under the new weights (`retract`)."""
+    swap_weights: bool = True
+    """Whether this gateway loads announced weights into its engines. Several gateways in front
+    of the same `engine_urls` should leave it to one: the others (`false`) follow, polling the
+    engines until each reports the announced version, so an engine loads each version once."""
+    follow_timeout_s: float = Field(600.0, gt=0)
+    """How long a following gateway waits for the engines to reach an announced version before
+    it logs a warning and waits for the next one."""
     api_keys: list[str] = Field(default_factory=list)
     """Keys clients send as `Authorization: Bearer <key>` on `/v1/...`; empty: no key needed."""
     admin_key: str | None = None
@@ -111,6 +118,12 @@ class ServeConfig(Section):
     stored_responses: int = Field(10_000, ge=0)
     """How many Responses API answers (with `store`) the gateway keeps in memory for
     `previous_response_id` and `GET /v1/responses/{id}`; the oldest go first."""
+
+    @model_validator(mode="after")
+    def _someone_swaps_an_embedded_engine(self) -> "ServeConfig":
+        if not self.swap_weights and not self.engine_urls:
+            raise ValueError("serve.swap_weights=false needs serve.engine_urls: nobody else can swap an embedded engine")
+        return self
 
     @field_validator("chat_template")
     @classmethod

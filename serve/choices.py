@@ -32,6 +32,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from serve.text_pieces import TextPieces
+
 FINISH_REASONS = {"stop": "stop", "length": "length", "abort": "abort"}
 MAX_VERSION = 2**31 - 1
 
@@ -74,7 +76,7 @@ class Choice:
     logprobs: list[float] = field(default_factory=list)
     versions: list[int] = field(default_factory=list)
     top_logprobs: list[list[tuple[int, float]]] | None = None
-    pieces: list[str] = field(default_factory=list)
+    pieces: TextPieces = field(default_factory=TextPieces)
     """The output's text as it came, chunk by chunk (`text` joins it)."""
     finish: dict[str, Any] | None = None
     """SGLang's finish_reason object; None while running (or if the client went away)."""
@@ -99,8 +101,7 @@ class Choice:
                 [(entry[1], entry[0]) for entry in position] for position in meta["output_top_logprobs"]
             ]
         self.prompt_tokens = meta.get("prompt_tokens", self.prompt_tokens)
-        if chunk["text"]:
-            self.pieces.append(chunk["text"])
+        self.pieces.append(chunk["text"])
         if meta.get("finish_reason"):
             self.finish = meta["finish_reason"]
         return chunk["text"]
@@ -113,9 +114,7 @@ class Choice:
 
     @property
     def text(self) -> str:
-        if len(self.pieces) > 1:
-            self.pieces[:] = ["".join(self.pieces)]
-        return self.pieces[0] if self.pieces else ""
+        return self.pieces.text
 
     @property
     def finish_reason(self) -> str:

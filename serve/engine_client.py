@@ -48,6 +48,10 @@ class EngineClient(Protocol):
 
     async def update_weights_from_disk(self, model_path: str, weight_version: int) -> None: ...
 
+    async def refresh_version(self) -> int:
+        """Ask the engine which weights it has (another gateway may have swapped them)."""
+        ...
+
     async def abort(self, rid: str) -> None: ...
 
     async def close(self) -> None: ...
@@ -90,6 +94,9 @@ class InProcessEngineClient:
     async def update_weights_from_disk(self, model_path: str, weight_version: int) -> None:
         await self.engine.update_weights(model_path, str(weight_version))
 
+    async def refresh_version(self) -> int:
+        return self.weight_version
+
     async def abort(self, rid: str) -> None:
         await self.engine.abort(rid)
 
@@ -111,8 +118,7 @@ class HTTPEngineClient:
         self._http = httpx.AsyncClient(base_url=self.name, headers=headers, timeout=timeout_s, limits=limits)
 
     async def connect(self) -> "HTTPEngineClient":
-        info = (await self._call("GET", "/model_info")).json()
-        self.weight_version = version_of(info.get("weight_version"))
+        await self.refresh_version()
         server = (await self._call("GET", "/server_info")).json()
         self.incremental = bool(server.get("incremental_streaming_output", False))
         return self
@@ -170,6 +176,11 @@ class HTTPEngineClient:
         if not reply.get("success"):
             raise EngineError(503, f"engine {self.name} could not load weights: {reply.get('message')}")
         self.weight_version = weight_version
+
+    async def refresh_version(self) -> int:
+        info = (await self._call("GET", "/model_info")).json()
+        self.weight_version = version_of(info.get("weight_version"))
+        return self.weight_version
 
     async def abort(self, rid: str) -> None:
         await self._call("POST", "/abort_request", {"rid": rid})

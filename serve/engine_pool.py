@@ -6,6 +6,10 @@ only the sessions that hashed to it move. Weight swaps roll across the engines o
 (pause in the configured mode, load, continue), so with several engines some engine is always
 generating; with the embedded engine the pause lasts only as long as the load.
 
+With several gateways in front of the same engines, one gateway swaps (`serve.swap_weights`)
+and the others `follow`: they poll the engines' versions until each has the announced one, so
+an engine is loaded once per version and every gateway labels its tokens right.
+
 Versions here are Flywheel's integers: each client turns its engine's opaque label into one
 (`serve.choices.version_of`: "12" is 12, a label such as "default" is 0) and sends a swap's
 version to the engine as the label `str(version)`.
@@ -13,6 +17,7 @@ version to the engine as the label `str(version)`.
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import logging
 import time
@@ -54,6 +59,21 @@ class EnginePool:
             paused.append(time.monotonic() - started)
             log.info("engine %s now on v%d (paused %.3fs)", engine.name, version, paused[-1])
         return paused
+
+    async def follow(self, version: int, timeout_s: float, poll_s: float = 0.25) -> bool:
+        """Wait until every engine reports `version` or newer (another gateway swaps them),
+        learning each engine's version as it changes; False if some engine has not reached it
+        within `timeout_s`. Until then tokens from an engine count as the version last learned
+        for it (never newer than the weights that sampled them)."""
+        deadline = time.monotonic() + timeout_s
+        for engine in self.engines:
+            while await engine.refresh_version() < version:
+                if time.monotonic() >= deadline:
+                    log.warning("engine %s still on v%d, %.0fs after v%d was announced", engine.name,
+                                engine.weight_version, timeout_s, version)
+                    return False
+                await asyncio.sleep(poll_s)
+        return True
 
     async def close(self) -> None:
         for engine in self.engines:

@@ -108,6 +108,9 @@ class ServeLoop:
             if update.version <= self.pool.weight_version:
                 continue
             try:
+                if not self.config.serve.swap_weights:
+                    await self.pool.follow(update.version, self.config.serve.follow_timeout_s)
+                    continue
                 pauses = await self.pool.swap(update.path, update.version, self.config.serve.swap_mode)
                 for seconds in pauses:
                     self.metrics.swap(seconds)

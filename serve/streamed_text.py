@@ -9,17 +9,16 @@ choice ends). A forced call's prefix counts as the answer's start, so it holds e
 
 from __future__ import annotations
 
+from serve.text_pieces import TextPieces
 from serve.tool_formats import ToolFormat
 
 
 class StreamedText:
     def __init__(self, tool_format: ToolFormat | None, forced: str = ""):
         self.tool_format = tool_format
-        self._shown: list[str] = []
+        self._shown = TextPieces()
         self._pending = forced if tool_format is not None else ""
         self._call_begun = False
-        self.length = 0
-        """Characters shown so far."""
 
     def add(self, text: str) -> str:
         """Take a chunk's text; returns what the client may see of it now."""
@@ -31,14 +30,15 @@ class StreamedText:
             self._pending += text
             count, self._call_begun = self.tool_format.release(self._pending, bool(self._shown))
             visible, self._pending = self._pending[:count], self._pending[count:]
-        if visible:
-            self._shown.append(visible)
-            self.length += len(visible)
+        self._shown.append(visible)
         return visible
 
     @property
     def shown(self) -> str:
         """All the text shown so far."""
-        if len(self._shown) > 1:
-            self._shown[:] = ["".join(self._shown)]
-        return self._shown[0] if self._shown else ""
+        return self._shown.text
+
+    @property
+    def length(self) -> int:
+        """Characters shown so far."""
+        return self._shown.length

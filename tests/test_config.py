@@ -50,6 +50,7 @@ def test_shipped_configs_are_valid():
         (["bus.url=nats://a:4222,http://b:4222"], "bus.url: 'http://b:4222' is not a NATS URL"),
         (["bus.url=nats://a:4222,"], "bus.url: '' is not a NATS URL"),
         (["serve.device=gpu"], "serve.device: "),
+        (["serve.swap_weights=false"], "serve.swap_weights=false needs serve.engine_urls"),
     ],
 )
 def test_errors_name_the_key(overrides, message):

@@ -164,6 +164,15 @@ def test_the_flywheel_configuration_loads_and_points_at_what_is_deployed(rendere
         assert f"--model-path={config.model}" in args and "--weight-version=0" in args
         assert any(a.startswith("--admin-api-key=") for a in args)
         assert engines["spec"]["template"]["spec"]["containers"][0]["resources"]["limits"]["nvidia.com/gpu"] == 1
+        swapping = {}  # Deployment running a gateway -> (replicas, whether it loads weights into the engines)
+        for name, deployment in by_kind(docs, "Deployment").items():
+            container = deployment["spec"]["template"]["spec"]["containers"][0]
+            if container["command"][:3] == ["python", "-m", "serve"]:
+                overrides = [a for a in container.get("args", []) if a.startswith("serve.swap_weights=")]
+                swaps = overrides[-1].endswith("=true") if overrides else config.serve.swap_weights
+                swapping[name] = (deployment["spec"]["replicas"], swaps)
+        assert [replicas for replicas, swaps in swapping.values() if swaps] == [1], swapping  # each engine loads once
+        assert by_kind(docs, "Deployment")["flywheel-weight-swapper"]["spec"]["strategy"]["type"] == "Recreate"
     else:
         assert engines is None and config.serve.engine_urls == []
 

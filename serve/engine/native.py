@@ -29,6 +29,7 @@ from typing import Any
 
 from serve.engine.core import Engine
 from serve.engine.detokenizer import IncrementalText
+from serve.text_pieces import TextPieces
 from serve.engine.request import GenerationResult, TokenDelta
 from serve.engine.sampling import SamplingParams
 
@@ -168,8 +169,7 @@ class _TextStream:
         self._text = IncrementalText(tokenizer, params.skip_special_tokens)
         self.hold = max((len(s) for s in params.stop), default=1) - 1
         self._pending = ""  # decoded, not yet released
-        self._sent: list[str] = []
-        self._sent_chars = 0
+        self._sent = TextPieces()
 
     def advance(self, ids: list[int]) -> str:
         self._pending += self._text.added(ids)
@@ -180,20 +180,16 @@ class _TextStream:
         return self._release(delta)
 
     def finish(self, final_text: str) -> str:
-        return self._release(final_text[self._sent_chars:])
+        return self._release(final_text[self._sent.length:])
 
     def _release(self, delta: str) -> str:
-        if delta:
-            self._sent.append(delta)
-            self._sent_chars += len(delta)
+        self._sent.append(delta)
         return delta
 
     @property
     def sent(self) -> str:
         """All the text released so far."""
-        if len(self._sent) > 1:
-            self._sent[:] = ["".join(self._sent)]
-        return self._sent[0] if self._sent else ""
+        return self._sent.text
 
 
 def generate_stream(engine: Engine, body: dict[str, Any], incremental: bool = False,
