@@ -150,3 +150,22 @@ def test_a_slot_left_with_non_finite_values_does_not_reach_its_next_row(model_an
 
         assert torch.allclose(hole_logits, after_one_step([short, long]), atol=1e-5)
         assert torch.allclose(slot_logits, after_one_step([long, newcomer]), atol=1e-5)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU (serve.device=cuda); none here")
+async def test_the_engine_on_a_gpu_samples_what_a_cpu_forward_pass_scores(tiny_path):
+    from models import place
+
+    cpu_model, tokenizer = load_model(str(tiny_path))
+    gpu_model, _ = load_model(str(tiny_path))
+    engine = Engine(place(gpu_model, "cuda"), tokenizer, max_batch_size=4).start()
+    try:
+        results = await asyncio.gather(*(
+            engine.generate(prompt(tokenizer, text), SamplingParams(max_new_tokens=20, ignore_eos=True, sampling_seed=i))
+            for i, text in enumerate(["hi", "Count to five.", "What is 2 + 2?"])
+        ))
+    finally:
+        engine.stop()
+    for result in results:
+        expected = recomputed_logprobs(cpu_model, result.prompt_ids, result.output_ids)
+        assert result.logprobs == pytest.approx(expected, abs=1e-3)

@@ -33,8 +33,10 @@ def test_each_format_parses_its_calls_and_leaves_text_alone():
     content, calls = mistral.parse('Let me see. [TOOL_CALLS] [{"name": "f", "arguments": {"x": 1}}, {"name": "g", "arguments": {}}]')
     assert content == "Let me see." and [c["function"]["name"] for c in calls] == ["f", "g"]
     assert mistral.parse("[TOOL_CALLS] not json") == ("[TOOL_CALLS] not json", [])
-    assert llama.safe_prefix('  {"na') == "" and llama.safe_prefix("Hello {") == "Hello {"
-    assert mistral.safe_prefix("Sure [TOOL_C") == "Sure " and HERMES.safe_prefix("ok <tool") == "ok "
+    # What streamed text may be shown (nothing shown before it), and whether a call has begun.
+    assert llama.release('  {"na', False) == (0, True) and llama.release("Hello {", False) == (7, False)
+    assert mistral.release("Sure [TOOL_C", False) == (5, False) and HERMES.release("ok <tool", False) == (3, False)
+    assert HERMES.release("ok <tool_call>{", False) == (3, True)
 
 
 def test_the_format_is_read_from_the_template(tiny_path):
