@@ -29,9 +29,9 @@ from typing import Any
 
 from serve.engine.core import Engine
 from serve.engine.detokenizer import IncrementalText
-from serve.text_pieces import TextPieces
 from serve.engine.request import GenerationResult, TokenDelta
 from serve.engine.sampling import SamplingParams
+from serve.text_pieces import TextPieces
 
 
 class ProtocolError(ValueError):
