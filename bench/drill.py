@@ -24,7 +24,9 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -48,13 +50,18 @@ LOOPS = ("serve", "collect", "judge", "train")
 class Cluster:
     """nats-server (or a JetStream cluster of `nats_nodes` members, `bus.replicas=3`) plus the
     loops as processes, all sharing `run_dir`, with `gateways` serve processes (`serve`,
-    `serve-1`, ...: each its own port, spill directory and embedded engine). Victims: a loop's
-    or gateway's name, `nats` (the one server), or `nats-0`, `nats-1`, ... (cluster members)."""
+    `serve-1`, ...: each its own port and spill directory). Each gateway has its embedded
+    engine, or with `engines` > 0 all share that many `python -m serve.engine` processes
+    (`engine-0`, ...): `serve` swaps their weights, the others follow. Victims: a loop's, a
+    gateway's or an engine's name, `nats` (the one server), or `nats-0`, `nats-1`, ... (cluster
+    members)."""
 
-    def __init__(self, run_dir: Path, overrides: list[str], nats_nodes: int = 1, gateways: int = 1):
+    def __init__(self, run_dir: Path, overrides: list[str], nats_nodes: int = 1, gateways: int = 1, engines: int = 0):
         self.run_dir = run_dir
         self.gateways = ["serve"] + [f"serve-{i}" for i in range(1, gateways)]
         self.serve_ports = {name: free_port() for name in self.gateways}
+        self.engine_ports = {f"engine-{i}": free_port() for i in range(engines)}
+        self.engine_urls = [f"http://127.0.0.1:{port}" for port in self.engine_ports.values()]
         if nats_nodes > 1:
             self.nats = LocalNatsCluster(run_dir / "nats", nats_nodes)
             self.bus_url = self.nats.url
@@ -78,10 +85,16 @@ class Cluster:
             self.start_nats()
             return
         log = (self.run_dir / f"{kind}.log").open("a")
-        gateway = [f"serve.port={self.serve_ports[kind]}", f"serve.spill_dir={self.run_dir / 'spill' / kind}"] \
-            if kind in self.serve_ports else []
-        args = [sys.executable, "-m", kind.partition("-")[0], "--bus-url", self.bus_url, f"run_dir={self.run_dir}",
-                *gateway, *self.overrides]
+        if kind in self.engine_ports:
+            args = [sys.executable, "-m", "serve.engine", "--port", str(self.engine_ports[kind]), "--weight-version", "0",
+                    "--max-running-requests", "16"]
+        else:
+            gateway = [f"serve.port={self.serve_ports[kind]}", f"serve.spill_dir={self.run_dir / 'spill' / kind}"] \
+                if kind in self.serve_ports else []
+            if kind in self.serve_ports and self.engine_urls:
+                gateway += [f"serve.engine_urls={json.dumps(self.engine_urls)}", f"serve.swap_weights={kind == 'serve'}"]
+            args = [sys.executable, "-m", kind.partition("-")[0], "--bus-url", self.bus_url, f"run_dir={self.run_dir}",
+                    *gateway, *self.overrides]
         self.procs[kind] = subprocess.Popen(args, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
 
     def kill(self, kind: str) -> None:
@@ -104,15 +117,22 @@ class Cluster:
         if kind.startswith("nats-"):
             await asyncio.to_thread(self.nats.wait_healthy, int(kind.removeprefix("nats-")))
 
+    def engine_loads(self) -> dict[str, list[str]]:
+        """The weight versions each shared engine loaded, in order (from its log)."""
+        return {kind: re.findall(r"weights '([^']*)' loaded", (self.run_dir / f"{kind}.log").read_text())
+                for kind in self.engine_ports}
+
     def alive(self) -> dict[str, bool]:
         return {kind: proc.poll() is None for kind, proc in self.procs.items()}
 
-    async def wait_serving(self, timeout_s: float = 180.0) -> None:
+    async def wait_serving(self, timeout_s: float = 180.0, urls: list[str] | None = None) -> None:
+        """Until every gateway (or every one of `urls`) answers `/health`."""
         deadline = time.monotonic() + timeout_s
+        urls = self.serve_urls if urls is None else urls
         async with httpx.AsyncClient() as http:
             while True:
                 try:
-                    if all([(await http.get(f"{url}/health")).status_code == 200 for url in self.serve_urls]):
+                    if all([(await http.get(f"{url}/health")).status_code == 200 for url in urls]):
                         return
                 except httpx.HTTPError:
                     pass
@@ -323,13 +343,16 @@ gateway's spill file after a kill: a group split by its timeout leaves a partial
 
 async def drill(run_dir: Path, victims: list[str], turns: int = 3, concurrency: int = 8, group_size: int = 4,
                 every_s: float = 3.0, down_s: float = 1.5, settle_s: float = 90.0, nats_nodes: int = 1,
-                gateways: int = 1, by_session: bool = False) -> dict[str, Any]:
+                gateways: int = 1, by_session: bool = False, engines: int = 0) -> dict[str, Any]:
     """Start the cluster, put it under the agents' load, kill -9 each victim in turn (`every_s`
     apart, down for `down_s`, then restarted and back), keep the load on for `every_s` more, and
     audit once everything has settled."""
-    cluster = Cluster(run_dir, DRILL_CONFIG, nats_nodes, gateways)
+    cluster = Cluster(run_dir, DRILL_CONFIG, nats_nodes, gateways, engines)
     cluster.start_nats()
     try:
+        for kind in cluster.engine_ports:
+            cluster.start(kind)
+        await cluster.wait_serving(urls=cluster.engine_urls)
         for kind in (*cluster.gateways, *LOOPS[1:]):
             cluster.start(kind)
         await cluster.wait_serving()
@@ -359,7 +382,11 @@ async def drill(run_dir: Path, victims: list[str], turns: int = 3, concurrency: 
             if report["trained"] >= len(load.answered) or time.monotonic() > deadline:
                 break
             await asyncio.sleep(1.0)
+        loads = cluster.engine_loads()
         return {"victims": victims, "load_s": round(load_s, 1), "settled_s": round(time.monotonic() - started, 1),
-                "alive": cluster.alive(), "audit_retries": audit_retries, **report}
+                "alive": cluster.alive(), "audit_retries": audit_retries, **report,
+                "engine_loads": {kind: len(versions) for kind, versions in loads.items()},
+                "engine_last_version": {kind: versions[-1] if versions else "0" for kind, versions in loads.items()},
+                "engine_duplicate_loads": sum(len(v) - len(set(v)) for v in loads.values())}
     finally:
         cluster.stop()

@@ -11,6 +11,8 @@ was lost, truncated or duplicated, what was trained twice, and the 5xx the agent
         --out bench/results/fault_drill_gateways.json                  # one of two gateways
     .venv/bin/python -m bench.fault_drill --gateways 2 --route session --victims serve-1 \
         --out bench/results/fault_drill_gateways_by_session.json       # the same, routed by session
+    .venv/bin/python -m bench.fault_drill --gateways 2 --engines 2 --route session --victims serve serve-1 \
+        --out bench/results/fault_drill_shared_engines.json            # two gateways sharing two engines
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ from bench.drill import drill
 
 RESULTS = Path(__file__).resolve().parent / "results" / "fault_drill.json"
 FAILURES = ("lost", "truncated", "duplicated_sessions", "duplicated_trajectories", "duplicated_samples", "trained_twice",
-            "server_errors", "sessions_failed")
+            "server_errors", "sessions_failed", "engine_duplicate_loads")
 
 
 def main() -> int:
@@ -37,6 +39,9 @@ def main() -> int:
                         help="with --victims: 3 runs the bus as a JetStream cluster (victims nats-0, nats-1, nats-2)")
     parser.add_argument("--gateways", type=int, default=1,
                         help="with --victims: gateways behind a balancer (victims serve, serve-1, ...)")
+    parser.add_argument("--engines", type=int, default=0,
+                        help="with --gateways: the gateways share this many `python -m serve.engine` processes "
+                             "(serve swaps their weights, the others follow; victims engine-0, ...)")
     parser.add_argument("--route", choices=["round-robin", "session"], default="round-robin",
                         help="how the balancer in front of several gateways picks one (session: hash of X-Session-Id)")
     parser.add_argument("--out", type=Path, default=RESULTS, help="where the reports go (JSON)")
@@ -48,7 +53,8 @@ def main() -> int:
     for victims, nats_nodes, gateways in plans:
         with tempfile.TemporaryDirectory(prefix="flywheel-drill-") as tmp:
             report = asyncio.run(drill(Path(tmp), victims, concurrency=args.concurrency, every_s=args.every_s,
-                                       nats_nodes=nats_nodes, gateways=gateways, by_session=args.route == "session"))
+                                       nats_nodes=nats_nodes, gateways=gateways, by_session=args.route == "session",
+                                       engines=args.engines))
         results.append(report)
         bad = {k: report[k] for k in FAILURES if report[k]}
         print(f"kill -9 {' then '.join(victims)}: {report['complete']}/{report['sessions_answered']} sessions complete, "
