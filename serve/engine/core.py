@@ -384,12 +384,13 @@ class Engine:
 
     def _complete(self, request: Request) -> None:
         try:
-            request.complete()
+            result = request.result()
         except Exception as exc:
             log.exception("request %s: could not build its result", request.rid)
             self._fail(request, RequestFailed(f"request {request.rid} failed: could not build its result: {exc}"))
             return
-        self.stats["requests"] += 1
+        self.stats["requests"] += 1  # counted before the caller can see the result
+        request.deliver(result)
 
 
 def _post(loop: asyncio.AbstractEventLoop, items: list[tuple[asyncio.Queue, TokenDelta]]) -> None:

@@ -154,8 +154,8 @@ class Request:
         self._tail = window[-self._stop_window:] if self._stop_window > 0 else ""
         return any(s in window for s in self.params.stop)
 
-    def complete(self) -> None:
-        """Deliver the final result to the caller (future, and the stream if any)."""
+    def result(self) -> GenerationResult:
+        """The finished request's result."""
         if self.text is None:
             self.text = self.tokenizer.decode(self.output_ids, skip_special_tokens=self.params.skip_special_tokens)
         end = time.monotonic()
@@ -173,6 +173,10 @@ class Request:
             first_token_s=(self.first_token or end) - self.arrived,
             total_s=end - self.arrived,
         )
+        return result
+
+    def deliver(self, result: GenerationResult) -> None:
+        """Hand `result` to the caller (future, and the stream if any)."""
         resolve(self.loop, self.future, result, queue=self.queue)
 
     def fail(self, error: Exception) -> None:
