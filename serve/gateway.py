@@ -57,9 +57,9 @@ class PromptBuilder:
     session's prompt continues the exact ids of its previous turn where its text does.
 
     Rendering and tokenizing run on a thread of their own, not on the event loop: an agent's
-    prompt of tens of thousands of tokens takes tens of milliseconds, during which the loop
-    goes on streaming other answers (the GIL is shared, so this spreads the work out rather
-    than adding CPU)."""
+    prompt of tens of thousands of tokens takes tens of milliseconds (29 k tokens of SmolLM2:
+    34 ms, mostly tokenizing), during which the loop goes on streaming other answers (the GIL is
+    shared, so this spreads the work out rather than adding CPU)."""
 
     def __init__(self, tokenizer: Any, continuations: SessionContinuations, tool_format: str = "auto"):
         self.tokenizer = tokenizer

@@ -169,3 +169,37 @@ async def test_the_engine_on_a_gpu_samples_what_a_cpu_forward_pass_scores(tiny_p
     for result in results:
         expected = recomputed_logprobs(cpu_model, result.prompt_ids, result.output_ids)
         assert result.logprobs == pytest.approx(expected, abs=1e-3)
+
+
+class CountingTokenizer:
+    """The real tokenizer, counting how many token ids the engine asks it to decode."""
+
+    def __init__(self, inner):
+        self._inner = inner
+        self.decoded = 0
+
+    def decode(self, ids, **kwargs):
+        self.decoded += len(ids)
+        return self._inner.decode(ids, **kwargs)
+
+    def __len__(self) -> int:
+        return len(self._inner)
+
+    def __getattr__(self, name):
+        return getattr(self._inner, name)
+
+
+async def test_a_stop_string_costs_decoding_a_few_tokens_per_step_not_the_whole_output(model_and_tokenizer):
+    """Before, every step decoded the whole output to search for the stop strings: 200 tokens
+    cost 20,100 decoded ids. Now a step decodes a window of a few tokens."""
+    model, tokenizer = model_and_tokenizer
+    counting = CountingTokenizer(tokenizer)
+    engine = Engine(model, counting, max_batch_size=2).start()
+    try:
+        result = await engine.generate(prompt(tokenizer, "Write a long story."),
+                                       SamplingParams(max_new_tokens=200, ignore_eos=True, stop=["never-there"]))
+    finally:
+        engine.stop()
+    assert len(result.output_ids) == 200 and result.finish_reason["type"] == "length"
+    assert result.text == tokenizer.decode(result.output_ids, skip_special_tokens=True)
+    assert counting.decoded < 10 * 200, counting.decoded

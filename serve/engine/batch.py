@@ -69,6 +69,7 @@ class KVBatch(Cache):
         self.values: list[torch.Tensor] = []
         self.lengths = torch.zeros(0, dtype=torch.long, device=self.device)
         """[rows] tokens in the cache of each row (= the position id of its next input)."""
+        self._write_rows: torch.Tensor | None = None
         self._write_columns: torch.Tensor | None = None
         self._step_width = 0
         self._written = 0
@@ -176,11 +177,12 @@ class KVBatch(Cache):
         """Feed one token per row [rows]; returns next-token logits [rows, vocab]."""
         width = int(self.lengths.max()) + 1
         self._reserve(width)
+        self._write_rows = torch.arange(self.rows, device=self.device)  # once per step, not per layer
         self._write_columns, self._step_width = self.lengths, width
         visible = torch.arange(width, device=self.device)[None, :] <= self.lengths[:, None]
         out = model(input_ids=tokens.unsqueeze(1).to(self.device), attention_mask=visible[:, None, None, :],
                     position_ids=self.lengths.unsqueeze(1), past_key_values=self, use_cache=True, logits_to_keep=1)
-        self._write_columns = None
+        self._write_rows = self._write_columns = None
         self.lengths = self.lengths + 1
         self._written = max(self._written, width)
         return out.logits[:, -1, :]
@@ -189,10 +191,9 @@ class KVBatch(Cache):
         """`Cache.update`, called by each attention layer during `step`: store the step's key and
         value [rows, kv heads, 1, head dim] at each row's column; return the rows' keys and
         values up to the widest row."""
-        rows = torch.arange(self.rows, device=self.device)
         keys, values = self.keys[layer_idx], self.values[layer_idx]
-        keys[rows, :, self._write_columns] = key_states[:, :, 0]
-        values[rows, :, self._write_columns] = value_states[:, :, 0]
+        keys[self._write_rows, :, self._write_columns] = key_states[:, :, 0]
+        values[self._write_rows, :, self._write_columns] = value_states[:, :, 0]
         return keys[: self.rows, :, : self._step_width], values[: self.rows, :, : self._step_width]
 
     # ---- leaving rows ----------------------------------------------------------------------

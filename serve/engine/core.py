@@ -34,7 +34,8 @@ import torch
 
 from serve.engine.batch import KVBatch, Prefill
 from serve.engine.grammar import Grammars, apply_grammars
-from serve.engine.request import GenerationResult, Request, RequestFailed, StreamError, TokenDelta, resolve
+from serve.engine.request import (GenerationResult, Request, RequestFailed, StreamError, TokenDelta, post_deltas,
+                                  resolve)
 from serve.engine.sampling import SamplingParams, sample
 
 log = logging.getLogger(__name__)
@@ -367,7 +368,7 @@ class Engine:
             if request.queue is not None:
                 deltas.setdefault(request.loop, []).append((request.queue, delta))
         for loop, items in deltas.items():
-            _post(loop, items)
+            post_deltas(loop, items)
 
     def _drop_finished(self) -> None:
         keep = [i for i, r in enumerate(self._rows) if not r.done]
@@ -391,14 +392,3 @@ class Engine:
             return
         self.stats["requests"] += 1  # counted before the caller can see the result
         request.deliver(result)
-
-
-def _post(loop: asyncio.AbstractEventLoop, items: list[tuple[asyncio.Queue, TokenDelta]]) -> None:
-    def put_all() -> None:
-        for queue, delta in items:
-            queue.put_nowait(delta)
-
-    try:
-        loop.call_soon_threadsafe(put_all)
-    except RuntimeError:  # the consumer's loop has closed
-        pass

@@ -26,8 +26,8 @@ def decoder(tokenizer: Any, skip_special: bool) -> Any:
         TokenizersBackend = PreTrainedTokenizerBase = None
     backend = getattr(tokenizer, "_tokenizer", None)
     if (TokenizersBackend is not None and backend is not None and not tokenizer.clean_up_tokenization_spaces
-            and type(tokenizer)._decode is TokenizersBackend._decode
-            and type(tokenizer).decode is PreTrainedTokenizerBase.decode):
+            and getattr(type(tokenizer), "_decode", None) is TokenizersBackend._decode
+            and getattr(type(tokenizer), "decode", None) is PreTrainedTokenizerBase.decode):
         return lambda ids: backend.decode(ids, skip_special_tokens=skip_special)
     return lambda ids: tokenizer.decode(ids, skip_special_tokens=skip_special)
 

@@ -202,6 +202,19 @@ def resolve(loop, future: asyncio.Future, result=None, error: Exception | None =
         pass
 
 
+def post_deltas(loop: asyncio.AbstractEventLoop, items: list[tuple[asyncio.Queue, TokenDelta]]) -> None:
+    """Put one step's deltas on their streams' queues, from any thread, on the owners' loop."""
+
+    def put_all() -> None:
+        for queue, delta in items:
+            queue.put_nowait(delta)
+
+    try:
+        loop.call_soon_threadsafe(put_all)
+    except RuntimeError:  # the consumer's loop has closed
+        pass
+
+
 @dataclass
 class StreamError:
     """Put on a stream's queue when its request failed."""
