@@ -331,7 +331,7 @@ async def protocol_run(work: Path, timeout_s: float) -> dict[str, Any]:
 
 async def main_async(args: argparse.Namespace) -> int:
     from bench._common import machine, quiet_logs, write_result
-    from envs.swe.testenv import work_root
+    from envs.sandbox.workdirs import work_root
 
     quiet_logs()
     if why := msa_available():

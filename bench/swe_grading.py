@@ -39,10 +39,11 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench._common import CpuWatch, percentile, table, write_result  # noqa: E402
+from envs.sandbox.workdirs import new_workdir  # noqa: E402
 from envs.swe import TINY_TASKS, SweTask, grade, load_tasks, materialize  # noqa: E402
 from envs.swe.gitstore import working_diff  # noqa: E402
 from envs.swe.mutate import find_sites, mutate  # noqa: E402
-from envs.swe.testenv import default_backend, new_workdir  # noqa: E402
+from envs.swe.testenv import default_backend  # noqa: E402
 
 UNRELATED_LINES = 20
 """An unrelated change is this many lines or more away from the bug (nearer ones can compensate

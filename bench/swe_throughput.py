@@ -5,7 +5,7 @@ environments, with a scripted agent and with the model.
   `cat`), applies the gold patch with one command, submits, and is graded by the task's tests:
   the environment side alone (sandbox commands, materialization, test runs), on Ray workers,
   one per slot. Every episode must grade 1.0.
-- model: the rollout driver's own pool (`collect.env_pool.RayEnvPool`) running episodes of
+- model: the rollout driver's own pool (`rollout.env_pool.RayEnvPool`) running episodes of
   `--max-turns` turns through the real endpoint (`tiny`, embedded engine, turns recorded to a
   private nats-server), graded like any episode.
 
@@ -89,8 +89,8 @@ def scripted(parallel: int, episodes: int, k: int, env_args: dict[str, Any]) -> 
 
 async def with_model(parallel: int, episodes: int, args: argparse.Namespace, env_args: dict[str, Any]) -> dict[str, Any]:
     from bench._serve import Served
-    from collect.env_pool import RayEnvPool
     from envs import make_env
+    from rollout.env_pool import RayEnvPool
 
     overrides = ["rollout.env=swe", f"rollout.n_parallel_envs={parallel}", f"rollout.episode.max_turns={args.max_turns}",
                  f"gconfig.max_new_tokens={args.max_new_tokens}", f"rollout.max_concurrent_rollouts={max(parallel, 1)}",

@@ -40,7 +40,7 @@ from bench._common import CpuWatch, machine, quiet_logs, table, wait_quiet, writ
 from bus import Segment  # noqa: E402
 from config import load_config  # noqa: E402
 from models import load_model  # noqa: E402
-from train.batch import MicroBatch, Row, micro_batches  # noqa: E402
+from train.packing import MicroBatch, Row, micro_batches  # noqa: E402
 from train.trainer import Trainer  # noqa: E402
 
 LENGTHS, WEIGHTS = [8, 16, 32, 64, 128, 256], [32, 16, 8, 4, 2, 1]

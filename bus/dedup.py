@@ -3,14 +3,15 @@
 Delivery on the bus is at-least-once: a record comes again when its consumer died before
 acknowledging it, when an acknowledgement was lost, or when a producer published it twice
 beyond JetStream's duplicate window. Consumers remember the ids they have handled and drop
-repeats. The memory keeps the most recent `capacity` ids (oldest forgotten first), which is
-far more than can be in flight at once.
+repeats. The memory keeps the most recent `capacity` ids (an `LRU`: the least recently added
+forgotten first), which is far more than can be in flight at once.
 """
 
 from __future__ import annotations
 
-from collections import OrderedDict
 from collections.abc import Iterable
+
+from bus.lru import LRU
 
 
 class RecentIds:
@@ -18,7 +19,7 @@ class RecentIds:
         if capacity < 1:
             raise ValueError(f"capacity must be at least 1, got {capacity}")
         self.capacity = capacity
-        self._ids: OrderedDict[str, None] = OrderedDict()
+        self._ids: LRU[str, None] = LRU(capacity)
         self.add(ids)
 
     def __contains__(self, record_id: str) -> bool:
@@ -30,9 +31,6 @@ class RecentIds:
     def add(self, ids: Iterable[str]) -> None:
         for record_id in ids:
             self._ids[record_id] = None
-            self._ids.move_to_end(record_id)
-        while len(self._ids) > self.capacity:
-            self._ids.popitem(last=False)
 
     def to_list(self) -> list[str]:
         """Oldest first (what `RecentIds(capacity, ids)` takes back)."""

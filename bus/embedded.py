@@ -17,6 +17,8 @@ import sys
 import time
 from pathlib import Path
 
+from bus.addresses import BUS, read_address, write_address
+
 _PR_SET_PDEATHSIG = 1
 
 
@@ -116,9 +118,6 @@ class EmbeddedNats:
         self.stop()
 
 
-URL_FILE = "bus.url"
-
-
 def start_bus(url: str, run_dir: str | Path) -> tuple[str, EmbeddedNats | None]:
     """Resolve a configured bus URL: `embedded` starts a private server under `run_dir/nats`.
 
@@ -130,14 +129,10 @@ def start_bus(url: str, run_dir: str | Path) -> tuple[str, EmbeddedNats | None]:
     if url == "embedded":
         server = EmbeddedNats(run_dir / "nats")
         url = server.start()
-    run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / URL_FILE).write_text(url + "\n")
+    write_address(run_dir, BUS, url)
     return url, server
 
 
 def read_bus_url(run_dir: str | Path) -> str:
     """The bus URL a running deployment wrote into its run directory."""
-    path = Path(run_dir) / URL_FILE
-    if not path.exists():
-        raise FileNotFoundError(f"{path} does not exist: is a Flywheel run using {run_dir}?")
-    return path.read_text().strip()
+    return read_address(run_dir, BUS)

@@ -10,7 +10,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import gc
-import importlib
 import json
 import logging
 import signal
@@ -20,6 +19,7 @@ from typing import Any, Protocol
 
 from bus.embedded import start_bus
 from config import ConfigError, FlywheelConfig, load_config
+from config.imports import import_object
 
 
 class Loop(Protocol):
@@ -31,13 +31,6 @@ class Loop(Protocol):
 
 
 LoopFactory = Callable[[FlywheelConfig, str], Loop]
-
-
-def import_object(spec: str) -> Any:
-    """`"package.module:Name"` -> the object, imported on demand (loops load torch; a config
-    error should be reported before that)."""
-    module, _, name = spec.partition(":")
-    return getattr(importlib.import_module(module), name)
 
 
 def config_parser(prog: str, description: str) -> argparse.ArgumentParser:

@@ -1,1 +1,1 @@
-"""The collect loop: session-aware stitching of turns into trajectories, and the rollout driver."""
+"""The collect loop: session-aware stitching of turns into trajectories."""

@@ -12,13 +12,11 @@ id, within its duplicate window).
 
 from __future__ import annotations
 
-import asyncio
 import logging
 from typing import Any
 
-from bus import TRAFFIC_SUBJECTS, TRAJECTORY_SUBJECT, Bus, Delivery
-from bus.keepalive import keep_alive
-from bus.process import repeat
+from bus import TRAFFIC_SUBJECTS, TRAJECTORY_SUBJECT, Delivery
+from bus.consumer_loop import ConsumerLoop
 from collect.recovery import RestartBarrier
 from collect.tracker import Closed, SessionTracker
 from config import FlywheelConfig
@@ -26,31 +24,24 @@ from config import FlywheelConfig
 log = logging.getLogger(__name__)
 
 
-class CollectLoop:
+class CollectLoop(ConsumerLoop):
+    name = "collect"
+    subjects = TRAFFIC_SUBJECTS
+
     def __init__(self, config: FlywheelConfig, bus_url: str, durable: str = "collect"):
-        self.config = config
-        self.bus_url = bus_url
-        self.durable = durable
+        super().__init__(config, bus_url, durable)
         self.tracker = SessionTracker(config.collect)
-        self._tasks: list[asyncio.Task] = []
-
-    async def start(self) -> None:
-        self.bus = await Bus.connect(self.bus_url, name="collect", replicas=self.config.bus.replicas)
-        ack_wait = self.config.bus.ack_wait_s
-        self.consumer = self.bus.consumer(TRAFFIC_SUBJECTS, self.durable, ack_wait_s=ack_wait)
-        outstanding, last_delivered = await self.consumer.unacknowledged()
-        self._barrier = RestartBarrier(outstanding, last_delivered, ack_wait) if outstanding else None
         self._closed: list[Closed] = []
-        self._tasks = [
-            asyncio.create_task(repeat(self._step, "collect"), name="collect"),
-            asyncio.create_task(repeat(lambda: keep_alive(self._held, ack_wait), "collect.keepalive"), name="keepalive"),
-        ]
 
-    def _held(self) -> list[Delivery]:
+    async def prepare(self) -> None:
+        outstanding, last_delivered = await self.consumer.unacknowledged()
+        self._barrier = RestartBarrier(outstanding, last_delivered, self.config.bus.ack_wait_s) if outstanding else None
+
+    def held(self) -> list[Delivery]:
         barrier = self._barrier.held if self._barrier is not None else []
         return [*self.tracker.handles(), *barrier, *(h for item in self._closed for h in item.handles)]
 
-    async def _step(self) -> None:
+    async def step(self) -> None:
         deliveries: list[Delivery] | None = await self.consumer.fetch(batch=512, timeout_s=0.25)
         if self._barrier is not None:
             deliveries = self._barrier.hold(deliveries)
@@ -85,12 +76,6 @@ class CollectLoop:
             if error is not None:
                 failures.append((item, error))
         return failures
-
-    async def stop(self) -> None:
-        for task in self._tasks:
-            task.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
-        await self.bus.close()
 
     def stats(self) -> dict[str, Any]:
         return {**self.tracker.counts, "open_sessions": self.tracker.open_sessions, "malformed": self.consumer.malformed,

@@ -113,7 +113,7 @@ class ServeConfig(Section):
     """How many sessions' latest token sequences the gateway keeps so that their next prompt
     continues the exact ids the model saw (`serve/continuation.py`); 0 turns this off."""
     tool_format: Literal["auto", "hermes", "llama3_json", "mistral"] = "auto"
-    """How the model writes tool calls (`serve/tool_formats.py`); `auto` reads it from the chat
+    """How the model writes tool calls (`serve/tools/formats.py`); `auto` reads it from the chat
     template. A template that renders no tools always gets the gateway's Hermes prompt."""
     stored_responses: int = Field(10_000, ge=0)
     """How many Responses API answers (with `store`) the gateway keeps in memory for
@@ -289,7 +289,7 @@ class TrainConfig(Section):
     from the newest checkpoint in `run_dir/checkpoints` whenever there is one."""
     group_timeout_s: float = Field(60.0, gt=0)
     """A task group of unknown size, or one that never fills, is trained once no member has
-    arrived for this long (see train/batcher.py)."""
+    arrived for this long (see train/grouping.py)."""
     remember_samples: int = Field(100_000, ge=1)
     """How many trained sample ids are remembered (and checkpointed) to drop redeliveries."""
     device: str = "cpu"
@@ -354,6 +354,12 @@ class FlywheelConfig(Section):
     actor: ActorConfig = ActorConfig()
     train: TrainConfig = TrainConfig()
     deploy: DeployConfig = DeployConfig()
+
+    @property
+    def served_model(self) -> str:
+        """The model's name on the endpoint: what clients (the rollout driver, an `llm` judge on this
+        deployment) put in `model`."""
+        return self.serve.served_model_name or self.model
 
     @model_validator(mode="after")
     def _rollouts_need_a_gateway(self) -> "FlywheelConfig":

@@ -16,12 +16,13 @@ from typing import Any
 
 import ray
 
-from bus.process import import_object, tune_gc
+from bus.process import tune_gc
+from config.imports import import_object
 
 LOOPS = {
     "serve": "serve.loop:ServeLoop",
     "collect": "collect.loop:CollectLoop",
-    "rollout": "collect.rollout:RolloutDriver",
+    "rollout": "rollout.driver:RolloutDriver",
     "judge": "judge.loop:JudgeLoop",
     "train": "train.loop:TrainLoop",
 }

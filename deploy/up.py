@@ -8,20 +8,13 @@ from __future__ import annotations
 
 import argparse
 import logging
-import signal
 import sys
-import time
 
 from rich.console import Console
-from rich.live import Live
 
 from config import ConfigError, load_config
 from deploy.deployment import Deployment
-from deploy.progress import progress_line, progress_table
-
-
-def _raise_interrupt(*_: object) -> None:
-    raise KeyboardInterrupt
+from deploy.foreground import run_in_foreground
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -37,30 +30,16 @@ def main(argv: list[str] | None = None) -> int:
         print(f"config error: {exc}", file=sys.stderr)
         return 2
     console = Console()
-    signal.signal(signal.SIGTERM, _raise_interrupt)
     deployment = Deployment(config)
-    try:
-        with console.status("starting the bus, Ray and the loops..."):
-            deployment.start()
-        signal.signal(signal.SIGTERM, _raise_interrupt)  # again: starting Ray installed its own handler
+
+    def announce() -> None:
         console.print(
             f"Flywheel is up. OpenAI endpoint: {deployment.serve_url}/v1  model: {config.model}  "
             f"bus: {deployment.bus_url}  run dir: {config.run_dir}  (Ctrl-C stops)",
             highlight=False,
         )
-        if console.is_terminal:
-            with Live(progress_table(deployment.stats()), console=console, refresh_per_second=4) as live:
-                while True:
-                    time.sleep(args.refresh_s)
-                    live.update(progress_table(deployment.stats()))
-        else:
-            while True:
-                time.sleep(args.refresh_s)
-                print(progress_line(deployment.stats()), flush=True)
-    except KeyboardInterrupt:
-        console.print("stopping...")
-    finally:
-        deployment.stop()
+
+    run_in_foreground(deployment, console, args.refresh_s, on_started=announce)
     console.print("stopped.")
     return 0
 

@@ -4,10 +4,10 @@ Environments are imported by name when first made, so a process loads only what 
 SWE environment's task tooling stays out of a puzzle run).
 """
 
-import importlib
 import inspect
 from typing import Any
 
+from config.imports import import_object
 from envs.base import AnswerEnv, Env, Episode, Grade, Step, Task
 
 ENVS = {
@@ -21,8 +21,7 @@ ENVS = {
 def env_class(name: str) -> type:
     if name not in ENVS:
         raise ValueError(f"unknown environment {name!r}; known: {', '.join(sorted(ENVS))}")
-    module, _, attribute = ENVS[name].partition(":")
-    return getattr(importlib.import_module(module), attribute)
+    return import_object(ENVS[name])
 
 
 def make_env(name: str, args: dict[str, Any] | None = None) -> Env:

@@ -88,6 +88,6 @@ class ArithmeticEnv(AnswerEnv):
                 return task
         raise RuntimeError("the held-out set covers (almost) every problem: raise max_operand")
 
-    def verify(self, task: Task, answer: str) -> float:
+    def verify(self, task: Task, answer: str, slot: int = 0) -> float:
         numbers = _INTEGER.findall(answer)
         return float(bool(numbers) and int(numbers[-1]) == task.answer)

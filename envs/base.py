@@ -70,17 +70,17 @@ class AnswerEpisode:
     """Replies scored by the environment's verifier: the first right one ends the episode, and
     after `attempts` replies the last one is final."""
 
-    def __init__(self, env: "AnswerEnv", task: Task):
-        self.env, self.task, self.answer, self.replies = env, task, "", 0
+    def __init__(self, env: "AnswerEnv", task: Task, slot: int = 0):
+        self.env, self.task, self.slot, self.answer, self.replies = env, task, slot, "", 0
 
     def step(self, reply: str) -> Step:
         self.answer, self.replies = reply, self.replies + 1
-        if self.replies >= self.env.attempts or self.env.verify(self.task, reply) == 1.0:
+        if self.replies >= self.env.attempts or self.env.verify(self.task, reply, self.slot) == 1.0:
             return Step(done=True)
         return Step([{"role": "user", "content": RETRY}])
 
     def finish(self) -> Grade:
-        return Grade(self.env.verify(self.task, self.answer), {"attempts": self.replies})
+        return Grade(self.env.verify(self.task, self.answer, self.slot), {"attempts": self.replies})
 
     def close(self) -> None:
         pass
@@ -96,8 +96,9 @@ class AnswerEnv:
     def reset(self, rng: random.Random) -> Task:
         raise NotImplementedError
 
-    def verify(self, task: Task, answer: str) -> float:
+    def verify(self, task: Task, answer: str, slot: int = 0) -> float:
+        """The answer's reward; `slot` is the episode's (a verifier that runs code sandboxes it there)."""
         raise NotImplementedError
 
     def open(self, task: Task, slot: int = 0) -> Episode:
-        return AnswerEpisode(self, task)
+        return AnswerEpisode(self, task, slot)

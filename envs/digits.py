@@ -26,7 +26,7 @@ class DigitsEnv(AnswerEnv):
         prompt = rng.choice(PROMPTS)
         return Task(id=f"digits-{rng.getrandbits(48):012x}", messages=[{"role": "user", "content": prompt}])
 
-    def verify(self, task: Task, answer: str) -> float:
+    def verify(self, task: Task, answer: str, slot: int = 0) -> float:
         chars = [c for c in answer if not c.isspace()]
         if not chars:
             return 0.0

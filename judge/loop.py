@@ -27,10 +27,8 @@ import logging
 from collections import Counter
 from typing import Any
 
-from bus import SAMPLE_SUBJECT, TRAJECTORY_SUBJECT, UNSCORED_SUBJECT, Bus, Sample, Trajectory, Unscored
-from bus.client import Delivery
-from bus.keepalive import keep_alive
-from bus.process import repeat
+from bus import SAMPLE_SUBJECT, TRAJECTORY_SUBJECT, UNSCORED_SUBJECT, Delivery, Sample, Trajectory, Unscored
+from bus.consumer_loop import ConsumerLoop
 from config import FlywheelConfig
 from judge.base import Unscorable, Verdict
 from judge.registry import build_judge
@@ -41,30 +39,26 @@ REDELIVERY_DELAY_S = 1.0
 """Pause before a trajectory whose result could not be published is delivered again."""
 
 
-class JudgeLoop:
+class JudgeLoop(ConsumerLoop):
+    name = "judge"
+    subjects = TRAJECTORY_SUBJECT
+
     def __init__(self, config: FlywheelConfig, bus_url: str, durable: str = "judge"):
-        self.config = config
-        self.bus_url = bus_url
-        self.durable = durable
+        super().__init__(config, bus_url, durable)
         self.judge = build_judge(config)
         self.scored = 0
         self.unscored: Counter[str] = Counter()
         """Unscored trajectories by reason category (`no reward`, `no valid vote`, `deadline`, ...)."""
         self.publish_failures = 0
         self._in_flight: dict[asyncio.Task, Delivery] = {}
-        self._tasks: list[asyncio.Task] = []
 
-    async def start(self) -> None:
+    async def prepare(self) -> None:
         await self.judge.start()
-        self.bus = await Bus.connect(self.bus_url, name="judge", replicas=self.config.bus.replicas)
-        ack_wait = self.config.bus.ack_wait_s
-        self.consumer = self.bus.consumer(TRAJECTORY_SUBJECT, self.durable, ack_wait_s=ack_wait)
-        self._tasks = [
-            asyncio.create_task(repeat(self._step, "judge"), name="judge"),
-            asyncio.create_task(repeat(lambda: keep_alive(self._in_flight.values, ack_wait), "judge.keepalive"), name="keepalive"),
-        ]
 
-    async def _step(self) -> None:
+    def held(self) -> list[Delivery]:
+        return list(self._in_flight.values())
+
+    async def step(self) -> None:
         room = self.config.judge.max_concurrency - len(self._in_flight)
         if room <= 0:
             await asyncio.wait(list(self._in_flight), return_when=asyncio.FIRST_COMPLETED)
@@ -120,14 +114,13 @@ class JudgeLoop:
             judge=self.judge.name, details=verdict.details,
         )
 
-    async def stop(self) -> None:
-        """Stop fetching and abandon judgements in flight (unacknowledged: they are redelivered)."""
-        tasks = [*self._tasks, *self._in_flight]
-        for task in tasks:
+    async def finish(self) -> None:
+        """Abandon judgements in flight (unacknowledged: they are redelivered)."""
+        in_flight = list(self._in_flight)
+        for task in in_flight:
             task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+        await asyncio.gather(*in_flight, return_exceptions=True)
         await self.judge.close()
-        await self.bus.close()
 
     def stats(self) -> dict[str, Any]:
         return {

@@ -11,6 +11,8 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from bus import addresses
+from bus.addresses import read_address
 from config import ConfigError, FlywheelConfig
 from config.judge import CompositeComponentConfig, LLMJudgeConfig
 from judge.base import Judge
@@ -18,9 +20,6 @@ from judge.composite import Component, CompositeJudge
 from judge.llm import LLMJudge
 from judge.normalize import Normalizer
 from judge.rule import RuleJudge
-
-SERVE_URL_FILE = "serve.url"
-"""Where the serve loop writes its URL in the run directory (`serve.loop.URL_FILE`)."""
 
 
 def build_judge(config: FlywheelConfig) -> Judge:
@@ -45,10 +44,11 @@ def _build_component(config: FlywheelConfig, component: CompositeComponentConfig
 def _build_llm(config: FlywheelConfig, llm: LLMJudgeConfig) -> LLMJudge:
     base_url = llm.base_url
     if base_url is None:
-        url_file = Path(config.run_dir) / SERVE_URL_FILE
-        if not url_file.exists():
-            raise ConfigError(f"judge.llm.base_url: not set, and no serve loop has written {url_file} (is serve running?)")
-        base_url = url_file.read_text().strip() + "/v1"
+        try:
+            base_url = read_address(config.run_dir, addresses.SERVE) + "/v1"
+        except FileNotFoundError:
+            raise ConfigError(f"judge.llm.base_url: not set, and no serve loop has written "
+                              f"{Path(config.run_dir) / addresses.SERVE} (is serve running?)") from None
     api_key = llm.api_key or os.environ.get(llm.api_key_env) or "unused"
-    model = llm.model or config.serve.served_model_name or config.model
+    model = llm.model or config.served_model
     return LLMJudge(llm, base_url, api_key, model)

@@ -26,6 +26,7 @@ from safetensors.torch import load_file
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from models.cache import TMP_PREFIX, atomic_directory
+from models.registry import resolve_model
 
 VERSION_DIR = re.compile(r"v(0|[1-9][0-9]*)")
 META_FILE = "meta.json"
@@ -168,15 +169,28 @@ class WeightStore:
         return state
 
 
+def _weights_dir(path: str | os.PathLike[str]) -> Path:
+    """The directory `path` names: itself when it is one, else a model name resolved."""
+    directory = Path(path).expanduser()
+    if directory.is_dir() or not isinstance(path, str):
+        return directory
+    try:  # a name: built or converted into the cache once, as at launch
+        return resolve_model(path)
+    except ValueError:
+        return directory  # neither: reading it says what is missing
+
+
 def load_weights(model: torch.nn.Module, path: str | os.PathLike[str]) -> None:
     """Copy the weights saved in the model directory `path` into `model`, in place.
 
-    `path` is a weight-store version or any safetensors checkpoint of the same architecture. The
+    `path` is a weight-store version or any safetensors checkpoint of the same architecture, or a
+    model's name (`tiny`, `smollm2-135m`), resolved as the engine resolved it at launch: SGLang
+    reloads whatever it was launched with, and `/model_info` reports that name. The
     model's parameter objects are kept (an optimizer or engine holding them sees the new values);
     tied tensors left out of the files are filled through their tie. Raises `ValueError`, before
     changing anything, if the files do not match the model's tensors by name and shape.
     """
-    state = _read_safetensors(Path(path))
+    state = _read_safetensors(_weights_dir(path))
     expected = model.state_dict()
     tied = _tied_aliases(model, set(state))
     missing = sorted(set(expected) - set(state) - set(tied))

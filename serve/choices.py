@@ -16,7 +16,7 @@ possible, so staleness computed from it is never under-estimated.
 spans, they say so exactly (SGLang 0.5.23 reports them once a request's weights changed in
 flight; so does the embedded engine). Without spans, `weight_version` is only the engine's label
 when the chunk was produced: tokens sampled before a swap would look newer than they are. The
-HTTP client (`serve.engine_client`) then applies `bound_versions`: a chunk's tokens get the older
+HTTP client (`serve.backends.sglang`) then applies `bound_versions`: a chunk's tokens get the older
 of the version the gateway knew for that engine when those tokens began (at the request's start
 for the first chunk, the previous chunk's version for a later one) and the version the chunk
 reports. The gateway knows an engine's version because it drives the swaps: it learns the new

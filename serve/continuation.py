@@ -22,16 +22,16 @@ context the model is trained in is the one it generated.
 
 from __future__ import annotations
 
-from collections import OrderedDict
 from typing import Any
+
+from bus.lru import LRU
 
 
 class SessionContinuations:
     def __init__(self, tokenizer: Any, max_sessions: int, per_session: int = 8):
         self.tokenizer = tokenizer
-        self.max_sessions = max_sessions
         self.per_session = per_session
-        self._sessions: OrderedDict[str, list[tuple[str, list[int]]]] = OrderedDict()
+        self._sessions: LRU[str, list[tuple[str, list[int]]]] = LRU(max_sessions)
         self.continued = 0
         """Prompts that continued a remembered sequence."""
 
@@ -39,7 +39,7 @@ class SessionContinuations:
         """Token ids for `text`, continuing the session's longest remembered sequence that it
         extends."""
         best: tuple[str, list[int]] | None = None
-        for known_text, ids in self._sessions.get(session_id, ()) if session_id else ():
+        for known_text, ids in self._sessions.get(session_id) or () if session_id else ():
             if text.startswith(known_text) and (best is None or len(known_text) > len(best[0])):
                 best = known_text, ids
         if best is None:
@@ -51,13 +51,11 @@ class SessionContinuations:
         """Keep `ids` (a turn's prompt + output) as a sequence the session's next prompt may
         extend; `text` is what they stand for in the client's words (default: their decoding;
         they differ when earlier stop tokens are in the ids but not in the client's text)."""
-        if self.max_sessions == 0:
+        if self._sessions.capacity == 0:
             return
         if text is None:
             text = self.tokenizer.decode(ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
-        entries = self._sessions.setdefault(session_id, [])
-        self._sessions.move_to_end(session_id)
+        entries = self._sessions.get(session_id) or []
         entries.append((text, ids))
         del entries[: -self.per_session]
-        while len(self._sessions) > self.max_sessions:
-            self._sessions.popitem(last=False)
+        self._sessions[session_id] = entries

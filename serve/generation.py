@@ -19,15 +19,15 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from bus import TURN_SUBJECT, Timings, Turn
+from serve.api.chat import ChatCompletionRequest, CompletionRequest, sampling_params
+from serve.api.formatting import chat_message, output_text, stop_string
+from serve.api.sessions import SessionInfo
+from serve.api.wire import Wire
+from serve.backends.base import EngineClient, EngineError
 from serve.choices import Choice
-from serve.engine_client import EngineClient, EngineError
-from serve.formatting import chat_message, output_text, stop_string
-from serve.recorder import RecordLost, Recorder
-from serve.schema import ChatCompletionRequest, CompletionRequest, sampling_params
-from serve.sessions import SessionInfo
+from serve.recorder import Recorder, RecordLost
 from serve.streamed_text import StreamedText
-from serve.tool_formats import ToolFormat
-from serve.wire import Wire
+from serve.tools.formats import ToolFormat
 
 
 @dataclass

@@ -19,20 +19,21 @@ from typing import Any
 import torch
 import uvicorn
 
-from bus import WEIGHTS_SUBJECT, Bus, WeightUpdate
+from bus import WEIGHTS_SUBJECT, Bus, WeightUpdate, addresses
+from bus.addresses import write_address
 from bus.process import repeat
 from config import ConfigError, FlywheelConfig
 from models import load_model, load_weights, place
+from serve.backends.in_process import InProcessEngineClient
+from serve.backends.pool import EnginePool
+from serve.backends.sglang import HTTPEngineClient
 from serve.engine import Engine
-from serve.engine_client import HTTPEngineClient, InProcessEngineClient
-from serve.engine_pool import EnginePool
 from serve.gateway import create_gateway
-from serve.metrics import ServeMetrics
+from serve.ops.metrics import ServeMetrics
 from serve.recorder import Recorder
 
 log = logging.getLogger(__name__)
 
-URL_FILE = "serve.url"
 
 
 class ServeLoop:
@@ -92,15 +93,13 @@ class ServeLoop:
             await asyncio.sleep(0.01)
         port = self._server.servers[0].sockets[0].getsockname()[1]
         self.url = f"http://{cfg.host}:{port}"
-        run_dir = Path(self.config.run_dir)
-        run_dir.mkdir(parents=True, exist_ok=True)
-        (run_dir / URL_FILE).write_text(self.url + "\n")
+        write_address(self.config.run_dir, addresses.SERVE, self.url)
         log.info("serving %s at %s", self.model_name, self.url)
         return self.url
 
     @property
     def model_name(self) -> str:
-        return self.config.serve.served_model_name or self.config.model
+        return self.config.served_model
 
     async def _follow_weights(self) -> None:
         async for update in self.bus.follow(WEIGHTS_SUBJECT, newest_only=True):

@@ -32,8 +32,8 @@ from typing import BinaryIO
 import msgspec
 
 from bus import Bus, Record, decode, encode
-from models.cache import fsync_directory
 from bus.streams import RECORD_TYPES
+from models.cache import fsync_directory
 
 log = logging.getLogger(__name__)
 

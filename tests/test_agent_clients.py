@@ -9,9 +9,16 @@ from typing import Literal
 
 import openai
 import pytest
+from agents import (
+    Agent,
+    ModelSettings,
+    OpenAIChatCompletionsModel,
+    OpenAIResponsesModel,
+    Runner,
+    function_tool,
+    set_tracing_disabled,
+)
 from pydantic import BaseModel
-from agents import Agent, ModelSettings, OpenAIChatCompletionsModel, OpenAIResponsesModel, Runner, function_tool
-from agents import set_tracing_disabled
 
 from tests.test_openai_api import turns
 from tests.test_serve import served  # noqa: F401  (fixture)

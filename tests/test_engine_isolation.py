@@ -11,9 +11,11 @@ import httpx
 import pytest
 
 from models import load_model
+from serve.backends.base import EngineError
+from serve.backends.in_process import InProcessEngineClient
+from serve.backends.sglang import HTTPEngineClient
 from serve.engine import Engine, SamplingParams
 from serve.engine.server import create_engine_app
-from serve.engine_client import EngineError, HTTPEngineClient, InProcessEngineClient
 from tests.conftest import RunningApp
 from tests.test_engine import prompt
 

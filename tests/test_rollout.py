@@ -3,8 +3,8 @@ the data position (tasks drawn, RNG) that a resumed run continues from."""
 
 import pytest
 
-from collect.rollout import RolloutDriver
 from config import ConfigError, load_config
+from rollout.driver import RolloutDriver
 
 
 def driver(tmp_path, *overrides: str) -> RolloutDriver:

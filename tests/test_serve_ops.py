@@ -13,10 +13,10 @@ from fastapi import FastAPI
 from prometheus_client.parser import text_string_to_metric_families
 from pydantic import BaseModel
 
-from serve.auth import install_auth
-from serve.errors import install_error_handlers
-from serve.limits import ConcurrencyLimiter, install_body_limit, request_timeout
-from serve.metrics import ServeMetrics, install_metrics_route, install_request_metrics
+from serve.api.errors import install_error_handlers
+from serve.ops.auth import install_auth
+from serve.ops.limits import ConcurrencyLimiter, install_body_limit, request_timeout
+from serve.ops.metrics import ServeMetrics, install_metrics_route, install_request_metrics
 
 
 async def until(condition, timeout_s: float = 10.0) -> None:

@@ -9,7 +9,7 @@ import random
 import pytest
 
 from serve.streamed_text import StreamedText
-from serve.tool_formats import FORMATS
+from serve.tools.formats import FORMATS
 
 
 def reference(fmt, text: str) -> str:

@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from collect.env_pool import LocalRunner
 from envs import make_env
 from envs.swe.agent import SUBMIT_MARKER, parse_action
+from rollout.env_pool import LocalRunner
 from tests.test_collect_live import assert_segment_is_exact, collected, platform
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -18,9 +18,9 @@ from pathlib import Path
 import pytest
 
 from envs.swe import TINY_TASKS, SweTask, grade, load_tasks, materialize
-from envs.swe.testpaths import without_test_changes
 from envs.swe.mutate import find_sites, mutate, sample_sites
 from envs.swe.testenv import default_backend
+from envs.swe.testpaths import without_test_changes
 
 ROOT = Path(__file__).resolve().parent.parent
 SLOT = 800  # slots of their own (uid 10800+): other tests sandbox 0, 1, ... and 700+
@@ -156,6 +156,20 @@ def test_exec_runs_a_command_at_the_base_commit_and_returns_its_status(tasks):
     assert run.stdout.split()[:2] == ["1", sys.prefix]
     slow = _cli("exec", "--timeout", "1", "--slot-base", str(SLOT), str(TINY_TASKS), task.instance_id, "--", "sleep 30")
     assert slow.returncode == 124 and "timed out" in slow.stderr
+
+
+def test_exec_keeps_each_word_of_the_command_as_docker_exec_does(tasks):
+    """`exec ... -- bash -c "false && echo ok"` runs bash with that one script (joined with spaces,
+    `bash -c false` ran and the rest became positional arguments: exit 1 printing nothing was
+    indistinguishable from a real failure, and `-c "pytest -q && echo ok"` exited 0 having run
+    nothing). A single word stays a shell line, as before."""
+    task = tasks[0]
+    run = _cli("exec", "--slot-base", str(SLOT), str(TINY_TASKS), task.instance_id, "--",
+               "bash", "-c", "echo one two && exit 5")
+    assert (run.returncode, run.stdout) == (5, "one two\n")
+    quoted = _cli("exec", "--slot-base", str(SLOT), str(TINY_TASKS), task.instance_id, "--",
+                  "printf", "%s|", "a b", "it's")
+    assert quoted.stdout == "a b|it's|"
 
 
 def _diff(path: str, old: str | None, new: str) -> str:

@@ -5,13 +5,14 @@ call's history renders through the template, and a forced call under the family'
 valid even from the untaught model."""
 
 import json
+import types
 from pathlib import Path
 
 import jsonschema
 import openai
 import pytest
 
-from serve.tool_formats import FORMATS, HERMES, detect
+from serve.tools.formats import FORMATS, HERMES, detect
 from tests.teaching import serving, teach_tiny
 from tests.test_tools import ASK, WEATHER, recorded
 
@@ -37,6 +38,23 @@ def test_each_format_parses_its_calls_and_leaves_text_alone():
     assert llama.release('  {"na', False) == (0, True) and llama.release("Hello {", False) == (7, False)
     assert mistral.release("Sure [TOOL_C", False) == (5, False) and HERMES.release("ok <tool", False) == (3, False)
     assert HERMES.release("ok <tool_call>{", False) == (3, True)
+
+
+@pytest.mark.parametrize("name", sorted(FORMATS))
+def test_a_forced_call_cut_by_max_tokens_has_arguments_that_end_where_the_json_does(name):
+    """A forced call cut inside its closing (`{"a": 2, "b": 3}}</tool`) came back with that tail
+    in its arguments, which no JSON parser takes; cut inside the arguments, it is their prefix."""
+    fmt = FORMATS[name]
+    forced = fmt.forced_prefix(types.SimpleNamespace(name="add"))
+    arguments = '{"a": 2, "b": {"c": [1, "}"]}}'
+    whole = " " + arguments + fmt.close
+    for cut in range(len(" " + arguments), len(whole) + 1):
+        call = fmt.truncated_call(forced, whole[:cut])
+        assert call["function"]["name"] == "add"
+        assert call["function"]["arguments"] == arguments, whole[:cut]
+    for cut in range(1, len(" " + arguments)):
+        call = fmt.truncated_call(forced, whole[:cut])
+        assert call["function"]["arguments"] == whole[1:cut]
 
 
 def test_the_format_is_read_from_the_template(tiny_path):

@@ -9,8 +9,8 @@ from transformers import AutoTokenizer
 
 from bus import TRAFFIC_SUBJECTS, Turn
 from models import resolve_model
-from serve.tool_formats import HERMES
-from serve.tools import adapt_messages, template_support
+from serve.tools.formats import HERMES
+from serve.tools.template import adapt_messages, template_support
 from tests.teaching import serving, teach_tiny
 
 WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "Weather in a city",

@@ -6,7 +6,6 @@ import json
 import math
 
 import msgspec
-
 import pytest
 import torch
 
@@ -17,8 +16,8 @@ from models import load_model
 from serve.engine import Engine, SamplingParams
 from tests.test_records import make_turn
 from train.advantages import RunningBaseline, group_advantages
-from train.batch import Row, micro_batches
 from train.loop import TrainLoop
+from train.packing import Row, micro_batches
 from train.trainer import Trainer
 
 

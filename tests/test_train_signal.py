@@ -14,8 +14,8 @@ from bus import SAMPLE_SUBJECT, WEIGHTS_SUBJECT, Sample, encode
 from config import load_config
 from models import load_model
 from tests.test_train_loop import sample_of, sampled_turns
-from train.batch import Row, micro_batches, split_minibatches
 from train.loop import TrainLoop
+from train.packing import Row, micro_batches, split_minibatches
 from train.sampled import segment_sampling
 from train.trainer import Trainer
 

@@ -15,8 +15,8 @@ from models import load_model
 from tests.test_records import make_turn
 from tests.test_train_loop import rows_of, sample_of, sampled_turns
 from train.advantages import token_advantages, turn_returns
-from train.batch import Row, micro_batches
 from train.fsdp import shard
+from train.packing import Row, micro_batches
 from train.schedule import lr_factor
 from train.trainer import Trainer
 

@@ -5,7 +5,7 @@ Consumes SAMPLES durably and hands the pieces to their owners:
 - each sample gets its trajectory (`Bus.resolve`; one the stream no longer holds is counted
   `unresolved`) and is dropped if it was trained already (`duplicates_dropped`: the bus
   delivers at least once; the ids trained are remembered, and checkpointed);
-- `GroupBatcher` (train/batcher.py) holds samples until their task group is whole and drops
+- `GroupBatcher` (train/grouping.py) holds samples until their task group is whole and drops
   groups older than η = `rollout.max_head_offpolicyness` versions (`stale_dropped`);
 - `train/step_batch.py` turns a step's groups into advantages, minibatches and micro-batches;
   `Trainer` (train/trainer.py) takes the step;
@@ -36,15 +36,14 @@ from typing import Any
 
 import torch
 
-from bus import SAMPLE_SUBJECT, Bus, Delivery, Sample
+from bus import SAMPLE_SUBJECT, Delivery, Sample
+from bus.consumer_loop import ConsumerLoop
 from bus.dedup import RecentIds
-from bus.keepalive import keep_alive
-from bus.process import repeat
 from config import ConfigError, FlywheelConfig
 from models import WeightStore, load_model
 from train.advantages import RunningBaseline
-from train.batcher import Group, GroupBatcher
 from train.checkpoint import Checkpoints
+from train.grouping import Group, GroupBatcher
 from train.ledger import Ledger
 from train.publisher import WeightPublisher
 from train.step_batch import StepBatch
@@ -53,11 +52,12 @@ from train.trainer import Trainer
 log = logging.getLogger(__name__)
 
 
-class TrainLoop:
+class TrainLoop(ConsumerLoop):
+    name = "train"
+    subjects = SAMPLE_SUBJECT
+
     def __init__(self, config: FlywheelConfig, bus_url: str, durable: str = "train"):
-        self.config = config
-        self.bus_url = bus_url
-        self.durable = durable
+        super().__init__(config, bus_url, durable)
         self.run_dir = Path(config.run_dir)
         self.baseline = RunningBaseline()
         self.counts = {"samples": 0, "stale_dropped": 0, "unresolved": 0, "duplicates_dropped": 0}
@@ -74,7 +74,6 @@ class TrainLoop:
         """The groups of the step under way (held too: a step can outlast the ack wait)."""
         self._checkpointed_at = -1
         self.last_metrics: dict[str, Any] = {}
-        self._tasks: list[asyncio.Task] = []
         self._inflight: asyncio.Task | None = None
         self._started = time.monotonic()
 
@@ -89,20 +88,16 @@ class TrainLoop:
         model, self.tokenizer = await asyncio.to_thread(load_model, self.config.model)
         self.checkpoints = Checkpoints(self.run_dir / "checkpoints", keep=self.config.train.keep_checkpoints)
         self.trainer = Trainer(model, self.config.actor, self.config.train)
-        self.bus = await Bus.connect(self.bus_url, name="train", replicas=self.config.bus.replicas)
+        await super().start()
+
+    async def prepare(self) -> None:
         self.publisher = WeightPublisher(WeightStore(self.run_dir / "weights", keep=self.config.train.keep_versions), self.bus)
         self.ledger = Ledger(self.run_dir / "trained.jsonl")
         await self._restore()
         self._checkpointed_at = self.trainer.step_count
-        ack_wait = self.config.bus.ack_wait_s
-        self.consumer = self.bus.consumer(SAMPLE_SUBJECT, self.durable, ack_wait_s=ack_wait)
         self.metrics_file = (self.run_dir / "metrics.jsonl").open("a")
-        self._tasks = [
-            asyncio.create_task(repeat(self._step, "train"), name="train"),
-            asyncio.create_task(repeat(lambda: keep_alive(self._held, ack_wait), "train.keepalive"), name="keepalive"),
-        ]
 
-    def _held(self) -> list[Delivery]:
+    def held(self) -> list[Delivery]:
         return [*self.batcher.deliveries(), *(d for g in self._training for d in g.deliveries), *self.unacknowledged]
 
     async def _restore(self) -> None:
@@ -169,7 +164,7 @@ class TrainLoop:
             return
         self.batcher.add(sample, delivery)
 
-    async def _step(self) -> None:
+    async def step(self) -> None:
         for delivery in await self._fetch(self.config.train.batch_size):
             await self._admit(delivery)
         for group in self.batcher.drop_stale(self.is_stale):  # re-checked each step: a waiting sample ages too
@@ -246,19 +241,16 @@ class TrainLoop:
         self.metrics_file.write(json.dumps(line) + "\n")
         self.metrics_file.flush()
 
-    async def stop(self) -> None:
-        if self._tasks:
-            for task in self._tasks:
-                task.cancel()
-            await asyncio.gather(*self._tasks, return_exceptions=True)
-            if self._inflight is not None:
-                with contextlib.suppress(Exception):
-                    await self._inflight
-            if self.trainer.step_count > self._checkpointed_at or self.unacknowledged:
-                await self._checkpoint()
-            self.metrics_file.close()
+    async def finish(self) -> None:
+        """Let a step under way end, then checkpoint what was trained since the last checkpoint
+        (which acknowledges its samples)."""
+        if self._inflight is not None:
+            with contextlib.suppress(Exception):
+                await self._inflight
+        if self.trainer.step_count > self._checkpointed_at or self.unacknowledged:
+            await self._checkpoint()
+        self.metrics_file.close()
         self.ledger.close()
-        await self.bus.close()
 
     def stats(self) -> dict[str, Any]:
         return {"version": self.version, "step": self.trainer.step_count, "buffered": self.buffer, **self.counts,

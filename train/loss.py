@@ -14,6 +14,10 @@ objective bounded below by c·Â: loss = − w · max(min(u·Â, clip(u)·Â), c
 The loss is a token mean: the sum over counted tokens divided by `denominator`, by default the
 number of counted tokens here. A step split into micro-batches passes the whole step's count, so
 the accumulated gradient is that of one global token mean.
+
+With `actor.kl_coef` β > 0 the trainer adds β · `k3_kl` to it: Schulman's k3 estimator of
+KL(π_θ ‖ π_ref) to a frozen reference policy, r − log r − 1 with r = π_ref/π_θ per token
+(unbiased, always ≥ 0), under the same mask and denominator.
 """
 
 from __future__ import annotations
@@ -105,3 +109,10 @@ def decoupled_ppo_loss(
             behav_weight_max=float(weights.max()) if weights.numel() else 1.0,
         )
     return loss, stats
+
+
+def k3_kl(logp: torch.Tensor, ref_logp: torch.Tensor, mask: torch.Tensor, denominator: float) -> torch.Tensor:
+    """The k3 estimate of KL(π_θ ‖ π_ref), summed over `mask` and divided by `denominator`
+    (the same token mean as the loss); gradients flow through `logp` only."""
+    log_ratio = ref_logp.detach() - logp
+    return ((log_ratio.exp() - log_ratio - 1.0) * mask).sum() / max(denominator, 1.0)

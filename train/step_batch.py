@@ -14,8 +14,8 @@ from statistics import fmean
 
 from config import FlywheelConfig
 from train.advantages import RunningBaseline, group_advantages, token_advantages
-from train.batch import MicroBatch, Row, micro_batches, split_minibatches
-from train.batcher import Group
+from train.grouping import Group
+from train.packing import MicroBatch, Row, micro_batches, split_minibatches
 from train.sampled import segment_sampling
 
 

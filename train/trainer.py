@@ -10,8 +10,8 @@ minibatches, each a list of micro-batches:
    policy. `behav_logprob_gap`, the mean |log π_prox − log π_behav| over the tokens the current
    version sampled, shows that the recomputation reproduces the engine (≈ 0 up to float noise).
 2. per minibatch: the loss with gradients, accumulated over its micro-batches and divided by the
-   minibatch's count of loss tokens (one token mean per minibatch); with `actor.kl_coef`, a k3
-   KL penalty to the frozen reference policy per token; then gradient clipping to
+   minibatch's count of loss tokens (one token mean per minibatch); with `actor.kl_coef`, the k3
+   KL penalty to the frozen reference policy (`train/loss.py`); then gradient clipping to
    `actor.optimizer.max_grad_norm` and one AdamW step. From the second minibatch on π_θ ≠ π_prox,
    so the PPO clip is a real trust region (`clip_fraction`).
 3. one learning-rate schedule step per training step.
@@ -30,9 +30,9 @@ from typing import Any
 import torch
 
 from config.schema import ActorConfig, TrainConfig
-from train.batch import MicroBatch
 from train.fsdp import shard
-from train.loss import LossStats, decoupled_ppo_loss
+from train.loss import LossStats, decoupled_ppo_loss, k3_kl
+from train.packing import MicroBatch
 from train.schedule import make_scheduler
 
 
@@ -124,8 +124,7 @@ class Trainer:
                 if self.reference is not None:
                     with torch.no_grad():
                         ref_logp, _ = self.token_logprobs(batch, self.reference)
-                    log_ratio = ref_logp - logp
-                    kl = ((log_ratio.exp() - log_ratio - 1.0) * batch.loss_mask).sum() / max(total, 1.0)
+                    kl = k3_kl(logp, ref_logp, batch.loss_mask, total)
                     loss = loss + self.actor.kl_coef * kl
                     kl_sum += float(kl.detach())
                 loss.backward()

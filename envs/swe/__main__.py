@@ -7,7 +7,8 @@
 
 `build` writes DIR/tasks.jsonl, DIR/repos/ and DIR/build.json (envs/swe/build.py). `validate`
 prints one line per task and a summary, and exits 1 if any task is invalid. `exec` runs COMMAND
-(its words joined by spaces, run by bash) in a fresh sandbox at the task's base commit with the
+(one word: a shell line, as in `-- "pytest -q && echo ok"`; several: argv, each word kept as
+given, as `docker exec` keeps it) in a fresh sandbox at the task's base commit with the
 task's test environment, prints its output, and exits with its status (124 on timeout).
 `demos` writes gold demonstrations (envs/swe/demos.py) of the easy tasks outside a seeded
 held-out share, one JSON object per line (`instance_id`, `messages`), for `python -m train.sft`;
@@ -19,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shlex
 import sys
 
 from envs.swe.gitstore import GitError
@@ -58,7 +60,10 @@ def _exec(args: argparse.Namespace) -> int:
         print("exec: no command given (put it after --)", file=sys.stderr)
         return 2
     task = find_task(load_tasks(args.tasks), args.instance_id)
-    result = execute(task, " ".join(args.command), timeout_s=args.timeout, slot=args.slot_base)
+    # Several words are argv, each kept as it came (quoted for the sandbox's shell), as `docker
+    # exec` and `kubectl exec` keep it; a single word is a shell line (`-- "make test && echo ok"`).
+    command = args.command[0] if len(args.command) == 1 else shlex.join(args.command)
+    result = execute(task, command, timeout_s=args.timeout, slot=args.slot_base)
     sys.stdout.write(result["output"])
     if result["exception_info"]:
         print(result["exception_info"], file=sys.stderr)

@@ -23,7 +23,6 @@ repositories, or `repos/<project>.bundle` files with `bundle=True`; see `gitstor
 from __future__ import annotations
 
 import json
-import queue
 import shutil
 import sys
 import time
@@ -33,12 +32,14 @@ from pathlib import Path
 from typing import Any
 
 from envs.sandbox.base import SandboxBackend
+from envs.sandbox.workdirs import new_workdir
+from envs.slots import SlotPool
 from envs.swe import gitstore, sdist
 from envs.swe.mutate import Site, find_sites, mutate, sample_sites
 from envs.swe.projects import PROJECTS, Project
 from envs.swe.statement import difficulty, enclosing_function, problem_statement
 from envs.swe.tasks import SweTask, save_tasks
-from envs.swe.testenv import TestRun, new_workdir, opened, run_tests
+from envs.swe.testenv import TestRun, opened, run_tests
 
 MIN_TIMEOUT_S = 60.0
 TIMEOUT_FACTOR = 5.0
@@ -47,7 +48,7 @@ TIMEOUT_FACTOR = 5.0
 class ProjectBuild:
     """One project's mutants; `run(quota)` can be called again to draw further sites."""
 
-    def __init__(self, project: Project, out: Path, seed: int, backend: SandboxBackend, slots: queue.Queue):
+    def __init__(self, project: Project, out: Path, seed: int, backend: SandboxBackend, slots: SlotPool):
         self.project, self.seed, self.backend, self.slots = project, seed, backend, slots
         started = time.monotonic()
         self.work = new_workdir(f"build-{project.name}")
@@ -74,16 +75,13 @@ class ProjectBuild:
 
     def _suite(self, files: dict[str, str], timeout_s: float) -> TestRun:
         """The whole suite on a copy of the pristine tree with `files` (path -> text) replaced."""
-        slot = self.slots.get()
-        try:
+        with self.slots.held() as slot:
             workdir = new_workdir(f"mutant-{self.project.name}")
             shutil.copytree(self.pristine, workdir, symlinks=True)
             for path, text in files.items():
                 (workdir / path).write_bytes(text.encode("utf-8"))
             with opened(self.backend, workdir, self.project.pythonpath, timeout_s, slot) as sandbox:
                 return run_tests(sandbox, self.project.test_cmd, timeout_s)
-        finally:
-            self.slots.put(slot)
 
     def _baseline(self) -> tuple[list[str], list[str], float]:
         with ThreadPoolExecutor(2) as pool:
@@ -174,9 +172,7 @@ def build(out: Path, n: int, seed: int, projects: list[str], backend: SandboxBac
     if unknown:
         raise ValueError(f"unknown projects {unknown}; choose from {', '.join(PROJECTS)}")
     started = time.monotonic()
-    slots: queue.Queue = queue.Queue()
-    for slot in range(slot_base, slot_base + jobs):
-        slots.put(slot)
+    slots = SlotPool(range(slot_base, slot_base + jobs))
     builds: list[ProjectBuild] = []
     tasks: dict[str, list[SweTask]] = {}
     try:

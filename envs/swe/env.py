@@ -20,26 +20,24 @@ group of attempts at one draw is normalised together.
 from __future__ import annotations
 
 import random
-import shutil
 from pathlib import Path
 from typing import Any
 
 from envs.base import Grade, Step, Task
 from envs.sandbox import make_backend
+from envs.sandbox.workdirs import work_root
 from envs.swe.agent import INSTANCE, SYSTEM, observation, parse_action, submission
+from envs.swe.execute import open_sandbox
 from envs.swe.gitstore import working_diff
 from envs.swe.grading import grade
-from envs.swe.tasks import TINY_TASKS, SweTask, load_tasks, materialize
-from envs.swe.testenv import sandbox_spec, work_root
+from envs.swe.tasks import TINY_TASKS, SweTask, load_tasks
 
 
 class SweEpisode:
     def __init__(self, task: SweTask, backend, slot: int, command_timeout_s: float):
         self.task, self.backend, self.slot = task, backend, slot
         self.workdir = work_root() / f"episode-slot-{slot}"
-        shutil.rmtree(self.workdir, ignore_errors=True)  # what a crashed predecessor in this slot left
-        materialize(task, self.workdir)
-        self.sandbox = backend.open(sandbox_spec(self.workdir, task.pythonpath, command_timeout_s), slot)
+        self.sandbox = open_sandbox(task, backend, slot, command_timeout_s, self.workdir)
         self.commands = 0
         self.submitted = False
 

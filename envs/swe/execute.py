@@ -1,24 +1,30 @@
 """A sandbox over a fresh copy of a task's buggy repository, and one-shot commands in it.
 
-`open_sandbox` materializes the task (its tree in a new one-commit repository) into a new
-working directory and opens a sandbox on it with the task's test environment (the venv on
+`open_sandbox` materializes the task (its tree in a new one-commit repository) into a working
+directory and opens a sandbox on it with the task's test environment (the venv on
 PATH, the library on PYTHONPATH): what an agent works in. Closing the sandbox removes the copy.
-`execute` is the one-command form behind `python -m envs.swe exec`.
+The `swe` environment's episodes open theirs with it; `execute` is the one-command form behind
+`python -m envs.swe exec`.
 """
 
 from __future__ import annotations
 
 import shutil
+from pathlib import Path
 
 from envs.sandbox.base import ExecResult, Sandbox, SandboxBackend
+from envs.sandbox.workdirs import new_workdir
 from envs.swe.tasks import SweTask, materialize
-from envs.swe.testenv import default_backend, new_workdir, sandbox_spec
+from envs.swe.testenv import default_backend, sandbox_spec
 
 
 def open_sandbox(task: SweTask, backend: SandboxBackend | None = None, slot: int = 0,
-                 timeout_s: float | None = None) -> Sandbox:
-    """A sandbox at the task's base_commit; commands time out after `timeout_s` (default: the task's)."""
-    workdir = new_workdir(f"task-{task.instance_id}")
+                 timeout_s: float | None = None, workdir: Path | None = None) -> Sandbox:
+    """A sandbox at the task's base_commit; commands time out after `timeout_s` (default: the task's).
+    It works in `workdir` (default: a new one), emptied first: an episode reuses its slot's own,
+    where a crashed predecessor may have left a copy."""
+    workdir = workdir or new_workdir(f"task-{task.instance_id}")
+    shutil.rmtree(workdir, ignore_errors=True)
     try:
         materialize(task, workdir)
         return (backend or default_backend()).open(

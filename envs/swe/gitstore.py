@@ -13,14 +13,14 @@ one commit, so the agent's `git diff` shows exactly its own changes and `git log
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import os
-import shutil
 import subprocess
 import tempfile
 from pathlib import Path
 
-from envs.swe.paths import cache_root
+from models.cache import cached_build
 
 IDENTITY = {"GIT_AUTHOR_NAME": "flywheel", "GIT_AUTHOR_EMAIL": "flywheel@localhost",
             "GIT_COMMITTER_NAME": "flywheel", "GIT_COMMITTER_EMAIL": "flywheel@localhost",
@@ -91,23 +91,23 @@ def bundle(store: Path, dest: Path) -> None:
 
 
 def cached_clone(bundle_file: Path) -> Path:
-    """A bare clone of `bundle_file` with all its refs, made once and kept in the cache (made
-    beside its place and renamed into it, so a reader never sees half of one)."""
-    digest = hashlib.sha256(bundle_file.read_bytes()).hexdigest()[:16]
-    dest = cache_root() / "swe" / "bundles" / f"{bundle_file.stem}-{digest}.git"
-    if not dest.exists():
-        dest.parent.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{dest.name}-", dir=dest.parent))
-        try:
-            git("init", "-q", "--bare", str(tmp))
-            git("--git-dir", str(tmp), "fetch", "-q", str(bundle_file.resolve()), "refs/*:refs/*")
-            os.rename(tmp, dest)
-        except OSError:
-            if not dest.exists():  # not another process that made it first
-                raise
-        finally:
-            shutil.rmtree(tmp, ignore_errors=True)
-    return dest
+    """A bare clone of `bundle_file` with all its refs, made once and kept in the cache under the
+    bundle's content hash (written beside its place and renamed into it, so a reader never sees
+    half of one)."""
+    stat = bundle_file.stat()
+    digest = _bundle_digest(bundle_file.resolve(), stat.st_size, stat.st_mtime_ns)
+
+    def clone(tmp: Path) -> None:
+        git("init", "-q", "--bare", str(tmp))
+        git("--git-dir", str(tmp), "fetch", "-q", str(bundle_file.resolve()), "refs/*:refs/*")
+
+    return cached_build(f"swe/bundles/{bundle_file.stem}-{digest}.git", clone)
+
+
+@functools.cache
+def _bundle_digest(path: Path, size: int, mtime_ns: int) -> str:
+    """The bundle's content hash, read once per file version (a rewritten bundle is hashed anew)."""
+    return hashlib.sha256(path.read_bytes()).hexdigest()[:16]
 
 
 def export(repo: Path, commit: str, dest: Path) -> None:

@@ -23,9 +23,10 @@ import shutil
 
 from envs.base import Grade
 from envs.sandbox.base import SandboxBackend
+from envs.sandbox.workdirs import new_workdir
 from envs.swe import gitstore
 from envs.swe.tasks import SweTask, materialize
-from envs.swe.testenv import default_backend, new_workdir, opened, run_tests
+from envs.swe.testenv import default_backend, opened, run_tests
 from envs.swe.testpaths import split_diff, without_test_changes
 
 LISTED_FAILURES = 50

@@ -16,8 +16,8 @@ import tarfile
 import tempfile
 from pathlib import Path
 
-from envs.swe.paths import cache_root
 from envs.swe.projects import Project
+from models.cache import cache_root
 
 
 def sdist_dir() -> Path:

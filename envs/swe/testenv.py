@@ -13,19 +13,17 @@ reads the per-test outcomes back from the file the plugin writes into the workin
 Grading is by test id, so ids must not change from run to run: PYTHONHASHSEED is fixed, and
 the suite runs without address-space randomization (`setarch -R`), since `hash(None)` and other
 identity hashes follow addresses (isodate's parameters come from a set of tuples holding None).
-Sandbox working directories live under `paths.work_root()`.
+Sandbox working directories live under `envs.sandbox.workdirs.work_root()`.
 """
 
 from __future__ import annotations
 
 import functools
 import json
-import re
 import shlex
 import shutil
 import sys
 import time
-import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -33,7 +31,6 @@ from pathlib import Path
 from typing import Any
 
 from envs.sandbox.base import Limits, Sandbox, SandboxBackend, SandboxSpec
-from envs.swe.paths import work_root
 
 PLUGIN_DIR = Path(__file__).resolve().parent / "pytest_plugin"
 REPORT_FILE = ".swe_report.json"
@@ -45,11 +42,6 @@ def default_backend() -> SandboxBackend:
     from envs.sandbox import make_backend
 
     return make_backend("bubblewrap")
-
-
-def new_workdir(tag: str) -> Path:
-    """A unique path under `work_root()` (not yet made) for one sandbox's working directory."""
-    return work_root() / f"{re.sub(r'[^A-Za-z0-9_.-]', '_', tag)[:80]}-{uuid.uuid4().hex[:12]}"
 
 
 def venv_dir() -> Path:

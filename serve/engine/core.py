@@ -34,8 +34,7 @@ import torch
 
 from serve.engine.batch import KVBatch, Prefill
 from serve.engine.grammar import Grammars, apply_grammars
-from serve.engine.request import (GenerationResult, Request, RequestFailed, StreamError, TokenDelta, post_deltas,
-                                  resolve)
+from serve.engine.request import GenerationResult, Request, RequestFailed, StreamError, TokenDelta, post_deltas, resolve
 from serve.engine.sampling import SamplingParams, sample
 
 log = logging.getLogger(__name__)

@@ -19,12 +19,15 @@ view is built on the first constrained request.
 from __future__ import annotations
 
 import json
-from collections import OrderedDict
 from typing import Any
 
 import torch
 
+from bus.lru import LRU
+
 GRAMMAR_KEYS = ("json_schema", "regex", "ebnf", "structural_tag")
+COMPILED_GRAMMARS = 256
+"""How many compiled constraints an engine keeps (least recently used forgotten first)."""
 
 
 class GrammarError(ValueError):
@@ -37,7 +40,7 @@ class Grammars:
         self.n_vocab = n_vocab
         self.eos_ids = sorted(eos_ids)
         self._tokenizer: Any = None
-        self._compiled: OrderedDict[tuple[str, str], str] = OrderedDict()
+        self._compiled: LRU[tuple[str, str], str] = LRU(COMPILED_GRAMMARS)
         """Recently compiled constraints (the protocol layer checks a request's before the engine
         takes it; repeated schemas are the common case)."""
 
@@ -63,8 +66,6 @@ class Grammars:
         if grammar is None:
             grammar = self._compile(key, value)
             self._compiled[(key, value)] = grammar
-            if len(self._compiled) > 256:
-                self._compiled.popitem(last=False)
         return grammar
 
     def _compile(self, key: str, value: str) -> str:

@@ -34,12 +34,12 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from starlette.datastructures import Headers
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from serve.auth import ADMIN_PATHS, bearer_token, key_matches
+from serve.api.sse import DONE, EventStreamResponse
 from serve.engine import native
 from serve.engine.core import Engine
 from serve.engine.native import ProtocolError
 from serve.engine.request import RequestFailed
-from serve.sse import DONE, EventStreamResponse
+from serve.ops.auth import ADMIN_PATHS, bearer_token, key_matches
 
 
 class AdminOnly:

@@ -22,7 +22,7 @@ import hashlib
 import logging
 import time
 
-from serve.engine_client import EngineClient
+from serve.backends.base import EngineClient
 
 log = logging.getLogger(__name__)
 

@@ -11,7 +11,7 @@ import json.encoder
 from typing import Any
 
 from serve.choices import Choice
-from serve.tool_formats import ToolFormat
+from serve.tools.formats import ToolFormat
 
 
 def fingerprint(version: int | None) -> str | None:

@@ -5,8 +5,8 @@ For each task it runs `gconfig.n_samples` episodes (attempts), each its own sess
 (`X-Group-Size`, so the trainer takes the group whole). An episode is one or more chat turns with
 the official `openai` client, acting in the environment between turns, graded at its end; the
 grade goes back as session feedback (`POST /v1/sessions/{id}/feedback`, source `env`), which
-closes the session (collect/episode.py). Episodes run in the driver's process or on a pool of Ray
-workers (`rollout.n_parallel_envs`, collect/env_pool.py). The driver is one more client of the
+closes the session (rollout/episodes.py). Episodes run in the driver's process or on a pool of Ray
+workers (`rollout.n_parallel_envs`, rollout/env_pool.py). The driver is one more client of the
 endpoint: the collector, judge and trainer treat its traffic like anyone's.
 
 Staleness control (AReaL's admission rule): with η = `rollout.max_head_offpolicyness`, B =
@@ -34,9 +34,9 @@ from typing import Any
 
 from bus import WEIGHTS_SUBJECT, Bus
 from bus.process import repeat
-from collect.env_pool import make_runner
 from config import ConfigError, FlywheelConfig
 from envs import ENVS, Env, Task, make_env
+from rollout.env_pool import make_runner
 
 log = logging.getLogger(__name__)
 
@@ -72,10 +72,6 @@ class RolloutDriver:
         self._tasks: list[asyncio.Task] = []
         self._groups: set[asyncio.Task] = set()
 
-    @property
-    def model_name(self) -> str:
-        return self.config.serve.served_model_name or self.config.model
-
     def capacity(self, group: int) -> bool:
         """Whether a group of `group` samples may start now (the staleness bound)."""
         bound = (self.config.rollout.max_head_offpolicyness + self.version + 1) * self.config.train.batch_size
@@ -86,7 +82,7 @@ class RolloutDriver:
 
     async def start(self) -> None:
         self.bus = await Bus.connect(self.bus_url, name="rollout", replicas=self.config.bus.replicas)
-        self.runner = make_runner(self.config, self.env, self.endpoint, self.model_name)
+        self.runner = make_runner(self.config, self.env, self.endpoint, self.config.served_model)
         self._tasks = [
             asyncio.create_task(repeat(self._follow_versions, "rollout.versions"), name="versions"),
             asyncio.create_task(self._admit(), name="admit"),

@@ -26,6 +26,7 @@ from typing import Any
 
 JSON_STYLE = {"whitespace_flexible": False, "key_separator": ": ", "item_separator": ", "}
 """How constrained JSON is spaced: as `json.dumps` writes it, the way templates show calls."""
+_DECODER = json.JSONDecoder()
 
 
 def new_call(name: str, arguments: Any) -> dict[str, Any]:
@@ -96,12 +97,18 @@ class ToolFormat:
 
     def truncated_call(self, forced: str, text: str) -> dict[str, Any] | None:
         """The call a forced answer cut short by `max_tokens` stands for: the name when it is
-        whole, the arguments written so far."""
+        whole, the arguments written so far: the whole JSON value when it was finished (the cut
+        came in the call's closing), else the prefix the grammar let through."""
         body = forced + text
         match = re.search(r'"name": "([^"]*)", "' + self.arguments_key + '": ?', body)
         if match is None:
             return None
-        return new_call(match.group(1), body[match.end():])
+        arguments = body[match.end():]
+        try:
+            _, end = _DECODER.raw_decode(arguments)
+        except json.JSONDecodeError:
+            return new_call(match.group(1), arguments)
+        return new_call(match.group(1), arguments[:end])
 
 
 def _json(function: dict[str, Any]) -> str:

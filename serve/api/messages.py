@@ -32,7 +32,8 @@ from typing import Any, Literal
 
 from pydantic import Field, field_validator
 
-from serve.schema import Body, ChatCompletionRequest, Lenient, Strict, by_type, invalid
+from serve.api.chat import ChatCompletionRequest
+from serve.api.validation import Body, Lenient, Strict, by_type, invalid
 
 
 class TextBlock(Lenient):

@@ -36,7 +36,8 @@ from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, Field, model_validator
 
-from serve.schema import Body, ChatCompletionRequest, Lenient, Strict, by_type, invalid
+from serve.api.chat import ChatCompletionRequest
+from serve.api.validation import Body, Lenient, Strict, by_type, invalid
 
 IGNORED_TOOLS = ("custom", "namespace", "web_search", "web_search_preview", "tool_search")
 """Tool types accepted and not shown to the model (see the module docstring)."""

@@ -25,13 +25,13 @@ session a `previous_response_id` continues.
 from __future__ import annotations
 
 import uuid
-from collections import OrderedDict
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from bus.lru import LRU
+from serve.api.responses import ResponsesRequest
+from serve.api.wire import Wire, sse
 from serve.choices import Choice
-from serve.responses import ResponsesRequest
-from serve.wire import Wire, sse
 
 if TYPE_CHECKING:
     from serve.generation import Generation
@@ -46,17 +46,14 @@ class StoredResponse:
 
 
 class ResponseStore:
+    """The stored responses (`serve.stored_responses` of them, least recently used forgotten
+    first; 0 stores none)."""
+
     def __init__(self, capacity: int):
-        self.capacity = capacity
-        self._items: OrderedDict[str, StoredResponse] = OrderedDict()
+        self._items: LRU[str, StoredResponse] = LRU(capacity)
 
     def put(self, stored: StoredResponse) -> None:
-        if self.capacity <= 0:
-            return
         self._items[stored.response["id"]] = stored
-        self._items.move_to_end(stored.response["id"])
-        while len(self._items) > self.capacity:
-            self._items.popitem(last=False)
 
     def get(self, response_id: str) -> StoredResponse | None:
         return self._items.get(response_id)

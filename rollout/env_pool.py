@@ -1,7 +1,7 @@
 """Where episodes run: in the rollout driver's process, or on a pool of Ray workers.
 
 Both runners hand out parallel *slots* (an episode holds one from open to close; a sandbox's
-uid derives from it, so two episodes never share one) and run `collect.episode.run_episode`.
+uid derives from it, so two episodes never share one) and run `rollout.episodes.run_episode`.
 
 - `LocalRunner` (`rollout.n_parallel_envs: 0`): episodes run on the driver's event loop, their
   environment calls in threads; as many slots as `rollout.max_concurrent_rollouts`. For light
@@ -22,10 +22,11 @@ from typing import Any
 
 import ray
 
-from collect.episode import Endpoint, EpisodeResult, report_failure, run_episode
 from config import FlywheelConfig
 from config.placement import ray_options
 from envs import Env, Task, make_env
+from envs.slots import SlotPool
+from rollout.episodes import Endpoint, EpisodeResult, report_failure, run_episode
 
 log = logging.getLogger(__name__)
 
@@ -35,16 +36,11 @@ class LocalRunner:
         self.config = config
         self.env = env
         self.endpoint = Endpoint(endpoint_url, model)
-        self._slots: asyncio.Queue[int] = asyncio.Queue()
-        for slot in range(config.rollout.max_concurrent_rollouts):
-            self._slots.put_nowait(slot)
+        self._slots = SlotPool(range(config.rollout.max_concurrent_rollouts))
 
     async def run(self, task: Task, session_id: str, **turn: Any) -> EpisodeResult:
-        slot = await self._slots.get()
-        try:
+        async with self._slots.held_async() as slot:
             return await run_episode(self.endpoint, self.env, task, session_id, self.config, slot, **turn)
-        finally:
-            self._slots.put_nowait(slot)
 
     async def close(self) -> None:
         await self.endpoint.close()
@@ -77,14 +73,12 @@ class RayEnvPool:
             EnvWorker.options(**options).remote(config.model_dump(mode="json"), endpoint_url, model, slot)
             for slot in range(config.rollout.n_parallel_envs)
         ]
-        self._slots: asyncio.Queue[int] = asyncio.Queue()
-        for slot in range(len(self.workers)):
-            self._slots.put_nowait(slot)
+        self._slots = SlotPool(range(len(self.workers)))
         self.worker_failures = 0
         self._reviving: set[asyncio.Task] = set()
 
     async def run(self, task: Task, session_id: str, **turn: Any) -> EpisodeResult:
-        slot = await self._slots.get()
+        slot = await self._slots.take_async()
         worker = self.workers[slot]
         # Past twice the episode's own limit the worker is hung, not slow.
         deadline = 2 * self.config.rollout.episode.timeout_s
@@ -98,7 +92,7 @@ class RayEnvPool:
             # The slot goes back once its restarted worker answers, so no episode lands on a restarting one.
             self._reviving.add(asyncio.create_task(self._revive(slot)))
             return await report_failure(self.endpoint, EpisodeResult(session_id, None), reason)
-        self._slots.put_nowait(slot)
+        self._slots.give(slot)
         return result
 
     async def _revive(self, slot: int) -> None:
@@ -108,7 +102,7 @@ class RayEnvPool:
                 break
             except ray.exceptions.RayError:  # still restarting
                 await asyncio.sleep(0.2)
-        self._slots.put_nowait(slot)
+        self._slots.give(slot)
         self._reviving.discard(asyncio.current_task())
 
     async def close(self) -> None:

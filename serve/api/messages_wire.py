@@ -20,10 +20,10 @@ import json
 import uuid
 from typing import TYPE_CHECKING, Any
 
+from serve.api.errors import anthropic_error
+from serve.api.formatting import stop_string
+from serve.api.wire import Wire, sse
 from serve.choices import Choice
-from serve.errors import anthropic_error
-from serve.formatting import stop_string
-from serve.wire import Wire, sse
 
 if TYPE_CHECKING:
     from serve.generation import Generation

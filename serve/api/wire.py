@@ -10,7 +10,7 @@ turns are durable, `done()`. If they cannot be kept, `failure()` replaces `done(
 never sees a successful end of an answer that was not recorded.
 
 `OpenAIWire` is Chat Completions and legacy Completions (`[DONE]`-terminated chunks);
-`serve.responses_wire` and `serve.messages_wire` are the Responses and Anthropic Messages APIs.
+`serve.api.responses_wire` and `serve.api.messages_wire` are the Responses and Anthropic Messages APIs.
 """
 
 from __future__ import annotations
@@ -18,8 +18,7 @@ from __future__ import annotations
 import json
 from typing import TYPE_CHECKING, Any
 
-from serve.choices import Choice
-from serve.formatting import (
+from serve.api.formatting import (
     ChunkTemplate,
     chat_chunk,
     chat_logprobs,
@@ -29,7 +28,8 @@ from serve.formatting import (
     usage,
     usage_chunk,
 )
-from serve.sse import DONE
+from serve.api.sse import DONE
+from serve.choices import Choice
 
 if TYPE_CHECKING:
     from serve.generation import Generation

@@ -23,7 +23,7 @@ from fastapi import FastAPI
 from starlette.datastructures import Headers
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from serve.errors import APIError, anthropic_path
+from serve.api.errors import APIError, anthropic_path
 
 
 def body_too_large(max_body_bytes: int) -> APIError:

@@ -1,107 +1,22 @@
-"""How the gateway reaches an engine: SGLang's native protocol, whatever the transport.
+"""An engine behind a URL speaking SGLang's native protocol: a real SGLang server, or
+`python -m serve.engine`.
 
-The gateway only builds `/generate` bodies and reads `/generate` responses and chunks, and
-drives weight swaps with `/pause_generation`, `/update_weights_from_disk` and
-`/continue_generation`. `HTTPEngineClient` does that over HTTP (a real SGLang server, or
-`python -m serve.engine`); `InProcessEngineClient` hands the same bodies to the same
-`serve.engine.native` functions the engine's HTTP server uses, without the socket. Streams come
-out of both as deltas: the HTTP client turns SGLang's default cumulative chunks into deltas.
-
-An engine's `weight_version` here is Flywheel's integer version (`serve.choices.version_of` of
-the engine's label). The in-process client reads the embedded engine's exact per-token versions;
-the HTTP client, which may be talking to a server that reports one label per response or chunk,
-bounds each chunk's versions by what it knew of the engine (`serve.choices.bound_versions`).
+Streams come out as deltas: SGLang's default cumulative chunks are cut to what was not sent yet.
+A server may report one weight-version label per response or chunk, so each chunk's per-token
+versions are bounded by what this client knew of the engine (`serve.choices.bound_versions`):
+staleness is never under-estimated.
 """
 
 from __future__ import annotations
 
 import json
 from collections.abc import AsyncIterator
-from typing import Any, Protocol
+from typing import Any
 
 import httpx
 
+from serve.backends.base import EngineError
 from serve.choices import bound_versions, version_of
-from serve.engine import Engine, ProtocolError, RequestFailed, generate, generate_stream
-
-
-class EngineError(Exception):
-    """An engine refused a request (`status` 400), failed it (500; the requests batched with it
-    went on) or could not be reached (503)."""
-
-    def __init__(self, status: int, message: str):
-        super().__init__(message)
-        self.status = status
-
-
-class EngineClient(Protocol):
-    name: str
-    weight_version: int
-
-    async def generate(self, body: dict[str, Any]) -> dict[str, Any]: ...
-
-    def generate_stream(self, body: dict[str, Any]) -> AsyncIterator[dict[str, Any]]: ...
-
-    async def pause(self, mode: str) -> None: ...
-
-    async def resume(self) -> None: ...
-
-    async def update_weights_from_disk(self, model_path: str, weight_version: int) -> None: ...
-
-    async def refresh_version(self) -> int:
-        """Ask the engine which weights it has (another gateway may have swapped them)."""
-        ...
-
-    async def abort(self, rid: str) -> None: ...
-
-    async def close(self) -> None: ...
-
-
-class InProcessEngineClient:
-    """An embedded `Engine` in this process."""
-
-    def __init__(self, engine: Engine, name: str = "embedded"):
-        self.engine = engine
-        self.name = name
-
-    @property
-    def weight_version(self) -> int:
-        return version_of(self.engine.version)
-
-    async def generate(self, body: dict[str, Any]) -> dict[str, Any]:
-        try:
-            return await generate(self.engine, body)
-        except ProtocolError as exc:
-            raise EngineError(400, str(exc)) from None
-        except RequestFailed as exc:
-            raise EngineError(500, str(exc)) from None
-
-    async def generate_stream(self, body: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
-        try:
-            async for chunk in generate_stream(self.engine, body, incremental=True):
-                yield chunk
-        except ProtocolError as exc:
-            raise EngineError(400, str(exc)) from None
-        except RequestFailed as exc:
-            raise EngineError(500, str(exc)) from None
-
-    async def pause(self, mode: str) -> None:
-        await self.engine.pause(mode)
-
-    async def resume(self) -> None:
-        await self.engine.resume()
-
-    async def update_weights_from_disk(self, model_path: str, weight_version: int) -> None:
-        await self.engine.update_weights(model_path, str(weight_version))
-
-    async def refresh_version(self) -> int:
-        return self.weight_version
-
-    async def abort(self, rid: str) -> None:
-        await self.engine.abort(rid)
-
-    async def close(self) -> None:
-        pass
 
 
 class HTTPEngineClient:

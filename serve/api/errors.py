@@ -10,14 +10,17 @@ exceptions into the same shape, so a client always gets JSON it can parse.
 from __future__ import annotations
 
 import logging
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 _TYPES = {
     400: "invalid_request_error",
@@ -117,6 +120,16 @@ def validation_message(errors: list[dict[str, Any]]) -> tuple[str, str | None]:
         return f"unsupported parameter: {param}", param
     message = chosen["msg"].removeprefix("Value error, ")
     return (f"{param}: {message}" if param else message), param
+
+
+def translated(make: Callable[[], T]) -> T:
+    """The chat request another API's request stands for (`make` builds it); one it cannot stand
+    for is a 400 naming the field, like any invalid request."""
+    try:
+        return make()
+    except ValidationError as exc:
+        message, param = validation_message(exc.errors())
+        raise APIError(400, message, param) from None
 
 
 ERROR_SCHEMA = {

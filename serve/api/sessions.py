@@ -21,8 +21,9 @@ from typing import Any
 import msgspec
 from pydantic import Field, field_validator, model_validator
 
-from serve.errors import APIError
-from serve.schema import INT64_MAX, Body
+from serve.api.chat import INT64_MAX
+from serve.api.errors import APIError
+from serve.api.validation import Body
 
 _TRUE = {"1", "true", "yes"}
 _FALSE = {"0", "false", "no", ""}

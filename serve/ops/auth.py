@@ -16,7 +16,7 @@ from fastapi import FastAPI
 from starlette.datastructures import Headers
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from serve.errors import APIError, anthropic_path
+from serve.api.errors import APIError, anthropic_path
 
 ADMIN_PATHS = frozenset({
     "/pause_generation",

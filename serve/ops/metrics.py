@@ -10,7 +10,7 @@ before each scrape, so such values can be read when they are wanted rather than 
 
 `install_request_metrics` adds a pure ASGI middleware that reports every HTTP request (its route
 template, status and duration) through `request_finished`, errors included. It also leaves its
-own `send` in the scope (`serve.sse.BODY_SEND`) for event streams' body chunks, which need not
+own `send` in the scope (`serve.api.sse.BODY_SEND`) for event streams' body chunks, which need not
 pass every inner wrapper once the status is known.
 """
 
@@ -25,7 +25,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, G
 from starlette.routing import Match
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from serve.sse import BODY_SEND
+from serve.api.sse import BODY_SEND
 
 log = logging.getLogger(__name__)
 

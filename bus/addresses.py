@@ -1,0 +1,27 @@
+"""Where a run's parts say where they are: one file per address in the run directory.
+
+`bus.url` (written by whoever starts the bus: `start_bus`) is how `python -m bus.tail` and other
+operators' tools find the bus; `serve.url` (written by the serve loop once it listens) is how an
+`llm` judge with no `judge.llm.base_url` finds this deployment's endpoint.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+BUS = "bus.url"
+SERVE = "serve.url"
+
+
+def write_address(run_dir: str | Path, name: str, url: str) -> None:
+    run_dir = Path(run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / name).write_text(url + "\n")
+
+
+def read_address(run_dir: str | Path, name: str) -> str:
+    """The URL a running part wrote; FileNotFoundError saying so when none has."""
+    path = Path(run_dir) / name
+    if not path.exists():
+        raise FileNotFoundError(f"{path} does not exist: is a Flywheel run using {run_dir}?")
+    return path.read_text().strip()

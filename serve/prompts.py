@@ -1,0 +1,67 @@
+"""From a request to prompt token ids: the chat template (with tools) rendered once, tokenized once,
+continuing the exact ids of the session's previous turn where the text allows."""
+
+from __future__ import annotations
+
+import asyncio
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+from serve.api.chat import ChatCompletionRequest, CompletionRequest
+from serve.api.errors import APIError
+from serve.api.sessions import SessionInfo
+from serve.continuation import SessionContinuations
+from serve.tools.formats import FORMATS, HERMES, ToolFormat, detect
+from serve.tools.template import adapt_messages, template_support
+
+
+class PromptBuilder:
+    """Chat messages (and tools) to prompt token ids, through the model's chat template; a
+    session's prompt continues the exact ids of its previous turn where its text does.
+
+    Rendering and tokenizing run on a thread of their own, not on the event loop: an agent's
+    prompt of tens of thousands of tokens takes tens of milliseconds (29 k tokens of SmolLM2:
+    34 ms, mostly tokenizing), during which the loop goes on streaming other answers (the GIL is
+    shared, so this spreads the work out rather than adding CPU)."""
+
+    def __init__(self, tokenizer: Any, continuations: SessionContinuations, tool_format: str = "auto"):
+        self.tokenizer = tokenizer
+        self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="prompts")
+        self.continuations = continuations
+        self.renders_tools, self.renders_calls = template_support(tokenizer)
+        if not self.renders_tools:
+            self.tool_format = HERMES  # the gateway writes the tool prompt, in its format
+        else:
+            self.tool_format = detect(tokenizer.chat_template) if tool_format == "auto" else FORMATS[tool_format]
+
+    async def chat(self, body: ChatCompletionRequest, session: SessionInfo) -> tuple[list[int], str, str, ToolFormat | None]:
+        """(prompt ids, the text they stand for, forced tool-call prefix, the tool-call format
+        when tools are active)."""
+        return await asyncio.get_running_loop().run_in_executor(self._thread, self._chat, body, session)
+
+    async def completion(self, body: CompletionRequest, session: SessionInfo) -> tuple[list[int], str | None]:
+        """(prompt ids, the text they stand for: None for a prompt given as ids)."""
+        return await asyncio.get_running_loop().run_in_executor(self._thread, self._completion, body, session)
+
+    def _chat(self, body: ChatCompletionRequest, session: SessionInfo) -> tuple[list[int], str, str, ToolFormat | None]:
+        tools = None
+        if body.tools and body.tool_choice != "none":
+            tools = [tool.model_dump(exclude_none=True) for tool in body.tools]
+        messages = adapt_messages([m.for_template() for m in body.messages], tools, self.renders_tools, self.renders_calls)
+        try:
+            text = self.tokenizer.apply_chat_template(
+                messages, tools=tools if self.renders_tools else None, add_generation_prompt=True, tokenize=False
+            )
+        except Exception as exc:  # the template rejected this conversation
+            raise APIError(400, f"messages cannot be rendered by the chat template: {exc}", "messages") from None
+        forced = self.tool_format.forced_prefix(body.tool_choice) if tools else ""
+        active = self.tool_format if tools else None
+        return self.continuations.encode(session.session_id, text + forced), text + forced, forced, active
+
+    def _completion(self, body: CompletionRequest, session: SessionInfo) -> tuple[list[int], str | None]:
+        if isinstance(body.prompt, str):
+            return self.continuations.encode(session.session_id, body.prompt), body.prompt
+        vocab = len(self.tokenizer)
+        if not all(0 <= t < vocab for t in body.prompt):
+            raise APIError(400, f"prompt token ids must be in [0, {vocab})", "prompt")
+        return list(body.prompt), None
