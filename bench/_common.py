@@ -1,6 +1,7 @@
 """Helpers shared by the benchmark scripts in `bench/`: machine description, a record of how
-much CPU other processes used while a benchmark ran (the machine is shared), percentiles, a
-plain-text table, and writing the JSON result file under `bench/results/`.
+much CPU other processes used while a benchmark ran (the machine is shared), percentiles, the
+TPOT and TTFT of streamed requests, a plain-text table, and writing the JSON result file under
+`bench/results/`.
 
 Not a benchmark itself; the scripts import it as `bench._common` (run them from the repository
 root: `.venv/bin/python -m bench.<name>` or `.venv/bin/python bench/<name>.py`).
@@ -169,6 +170,26 @@ def percentile(values: list[float], q: float) -> float | None:
 
 def median(values: list[float]) -> float | None:
     return percentile(values, 50)
+
+
+def ms(seconds: float | None) -> float | None:
+    """Seconds as milliseconds; None (no value) stays None."""
+    return None if seconds is None else 1e3 * seconds
+
+
+# Streamed requests, as the records of `bench/_stream_client.py` describe them (send time, the
+# time of each chunk carrying tokens, first-token and finish times, token count): the same
+# definitions of TPOT and TTFT for every benchmark that streams.
+
+def tpot_s(records: list[dict]) -> list[float]:
+    """Time per output token of each request with more than one token: (finish - first token) /
+    (tokens - 1), in seconds."""
+    return [(r["t_finish"] - r["t_first"]) / (r["tokens"] - 1) for r in records if r["tokens"] > 1 and r["t_first"]]
+
+
+def ttft_s(records: list[dict]) -> list[float]:
+    """Time to first token of each request that got one, from its send time, in seconds."""
+    return [r["t_first"] - r["t_send"] for r in records if r["t_first"]]
 
 
 def table(headers: list[str], rows: list[list[Any]]) -> str:

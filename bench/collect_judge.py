@@ -34,9 +34,10 @@ import tempfile
 import time
 from pathlib import Path
 
-from _common import ROOT, CpuWatch, machine, percentile, table, wait_quiet_async, write_result  # noqa: I001
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bus import SAMPLE_SUBJECT, SESSION_EVENT_SUBJECT, TURN_SUBJECT, Bus, EmbeddedNats, SessionEvent, Turn, encode
+from bench._common import ROOT, CpuWatch, machine, percentile, table, wait_quiet_async, write_result  # noqa: E402
+from bus import SAMPLE_SUBJECT, SESSION_EVENT_SUBJECT, TURN_SUBJECT, Bus, EmbeddedNats, SessionEvent, Turn, encode  # noqa: E402
 
 WORDS = "the cat sat on a mat and then it ran off to find some food in the big old house".split()
 

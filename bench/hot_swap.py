@@ -15,7 +15,7 @@ What it measures
                 deployment the trainer writes them in its own process; writing SmolLM2 (0.5 GB)
                 inside the server process would measure the writer, and torch work on a second
                 thread of the server process slows its engine thread down for good (see
-                docs/benchmarks.md).
+                docs/benchmarks.md, "Odd things" 1).
 
     Each phase first waits (up to 90 s) until other processes use under 0.25 cores; a phase
     during which they used more than `--max-noise` cores (0.3) is redone once (`--attempts`;
@@ -63,7 +63,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench._common import CpuWatch, machine, percentile, quiet_logs, table, wait_quiet_async, write_result  # noqa: E402
+from bench._common import machine, ms, percentile, quiet_logs, table, tpot_s, ttft_s, wait_quiet_async, write_result  # noqa: E402
 from bench._serve import ClientRun, Served  # noqa: E402
 from bench.workload import user_message  # noqa: E402
 
@@ -94,26 +94,23 @@ def parse_args() -> argparse.Namespace:
     return args
 
 
-def _ms(seconds: float | None) -> float | None:
-    return None if seconds is None else 1e3 * seconds
-
-
 def phase_stats(records: list[dict], t0: float) -> dict:
+    """A phase's client-side figures: requests ok and failed, tok/s, TPOT, inter-token gaps, TTFT."""
     ok = [r for r in records if r["done"] and not r["error"] and r["finish_reason"] in ("stop", "length") and r["tokens"]]
     failed = [r for r in records if r not in ok]
     tokens = sum(r["tokens"] for r in ok)
-    tpot = [(r["t_finish"] - r["t_first"]) / (r["tokens"] - 1) for r in ok if r["tokens"] > 1 and r["t_first"]]
+    tpot = tpot_s(ok)
     gaps = [b - a for r in ok for a, b in zip(r["chunks"], r["chunks"][1:])]
-    ttft = [r["t_first"] - r["t_send"] for r in ok if r["t_first"]]
+    ttft = ttft_s(ok)
     end = max(((r["t_finish"] or r["t_send"]) for r in records), default=t0)
     wall = max(end - t0, 1e-9)
     return {
         "requests": len(records), "ok": len(ok), "failed": len(failed),
         "failures": [{k: r[k] for k in ("error", "finish_reason", "done")} for r in failed[:5]],
         "tokens": tokens, "wall_s": wall, "tokens_per_s": tokens / wall,
-        "tpot_p50_ms": _ms(percentile(tpot, 50)), "tpot_p99_ms": _ms(percentile(tpot, 99)),
-        "gap_p50_ms": _ms(percentile(gaps, 50)), "gap_p99_ms": _ms(percentile(gaps, 99)), "gap_max_ms": _ms(max(gaps, default=None)),
-        "ttft_p50_ms": _ms(percentile(ttft, 50)), "ttft_p99_ms": _ms(percentile(ttft, 99)),
+        "tpot_p50_ms": ms(percentile(tpot, 50)), "tpot_p99_ms": ms(percentile(tpot, 99)),
+        "gap_p50_ms": ms(percentile(gaps, 50)), "gap_p99_ms": ms(percentile(gaps, 99)), "gap_max_ms": ms(max(gaps, default=None)),
+        "ttft_p50_ms": ms(percentile(ttft, 50)), "ttft_p99_ms": ms(percentile(ttft, 99)),
     }
 
 
@@ -169,139 +166,171 @@ class EngineTimeline:
         return out
 
 
-async def main_async(args: argparse.Namespace) -> None:
-    import torch
+# ---- setup ---------------------------------------------------------------------------------
 
-    from bus import TURN_SUBJECT, WEIGHTS_SUBJECT, Bus, WeightUpdate
-    from models import WeightStore
+class VersionWriter:
+    """The versions the swap phase announces, written before it, untimed, by a child process
+    standing in for the trainer (see the docstring). `await write()` -> the new versions."""
 
-    overrides = [f"serve.max_batch_size={max(32, args.concurrency)}", f"serve.torch_threads={args.threads}"]
-    async with Served(args.model, overrides) as served:
-        loop, engine = served.loop, served.loop.engine
-        timeline = EngineTimeline(engine)
-        gc_log = GcLog()
+    def __init__(self, store_dir: Path, args: argparse.Namespace):
+        from models import WeightStore
 
-        # The versions to announce are written before each swap phase, untimed, by a separate
-        # process standing in for the trainer (see the docstring).
-        store_dir = served.tmp / "weights"
-        store = WeightStore(store_dir, keep=args.swaps * args.attempts + 1)
-        write_s: list[float] = []
-        published: set[int] = set()
+        self.store_dir = store_dir
+        self.store = WeightStore(store_dir, keep=args.swaps * args.attempts + 1)
+        self.model, self.swaps = args.model, args.swaps
+        self.write_s: list[float] = []  # seconds each version took to write
+        self.published: set[int] = set()
 
-        async def write_versions() -> list[int]:
-            first = len(published) + 1
-            proc = await asyncio.create_subprocess_exec(
-                sys.executable, __file__, "--writer", str(store_dir), "--model", args.model, "--first", str(first),
-                "--swaps", str(args.swaps), "--keep", str(store.keep), stdout=asyncio.subprocess.PIPE)
-            out, _ = await proc.communicate()
-            if proc.returncode != 0:
-                raise RuntimeError("the weight writer failed")
-            write_s.extend(json.loads(out.decode().strip().splitlines()[-1]))
-            versions = list(range(first, first + args.swaps))
-            published.update(versions)
-            return versions
+    async def write(self) -> list[int]:
+        first = len(self.published) + 1
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable, __file__, "--writer", str(self.store_dir), "--model", self.model, "--first", str(first),
+            "--swaps", str(self.swaps), "--keep", str(self.store.keep), stdout=asyncio.subprocess.PIPE)
+        out, _ = await proc.communicate()
+        if proc.returncode != 0:
+            raise RuntimeError("the weight writer failed")
+        self.write_s.extend(json.loads(out.decode().strip().splitlines()[-1]))
+        versions = list(range(first, first + self.swaps))
+        self.published.update(versions)
+        return versions
 
-        rng = random.Random(args.seed)
-        conversations = [[{"role": "user", "content": user_message(rng, args.prompt_words)}] for _ in range(args.concurrency)]
-        client_cfg = {"url": served.url, "model": loop.model_name, "client": "httpx", "concurrency": args.concurrency,
-                      "max_tokens": args.max_tokens, "messages": conversations, "logprobs": True, "mode": "duration"}
-        print(f"model={args.model} clients={args.concurrency} max_tokens={args.max_tokens} swaps={args.swaps} every "
-              f"{args.interval}s torch_threads={torch.get_num_threads()} phase={args.phase_s:.0f}s", flush=True)
 
-        await ClientRun(served.tmp, dict(client_cfg, duration_s=2.0)).run()  # warm-up
-        stats0 = dict(engine.stats)
+def client_config(served: Served, args: argparse.Namespace) -> dict:
+    """The client process's load: K streams (one seeded user message each) sending one request
+    after another, with logprobs (a chunk per token, carrying its version's fingerprint)."""
+    rng = random.Random(args.seed)
+    conversations = [[{"role": "user", "content": user_message(rng, args.prompt_words)}] for _ in range(args.concurrency)]
+    return {"url": served.url, "model": served.loop.model_name, "client": "httpx", "concurrency": args.concurrency,
+            "max_tokens": args.max_tokens, "messages": conversations, "logprobs": True, "mode": "duration"}
 
-        phases: dict[str, dict] = {}
-        discarded: list[dict] = []
-        for name in ("baseline", "swaps"):
-            for attempt in range(1, args.attempts + 1):
-                versions = await write_versions() if name == "swaps" else []
-                quiet = await wait_quiet_async()
-                client = ClientRun(served.tmp, dict(client_cfg, duration_s=args.phase_s))
-                await client.start()
-                await client.go()
-                t0 = time.monotonic()
-                announced = {}
-                if versions:
-                    trainer = await Bus.connect(served.nats_url, name="bench-trainer")
-                    await asyncio.sleep(args.lead)
-                    for v in versions:
-                        at = time.monotonic()
-                        await trainer.publish(WEIGHTS_SUBJECT, WeightUpdate(id=uuid.uuid4().hex, version=v, path=str(store.path(v)), step=v))
-                        announced[v] = at
-                        await asyncio.sleep(max(0.0, at + args.interval - time.monotonic()))
-                    await trainer.close()
-                out = await client.finish()
-                deadline = time.monotonic() + 60
-                while loop.swaps < len(published) and time.monotonic() < deadline:
-                    await asyncio.sleep(0.1)
-                phase = {"t0": t0, "records": out["records"], "cpu": out["cpu"], "announced": announced, "versions": versions,
-                         "quiet": quiet, "client_cpu_s": out["client_cpu_s"], "attempt": attempt}
-                s = phase_stats(out["records"], t0)
-                print(f"  {name:8s}: {s['ok']} requests ok, {s['failed']} failed, {s['tokens_per_s']:.0f} tok/s, "
-                      f"TPOT p50 {s['tpot_p50_ms'] or float('nan'):.1f} ms, max gap {s['gap_max_ms'] or float('nan'):.0f} ms "
-                      f"(other processes: {out['cpu']['foreign_cores']:.2f} cores)", flush=True)
-                if out["cpu"]["foreign_cores"] <= args.max_noise or attempt == args.attempts:
-                    break
-                print(f"  {name:8s}: discarded (other processes used {out['cpu']['foreign_cores']:.2f} cores), again", flush=True)
-                discarded.append(dict(phase, name=name))
-            phases[name] = phase
 
-        await loop.recorder.flush(timeout_s=30)
-        stats1 = dict(engine.stats)
-        # Every recorded turn, from the bus.
-        consumer = loop.bus.consumer(TURN_SUBJECT, durable="bench-hot-swap")
-        turns, empty = {}, 0
-        while empty < 2:
-            batch = await consumer.fetch(512, timeout_s=1.0)
-            empty = empty + 1 if not batch else 0
-            for d in batch:
-                turns[d.record.id] = d.record
-                await d.ack()
-        serve_pauses = list(loop.pauses)
-        serve_swaps = loop.swaps
-        recorder = {"published": loop.recorder.published, "dropped": loop.recorder.dropped, "spilled": loop.recorder.spilled}
+# ---- the timed phases: baseline (no swaps), then swaps -------------------------------------
 
-    # ---- analysis ------------------------------------------------------------------------
-    base = phase_stats(phases["baseline"]["records"], phases["baseline"]["t0"])
-    swap = phase_stats(phases["swaps"]["records"], phases["swaps"]["t0"])
-    all_swaps = timeline.swaps()
-    pause_of = {s["version"]: p for s, p in zip(all_swaps, serve_pauses)}
-    swaps = [s for s in all_swaps if s["version"] in phases["swaps"]["versions"]]
-    records = phases["swaps"]["records"]
-    gaps = [(a, b) for r in records for a, b in zip(r["chunks"], r["chunks"][1:])]
+async def announce(nats_url: str, store, versions: list[int], args: argparse.Namespace) -> dict[int, float]:
+    """The trainer's side of the swap phase, on a bus connection of its own: after `--lead` s,
+    one version announced on `flywheel.weights` every `--interval` s. -> {version: when}."""
+    from bus import WEIGHTS_SUBJECT, Bus, WeightUpdate
+
+    announced = {}
+    trainer = await Bus.connect(nats_url, name="bench-trainer")
+    await asyncio.sleep(args.lead)
+    for v in versions:
+        at = time.monotonic()
+        await trainer.publish(WEIGHTS_SUBJECT, WeightUpdate(id=uuid.uuid4().hex, version=v, path=str(store.path(v)), step=v))
+        announced[v] = at
+        await asyncio.sleep(max(0.0, at + args.interval - time.monotonic()))
+    await trainer.close()
+    return announced
+
+
+async def run_phase(served: Served, client_cfg: dict, writer: VersionWriter, versions: list[int],
+                    args: argparse.Namespace) -> dict:
+    """One phase: the clients for `phase_s` seconds while `versions` are announced (none: the
+    baseline); then up to 60 s for every published version to be applied."""
+    quiet = await wait_quiet_async()
+    client = ClientRun(served.tmp, dict(client_cfg, duration_s=args.phase_s))
+    await client.start()
+    await client.go()
+    t0 = time.monotonic()
+    announced = await announce(served.nats_url, writer.store, versions, args) if versions else {}
+    out = await client.finish()
+    deadline = time.monotonic() + 60
+    while served.loop.swaps < len(writer.published) and time.monotonic() < deadline:
+        await asyncio.sleep(0.1)
+    return {"t0": t0, "records": out["records"], "cpu": out["cpu"], "announced": announced, "versions": versions,
+            "quiet": quiet, "client_cpu_s": out["client_cpu_s"]}
+
+
+async def timed_phase(name: str, served: Served, client_cfg: dict, writer: VersionWriter, args: argparse.Namespace,
+                      discarded: list[dict]) -> dict:
+    """The `baseline` or the `swaps` phase, redone (up to `--attempts` in all) while other
+    processes used more than `--max-noise` cores; a redone swap phase announces fresh versions.
+    The phases given up on are appended to `discarded`."""
+    for attempt in range(1, args.attempts + 1):
+        versions = await writer.write() if name == "swaps" else []
+        phase = await run_phase(served, client_cfg, writer, versions, args)
+        phase["attempt"] = attempt
+        s = phase_stats(phase["records"], phase["t0"])
+        foreign = phase["cpu"]["foreign_cores"]
+        print(f"  {name:8s}: {s['ok']} requests ok, {s['failed']} failed, {s['tokens_per_s']:.0f} tok/s, "
+              f"TPOT p50 {s['tpot_p50_ms'] or float('nan'):.1f} ms, max gap {s['gap_max_ms'] or float('nan'):.0f} ms "
+              f"(other processes: {foreign:.2f} cores)", flush=True)
+        if foreign <= args.max_noise or attempt == args.attempts:
+            break
+        print(f"  {name:8s}: discarded (other processes used {foreign:.2f} cores), again", flush=True)
+        discarded.append(dict(phase, name=name))
+    return phase
+
+
+async def server_side(loop, stats_before: dict) -> dict:
+    """After the phases, from the server: every recorded turn (read back from the bus), the
+    pool's pauses, the swaps applied, the engine's aborts since `stats_before`, the recorder."""
+    from bus import TURN_SUBJECT
+
+    await loop.recorder.flush(timeout_s=30)
+    stats_after = dict(loop.engine.stats)
+    consumer = loop.bus.consumer(TURN_SUBJECT, durable="bench-hot-swap")
+    turns, empty = {}, 0
+    while empty < 2:
+        batch = await consumer.fetch(512, timeout_s=1.0)
+        empty = empty + 1 if not batch else 0
+        for d in batch:
+            turns[d.record.id] = d.record
+            await d.ack()
+    recorder = {"published": loop.recorder.published, "dropped": loop.recorder.dropped, "spilled": loop.recorder.spilled}
+    return {"turns": turns, "pauses": list(loop.pauses), "swaps": loop.swaps,
+            "engine_aborted": stats_after["aborted"] - stats_before["aborted"], "recorder": recorder}
+
+
+# ---- analysis ------------------------------------------------------------------------------
+
+def swap_costs(swaps: list[dict], pool_pause_of: dict[int, float], swap_phase: dict) -> list[dict]:
+    """Per swap of the swap phase: the engine's stall (pause to resume) and load, the pool's pause
+    (`ServeLoop.pauses`), announcement to live, and the largest client gap overlapping the stall."""
+    gaps = [(a, b) for r in swap_phase["records"] for a, b in zip(r["chunks"], r["chunks"][1:])]
     per_swap = []
     for s in swaps:
         stall = s["resume"] - s["pause"] if s["resume"] and s["pause"] else None
         near = [b - a for a, b in gaps if s["pause"] and a <= (s["resume"] or s["load_end"]) and b >= s["pause"]]
-        announced = phases["swaps"]["announced"].get(s["version"])
+        announced = swap_phase["announced"].get(s["version"])
         per_swap.append({
             "version": s["version"], "engine_stall_ms": 1e3 * stall if stall is not None else None,
             "load_ms": 1e3 * (s["load_end"] - s["load_start"]),
-            "pool_pause_ms": 1e3 * pause_of[s["version"]] if s["version"] in pause_of else None,
+            "pool_pause_ms": 1e3 * pool_pause_of[s["version"]] if s["version"] in pool_pause_of else None,
             "announce_to_live_ms": 1e3 * (s["resume"] - announced) if announced and s["resume"] else None,
             "max_client_gap_ms": 1e3 * max(near) if near else None,
         })
-    loaded_at = {s["version"]: s["load_end"] for s in all_swaps}
-    pauses_at = [s["pause"] for s in swaps if s["pause"]]
+    return per_swap
 
-    def largest_gaps(phase: dict) -> list[dict]:
-        """The 5 largest inter-token gaps of a phase: when (s into the phase), how long, and how
-        far the nearest swap's pause was from the gap's start."""
-        found = sorted(((b - a, a) for r in phase["records"] for a, b in zip(r["chunks"], r["chunks"][1:])), reverse=True)[:5]
-        return [{"gap_ms": 1e3 * g, "at_s": a - phase["t0"],
-                 "nearest_swap_pause_s": min((p - a for p in pauses_at), key=abs) if pauses_at and phase is phases["swaps"] else None,
-                 "server_gc_ms_inside": 1e3 * sum(d for t, d, _ in gc_log.passes if a <= t <= a + g)}
-                for g, a in found]
 
-    # Version checks: the bus's turns, and each client's per-token fingerprints against them.
+def first_swap_cost(all_swaps: list[dict]) -> dict | None:
+    """The server's first swap (the first write into the loaded model's weights): stall and load."""
+    first = all_swaps[0] if all_swaps else None
+    if not (first and first["resume"] and first["pause"]):
+        return None
+    return {"version": first["version"], "engine_stall_ms": 1e3 * (first["resume"] - first["pause"]),
+            "load_ms": 1e3 * (first["load_end"] - first["load_start"])}
+
+
+def largest_gaps(phase: dict, pauses_at: list[float], gc_passes: list[tuple[float, float, int]], near_swaps: bool) -> list[dict]:
+    """The 5 largest inter-token gaps of a phase: when (s into the phase), how long, how far the
+    nearest swap's pause was from the gap's start (`near_swaps`: the swap phase), and how much of
+    it the server's garbage collector took."""
+    found = sorted(((b - a, a) for r in phase["records"] for a, b in zip(r["chunks"], r["chunks"][1:])), reverse=True)[:5]
+    return [{"gap_ms": 1e3 * g, "at_s": a - phase["t0"],
+             "nearest_swap_pause_s": min((p - a for p in pauses_at), key=abs) if pauses_at and near_swaps else None,
+             "server_gc_ms_inside": 1e3 * sum(d for t, d, _ in gc_passes if a <= t <= a + g)}
+            for g, a in found]
+
+
+def version_checks(turns: dict, records: list[dict], published: set[int], loaded_at: dict[int, float]) -> dict:
+    """The bus's turns (non-decreasing versions, only published ones), and each client request's
+    per-chunk fingerprints against its recorded turn; tokens labelled before their version loaded."""
     allowed = {0} | published
     bad_order = [t.id for t in turns.values() if any(b < a for a, b in zip(t.output_versions, t.output_versions[1:]))]
     bad_value = [t.id for t in turns.values() if not set(t.output_versions) <= allowed]
     spanning = sum(1 for t in turns.values() if len(set(t.output_versions)) > 1)
-    aborted_turns = sum(1 for t in turns.values() if t.finish_reason == "abort")
-    all_records = [r for ph in [*phases.values(), *discarded] for r in ph["records"]]
-    by_turn_id = {f"{r['id'].removeprefix('chatcmpl-')}-0": r for r in all_records if r.get("id")}
+    by_turn_id = {f"{r['id'].removeprefix('chatcmpl-')}-0": r for r in records if r.get("id")}
     mismatched = missing = early = 0
     mismatch_examples: list[dict] = []
     for turn_id, r in by_turn_id.items():
@@ -320,59 +349,126 @@ async def main_async(args: argparse.Namespace) -> None:
                 mismatch_examples.append({"turn": turn_id, "client_versions": r["versions"], "client_n": r["n"],
                                           "turn_versions": recorded, "finish": turn.finish_reason})
         early += sum(1 for t, v in zip(r["chunks"], r["versions"]) if v > 0 and (v not in loaded_at or t < loaded_at[v]))
-    versions_ok = not bad_order and not bad_value and not mismatched and not missing and not early
-    engine_aborted = stats1["aborted"] - stats0["aborted"]
-    client_failures = sum(phase_stats(ph["records"], ph["t0"])["failed"] for ph in [*phases.values(), *discarded])
-    failures = client_failures + engine_aborted + aborted_turns
+    ok = not bad_order and not bad_value and not mismatched and not missing and not early
+    return {"turns": len(turns), "spanning_a_swap": spanning, "non_decreasing_violations": len(bad_order),
+            "unpublished_versions": len(bad_value), "client_turn_mismatches": mismatched, "turns_missing": missing,
+            "tokens_before_load": early, "ok": ok, "mismatch_examples": mismatch_examples}
 
+
+def analyse(phases: dict[str, dict], discarded: list[dict], all_swaps: list[dict], server: dict, published: set[int],
+            gc_passes: list[tuple[float, float, int]]) -> dict:
+    """What the report prints and the JSON keeps, from the phases' client records (discarded
+    phases count for failures and versions), the engine's timeline and the server side."""
+    swap_phase = phases["swaps"]
+    swaps = [s for s in all_swaps if s["version"] in swap_phase["versions"]]
+    pool_pause_of = {s["version"]: p for s, p in zip(all_swaps, server["pauses"])}
+    pauses_at = [s["pause"] for s in swaps if s["pause"]]
+    loaded_at = {s["version"]: s["load_end"] for s in all_swaps}
+    every_phase = [*phases.values(), *discarded]
+    records = [r for ph in every_phase for r in ph["records"]]
+    aborted_turns = sum(1 for t in server["turns"].values() if t.finish_reason == "abort")
+    client_failures = sum(phase_stats(ph["records"], ph["t0"])["failed"] for ph in every_phase)
+    return {
+        "baseline": phase_stats(phases["baseline"]["records"], phases["baseline"]["t0"]),
+        "with_swaps": phase_stats(swap_phase["records"], swap_phase["t0"]),
+        "per_swap": swap_costs(swaps, pool_pause_of, swap_phase),
+        "first_swap": first_swap_cost(all_swaps),
+        "largest_gaps": {"baseline": largest_gaps(phases["baseline"], pauses_at, gc_passes, near_swaps=False),
+                         "swaps": largest_gaps(swap_phase, pauses_at, gc_passes, near_swaps=True)},
+        "versions": version_checks(server["turns"], records, published, loaded_at),
+        "timed_requests": len(records),
+        "client_failures": client_failures, "aborted_turns": aborted_turns,
+        "failures": client_failures + server["engine_aborted"] + aborted_turns,
+    }
+
+
+# ---- report --------------------------------------------------------------------------------
+
+def print_report(phases: dict[str, dict], server: dict, published: set[int], result: dict) -> None:
+    """The per-swap and per-phase tables, then the verdicts: swap cost, TPOT, failures, versions."""
+    per_swap, base, swap, versions = result["per_swap"], result["baseline"], result["with_swaps"], result["versions"]
     stalls = [p["engine_stall_ms"] for p in per_swap if p["engine_stall_ms"] is not None]
     loads = [p["load_ms"] for p in per_swap]
     near_gaps = [p["max_client_gap_ms"] for p in per_swap if p["max_client_gap_ms"] is not None]
     print()
     print(table(["swap to", "engine stall ms", "load ms", "ServeLoop.pauses ms", "announce->live ms", "max client gap ms"],
-                [[p["version"], p["engine_stall_ms"], p["load_ms"], p["pool_pause_ms"], p["announce_to_live_ms"], p["max_client_gap_ms"]]
-                 for p in per_swap]))
+                [[p["version"], p["engine_stall_ms"], p["load_ms"], p["pool_pause_ms"], p["announce_to_live_ms"],
+                  p["max_client_gap_ms"]] for p in per_swap]))
     print()
     print(table(["phase", "requests", "failed", "tok/s", "TPOT p50 ms", "TPOT p99 ms", "gap p50 ms", "gap p99 ms",
                  "gap max ms", "TTFT p50 ms", "TTFT p99 ms", "other procs (cores)"],
                 [[n, s["requests"], s["failed"], s["tokens_per_s"], s["tpot_p50_ms"], s["tpot_p99_ms"], s["gap_p50_ms"],
                   s["gap_p99_ms"], s["gap_max_ms"], s["ttft_p50_ms"], s["ttft_p99_ms"], phases[n]["cpu"]["foreign_cores"]]
                  for n, s in (("baseline", base), ("swaps", swap))]))
-    print(f"\nswaps applied {serve_swaps}/{len(published)}; engine stall per swap: median {percentile(stalls, 50):.1f} ms, "
+    print(f"\nswaps applied {server['swaps']}/{len(published)}; engine stall per swap: median {percentile(stalls, 50):.1f} ms, "
           f"max {max(stalls):.1f} ms (load median {percentile(loads, 50):.1f} ms); max client gap around a swap "
           f"{max(near_gaps) if near_gaps else float('nan'):.0f} ms vs {base['gap_max_ms']:.0f} ms max gap without swaps")
-    first = all_swaps[0] if all_swaps else None
-    first_swap = {"version": first["version"], "engine_stall_ms": 1e3 * (first["resume"] - first["pause"]),
-                  "load_ms": 1e3 * (first["load_end"] - first["load_start"])} if first and first["resume"] and first["pause"] else None
+    first_swap = result["first_swap"]
     if first_swap:
         print(f"first swap of this server (v{first_swap['version']}, the first write into the loaded model's weights): "
               f"engine stall {first_swap['engine_stall_ms']:.0f} ms, load {first_swap['load_ms']:.0f} ms")
-    print(f"TPOT p50 {base['tpot_p50_ms']:.1f} -> {swap['tpot_p50_ms']:.1f} ms ({100 * (swap['tpot_p50_ms'] / base['tpot_p50_ms'] - 1):+.1f}%), "
-          f"p99 {base['tpot_p99_ms']:.1f} -> {swap['tpot_p99_ms']:.1f} ms ({100 * (swap['tpot_p99_ms'] / base['tpot_p99_ms'] - 1):+.1f}%)")
-    print(f"failed/aborted: {failures} (client failures {client_failures}, engine aborts {engine_aborted}, "
-          f"aborted turns {aborted_turns}) -> {'OK' if failures == 0 else 'FAIL'}")
-    print(f"versions: {len(turns)} turns on NATS for {len(all_records)} timed requests (+ warm-up, incl. discarded phases); {spanning} span a swap; "
-          f"non-decreasing violations {len(bad_order)}, unpublished versions {len(bad_value)}, client/turn mismatches "
-          f"{mismatched}, turns missing {missing}, tokens labelled before their version loaded {early} -> "
-          f"{'OK' if versions_ok else 'FAIL'}")
-    path = write_result(f"hot_swap_{args.model}", {
+    print(f"TPOT p50 {base['tpot_p50_ms']:.1f} -> {swap['tpot_p50_ms']:.1f} ms "
+          f"({100 * (swap['tpot_p50_ms'] / base['tpot_p50_ms'] - 1):+.1f}%), "
+          f"p99 {base['tpot_p99_ms']:.1f} -> {swap['tpot_p99_ms']:.1f} ms "
+          f"({100 * (swap['tpot_p99_ms'] / base['tpot_p99_ms'] - 1):+.1f}%)")
+    failures = result["failures"]
+    print(f"failed/aborted: {failures} (client failures {result['client_failures']}, engine aborts {server['engine_aborted']}, "
+          f"aborted turns {result['aborted_turns']}) -> {'OK' if failures == 0 else 'FAIL'}")
+    print(f"versions: {versions['turns']} turns on NATS for {result['timed_requests']} timed requests "
+          f"(+ warm-up, incl. discarded phases); {versions['spanning_a_swap']} span a swap; "
+          f"non-decreasing violations {versions['non_decreasing_violations']}, "
+          f"unpublished versions {versions['unpublished_versions']}, "
+          f"client/turn mismatches {versions['client_turn_mismatches']}, turns missing {versions['turns_missing']}, "
+          f"tokens labelled before their version loaded {versions['tokens_before_load']} -> "
+          f"{'OK' if versions['ok'] else 'FAIL'}")
+
+
+def save_result(args: argparse.Namespace, phases: dict[str, dict], discarded: list[dict], writer: VersionWriter, server: dict,
+                gc_passes: list[tuple[float, float, int]], result: dict) -> Path:
+    """bench/results/hot_swap_<model>.json: the settings, every figure of the report, the raw
+    per-swap and per-phase records behind them."""
+    return write_result(f"hot_swap_{args.model}", {
         "model": args.model, "concurrency": args.concurrency, "max_tokens": args.max_tokens, "swaps": args.swaps,
         "interval_s": args.interval, "phase_s": args.phase_s, "seed": args.seed, "machine": machine(args.threads),
-        "store_write_s": write_s, "per_swap": per_swap, "first_swap": first_swap, "serve_pauses_s": serve_pauses, "swaps_applied": serve_swaps,
-        "versions_published": len(published), "attempts": {n: phases[n]["attempt"] for n in phases},
+        "store_write_s": writer.write_s, "per_swap": result["per_swap"], "first_swap": result["first_swap"],
+        "serve_pauses_s": server["pauses"], "swaps_applied": server["swaps"],
+        "versions_published": len(writer.published), "attempts": {n: phases[n]["attempt"] for n in phases},
         "discarded_phases": [{"name": d["name"], "cpu": d["cpu"]} for d in discarded],
-        "baseline": base, "with_swaps": swap,
+        "baseline": result["baseline"], "with_swaps": result["with_swaps"],
         "server_gc_passes_over_5ms": [{"at_s": t - phases["baseline"]["t0"], "ms": 1e3 * d, "generation": gen}
-                                      for t, d, gen in gc_log.passes],
-        "largest_gaps": {"baseline": largest_gaps(phases["baseline"]), "swaps": largest_gaps(phases["swaps"])},
+                                      for t, d, gen in gc_passes],
+        "largest_gaps": result["largest_gaps"],
         "cpu": {n: phases[n]["cpu"] for n in phases}, "waited_for_quiet": {n: phases[n]["quiet"] for n in phases},
         "client_cpu_s": {n: phases[n]["client_cpu_s"] for n in phases},
-        "failures": failures, "engine_aborted": engine_aborted, "aborted_turns": aborted_turns,
-        "versions": {"turns": len(turns), "spanning_a_swap": spanning, "non_decreasing_violations": len(bad_order),
-                     "unpublished_versions": len(bad_value), "client_turn_mismatches": mismatched, "turns_missing": missing,
-                     "tokens_before_load": early, "ok": versions_ok, "mismatch_examples": mismatch_examples},
-        "recorder": recorder,
+        "failures": result["failures"], "engine_aborted": server["engine_aborted"], "aborted_turns": result["aborted_turns"],
+        "versions": result["versions"],
+        "recorder": server["recorder"],
     })
+
+
+async def main_async(args: argparse.Namespace) -> None:
+    import torch
+
+    overrides = [f"serve.max_batch_size={max(32, args.concurrency)}", f"serve.torch_threads={args.threads}"]
+    async with Served(args.model, overrides) as served:
+        timeline = EngineTimeline(served.loop.engine)
+        gc_log = GcLog()
+        writer = VersionWriter(served.tmp / "weights", args)
+        client_cfg = client_config(served, args)
+        print(f"model={args.model} clients={args.concurrency} max_tokens={args.max_tokens} swaps={args.swaps} every "
+              f"{args.interval}s torch_threads={torch.get_num_threads()} phase={args.phase_s:.0f}s", flush=True)
+
+        await ClientRun(served.tmp, dict(client_cfg, duration_s=2.0)).run()  # warm-up
+        stats_before = dict(served.loop.engine.stats)
+        phases: dict[str, dict] = {}
+        discarded: list[dict] = []
+        for name in ("baseline", "swaps"):
+            phases[name] = await timed_phase(name, served, client_cfg, writer, args, discarded)
+        server = await server_side(served.loop, stats_before)
+
+    result = analyse(phases, discarded, timeline.swaps(), server, writer.published, gc_log.passes)
+    print_report(phases, server, writer.published, result)
+    path = save_result(args, phases, discarded, writer, server, gc_log.passes, result)
     print(f"wrote {path}")
 
 

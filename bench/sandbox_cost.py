@@ -92,82 +92,99 @@ def check(result: dict) -> None:
         raise RuntimeError(f"sandboxed command failed: {result}")
 
 
-def main() -> None:
-    args = parse_args()
-    backend = make_backend("bubblewrap")
-    bwrap_version = subprocess.run([backend.bwrap, "--version"], capture_output=True, text=True).stdout.strip()
-    scratch = Path(tempfile.mkdtemp(prefix="sandbox-cost-"))
+def per_command(backend, template: Path, scratch: Path, args: argparse.Namespace) -> tuple[dict[str, dict], dict[str, dict]]:
+    """Each command `--runs` times, plain and through the sandbox, in one sandbox opened on a
+    copy of `template`. -> (stats per command, CPU other processes used per command)."""
     results: dict[str, dict] = {}
     noise: dict[str, dict] = {}
-    try:
-        template = args.repo.resolve() if args.repo else synthetic_repo(scratch / "template")
-        files = sum(1 for p in template.rglob("*") if p.is_file())
-        size = sum(p.stat().st_size for p in template.rglob("*") if p.is_file())
-
-        # ---- per command ------------------------------------------------------------------
-        workdir = scratch / "cmd" / "repo"
-        shutil.copytree(template, workdir, symlinks=True)
-        sandbox = backend.open(SandboxSpec(workdir=workdir), slot=args.slot)
-        bare = backend.argv(sandbox.spec, sandbox.uid, sandbox.workdir, "true")
-        python = f"{backend.python_prefixes[0]}/bin/python3"  # the interpreter the sandbox exposes, in both
-        phases: dict[str, Callable[[], object]] = {
-            "plain `true` (subprocess.run)": lambda: subprocess.run(["true"], check=True),
-            "plain `bash -c true`": lambda: subprocess.run(["bash", "-c", "true"], check=True),
-            "`bwrap … true` (subprocess.run)": lambda: subprocess.run(bare, check=True),
-            "Sandbox.execute('true')": lambda: check(sandbox.execute("true")),
-            "plain `python3 -c pass`": lambda: subprocess.run([python, "-c", "pass"], check=True),
-            "Sandbox.execute('python3 -c pass')": lambda: check(sandbox.execute(f"{python} -c pass")),
-        }
-        for name, fn in phases.items():
-            fn()  # warm the page cache
-            noise_before = wait_quiet()
-            watch = CpuWatch().start()
-            results[name] = stats(timed(args.runs, fn))
-            noise[name] = {**watch.stop(), "waited": noise_before}
-        sandbox.close()
-
-        # ---- per episode ------------------------------------------------------------------
-        copy_ms, open_ms, first_ms, setup_ms, close_ms = [], [], [], [], []
+    workdir = scratch / "cmd" / "repo"
+    shutil.copytree(template, workdir, symlinks=True)
+    sandbox = backend.open(SandboxSpec(workdir=workdir), slot=args.slot)
+    bare = backend.argv(sandbox.spec, sandbox.uid, sandbox.workdir, "true")
+    python = f"{backend.python_prefixes[0]}/bin/python3"  # the interpreter the sandbox exposes, in both
+    phases: dict[str, Callable[[], object]] = {
+        "plain `true` (subprocess.run)": lambda: subprocess.run(["true"], check=True),
+        "plain `bash -c true`": lambda: subprocess.run(["bash", "-c", "true"], check=True),
+        "`bwrap … true` (subprocess.run)": lambda: subprocess.run(bare, check=True),
+        "Sandbox.execute('true')": lambda: check(sandbox.execute("true")),
+        "plain `python3 -c pass`": lambda: subprocess.run([python, "-c", "pass"], check=True),
+        "Sandbox.execute('python3 -c pass')": lambda: check(sandbox.execute(f"{python} -c pass")),
+    }
+    for name, fn in phases.items():
+        fn()  # warm the page cache
         noise_before = wait_quiet()
         watch = CpuWatch().start()
-        for i in range(args.runs):
-            workdir = scratch / f"episode-{i}" / "repo"
-            t0 = time.perf_counter()
-            shutil.copytree(template, workdir, symlinks=True)
-            t1 = time.perf_counter()
-            sandbox = backend.open(SandboxSpec(workdir=workdir), slot=args.slot)
-            t2 = time.perf_counter()
-            check(sandbox.execute("git status --porcelain"))
-            t3 = time.perf_counter()
-            sandbox.close()
-            t4 = time.perf_counter()
-            copy_ms.append((t1 - t0) * 1000)
-            open_ms.append((t2 - t1) * 1000)
-            first_ms.append((t3 - t2) * 1000)
-            setup_ms.append((t3 - t0) * 1000)
-            close_ms.append((t4 - t3) * 1000)
-        noise["episode"] = {**watch.stop(), "waited": noise_before}
-        results.update({
-            "episode: copy repo (copytree)": stats(copy_ms),
-            "episode: backend.open (chown)": stats(open_ms),
-            "episode: first command (git status)": stats(first_ms),
-            "episode: setup total (copy+open+first)": stats(setup_ms),
-            "episode: close (sweep uid, rm copy)": stats(close_ms),
-        })
-    finally:
-        shutil.rmtree(scratch, ignore_errors=True)
+        results[name] = stats(timed(args.runs, fn))
+        noise[name] = {**watch.stop(), "waited": noise_before}
+    sandbox.close()
+    return results, noise
 
-    rows = [[name, r["median_ms"], r["p95_ms"], r["mean_ms"], r["min_ms"], noise.get(name, noise.get("episode", {})).get("foreign_cores")]
-            for name, r in results.items()]
-    print(f"\nbubblewrap sandbox cost ({bwrap_version}; repo: {files} files, {size / 1000:.0f} kB; {args.runs} runs each)\n")
+
+def per_episode(backend, template: Path, scratch: Path, args: argparse.Namespace) -> tuple[dict[str, dict], dict]:
+    """`--runs` episodes' set-up (copy `template`, open, first command) and close, each step
+    timed. -> (stats per step, CPU other processes used meanwhile)."""
+    copy_ms, open_ms, first_ms, setup_ms, close_ms = [], [], [], [], []
+    noise_before = wait_quiet()
+    watch = CpuWatch().start()
+    for i in range(args.runs):
+        workdir = scratch / f"episode-{i}" / "repo"
+        t0 = time.perf_counter()
+        shutil.copytree(template, workdir, symlinks=True)
+        t1 = time.perf_counter()
+        sandbox = backend.open(SandboxSpec(workdir=workdir), slot=args.slot)
+        t2 = time.perf_counter()
+        check(sandbox.execute("git status --porcelain"))
+        t3 = time.perf_counter()
+        sandbox.close()
+        t4 = time.perf_counter()
+        copy_ms.append((t1 - t0) * 1000)
+        open_ms.append((t2 - t1) * 1000)
+        first_ms.append((t3 - t2) * 1000)
+        setup_ms.append((t3 - t0) * 1000)
+        close_ms.append((t4 - t3) * 1000)
+    noise = {**watch.stop(), "waited": noise_before}
+    return {
+        "episode: copy repo (copytree)": stats(copy_ms),
+        "episode: backend.open (chown)": stats(open_ms),
+        "episode: first command (git status)": stats(first_ms),
+        "episode: setup total (copy+open+first)": stats(setup_ms),
+        "episode: close (sweep uid, rm copy)": stats(close_ms),
+    }, noise
+
+
+def report(args: argparse.Namespace, backend, bwrap_version: str, repo: dict, results: dict[str, dict],
+           noise: dict[str, dict]) -> None:
+    """The table, the per-command overhead (Sandbox.execute('true') against plain bash -c true),
+    and bench/results/sandbox_cost.json."""
+    rows = [[name, r["median_ms"], r["p95_ms"], r["mean_ms"], r["min_ms"],
+             noise.get(name, noise.get("episode", {})).get("foreign_cores")] for name, r in results.items()]
+    print(f"\nbubblewrap sandbox cost ({bwrap_version}; repo: {repo['files']} files, {repo['bytes'] / 1000:.0f} kB; "
+          f"{args.runs} runs each)\n")
     print(table(["what", "median ms", "p95 ms", "mean ms", "min ms", "other procs' cores"], rows))
     overhead = results["Sandbox.execute('true')"]["median_ms"] - results["plain `bash -c true`"]["median_ms"]
     print(f"\nper-command overhead (median, Sandbox.execute('true') - plain bash -c true): {overhead:.1f} ms")
     path = write_result("sandbox_cost", {
         "machine": machine(None), "bwrap": bwrap_version, "bwrap_path": backend.bwrap, "runs": args.runs,
-        "repo": {"source": str(args.repo) if args.repo else "synthetic tinydb-sized (with .git)", "files": files, "bytes": size},
-        "results": results, "per_command_overhead_median_ms": round(overhead, 2), "noise": noise})
+        "repo": repo, "results": results, "per_command_overhead_median_ms": round(overhead, 2), "noise": noise})
     print(f"wrote {path}")
+
+
+def main() -> None:
+    args = parse_args()
+    backend = make_backend("bubblewrap")
+    bwrap_version = subprocess.run([backend.bwrap, "--version"], capture_output=True, text=True).stdout.strip()
+    scratch = Path(tempfile.mkdtemp(prefix="sandbox-cost-"))
+    try:
+        template = args.repo.resolve() if args.repo else synthetic_repo(scratch / "template")
+        repo = {"source": str(args.repo) if args.repo else "synthetic tinydb-sized (with .git)",
+                "files": sum(1 for p in template.rglob("*") if p.is_file()),
+                "bytes": sum(p.stat().st_size for p in template.rglob("*") if p.is_file())}
+        results, noise = per_command(backend, template, scratch, args)
+        episode_results, noise["episode"] = per_episode(backend, template, scratch, args)
+        results.update(episode_results)
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+    report(args, backend, bwrap_version, repo, results, noise)
 
 
 if __name__ == "__main__":

@@ -26,6 +26,23 @@ os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 
+def freeze(pid: int, timeout_s: float = 10.0) -> None:
+    """SIGSTOP `pid` and return once it has stopped. `kill` returns before the signal takes effect:
+    under load the process went on for a moment and, in the bus drill, acknowledged a publish it
+    was meant never to read (the test then waited for an in-flight publish that had ended)."""
+    import signal
+    import time
+
+    import psutil
+
+    os.kill(pid, signal.SIGSTOP)
+    process, deadline = psutil.Process(pid), time.monotonic() + timeout_s
+    while process.status() != psutil.STATUS_STOPPED:
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"process {pid} did not stop within {timeout_s}s")
+        time.sleep(0.001)
+
+
 @pytest.fixture
 def nats_server(tmp_path):
     """A fresh embedded nats-server with JetStream (a new one per test: no shared state)."""

@@ -2,8 +2,6 @@
 outlive the server they were sent to."""
 
 import asyncio
-import os
-import signal
 
 import nats.errors
 
@@ -11,6 +9,7 @@ from bus import TRAJECTORY_SUBJECT, TURN_SUBJECT, Bus, EmbeddedNats, Sample, Tra
 from bus.cluster import LocalNatsCluster, free_port
 from bus.large import BUCKET
 from bus.pull import PullRefused
+from tests.conftest import freeze
 from tests.test_records import make_turn
 
 
@@ -67,10 +66,12 @@ async def test_a_publish_lost_with_the_server_that_took_it_is_sent_again_on_reco
     server.start()
     bus = await Bus.connect(server.url, name="test")
     try:
-        os.kill(server.pid, signal.SIGSTOP)  # takes the bytes into its socket, never reads them
+        freeze(server.pid)  # takes the bytes into its socket, never reads them
         publish = asyncio.create_task(bus.publish(TURN_SUBJECT, make_turn(), timeout_s=60))
-        while bus.publishes_in_flight == 0:
-            await asyncio.sleep(0.01)
+        async with asyncio.timeout(10):
+            while bus.publishes_in_flight == 0:
+                assert not publish.done(), "the frozen server acknowledged the publish"
+                await asyncio.sleep(0.01)
         server.kill()  # dies with the message unread
         server.start()
         await asyncio.wait_for(publish, 30)  # acknowledged after the reconnect, not timed out at 60 s

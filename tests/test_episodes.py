@@ -11,6 +11,7 @@ from bus import TRAFFIC_SUBJECTS, Turn
 from envs import make_env
 from envs.base import RETRY
 from rollout.env_pool import LocalRunner, RayEnvPool
+from tests.conftest import freeze
 from tests.test_collect_live import assert_segment_is_exact, collected, platform
 
 ARITHMETIC = ["rollout.env=arithmetic", "rollout.env_args={max_operand: 20, attempts: 3}", "gconfig.max_new_tokens=8"]
@@ -74,7 +75,7 @@ async def test_a_worker_that_does_not_answer_in_time_is_replaced(nats_url, tmp_p
         pool = RayEnvPool(serve.config, serve.url, serve.model_name)
         pid = await pool.workers[0].pid.remote()
         env = make_env("arithmetic", {"max_operand": 20, "attempts": 3})
-        os.kill(pid, signal.SIGSTOP)
+        freeze(pid)
         stuck = await pool.run(env.reset(random.Random(2)), "stuck")
         assert stuck.reward is None and "hung" in stuck.end and pool.worker_failures == 1
         while not len(pool._slots):  # the slot comes back once the restarted worker answers
