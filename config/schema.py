@@ -258,7 +258,8 @@ class TrainConfig(Section):
     max_steps: int | None = Field(None, ge=1)
     """Stop training after this many steps; None trains as long as samples come."""
     weight_update_interval: int = Field(1, ge=1)
-    """Publish weights to the store and announce them every this many steps."""
+    """Publish weights to the store and announce them every this many steps; with rollouts, at most
+    `rollout.max_head_offpolicyness` + 1 (more could deadlock the admission: refused at start)."""
     keep_versions: int = Field(3, ge=1)
     """Weight versions kept in the store."""
     torch_threads: int = Field(1, ge=1)
@@ -367,5 +368,26 @@ class FlywheelConfig(Section):
             raise ValueError(
                 "rollout.enabled=true and deploy.loops without serve: set rollout.endpoint to the gateways' URL "
                 "(or rollout.enabled=false for live traffic only)"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _admission_reaches_the_next_announcement(self) -> "FlywheelConfig":
+        # Deadlock-free iff k <= η + 1, with k = train.weight_update_interval, B = train.batch_size
+        # and every step taking B samples (gconfig.n_samples divides B; every episode scored).
+        # While v is the newest announced version the driver admits (η + v + 1)·B samples in all,
+        # and no more. The trainer's version is at least its step count s (one more a step; a
+        # restarted trainer may jump ahead) and it announces when s is a multiple of k: having
+        # announced v at step s <= v, it announces again by step s + k, once at most
+        # (s + k)·B <= (v + k)·B samples in all are trained, which the driver admits if k <= η + 1.
+        # If k > η + 1 a fresh run stops at once: the driver admits (η + 1)·B samples, the trainer
+        # takes η + 1 < k steps without announcing, and each waits for the other.
+        interval, eta = self.train.weight_update_interval, self.rollout.max_head_offpolicyness
+        if self.rollout.enabled and interval > eta + 1:
+            raise ValueError(
+                f"train.weight_update_interval={interval} with rollout.max_head_offpolicyness={eta} can deadlock: the "
+                f"rollout driver admits at most ({eta} + v + 1)·train.batch_size samples while v is the newest announced "
+                f"version, and the trainer announces one only every {interval} steps; set train.weight_update_interval <= "
+                "rollout.max_head_offpolicyness + 1 (or rollout.enabled=false for live traffic only)"
             )
         return self

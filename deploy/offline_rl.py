@@ -38,7 +38,7 @@ def check_run_dir(config: FlywheelConfig) -> None:
     if not config.rollout.enabled:
         raise ConfigError("rollout.enabled: train.run trains on the rollout driver's traffic; it must be true")
     run_dir = Path(config.run_dir)
-    used = [name for name in ("metrics.jsonl", "checkpoints", "weights") if (run_dir / name).exists()]
+    used = [name for name in ("metrics.jsonl", "checkpoints", "weights", "rollout_state.json") if (run_dir / name).exists()]
     if used and not config.train.resume:
         raise ConfigError(
             f"run_dir: {run_dir} already holds a run ({', '.join(used)}); pass --resume to continue it, "

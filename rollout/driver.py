@@ -14,9 +14,17 @@ Staleness control (AReaL's admission rule): with η = `rollout.max_head_offpolic
 may start only while accepted + running + n <= (η + v + 1)·B and running + n <= the concurrency
 cap (`rollout.max_concurrent_rollouts`). `accepted` counts samples whose verdict was reported.
 
-Data position: after each task drawn, the driver writes how many tasks it has drawn and its RNG
-state to `run_dir/rollout_state.json` (atomically); with `train.resume` it continues from there,
-so a resumed run draws the tasks the stopped one would have drawn next.
+Restarts: after each task drawn and each episode ended, the driver writes its state to
+`run_dir/rollout_state.json` (atomically): the tasks drawn, the task RNG, the generation-length
+RNG (a task's lengths are drawn with it), `accepted` and `failed`. A driver started on a run_dir
+that holds this file continues from it, whether the run was resumed (`train.resume`) or Ray
+restarted the driver's actor within a run (as the trainer always continues from its newest
+checkpoint): it draws the tasks and lengths the previous driver would have drawn next, and its
+admission bound counts the samples accepted before (v comes back from the bus). `running`
+starts at 0: the episodes a dead driver was running die with it (their sessions close without
+the environment's verdict, so the rule judge publishes them unscored) and are counted nowhere.
+An episode whose verdict was reported in the moment before the driver died, before the state
+was written, is not counted either.
 """
 
 from __future__ import annotations
@@ -41,6 +49,12 @@ from rollout.env_pool import make_runner
 log = logging.getLogger(__name__)
 
 
+def _rng_state(saved: list) -> tuple:
+    """`random.Random.getstate()` back from JSON, which made its tuples lists."""
+    version, internal, gauss = saved
+    return version, tuple(internal), gauss
+
+
 class RolloutDriver:
     def __init__(self, config: FlywheelConfig, bus_url: str, endpoint: str | None = None):
         self.config = config
@@ -54,18 +68,15 @@ class RolloutDriver:
             key = "rollout.env" if config.rollout.env not in ENVS else "rollout.env_args"
             raise ConfigError(f"{key}: {exc}") from None
         self.rng = random.Random(config.seed)
-        self.tasks_drawn = 0
         self.length_rng = random.Random(config.seed + 1)
-        self.state_path = Path(config.run_dir) / "rollout_state.json"
-        if config.train.resume and self.state_path.exists():
-            state = json.loads(self.state_path.read_text())
-            version, internal, gauss = state["rng"]
-            self.rng.setstate((version, tuple(internal), gauss))
-            self.tasks_drawn = state["tasks_drawn"]
-        self.version = 0
-        self.running = 0
+        self.tasks_drawn = 0
         self.accepted = 0
         self.failed = 0
+        self.state_path = Path(config.run_dir) / "rollout_state.json"
+        if self.state_path.exists():
+            self._restore(json.loads(self.state_path.read_text()))
+        self.version = 0
+        self.running = 0
         self.recent_rewards: deque[float] = deque(maxlen=256)
         self.recent_turns: deque[int] = deque(maxlen=256)
         self._changed = asyncio.Event()
@@ -100,10 +111,11 @@ class RolloutDriver:
                 self._changed.clear()
                 await self._changed.wait()
             task = self.env.reset(self.rng)
+            lengths = [self.draw_length() if self.config.gconfig.length_tail is not None else None for _ in range(n)]
             self.tasks_drawn += 1
-            self._save_position()
             self.running += n
-            group = asyncio.create_task(self._run_group(task, n))
+            self._save_state()
+            group = asyncio.create_task(self._run_group(task, lengths))
             self._groups.add(group)
             group.add_done_callback(self._groups.discard)
 
@@ -116,20 +128,30 @@ class RolloutDriver:
         tail = 1.0 - u * (1.0 - (lo / hi) ** alpha)
         return min(hi, int(lo / tail ** (1.0 / alpha)))
 
-    def _save_position(self) -> None:
+    def _save_state(self) -> None:
+        state = {"tasks_drawn": self.tasks_drawn, "rng": self.rng.getstate(), "length_rng": self.length_rng.getstate(),
+                 "accepted": self.accepted, "failed": self.failed}
         self.state_path.parent.mkdir(parents=True, exist_ok=True)
         tmp = self.state_path.with_suffix(".tmp")
-        tmp.write_text(json.dumps({"tasks_drawn": self.tasks_drawn, "rng": self.rng.getstate()}))
+        tmp.write_text(json.dumps(state))
         os.replace(tmp, self.state_path)
 
-    async def _run_group(self, task: Task, n: int) -> None:
-        await asyncio.gather(*(self._run_one(task, k) for k in range(n)))
+    def _restore(self, state: dict[str, Any]) -> None:
+        self.rng.setstate(_rng_state(state["rng"]))
+        self.tasks_drawn = state["tasks_drawn"]
+        # A file written before the driver kept its counters and length RNG has only the above.
+        if "length_rng" in state:
+            self.length_rng.setstate(_rng_state(state["length_rng"]))
+        self.accepted = state.get("accepted", 0)
+        self.failed = state.get("failed", 0)
 
-    async def _run_one(self, task: Task, k: int) -> None:
+    async def _run_group(self, task: Task, lengths: list[int | None]) -> None:
+        await asyncio.gather(*(self._run_one(task, k, length) for k, length in enumerate(lengths)))
+
+    async def _run_one(self, task: Task, k: int, length: int | None) -> None:
+        """One episode; `length`: its drawn generation length (`gconfig.length_tail`), else None."""
         session_id = f"{task.id}-{k}-{uuid.uuid4().hex[:8]}"
-        turn: dict = {}
-        if self.config.gconfig.length_tail is not None:
-            turn = {"turn_length": self.draw_length(), "extra_body": {"ignore_eos": True}}
+        turn: dict = {} if length is None else {"turn_length": length, "extra_body": {"ignore_eos": True}}
         try:
             result = await self.runner.run(task, session_id, **turn)
             if result.reward is None:
@@ -143,6 +165,7 @@ class RolloutDriver:
             log.warning("rollout %s failed: %s", session_id, exc)
         finally:
             self.running -= 1
+            self._save_state()
             self._changed.set()
 
     async def stop(self) -> None:

@@ -27,8 +27,20 @@ def test_dumped_config_loads_back_identically(tmp_path):
 def test_shipped_configs_are_valid():
     from pathlib import Path
 
-    for path in Path("deploy/configs").glob("*.yaml"):
+    paths = [*Path("deploy/configs").glob("*.yaml"), *Path("train/configs").glob("*.yaml")]
+    assert len(paths) >= 6
+    for path in paths:
         load_config(path)
+
+
+@pytest.mark.parametrize("interval, eta, enabled", [(1, 0, "true"), (2, 1, "true"), (5, 4, "true"), (2, 0, "false")])
+def test_weight_update_intervals_that_reach_the_next_announcement_are_accepted(interval, eta, enabled):
+    """The driver admits up to η + 1 steps' samples past the newest announced version; an
+    interval of at most η + 1 steps announces the next one within them. Without rollouts
+    (live traffic only) nothing is admitted, so nothing waits."""
+    config = load_config(None, [f"train.weight_update_interval={interval}", f"rollout.max_head_offpolicyness={eta}",
+                                f"rollout.enabled={enabled}"])
+    assert (config.train.weight_update_interval, config.rollout.max_head_offpolicyness) == (interval, eta)
 
 
 @pytest.mark.parametrize(
@@ -51,6 +63,10 @@ def test_shipped_configs_are_valid():
         (["bus.url=nats://a:4222,"], "bus.url: '' is not a NATS URL"),
         (["serve.device=gpu"], "serve.device: "),
         (["serve.swap_weights=false"], "serve.swap_weights=false needs serve.engine_urls"),
+        (["train.weight_update_interval=2", "rollout.max_head_offpolicyness=0"],
+         "train.weight_update_interval=2 with rollout.max_head_offpolicyness=0 can deadlock"),
+        (["train.weight_update_interval=5", "rollout.max_head_offpolicyness=3"],
+         "train.weight_update_interval=5 with rollout.max_head_offpolicyness=3 can deadlock"),
     ],
 )
 def test_errors_name_the_key(overrides, message):

@@ -1,10 +1,20 @@
-"""The rollout driver's pure parts: AReaL's admission rule, heavy-tailed generation lengths, and
-the data position (tasks drawn, RNG) that a resumed run continues from."""
+"""The rollout driver: AReaL's admission rule, heavy-tailed generation lengths, the data position
+(tasks drawn, RNGs) a restarted driver continues from, and its admission counter, which a
+restarted driver keeps (a driver run against the real gateway, stopped, and started again)."""
+
+import asyncio
+import random
+import time
+from collections import Counter
 
 import pytest
 
+from bus import TRAFFIC_SUBJECTS, WEIGHTS_SUBJECT, Turn, WeightUpdate
 from config import ConfigError, load_config
+from envs import make_env
+from models import WeightStore, load_model
 from rollout.driver import RolloutDriver
+from serve.loop import ServeLoop
 
 
 def driver(tmp_path, *overrides: str) -> RolloutDriver:
@@ -30,16 +40,17 @@ def test_heavy_tailed_lengths_stay_in_bounds_and_have_a_tail(tmp_path):
     assert sorted(lengths)[len(lengths) // 2] < 20  # most are short
 
 
-def test_a_resumed_driver_continues_the_task_sequence(tmp_path):
-    first = driver(tmp_path, "rollout.env=arithmetic")
+def test_a_driver_continues_the_task_sequence_of_its_run_dir(tmp_path):
+    first = driver(tmp_path / "run", "rollout.env=arithmetic")
     drawn = [first.env.reset(first.rng).id for _ in range(3)]
     first.tasks_drawn = 3
-    first._save_position()
+    first._save_state()
     expected_next = first.env.reset(first.rng).id
-    resumed = driver(tmp_path, "rollout.env=arithmetic", "train.resume=true")
-    assert resumed.tasks_drawn == 3 and resumed.env.reset(resumed.rng).id == expected_next
-    fresh = driver(tmp_path, "rollout.env=arithmetic")
-    assert fresh.env.reset(fresh.rng).id == drawn[0]  # without resume: from the start
+    for resume in ("true", "false"):  # a Ray restart within a run does not set train.resume
+        again = driver(tmp_path / "run", "rollout.env=arithmetic", f"train.resume={resume}")
+        assert again.tasks_drawn == 3 and again.env.reset(again.rng).id == expected_next
+    fresh = driver(tmp_path / "other", "rollout.env=arithmetic")
+    assert fresh.tasks_drawn == 0 and fresh.env.reset(fresh.rng).id == drawn[0]  # no state file: from the start
 
 
 def test_environment_errors_name_the_key(tmp_path):
@@ -47,3 +58,58 @@ def test_environment_errors_name_the_key(tmp_path):
         driver(tmp_path, "rollout.env=nope")
     with pytest.raises(ConfigError, match="rollout.env_args: arithmetic takes no argument"):
         driver(tmp_path, "rollout.env=arithmetic", "rollout.env_args={bogus: 1}")
+
+
+@pytest.fixture
+async def gateway(nats_url, tmp_path):
+    serve = ServeLoop(load_config(None, [f"run_dir={tmp_path / 'serve'}", "serve.port=0"]), nats_url)
+    await serve.start()
+    yield serve
+    await serve.stop()
+
+
+async def until(condition, timeout_s: float = 120.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, "condition not reached"
+        await asyncio.sleep(0.01)
+
+
+async def test_a_restarted_driver_keeps_its_admission_count_and_data_position(gateway, nats_url, bus, tmp_path):
+    """η = 0, B = 4, groups of 2: the first driver admits (0 + 0 + 1)·4 samples and waits for
+    version 1. Restarted on the same run_dir (train.resume false, as under a Ray restart), the
+    driver counts those 4 as accepted, so version 1 lets in 4 more, not 8, and it draws the tasks
+    and generation lengths the first one would have drawn next."""
+    config = load_config(None, [f"run_dir={tmp_path / 'run'}", "rollout.env=arithmetic", "gconfig.n_samples=2",
+                                "train.batch_size=4", "rollout.max_head_offpolicyness=0", "gconfig.length_tail=1.0",
+                                "gconfig.max_new_tokens=8"])
+    assert not config.train.resume
+    first = RolloutDriver(config, nats_url, gateway.url)
+    await first.start()
+    await until(lambda: first.accepted + first.failed == 4 and first.running == 0)
+    await first.stop()
+    assert first.accepted == 4 and first.tasks_drawn == 2 and not first.capacity(2)
+
+    second = RolloutDriver(config, nats_url, gateway.url)
+    restored = second.tasks_drawn
+    assert (second.accepted, second.running, restored) == (4, 0, 2)  # (a)
+    assert second.length_rng.getstate() == first.length_rng.getstate()
+    assert not second.capacity(2)  # version 0 admits no more than it did for the first driver
+    path = WeightStore(tmp_path / "store").publish(load_model("tiny")[0], 1)
+    await bus.publish(WEIGHTS_SUBJECT, WeightUpdate(id="weights-v1", version=1, path=str(path), step=1))
+    await second.start()
+    await until(lambda: second.accepted + second.failed == 8 and second.running == 0)
+    await second.stop()
+    assert second.version == 1 and second.accepted == 8 and not second.capacity(2)
+    assert second.tasks_drawn - restored == 2  # (b): (0 + 1 + 1)·4 = 8 samples in all, 4 of them before the restart
+
+    env, rng = make_env("arithmetic", {}), random.Random(config.seed)
+    run_tasks = [env.reset(rng).id for _ in range(4)]
+    sessions: dict[str, str] = {}
+    traffic = bus.consumer(TRAFFIC_SUBJECTS, "watch")
+    while len(sessions) < 8:
+        delivered = await traffic.fetch(timeout_s=5)
+        assert delivered, f"only {len(sessions)} sessions recorded"
+        sessions.update((d.record.session_id, d.record.task_id) for d in delivered if isinstance(d.record, Turn))
+    # (c): the restarted driver went on with the run's third and fourth tasks, not its first two again
+    assert Counter(sessions.values()) == {task: 2 for task in run_tasks}
