@@ -18,6 +18,10 @@ tokens; the trainer accumulates gradients over them and steps once.
 A segment longer than the budget gets a micro-batch of its own. Position t of every per-token
 tensor describes the token at t, which the trainer predicts from t − 1; the first token of a
 segment has no prediction, and it is a prompt token (mask 0), so packing loses nothing there.
+
+Tokens drawn under a grammar (`train/sampled.py`) are listed apart: their (row, column) and the
+bitmask of the tokens allowed there, one row per token (vocab / 8 bytes each), not a mask over
+every position.
 """
 
 from __future__ import annotations
@@ -39,15 +43,27 @@ def as_tensor(values: array.array) -> torch.Tensor:
 
 
 @dataclass
+class GrammarMasks:
+    """The loss tokens of a segment that were drawn under a grammar: their positions and, one row
+    each, llguidance's bitmask of the tokens the grammar allowed there ([n, words] int32,
+    `models/grammar.py`)."""
+
+    positions: list[int]
+    allowed: torch.Tensor
+
+
+@dataclass
 class Row:
     """One segment with, per token, its advantage, the temperature it was sampled at, and
     whether it counts in the loss (the segment's mask without excluded tokens, see
-    `train/sampled.py`). Without the last two: temperature 1 and the segment's own mask."""
+    `train/sampled.py`), and the tokens drawn under a grammar. Without the last three:
+    temperature 1, the segment's own mask, no grammar."""
 
     segment: Segment
     advantages: list[float]
     temperatures: list[float] | None = None
     loss_mask: list[int] | None = None
+    grammar: GrammarMasks | None = None
 
     def __len__(self) -> int:
         return len(self.segment.token_ids)
@@ -63,6 +79,8 @@ class MicroBatch:
     temperatures: torch.Tensor  # [rows, T] float, the temperature each token was sampled at
     versions: torch.Tensor  # [rows, T] long, -1 off the mask
     advantages: torch.Tensor  # [rows, T] float
+    grammar_at: torch.Tensor  # [n, 2] long: (row, column) of each loss token drawn under a grammar
+    grammar_allowed: torch.Tensor  # [n, words] int32: the bitmask of the tokens allowed there
     real_tokens: int
     """Tokens that belong to a segment (the rest is padding)."""
 
@@ -82,8 +100,12 @@ def _tensors(lines: list[list[Row]], width: int, pad_id: int, packed: bool) -> M
         temperatures=torch.ones(shape),
         versions=torch.full(shape, -1, dtype=torch.long),
         advantages=torch.zeros(shape),
+        grammar_at=torch.zeros((0, 2), dtype=torch.long),
+        grammar_allowed=torch.zeros((0, 0), dtype=torch.int32),
         real_tokens=sum(len(row) for line in lines for row in line),
     )
+    grammar_at: list[tuple[int, int]] = []
+    allowed: list[torch.Tensor] = []
     for i, line in enumerate(lines):
         at = 0
         for row in line:
@@ -98,9 +120,14 @@ def _tensors(lines: list[list[Row]], width: int, pad_id: int, packed: bool) -> M
             batch.advantages[i, at:end] = torch.tensor(row.advantages)
             if batch.attention_mask is not None:
                 batch.attention_mask[i, at:end] = 1
+            if row.grammar is not None:
+                grammar_at += [(i, at + p) for p in row.grammar.positions]
+                allowed.append(row.grammar.allowed)
             at = end
         if packed:  # padding at the end of a row: a sequence of its own, off the loss mask
             batch.position_ids[i, at:] = torch.arange(width - at)
+    if grammar_at:
+        batch.grammar_at, batch.grammar_allowed = torch.tensor(grammar_at, dtype=torch.long), torch.cat(allowed)
     return batch
 
 

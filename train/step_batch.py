@@ -34,9 +34,9 @@ class StepBatch:
         per_sample: list[list[Row]] = []
         for sample, advantage in zip(samples, advantages):
             values = token_advantages(sample, advantage, train.turn_reward_coef, train.turn_discount)
-            sampling = segment_sampling(sample.trajectory, self.excluded)
+            sampling = segment_sampling(sample.trajectory, self.excluded, config.model)
             per_sample.append([
-                Row(segment, adv, s.temperatures, s.loss_mask)
+                Row(segment, adv, s.temperatures, s.loss_mask, s.grammar)
                 for segment, adv, s in zip(sample.trajectory.segments, values, sampling)
             ])
         self.minibatches: list[list[MicroBatch]] = [

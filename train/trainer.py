@@ -2,7 +2,12 @@
 
 Log-probabilities are computed the way the engine sampled: log softmax(logits / T) at the exact
 token ids, position t predicted from position t − 1, T being each token's own sampling
-temperature (`train/sampled.py`). A step takes the batch as `actor.ppo_n_minibatches`
+temperature (`train/sampled.py`); a token drawn under a grammar, over the tokens the grammar
+allowed there only (`MicroBatch.grammar_at`: those positions' logits are gathered and the
+forbidden ones set to −inf), and its entropy is that of this masked distribution too. Every forward pass (π_prox, π_θ, the KL
+reference) runs in eval mode, as the engine's: dropout off (gradients flow all the same), so
+π_θ = π_prox on the first minibatch and π_prox = π_behav for the current version's tokens
+whatever the model's dropout settings. A step takes the batch as `actor.ppo_n_minibatches`
 minibatches, each a list of micro-batches:
 
 1. π_prox: one no-grad pass over every micro-batch at the step's start (when
@@ -30,6 +35,7 @@ from typing import Any
 import torch
 
 from config.schema import ActorConfig, TrainConfig
+from models.grammar import allowed_tokens
 from train.fsdp import shard
 from train.loss import LossStats, decoupled_ppo_loss, k3_kl
 from train.packing import MicroBatch
@@ -59,6 +65,12 @@ class GapStats:
         return self.total / self.tokens if self.tokens else None
 
 
+def _entropy(logp: torch.Tensor) -> float:
+    """The summed entropy of the distributions whose logprobs are the rows of `logp` (a token a
+    grammar forbade is given logprob 0 here, so that it adds exp(0)·0 = 0)."""
+    return float(-(logp.exp() * logp).sum())
+
+
 class Trainer:
     def __init__(self, model: torch.nn.Module, actor: ActorConfig, train: TrainConfig):
         self.actor = actor
@@ -79,20 +91,31 @@ class Trainer:
     def token_logprobs(self, batch: MicroBatch, model: torch.nn.Module | None = None,
                        with_entropy: bool = False) -> tuple[torch.Tensor, float | None]:
         """(logprob of each token given its prefix, 0 at position 0; the summed entropy of the
-        predictions of loss-mask tokens, or None)."""
+        predictions of loss-mask tokens, or None). Tokens drawn under a grammar are over the
+        tokens it allowed."""
         with self._autocast():
             logits = (model or self.model)(
                 input_ids=batch.input_ids, attention_mask=batch.attention_mask, position_ids=batch.position_ids,
                 use_cache=False,
             ).logits
         logits = logits[:, :-1].float() / batch.temperatures[:, 1:].unsqueeze(2)
+        targets = batch.input_ids[:, 1:]
         logp_all = torch.log_softmax(logits, dim=-1)
-        logp = logp_all.gather(2, batch.input_ids[:, 1:].unsqueeze(2)).squeeze(2)
+        logp = logp_all.gather(2, targets.unsqueeze(2)).squeeze(2)
+        rows, cols = batch.grammar_at[:, 0], batch.grammar_at[:, 1] - 1  # each predicted from the position before
+        masked = None
+        if rows.numel():
+            forbidden = ~allowed_tokens(batch.grammar_allowed, logits.shape[-1])
+            masked = torch.log_softmax(logits[rows, cols].masked_fill(forbidden, float("-inf")), dim=-1)
+            logp = logp.index_put((rows, cols), masked.gather(1, targets[rows, cols].unsqueeze(1)).squeeze(1))
         entropy = None
         if with_entropy:  # only where it is reported: over the vocabulary, it is not cheap
             with torch.no_grad():
-                counted = logp_all[batch.loss_mask[:, 1:].bool()]
-                entropy = float(-(counted.exp() * counted).sum())
+                counted, entropy = batch.loss_mask[:, 1:].bool(), 0.0
+                if masked is not None:  # grammar tokens (all on the loss mask): the masked distribution's
+                    counted = counted.index_put((rows, cols), torch.tensor(False, device=counted.device))
+                    entropy = _entropy(masked.masked_fill(forbidden, 0.0))
+                entropy += _entropy(logp_all[counted])
         pad = torch.zeros((logp.shape[0], 1), dtype=logp.dtype, device=logp.device)
         return torch.cat([pad, logp], dim=1), entropy
 
@@ -106,7 +129,7 @@ class Trainer:
         """One training step; `version` is the policy version of the current weights (for
         `behav_logprob_gap`)."""
         started = time.perf_counter()
-        self.model.train()
+        self.model.eval()  # dropout off, as the engine samples; gradients flow all the same
         minibatches = [[self._to_device(b) for b in minibatch] for minibatch in minibatches if minibatch]
         prox, gap = self._proximal(minibatches, version)
         stats: LossStats | None = None
@@ -154,6 +177,7 @@ class Trainer:
             "behav_logprob_gap": gap.mean,
             "behav_logprob_gap_max": gap.max,
             "gap_tokens": gap.tokens,
+            "grammar_tokens": sum(int(b.grammar_at.shape[0]) for b in batches),
             "minibatches": n,
             "tokens": stats.tokens,
             "real_tokens": sum(b.real_tokens for b in batches),

@@ -32,6 +32,7 @@ from typing import Any, Literal
 
 import torch
 
+from models.grammar import end_ids
 from serve.engine.batch import KVBatch, Prefill
 from serve.engine.grammar import Grammars, apply_grammars
 from serve.engine.request import GenerationResult, Request, RequestFailed, StreamError, TokenDelta, post_deltas, resolve
@@ -69,9 +70,7 @@ class Engine:
         self.max_batch_size = max_batch_size
         self.context_length = context_length or getattr(model.config, "max_position_embeddings", 2048)
         self._load_weights = load_weights
-        eos = model.generation_config.eos_token_id if model.generation_config else None
-        eos = eos if eos is not None else tokenizer.eos_token_id
-        self.eos_ids: set[int] = set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
+        self.eos_ids = end_ids(model.generation_config, tokenizer)
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else min(self.eos_ids, default=0)
         self.vocab_size = len(tokenizer)
         self.grammars = Grammars(tokenizer, model.config.vocab_size, self.eos_ids)
