@@ -174,7 +174,11 @@ async def test_a_restart_behind_published_versions_announces_a_newer_one(bus, na
         announced = await bus.last(WEIGHTS_SUBJECT)
         assert second.trainer.step_count == 2 and second.version == 4 and announced.version == 4  # serve takes only newer
         await bus.publish(SAMPLE_SUBJECT, sample_of(turns[2], 1.0, version=4))
-        await until(lambda: second.trainer.step_count == 3)
+        # The step is counted before its weights are announced: wait for the announcement itself.
+        for _ in range(1200):
+            if (await bus.last(WEIGHTS_SUBJECT)).version == 5:
+                break
+            await asyncio.sleep(0.05)
         assert (await bus.last(WEIGHTS_SUBJECT)).version == 5
     finally:
         await second.stop()
