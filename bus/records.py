@@ -63,14 +63,17 @@ class Timings(msgspec.Struct, kw_only=True):
 
 
 class Turn(Record, kw_only=True):
-    """One request/response through the gateway, with the exact tokens the engine used."""
+    """One request/response through the gateway, with the exact tokens the engine used. Its `id`
+    is the interaction id: the gateway returns it to the client (`X-Interaction-Id`), and
+    feedback about this turn names it."""
 
     session_id: str
     """From `X-Session-Id`, else `metadata.session_id`, else `user`, else a fresh id (the turn
     is then a one-turn session of its own)."""
     turn_index: int
-    """Position of this turn in its conversation: the number of assistant messages in the
-    request's history. Lets the collector order turns that arrive out of order."""
+    """The number of assistant messages in the request's history: this turn's position in its
+    conversation as the client counts it. Not an identity: retries, sub-agents and helper calls
+    share indices within one session (the collector places turns by lineage and `id`)."""
     turn_type: TurnType = "main"
     """`side` turns (from `X-Turn-Type: side`) are served and recorded but not trained."""
     task_id: str | None = None
@@ -98,8 +101,10 @@ class Turn(Record, kw_only=True):
     session_done: bool = False
     """The client marked this turn as the last of its session (`X-Session-Done: true`)."""
     client_disconnected: bool = False
-    """The client went away before the answer was complete (the output is what was generated
-    until then; `finish_reason` is `abort`)."""
+    """The client went away before the answer was complete, streamed or not (the output is what
+    was generated until then; `finish_reason` is `abort`). With an engine abort or a request
+    timeout, `finish_reason` is `abort` too: any such turn is one the client did not use, unless
+    a later turn continues from it."""
     timings: Timings = msgspec.field(default_factory=Timings)
 
     def __post_init__(self) -> None:  # producers may pass lists
@@ -121,7 +126,10 @@ class SessionEvent(Record, kw_only=True):
     reward: float | None = None
     """For feedback: the reward given (any float; judges decide how to scale it)."""
     turn_index: int | None = None
-    """For feedback about one turn; None means the whole session."""
+    """For feedback about one turn of the session's first conversation, by its `Turn.turn_index`
+    (`interaction_id` names any turn); None with no `interaction_id` means the whole session."""
+    interaction_id: str | None = None
+    """For feedback about the turn with this id (`X-Interaction-Id`, `Turn.id`)."""
     text: str | None = None
     """Free-text feedback, for judges that read it."""
     source: str = "user"
@@ -146,7 +154,10 @@ class Segment(msgspec.Struct, kw_only=True):
     versions: Int32s
     """Weight version that sampled each token; -1 where `loss_mask` is 0."""
     turn_spans: list[tuple[int, int, int]] = msgspec.field(default_factory=list)
-    """(turn_index, start, end) of each turn's sampled tokens within `token_ids`."""
+    """(position, start, end) of each turn's sampled tokens within `token_ids`, `position` being
+    the turn's place in `Trajectory.turns`. Over a trajectory's segments in order, the k-th span
+    is always `turns[k]`'s (records written before positions named the turn by its
+    `turn_index`: read spans in order)."""
 
     def __post_init__(self) -> None:  # producers may pass lists
         self.token_ids = Int32s.coerce(self.token_ids)
@@ -156,7 +167,9 @@ class Segment(msgspec.Struct, kw_only=True):
 
 
 class Trajectory(Record, kw_only=True):
-    """A closed session: its turns (main only), stitched into token segments."""
+    """A closed session's main turns, arranged into its conversations (threads) and stitched into
+    token segments (collect/threads.py, collect/stitch.py). A session split at `collect.max_turns`
+    or `collect.max_tokens` is several trajectories, each with all of the session's feedback."""
 
     session_id: str
     task_id: str | None = None
@@ -164,15 +177,29 @@ class Trajectory(Record, kw_only=True):
     """The task group's size, from its turns (see `Turn.group_size`)."""
     segments: list[Segment]
     turns: list[Turn]
-    """The main turns, ordered by turn_index, with their text for the judges but without their
-    token lists (`prompt_ids`, `output_ids`, `output_logprobs`, `output_versions` are empty):
-    the tokens are in `segments`, once."""
+    """The main turns the client used, thread by thread and in order within each, with their text
+    for the judges but without their token lists (`prompt_ids`, `output_ids`, `output_logprobs`,
+    `output_versions` are empty): the tokens are in `segments`, once. Retry orphans and turns
+    the client never used are not here (counted below)."""
+    threads: list[int] = msgspec.field(default_factory=list)
+    """Aligned with `turns`: the conversation each belongs to (0: the session's first; a
+    sub-agent's, a helper call's, a branch's are others). Empty in older records: one thread."""
     next_states: list[list[dict[str, Any]]] = msgspec.field(default_factory=list)
-    """Aligned with `turns`: the messages that followed each assistant turn in the
-    conversation (the user's reply, tool results - parallel ones together), taken from the
-    next turn's request. Empty for the last turn (its consequence, if any, is in `feedback`)."""
+    """Aligned with `turns`: the messages that followed each assistant turn in its own thread
+    (the user's reply, tool results - parallel ones together), taken from that thread's next
+    turn's request. Empty for a thread's last turn (its consequence, if any, is in `feedback`)."""
     feedback: list[SessionEvent] = msgspec.field(default_factory=list)
     close_reason: Literal["done", "end", "feedback", "idle", "limit"]
+    retry_orphans: int = 0
+    """Answers to a request the client sent again (a retry) that no later turn continued from:
+    left out of `turns` and of training."""
+    unused_turns: int = 0
+    """Turns that ended without the client using them (it went away, the request was aborted or
+    timed out) and that no later turn continued from: left out."""
+    masked_tokens: dict[str, int] = msgspec.field(default_factory=dict)
+    """Sampled tokens kept in the sequence (a later turn continued from them) but out of the loss
+    (mask 0), by reason: `aborted` (a turn that ended without finishing), `truncated` (cut at
+    max_tokens, with `collect.truncated_turns: mask`)."""
 
     @property
     def oldest_version(self) -> int | None:
@@ -182,6 +209,15 @@ class Trajectory(Record, kw_only=True):
     @property
     def num_sampled_tokens(self) -> int:
         return sum(sum(seg.loss_mask) for seg in self.segments)
+
+    def thread_positions(self) -> list[tuple[int, int]]:
+        """(thread, place within that thread) of each turn, aligned with `turns`."""
+        count: dict[int, int] = {}
+        out = []
+        for thread in self.threads or [0] * len(self.turns):
+            out.append((thread, count.get(thread, 0)))
+            count[thread] = count.get(thread, 0) + 1
+        return out
 
 
 class Sample(Record, kw_only=True):

@@ -59,11 +59,11 @@ class CollectLoop(ConsumerLoop):
                 raise failures[0][1]
 
     async def _publish(self, closed: list[Closed]) -> list[tuple[Closed, BaseException]]:
-        """Publish the trajectories (pipelined, each acknowledged by JetStream), then
-        acknowledge the records that went into each published one. Returns what failed."""
-        with_trajectory = [item for item in closed if item.trajectory is not None]
-        errors = await self.bus.publish_all(TRAJECTORY_SUBJECT, [item.trajectory for item in with_trajectory])
-        failed = {id(item): error for item, error in zip(with_trajectory, errors) if error is not None}
+        """Publish the trajectories (pipelined, each acknowledged by JetStream), then acknowledge
+        the records of each session whose trajectories were all published. Returns what failed."""
+        trajectories = [(item, trajectory) for item in closed for trajectory in item.trajectories]
+        errors = await self.bus.publish_all(TRAJECTORY_SUBJECT, [trajectory for _, trajectory in trajectories])
+        failed = {id(item): error for (item, _), error in zip(trajectories, errors) if error is not None}
         failures = []
         for item in closed:
             error = failed.get(id(item))

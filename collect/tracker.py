@@ -8,8 +8,10 @@ A session closes when:
 - session-level feedback arrives (a reward or text not tied to one turn): reason `feedback`;
   feedback about one turn (`turn_index` set) attaches to the session and does not close it;
 - no traffic for `idle_timeout_s`: reason `idle`;
-- it reaches `max_turns` main turns or `max_tokens` stitched tokens: reason `limit`. Its later
-  turns open the next trajectory of the same session.
+- it reaches `max_turns` main turns or `max_tokens` stitched tokens: the turns so far become one
+  piece (close reason `limit`) and its later turns the next; the pieces are held until the
+  session closes, then emitted together, each with all of the session's feedback (a reward that
+  follows must reach every piece; the records stay unacknowledged meanwhile).
 
 Feedback and its timing:
 - A session ended by `done` or `end` with no session-level reward yet waits `feedback_grace_s`
@@ -27,8 +29,11 @@ the tokens are in its `segments` once, where `turn_spans` locate each turn's sam
 (a turn's prompt repeats the whole history; keeping every turn's ids would make a trajectory
 grow with the square of its length).
 
-Sessions with only side turns produce nothing. Turns are ordered by `turn_index` whatever order
-they arrive in. Records are deduplicated by id: a repeat of one its session holds (the bus
+Sessions with only side turns produce nothing. A session's main turns are arranged by lineage
+(collect/threads.py): its conversations (a main agent, its sub-agents, helper calls) become
+threads with their own segments and next states; retry orphans and turns the client never used
+leave it, counted (`retry_orphans`, `unused_turns`, on the trajectory and in `counts`). Records
+are deduplicated by id: a repeat of one its session holds (the bus
 delivered it again) is kept with the session, to be acknowledged with it, and a repeat of one
 already emitted (for the last `remember_closed` sessions) is acknowledged at once.
 
@@ -53,6 +58,7 @@ from bus import SessionEvent, Trajectory, Turn
 from bus.arrays import Float64s, Int32s
 from bus.dedup import RecentIds
 from collect.stitch import stitch
+from collect.threads import Arrangement, arrange
 from config.schema import CollectConfig
 
 log = logging.getLogger(__name__)
@@ -70,22 +76,34 @@ class _Session:
     last_seen: float = 0.0
     tokens_bound: int = 0
     """Sum of the main turns' prompt + output lengths: an upper bound of the stitched length."""
+    pieces: list[dict[str, Turn]] = field(default_factory=list)
+    """Turns of earlier pieces of a session cut at a limit, held until the session closes."""
 
     @property
     def has_session_reward(self) -> bool:
-        return any(e.reward is not None and e.turn_index is None for e in self.feedback)
+        return any(e.reward is not None and e.turn_index is None and e.interaction_id is None for e in self.feedback)
 
     @property
     def last_turn_index(self) -> int:
-        return max(t.turn_index for t in self.turns.values())
+        return max(t.turn_index for turns in (*self.pieces, self.turns) for t in turns.values())
+
+    @property
+    def has_turns(self) -> bool:
+        return bool(self.turns or self.pieces)
 
 
 @dataclass
 class Closed:
-    """A closed session: its trajectory (None if it had no main turn) and handles to ack."""
+    """A closed session: its trajectories (one per piece; none if it had no main turn) and the
+    handles to acknowledge once all of them are published."""
 
-    trajectory: Trajectory | None
+    trajectories: list[Trajectory]
     handles: list[Any]
+
+    @property
+    def trajectory(self) -> Trajectory | None:
+        """The session's last trajectory: its only one, unless it was cut at a limit."""
+        return self.trajectories[-1] if self.trajectories else None
 
 
 def next_state(turn: Turn) -> list[dict[str, Any]]:
@@ -108,8 +126,12 @@ class SessionTracker:
         self._emitted_sessions = RecentIds(config.remember_closed)
         self.counts = {
             "turns": 0, "duplicates": 0, "side_turns": 0, "events": 0, "trajectories": 0, "empty": 0,
-            "splits": 0, "limit": 0, "late_feedback": 0,
+            "splits": 0, "limit": 0, "late_feedback": 0, "threads": 0, "retry_orphans": 0, "unused_turns": 0,
+            "truncated_turns": 0, "aborted_tokens": 0, "truncated_tokens": 0,
         }
+        """`threads`: conversations in the emitted trajectories (a session of one has 1);
+        `retry_orphans`, `unused_turns`: turns left out; `truncated_turns`: turns cut at
+        max_tokens; `aborted_tokens`, `truncated_tokens`: sampled tokens kept but masked."""
 
     @property
     def open_sessions(self) -> int:
@@ -138,7 +160,7 @@ class SessionTracker:
                 return []
         if record.id in self._emitted_records:
             self.counts["duplicates"] += 1
-            return [Closed(None, [handle])]
+            return [Closed([], [handle])]
         return None
 
     def expire(self) -> list[Closed]:
@@ -187,7 +209,9 @@ class SessionTracker:
             session.close_reason = session.close_reason or "done"
         if session.close_reason is None and self._over_limit(session):
             self.counts["limit"] += 1
-            return [self._emit(self._open.pop(session.session_id), "limit")]
+            session.pieces.append(session.turns)
+            session.turns, session.tokens_bound = {}, 0
+            return []
         return self._end_if_signalled(session)
 
     def _over_limit(self, session: _Session) -> bool:
@@ -195,8 +219,8 @@ class SessionTracker:
             return True
         if session.tokens_bound < self.config.max_tokens:
             return False
-        segments = stitch(sorted(session.turns.values(), key=_turn_order))
-        return sum(len(s.token_ids) for s in segments) >= self.config.max_tokens
+        stitched = self._stitch(arrange(list(session.turns.values())), {})
+        return sum(len(s.token_ids) for s in stitched) >= self.config.max_tokens
 
     def _add_event(self, event: SessionEvent, handle: Any) -> list[Closed]:
         self.counts["events"] += 1
@@ -207,7 +231,7 @@ class SessionTracker:
             session.seen.add(event.id)
             if event.kind == "feedback":
                 session.feedback.append(event)
-                if event.turn_index is None:
+                if event.turn_index is None and event.interaction_id is None:
                     del self._waiting[sid]
                     return [self._emit(session, session.close_reason)]
             return []
@@ -215,7 +239,7 @@ class SessionTracker:
             if event.kind == "feedback":
                 self.counts["late_feedback"] += 1
                 log.warning("feedback for session %s arrived after it was emitted; not applied", sid)
-            return [Closed(None, [handle])]
+            return [Closed([], [handle])]
         session = self._touch(sid)
         session.handles.append(handle)
         session.seen.add(event.id)
@@ -223,13 +247,13 @@ class SessionTracker:
             session.close_reason = session.close_reason or "end"
         else:
             session.feedback.append(event)
-            if event.turn_index is None:
+            if event.turn_index is None and event.interaction_id is None:
                 session.close_reason = "feedback"
         return self._end_if_signalled(session)
 
     def _end_if_signalled(self, session: _Session) -> list[Closed]:
         """Close (or start the grace period of) an open session with a close signal and turns."""
-        if session.close_reason is None or not session.turns:
+        if session.close_reason is None or not session.has_turns:
             return []
         del self._open[session.session_id]
         wait = session.close_reason in ("done", "end") and not session.has_session_reward
@@ -240,34 +264,63 @@ class SessionTracker:
 
     def _emit(self, session: _Session, reason: str) -> Closed:
         self._emitted_records.add(session.seen)
-        if not session.turns:
+        pieces = [*((piece, "limit") for piece in session.pieces), *([(session.turns, reason)] if session.turns else [])]
+        trajectories = [t for turns, why in pieces if (t := self._trajectory(session, turns, why)) is not None]
+        if trajectories:
+            self._emitted_sessions.add([session.session_id])
+        else:  # no main turn, or none the client used
             self.counts["empty"] += 1
-            return Closed(None, session.handles)
-        turns = sorted(session.turns.values(), key=_turn_order)
-        self._emitted_sessions.add([session.session_id])
-        segments = stitch(turns)
+        return Closed(trajectories, session.handles)
+
+    def _trajectory(self, session: _Session, turns: dict[str, Turn], reason: str) -> Trajectory | None:
+        """The trajectory of one piece of a session; None when the client used none of its turns."""
+        arranged = arrange(list(turns.values()), self.config.truncated_turns)
+        for key in ("retry_orphans", "unused_turns", "truncated_turns"):
+            self.counts[key] += getattr(arranged, key)
+        if not arranged.threads:
+            return None
+        masked: dict[str, int] = {}
+        segments = self._stitch(arranged, masked)
+        ordered = [turn for thread in arranged.threads for turn in thread]
         self.counts["trajectories"] += 1
-        self.counts["splits"] += len(segments) - 1
-        digest = hashlib.sha1("\n".join(sorted(session.turns)).encode()).hexdigest()[:16]
-        trajectory = Trajectory(
+        self.counts["splits"] += len(segments) - len(arranged.threads)
+        self.counts["threads"] += len(arranged.threads)
+        for why, n in masked.items():
+            self.counts[f"{why}_tokens"] += n
+        digest = hashlib.sha1("\n".join(sorted(turns)).encode()).hexdigest()[:16]
+        return Trajectory(
             id=f"{session.session_id}#{digest}",
             session_id=session.session_id,
-            task_id=next((t.task_id for t in turns if t.task_id), None),
-            group_size=next((t.group_size for t in turns if t.group_size), None),
+            task_id=next((t.task_id for t in ordered if t.task_id), None),
+            group_size=next((t.group_size for t in ordered if t.group_size), None),
             segments=segments,
-            turns=[_without_tokens(t) for t in turns],
-            next_states=[next_state(t) for t in turns[1:]] + [[]],
+            turns=[_without_tokens(t) for t in ordered],
+            threads=[n for n, thread in enumerate(arranged.threads) for _ in thread],
+            next_states=[state for thread in arranged.threads for state in _next_states(thread)],
             feedback=session.feedback,
             close_reason=reason,
+            retry_orphans=arranged.retry_orphans,
+            unused_turns=arranged.unused_turns,
+            masked_tokens=masked,
         )
-        return Closed(trajectory, session.handles)
+
+    @staticmethod
+    def _stitch(arranged: Arrangement, masked: dict[str, int]) -> list:
+        """Each thread's segments in turn; spans name turns by their place in the trajectory."""
+        segments, position = [], 0
+        for thread in arranged.threads:
+            segments += stitch(thread, position, arranged.untrained, masked)
+            position += len(thread)
+        return segments
+
+
+def _next_states(thread: list[Turn]) -> list[list[dict[str, Any]]]:
+    """What followed each turn of a conversation: the next turn's request after its last
+    assistant message (nothing after the last)."""
+    return [next_state(t) for t in thread[1:]] + [[]]
 
 
 def _without_tokens(turn: Turn) -> Turn:
     return msgspec.structs.replace(
         turn, prompt_ids=Int32s(), output_ids=Int32s(), output_logprobs=Float64s(), output_versions=Int32s()
     )
-
-
-def _turn_order(turn: Turn) -> tuple[int, float]:
-    return turn.turn_index, turn.created_at

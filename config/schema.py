@@ -144,10 +144,16 @@ class CollectConfig(Section):
     waits this long for one before it is emitted (clients often send the reward right after the
     last turn). Session feedback ends the wait at once."""
     max_turns: int = Field(256, ge=1)
-    """A session reaching this many main turns is emitted (reason `limit`); its later turns
-    form the next trajectory."""
+    """A session reaching this many main turns is cut (reason `limit`): its later turns form the
+    next trajectory. The pieces are held until the session closes and emitted together, each with
+    all of the session's feedback."""
     max_tokens: int = Field(131_072, ge=1)
     """Likewise for the total length of its stitched token segments."""
+    truncated_turns: Literal["train", "mask"] = "train"
+    """Turns cut at `max_tokens` (finish reason `length`): `train` them like any other (the
+    length limit is part of what the policy learns to live with: a rambling turn is credited
+    with what followed it), or `mask` their sampled tokens out of the loss, as DAPO's overlong
+    filtering does where the cut is an artefact. Counted either way (`truncated_turns`)."""
     remember_closed: int = Field(100_000, ge=1)
     """How many emitted sessions, and as many turn ids, are remembered to drop duplicate
     deliveries and to recognise late feedback."""
@@ -275,10 +281,16 @@ class TrainConfig(Section):
     position ids; flash-attention does only for a single row, so it is refused with packing."""
     turn_reward_coef: float = Field(0.0, ge=0.0)
     """β: how much a judge's per-turn rewards add to a turn's advantage (see train/advantages.py);
-    0: the outcome alone. Use centred per-turn rewards (e.g. the composite judge's
-    normalisation): raw scores in [0, 1] would push every turn up."""
+    0: the outcome alone. Per-turn rewards should be centred: in groups `turn_reward_norm` does it;
+    for live traffic (groups of one) use the composite judge's normalisation (raw scores in
+    [0, 1] would push every turn up)."""
     turn_discount: float = Field(1.0, ge=0.0, le=1.0)
-    """γ: per-turn rewards reach earlier turns discounted by γ per turn."""
+    """γ: per-turn rewards reach earlier turns of the same conversation discounted by γ per turn."""
+    turn_reward_norm: Literal["group", "none"] = "group"
+    """`group`: a task group's per-turn rewards are normalised among the members' rewards for the
+    same step, (r − mean) / std, like outcomes (OpenClaw-RL v2's per (task, step) normalisation;
+    the trainer holds groups whole, so no order of arrival matters); a sample alone in its group
+    keeps its judge's rewards. `none`: as the judge gave them."""
     checkpoint_interval: int = Field(50, ge=0)
     """Save a full checkpoint (model, optimizer, schedule, counters, RNG, trained sample ids)
     every this many steps, and when the loop stops; 0: only when it stops. Samples are

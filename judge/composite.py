@@ -6,9 +6,9 @@ Every component scores the trajectory concurrently. Then, per turn t and for the
     reward          = sum over components i of  weight_i * n_i(reward_i)
 
 where n_i is the identity, or with `normalize: true` a running normalisation per key
-(`judge/normalize.py`): the key of a turn score is (component, task_id, turn_index) and of an
-outcome (component, task_id, "outcome"), so a turn is compared with the same step of the
-same task (trajectories without a task id share the key None).
+(`judge/normalize.py`): the key of a turn score is (component, task_id, thread, place in the
+thread) and of an outcome (component, task_id, "outcome"), so a turn is compared with the same
+step of the same task (trajectories without a task id share the key None).
 
 A component that cannot score the trajectory makes the whole trajectory `Unscorable` if it is
 `required` (the default); an optional one is left out of both sums and named in
@@ -80,5 +80,5 @@ class CompositeJudge(Judge):
         if self.normalizer is None:
             return verdict.reward, verdict.turn_rewards
         task = trajectory.task_id
-        turns = [self.normalizer((label, task, t.turn_index), r) for t, r in zip(trajectory.turns, verdict.turn_rewards)]
+        turns = [self.normalizer((label, task, *step), r) for step, r in zip(trajectory.thread_positions(), verdict.turn_rewards)]
         return self.normalizer((label, task, "outcome"), verdict.reward), turns

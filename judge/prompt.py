@@ -44,7 +44,7 @@ class PromptBuilder:
         turn = trajectory.turns[position]
         following = transcript.next_state(trajectory, position)
         texts = {
-            "context": transcript.task_context(trajectory),
+            "context": transcript.task_context(trajectory, position),
             "request": transcript.messages_text(transcript.request(turn)),
             "response": transcript.body_text(turn.response),
             "next_state": transcript.messages_text(following) if following else NOTHING_FOLLOWED,

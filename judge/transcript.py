@@ -68,9 +68,12 @@ def conversation(turn: Turn) -> list[Message]:
     return [*history, response_message(turn)]
 
 
-def task_context(trajectory: Trajectory) -> str:
-    """The task: its id, the system message and the first user message of the session."""
-    first = trajectory.turns[0] if trajectory.turns else None
+def task_context(trajectory: Trajectory, position: int = 0) -> str:
+    """The task of the turn at `position`: the task id, and the system message and first user
+    message of that turn's own conversation (a sub-agent's is not the main agent's)."""
+    threads = trajectory.threads or [0] * len(trajectory.turns)
+    thread = threads[position] if position < len(threads) else 0
+    first = next((turn for turn, t in zip(trajectory.turns, threads) if t == thread), None)
     lines = [f"task id: {trajectory.task_id}"] if trajectory.task_id else []
     if first is not None and not first.messages:
         lines.append(f"prompt: {first.prompt or ''}")
@@ -90,5 +93,6 @@ def request(turn: Turn) -> list[Message]:
 
 
 def next_state(trajectory: Trajectory, position: int) -> list[Message]:
-    """The messages that followed the turn at `position` (empty for the last turn)."""
+    """The messages that followed the turn at `position` in its own conversation (empty for its
+    conversation's last turn)."""
     return list(trajectory.next_states[position]) if position < len(trajectory.next_states) else []

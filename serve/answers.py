@@ -2,13 +2,26 @@
 window, the token limit), a `Generation` on the engine its session routes to, run whole under the
 request timeout or streamed, both inside the concurrency limit, with engine and recording
 failures mapped to API errors; and what the gateway counts and remembers when it ends.
+
+Every answer carries `X-Interaction-Id`: the id of the turn it records (the ids of its choices,
+comma-separated, with n > 1), which feedback about that turn names. A client that goes away
+before a whole answer is ready (a timeout, a cancelled task) has its request aborted in the
+engine and its turn recorded as `client_disconnected`, as a stream's is: an answer nobody
+received is not trained with what follows.
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import time
+from collections.abc import MutableMapping
 from dataclasses import dataclass, field
 from typing import Any
+
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.types import Receive
 
 from config.schema import ServeConfig
 from serve.api.chat import ChatCompletionRequest, CompletionRequest
@@ -68,11 +81,12 @@ class Answerer:
             requested = config.max_new_tokens
         return min(requested or config.default_max_new_tokens, config.max_new_tokens, self.context_length - len(prompt_ids))
 
-    async def answer(self, body: ChatCompletionRequest | CompletionRequest, session: SessionInfo, prompt_ids: list[int],
+    async def answer(self, request: Request, headers: MutableMapping[str, str],
+                     body: ChatCompletionRequest | CompletionRequest, session: SessionInfo, prompt_ids: list[int],
                      prompt_text: str | None, forced: str = "", tool_format: ToolFormat | None = None,
                      wire: Wire | None = None) -> Any:
-        """The answer: a whole API object, or an event stream. `wire` is the API's (OpenAI's chat
-        or completions when None)."""
+        """The answer to `request`: a whole API object (its headers go in `headers`), or an event
+        stream. `wire` is the API's (OpenAI's chat or completions when None)."""
         self.stats.requests += 1
         generation = Generation(
             body=body, engine=self.pool.route(session.session_id), tokenizer=self.tokenizer, recorder=self.recorder,
@@ -81,12 +95,14 @@ class Answerer:
             max_new_tokens=self.new_token_budget(body, prompt_ids, capped=wire is not None),
             forced=forced, tool_format=tool_format, on_finish=self._finished, timeout_s=self.config.request_timeout_s,
         )
+        interaction = {"X-Interaction-Id": ",".join(choice.rid for choice in generation.choices)}
         if body.stream:
             await self.limiter.acquire()  # a 429 must be a real status, before the stream starts
-            return EventStreamResponse(generation.events(), on_close=self.limiter.release)
+            return EventStreamResponse(generation.events(), on_close=self.limiter.release, headers=interaction)
+        headers.update(interaction)
         try:
             async with request_timeout(self.config.request_timeout_s), self.limiter.slot():
-                return await generation.complete()
+                return await _unless_client_leaves(generation, request.receive)
         except EngineError as exc:
             raise APIError(exc.status, str(exc)) from None
         except RecordLost as exc:
@@ -107,3 +123,33 @@ class Answerer:
             metrics.time_to_first_token(choice.first_token_at - generation.arrived)
             if len(choice.output_ids) > 1 and choice.last_token_at:
                 metrics.time_per_output_token((choice.last_token_at - choice.first_token_at) / (len(choice.output_ids) - 1))
+
+
+async def _unless_client_leaves(generation: Generation, receive: Receive) -> Any:
+    """The whole answer, unless the client disconnects first: then the generation is cancelled
+    (its engine requests aborted) with its choices marked as the client's doing. A cancellation
+    of this task (the request timeout) reaches the generation too."""
+    answer = asyncio.ensure_future(generation.complete())
+    gone = asyncio.ensure_future(_disconnect(receive))
+    try:
+        await asyncio.wait({answer, gone}, return_when=asyncio.FIRST_COMPLETED)
+    except asyncio.CancelledError:
+        answer.cancel()
+        with contextlib.suppress(asyncio.CancelledError, Exception):
+            await answer  # recorded, as aborted
+        raise
+    finally:
+        gone.cancel()
+    if not answer.done():
+        generation.client_left()
+        answer.cancel()
+        with contextlib.suppress(asyncio.CancelledError, Exception):
+            await answer
+        return Response(status_code=499)  # nobody reads it
+    return answer.result()
+
+
+async def _disconnect(receive: Receive) -> None:
+    """Returns when the client has gone (the request's body has been read already)."""
+    while (await receive())["type"] != "http.disconnect":
+        pass

@@ -15,7 +15,7 @@ from __future__ import annotations
 import uuid
 from typing import Any
 
-from fastapi import FastAPI, Request
+from fastapi import FastAPI, Request, Response
 
 from bus import SESSION_EVENT_SUBJECT, SessionEvent
 from config.schema import ServeConfig
@@ -70,17 +70,17 @@ def create_gateway(pool: EnginePool, tokenizer: Any, recorder: Recorder, model_n
         }
 
     @app.post("/v1/chat/completions")
-    async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any:
+    async def chat_completions(body: ChatCompletionRequest, request: Request, response: Response) -> Any:
         session = session_of(request.headers, body.metadata, body.user)
-        return await answerer.answer(body, session, *await prompts.chat(body, session))
+        return await answerer.answer(request, response.headers, body, session, *await prompts.chat(body, session))
 
     @app.post("/v1/completions")
-    async def completions(body: CompletionRequest, request: Request) -> Any:
+    async def completions(body: CompletionRequest, request: Request, response: Response) -> Any:
         session = session_of(request.headers, body.metadata, body.user)
-        return await answerer.answer(body, session, *await prompts.completion(body, session))
+        return await answerer.answer(request, response.headers, body, session, *await prompts.completion(body, session))
 
     @app.post("/v1/responses")
-    async def responses(body: ResponsesRequest, request: Request) -> Any:
+    async def responses(body: ResponsesRequest, request: Request, response: Response) -> Any:
         previous = None
         if body.previous_response_id is not None:
             previous = stored_responses.get(body.previous_response_id)
@@ -94,7 +94,7 @@ def create_gateway(pool: EnginePool, tokenizer: Any, recorder: Recorder, model_n
         history = previous.conversation if previous else []
         chat = translated(lambda: body.to_chat(history))
         wire = ResponsesWire(body, stored_responses, response_id, session.session_id, history)
-        return await answerer.answer(chat, session, *await prompts.chat(chat, session), wire=wire)
+        return await answerer.answer(request, response.headers, chat, session, *await prompts.chat(chat, session), wire=wire)
 
     @app.get("/v1/responses/{response_id}")
     async def stored_response(response_id: str) -> dict[str, Any]:
@@ -104,11 +104,12 @@ def create_gateway(pool: EnginePool, tokenizer: Any, recorder: Recorder, model_n
         return stored.response
 
     @app.post("/v1/messages")
-    async def messages(body: MessagesRequest, request: Request) -> Any:
+    async def messages(body: MessagesRequest, request: Request, response: Response) -> Any:
         conversation = request.headers.get("x-claude-code-session-id") or body.session_hint()
         session = session_of(request.headers, None, None, conversation)
         chat = translated(body.to_chat)
-        return await answerer.answer(chat, session, *await prompts.chat(chat, session), wire=MessagesWire(body.stop_sequences))
+        return await answerer.answer(request, response.headers, chat, session, *await prompts.chat(chat, session),
+                                     wire=MessagesWire(body.stop_sequences))
 
     @app.post("/v1/messages/count_tokens")
     async def count_tokens(body: CountTokensRequest) -> dict[str, int]:
@@ -129,6 +130,7 @@ def create_gateway(pool: EnginePool, tokenizer: Any, recorder: Recorder, model_n
             kind=kind,
             reward=feedback.reward if feedback else None,
             turn_index=feedback.turn_index if feedback else None,
+            interaction_id=feedback.interaction_id if feedback else None,
             text=feedback.text if feedback else None,
             source=feedback.source if feedback else "user",
             details=feedback.details if feedback else None,

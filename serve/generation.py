@@ -120,6 +120,12 @@ class Generation:
         await self._record_durably()
         return self.wire.answer(self)
 
+    def client_left(self) -> None:
+        """The client went away before its answer was ready: its unfinished choices are recorded
+        as `client_disconnected` when the cancelled generation records them."""
+        for choice in self.choices:
+            choice.disconnected = choice.finish is None
+
     def version(self) -> int:
         """The weight version of the answer: its newest token's (the engine's before any)."""
         versions = [c.version for c in self.choices if c.version is not None]
@@ -232,8 +238,7 @@ class Generation:
                 tail += self.wire.finish(self)
             yield head + await self._durable_end(tail)
         except (GeneratorExit, asyncio.CancelledError):  # the client went away
-            for choice in self.choices:
-                choice.disconnected = choice.finish is None
+            self.client_left()
             raise
         finally:
             waiting = False

@@ -139,23 +139,26 @@ def test_late_feedback_is_counted_not_applied_and_acknowledged():
     assert tracker.counts["late_feedback"] == 1 and tracker.open_sessions == 0
 
 
-def test_turn_limit_emits_and_later_turns_form_the_next_trajectory():
+def test_turn_limit_cuts_and_later_turns_form_the_next_trajectory_emitted_together():
     tracker = SessionTracker(CollectConfig(max_turns=2, feedback_grace_s=0))
     assert tracker.add(turn("a", index=0, prompt=[1], output=[2]), 1) == []
-    [first] = tracker.add(turn("b", index=1, prompt=[1, 2, 3], output=[4]), 2)
-    assert first.trajectory.close_reason == "limit" and [t.id for t in first.trajectory.turns] == ["a", "b"]
-    [second] = tracker.add(turn("c", index=2, prompt=[1, 2, 3, 4, 5], output=[6], session_done=True), 3)
-    assert [t.id for t in second.trajectory.turns] == ["c"] and second.trajectory.id != first.trajectory.id
-    assert second.trajectory.segments[0].loss_mask == [0, 0, 0, 0, 0, 1]
-    assert tracker.counts["limit"] == 1
+    assert tracker.add(turn("b", index=1, prompt=[1, 2, 3], output=[4]), 2) == []  # cut here, held
+    [closed] = tracker.add(turn("c", index=2, prompt=[1, 2, 3, 4, 5], output=[6], session_done=True), 3)
+    first, second = closed.trajectories
+    assert first.close_reason == "limit" and [t.id for t in first.turns] == ["a", "b"]
+    assert [t.id for t in second.turns] == ["c"] and second.id != first.id and second.close_reason == "done"
+    assert second.segments[0].loss_mask == [0, 0, 0, 0, 0, 1]
+    assert tracker.counts["limit"] == 1 and sorted(closed.handles) == [1, 2, 3]
 
 
 def test_token_limit_counts_stitched_tokens_not_the_sum_of_prompts():
     tracker = SessionTracker(CollectConfig(max_tokens=8, feedback_grace_s=0))
     assert tracker.add(turn("a", index=0, prompt=[1, 2], output=[3, 4]), 1) == []  # 4 tokens
     assert tracker.add(turn("b", index=1, prompt=[1, 2, 3, 4, 5], output=[6]), 2) == []  # 6 stitched, bound 10
-    [closed] = tracker.add(turn("c", index=2, prompt=[1, 2, 3, 4, 5, 6, 7], output=[8]), 3)  # 8 stitched
-    assert closed.trajectory.close_reason == "limit" and len(closed.trajectory.turns) == 3
+    assert tracker.add(turn("c", index=2, prompt=[1, 2, 3, 4, 5, 6, 7], output=[8]), 3) == []  # 8 stitched: cut
+    [closed] = tracker.add(SessionEvent(id="e", session_id="s", kind="end"), 4)
+    assert [t.close_reason for t in closed.trajectories] == ["limit"] and len(closed.trajectory.turns) == 3
+    assert tracker.counts["limit"] == 1
 
 
 def test_next_state_is_what_followed_each_turn_including_parallel_tool_results():

@@ -66,12 +66,15 @@ def test_running_stats_match_the_textbook_mean_and_standard_deviation():
 
 
 def test_normaliser_centres_during_warm_up_then_standardises_per_key():
+    """Against the scores before it, never its own (issue 23: counted in its own baseline, a
+    score was pulled toward 0 by an amount that depended on the order of arrival)."""
     normalise = Normalizer(warmup=3)
-    assert normalise("k", 5.0) == 0.0  # the first score of a key
-    assert normalise("k", 7.0) == pytest.approx(7.0 - 6.0)  # warm-up: centred only
+    assert normalise("k", 5.0) == 0.0  # the first score of a key: nothing to compare with
+    assert normalise("k", 7.0) == pytest.approx(7.0 - 5.0)  # warm-up: centred only
     assert normalise("other", 100.0) == 0.0  # keys are separate
-    third = normalise("k", 9.0)
-    assert third == pytest.approx((9.0 - 7.0) / statistics.stdev([5.0, 7.0, 9.0]))
+    assert normalise("k", 9.0) == pytest.approx(9.0 - 6.0)
+    fourth = normalise("k", 11.0)
+    assert fourth == pytest.approx((11.0 - 7.0) / statistics.stdev([5.0, 7.0, 9.0]))
     flat = Normalizer(warmup=2)
     assert [flat("f", 1.0) for _ in range(3)] == [0.0, 0.0, 0.0]  # no variation: zeros, not infinities
 
@@ -90,8 +93,8 @@ async def test_composite_from_config_normalises_per_task_and_turn_index(tmp_path
     other_task = await judge.score(conversation("o", ["p", "q"], task_id="U", feedback=[fb(0.9, turn_index=0)]))
     await judge.close()
     assert rewards[0].turn_rewards == [0.0, 0.0]
-    assert rewards[1].turn_rewards == [pytest.approx(2 * 0.5 / statistics.stdev([0, 1])), pytest.approx(2 * -0.5 / statistics.stdev([1, 0]))]
-    assert rewards[2].turn_rewards == [pytest.approx(0.0), pytest.approx(0.0)]
+    assert rewards[1].turn_rewards == [pytest.approx(2 * (1.0 - 0.0)), pytest.approx(2 * (0.0 - 1.0))]  # warm-up
+    assert rewards[2].turn_rewards == [pytest.approx(2 * (0.5 - 0.5) / statistics.stdev([0, 1])), pytest.approx(0.0)]
     assert other_task.turn_rewards == [0.0, 0.0] and other_task.reward == 0.0  # a new task starts its own statistics
     assert rewards[1].details["components"]["0:rule"]["turn_rewards"] == [1.0, 0.0]
 

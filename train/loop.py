@@ -214,6 +214,8 @@ class TrainLoop(ConsumerLoop):
             "n_samples": batch.n_samples,
             "n_groups": len(groups),
             "turns_mean": batch.turns_mean,
+            "threads_mean": batch.threads_mean,
+            "attribution": batch.attribution,
             "excluded_tokens": dict(batch.excluded),
             **self.counts,
             **self.batcher.counts,

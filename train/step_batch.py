@@ -1,6 +1,7 @@
 """One training step's input: whole task groups turned into advantages, rows and minibatches.
 
-Advantages are normalised within each group (`train/advantages.py`); each sample's segments
+Advantages are normalised within each group, and per-turn rewards per step of the group
+(`train.turn_reward_norm`; `train/advantages.py`); each sample's segments
 become rows with per-token advantages, sampling temperatures and the loss mask without the
 tokens that cannot be trained (`train/sampled.py`); the samples are split into
 `actor.ppo_n_minibatches` minibatches of about equal tokens, each packed (or padded) into
@@ -13,10 +14,22 @@ from collections import Counter
 from statistics import fmean
 
 from config import FlywheelConfig
-from train.advantages import RunningBaseline, group_advantages, token_advantages
+from train.advantages import RunningBaseline, group_advantages, group_turn_rewards, token_advantages
 from train.grouping import Group
 from train.packing import MicroBatch, Row, micro_batches, split_minibatches
 from train.sampled import segment_sampling
+
+
+def attribution(samples: list) -> dict[str, int]:
+    """What the collector left out of these samples' trajectories, or kept out of their loss:
+    retry orphans, turns the client never used, masked tokens by reason (collect/threads.py)."""
+    counts: Counter[str] = Counter()
+    for sample in samples:
+        trajectory = sample.trajectory
+        counts["retry_orphans"] += trajectory.retry_orphans
+        counts["unused_turns"] += trajectory.unused_turns
+        counts.update({f"{why}_tokens": n for why, n in trajectory.masked_tokens.items()})
+    return dict(counts)
 
 
 class StepBatch:
@@ -27,13 +40,19 @@ class StepBatch:
         rewards = [s.reward for s in samples]
         self.reward_mean = fmean(rewards)
         self.turns_mean = fmean(len(s.trajectory.turns) for s in samples)
+        self.threads_mean = fmean(len(set(s.trajectory.threads)) or 1 for s in samples)
+        self.attribution = attribution(samples)
         self.oldest_versions = [s.trajectory.oldest_version for s in samples]
         self.excluded: Counter[str] = Counter()
         train = config.train
         advantages = group_advantages(rewards, keys, baseline)
+        turn_rewards = [s.turn_rewards for s in samples]
+        if train.turn_reward_norm == "group" and train.turn_reward_coef:
+            turn_rewards = [r for g in groups for r in (group_turn_rewards(g.samples) if len(g.samples) > 1
+                                                       else [s.turn_rewards for s in g.samples])]
         per_sample: list[list[Row]] = []
-        for sample, advantage in zip(samples, advantages):
-            values = token_advantages(sample, advantage, train.turn_reward_coef, train.turn_discount)
+        for sample, advantage, rewards_of_turns in zip(samples, advantages, turn_rewards):
+            values = token_advantages(sample, advantage, train.turn_reward_coef, train.turn_discount, rewards_of_turns)
             sampling = segment_sampling(sample.trajectory, self.excluded, config.model)
             per_sample.append([
                 Row(segment, adv, s.temperatures, s.loss_mask, s.grammar)

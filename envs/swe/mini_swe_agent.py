@@ -35,7 +35,7 @@ from pathlib import Path
 from typing import Any
 
 from envs.sandbox.base import Sandbox
-from envs.swe.agent import SUBMIT_MARKER, submission
+from envs.swe.agent import submission
 
 
 class _LocalSubmitted(Exception):

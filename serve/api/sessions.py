@@ -69,8 +69,11 @@ class FeedbackRequest(Body):
     """Body of `POST /v1/sessions/{id}/feedback` (strict, and valid Unicode throughout)."""
 
     reward: float | None = Field(None, allow_inf_nan=False)
+    interaction_id: str | None = Field(None, min_length=1, max_length=256)
+    """The turn the feedback is about, by the id its answer carried in `X-Interaction-Id`."""
     turn_index: int | None = Field(None, ge=0, le=INT64_MAX)
-    """The turn the feedback is about; omitted means the whole session."""
+    """The turn of the session's first conversation with this many assistant messages before it
+    (a shorthand for a plain chat); without either, the feedback is about the whole session."""
     text: str | None = None
     source: str = Field("user", min_length=1, max_length=64)
     details: dict[str, Any] | None = None
@@ -90,4 +93,6 @@ class FeedbackRequest(Body):
     def _says_something(self) -> "FeedbackRequest":
         if self.reward is None and not self.text:
             raise ValueError("feedback needs a reward or a text")
+        if self.interaction_id is not None and self.turn_index is not None:
+            raise ValueError("name the turn by interaction_id or by turn_index, not both")
         return self

@@ -29,9 +29,10 @@ DONE = b"data: [DONE]\n\n"
 
 
 class EventStreamResponse(StreamingResponse):
-    def __init__(self, events: AsyncIterator[bytes], on_close: Callable[[], None] | None = None):
+    def __init__(self, events: AsyncIterator[bytes], on_close: Callable[[], None] | None = None,
+                 headers: dict[str, str] | None = None):
         super().__init__(events, media_type="text/event-stream",
-                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no", **(headers or {})})
         self._events = events
         self._on_close = on_close
 
