@@ -19,7 +19,8 @@ import pytest
 
 from envs.sandbox import SandboxSpec, make_backend
 from envs.sandbox.workdirs import new_workdir
-from envs.swe.mini_swe_agent import SUBMIT_MARKER, MiniSweAgentEnvironment, submitted_class
+from envs.swe.agent import SUBMIT_MARKER
+from envs.swe.mini_swe_agent import MiniSweAgentEnvironment, submitted_class
 
 # Slots of their own (uid 10060, 10061): other tests sandbox 0, 1, 700+ and 800+, the benchmark 40.
 SLOT = 60
