@@ -240,10 +240,15 @@ class Sample(Record, kw_only=True):
     """Which judge produced the reward, e.g. `rule`."""
     details: dict[str, Any] = msgspec.field(default_factory=dict)
     """What the judge saw and decided, for people: e.g. each component's scores, the votes."""
+    teacher_logprobs: list[Float64s] = msgspec.field(default_factory=list)
+    """Hint distillation: per segment of the trajectory (aligned with its tokens), a teacher's
+    log-probability of each sampled token of a turn that got a hint (the pinned model, told the
+    hint, scoring what the policy sampled); NaN elsewhere. Empty: no turn got a hint."""
 
     def __post_init__(self) -> None:
         if (self.trajectory is None) == (self.trajectory_seq is None):
             raise ValueError("a Sample needs exactly one of `trajectory` and `trajectory_seq`")
+        self.teacher_logprobs = [Float64s.coerce(values) for values in self.teacher_logprobs]
 
 
 class Unscored(Record, kw_only=True):

@@ -286,6 +286,13 @@ class TrainConfig(Section):
     [0, 1] would push every turn up)."""
     turn_discount: float = Field(1.0, ge=0.0, le=1.0)
     """γ: per-turn rewards reach earlier turns of the same conversation discounted by γ per turn."""
+    rl_coef: float = Field(1.0, ge=0.0)
+    """w_rl: the weight of the RL advantage in each token's advantage (train/distill.py)."""
+    opd_coef: float = Field(1.0, ge=0.0)
+    """w_opd: the weight of hint distillation, clip(log π_teacher − log π_student, ±opd_clip), on
+    tokens a teacher scored (`Sample.teacher_logprobs`); 0 turns it off."""
+    opd_clip: float = Field(2.0, gt=0.0)
+    """c: the teacher − student log-probability difference is clipped to [−c, c] (nats)."""
     turn_reward_norm: Literal["group", "none"] = "group"
     """`group`: a task group's per-turn rewards are normalised among the members' rewards for the
     same step, (r − mean) / std, like outcomes (OpenClaw-RL v2's per (task, step) normalisation;

@@ -188,3 +188,27 @@ async def test_gateway_over_two_http_engines_with_a_rolling_swap(nats_url, bus, 
         for app, engine in zip(apps, engines):
             await app.__aexit__()
             engine.stop()
+
+
+async def test_a_prefill_only_request_scores_the_tokens_it_is_given_as_sglang_does(engine_url):
+    """SGLang's prefill-only scoring (`max_new_tokens: 0`, `return_logprob`, `logprob_start_len`):
+    `input_token_logprobs` from that position, [logprob, id, null], the first null, nothing
+    generated. A teacher scores what a policy sampled this way (hint distillation), so the scores
+    of a continuation must equal the log-probabilities the engine recorded when it sampled it."""
+    url, _ = engine_url
+    prompt = [5, 9, 13, 21, 34]
+    sampling = {"max_new_tokens": 12, "temperature": 0.8, "ignore_eos": True, "sampling_seed": 3}
+    async with httpx.AsyncClient(base_url=url, timeout=60) as http:
+        sampled = (await http.post("/generate", json={"input_ids": prompt, "sampling_params": sampling,
+                                                      "return_logprob": True})).json()
+        ids = prompt + sampled["output_ids"]
+        start = len(prompt) - 1
+        scored = (await http.post("/generate", json={
+            "input_ids": ids, "sampling_params": {"max_new_tokens": 0, "temperature": 0.8},
+            "return_logprob": True, "logprob_start_len": start})).json()
+    assert scored["output_ids"] == [] and scored["meta_info"]["finish_reason"] == {"type": "length", "length": 0}
+    entries = scored["meta_info"]["input_token_logprobs"]
+    assert len(entries) == len(ids) - start and [e[1] for e in entries] == ids[start:] and all(e[2] is None for e in entries)
+    assert entries[0][0] is None
+    recorded = [e[0] for e in sampled["meta_info"]["output_token_logprobs"]]
+    assert [e[0] for e in entries[1:]] == pytest.approx(recorded, abs=1e-4)

@@ -215,6 +215,7 @@ class TrainLoop(ConsumerLoop):
             "n_groups": len(groups),
             "turns_mean": batch.turns_mean,
             "threads_mean": batch.threads_mean,
+            "hinted_turn_share": batch.hinted_turns / batch.turns if batch.turns else 0.0,
             "attribution": batch.attribution,
             "excluded_tokens": dict(batch.excluded),
             **self.counts,

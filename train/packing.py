@@ -64,6 +64,8 @@ class Row:
     temperatures: list[float] | None = None
     loss_mask: list[int] | None = None
     grammar: GrammarMasks | None = None
+    teacher_logprobs: array.array | None = None
+    """A teacher's log-probability of each token (NaN where it gave none): hint distillation."""
 
     def __len__(self) -> int:
         return len(self.segment.token_ids)
@@ -81,6 +83,7 @@ class MicroBatch:
     advantages: torch.Tensor  # [rows, T] float
     grammar_at: torch.Tensor  # [n, 2] long: (row, column) of each loss token drawn under a grammar
     grammar_allowed: torch.Tensor  # [n, words] int32: the bitmask of the tokens allowed there
+    teacher_logp: torch.Tensor  # [rows, T] float, NaN where no teacher scored the token
     real_tokens: int
     """Tokens that belong to a segment (the rest is padding)."""
 
@@ -102,6 +105,7 @@ def _tensors(lines: list[list[Row]], width: int, pad_id: int, packed: bool) -> M
         advantages=torch.zeros(shape),
         grammar_at=torch.zeros((0, 2), dtype=torch.long),
         grammar_allowed=torch.zeros((0, 0), dtype=torch.int32),
+        teacher_logp=torch.full(shape, float("nan")),
         real_tokens=sum(len(row) for line in lines for row in line),
     )
     grammar_at: list[tuple[int, int]] = []
@@ -118,6 +122,8 @@ def _tensors(lines: list[list[Row]], width: int, pad_id: int, packed: bool) -> M
             batch.behav_logp[i, at:end] = as_tensor(seg.logprobs)
             batch.versions[i, at:end] = as_tensor(seg.versions)
             batch.advantages[i, at:end] = torch.tensor(row.advantages)
+            if row.teacher_logprobs is not None:
+                batch.teacher_logp[i, at:end] = as_tensor(row.teacher_logprobs)
             if batch.attention_mask is not None:
                 batch.attention_mask[i, at:end] = 1
             if row.grammar is not None:

@@ -10,6 +10,7 @@ micro-batches of at most `train.micro_batch_tokens`.
 
 from __future__ import annotations
 
+import math
 from collections import Counter
 from statistics import fmean
 
@@ -32,6 +33,15 @@ def attribution(samples: list) -> dict[str, int]:
     return dict(counts)
 
 
+def hinted_turns(sample) -> int:
+    """How many of a sample's turns a teacher scored (a hint reached them)."""
+    if not sample.teacher_logprobs:
+        return 0
+    return sum(any(not math.isnan(v) for v in teacher[start:end])
+               for segment, teacher in zip(sample.trajectory.segments, sample.teacher_logprobs)
+               for _, start, end in segment.turn_spans)
+
+
 class StepBatch:
     def __init__(self, groups: list[Group], config: FlywheelConfig, baseline: RunningBaseline, pad_id: int):
         samples = [s for g in groups for s in g.samples]
@@ -42,6 +52,8 @@ class StepBatch:
         self.turns_mean = fmean(len(s.trajectory.turns) for s in samples)
         self.threads_mean = fmean(len(set(s.trajectory.threads)) or 1 for s in samples)
         self.attribution = attribution(samples)
+        self.hinted_turns = sum(hinted_turns(s) for s in samples)
+        self.turns = sum(len(s.trajectory.turns) for s in samples)
         self.oldest_versions = [s.trajectory.oldest_version for s in samples]
         self.excluded: Counter[str] = Counter()
         train = config.train
@@ -53,10 +65,13 @@ class StepBatch:
         per_sample: list[list[Row]] = []
         for sample, advantage, rewards_of_turns in zip(samples, advantages, turn_rewards):
             values = token_advantages(sample, advantage, train.turn_reward_coef, train.turn_discount, rewards_of_turns)
+            if train.rl_coef != 1.0:
+                values = [[train.rl_coef * v for v in segment] for segment in values]
             sampling = segment_sampling(sample.trajectory, self.excluded, config.model)
+            teachers = sample.teacher_logprobs or [None] * len(sample.trajectory.segments)
             per_sample.append([
-                Row(segment, adv, s.temperatures, s.loss_mask, s.grammar)
-                for segment, adv, s in zip(sample.trajectory.segments, values, sampling)
+                Row(segment, adv, s.temperatures, s.loss_mask, s.grammar, teacher)
+                for segment, adv, s, teacher in zip(sample.trajectory.segments, values, sampling, teachers)
             ])
         self.minibatches: list[list[MicroBatch]] = [
             micro_batches(rows, train.micro_batch_tokens, pad_id, train.packing)

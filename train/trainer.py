@@ -36,6 +36,7 @@ import torch
 
 from config.schema import ActorConfig, TrainConfig
 from models.grammar import allowed_tokens
+from train.distill import DistillStats, add_distillation
 from train.fsdp import shard
 from train.loss import LossStats, decoupled_ppo_loss, k3_kl
 from train.packing import MicroBatch
@@ -74,6 +75,7 @@ def _entropy(logp: torch.Tensor) -> float:
 class Trainer:
     def __init__(self, model: torch.nn.Module, actor: ActorConfig, train: TrainConfig):
         self.actor = actor
+        self.train = train
         self.device = torch.device(train.device)
         model.set_attn_implementation(train.attn_implementation)
         self.model = model.to(self.device)
@@ -132,6 +134,11 @@ class Trainer:
         self.model.eval()  # dropout off, as the engine samples; gradients flow all the same
         minibatches = [[self._to_device(b) for b in minibatch] for minibatch in minibatches if minibatch]
         prox, gap = self._proximal(minibatches, version)
+        distilled = DistillStats()
+        for minibatch, minibatch_prox in zip(minibatches, prox):
+            for batch, prox_logp in zip(minibatch, minibatch_prox):
+                student = batch.behav_logp if prox_logp is None else prox_logp
+                add_distillation(batch, student, self.train.opd_coef, self.train.opd_clip, distilled)
         stats: LossStats | None = None
         loss_sum = kl_sum = entropy_sum = grad_norm_sum = 0.0
         for minibatch, minibatch_prox in zip(minibatches, prox):
@@ -176,6 +183,7 @@ class Trainer:
             "capped_fraction": stats.capped_fraction,
             "behav_logprob_gap": gap.mean,
             "behav_logprob_gap_max": gap.max,
+            **distilled.metrics(),
             "gap_tokens": gap.tokens,
             "grammar_tokens": sum(int(b.grammar_at.shape[0]) for b in batches),
             "minibatches": n,

@@ -37,6 +37,7 @@ from serve.engine.batch import KVBatch, Prefill
 from serve.engine.grammar import Grammars, apply_grammars
 from serve.engine.request import GenerationResult, Request, RequestFailed, StreamError, TokenDelta, post_deltas, resolve
 from serve.engine.sampling import SamplingParams, sample
+from serve.engine.scoring import score_input
 
 log = logging.getLogger(__name__)
 
@@ -297,9 +298,12 @@ class Engine:
         now = time.monotonic()
         for request in new:
             request.started = request.started or now
-            if request.finish is not None:  # max_new_tokens=0: nothing to generate
+            score_input(self.model, request)
+            if request.error is not None:
+                self._fail(request, request.error)
+            elif request.finish is not None:  # max_new_tokens=0 (scoring only): nothing to generate
                 self._complete(request)
-        new = [r for r in new if r.finish is None]
+        new = [r for r in new if r.finish is None and r.error is None]
         if not new:
             return
         for rows, prefill in self._prefill(new):

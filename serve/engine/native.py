@@ -86,6 +86,10 @@ def to_response(result: GenerationResult, engine_version: str, return_logprob: b
     mixed = any(v != result.versions[0] for v in result.versions)
     meta = _meta(result.rid, len(result.prompt_ids), result.output_ids, result.logprobs, result.top_logprobs,
                  result.finish_reason, return_logprob, _version_meta(result.versions, 0, mixed, engine_version, spans))
+    if return_logprob:
+        scored = result.input_logprobs or []
+        first = len(result.prompt_ids) - len(scored)
+        meta["input_token_logprobs"] = [[lp, tid, None] for lp, tid in zip(scored, result.prompt_ids[first:])]
     meta.update(e2e_latency=result.total_s, queue_time=result.queued_s, first_token_latency=result.first_token_s)
     response: dict[str, Any] = {"text": result.text, "output_ids": result.output_ids, "meta_info": meta}
     if return_prompt_ids:
@@ -123,6 +127,9 @@ def _sampling(engine: Engine, body: dict[str, Any], i: int) -> SamplingParams:
     item = dict(item or {})
     if body.get("return_logprob") and body.get("top_logprobs_num"):
         item["top_logprobs_num"] = body["top_logprobs_num"]
+    start = body.get("logprob_start_len")
+    if body.get("return_logprob") and start is not None:
+        item["logprob_start_len"] = start[i] if isinstance(start, list) else start
     try:
         params = SamplingParams.from_dict(item)
         constraint = engine.grammars.constraint(params)

@@ -66,6 +66,8 @@ class GenerationResult:
     queued_s: float
     first_token_s: float
     total_s: float
+    input_logprobs: list[float | None] | None = None
+    """SGLang's `input_token_logprobs` values from `logprob_start_len` on, when asked for."""
 
 
 @dataclass
@@ -91,6 +93,8 @@ class Request:
     started: float = 0.0
     first_token: float = 0.0
     matcher: Any = None
+    input_logprobs: list[float | None] | None = None
+    """Filled at admission when the request asks for input log-probabilities."""
     """The grammar matcher of a constrained request (`serve.engine.grammar`), else None."""
 
     def __post_init__(self) -> None:
@@ -172,6 +176,7 @@ class Request:
             queued_s=started - self.arrived,
             first_token_s=(self.first_token or end) - self.arrived,
             total_s=end - self.arrived,
+            input_logprobs=self.input_logprobs,
         )
         return result
 

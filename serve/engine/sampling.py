@@ -40,6 +40,9 @@ class SamplingParams(msgspec.Struct, kw_only=True, forbid_unknown_fields=False):
     by a multiple of 2**64 draw the same tokens."""
     top_logprobs_num: int = 0
     """Also return this many most likely tokens (with logprobs) at each output position."""
+    logprob_start_len: int = -1
+    """Also return input token log-probabilities from this position (SGLang's top-level field,
+    carried here with `return_logprob`; -1: none; `serve/engine/scoring.py`)."""
     json_schema: str | None = None
     regex: str | None = None
     ebnf: str | None = None
@@ -62,6 +65,8 @@ class SamplingParams(msgspec.Struct, kw_only=True, forbid_unknown_fields=False):
             raise ValueError("sampling_params.min_new_tokens must be >= 0")
         if not 0 <= self.top_logprobs_num <= 20:
             raise ValueError("top_logprobs_num must be between 0 and 20")
+        if self.logprob_start_len < -1:
+            raise ValueError("logprob_start_len must be >= -1")
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any] | None) -> "SamplingParams":

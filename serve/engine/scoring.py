@@ -1,0 +1,46 @@
+"""Input token log-probabilities: how likely the model finds tokens it did not sample (SGLang's
+`return_logprob` with `logprob_start_len`, `input_token_logprobs`).
+
+A prefill-only request (`max_new_tokens: 0`) that asks for them scores a given continuation
+under a given context in one forward pass and generates nothing: how a teacher's log-probability
+of every token a policy sampled is obtained for on-policy distillation. The shape is SGLang's
+(`scheduler_output_processor_mixin`): entries for positions `logprob_start_len` .. n−1, entry j
+being log P(ids[start + j] | ids[:start + j]) at the request's temperature (as its output
+log-probabilities are), and entry 0 None (SGLang computes logits from `start` on, each predicting
+the next token, then prepends None and drops the prediction of the token after the last). So
+the log-probability of a token at position p needs `logprob_start_len` ≤ p − 1.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+
+log = logging.getLogger(__name__)
+
+
+def score_input(model: torch.nn.Module, request: Any) -> None:
+    """Fill `request.input_logprobs` if it asks for them (`logprob_start_len` >= 0); a failure
+    marks the request failed, and only it."""
+    start = request.params.logprob_start_len
+    if start < 0 or request.input_logprobs is not None:
+        return
+    try:
+        request.input_logprobs = input_logprobs(model, request.input_ids, start, request.params.temperature)
+    except Exception as exc:
+        log.exception("scoring the input of request %s failed", request.rid)
+        request.mark_failed(f"scoring its input raised: {exc}")
+
+
+def input_logprobs(model: torch.nn.Module, ids: list[int], start: int, temperature: float) -> list[float | None]:
+    """SGLang's `input_token_logprobs` values for `ids` from position `start` (see the module)."""
+    start = min(start, len(ids) - 1)
+    inputs = torch.tensor([ids], device=next(model.parameters()).device)
+    logits = model(input_ids=inputs, use_cache=False).logits[0, start:-1].float()
+    if temperature > 0:
+        logits = logits / temperature
+    targets = inputs[0, start + 1:].unsqueeze(1)
+    values = torch.log_softmax(logits, dim=-1).gather(1, targets).squeeze(1)
+    return [None, *values.tolist()]
