@@ -49,14 +49,23 @@ class PromptBuilder:
             tools = [tool.model_dump(exclude_none=True) for tool in body.tools]
         messages = adapt_messages([m.for_template() for m in body.messages], tools, self.renders_tools, self.renders_calls)
         try:
-            text = self.tokenizer.apply_chat_template(
-                messages, tools=tools if self.renders_tools else None, add_generation_prompt=True, tokenize=False
-            )
-        except Exception as exc:  # the template rejected this conversation
-            raise APIError(400, f"messages cannot be rendered by the chat template: {exc}", "messages") from None
+            text = self._render(messages, tools)
+        except Exception as exc:
+            merged = _system_first(messages)
+            if merged is None:  # the template rejected this conversation
+                raise APIError(400, f"messages cannot be rendered by the chat template: {exc}", "messages") from None
+            try:  # a template that takes one system message, first: the later ones join it
+                text = self._render(merged, tools)
+            except Exception:
+                raise APIError(400, f"messages cannot be rendered by the chat template: {exc}", "messages") from None
         forced = self.tool_format.forced_prefix(body.tool_choice) if tools else ""
         active = self.tool_format if tools else None
         return self.continuations.encode(session.session_id, text + forced), text + forced, forced, active
+
+    def _render(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None) -> str:
+        return self.tokenizer.apply_chat_template(
+            messages, tools=tools if self.renders_tools else None, add_generation_prompt=True, tokenize=False
+        )
 
     def _completion(self, body: CompletionRequest, session: SessionInfo) -> tuple[list[int], str | None]:
         if isinstance(body.prompt, str):
@@ -65,3 +74,18 @@ class PromptBuilder:
         if not all(0 <= t < vocab for t in body.prompt):
             raise APIError(400, f"prompt token ids must be in [0, {vocab})", "prompt")
         return list(body.prompt), None
+
+
+def _system_first(messages: list[dict[str, Any]]) -> list[dict[str, Any]] | None:
+    """The conversation with every system message after the first appended to the first (None
+    when there is no later one): what templates that take a single leading system message can
+    render. Appending keeps the history append-only as long as no new one arrives."""
+    later = [i for i, m in enumerate(messages) if m.get("role") == "system" and i > 0]
+    if not later:
+        return None
+    texts = [str(messages[i].get("content") or "") for i in later]
+    rest = [m for i, m in enumerate(messages) if i not in later]
+    if rest and rest[0].get("role") == "system":
+        first = {**rest[0], "content": "\n\n".join([str(rest[0].get("content") or ""), *texts])}
+        return [first, *rest[1:]]
+    return [{"role": "system", "content": "\n\n".join(texts)}, *rest]

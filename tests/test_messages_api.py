@@ -130,9 +130,13 @@ async def test_claude_code_requests_streamed_and_not(served_tools, bus):
     assert fallback.status_code == 200 and fallback.json()["type"] == "message"
     streamed, whole = await recorded(bus, 2)
     assert streamed.session_id == "cc-1" and whole.session_id == "from-metadata"
+    # A system message partway through stays where it stands: the history is append-only, so a
+    # later request of the conversation still continues this one (merged into the first system
+    # message, it split Claude Code's sub-agents into two conversations).
     assert whole.messages[0] == {"role": "system", "content": "x-anthropic-billing-header: cc_version=2.1.197;\n"
-                                                              "You are a Claude agent.\n\nAvailable agent types: general."}
-    assert [m["role"] for m in whole.messages] == ["system", "user"]
+                                                              "You are a Claude agent."}
+    assert whole.messages[2] == {"role": "system", "content": "Available agent types: general."}
+    assert [m["role"] for m in whole.messages] == ["system", "user", "system"]
     assert counted.json() == {"input_tokens": len(whole.prompt_ids)}
 
 

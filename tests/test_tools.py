@@ -113,3 +113,26 @@ def test_templates_without_tool_support_get_the_documented_format():
     assert messages[-1]["content"] == CALL and "tool_calls" not in messages[-1]
     rendered = smol.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
     assert "<tools>" in rendered and CALL in rendered
+
+
+async def test_system_messages_partway_through_stay_put_unless_the_template_takes_one_system_message():
+    """A system message after the first is rendered where it stands (the history stays
+    append-only); a template that refuses that gets it appended to the first system message."""
+    from serve.api.chat import ChatCompletionRequest
+    from serve.api.sessions import session_of
+    from serve.continuation import SessionContinuations
+    from serve.prompts import PromptBuilder
+
+    tokenizer = AutoTokenizer.from_pretrained(resolve_model("tiny"))
+    conversation = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hi"},
+                    {"role": "system", "content": "Agents: general."}]
+    body = ChatCompletionRequest(model="tiny", messages=conversation)
+    in_place = PromptBuilder(tokenizer, SessionContinuations(tokenizer, 0))
+    _, text, _, _ = await in_place.chat(body, session_of({}, None, None))
+    assert text.index("hi") < text.index("Agents: general.")
+    strict = AutoTokenizer.from_pretrained(resolve_model("tiny"))
+    strict.chat_template = ("{% for m in messages %}{% if m.role == 'system' and not loop.first %}"
+                            "{{ raise_exception('system messages must come first') }}{% endif %}"
+                            "{{ m.role }}: {{ m.content }}\n{% endfor %}assistant:")
+    _, merged, _, _ = await PromptBuilder(strict, SessionContinuations(strict, 0)).chat(body, session_of({}, None, None))
+    assert merged == "system: Be brief.\n\nAgents: general.\nuser: hi\nassistant:"

@@ -2,8 +2,14 @@
 conversation, served like any chat request (same template, tools, sampling, recording).
 
     system (text or text blocks)     the system message; blocks joined by a newline
-    messages: role "system"          appended to the system message (Claude Code sends one
-                                     after the first user message; Anthropic's API has no such role)
+    messages: role "system"          a system message where it stands (Claude Code's
+                                     `mid-conversation-system` beta sends them partway through a
+                                     conversation; Anthropic's public API has no such role). Kept
+                                     in place, the history stays append-only: merged into the
+                                     first system message, a later request's prompt no longer
+                                     extends an earlier one, and the conversation splits in two.
+                                     A template that refuses a system message after the first
+                                     gets them merged (`serve/prompts.py`)
               text blocks            the message's text
               tool_use               an assistant tool call (`input` as JSON arguments)
               tool_result            a tool message (before the user's text of the same message)
@@ -149,9 +155,7 @@ class MessagesRequest(Body):
 
     def system_text(self) -> str:
         parts = [self.system] if isinstance(self.system, str) else [block.text for block in self.system or []]
-        joined = "\n".join(parts)
-        extra = [m.text() for m in self.messages if m.role == "system"]
-        return "\n\n".join(part for part in [joined, *extra] if part)
+        return "\n".join(parts)
 
     def conversation(self) -> list[dict[str, Any]]:
         messages: list[dict[str, Any]] = []
@@ -160,6 +164,7 @@ class MessagesRequest(Body):
             messages.append({"role": "system", "content": system})
         for message in self.messages:
             if message.role == "system":
+                messages.append({"role": "system", "content": message.text()})
                 continue
             blocks = message.blocks()
             text = "".join(b.text for b in blocks if isinstance(b, TextBlock))
