@@ -1,5 +1,5 @@
-"""The judge's configuration (`judge.*`): which judge, and the settings of the `llm`, `model` and
-`composite` judges. Part of `config.schema.FlywheelConfig`; see docs/judges.md."""
+"""The judge's configuration (`judge.*`): which judge, and the settings of the `llm`, `model`,
+`next_state` and `composite` judges. Part of `config.schema.FlywheelConfig`; see docs/judges.md."""
 
 from __future__ import annotations
 
@@ -135,10 +135,19 @@ class RewardModelJudgeConfig(TurnJudgeConfig):
     """torch intra-op threads, set when the judge starts (process-wide: keep 1 beside an engine)."""
 
 
-class CompositeComponentConfig(Section):
-    """One judge inside a composite."""
+class NextStateJudgeConfig(Section):
+    """The `next_state` rule judge: each turn classified from what followed it (no judge model)."""
 
-    kind: Literal["rule", "llm", "model"]
+    retry_overlap: float = Field(0.6, gt=0.0, le=1.0)
+    """A user message restating the turn's own request is a retry: it shares at least this share
+    of the shorter message's content words with the request (and `retry_min_shared` words)."""
+    retry_min_shared: int = Field(2, ge=1)
+
+
+class CompositeComponentConfig(Section):
+    """One judge inside a composite (a `next_state` component uses `judge.next_state`)."""
+
+    kind: Literal["rule", "llm", "model", "next_state"]
     weight: float = 1.0
     required: bool = True
     """When false, a trajectory this component cannot score is scored by the others (the
@@ -160,13 +169,14 @@ class CompositeJudgeConfig(Section):
 
 
 class JudgeConfig(Section):
-    kind: Literal["rule", "llm", "model", "composite"] = "rule"
+    kind: Literal["rule", "llm", "model", "next_state", "composite"] = "rule"
     max_concurrency: int = Field(64, ge=1)
     """Trajectories being judged at once; the loop keeps fetching while they run."""
     deadline_s: float = Field(300.0, gt=0)
     """A trajectory not judged within this time is published as unscored."""
     llm: LLMJudgeConfig = LLMJudgeConfig()
     model: RewardModelJudgeConfig = RewardModelJudgeConfig()
+    next_state: NextStateJudgeConfig = NextStateJudgeConfig()
     composite: CompositeJudgeConfig = CompositeJudgeConfig()
 
     @model_validator(mode="after")

@@ -1,9 +1,10 @@
 """Building the configured judge (`judge.kind`) from the configuration.
 
-`rule`, `llm`, `model` and `composite` (whose components are built the same way, each from its
-own sub-config or the top-level `judge.llm` / `judge.model`). An `llm` judge without
-`base_url` talks to this deployment's serve loop (the URL in `run_dir/serve.url`), and without
-`model` asks for the served model; its API key is `api_key`, else the `api_key_env` variable.
+`rule`, `llm`, `model`, `next_state` and `composite` (whose components are built the same way,
+each from its own sub-config or the top-level `judge.llm` / `judge.model`; `next_state` from
+`judge.next_state`). An `llm` judge without `base_url` talks to this deployment's serve loop (the
+URL in `run_dir/serve.url`), and without `model` asks for the served model; its API key is
+`api_key`, else the `api_key_env` variable.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from config.judge import CompositeComponentConfig, LLMJudgeConfig
 from judge.base import Judge
 from judge.composite import Component, CompositeJudge
 from judge.llm import LLMJudge
+from judge.next_state import NextStateJudge
 from judge.normalize import Normalizer
 from judge.rule import RuleJudge
 
@@ -36,6 +38,8 @@ def _build_component(config: FlywheelConfig, component: CompositeComponentConfig
         return RuleJudge()
     if component.kind == "llm":
         return _build_llm(config, component.llm or config.judge.llm)
+    if component.kind == "next_state":
+        return NextStateJudge(config.judge.next_state)
     from judge.reward_model import RewardModelJudge  # imports torch only when asked for
 
     return RewardModelJudge(component.model or config.judge.model)
