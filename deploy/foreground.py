@@ -2,14 +2,20 @@
 
 Start the deployment (with a spinner), show its progress (a live table on a terminal, a plain
 line per refresh elsewhere) until `done` says so or Ctrl-C / SIGTERM arrives, then stop it,
-leaving no process behind. SIGTERM is turned into KeyboardInterrupt so that both end the same
-way: starting Ray installs a handler of its own, so ours is installed again once it is up.
+leaving no process behind.
+
+A signal only asks to stop (it sets an event the progress loop waits on); it does not raise into
+whatever the main thread is doing. Raised as KeyboardInterrupt, a Ctrl-C that landed inside
+`ray.get` (the stats call, every refresh) came back from Ray as an ordinary error of that call,
+was reported as a loop's error, and the deployment went on running (seen under load, where the
+stats calls take longer). Starting Ray installs a SIGTERM handler of its own, so ours is
+installed again once the deployment is up.
 """
 
 from __future__ import annotations
 
 import signal
-import time
+import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -22,10 +28,6 @@ from deploy.progress import progress_line, progress_table
 Stats = dict[str, dict[str, Any]]
 
 
-def _raise_interrupt(*_: object) -> None:
-    raise KeyboardInterrupt
-
-
 def run_in_foreground(
     deployment: Deployment,
     console: Console,
@@ -34,29 +36,39 @@ def run_in_foreground(
     done: Callable[[Stats], bool] = lambda stats: False,
     on_started: Callable[[], None] = lambda: None,
 ) -> Stats:
-    """Start `deployment`, show `view` of its stats until `done` (or an interrupt), stop it.
-    Returns the last stats seen (empty if it never came up)."""
-    signal.signal(signal.SIGTERM, _raise_interrupt)
+    """Start `deployment`, show `view` of its stats until `done` (or a signal), stop it. Returns
+    the last stats seen (empty if it never came up)."""
+    stopping = threading.Event()
+
+    def ask_to_stop(*_: object) -> None:
+        stopping.set()
+
+    def listen() -> None:
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, ask_to_stop)
+
+    listen()
     stats: Stats = {}
     try:
         with console.status("starting the bus, Ray and the loops..."):
             deployment.start()
-        signal.signal(signal.SIGTERM, _raise_interrupt)  # again: starting Ray installed its own handler
-        on_started()
-        stats = deployment.stats()
+        listen()  # again: starting Ray installed its own SIGTERM handler
+        if not stopping.is_set():
+            on_started()
+            stats = deployment.stats()
         if console.is_terminal:
             with Live(view(stats), console=console, refresh_per_second=4) as live:
-                while not done(stats):
-                    time.sleep(refresh_s)
+                while not (stopping.is_set() or done(stats)):
+                    stopping.wait(refresh_s)
                     stats = deployment.stats()
                     live.update(view(stats))
         else:
-            while not done(stats):
-                time.sleep(refresh_s)
+            while not (stopping.is_set() or done(stats)):
+                stopping.wait(refresh_s)
                 stats = deployment.stats()
                 print(progress_line(stats), flush=True)
-    except KeyboardInterrupt:
-        console.print("stopping...")
+        if stopping.is_set():
+            console.print("stopping...")
     finally:
         deployment.stop()
     return stats

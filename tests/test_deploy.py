@@ -146,3 +146,40 @@ def test_up_joins_an_existing_cluster_and_leaves_it_running(tmp_path):
         _, alive = psutil.wait_procs(ours, timeout=20)
         for process in alive:
             process.kill()
+
+
+def test_a_signal_that_lands_inside_a_stats_call_still_stops_the_deployment():
+    """Ctrl-C raised as KeyboardInterrupt inside `ray.get` (the stats call of every refresh) came
+    back from Ray as that call's error: the progress went on and nothing stopped (test_deploy's
+    Ctrl-C test timed out under load). A signal now only asks to stop."""
+    import os
+
+    from rich.console import Console
+
+    from deploy.foreground import run_in_foreground
+
+    class SwallowingDeployment:  # what Ray did with the interrupt, around a real signal
+        def __init__(self):
+            self.calls, self.stopped = 0, False
+
+        def start(self):
+            return self
+
+        def stats(self):
+            self.calls += 1
+            if self.calls == 2:
+                try:
+                    os.kill(os.getpid(), signal.SIGINT)
+                    time.sleep(1.0)  # the interrupt arrives while "Ray" waits
+                except KeyboardInterrupt:
+                    return {"train": {"error": "interrupted"}}
+            return {"train": {"version": self.calls}}
+
+        def stop(self):
+            self.stopped = True
+
+    deployment = SwallowingDeployment()
+    stats = run_in_foreground(deployment, Console(file=open(os.devnull, "w")), refresh_s=0.01,
+                              done=lambda stats: deployment.calls > 50)
+    assert deployment.stopped and deployment.calls <= 3, deployment.calls
+    assert stats["train"] in ({"error": "interrupted"}, {"version": 2}, {"version": 3})
