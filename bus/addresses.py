@@ -1,8 +1,9 @@
 """Where a run's parts say where they are: one file per address in the run directory.
 
 `bus.url` (written by whoever starts the bus: `start_bus`) is how `python -m bus.tail` and other
-operators' tools find the bus; `serve.url` (written by the serve loop once it listens) is how an
-`llm` judge with no `judge.llm.base_url` finds this deployment's endpoint.
+operators' tools find the bus; `serve.url` (written by the serve loop once it listens) is this deployment's endpoint;
+`judge.url` (written by a `serve.role: judge` server) is the judge's own server, whose weights do
+not move, which an `llm` judge and the hint teacher use.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from pathlib import Path
 
 BUS = "bus.url"
 SERVE = "serve.url"
+JUDGE = "judge.url"
 
 
 def write_address(run_dir: str | Path, name: str, url: str) -> None:

@@ -238,6 +238,9 @@ class Sample(Record, kw_only=True):
     """Optional per-turn rewards, aligned with `trajectory.turns`."""
     judge: str
     """Which judge produced the reward, e.g. `rule`."""
+    judge_model: str | None = None
+    """The model behind the scores, when a model judged: its name, where, and which weights
+    (e.g. `tiny at http://127.0.0.1:41234/v1, weights v0`)."""
     details: dict[str, Any] = msgspec.field(default_factory=dict)
     """What the judge saw and decided, for people: e.g. each component's scores, the votes."""
     teacher_logprobs: list[Float64s] = msgspec.field(default_factory=list)

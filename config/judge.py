@@ -48,9 +48,14 @@ class TurnJudgeConfig(Section):
 class LLMJudgeConfig(TurnJudgeConfig):
     """An LLM as judge behind any OpenAI-compatible endpoint (see docs/judges.md)."""
 
+    source: Literal["pinned", "policy"] = "pinned"
+    """Which model judges when `base_url` is not set. `pinned` (default): the judge's own server
+    (`run_dir/judge.url`, started by `deploy` with the weights in `judge.weights`), whose weights
+    do not move while the policy learns. `policy`: this deployment's serve loop, the policy being
+    trained: its scores move as it learns (and a policy grading itself can learn to please
+    itself); for comparisons only."""
     base_url: str | None = None
-    """The endpoint's base URL (ending in `/v1`); None: this deployment's serve loop (the URL
-    it wrote to `run_dir/serve.url`)."""
+    """Any OpenAI-compatible endpoint's base URL (ending in `/v1`); set, it is the judge."""
     api_key: str | None = None
     """The key sent as `Authorization: Bearer`; None: read from the `api_key_env` variable."""
     api_key_env: str = "FLYWHEEL_JUDGE_API_KEY"
@@ -168,6 +173,19 @@ class CompositeJudgeConfig(Section):
     until then they are only centred on the running mean."""
 
 
+class TeacherConfig(Section):
+    """Hint distillation (`judge/teacher.py`): the pinned model, told a turn's hint, scores the
+    tokens the policy sampled in that turn; the trainer moves the policy toward it."""
+
+    enabled: bool = True
+    """Score hinted turns (feedback text, a correction in the user's words). Needs the judge's
+    server (`deploy` starts it); without one, samples go out without teacher log-probs."""
+    hint_template: str = "\n\n[The user's feedback, how to do better: $hint]"
+    """How a hint is appended to the last user message of the turn's request (`string.Template`,
+    $hint)."""
+    max_hint_chars: int = Field(600, ge=10)
+
+
 class JudgeConfig(Section):
     kind: Literal["rule", "llm", "model", "next_state", "composite"] = "rule"
     max_concurrency: int = Field(64, ge=1)
@@ -178,6 +196,17 @@ class JudgeConfig(Section):
     model: RewardModelJudgeConfig = RewardModelJudgeConfig()
     next_state: NextStateJudgeConfig = NextStateJudgeConfig()
     composite: CompositeJudgeConfig = CompositeJudgeConfig()
+    weights: str | None = None
+    """The judge's server's weights (`llm.source: pinned`, the teacher): a model name, a model
+    directory or a weight-store version (`run_dir/weights/vN`); None: the run's starting model
+    (`model`), a frozen copy of the policy as it began."""
+    teacher: TeacherConfig = TeacherConfig()
+
+    def needs_server(self) -> bool:
+        """Whether this judge needs its own server: a pinned `llm` judge, or the teacher."""
+        llms = [self.llm] if self.kind == "llm" else [
+            c.llm or self.llm for c in self.composite.components if c.kind == "llm"] if self.kind == "composite" else []
+        return self.teacher.enabled or any(llm.base_url is None and llm.source == "pinned" for llm in llms)
 
     @model_validator(mode="after")
     def _check_kind(self) -> "JudgeConfig":

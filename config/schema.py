@@ -80,6 +80,12 @@ class ServeConfig(Section):
     swap_mode: Literal["in_place", "retract"] = "in_place"
     """How in-flight generations cross a weight swap: keep their KV cache (`in_place`; later
     tokens carry the new version) or have it recomputed under the new weights (`retract`)."""
+    role: Literal["policy", "judge"] = "policy"
+    """`judge`: a server whose weights do not move (a judge's, a hint teacher's): it keeps the
+    weights it started with and never follows announced versions, writes its URL to
+    `run_dir/judge.url` (not serve.url), and also serves SGLang's `/generate` at
+    `/engine/generate` (prefill scoring). Its requests are recorded as any, judges send side
+    turns, which nothing trains on. `deploy` starts one when a judge needs it."""
     swap_weights: bool = True
     """Whether this gateway loads announced weights into its engines. Several gateways in front
     of the same `engine_urls` should leave it to one: the others (`false`) follow, polling the

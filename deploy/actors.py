@@ -24,6 +24,7 @@ LOOPS = {
     "collect": "collect.loop:CollectLoop",
     "rollout": "rollout.driver:RolloutDriver",
     "judge": "judge.loop:JudgeLoop",
+    "judge_serve": "serve.loop:ServeLoop",
     "train": "train.loop:TrainLoop",
 }
 

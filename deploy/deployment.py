@@ -40,6 +40,8 @@ class Deployment:
         self.config = config
         self.bus_url: str | None = None
         self.serve_url: str | None = None
+        self.judge_url: str | None = None
+        """The judge's own server (`serve.role: judge`), when the judge needs one."""
         self.actors: dict[str, Any] = {}
         self._nats: EmbeddedNats | None = None
         self._owns_ray = False
@@ -72,8 +74,12 @@ class Deployment:
         if "serve" in loops:
             self.serve_url = self._launch("serve", self.config)
         gateway = self.serve_url or self.config.rollout.endpoint  # gateways hosted elsewhere
-        judge = self.config.model_copy(deep=True)  # an llm judge defaults to this serve (any node)
-        judge.judge.llm.base_url = self.config.judge.llm.base_url or (gateway and f"{gateway}/v1")
+        judge = self.config.model_copy(deep=True)
+        if "judge" in loops and self.config.judge.needs_server():
+            self.judge_url = self._launch("judge_serve", judge_server_config(self.config))
+        if judge.judge.llm.base_url is None:  # the judge reads its URL here, on whatever node it runs
+            source = self.judge_url if judge.judge.llm.source == "pinned" else gateway
+            judge.judge.llm.base_url = source and f"{source}/v1"
         for kind in ("collect", "judge", "train"):
             if kind in loops:
                 self._launch(kind, judge if kind == "judge" else self.config)
@@ -105,7 +111,7 @@ class Deployment:
 
     def stop(self) -> None:
         # Traffic sources first, then the loops downstream of them.
-        for kind in ("rollout", "serve", "collect", "judge", "train"):
+        for kind in ("rollout", "serve", "collect", "judge", "judge_serve", "train"):
             actor = self.actors.pop(kind, None)
             if actor is None:
                 continue
@@ -126,3 +132,15 @@ class Deployment:
 
     def __exit__(self, *exc) -> None:
         self.stop()
+
+
+def judge_server_config(config: FlywheelConfig) -> FlywheelConfig:
+    """The judge's server: the weights in `judge.weights` (the starting model by default), role
+    `judge` (they never move), on a free port, one thread."""
+    server = config.model_copy(deep=True)
+    server.model = config.judge.weights or config.model
+    server.serve.role = "judge"
+    server.serve.port = 0
+    server.serve.engine_urls = []
+    server.serve.served_model_name = config.served_model
+    return server

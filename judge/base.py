@@ -71,6 +71,12 @@ class Judge:
         """Counters for the loop's stats (requests, retries, ...); none by default."""
         return {}
 
+    @property
+    def identity(self) -> str | None:
+        """The model behind this judge's scores and which weights (`Sample.judge_model`); None for
+        judges without one."""
+        return None
+
 
 Outcome = Literal["mean", "last", "min"]
 

@@ -50,6 +50,11 @@ class CompositeJudge(Judge):
     async def close(self) -> None:
         await asyncio.gather(*(c.judge.close() for c in self.components))
 
+    @property
+    def identity(self) -> str | None:
+        models = [f"{label}: {c.judge.identity}" for label, c in zip(self.labels, self.components) if c.judge.identity]
+        return "; ".join(models) or None
+
     def stats(self) -> dict:
         return {label: c.judge.stats() for label, c in zip(self.labels, self.components)}
 

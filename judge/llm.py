@@ -20,6 +20,8 @@ from collections import Counter
 from dataclasses import dataclass
 from statistics import fmean
 
+import httpx
+
 from bus import Trajectory
 from config.judge import LLMJudgeConfig
 from judge.base import Judge, Unscorable, Verdict, outcome_of
@@ -54,9 +56,17 @@ class LLMJudge(Judge):
         self.endpoint: JudgeEndpoint | None = None
         self.votes = 0
         self.valid_votes = 0
+        self.weights: str | None = None
+        """The weight version the endpoint reports (a Flywheel server's `/health`), if it does."""
 
     async def start(self) -> None:
         self.endpoint = JudgeEndpoint(self.config, self.base_url, self.api_key, self.model)
+        self.weights = await weight_version(self.base_url)
+
+    @property
+    def identity(self) -> str:
+        weights = f", weights v{self.weights}" if self.weights is not None else ""
+        return f"{self.model} at {self.base_url}{weights}"
 
     async def close(self) -> None:
         if self.endpoint is not None:
@@ -114,3 +124,14 @@ class LLMJudge(Judge):
         """Requests, retries and failed requests; votes cast and how many held a valid score."""
         endpoint = self.endpoint.stats() if self.endpoint else {}
         return {**endpoint, "votes": self.votes, "valid_votes": self.valid_votes}
+
+
+async def weight_version(base_url: str) -> str | None:
+    """The weight version a Flywheel server reports at `/health` (None from other endpoints)."""
+    root = base_url.removesuffix("/").removesuffix("/v1")
+    try:
+        async with httpx.AsyncClient(timeout=10) as http:
+            version = (await http.get(f"{root}/health")).json().get("weight_version")
+    except (httpx.HTTPError, ValueError, AttributeError):
+        return None
+    return None if version is None else str(version)

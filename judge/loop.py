@@ -27,11 +27,13 @@ import logging
 from collections import Counter
 from typing import Any
 
-from bus import SAMPLE_SUBJECT, TRAJECTORY_SUBJECT, UNSCORED_SUBJECT, Delivery, Sample, Trajectory, Unscored
+from bus import SAMPLE_SUBJECT, TRAJECTORY_SUBJECT, UNSCORED_SUBJECT, Delivery, Sample, Trajectory, Unscored, addresses
+from bus.addresses import read_address
 from bus.consumer_loop import ConsumerLoop
 from config import FlywheelConfig
 from judge.base import Unscorable, Verdict
 from judge.registry import build_judge
+from judge.teacher import Teacher, hints_of
 
 log = logging.getLogger(__name__)
 
@@ -51,9 +53,24 @@ class JudgeLoop(ConsumerLoop):
         """Unscored trajectories by reason category (`no reward`, `no valid vote`, `deadline`, ...)."""
         self.publish_failures = 0
         self._in_flight: dict[asyncio.Task, Delivery] = {}
+        self.teacher: Teacher | None = None
 
     async def prepare(self) -> None:
         await self.judge.start()
+        self.teacher = self._teacher()
+
+    def _teacher(self) -> Teacher | None:
+        """The hint teacher on the judge's own server (`judge.teacher`); None when it is off or
+        there is no server (then samples carry no teacher log-probs, said once in the log)."""
+        if not self.config.judge.teacher.enabled:
+            return None
+        try:
+            url = read_address(self.config.run_dir, addresses.JUDGE)
+        except FileNotFoundError:
+            log.warning("judge.teacher is on but no judge server wrote %s: no hint distillation", addresses.JUDGE)
+            return None
+        keys = self.config.serve.api_keys
+        return Teacher(self.config.judge.teacher, url, keys[0] if keys else None)
 
     def held(self) -> list[Delivery]:
         return list(self._in_flight.values())
@@ -111,8 +128,23 @@ class JudgeLoop(ConsumerLoop):
             raise Unscorable("judge error", f"{type(error).__name__}: {error}") from error
         return Sample(
             id=trajectory.id, trajectory_seq=stream_seq, reward=verdict.reward, turn_rewards=verdict.turn_rewards,
-            judge=self.judge.name, details=verdict.details,
+            judge=self.judge.name, details=verdict.details, judge_model=self.judge.identity,
+            teacher_logprobs=await self._teach(trajectory, verdict),
         )
+
+    async def _teach(self, trajectory: Trajectory, verdict: Verdict) -> list:
+        """The teacher's log-probabilities for the turns that got a hint (judge/teacher.py); none
+        when there is no teacher, no hint, or the teacher failed (the sample goes without)."""
+        if self.teacher is None:
+            return []
+        hints = hints_of(trajectory, verdict.details)
+        if not hints:
+            return []
+        try:
+            return await self.teacher.teach(trajectory, hints)
+        except Exception:
+            log.exception("the teacher failed on %s; the sample goes without it", trajectory.id)
+            return []
 
     async def finish(self) -> None:
         """Abandon judgements in flight (unacknowledged: they are redelivered)."""
@@ -121,6 +153,8 @@ class JudgeLoop(ConsumerLoop):
             task.cancel()
         await asyncio.gather(*in_flight, return_exceptions=True)
         await self.judge.close()
+        if self.teacher is not None:
+            await self.teacher.close()
 
     def stats(self) -> dict[str, Any]:
         return {
@@ -131,4 +165,5 @@ class JudgeLoop(ConsumerLoop):
             "publish_failures": self.publish_failures,
             "malformed": self.consumer.malformed,
             "judge": self.judge.stats(),
+            "teacher": self.teacher.counts if self.teacher else None,
         }

@@ -48,11 +48,18 @@ def _build_component(config: FlywheelConfig, component: CompositeComponentConfig
 def _build_llm(config: FlywheelConfig, llm: LLMJudgeConfig) -> LLMJudge:
     base_url = llm.base_url
     if base_url is None:
-        try:
-            base_url = read_address(config.run_dir, addresses.SERVE) + "/v1"
-        except FileNotFoundError:
-            raise ConfigError(f"judge.llm.base_url: not set, and no serve loop has written "
-                              f"{Path(config.run_dir) / addresses.SERVE} (is serve running?)") from None
+        base_url = server_url(config, addresses.JUDGE if llm.source == "pinned" else addresses.SERVE) + "/v1"
     api_key = llm.api_key or os.environ.get(llm.api_key_env) or "unused"
     model = llm.model or config.served_model
     return LLMJudge(llm, base_url, api_key, model)
+
+
+def server_url(config: FlywheelConfig, address: str) -> str:
+    """The URL a server of this run wrote to `run_dir` (`judge.url`: the judge's own server, whose
+    weights do not move; `serve.url`: the policy's); a config error when there is none."""
+    try:
+        return read_address(config.run_dir, address)
+    except FileNotFoundError:
+        who = "judge server (serve.role: judge)" if address == addresses.JUDGE else "serve loop"
+        raise ConfigError(f"judge.llm.base_url: not set, and no {who} has written "
+                          f"{Path(config.run_dir) / address} (is it running?)") from None

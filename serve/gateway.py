@@ -34,6 +34,7 @@ from serve.ops.limits import ConcurrencyLimiter, install_body_limit
 from serve.ops.metrics import ServeMetrics, install_metrics_route, install_request_metrics
 from serve.prompts import PromptBuilder
 from serve.recorder import Recorder, RecordLost
+from serve.scoring import install_scoring_routes
 
 
 def create_gateway(pool: EnginePool, tokenizer: Any, recorder: Recorder, model_name: str, config: ServeConfig,
@@ -150,4 +151,7 @@ def create_gateway(pool: EnginePool, tokenizer: Any, recorder: Recorder, model_n
     async def end(session_id: str) -> dict[str, Any]:
         return await session_event(session_id, "end")
 
+    if config.role == "judge":
+        install_scoring_routes(app, pool, prompts, model_name)
     return app
+

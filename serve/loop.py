@@ -82,18 +82,17 @@ class ServeLoop:
             self.app, host=cfg.host, port=cfg.port, log_level="warning", lifespan="off",
             timeout_graceful_shutdown=cfg.shutdown_grace_s, timeout_keep_alive=cfg.keep_alive_s,
         ))
-        self._tasks = [
-            asyncio.create_task(self.recorder.run(), name="recorder"),
-            asyncio.create_task(repeat(self._follow_weights, "serve.weights"), name="weights"),
-            asyncio.create_task(self._server.serve(), name="http"),
-        ]
+        self._http = asyncio.create_task(self._server.serve(), name="http")
+        self._tasks = [asyncio.create_task(self.recorder.run(), name="recorder"), self._http]
+        if cfg.role == "policy":  # a judge's weights do not move
+            self._tasks.append(asyncio.create_task(repeat(self._follow_weights, "serve.weights"), name="weights"))
         while not self._server.started:
-            if self._tasks[2].done():
-                self._tasks[2].result()  # raises the reason it could not start
+            if self._http.done():
+                self._http.result()  # raises the reason it could not start
             await asyncio.sleep(0.01)
         port = self._server.servers[0].sockets[0].getsockname()[1]
         self.url = f"http://{cfg.host}:{port}"
-        write_address(self.config.run_dir, addresses.SERVE, self.url)
+        write_address(self.config.run_dir, addresses.SERVE if cfg.role == "policy" else addresses.JUDGE, self.url)
         log.info("serving %s at %s", self.model_name, self.url)
         return self.url
 
@@ -123,7 +122,7 @@ class ServeLoop:
         publish what was recorded (what cannot be published now stays in the spill dir)."""
         self._server.should_exit = True
         with contextlib.suppress(Exception):
-            await asyncio.wait_for(self._tasks[2], self.config.serve.shutdown_grace_s + 5)
+            await asyncio.wait_for(self._http, self.config.serve.shutdown_grace_s + 5)
         with contextlib.suppress(Exception):
             await self.recorder.flush(timeout_s=5)
         for task in self._tasks:

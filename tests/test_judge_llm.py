@@ -111,9 +111,11 @@ def test_config_errors_name_the_key(override, message):
     assert str(caught.value).startswith(message)
 
 
-def test_without_base_url_the_judge_needs_a_running_serve_loop(tmp_path):
-    with pytest.raises(ConfigError, match=r"judge.llm.base_url: not set, and no serve loop has written"):
+def test_without_base_url_the_judge_needs_its_own_server_or_the_policys_when_asked(tmp_path):
+    with pytest.raises(ConfigError, match=r"judge.llm.base_url: not set, and no judge server .* has written .*judge.url"):
         JudgeLoop(load_config(None, [f"run_dir={tmp_path}", "judge.kind=llm"]), "nats://unused")
+    with pytest.raises(ConfigError, match=r"judge.llm.base_url: not set, and no serve loop has written .*serve.url"):
+        JudgeLoop(load_config(None, [f"run_dir={tmp_path}", "judge.kind=llm", "judge.llm.source=policy"]), "nats://unused")
 
 
 class ScriptedEndpoint:
@@ -258,8 +260,9 @@ async def test_the_loop_publishes_llm_samples_and_reports_a_deadline(bus, nats_u
 
 
 async def test_llm_judge_against_the_tiny_serve_loop(served, bus, nats_url, tmp_path):
-    # no base_url or model: the judge finds this deployment's serve loop (run_dir/serve.url) and model
-    config = load_config(None, [f"run_dir={tmp_path}", "judge.kind=llm", "judge.llm.votes=2", "judge.llm.max_tokens=12"])
+    # no base_url or model, source policy: the judge finds this deployment's serve loop (run_dir/serve.url) and model
+    config = load_config(None, [f"run_dir={tmp_path}", "judge.kind=llm", "judge.llm.source=policy", "judge.llm.votes=2",
+                                "judge.llm.max_tokens=12"])
     loop = JudgeLoop(config, nats_url)
     await loop.start()
     try:

@@ -1,7 +1,7 @@
 """API-key authentication for the gateway: client keys for the OpenAI API, one admin key for control.
 
 `install_auth` adds a pure ASGI middleware. When client keys are configured, every path under
-`/v1/` needs `Authorization: Bearer <one of them>` (or `x-api-key: <one of them>`, as Anthropic's
+`/v1/` (and `/engine/`, a judge server's scoring route) needs `Authorization: Bearer <one of them>` (or `x-api-key: <one of them>`, as Anthropic's
 clients send it). The engine's control routes (SGLang's
 `ADMIN_PATHS`: pausing, weight loading, aborts, cache flushes) need `Bearer <admin_key>` when an
 admin key is configured. Anything else (`/health`, `/metrics`) is open. A refusal is a 401 in
@@ -63,7 +63,7 @@ class AuthMiddleware:
         """The keys that may call `path` and what to call them in a refusal; None if it is open."""
         if path in ADMIN_PATHS and self.admin_keys:
             return self.admin_keys, "admin key"
-        if (path == "/v1" or path.startswith("/v1/")) and self.api_keys:
+        if (path == "/v1" or path.startswith(("/v1/", "/engine/"))) and self.api_keys:
             return self.api_keys, "API key"
         return None
 

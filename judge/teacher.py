@@ -1,0 +1,132 @@
+"""Hint distillation's teacher (OpenClaw-RL's on-policy distillation): words that say how to do
+better become a per-token signal.
+
+**Hints** (`hints_of`): for each turn, what says how it should have been done. In order: feedback
+`text` aimed at that turn (by `interaction_id`, or `turn_index` in the first conversation: the
+feedback API's way to send a hint); the user's correction of it, as the judge read it
+(`details["turns"][k]["hint"]` of the `next_state` judge, also inside a composite); feedback text
+about the whole session (it applies to every turn; an environment's failure report is not a
+hint). A turn without a hint gets no teacher, and no distillation term.
+
+**The teacher** is the pinned model on the judge's own server (`serve.role: judge`: weights that
+do not move while the policy learns), told the hint: the turn's request with the hint appended
+to its last user message (`judge.teacher.hint_template`), rendered by the server's chat template.
+It scores every token the policy sampled in that turn with one prefill-only engine request
+(`/engine/score`, SGLang's `/generate` with `max_new_tokens: 0` underneath), at the temperature
+the turn was sampled at. Its log-probabilities go on the sample, per segment, aligned with the
+trajectory's tokens (NaN where no teacher spoke); the trainer adds w_opd · clip(log π_teacher −
+log π_student) to those tokens' advantage (train/distill.py). A turn drawn under a grammar (a
+forced tool call, a JSON schema) gets no teacher: its tokens' distribution is the grammar's.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from string import Template
+from typing import Any
+
+import httpx
+
+from bus import Trajectory
+from bus.arrays import Float64s
+from config.judge import TeacherConfig
+from judge.rule import turn_positions
+
+log = logging.getLogger(__name__)
+
+GRAMMAR_KEYS = ("json_schema", "regex", "ebnf", "structural_tag")
+
+
+def hints_of(trajectory: Trajectory, details: dict[str, Any]) -> dict[int, str]:
+    """{position in `trajectory.turns`: hint} (see the module)."""
+    positions = turn_positions(trajectory)
+    aimed: dict[int, str] = {}
+    session: list[str] = []
+    for event in trajectory.feedback:
+        if not event.text or event.kind != "feedback" or event.text.startswith("episode failed"):
+            continue
+        key = event.interaction_id if event.interaction_id is not None else event.turn_index
+        if key is None:
+            session.append(event.text)
+        elif key in positions:
+            aimed[positions[key]] = event.text
+    corrections = _judged_hints(details)
+    hints = {}
+    for k in range(len(trajectory.turns)):
+        hint = aimed.get(k) or corrections.get(k) or " ".join(session)
+        if hint.strip():
+            hints[k] = hint.strip()
+    return hints
+
+
+def _judged_hints(details: dict[str, Any]) -> dict[int, str]:
+    """The hints a judge read in the users' corrections, also from a composite's components."""
+    found: dict[int, str] = {}
+    for k, turn in enumerate(details.get("turns") or []):
+        if isinstance(turn, dict) and turn.get("hint"):
+            found[k] = turn["hint"]
+    for component in (details.get("components") or {}).values():
+        for k, hint in _judged_hints(component.get("details") or {}).items():
+            found.setdefault(k, hint)
+    return found
+
+
+class Teacher:
+    def __init__(self, config: TeacherConfig, server_url: str, api_key: str | None = None, timeout_s: float = 120.0):
+        self.config = config
+        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self.http = httpx.AsyncClient(base_url=server_url, headers=headers, timeout=timeout_s)
+        self.counts = {"hinted_turns": 0, "scored_tokens": 0, "failures": 0}
+
+    async def teach(self, trajectory: Trajectory, hints: dict[int, str]) -> list[Float64s]:
+        """The teacher's log-probabilities, per segment (NaN where no hint reached a turn); [] when
+        no turn could be taught."""
+        out = [Float64s([math.nan] * len(segment.token_ids)) for segment in trajectory.segments]
+        taught = False
+        position = 0
+        for segment, values in zip(trajectory.segments, out):
+            for _, start, end in segment.turn_spans:
+                turn = trajectory.turns[position]
+                hint = hints.get(position)
+                position += 1
+                if hint is None or end == start or any(turn.sampling.get(key) for key in GRAMMAR_KEYS):
+                    continue
+                scored = await self._score(turn.messages, list(segment.token_ids[start:end]), hint,
+                                           float(turn.sampling.get("temperature", 1.0)))
+                if scored is not None:
+                    values[start:end] = Float64s(scored)
+                    taught = True
+                    self.counts["hinted_turns"] += 1
+                    self.counts["scored_tokens"] += end - start
+        return out if taught else []
+
+    async def _score(self, messages: list[dict[str, Any]], output_ids: list[int], hint: str, temperature: float) -> list[float] | None:
+        try:
+            response = await self.http.post("/engine/score", json={
+                "messages": self.told(messages, hint), "output_ids": output_ids, "temperature": temperature or 1.0})
+            response.raise_for_status()
+            logprobs = response.json()["logprobs"]
+        except (httpx.HTTPError, KeyError, ValueError) as exc:
+            self.counts["failures"] += 1
+            log.warning("the teacher could not score a turn: %s", exc)
+            return None
+        return logprobs if len(logprobs) == len(output_ids) else None
+
+    def told(self, messages: list[dict[str, Any]], hint: str) -> list[dict[str, Any]]:
+        """The turn's request with the hint appended to its last user message (a user message of
+        its own when there is none)."""
+        addition = Template(self.config.hint_template).safe_substitute(hint=hint[: self.config.max_hint_chars])
+        messages = [dict(m) for m in messages]
+        for message in reversed(messages):
+            if message.get("role") == "user":
+                content = message.get("content")
+                if isinstance(content, list):
+                    message["content"] = [*content, {"type": "text", "text": addition}]
+                else:
+                    message["content"] = f"{content or ''}{addition}"
+                return messages
+        return [*messages, {"role": "user", "content": addition.strip()}]
+
+    async def close(self) -> None:
+        await self.http.aclose()

@@ -1,0 +1,69 @@
+"""Scoring what a policy sampled, on a judge's server (`serve.role: judge`): how hint
+distillation's teacher gets its log-probabilities.
+
+- `POST /engine/generate`: SGLang's native `/generate` on the server's engine, as is.
+- `POST /engine/score` `{"messages", "output_ids", "temperature"}`: the chat `messages` rendered
+  through the server's chat template as for a request (the teacher's prompt: the turn's context
+  with its hint), followed by `output_ids` (the tokens the policy sampled), scored with one
+  prefill-only engine request (SGLang's `/generate` with `input_ids`, `return_logprob`,
+  `logprob_start_len` = the prompt's length − 1, `max_new_tokens: 0`, at `temperature`);
+  answers `{"logprobs": [log π(output_ids[i] | prompt, output_ids[:i])...], "prompt_tokens"}`.
+
+Both sit under `/engine/`, which needs a client key when the server has keys (`serve/ops/auth.py`).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse
+from pydantic import Field
+
+from serve.api.chat import ChatCompletionRequest, Message
+from serve.api.errors import APIError, translated
+from serve.api.sessions import session_of
+from serve.api.validation import Body
+from serve.backends.base import EngineError
+from serve.backends.pool import EnginePool
+from serve.prompts import PromptBuilder
+
+
+class ScoreRequest(Body):
+    messages: list[Message] = Field(min_length=1)
+    output_ids: list[int] = Field(min_length=1)
+    temperature: float = Field(1.0, ge=0.0)
+
+
+def install_scoring_routes(app: FastAPI, pool: EnginePool, prompts: PromptBuilder, model_name: str) -> None:
+    engine = pool.engines[0]
+
+    async def generate_on_engine(body: dict[str, Any]) -> dict[str, Any]:
+        try:
+            return await engine.generate(body)
+        except EngineError as exc:
+            raise APIError(exc.status, str(exc)) from None
+
+    @app.post("/engine/generate")
+    async def generate(request: Request) -> Any:
+        try:
+            body = await request.json()
+        except ValueError:
+            body = None
+        if not isinstance(body, dict):
+            return JSONResponse({"error": {"message": "the body must be a JSON object"}}, status_code=400)
+        try:
+            return await engine.generate(body)
+        except EngineError as exc:
+            return JSONResponse({"error": {"message": str(exc)}}, status_code=exc.status)
+
+    @app.post("/engine/score")
+    async def score(body: ScoreRequest) -> dict[str, Any]:
+        chat = translated(lambda: ChatCompletionRequest(model=model_name, messages=body.messages))
+        prompt_ids, *_ = await prompts.chat(chat, session_of({}, None, None))
+        scored = await generate_on_engine({
+            "input_ids": prompt_ids + body.output_ids, "return_logprob": True, "logprob_start_len": len(prompt_ids) - 1,
+            "sampling_params": {"max_new_tokens": 0, "temperature": body.temperature},
+        })
+        entries = scored["meta_info"]["input_token_logprobs"][1:]
+        return {"logprobs": [entry[0] for entry in entries], "prompt_tokens": len(prompt_ids)}

@@ -1,0 +1,119 @@
+"""Learning from use, end to end through real loops: the judge's own server keeps its weights while
+the policy's move (a moving judge is not the default), feedback text reaches the judge and
+becomes a hint, and the teacher (the pinned model told the hint) scores exactly the tokens the
+policy sampled, with a prefill-only engine request, onto the sample, next to which judge scored."""
+
+from __future__ import annotations
+
+import asyncio
+import math
+
+import httpx
+import openai
+import pytest
+
+from bus import SAMPLE_SUBJECT, WEIGHTS_SUBJECT, Sample, WeightUpdate
+from config import load_config
+from deploy.deployment import judge_server_config
+from judge.loop import JudgeLoop
+from judge.teacher import Teacher, hints_of
+from models import WeightStore, load_model
+from serve.loop import ServeLoop
+from tests.test_attribution_live import recorded_turns
+from tests.test_collect_live import collected, platform
+
+
+async def wait_for(condition, timeout_s: float = 60.0) -> None:
+    for _ in range(int(timeout_s / 0.05)):
+        if condition():
+            return
+        await asyncio.sleep(0.05)
+    raise AssertionError("condition not reached")
+
+
+def test_the_default_judge_is_pinned_not_the_policy_being_trained():
+    config = load_config(None, ["judge.kind=llm"])
+    assert config.judge.llm.source == "pinned" and config.judge.needs_server()
+    server = judge_server_config(config)
+    assert server.serve.role == "judge" and server.model == config.model and server.served_model == config.served_model
+    named = judge_server_config(load_config(None, ["judge.weights=runs/x/weights/v3"]))
+    assert named.model == "runs/x/weights/v3"
+
+
+async def test_the_judges_server_keeps_its_weights_while_the_policys_move(nats_url, tmp_path, bus):
+    config = load_config(None, [f"run_dir={tmp_path}", "serve.port=0"])
+    policy, judge = ServeLoop(config, nats_url), ServeLoop(judge_server_config(config), nats_url)
+    await policy.start()
+    await judge.start()
+    try:
+        model, _ = load_model("tiny")
+        path = WeightStore(tmp_path / "weights").publish(model, 1)
+        await bus.publish(WEIGHTS_SUBJECT, WeightUpdate(id="w1", version=1, path=str(path), step=1))
+        await wait_for(lambda: policy.pool.weight_version == 1)  # the announcement reached both
+        assert judge.pool.weight_version == 0 and judge.swaps == 0
+        async with httpx.AsyncClient() as http:
+            assert (await http.get(f"{judge.url}/health")).json()["weight_version"] == 0
+    finally:
+        await judge.stop()
+        await policy.stop()
+
+
+async def test_feedback_text_becomes_a_hint_the_teacher_scores_onto_the_sample(nats_url, tmp_path, bus):
+    async with platform(nats_url, tmp_path, "judge.kind=rule") as (serve, _, client):
+        server = ServeLoop(judge_server_config(serve.config), nats_url)
+        await server.start()
+        judge = JudgeLoop(serve.config, nats_url)
+        await judge.start()
+        try:
+            messages = [{"role": "user", "content": "Greet me."}]
+            headers = {"X-Session-Id": "hinted"}
+            first = await client.chat.completions.with_raw_response.create(
+                model="tiny", messages=messages, max_tokens=6, temperature=0.8, extra_headers=headers)
+            messages += [first.parse().choices[0].message.model_dump(exclude_none=True), {"role": "user", "content": "And?"}]
+            await client.chat.completions.create(model="tiny", messages=messages, max_tokens=6, extra_headers=headers)
+            async with httpx.AsyncClient() as http:
+                feedback = {"interaction_id": first.headers["x-interaction-id"], "text": "Say my name, Ada, first."}
+                (await http.post(f"{serve.url}/v1/sessions/hinted/feedback", json=feedback)).raise_for_status()
+                (await http.post(f"{serve.url}/v1/sessions/hinted/feedback", json={"reward": 1.0})).raise_for_status()
+            trajectories, _ = await collected(bus, 1, 2)
+            consumer = bus.consumer(SAMPLE_SUBJECT, "hint-check")
+            samples: list[Sample] = []
+            while not samples:
+                samples = [d.record for d in await consumer.fetch(timeout_s=5)]
+        finally:
+            await judge.stop()
+            await server.stop()
+    trajectory = trajectories["hinted"]
+    [sample] = samples
+    assert hints_of(trajectory, sample.details) == {0: "Say my name, Ada, first."}
+    [segment], [teacher] = trajectory.segments, sample.teacher_logprobs
+    (_, start, end), (_, later, _) = segment.turn_spans
+    taught = [i for i, v in enumerate(teacher) if not math.isnan(v)]
+    assert taught == list(range(start, end)) and later >= end  # the hinted turn's sampled tokens, only
+    # The same numbers straight from the pinned engine: the turn's request with the hint appended.
+    told = Teacher(serve.config.judge.teacher, server.url).told(trajectory.turns[0].messages, "Say my name, Ada, first.")
+    assert told[-1]["content"].startswith("Greet me.") and "Ada" in told[-1]["content"]
+    assert sample.judge == "rule" and sample.judge_model is None
+
+
+async def test_the_teacher_scores_sampled_tokens_as_the_engine_sampled_them(nats_url, tmp_path, bus):
+    """`/engine/score` renders the messages as a request would be and scores the given tokens with a
+    prefill-only engine request: for the tokens the same server sampled for those messages, the
+    log-probabilities it recorded when sampling."""
+    config = load_config(None, [f"run_dir={tmp_path}", "serve.port=0"])
+    server = ServeLoop(judge_server_config(config), nats_url)
+    await server.start()
+    try:
+        asked = [{"role": "user", "content": "Count to three."}]
+        client = openai.AsyncOpenAI(base_url=f"{server.url}/v1", api_key="x", max_retries=0)
+        await client.chat.completions.create(model="tiny", messages=asked, max_tokens=8, temperature=0.7)
+        [turn] = await recorded_turns(bus, 1)
+        async with httpx.AsyncClient(base_url=server.url) as http:
+            scored = (await http.post("/engine/score", json={"messages": asked, "output_ids": list(turn.output_ids),
+                                                             "temperature": 0.7})).json()
+            bad = await http.post("/engine/score", json={"messages": [], "output_ids": [1]})
+        assert scored["prompt_tokens"] == len(turn.prompt_ids)
+        assert scored["logprobs"] == pytest.approx(list(turn.output_logprobs), abs=1e-4)
+        assert bad.status_code == 400
+    finally:
+        await server.stop()
