@@ -5,7 +5,6 @@ policy sampled, with a prefill-only engine request, onto the sample, next to whi
 
 from __future__ import annotations
 
-import asyncio
 import math
 
 import httpx
@@ -21,14 +20,7 @@ from models import WeightStore, load_model
 from serve.loop import ServeLoop
 from tests.test_attribution_live import recorded_turns
 from tests.test_collect_live import collected, platform
-
-
-async def wait_for(condition, timeout_s: float = 60.0) -> None:
-    for _ in range(int(timeout_s / 0.05)):
-        if condition():
-            return
-        await asyncio.sleep(0.05)
-    raise AssertionError("condition not reached")
+from tests.test_train_signal import until
 
 
 def test_the_default_judge_is_pinned_not_the_policy_being_trained():
@@ -49,7 +41,7 @@ async def test_the_judges_server_keeps_its_weights_while_the_policys_move(nats_u
         model, _ = load_model("tiny")
         path = WeightStore(tmp_path / "weights").publish(model, 1)
         await bus.publish(WEIGHTS_SUBJECT, WeightUpdate(id="w1", version=1, path=str(path), step=1))
-        await wait_for(lambda: policy.pool.weight_version == 1)  # the announcement reached both
+        await until(lambda: policy.pool.weight_version == 1)  # the announcement reached both
         assert judge.pool.weight_version == 0 and judge.swaps == 0
         async with httpx.AsyncClient() as http:
             assert (await http.get(f"{judge.url}/health")).json()["weight_version"] == 0

@@ -14,7 +14,7 @@ from config import ConfigError, load_config
 from envs import make_env
 from models import WeightStore, load_model
 from rollout.driver import RolloutDriver
-from serve.loop import ServeLoop
+from tests.test_serve import served  # noqa: F401  (fixture)
 
 
 def driver(tmp_path, *overrides: str) -> RolloutDriver:
@@ -60,14 +60,6 @@ def test_environment_errors_name_the_key(tmp_path):
         driver(tmp_path, "rollout.env=arithmetic", "rollout.env_args={bogus: 1}")
 
 
-@pytest.fixture
-async def gateway(nats_url, tmp_path):
-    serve = ServeLoop(load_config(None, [f"run_dir={tmp_path / 'serve'}", "serve.port=0"]), nats_url)
-    await serve.start()
-    yield serve
-    await serve.stop()
-
-
 async def until(condition, timeout_s: float = 120.0) -> None:
     deadline = time.monotonic() + timeout_s
     while not condition():
@@ -75,7 +67,8 @@ async def until(condition, timeout_s: float = 120.0) -> None:
         await asyncio.sleep(0.01)
 
 
-async def test_a_restarted_driver_keeps_its_admission_count_and_data_position(gateway, nats_url, bus, tmp_path):
+async def test_a_restarted_driver_keeps_its_admission_count_and_data_position(served, nats_url, bus, tmp_path):
+    gateway = served
     """η = 0, B = 4, groups of 2: the first driver admits (0 + 0 + 1)·4 samples and waits for
     version 1. Restarted on the same run_dir (train.resume false, as under a Ray restart), the
     driver counts those 4 as accepted, so version 1 lets in 4 more, not 8, and it draws the tasks
