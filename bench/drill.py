@@ -335,8 +335,10 @@ BATCH = 8
 DRILL_CONFIG = [
     "bus.ack_wait_s=3", "collect.feedback_grace_s=1", f"train.batch_size={BATCH}", "train.group_timeout_s=30",
     "train.checkpoint_interval=3", "rollout.max_head_offpolicyness=1000", "serve.max_batch_size=16",
+    "judge.teacher.enabled=false",
 ]
-"""Short waits so a drill takes seconds; no staleness drops, so every sample must be trained. The
+"""Short waits so a drill takes seconds; no staleness drops, so every sample must be trained; the
+agents' feedback is rewards without words, so no hint teacher (nor its server). The
 group timeout is long enough for a group's last member to come back from redelivery or the
 gateway's spill file after a kill: a group split by its timeout leaves a partial batch behind."""
 

@@ -11,7 +11,8 @@ import litellm
 URL, MODEL = sys.argv[1], sys.argv[2]
 ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
 WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {
-    "type": "object", "properties": {"city": {"enum": ["Paris", "Rome"]}}, "required": ["city"]}}}
+    "type": "object", "properties": {"city": {"enum": ["Paris", "Rome"]}}, "required": ["city"],
+    "additionalProperties": False}}}  # closed: any other key would let untrained tiny write past max_tokens
 OPENAI = {"model": f"openai/{MODEL}", "api_base": f"{URL}/v1", "api_key": "unused", "max_tokens": 6}
 
 
