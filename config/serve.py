@@ -1,0 +1,101 @@
+"""The serve loop's configuration (`serve.*`): the gateway, its engines, weight swaps, operations.
+Part of `config.schema.FlywheelConfig`."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
+
+from pydantic import Field, field_validator, model_validator
+
+from config.section import Section
+
+
+class ServeConfig(Section):
+    host: str = "127.0.0.1"
+    port: int = Field(8000, ge=0, le=65535)
+    """0 picks a free port (the chosen one is written to `run_dir/serve.url`)."""
+    served_model_name: str | None = None
+    """The model id clients use; defaults to the `model` setting."""
+    max_batch_size: int = Field(32, ge=1)
+    """Most sequences the engine decodes together."""
+    max_new_tokens: int = Field(1024, ge=1)
+    """Upper bound on a request's `max_tokens`."""
+    default_max_new_tokens: int = Field(256, ge=1)
+    """Used when a request does not say (`max_new_tokens` still bounds it)."""
+    publish_queue_size: int = Field(10_000, ge=1)
+    """Finished turns waiting to be published, off the response path."""
+    torch_threads: int = Field(1, ge=1)
+    device: str = Field("cpu", pattern=r"^(cpu|cuda(:\d+)?)$")
+    """Where the embedded engine runs: `cpu`, `cuda` or `cuda:N` (then its weights, KV cache and
+    sampling are on that GPU; a machine without one refuses to start, naming this key)."""
+    engine_urls: list[str] = Field(default_factory=list)
+    """External engines speaking SGLang's protocol (real SGLang, or `python -m serve.engine`);
+    empty: one embedded engine in this process."""
+    keep_alive_s: float = Field(75.0, gt=0)
+    """How long an idle client connection is kept open. Longer than clients' own idle expiry
+    (httpx, under the openai client, drops idle connections after 5 s) so a client never sends
+    a request on a connection the server is closing."""
+    swap_mode: Literal["in_place", "retract"] = "in_place"
+    """How in-flight generations cross a weight swap: keep their KV cache (`in_place`; later
+    tokens carry the new version) or have it recomputed under the new weights (`retract`)."""
+    role: Literal["policy", "judge"] = "policy"
+    """`judge`: a server whose weights do not move (a judge's, a hint teacher's): it keeps the
+    weights it started with and never follows announced versions, writes its URL to
+    `run_dir/judge.url` (not serve.url), and also serves SGLang's `/generate` at
+    `/engine/generate` (prefill scoring). Its requests are recorded as any, judges send side
+    turns, which nothing trains on. `deploy` starts one when a judge needs it."""
+    swap_weights: bool = True
+    """Whether this gateway loads announced weights into its engines. Several gateways in front
+    of the same `engine_urls` should leave it to one: the others (`false`) follow, polling the
+    engines until each reports the announced version, so an engine loads each version once."""
+    follow_timeout_s: float = Field(600.0, gt=0)
+    """How long a following gateway waits for the engines to reach an announced version before
+    it logs a warning and waits for the next one."""
+    api_keys: list[str] = Field(default_factory=list)
+    """Keys clients send as `Authorization: Bearer <key>` on `/v1/...`; empty: no key needed."""
+    admin_key: str | None = None
+    """Key for engines' control routes (pause, weight loading, aborts): the gateway sends it to
+    the engines in `engine_urls` (SGLang's `--admin-api-key`); None: not required."""
+    max_concurrent_requests: int = Field(256, ge=1)
+    """Generations in flight at once; more wait in line."""
+    max_queued_requests: int = Field(1024, ge=0)
+    """Requests waiting for a generation slot at most; beyond that a 429 with `Retry-After`."""
+    retry_after_s: float = Field(1.0, gt=0)
+    """What the 429 asks clients to wait before retrying."""
+    max_body_bytes: int = Field(4 * 1024 * 1024, ge=1)
+    """Larger request bodies get a 413."""
+    request_timeout_s: float = Field(600.0, gt=0)
+    """A request still unanswered after this long (waiting for a slot included) gets a 504."""
+    shutdown_grace_s: float = Field(30.0, ge=0)
+    """How long a graceful shutdown waits for in-flight requests to finish."""
+    spill_dir: str | None = None
+    """Where turns go while the bus is unreachable or the publish queue is full, to be published
+    later in order; None: `run_dir/spill`."""
+    chat_template: str | None = None
+    """A Jinja chat template to use instead of the model's: a file path, or the template text."""
+    continue_sessions: int = Field(4096, ge=0)
+    """How many sessions' latest token sequences the gateway keeps so that their next prompt
+    continues the exact ids the model saw (`serve/continuation.py`); 0 turns this off."""
+    tool_format: Literal["auto", "hermes", "llama3_json", "mistral"] = "auto"
+    """How the model writes tool calls (`serve/tools/formats.py`); `auto` reads it from the chat
+    template. A template that renders no tools always gets the gateway's Hermes prompt."""
+    stored_responses: int = Field(10_000, ge=0)
+    """How many Responses API answers (with `store`) the gateway keeps in memory for
+    `previous_response_id` and `GET /v1/responses/{id}`; the oldest go first."""
+
+    @model_validator(mode="after")
+    def _someone_swaps_an_embedded_engine(self) -> "ServeConfig":
+        if not self.swap_weights and not self.engine_urls:
+            raise ValueError("serve.swap_weights=false needs serve.engine_urls: nobody else can swap an embedded engine")
+        return self
+
+    @field_validator("chat_template")
+    @classmethod
+    def _template_or_file(cls, value: str | None) -> str | None:
+        if value is None or "{{" in value or "{%" in value:
+            return value
+        try:
+            return Path(value).read_text()
+        except OSError as exc:
+            raise ValueError(f"neither a Jinja template nor a readable file: {exc}") from None
