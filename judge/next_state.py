@@ -14,7 +14,7 @@ clean_tool_result), -1 (correction, complaint, retry, error, tests_failing), 0 (
 
 A turn with nothing after it (its conversation's last, or an empty next state) and no feedback
 about it is not judged from nothing: it gets the session-level feedback's reward when there is
-some, else 0.0 with its position in `details["unjudged_turns"]`, so that the trainer can keep it
+some, else 0.0 with its position in `details["unjudged_turns"]`, so that the trainer keeps it
 out of the loss (a Verdict needs one reward per turn; the 0.0 is a placeholder, not a score).
 
 The outcome (`reward`) is the mean of the session-level feedback (neither `interaction_id` nor

@@ -114,3 +114,15 @@ async def test_a_teacher_told_a_hint_moves_the_policy_toward_what_it_prefers(tur
     liked, disliked = gaps > 0.1, gaps < -0.1
     assert bool(liked.any()) and bool(disliked.any())
     assert float(moved[liked].mean()) > float(moved[disliked].mean())
+
+
+async def test_a_turn_nothing_followed_is_kept_out_of_the_loss_and_counted(turns):
+    """The next_state judge lists a turn it could not judge (`unjudged_turns`): its 0.0 is a
+    placeholder, so its tokens leave the loss (counted `unjudged`), in a composite too."""
+    config = load_config(None, ["actor.ppo_n_minibatches=1"])
+    for details in ({"unjudged_turns": [0]}, {"components": {"0:next_state": {"details": {"unjudged_turns": [0]}}}}):
+        sample = sample_of(turns[2], 1.0)
+        sample.details = details
+        batch = StepBatch([group_of(sample)], config, RunningBaseline(), 0)
+        [[micro]] = batch.minibatches
+        assert float(micro.loss_mask.sum()) == 0 and batch.excluded["unjudged"] == len(turns[2].output_ids)

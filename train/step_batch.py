@@ -42,6 +42,33 @@ def hinted_turns(sample) -> int:
                for _, start, end in segment.turn_spans)
 
 
+def unjudged_positions(details: dict) -> set[int]:
+    """The turns a judge could not judge (nothing followed them, no feedback about them: the
+    `next_state` judge's `unjudged_turns`); in a composite, those every component left unjudged."""
+    if "unjudged_turns" in details:
+        return set(details["unjudged_turns"])
+    components = [c.get("details") or {} for c in (details.get("components") or {}).values()]
+    if components and all("unjudged_turns" in c for c in components):
+        return set.intersection(*(set(c["unjudged_turns"]) for c in components))
+    return set()
+
+
+def exclude_unjudged(sample, sampling: list, excluded: Counter[str]) -> None:
+    """Keep the sampled tokens of unjudged turns out of the loss (their 0.0 is a placeholder, not
+    a score: never trained as one), counted as `unjudged` in `excluded`."""
+    unjudged = unjudged_positions(sample.details)
+    if not unjudged:
+        return
+    position = 0
+    for segment, segment_sampling_ in zip(sample.trajectory.segments, sampling):
+        for _, start, end in segment.turn_spans:
+            if position in unjudged:
+                mask = segment_sampling_.loss_mask
+                excluded["unjudged"] += sum(mask[start:end])
+                mask[start:end] = [0] * (end - start)
+            position += 1
+
+
 class StepBatch:
     def __init__(self, groups: list[Group], config: FlywheelConfig, baseline: RunningBaseline, pad_id: int):
         samples = [s for g in groups for s in g.samples]
@@ -68,6 +95,7 @@ class StepBatch:
             if train.rl_coef != 1.0:
                 values = [[train.rl_coef * v for v in segment] for segment in values]
             sampling = segment_sampling(sample.trajectory, self.excluded, config.model)
+            exclude_unjudged(sample, sampling, self.excluded)
             teachers = sample.teacher_logprobs or [None] * len(sample.trajectory.segments)
             per_sample.append([
                 Row(segment, adv, s.temperatures, s.loss_mask, s.grammar, teacher)
