@@ -130,7 +130,8 @@ async def run(args: argparse.Namespace) -> dict:
 
     async with Served(args.model, [f"serve.torch_threads={args.threads}", "serve.max_batch_size=32"]) as served:
         config = load_config(None, [
-            f"run_dir={served.tmp / 'run'}", f"model={args.model}", "judge.kind=llm",
+            f"run_dir={served.tmp / 'run'}", f"model={args.model}", "judge.kind=llm", "judge.llm.source=policy",
+            "judge.llm.mode=score", "judge.teacher.enabled=false",  # what the recorded numbers measured
             f"judge.llm.max_concurrency={args.concurrency}", f"judge.llm.votes={args.votes}",
             f"judge.llm.max_tokens={args.max_tokens}", "judge.deadline_s=3000",
         ])

@@ -24,6 +24,20 @@ JUDGE_USER_PROMPT = (
     "What followed the reply:\n$next_state\n\n"
     "Evaluate the reply, then end with `Score: N` ($score_min to $score_max)."
 )
+NEXT_STATE_SYSTEM_PROMPT = (
+    "You judge one reply of an AI assistant by what happened after it: the user's next message, "
+    "tool results, test output, feedback about the reply. Score 1 when what followed shows the reply "
+    "worked (the user accepts it, thanks, or moves on to something new; a tool ran cleanly; tests "
+    "pass), -1 when it shows the reply failed (the user corrects it, complains, asks again or "
+    "rephrases the same request; an error; tests fail), 0 when it is unclear. Judge by what followed, "
+    "not by your own taste. Think briefly, then end with a line `Score: N`, N one of -1, 0, 1."
+)
+NEXT_STATE_USER_PROMPT = (
+    "What the assistant was asked:\n$request\n\n"
+    "The assistant's reply (the turn to judge):\n$response\n\n"
+    "What followed the reply:\n$next_state\n\n"
+    "Did what followed show that the reply worked? End with `Score: N` (-1, 0 or 1)."
+)
 JUDGE_TRUSTED_PLACEHOLDERS = frozenset({"score_min", "score_max", "turn_number", "num_turns"})
 """Placeholders filled by the judge itself: allowed in both prompt templates."""
 JUDGE_FENCED_PLACEHOLDERS = frozenset({"context", "request", "response", "next_state"})
@@ -48,6 +62,11 @@ class TurnJudgeConfig(Section):
 class LLMJudgeConfig(TurnJudgeConfig):
     """An LLM as judge behind any OpenAI-compatible endpoint (see docs/judges.md)."""
 
+    mode: Literal["next_state", "score"] = "next_state"
+    """`next_state` (default, OpenClaw-RL's process reward): each turn judged from what followed
+    it in its own conversation (and feedback about it), votes of -1, 0 or 1, the majority wins and
+    a tie is 0; a turn nothing followed is not judged (the session feedback's reward, else left out
+    of the loss). `score`: the reply rated on [score_min, score_max], the mean of the votes."""
     source: Literal["pinned", "policy"] = "pinned"
     """Which model judges when `base_url` is not set. `pinned` (default): the judge's own server
     (`run_dir/judge.url`, started by `deploy` with the weights in `judge.weights`), whose weights
@@ -61,11 +80,13 @@ class LLMJudgeConfig(TurnJudgeConfig):
     api_key_env: str = "FLYWHEEL_JUDGE_API_KEY"
     model: str | None = None
     """The judge model's name at the endpoint; None: this deployment's served model name."""
-    system_prompt: str = JUDGE_SYSTEM_PROMPT
-    """`string.Template` text; may use $score_min, $score_max, $turn_number, $num_turns."""
-    user_prompt: str = JUDGE_USER_PROMPT
+    system_prompt: str | None = None
+    """`string.Template` text; may use $score_min, $score_max, $turn_number, $num_turns. None: the
+    mode's (`NEXT_STATE_SYSTEM_PROMPT`, or `JUDGE_SYSTEM_PROMPT` for `score`)."""
+    user_prompt: str | None = None
     """`string.Template` text; must use $response, may use $context, $request, $next_state
-    (each becomes a fenced block of conversation text) and the system prompt's placeholders."""
+    (each becomes a fenced block of conversation text) and the system prompt's placeholders.
+    None: the mode's."""
     votes: int = Field(3, ge=1)
     """Judge requests per turn (k); the turn's score is the mean of the valid votes."""
     min_valid_votes: int = Field(1, ge=1)
@@ -74,8 +95,8 @@ class LLMJudgeConfig(TurnJudgeConfig):
     max_tokens: int = Field(256, ge=1)
     score_min: float = 1.0
     score_max: float = 10.0
-    """The judge's scale; a score s becomes the reward (s - score_min) / (score_max - score_min)
-    in [0, 1]. A vote outside the scale is invalid."""
+    """The `score` mode's scale; a score s becomes the reward (s - score_min) / (score_max -
+    score_min) in [0, 1]. A vote outside the scale is invalid. (`next_state` votes are -1, 0, 1.)"""
     max_concurrency: int = Field(8, ge=1)
     """Judge requests in flight at once, across all trajectories."""
     max_retries: int = Field(4, ge=0)
@@ -88,9 +109,22 @@ class LLMJudgeConfig(TurnJudgeConfig):
     max_field_chars: int = Field(8000, ge=100)
     """Longest text put into one fenced block; longer text keeps its start and end."""
 
+    @property
+    def prompts(self) -> tuple[str, str]:
+        """(system, user) templates: the configured ones, else the mode's."""
+        system, user = (NEXT_STATE_SYSTEM_PROMPT, NEXT_STATE_USER_PROMPT) if self.mode == "next_state" else (
+            JUDGE_SYSTEM_PROMPT, JUDGE_USER_PROMPT)
+        return self.system_prompt or system, self.user_prompt or user
+
+    @property
+    def scale(self) -> tuple[float, float]:
+        return (-1.0, 1.0) if self.mode == "next_state" else (self.score_min, self.score_max)
+
     @field_validator("system_prompt")
     @classmethod
-    def _check_system_prompt(cls, template: str) -> str:
+    def _check_system_prompt(cls, template: str | None) -> str | None:
+        if template is None:
+            return None
         if unknown := _template_names(template) - JUDGE_TRUSTED_PLACEHOLDERS:
             raise ValueError(
                 f"placeholder(s) {sorted(unknown)} not allowed here (allowed: "
@@ -100,7 +134,9 @@ class LLMJudgeConfig(TurnJudgeConfig):
 
     @field_validator("user_prompt")
     @classmethod
-    def _check_user_prompt(cls, template: str) -> str:
+    def _check_user_prompt(cls, template: str | None) -> str | None:
+        if template is None:
+            return None
         names = _template_names(template)
         if unknown := names - JUDGE_TRUSTED_PLACEHOLDERS - JUDGE_FENCED_PLACEHOLDERS:
             raise ValueError(

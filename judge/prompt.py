@@ -11,7 +11,8 @@ Conversation text (agent-controlled) only ever enters the prompt inside a fenced
     $context     the task: its id, the system message and first user message of the session
     $request     what the assistant was asked at this turn (the messages since its last reply)
     $response    the turn's reply, the thing being judged
-    $next_state  what followed the reply: the user's answer, tool results (all of them)
+    $next_state  what followed the reply in its conversation: the user's answer, tool results (all
+                 of them), and any feedback about the turn
 
 and the judge's own values: $turn_number (1-based), $num_turns, $score_min, $score_max.
 """
@@ -35,14 +36,14 @@ def _number(value: float) -> str:
 class PromptBuilder:
     def __init__(self, config: LLMJudgeConfig):
         self.config = config
-        self.system = Template(config.system_prompt)
-        self.user = Template(config.user_prompt)
+        system, user = config.prompts
+        self.system, self.user = Template(system), Template(user)
 
     def render(self, trajectory: Trajectory, position: int) -> tuple[list[dict[str, str]], Fence]:
         """The messages judging `trajectory.turns[position]`, with a fresh fence."""
         fence = Fence()
         turn = trajectory.turns[position]
-        following = transcript.next_state(trajectory, position)
+        following = transcript.next_state(trajectory, position) + transcript.feedback_about(trajectory, position)
         texts = {
             "context": transcript.task_context(trajectory, position),
             "request": transcript.messages_text(transcript.request(turn)),
@@ -53,8 +54,8 @@ class PromptBuilder:
         values |= {
             "turn_number": str(position + 1),
             "num_turns": str(len(trajectory.turns)),
-            "score_min": _number(self.config.score_min),
-            "score_max": _number(self.config.score_max),
+            "score_min": _number(self.config.scale[0]),
+            "score_max": _number(self.config.scale[1]),
         }
         system = f"{self.system.substitute(values)}\n\n{fence.notice()}"
         return [{"role": "system", "content": system}, {"role": "user", "content": self.user.substitute(values)}], fence

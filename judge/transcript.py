@@ -96,3 +96,18 @@ def next_state(trajectory: Trajectory, position: int) -> list[Message]:
     """The messages that followed the turn at `position` in its own conversation (empty for its
     conversation's last turn)."""
     return list(trajectory.next_states[position]) if position < len(trajectory.next_states) else []
+
+
+def feedback_about(trajectory: Trajectory, position: int) -> list[Message]:
+    """Feedback aimed at the turn at `position` (by its interaction id, or its turn index in the
+    first conversation), as messages of role `feedback`: its text and reward."""
+    turn = trajectory.turns[position]
+    threads = trajectory.threads or [0] * len(trajectory.turns)
+    out = []
+    for event in trajectory.feedback:
+        about = event.interaction_id == turn.id if event.interaction_id is not None else (
+            event.turn_index is not None and event.turn_index == turn.turn_index and threads[position] == 0)
+        if about and (event.text or event.reward is not None):
+            reward = f" (reward {event.reward:g})" if event.reward is not None else ""
+            out.append({"role": f"feedback from {event.source}", "content": f"{event.text or ''}{reward}".strip()})
+    return out
