@@ -12,7 +12,8 @@ endpoint: the collector, judge and trainer treat its traffic like anyone's.
 Staleness control (AReaL's admission rule): with η = `rollout.max_head_offpolicyness`, B =
 `train.batch_size` and v the newest weight version announced on the bus, a group of n samples
 may start only while accepted + running + n <= (η + v + 1)·B and running + n <= the concurrency
-cap (`rollout.max_concurrent_rollouts`). `accepted` counts samples whose verdict was reported.
+cap (`rollout.max_concurrent_rollouts`). `accepted` counts samples whose verdict was reported,
+added when their group ends (all its episodes): a group holds its n slots in `running` until then.
 
 Restarts: after each task drawn and each episode ended, the driver writes its state to
 `run_dir/rollout_state.json` (atomically): the tasks drawn, the task RNG, the generation-length
@@ -21,10 +22,12 @@ that holds this file continues from it, whether the run was resumed (`train.resu
 restarted the driver's actor within a run (as the trainer always continues from its newest
 checkpoint): it draws the tasks and lengths the previous driver would have drawn next, and its
 admission bound counts the samples accepted before (v comes back from the bus). `running`
-starts at 0: the episodes a dead driver was running die with it (their sessions close without
-the environment's verdict, so the rule judge publishes them unscored) and are counted nowhere.
-An episode whose verdict was reported in the moment before the driver died, before the state
-was written, is not counted either.
+starts at 0: the groups a dead driver was running die with it and are counted nowhere. Their
+episodes that had not ended close without the environment's verdict (the rule judge publishes
+them unscored); the verdicts of those that had reach the trainer as a group that times out
+incomplete. So the trainer gets a few samples more than the driver counted, never fewer: counted
+per episode, a half-finished group's verdicts would use admission slots without ever filling a
+batch, and at η = 0 a resumed run waited forever for samples nothing would send.
 """
 
 from __future__ import annotations
@@ -146,27 +149,31 @@ class RolloutDriver:
         self.failed = state.get("failed", 0)
 
     async def _run_group(self, task: Task, lengths: list[int | None]) -> None:
-        await asyncio.gather(*(self._run_one(task, k, length) for k, length in enumerate(lengths)))
+        """A group's episodes; its slots stay in `running` until the last ends, then its
+        reported verdicts move to `accepted` (a group cut short by the driver's death: neither)."""
+        ended = await asyncio.gather(*(self._run_one(task, k, length) for k, length in enumerate(lengths)))
+        self.running -= len(lengths)
+        self.accepted += sum(ended)
+        self._save_state()
+        self._changed.set()
 
-    async def _run_one(self, task: Task, k: int, length: int | None) -> None:
-        """One episode; `length`: its drawn generation length (`gconfig.length_tail`), else None."""
+    async def _run_one(self, task: Task, k: int, length: int | None) -> bool:
+        """One episode; `length`: its drawn generation length (`gconfig.length_tail`), else None.
+        Whether its verdict was reported."""
         session_id = f"{task.id}-{k}-{uuid.uuid4().hex[:8]}"
         turn: dict = {} if length is None else {"turn_length": length, "extra_body": {"ignore_eos": True}}
         try:
             result = await self.runner.run(task, session_id, **turn)
-            if result.reward is None:
-                self.failed += 1
-            else:
-                self.accepted += 1
-                self.recent_rewards.append(result.reward)
-                self.recent_turns.append(result.turns)
         except Exception as exc:
             self.failed += 1
             log.warning("rollout %s failed: %s", session_id, exc)
-        finally:
-            self.running -= 1
-            self._save_state()
-            self._changed.set()
+            return False
+        if result.reward is None:
+            self.failed += 1
+            return False
+        self.recent_rewards.append(result.reward)
+        self.recent_turns.append(result.turns)
+        return True
 
     async def stop(self) -> None:
         for task in [*self._tasks, *self._groups]:

@@ -106,3 +106,36 @@ async def test_a_restarted_driver_keeps_its_admission_count_and_data_position(se
         sessions.update((d.record.session_id, d.record.task_id) for d in delivered if isinstance(d.record, Turn))
     # (c): the restarted driver went on with the run's third and fourth tasks, not its first two again
     assert Counter(sessions.values()) == {task: 2 for task in run_tasks}
+
+
+class HoldingLast:
+    """The driver's real runner, except that each group's last episode never ends: a driver that
+    dies while it runs."""
+
+    def __init__(self, runner, group_size: int):
+        self.runner, self.group_size = runner, group_size
+
+    async def run(self, task, session_id: str, **turn):
+        if session_id.startswith(f"{task.id}-{self.group_size - 1}-"):
+            await asyncio.Event().wait()
+        return await self.runner.run(task, session_id, **turn)
+
+    async def close(self) -> None:
+        await self.runner.close()
+
+
+async def test_a_group_cut_short_by_the_drivers_death_uses_no_admission_slot(served, nats_url, tmp_path):
+    """η = 0, B = 4, one group of 4 whose last episode is still running when the driver dies: the
+    three verdicts reported reach the trainer as a group of 3 that times out incomplete, never a
+    batch of 4. Had they been counted, the restarted driver (3 accepted, bound 4) could start no
+    group and the trainer would wait for ever (a resumed `train.run` hung so in CI)."""
+    config = load_config(None, [f"run_dir={tmp_path / 'run'}", "rollout.env=arithmetic", "gconfig.n_samples=4",
+                                "train.batch_size=4", "rollout.max_head_offpolicyness=0", "gconfig.max_new_tokens=8"])
+    first = RolloutDriver(config, nats_url, served.url)
+    await first.start()
+    first.runner = HoldingLast(first.runner, 4)
+    await until(lambda: len(first.recent_rewards) == 3)
+    await first.stop()
+    second = RolloutDriver(config, nats_url, served.url)
+    assert (second.accepted, second.tasks_drawn) == (0, 1)
+    assert second.capacity(4)
