@@ -271,6 +271,15 @@ class WeightUpdate(Record, kw_only=True):
     """Directory in the weight store holding the checkpoint (safetensors + config)."""
     step: int
     """Trainer step that produced it."""
+    parent: int | None = None
+    """The version its training continued from: the previous one announced, or, after a
+    rollback, the version the trainer was told to continue from (`bus/versions.py`)."""
+    trained_on: dict[str, Any] = msgspec.field(default_factory=dict)
+    """What made it since `parent`: `samples`, `steps` ([first, last]), `sample_ids` (the newest)."""
+    metrics: dict[str, float] = msgspec.field(default_factory=dict)
+    """Training metrics of the steps since `parent`, averaged: reward, KL to the reference, entropy, ..."""
+    config: dict[str, Any] = msgspec.field(default_factory=dict)
+    """The training settings that made it."""
 
 
 Codec = Literal["msgpack", "json"]

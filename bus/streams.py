@@ -10,6 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from bus.records import Record, Sample, SessionEvent, Trajectory, Turn, Unscored, WeightUpdate
+from bus.registry import ROUTING_SUBJECT
+from bus.versions import Routing, VersionCommand
 
 
 @dataclass(frozen=True)
@@ -29,6 +31,8 @@ TRAJECTORY_SUBJECT = "flywheel.trajectories"
 SAMPLE_SUBJECT = "flywheel.samples"
 UNSCORED_SUBJECT = "flywheel.unscored"
 WEIGHTS_SUBJECT = "flywheel.weights"
+COMMANDS_SUBJECT = "flywheel.versions.commands"
+"""Operators' requests to the promotion loop (`deploy.versions`, the gateway's admin routes)."""
 
 DAY = 24 * 3600.0
 
@@ -37,8 +41,9 @@ TRAJECTORIES = StreamSpec("TRAJECTORIES", (TRAJECTORY_SUBJECT,), max_age_s=7 * D
 SAMPLES = StreamSpec("SAMPLES", (SAMPLE_SUBJECT,), max_age_s=7 * DAY)
 UNSCORED = StreamSpec("UNSCORED", (UNSCORED_SUBJECT,), max_age_s=30 * DAY)
 WEIGHTS = StreamSpec("WEIGHTS", (WEIGHTS_SUBJECT,), max_age_s=30 * DAY, max_msgs_per_subject=64)
+COMMANDS = StreamSpec("VERSION_COMMANDS", (COMMANDS_SUBJECT,), max_age_s=30 * DAY)
 
-STREAMS: dict[str, StreamSpec] = {s.name: s for s in (TRAFFIC, TRAJECTORIES, SAMPLES, UNSCORED, WEIGHTS)}
+STREAMS: dict[str, StreamSpec] = {s.name: s for s in (TRAFFIC, TRAJECTORIES, SAMPLES, UNSCORED, WEIGHTS, COMMANDS)}
 
 RECORD_TYPES: dict[str, type[Record]] = {
     TURN_SUBJECT: Turn,
@@ -47,5 +52,7 @@ RECORD_TYPES: dict[str, type[Record]] = {
     SAMPLE_SUBJECT: Sample,
     UNSCORED_SUBJECT: Unscored,
     WEIGHTS_SUBJECT: WeightUpdate,
+    COMMANDS_SUBJECT: VersionCommand,
+    ROUTING_SUBJECT: Routing,  # a key of the registry's bucket (bus/registry.py), not a stream of its own
 }
 """Which record type a subject carries; the bus decodes by subject."""

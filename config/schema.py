@@ -13,6 +13,7 @@ from typing import Any, Literal
 from pydantic import Field, field_validator, model_validator
 
 from config.judge import JudgeConfig
+from config.promotion import PromotionConfig
 from config.section import Section
 from config.serve import ServeConfig
 
@@ -289,6 +290,7 @@ class FlywheelConfig(Section):
     rollout: RolloutConfig = RolloutConfig()
     actor: ActorConfig = ActorConfig()
     train: TrainConfig = TrainConfig()
+    promotion: PromotionConfig = PromotionConfig()
     deploy: DeployConfig = DeployConfig()
 
     @property

@@ -78,7 +78,7 @@ class ServeConfig(Section):
     """How many sessions' latest token sequences the gateway keeps so that their next prompt
     continues the exact ids the model saw (`serve/continuation.py`); 0 turns this off."""
     tool_format: Literal["auto", "hermes", "llama3_json", "mistral"] = "auto"
-    """How the model writes tool calls (`serve/tools/formats.py`); `auto` reads it from the chat
+    """How the model writes tool calls (`models/tool_formats.py`); `auto` reads it from the chat
     template. A template that renders no tools always gets the gateway's Hermes prompt."""
     stored_responses: int = Field(10_000, ge=0)
     """How many Responses API answers (with `store`) the gateway keeps in memory for

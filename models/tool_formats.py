@@ -1,6 +1,7 @@
-"""How a model family writes tool calls, and everything the gateway does with that format:
-parse calls out of an answer, hold back streamed text that may be a call, force a call
-(`tool_choice`), and constrain a forced call with a grammar.
+"""How a model family writes tool calls, and everything done with that format: the gateway
+parses calls out of an answer, holds back streamed text that may be a call, forces a call
+(`tool_choice`) and constrains a forced call with a grammar; the promotion gate counts answers
+that began a call nobody can read (`malformed`).
 
     hermes        <tool_call>{"name": "f", "arguments": {...}}</tool_call>   (Hermes, Qwen; the
                   format of the prompt the gateway writes for templates that render no tools)
@@ -62,6 +63,10 @@ class ToolFormat:
     def parse(self, text: str) -> tuple[str | None, list[dict[str, Any]]]:
         """(content, tool calls) of an answer; no calls means the text is all content."""
         raise NotImplementedError
+
+    def malformed(self, text: str) -> bool:
+        """Whether an answer began a call (`start` is in it) that `parse` cannot read."""
+        return self.start in text and not self.parse(text)[1]
 
     def release(self, pending: str, shown: bool) -> tuple[int, bool]:
         """How much of `pending` (streamed text not yet shown; `shown`: whether any text before it
@@ -168,6 +173,10 @@ class Llama3Json(ToolFormat):
                 return text, []
             position = len(body) - len(rest[1:].lstrip())
         return None, calls
+
+    def malformed(self, text: str) -> bool:
+        """An answer that is calls begins with one: only then can it be a call gone wrong."""
+        return text.strip().startswith(("{", self.PYTHON_TAG)) and not self.parse(text)[1]
 
     def release(self, pending: str, shown: bool) -> tuple[int, bool]:
         if shown:

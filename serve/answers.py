@@ -24,6 +24,7 @@ from starlette.responses import Response
 from starlette.types import Receive
 
 from config.schema import ServeConfig
+from models.tool_formats import ToolFormat
 from serve.api.chat import ChatCompletionRequest, CompletionRequest
 from serve.api.errors import APIError
 from serve.api.sessions import SessionInfo
@@ -36,7 +37,6 @@ from serve.generation import Generation
 from serve.ops.limits import ConcurrencyLimiter, request_timeout
 from serve.ops.metrics import ServeMetrics
 from serve.recorder import Recorder, RecordLost
-from serve.tools.formats import ToolFormat
 
 
 @dataclass

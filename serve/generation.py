@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from bus import TURN_SUBJECT, Timings, Turn
+from models.tool_formats import ToolFormat
 from serve.api.chat import ChatCompletionRequest, CompletionRequest, sampling_params
 from serve.api.formatting import chat_message, output_text, stop_string
 from serve.api.sessions import SessionInfo
@@ -27,7 +28,6 @@ from serve.backends.base import EngineClient, EngineError
 from serve.choices import Choice
 from serve.recorder import Recorder, RecordLost
 from serve.streamed_text import StreamedText
-from serve.tools.formats import ToolFormat
 
 
 @dataclass

@@ -7,11 +7,11 @@ import asyncio
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
+from models.tool_formats import FORMATS, HERMES, ToolFormat, detect
 from serve.api.chat import ChatCompletionRequest, CompletionRequest
 from serve.api.errors import APIError
 from serve.api.sessions import SessionInfo
 from serve.continuation import SessionContinuations
-from serve.tools.formats import FORMATS, HERMES, ToolFormat, detect
 from serve.tools.template import adapt_messages, template_support
 
 

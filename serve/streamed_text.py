@@ -9,8 +9,8 @@ choice ends). A forced call's prefix counts as the answer's start, so it holds e
 
 from __future__ import annotations
 
+from models.tool_formats import ToolFormat
 from serve.text_pieces import TextPieces
-from serve.tools.formats import ToolFormat
 
 
 class StreamedText:

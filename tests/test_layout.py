@@ -1,4 +1,4 @@
-"""The house rule, enforced: the loops (serve, collect, judge, train) and the rollout driver never
+"""The house rule, enforced: the loops (serve, collect, judge, train, promote) and the rollout driver never
 import one another. What two of them share lives in `bus/` (the wire) or `models/` (weights and
 tokenizers); `deploy/` hosts them by name. Every import counts, also one inside a function."""
 
@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-PROCESSES = ("serve", "collect", "judge", "train", "rollout")
+PROCESSES = ("serve", "collect", "judge", "train", "rollout", "promote")
 
 
 def imported_packages(path: Path) -> set[tuple[str, int]]:

@@ -8,8 +8,8 @@ import random
 
 import pytest
 
+from models.tool_formats import FORMATS
 from serve.streamed_text import StreamedText
-from serve.tools.formats import FORMATS
 
 
 def reference(fmt, text: str) -> str:

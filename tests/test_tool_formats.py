@@ -12,7 +12,7 @@ import jsonschema
 import openai
 import pytest
 
-from serve.tools.formats import FORMATS, HERMES, detect
+from models.tool_formats import FORMATS, HERMES, detect
 from tests.teaching import serving, teach_tiny
 from tests.test_tools import ASK, WEATHER, recorded
 
@@ -38,6 +38,16 @@ def test_each_format_parses_its_calls_and_leaves_text_alone():
     assert llama.release('  {"na', False) == (0, True) and llama.release("Hello {", False) == (7, False)
     assert mistral.release("Sure [TOOL_C", False) == (5, False) and HERMES.release("ok <tool", False) == (3, False)
     assert HERMES.release("ok <tool_call>{", False) == (3, True)
+
+
+def test_a_call_begun_and_not_readable_is_malformed_and_nothing_else_is():
+    llama, mistral = FORMATS["llama3_json"], FORMATS["mistral"]
+    assert HERMES.malformed('<tool_call>{"name": "f", "arguments": {"x": </tool_call>')
+    assert not HERMES.malformed('<tool_call>\n{"name": "f", "arguments": {"x": 1}}\n</tool_call>')
+    assert not HERMES.malformed("no call here {at all}")
+    assert mistral.malformed("[TOOL_CALLS] not json") and not mistral.malformed("plain [text]")
+    assert llama.malformed('{"name": "f", "parameters": ') and llama.malformed("<|python_tag|>{oops")
+    assert not llama.malformed('The set {"a"} is small.') and not llama.malformed('{"name": "f", "parameters": {}}')
 
 
 @pytest.mark.parametrize("name", sorted(FORMATS))

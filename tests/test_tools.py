@@ -9,7 +9,7 @@ from transformers import AutoTokenizer
 
 from bus import TRAFFIC_SUBJECTS, Turn
 from models import resolve_model
-from serve.tools.formats import HERMES
+from models.tool_formats import HERMES
 from serve.tools.template import adapt_messages, template_support
 from tests.teaching import serving, teach_tiny
 

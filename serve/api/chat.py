@@ -11,8 +11,8 @@ from typing import Any, Literal
 
 from pydantic import Field, field_validator, model_validator
 
+from models.tool_formats import JSON_STYLE
 from serve.api.validation import Body, Lenient, Strict, invalid
-from serve.tools.formats import JSON_STYLE
 
 MAX_N = 16
 MAX_TOP_LOGPROBS = 20

@@ -10,8 +10,8 @@ import json
 import json.encoder
 from typing import Any
 
+from models.tool_formats import ToolFormat
 from serve.choices import Choice
-from serve.tools.formats import ToolFormat
 
 
 def fingerprint(version: int | None) -> str | None:

@@ -2,7 +2,7 @@
 when it does not.
 
 A chat template that renders `tools` (and assistant `tool_calls`) itself is used as it is; the
-model's answer is then read in the format that template teaches (`serve.tools.formats`). For one
+model's answer is then read in the format that template teaches (`models.tool_formats`). For one
 that does not (SmolLM2's), the gateway adds the tool list to the system message in the Hermes
 format the `tiny` template teaches:
 
@@ -16,7 +16,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from serve.tools.formats import HERMES
+from models.tool_formats import HERMES
 
 _PROBE = "flywheel_probe_tool"
 

@@ -1,0 +1,90 @@
+"""The version registry, kept on the bus: a JetStream key-value bucket any component can read.
+
+Keys of the bucket `FLYWHEEL_VERSIONS` (records in `bus/versions.py`, MessagePack):
+
+    v.<N>      the `VersionEntry` of version N
+    routing    the `Routing` gateways follow (which version serves, which one is canary)
+    trainer    the latest `TrainerDirective` (what to continue from after a rollback)
+
+The bucket is a stream like the others (replicated as `bus.replicas` says, kept on disk), so the
+registry outlives every process, the promotion loop included: a promoter that restarts reads
+where every version stands and goes on. Each key keeps its last 16 values (`kv history`), so a
+routing change can be traced. Gateways follow `routing` through the bucket's subject
+(`ROUTING_SUBJECT`, with `Bus.follow`), the way they follow weight announcements.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+from nats.js.api import KeyValueConfig, StorageType
+from nats.js.errors import BucketNotFoundError, KeyNotFoundError, NoKeysError
+
+from bus.records import decode, encode
+from bus.versions import Routing, TrainerDirective, VersionEntry
+
+BUCKET = "FLYWHEEL_VERSIONS"
+ROUTING_KEY = "routing"
+TRAINER_KEY = "trainer"
+ROUTING_SUBJECT = f"$KV.{BUCKET}.{ROUTING_KEY}"
+HISTORY = 16
+
+
+def version_key(version: int) -> str:
+    return f"v.{version}"
+
+
+class Registry:
+    def __init__(self, kv: Any):
+        self._kv = kv
+
+    @classmethod
+    async def open(cls, bus: Any) -> "Registry":
+        """The registry on `bus`, its bucket created if this is the first to use it."""
+        try:
+            kv = await bus.js.key_value(BUCKET)
+        except BucketNotFoundError:
+            config = KeyValueConfig(bucket=BUCKET, history=HISTORY, storage=StorageType.FILE, replicas=bus.replicas,
+                                    description="Flywheel's policy versions, their states and the routing")
+            kv = await bus.js.create_key_value(config)
+        return cls(kv)
+
+    async def _get(self, key: str, kind: type) -> Any:
+        try:
+            entry = await self._kv.get(key)
+        except KeyNotFoundError:
+            return None
+        if not entry.value:
+            return None
+        try:
+            return decode(entry.value, kind)
+        except (msgspec.ValidationError, msgspec.DecodeError):
+            return None
+
+    async def get(self, version: int) -> VersionEntry | None:
+        return await self._get(version_key(version), VersionEntry)
+
+    async def put(self, entry: VersionEntry) -> None:
+        await self._kv.put(version_key(entry.version), encode(entry))
+
+    async def versions(self) -> list[VersionEntry]:
+        """Every version the registry holds, oldest first."""
+        try:
+            keys = await self._kv.keys()
+        except NoKeysError:
+            return []
+        entries = [await self._get(key, VersionEntry) for key in keys if key.startswith("v.")]
+        return sorted((e for e in entries if e is not None), key=lambda e: e.version)
+
+    async def routing(self) -> Routing | None:
+        return await self._get(ROUTING_KEY, Routing)
+
+    async def set_routing(self, routing: Routing) -> None:
+        await self._kv.put(ROUTING_KEY, encode(routing))
+
+    async def directive(self) -> TrainerDirective | None:
+        return await self._get(TRAINER_KEY, TrainerDirective)
+
+    async def set_directive(self, directive: TrainerDirective) -> None:
+        await self._kv.put(TRAINER_KEY, encode(directive))

@@ -1,0 +1,126 @@
+"""The promotion loop's configuration (`promotion.*`): when a new version may serve.
+
+`mode: off` is the behaviour without a gate: every announced version is swapped into every
+engine. `gate`: a version serves only after the evaluation gate found it no worse than the
+serving one. `canary`: after the gate, it serves a share of new sessions until a sequential test
+on their online signals promotes it or rolls it back. Part of `config.schema.FlywheelConfig`;
+see docs/promotion.md.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field, model_validator
+
+from config.section import Section
+
+
+class SuiteConfig(Section):
+    """One evaluation suite of the gate: the same items answered by the candidate and by the
+    serving version, each answer scored, the paired differences compared."""
+
+    name: str
+    kind: Literal["env", "traffic"]
+    """`env`: an environment's held-out tasks, scored by the environment (`env` names it);
+    `traffic`: the prompts of recently recorded sessions, the two versions' replies compared by
+    the pinned judge (needs a judge server: `judge.llm`)."""
+    env: str | None = None
+    """For `env` suites: the environment (`arithmetic`, `humaneval`, ...), as `rollout.env` names them."""
+    env_args: dict = Field(default_factory=dict)
+    items: int = Field(32, ge=1)
+    """How many items the suite has (held-out tasks; recorded prompts, the newest distinct ones)."""
+    max_new_tokens: int = Field(128, ge=1)
+    margin: float = Field(0.1, ge=0)
+    """The candidate fails when, with `gate.confidence`, its mean score is below the serving
+    version's by more than this (scores: an environment's reward; the judge's preference in [-1, 1])."""
+
+    @model_validator(mode="after")
+    def _env_names_one(self) -> "SuiteConfig":
+        if self.kind == "env" and not self.env:
+            raise ValueError(f"promotion.gate.suites.{self.name}: an env suite needs `env`")
+        return self
+
+
+class GuardsConfig(Section):
+    """Limits on how the candidate's replies to the probe prompts may differ from the serving
+    version's; crossing any rejects it."""
+
+    probe_prompts: int = Field(16, ge=1)
+    """Prompts taken from the suites' items (recorded traffic first) to probe with."""
+    max_new_tokens: int = Field(64, ge=1)
+    max_kl: float = Field(1.0, gt=0)
+    """KL(candidate ‖ serving) per token on the candidate's own replies, in nats."""
+    max_length_ratio: float = Field(2.0, gt=1)
+    """Mean reply length of the candidate over the serving version's (and its inverse) at most this."""
+    max_malformed_tool_calls: float = Field(0.1, ge=0, le=1)
+    """Share of the replies that began a tool call it could not read, above the serving version's share."""
+    max_empty_or_cut: float = Field(0.2, ge=0, le=1)
+    """Share of empty replies or replies cut at the length limit, above the serving version's share."""
+
+
+class GateConfig(Section):
+    suites: list[SuiteConfig] = Field(default_factory=lambda: [SuiteConfig(name="traffic", kind="traffic")])
+    guards: GuardsConfig = GuardsConfig()
+    confidence: float = Field(0.9, gt=0.5, lt=1)
+    """One-sided confidence of a suite's verdict: a candidate passes a suite when the lower bound of
+    (candidate − serving) at this confidence is above −margin."""
+    temperature: float = Field(0.0, ge=0)
+    """Sampling temperature of the gate's answers (0: greedy, the same item gives the same answer)."""
+    timeout_s: float = Field(900.0, gt=0)
+    """An evaluation that takes longer is abandoned and retried (the candidate stays a candidate)."""
+
+
+class CanaryConfig(Section):
+    share: float = Field(0.1, gt=0, lt=1)
+    """Share of new sessions that go to the canary (sticky: a session stays on its version)."""
+    delta: float = Field(0.1, gt=0)
+    """The harm the sequential test is built to tell apart: a canary whose mean online reward is
+    below the serving version's by `delta` should be rolled back, one that is not below should be promoted."""
+    alpha: float = Field(0.05, gt=0, lt=0.5)
+    """Probability of promoting a canary that is `delta` worse (the test's bound, checked by simulation)."""
+    beta: float = Field(0.1, gt=0, lt=0.5)
+    """Probability of rolling back a canary that is no worse."""
+    min_sessions: int = Field(8, ge=2)
+    """Judged sessions each arm needs before the test may decide."""
+    max_sessions: int = Field(400, ge=4)
+    """Canary sessions after which the test must decide: promote if the estimate is nearer no harm than `delta`."""
+    variance_floor: float = Field(0.01, gt=0)
+    """Lower bound on each arm's reward variance in the test (a few identical rewards would otherwise
+    claim certainty)."""
+    max_error_rate_increase: float = Field(0.1, ge=0, le=1)
+    """Roll back at once when the canary's turns fail (aborted, errors) this much more often than
+    the serving version's, once each arm has `min_sessions` worth of turns."""
+    max_latency_ratio: float = Field(2.0, gt=1)
+    """Roll back at once when the canary's median time per output token exceeds the serving
+    version's by this factor."""
+    max_minutes: float | None = Field(None, gt=0)
+    """Roll back a canary still undecided after this long (None: wait for `max_sessions`)."""
+
+    @model_validator(mode="after")
+    def _room_to_decide(self) -> "CanaryConfig":
+        if self.max_sessions < self.min_sessions:
+            raise ValueError("promotion.canary.max_sessions must be at least promotion.canary.min_sessions")
+        return self
+
+
+class PromotionConfig(Section):
+    mode: Literal["off", "gate", "canary"] = "off"
+    """`off`: every announced version serves at once (no registry, no promotion loop); `gate`: a
+    version serves once the gate passes it; `canary`: the gate, then a canary of new sessions and
+    a sequential test."""
+    gate: GateConfig = GateConfig()
+    canary: CanaryConfig = CanaryConfig()
+    continue_from: Literal["last_good", "latest"] = "last_good"
+    """What the trainer continues from after a version is rejected or rolled back: the weights of
+    the last good version (serving, or retired after serving) with a fresh optimizer, or its own
+    latest weights (the verdict then only decides what serves)."""
+    eval_torch_threads: int = Field(1, ge=1)
+    """Threads of the evaluation server's engine (it runs beside serving and training)."""
+
+    @property
+    def enabled(self) -> bool:
+        return self.mode != "off"
+
+    def needs_judge(self) -> bool:
+        return self.enabled and any(s.kind == "traffic" for s in self.gate.suites)

@@ -1,0 +1,55 @@
+"""The canary's sequential test: its error rates by simulation (0/1 rewards, a 10 % canary
+share, the configured δ = 0.1, α = 0.05, β = 0.1), and its decisions on known evidence."""
+
+import pytest
+
+from promote.sequential import ArmStats, SequentialTest, simulate
+
+TEST = SequentialTest(delta=0.1, alpha=0.05, beta=0.1, min_sessions=8, max_sessions=400)
+RUNS = 300
+
+
+def arm(rewards: list[float]) -> ArmStats:
+    stats = ArmStats()
+    for reward in rewards:
+        stats.add(reward)
+    return stats
+
+
+def test_a_canary_worse_by_delta_is_promoted_at_most_alpha_of_the_time():
+    # α = 0.05; 3 standard errors of a 300-run estimate above it
+    assert simulate(TEST, true_delta=-0.1, share=0.1, runs=RUNS, seed=1)["promoted"] <= 0.05 + 3 * (0.05 * 0.95 / RUNS) ** 0.5
+
+
+def test_a_much_worse_canary_is_rolled_back_quickly():
+    result = simulate(TEST, true_delta=-0.3, share=0.1, runs=RUNS, seed=2)
+    assert result["promoted"] <= 0.01 and result["canary_sessions_mean"] < 40
+
+
+def test_a_canary_no_worse_is_rolled_back_at_most_beta_of_the_time():
+    assert simulate(TEST, true_delta=0.0, share=0.1, runs=RUNS, seed=3)["promoted"] >= 0.9 - 3 * (0.1 * 0.9 / RUNS) ** 0.5
+
+
+def test_a_better_canary_is_promoted():
+    assert simulate(TEST, true_delta=0.1, share=0.1, runs=RUNS, seed=4)["promoted"] >= 0.97
+
+
+def test_it_waits_for_min_sessions_on_both_arms_and_decides_by_max_sessions():
+    assert TEST.decide(arm([0.0] * 7), arm([1.0] * 100)).verdict is None  # 7 < 8 canary sessions
+    assert TEST.decide(arm([0.0] * 8), arm([1.0] * 100)).verdict == "rollback"
+    wide = SequentialTest(delta=0.1, alpha=0.05, beta=0.1, min_sessions=8, max_sessions=20, variance_floor=1.0)
+    assert TEST.decide(arm([1.0] * 8), arm([1.0] * 100)).verdict == "promote"
+    assert wide.decide(arm([1.0] * 8), arm([1.0] * 100)).verdict is None  # identical rewards claim no certainty past the floor
+    assert wide.decide(arm([0.5] * 19), arm([0.5] * 19)).verdict is None
+    decided = wide.decide(arm([0.5] * 20), arm([0.5] * 20))
+    assert decided.verdict == "promote" and "undecided at 20" in decided.reason
+    assert wide.decide(arm([0.4] * 20), arm([0.5] * 20)).verdict == "rollback"  # nearer harm (Δ̂ = −δ) than no harm
+
+
+@pytest.mark.parametrize("rewards", [[0.0, 1.0, 1.0, 0.5], [3.0, -1.0, 2.5, 0.0, 0.25]])
+def test_arm_statistics_survive_a_round_trip_and_match_the_batch_formulas(rewards):
+    stats = arm(rewards)
+    mean = sum(rewards) / len(rewards)
+    assert stats.mean == pytest.approx(mean)
+    assert stats.m2 == pytest.approx(sum((r - mean) ** 2 for r in rewards))
+    assert ArmStats.from_dict(stats.as_dict()) == stats
