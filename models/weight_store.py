@@ -7,7 +7,8 @@ so SGLang's `/update_weights_from_disk` can take it as it is.
 
 A version appears all at once: it is written into `root/.tmp-v{N}-<random>/`, fsynced and renamed
 to `v{N}`, so a reader that sees `v{N}` sees all of it. Old versions are pruned (renamed away, then
-deleted) so that at most `keep` remain; a reader holding an old path should fall back to `latest()`.
+deleted) so that at most `keep` remain, besides the `protected` ones; a reader holding an old path
+should fall back to `latest()`.
 """
 
 from __future__ import annotations
@@ -71,6 +72,8 @@ class WeightStore:
             raise ValueError(f"keep must be at least 1, got {keep}")
         self.root = Path(root)
         self.keep = keep
+        self.protected: set[int] = set()
+        """Versions never pruned, beyond the newest `keep` (those serving under promotion)."""
         self.root.mkdir(parents=True, exist_ok=True)
         self._remove_stale_tmp()
 
@@ -144,7 +147,7 @@ class WeightStore:
         return dest
 
     def _prune(self, published: int) -> None:
-        others = [v for v in self.versions() if v != published]
+        others = [v for v in self.versions() if v != published and v not in self.protected]
         for version in others[: max(0, len(others) + 1 - self.keep)]:
             self._remove(version)
 

@@ -102,6 +102,12 @@ async def test_train_loop_publishes_versions_and_drops_stale_samples(bus, nats_u
             await bus.publish(SAMPLE_SUBJECT, sample_of(turns[i], reward, version=1))
         second = await asyncio.wait_for(anext(announcements), 60)
         assert second.version == 2
+        # Each announcement says where it comes from: its parent, the steps and samples since, their metrics.
+        assert (first.parent, second.parent) == (0, 1)
+        assert second.trained_on["steps"] == [2, 2] and second.trained_on["samples"] == 2
+        assert len(set(first.trained_on["sample_ids"]) | set(second.trained_on["sample_ids"])) == 4
+        assert second.metrics["reward_mean"] == 0.75 and "entropy" in second.metrics and second.metrics["reply_tokens"] > 0
+        assert second.config["train"]["batch_size"] == 2
         assert loop.stats()["stale_dropped"] == 2 and loop.stats()["samples"] == 4
         assert loop.stats()["unresolved"] == 1  # its trajectory is not on the bus: counted, not trained
         lines = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]

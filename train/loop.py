@@ -20,6 +20,11 @@ once more from the same state; redeliveries of what the checkpoint holds are dro
 The steps of the abandoned weights are marked in `run_dir/trained.jsonl` (train/ledger.py).
 Versions only grow: restarting behind published versions gives the weights a new one.
 
+Under promotion (`promotion.mode` not off) the loop also follows the version registry before
+each step (train/under_promotion.py): it continues from the version a directive names, measures
+staleness in updates that were not abandoned, keeps pace with the serving version, and keeps the
+served versions in the weight store.
+
 One JSON line per step goes to `run_dir/metrics.jsonl`.
 """
 
@@ -38,16 +43,18 @@ import torch
 
 from bus import SAMPLE_SUBJECT, Delivery, Sample
 from bus.consumer_loop import ConsumerLoop
+from bus.registry import Registry
 from bus.dedup import RecentIds
 from config import ConfigError, FlywheelConfig
-from models import WeightStore, load_model
+from models import WeightStore, load_model, load_weights
 from train.advantages import RunningBaseline
 from train.checkpoint import Checkpoints
 from train.grouping import Group, GroupBatcher
 from train.ledger import Ledger
-from train.publisher import WeightPublisher
+from train.publisher import Lineage, WeightPublisher
 from train.step_batch import StepBatch
 from train.trainer import Trainer
+from train.under_promotion import UnderPromotion
 
 log = logging.getLogger(__name__)
 
@@ -60,7 +67,7 @@ class TrainLoop(ConsumerLoop):
         super().__init__(config, bus_url, durable)
         self.run_dir = Path(config.run_dir)
         self.baseline = RunningBaseline()
-        self.counts = {"samples": 0, "stale_dropped": 0, "unresolved": 0, "duplicates_dropped": 0}
+        self.counts = {"samples": 0, "stale_dropped": 0, "unresolved": 0, "duplicates_dropped": 0, "abandoned_dropped": 0}
         self.excluded: Counter[str] = Counter()
         """Sampled tokens left out of the loss, by reason (train/sampled.py), all run."""
         self.staleness_seen: Counter[int] = Counter()
@@ -91,7 +98,11 @@ class TrainLoop(ConsumerLoop):
         await super().start()
 
     async def prepare(self) -> None:
-        self.publisher = WeightPublisher(WeightStore(self.run_dir / "weights", keep=self.config.train.keep_versions), self.bus)
+        self.store = WeightStore(self.run_dir / "weights", keep=self.config.train.keep_versions)
+        self.publisher = WeightPublisher(self.store, self.bus)
+        self.promotion: UnderPromotion | None = None
+        if self.config.promotion.enabled:
+            self.promotion = UnderPromotion(await Registry.open(self.bus), self.config.rollout.max_head_offpolicyness)
         self.ledger = Ledger(self.run_dir / "trained.jsonl")
         await self._restore()
         self._checkpointed_at = self.trainer.step_count
@@ -117,6 +128,8 @@ class TrainLoop(ConsumerLoop):
             self.batcher.counts.update(loop.get("batcher", {}))
             self.version = loop.get("version", self.trainer.step_count)
             self.trained.add(loop.get("trained", []))
+            if self.promotion is not None:
+                self.promotion.restore(loop.get("promotion", {}))
             self.ledger.resumed(self.trainer.step_count)
             log.info("resumed from %s at step %d, version %d", path, self.trainer.step_count, self.version)
         newest = await self.publisher.newest()
@@ -125,10 +138,36 @@ class TrainLoop(ConsumerLoop):
             self.version = newest + 1
         if newest is not None:
             await self.publisher.publish(self.trainer.model, self.version, self.trainer.step_count)
+        settings = {"model": self.config.model, "train": self.config.train.model_dump(mode="json"),
+                    "actor": self.config.actor.model_dump(mode="json")}
+        self.lineage = Lineage(parent=self.version, config=settings)
+
+    def staleness(self, version: int) -> int:
+        """Updates between the trainer's weights and those of `version`."""
+        return self.promotion.distance(self.version, version) if self.promotion else self.version - version
 
     def is_stale(self, sample: Sample) -> bool:
         oldest = sample.trajectory.oldest_version
-        return oldest is not None and self.version - oldest > self.config.rollout.max_head_offpolicyness
+        return oldest is not None and self.staleness(oldest) > self.config.rollout.max_head_offpolicyness
+
+    def is_abandoned(self, sample: Sample) -> bool:
+        """Whether tokens of the sample came from a version a directive abandoned."""
+        if self.promotion is None or not self.promotion.abandoned:
+            return False
+        return any(self.promotion.is_abandoned(v) for seg in sample.trajectory.segments for v in set(seg.versions))
+
+    async def _follow_registry(self) -> bool:
+        """Carry out a new directive; whether the trainer may take a step now."""
+        assert self.promotion is not None
+        directive = await self.promotion.refresh()
+        self.store.protected = self.promotion.protected
+        if directive is not None:
+            await asyncio.to_thread(load_weights, self.trainer.model, directive.path or self.config.model)
+            self.trainer.optimizer.state.clear()
+            self.promotion.abandon(directive, self.version)
+            self.lineage.parent = directive.version
+            await self._checkpoint()
+        return self.promotion.may_step(self.version)
 
     async def _fetch(self, batch_size: int) -> list[Delivery]:
         """Up to `batch_size` samples, each with its trajectory attached. A sample whose
@@ -167,10 +206,13 @@ class TrainLoop(ConsumerLoop):
     async def step(self) -> None:
         for delivery in await self._fetch(self.config.train.batch_size):
             await self._admit(delivery)
-        for group in self.batcher.drop_stale(self.is_stale):  # re-checked each step: a waiting sample ages too
-            self.counts["stale_dropped"] += len(group.members)
-            for delivery in group.deliveries:
-                await delivery.ack()
+        if self.promotion is not None and not await self._follow_registry():
+            return  # too far ahead of the serving version: the samples wait
+        for reason, dropped in (("abandoned_dropped", self.is_abandoned), ("stale_dropped", self.is_stale)):
+            for group in self.batcher.drop_stale(dropped):  # re-checked each step: a waiting sample ages too
+                self.counts[reason] += len(group.members)
+                for delivery in group.deliveries:
+                    await delivery.ack()
         max_steps = self.config.train.max_steps
         if max_steps is not None and self.trainer.step_count >= max_steps:
             return
@@ -192,8 +234,9 @@ class TrainLoop(ConsumerLoop):
         self._training = []
         self.ledger.trained(self.trainer.step_count, self.version, ids)
         self._record(metrics)
+        self.lineage.trained(self.trainer.step_count, ids, metrics)
         if self.trainer.step_count % self.config.train.weight_update_interval == 0:
-            await self.publisher.publish(self.trainer.model, self.version, self.trainer.step_count)
+            await self.publisher.publish(self.trainer.model, self.version, self.trainer.step_count, self.lineage.announced(self.version))
             log.info("published weights v%d", self.version)
         interval = self.config.train.checkpoint_interval
         if interval and self.trainer.step_count % interval == 0:
@@ -201,7 +244,7 @@ class TrainLoop(ConsumerLoop):
 
     def _train(self, groups: list[Group]) -> dict[str, Any]:
         batch = StepBatch(groups, self.config, self.baseline, self.tokenizer.pad_token_id or 0)
-        staleness = [self.version - v for v in batch.oldest_versions if v is not None]
+        staleness = [self.staleness(v) for v in batch.oldest_versions if v is not None]
         self.staleness_seen.update(staleness)
         self.excluded.update(batch.excluded)
         metrics = self.trainer.step(batch.minibatches, version=self.version)
@@ -229,7 +272,7 @@ class TrainLoop(ConsumerLoop):
             "trainer": self.trainer.state(),
             "loop": {"counts": dict(self.counts), "baseline": self.baseline.value, "staleness_seen": dict(self.staleness_seen),
                      "excluded": dict(self.excluded), "batcher": dict(self.batcher.counts), "version": self.version,
-                     "trained": self.trained.to_list()},
+                     "trained": self.trained.to_list(), "promotion": self.promotion.state() if self.promotion else {}},
         }
         await asyncio.to_thread(self.checkpoints.save, self.trainer.step_count, self.trainer.model, state)
         self._checkpointed_at = self.trainer.step_count

@@ -1,0 +1,66 @@
+"""The trainer under promotion, against a real registry on a real bus: it keeps pace with the
+version serving everyone, continues from the version a directive names (its weights, a fresh
+optimizer), drops samples from the versions it abandons, counts staleness in updates that were
+not abandoned, and keeps the served versions in the weight store."""
+
+import asyncio
+import time
+
+import torch
+
+from bus import SAMPLE_SUBJECT, WEIGHTS_SUBJECT
+from bus.registry import Registry
+from bus.versions import Arm, Routing, TrainerDirective
+from config import load_config
+from models import load_model
+from tests.test_train_loop import sample_of, sampled_turns
+from train.loop import TrainLoop
+
+
+async def until(condition, timeout_s: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, "condition not reached"
+        await asyncio.sleep(0.02)
+
+
+async def test_pace_directives_abandoned_versions_and_protection(bus, nats_url, tmp_path):
+    turns = await sampled_turns(8)
+    config = load_config(None, [f"run_dir={tmp_path}", "train.batch_size=1", "rollout.max_head_offpolicyness=1",
+                                "promotion.mode=gate", "train.keep_versions=1", "actor.optimizer.lr=0.01"])
+    registry = await Registry.open(bus)
+    await registry.set_routing(Routing(id="r0", serving=Arm(version=0, path=None)))
+    loop = TrainLoop(config, nats_url)
+    await loop.start()
+    announcements = bus.follow(WEIGHTS_SUBJECT, from_last=False)
+    try:
+        for i in range(4):
+            await bus.publish(SAMPLE_SUBJECT, sample_of(turns[i], float(i % 2), version=0))
+        assert [(await asyncio.wait_for(anext(announcements), 60)).version for _ in range(2)] == [1, 2]
+        await until(lambda: loop.buffer == 2)  # two updates ahead of v0 with η = 1: the other two wait
+        assert loop.version == 2 and loop.stats()["samples"] == 2
+
+        # v2 serves: the waiting v0 samples are now 2 updates old (stale); a v2 sample is trained.
+        await registry.set_routing(Routing(id="r1", serving=Arm(version=2, path=str(tmp_path / "weights" / "v2"))))
+        await bus.publish(SAMPLE_SUBJECT, sample_of(turns[4], 1.0, version=2))
+        third = await asyncio.wait_for(anext(announcements), 60)
+        assert third.version == 3 and loop.stats()["stale_dropped"] == 2
+        assert (tmp_path / "weights" / "v2").exists() and not (tmp_path / "weights" / "v1").exists()  # v2 serves: kept
+
+        # Rolled back to v0: the trainer continues from v0's weights with a fresh optimizer; v1..v3 are abandoned.
+        base, _ = load_model("tiny")
+        assert loop.trainer.optimizer.state
+        await registry.set_routing(Routing(id="r2", serving=Arm(version=0, path=None)))
+        await registry.set_directive(TrainerDirective(id="d1", version=0, path=None, abandon_after=0, reason="v3 rolled back"))
+        await until(lambda: loop.promotion.abandoned == [1, 2, 3])
+        assert all(torch.equal(a, b) for a, b in zip(loop.trainer.model.state_dict().values(), base.state_dict().values()))
+        assert not loop.trainer.optimizer.state and loop.staleness(0) == 0  # v0's weights: 0 updates from v0
+        await bus.publish(SAMPLE_SUBJECT, sample_of(turns[5], 1.0, version=2))  # sampled by the abandoned v2
+        await until(lambda: loop.stats()["abandoned_dropped"] == 1)
+        await bus.publish(SAMPLE_SUBJECT, sample_of(turns[6], 1.0, version=0))
+        fourth = await asyncio.wait_for(anext(announcements), 60)
+        assert (fourth.version, fourth.parent) == (4, 0) and loop.staleness(0) == 1
+        assert loop.stats()["staleness_seen"] == {0: 3, 1: 1}  # the v0 sample after the rollback: 0 updates old, not 3
+    finally:
+        await announcements.aclose()
+        await loop.stop()

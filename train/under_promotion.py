@@ -1,0 +1,82 @@
+"""The trainer when versions must earn their traffic (`promotion.mode` not off): what it reads
+from the version registry (`bus/registry.py`) before each step.
+
+- **Directives.** After a version is rejected or rolled back, the promotion loop tells the trainer
+  what to continue from (`TrainerDirective`, `promotion.continue_from`): the weights of that
+  version, with a fresh optimizer state (its moments were built along the abandoned path). The
+  versions it published after that one are abandoned: samples with tokens from them are not
+  trained (`abandoned_dropped`), and they do not count as updates between two versions.
+- **Distance.** Staleness is counted in updates a sample's weights are behind the trainer's:
+  the versions between them, less the abandoned ones (a version trained from v3 after v4 and v5
+  were abandoned is one update from v3, not three).
+- **Pace.** The trainer takes a step only while it is at most η (`rollout.max_head_offpolicyness`)
+  updates ahead of the version serving everyone: traffic comes from that version, and a trainer
+  further ahead would find every sample stale (under a slow gate it would publish candidates
+  nobody serves). The samples keep arriving meanwhile and wait in the batcher.
+- **Protection.** The weight store never prunes the versions that serve (serving, canary) or the
+  last good one (what a rollback returns to).
+"""
+
+from __future__ import annotations
+
+import logging
+from bisect import bisect_right, insort
+from typing import Any
+
+from bus.registry import Registry
+from bus.versions import GOOD_STATES, TrainerDirective
+
+log = logging.getLogger(__name__)
+
+
+class UnderPromotion:
+    def __init__(self, registry: Registry, max_ahead: int):
+        self.registry = registry
+        self.max_ahead = max_ahead
+        self.abandoned: list[int] = []
+        """Versions abandoned by directives, sorted."""
+        self.applied: set[str] = set()
+        """Directive ids already carried out (checkpointed with the trainer)."""
+        self.serving: int | None = None
+        self.protected: set[int] = set()
+
+    def distance(self, newer: int, older: int) -> int:
+        """Updates between two versions: the versions in (older, newer] that were not abandoned."""
+        skipped = bisect_right(self.abandoned, newer) - bisect_right(self.abandoned, older)
+        return newer - older - skipped
+
+    def is_abandoned(self, version: int) -> bool:
+        i = bisect_right(self.abandoned, version)
+        return i > 0 and self.abandoned[i - 1] == version
+
+    async def refresh(self) -> TrainerDirective | None:
+        """Read the routing and the directive; the directive if it is new (not yet applied)."""
+        routing = await self.registry.routing()
+        if routing is not None:
+            self.serving = routing.serving.version
+            good = [e.version for e in await self.registry.versions() if e.state in GOOD_STATES]
+            self.protected = {routing.serving.version, *(good[-1:]), *([routing.canary.version] if routing.canary else [])}
+        directive = await self.registry.directive()
+        if directive is None or directive.id in self.applied:
+            return None
+        return directive
+
+    def abandon(self, directive: TrainerDirective, current: int) -> None:
+        """Mark the versions the directive abandons: (abandon_after, current]."""
+        for version in range(directive.abandon_after + 1, current + 1):
+            if not self.is_abandoned(version):
+                insort(self.abandoned, version)
+        self.applied.add(directive.id)
+        log.info("continuing from v%d (%s); versions %d..%d abandoned", directive.version, directive.reason,
+                 directive.abandon_after + 1, current)
+
+    def may_step(self, version: int) -> bool:
+        """Whether the trainer at `version` may take a step (it is not too far ahead of serving)."""
+        return self.serving is None or self.distance(version, self.serving) <= self.max_ahead
+
+    def state(self) -> dict[str, Any]:
+        return {"abandoned": list(self.abandoned), "applied": sorted(self.applied)}
+
+    def restore(self, state: dict[str, Any]) -> None:
+        self.abandoned = sorted(state.get("abandoned", []))
+        self.applied = set(state.get("applied", []))
