@@ -43,8 +43,8 @@ import torch
 
 from bus import SAMPLE_SUBJECT, Delivery, Sample
 from bus.consumer_loop import ConsumerLoop
-from bus.registry import Registry
 from bus.dedup import RecentIds
+from bus.registry import Registry
 from config import ConfigError, FlywheelConfig
 from models import WeightStore, load_model, load_weights
 from train.advantages import RunningBaseline

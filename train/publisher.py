@@ -23,7 +23,6 @@ import torch
 from bus import WEIGHTS_SUBJECT, Bus, WeightUpdate
 from models import WeightStore
 
-
 LINEAGE_METRICS = ("reward_mean", "kl", "entropy", "reply_tokens", "loss", "grad_norm", "clip_fraction", "behav_logprob_gap")
 """The step metrics a version's announcement carries (averaged over the steps since its parent)."""
 RECENT_IDS = 256
