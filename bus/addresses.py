@@ -3,7 +3,8 @@
 `bus.url` (written by whoever starts the bus: `start_bus`) is how `python -m bus.tail` and other
 operators' tools find the bus; `serve.url` (written by the serve loop once it listens) is this deployment's endpoint;
 `judge.url` (written by a `serve.role: judge` server) is the judge's own server, whose weights do
-not move, which an `llm` judge and the hint teacher use.
+not move, which an `llm` judge and the hint teacher use; `eval.url` (a `serve.role: eval`
+server) is where the promotion gate answers its suites with the versions it compares.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from pathlib import Path
 BUS = "bus.url"
 SERVE = "serve.url"
 JUDGE = "judge.url"
+EVAL = "eval.url"
 
 
 def write_address(run_dir: str | Path, name: str, url: str) -> None:

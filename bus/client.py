@@ -262,13 +262,15 @@ class Bus:
             return None
         return decode(await read_payload(self, raw.data, raw.headers), RECORD_TYPES[subject])
 
-    async def follow(self, subject: str, from_last: bool = True, newest_only: bool = False) -> AsyncIterator[Record]:
-        """Every new record on a subject (starting with the newest existing one if `from_last`),
-        through an ephemeral ordered consumer: for state every process must see, like weights.
-        `newest_only`: of records that arrived together (a backlog after the bus was away, or
-        while the caller was busy) only the newest, for state where it supersedes the rest."""
+    async def follow(self, subject: str, from_last: bool = True, newest_only: bool = False,
+                     from_first: bool = False) -> AsyncIterator[Record]:
+        """Every new record on a subject (starting with the newest existing one if `from_last`,
+        with every one the stream holds if `from_first`), through an ephemeral ordered consumer:
+        for state every process must see, like weights. `newest_only`: of records that arrived
+        together (a backlog after the bus was away, or while the caller was busy) only the
+        newest, for state where it supersedes the rest."""
         queue: asyncio.Queue[Msg] = asyncio.Queue()
-        policy = DeliverPolicy.LAST if from_last else DeliverPolicy.NEW
+        policy = DeliverPolicy.ALL if from_first else DeliverPolicy.LAST if from_last else DeliverPolicy.NEW
         sub = await self.js.subscribe(subject, cb=queue.put, ordered_consumer=True, deliver_policy=policy)
         kind = RECORD_TYPES[subject]
         try:

@@ -5,16 +5,20 @@ Keys of the bucket `FLYWHEEL_VERSIONS` (records in `bus/versions.py`, MessagePac
     v.<N>      the `VersionEntry` of version N
     routing    the `Routing` gateways follow (which version serves, which one is canary)
     trainer    the latest `TrainerDirective` (what to continue from after a rollback)
+    result.<id>  the `CommandResult` of an operator's command (what `deploy.versions` waits for)
 
 The bucket is a stream like the others (replicated as `bus.replicas` says, kept on disk), so the
 registry outlives every process, the promotion loop included: a promoter that restarts reads
 where every version stands and goes on. Each key keeps its last 16 values (`kv history`), so a
 routing change can be traced. Gateways follow `routing` through the bucket's subject
-(`ROUTING_SUBJECT`, with `Bus.follow`), the way they follow weight announcements.
+(`bus.streams.ROUTING_SUBJECT`, with `Bus.follow`), the way they follow weight announcements.
 """
 
 from __future__ import annotations
 
+import asyncio
+import time
+import uuid
 from typing import Any
 
 import msgspec
@@ -22,12 +26,12 @@ from nats.js.api import KeyValueConfig, StorageType
 from nats.js.errors import BucketNotFoundError, KeyNotFoundError, NoKeysError
 
 from bus.records import decode, encode
-from bus.versions import Routing, TrainerDirective, VersionEntry
+from bus.streams import COMMANDS_SUBJECT, REGISTRY_BUCKET
+from bus.versions import CommandKind, CommandResult, Routing, TrainerDirective, VersionCommand, VersionEntry
 
-BUCKET = "FLYWHEEL_VERSIONS"
+BUCKET = REGISTRY_BUCKET
 ROUTING_KEY = "routing"
 TRAINER_KEY = "trainer"
-ROUTING_SUBJECT = f"$KV.{BUCKET}.{ROUTING_KEY}"
 HISTORY = 16
 
 
@@ -88,3 +92,23 @@ class Registry:
 
     async def set_directive(self, directive: TrainerDirective) -> None:
         await self._kv.put(TRAINER_KEY, encode(directive))
+
+    async def result(self, command_id: str) -> CommandResult | None:
+        return await self._get(f"result.{command_id}", CommandResult)
+
+    async def set_result(self, result: CommandResult) -> None:
+        await self._kv.put(f"result.{result.id}", encode(result))
+
+
+async def send_command(bus: Any, registry: Registry, kind: CommandKind, version: int | None = None, reason: str = "",
+                       operator: str = "cli", timeout_s: float = 60.0) -> CommandResult:
+    """Send an operator's command to the promotion loop and wait for its result; TimeoutError
+    when no promotion loop carried it out in time (is `promotion.mode` on?)."""
+    command = VersionCommand(id=f"command-{uuid.uuid4().hex[:12]}", kind=kind, version=version, reason=reason, operator=operator)
+    await bus.publish(COMMANDS_SUBJECT, command)
+    deadline = time.monotonic() + timeout_s
+    while (result := await registry.result(command.id)) is None:
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"no promotion loop carried out `{kind}` within {timeout_s:.0f} s: is promotion.mode on?")
+        await asyncio.sleep(0.1)
+    return result

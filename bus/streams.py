@@ -10,7 +10,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from bus.records import Record, Sample, SessionEvent, Trajectory, Turn, Unscored, WeightUpdate
-from bus.registry import ROUTING_SUBJECT
 from bus.versions import Routing, VersionCommand
 
 
@@ -32,6 +31,10 @@ SAMPLE_SUBJECT = "flywheel.samples"
 UNSCORED_SUBJECT = "flywheel.unscored"
 WEIGHTS_SUBJECT = "flywheel.weights"
 COMMANDS_SUBJECT = "flywheel.versions.commands"
+REGISTRY_BUCKET = "FLYWHEEL_VERSIONS"
+"""The version registry's key-value bucket (bus/registry.py)."""
+ROUTING_SUBJECT = f"$KV.{REGISTRY_BUCKET}.routing"
+"""The registry's routing key, as a subject gateways follow."""
 """Operators' requests to the promotion loop (`deploy.versions`, the gateway's admin routes)."""
 
 DAY = 24 * 3600.0

@@ -79,10 +79,22 @@ class VersionEntry(Record, kw_only=True):
     def ended(self) -> bool:
         return self.state in ENDED_STATES
 
+    @property
+    def served(self) -> bool:
+        """Whether it ever served everyone."""
+        return any(t.state == "serving" for t in self.transitions)
+
     def online_reward(self) -> tuple[int, float | None]:
         """Sessions judged while it sampled them, and their mean reward."""
         sessions = int(sum(row[1] for row in self.online))
         return sessions, (sum(row[2] for row in self.online) / sessions if sessions else None)
+
+
+def last_good(entries: list[VersionEntry], besides: int | None = None) -> VersionEntry | None:
+    """The newest version that served everyone and was never found worse (what a rollback
+    returns to), other than `besides`."""
+    good = [e for e in entries if e.state in GOOD_STATES and e.served and e.version != besides]
+    return max(good, key=lambda e: e.version, default=None)
 
 
 class Arm(msgspec.Struct, kw_only=True):
@@ -128,3 +140,16 @@ class VersionCommand(Record, kw_only=True):
     """`promote` and `pin`: which version; `rollback`: to which (None: the last good one)."""
     reason: str = ""
     operator: str = "cli"
+
+
+class CommandResult(Record, kw_only=True):
+    """What became of a `VersionCommand` (same `id`): done, or refused and why."""
+
+    ok: bool
+    message: str
+
+
+def registry_json(entries: list[VersionEntry], routing: Routing | None) -> dict[str, Any]:
+    """The registry as plain JSON (the gateway's `/admin/versions` and `/dashboard.json`)."""
+    return {"routing": msgspec.to_builtins(routing) if routing else None,
+            "versions": [msgspec.to_builtins(e) for e in entries]}

@@ -21,25 +21,16 @@ class SuiteConfig(Section):
     serving version, each answer scored, the paired differences compared."""
 
     name: str
-    kind: Literal["env", "traffic"]
-    """`env`: an environment's held-out tasks, scored by the environment (`env` names it);
-    `traffic`: the prompts of recently recorded sessions, the two versions' replies compared by
-    the pinned judge (needs a judge server: `judge.llm`)."""
-    env: str | None = None
-    """For `env` suites: the environment (`arithmetic`, `humaneval`, ...), as `rollout.env` names them."""
+    env: str
+    """The environment whose held-out tasks are the items (`arithmetic`, `digits`, `humaneval`, ...,
+    as `rollout.env` names them), each reply graded by it."""
     env_args: dict = Field(default_factory=dict)
-    items: int = Field(32, ge=1)
-    """How many items the suite has (held-out tasks; recorded prompts, the newest distinct ones)."""
+    items: int = Field(32, ge=2)
+    """How many held-out tasks the suite has."""
     max_new_tokens: int = Field(128, ge=1)
     margin: float = Field(0.1, ge=0)
-    """The candidate fails when, with `gate.confidence`, its mean score is below the serving
-    version's by more than this (scores: an environment's reward; the judge's preference in [-1, 1])."""
-
-    @model_validator(mode="after")
-    def _env_names_one(self) -> "SuiteConfig":
-        if self.kind == "env" and not self.env:
-            raise ValueError(f"promotion.gate.suites.{self.name}: an env suite needs `env`")
-        return self
+    """The candidate fails when, with `gate.confidence`, its mean reward is below the serving
+    version's by more than this."""
 
 
 class GuardsConfig(Section):
@@ -47,7 +38,7 @@ class GuardsConfig(Section):
     version's; crossing any rejects it."""
 
     probe_prompts: int = Field(16, ge=1)
-    """Prompts taken from the suites' items (recorded traffic first) to probe with."""
+    """Prompts taken from the suites' items to probe with."""
     max_new_tokens: int = Field(64, ge=1)
     max_kl: float = Field(1.0, gt=0)
     """KL(candidate ‖ serving) per token on the candidate's own replies, in nats."""
@@ -60,7 +51,8 @@ class GuardsConfig(Section):
 
 
 class GateConfig(Section):
-    suites: list[SuiteConfig] = Field(default_factory=lambda: [SuiteConfig(name="traffic", kind="traffic")])
+    suites: list[SuiteConfig] = Field(default_factory=list)
+    """At least one when `promotion.mode` is not off."""
     guards: GuardsConfig = GuardsConfig()
     confidence: float = Field(0.9, gt=0.5, lt=1)
     """One-sided confidence of a suite's verdict: a candidate passes a suite when the lower bound of
@@ -96,6 +88,9 @@ class CanaryConfig(Section):
     version's by this factor."""
     max_minutes: float | None = Field(None, gt=0)
     """Roll back a canary still undecided after this long (None: wait for `max_sessions`)."""
+    engine_urls: list[str] = Field(default_factory=list)
+    """External engines for the canary (needed when `serve.engine_urls` are external); empty: a
+    second embedded engine in the gateway's process, created when the first canary starts."""
 
     @model_validator(mode="after")
     def _room_to_decide(self) -> "CanaryConfig":
@@ -117,10 +112,15 @@ class PromotionConfig(Section):
     latest weights (the verdict then only decides what serves)."""
     eval_torch_threads: int = Field(1, ge=1)
     """Threads of the evaluation server's engine (it runs beside serving and training)."""
+    eval_url: str | None = None
+    """The evaluation server (`serve.role: eval`) the gate uses; `deploy` starts one and sets it."""
 
     @property
     def enabled(self) -> bool:
         return self.mode != "off"
 
-    def needs_judge(self) -> bool:
-        return self.enabled and any(s.kind == "traffic" for s in self.gate.suites)
+    @model_validator(mode="after")
+    def _something_to_compare_on(self) -> "PromotionConfig":
+        if self.enabled and not self.gate.suites:
+            raise ValueError("promotion.gate.suites: the gate needs at least one suite (e.g. {name: heldout, env: arithmetic})")
+        return self

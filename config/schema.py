@@ -247,7 +247,7 @@ class TrainConfig(Section):
         return self
 
 
-LOOP_NAMES = ("serve", "collect", "judge", "train", "rollout")
+LOOP_NAMES = ("serve", "collect", "judge", "train", "rollout", "promote", "eval_serve")
 
 
 class DeployConfig(Section):
@@ -260,7 +260,8 @@ class DeployConfig(Section):
     Where gateways run on their own (a Kubernetes Deployment), the Ray cluster hosts
     `[collect, judge, train]` and rollouts reach the gateways at `rollout.endpoint`."""
     resources: dict[str, dict[str, float]] = Field(default_factory=dict)
-    """Ray resources each loop's actor requests, by loop (serve, collect, judge, train, rollout),
+    """Ray resources each loop's actor requests, by loop (serve, collect, judge, train, rollout,
+    promote, eval_serve),
     e.g. `{train: {trainer: 1}, serve: {engine: 1}}`: a custom resource places the loop on the
     nodes started with it (`ray start --resources '{"trainer": 1}'`); `CPU` and `GPU` are
     Ray's own. A loop not named reserves nothing and runs on any node."""

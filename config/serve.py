@@ -39,12 +39,14 @@ class ServeConfig(Section):
     swap_mode: Literal["in_place", "retract"] = "in_place"
     """How in-flight generations cross a weight swap: keep their KV cache (`in_place`; later
     tokens carry the new version) or have it recomputed under the new weights (`retract`)."""
-    role: Literal["policy", "judge"] = "policy"
+    role: Literal["policy", "judge", "eval"] = "policy"
     """`judge`: a server whose weights do not move (a judge's, a hint teacher's): it keeps the
     weights it started with and never follows announced versions, writes its URL to
     `run_dir/judge.url` (not serve.url), and also serves SGLang's `/generate` at
     `/engine/generate` (prefill scoring). Its requests are recorded as any, judges send side
-    turns, which nothing trains on. `deploy` starts one when a judge needs it."""
+    turns, which nothing trains on. `deploy` starts one when a judge needs it. `eval`: the same,
+    for the promotion gate (`run_dir/eval.url`), which loads the versions it compares through
+    SGLang's `/engine/update_weights_from_disk` (any version, older ones too)."""
     swap_weights: bool = True
     """Whether this gateway loads announced weights into its engines. Several gateways in front
     of the same `engine_urls` should leave it to one: the others (`false`) follow, polling the

@@ -25,7 +25,9 @@ LOOPS = {
     "rollout": "rollout.driver:RolloutDriver",
     "judge": "judge.loop:JudgeLoop",
     "judge_serve": "serve.loop:ServeLoop",
+    "eval_serve": "serve.loop:ServeLoop",
     "train": "train.loop:TrainLoop",
+    "promote": "promote.loop:PromoteLoop",
 }
 
 

@@ -6,7 +6,9 @@
 Starting: the bus (an embedded nats-server unless `bus.url` names one), Ray (local unless
 `deploy.ray_address` names a cluster), then the loops of `deploy.loops` (serve, collect, judge,
 train), each placed by `deploy.resources`, and, when `rollout.enabled`, the rollout driver
-pointed at serve's URL (or `rollout.endpoint`). Ray restarts a loop whose process or node dies
+pointed at serve's URL (or `rollout.endpoint`). With `promotion.mode` not off, the promotion loop
+joins the trainer (`promote`) with its evaluation server (`eval_serve`, `serve.role: eval`), and
+the judge's own server when a judge needs one. Ray restarts a loop whose process or node dies
 (`deploy.actors`). Stopping reverses that and leaves
 no process behind: every loop is stopped, its actor killed, a Ray this deployment started is
 shut down, and an embedded nats-server is terminated.
@@ -42,6 +44,8 @@ class Deployment:
         self.serve_url: str | None = None
         self.judge_url: str | None = None
         """The judge's own server (`serve.role: judge`), when the judge needs one."""
+        self.eval_url: str | None = None
+        """The promotion gate's evaluation server (`serve.role: eval`), under promotion."""
         self.actors: dict[str, Any] = {}
         self._nats: EmbeddedNats | None = None
         self._owns_ray = False
@@ -76,7 +80,12 @@ class Deployment:
         gateway = self.serve_url or self.config.rollout.endpoint  # gateways hosted elsewhere
         judge = self.config.model_copy(deep=True)
         if "judge" in loops and self.config.judge.needs_server():
-            self.judge_url = self._launch("judge_serve", judge_server_config(self.config))
+            self.judge_url = self._launch("judge_serve", side_server_config(self.config, "judge"))
+        if "train" in loops and self.config.promotion.enabled:
+            self.eval_url = self._launch("eval_serve", side_server_config(self.config, "eval"))
+            promote = self.config.model_copy(deep=True)
+            promote.promotion.eval_url = self.eval_url
+            self._launch("promote", promote)
         if judge.judge.llm.base_url is None:  # the judge reads its URL here, on whatever node it runs
             source = self.judge_url if judge.judge.llm.source == "pinned" else gateway
             judge.judge.llm.base_url = source and f"{source}/v1"
@@ -111,7 +120,7 @@ class Deployment:
 
     def stop(self) -> None:
         # Traffic sources first, then the loops downstream of them.
-        for kind in ("rollout", "serve", "collect", "judge", "judge_serve", "train"):
+        for kind in ("rollout", "serve", "collect", "judge", "judge_serve", "promote", "eval_serve", "train"):
             actor = self.actors.pop(kind, None)
             if actor is None:
                 continue
@@ -134,12 +143,16 @@ class Deployment:
         self.stop()
 
 
-def judge_server_config(config: FlywheelConfig) -> FlywheelConfig:
-    """The judge's server: the weights in `judge.weights` (the starting model by default), role
-    `judge` (they never move), on a free port, one thread."""
+def side_server_config(config: FlywheelConfig, role: str) -> FlywheelConfig:
+    """A server beside the policy's, on a free port, its weights never following announcements:
+    the judge's (`judge`: the weights in `judge.weights`, the starting model by default) or the
+    promotion gate's (`eval`: the starting model, then whatever versions the gate loads, on
+    `promotion.eval_torch_threads` threads)."""
     server = config.model_copy(deep=True)
-    server.model = config.judge.weights or config.model
-    server.serve.role = "judge"
+    server.model = config.judge.weights or config.model if role == "judge" else config.model
+    server.serve.role = role  # type: ignore[assignment]
+    if role == "eval":
+        server.serve.torch_threads = config.promotion.eval_torch_threads
     server.serve.port = 0
     server.serve.engine_urls = []
     server.serve.served_model_name = config.served_model

@@ -8,7 +8,7 @@ not allow, so a version's history (`VersionEntry.transitions`) is always a path 
         │            │   └────────┼──────────┼──▶ serving        (mode gate: no canary)
         ▼            ▼            ▼          ▼
      retired      rejected    rolled_back  rolled_back
-    (superseded) (gate, lineage)
+    (superseded) (gate, lineage) (or retired: an operator served another)
 
 An operator (`promote`, `rollback`) may also bring any version that has weights back to serving.
 An evaluation that could not finish (the evaluation server went away) puts it back to candidate.
@@ -21,7 +21,7 @@ from bus.versions import State, VersionEntry
 AUTOMATIC: dict[State, frozenset[State]] = {
     "candidate": frozenset({"evaluating", "rejected", "retired"}),
     "evaluating": frozenset({"candidate", "rejected", "canary", "serving"}),
-    "canary": frozenset({"serving", "rolled_back"}),
+    "canary": frozenset({"serving", "rolled_back", "retired"}),
     "serving": frozenset({"retired", "rolled_back"}),
     "rejected": frozenset(),
     "retired": frozenset(),

@@ -151,7 +151,7 @@ def create_gateway(pool: EnginePool, tokenizer: Any, recorder: Recorder, model_n
     async def end(session_id: str) -> dict[str, Any]:
         return await session_event(session_id, "end")
 
-    if config.role == "judge":
-        install_scoring_routes(app, pool, prompts, model_name)
+    if config.role != "policy":
+        install_scoring_routes(app, pool, prompts, model_name, loads_weights=config.role == "eval")
     return app
 

@@ -4,7 +4,8 @@ The engines are one embedded engine in this process, or the external ones in
 `serve.engine_urls` (SGLang, or `python -m serve.engine`). Weight announcements are followed
 from the bus (starting with the newest one, so a restarted server comes back on the current
 policy) and rolled across the engines (`EnginePool.swap`, in `serve.swap_mode`) while the
-gateway keeps answering.
+gateway keeps answering. Under promotion (`promotion.mode` not off) the gateway follows the
+registry's routing instead: the version that serves, and a canary's (serve/routing.py).
 """
 
 from __future__ import annotations
@@ -22,15 +23,21 @@ import uvicorn
 from bus import WEIGHTS_SUBJECT, Bus, WeightUpdate, addresses
 from bus.addresses import write_address
 from bus.process import repeat
+from bus.registry import Registry
+from bus.streams import ROUTING_SUBJECT
+from bus.versions import Arm, Routing
 from config import ConfigError, FlywheelConfig
 from models import load_model, load_weights, place
 from serve.backends.in_process import InProcessEngineClient
 from serve.backends.pool import EnginePool
 from serve.backends.sglang import HTTPEngineClient
+from serve.backends.vllm_server import uses_vllm, vllm_engines
 from serve.engine import Engine
 from serve.gateway import create_gateway
 from serve.ops.metrics import ServeMetrics
+from serve.ops.versions import VersionBoard
 from serve.recorder import Recorder
+from serve.routing import RoutedPool
 
 log = logging.getLogger(__name__)
 
@@ -53,7 +60,11 @@ class ServeLoop:
         if cfg.chat_template is not None:
             tokenizer.chat_template = cfg.chat_template
         self.engine: Engine | None = None
-        if cfg.engine_urls:
+        self.vllm_server = None
+        if uses_vllm(self.config):
+            del model  # vLLM holds the weights (a server started here, or the engine_urls)
+            engines, context_length, self.vllm_server = await vllm_engines(self.config)
+        elif cfg.engine_urls:
             del model  # external engines hold the weights; the gateway needs the tokenizer only
             engines = [await HTTPEngineClient(url, admin_key=cfg.admin_key).connect() for url in cfg.engine_urls]
             context_length = tokenizer.model_max_length if tokenizer.model_max_length < 10**8 else 2048
@@ -65,7 +76,8 @@ class ServeLoop:
             self.engine = Engine(model, tokenizer, max_batch_size=cfg.max_batch_size, load_weights=load_weights).start()
             engines = [InProcessEngineClient(self.engine)]
             context_length = self.engine.context_length
-        self.pool = EnginePool(engines)
+        self.routed = cfg.role == "policy" and self.config.promotion.enabled
+        self.pool = RoutedPool(engines) if self.routed else EnginePool(engines)
         self.bus = await Bus.connect(self.bus_url, name="serve", replicas=self.config.bus.replicas)
         spill_dir = Path(cfg.spill_dir) if cfg.spill_dir else Path(self.config.run_dir) / "spill"
         self.recorder = Recorder(self.bus, cfg.publish_queue_size, spill_dir=spill_dir)
@@ -74,6 +86,11 @@ class ServeLoop:
             engine = self.engine
             self.metrics.on_scrape(lambda m: m.engine_state(**_engine_state(engine)))
         self.app = create_gateway(self.pool, tokenizer, self.recorder, self.model_name, cfg, context_length, self.metrics)
+        self.board: VersionBoard | None = None
+        if self.routed:
+            assert isinstance(self.pool, RoutedPool)
+            self.board = VersionBoard(self.bus, await Registry.open(self.bus), self.metrics, self.pool.counts)
+            self.board.install(self.app)
         # The model, tokenizer and libraries live as long as the server: take them out of the
         # collector's generations, or every full collection walks them all (~0.2 s for tiny).
         gc.collect()
@@ -84,7 +101,10 @@ class ServeLoop:
         ))
         self._http = asyncio.create_task(self._server.serve(), name="http")
         self._tasks = [asyncio.create_task(self.recorder.run(), name="recorder"), self._http]
-        if cfg.role == "policy":  # a judge's weights do not move
+        if self.board is not None:
+            self._tasks.append(asyncio.create_task(repeat(self._follow_routing, "serve.routing"), name="routing"))
+            self._tasks.append(asyncio.create_task(self.board.refresh_forever(), name="versions"))
+        elif cfg.role == "policy":  # a judge's weights do not move; the gate's move when it says
             self._tasks.append(asyncio.create_task(repeat(self._follow_weights, "serve.weights"), name="weights"))
         while not self._server.started:
             if self._http.done():
@@ -92,7 +112,8 @@ class ServeLoop:
             await asyncio.sleep(0.01)
         port = self._server.servers[0].sockets[0].getsockname()[1]
         self.url = f"http://{cfg.host}:{port}"
-        write_address(self.config.run_dir, addresses.SERVE if cfg.role == "policy" else addresses.JUDGE, self.url)
+        address = {"policy": addresses.SERVE, "judge": addresses.JUDGE, "eval": addresses.EVAL}[cfg.role]
+        write_address(self.config.run_dir, address, self.url)
         log.info("serving %s at %s", self.model_name, self.url)
         return self.url
 
@@ -117,6 +138,44 @@ class ServeLoop:
             except Exception:
                 log.exception("could not load weights v%d from %s", update.version, update.path)
 
+    async def _follow_routing(self) -> None:
+        async for routing in self.bus.follow(ROUTING_SUBJECT, newest_only=True):
+            assert isinstance(routing, Routing) and isinstance(self.pool, RoutedPool) and self.board is not None
+            self.pool.routing = routing
+            with contextlib.suppress(Exception):
+                await self.board.refresh()
+            try:
+                await self._load(self.pool, routing.serving)
+                if routing.canary is not None:
+                    if self.pool.canary is None:
+                        self.pool.canary = EnginePool(await self._canary_engines())
+                    await self._load(self.pool.canary, routing.canary)
+            except Exception:
+                log.exception("could not follow the routing %s (%s)", routing.id, routing.reason)
+
+    async def _load(self, pool: EnginePool, arm: Arm) -> None:
+        """Swap `pool` to the arm's version, older or newer (`None` path: the starting weights)."""
+        if pool.weight_version == arm.version:
+            return
+        pauses = await pool.swap(arm.path or self.config.model, arm.version, self.config.serve.swap_mode, only_newer=False)
+        for seconds in pauses:
+            self.metrics.swap(seconds)
+        self.pauses += pauses
+        self.swaps += 1
+
+    async def _canary_engines(self) -> list:
+        """The canary's engines: `promotion.canary.engine_urls`, else a second embedded engine."""
+        cfg = self.config.serve
+        urls = self.config.promotion.canary.engine_urls
+        if urls:
+            return [await HTTPEngineClient(url, admin_key=cfg.admin_key).connect() for url in urls]
+        model, tokenizer = await asyncio.to_thread(load_model, self.config.model)
+        if cfg.chat_template is not None:
+            tokenizer.chat_template = cfg.chat_template
+        self.canary_engine = Engine(place(model, cfg.device), tokenizer, max_batch_size=cfg.max_batch_size,
+                                    load_weights=load_weights).start()
+        return [InProcessEngineClient(self.canary_engine, name="canary")]
+
     async def stop(self) -> None:
         """Stop taking requests, let in-flight ones finish (up to `serve.shutdown_grace_s`),
         publish what was recorded (what cannot be published now stays in the spill dir)."""
@@ -129,8 +188,11 @@ class ServeLoop:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
         await self.pool.close()
-        if self.engine is not None:
-            self.engine.stop()
+        if self.vllm_server is not None:
+            await asyncio.to_thread(self.vllm_server.stop)
+        for engine in (self.engine, getattr(self, "canary_engine", None)):
+            if engine is not None:
+                engine.stop()
         await self.bus.close()
         gc.unfreeze()  # what this server froze may be collected again
 

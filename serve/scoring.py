@@ -1,5 +1,6 @@
 """Scoring what a policy sampled, on a judge's server (`serve.role: judge`): how hint
-distillation's teacher gets its log-probabilities.
+distillation's teacher gets its log-probabilities; and the promotion gate's evaluation server
+(`serve.role: eval`), which answers the gate's suites with the versions it compares.
 
 - `POST /engine/generate`: SGLang's native `/generate` on the server's engine, as is.
 - `POST /engine/score` `{"messages", "output_ids", "temperature"}`: the chat `messages` rendered
@@ -9,7 +10,10 @@ distillation's teacher gets its log-probabilities.
   `logprob_start_len` = the prompt's length − 1, `max_new_tokens: 0`, at `temperature`);
   answers `{"logprobs": [log π(output_ids[i] | prompt, output_ids[:i])...], "prompt_tokens"}`.
 
-Both sit under `/engine/`, which needs a client key when the server has keys (`serve/ops/auth.py`).
+- `POST /engine/update_weights_from_disk` `{"model_path", "weight_version"}` (`serve.role: eval`
+  only): SGLang's route, loading any version, older ones too (the gate goes back and forth).
+
+All sit under `/engine/`, which needs a client key when the server has keys (`serve/ops/auth.py`).
 """
 
 from __future__ import annotations
@@ -35,8 +39,23 @@ class ScoreRequest(Body):
     temperature: float = Field(1.0, ge=0.0)
 
 
-def install_scoring_routes(app: FastAPI, pool: EnginePool, prompts: PromptBuilder, model_name: str) -> None:
+class LoadRequest(Body):
+    model_path: str = Field(min_length=1)
+    weight_version: int = Field(ge=0)
+
+
+def install_scoring_routes(app: FastAPI, pool: EnginePool, prompts: PromptBuilder, model_name: str,
+                           loads_weights: bool = False) -> None:
     engine = pool.engines[0]
+
+    if loads_weights:
+        @app.post("/engine/update_weights_from_disk")
+        async def load(body: LoadRequest) -> dict[str, Any]:
+            try:
+                await pool.swap(body.model_path, body.weight_version, only_newer=False)
+            except (OSError, ValueError) as exc:
+                raise APIError(400, f"could not load {body.model_path}: {exc}") from None
+            return {"success": True, "weight_version": pool.weight_version}
 
     async def generate_on_engine(body: dict[str, Any]) -> dict[str, Any]:
         try:

@@ -13,7 +13,7 @@ import pytest
 
 from bus import SAMPLE_SUBJECT, WEIGHTS_SUBJECT, Sample, WeightUpdate
 from config import load_config
-from deploy.deployment import judge_server_config
+from deploy.deployment import side_server_config
 from judge.loop import JudgeLoop
 from judge.teacher import Teacher, hints_of
 from models import WeightStore, load_model
@@ -26,15 +26,15 @@ from tests.test_train_signal import until
 def test_the_default_judge_is_pinned_not_the_policy_being_trained():
     config = load_config(None, ["judge.kind=llm"])
     assert config.judge.llm.source == "pinned" and config.judge.needs_server()
-    server = judge_server_config(config)
+    server = side_server_config(config, "judge")
     assert server.serve.role == "judge" and server.model == config.model and server.served_model == config.served_model
-    named = judge_server_config(load_config(None, ["judge.weights=runs/x/weights/v3"]))
+    named = side_server_config(load_config(None, ["judge.weights=runs/x/weights/v3"]), "judge")
     assert named.model == "runs/x/weights/v3"
 
 
 async def test_the_judges_server_keeps_its_weights_while_the_policys_move(nats_url, tmp_path, bus):
     config = load_config(None, [f"run_dir={tmp_path}", "serve.port=0"])
-    policy, judge = ServeLoop(config, nats_url), ServeLoop(judge_server_config(config), nats_url)
+    policy, judge = ServeLoop(config, nats_url), ServeLoop(side_server_config(config, "judge"), nats_url)
     await policy.start()
     await judge.start()
     try:
@@ -52,7 +52,7 @@ async def test_the_judges_server_keeps_its_weights_while_the_policys_move(nats_u
 
 async def test_feedback_text_becomes_a_hint_the_teacher_scores_onto_the_sample(nats_url, tmp_path, bus):
     async with platform(nats_url, tmp_path, "judge.kind=rule") as (serve, _, client):
-        server = ServeLoop(judge_server_config(serve.config), nats_url)
+        server = ServeLoop(side_server_config(serve.config, "judge"), nats_url)
         await server.start()
         judge = JudgeLoop(serve.config, nats_url)
         await judge.start()
@@ -93,7 +93,7 @@ async def test_the_teacher_scores_sampled_tokens_as_the_engine_sampled_them(nats
     prefill-only engine request: for the tokens the same server sampled for those messages, the
     log-probabilities it recorded when sampling."""
     config = load_config(None, [f"run_dir={tmp_path}", "serve.port=0"])
-    server = ServeLoop(judge_server_config(config), nats_url)
+    server = ServeLoop(side_server_config(config, "judge"), nats_url)
     await server.start()
     try:
         asked = [{"role": "user", "content": "Count to three."}]

@@ -7,7 +7,8 @@ import asyncio
 import pytest
 
 from bus import Bus
-from bus.registry import ROUTING_SUBJECT, Registry
+from bus.registry import Registry
+from bus.streams import ROUTING_SUBJECT
 from bus.versions import Arm, Routing, TrainerDirective, VersionEntry
 from promote.states import AUTOMATIC, IllegalTransition, move
 

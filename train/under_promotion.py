@@ -24,7 +24,7 @@ from bisect import bisect_right, insort
 from typing import Any
 
 from bus.registry import Registry
-from bus.versions import GOOD_STATES, TrainerDirective
+from bus.versions import TrainerDirective, last_good
 
 log = logging.getLogger(__name__)
 
@@ -54,8 +54,9 @@ class UnderPromotion:
         routing = await self.registry.routing()
         if routing is not None:
             self.serving = routing.serving.version
-            good = [e.version for e in await self.registry.versions() if e.state in GOOD_STATES]
-            self.protected = {routing.serving.version, *(good[-1:]), *([routing.canary.version] if routing.canary else [])}
+            good = last_good(await self.registry.versions())
+            self.protected = {routing.serving.version, *([good.version] if good else []),
+                              *([routing.canary.version] if routing.canary else [])}
         directive = await self.registry.directive()
         if directive is None or directive.id in self.applied:
             return None

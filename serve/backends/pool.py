@@ -44,11 +44,12 @@ class EnginePool:
         """The version every engine has reached (the oldest one, during a rolling swap)."""
         return min(engine.weight_version for engine in self.engines)
 
-    async def swap(self, model_path: str, version: int, mode: str = "in_place") -> list[float]:
-        """Load `version` into every engine, one after another; returns how long each paused."""
+    async def swap(self, model_path: str, version: int, mode: str = "in_place", only_newer: bool = True) -> list[float]:
+        """Load `version` into every engine, one after another; returns how long each paused.
+        An engine already on it, or (`only_newer`) on a newer one, is left alone."""
         paused = []
         for engine in self.engines:
-            if engine.weight_version >= version:
+            if engine.weight_version == version or only_newer and engine.weight_version > version:
                 continue
             started = time.monotonic()
             await engine.pause(mode)

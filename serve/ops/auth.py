@@ -3,8 +3,8 @@
 `install_auth` adds a pure ASGI middleware. When client keys are configured, every path under
 `/v1/` (and `/engine/`, a judge server's scoring route) needs `Authorization: Bearer <one of them>` (or `x-api-key: <one of them>`, as Anthropic's
 clients send it). The engine's control routes (SGLang's
-`ADMIN_PATHS`: pausing, weight loading, aborts, cache flushes) need `Bearer <admin_key>` when an
-admin key is configured. Anything else (`/health`, `/metrics`) is open. A refusal is a 401 in
+`ADMIN_PATHS`: pausing, weight loading, aborts, cache flushes) and the version admin API
+(`/admin/...`) need `Bearer <admin_key>` when an admin key is configured. Anything else (`/health`, `/metrics`) is open. A refusal is a 401 in
 OpenAI's error shape with `WWW-Authenticate: Bearer`. Keys are compared in constant time.
 """
 
@@ -61,7 +61,7 @@ class AuthMiddleware:
 
     def _required(self, path: str) -> tuple[list[bytes], str] | None:
         """The keys that may call `path` and what to call them in a refusal; None if it is open."""
-        if path in ADMIN_PATHS and self.admin_keys:
+        if (path in ADMIN_PATHS or path.startswith("/admin/")) and self.admin_keys:
             return self.admin_keys, "admin key"
         if (path == "/v1" or path.startswith(("/v1/", "/engine/"))) and self.api_keys:
             return self.api_keys, "API key"

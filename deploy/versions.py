@@ -1,0 +1,137 @@
+"""`python -m deploy.versions`: the policy versions of a running Flywheel, and an operator's say.
+
+    python -m deploy.versions list                 every version: state, lineage, gate, online reward
+    python -m deploy.versions show N               one version: its transitions, gate report, canary
+    python -m deploy.versions promote N            serve N to everyone (an operator's decision)
+    python -m deploy.versions rollback [N]         take back the canary, else the serving version
+                                                   (to N, or to the last good version)
+    python -m deploy.versions pin N | unpin        serve N and promote nothing automatically, or resume
+
+It finds the bus through `--run-dir` (the deployment's `run_dir`, default `runs/local`) or
+`--bus`. Reading needs only the registry; commands are carried out by the promotion loop, in
+order, and this waits for each one's result (exit status 1 when it was refused, 2 when no
+promotion loop answered).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import sys
+import time
+
+from rich.console import Console
+from rich.table import Table
+
+from bus import Bus, read_bus_url
+from bus.registry import Registry, send_command
+from bus.versions import Routing, VersionEntry
+
+
+def _when(at: float) -> str:
+    return time.strftime("%m-%d %H:%M:%S", time.localtime(at))
+
+
+def _role(entry: VersionEntry, routing: Routing | None) -> str:
+    if routing is None:
+        return ""
+    if routing.serving.version == entry.version:
+        return "serves everyone" + (" (pinned)" if routing.pinned else "")
+    if routing.canary is not None and routing.canary.version == entry.version:
+        return f"canary, {routing.canary_share:.0%} of new sessions"
+    return ""
+
+
+def _gate(entry: VersionEntry) -> str:
+    if not entry.gate:
+        return "-"
+    suites = ", ".join(f"{name} {s['candidate']:.2f} vs {s['serving']:.2f}" for name, s in entry.gate["suites"].items())
+    return f"{'passed' if entry.gate['passed'] else 'failed'}: {suites}; KL {entry.gate['guards'].get('kl', 0):.3f}"
+
+
+def version_table(entries: list[VersionEntry], routing: Routing | None) -> Table:
+    table = Table(title="policy versions", title_justify="left")
+    for column in ("version", "state", "parent", "step", "trained on", "train reward", "gate", "online reward", "since", "why"):
+        table.add_column(column, overflow="fold")
+    for entry in entries:
+        last = entry.transitions[-1] if entry.transitions else None
+        sessions, reward = entry.online_reward()
+        table.add_row(
+            f"v{entry.version}", entry.state + (f"\n{_role(entry, routing)}" if _role(entry, routing) else ""),
+            "-" if entry.parent is None else f"v{entry.parent}", str(entry.step),
+            f"{entry.trained_on.get('samples', '-')} samples",
+            "-" if "reward_mean" not in entry.metrics else f"{entry.metrics['reward_mean']:.3f}",
+            _gate(entry), "-" if reward is None else f"{reward:.3f} ({sessions})",
+            _when(last.at) if last else "-", f"{last.by}: {last.reason}" if last else "-",
+        )
+    return table
+
+
+def show(console: Console, entry: VersionEntry, routing: Routing | None) -> None:
+    console.print(f"[bold]v{entry.version}[/bold]  {entry.state}  {_role(entry, routing)}")
+    console.print(f"parent: {'-' if entry.parent is None else f'v{entry.parent}'}   step {entry.step}   weights: {entry.path}")
+    trained = {k: v for k, v in entry.trained_on.items() if k != "sample_ids"}
+    console.print(f"trained on: {json.dumps(trained)}   metrics: {json.dumps(entry.metrics)}", highlight=False)
+    table = Table(title="transitions", title_justify="left")
+    for column in ("when", "state", "by", "why"):
+        table.add_column(column, overflow="fold")
+    for t in entry.transitions:
+        table.add_row(_when(t.at), t.state, t.by, t.reason)
+    console.print(table)
+    console.print(f"gate: {_gate(entry)}", highlight=False)
+    for name, part in (("gate report", entry.gate), ("canary", entry.canary)):
+        if part:
+            console.print(f"[bold]{name}[/bold]: {json.dumps(part, indent=1, default=str)}", highlight=False)
+
+
+async def run(args: argparse.Namespace, console: Console) -> int:
+    bus = await Bus.connect(args.bus or read_bus_url(args.run_dir), name="versions-cli")
+    try:
+        registry = await Registry.open(bus)
+        routing = await registry.routing()
+        if args.action == "list":
+            console.print(version_table(await registry.versions(), routing))
+            return 0
+        if args.action == "show":
+            entry = await registry.get(args.version)
+            if entry is None:
+                console.print(f"no version {args.version} in the registry")
+                return 1
+            show(console, entry, routing)
+            return 0
+        result = await send_command(bus, registry, args.action, args.version, reason=args.reason, operator=args.operator,
+                                    timeout_s=args.timeout_s)
+        console.print(("done: " if result.ok else "refused: ") + result.message, highlight=False)
+        return 0 if result.ok else 1
+    except TimeoutError as exc:
+        console.print(str(exc))
+        return 2
+    finally:
+        await bus.close()
+
+
+def parse(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m deploy.versions", description=__doc__.splitlines()[0])
+    parser.add_argument("--run-dir", default="runs/local", help="the deployment's run_dir (its bus.url)")
+    parser.add_argument("--bus", help="the bus URL (instead of --run-dir)")
+    parser.add_argument("--reason", default="", help="why (kept in the version's history)")
+    parser.add_argument("--operator", default="cli", help="who (kept in the version's history)")
+    parser.add_argument("--timeout-s", type=float, default=60.0)
+    parser.add_argument("action", choices=["list", "show", "promote", "rollback", "pin", "unpin"])
+    parser.add_argument("version", nargs="?", type=lambda s: int(s.lstrip("v")), help="N or vN")
+    args = parser.parse_args(argv)
+    if args.action in ("show", "promote", "pin") and args.version is None:
+        parser.error(f"{args.action} needs a version")
+    if args.action in ("list", "unpin") and args.version is not None:
+        parser.error(f"{args.action} takes no version")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse(argv)
+    return asyncio.run(run(args, Console(width=160)))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

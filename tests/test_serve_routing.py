@@ -1,0 +1,91 @@
+"""Serving under promotion: the gateway follows the registry's routing, a canary's share of new
+sessions goes to a second embedded engine on the canary version, sessions stay on the version
+they started with, a promotion moves everyone to it, and a rollback loads an older version.
+Real gateway, real engines, the official `openai` client; versions read from the recorded turns."""
+
+import asyncio
+import time
+from collections import defaultdict
+
+import openai
+
+from bus import TRAFFIC_SUBJECTS, Turn
+from bus.registry import Registry
+from bus.versions import Arm, Routing
+from config import load_config
+from models import WeightStore, load_model
+from serve.loop import ServeLoop
+from serve.routing import canary_draw
+
+SUITE = "promotion.gate.suites=[{name: digits, env: digits, items: 4}]"
+
+
+async def until(condition, timeout_s: float = 120.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, "condition not reached"
+        await asyncio.sleep(0.02)
+
+
+async def recorded_turns(bus, n: int) -> list[Turn]:
+    """The first `n` turns recorded, read from the start."""
+    consumer = bus.consumer(TRAFFIC_SUBJECTS, f"routing-{time.monotonic_ns()}")
+    out: list[Turn] = []
+    while len(out) < n:
+        delivered = await consumer.fetch(timeout_s=5)
+        assert delivered, f"only {len(out)} turns recorded"
+        out += [d.record for d in delivered if isinstance(d.record, Turn)]
+    return out
+
+
+def test_the_canary_draw_is_uniform_and_fixed_by_session_and_version():
+    draws = [canary_draw(f"session-{i}", 3) for i in range(4000)]
+    assert 0.08 < sum(d < 0.1 for d in draws) / len(draws) < 0.12
+    assert canary_draw("a", 3) == canary_draw("a", 3) != canary_draw("a", 4)
+
+
+async def test_canary_sessions_are_sticky_promotion_moves_everyone_and_a_rollback_goes_back(bus, nats_url, tmp_path):
+    config = load_config(None, [f"run_dir={tmp_path}", "serve.port=0", "serve.max_new_tokens=4", "promotion.mode=canary", SUITE])
+    serve = ServeLoop(config, nats_url)
+    await serve.start()
+    registry = await Registry.open(bus)
+    path = str(WeightStore(tmp_path / "weights").publish(load_model("tiny")[0], 1))
+    client = openai.AsyncOpenAI(base_url=f"{serve.url}/v1", api_key="x", max_retries=0)
+
+    async def ask(session: str) -> None:
+        await client.chat.completions.create(model=config.served_model, messages=[{"role": "user", "content": f"hi {session}"}],
+                                             max_tokens=4, extra_headers={"X-Session-Id": session})
+
+    try:
+        await registry.set_routing(Routing(id="r1", serving=Arm(version=0, path=None), canary=Arm(version=1, path=path),
+                                           canary_share=0.5))
+        await until(lambda: serve.pool.canary is not None and serve.pool.canary.weight_version == 1)
+        sessions = [f"s{i}" for i in range(24)]
+        for session in sessions:
+            await ask(session)
+        for session in sessions[:8]:  # second turns
+            await ask(session)
+        versions: dict[str, set[int]] = defaultdict(set)
+        for turn in await recorded_turns(bus, 32):
+            assert isinstance(turn, Turn)
+            versions[turn.session_id] |= set(turn.output_versions)
+        assert all(len(v) == 1 for v in versions.values())  # sticky: each session on one version
+        on_canary = {s for s in sessions if versions[s] == {1}}
+        assert on_canary == {s for s in sessions if canary_draw(s, 1) < 0.5} and 0 < len(on_canary) < len(sessions)
+        assert serve.pool.counts == {"canary": len(on_canary), "serving": len(sessions) - len(on_canary)}
+
+        await registry.set_routing(Routing(id="r2", serving=Arm(version=1, path=path)))  # promoted
+        await until(lambda: serve.pool.weight_version == 1)
+        for session in sessions[:8]:
+            await ask(session)
+        moved = [t for t in (await recorded_turns(bus, 40))[32:] if t.session_id in sessions[:8]]
+        assert len(moved) == 8 and all(set(t.output_versions) == {1} for t in moved)  # the serving ones too
+        assert all(serve.pool.sessions.peek(s) == 1 for s in sessions[:8])
+
+        await registry.set_routing(Routing(id="r3", serving=Arm(version=0, path=None), reason="rolled back"))
+        await until(lambda: serve.pool.weight_version == 0)  # an older version loaded
+        await ask("after-rollback")
+        assert serve.pool.sessions.peek("after-rollback") == 0
+    finally:
+        await client.close()
+        await serve.stop()
