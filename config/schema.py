@@ -255,8 +255,9 @@ class DeployConfig(Section):
     """None starts a local Ray; otherwise the address of an existing cluster (`auto`, `ray://…`)."""
     num_cpus: int | None = Field(None, ge=1)
     """CPUs for a local Ray (default: all)."""
-    loops: list[Literal["serve", "collect", "judge", "train"]] = ["serve", "collect", "judge", "train"]
-    """The loops this deployment hosts (the rollout driver joins them when `rollout.enabled`).
+    loops: list[Literal["serve", "collect", "judge", "train", "promote"]] = ["serve", "collect", "judge", "train", "promote"]
+    """The loops this deployment hosts (the rollout driver joins them when `rollout.enabled`;
+    `promote`, with its evaluation server, runs only when `promotion.mode` is not off).
     Where gateways run on their own (a Kubernetes Deployment), the Ray cluster hosts
     `[collect, judge, train]` and rollouts reach the gateways at `rollout.endpoint`."""
     resources: dict[str, dict[str, float]] = Field(default_factory=dict)
@@ -299,6 +300,16 @@ class FlywheelConfig(Section):
         """The model's name on the endpoint: what clients (the rollout driver, an `llm` judge on this
         deployment) put in `model`."""
         return self.serve.served_model_name or self.model
+
+    @model_validator(mode="after")
+    def _a_canary_needs_traffic_that_does_not_wait(self) -> "FlywheelConfig":
+        if self.promotion.mode == "canary" and self.rollout.enabled:
+            raise ValueError(
+                "promotion.mode=canary with rollout.enabled=true: the rollout driver waits for the trainer, which waits "
+                "for the canary's evidence, which waits for traffic; use promotion.mode=gate with the driver, canary "
+                "with live traffic"
+            )
+        return self
 
     @model_validator(mode="after")
     def _rollouts_need_a_gateway(self) -> "FlywheelConfig":

@@ -6,9 +6,9 @@
 Starting: the bus (an embedded nats-server unless `bus.url` names one), Ray (local unless
 `deploy.ray_address` names a cluster), then the loops of `deploy.loops` (serve, collect, judge,
 train), each placed by `deploy.resources`, and, when `rollout.enabled`, the rollout driver
-pointed at serve's URL (or `rollout.endpoint`). With `promotion.mode` not off, the promotion loop
-joins the trainer (`promote`) with its evaluation server (`eval_serve`, `serve.role: eval`), and
-the judge's own server when a judge needs one. Ray restarts a loop whose process or node dies
+pointed at serve's URL (or `rollout.endpoint`). With `promotion.mode` not off, `promote` in the
+loops starts the promotion loop with its evaluation server (`eval_serve`, `serve.role: eval`);
+the judge's own server starts when a judge needs one. Ray restarts a loop whose process or node dies
 (`deploy.actors`). Stopping reverses that and leaves
 no process behind: every loop is stopped, its actor killed, a Ray this deployment started is
 shut down, and an embedded nats-server is terminated.
@@ -81,7 +81,7 @@ class Deployment:
         judge = self.config.model_copy(deep=True)
         if "judge" in loops and self.config.judge.needs_server():
             self.judge_url = self._launch("judge_serve", side_server_config(self.config, "judge"))
-        if "train" in loops and self.config.promotion.enabled:
+        if "promote" in loops and self.config.promotion.enabled:
             self.eval_url = self._launch("eval_serve", side_server_config(self.config, "eval"))
             promote = self.config.model_copy(deep=True)
             promote.promotion.eval_url = self.eval_url

@@ -35,7 +35,7 @@ from bus.process import repeat
 from bus.registry import Registry
 from bus.streams import COMMANDS_SUBJECT
 from bus.versions import Arm, CommandResult, Routing, Transition, VersionCommand, VersionEntry, last_good
-from config import FlywheelConfig
+from config import ConfigError, FlywheelConfig
 from models import load_model
 from promote.decisions import Decisions
 from promote.evidence import add_online, add_turn, by_version, operations_verdict, turn_version
@@ -58,6 +58,10 @@ class PromoteLoop:
         self.test = SequentialTest(p.delta, p.alpha, p.beta, p.min_sessions, p.max_sessions, p.variance_floor)
 
     async def start(self) -> None:
+        url = self.config.promotion.eval_url
+        if not self.config.promotion.enabled or not url:
+            raise ConfigError("promotion.eval_url: the promotion loop needs promotion.mode on and an evaluation server "
+                              "(deploy starts one and sets it; by hand: python -m serve serve.role=eval)")
         self.bus = await Bus.connect(self.bus_url, name="promote", replicas=self.config.bus.replicas)
         self.registry = await Registry.open(self.bus)
         self.decisions = Decisions(self.registry, self.config)
@@ -65,8 +69,6 @@ class PromoteLoop:
             await self._first_start()
             await self.decisions.repair()
         _, tokenizer = await asyncio.to_thread(load_model, self.config.model)
-        url = self.config.promotion.eval_url
-        assert url, "deploy sets promotion.eval_url to the evaluation server it started"
         self.gate = Gate(self.config, tokenizer, EvalServer(url, next(iter(self.config.serve.api_keys), None),
                                                                   self.config.promotion.gate.timeout_s))
         self.samples = self.bus.consumer(SAMPLE_SUBJECT, "promote", ack_wait_s=self.config.bus.ack_wait_s)

@@ -45,6 +45,7 @@ from typing import Any
 
 from bus import WEIGHTS_SUBJECT, Bus
 from bus.process import repeat
+from bus.streams import ROUTING_SUBJECT
 from config import ConfigError, FlywheelConfig
 from envs import ENVS, Env, Task, make_env
 from rollout.env_pool import make_runner
@@ -103,8 +104,12 @@ class RolloutDriver:
         ]
 
     async def _follow_versions(self) -> None:
-        async for update in self.bus.follow(WEIGHTS_SUBJECT, newest_only=True):
-            self.version = max(self.version, update.version)
+        """v: the newest version announced; under promotion the newest that served everyone
+        (the trainer keeps pace with it, docs/promotion.md). Never lower: after a rollback the
+        trainer's staleness, not this bound, drops what is too old."""
+        promoted = self.config.promotion.enabled
+        async for update in self.bus.follow(ROUTING_SUBJECT if promoted else WEIGHTS_SUBJECT, newest_only=True):
+            self.version = max(self.version, update.serving.version if promoted else update.version)
             self._changed.set()
 
     async def _admit(self) -> None:

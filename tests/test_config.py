@@ -33,6 +33,13 @@ def test_shipped_configs_are_valid():
         load_config(path)
 
 
+def test_promotion_defaults_offline_off_local_gate_live_canary():
+    assert load_config("train/configs/arith_tiny.yaml").promotion.mode == "off"
+    assert load_config(None).promotion.mode == "off"
+    assert load_config("deploy/configs/local.yaml").promotion.mode == "gate"
+    assert load_config("deploy/configs/live.yaml").promotion.mode == "canary"
+
+
 @pytest.mark.parametrize("interval, eta, enabled", [(1, 0, "true"), (2, 1, "true"), (5, 4, "true"), (2, 0, "false")])
 def test_weight_update_intervals_that_reach_the_next_announcement_are_accepted(interval, eta, enabled):
     """The driver admits up to η + 1 steps' samples past the newest announced version; an
@@ -59,6 +66,10 @@ def test_weight_update_intervals_that_reach_the_next_announcement_are_accepted(i
         (['deploy.resources={trainer: {GPU: 1}}'], "deploy.resources: 'trainer' is not a loop"),
         (["deploy.loops=[collect, judge, train]"], "set rollout.endpoint to the gateways' URL"),
         (["bus.replicas=0"], "bus.replicas: "),
+        (["promotion.mode=canary"], "promotion.gate.suites: the gate needs at least one suite"),
+        (["promotion.mode=gate", "promotion.gate.suites=[{name: x, env: digits, items: 1}]"], "promotion.gate.suites.0.items"),
+        (["promotion.mode=sometimes"], "promotion.mode: "),
+        (["promotion.mode=canary", "promotion.gate.suites=[{name: x, env: digits}]"], "the rollout driver waits for the trainer"),
         (["bus.url=nats://a:4222,http://b:4222"], "bus.url: 'http://b:4222' is not a NATS URL"),
         (["bus.url=nats://a:4222,"], "bus.url: '' is not a NATS URL"),
         (["serve.device=gpu"], "serve.device: "),

@@ -9,15 +9,15 @@ import asyncio
 import time
 
 import msgspec
-import torch
 
+from bench.promotion_drill import weights
 from bus import SAMPLE_SUBJECT, WEIGHTS_SUBJECT, WeightUpdate
 from bus.registry import Registry
 from bus.streams import COMMANDS_SUBJECT
 from bus.versions import VersionCommand
 from config import load_config
 from deploy.deployment import side_server_config
-from models import WeightStore, load_model
+from models import WeightStore
 from promote.loop import PromoteLoop
 from serve.loop import ServeLoop
 from tests.test_train_loop import sample_of, sampled_turns
@@ -32,18 +32,8 @@ async def until(condition, timeout_s: float = 120.0) -> None:
         await asyncio.sleep(0.05)
 
 
-def publish_weights(store: WeightStore, version: int, noise: float = 0.0) -> str:
-    model, _ = load_model("tiny")
-    if noise:
-        generator = torch.Generator().manual_seed(version)
-        with torch.no_grad():
-            for p in model.parameters():
-                p.add_(torch.randn(p.shape, generator=generator) * noise)
-    return str(store.publish(model, version))
-
-
 async def announce(bus, store, version: int, parent: int, noise: float = 0.0) -> None:
-    path = publish_weights(store, version, noise)
+    path = weights(store, version, noise)
     await bus.publish(WEIGHTS_SUBJECT, WeightUpdate(id=f"w{version}", version=version, path=path, step=version, parent=parent,
                                                     metrics={"reward_mean": 0.5}, trained_on={"samples": 8}))
 
@@ -66,15 +56,20 @@ async def command(bus, registry: Registry, kind: str, version: int | None = None
     return results[0]
 
 
-async def test_gate_lineage_commands_and_a_restart(bus, nats_url, tmp_path):
-    config = load_config(None, [f"run_dir={tmp_path}", "promotion.mode=gate", SUITE, "promotion.gate.guards.probe_prompts=4"])
+async def promotion(bus, nats_url: str, tmp_path, *overrides: str):
+    """An evaluation server and a promotion loop on it: (config, server, promoter, registry, store)."""
+    config = load_config(None, [f"run_dir={tmp_path}", SUITE, "rollout.enabled=false", *overrides])
     server = ServeLoop(side_server_config(config, "eval"), nats_url)
     await server.start()
     config.promotion.eval_url = server.url
-    store = WeightStore(tmp_path / "weights", keep=10)
-    registry = await Registry.open(bus)
     promoter = PromoteLoop(config, nats_url)
     await promoter.start()
+    return config, server, promoter, await Registry.open(bus), WeightStore(tmp_path / "weights", keep=10)
+
+
+async def test_gate_lineage_commands_and_a_restart(bus, nats_url, tmp_path):
+    config, server, promoter, registry, store = await promotion(bus, nats_url, tmp_path, "promotion.mode=gate",
+                                                                "promotion.gate.guards.probe_prompts=4")
     try:
         await until(lambda: state_of(registry, 0))
         assert (await registry.routing()).serving.version == 0
@@ -135,15 +130,9 @@ async def publish_samples(bus, turns, version: int, reward: float, tag: str) -> 
 
 async def test_a_canary_is_rolled_back_on_its_sessions_rewards_and_a_good_one_promoted(bus, nats_url, tmp_path):
     turns = await sampled_turns(16)
-    config = load_config(None, [f"run_dir={tmp_path}", "promotion.mode=canary", SUITE, "promotion.gate.guards.probe_prompts=2",
-                                "promotion.canary.min_sessions=8"])
-    server = ServeLoop(side_server_config(config, "eval"), nats_url)
-    await server.start()
-    config.promotion.eval_url = server.url
-    store = WeightStore(tmp_path / "weights", keep=10)
-    registry = await Registry.open(bus)
-    promoter = PromoteLoop(config, nats_url)
-    await promoter.start()
+    config, server, promoter, registry, store = await promotion(bus, nats_url, tmp_path, "promotion.mode=canary",
+                                                                "promotion.gate.guards.probe_prompts=2",
+                                                                "promotion.canary.min_sessions=8")
     try:
         await announce(bus, store, 1, parent=0)
         await until(lambda: _is(registry, 1, "canary"))

@@ -45,7 +45,7 @@ def test_the_canary_draw_is_uniform_and_fixed_by_session_and_version():
 
 
 async def test_canary_sessions_are_sticky_promotion_moves_everyone_and_a_rollback_goes_back(bus, nats_url, tmp_path):
-    config = load_config(None, [f"run_dir={tmp_path}", "serve.port=0", "serve.max_new_tokens=4", "promotion.mode=canary", SUITE])
+    config = load_config(None, [f"run_dir={tmp_path}", "serve.port=0", "serve.max_new_tokens=4", "promotion.mode=canary", SUITE, "rollout.enabled=false"])
     serve = ServeLoop(config, nats_url)
     await serve.start()
     registry = await Registry.open(bus)

@@ -27,7 +27,8 @@ async def until(condition, timeout_s: float = 60.0) -> None:
 async def test_pace_directives_abandoned_versions_and_protection(bus, nats_url, tmp_path):
     turns = await sampled_turns(8)
     config = load_config(None, [f"run_dir={tmp_path}", "train.batch_size=1", "rollout.max_head_offpolicyness=1",
-                                "promotion.mode=gate", "train.keep_versions=1", "actor.optimizer.lr=0.01"])
+                                "promotion.mode=gate", "promotion.gate.suites=[{name: d, env: digits}]", "train.keep_versions=1",
+                                "actor.optimizer.lr=0.01"])
     registry = await Registry.open(bus)
     await registry.set_routing(Routing(id="r0", serving=Arm(version=0, path=None)))
     loop = TrainLoop(config, nats_url)
@@ -36,12 +37,16 @@ async def test_pace_directives_abandoned_versions_and_protection(bus, nats_url, 
     try:
         for i in range(4):
             await bus.publish(SAMPLE_SUBJECT, sample_of(turns[i], float(i % 2), version=0))
-        assert [(await asyncio.wait_for(anext(announcements), 60)).version for _ in range(2)] == [1, 2]
-        await until(lambda: loop.buffer == 2)  # two updates ahead of v0 with η = 1: the other two wait
-        assert loop.version == 2 and loop.stats()["samples"] == 2
+        assert (await asyncio.wait_for(anext(announcements), 60)).version == 1
+        await until(lambda: loop.buffer == 3)  # v2 would be two updates ahead of v0 with η = 1: the others wait
+        assert loop.version == 1 and loop.stats()["samples"] == 1
 
+        # v1 serves: one more step (its v0 sample is one update old), then the trainer waits again.
+        await registry.set_routing(Routing(id="r1", serving=Arm(version=1, path=str(tmp_path / "weights" / "v1"))))
+        assert (await asyncio.wait_for(anext(announcements), 60)).version == 2
+        await until(lambda: loop.buffer == 2)
         # v2 serves: the waiting v0 samples are now 2 updates old (stale); a v2 sample is trained.
-        await registry.set_routing(Routing(id="r1", serving=Arm(version=2, path=str(tmp_path / "weights" / "v2"))))
+        await registry.set_routing(Routing(id="r2", serving=Arm(version=2, path=str(tmp_path / "weights" / "v2"))))
         await bus.publish(SAMPLE_SUBJECT, sample_of(turns[4], 1.0, version=2))
         third = await asyncio.wait_for(anext(announcements), 60)
         assert third.version == 3 and loop.stats()["stale_dropped"] == 2
@@ -50,7 +55,7 @@ async def test_pace_directives_abandoned_versions_and_protection(bus, nats_url, 
         # Rolled back to v0: the trainer continues from v0's weights with a fresh optimizer; v1..v3 are abandoned.
         base, _ = load_model("tiny")
         assert loop.trainer.optimizer.state
-        await registry.set_routing(Routing(id="r2", serving=Arm(version=0, path=None)))
+        await registry.set_routing(Routing(id="r3", serving=Arm(version=0, path=None)))
         await registry.set_directive(TrainerDirective(id="d1", version=0, path=None, abandon_after=0, reason="v3 rolled back"))
         await until(lambda: loop.promotion.abandoned == [1, 2, 3])
         assert all(torch.equal(a, b) for a, b in zip(loop.trainer.model.state_dict().values(), base.state_dict().values()))

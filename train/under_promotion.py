@@ -9,10 +9,11 @@ from the version registry (`bus/registry.py`) before each step.
 - **Distance.** Staleness is counted in updates a sample's weights are behind the trainer's:
   the versions between them, less the abandoned ones (a version trained from v3 after v4 and v5
   were abandoned is one update from v3, not three).
-- **Pace.** The trainer takes a step only while it is at most η (`rollout.max_head_offpolicyness`)
-  updates ahead of the version serving everyone: traffic comes from that version, and a trainer
-  further ahead would find every sample stale (under a slow gate it would publish candidates
-  nobody serves). The samples keep arriving meanwhile and wait in the batcher.
+- **Pace.** The trainer takes a step only if the version it makes is at most max(η, 1) updates
+  ahead of the version serving everyone (η: `rollout.max_head_offpolicyness`): traffic comes
+  from that version, so what it trains on stays within η, and a trainer further ahead would find
+  every sample stale (under a slow gate it would publish candidates nobody serves). At η = 0 it
+  makes one candidate and waits for it to be decided. Samples keep arriving meanwhile and wait.
 - **Protection.** The weight store never prunes the versions that serve (serving, canary) or the
   last good one (what a rollback returns to).
 """
@@ -73,7 +74,7 @@ class UnderPromotion:
 
     def may_step(self, version: int) -> bool:
         """Whether the trainer at `version` may take a step (it is not too far ahead of serving)."""
-        return self.serving is None or self.distance(version, self.serving) <= self.max_ahead
+        return self.serving is None or self.distance(version, self.serving) + 1 <= max(self.max_ahead, 1)
 
     def state(self) -> dict[str, Any]:
         return {"abandoned": list(self.abandoned), "applied": sorted(self.applied)}
