@@ -31,7 +31,6 @@ from models import load_model, load_weights, place
 from serve.backends.in_process import InProcessEngineClient
 from serve.backends.pool import EnginePool
 from serve.backends.sglang import HTTPEngineClient
-from serve.backends.vllm_server import uses_vllm, vllm_engines
 from serve.engine import Engine
 from serve.gateway import create_gateway
 from serve.ops.metrics import ServeMetrics
@@ -60,11 +59,7 @@ class ServeLoop:
         if cfg.chat_template is not None:
             tokenizer.chat_template = cfg.chat_template
         self.engine: Engine | None = None
-        self.vllm_server = None
-        if uses_vllm(self.config):
-            del model  # vLLM holds the weights (a server started here, or the engine_urls)
-            engines, context_length, self.vllm_server = await vllm_engines(self.config)
-        elif cfg.engine_urls:
+        if cfg.engine_urls:
             del model  # external engines hold the weights; the gateway needs the tokenizer only
             engines = [await HTTPEngineClient(url, admin_key=cfg.admin_key).connect() for url in cfg.engine_urls]
             context_length = tokenizer.model_max_length if tokenizer.model_max_length < 10**8 else 2048
@@ -188,8 +183,6 @@ class ServeLoop:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
         await self.pool.close()
-        if self.vllm_server is not None:
-            await asyncio.to_thread(self.vllm_server.stop)
         for engine in (self.engine, getattr(self, "canary_engine", None)):
             if engine is not None:
                 engine.stop()
