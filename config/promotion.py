@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 
 from config.section import Section
 
@@ -83,9 +83,12 @@ class CanaryConfig(Section):
     max_error_rate_increase: float = Field(0.1, ge=0, le=1)
     """Roll back at once when the canary's turns fail (aborted, errors) this much more often than
     the serving version's, once each arm has `min_sessions` worth of turns."""
-    max_latency_ratio: float = Field(2.0, gt=1)
+    max_latency_ratio: float | None = Field(None, gt=1)
     """Roll back at once when the canary's median time per output token exceeds the serving
-    version's by this factor."""
+    version's by this factor (None: not checked). Versions of one architecture decode at the
+    same speed on the same hardware, so a difference says where the canary runs (a second
+    embedded engine shares the gateway's process and cores: 2.2x slower in the drill); set it
+    when canary engines are like the serving ones, to catch what a version does to them."""
     max_minutes: float | None = Field(None, gt=0)
     """Roll back a canary still undecided after this long (None: wait for `max_sessions`)."""
     engine_urls: list[str] = Field(default_factory=list)
@@ -114,6 +117,11 @@ class PromotionConfig(Section):
     """Threads of the evaluation server's engine (it runs beside serving and training)."""
     eval_url: str | None = None
     """The evaluation server (`serve.role: eval`) the gate uses; `deploy` starts one and sets it."""
+
+    @field_validator("mode", mode="before")
+    @classmethod
+    def _off_is_not_false(cls, value: object) -> object:
+        return "off" if value is False else value  # YAML reads a bare `off` as false
 
     @property
     def enabled(self) -> bool:

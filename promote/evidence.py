@@ -86,7 +86,7 @@ def operations_verdict(canary: dict, serving: dict, config: CanaryConfig) -> str
     rates = canary["failed"] / canary["turns"], serving["failed"] / serving["turns"]
     if rates[0] - rates[1] > config.max_error_rate_increase:
         return f"{rates[0]:.0%} of its turns failed against {rates[1]:.0%} of the serving version's"
-    if canary["tpot"] and serving["tpot"]:
+    if config.max_latency_ratio is not None and canary["tpot"] and serving["tpot"]:
         ratio = median(canary["tpot"]) / max(median(serving["tpot"]), 1e-9)
         if ratio > config.max_latency_ratio:
             return f"its median time per output token is {ratio:.1f}x the serving version's"

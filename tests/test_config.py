@@ -36,6 +36,7 @@ def test_shipped_configs_are_valid():
 def test_promotion_defaults_offline_off_local_gate_live_canary():
     assert load_config("train/configs/arith_tiny.yaml").promotion.mode == "off"
     assert load_config(None).promotion.mode == "off"
+    assert load_config(None, ["promotion.mode=off"]).promotion.mode == "off"  # YAML's `off` is false
     assert load_config("deploy/configs/local.yaml").promotion.mode == "gate"
     assert load_config("deploy/configs/live.yaml").promotion.mode == "canary"
 

@@ -53,3 +53,29 @@ def test_arm_statistics_survive_a_round_trip_and_match_the_batch_formulas(reward
     assert stats.mean == pytest.approx(mean)
     assert stats.m2 == pytest.approx(sum((r - mean) ** 2 for r in rewards))
     assert ArmStats.from_dict(stats.as_dict()) == stats
+
+
+def test_operations_roll_back_a_canary_whose_turns_fail_or_crawl():
+    from bus import Timings
+    from config.promotion import CanaryConfig
+    from promote.evidence import add_turn, new_operations, operations_verdict, turn_version
+    from tests.test_records import make_turn
+
+    def turns(n: int, failed: int, tpot: float) -> dict:
+        ops = new_operations()
+        for i in range(n):
+            add_turn(ops, make_turn(output_ids=[1] * 11, output_logprobs=[0.0] * 11, output_versions=[2] * 11,
+                                    finish_reason="abort" if i < failed else "stop",
+                                    timings=Timings(first_token_s=0.1, total_s=0.1 + 10 * tpot)))
+        return ops
+
+    assert turn_version(make_turn(output_versions=[2, 2])) == 2 and turn_version(make_turn(output_versions=[2, 3])) is None
+    config = CanaryConfig(min_sessions=8, max_latency_ratio=2.0)
+    assert operations_verdict(turns(7, 7, 0.01), turns(50, 0, 0.01), config) is None  # too few turns to say
+    assert "30% of its turns failed" in operations_verdict(turns(10, 3, 0.01), turns(50, 1, 0.01), config)
+    assert operations_verdict(turns(10, 1, 0.01), turns(50, 1, 0.01), config) is None
+    assert "3.0x" in operations_verdict(turns(10, 0, 0.03), turns(50, 0, 0.01), config)
+    assert operations_verdict(turns(10, 0, 0.03), turns(50, 0, 0.01), CanaryConfig(min_sessions=8)) is None  # off by default
+    client_gone = new_operations()
+    add_turn(client_gone, make_turn(finish_reason="abort", client_disconnected=True))
+    assert client_gone["failed"] == 0  # the client went away: not the version's failure
