@@ -4,18 +4,22 @@ The platform runs as processes of its own (bench/drill.py's `Cluster`): nats-ser
 collect, judge, the promotion loop and its evaluation server (`serve.role: eval`), with
 `promotion.mode: canary`. Simulated users hold two-turn sessions through the official `openai`
 client (each a `digits` task: the user asks, then asks again; the environment grades both replies
-and the user sends the mean as feedback), `--concurrency` at a time, all drill long. A stand-in
-trainer publishes real weights in the order the issue asks: a good version (the starting weights
-again: no worse), a harmful one (the same with Gaussian noise of `--noise` added to every
-weight: its replies stop being digits), then a good one again, each descending from the version
-the registry says to continue from. The gate is loosened (margin 1, guards off) so that the
-harmful version reaches the canary: what is drilled is the canary's rollback. Mid-canary of the
-harmful version, the promotion loop is killed with SIGKILL and started again.
+and the user sends the mean as feedback), `--concurrency` at a time, all drill long. Serving
+starts on the untrained `tiny` (digits reward ≈ 0). The trainer's versions are real: first a
+short `train.run` on digits (`deploy/configs/local.yaml`, promotion off, `--train-steps` steps)
+keeps every version it published; then a stand-in trainer publishes, in the order the issue
+asks, a good version (that run's version `--good-steps`), a harmful one (the same weights with
+Gaussian noise of `--noise` on every weight: its replies stop being digits), and a good one
+again (the run's last version), each descending from the version the registry says to continue
+from. The gate is loosened (margin 2, guards off) so that the harmful version reaches the
+canary: what is drilled is the canary's rollback (tests/test_promotion.py shows the default gate
+rejecting noised weights). Mid-canary of the harmful version, the promotion loop is killed with
+SIGKILL and started again.
 
 Measured: each version's fate and the sessions its canary took to decide, the share of new
 sessions the harmful version served while it was canary (bound: `--share`), requests that
-failed (must be 0), sessions whose trajectory is not one exact segment of one version (must be
-0), whether the registry (states, the canary's evidence) survived the kill unchanged, and a
+failed (must be 0), sessions whose trajectory is not one exact segment (must be 0; those whose
+version changed under them, because theirs stopped being served, are counted apart), whether the registry (states, the canary's evidence) survived the kill unchanged, and a
 screenshot of `/dashboard` in headless Chromium (Debian's `chromium`).
 
     .venv/bin/python -m bench.promotion_drill            # writes bench/results/promotion_drill.json
@@ -40,12 +44,13 @@ import openai
 import torch
 
 from bench._common import write_result
+from bench._runs import train_run
 from bench.drill import ROOT, Cluster, read_stream
 from bus import WEIGHTS_SUBJECT, Bus, Trajectory, WeightUpdate
 from bus.cluster import free_port
 from bus.registry import Registry
 from envs import make_env
-from models import WeightStore, load_model
+from models import WeightStore, load_model, load_weights
 
 SCREENSHOT = Path(__file__).resolve().parent / "results" / "promotion_dashboard.png"
 
@@ -69,7 +74,7 @@ class Users:
         async def session(i: int) -> None:
             sid, rng = f"user{i}", random.Random(i)
             task = self.env.reset(rng)
-            record = self.sessions[sid] = {"started": time.time(), "versions": [], "reward": None}
+            record = self.sessions[sid] = {"started": time.time(), "versions": [], "reward": None, "first_at": None}
             messages: list[dict[str, Any]] = list(task.messages)
             grades = []
             try:
@@ -78,6 +83,7 @@ class Users:
                     reply = await client.chat.completions.create(model="tiny", messages=messages, max_tokens=8,
                                                                  extra_headers={"X-Session-Id": sid})
                     text = reply.choices[0].message.content or ""
+                    record["first_at"] = record["first_at"] or time.time()
                     record["versions"].append(int(reply.system_fingerprint.removeprefix("flywheel-v")))
                     grades.append(self.env.verify(task, text))
                     messages += [{"role": "assistant", "content": text}, *([{"role": "user", "content": follow_up}] if follow_up else [])]
@@ -97,8 +103,12 @@ class Users:
             await client.close()
 
 
-def weights(store: WeightStore, version: int, noise: float) -> str:
+def weights(store: WeightStore, version: int, noise: float, source: str | None = None) -> str:
+    """Publish `version`: the weights in `source` (default: the starting `tiny`), plus Gaussian
+    noise of standard deviation `noise` on every weight."""
     model, _ = load_model("tiny")
+    if source is not None:
+        load_weights(model, source)
     if noise:
         generator = torch.Generator().manual_seed(version)
         with torch.no_grad():
@@ -132,10 +142,21 @@ def screenshot(url: str, out: Path) -> str | None:
     return None if done.returncode == 0 and out.exists() else done.stderr[-500:]
 
 
+def pretrain(run_dir: Path, steps: int) -> dict[int, str]:
+    """A short `train.run` on digits (kept in `run_dir`: a second drill reuses it); every version
+    it published, by version."""
+    if not (run_dir / "weights" / f"v{steps}").exists():
+        run = train_run("pretrain", "deploy/configs/local.yaml", run_dir,
+                        [f"train.max_steps={steps}", "promotion.mode=off", f"train.keep_versions={steps + 1}", "serve.port=0"])
+        print(f"trained {steps} steps on digits: reward {run.metrics[0]['reward_mean']:.3f} -> {run.final_reward(3):.3f}")
+    return {v: str(run_dir / "weights" / f"v{v}") for v in range(1, steps + 1)}
+
+
 async def drill(run_dir: Path, args: argparse.Namespace) -> dict[str, Any]:
+    trained = await asyncio.to_thread(pretrain, args.pretrain_dir or run_dir / "pretrain", args.train_steps)
     eval_port = free_port()
     overrides = ["model=tiny", "rollout.enabled=false", "promotion.mode=canary", f"promotion.eval_url=http://127.0.0.1:{eval_port}",
-                 "promotion.gate.suites=[{name: digits, env: digits, items: 16, max_new_tokens: 8, margin: 1.0}]",
+                 "promotion.gate.suites=[{name: digits, env: digits, items: 16, max_new_tokens: 8, margin: 2.0}]",
                  "promotion.gate.guards.max_kl=1000",
                  "promotion.gate.guards.max_length_ratio=1000", "promotion.gate.guards.max_malformed_tool_calls=1",
                  "promotion.gate.guards.max_empty_or_cut=1", f"promotion.canary.share={args.share}",
@@ -160,10 +181,10 @@ async def drill(run_dir: Path, args: argparse.Namespace) -> dict[str, Any]:
         report: dict[str, Any] = {"versions": {}, "kill": {}}
         await until(lambda: _online_at_least(registry, 0, 20), 300, "20 judged sessions on v0")
 
-        async def publish(version: int, noise: float, label: str) -> Any:
+        async def publish(version: int, source: str, noise: float, label: str) -> Any:
             directive = await registry.directive()
             parent = directive.version if directive is not None else (await registry.routing()).serving.version
-            path = await asyncio.to_thread(weights, store, version, noise)
+            path = await asyncio.to_thread(weights, store, version, noise, source)
             started = time.time()
             await bus.publish(WEIGHTS_SUBJECT, WeightUpdate(id=f"w{version}", version=version, path=path, step=version, parent=parent))
             if label == "harmful":
@@ -174,9 +195,9 @@ async def drill(run_dir: Path, args: argparse.Namespace) -> dict[str, Any]:
                                                  "canary": entry.canary, "seconds": time.time() - started}
             return entry
 
-        await publish(1, 0.0, "good")
-        await publish(2, args.noise, "harmful")
-        await publish(3, 0.0, "good")
+        await publish(1, trained[args.good_steps], 0.0, "good")
+        await publish(2, trained[args.good_steps], args.noise, "harmful")
+        await publish(3, trained[args.train_steps], 0.0, "good")
         users.stop.set()
         await load
         report["shot_error"] = screenshot(cluster.serve_urls[0], SCREENSHOT)
@@ -217,7 +238,8 @@ async def audit(bus: Bus, registry: Registry, users: Users) -> dict[str, Any]:
     during = [s for s in users.sessions.values() if canary_from <= s["started"] < canary_to and s["versions"]]
     on_harmful = [s for s in during if s["versions"][0] == 2]
     trajectories = [t for t in await read_stream(bus, "TRAJECTORIES", Trajectory) if t.session_id in users.sessions]
-    not_one_segment = [t.session_id for t in trajectories if len(t.segments) != 1 or len(set(t.segments[0].versions)) > 1]
+    not_one_segment = [t.session_id for t in trajectories if len(t.segments) != 1]
+    crossed = [t.session_id for t in trajectories if len({v for seg in t.segments for v, m in zip(seg.versions, seg.loss_mask) if m}) > 1]
     by_version: dict[int, list[float]] = defaultdict(list)
     for s in users.sessions.values():
         if s["reward"] is not None and len(set(s["versions"])) == 1:
@@ -229,6 +251,9 @@ async def audit(bus: Bus, registry: Registry, users: Users) -> dict[str, Any]:
                            "share": len(on_harmful) / len(during) if during else None,
                            "judged_canary_sessions_at_rollback": harmful.canary["canary_arm"]["n"]},
         "trajectories": len(trajectories), "not_one_exact_segment": len(not_one_segment),
+        "not_one_exact_segment_examples": not_one_segment[:5],
+        "crossed_a_version": len(crossed),
+        "session_log": [[round(s["started"], 3), *s["versions"]] for s in users.sessions.values()],
         "mean_reward_by_version": {f"v{v}": sum(r) / len(r) for v, r in sorted(by_version.items())},
         "final_routing": (await registry.routing()).serving.version,
         "directive": (await registry.directive()).version if await registry.directive() else None,
@@ -241,6 +266,9 @@ def main() -> int:
     parser.add_argument("--share", type=float, default=0.25)
     parser.add_argument("--delta", type=float, default=0.1)
     parser.add_argument("--noise", type=float, default=0.3)
+    parser.add_argument("--train-steps", type=int, default=36, help="steps of the train.run that makes the good versions")
+    parser.add_argument("--good-steps", type=int, default=28, help="its version that is the first good one")
+    parser.add_argument("--pretrain-dir", type=Path, help="keep that train.run here (and reuse it when it is there)")
     parser.add_argument("--kill-after", type=int, default=5, help="judged canary sessions before the promoter is killed")
     parser.add_argument("--timeout-s", type=float, default=900)
     args = parser.parse_args()

@@ -68,7 +68,8 @@ class VersionEntry(Record, kw_only=True):
     canary: dict[str, Any] | None = None
     """Its canary: when it started, the share, each arm's evidence, the sequential test's state."""
     online: list[list[float]] = msgspec.field(default_factory=list)
-    """Its online reward over time: `[minute start (unix s), sessions, reward sum]` per minute."""
+    """Its online reward over time: `[bucket start (unix s), sessions, reward sum]` per 15 s
+    (`promote/evidence.py`)."""
 
     def moved(self, state: State, reason: str, by: str) -> "VersionEntry":
         self.state = state

@@ -3,7 +3,7 @@
 The promoter reads SAMPLES with its own durable consumer (the trainer's is separate: both see
 every sample). A sample counts for a version when every token it trained on was sampled by that
 version (a session that crossed a swap counts for none). Each version's online reward goes into
-its registry entry, one row per minute (`VersionEntry.online`: what the dashboard draws). While a
+its registry entry, one row per 15 s (`VersionEntry.online`: what the dashboard draws). While a
 canary runs, its samples feed the canary arm of the sequential test, and the serving version's
 samples judged meanwhile (concurrent sessions) feed the serving arm.
 
@@ -28,8 +28,10 @@ from bus import Delivery, Sample, Turn
 from bus.versions import VersionEntry
 from config.promotion import CanaryConfig
 
+ONLINE_BUCKET_S = 15
+"""The online reward series' resolution."""
 ONLINE_ROWS = 24 * 60
-"""Rows of per-minute online reward kept per version (a day)."""
+"""Rows of online reward kept per version (six hours; Prometheus keeps the long history)."""
 LATENCY_SAMPLES = 256
 """Recent times per output token kept per arm."""
 
@@ -41,12 +43,12 @@ def sampling_version(sample: Sample) -> int | None:
 
 
 def add_online(entry: VersionEntry, rewards: list[float], now: float | None = None) -> None:
-    minute = float(int((now or time.time()) // 60 * 60))
-    if entry.online and entry.online[-1][0] == minute:
+    bucket = float(int((now or time.time()) // ONLINE_BUCKET_S * ONLINE_BUCKET_S))
+    if entry.online and entry.online[-1][0] == bucket:
         entry.online[-1][1] += len(rewards)
         entry.online[-1][2] += sum(rewards)
     else:
-        entry.online.append([minute, float(len(rewards)), float(sum(rewards))])
+        entry.online.append([bucket, float(len(rewards)), float(sum(rewards))])
     del entry.online[:-ONLINE_ROWS]
 
 

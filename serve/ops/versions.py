@@ -2,7 +2,7 @@
 
 - `GET /dashboard`: one static page (serve/ops/dashboard.html, no build step) that polls
   `GET /dashboard.json` (the registry as JSON: every version, its state and transitions, its
-  gate report and per-minute online reward, and the routing) and draws the versions' online
+  gate report and online reward per 15 s, and the routing) and draws the versions' online
   reward over time.
 - Admin API (admin key when `serve.admin_key` is set, like the engines' control routes):
   `GET /admin/versions`, `GET /admin/versions/{N}`, `POST /admin/versions/{N}/promote`,
