@@ -1,0 +1,402 @@
+"""Evidence 3, "it learns from being used": a personal agent aligns to its user's hidden
+preference from nothing but the conversation (OpenClaw-RL's personal-agent experiment).
+
+What runs
+    For each (arm, preference, trial): a fresh deployment of the whole platform (serve with
+    hot swaps, collect, the `next_state` rule judge and its hint teacher, train; Ray actors over
+    the bus, bench/configs/personal_agent.yaml) on a fresh SmolLM2-135M. A simulated person
+    (bench/_personal_users.py: a name, a hidden preference checked by a deterministic rule) talks
+    to it with the official `openai` client, one `X-Session-Id` per conversation and nothing
+    else: no rewards, no feedback API, no other header. A session is one everyday question, the
+    first reply, the person's reaction (a correction in words when the reply misses the
+    preference, thanks or a new question when it meets it) and the reply to that; then the person
+    goes quiet and the collector closes the session. Like a person who comes back later, the
+    next session starts once the previous one has been trained and its version swapped in
+    (`--pace free` does not wait).
+
+Arms (train.rl_coef / train.opd_coef): `none` (serve, collect and judge only: the base model),
+`rl` (next-state RL: the judge's ±1 from the person's reaction), `opd` (hint distillation only:
+the teacher, the pinned starting model told the correction, scores the tokens sampled), `both`.
+
+Measured
+    - sessions to learn, as OpenClaw-RL counts it: the session at which the first replies have
+      satisfied the preference in 3 consecutive sessions (capped at `--cap`; `>cap` = not
+      learned). A reply satisfies it only if it also answers the question (the person's
+      `answers` check): "at most 30 words" is met by nonsense too, and a policy that collapses
+      into repeating its system message must not count as aligned;
+    - the held-out satisfaction rate of the final weights on questions never asked in a trial
+      (`HELD_OUT_QUESTIONS`, `--heldout-samples` seeded samples each, the app's temperature);
+    - general skill kept: greedy accuracy on held-out arithmetic (bench/learn_arith.py's
+      evaluation) of the base model and of each trained trial's final weights;
+    - per session: the version that answered, whether it satisfied, what the judge made of the
+      person's reaction (class, hint) and whether the teacher scored the turn.
+
+Writes bench/results/NAME.json (after every trial: `--keep` continues a partial run, skipping
+the trials it holds) and docs/img/NAME.png (each trial's preference rate over the last 5
+sessions, and the version that answered, as versions roll in).
+
+    .venv/bin/python bench/personal_agent.py --arms both --prefs brief --trials 1 --cap 20   # one trial, ~5 min
+    .venv/bin/python bench/personal_agent.py       # the full grid: 4 prefs x 3 trials of both, 2 x 3 of the others
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import re
+import shutil
+import sys
+import time
+from pathlib import Path
+from statistics import fmean, median
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from bench._common import RESULTS, ROOT, machine, quiet_logs, table, write_result  # noqa: E402
+from bench._personal_users import HELD_OUT_QUESTIONS, NAMES, PREFERENCES, TRAIN_QUESTIONS, User, answers, sessions_to_learn  # noqa: E402
+
+CONFIG = "bench/configs/personal_agent.yaml"
+ARMS = {
+    "none": ["deploy.loops=[serve,collect,judge]", "judge.teacher.enabled=false"],
+    "rl": ["train.rl_coef=1.0", "train.opd_coef=0.0", "judge.teacher.enabled=false"],
+    "opd": ["train.rl_coef=0.0", "train.opd_coef=1.0"],
+    "both": ["train.rl_coef=1.0", "train.opd_coef=1.0"],
+}
+DEFAULT_PREFS = {"both": ["brief", "bullets", "name", "formal"], "rl": ["brief", "name"], "opd": ["brief", "name"],
+                 "none": ["brief", "name"]}
+RUN = 3
+"""Consecutive satisfied sessions that count as learned."""
+WINDOW = 5
+"""Sessions in the plotted preference rate."""
+
+
+def version_of(fingerprint: str | None) -> int | None:
+    match = re.fullmatch(r"flywheel-v(\d+)", fingerprint or "")
+    return int(match[1]) if match else None
+
+
+def rolling_rate(satisfied: list[bool], window: int = WINDOW) -> list[float]:
+    """At each session, the share of satisfied sessions among the last `window` (fewer at the start)."""
+    return [fmean(satisfied[max(0, i + 1 - window):i + 1]) for i in range(len(satisfied))]
+
+
+def judge_agreement(sessions: list[dict]) -> float | None:
+    """Share of judged sessions where the judge's sign of the first reply is the truth (+1 when it
+    satisfied the preference, -1 when the person corrected it)."""
+    judged = [s for s in sessions if s.get("judge_score") is not None]
+    return fmean((s["judge_score"] > 0) == s["satisfied"] for s in judged) if judged else None
+
+
+# ---- one session, as a person with the openai client ---------------------------------------
+
+def converse(client, model: str, user: User, session: int, trial_id: str, args) -> dict:
+    """The session's question, the first reply, the person's reaction and the reply to it."""
+    session_id = f"{trial_id}-s{session:03d}"
+    headers = {"X-Session-Id": session_id}
+    question = user.question(session)
+    messages = [{"role": "system", "content": user.system}, {"role": "user", "content": question}]
+    first = client.chat.completions.create(model=model, messages=messages, max_tokens=args.max_tokens,
+                                           temperature=args.temperature, extra_headers=headers)
+    reply = first.choices[0].message.content or ""
+    satisfied = user.satisfied(reply, question)
+    said = user.react(reply, session)
+    messages += [{"role": "assistant", "content": reply}, {"role": "user", "content": said}]
+    client.chat.completions.create(model=model, messages=messages, max_tokens=args.max_tokens,
+                                   temperature=args.temperature, extra_headers=headers)
+    return {"session": session, "id": session_id, "version": version_of(first.system_fingerprint), "question": question,
+            "reply": reply, "satisfied": satisfied, "said": said}
+
+
+def wait_trained(deployment, sessions: int, timeout_s: float) -> dict:
+    """Until the judge has scored `sessions` sessions, the trainer has taken every scored one and
+    serve answers with the version that came of it (or the timeout: the next session starts
+    anyway, with whatever is served). The deployment's stats at the end."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        stats = deployment.stats()
+        judge, train, serve = stats.get("judge", {}), stats.get("train"), stats.get("serve", {})
+        judged = judge.get("scored", 0) + judge.get("unscored", 0)
+        done = judged >= sessions
+        if done and train is not None:
+            taken = train.get("samples", 0) + train.get("stale_dropped", 0) + train.get("unresolved", 0)
+            done = taken >= judge.get("scored", 0) and serve.get("version", -1) >= train.get("version", 0)
+        if done or time.monotonic() > deadline:
+            return {**stats, "waited_out": not done}
+        time.sleep(0.2)
+
+
+async def verdicts(bus_url: str) -> dict[str, dict]:
+    """{session id: what the judge said of its first reply, and whether the teacher scored it}."""
+    import math
+
+    from bus import SAMPLE_SUBJECT, Bus
+
+    bus = await Bus.connect(bus_url, name="personal-agent-bench")
+    try:
+        consumer, found = bus.consumer(SAMPLE_SUBJECT, f"bench-{os.getpid()}-{time.monotonic_ns()}"), {}
+        while deliveries := await consumer.fetch(batch=256, timeout_s=2):
+            for delivery in deliveries:
+                sample = delivery.record
+                if not await bus.resolve(sample):
+                    continue
+                turns = sample.details.get("turns") or [{}]
+                taught = sum(not math.isnan(v) for values in sample.teacher_logprobs for v in values)
+                found[sample.trajectory.session_id] = {"judge_class": turns[0].get("class"), "judge_score": turns[0].get("score"),
+                                                       "hint": turns[0].get("hint"), "teacher_tokens": taught}
+                await delivery.ack()
+        return found
+    finally:
+        await bus.close()
+
+
+# ---- one trial ------------------------------------------------------------------------------
+
+def trial(arm: str, pref: str, index: int, args, progress) -> dict:
+    from openai import OpenAI
+
+    from config import load_config
+    from deploy.deployment import Deployment
+    from models import WeightStore
+
+    seed = 1000 * index + sorted(PREFERENCES).index(pref)
+    user = User(NAMES[seed % len(NAMES)], PREFERENCES[pref], seed=seed)
+    trial_id = f"{arm}-{pref}-{index}"
+    run_dir = ROOT / args.run_root / trial_id
+    shutil.rmtree(run_dir, ignore_errors=True)  # a fresh model: nothing to resume from
+    config = load_config(CONFIG, [f"run_dir={run_dir}", f"seed={seed}", *ARMS[arm], *args.overrides])
+    trains = "train" in config.deploy.loops
+    started = time.monotonic()
+    deployment = Deployment(config).start()
+    sessions: list[dict] = []
+    try:
+        client = OpenAI(base_url=f"{deployment.serve_url}/v1", api_key="unused")
+        stats = deployment.stats()
+        for s in range(args.cap):
+            sessions.append(converse(client, config.served_model, user, s, trial_id, args))
+            if trains and args.pace == "trained":
+                stats = wait_trained(deployment, s + 1, args.wait_s)
+            learned = sessions_to_learn([x["satisfied"] for x in sessions], RUN)
+            progress(arm, pref, index, user, sessions, stats, learned)
+            if learned is not None and s + 1 >= learned + args.after:
+                break
+        stats = wait_trained(deployment, len(sessions), args.wait_s)
+        said = asyncio.run(verdicts(deployment.bus_url))
+    finally:
+        deployment.stop()
+    for s in sessions:
+        s.update(said.get(s["id"], {}))
+    store = WeightStore(run_dir / "weights")
+    latest = store.latest()
+    weights = store.path(latest) if trains and latest else None
+    satisfied = [s["satisfied"] for s in sessions]
+    learned = sessions_to_learn(satisfied, RUN)
+    return {
+        "arm": arm, "pref": pref, "trial": index, "user": user.name, "seed": seed, "learned_at": learned,
+        "cap": args.cap, "sessions": sessions, "satisfied_rate": fmean(satisfied), "final_version": latest,
+        "judge_agreement": judge_agreement(sessions), "hinted": sum(bool(s.get("hint")) for s in sessions),
+        "unjudged": sum(s.get("judge_score") is None for s in sessions),
+        "taught": sum(bool(s.get("teacher_tokens")) for s in sessions), "trial_s": round(time.monotonic() - started, 1),
+        "weights": str(weights) if weights else None, "stats": {k: v for k, v in stats.items() if k in ("serve", "judge", "train")},
+        "heldout": asyncio.run(satisfaction(weights, config.model, user, HELD_OUT_QUESTIONS, args)),
+    }
+
+
+async def satisfaction(weights: Path | None, model_name: str, user: User, questions: tuple[str, ...] | list[str],
+                       args, hint: str | None = None) -> dict:
+    """How often replies to `questions` satisfy the user (`--heldout-samples` seeded samples each,
+    the app's temperature and max_tokens, the same seeds for every arm). With a `hint`: the
+    teacher's view, each request told the hint exactly as the hint teacher renders it."""
+    from config import load_config
+    from judge.teacher import Teacher
+    from models import load_model, load_weights
+    from serve.engine import Engine, SamplingParams
+
+    model, tokenizer = load_model(model_name)
+    if weights is not None:
+        load_weights(model, weights)
+    asked = [q for q in questions for _ in range(args.heldout_samples)]
+    chats = [[{"role": "system", "content": user.system}, {"role": "user", "content": q}] for q in asked]
+    if hint is not None:
+        teacher = Teacher(load_config(CONFIG, []).judge.teacher, "http://unused")
+        chats = [teacher.told(chat, hint) for chat in chats]
+        await teacher.close()
+    prompts = [tokenizer.encode(tokenizer.apply_chat_template(chat, add_generation_prompt=True, tokenize=False),
+                                add_special_tokens=False) for chat in chats]
+    engine = Engine(model, tokenizer, max_batch_size=len(prompts)).start()
+    try:
+        results = await asyncio.gather(*(engine.generate(p, SamplingParams(
+            max_new_tokens=args.max_tokens, temperature=args.temperature, sampling_seed=i)) for i, p in enumerate(prompts)))
+    finally:
+        engine.stop()
+    replies = [tokenizer.decode(r.output_ids, skip_special_tokens=True) for r in results]
+    return {"rate": fmean(user.satisfied(r, q) for r, q in zip(replies, asked)),
+            "answers": fmean(answers(q, r) for r, q in zip(replies, asked)), "n": len(replies), "examples": replies[:3]}
+
+
+def probe_hints(prefs: list[str], args) -> list[list]:
+    """Whether the hint can teach at all: per preference, the base model's satisfaction rate on the
+    training questions, and the teacher's (the same model told a specific correction as its hint)."""
+    rows = []
+    for pref in prefs:
+        user = User(NAMES[0], PREFERENCES[pref], seed=0)
+        hint = PREFERENCES[pref].specific[0].format(name=user.name)
+        base, told = (asyncio.run(satisfaction(None, args.model, user, TRAIN_QUESTIONS[:16], args, h)) for h in (None, hint))
+        rows.append([pref, hint, base["rate"], told["rate"], told["answers"]])
+        print(f"{pref}: base {base['rate']:.2f}, told {told['rate']:.2f} ({hint})", flush=True)
+    return rows
+
+
+def arithmetic(weights: str | None, args) -> float:
+    from bench.learn_arith import accuracy
+    from config import load_config
+    from envs import make_env
+
+    config = load_config("train/configs/arith_smollm2.yaml", [])
+    env = make_env(config.rollout.env, config.rollout.env_args)
+    return asyncio.run(accuracy(weights and Path(weights), config.model, env, args.arith_problems,
+                                config.gconfig.max_new_tokens))["accuracy"]
+
+
+# ---- live progress, the table, the plot -----------------------------------------------------
+
+def progress(arm: str, pref: str, index: int, user: User, sessions: list[dict], stats: dict, learned: int | None) -> None:
+    last, train = sessions[-1], stats.get("train") or {}
+    metrics = train.get("last") or {}
+    streak = next((i for i, s in enumerate(reversed(sessions)) if not s["satisfied"]), len(sessions))
+    print(f"[{arm:4} {pref:12} #{index}] session {len(sessions):2}  v{last['version']}  "
+          f"{'meets' if last['satisfied'] else 'misses'} {user.preference.kind:12} rate(last {WINDOW})="
+          f"{rolling_rate([s['satisfied'] for s in sessions])[-1]:.2f} streak={streak}"
+          f"{f'  LEARNED at {learned}' if learned else ''}  | trained={train.get('samples', '-')} "
+          f"opd_tokens={metrics.get('opd_tokens', '-')} loss={metrics.get('loss') or 0:.3f}  "
+          f"said: {last['said'][:48]!r}", flush=True)
+
+
+def summary_rows(trials: list[dict], arith_before: float | None) -> list[list]:
+    rows = []
+    for arm in ARMS:
+        for pref in sorted({t["pref"] for t in trials if t["arm"] == arm}):
+            mine = [t for t in trials if t["arm"] == arm and t["pref"] == pref]
+            learned = [t["learned_at"] for t in mine]
+            got = [x for x in learned if x is not None]
+            rows.append([arm, pref, len(mine), " ".join(str(x) if x else f">{t['cap']}" for x, t in zip(learned, mine)),
+                         median(got) if len(got) == len(mine) else None, f"{len(got)}/{len(mine)}",
+                         mean_of(t["satisfied_rate"] for t in mine), mean_of(t["heldout"]["rate"] for t in mine),
+                         mean_of(t["heldout"].get("answers") for t in mine), mean_of(t["judge_agreement"] for t in mine),
+                         arith_before, mean_of(t.get("arith_after") for t in mine)])
+    return rows
+
+
+def mean_of(values) -> float | None:
+    """The mean of the values that are there (None for none)."""
+    present = [v for v in values if v is not None]
+    return fmean(present) if present else None
+
+
+HEADERS = ["arm", "preference", "trials", "sessions to learn", "median", "learned", "rate in trial", "held-out rate",
+           "held-out answers", "judge agrees", "arith before", "arith after"]
+
+
+def plot(trials: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    prefs = sorted({t["pref"] for t in trials})
+    fig, axes = plt.subplots(2, len(prefs), figsize=(max(6.0, 4.2 * len(prefs)), 6), squeeze=False, sharex=True)
+    colors = {"none": "tab:gray", "rl": "tab:blue", "opd": "tab:orange", "both": "tab:green"}
+    for col, pref in enumerate(prefs):
+        rate, version = axes[0][col], axes[1][col]
+        for t in (t for t in trials if t["pref"] == pref):
+            x = [s["session"] + 1 for s in t["sessions"]]
+            label = f"{t['arm']} #{t['trial']}" + (f" (learned at {t['learned_at']})" if t["learned_at"] else "")
+            rate.plot(x, rolling_rate([s["satisfied"] for s in t["sessions"]]), color=colors[t["arm"]], alpha=0.8, label=label)
+            version.step(x, [s["version"] for s in t["sessions"]], where="post", color=colors[t["arm"]], alpha=0.8)
+        rate.set_title(f"{pref}: first replies meeting it (last {WINDOW} sessions)", fontsize=9)
+        rate.set_ylim(-0.05, 1.05)
+        rate.legend(fontsize=7)
+        version.set_xlabel("session")
+        version.set_ylabel("version that answered")
+    fig.suptitle("A personal agent (SmolLM2-135M, live) learning its user's preference", fontsize=11)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--arms", nargs="+", default=list(ARMS), choices=list(ARMS))
+    parser.add_argument("--prefs", nargs="+", choices=sorted(PREFERENCES), help="default: 4 for both, 2 for the others")
+    parser.add_argument("--trials", type=int, default=3, help="trials per (arm, preference)")
+    parser.add_argument("--cap", type=int, default=60, help="sessions at most per trial")
+    parser.add_argument("--after", type=int, default=0, help="sessions to go on once learned (for the curve)")
+    parser.add_argument("--pace", choices=("trained", "free"), default="trained")
+    parser.add_argument("--wait-s", type=float, default=180.0, help="longest wait for a session to be trained")
+    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--temperature", type=float, default=0.7)
+    parser.add_argument("--heldout-samples", type=int, default=2)
+    parser.add_argument("--arith-problems", type=int, default=50)
+    parser.add_argument("--run-root", default="runs/bench_personal_agent")
+    parser.add_argument("--name", default="personal_agent")
+    parser.add_argument("--keep", action="store_true", help="continue the results file: skip the trials it holds")
+    parser.add_argument("--report", action="store_true", help="only print the table and draw the plot of the results file")
+    parser.add_argument("--probe-hints", action="store_true",
+                        help="only measure, per preference, the base model's and the hint teacher's satisfaction rates")
+    parser.add_argument("--model", default="smollm2-135m", help="the model --probe-hints measures")
+    parser.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides for every deployment")
+    args = parser.parse_args()
+    quiet_logs()
+    if args.probe_hints:
+        prefs = args.prefs or sorted(PREFERENCES)
+        rows = probe_hints(prefs, args)
+        print(table(["preference", "hint", "base rate", "told the hint", "told: answers"], rows))
+        write_result(f"{args.name}_hints", {"args": vars(args), "rows": rows})
+        return
+    os.environ.setdefault("RAY_DEDUP_LOGS", "0")
+    path = RESULTS / f"{args.name}.json"
+    previous = json.loads(path.read_text()) if (args.keep or args.report) and path.exists() else {}
+    trials: list[dict] = previous.get("trials", [])
+    arith_before = previous.get("arith_before")
+    if args.report:
+        args.arms = []  # nothing to run
+    started = time.monotonic()
+    import ray
+
+    from deploy.deployment import LOCAL_RAY_ENV, RAY_ENV
+
+    for key, value in {**RAY_ENV, **LOCAL_RAY_ENV}.items():
+        os.environ.setdefault(key, value)
+    if args.arms:
+        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)  # one Ray for every trial's deployment
+    try:
+        if arith_before is None and args.arith_problems and args.arms:
+            arith_before = arithmetic(None, args)
+            print(f"held-out arithmetic, base model: {arith_before:.3f}", flush=True)
+        for arm in args.arms:
+            for pref in args.prefs or DEFAULT_PREFS[arm]:
+                for index in range(args.trials):
+                    if any((t["arm"], t["pref"], t["trial"]) == (arm, pref, index) for t in trials):
+                        continue
+                    result = trial(arm, pref, index, args, progress)
+                    if result["weights"] and args.arith_problems:
+                        result["arith_after"] = arithmetic(result["weights"], args)
+                    trials.append(result)
+                    print(f"== {arm} {pref} #{index}: learned at {result['learned_at'] or f'>{args.cap}'}, held-out rate "
+                          f"{result['heldout']['rate']:.2f}, arithmetic {result.get('arith_after')}, first replies not judged "
+                          f"{result['unjudged']}, {result['trial_s']:.0f} s",
+                          flush=True)
+                    write_result(args.name, {"args": vars(args), "machine": machine(1), "arith_before": arith_before,
+                                             "wall_s": previous.get("wall_s", 0) + time.monotonic() - started,
+                                             "table": summary_rows(trials, arith_before), "trials": trials})
+    finally:
+        ray.shutdown()
+    print(table(HEADERS, summary_rows(trials, arith_before)))
+    if trials:
+        plot(trials, ROOT / "docs" / "img" / f"{args.name}.png")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,141 @@
+"""The personal-agent bench, small: a simulated person talks to the live loops (serve, collect, the
+`next_state` judge with its hint teacher on the pinned server, train) through the official
+`openai` client with nothing but `X-Session-Id`; their correction becomes the first reply's next
+state, the judge's verdict and hint, the teacher's log-probs on exactly that reply's tokens, and
+a training step whose version is swapped in. Also the bench's numbers on known sequences and the
+preference rules on known replies."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+from types import SimpleNamespace
+
+import openai
+import pytest
+
+from bench._personal_users import OFF_TOPIC, PREFERENCES, TRAIN_QUESTIONS, User, answers, sessions_to_learn
+from bench.personal_agent import CONFIG, converse, judge_agreement, rolling_rate, summary_rows, verdicts, version_of
+from bus import SAMPLE_SUBJECT, Sample
+from collect.loop import CollectLoop
+from config import load_config
+from deploy.deployment import side_server_config
+from judge.loop import JudgeLoop
+from judge.next_state import hint_for
+from serve.loop import ServeLoop
+from tests.test_train_signal import until
+from train.loop import TrainLoop
+
+
+async def test_a_persons_correction_is_judged_taught_and_trained(nats_url, tmp_path, bus):
+    config = load_config(CONFIG, [f"run_dir={tmp_path}", "model=tiny", "collect.idle_timeout_s=1.5"])
+    assert config.judge.kind == "next_state" and config.train.batch_size == 1 and not config.rollout.enabled
+    judge_server = ServeLoop(side_server_config(config, "judge"), nats_url)
+    loops = [ServeLoop(config, nats_url), judge_server, CollectLoop(config, nats_url), JudgeLoop(config, nats_url),
+             TrainLoop(config, nats_url)]
+    for loop in loops:
+        await loop.start()
+    serve, train = loops[0], loops[-1]
+    # "name": the untrained tiny model never writes "Maya"; every correction is a specific one (a hint);
+    # tiny's replies answer nothing, so only their form counts here.
+    user = User("Maya", PREFERENCES["name"], seed=3, vague_share=0.0, wants_answers=False)
+    app = SimpleNamespace(max_tokens=12, temperature=1.0)
+    try:
+        client = openai.OpenAI(base_url=f"{serve.url}/v1", api_key="unused", max_retries=0)
+        sessions = []
+        for s in range(2):
+            sessions.append(await asyncio.to_thread(converse, client, serve.model_name, user, s, "t", app))
+            await until(lambda: train.stats()["samples"] == s + 1 and serve.pool.weight_version == train.version, 90)
+        said = await verdicts(nats_url)
+        consumer, samples = bus.consumer(SAMPLE_SUBJECT, "check"), []
+        while len(samples) < 2:
+            samples += [d.record for d in await consumer.fetch(timeout_s=5) if isinstance(d.record, Sample)]
+        for sample in samples:
+            assert await bus.resolve(sample)
+    finally:
+        for loop in reversed(loops):
+            await loop.stop()
+    assert [s["version"] for s in sessions] == [0, 1]  # the second session was answered by the trained weights
+    assert [s["question"] for s in sessions] == [user.question(0), user.question(1)] and set(TRAIN_QUESTIONS) >= {
+        s["question"] for s in sessions}
+    assert not any(s["satisfied"] for s in sessions)
+    by_session = {sample.trajectory.session_id: sample for sample in samples}
+    for session in sessions:
+        sample, correction = by_session[session["id"]], session["said"]
+        assert correction in {t.format(name="Maya") for t in PREFERENCES["name"].specific}
+        trajectory = sample.trajectory
+        assert trajectory.next_states[0] == [{"role": "user", "content": correction}]  # the person's words, as said
+        first = sample.details["turns"][0]
+        assert first["class"] == "correction" and first["source"] == "next_state" and first["hint"] == hint_for(correction)
+        assert sample.turn_rewards[0] == -1.0 and sample.details["unjudged_turns"] == [1]
+        [segment], [teacher] = trajectory.segments, sample.teacher_logprobs
+        (_, start, end), _ = segment.turn_spans
+        assert [i for i, v in enumerate(teacher) if not math.isnan(v)] == list(range(start, end))  # the first reply, only
+        assert said[session["id"]] == {"judge_class": "correction", "judge_score": -1, "hint": first["hint"],
+                                       "teacher_tokens": end - start}
+    metrics = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [(m["step"], m["n_samples"]) for m in metrics] == [(1, 1), (2, 1)] and all(m["opd_tokens"] > 0 for m in metrics)
+    assert judge_server.pool.weight_version == 0  # the teacher never moved
+
+
+def test_sessions_to_learn_counts_to_the_third_of_the_first_three_in_a_row():
+    t, f = True, False
+    assert sessions_to_learn([t, t, t]) == 3
+    assert sessions_to_learn([f, t, t, f, t, t, t, f, t]) == 7
+    assert sessions_to_learn([t, t, f, t, t, f, t, t]) is None
+    assert sessions_to_learn([]) is None
+    assert sessions_to_learn([f, t, t], run=2) == 3
+    assert rolling_rate([f, t, t, t, t, t, f], window=5) == pytest.approx([0, 1 / 2, 2 / 3, 3 / 4, 4 / 5, 1, 4 / 5])
+    assert version_of("flywheel-v12") == 12 and version_of(None) is None and version_of("fp_x") is None
+
+
+def test_judge_agreement_and_the_summary_table():
+    sessions = [{"satisfied": False, "judge_score": -1}, {"satisfied": True, "judge_score": 1},
+                {"satisfied": True, "judge_score": -1}, {"satisfied": False}]  # the last one not judged
+    assert judge_agreement(sessions) == pytest.approx(2 / 3)
+    assert judge_agreement([{"satisfied": True}]) is None
+
+    def trial(arm, learned, rate, heldout, arith=None):
+        return {"arm": arm, "pref": "brief", "learned_at": learned, "cap": 30, "satisfied_rate": rate,
+                "heldout": {"rate": heldout, "answers": 1.0}, "judge_agreement": 1.0, "arith_after": arith}
+
+    rows = summary_rows([trial("both", 7, 0.5, 0.6, 0.3), trial("both", 11, 0.4, 0.5, 0.2), trial("none", None, 0.1, 0.1),
+                         trial("both", 9, 0.3, 0.4, 0.1), trial("none", 20, 0.2, 0.1)], arith_before=0.25)
+    none, both = rows  # arms in their fixed order: none, rl, opd, both
+    assert none[:6] == ["none", "brief", 2, ">30 20", None, "1/2"]  # a median only when every trial learned
+    assert both[:6] == ["both", "brief", 3, "7 11 9", 9, "3/3"]
+    assert both[6:] == pytest.approx([0.4, 0.5, 1.0, 1.0, 0.25, 0.2])
+    assert none[10:] == [0.25, None]
+
+
+@pytest.mark.parametrize("kind, meets, misses", [
+    ("brief", "Water it when the top inch is dry, and give it bright light.", " ".join(["word"] * 31)),
+    ("bullets", "- Water lightly\n- Sunny window\n- Pinch the flowers", "Water it lightly and keep it in the sun."),
+    ("name", "Maya, water it every other day.", "Water it every other day; Mayan calendars aside."),
+    ("answer_first", "Boil it for six minutes. Then cool it in cold water.", "Great question! There are many ways to do it."),
+    ("plain", "Water it lightly and keep it in the sun.", "**Water** it lightly.\n# Light"),
+    ("formal", "It is advisable to water the plant weekly.", "Hey, don't worry, it's super easy!"),
+])
+def test_each_preference_rule_on_known_replies(kind, meets, misses):
+    rule = PREFERENCES[kind].rule
+    assert rule(meets, "Maya") and not rule(misses, "Maya")
+
+
+def test_a_person_corrects_a_miss_and_otherwise_thanks_or_moves_on():
+    user = User("Omar", PREFERENCES["name"], seed=1)
+    corrections = {user.react(f"{user.question(s)} Do it daily.", s) for s in range(40)}
+    assert corrections <= {t.format(name="Omar") for t in (*PREFERENCES["name"].specific, *PREFERENCES["name"].vague)}
+    assert len(corrections) > 3  # varied phrasings, specific and vague
+    happy = {user.react(f"Omar, {user.question(s)} Do it daily.", s) for s in range(40)}
+    assert not happy & corrections and any("?" in h for h in happy) and any("?" not in h for h in happy)
+    # No answer at all (nonsense that happens to use the name) is no success, whatever its form.
+    assert {user.react("You are Omar's personal assistant.", s) for s in range(10)} <= set(OFF_TOPIC)
+    assert not user.satisfied("You are Omar's personal assistant.", user.question(0))
+
+
+def test_an_answer_speaks_of_the_question_and_is_not_one_word_over_and_over():
+    assert answers("How do I descale a kettle?", "Boil vinegar in the kettle, then rinse it.")
+    assert answers("How can I remember people's names better?", "Repeat each name when you hear it.")
+    assert not answers("How do I remove a splinter?", "You are Pre-cut Your Hair.")
+    assert not answers("How do I fix a squeaky door?", "door " * 10)
