@@ -88,10 +88,12 @@ def test_the_loop_closes_and_the_reward_rises(ray_session, tmp_path):
 
 
 def start_up(run_dir, *overrides: str, env=None) -> subprocess.Popen:
-    """`python -m deploy.up` on the local config, returned once it is up and has trained a step."""
+    """`python -m deploy.up` on the local config, returned once it is up and has trained a step.
+    Without the promotion gate (its evaluation server and loop only lengthen the start; the
+    learning test above runs make run's configuration whole)."""
     proc = subprocess.Popen(
         [sys.executable, "-m", "deploy.up", "--config", "deploy/configs/local.yaml", f"run_dir={run_dir}",
-         "serve.port=0", *overrides, "--refresh-s", "0.5"],
+         "serve.port=0", "promotion.mode=off", *overrides, "--refresh-s", "0.5"],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
     )
     lines = []
