@@ -21,7 +21,7 @@ from typing import Any
 from bus import TURN_SUBJECT, Timings, Turn
 from models.tool_formats import ToolFormat
 from serve.api.chat import ChatCompletionRequest, CompletionRequest, sampling_params
-from serve.api.formatting import chat_message, output_text, stop_string
+from serve.api.formatting import chat_message, output_text
 from serve.api.sessions import SessionInfo
 from serve.api.wire import Wire
 from serve.backends.base import EngineClient, EngineError
@@ -97,15 +97,12 @@ class Generation:
 
     def continued_text(self, choice: Choice) -> str | None:
         """The text that this prompt plus the choice's output ids stand for, as the client will
-        send it back: the prompt's text, then the output's, cut before a stop string as the
-        client got it (the stop tokens the model sampled stay in the ids). None when the prompt
-        was given as ids."""
+        send it back: the prompt's text, then the output's as the client got it (cut before a stop
+        string, without special tokens; the model's ids keep them). None when the prompt was
+        given as ids."""
         if self.prompt_text is None:
             return None
-        if stop_string(choice) is not None:
-            return self.prompt_text + output_text(choice, self.tool_format)
-        return self.prompt_text + self.tokenizer.decode(choice.output_ids, skip_special_tokens=False,
-                                                        clean_up_tokenization_spaces=False)
+        return self.prompt_text + output_text(choice, self.tool_format)
 
     # ---- whole answers ---------------------------------------------------------------------
 

@@ -183,6 +183,31 @@ async def test_a_conversation_with_stop_strings_stays_one_segment(nats_url, tmp_
     assert_segment_is_exact(segment, turns["stops"])
 
 
+async def test_special_tokens_the_client_never_saw_stay_in_one_segment(nats_url, tmp_path, bus):
+    """The model may sample a special token mid-answer (`<|endoftext|>`, `<|im_start|>`) or end
+    on one other than the template's end token; the client's text skips it, the recorded output
+    keeps it, and the next turn continues those exact ids (the seeds make the untrained model do
+    both)."""
+    seeds = {"mid": 9, "ends-on-other": 131}
+    async with platform(nats_url, tmp_path) as (serve, _, client):
+        for session, seed in seeds.items():
+            messages = [{"role": "user", "content": "Hi."}]
+            for i in range(2):
+                reply = await client.chat.completions.create(model=serve.model_name, messages=messages, max_tokens=16,
+                                                             seed=seed, extra_headers={"X-Session-Id": session})
+                messages += [reply.choices[0].message.model_dump(exclude_none=True), {"role": "user", "content": "More."}]
+            await post_feedback(serve, session, 1.0)
+        trajectories, turns = await collected(bus, 2, 4)
+    tokenizer = serve.engine.tokenizer
+    special = {i for i, token in tokenizer.added_tokens_decoder.items() if token.special}
+    first_mid, first_end = turns["mid"][0].output_ids, turns["ends-on-other"][0].output_ids
+    assert special & set(first_mid[:-1]), "the seed no longer samples a special token mid-answer"
+    assert first_end[-1] in special and first_end[-1] != tokenizer.eos_token_id
+    for session in seeds:
+        [segment] = trajectories[session].segments
+        assert_segment_is_exact(segment, turns[session])
+
+
 async def test_a_template_that_rewrites_history_splits_the_session(nats_url, tmp_path, bus):
     template = tmp_path / "thinking.jinja"
     template.write_text(THINKING_TEMPLATE)
