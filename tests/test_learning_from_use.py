@@ -6,12 +6,15 @@ policy sampled, with a prefill-only engine request, onto the sample, next to whi
 from __future__ import annotations
 
 import math
+from pathlib import Path
+from statistics import fmean
 
 import httpx
 import openai
 import pytest
 
-from bus import SAMPLE_SUBJECT, WEIGHTS_SUBJECT, Sample, WeightUpdate
+from bus import SAMPLE_SUBJECT, WEIGHTS_SUBJECT, Sample, Trajectory, WeightUpdate
+from collect.stitch import stitch
 from config import load_config
 from deploy.deployment import side_server_config
 from judge.loop import JudgeLoop
@@ -20,7 +23,11 @@ from models import WeightStore, load_model
 from serve.loop import ServeLoop
 from tests.test_attribution_live import recorded_turns
 from tests.test_collect_live import collected, platform
+from tests.test_records import make_turn
 from tests.test_train_signal import until
+from train.advantages import RunningBaseline
+from train.grouping import Group, Member
+from train.step_batch import StepBatch
 
 
 def test_the_default_judge_is_pinned_not_the_policy_being_trained():
@@ -109,3 +116,38 @@ async def test_the_teacher_scores_sampled_tokens_as_the_engine_sampled_them(nats
         assert bad.status_code == 400
     finally:
         await server.stop()
+
+
+def live_sample(verdicts: list[float]) -> Sample:
+    """A live session (a group of one) whose k-th reply the next_state judge scored verdicts[k]."""
+    turns, prompt = [], [1, 2, 3]
+    for k, _ in enumerate(verdicts):
+        output = [10 + 2 * k, 11 + 2 * k]
+        turns.append(make_turn(id=f"t{k}", turn_index=k, prompt_ids=list(prompt), output_ids=output, output_versions=[0, 0]))
+        prompt += output + [9]
+    trajectory = Trajectory(id="s1", session_id="s1", segments=stitch(turns), turns=turns, close_reason="idle")
+    return Sample(id="s1", trajectory=trajectory, reward=fmean(verdicts), turn_rewards=verdicts, judge="next_state")
+
+
+def turn_advantages(config, sample: Sample, baseline: float) -> list[float]:
+    """The advantage on each sampled token of the (one-segment) sample, in order."""
+    running = RunningBaseline()
+    running.value = baseline
+    [[micro]] = StepBatch([Group(sample.id, 1, 0.0, 0.0, {sample.id: Member(sample, [])})], config, running, 0).minibatches
+    return micro.advantages[micro.loss_mask == 1].tolist()
+
+
+def test_live_traffic_trains_each_reply_on_its_own_next_state_verdict():
+    """Live sessions are groups of one, so their outcome's advantage is taken against a running
+    baseline: a person who corrects every reply gives −1 every time and, with the outcome alone,
+    an advantage of exactly 0 (the personal-agent bench's rl arm trained 20 steps with gradient
+    norm 0). The live configuration puts each reply's own verdict into its tokens' advantage,
+    undiscounted by the verdicts of later replies: a corrected reply is pushed down even when
+    every reply is, and of a corrected reply and a thanked one, the thanked one is pushed up by
+    two verdicts more (the session's outcome, the mean verdict, adds alike to both)."""
+    config = load_config(Path("deploy/configs/live.yaml"), ["actor.ppo_n_minibatches=1"])
+    assert config.judge.kind == "next_state"
+    corrected_always = turn_advantages(config, live_sample([-1.0]), baseline=-1.0)
+    assert corrected_always and max(corrected_always) < 0
+    first, _, second, _ = turn_advantages(config, live_sample([-1.0, 1.0]), baseline=-1.0)
+    assert second - first == pytest.approx(2.0)
