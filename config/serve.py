@@ -32,6 +32,12 @@ class ServeConfig(Section):
     engine_urls: list[str] = Field(default_factory=list)
     """External engines speaking SGLang's protocol (real SGLang, or `python -m serve.engine`);
     empty: one embedded engine in this process."""
+    engine_kind: Literal["sglang", "vllm"] = "sglang"
+    """What the engines speak: `sglang` (SGLang's protocol: the `engine_urls`, else the embedded
+    engine) or `vllm` (vLLM servers and their RL endpoints, `serve/backends/vllm.py`: the
+    `engine_urls`, else one vLLM server this gateway starts for `model` from `.venv-vllm` and
+    stops with it; a judge or eval server beside it keeps the embedded engine). A canary's
+    `promotion.canary.engine_urls` are engines of this kind too."""
     keep_alive_s: float = Field(75.0, gt=0)
     """How long an idle client connection is kept open. Longer than clients' own idle expiry
     (httpx, under the openai client, drops idle connections after 5 s) so a client never sends

@@ -1,7 +1,8 @@
 """The serve loop: engines, the gateway on HTTP, turn recording, and hot swaps.
 
-The engines are one embedded engine in this process, or the external ones in
-`serve.engine_urls` (SGLang, or `python -m serve.engine`). Weight announcements are followed
+The engines are one embedded engine in this process, the external ones in `serve.engine_urls`
+(SGLang, or `python -m serve.engine`), or vLLM servers (`serve.engine_kind: vllm`: the
+`engine_urls`, else one this loop starts and stops, serve/backends/vllm_server.py). Weight announcements are followed
 from the bus (starting with the newest one, so a restarted server comes back on the current
 policy) and rolled across the engines (`EnginePool.swap`, in `serve.swap_mode`) while the
 gateway keeps answering. Under promotion (`promotion.mode` not off) the gateway follows the
@@ -31,6 +32,8 @@ from models import load_model, load_weights, place
 from serve.backends.in_process import InProcessEngineClient
 from serve.backends.pool import EnginePool
 from serve.backends.sglang import HTTPEngineClient
+from serve.backends.vllm import VLLMEngineClient
+from serve.backends.vllm_server import uses_vllm, vllm_engines
 from serve.engine import Engine
 from serve.gateway import create_gateway
 from serve.ops.metrics import ServeMetrics
@@ -59,7 +62,11 @@ class ServeLoop:
         if cfg.chat_template is not None:
             tokenizer.chat_template = cfg.chat_template
         self.engine: Engine | None = None
-        if cfg.engine_urls:
+        self.vllm_server = None
+        if uses_vllm(self.config):
+            del model  # vLLM holds the weights (a server started here, or the engine_urls)
+            engines, context_length, self.vllm_server = await vllm_engines(self.config)
+        elif cfg.engine_urls:
             del model  # external engines hold the weights; the gateway needs the tokenizer only
             engines = [await HTTPEngineClient(url, admin_key=cfg.admin_key).connect() for url in cfg.engine_urls]
             context_length = tokenizer.model_max_length if tokenizer.model_max_length < 10**8 else 2048
@@ -159,11 +166,13 @@ class ServeLoop:
         self.swaps += 1
 
     async def _canary_engines(self) -> list:
-        """The canary's engines: `promotion.canary.engine_urls`, else a second embedded engine."""
+        """The canary's engines: `promotion.canary.engine_urls` (clients of `serve.engine_kind`), else
+        a second embedded engine."""
         cfg = self.config.serve
         urls = self.config.promotion.canary.engine_urls
         if urls:
-            return [await HTTPEngineClient(url, admin_key=cfg.admin_key).connect() for url in urls]
+            client = VLLMEngineClient if cfg.engine_kind == "vllm" else HTTPEngineClient
+            return [await client(url, admin_key=cfg.admin_key).connect() for url in urls]
         model, tokenizer = await asyncio.to_thread(load_model, self.config.model)
         if cfg.chat_template is not None:
             tokenizer.chat_template = cfg.chat_template
@@ -183,6 +192,8 @@ class ServeLoop:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
         await self.pool.close()
+        if self.vllm_server is not None:
+            await asyncio.to_thread(self.vllm_server.stop)
         for engine in (self.engine, getattr(self, "canary_engine", None)):
             if engine is not None:
                 engine.stop()

@@ -58,18 +58,7 @@ class HTTPEngineClient:
         known = self.weight_version
         try:
             async with self._http.stream("POST", "/generate", json={**body, "stream": True}) as response:
-                if response.status_code >= 400:
-                    await response.aread()
-                    raise EngineError(_status(response), f"engine {self.name}: {_message(response)}")
-                async for line in response.aiter_lines():
-                    if not line.startswith("data:"):
-                        continue
-                    payload = line[5:].strip()
-                    if payload == "[DONE]":
-                        return
-                    chunk = json.loads(payload)
-                    if "error" in chunk:
-                        raise EngineError(503, f"engine {self.name}: {chunk['error'].get('message')}")
+                async for chunk in events(response, self.name):
                     if not self.incremental:  # SGLang's default: each chunk holds everything so far
                         chunk = _delta(chunk, text_sent, ids_sent)
                     text_sent += chunk["text"]
@@ -102,6 +91,25 @@ class HTTPEngineClient:
 
     async def close(self) -> None:
         await self._http.aclose()
+
+
+async def events(response: httpx.Response, name: str) -> AsyncIterator[dict[str, Any]]:
+    """The JSON events of an engine's streamed response (server-sent events), up to `[DONE]`; an
+    error status, or an error event, is an `EngineError`."""
+    if response.status_code >= 400:
+        await response.aread()
+        raise EngineError(_status(response), f"engine {name}: {_message(response)}")
+    async for line in response.aiter_lines():
+        if not line.startswith("data:"):
+            continue
+        payload = line[5:].strip()
+        if payload == "[DONE]":
+            return
+        event = json.loads(payload)
+        if "error" in event:
+            error = event["error"]
+            raise EngineError(503, f"engine {name}: {error.get('message') if isinstance(error, dict) else error}")
+        yield event
 
 
 def _delta(chunk: dict[str, Any], text_sent: str, ids_sent: int) -> dict[str, Any]:

@@ -1,0 +1,341 @@
+"""Engines behind the gateway, side by side in one run: the embedded engine and a vLLM server.
+
+What it measures
+    The same seeded workload through the Flywheel gateway (`serve.loop.ServeLoop`, the official
+    OpenAI route `/v1/chat/completions`, streamed) backed by each engine in turn, each alone on
+    the machine: N chat prompts (`bench/workload.py`, the gateway's chat template), C at a time,
+    each asking for a length drawn uniformly from [16, 256] tokens with `ignore_eos` at
+    temperature 1, so every request produces exactly what it asked for.
+
+    - useful tok/s: the requested tokens over the wall time of the whole batch;
+    - TTFT: time to first token of each request, from its send (p50, p90);
+    - hot-swap stall: with C streams of 256 tokens running, a new version is announced on the bus
+      and the gateway swaps it in (`EnginePool.swap`: pause, load, resume); reported are the
+      pause the gateway measured and the stall streams saw: the longest gap between two tokens
+      of a stream that overlaps the time from the announcement to the swap's end (against the
+      longest gap of the throughput phase, `max gap`: a step that prefills newcomers stalls
+      the running streams too).
+
+    The load runs in a child process (this file with `--load`), so its work does not compete
+    with the gateway's for the GIL. The embedded engine runs on `serve.torch_threads` (1);
+    vLLM's CPU build binds its model to one core and keeps the other for its HTTP server. Both
+    float32. Also: the gap between the log-probs vLLM records and the float32 model's own
+    (log softmax(logits / T) on the same prefix, as the trainer recomputes them) over 8 answers
+    of 64 tokens at temperature 1 and 0.7. With `--routes`, vLLM's two token-returning routes are also compared directly (no
+    gateway): `/inference/v1/generate` (what `serve.backends.vllm` uses) against `/v1/completions`
+    with `return_token_ids` and logprobs, by tok/s and by the CPU seconds vLLM's API server
+    spends per 1000 tokens (its cost, steadier than throughput on a shared machine).
+
+How to run (from the repository root)
+    .venv/bin/python bench/engines.py                       # SmolLM2-135M, N=64, C=32
+    .venv/bin/python bench/engines.py --model tiny --requests 32 --routes
+    options: --engines embedded,vllm --requests N --concurrency C --seed S
+
+    Writes bench/results/engines_<model>.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from bench._common import CpuWatch, machine, median, percentile, quiet_logs, table, wait_quiet_async, write_result  # noqa: E402
+from bench.workload import mixed_requests  # noqa: E402
+
+LENGTHS = list(range(16, 257))
+
+
+def parse_args() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="smollm2-135m")
+    p.add_argument("--engines", default="embedded,vllm")
+    p.add_argument("--requests", type=int, default=64)
+    p.add_argument("--concurrency", type=int, default=32)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--routes", action="store_true", help="also compare vLLM's generate and completions routes")
+    p.add_argument("--load", help=argparse.SUPPRESS)  # internal: run a load (JSON config) and exit
+    return p.parse_args()
+
+
+# ---- the load (child process) ----------------------------------------------------------------
+
+async def run_load(cfg: dict) -> list[dict]:
+    """Stream every request of `cfg` (C at a time); per request: send and first-token times,
+    tokens, the longest gap between two token chunks. Prints `flowing` once `signal_after`
+    token chunks arrived (the parent's cue for a swap)."""
+    import httpx
+
+    seen, signalled = [0], [False]
+    sem = asyncio.Semaphore(cfg["concurrency"])
+
+    async def one(http: httpx.AsyncClient, i: int, req: dict) -> dict:
+        async with sem:
+            path, body = _body(cfg, i, req)
+            rec = {"t_send": time.monotonic(), "t_first": None, "t_last": None, "tokens": 0, "max_gap": 0.0, "gaps": [],
+                   "error": None}
+            try:
+                async with http.stream("POST", path, json=body) as response:
+                    response.raise_for_status()
+                    async for line in response.aiter_lines():
+                        if not line.startswith("data:") or "[DONE]" in line:
+                            continue
+                        n = _tokens(cfg["route"], json.loads(line[5:]))
+                        if not n:
+                            continue
+                        now = time.monotonic()
+                        if rec["t_last"] is not None:
+                            rec["max_gap"] = max(rec["max_gap"], now - rec["t_last"])
+                            if now - rec["t_last"] > 0.1:
+                                rec["gaps"].append((rec["t_last"], now))
+                        rec["t_first"] = rec["t_first"] or now
+                        rec["t_last"] = now
+                        rec["tokens"] += n
+                        seen[0] += 1
+                        if cfg.get("signal_after") and seen[0] >= cfg["signal_after"] and not signalled[0]:
+                            signalled[0] = True
+                            print("flowing", flush=True)
+            except Exception as exc:
+                rec["error"] = repr(exc)
+            return rec
+
+    async with httpx.AsyncClient(base_url=cfg["url"], timeout=900,
+                                 limits=httpx.Limits(max_connections=256, max_keepalive_connections=256)) as http:
+        return list(await asyncio.gather(*(one(http, i, r) for i, r in enumerate(cfg["requests"]))))
+
+
+def _body(cfg: dict, i: int, req: dict) -> tuple[str, dict]:
+    route, n = cfg["route"], req["max_new_tokens"]
+    if route == "chat":
+        return "/v1/chat/completions", {"model": cfg["model"], "messages": req["messages"], "max_tokens": n, "temperature": 1.0,
+                                        "ignore_eos": True, "stream": True, "seed": cfg["seed"] + i}
+    sampling = {"max_tokens": n, "temperature": 1.0, "ignore_eos": True, "seed": cfg["seed"] + i, "logprobs": 0}
+    if route == "generate":
+        return "/inference/v1/generate", {"token_ids": req["prompt_ids"], "sampling_params": sampling, "stream": True,
+                                          "output_mode": "text"}
+    return "/v1/completions", {"model": cfg["model"], "prompt": req["prompt_ids"], "stream": True, "return_token_ids": True, **sampling}
+
+
+def _tokens(route: str, event: dict) -> int:
+    choices = event.get("choices") or []
+    if route == "chat":  # one token per content chunk (the gateway streams a chunk per engine delta)
+        return sum(1 for c in choices if (c.get("delta") or {}).get("content"))
+    return sum(len(c.get("token_ids") or []) for c in choices)
+
+
+class Load:
+    """The load process: `await Load(cfg).run()` -> its records (with `on_flowing` called once
+    tokens flow, when `cfg["signal_after"]` is set)."""
+
+    def __init__(self, cfg: dict, workdir: Path):
+        self.path = workdir / f"load-{time.monotonic_ns()}.json"
+        self.path.write_text(json.dumps(cfg))
+
+    async def run(self, on_flowing=None) -> list[dict]:
+        proc = await asyncio.create_subprocess_exec(sys.executable, __file__, "--load", str(self.path),
+                                                    stdout=asyncio.subprocess.PIPE, limit=1 << 26)
+        while line := await proc.stdout.readline():
+            if line.strip() == b"flowing" and on_flowing is not None:
+                await on_flowing()
+            elif line.startswith(b"["):
+                records = json.loads(line)
+        if await proc.wait() != 0:
+            raise RuntimeError(f"load process failed ({proc.returncode})")
+        return records
+
+
+# ---- phases ----------------------------------------------------------------------------------
+
+def summary(records: list[dict], wall: float, useful: int) -> dict:
+    errors = [r["error"] for r in records if r["error"]]
+    ttft = [r["t_first"] - r["t_send"] for r in records if r["t_first"]]
+    return {"useful_tokens": useful, "received_tokens": sum(r["tokens"] for r in records), "wall_s": round(wall, 2),
+            "useful_tok_s": round(useful / wall, 1), "ttft_p50_s": round(median(ttft), 3), "ttft_p90_s": round(percentile(ttft, 90), 3),
+            "max_token_gap_s": round(max(r["max_gap"] for r in records), 3), "errors": errors[:3], "n_errors": len(errors)}
+
+
+async def throughput(url: str, model: str, requests: list[dict], args, workdir: Path, route: str = "chat") -> dict:
+    cfg = {"url": url, "model": model, "route": route, "concurrency": args.concurrency, "seed": args.seed, "requests": requests}
+    await Load({**cfg, "requests": requests[:4]}, workdir).run()  # warm-up, untimed
+    quiet = await wait_quiet_async()
+    watch = CpuWatch().start()
+    started = time.monotonic()
+    records = await Load(cfg, workdir).run()
+    wall = time.monotonic() - started
+    return {**summary(records, wall, sum(r["max_new_tokens"] for r in requests)), "cpu": watch.stop(), "quiet_wait": quiet}
+
+
+async def hot_swap(served, model_spec: str, requests: list[dict], args, workdir: Path, version: int) -> dict:
+    """C streams of 256 tokens; once tokens flow, announce `version` and let the gateway swap."""
+    from bus import WEIGHTS_SUBJECT, Bus, WeightUpdate
+
+    path = str(workdir / "store" / f"v{version}")
+    long = [dict(r, max_new_tokens=256) for r in requests[: args.concurrency]]
+    cfg = {"url": served.url, "model": model_spec, "route": "chat", "concurrency": args.concurrency, "seed": args.seed,
+           "requests": long, "signal_after": 8 * args.concurrency}
+    bus = await Bus.connect(served.nats_url, name="bench")
+    swaps = served.loop.stats()["swaps"]
+    window: list[float] = []
+
+    async def swapped() -> None:
+        while served.loop.stats()["swaps"] == swaps:
+            await asyncio.sleep(0.005)
+        window.append(time.monotonic())
+
+    async def announce() -> None:
+        window.append(time.monotonic())
+        await bus.publish(WEIGHTS_SUBJECT, WeightUpdate(id=f"bench-w{version}", version=version, path=path, step=version))
+
+    try:
+        waiter = asyncio.create_task(swapped())
+        records = await Load(cfg, workdir).run(on_flowing=announce)
+        await asyncio.wait_for(waiter, 60)
+    finally:
+        await bus.close()
+    errors = [r["error"] for r in records if r["error"]]
+    announced, done = window
+    across = [now - last for r in records for last, now in r["gaps"] if last <= done and now >= announced]
+    return {"pause_s": round(served.loop.pauses[-1], 3), "announce_to_swapped_s": round(done - announced, 3),
+            "stall_s": round(max(across, default=0.0), 3), "max_token_gap_s": round(max(r["max_gap"] for r in records), 3),
+            "n_errors": len(errors), "errors": errors[:3]}
+
+
+async def bench_engine(engine: str, args, requests: list[dict], workdir: Path) -> dict:
+    from bench._serve import Served
+
+    overrides = ["serve.max_batch_size=32", "serve.max_new_tokens=256"]
+    if engine == "vllm":
+        overrides.append("serve.engine_kind=vllm")
+    started = time.monotonic()
+    async with Served(args.model, overrides) as served:
+        result = {"start_s": round(time.monotonic() - started, 1)}
+        print(f"{engine}: started in {result['start_s']}s", flush=True)
+        result["throughput"] = await throughput(served.url, served.loop.model_name, requests, args, workdir)
+        print(f"{engine}: {result['throughput']['useful_tok_s']} useful tok/s", flush=True)
+        if engine == "vllm":  # on the weights it started with (the model's), before the swap
+            result["sampled"] = await sampled_by_vllm(served, requests)
+        result["hot_swap"] = await hot_swap(served, served.loop.model_name, requests, args, workdir, version=1)
+        print(f"{engine}: swap paused {result['hot_swap']['pause_s']}s, streams stalled {result['hot_swap']['stall_s']}s", flush=True)
+        if engine == "vllm" and args.routes:
+            result["routes"] = await routes(served, requests, args, workdir)
+    return result
+
+
+async def sampled_by_vllm(served, requests: list[dict]) -> list[dict]:
+    """8 answers of 64 tokens sampled by vLLM (at temperature 1 and 0.7) with their recorded
+    log-probs, for `logprob_gap` (after the run: torch work here would slow an embedded engine)."""
+    [engine] = served.loop.pool.engines
+    bodies = [{"input_ids": r["prompt_ids"], "return_logprob": True, "sampling_params": {
+        "max_new_tokens": 64, "temperature": 1.0 if i % 2 else 0.7, "ignore_eos": True, "sampling_seed": i}}
+        for i, r in enumerate(requests[:8])]
+    answers = await asyncio.gather(*(engine.generate(body) for body in bodies))
+    return [{"prompt_ids": b["input_ids"], "temperature": b["sampling_params"]["temperature"], "output_ids": a["output_ids"],
+             "logprobs": [e[0] for e in a["meta_info"]["output_token_logprobs"]]} for b, a in zip(bodies, answers)]
+
+
+def logprob_gap(model_spec: str, sampled: list[dict]) -> dict:
+    """|log π − log π_vLLM| per sampled token, π the float32 model's log softmax(logits / T) on
+    the same prefix: what the trainer's `behav_logprob_gap` is for tokens of its own version."""
+    import torch
+
+    from models import load_model
+
+    model, _ = load_model(model_spec)
+    gaps = []
+    for s in sampled:
+        ids = torch.tensor([s["prompt_ids"] + s["output_ids"]])
+        with torch.no_grad():
+            logits = model(input_ids=ids).logits[0, len(s["prompt_ids"]) - 1: -1].float() / s["temperature"]
+        mine = torch.log_softmax(logits, -1).gather(1, torch.tensor(s["output_ids"]).unsqueeze(1)).squeeze(1)
+        gaps += (mine - torch.tensor(s["logprobs"])).abs().tolist()
+    return {"tokens": len(gaps), "mean": sum(gaps) / len(gaps), "max": max(gaps)}
+
+
+async def routes(served, requests: list[dict], args, workdir: Path) -> dict:
+    """vLLM's routes directly: tok/s and its API server's CPU per 1000 tokens."""
+    [engine] = served.loop.pool.engines
+    pid = served.loop.vllm_server.pid
+    out = {}
+    for route in ("generate", "completions", "generate", "completions"):  # interleaved, twice
+        before = _cpu_s(pid)
+        result = await throughput(engine.name, served.loop.model_name, requests, args, workdir, route=route)
+        result["api_server_cpu_s_per_1k_tokens"] = round(1000 * (_cpu_s(pid) - before) / result["received_tokens"], 3)
+        out.setdefault(route, []).append(result)
+        print(f"route {route}: {result['useful_tok_s']} tok/s, API server {result['api_server_cpu_s_per_1k_tokens']} CPU s/1k tokens",
+              flush=True)
+    return out
+
+
+def _cpu_s(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+PUBLISH = """
+import sys, torch
+from pathlib import Path
+from models import WeightStore, load_model
+model, _ = load_model(sys.argv[1])
+generator = torch.Generator().manual_seed(int(sys.argv[3]))
+with torch.no_grad():
+    for p in model.parameters():
+        p.add_(torch.randn(p.shape, generator=generator) * 0.01 * p.std())
+WeightStore(Path(sys.argv[2]) / "store", keep=2).publish(model, int(sys.argv[3]))
+"""
+"""A perturbed copy of the model published as a version, in a child process: torch work on a
+second thread of this process would slow the embedded engine's thread for good (docs/benchmarks.md,
+odd things found, 1)."""
+
+
+async def main_async(args) -> dict:
+    from transformers import AutoTokenizer
+
+    from models import resolve_model
+
+    tokenizer = AutoTokenizer.from_pretrained(resolve_model(args.model))
+    rng = random.Random(args.seed)
+    requests = [dict(r, max_new_tokens=rng.choice(LENGTHS)) for r in mixed_requests(tokenizer, args.requests, [16], [1], args.seed)]
+    results = {}
+    with tempfile.TemporaryDirectory(prefix="flywheel-engines-") as tmp:
+        workdir = Path(tmp)
+        publish = await asyncio.create_subprocess_exec(sys.executable, "-c", PUBLISH, args.model, str(workdir), "1",
+                                                       cwd=Path(__file__).resolve().parent.parent)
+        if await publish.wait() != 0:
+            raise RuntimeError("could not publish the swap's weights")
+        for engine in args.engines.split(","):
+            results[engine] = await bench_engine(engine, args, requests, workdir)
+    if "vllm" in results:
+        results["vllm"]["logprob_gap"] = logprob_gap(args.model, results["vllm"].pop("sampled"))
+        print(f"vLLM's log-probs against the float32 model's: {results['vllm']['logprob_gap']}", flush=True)
+    return results
+
+
+def main() -> None:
+    args = parse_args()
+    if args.load:
+        records = asyncio.run(run_load(json.loads(Path(args.load).read_text())))
+        print(json.dumps(records), flush=True)
+        return
+    quiet_logs()
+    results = asyncio.run(main_async(args))
+    rows = [[engine, r["start_s"], r["throughput"]["useful_tok_s"], r["throughput"]["ttft_p50_s"], r["throughput"]["ttft_p90_s"],
+             r["throughput"]["max_token_gap_s"], r["hot_swap"]["pause_s"], r["hot_swap"]["stall_s"],
+             r["throughput"]["n_errors"] + r["hot_swap"]["n_errors"], r["throughput"]["cpu"]["foreign_cores"]]
+            for engine, r in results.items()]
+    print(table(["engine", "start s", "useful tok/s", "TTFT p50 s", "TTFT p90 s", "max gap s", "swap pause s",
+                 "swap stall s", "errors", "foreign cores"], rows))
+    path = write_result(f"engines_{args.model}", {"machine": machine(1), "args": vars(args), "results": results,
+                                                   "command": " ".join(["python", *sys.argv])})
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()
