@@ -119,10 +119,12 @@ class Turn(Record, kw_only=True):
 
 
 class SessionEvent(Record, kw_only=True):
-    """A signal about a session that is not a turn: feedback, or an explicit end."""
+    """A signal about a session that is not a turn: feedback, an explicit end, or a request in flight."""
 
     session_id: str
-    kind: Literal["feedback", "end"]
+    kind: Literal["feedback", "end", "pending"]
+    """`pending`: a request of the session arrived at the gateway; its turns (`turn_ids`) are
+    being generated, so the session is not idle however long they take."""
     reward: float | None = None
     """For feedback: the reward given (any float; judges decide how to scale it)."""
     turn_index: int | None = None
@@ -136,6 +138,8 @@ class SessionEvent(Record, kw_only=True):
     """Who gave it: `user` (a person or client), `env` (an environment's verdict), ..."""
     details: dict[str, Any] | None = None
     """Structured facts behind the feedback (e.g. an environment's per-test outcomes)."""
+    turn_ids: list[str] | None = None
+    """For pending: the ids the request's turns will have (`Turn.id`, one per choice)."""
 
 
 class Segment(msgspec.Struct, kw_only=True):

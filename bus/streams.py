@@ -31,11 +31,11 @@ SAMPLE_SUBJECT = "flywheel.samples"
 UNSCORED_SUBJECT = "flywheel.unscored"
 WEIGHTS_SUBJECT = "flywheel.weights"
 COMMANDS_SUBJECT = "flywheel.versions.commands"
+"""Operators' requests to the promotion loop (`deploy.versions`, the gateway's admin routes)."""
 REGISTRY_BUCKET = "FLYWHEEL_VERSIONS"
 """The version registry's key-value bucket (bus/registry.py)."""
 ROUTING_SUBJECT = f"$KV.{REGISTRY_BUCKET}.routing"
 """The registry's routing key, as a subject gateways follow."""
-"""Operators' requests to the promotion loop (`deploy.versions`, the gateway's admin routes)."""
 
 DAY = 24 * 3600.0
 

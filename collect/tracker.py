@@ -7,7 +7,10 @@ A session closes when:
 - an `end` event arrives: reason `end`;
 - session-level feedback arrives (a reward or text not tied to one turn): reason `feedback`;
   feedback about one turn (`turn_index` set) attaches to the session and does not close it;
-- no traffic for `idle_timeout_s`: reason `idle`;
+- no traffic for `idle_timeout_s`: reason `idle`. A request in flight is traffic: the gateway
+  announces each request's turns when it arrives (a `pending` event), and the session stays open
+  until they are recorded, however long the reply takes (at most `reply_timeout_s` after the
+  announcement, for a gateway that died mid-reply);
 - it reaches `max_turns` main turns or `max_tokens` stitched tokens: the turns so far become one
   piece (close reason `limit`) and its later turns the next; the pieces are held until the
   session closes, then emitted together, each with all of the session's feedback (a reward that
@@ -74,6 +77,8 @@ class _Session:
     """Ids of every record (turn or event) that went into the session."""
     close_reason: str | None = None
     last_seen: float = 0.0
+    pending: dict[str, float] = field(default_factory=dict)
+    """Turns announced but not recorded yet (requests in flight): id -> when to stop waiting."""
     tokens_bound: int = 0
     """Sum of the main turns' prompt + output lengths: an upper bound of the stitched length."""
     pieces: list[dict[str, Turn]] = field(default_factory=list)
@@ -171,6 +176,9 @@ class SessionTracker:
             session = next(iter(self._open.values()))
             if session.last_seen > now - self.config.idle_timeout_s:
                 break
+            if any(deadline > now for deadline in session.pending.values()):
+                self._touch(session.session_id)  # a reply in flight: idle only once it is recorded
+                continue
             closed.append(self._emit(self._open.pop(session.session_id), session.close_reason or "idle"))
         while self._waiting:
             deadline, session = next(iter(self._waiting.values()))
@@ -197,6 +205,7 @@ class SessionTracker:
             session = self._touch(turn.session_id)
         session.handles.append(handle)
         session.seen.add(turn.id)
+        session.pending.pop(turn.id, None)
         if turn.turn_type == "side":
             self.counts["side_turns"] += 1
             return []
@@ -225,6 +234,8 @@ class SessionTracker:
     def _add_event(self, event: SessionEvent, handle: Any) -> list[Closed]:
         self.counts["events"] += 1
         sid = event.session_id
+        if event.kind == "pending":
+            return self._add_pending(event, handle)
         if sid in self._waiting:
             _, session = self._waiting[sid]
             session.handles.append(handle)
@@ -250,6 +261,18 @@ class SessionTracker:
             if event.turn_index is None and event.interaction_id is None:
                 session.close_reason = "feedback"
         return self._end_if_signalled(session)
+
+    def _add_pending(self, event: SessionEvent, handle: Any) -> list[Closed]:
+        """A request in flight: its session is active (a new one if it had closed) until its
+        turns are recorded. Announced turns that were already recorded hold nothing."""
+        if event.session_id in self._waiting:  # the session ended; its turns join it as stragglers
+            return [Closed([], [handle])]
+        session = self._touch(event.session_id)
+        session.handles.append(handle)
+        session.seen.add(event.id)
+        deadline = self._clock() + self.config.reply_timeout_s
+        session.pending.update((tid, deadline) for tid in event.turn_ids or () if tid not in session.seen)
+        return []
 
     def _end_if_signalled(self, session: _Session) -> list[Closed]:
         """Close (or start the grace period of) an open session with a close signal and turns."""

@@ -55,7 +55,12 @@ class BusConfig(Section):
 
 class CollectConfig(Section):
     idle_timeout_s: float = Field(600.0, gt=0)
-    """A session with no traffic for this long is closed and emitted."""
+    """A session with no traffic for this long, and no request of it in flight, is closed and
+    emitted (a reply slower than this does not split its conversation)."""
+    reply_timeout_s: float = Field(900.0, gt=0)
+    """A request the gateway announced (`pending`) holds its session open at most this long
+    after it arrived, when its turn never comes (the gateway died mid-reply); keep it above
+    `serve.request_timeout_s`."""
     feedback_grace_s: float = Field(5.0, ge=0)
     """A session ended by `X-Session-Done` or the end endpoint, with no session reward yet,
     waits this long for one before it is emitted (clients often send the reward right after the

@@ -98,10 +98,12 @@ class Answerer:
         interaction = {"X-Interaction-Id": ",".join(choice.rid for choice in generation.choices)}
         if body.stream:
             await self.limiter.acquire()  # a 429 must be a real status, before the stream starts
+            generation.announce()
             return EventStreamResponse(generation.events(), on_close=self.limiter.release, headers=interaction)
         headers.update(interaction)
         try:
             async with request_timeout(self.config.request_timeout_s), self.limiter.slot():
+                generation.announce()
                 return await _unless_client_leaves(generation, request.receive)
         except EngineError as exc:
             raise APIError(exc.status, str(exc)) from None

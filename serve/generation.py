@@ -18,7 +18,7 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from bus import TURN_SUBJECT, Timings, Turn
+from bus import SESSION_EVENT_SUBJECT, TURN_SUBJECT, SessionEvent, Timings, Turn
 from models.tool_formats import ToolFormat
 from serve.api.chat import ChatCompletionRequest, CompletionRequest, sampling_params
 from serve.api.formatting import chat_message, output_text
@@ -66,6 +66,19 @@ class Generation:
             tools = [t.model_dump(exclude_none=True) for t in self.body.tools]
             self._grammar = self.tool_format.forced_grammar(self.body.tool_choice, tools)
         self._messages: dict[int, tuple[dict[str, Any], str]] = {}
+
+    def session_of(self, choice: Choice) -> str:
+        """The session the choice's turn is recorded in: with n > 1 each choice continues its own."""
+        return f"{self.session.session_id}/{choice.index}" if self.body.n > 1 else self.session.session_id
+
+    def announce(self) -> None:
+        """Tell the collector that the session has a request in flight, with its turns' ids: a
+        reply slower than `collect.idle_timeout_s` must not close the conversation as idle."""
+        if self.session.anonymous:
+            return
+        for choice in self.choices:
+            self.recorder.record(SESSION_EVENT_SUBJECT, SessionEvent(
+                id=uuid.uuid4().hex, session_id=self.session_of(choice), kind="pending", turn_ids=[choice.rid]))
 
     def message(self, choice: Choice) -> tuple[dict[str, Any], str]:
         """A finished chat choice's assistant message and finish reason, parsed once: the tool
@@ -282,7 +295,7 @@ class Generation:
                 finish = "abort"
             turns.append(Turn(
                 id=choice.rid,
-                session_id=f"{self.session.session_id}/{choice.index}" if several else self.session.session_id,
+                session_id=self.session_of(choice),
                 turn_index=sum(1 for m in self.body.messages if m.role == "assistant") if self.chat else 0,
                 turn_type=self.session.turn_type,
                 task_id=self.session.task_id or (self.id if several else None),

@@ -92,6 +92,34 @@ def test_idle_sessions_expire():
     assert tracker.open_sessions == 0
 
 
+def test_a_reply_in_flight_keeps_its_session_open_past_the_idle_timeout():
+    """The gateway announces a request's turns when it arrives (`pending`); a reply that takes
+    longer than the idle timeout to generate must not split its conversation. A pending turn that
+    never comes (its gateway died) holds the session no longer than `reply_timeout_s`."""
+    now = [0.0]
+    tracker = SessionTracker(CollectConfig(idle_timeout_s=10, reply_timeout_s=100), clock=lambda: now[0])
+    tracker.add(turn("a"), 1)
+    now[0] = 2.0
+    tracker.add(SessionEvent(id="p", session_id="s", kind="pending", turn_ids=["b"]), 2)
+    now[0] = 30.0  # the reply to the second request is still being generated
+    assert tracker.expire() == []
+    tracker.add(turn("b", index=1, prompt=(1, 2, 3, 4, 5), output=(6,)), 3)
+    now[0] = 39.0
+    assert tracker.expire() == []
+    now[0] = 41.0
+    [closed] = tracker.expire()
+    assert [t.id for t in closed.trajectory.turns] == ["a", "b"] and sorted(closed.handles) == [1, 2, 3]
+    assert len(closed.trajectory.segments) == 1 and closed.trajectory.close_reason == "idle"
+
+    tracker.add(turn("c", session="gone"), 4)
+    tracker.add(SessionEvent(id="q", session_id="gone", kind="pending", turn_ids=["d"]), 5)
+    now[0] = 140.0
+    assert tracker.expire() == []  # within reply_timeout_s of the announcement
+    now[0] = 152.0
+    [closed] = tracker.expire()
+    assert [t.id for t in closed.trajectory.turns] == ["c"] and sorted(closed.handles) == [4, 5]
+
+
 class Clock:
     def __init__(self):
         self.now = 0.0

@@ -10,7 +10,7 @@ import httpx
 import openai
 import pytest
 
-from bus import TRAFFIC_SUBJECTS, TRAJECTORY_SUBJECT, Trajectory, Turn
+from bus import TRAFFIC_SUBJECTS, TRAJECTORY_SUBJECT, SessionEvent, Trajectory, Turn
 from collect.loop import CollectLoop
 from config import load_config
 from models.tiny import CHAT_TEMPLATE
@@ -206,6 +206,33 @@ async def test_special_tokens_the_client_never_saw_stay_in_one_segment(nats_url,
     for session in seeds:
         [segment] = trajectories[session].segments
         assert_segment_is_exact(segment, turns[session])
+
+
+async def test_each_request_is_announced_with_its_turn_ids_before_its_turns(nats_url, tmp_path, bus):
+    """The collector keeps a session open while a reply is being generated (a reply slower than
+    collect.idle_timeout_s does not split it; tests/test_collect.py has the clock): the gateway
+    announces each session request's turns on TRAFFIC before it records them, whole or streamed,
+    n > 1 included, and announces nothing for a request without a session."""
+    async with platform(nats_url, tmp_path) as (serve, _, client):
+        messages = [{"role": "user", "content": "Hi."}]
+        whole = await client.chat.completions.create(model=serve.model_name, messages=messages, max_tokens=4, n=2,
+                                                     extra_headers={"X-Session-Id": "announced"})
+        stream = await client.chat.completions.create(model=serve.model_name, messages=messages, max_tokens=4, stream=True,
+                                                      extra_headers={"X-Session-Id": "announced"})
+        [chunk.id async for chunk in stream]
+        await client.chat.completions.create(model=serve.model_name, messages=messages, max_tokens=4)
+        consumer = bus.consumer(TRAFFIC_SUBJECTS, "announcements")
+        records: list = []
+        while sum(isinstance(r, Turn) for r in records) < 4:
+            records += [d.record for d in await consumer.fetch(timeout_s=5)]
+    announced = [r for r in records if isinstance(r, SessionEvent) and r.kind == "pending"]
+    turns = [r for r in records if isinstance(r, Turn)]
+    rid = whole.id.removeprefix("chatcmpl-")
+    assert [(e.session_id, e.turn_ids) for e in announced[:2]] == [("announced/0", [f"{rid}-0"]), ("announced/1", [f"{rid}-1"])]
+    assert len(announced) == 3 and announced[2].session_id == "announced"  # the stream's; none for the anonymous request
+    for event in announced:
+        [turn] = [t for t in turns if t.id == event.turn_ids[0]]
+        assert turn.session_id == event.session_id and records.index(event) < records.index(turn)
 
 
 async def test_a_template_that_rewrites_history_splits_the_session(nats_url, tmp_path, bus):

@@ -71,7 +71,7 @@ async def test_streams_survive_swaps_with_correct_versions(nats_url, bus, tmp_pa
         consumer = bus.consumer(TRAFFIC_SUBJECTS, "check")
         turns: dict[str, Turn] = {}
         while len(turns) < len(completed):
-            turns |= {d.record.session_id: d.record for d in await consumer.fetch(batch=1000, timeout_s=2)}
+            turns |= {d.record.session_id: d.record for d in await consumer.fetch(batch=1000, timeout_s=2) if isinstance(d.record, Turn)}
     finally:
         await loop.stop()
 

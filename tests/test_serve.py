@@ -28,10 +28,11 @@ def client(served):
 
 
 async def records(bus, n: int, durable: str = "check") -> list:
+    """What the gateway recorded (turns, feedback, ends), without its announcements of requests in flight."""
     consumer = bus.consumer(TRAFFIC_SUBJECTS, durable)
     out = []
     for _ in range(100):
-        out += [d.record for d in await consumer.fetch(timeout_s=0.2)]
+        out += [d.record for d in await consumer.fetch(timeout_s=0.2) if getattr(d.record, "kind", None) != "pending"]
         if len(out) >= n:
             break
     return out
