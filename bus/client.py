@@ -7,7 +7,8 @@ record id, so JetStream drops a re-publish of the same record inside its duplica
 (`bus/pull.py`): it resumes where the named consumer left off after a restart, and delivers
 each message until it is acked (at-least-once). A message that does not decode as its
 subject's record type is terminated and counted, never allowed to crash a loop. `resolve`
-attaches to a `Sample` the trajectory it refers to. Records of any size are carried whole: one
+attaches to a `Sample` the trajectory it refers to; `recent` reads a subject's records among its
+stream's newest messages (the promotion gate's sample of traffic). Records of any size are carried whole: one
 larger than a NATS message goes through the object store (`bus/large.py`).
 """
 
@@ -261,6 +262,27 @@ class Bus:
         except NotFoundError:
             return None
         return decode(await read_payload(self, raw.data, raw.headers), RECORD_TYPES[subject])
+
+    async def recent(self, subject: str, window: int) -> AsyncIterator[tuple[int, Record]]:
+        """The records on `subject` among the last `window` messages its stream held when called,
+        oldest first, each with its stream sequence: one direct get per record, the next one on
+        the subject (the stream's other subjects are skipped by the server). For a sample of
+        recent history; a record that does not decode is logged and skipped."""
+        stream = await self.js.find_stream_name_by_subject(subject)
+        last = (await self.js.stream_info(stream)).state.last_seq
+        seq, kind = max(1, last - window + 1), RECORD_TYPES[subject]
+        while seq <= last:
+            try:
+                raw = await self.js.get_msg(stream, seq, subject=subject, next=True, direct=True)
+            except NotFoundError:
+                return
+            if raw.seq > last:
+                return
+            seq = raw.seq + 1
+            try:
+                yield raw.seq, decode(await read_payload(self, raw.data, raw.headers), kind)
+            except (msgspec.ValidationError, msgspec.DecodeError) as exc:
+                log.error("ignoring malformed %s record at %s #%d: %s", kind.__name__, stream, raw.seq, exc)
 
     async def follow(self, subject: str, from_last: bool = True, newest_only: bool = False,
                      from_first: bool = False) -> AsyncIterator[Record]:

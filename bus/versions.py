@@ -65,6 +65,8 @@ class VersionEntry(Record, kw_only=True):
     transitions: list[Transition] = msgspec.field(default_factory=list)
     gate: dict[str, Any] | None = None
     """The gate's report: each suite's and guard's numbers against the serving version, the verdict."""
+    waiting: str | None = None
+    """Why the gate has not evaluated this candidate yet (a traffic suite short of recorded prompts)."""
     canary: dict[str, Any] | None = None
     """Its canary: when it started, the share, each arm's evidence, the sequential test's state."""
     online: list[list[float]] = msgspec.field(default_factory=list)
@@ -73,6 +75,7 @@ class VersionEntry(Record, kw_only=True):
 
     def moved(self, state: State, reason: str, by: str) -> "VersionEntry":
         self.state = state
+        self.waiting = None
         self.transitions.append(Transition(state=state, reason=reason, by=by))
         return self
 

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import os
 from string import Template
 from typing import Literal
 
@@ -115,6 +116,10 @@ class LLMJudgeConfig(TurnJudgeConfig):
         system, user = (NEXT_STATE_SYSTEM_PROMPT, NEXT_STATE_USER_PROMPT) if self.mode == "next_state" else (
             JUDGE_SYSTEM_PROMPT, JUDGE_USER_PROMPT)
         return self.system_prompt or system, self.user_prompt or user
+
+    def resolved_api_key(self) -> str:
+        """The key to send: `api_key`, else the `api_key_env` variable, else a placeholder."""
+        return self.api_key or os.environ.get(self.api_key_env) or "unused"
 
     @property
     def scale(self) -> tuple[float, float]:

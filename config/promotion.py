@@ -18,19 +18,51 @@ from config.section import Section
 
 class SuiteConfig(Section):
     """One evaluation suite of the gate: the same items answered by the candidate and by the
-    serving version, each answer scored, the paired differences compared."""
+    serving version, each pair of answers scored, the scores' lower confidence bound compared
+    with −margin.
+
+    `source: env`: the items are an environment's held-out tasks, each reply graded by it (the
+    score of an item: candidate's reward − serving's). `source: traffic`: the items are recent
+    prompts of recorded sessions, the two replies compared by the pinned judge in both orders
+    (the score of an item: the mean of the two verdicts, +1 the candidate's reply better, −1 the
+    serving version's, 0 a tie) (docs/promotion.md)."""
 
     name: str
-    env: str
-    """The environment whose held-out tasks are the items (`arithmetic`, `digits`, `humaneval`, ...,
-    as `rollout.env` names them), each reply graded by it."""
+    source: Literal["env", "traffic"] = "env"
+    env: str | None = None
+    """`source: env`: the environment whose held-out tasks are the items (`arithmetic`, `digits`,
+    `humaneval`, ..., as `rollout.env` names them), each reply graded by it."""
     env_args: dict = Field(default_factory=dict)
     items: int = Field(32, ge=2)
-    """How many held-out tasks the suite has."""
+    """How many items the suite has: held-out tasks, or recorded prompts (at most this many)."""
     max_new_tokens: int = Field(128, ge=1)
     margin: float = Field(0.1, ge=0)
-    """The candidate fails when, with `gate.confidence`, its mean reward is below the serving
-    version's by more than this."""
+    """The candidate fails when, with `gate.confidence`, the mean item score is below −margin:
+    its mean reward below the serving version's by more than this (env), or the judge's mean
+    preference against it beyond this (traffic, on [−1, 1])."""
+    min_items: int = Field(8, ge=2)
+    """`source: traffic`: with fewer recorded prompts than this the gate waits (the candidate stays
+    a candidate, the reason shown in its entry) and evaluates once traffic has brought them."""
+    window: int = Field(4096, ge=1)
+    """`source: traffic`: how many of the TRAFFIC stream's newest messages the prompts are drawn from."""
+    max_prompt_tokens: int = Field(2048, ge=1)
+    """`source: traffic`: longer prompts are left out (a session's earlier turn may serve instead)."""
+    max_invalid: float = Field(0.5, ge=0, le=1)
+    """`source: traffic`: the share of the judge's verdicts that may be unreadable (each counts as a
+    tie); above it the suite fails: a judge that does not answer is no evidence either way."""
+
+    @model_validator(mode="after")
+    def _fields_of_its_source(self) -> "SuiteConfig":
+        traffic_only = {"min_items", "window", "max_prompt_tokens", "max_invalid"} & self.model_fields_set
+        if self.source == "env" and self.env is None:
+            raise ValueError("env: an env suite needs the environment whose held-out tasks it answers (or source: traffic)")
+        if self.source == "env" and traffic_only:
+            raise ValueError(f"{', '.join(sorted(traffic_only))}: only for source: traffic")
+        if self.source == "traffic" and ({"env", "env_args"} & self.model_fields_set):
+            raise ValueError("env: a traffic suite's items are recorded prompts, not an environment's tasks")
+        if self.source == "traffic" and self.min_items > self.items:
+            raise ValueError(f"min_items: {self.min_items} is more than items ({self.items}); set min_items to at most items")
+        return self
 
 
 class GuardsConfig(Section):

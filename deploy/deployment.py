@@ -8,7 +8,8 @@ Starting: the bus (an embedded nats-server unless `bus.url` names one), Ray (loc
 train), each placed by `deploy.resources`, and, when `rollout.enabled`, the rollout driver
 pointed at serve's URL (or `rollout.endpoint`). With `promotion.mode` not off, `promote` in the
 loops starts the promotion loop with its evaluation server (`eval_serve`, `serve.role: eval`);
-the judge's own server starts when a judge needs one. Ray restarts a loop whose process or node dies
+the judge's own server starts when the judge needs one or the gate has a traffic suite (its
+pinned judge). Ray restarts a loop whose process or node dies
 (`deploy.actors`). Stopping reverses that and leaves
 no process behind: every loop is stopped, its actor killed, a Ray this deployment started is
 shut down, and an embedded nats-server is terminated.
@@ -79,12 +80,14 @@ class Deployment:
             self.serve_url = self._launch("serve", self.config)
         gateway = self.serve_url or self.config.rollout.endpoint  # gateways hosted elsewhere
         judge = self.config.model_copy(deep=True)
-        if "judge" in loops and self.config.judge.needs_server():
+        if needs_judge_server(self.config):
             self.judge_url = self._launch("judge_serve", side_server_config(self.config, "judge"))
         if "promote" in loops and self.config.promotion.enabled:
             self.eval_url = self._launch("eval_serve", side_server_config(self.config, "eval"))
             promote = self.config.model_copy(deep=True)
             promote.promotion.eval_url = self.eval_url
+            if promote.judge.llm.base_url is None and self.judge_url is not None:  # a traffic suite's pinned judge
+                promote.judge.llm.base_url = f"{self.judge_url}/v1"
             self._launch("promote", promote)
         if judge.judge.llm.base_url is None:  # the judge reads its URL here, on whatever node it runs
             source = self.judge_url if judge.judge.llm.source == "pinned" else gateway
@@ -141,6 +144,15 @@ class Deployment:
 
     def __exit__(self, *exc) -> None:
         self.stop()
+
+
+def needs_judge_server(config: FlywheelConfig) -> bool:
+    """Whether the judge's own server starts: the judge needs it (a pinned `llm` judge, the hint
+    teacher), or the promotion gate has a traffic suite and no `judge.llm.base_url` to ask."""
+    loops = config.deploy.loops
+    gate_judge = ("promote" in loops and config.promotion.enabled and config.judge.llm.base_url is None
+                  and any(suite.source == "traffic" for suite in config.promotion.gate.suites))
+    return gate_judge or ("judge" in loops and config.judge.needs_server())
 
 
 def side_server_config(config: FlywheelConfig, role: str) -> FlywheelConfig:

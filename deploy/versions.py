@@ -43,10 +43,18 @@ def _role(entry: VersionEntry, routing: Routing | None) -> str:
     return ""
 
 
+def _suite(name: str, suite: dict) -> str:
+    if suite.get("source") == "traffic":  # how often the pinned judge preferred each version's reply
+        return f"{name} preferred {suite['wins']} vs {suite['losses']} of {suite['items']}"
+    return f"{name} {suite['candidate']:.2f} vs {suite['serving']:.2f}"
+
+
 def _gate(entry: VersionEntry) -> str:
+    if entry.waiting:
+        return f"waiting: {entry.waiting}"
     if not entry.gate:
         return "-"
-    suites = ", ".join(f"{name} {s['candidate']:.2f} vs {s['serving']:.2f}" for name, s in entry.gate["suites"].items())
+    suites = ", ".join(_suite(name, s) for name, s in entry.gate["suites"].items())
     return f"{'passed' if entry.gate['passed'] else 'failed'}: {suites}; KL {entry.gate['guards'].get('kl', 0):.3f}"
 
 

@@ -33,9 +33,9 @@ from bus import Trajectory
 from config.judge import LLMJudgeConfig
 from judge import transcript
 from judge.base import Judge, Unscorable, Verdict, outcome_of
-from judge.endpoint import EndpointError, JudgeEndpoint
 from judge.parse import Vote, parse_score
 from judge.prompt import PromptBuilder
+from models.judge_endpoint import EndpointError, JudgeEndpoint
 
 ENDPOINT_ERROR = "endpoint error"
 

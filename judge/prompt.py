@@ -6,7 +6,7 @@ configured `system_prompt` plus the fence notice; a user message: the configured
 and the `Fence` it used. Templates are `string.Template` text (`$response`, `${context}`; `$$`
 is a literal `$`); `config.schema` checks their placeholders when the configuration loads.
 Conversation text (agent-controlled) only ever enters the prompt inside a fenced block
-(`judge/fence.py`), and only through the user message:
+(`models/fence.py`), and only through the user message:
 
     $context     the task: its id, the system message and first user message of the session
     $request     what the assistant was asked at this turn (the messages since its last reply)
@@ -24,7 +24,7 @@ from string import Template
 from bus import Trajectory
 from config.judge import LLMJudgeConfig
 from judge import transcript
-from judge.fence import Fence, clip
+from models.fence import Fence, clip
 
 NOTHING_FOLLOWED = "(nothing: the conversation ended after this reply)"
 

@@ -9,7 +9,6 @@ URL in `run_dir/serve.url`), and without `model` asks for the served model; its 
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 from bus import addresses
@@ -49,9 +48,7 @@ def _build_llm(config: FlywheelConfig, llm: LLMJudgeConfig) -> LLMJudge:
     base_url = llm.base_url
     if base_url is None:
         base_url = server_url(config, addresses.JUDGE if llm.source == "pinned" else addresses.SERVE) + "/v1"
-    api_key = llm.api_key or os.environ.get(llm.api_key_env) or "unused"
-    model = llm.model or config.served_model
-    return LLMJudge(llm, base_url, api_key, model)
+    return LLMJudge(llm, base_url, llm.resolved_api_key(), llm.model or config.served_model)
 
 
 def server_url(config: FlywheelConfig, address: str) -> str:

@@ -1,5 +1,6 @@
-"""The `llm` judge's connection to an OpenAI-compatible endpoint: bounded concurrency, retries
-with backoff, and every request marked as a side turn.
+"""A judge's connection to an OpenAI-compatible endpoint: bounded concurrency, retries with
+backoff, and every request marked as a side turn. Shared by the `llm` judge (`judge/llm.py`) and
+the promotion gate's pairwise judge (`promote/traffic_suite.py`).
 
 One `AsyncOpenAI` client (its own retries off: the retry policy is here, so it is the same
 for every endpoint and visible in the stats). At most `max_concurrency` requests are in flight.
@@ -44,6 +45,7 @@ def _retry_after_s(error: openai.OpenAIError) -> float | None:
 class JudgeEndpoint:
     def __init__(self, config: LLMJudgeConfig, base_url: str, api_key: str, model: str):
         self.config = config
+        self.base_url = base_url
         self.model = model
         self.client = openai.AsyncOpenAI(
             base_url=base_url, api_key=api_key, max_retries=0, timeout=config.request_timeout_s

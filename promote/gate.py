@@ -2,15 +2,16 @@
 
 Both versions answer every suite's items on the evaluation server (`serve.role: eval`, beside
 serving and training: loading a version there touches no gateway), greedily by default
-(`promotion.gate.temperature`). One evaluation loads two versions: the candidate first (its suite
-answers, and one sample per probe prompt at temperature 1 with its log-probabilities), then the
-serving version (its suite answers, and the candidate's samples scored under it in one
-prefill-only request each).
+(`promotion.gate.temperature`). Before an evaluation the suites get their items ready
+(`prepare`: a traffic suite reads recent recorded prompts; one short of them makes the gate
+wait). One evaluation loads two versions: the candidate first (its suite answers, and one sample
+per probe prompt at temperature 1 with its log-probabilities), then the serving version (its
+suite answers, and the candidate's samples scored under it in one prefill-only request each).
 
-- **Suites.** An `env` suite's items are the environment's held-out tasks (`held_out(n)`; an
-  environment without one: `n` tasks from a fixed seed, never the rollout's), each reply graded
-  by the environment. The candidate passes a suite when the one-sided lower confidence bound of
-  the mean paired difference (candidate − serving) at `gate.confidence` is above −`margin`.
+- **Suites** (`promote/suites.py`): an environment's held-out tasks graded by it (`EnvSuite`), or
+  recorded traffic compared pairwise by the pinned judge (`promote/traffic_suite.py`). Each item
+  gets a score; the candidate passes a suite when the one-sided lower confidence bound of the
+  mean score at `gate.confidence` is above −`margin`.
 - **Guards** on the probe prompts (the suites' first items): KL(candidate ‖ serving) per token on
   the candidate's own samples (the mean of log π_cand − log π_serv, an unbiased estimate); the
   mean reply length of one over the other's; the share of replies that began a tool call nobody
@@ -23,37 +24,18 @@ The report (each suite's and guard's numbers, the verdict, the reasons) is kept 
 from __future__ import annotations
 
 import asyncio
-import math
-import random
-from dataclasses import dataclass
-from statistics import NormalDist, fmean, stdev
+from statistics import fmean
 from typing import Any
 
 import httpx
 
+from bus import Bus
 from bus.versions import VersionEntry
 from config import FlywheelConfig
 from config.promotion import SuiteConfig
-from envs import Env, Task, make_env
 from models.tool_formats import detect
-
-HELD_OUT_SEED = 7919
-"""Where tasks are drawn for an environment without a held-out set (not the rollout's seed)."""
-
-
-@dataclass
-class Answer:
-    text: str
-    tokens: int
-    cut: bool
-
-
-@dataclass
-class Suite:
-    config: SuiteConfig
-    env: Env
-    tasks: list[Task]
-    prompts: list[list[int]]
+from promote.suites import Answer, EnvSuite, Suite
+from promote.traffic_suite import TrafficSuite, pinned_judge
 
 
 class EvalServer:
@@ -90,33 +72,25 @@ class EvalServer:
         await self.http.aclose()
 
 
-def lower_bound(differences: list[float], confidence: float) -> float:
-    """One-sided lower confidence bound of the mean of paired differences (normal approximation)."""
-    if len(differences) < 2:
-        return -math.inf
-    return fmean(differences) - NormalDist().inv_cdf(confidence) * stdev(differences) / math.sqrt(len(differences))
-
-
 class Gate:
-    def __init__(self, config: FlywheelConfig, tokenizer: Any, server: EvalServer):
+    def __init__(self, config: FlywheelConfig, tokenizer: Any, server: EvalServer, bus: Bus):
         self.config = config
         self.gate = config.promotion.gate
-        self.tokenizer = tokenizer
         self.server = server
         self.tool_format = detect(getattr(tokenizer, "chat_template", None))
-        self.suites = [self._suite(s) for s in self.gate.suites]
-        self.probes = [prompt for suite in self.suites for prompt in suite.prompts][: self.gate.guards.probe_prompts]
+        self.judge = pinned_judge(config) if any(s.source == "traffic" for s in self.gate.suites) else None
+        self.suites = [self._suite(suite, tokenizer, bus) for suite in self.gate.suites]
 
-    def _suite(self, suite: SuiteConfig) -> Suite:
-        env = make_env(suite.env, suite.env_args)
-        held_out = getattr(env, "held_out", None)
-        if held_out is not None:
-            tasks = held_out(suite.items)
-        else:
-            rng = random.Random(HELD_OUT_SEED)
-            tasks = [env.reset(rng) for _ in range(suite.items)]
-        texts = [self.tokenizer.apply_chat_template(t.messages, add_generation_prompt=True, tokenize=False) for t in tasks]
-        return Suite(suite, env, tasks, [self.tokenizer.encode(text, add_special_tokens=False) for text in texts])
+    def _suite(self, suite: SuiteConfig, tokenizer: Any, bus: Bus) -> Suite:
+        if suite.source == "env":
+            return EnvSuite(suite, tokenizer)
+        assert self.judge is not None
+        return TrafficSuite(suite, tokenizer, bus, self.judge, self.config.judge.llm.max_field_chars)
+
+    async def prepare(self) -> str | None:
+        """Get every suite's items ready; why the gate cannot evaluate yet, or None."""
+        waiting = [f"{suite.config.name}: {why}" for suite in self.suites if (why := await suite.prepare())]
+        return "; ".join(waiting) or None
 
     async def _answers(self, suite: Suite) -> list[Answer]:
         limit = suite.config.max_new_tokens
@@ -124,48 +98,37 @@ class Gate:
         return [Answer(r["text"], len(r["output_ids"]), (r["meta_info"].get("finish_reason") or {}).get("type") == "length")
                 for r in replies]
 
-    async def _grades(self, suite: Suite, answers: list[Answer]) -> list[float]:
-        def grade(task: Task, reply: str) -> float:
-            episode = suite.env.open(task)
-            try:
-                episode.step(reply)
-                return episode.finish().reward
-            finally:
-                episode.close()
-
-        return list(await asyncio.gather(*(asyncio.to_thread(grade, t, a.text) for t, a in zip(suite.tasks, answers))))
-
-    async def _side(self, entry: VersionEntry) -> dict[str, Any]:
+    async def _side(self, entry: VersionEntry) -> list[list[Answer]]:
         """Load a version and answer every suite with it."""
         await self.server.load(entry.path or self.config.model, entry.version)
-        answers = [await self._answers(suite) for suite in self.suites]
-        grades = [await self._grades(suite, a) for suite, a in zip(self.suites, answers)]
-        return {"answers": answers, "grades": grades}
+        return [await self._answers(suite) for suite in self.suites]
 
     async def evaluate(self, candidate: VersionEntry, serving: VersionEntry) -> dict[str, Any]:
-        """The report of `candidate` against `serving`; `report["passed"]` is the verdict."""
+        """The report of `candidate` against `serving` on the items `prepare` got ready;
+        `report["passed"]` is the verdict."""
         limit = self.gate.guards.max_new_tokens
+        probes = [prompt for suite in self.suites for prompt in suite.prompts][: self.gate.guards.probe_prompts]
         cand = await self._side(candidate)
-        samples = await asyncio.gather(*(self.server.generate(p, limit, 1.0, logprobs=True) for p in self.probes))
+        samples = await asyncio.gather(*(self.server.generate(p, limit, 1.0, logprobs=True) for p in probes))
         serv = await self._side(serving)
-        scored = await asyncio.gather(*(self.server.prefill_logprobs(p, s["output_ids"]) for p, s in zip(self.probes, samples)
+        scored = await asyncio.gather(*(self.server.prefill_logprobs(p, s["output_ids"]) for p, s in zip(probes, samples)
                                         if s["output_ids"]))
         own = [[e[0] for e in s["meta_info"]["output_token_logprobs"]] for s in samples if s["output_ids"]]
         report: dict[str, Any] = {"candidate": candidate.version, "serving": serving.version, "suites": {}, "guards": {}}
         reasons = []
-        for suite, cg, sg in zip(self.suites, cand["grades"], serv["grades"]):
-            differences = [c - s for c, s in zip(cg, sg)]
-            bound = lower_bound(differences, self.gate.confidence)
-            passed = bound > -suite.config.margin
-            report["suites"][suite.config.name] = {"items": len(differences), "candidate": fmean(cg), "serving": fmean(sg),
-                                                   "difference": fmean(differences), "lower_bound": bound, "passed": passed}
-            if not passed:
-                reasons.append(f"{suite.config.name}: {fmean(cg):.3f} vs {fmean(sg):.3f}, lower bound of the difference "
-                               f"{bound:+.3f} at {self.gate.confidence:.0%} ≤ −{suite.config.margin}")
-        reasons += self._guards(report["guards"], cand["answers"], serv["answers"], own, scored)
+        for suite, mine, theirs in zip(self.suites, cand, serv):
+            report["suites"][suite.config.name], why = await suite.compare(mine, theirs, self.gate.confidence)
+            if why is not None:
+                reasons.append(f"{suite.config.name}: {why}")
+        reasons += self._guards(report["guards"], cand, serv, own, scored)
         report["passed"] = not reasons
         report["reasons"] = reasons
         return report
+
+    async def close(self) -> None:
+        await self.server.close()
+        if self.judge is not None:
+            await self.judge.close()
 
     def _guards(self, out: dict[str, Any], cand: list[list[Answer]], serv: list[list[Answer]],
                 own: list[list[float]], scored: list[list[float]]) -> list[str]:

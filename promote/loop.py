@@ -9,7 +9,8 @@ its directive; the four loops run as before.
   a rejected or rolled-back version (trained before the trainer heard) is rejected (`lineage`).
 - The newest candidate is evaluated (`promote/gate.py`) against the serving version; older
   candidates retire unevaluated (superseded). Nothing is evaluated while a canary runs or while
-  an operator has pinned the serving version.
+  an operator has pinned the serving version, nor while a traffic suite has too few recorded
+  prompts (the candidate's entry says why: `waiting`; looked at again as turns are recorded).
 - Passed: mode `gate` serves it; mode `canary` gives it `promotion.canary.share` of new sessions
   until the sequential test (`promote/sequential.py`) on the arms' judged sessions promotes it
   or rolls it back (`promotion.canary.max_minutes`: rolled back if still undecided then).
@@ -45,6 +46,8 @@ from promote.states import IllegalTransition, move
 
 log = logging.getLogger(__name__)
 RETRY_S = 10.0
+LOOK_AGAIN_S = 2.0
+"""A gate waiting for recorded prompts looks again once turns have come, at most this often."""
 
 
 class PromoteLoop:
@@ -53,6 +56,9 @@ class PromoteLoop:
         self.bus_url = bus_url
         self.counts = {"registered": 0, "evaluated": 0, "rejected": 0, "promoted": 0, "rolled_back": 0, "commands": 0}
         self._wake = asyncio.Event()
+        self._waiting_since: float | None = None
+        """When the gate last found a traffic suite short of recorded prompts (None: not waiting)."""
+        self._turns_since = 0
         self._tasks: list[asyncio.Task] = []
         p = config.promotion.canary
         self.test = SequentialTest(p.delta, p.alpha, p.beta, p.min_sessions, p.max_sessions, p.variance_floor)
@@ -70,7 +76,7 @@ class PromoteLoop:
             await self.decisions.repair()
         _, tokenizer = await asyncio.to_thread(load_model, self.config.model)
         self.gate = Gate(self.config, tokenizer, EvalServer(url, next(iter(self.config.serve.api_keys), None),
-                                                                  self.config.promotion.gate.timeout_s))
+                                                            self.config.promotion.gate.timeout_s), self.bus)
         self.samples = self.bus.consumer(SAMPLE_SUBJECT, "promote", ack_wait_s=self.config.bus.ack_wait_s)
         self.turns = self.bus.consumer(TURN_SUBJECT, "promote-turns", ack_wait_s=self.config.bus.ack_wait_s)
         self.commands = self.bus.consumer(COMMANDS_SUBJECT, "promote-commands")
@@ -111,8 +117,8 @@ class PromoteLoop:
             self.counts["rejected"] += 1
         await self.registry.put(entry)
 
-    async def _next_candidate(self) -> tuple[VersionEntry, VersionEntry] | None:
-        """Under the lock: the newest candidate, moved to evaluating, and the serving version."""
+    async def _newest_candidate(self) -> VersionEntry | None:
+        """Under the lock: the newest candidate (older ones retire), unless nothing may be evaluated now."""
         routing = await self.decisions.routing()
         if routing.pinned or routing.canary is not None:
             return None
@@ -122,9 +128,24 @@ class PromoteLoop:
         newest = candidates[-1]
         for older in candidates[:-1]:
             await self.registry.put(move(older, "retired", f"superseded by v{newest.version} before evaluation", "promoter"))
-        newest = move(newest, "evaluating", f"compared with the serving v{routing.serving.version}", "promoter")
-        await self.registry.put(newest)
-        return newest, await self.decisions.entry(routing.serving.version)
+        return newest
+
+    async def _begin(self, version: int, waiting: str | None) -> tuple[VersionEntry, VersionEntry] | None:
+        """Under the lock: the candidate moved to evaluating, and the serving version; None when it
+        is no longer to be evaluated, or when the gate is `waiting` (the reason kept in its entry's
+        `waiting`)."""
+        entry, routing = await self.decisions.entry(version), await self.decisions.routing()
+        if entry.state != "candidate" or routing.pinned or routing.canary is not None:
+            return None
+        if waiting is not None:
+            if entry.waiting != waiting:
+                log.info("v%d waits: %s", version, waiting)
+                entry.waiting = waiting
+                await self.registry.put(entry)
+            return None
+        entry = move(entry, "evaluating", f"compared with the serving v{routing.serving.version}", "promoter")
+        await self.registry.put(entry)
+        return entry, await self.decisions.entry(routing.serving.version)
 
     async def _evaluate_forever(self) -> None:
         while True:
@@ -132,7 +153,14 @@ class PromoteLoop:
             self._wake.clear()
             while True:
                 async with self.decisions.lock:
-                    work = await self._next_candidate()
+                    newest = await self._newest_candidate()
+                if newest is None:
+                    break
+                waiting = await self.gate.prepare()  # reads recorded traffic: outside the lock
+                async with self.decisions.lock:
+                    work = await self._begin(newest.version, waiting)
+                if waiting is not None:  # a traffic suite short of recorded prompts: `_operations` wakes it when turns come
+                    self._waiting_since, self._turns_since = time.monotonic(), 0
                 if work is None:
                     break
                 await self._evaluate(*work)
@@ -202,6 +230,10 @@ class PromoteLoop:
 
     async def _operations(self) -> None:
         deliveries = await self.turns.fetch(batch=256, timeout_s=1.0)
+        self._turns_since += len(deliveries)
+        if self._waiting_since is not None and self._turns_since and time.monotonic() - self._waiting_since >= LOOK_AGAIN_S:
+            self._waiting_since = None  # the gate waits for recorded prompts, and turns were recorded since it looked
+            self._wake.set()
         async with self.decisions.lock:
             routing = await self.decisions.routing()
             if routing.canary is not None and deliveries:
@@ -294,7 +326,7 @@ class PromoteLoop:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
         if hasattr(self, "gate"):
-            await self.gate.server.close()
+            await self.gate.close()
         await self.bus.close()
 
     def stats(self) -> dict[str, Any]:
