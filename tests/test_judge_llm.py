@@ -280,7 +280,7 @@ async def test_llm_judge_against_the_tiny_serve_loop(served, bus, nats_url, tmp_
         turns: list[Turn] = []
         async with asyncio.timeout(30):
             while len(turns) < 8:
-                turns += [d.record for d in await consumer.fetch(timeout_s=0.2)]
+                turns += [d.record for d in await consumer.fetch(timeout_s=0.2) if isinstance(d.record, Turn)]
         assert len(turns) == 8 and all(t.turn_type == "side" for t in turns)
         assert sorted({t.session_id for t in turns}) == ["judge/p1", "judge/p2"]
         assert all("<<<BEGIN response" in t.messages[1]["content"] for t in turns)
