@@ -20,27 +20,9 @@ The statistics live in the judge loop's memory: a restarted judge warms up again
 
 from __future__ import annotations
 
-import math
 from collections.abc import Hashable
-from dataclasses import dataclass
 
-
-@dataclass
-class RunningStats:
-    count: int = 0
-    mean: float = 0.0
-    m2: float = 0.0
-    """Sum of squared differences from the mean (Welford)."""
-
-    def add(self, value: float) -> None:
-        self.count += 1
-        delta = value - self.mean
-        self.mean += delta / self.count
-        self.m2 += delta * (value - self.mean)
-
-    @property
-    def std(self) -> float:
-        return math.sqrt(self.m2 / (self.count - 1)) if self.count > 1 else 0.0
+from bus.running_stats import RunningStats
 
 
 class Normalizer:
@@ -52,9 +34,9 @@ class Normalizer:
     def __call__(self, key: Hashable, value: float) -> float:
         """`value` normalised against its key's statistics so far (which it joins after)."""
         stats = self.stats.setdefault(key, RunningStats())
-        if stats.count == 0:
+        if stats.n == 0:
             normalised = 0.0
-        elif stats.count < self.warmup:
+        elif stats.n < self.warmup:
             normalised = value - stats.mean
         else:
             normalised = (value - stats.mean) / max(stats.std, self.min_std)

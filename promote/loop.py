@@ -34,6 +34,7 @@ from typing import Any
 from bus import SAMPLE_SUBJECT, TURN_SUBJECT, WEIGHTS_SUBJECT, Bus, Turn, WeightUpdate
 from bus.process import repeat
 from bus.registry import Registry
+from bus.running_stats import RunningStats
 from bus.streams import COMMANDS_SUBJECT
 from bus.versions import Arm, CommandResult, Routing, Transition, VersionCommand, VersionEntry, last_good
 from config import ConfigError, FlywheelConfig
@@ -41,7 +42,7 @@ from models import load_model
 from promote.decisions import Decisions
 from promote.evidence import add_online, add_turn, by_version, operations_verdict, turn_version
 from promote.gate import EvalServer, Gate
-from promote.sequential import ArmStats, SequentialTest
+from promote.sequential import SequentialTest
 from promote.states import IllegalTransition, move
 
 log = logging.getLogger(__name__)
@@ -216,7 +217,7 @@ class PromoteLoop:
             if version in arms:  # while a canary runs, both arms' state lives in the canary's entry
                 holder = entry if version == routing.canary.version else await self.decisions.entry(routing.canary.version)
                 state = holder.canary
-                stats = ArmStats.from_dict(state[arms[version]])
+                stats = RunningStats.from_dict(state[arms[version]])
                 fresh = [(seq, r) for seq, r in seen if seq > state["applied_seq"]]
                 for _, reward in fresh:
                     stats.add(reward)
@@ -256,7 +257,7 @@ class PromoteLoop:
             return
         entry = await self.decisions.entry(routing.canary.version)
         state = entry.canary or {}
-        decision = self.test.decide(ArmStats.from_dict(state["canary_arm"]), ArmStats.from_dict(state["serving_arm"]))
+        decision = self.test.decide(RunningStats.from_dict(state["canary_arm"]), RunningStats.from_dict(state["serving_arm"]))
         state["decision"] = decision.reason
         limit = self.config.promotion.canary.max_minutes
         operations = operations_verdict(state["canary_ops"], state["serving_ops"], self.config.promotion.canary)

@@ -27,29 +27,9 @@ import random
 from dataclasses import dataclass
 from typing import Literal
 
+from bus.running_stats import RunningStats
+
 Verdict = Literal["promote", "rollback"]
-
-
-@dataclass
-class ArmStats:
-    """Running mean and variance of one arm's rewards (Welford)."""
-
-    n: int = 0
-    mean: float = 0.0
-    m2: float = 0.0
-
-    def add(self, reward: float) -> None:
-        self.n += 1
-        step = reward - self.mean
-        self.mean += step / self.n
-        self.m2 += step * (reward - self.mean)
-
-    def as_dict(self) -> dict[str, float]:
-        return {"n": self.n, "mean": self.mean, "m2": self.m2}
-
-    @classmethod
-    def from_dict(cls, raw: dict[str, float]) -> "ArmStats":
-        return cls(int(raw["n"]), float(raw["mean"]), float(raw["m2"]))
 
 
 @dataclass(frozen=True)
@@ -79,7 +59,7 @@ class SequentialTest:
     def rollback_at(self) -> float:
         return math.log(self.beta / (1 - self.alpha))
 
-    def decide(self, canary: ArmStats, serving: ArmStats) -> Decision:
+    def decide(self, canary: RunningStats, serving: RunningStats) -> Decision:
         if min(canary.n, serving.n) < self.min_sessions:
             return Decision(None, 0.0, canary.mean - serving.mean,
                             f"waiting: {canary.n} canary and {serving.n} serving sessions judged, {self.min_sessions} each needed")
@@ -108,7 +88,7 @@ def simulate(test: SequentialTest, true_delta: float, share: float, runs: int, s
     promoted, used = 0, 0
     canary_rate = min(max(base_rate + true_delta, 0.0), 1.0)
     for _ in range(runs):
-        canary, serving = ArmStats(), ArmStats()
+        canary, serving = RunningStats(), RunningStats()
         while True:
             if rng.random() < share:
                 canary.add(float(rng.random() < canary_rate))

@@ -8,11 +8,12 @@ import pytest
 import torch
 from transformers import AutoTokenizer, LlamaConfig, LlamaForSequenceClassification
 
+from bus.running_stats import RunningStats
 from config import load_config
 from config.judge import RewardModelJudgeConfig
 from judge.base import Judge, Unscorable, Verdict
 from judge.composite import Component, CompositeJudge
-from judge.normalize import Normalizer, RunningStats
+from judge.normalize import Normalizer
 from judge.registry import build_judge
 from judge.reward_model import RewardModelJudge
 from tests.test_judge import conversation, fb
@@ -61,7 +62,7 @@ def test_running_stats_match_the_textbook_mean_and_standard_deviation():
     stats = RunningStats()
     for v in values:
         stats.add(v)
-    assert stats.count == 6 and stats.mean == pytest.approx(statistics.fmean(values))
+    assert stats.n == 6 and stats.mean == pytest.approx(statistics.fmean(values))
     assert stats.std == pytest.approx(statistics.stdev(values))
 
 

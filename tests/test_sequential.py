@@ -3,14 +3,15 @@ share, the configured δ = 0.1, α = 0.05, β = 0.1), and its decisions on known
 
 import pytest
 
-from promote.sequential import ArmStats, SequentialTest, simulate
+from bus.running_stats import RunningStats
+from promote.sequential import SequentialTest, simulate
 
 TEST = SequentialTest(delta=0.1, alpha=0.05, beta=0.1, min_sessions=8, max_sessions=400)
 RUNS = 300
 
 
-def arm(rewards: list[float]) -> ArmStats:
-    stats = ArmStats()
+def arm(rewards: list[float]) -> RunningStats:
+    stats = RunningStats()
     for reward in rewards:
         stats.add(reward)
     return stats
@@ -52,7 +53,7 @@ def test_arm_statistics_survive_a_round_trip_and_match_the_batch_formulas(reward
     mean = sum(rewards) / len(rewards)
     assert stats.mean == pytest.approx(mean)
     assert stats.m2 == pytest.approx(sum((r - mean) ** 2 for r in rewards))
-    assert ArmStats.from_dict(stats.as_dict()) == stats
+    assert RunningStats.from_dict(stats.as_dict()) == stats
 
 
 def test_operations_roll_back_a_canary_whose_turns_fail_or_crawl():
