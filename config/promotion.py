@@ -15,6 +15,9 @@ from pydantic import Field, field_validator, model_validator
 
 from config.section import Section
 
+TRAFFIC_ONLY = frozenset({"min_items", "window", "max_prompt_tokens", "max_invalid"})
+"""The keys of a suite that only a `source: traffic` suite may set."""
+
 
 class SuiteConfig(Section):
     """One evaluation suite of the gate: the same items answered by the candidate and by the
@@ -53,12 +56,16 @@ class SuiteConfig(Section):
 
     @model_validator(mode="after")
     def _fields_of_its_source(self) -> "SuiteConfig":
-        traffic_only = {"min_items", "window", "max_prompt_tokens", "max_invalid"} & self.model_fields_set
+        # Compared with the defaults, not `model_fields_set`: a configuration passed on as a dump
+        # (deploy hands every loop one) sets every field.
+        fields = type(self).model_fields
+        changed = {name for name in ("env", "env_args", *TRAFFIC_ONLY)
+                   if getattr(self, name) != fields[name].get_default(call_default_factory=True)}
         if self.source == "env" and self.env is None:
             raise ValueError("env: an env suite needs the environment whose held-out tasks it answers (or source: traffic)")
-        if self.source == "env" and traffic_only:
-            raise ValueError(f"{', '.join(sorted(traffic_only))}: only for source: traffic")
-        if self.source == "traffic" and ({"env", "env_args"} & self.model_fields_set):
+        if self.source == "env" and changed & TRAFFIC_ONLY:
+            raise ValueError(f"{', '.join(sorted(changed & TRAFFIC_ONLY))}: only for source: traffic")
+        if self.source == "traffic" and changed & {"env", "env_args"}:
             raise ValueError("env: a traffic suite's items are recorded prompts, not an environment's tasks")
         if self.source == "traffic" and self.min_items > self.items:
             raise ValueError(f"min_items: {self.min_items} is more than items ({self.items}); set min_items to at most items")

@@ -16,7 +16,7 @@ from fastapi import FastAPI, Request
 
 from bus import TURN_SUBJECT, WEIGHTS_SUBJECT, WeightUpdate
 from bus.registry import Registry
-from config import ConfigError, load_config
+from config import ConfigError, FlywheelConfig, load_config
 from config.promotion import SuiteConfig
 from deploy.deployment import needs_judge_server, side_server_config
 from models import WeightStore, load_model
@@ -230,7 +230,9 @@ async def test_a_traffic_suite_without_a_judge_is_a_config_error(nats_url, tmp_p
 def test_deploy_starts_the_pinned_judge_for_a_traffic_suite():
     plain = ["judge.kind=rule", "judge.teacher.enabled=false", "rollout.enabled=false", "promotion.mode=gate"]
     assert not needs_judge_server(load_config(None, [*plain, "promotion.gate.suites=[{name: d, env: digits}]"]))
-    assert needs_judge_server(load_config(None, [*plain, TRAFFIC]))
+    both = load_config(None, [*plain, "promotion.gate.suites=[{name: d, env: digits}, {name: t, source: traffic, window: 99}]"])
+    assert needs_judge_server(both)
+    assert FlywheelConfig.model_validate(both.model_dump(mode="json")) == both  # as deploy hands it to every loop
     assert not needs_judge_server(load_config(None, [*plain, TRAFFIC, "judge.llm.base_url=http://judge:1/v1"]))
 
 
