@@ -5,6 +5,7 @@ counted as unreadable) or, where the decision itself is under test, a small real
 scripted to prefer the reply that says something, and otherwise reply A (a judge with nothing
 but position bias)."""
 
+import io
 import re
 from collections import defaultdict
 from contextlib import asynccontextmanager
@@ -13,12 +14,14 @@ import httpx
 import pytest
 import torch
 from fastapi import FastAPI, Request
+from rich.console import Console
 
 from bus import TURN_SUBJECT, WEIGHTS_SUBJECT, WeightUpdate
 from bus.registry import Registry
 from config import ConfigError, FlywheelConfig, load_config
 from config.promotion import SuiteConfig
 from deploy.deployment import needs_judge_server, side_server_config
+from deploy.versions import version_table
 from models import WeightStore, load_model
 from promote.loop import PromoteLoop
 from promote.traffic_suite import read_verdict, recorded_items
@@ -193,6 +196,7 @@ async def test_the_gate_waits_for_traffic_and_a_version_like_the_serving_one_tie
         await announce(bus, store, 1, parent=0)  # the starting weights again
         await until(lambda: _has(registry, 1, "waiting"))
         assert (await registry.get(1)).waiting.startswith("traffic: 0 of the 3 recorded prompts it needs")
+        assert "waiting: traffic: 0 of the 3" in table(await registry.versions())
         for i, question in enumerate(QUESTIONS[:4]):
             await record(traffic.url, f"s{i}", question)
         await until(lambda: _is(registry, 1, "serving"))
@@ -200,6 +204,7 @@ async def test_the_gate_waits_for_traffic_and_a_version_like_the_serving_one_tie
         suite = one.gate["suites"]["traffic"]
         assert one.waiting is None and suite["passed"] and suite["items"] == 4
         assert (suite["identical"], suite["ties"], suite["judge_calls"], suite["lower_bound"]) == (4, 4, 0, 0.0)
+        assert "passed: traffic preferred 0 vs 0 of 4" in table([one])
 
         # The pinned tiny judge is really asked (side turns on its server), and cannot give a verdict.
         await announce(bus, store, 2, parent=1, noise=0.5)
@@ -210,6 +215,13 @@ async def test_the_gate_waits_for_traffic_and_a_version_like_the_serving_one_tie
         assert any(r.startswith("traffic: ") and "verdicts unreadable" in r for r in two.gate["reasons"])
         asked = [t async for _, t in bus.recent(TURN_SUBJECT, 1000) if t.session_id.startswith("gate/traffic/")]
         assert len(asked) == suite["judge_calls"] and {t.turn_type for t in asked} == {"side"}
+
+
+def table(entries) -> str:
+    """`python -m deploy.versions list`'s table, as text."""
+    console = Console(width=400, record=True, file=io.StringIO())
+    console.print(version_table(entries, None))
+    return console.export_text()
 
 
 async def _has(registry: Registry, version: int, field: str) -> bool:
