@@ -169,14 +169,15 @@ async def test_aborts_and_bad_requests_are_clear(platform):
     naming it; weights that are not there, or an RPC the workers lack, are errors, and the
     server goes on (on a new connection: vLLM drops the one an endpoint failed on)."""
     client = platform.vllm
+    budget = 60_000  # a minute of tiny's tokens: the abort lands first on a busy machine too (2,000 once did not)
     body = {"input_ids": [5, 6, 7], "rid": "abort-me", "return_logprob": True,
-            "sampling_params": {"max_new_tokens": 2000, "ignore_eos": True}}
+            "sampling_params": {"max_new_tokens": budget, "ignore_eos": True}}
     chunks = []
     async for chunk in client.generate_stream(body):
         chunks.append(chunk)
         if len(chunks) == 2:
             await client.abort("abort-me")
-    assert chunks[-1]["meta_info"]["finish_reason"]["type"] == "abort" and 2 <= len(chunks) < 2000
+    assert chunks[-1]["meta_info"]["finish_reason"]["type"] == "abort" and sum(len(c["output_ids"]) for c in chunks) < budget
     assert all(len(c["meta_info"]["output_token_logprobs"]) == len(c["output_ids"]) for c in chunks)
     for params, named in (({"frequency_penalty": 0.5}, "sampling_params.frequency_penalty"),
                           ({"max_new_tokens": 0}, "max_new_tokens")):
@@ -248,13 +249,16 @@ SWAPS = 4
 async def test_hot_swaps_under_load_fail_nothing_and_label_every_token(platform, tmp_path):
     """Streaming and whole-answer clients while versions roll in (in place, then recomputing):
     no request fails, versions only grow; a whole answer carries vLLM's exact spans, so where the
-    swap recomputed, each token's log-prob is its version's weights' on its prefix."""
+    swap recomputed, each token's log-prob is its version's weights' on its prefix. Swaps in place
+    keep the running requests' KV (vLLM's pause drops it unless told not to: an 8 s stall on
+    SmolLM2); each swap that recomputes resets it once."""
     serve = platform.serve
     store = WeightStore(tmp_path / "store", keep=SWAPS + 2)
     model, _ = load_model("tiny")
     store.publish(model, 0)
     modes = {v: "in_place" if v <= SWAPS // 2 else "retract" for v in range(1, SWAPS + 1)}
     done, tokens = asyncio.Event(), [0]
+    resets = {}  # vLLM's KV cache resets before the first swap, and before the first recomputing one
     completed, failures, fingerprints, whole = [], [], {}, set()
 
     async def user(i: int) -> None:
@@ -287,6 +291,7 @@ async def test_hot_swaps_under_load_fail_nothing_and_label_every_token(platform,
             seen = tokens[0]
             while tokens[0] < seen + 6 * CLIENTS:  # let traffic flow between swaps
                 await asyncio.sleep(0.01)
+            resets.setdefault(modes[version], cache_resets(serve.vllm_server))
             with torch.no_grad():
                 for p in model.parameters():
                     p.add_(torch.randn_like(p) * 0.05)
@@ -299,6 +304,7 @@ async def test_hot_swaps_under_load_fail_nothing_and_label_every_token(platform,
 
     await asyncio.wait_for(asyncio.gather(swapper(), *(user(i) for i in range(CLIENTS))), 400)
     assert failures == [] and serve.stats()["swaps"] == SWAPS and platform.vllm.weight_version == SWAPS
+    assert resets["retract"] - resets["in_place"] == 0 and cache_resets(serve.vllm_server) - resets["retract"] == SWAPS // 2
     print(f"\n{len(completed)} requests across {SWAPS} swaps; pauses {[round(p, 3) for p in serve.pauses]} s")
     recorded = {t.session_id: t for t in await platform.records(TRAFFIC_SUBJECTS, Turn, lambda t: t.session_id.startswith("swap"),
                                                                    len(completed))}
@@ -320,6 +326,13 @@ async def test_hot_swaps_under_load_fail_nothing_and_label_every_token(platform,
                 expected = recomputed_logprobs(checker, turn.prompt_ids + turn.output_ids[:start], turn.output_ids[start:end])
                 assert turn.output_logprobs[start:end] == pytest.approx(expected, abs=TOL), (session, version)
     assert spanning >= 2  # whole answers were in flight across swaps and went on
+
+
+def cache_resets(server: vllm_server.VLLMServer) -> int:
+    """How many times vLLM dropped its KV cache, the running requests' with it (they are then
+    recomputed), as its log says: written before the call that did it returns. (Its preemption
+    metric is no witness: it counts these only when the request's next output is not dropped.)"""
+    return server.log_path.read_text(errors="replace").count("Successfully reset prefix cache")
 
 
 async def test_stopping_the_gateway_stops_its_vllm_server(platform):

@@ -4,7 +4,9 @@ The gateway speaks SGLang's protocol to its engines (`serve.backends.base`); thi
 translates. A `/generate` body becomes vLLM's token-in/token-out `/inference/v1/generate`
 (`output_mode: text`: the token ids, their text with stop strings held back and trimmed as
 SGLang does, and per-token log-probs), and the answer comes back as SGLang's `/generate`
-response or delta chunks. Weight swaps: `/pause?mode=keep` (running requests freeze in place),
+response or delta chunks. Weight swaps: `/pause?mode=keep&clear_cache=false` (running requests
+freeze in place, their KV kept: vLLM 0.32's default `clear_cache=true`, documented as ignored with
+`keep`, preempts them all and recomputes them after `/resume`: an 8 s stall for 32 SmolLM2 streams),
 `/collective_rpc` calling the workers' `reload_weights` with the weight store's directory (the
 path that works on the CPU build: `/update_weights` needs a weight-transfer engine, NCCL or
 IPC, that a directory on disk is not; with Flywheel's worker extension loaded, its
@@ -192,7 +194,7 @@ class VLLMEngineClient(HTTPEngineClient):
         self._mode = mode
         self._not_swapping.clear()
         try:
-            await self._call("POST", f"/pause?mode={'abort' if mode == 'abort' else 'keep'}")
+            await self._call("POST", f"/pause?mode={'abort' if mode == 'abort' else 'keep'}&clear_cache=false")
         except BaseException:
             self._not_swapping.set()
             raise
