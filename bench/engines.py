@@ -19,9 +19,12 @@ What it measures
     The load runs in a child process (this file with `--load`), so its work does not compete
     with the gateway's for the GIL. The embedded engine runs on `serve.torch_threads` (1);
     vLLM's CPU build binds its model to one core and keeps the other for its HTTP server. Both
-    float32. Also: the gap between the log-probs vLLM records and the float32 model's own
-    (log softmax(logits / T) on the same prefix, as the trainer recomputes them) over 8 answers
-    of 64 tokens at temperature 1 and 0.7. With `--routes`, vLLM's two token-returning routes are also compared directly (no
+    in `--dtype` (float32 unless told: the embedded engine's `serve.dtype`, vLLM's `--dtype`).
+    Also, per engine: the gap between the log-probs it records and the float32 model's own
+    (log softmax(logits / T) on the same prefix, as the trainer recomputes them: the trainer's
+    `behav_logprob_gap`) over 8 answers of 64 tokens at temperature 1 and 0.7. With `--repeats R`
+    the engines run R times each, alternating (embedded, vLLM, embedded, ...): the machine is
+    shared, and one run of each says little about which is faster. With `--routes`, vLLM's two token-returning routes are also compared directly (no
     gateway): `/inference/v1/generate` (what `serve.backends.vllm` uses) against `/v1/completions`
     with `return_token_ids` and logprobs, by tok/s and by the CPU seconds vLLM's API server
     spends per 1000 tokens (its cost, steadier than throughput on a shared machine).
@@ -29,9 +32,10 @@ What it measures
 How to run (from the repository root)
     .venv/bin/python bench/engines.py                       # SmolLM2-135M, N=64, C=32
     .venv/bin/python bench/engines.py --model tiny --requests 32 --routes
-    options: --engines embedded,vllm --requests N --concurrency C --seed S
+    .venv/bin/python bench/engines.py --dtype bfloat16 --repeats 2
+    options: --engines embedded,vllm --requests N --concurrency C --seed S --dtype D --repeats R
 
-    Writes bench/results/engines_<model>.json.
+    Writes bench/results/engines_<model>[_<dtype>].json.
 """
 
 from __future__ import annotations
@@ -61,6 +65,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--requests", type=int, default=64)
     p.add_argument("--concurrency", type=int, default=32)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="both engines' weights and KV cache")
+    p.add_argument("--repeats", type=int, default=1, help="runs of each engine, alternating")
     p.add_argument("--routes", action="store_true", help="also compare vLLM's generate and completions routes")
     p.add_argument("--load", help=argparse.SUPPRESS)  # internal: run a load (JSON config) and exit
     return p.parse_args()
@@ -211,17 +217,17 @@ async def hot_swap(served, model_spec: str, requests: list[dict], args, workdir:
 async def bench_engine(engine: str, args, requests: list[dict], workdir: Path) -> dict:
     from bench._serve import Served
 
-    overrides = ["serve.max_batch_size=32", "serve.max_new_tokens=256"]
+    overrides = ["serve.max_batch_size=32", "serve.max_new_tokens=256", f"serve.dtype={args.dtype}"]
     if engine == "vllm":
         overrides.append("serve.engine_kind=vllm")
+        os.environ["FLYWHEEL_VLLM_ARGS"] = f"--dtype {args.dtype}"
     started = time.monotonic()
     async with Served(args.model, overrides) as served:
         result = {"start_s": round(time.monotonic() - started, 1)}
         print(f"{engine}: started in {result['start_s']}s", flush=True)
         result["throughput"] = await throughput(served.url, served.loop.model_name, requests, args, workdir)
         print(f"{engine}: {result['throughput']['useful_tok_s']} useful tok/s", flush=True)
-        if engine == "vllm":  # on the weights it started with (the model's), before the swap
-            result["sampled"] = await sampled_by_vllm(served, requests)
+        result["sampled"] = await sampled(served, requests)  # on the weights it started with, before the swap
         result["hot_swap"] = await hot_swap(served, served.loop.model_name, requests, args, workdir, version=1)
         print(f"{engine}: swap paused {result['hot_swap']['pause_s']}s, streams stalled {result['hot_swap']['stall_s']}s", flush=True)
         if engine == "vllm" and args.routes:
@@ -229,8 +235,8 @@ async def bench_engine(engine: str, args, requests: list[dict], workdir: Path) -
     return result
 
 
-async def sampled_by_vllm(served, requests: list[dict]) -> list[dict]:
-    """8 answers of 64 tokens sampled by vLLM (at temperature 1 and 0.7) with their recorded
+async def sampled(served, requests: list[dict]) -> list[dict]:
+    """8 answers of 64 tokens sampled by the engine (at temperature 1 and 0.7) with their recorded
     log-probs, for `logprob_gap` (after the run: torch work here would slow an embedded engine)."""
     [engine] = served.loop.pool.engines
     bodies = [{"input_ids": r["prompt_ids"], "return_logprob": True, "sampling_params": {
@@ -242,7 +248,7 @@ async def sampled_by_vllm(served, requests: list[dict]) -> list[dict]:
 
 
 def logprob_gap(model_spec: str, sampled: list[dict]) -> dict:
-    """|log π − log π_vLLM| per sampled token, π the float32 model's log softmax(logits / T) on
+    """|log π − log π_engine| per sampled token, π the float32 model's log softmax(logits / T) on
     the same prefix: what the trainer's `behav_logprob_gap` is for tokens of its own version."""
     import torch
 
@@ -310,11 +316,14 @@ async def main_async(args) -> dict:
                                                        cwd=Path(__file__).resolve().parent.parent)
         if await publish.wait() != 0:
             raise RuntimeError("could not publish the swap's weights")
-        for engine in args.engines.split(","):
-            results[engine] = await bench_engine(engine, args, requests, workdir)
-    if "vllm" in results:
-        results["vllm"]["logprob_gap"] = logprob_gap(args.model, results["vllm"].pop("sampled"))
-        print(f"vLLM's log-probs against the float32 model's: {results['vllm']['logprob_gap']}", flush=True)
+        for _ in range(args.repeats):
+            for engine in args.engines.split(","):
+                results.setdefault(engine, []).append(await bench_engine(engine, args, requests, workdir))
+    for engine, runs in results.items():
+        runs[0]["logprob_gap"] = logprob_gap(args.model, runs[0]["sampled"])
+        print(f"{engine}'s log-probs against the float32 model's: {runs[0]['logprob_gap']}", flush=True)
+        for run in runs:
+            del run["sampled"]
     return results
 
 
@@ -329,10 +338,11 @@ def main() -> None:
     rows = [[engine, r["start_s"], r["throughput"]["useful_tok_s"], r["throughput"]["ttft_p50_s"], r["throughput"]["ttft_p90_s"],
              r["throughput"]["max_token_gap_s"], r["hot_swap"]["pause_s"], r["hot_swap"]["stall_s"],
              r["throughput"]["n_errors"] + r["hot_swap"]["n_errors"], r["throughput"]["cpu"]["foreign_cores"]]
-            for engine, r in results.items()]
+            for engine, runs in results.items() for r in runs]
     print(table(["engine", "start s", "useful tok/s", "TTFT p50 s", "TTFT p90 s", "max gap s", "swap pause s",
                  "swap stall s", "errors", "foreign cores"], rows))
-    path = write_result(f"engines_{args.model}", {"machine": machine(1), "args": vars(args), "results": results,
+    name = f"engines_{args.model}" + ("" if args.dtype == "float32" else f"_{args.dtype}")
+    path = write_result(name, {"machine": machine(1), "args": vars(args), "results": results,
                                                    "command": " ".join(["python", *sys.argv])})
     print(f"wrote {path}")
 

@@ -26,6 +26,15 @@ class ServeConfig(Section):
     publish_queue_size: int = Field(10_000, ge=1)
     """Finished turns waiting to be published, off the response path."""
     torch_threads: int = Field(1, ge=1)
+    dtype: Literal["float32", "bfloat16"] = "float32"
+    """The embedded engine's weights and KV cache (its logits and sampling stay float32; a vLLM
+    engine takes `--dtype` from `FLYWHEEL_VLLM_ARGS`). A `bfloat16` decode step takes ~0.64x
+    the CPU time of a float32 one here (AVX-512 BF16, AMX), but its behaviour log-probs differ
+    from the float32 trainer's recomputation (`behav_logprob_gap`, docs/benchmarks.md §19)."""
+    chunked_prefill_size: int = Field(512, ge=1)
+    """Most prompt tokens the embedded engine prefills between two decode steps (SGLang's
+    `--chunked-prefill-size`): a longer prompt is prefilled in pieces, and the running streams
+    get a token after each (`serve/engine/chunked.py`)."""
     device: str = Field("cpu", pattern=r"^(cpu|cuda(:\d+)?)$")
     """Where the embedded engine runs: `cpu`, `cuda` or `cuda:N` (then its weights, KV cache and
     sampling are on that GPU; a machine without one refuses to start, naming this key)."""

@@ -58,7 +58,7 @@ class ServeLoop:
         """Start the engines and the gateway; returns the gateway's base URL."""
         cfg = self.config.serve
         torch.set_num_threads(cfg.torch_threads)
-        model, tokenizer = await asyncio.to_thread(load_model, self.config.model)
+        model, tokenizer = await asyncio.to_thread(load_model, self.config.model, getattr(torch, cfg.dtype))
         if cfg.chat_template is not None:
             tokenizer.chat_template = cfg.chat_template
         self.engine: Engine | None = None
@@ -75,7 +75,8 @@ class ServeLoop:
                 model = place(model, cfg.device)
             except ValueError as exc:
                 raise ConfigError(f"serve.device: {exc}") from None
-            self.engine = Engine(model, tokenizer, max_batch_size=cfg.max_batch_size, load_weights=load_weights).start()
+            self.engine = Engine(model, tokenizer, max_batch_size=cfg.max_batch_size, load_weights=load_weights,
+                                 chunked_prefill_size=cfg.chunked_prefill_size).start()
             engines = [InProcessEngineClient(self.engine)]
             context_length = self.engine.context_length
         self.routed = cfg.role == "policy" and self.config.promotion.enabled
@@ -173,11 +174,11 @@ class ServeLoop:
         if urls:
             client = VLLMEngineClient if cfg.engine_kind == "vllm" else HTTPEngineClient
             return [await client(url, admin_key=cfg.admin_key).connect() for url in urls]
-        model, tokenizer = await asyncio.to_thread(load_model, self.config.model)
+        model, tokenizer = await asyncio.to_thread(load_model, self.config.model, getattr(torch, cfg.dtype))
         if cfg.chat_template is not None:
             tokenizer.chat_template = cfg.chat_template
         self.canary_engine = Engine(place(model, cfg.device), tokenizer, max_batch_size=cfg.max_batch_size,
-                                    load_weights=load_weights).start()
+                                    load_weights=load_weights, chunked_prefill_size=cfg.chunked_prefill_size).start()
         return [InProcessEngineClient(self.canary_engine, name="canary")]
 
     async def stop(self) -> None:

@@ -79,6 +79,8 @@ def test_weight_update_intervals_that_reach_the_next_announcement_are_accepted(i
         (["bus.url=nats://a:4222,http://b:4222"], "bus.url: 'http://b:4222' is not a NATS URL"),
         (["bus.url=nats://a:4222,"], "bus.url: '' is not a NATS URL"),
         (["serve.device=gpu"], "serve.device: "),
+        (["serve.dtype=float16"], "serve.dtype: Input should be 'float32' or 'bfloat16'"),
+        (["serve.chunked_prefill_size=0"], "serve.chunked_prefill_size: "),
         (["serve.swap_weights=false"], "serve.swap_weights=false needs serve.engine_urls"),
         (["train.weight_update_interval=2", "rollout.max_head_offpolicyness=0"],
          "train.weight_update_interval=2 with rollout.max_head_offpolicyness=0 can deadlock"),

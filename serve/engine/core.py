@@ -4,7 +4,9 @@ logprobs and the weight version of every sampled token.
 A worker thread owns the model. Between two decode steps it runs control commands (pause,
 continue, abort, weight updates), admits waiting requests (prefilled together, then merged into
 the running batch, see `batch.KVBatch`), and removes finished ones; each decode step advances
-every running request by one token. A weight update is applied between steps: generations in
+every running request by one token. A round prefills at most `chunked_prefill_size` prompt
+tokens, a longer prompt in pieces over several rounds (`chunked`), so that running streams go on
+while it is prefilled. A weight update is applied between steps: generations in
 flight go on, and each token records the version that sampled it. Pausing follows SGLang's
 modes: `abort` ends every request with its partial output, `retract` sends running requests
 back to the queue (their KV cache is recomputed, under whatever weights are current, when they
@@ -34,10 +36,12 @@ import torch
 
 from models.grammar import end_ids
 from serve.engine.batch import KVBatch, Prefill
-from serve.engine.grammar import Grammars, apply_grammars
-from serve.engine.request import GenerationResult, Request, RequestFailed, StreamError, TokenDelta, post_deltas, resolve
-from serve.engine.sampling import SamplingParams, sample
+from serve.engine.chunked import PartialPrefill, plan
+from serve.engine.grammar import Grammars
+from serve.engine.request import GenerationResult, Request, RequestFailed, TokenDelta, drain, resolve
+from serve.engine.sampling import SamplingParams
 from serve.engine.scoring import score_input
+from serve.engine.stepping import post, sample_rows
 
 log = logging.getLogger(__name__)
 
@@ -64,8 +68,10 @@ class Engine:
         max_batch_size: int = 32,
         context_length: int | None = None,
         load_weights: Callable[[torch.nn.Module, str], None] | None = None,
+        chunked_prefill_size: int = 512,
     ):
         self.model = model.eval()
+        self.chunked_prefill_size = chunked_prefill_size
         self.tokenizer = tokenizer
         self.version = version
         self.max_batch_size = max_batch_size
@@ -138,22 +144,9 @@ class Engine:
         falls behind gets the tokens that piled up as one delta (fewer, larger chunks, never
         fewer tokens). A consumer that stops iterating early aborts the request."""
         request = self._submit(input_ids, params, rid, stream=True)
-        queue = request.queue
-        held = None  # what ended a run of deltas, delivered next
         try:
-            while True:
-                item, held = held or await queue.get(), None
-                while isinstance(item, TokenDelta) and not queue.empty():
-                    later = queue.get_nowait()
-                    if not isinstance(later, TokenDelta):
-                        held = later
-                        break
-                    item = item.extend(later)
-                if isinstance(item, StreamError):
-                    raise item.error
+            async for item in drain(request.queue):
                 yield item
-                if isinstance(item, GenerationResult):
-                    return
         finally:
             if not request.future.done():
                 self.abort_nowait(request.rid)
@@ -246,6 +239,8 @@ class Engine:
                 self._waiting.extendleft(reversed(self._rows))
             self._rows = []
             self._batch.clear()
+            for request in self._waiting:  # recomputed under the weights current when they resume
+                request.partial = None
         self.paused = True
 
     def _do_resume(self) -> None:
@@ -293,41 +288,71 @@ class Engine:
 
     def _admit(self) -> None:
         with self._wake:
-            room = self.max_batch_size - len(self._rows)
-            new = [self._waiting.popleft() for _ in range(min(room, len(self._waiting)))]
-        now = time.monotonic()
-        for request in new:
-            request.started = request.started or now
-            score_input(self.model, request)
-            if request.error is not None:
-                self._fail(request, request.error)
-            elif request.finish is not None:  # max_new_tokens=0 (scoring only): nothing to generate
-                self._complete(request)
-        new = [r for r in new if r.finish is None and r.error is None]
-        if not new:
-            return
-        for rows, prefill in self._prefill(new):
-            # Rows join the running batch before they are sampled: whatever happens next, the
-            # engine knows them (a failure fails them, never leaves them waiting forever).
-            self._batch.add(prefill)
-            self._rows.extend(rows)
-            self._sample(rows, prefill.logits)
+            work = plan(self._waiting, self.max_batch_size - len(self._rows), self.chunked_prefill_size)
+            for _ in work.whole:
+                self._waiting.popleft()
+        new = [r for r in work.whole if self._arrive(r)]
+        if work.piece is not None:
+            self._advance(*work.piece)
+        for rows, prefill in self._prefill(new) if new else []:
+            self._enter(rows, prefill)
         self._drop_finished()
+
+    def _arrive(self, request: Request) -> bool:
+        """A request's first admission: score its input if asked; whether it goes on to be prefilled
+        (not when that failed, nor when it generates nothing)."""
+        request.started = request.started or time.monotonic()
+        score_input(self.model, request)
+        if request.error is not None:
+            self._fail(request, request.error)
+        elif request.finish is not None:  # max_new_tokens=0 (scoring only): nothing to generate
+            self._complete(request)
+        else:
+            return True
+        return False
+
+    def _advance(self, request: Request, count: int) -> None:
+        """Prefill the next `count` tokens of the waiting `request`; it joins the batch after its
+        last piece. A piece that raises fails the request alone."""
+        try:
+            if request.partial is None and not self._arrive(request):
+                prefill = None
+            else:
+                request.partial = request.partial or PartialPrefill()
+                if (prefill := request.partial.advance(self.model, request.tokens, count)) is None:
+                    return
+        except Exception as exc:
+            prefill = self._prefill_failed(request, exc)
+        with self._wake:
+            self._waiting.remove(request)
+        request.partial = None
+        if prefill is not None:
+            self.stats["prefills"] += 1
+            self._enter([request], prefill)
+
+    def _enter(self, rows: list[Request], prefill: Prefill) -> None:
+        # Rows join the running batch before they are sampled: whatever happens next, the
+        # engine knows them (a failure fails them, never leaves them waiting forever).
+        self._batch.add(prefill)
+        self._rows.extend(rows)
+        self._sample(rows, prefill.logits)
 
     def _prefill(self, new: list[Request]) -> list[tuple[list[Request], Prefill]]:
         """Prefill `new` together; if that fails, each alone, so that only a request whose own
         prefill fails (say, a token id the model has no embedding for) fails. The running batch
         is not touched either way."""
         try:
-            prefill = self._batch.prefill(self.model, [r.input_ids + r.output_ids for r in new], self.pad_id)
+            prefill = self._batch.prefill(self.model, [r.tokens for r in new], self.pad_id)
         except Exception as exc:
             if len(new) > 1:
                 return [part for request in new for part in self._prefill([request])]
-            log.exception("prefill of request %s failed", new[0].rid)
-            self._fail(new[0], RequestFailed(f"request {new[0].rid} failed: its prefill raised: {exc}"))
-            return []
+            return self._prefill_failed(new[0], exc) or []
         self.stats["prefills"] += 1
         return [(new, prefill)]
+
+    def _prefill_failed(self, request: Request, exc: Exception) -> None:
+        log.exception("prefill of request %s failed", request.rid)
+        self._fail(request, RequestFailed(f"request {request.rid} failed: its prefill raised: {exc}"))
 
     def _decode(self) -> None:
         if not self._rows:
@@ -339,38 +364,9 @@ class Engine:
         self._drop_finished()
 
     def _sample(self, rows: list[Request], logits: torch.Tensor) -> None:
-        """Sample each row's next token. What goes wrong for one row (its bans, a distribution
-        that is not finite, its finish checks) marks that request failed; the rows go on."""
-        for i, request in enumerate(rows):
-            try:
-                banned = request.banned_now()
-                if banned:
-                    logits[i, banned] = float("-inf")
-            except Exception as exc:
-                request.mark_failed(f"could not ban its stop tokens: {exc}")
-        apply_grammars(rows, logits)
-        top_n = max(r.params.top_logprobs_num for r in rows)
-        tokens, logprobs, top, failed = sample(logits, [r.params for r in rows], [r.generator for r in rows], top_n)
-        for i in failed:
-            rows[i].mark_failed("its next-token probabilities are not finite (a temperature too small for "
-                                "logits / temperature, or the model produced NaN or inf)")
-        tokens, logprobs = tokens.tolist(), logprobs.tolist()  # one copy (one sync on a GPU), not one per row
-        now = time.monotonic()
-        deltas: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, TokenDelta]]] = {}
-        for i, request in enumerate(rows):
-            if request.error is not None:
-                continue
-            tops = top[i][: request.params.top_logprobs_num] if top is not None else None
-            try:
-                delta = request.append(tokens[i], logprobs[i], self.version, tops, now)
-            except Exception as exc:
-                request.mark_failed(f"its finish checks raised: {exc}")
-                continue
-            self.stats["tokens"] += 1
-            if request.queue is not None:
-                deltas.setdefault(request.loop, []).append((request.queue, delta))
-        for loop, items in deltas.items():
-            post_deltas(loop, items)
+        recorded, deltas = sample_rows(rows, logits, self.version)
+        self.stats["tokens"] += recorded  # counted before the callers can see the tokens
+        post(deltas)
 
     def _drop_finished(self) -> None:
         keep = [i for i, r in enumerate(self._rows) if not r.done]

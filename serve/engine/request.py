@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -93,9 +94,11 @@ class Request:
     started: float = 0.0
     first_token: float = 0.0
     matcher: Any = None
+    """The grammar matcher of a constrained request (`serve.engine.grammar`), else None."""
     input_logprobs: list[float | None] | None = None
     """Filled at admission when the request asks for input log-probabilities."""
-    """The grammar matcher of a constrained request (`serve.engine.grammar`), else None."""
+    partial: Any = None
+    """Its `chunked.PartialPrefill` while its prompt is prefilled in pieces."""
 
     def __post_init__(self) -> None:
         params = self.params
@@ -110,6 +113,11 @@ class Request:
         self._stop_window = max((len(s) for s in params.stop), default=0) - 1
         self._tail = ""
         """The end of the output's text, as long as the longest stop string less one character."""
+
+    @property
+    def tokens(self) -> list[int]:
+        """What its prefill runs: the prompt, and the output so far (a retracted request's)."""
+        return self.input_ids + self.output_ids
 
     @property
     def done(self) -> bool:
@@ -218,6 +226,25 @@ def post_deltas(loop: asyncio.AbstractEventLoop, items: list[tuple[asyncio.Queue
         loop.call_soon_threadsafe(put_all)
     except RuntimeError:  # the consumer's loop has closed
         pass
+
+
+async def drain(queue: asyncio.Queue) -> AsyncIterator[TokenDelta | GenerationResult]:
+    """A stream's items from its queue until the final `GenerationResult` (a `StreamError` is
+    raised): the deltas that piled up while the consumer was away come as one."""
+    held = None  # what ended a run of deltas, delivered next
+    while True:
+        item, held = held or await queue.get(), None
+        while isinstance(item, TokenDelta) and not queue.empty():
+            later = queue.get_nowait()
+            if not isinstance(later, TokenDelta):
+                held = later
+                break
+            item = item.extend(later)
+        if isinstance(item, StreamError):
+            raise item.error
+        yield item
+        if isinstance(item, GenerationResult):
+            return
 
 
 @dataclass

@@ -1,0 +1,155 @@
+"""The embedded engine's decode step and chunked prefill, measured directly (issue 26 part 2).
+
+What it measures (SmolLM2-135M unless told, one torch thread, as `serve.torch_threads`)
+    - step: the CPU time of one decode step (`KVBatch.step`) of B rows over ~L cached tokens
+      each, per dtype and attention implementation (`sdpa`: transformers' SDPA, what the engine
+      uses; `eager`: transformers' matmul-softmax-matmul), run alternately and repeated, median
+      reported; and the prefill rate (prompt tokens per CPU second) of one
+      P-token prompt. CPU time of the engine's one thread, not wall time: the machine is shared,
+      and another process's work lengthens the wall time of a step, hardly its CPU time.
+    - long: B streams decoding (prompts of ~L tokens, `ignore_eos`), then one prompt of P tokens
+      arrives: its time to first token and the longest gap between two tokens of the running
+      streams from its arrival to its first token, per `chunked_prefill_size` (one large enough
+      not to chunk: the engine before issue 26).
+
+How to run (from the repository root)
+    .venv/bin/python bench/engine_step.py --part step
+    .venv/bin/python bench/engine_step.py --part long --dtype bfloat16 --chunks 100000,512,256
+    options: --model M --rows B --context L --prompt P --repeats R --dtypes float32,bfloat16
+
+    Writes bench/results/engine_step_<part>_<model>.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import torch  # noqa: E402
+
+from bench._common import machine, median, quiet_logs, table, wait_quiet, write_result  # noqa: E402
+
+
+def parse_args() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--part", choices=["step", "long"], required=True)
+    p.add_argument("--model", default="smollm2-135m")
+    p.add_argument("--rows", type=int, default=32)
+    p.add_argument("--context", type=int, default=150)
+    p.add_argument("--prompt", type=int, default=2048, help="the long prompt's tokens")
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--dtypes", default="float32,bfloat16")
+    p.add_argument("--dtype", default="bfloat16", help="for --part long")
+    p.add_argument("--chunks", default="100000,512,256", help="chunked_prefill_size values for --part long")
+    return p.parse_args()
+
+
+def prompts(rows: int, length: int, seed: int = 0) -> list[list[int]]:
+    generator = torch.Generator().manual_seed(seed)
+    return [torch.randint(100, 40000, (length + i % 20,), generator=generator).tolist() for i in range(rows)]
+
+
+def step_ms(model, rows: list[list[int]], steps: int = 10) -> float:
+    from serve.engine.batch import KVBatch
+
+    batch = KVBatch(model, len(rows))
+    batch.add(batch.prefill(model, rows, 0))
+    tokens = torch.tensor([r[-1] for r in rows])
+    batch.step(model, tokens)  # warm-up
+    started = time.thread_time()
+    for _ in range(steps):
+        batch.step(model, tokens)
+    return 1000 * (time.thread_time() - started) / steps
+
+
+def prefill_tok_s(model, length: int) -> float:
+    from serve.engine.chunked import PartialPrefill
+
+    [sequence] = prompts(1, length, seed=1)
+    started = time.thread_time()
+    PartialPrefill().advance(model, sequence, len(sequence))
+    return len(sequence) / (time.thread_time() - started)
+
+
+def part_step(args) -> dict:
+    from models import load_model
+
+    rows = prompts(args.rows, args.context)
+    out: dict = {}
+    with torch.inference_mode():
+        for dtype in args.dtypes.split(","):
+            model, _ = load_model(args.model, getattr(torch, dtype))
+            prefill_tok_s(model, 64)  # warm-up
+            for _ in range(args.repeats):
+                wait_quiet(max_wait_s=30)
+                for attention in ("sdpa", "eager"):
+                    model.set_attn_implementation(attention)
+                    out.setdefault(f"{dtype} {attention}", []).append(round(step_ms(model, rows), 1))
+                out.setdefault(f"{dtype} prefill", []).append(round(prefill_tok_s(model, args.prompt)))
+    return out
+
+
+async def long_prompt(args, chunk: int) -> dict:
+    from models import load_model
+    from serve.engine import Engine, SamplingParams
+
+    model, tokenizer = load_model(args.model, getattr(torch, args.dtype))
+    engine = Engine(model, tokenizer, max_batch_size=args.rows + 1, chunked_prefill_size=chunk).start()
+    try:
+        arrivals: list[list[float]] = [[] for _ in range(args.rows)]
+
+        async def stream(i: int, ids: list[int]) -> None:
+            params = SamplingParams(max_new_tokens=100_000, temperature=1.0, ignore_eos=True)
+            async for _ in engine.stream(ids, params):
+                arrivals[i].append(time.monotonic())
+
+        running = [asyncio.create_task(stream(i, ids)) for i, ids in enumerate(prompts(args.rows, args.context))]
+        while min(len(a) for a in arrivals) < 8:  # every stream decoding
+            await asyncio.sleep(0.05)
+        [long] = prompts(1, args.prompt, seed=2)
+        sent = time.monotonic()
+        await engine.generate(long, SamplingParams(max_new_tokens=1))
+        first = time.monotonic()
+        await engine.abort()
+        await asyncio.gather(*running, return_exceptions=True)
+    finally:
+        engine.stop()
+    gaps = [b - a for times in arrivals for a, b in zip(times, times[1:]) if b >= sent and a <= first]
+    before = [b - a for times in arrivals for a, b in zip(times, times[1:]) if b < sent]
+    return {"chunked_prefill_size": chunk, "ttft_s": round(first - sent, 3), "max_gap_s": round(max(gaps), 3),
+            "median_gap_before_s": round(median(before), 3)}
+
+
+def part_long(args) -> list[dict]:
+    results = []
+    for _ in range(args.repeats):
+        for chunk in (int(c) for c in args.chunks.split(",")):
+            wait_quiet(max_wait_s=30)
+            results.append(asyncio.run(long_prompt(args, chunk)))
+            print(results[-1], flush=True)
+    return results
+
+
+def main() -> None:
+    args = parse_args()
+    quiet_logs()
+    torch.set_num_threads(1)
+    if args.part == "step":
+        result = part_step(args)
+        rows = [[name, *values, median(values)] for name, values in result.items()]
+        print(table(["what", *[f"run {i + 1}" for i in range(args.repeats)], "median"], rows))
+        print(f"(decode: CPU ms per step at {args.rows} rows x ~{args.context + 10} tokens; prefill: tok/s of {args.prompt} tokens)")
+    else:
+        result = part_long(args)
+    path = write_result(f"engine_step_{args.part}_{args.model}", {"machine": machine(1), "args": vars(args), "results": result,
+                                                                  "command": " ".join(["python", *sys.argv])})
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()

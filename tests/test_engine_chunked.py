@@ -1,0 +1,130 @@
+"""The embedded engine's chunked prefill and its dtype key, on the real tiny model: a prompt
+prefilled in pieces samples what a whole prefill samples, running streams get tokens while a
+long prompt is prefilled, a request aborted mid-prefill ends alone; a bfloat16 engine (weights
+and KV cache) samples with log-probs close to the float32 model's and loads float32 weights."""
+
+import asyncio
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from config import load_config
+from models import WeightStore, load_model, load_weights
+from serve.engine import Engine, SamplingParams
+from serve.engine.chunked import PartialPrefill, plan
+from serve.loop import ServeLoop
+from tests.test_engine import recomputed_logprobs
+
+LONG = [(7 * i) % 1900 + 50 for i in range(120)]
+"""A 120-token prompt of ids the tiny model knows."""
+
+
+@pytest.fixture(scope="module")
+def model_and_tokenizer(tiny_path):
+    return load_model(tiny_path)
+
+
+def started(model_and_tokenizer, chunk: int) -> Engine:
+    model, tokenizer = model_and_tokenizer
+    return Engine(model, tokenizer, max_batch_size=4, chunked_prefill_size=chunk, load_weights=load_weights).start()
+
+
+def waiting(tokens: int, done: int | None = None) -> SimpleNamespace:
+    return SimpleNamespace(tokens=[1] * tokens, partial=None if done is None else PartialPrefill(done=done))
+
+
+def test_a_round_prefills_whole_prompts_in_order_then_a_piece_of_the_first_that_does_not_fit():
+    a, b, c, d = waiting(10), waiting(20), waiting(100), waiting(5)
+    work = plan([a, b, c, d], room=4, budget=64)
+    assert work.whole == [a, b] and work.piece == (c, 34)  # d waits behind c
+    assert plan([a, b, c], room=1, budget=64).whole == [a]
+    started_long = waiting(100, done=90)
+    work = plan([started_long, d], room=4, budget=64)
+    assert work.whole == [] and work.piece == (started_long, 10)  # its last piece completes it alone
+    assert plan([started_long], room=0, budget=64).piece is None  # no row to join: it waits
+
+
+async def test_a_prompt_prefilled_in_pieces_samples_what_a_whole_prefill_samples(model_and_tokenizer):
+    params = SamplingParams(max_new_tokens=16, temperature=1.0, sampling_seed=5, ignore_eos=True)
+    results = []
+    for chunk in (7, 100_000):
+        engine = started(model_and_tokenizer, chunk)
+        try:
+            results.append(await engine.generate(LONG, params))
+        finally:
+            engine.stop()
+    pieces, whole = results
+    assert pieces.output_ids == whole.output_ids
+    assert pieces.logprobs == pytest.approx(whole.logprobs, abs=1e-4)
+    assert pieces.logprobs == pytest.approx(recomputed_logprobs(model_and_tokenizer[0], LONG, pieces.output_ids), abs=2e-4)
+
+
+async def test_running_streams_get_tokens_while_a_long_prompt_is_prefilled(model_and_tokenizer):
+    engine = started(model_and_tokenizer, chunk=8)  # LONG takes 15 rounds
+    try:
+        received: list[int] = []
+
+        async def running() -> None:
+            async for item in engine.stream([5, 6, 7], SamplingParams(max_new_tokens=400, ignore_eos=True)):
+                received.extend(getattr(item, "token_ids", []))
+
+        task = asyncio.create_task(running())
+        while not received:
+            await asyncio.sleep(0.01)
+        before = len(received)
+        result = await engine.generate(LONG, SamplingParams(max_new_tokens=1))
+        assert len(received) - before >= 14  # a decode step after each of its pieces but the last
+        assert len(result.output_ids) == 1
+        await engine.abort()
+        await task
+    finally:
+        engine.stop()
+
+
+async def test_a_request_aborted_mid_prefill_ends_alone(model_and_tokenizer):
+    engine = started(model_and_tokenizer, chunk=1)  # LONG takes 120 rounds
+    try:
+        other = asyncio.create_task(engine.generate([5, 6, 7], SamplingParams(max_new_tokens=60, ignore_eos=True)))
+        long = asyncio.create_task(engine.generate(LONG, SamplingParams(max_new_tokens=4), rid="long"))
+        while engine.stats["steps"] < 10:  # both admitted: the long one part-prefilled
+            await asyncio.sleep(0.01)
+        assert await engine.abort("long") == 1
+        assert (await long).finish_reason["type"] == "abort"
+        assert len((await other).output_ids) == 60
+        assert engine.load()["num_waiting_reqs"] == engine.load()["num_running_reqs"] == 0
+        again = await engine.generate(LONG, SamplingParams(max_new_tokens=3, ignore_eos=True))
+        assert len(again.output_ids) == 3
+    finally:
+        engine.stop()
+
+
+async def test_a_bfloat16_engine_samples_close_to_the_float32_model_and_loads_float32_weights(tiny_path, tmp_path):
+    reference, _ = load_model(tiny_path)
+    model, tokenizer = load_model(tiny_path, torch.bfloat16)
+    engine = Engine(model, tokenizer, max_batch_size=4, load_weights=load_weights).start()
+    try:
+        params = SamplingParams(max_new_tokens=32, temperature=1.0, sampling_seed=1, ignore_eos=True)
+        results = await asyncio.gather(*(engine.generate([5 + i, 60, 70], params) for i in range(3)))
+        assert engine._batch.dtype == torch.bfloat16
+        gaps = [abs(a - b) for r in results
+                for a, b in zip(r.logprobs, recomputed_logprobs(reference, r.prompt_ids, r.output_ids))]
+        assert 0 < sum(gaps) / len(gaps) < 0.05  # bfloat16 is not float32, but close
+        store = WeightStore(tmp_path / "store")
+        store.publish(reference, 1)
+        await engine.update_weights(str(store.path(1)), "1")
+        assert next(model.parameters()).dtype == torch.bfloat16
+        assert len((await engine.generate([5, 6], params)).output_ids) == 32
+    finally:
+        engine.stop()
+
+
+async def test_serve_config_sets_the_embedded_engines_dtype_and_prefill_chunk(nats_url, tmp_path):
+    config = load_config(None, [f"run_dir={tmp_path}", "serve.port=0", "serve.dtype=bfloat16", "serve.chunked_prefill_size=16"])
+    loop = ServeLoop(config, nats_url)
+    await loop.start()
+    try:
+        assert next(loop.engine.model.parameters()).dtype == torch.bfloat16
+        assert loop.engine.chunked_prefill_size == 16
+    finally:
+        await loop.stop()
