@@ -10,7 +10,8 @@ workers (`rollout.n_parallel_envs`, rollout/env_pool.py). The driver is one more
 endpoint: the collector, judge and trainer treat its traffic like anyone's.
 
 Staleness control (AReaL's admission rule): with η = `rollout.max_head_offpolicyness`, B =
-`train.batch_size` and v the newest weight version announced on the bus, a group of n samples
+`train.batch_size` and v the newest weight version announced on the bus and served by the
+endpoint (its `/health` says so: until then episodes would run on the version before), a group of n samples
 may start only while accepted + running + n <= (η + v + 1)·B and running + n <= the concurrency
 cap (`rollout.max_concurrent_rollouts`). `accepted` counts samples whose verdict was reported,
 added when their group ends (all its episodes): a group holds its n slots in `running` until then.
@@ -38,10 +39,13 @@ import json
 import logging
 import os
 import random
+import time
 import uuid
 from collections import deque
 from pathlib import Path
 from typing import Any
+
+import httpx
 
 from bus import WEIGHTS_SUBJECT, Bus
 from bus.process import repeat
@@ -51,6 +55,9 @@ from envs import ENVS, Env, Task, make_env
 from rollout.env_pool import make_runner
 
 log = logging.getLogger(__name__)
+
+SERVED_WAIT_S = 120.0
+"""The longest the admission bound waits for the endpoint to serve a newly announced version."""
 
 
 def _rng_state(saved: list) -> tuple:
@@ -108,9 +115,30 @@ class RolloutDriver:
         (the trainer keeps pace with it, docs/promotion.md). Never lower: after a rollback the
         trainer's staleness, not this bound, drops what is too old."""
         promoted = self.config.promotion.enabled
-        async for update in self.bus.follow(ROUTING_SUBJECT if promoted else WEIGHTS_SUBJECT, newest_only=True):
-            self.version = max(self.version, update.serving.version if promoted else update.version)
-            self._changed.set()
+        async with httpx.AsyncClient(base_url=self.endpoint, timeout=10) as http:
+            async for update in self.bus.follow(ROUTING_SUBJECT if promoted else WEIGHTS_SUBJECT, newest_only=True):
+                version = update.serving.version if promoted else update.version
+                if version > self.version:
+                    await self._until_served(http, version)
+                    self.version = version
+                    self._changed.set()
+
+    async def _until_served(self, http: httpx.AsyncClient, version: int) -> None:
+        """Wait until the endpoint serves `version` (its `/health` reports it): announced, it is
+        still being loaded, and an episode admitted meanwhile would run on the version before (at
+        η = 0 the trainer drops it as stale, and its admission slot never comes back). An endpoint
+        that does not report its version, or does not reach this one in `SERVED_WAIT_S`, is not
+        waited for (behind a balancer, one of its gateways answers)."""
+        deadline = time.monotonic() + SERVED_WAIT_S
+        while time.monotonic() < deadline:
+            try:
+                served = (await http.get("/health")).json().get("weight_version")
+            except (httpx.HTTPError, ValueError, AttributeError):
+                return
+            if not isinstance(served, int) or served >= version:
+                return
+            await asyncio.sleep(0.02)
+        log.warning("the endpoint still does not serve v%d after %.0f s; admitting for it anyway", version, SERVED_WAIT_S)
 
     async def _admit(self) -> None:
         n = self.config.gconfig.n_samples

@@ -139,3 +139,28 @@ async def test_a_group_cut_short_by_the_drivers_death_uses_no_admission_slot(ser
     second = RolloutDriver(config, nats_url, served.url)
     assert (second.accepted, second.tasks_drawn) == (0, 1)
     assert second.capacity(4)
+
+
+async def test_admission_rises_only_once_the_endpoint_serves_the_announced_version(served, nats_url, bus, tmp_path):
+    """A version announced is not yet served: the gateway still loads it. An episode admitted for
+    it before then runs on the version before (tiny answers in tens of milliseconds), and at η = 0
+    the trainer drops it as stale while its admission slot is never given back: train.run at η = 0
+    stopped for good (1 run in 2 here). The driver's bound rises once the endpoint reports it."""
+    config = load_config(None, [f"run_dir={tmp_path / 'run'}", "rollout.env=arithmetic", "rollout.max_head_offpolicyness=0"])
+    d = RolloutDriver(config, nats_url, served.url)
+    served_when_admitted: list[int] = []
+
+    async def watch() -> None:
+        while d.version < 1:
+            d._changed.clear()
+            await d._changed.wait()
+        served_when_admitted.append(served.pool.weight_version)
+
+    d.bus = bus
+    follower = asyncio.create_task(d._follow_versions())
+    watcher = asyncio.create_task(watch())
+    path = await asyncio.to_thread(WeightStore(tmp_path / "store").publish, load_model("tiny")[0], 1)
+    await bus.publish(WEIGHTS_SUBJECT, WeightUpdate(id="weights-v1", version=1, path=str(path), step=1))
+    await asyncio.wait_for(watcher, 60)
+    follower.cancel()
+    assert served_when_admitted == [1]
