@@ -22,49 +22,15 @@ def metrics(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
-def test_a_run_writes_its_outputs_and_resumes(tmp_path):
+def test_a_run_stopped_by_sigterm_keeps_its_outputs_and_resumes_within_its_staleness_bound(tmp_path):
+    """η = 0 (synchronous) until SIGTERM after step 2: a clean stop, every step's metrics, a
+    checkpoint of the last step and the summary. Without --resume the run_dir is refused. Resumed
+    at η = 2 (the driver now runs ahead of the trainer) it goes on from the next step to
+    max_steps, no trained sample more than 2 versions behind, and draws new tasks."""
     run_dir = tmp_path / "run"
-    first = train_run(f"run_dir={run_dir}", "train.max_steps=3", "train.batch_size=8", "rollout.max_head_offpolicyness=0")
-    assert first.returncode == 0, first.stderr[-3000:]
-    lines = metrics(run_dir)
-    assert [m["step"] for m in lines] == [1, 2, 3]
-    for key in ("version", "reward_mean", "staleness_max", "n_samples", "loss", "elapsed_s", "clip_fraction",
-                "behav_weight_mean", "staleness_hist", "entropy", "grad_norm", "tokens", "lr"):
-        assert key in lines[0], key
-    assert all(m["staleness_max"] == 0 and m["n_samples"] == 8 for m in lines)  # η = 0: synchronous
-    assert (run_dir / "reward_curve.png").stat().st_size > 10_000
-    assert (run_dir / "checkpoints" / "step-00000003" / "state.pt").exists()
-    summary = json.loads((run_dir / "summary.json").read_text())
-    assert summary["steps"] == 3 and summary["eta"] == 0
-    drawn = json.loads((run_dir / "rollout_state.json").read_text())["tasks_drawn"]
-
-    refused = train_run(f"run_dir={run_dir}", "train.max_steps=5")
-    assert refused.returncode == 2 and "pass --resume" in refused.stderr
-
-    resumed = train_run("--resume", f"run_dir={run_dir}", "train.max_steps=5", "train.batch_size=8",
-                        "rollout.max_head_offpolicyness=0")
-    assert resumed.returncode == 0, resumed.stderr[-3000:]
-    assert [m["step"] for m in metrics(run_dir)] == [1, 2, 3, 4, 5]
-    assert json.loads((run_dir / "rollout_state.json").read_text())["tasks_drawn"] > drawn
-
-
-def test_no_sample_older_than_eta_is_trained_on(tmp_path):
-    """η = 2: the driver runs ahead of the trainer, and no trained sample is more than 2 behind
-    (η = 0, synchronous, is the first test's)."""
-    run_dir, eta = tmp_path / "run", 2
-    done = train_run(f"run_dir={run_dir}", "train.max_steps=5", "train.batch_size=8", f"rollout.max_head_offpolicyness={eta}")
-    assert done.returncode == 0, done.stderr[-3000:]
-    lines = metrics(run_dir)
-    assert len(lines) == 5
-    for m in lines:
-        assert m["staleness_max"] <= eta
-        assert all(int(staleness) <= eta for staleness in m["staleness_hist"])
-
-
-def test_sigterm_stops_a_run_cleanly_with_a_final_checkpoint(tmp_path):
-    run_dir = tmp_path / "run"
-    child = subprocess.Popen([sys.executable, "-m", "train.run", "--config", CONFIG, f"run_dir={run_dir}", "train.max_steps=10000",
-                              "train.batch_size=8"], cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    child = subprocess.Popen([sys.executable, "-m", "train.run", "--config", CONFIG, "--refresh-s", "0.2", f"run_dir={run_dir}",
+                              "train.max_steps=10000", "train.batch_size=8", "rollout.max_head_offpolicyness=0"],
+                             cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     try:
         deadline = time.monotonic() + 240
         while not ((run_dir / "metrics.jsonl").exists() and (run_dir / "metrics.jsonl").read_text().count("\n") >= 2):
@@ -74,9 +40,32 @@ def test_sigterm_stops_a_run_cleanly_with_a_final_checkpoint(tmp_path):
         assert child.wait(timeout=120) == 0, child.stderr.read()[-3000:]
     finally:
         child.kill()
-    steps = [m["step"] for m in metrics(run_dir)]
-    assert (run_dir / "checkpoints" / f"step-{steps[-1]:08d}").is_dir()  # the last step, saved on the way out
-    assert json.loads((run_dir / "summary.json").read_text())["steps"] == steps[-1]
+    lines = metrics(run_dir)
+    last = lines[-1]["step"]
+    assert last >= 2 and [m["step"] for m in lines] == list(range(1, last + 1))
+    for key in ("version", "reward_mean", "staleness_max", "n_samples", "loss", "elapsed_s", "clip_fraction",
+                "behav_weight_mean", "staleness_hist", "entropy", "grad_norm", "tokens", "lr"):
+        assert key in lines[0], key
+    assert all(m["staleness_max"] == 0 and m["n_samples"] == 8 for m in lines)  # η = 0: synchronous
+    assert (run_dir / "checkpoints" / f"step-{last:08d}" / "state.pt").exists()  # the last step, saved on the way out
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["steps"] == last and summary["eta"] == 0
+    drawn = json.loads((run_dir / "rollout_state.json").read_text())["tasks_drawn"]
+
+    refused = train_run(f"run_dir={run_dir}", f"train.max_steps={last + 3}")
+    assert refused.returncode == 2 and "pass --resume" in refused.stderr
+
+    eta = 2
+    resumed = train_run("--resume", f"run_dir={run_dir}", f"train.max_steps={last + 3}", "train.batch_size=8",
+                        f"rollout.max_head_offpolicyness={eta}")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    lines = metrics(run_dir)
+    assert [m["step"] for m in lines] == list(range(1, last + 4))
+    for m in lines[last:]:
+        assert m["staleness_max"] <= eta and all(int(staleness) <= eta for staleness in m["staleness_hist"])
+    assert (run_dir / "reward_curve.png").stat().st_size > 10_000
+    assert json.loads((run_dir / "summary.json").read_text())["steps"] == last + 3
+    assert json.loads((run_dir / "rollout_state.json").read_text())["tasks_drawn"] > drawn
 
 
 def test_at_temperature_0_7_and_eta_0_the_trainer_reproduces_the_engine(tmp_path):
