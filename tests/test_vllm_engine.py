@@ -260,7 +260,8 @@ async def test_hot_swaps_under_load_fail_nothing_and_label_every_token(platform,
     model, _ = load_model("tiny")
     store.publish(model, 0)
     modes = {v: "in_place" if v <= SWAPS // 2 else "retract" for v in range(1, SWAPS + 1)}
-    done, tokens = asyncio.Event(), [0]
+    done, tokens, streamed = asyncio.Event(), [0], [0]
+    generating: dict[str, int] = {}  # whole answers in flight: the streamed tokens when each was sent
     resets = {}  # vLLM's KV cache resets before the first swap, and before the first recomputing one
     completed, failures, fingerprints, whole = [], [], {}, set()
 
@@ -276,7 +277,11 @@ async def test_hot_swaps_under_load_fail_nothing_and_label_every_token(platform,
             try:
                 if i % 2:
                     whole.add(session)
-                    reply = await client.chat.completions.create(**kw)
+                    generating[session] = streamed[0]
+                    try:
+                        reply = await client.chat.completions.create(**kw)
+                    finally:
+                        del generating[session]
                     tokens[0] += reply.usage.completion_tokens
                     fingerprints[session] = [int(reply.system_fingerprint.removeprefix("flywheel-v"))]
                 else:
@@ -284,6 +289,7 @@ async def test_hot_swaps_under_load_fail_nothing_and_label_every_token(platform,
                     async for chunk in await client.chat.completions.create(**kw, stream=True):
                         chunks.append(chunk)
                         tokens[0] += 1
+                        streamed[0] += 1
                     fingerprints[session] = [int(c.system_fingerprint.removeprefix("flywheel-v")) for c in chunks[1:]]
                     assert [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason] == ["length"]
                 completed.append(session)
@@ -295,6 +301,10 @@ async def test_hot_swaps_under_load_fail_nothing_and_label_every_token(platform,
             seen = tokens[0]
             while tokens[0] < seen + 6 * CLIENTS:  # let traffic flow between swaps
                 await asyncio.sleep(0.01)
+            # and swap while a whole answer is decoding: the streams (CLIENTS / 2, one token a step
+            # each) moved 2-40 steps since it was sent, so it is past its prefill and far from its end
+            while not any(CLIENTS <= streamed[0] - sent <= 20 * CLIENTS for sent in generating.values()):
+                await asyncio.sleep(0.005)
             resets.setdefault(modes[version], cache_resets(serve.vllm_server))
             with torch.no_grad():
                 for p in model.parameters():
