@@ -138,6 +138,7 @@ async def test_weight_update_applies_between_batches_and_labels_tokens(engine, m
         after = await engine.generate(ids, greedy)
         assert engine.version == "5" and after.versions == ["5"] * 10
         assert after.logprobs != pytest.approx(before.logprobs, abs=1e-4)
+        assert after.logprobs == pytest.approx(recomputed_logprobs(model, ids, after.output_ids), abs=2e-4)  # every step's
         assert torch.equal(model.lm_head.weight, model.model.embed_tokens.weight) or not model.config.tie_word_embeddings
     finally:
         model.load_state_dict(original)

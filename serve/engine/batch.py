@@ -30,6 +30,8 @@ from dataclasses import dataclass
 import torch
 from transformers import Cache, DynamicCache
 
+from serve.engine.decoder import Decoder
+
 PREFILL_TOKENS = 4096
 """A prefill forward holds at most this many positions (rows x longest row), unless one
 sequence alone is longer."""
@@ -173,19 +175,25 @@ class KVBatch(Cache):
 
     # ---- decode ----------------------------------------------------------------------------
 
-    def step(self, model: torch.nn.Module, tokens: torch.Tensor) -> torch.Tensor:
-        """Feed one token per row [rows]; returns next-token logits [rows, vocab]."""
+    def step(self, model: torch.nn.Module, tokens: torch.Tensor, decoder: Decoder | None = None) -> torch.Tensor:
+        """Feed one token per row [rows]; returns next-token logits [rows, vocab]. With a `decoder`
+        (`serve/engine/decoder.py`) the step runs its forward, else transformers'."""
         width = int(self.lengths.max()) + 1
         self._reserve(width)
-        self._write_rows = torch.arange(self.rows, device=self.device)  # once per step, not per layer
-        self._write_columns, self._step_width = self.lengths, width
         visible = torch.arange(width, device=self.device)[None, :] <= self.lengths[:, None]
-        out = model(input_ids=tokens.unsqueeze(1).to(self.device), attention_mask=visible[:, None, None, :],
-                    position_ids=self.lengths.unsqueeze(1), past_key_values=self, use_cache=True, logits_to_keep=1)
-        self._write_rows = self._write_columns = None
+        tokens = tokens.to(self.device)
+        if decoder is not None:
+            logits = decoder.step(tokens, self.lengths, self.keys, self.values, visible)
+        else:
+            self._write_rows = torch.arange(self.rows, device=self.device)  # once per step, not per layer
+            self._write_columns, self._step_width = self.lengths, width
+            out = model(input_ids=tokens.unsqueeze(1), attention_mask=visible[:, None, None, :],
+                        position_ids=self.lengths.unsqueeze(1), past_key_values=self, use_cache=True, logits_to_keep=1)
+            self._write_rows = self._write_columns = None
+            logits = out.logits[:, -1, :]
         self.lengths = self.lengths + 1
         self._written = max(self._written, width)
-        return out.logits[:, -1, :]
+        return logits
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
         """`Cache.update`, called by each attention layer during `step`: store the step's key and

@@ -4,10 +4,11 @@ logprobs and the weight version of every sampled token.
 A worker thread owns the model. Between two decode steps it runs control commands (pause,
 continue, abort, weight updates), admits waiting requests (prefilled together, then merged into
 the running batch, see `batch.KVBatch`), and removes finished ones; each decode step advances
-every running request by one token. A round prefills at most `chunked_prefill_size` prompt
-tokens, a longer prompt in pieces over several rounds (`chunked`), so that running streams go on
-while it is prefilled. A weight update is applied between steps: generations in
-flight go on, and each token records the version that sampled it. Pausing follows SGLang's
+every running request by one token (Llama-family models through the engine's own forward,
+`decoder.Decoder`, with fused and packed weights; others through transformers'). A round
+prefills at most `chunked_prefill_size` prompt tokens, a longer prompt in pieces over several
+rounds (`chunked`), so that running streams go on while it is prefilled. A weight update is
+applied between steps (the decoder's weights rebuilt after it): generations in flight go on, and each token records the version that sampled it. Pausing follows SGLang's
 modes: `abort` ends every request with its partial output, `retract` sends running requests
 back to the queue (their KV cache is recomputed, under whatever weights are current, when they
 resume), `in_place` just stops stepping and keeps the cache.
@@ -37,6 +38,7 @@ import torch
 from models.grammar import end_ids
 from serve.engine.batch import KVBatch, Prefill
 from serve.engine.chunked import PartialPrefill, plan
+from serve.engine.decoder import Decoder
 from serve.engine.grammar import Grammars
 from serve.engine.request import GenerationResult, Request, RequestFailed, TokenDelta, drain, resolve
 from serve.engine.sampling import SamplingParams
@@ -87,6 +89,8 @@ class Engine:
         self._rows: list[Request] = []
         """The running requests; row i of the batch is `_rows[i]`."""
         self._batch = KVBatch(model, max_batch_size)
+        self._decoder = Decoder.build(model, max_batch_size)
+        """The decode step's own forward (None: transformers', for architectures it does not know)."""
         self._wake = threading.Condition()
         self._running = False
         self._thread: threading.Thread | None = None
@@ -251,6 +255,8 @@ class Engine:
             self._do_abort(None)
         started = time.monotonic()
         self._load_weights(self.model, path)
+        if self._decoder is not None:
+            self._decoder.refresh()
         self.version = version
         self.stats["weight_updates"] += 1
         seconds = time.monotonic() - started
@@ -358,7 +364,7 @@ class Engine:
         if not self._rows:
             return
         tokens = torch.tensor([r.output_ids[-1] for r in self._rows])
-        logits = self._batch.step(self.model, tokens)
+        logits = self._batch.step(self.model, tokens, self._decoder)
         self.stats["steps"] += 1
         self._sample(self._rows, logits)
         self._drop_finished()
