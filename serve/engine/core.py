@@ -363,6 +363,8 @@ class Engine:
     def _decode(self) -> None:
         if not self._rows:
             return
+        if self._decoder is not None and (order := self._batch.sort_rows()) is not None:
+            self._rows = [self._rows[i] for i in order]
         tokens = torch.tensor([r.output_ids[-1] for r in self._rows])
         logits = self._batch.step(self.model, tokens, self._decoder)
         self.stats["steps"] += 1

@@ -90,19 +90,20 @@ class Decoder:
         self.head = pack(self.model.lm_head.weight, self.model.lm_head.bias)
 
     def step(self, tokens: torch.Tensor, positions: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tensor],
-             visible: torch.Tensor) -> torch.Tensor:
+             spans: list[tuple[int, int, torch.Tensor]]) -> torch.Tensor:
         """One token per row: `tokens` [rows] at `positions` [rows] (each row's column in the cache);
         writes their keys and values into `keys`/`values` (per layer [slots, kv heads, columns, head
-        dim]) and attends over the first `visible.shape[1]` columns where `visible` [rows, columns]
-        is true. Returns next-token logits [rows, vocab] in float32."""
-        rows, width = len(tokens), visible.shape[1]
+        dim]) and attends span by span: rows [start, end) over the columns where their `visible`
+        [rows in span, columns] is true (`KVBatch._spans`). Returns next-token logits [rows,
+        vocab] in float32."""
+        rows = len(tokens)
         hidden = self.model.model.embed_tokens(tokens)
         cos, sin = self.model.model.rotary_emb(hidden, positions.unsqueeze(0))
         cos, sin = cos[0].unsqueeze(1), sin[0].unsqueeze(1)  # [rows, 1, head dim]
         slots = torch.arange(rows, device=tokens.device)
         hidden_q, hidden_kv = self.heads * self.head_dim, self.kv_heads * self.head_dim
         group = self.heads // self.kv_heads
-        hide = ~visible[:, None, None, :]
+        hidden_spans = [(start, end, ~visible[:, None, None, :]) for start, end, visible in spans]
         for layer, layer_keys, layer_values in zip(self.layers, keys, values):
             normed = _rms_norm(hidden, *layer.input_norm)
             q, k, v = layer.qkv(normed).split([hidden_q, hidden_kv, hidden_kv], dim=-1)
@@ -110,8 +111,11 @@ class Decoder:
             k = _rotate(k.view(rows, self.kv_heads, self.head_dim), cos, sin)
             layer_keys[slots, :, positions] = k
             layer_values[slots, :, positions] = v.view(rows, self.kv_heads, self.head_dim)
-            context = _attend(q.view(rows, self.kv_heads, group, self.head_dim), layer_keys[:rows, :, :width],
-                              layer_values[:rows, :, :width], hide, self.scale)
+            q = q.view(rows, self.kv_heads, group, self.head_dim)
+            context = torch.cat([
+                _attend(q[start:end], layer_keys[start:end, :, :hide.shape[-1]], layer_values[start:end, :, :hide.shape[-1]],
+                        hide, self.scale)
+                for start, end, hide in hidden_spans])
             hidden = hidden + layer.out(context.reshape(rows, hidden_q))
             gate, up = layer.gate_up(_rms_norm(hidden, *layer.post_norm)).chunk(2, dim=-1)
             hidden = hidden + layer.down(layer.act(gate) * up)
