@@ -1,12 +1,17 @@
-"""The embedded engine's decode step and chunked prefill, measured directly (issue 26 part 2).
+"""The embedded engine's decode step, its chunked prefill and the engine alone (issue 26 part 2).
 
 What it measures (SmolLM2-135M unless told, one torch thread, as `serve.torch_threads`)
     - step: the CPU time of one decode step (`KVBatch.step`) of B rows over ~L cached tokens
-      each, per dtype and attention implementation (`sdpa`: transformers' SDPA, what the engine
-      uses; `eager`: transformers' matmul-softmax-matmul), run alternately and repeated, median
-      reported; and the prefill rate (prompt tokens per CPU second) of one
-      P-token prompt. CPU time of the engine's one thread, not wall time: the machine is shared,
-      and another process's work lengthens the wall time of a step, hardly its CPU time.
+      each, per dtype, through transformers' forward and through the engine's own decoder
+      (`serve/engine/decoder.py`), run alternately and repeated, median reported; and the
+      prefill rate (prompt tokens per CPU second) of one P-token prompt. CPU time of the
+      engine's one thread, not wall time: the machine is shared, and another process's work
+      lengthens the wall time of a step, hardly its CPU time.
+    - run: the engine alone (`Engine.generate`, no gateway, no HTTP) on `bench/engines.py`'s
+      workload (N chat prompts, C at a time, 16-256 tokens each, `ignore_eos`, temperature 1,
+      each request seeded), with its decoder and with transformers' forward for decode steps
+      (`--arms`), each run in a fresh process, alternating: useful tok/s, CPU seconds, decode
+      steps, TTFT p50.
     - long: B streams decoding (prompts of ~L tokens, `ignore_eos`), then one prompt of P tokens
       arrives: its time to first token and the longest gap between two tokens of the running
       streams from its arrival to its first token, per `chunked_prefill_size` (one large enough
@@ -14,16 +19,20 @@ What it measures (SmolLM2-135M unless told, one torch thread, as `serve.torch_th
 
 How to run (from the repository root)
     .venv/bin/python bench/engine_step.py --part step
+    .venv/bin/python bench/engine_step.py --part run --dtype float32 --repeats 2
     .venv/bin/python bench/engine_step.py --part long --dtype bfloat16 --chunks 100000,512,256
     options: --model M --rows B --context L --prompt P --repeats R --dtypes float32,bfloat16
+             --requests N --arms decoder,transformers
 
-    Writes bench/results/engine_step_<part>_<model>.json.
+    Writes bench/results/engine_step_<part>_<model>[_<dtype>: run].json.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import json
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -37,15 +46,18 @@ from bench._common import machine, median, quiet_logs, table, wait_quiet, write_
 
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--part", choices=["step", "long"], required=True)
+    p.add_argument("--part", choices=["step", "run", "long"], required=True)
     p.add_argument("--model", default="smollm2-135m")
     p.add_argument("--rows", type=int, default=32)
     p.add_argument("--context", type=int, default=150)
     p.add_argument("--prompt", type=int, default=2048, help="the long prompt's tokens")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--dtypes", default="float32,bfloat16")
-    p.add_argument("--dtype", default="bfloat16", help="for --part long")
+    p.add_argument("--dtype", default="bfloat16", help="for --part run and long")
     p.add_argument("--chunks", default="100000,512,256", help="chunked_prefill_size values for --part long")
+    p.add_argument("--requests", type=int, default=64, help="--part run: N requests, --rows at a time")
+    p.add_argument("--arms", default="decoder,transformers", help="--part run: the decode forwards compared")
+    p.add_argument("--arm", help=argparse.SUPPRESS)  # internal: run one arm of --part run and print its JSON
     return p.parse_args()
 
 
@@ -54,16 +66,16 @@ def prompts(rows: int, length: int, seed: int = 0) -> list[list[int]]:
     return [torch.randint(100, 40000, (length + i % 20,), generator=generator).tolist() for i in range(rows)]
 
 
-def step_ms(model, rows: list[list[int]], steps: int = 10) -> float:
+def step_ms(model, rows: list[list[int]], decoder=None, steps: int = 10) -> float:
     from serve.engine.batch import KVBatch
 
     batch = KVBatch(model, len(rows))
     batch.add(batch.prefill(model, rows, 0))
     tokens = torch.tensor([r[-1] for r in rows])
-    batch.step(model, tokens)  # warm-up
+    batch.step(model, tokens, decoder)  # warm-up
     started = time.thread_time()
     for _ in range(steps):
-        batch.step(model, tokens)
+        batch.step(model, tokens, decoder)
     return 1000 * (time.thread_time() - started) / steps
 
 
@@ -78,20 +90,66 @@ def prefill_tok_s(model, length: int) -> float:
 
 def part_step(args) -> dict:
     from models import load_model
+    from serve.engine.decoder import Decoder
 
     rows = prompts(args.rows, args.context)
     out: dict = {}
     with torch.inference_mode():
         for dtype in args.dtypes.split(","):
             model, _ = load_model(args.model, getattr(torch, dtype))
+            decoder = Decoder.build(model, args.rows)
             prefill_tok_s(model, 64)  # warm-up
             for _ in range(args.repeats):
                 wait_quiet(max_wait_s=30)
-                for attention in ("sdpa", "eager"):
-                    model.set_attn_implementation(attention)
-                    out.setdefault(f"{dtype} {attention}", []).append(round(step_ms(model, rows), 1))
+                for name, forward in (("transformers", None), ("decoder", decoder)):
+                    out.setdefault(f"{dtype} {name}", []).append(round(step_ms(model, rows, forward), 1))
                 out.setdefault(f"{dtype} prefill", []).append(round(prefill_tok_s(model, args.prompt)))
     return out
+
+
+async def run_arm(args) -> dict:
+    """The engine alone on bench/engines.py's workload, decode steps through `args.arm`."""
+    from transformers import AutoTokenizer
+
+    from bench.workload import uniform_requests
+    from models import load_model, resolve_model
+    from serve.engine import Engine, SamplingParams
+
+    model, tokenizer = load_model(args.model, getattr(torch, args.dtype))
+    requests = uniform_requests(AutoTokenizer.from_pretrained(resolve_model(args.model)), args.requests, seed=0)
+    engine = Engine(model, tokenizer, max_batch_size=args.rows)
+    if args.arm == "transformers":
+        engine._decoder = None
+    engine.start()
+    try:
+        def params(i: int, n: int) -> SamplingParams:
+            return SamplingParams(max_new_tokens=n, temperature=1.0, ignore_eos=True, sampling_seed=i)
+        await asyncio.gather(*(engine.generate(r["prompt_ids"], params(i, 8)) for i, r in enumerate(requests[:4])))  # warm-up
+        steps = engine.stats["steps"]
+        wall, cpu = time.monotonic(), time.process_time()
+        results = await asyncio.gather(*(engine.generate(r["prompt_ids"], params(i, r["max_new_tokens"]))
+                                         for i, r in enumerate(requests)))
+        wall, cpu = time.monotonic() - wall, time.process_time() - cpu
+    finally:
+        engine.stop()
+    useful = sum(r["max_new_tokens"] for r in requests)
+    assert sum(len(r.output_ids) for r in results) == useful
+    return {"arm": args.arm, "dtype": args.dtype, "useful_tok_s": round(useful / wall, 1), "wall_s": round(wall, 2),
+            "cpu_s": round(cpu, 2), "decode_steps": engine.stats["steps"] - steps,
+            "ttft_p50_s": round(median([r.first_token_s for r in results]), 3)}
+
+
+def part_run(args) -> list[dict]:
+    results = []
+    for _ in range(args.repeats):
+        for arm in args.arms.split(","):
+            wait_quiet(max_wait_s=30)
+            child = subprocess.run([sys.executable, __file__, "--part", "run", "--arm", arm, "--dtype", args.dtype, "--model",
+                                    args.model, "--rows", str(args.rows), "--requests", str(args.requests)],
+                                   capture_output=True, text=True, check=True)
+            results.append(json.loads(child.stdout.strip().splitlines()[-1]))
+            print(results[-1], flush=True)
+    return results
 
 
 async def long_prompt(args, chunk: int) -> dict:
@@ -139,14 +197,22 @@ def main() -> None:
     args = parse_args()
     quiet_logs()
     torch.set_num_threads(1)
+    if args.arm:
+        print(json.dumps(asyncio.run(run_arm(args))), flush=True)
+        return
     if args.part == "step":
         result = part_step(args)
         rows = [[name, *values, median(values)] for name, values in result.items()]
         print(table(["what", *[f"run {i + 1}" for i in range(args.repeats)], "median"], rows))
         print(f"(decode: CPU ms per step at {args.rows} rows x ~{args.context + 10} tokens; prefill: tok/s of {args.prompt} tokens)")
+    elif args.part == "run":
+        result = part_run(args)
+        print(table(["arm", "dtype", "useful tok/s", "CPU s", "decode steps", "TTFT p50 s"],
+                    [[r["arm"], r["dtype"], r["useful_tok_s"], r["cpu_s"], r["decode_steps"], r["ttft_p50_s"]] for r in result]))
     else:
         result = part_long(args)
-    path = write_result(f"engine_step_{args.part}_{args.model}", {"machine": machine(1), "args": vars(args), "results": result,
+    name = f"engine_step_{args.part}_{args.model}" + (f"_{args.dtype}" if args.part == "run" else "")
+    path = write_result(name, {"machine": machine(1), "args": vars(args), "results": result,
                                                                   "command": " ".join(["python", *sys.argv])})
     print(f"wrote {path}")
 

@@ -1,4 +1,5 @@
-"""Engines behind the gateway, side by side in one run: the embedded engine and a vLLM server.
+"""Engines behind the gateway, side by side in one run: the embedded engine and a vLLM server,
+and Hugging Face's static `generate` as the floor.
 
 What it measures
     The same seeded workload through the Flywheel gateway (`serve.loop.ServeLoop`, the official
@@ -16,6 +17,14 @@ What it measures
       longest gap of the throughput phase, `max gap`: a step that prefills newcomers stalls
       the running streams too).
 
+    `process` (in `--engines`): the embedded engine in a process of its own (`python -m
+    serve.engine`, SGLang's protocol over HTTP, as vLLM's engine is a process of its own), the
+    gateway its client through `serve.engine_urls`.
+    `hf` (in `--engines`): `model.generate` in static batches of C on the same requests
+    (`bench/engine_throughput.py`'s baseline: each batch runs to its longest request, sampled at
+    temperature 1), in a child process with the same torch threads and dtype. No server, no
+    streams: only its useful tok/s; a request's first token waits for every earlier batch.
+
     The load runs in a child process (this file with `--load`), so its work does not compete
     with the gateway's for the GIL. The embedded engine runs on `serve.torch_threads` (1);
     vLLM's CPU build binds its model to one core and keeps the other for its HTTP server. Both
@@ -32,8 +41,8 @@ What it measures
 How to run (from the repository root)
     .venv/bin/python bench/engines.py                       # SmolLM2-135M, N=64, C=32
     .venv/bin/python bench/engines.py --model tiny --requests 32 --routes
-    .venv/bin/python bench/engines.py --dtype bfloat16 --repeats 2
-    options: --engines embedded,vllm --requests N --concurrency C --seed S --dtype D --repeats R
+    .venv/bin/python bench/engines.py --dtype bfloat16 --repeats 2 --engines embedded,vllm,hf
+    options: --engines embedded,process,vllm,hf --requests N --concurrency C --seed S --dtype D --repeats R
 
     Writes bench/results/engines_<model>[_<dtype>].json.
 """
@@ -42,9 +51,9 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
-import random
 import sys
 import tempfile
 import time
@@ -53,9 +62,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench._common import CpuWatch, machine, median, percentile, quiet_logs, table, wait_quiet_async, write_result  # noqa: E402
-from bench.workload import mixed_requests  # noqa: E402
-
-LENGTHS = list(range(16, 257))
+from bench.workload import uniform_requests  # noqa: E402
 
 
 def parse_args() -> argparse.Namespace:
@@ -67,6 +74,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="both engines' weights and KV cache")
     p.add_argument("--repeats", type=int, default=1, help="runs of each engine, alternating")
+    p.add_argument("--torch-threads", type=int, default=1, help="the embedded engine's serve.torch_threads")
     p.add_argument("--routes", action="store_true", help="also compare vLLM's generate and completions routes")
     p.add_argument("--load", help=argparse.SUPPRESS)  # internal: run a load (JSON config) and exit
     return p.parse_args()
@@ -214,10 +222,68 @@ async def hot_swap(served, model_spec: str, requests: list[dict], args, workdir:
             "n_errors": len(errors), "errors": errors[:3]}
 
 
+@contextlib.asynccontextmanager
+async def engine_process(args):
+    """`python -m serve.engine` on a free port (the embedded engine as a server of its own)."""
+    child = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "serve.engine", "--model", args.model, "--port", "0", "--dtype", args.dtype,
+        "--torch-threads", str(args.torch_threads), "--max-running-requests", str(args.concurrency),
+        "--incremental-streaming-output", stdout=asyncio.subprocess.PIPE, cwd=Path(__file__).resolve().parent.parent)
+    try:
+        while not (line := (await child.stdout.readline()).decode()).startswith("engine serving"):
+            if not line:
+                raise RuntimeError("python -m serve.engine did not start")
+        yield line.rsplit(" at ", 1)[1].strip()
+    finally:
+        child.terminate()
+        await child.wait()
+
+
+HF_GENERATE = """
+import json, sys, torch
+from bench.engine_throughput import run_static
+from models import load_model
+cfg = json.loads(open(sys.argv[1]).read())
+torch.set_num_threads(cfg["threads"])
+model, tokenizer = load_model(cfg["model"], getattr(torch, cfg["dtype"]))
+pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+run_static(model, pad, cfg["requests"][:4], 4)  # warm-up, untimed
+print(json.dumps(run_static(model, pad, cfg["requests"], cfg["batch"])))
+"""
+
+
+async def bench_hf(args, requests: list[dict], workdir: Path) -> dict:
+    """Static `generate` batches in a child process (see the module docstring)."""
+    path = workdir / "hf.json"
+    path.write_text(json.dumps({"threads": args.torch_threads, "model": args.model, "dtype": args.dtype,
+                                "requests": requests, "batch": args.concurrency}))
+    await wait_quiet_async()
+    child = await asyncio.create_subprocess_exec(sys.executable, "-c", HF_GENERATE, str(path), stdout=asyncio.subprocess.PIPE,
+                                                 cwd=Path(__file__).resolve().parent.parent)
+    out, _ = await child.communicate()
+    if child.returncode != 0:
+        raise RuntimeError("HF generate failed")
+    run = json.loads(out.decode().strip().splitlines()[-1])
+    print(f"hf: {run['tokens_per_s']:.1f} useful tok/s (static batches of {args.concurrency})", flush=True)
+    return {"start_s": None, "static": run,
+            "throughput": {"useful_tok_s": round(run["tokens_per_s"], 1), "wall_s": round(run["wall_s"], 2), "ttft_p50_s": None,
+                           "ttft_p90_s": None, "max_token_gap_s": None, "n_errors": 0, "cpu": run["cpu"]},
+            "hot_swap": {"pause_s": None, "stall_s": None, "n_errors": 0}}
+
+
 async def bench_engine(engine: str, args, requests: list[dict], workdir: Path) -> dict:
     from bench._serve import Served
 
-    overrides = ["serve.max_batch_size=32", "serve.max_new_tokens=256", f"serve.dtype={args.dtype}"]
+    if engine == "hf":
+        return await bench_hf(args, requests, workdir)
+    if engine == "process":
+        async with engine_process(args) as url:
+            return await bench_engine(f"gateway to {url}", args, requests, workdir)
+
+    overrides = ["serve.max_batch_size=32", "serve.max_new_tokens=256", f"serve.dtype={args.dtype}",
+                 f"serve.torch_threads={args.torch_threads}"]
+    if engine.startswith("gateway to "):
+        overrides.append(f"serve.engine_urls=[{engine.removeprefix('gateway to ')}]")
     if engine == "vllm":
         overrides.append("serve.engine_kind=vllm")
         os.environ["FLYWHEEL_VLLM_ARGS"] = f"--dtype {args.dtype}"
@@ -307,8 +373,7 @@ async def main_async(args) -> dict:
     from models import resolve_model
 
     tokenizer = AutoTokenizer.from_pretrained(resolve_model(args.model))
-    rng = random.Random(args.seed)
-    requests = [dict(r, max_new_tokens=rng.choice(LENGTHS)) for r in mixed_requests(tokenizer, args.requests, [16], [1], args.seed)]
+    requests = uniform_requests(tokenizer, args.requests, args.seed)
     results = {}
     with tempfile.TemporaryDirectory(prefix="flywheel-engines-") as tmp:
         workdir = Path(tmp)
@@ -320,6 +385,8 @@ async def main_async(args) -> dict:
             for engine in args.engines.split(","):
                 results.setdefault(engine, []).append(await bench_engine(engine, args, requests, workdir))
     for engine, runs in results.items():
+        if "sampled" not in runs[0]:
+            continue
         runs[0]["logprob_gap"] = logprob_gap(args.model, runs[0]["sampled"])
         print(f"{engine}'s log-probs against the float32 model's: {runs[0]['logprob_gap']}", flush=True)
         for run in runs:

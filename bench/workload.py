@@ -41,3 +41,10 @@ def mixed_requests(tokenizer: Any, n: int, lengths: list[int], weights: list[flo
             "max_new_tokens": rng.choices(lengths, weights)[0],
         })
     return out
+
+
+def uniform_requests(tokenizer: Any, n: int, seed: int, shortest: int = 16, longest: int = 256) -> list[dict[str, Any]]:
+    """`mixed_requests`' chat prompts, each asking for a length drawn uniformly from [shortest,
+    longest] (`bench/engines.py`'s workload, also `bench/engine_step.py --part run`'s)."""
+    rng = random.Random(seed)
+    return [dict(r, max_new_tokens=rng.randint(shortest, longest)) for r in mixed_requests(tokenizer, n, [16], [1], seed)]
