@@ -10,8 +10,8 @@ and up as one) and, where oneDNN serves the dtype, packed into oneDNN's blocked 
 seven products per layer where four do. Its forward does what transformers' does for these
 models, in the same order and dtypes (RMSNorm in float32, rotary embedding from the model's own
 `rotary_emb`, so scaled ropes are as the model defines them; attention over the engine's
-`KVBatch` columns), and nothing else: logits agree with transformers' to float rounding
-(tests/test_engine_decoder.py).
+`KVBatch` columns, in spans of slots each over its own longest row), and nothing else: logits
+agree with transformers' to float rounding (tests/test_engine_decoder.py).
 
 The copy costs memory (about the model's linear weights once more) and must follow the model:
 after a weight update, `refresh()` rebuilds it (the engine does, between two steps). Models this
@@ -122,7 +122,6 @@ class Decoder:
             gate, up = layer.gate_up(_rms_norm(hidden, *layer.post_norm)).chunk(2, dim=-1)
             hidden = hidden + layer.down(layer.act(gate) * up)
         return self.head(_rms_norm(hidden, *self.norm)).float()
-
 
     def _hide(self, visible: torch.Tensor, columns: int) -> torch.Tensor:
         """The columns a span's rows must not see, [rows in span, 1, 1, columns attended]. oneDNN
