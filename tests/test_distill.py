@@ -86,17 +86,19 @@ async def test_a_teacher_told_a_hint_moves_the_policy_toward_what_it_prefers(tur
     sampled tokens the teacher liked more than the policy did, and lowers the others'."""
     model, tokenizer = load_model("tiny")
     engine = Engine(model, tokenizer).start()
-    turn = turns[0]
     hinted = tokenizer.apply_chat_template(
         [{"role": "user", "content": "Write some digits.\n\n[user's hint: only the digits 1 and 2]"}],
         add_generation_prompt=True, tokenize=False)
     prompt = tokenizer.encode(hinted, add_special_tokens=False)
     try:
-        scored = await engine.generate(prompt + list(turn.output_ids),
-                                       SamplingParams(max_new_tokens=0, logprob_start_len=len(prompt) - 1))
+        scored = [await engine.generate(prompt + list(turn.output_ids),
+                                        SamplingParams(max_new_tokens=0, logprob_start_len=len(prompt) - 1)) for turn in turns]
     finally:
         engine.stop()
-    teacher = scored.input_logprobs[1:]
+    # The turn whose tokens the hint moves both ways (teacher against the recorded behaviour log-probs).
+    turn, teacher = next((turn, s.input_logprobs[1:]) for turn, s in zip(turns, scored)
+                         if max(t - b for t, b in zip(s.input_logprobs[1:], turn.output_logprobs)) > 0.1
+                         and min(t - b for t, b in zip(s.input_logprobs[1:], turn.output_logprobs)) < -0.1)
     assert len(teacher) == len(turn.output_ids) and all(math.isfinite(v) for v in teacher)
     sample = taught(sample_of(turn, 0.0), teacher)
     config = load_config(None, ["train.rl_coef=0", "actor.optimizer.lr=0.02", "actor.ppo_n_minibatches=1"])
