@@ -117,10 +117,7 @@ async def run_arm(args) -> dict:
 
     model, tokenizer = load_model(args.model, getattr(torch, args.dtype))
     requests = uniform_requests(AutoTokenizer.from_pretrained(resolve_model(args.model)), args.requests, seed=0)
-    engine = Engine(model, tokenizer, max_batch_size=args.rows)
-    if args.arm == "transformers":
-        engine._decoder = None
-    engine.start()
+    engine = Engine(model, tokenizer, max_batch_size=args.rows, own_decoder=args.arm == "decoder").start()
     try:
         def params(i: int, n: int) -> SamplingParams:
             return SamplingParams(max_new_tokens=n, temperature=1.0, ignore_eos=True, sampling_seed=i)

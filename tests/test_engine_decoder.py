@@ -25,15 +25,15 @@ def small_llama() -> LlamaForCausalLM:
 
 def decode_both_ways(model, sequences: list[list[int]], steps: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Prefill `sequences`, then `steps` decode steps of the same tokens through two batches:
-    transformers' forward over the whole batch, and the decoder's in spans of 2 slots, its rows
-    sorted longest first once that pays (`KVBatch.sort_rows`). The first row leaves half-way
-    (the last row's cache moves into its slot). Pairs of logits, in the reference's row order."""
+    transformers' forward over the whole batch, and the decoder's in spans of 2 slots. The first
+    row leaves half-way (the last row's cache moves into its slot). Pairs of logits, in the
+    reference's row order."""
     decoder = Decoder.build(model, len(sequences))
     assert decoder is not None
     reference = KVBatch(model, len(sequences), first_columns=16)
     ours = KVBatch(model, len(sequences), first_columns=16, attention_rows=2)
     where = list(range(len(sequences)))  # ours' row i is the reference's row where[i]
-    pairs, sorted_once = [], False
+    pairs = []
     with torch.inference_mode():
         prefill = reference.prefill(model, sequences, pad_id=0)
         reference.add(prefill)
@@ -45,21 +45,19 @@ def decode_both_ways(model, sequences: list[list[int]], steps: int) -> list[tupl
                 order = ours.retain([i for i, row in enumerate(where) if row != 0])
                 where = [kept.index(where[i]) for i in order]
                 tokens = tokens[kept]
-            if (order := ours.sort_rows()) is not None:
-                where, sorted_once = [where[i] for i in order], True
             inverse = [where.index(row) for row in range(len(where))]
             expected = reference.step(model, tokens)
             got = ours.step(model, tokens[where], decoder)[inverse]
             pairs.append((expected.float(), got))
             tokens = expected.argmax(-1)
-    assert sorted_once and ours.lengths[where.index(0)] == reference.lengths[0]
+    assert ours.lengths[where.index(0)] == reference.lengths[0]
     return pairs
 
 
 @pytest.mark.parametrize("which", ["tiny", "llama"])
 def test_decode_steps_give_transformers_logits(which, tiny_path):
     """Rows of different lengths, one outgrowing the first 16 columns (the cache doubles), one
-    leaving, rows re-sorted: every step's logits equal transformers' to float rounding."""
+    leaving, attention in spans: every step's logits equal transformers' to float rounding."""
     model = load_model(tiny_path)[0] if which == "tiny" else small_llama()
     vocab = model.config.vocab_size
     generator = torch.Generator().manual_seed(1)

@@ -39,10 +39,6 @@ PREFILL_PADDING = 0.125
 """At most this share of a prefill group's positions is padding."""
 ATTENTION_ROWS = 8
 """A decoder's step attends in spans of this many slots, each over its own longest row's columns."""
-SORT_GAIN = 1.25
-"""Rows are re-sorted longest first when that cuts the step's attention columns by this factor."""
-SORT_EVERY = 8
-"""... and at most once in this many steps (a sort copies every row's cache once)."""
 
 
 @dataclass
@@ -66,7 +62,6 @@ class KVBatch(Cache):
     def __init__(self, model: torch.nn.Module, max_rows: int, first_columns: int = 256, attention_rows: int = ATTENTION_ROWS):
         super().__init__(layers=[])
         self.attention_rows = attention_rows
-        self._steps_since_sort = 0
         config = model.config
         self.layer_count = config.num_hidden_layers
         self.kv_heads = config.num_key_value_heads
@@ -189,7 +184,6 @@ class KVBatch(Cache):
         width = int(self.lengths.max()) + 1
         self._reserve(width)
         tokens = tokens.to(self.device)
-        self._steps_since_sort += 1
         if decoder is not None:
             logits = decoder.step(tokens, self.lengths, self.keys, self.values, self._spans())
         else:
@@ -215,29 +209,6 @@ class KVBatch(Cache):
             columns = torch.arange(max(lengths[start:end]) + 1, device=self.device)
             spans.append((start, end, columns[None, :] <= self.lengths[start:end, None]))
         return spans
-
-    def sort_rows(self) -> list[int] | None:
-        """Order the rows longest first (moving their caches) when that cuts the attention columns
-        of a step's spans by `SORT_GAIN`, at most once in `SORT_EVERY` steps; returns the new
-        order (new row i is old row `order[i]`) or None when the rows stay where they are."""
-        lengths = self.lengths.tolist()
-        order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
-        if self._steps_since_sort < SORT_EVERY or order == list(range(len(lengths))):
-            return None
-        if self._span_columns(lengths) < SORT_GAIN * self._span_columns([lengths[i] for i in order]):
-            return None
-        index = torch.tensor(order, device=self.device)
-        for store in (self.keys, self.values):
-            for layer in store:  # each row takes along whatever its slot holds beyond its tokens
-                layer[: len(order), :, : self._written] = layer[index, :, : self._written]
-        self.lengths = self.lengths[index]
-        self._steps_since_sort = 0
-        return order
-
-    def _span_columns(self, lengths: list[int]) -> int:
-        return sum((end - start) * (max(lengths[start:end]) + 1)
-                   for start in range(0, len(lengths), self.attention_rows)
-                   for end in [min(start + self.attention_rows, len(lengths))])
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
         """`Cache.update`, called by each attention layer during `step`: store the step's key and

@@ -71,6 +71,7 @@ class Engine:
         context_length: int | None = None,
         load_weights: Callable[[torch.nn.Module, str], None] | None = None,
         chunked_prefill_size: int = 512,
+        own_decoder: bool = True,
     ):
         self.model = model.eval()
         self.chunked_prefill_size = chunked_prefill_size
@@ -89,8 +90,10 @@ class Engine:
         self._rows: list[Request] = []
         """The running requests; row i of the batch is `_rows[i]`."""
         self._batch = KVBatch(model, max_batch_size)
-        self._decoder = Decoder.build(model, max_batch_size)
-        """The decode step's own forward (None: transformers', for architectures it does not know)."""
+        self._decoder: Decoder | None = None
+        """The decode step's own forward, built on the worker thread when it starts (None:
+        transformers', for architectures it does not know, or `own_decoder=False`)."""
+        self._own_decoder = own_decoder
         self._wake = threading.Condition()
         self._running = False
         self._thread: threading.Thread | None = None
@@ -201,6 +204,10 @@ class Engine:
 
     def _work(self) -> None:
         with torch.inference_mode():
+            # Torch work on a thread other than this one slows this one's steps for good
+            # (docs/benchmarks.md, odd things 1): the decoder's weights are packed here.
+            if self._own_decoder:
+                self._decoder = Decoder.build(self.model, self.max_batch_size)
             self._serve_forever()
 
     def _serve_forever(self) -> None:
@@ -363,8 +370,6 @@ class Engine:
     def _decode(self) -> None:
         if not self._rows:
             return
-        if self._decoder is not None and (order := self._batch.sort_rows()) is not None:
-            self._rows = [self._rows[i] for i in order]
         tokens = torch.tensor([r.output_ids[-1] for r in self._rows])
         logits = self._batch.step(self.model, tokens, self._decoder)
         self.stats["steps"] += 1
