@@ -90,10 +90,8 @@ class Engine:
         self._rows: list[Request] = []
         """The running requests; row i of the batch is `_rows[i]`."""
         self._batch = KVBatch(model, max_batch_size)
-        self._decoder: Decoder | None = None
-        """The decode step's own forward, built on the worker thread when it starts (None:
-        transformers', for architectures it does not know, or `own_decoder=False`)."""
         self._own_decoder = own_decoder
+        self._decoder: Decoder | None = None  # built on the worker thread; None: transformers' forward
         self._wake = threading.Condition()
         self._running = False
         self._thread: threading.Thread | None = None
@@ -204,9 +202,7 @@ class Engine:
 
     def _work(self) -> None:
         with torch.inference_mode():
-            # Torch work on a thread other than this one slows this one's steps for good
-            # (docs/benchmarks.md, odd things 1): the decoder's weights are packed here.
-            if self._own_decoder:
+            if self._own_decoder:  # packed here: torch work on another thread slows this one (benchmarks, odd things 1)
                 self._decoder = Decoder.build(self.model, self.max_batch_size)
             self._serve_forever()
 
