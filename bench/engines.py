@@ -25,6 +25,8 @@ What it measures
     temperature 1), in a child process with the same torch threads and dtype. No server, no
     streams: only its useful tok/s; a request's first token waits for every earlier batch.
 
+    The embedded engine runs with `serve.own_decoder` on (its own decode step).
+
     The load runs in a child process (this file with `--load`), so its work does not compete
     with the gateway's for the GIL. The embedded engine runs on `serve.torch_threads` (1);
     vLLM's CPU build binds its model to one core and keeps the other for its HTTP server. Both
@@ -228,7 +230,7 @@ async def engine_process(args):
     child = await asyncio.create_subprocess_exec(
         sys.executable, "-m", "serve.engine", "--model", args.model, "--port", "0", "--dtype", args.dtype,
         "--torch-threads", str(args.torch_threads), "--max-running-requests", str(args.concurrency),
-        "--incremental-streaming-output", stdout=asyncio.subprocess.PIPE, cwd=Path(__file__).resolve().parent.parent)
+        "--incremental-streaming-output", "--own-decoder", stdout=asyncio.subprocess.PIPE, cwd=Path(__file__).resolve().parent.parent)
     try:
         while not (line := (await child.stdout.readline()).decode()).startswith("engine serving"):
             if not line:
@@ -281,7 +283,7 @@ async def bench_engine(engine: str, args, requests: list[dict], workdir: Path) -
             return await bench_engine(f"gateway to {url}", args, requests, workdir)
 
     overrides = ["serve.max_batch_size=32", "serve.max_new_tokens=256", f"serve.dtype={args.dtype}",
-                 f"serve.torch_threads={args.torch_threads}"]
+                 f"serve.torch_threads={args.torch_threads}", "serve.own_decoder=true"]
     if engine.startswith("gateway to "):
         overrides.append(f"serve.engine_urls=[{engine.removeprefix('gateway to ')}]")
     if engine == "vllm":

@@ -76,7 +76,7 @@ class ServeLoop:
             except ValueError as exc:
                 raise ConfigError(f"serve.device: {exc}") from None
             self.engine = Engine(model, tokenizer, max_batch_size=cfg.max_batch_size, load_weights=load_weights,
-                                 chunked_prefill_size=cfg.chunked_prefill_size).start()
+                                 chunked_prefill_size=cfg.chunked_prefill_size, own_decoder=cfg.own_decoder).start()
             engines = [InProcessEngineClient(self.engine)]
             context_length = self.engine.context_length
         self.routed = cfg.role == "policy" and self.config.promotion.enabled
@@ -178,7 +178,7 @@ class ServeLoop:
         if cfg.chat_template is not None:
             tokenizer.chat_template = cfg.chat_template
         self.canary_engine = Engine(place(model, cfg.device), tokenizer, max_batch_size=cfg.max_batch_size,
-                                    load_weights=load_weights, chunked_prefill_size=cfg.chunked_prefill_size).start()
+                                    load_weights=load_weights, chunked_prefill_size=cfg.chunked_prefill_size, own_decoder=cfg.own_decoder).start()
         return [InProcessEngineClient(self.canary_engine, name="canary")]
 
     async def stop(self) -> None:
