@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from bus.records import Record, Sample, SessionEvent, Trajectory, Turn, Unscored, WeightUpdate
-from bus.versions import Routing, VersionCommand
+from bus.versions import Routing, TrainerDirective, VersionCommand
 
 
 @dataclass(frozen=True)
@@ -36,6 +36,8 @@ REGISTRY_BUCKET = "FLYWHEEL_VERSIONS"
 """The version registry's key-value bucket (bus/registry.py)."""
 ROUTING_SUBJECT = f"$KV.{REGISTRY_BUCKET}.routing"
 """The registry's routing key, as a subject gateways follow."""
+DIRECTIVE_SUBJECT = f"$KV.{REGISTRY_BUCKET}.trainer"
+"""The registry's trainer directive, as a subject (written on every rejection and rollback)."""
 
 DAY = 24 * 3600.0
 
@@ -56,6 +58,7 @@ RECORD_TYPES: dict[str, type[Record]] = {
     UNSCORED_SUBJECT: Unscored,
     WEIGHTS_SUBJECT: WeightUpdate,
     COMMANDS_SUBJECT: VersionCommand,
-    ROUTING_SUBJECT: Routing,  # a key of the registry's bucket (bus/registry.py), not a stream of its own
+    ROUTING_SUBJECT: Routing,  # keys of the registry's bucket (bus/registry.py), not streams of their own
+    DIRECTIVE_SUBJECT: TrainerDirective,
 }
 """Which record type a subject carries; the bus decodes by subject."""

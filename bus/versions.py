@@ -101,6 +101,28 @@ def last_good(entries: list[VersionEntry], besides: int | None = None) -> Versio
     return max(good, key=lambda e: e.version, default=None)
 
 
+def abandoned_above(entries: list[VersionEntry], serving: int) -> int:
+    """How many versions above `serving` the trainer abandoned: each one that is not on the line
+    it goes on with, the line from `serving` to a version still in play (candidate, evaluating,
+    canary) with nothing rejected or rolled back in between. A rejection abandons the
+    superseded versions below the rejected one too: the trainer continues from `serving`."""
+    by_version = {e.version: e for e in entries}
+    live: set[int] = set()
+    for entry in entries:
+        if entry.version <= serving or entry.state not in ("candidate", "evaluating", "canary"):
+            continue
+        line, version = [], entry.version
+        while version is not None and version > serving and version in by_version:
+            if by_version[version].state in ("rejected", "rolled_back"):
+                break
+            line.append(version)
+            version = by_version[version].parent
+        else:
+            if version == serving:
+                live.update(line)
+    return sum(1 for e in entries if e.version > serving and e.version not in live)
+
+
 class Arm(msgspec.Struct, kw_only=True):
     """A version a gateway serves, with where its weights are."""
 
@@ -125,12 +147,19 @@ class TrainerDirective(Record, kw_only=True):
     """What the trainer continues from after a version was rejected or rolled back: the weights
     of `version` (its path), with a fresh optimizer; versions it trained after `abandon_after`
     (exclusive) and up to the version it was on are abandoned, and samples they sampled are not
-    trained. Its `id` is unique per directive: the trainer applies each once."""
+    trained. Its `id` is unique per directive: the trainer applies each once.
+
+    `rejected`: the version found worse. The trainer carries a directive out only if its weights
+    descend from that version: one that comes late, about a line it had already been sent back
+    from (a candidate of the old line rejected by lineage after the trainer moved on), would
+    otherwise abandon the new line, the version about to serve included, whose samples it would
+    then drop one and all."""
 
     version: int
     path: str | None
     abandon_after: int
     reason: str
+    rejected: int | None = None
 
 
 CommandKind = Literal["promote", "rollback", "pin", "unpin"]

@@ -97,7 +97,8 @@ class GateConfig(Section):
     """One-sided confidence of a suite's verdict: a candidate passes a suite when the lower bound of
     (candidate − serving) at this confidence is above −margin."""
     temperature: float = Field(0.0, ge=0)
-    """Sampling temperature of the gate's answers (0: greedy, the same item gives the same answer)."""
+    """Sampling temperature of the gate's answers (0: greedy). Above 0, item i is sampled with seed i
+    by both versions, so an item whose distribution a version left alone gets the same answer."""
     timeout_s: float = Field(900.0, gt=0)
     """An evaluation that takes longer is abandoned and retried (the candidate stays a candidate)."""
 

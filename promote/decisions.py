@@ -84,15 +84,16 @@ class Decisions:
             await self.set_routing(routing, reason, serving=arm(back), canary=None)
         elif routing.canary is not None and routing.canary.version == entry.version:
             await self.set_routing(routing, reason, canary=None)
-        await self.direct_trainer(serving, f"v{entry.version} {state.replace('_', ' ')}: {reason}")
+        await self.direct_trainer(serving, entry.version, f"v{entry.version} {state.replace('_', ' ')}: {reason}")
 
-    async def direct_trainer(self, good: VersionEntry, reason: str) -> None:
-        """Tell the trainer to continue from `good` (`promotion.continue_from: last_good`)."""
+    async def direct_trainer(self, good: VersionEntry, rejected: int, reason: str) -> None:
+        """Tell the trainer to continue from `good`, `rejected` having been found worse
+        (`promotion.continue_from: last_good`)."""
         if self.config.promotion.continue_from != "last_good":
             return
         await self.registry.set_directive(TrainerDirective(
             id=f"directive-{uuid.uuid4().hex[:12]}", version=good.version, path=good.path, abandon_after=good.version,
-            reason=reason))
+            reason=reason, rejected=rejected))
 
     async def repair(self) -> None:
         """After a restart: an evaluation cut short goes back to candidate; the routing names the

@@ -2,7 +2,9 @@
 
 Both versions answer every suite's items on the evaluation server (`serve.role: eval`, beside
 serving and training: loading a version there touches no gateway), greedily by default
-(`promotion.gate.temperature`). Before an evaluation the suites get their items ready
+(`promotion.gate.temperature`). Sampled, item i is drawn with seed i by both versions (common
+random numbers): two versions that give an item the same distribution give it the same answer,
+so an item's score measures the versions, not the draw. Before an evaluation the suites get their items ready
 (`prepare`: a traffic suite reads recent recorded prompts; one short of them makes the gate
 wait). One evaluation loads two versions: the candidate first (its suite answers, and one sample
 per probe prompt at temperature 1 with its log-probabilities), then the serving version (its
@@ -49,11 +51,11 @@ class EvalServer:
         await self._post("/engine/update_weights_from_disk", {"model_path": path, "weight_version": version})
 
     async def generate(self, input_ids: list[int], max_new_tokens: int, temperature: float,
-                       logprobs: bool = False) -> dict[str, Any]:
-        return await self._post("/engine/generate", {
-            "input_ids": input_ids, "return_logprob": logprobs,
-            "sampling_params": {"max_new_tokens": max_new_tokens, "temperature": temperature},
-        })
+                       logprobs: bool = False, seed: int | None = None) -> dict[str, Any]:
+        params: dict[str, Any] = {"max_new_tokens": max_new_tokens, "temperature": temperature}
+        if seed is not None:
+            params["sampling_seed"] = seed
+        return await self._post("/engine/generate", {"input_ids": input_ids, "return_logprob": logprobs, "sampling_params": params})
 
     async def prefill_logprobs(self, prompt: list[int], output: list[int]) -> list[float]:
         scored = await self._post("/engine/generate", {
@@ -94,7 +96,8 @@ class Gate:
 
     async def _answers(self, suite: Suite) -> list[Answer]:
         limit = suite.config.max_new_tokens
-        replies = await asyncio.gather(*(self.server.generate(p, limit, self.gate.temperature) for p in suite.prompts))
+        replies = await asyncio.gather(*(self.server.generate(p, limit, self.gate.temperature, seed=i)
+                                         for i, p in enumerate(suite.prompts)))
         return [Answer(r["text"], len(r["output_ids"]), (r["meta_info"].get("finish_reason") or {}).get("type") == "length")
                 for r in replies]
 

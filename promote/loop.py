@@ -109,14 +109,20 @@ class PromoteLoop:
                              step=update.step, trained_on=update.trained_on, config=update.config, metrics=update.metrics,
                              transitions=[Transition(state="candidate", reason="announced by the trainer", by="trainer")])
         self.counts["registered"] += 1
-        parent = await self.registry.get(update.parent) if update.parent is not None else None
+        await self.registry.put(await self._lineage_checked(entry))
+
+    async def _lineage_checked(self, entry: VersionEntry) -> VersionEntry:
+        """`entry`, rejected (`lineage`) if it descends from a version that was rejected or rolled
+        back. Checked when it is announced, and again before and after its evaluation: its parent
+        may be rejected after it was announced (the trainer trains on while a candidate is
+        evaluated), and a version that served from such a line was one the trainer abandoned."""
+        parent = await self.registry.get(entry.parent) if entry.parent is not None else None
         while parent is not None and not parent.served and parent.state == "retired" and parent.parent is not None:
             parent = await self.registry.get(parent.parent)  # superseded ancestors say nothing; look further up
-        if parent is not None and parent.state in ("rejected", "rolled_back"):
-            entry = move(entry, "rejected", f"descends from v{parent.version}, which was {parent.state.replace('_', ' ')}",
-                         "lineage")
-            self.counts["rejected"] += 1
-        await self.registry.put(entry)
+        if parent is None or parent.state not in ("rejected", "rolled_back"):
+            return entry
+        self.counts["rejected"] += 1
+        return move(entry, "rejected", f"descends from v{parent.version}, which was {parent.state.replace('_', ' ')}", "lineage")
 
     async def _newest_candidate(self) -> VersionEntry | None:
         """Under the lock: the newest candidate (older ones retire), unless nothing may be evaluated now."""
@@ -137,6 +143,9 @@ class PromoteLoop:
         `waiting`)."""
         entry, routing = await self.decisions.entry(version), await self.decisions.routing()
         if entry.state != "candidate" or routing.pinned or routing.canary is not None:
+            return None
+        if (entry := await self._lineage_checked(entry)).state == "rejected":
+            await self.registry.put(entry)
             return None
         if waiting is not None:
             if entry.waiting != waiting:
@@ -184,6 +193,9 @@ class PromoteLoop:
             if entry.state != "evaluating":
                 return  # an operator decided meanwhile
             entry.gate = report
+            if (entry := await self._lineage_checked(entry)).state == "rejected":
+                await self.registry.put(entry)
+                return
             said = f"gate against v{serving.version}"
             if not report["passed"]:
                 self.counts["rejected"] += 1
@@ -310,7 +322,7 @@ class PromoteLoop:
                 raise LookupError(f"no version served before v{current.version}: nothing to roll back to")
             await self.registry.put(move(current, "rolled_back", said, "operator"))
             await self.decisions.serve(await self.decisions.entry(target.version), said, "operator")
-            await self.decisions.direct_trainer(target, f"v{current.version} rolled back by {command.operator}")
+            await self.decisions.direct_trainer(target, current.version, f"v{current.version} rolled back by {command.operator}")
             return f"v{current.version} rolled back; v{target.version} serves"
         if command.version is None:
             raise ValueError(f"{command.kind} needs a version")

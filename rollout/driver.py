@@ -11,7 +11,9 @@ endpoint: the collector, judge and trainer treat its traffic like anyone's.
 
 Staleness control (AReaL's admission rule): with η = `rollout.max_head_offpolicyness`, B =
 `train.batch_size` and v the newest weight version announced on the bus and served by the
-endpoint (its `/health` says so: until then episodes would run on the version before), a group of n samples
+endpoint (its `/health` says so: until then episodes would run on the version before; under
+promotion, the version serving everyone plus the versions above it the trainer abandoned,
+`_follow_registry`), a group of n samples
 may start only while accepted + running + n <= (η + v + 1)·B and running + n <= the concurrency
 cap (`rollout.max_concurrent_rollouts`). `accepted` counts samples whose verdict was reported,
 added when their group ends (all its episodes): a group holds its n slots in `running` until then.
@@ -49,7 +51,9 @@ import httpx
 
 from bus import WEIGHTS_SUBJECT, Bus
 from bus.process import repeat
-from bus.streams import ROUTING_SUBJECT
+from bus.registry import Registry
+from bus.streams import DIRECTIVE_SUBJECT, ROUTING_SUBJECT
+from bus.versions import abandoned_above
 from config import ConfigError, FlywheelConfig
 from envs import ENVS, Env, Task, make_env
 from rollout.env_pool import make_runner
@@ -111,17 +115,54 @@ class RolloutDriver:
         ]
 
     async def _follow_versions(self) -> None:
-        """v: the newest version announced; under promotion the newest that served everyone
-        (the trainer keeps pace with it, docs/promotion.md). Never lower: after a rollback the
-        trainer's staleness, not this bound, drops what is too old."""
-        promoted = self.config.promotion.enabled
+        """v: the newest version announced, once served. Never lower."""
+        if self.config.promotion.enabled:
+            return await self._follow_registry()
         async with httpx.AsyncClient(base_url=self.endpoint, timeout=10) as http:
-            async for update in self.bus.follow(ROUTING_SUBJECT if promoted else WEIGHTS_SUBJECT, newest_only=True):
-                version = update.serving.version if promoted else update.version
-                if version > self.version:
-                    await self._until_served(http, version)
-                    self.version = version
-                    self._changed.set()
+            async for update in self.bus.follow(WEIGHTS_SUBJECT, newest_only=True):
+                if update.version > self.version:
+                    await self._until_served(http, update.version)
+                    self._advance(update.version)
+
+    async def _follow_registry(self) -> None:
+        """Under promotion, v is the version that serves everyone (the trainer keeps pace with
+        it, docs/promotion.md), plus every version above it the trainer abandoned: the samples
+        those were trained on count as accepted, and without them back in the bound a gate that
+        rejected η + 1 candidates stopped the rollout for good (the trainer, sent back to the
+        serving version, waited for samples the bound would not admit). Read again whenever the
+        routing or the trainer's directive (written on each rejection and rollback) changes.
+        Never lower: after a rollback the trainer's staleness, not this bound, drops what is too old."""
+        registry = await Registry.open(self.bus)
+        changed = asyncio.Event()
+
+        async def watch(subject: str) -> None:
+            async for _ in self.bus.follow(subject, newest_only=True):
+                changed.set()
+
+        async def track() -> None:
+            served = 0
+            async with httpx.AsyncClient(base_url=self.endpoint, timeout=10) as http:
+                while True:
+                    await changed.wait()
+                    changed.clear()
+                    routing = await registry.routing()
+                    if routing is None:
+                        continue
+                    serving = routing.serving.version
+                    if serving > served:
+                        await self._until_served(http, serving)
+                        served = serving
+                    self._advance(serving + abandoned_above(await registry.versions(), serving))
+
+        async with asyncio.TaskGroup() as group:  # one that fails takes the others down, and `repeat` starts over
+            for subject in (ROUTING_SUBJECT, DIRECTIVE_SUBJECT):
+                group.create_task(watch(subject))
+            group.create_task(track())
+
+    def _advance(self, version: int) -> None:
+        if version > self.version:
+            self.version = version
+            self._changed.set()
 
     async def _until_served(self, http: httpx.AsyncClient, version: int) -> None:
         """Wait until the endpoint serves `version` (its `/health` reports it): announced, it is

@@ -1,7 +1,8 @@
 """The trainer under promotion, against a real registry on a real bus: it keeps pace with the
 version serving everyone, continues from the version a directive names (its weights, a fresh
 optimizer), drops samples from the versions it abandons, counts staleness in updates that were
-not abandoned, and keeps the served versions in the weight store."""
+not abandoned, passes over a directive about a line it already left, and keeps the served
+versions in the weight store."""
 
 import asyncio
 import time
@@ -56,7 +57,7 @@ async def test_pace_directives_abandoned_versions_and_protection(bus, nats_url, 
         base, _ = load_model("tiny")
         assert loop.trainer.optimizer.state
         await registry.set_routing(Routing(id="r3", serving=Arm(version=0, path=None)))
-        await registry.set_directive(TrainerDirective(id="d1", version=0, path=None, abandon_after=0, reason="v3 rolled back"))
+        await registry.set_directive(TrainerDirective(id="d1", version=0, path=None, abandon_after=0, reason="v3 rolled back", rejected=3))
         await until(lambda: loop.promotion.abandoned == [1, 2, 3])
         assert all(torch.equal(a, b) for a, b in zip(loop.trainer.model.state_dict().values(), base.state_dict().values()))
         assert not loop.trainer.optimizer.state and loop.staleness(0) == 0  # v0's weights: 0 updates from v0
@@ -66,6 +67,17 @@ async def test_pace_directives_abandoned_versions_and_protection(bus, nats_url, 
         fourth = await asyncio.wait_for(anext(announcements), 60)
         assert (fourth.version, fourth.parent) == (4, 0) and loop.staleness(0) == 1
         assert loop.stats()["staleness_seen"] == {0: 3, 1: 1}  # the v0 sample after the rollback: 0 updates old, not 3
+
+        # A directive that comes late, about the line the trainer was sent back from (v3 again: a
+        # candidate of that line rejected by lineage), is passed over: v4 is not abandoned, and v4
+        # serves and is trained on.
+        await registry.set_directive(TrainerDirective(id="d2", version=0, path=None, abandon_after=0, reason="v3 rejected", rejected=3))
+        await until(lambda: "d2" in loop.promotion.applied)
+        assert loop.promotion.abandoned == [1, 2, 3] and loop.staleness(0) == 1
+        await registry.set_routing(Routing(id="r4", serving=Arm(version=4, path=str(tmp_path / "weights" / "v4"))))
+        await bus.publish(SAMPLE_SUBJECT, sample_of(turns[7], 1.0, version=4))
+        fifth = await asyncio.wait_for(anext(announcements), 60)
+        assert (fifth.version, fifth.parent) == (5, 4) and loop.stats()["abandoned_dropped"] == 1
     finally:
         await announcements.aclose()
         await loop.stop()

@@ -1,6 +1,7 @@
 """The version registry on a real NATS server: versions, routing and the trainer's directive
 written by one connection are read by another (a promoter that died and came back), gateways
-follow routing changes, and only the moves of promote/states.py are allowed."""
+follow routing changes, only the moves of promote/states.py are allowed, and the versions above
+the serving one that the trainer abandoned are counted (the rollout's admission bound)."""
 
 import asyncio
 
@@ -9,7 +10,7 @@ import pytest
 from bus import Bus
 from bus.registry import Registry
 from bus.streams import ROUTING_SUBJECT
-from bus.versions import Arm, Routing, TrainerDirective, VersionEntry
+from bus.versions import Arm, Routing, TrainerDirective, VersionEntry, abandoned_above
 from promote.states import AUTOMATIC, IllegalTransition, move
 
 
@@ -75,3 +76,22 @@ def test_a_move_the_table_does_not_allow_is_refused(start, target):
 def test_an_operator_may_serve_any_version_and_take_back_the_serving_one(start):
     assert move(entry(5, start), "serving", "operator's choice", by="operator").state == "serving"
     assert move(entry(5, "serving"), "rolled_back", "operator's choice", by="operator").state == "rolled_back"
+
+
+def line(*specs: tuple[int, int, str]) -> list[VersionEntry]:
+    """Entries from (version, parent, state)."""
+    return [VersionEntry(id=f"v{v}", version=v, path=None, parent=p, state=s) for v, p, s in specs]
+
+
+def test_the_versions_abandoned_above_the_serving_one():
+    # v1 serves; v2 was superseded by v3 before evaluation, v3 is evaluated: both are in play.
+    in_play = line((0, -1, "retired"), (1, 0, "serving"), (2, 1, "retired"), (3, 2, "evaluating"))
+    assert abandoned_above(in_play, 1) == 0
+    # v3 is rejected: the trainer goes back to v1, abandoning v2 (below v3) and v3; v4 from v3 is
+    # rejected by lineage, v5 from v1 is the new line.
+    rejected = line((1, 0, "serving"), (2, 1, "retired"), (3, 2, "rejected"), (4, 3, "rejected"), (5, 1, "candidate"))
+    assert abandoned_above(rejected, 1) == 3
+    # A canary from the serving version is in play; after a rollback to v1, v2 (served, then
+    # retired) and the rolled-back v3 are abandoned above v1.
+    assert abandoned_above(line((1, 0, "serving"), (2, 1, "canary")), 1) == 0
+    assert abandoned_above(line((1, 0, "serving"), (2, 1, "retired"), (3, 2, "rolled_back"), (4, 1, "candidate")), 1) == 2

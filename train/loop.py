@@ -161,7 +161,10 @@ class TrainLoop(ConsumerLoop):
         assert self.promotion is not None
         directive = await self.promotion.refresh()
         self.store.protected = self.promotion.protected
-        if directive is not None:
+        if directive is not None and not self.promotion.concerns(directive, self.lineage.parent):
+            self.promotion.pass_over(directive)
+            await self._checkpoint()
+        elif directive is not None:
             await asyncio.to_thread(load_weights, self.trainer.model, directive.path or self.config.model)
             self.trainer.optimizer.state.clear()
             self.promotion.abandon(directive, self.version)
@@ -236,7 +239,10 @@ class TrainLoop(ConsumerLoop):
         self._record(metrics)
         self.lineage.trained(self.trainer.step_count, ids, metrics)
         if self.trainer.step_count % self.config.train.weight_update_interval == 0:
-            await self.publisher.publish(self.trainer.model, self.version, self.trainer.step_count, self.lineage.announced(self.version))
+            lineage = self.lineage.announced(self.version)
+            if self.promotion is not None:
+                self.promotion.announced(self.version, lineage["parent"])
+            await self.publisher.publish(self.trainer.model, self.version, self.trainer.step_count, lineage)
             log.info("published weights v%d", self.version)
         interval = self.config.train.checkpoint_interval
         if interval and self.trainer.step_count % interval == 0:

@@ -5,7 +5,9 @@ from the version registry (`bus/registry.py`) before each step.
   what to continue from (`TrainerDirective`, `promotion.continue_from`): the weights of that
   version, with a fresh optimizer state (its moments were built along the abandoned path). The
   versions it published after that one are abandoned: samples with tokens from them are not
-  trained (`abandoned_dropped`), and they do not count as updates between two versions.
+  trained (`abandoned_dropped`), and they do not count as updates between two versions. A
+  directive about a version the trainer's weights do not descend from (they were sent back
+  before it was rejected) is passed over: it would abandon the line the trainer went on with.
 - **Distance.** Staleness is counted in updates a sample's weights are behind the trainer's:
   the versions between them, less the abandoned ones (a version trained from v3 after v4 and v5
   were abandoned is one update from v3, not three).
@@ -37,7 +39,9 @@ class UnderPromotion:
         self.abandoned: list[int] = []
         """Versions abandoned by directives, sorted."""
         self.applied: set[str] = set()
-        """Directive ids already carried out (checkpointed with the trainer)."""
+        """Directive ids already carried out or passed over (checkpointed with the trainer)."""
+        self.parents: dict[int, int] = {}
+        """The parent of each version this trainer announced (checkpointed with the trainer)."""
         self.serving: int | None = None
         self.protected: set[int] = set()
 
@@ -63,6 +67,25 @@ class UnderPromotion:
             return None
         return directive
 
+    def announced(self, version: int, parent: int) -> None:
+        self.parents[version] = parent
+
+    def concerns(self, directive: TrainerDirective, weights: int) -> bool:
+        """Whether the directive's rejected version is `weights` (the version the trainer's weights
+        continue from) or may be one of its ancestors: yes when met on the way back through the
+        parents this trainer announced, and when older than the first version whose parent it
+        does not know (a version it did not announce, as after a resume from an older checkpoint)."""
+        rejected, version = directive.rejected, weights
+        if rejected is None:
+            return True
+        while version != rejected and version in self.parents:
+            version = self.parents[version]
+        return rejected <= version
+
+    def pass_over(self, directive: TrainerDirective) -> None:
+        self.applied.add(directive.id)
+        log.info("directive about v%s passed over: these weights do not descend from it (%s)", directive.rejected, directive.reason)
+
     def abandon(self, directive: TrainerDirective, current: int) -> None:
         """Mark the versions the directive abandons: (abandon_after, current]."""
         for version in range(directive.abandon_after + 1, current + 1):
@@ -77,8 +100,10 @@ class UnderPromotion:
         return self.serving is None or self.distance(version, self.serving) + 1 <= max(self.max_ahead, 1)
 
     def state(self) -> dict[str, Any]:
-        return {"abandoned": list(self.abandoned), "applied": sorted(self.applied)}
+        return {"abandoned": list(self.abandoned), "applied": sorted(self.applied),
+                "parents": [[version, parent] for version, parent in sorted(self.parents.items())]}
 
     def restore(self, state: dict[str, Any]) -> None:
         self.abandoned = sorted(state.get("abandoned", []))
         self.applied = set(state.get("applied", []))
+        self.parents = {version: parent for version, parent in state.get("parents", [])}
