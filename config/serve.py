@@ -35,11 +35,10 @@ class ServeConfig(Section):
     """Most prompt tokens the embedded engine prefills between two decode steps (SGLang's
     `--chunked-prefill-size`): a longer prompt is prefilled in pieces, and the running streams
     get a token after each (`serve/engine/chunked.py`)."""
-    own_decoder: bool = False
+    own_decoder: bool = True
     """Decode steps of Llama-family models through the embedded engine's own forward
     (`serve/engine/decoder.py`: fused, oneDNN-packed weights; 0.77x the CPU time of a float32
-    step, 0.72x bfloat16). Off by default: it exposed a stall of `make run`'s promotion gate
-    (docs/benchmarks.md 19b)."""
+    step, 0.72x bfloat16; docs/benchmarks.md 19b). False: transformers' forward."""
     device: str = Field("cpu", pattern=r"^(cpu|cuda(:\d+)?)$")
     """Where the embedded engine runs: `cpu`, `cuda` or `cuda:N` (then its weights, KV cache and
     sampling are on that GPU; a machine without one refuses to start, naming this key)."""

@@ -186,14 +186,15 @@ async def test_a_conversation_with_stop_strings_stays_one_segment(nats_url, tmp_
 async def test_special_tokens_the_client_never_saw_stay_in_one_segment(nats_url, tmp_path, bus):
     """The model may sample a special token mid-answer (`<|endoftext|>`, `<|im_start|>`) or end
     on one other than the template's end token; the client's text skips it, the recorded output
-    keeps it, and the next turn continues those exact ids (the seeds make the untrained model do
-    both)."""
-    seeds = {"mid": 9, "ends-on-other": 131}
+    keeps it, and the next turn continues those exact ids (the untrained model samples
+    `<|im_start|>` as the 13th token with seed 15, and as the 9th with seed 17: cut there, the
+    answer ends on it)."""
+    seeds = {"mid": (15, 16), "ends-on-other": (17, 9)}
     async with platform(nats_url, tmp_path) as (serve, _, client):
-        for session, seed in seeds.items():
+        for session, (seed, max_tokens) in seeds.items():
             messages = [{"role": "user", "content": "Hi."}]
             for i in range(2):
-                reply = await client.chat.completions.create(model=serve.model_name, messages=messages, max_tokens=16,
+                reply = await client.chat.completions.create(model=serve.model_name, messages=messages, max_tokens=max_tokens,
                                                              seed=seed, extra_headers={"X-Session-Id": session})
                 messages += [reply.choices[0].message.model_dump(exclude_none=True), {"role": "user", "content": "More."}]
             await post_feedback(serve, session, 1.0)

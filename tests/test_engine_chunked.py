@@ -121,13 +121,13 @@ async def test_a_bfloat16_engine_samples_close_to_the_float32_model_and_loads_fl
 
 async def test_serve_config_sets_the_embedded_engines_dtype_and_prefill_chunk(nats_url, tmp_path):
     config = load_config(None, [f"run_dir={tmp_path}", "serve.port=0", "serve.dtype=bfloat16", "serve.chunked_prefill_size=16",
-                                "serve.own_decoder=true"])
+                                "serve.own_decoder=false"])
     loop = ServeLoop(config, nats_url)
     await loop.start()
     try:
         assert next(loop.engine.model.parameters()).dtype == torch.bfloat16
         assert loop.engine.chunked_prefill_size == 16
         await loop.engine.generate([5, 6, 7], SamplingParams(max_new_tokens=2, ignore_eos=True))
-        assert loop.engine._decoder is not None  # built on the worker thread, used for the decode step
+        assert loop.engine._decoder is None  # transformers' forward, as asked (by default the engine's own)
     finally:
         await loop.stop()

@@ -33,7 +33,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--torch-threads", type=int, default=1)
     parser.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="weights and KV cache")
-    parser.add_argument("--own-decoder", action="store_true", help="decode steps through the engine's own forward (serve.own_decoder)")
+    parser.add_argument("--own-decoder", action=argparse.BooleanOptionalAction, default=True,
+                        help="decode steps through the engine's own forward (serve.own_decoder)")
     parser.add_argument("--chunked-prefill-size", type=int, default=512, help="most prompt tokens prefilled between two decode steps")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")

@@ -71,7 +71,7 @@ class Engine:
         context_length: int | None = None,
         load_weights: Callable[[torch.nn.Module, str], None] | None = None,
         chunked_prefill_size: int = 512,
-        own_decoder: bool = False,
+        own_decoder: bool = True,
     ):
         self.model = model.eval()
         self.chunked_prefill_size = chunked_prefill_size

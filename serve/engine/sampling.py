@@ -104,14 +104,7 @@ def sample(
     probs = torch.softmax(_truncate(scaled, params), dim=-1)
     finite = torch.isfinite(probs).all(dim=-1)
     failed = (~finite).nonzero().squeeze(1).tolist()
-    tokens = torch.zeros(len(params), dtype=torch.long, device=device)
-    drawn = finite & ~greedy
-    shared_rows = [i for i, g in enumerate(generators) if g is None and drawn[i]]
-    if shared_rows:
-        tokens[shared_rows] = torch.multinomial(probs[shared_rows], 1).squeeze(1)
-    for i, generator in enumerate(generators):
-        if generator is not None and drawn[i]:
-            tokens[i] = torch.multinomial(probs[i].cpu(), 1, generator=generator).item()  # seeded: a CPU generator
+    tokens = _draw(probs, generators)
     if greedy.any():
         tokens[greedy] = logits[greedy].argmax(dim=-1)
     chosen = logprobs.gather(1, tokens.unsqueeze(1)).squeeze(1)
@@ -120,6 +113,26 @@ def sample(
         values, indices = logprobs.topk(top_n, dim=-1)
         top = [list(zip(row_ids, row_lps)) for row_ids, row_lps in zip(indices.tolist(), values.tolist())]
     return tokens, chosen, top, failed
+
+
+def _draw(probs: torch.Tensor, generators: list[torch.Generator | None]) -> torch.Tensor:
+    """One token per row of `probs` [B, V] by inverting its cumulative distribution at a uniform
+    draw: a seeded row's uniform comes from its own generator, the others' from torch's global
+    one. One batched cumulative sum (in float64) for every row, instead of a `multinomial` call
+    per seeded row (each a pass over the vocabulary: 13 % of the engine's time at 32 seeded
+    streams). A token of probability 0 is never drawn; rows that are not finite draw garbage."""
+    uniform = torch.rand(len(probs), dtype=torch.float64)
+    for i, generator in enumerate(generators):
+        if generator is not None:
+            uniform[i] = torch.rand(1, dtype=torch.float64, generator=generator)
+    cdf = probs.double().cumsum(-1)
+    targets = uniform.to(probs.device) * cdf[:, -1]
+    tokens = torch.searchsorted(cdf, targets.unsqueeze(1), right=True).squeeze(1).clamp_(max=probs.shape[1] - 1)
+    landed = probs.gather(1, tokens.unsqueeze(1)).squeeze(1) > 0
+    if not bool(landed.all()):  # a target rounded onto the total: the last token with mass
+        last = probs.shape[1] - 1 - (probs > 0).flip(-1).to(torch.uint8).argmax(-1)
+        tokens = torch.where(landed, tokens, last)
+    return tokens
 
 
 def _truncate(scaled: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
