@@ -305,10 +305,9 @@ async def test_hot_swaps_under_load_fail_nothing_and_label_every_token(platform,
             except Exception as exc:  # any failure at all is a finding
                 failures.append((session, repr(exc)))
 
-    async def swap(version: int, mode: str) -> None:
-        """One swap to `version`, while a whole answer is (likely) decoding; counts the whole
-        answers in flight then that crossed it (recorded with tokens of an older version and of
-        this one)."""
+    async def swap(version: int, mode: str) -> set[str]:
+        """One swap to `version`, while a whole answer is (likely) decoding; the whole answers in
+        flight when it was sent."""
         seen = tokens[0]
         with torch.no_grad():
             for p in model.parameters():
@@ -326,19 +325,29 @@ async def test_hot_swaps_under_load_fail_nothing_and_label_every_token(platform,
         await platform.bus.publish(WEIGHTS_SUBJECT, WeightUpdate(id=f"w{version}", version=version, path=str(path), step=version))
         while serve.stats()["swaps"] < version:
             await asyncio.sleep(0.01)
+        return in_flight
+
+    async def crossings(version: int, in_flight: set[str]) -> int:
+        """Of the whole answers in flight at the swap to `version`, those that crossed it:
+        recorded with tokens of an older version and of this one."""
         while in_flight & set(generating):
             await asyncio.sleep(0.01)
         turns = await platform.records(TRAFFIC_SUBJECTS, Turn, lambda t: t.session_id in in_flight, len(in_flight))
-        crossed[mode] += sum(version in t.output_versions and t.output_versions[0] < version for t in turns)
+        return sum(version in t.output_versions and t.output_versions[0] < version for t in turns)
 
     async def swapper() -> None:
         version, (least, most) = 0, SWAPS_PER_MODE
         for mode in MODES:
+            swapped: list[tuple[int, set[str]]] = []  # counted once the mode's first swaps are done
             for k in range(most):
-                if k >= least and crossed[mode]:
-                    break
+                if k >= least:
+                    crossed[mode] += sum([await crossings(*s) for s in swapped])
+                    swapped.clear()
+                    if crossed[mode]:
+                        break
                 version += 1
-                await swap(version, mode)
+                swapped.append((version, await swap(version, mode)))
+            crossed[mode] += sum([await crossings(*s) for s in swapped])
         done.set()
 
     await asyncio.wait_for(asyncio.gather(swapper(), *(user(i) for i in range(STREAMS + WHOLE))), 400)
