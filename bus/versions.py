@@ -107,19 +107,21 @@ def abandoned_above(entries: list[VersionEntry], serving: int) -> int:
     canary) with nothing rejected or rolled back in between. A rejection abandons the
     superseded versions below the rejected one too: the trainer continues from `serving`."""
     by_version = {e.version: e for e in entries}
-    live: set[int] = set()
-    for entry in entries:
-        if entry.version <= serving or entry.state not in ("candidate", "evaluating", "canary"):
-            continue
-        line, version = [], entry.version
-        while version is not None and version > serving and version in by_version:
-            if by_version[version].state in ("rejected", "rolled_back"):
-                break
+
+    def line_from(version: int | None) -> list[int]:
+        """The versions from `version` down to `serving` (exclusive); none if that line is broken
+        (a version on it rejected or rolled back, or it does not lead to `serving`)."""
+        line = []
+        while version is not None and version > serving:
+            entry = by_version.get(version)
+            if entry is None or entry.state in ("rejected", "rolled_back"):
+                return []
             line.append(version)
-            version = by_version[version].parent
-        else:
-            if version == serving:
-                live.update(line)
+            version = entry.parent
+        return line if version == serving else []
+
+    in_play = [e.version for e in entries if e.version > serving and e.state in ("candidate", "evaluating", "canary")]
+    live = {v for version in in_play for v in line_from(version)}
     return sum(1 for e in entries if e.version > serving and e.version not in live)
 
 
