@@ -72,13 +72,13 @@ class Registry:
     async def put(self, entry: VersionEntry) -> None:
         await self._kv.put(version_key(entry.version), encode(entry))
 
-    async def versions(self) -> list[VersionEntry]:
-        """Every version the registry holds, oldest first."""
+    async def versions(self, above: int = -1) -> list[VersionEntry]:
+        """Every version the registry holds (those newer than `above`), oldest first."""
         try:
             keys = await self._kv.keys()
         except NoKeysError:
             return []
-        entries = [await self._get(key, VersionEntry) for key in keys if key.startswith("v.")]
+        entries = [await self._get(key, VersionEntry) for key in keys if key.startswith("v.") and int(key[2:]) > above]
         return sorted((e for e in entries if e is not None), key=lambda e: e.version)
 
     async def routing(self) -> Routing | None:

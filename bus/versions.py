@@ -30,6 +30,10 @@ State = Literal["candidate", "evaluating", "rejected", "canary", "serving", "ret
 GOOD_STATES: tuple[State, ...] = ("serving", "retired")
 """States of a version that served everyone and was never found worse: what a rollback returns to."""
 ENDED_STATES: tuple[State, ...] = ("rejected", "retired", "rolled_back")
+FOUND_WORSE: tuple[State, ...] = ("rejected", "rolled_back")
+"""States of a version found worse: what descends from it is rejected (`lineage`) and abandoned."""
+IN_PLAY: tuple[State, ...] = ("candidate", "evaluating", "canary")
+"""States of a version not decided yet: the trainer's line goes on from it."""
 
 
 class Transition(msgspec.Struct, kw_only=True):
@@ -102,9 +106,9 @@ def last_good(entries: list[VersionEntry], besides: int | None = None) -> Versio
 
 
 def abandoned_above(entries: list[VersionEntry], serving: int) -> int:
-    """How many versions above `serving` the trainer abandoned: each one that is not on the line
-    it goes on with, the line from `serving` to a version still in play (candidate, evaluating,
-    canary) with nothing rejected or rolled back in between. A rejection abandons the
+    """How many of `entries` above `serving` the trainer abandoned: each one that is not on the
+    line it goes on with, the line from `serving` to a version still in play (candidate,
+    evaluating, canary) with nothing rejected or rolled back in between. A rejection abandons the
     superseded versions below the rejected one too: the trainer continues from `serving`."""
     by_version = {e.version: e for e in entries}
 
@@ -114,13 +118,13 @@ def abandoned_above(entries: list[VersionEntry], serving: int) -> int:
         line = []
         while version is not None and version > serving:
             entry = by_version.get(version)
-            if entry is None or entry.state in ("rejected", "rolled_back"):
+            if entry is None or entry.state in FOUND_WORSE:
                 return []
             line.append(version)
             version = entry.parent
         return line if version == serving else []
 
-    in_play = [e.version for e in entries if e.version > serving and e.state in ("candidate", "evaluating", "canary")]
+    in_play = [e.version for e in entries if e.version > serving and e.state in IN_PLAY]
     live = {v for version in in_play for v in line_from(version)}
     return sum(1 for e in entries if e.version > serving and e.version not in live)
 

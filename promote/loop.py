@@ -36,7 +36,7 @@ from bus.process import repeat
 from bus.registry import Registry
 from bus.running_stats import RunningStats
 from bus.streams import COMMANDS_SUBJECT
-from bus.versions import Arm, CommandResult, Routing, Transition, VersionCommand, VersionEntry, last_good
+from bus.versions import FOUND_WORSE, Arm, CommandResult, Routing, Transition, VersionCommand, VersionEntry, last_good
 from config import ConfigError, FlywheelConfig
 from models import load_model
 from promote.decisions import Decisions
@@ -119,7 +119,7 @@ class PromoteLoop:
         parent = await self.registry.get(entry.parent) if entry.parent is not None else None
         while parent is not None and not parent.served and parent.state == "retired" and parent.parent is not None:
             parent = await self.registry.get(parent.parent)  # superseded ancestors say nothing; look further up
-        if parent is None or parent.state not in ("rejected", "rolled_back"):
+        if parent is None or parent.state not in FOUND_WORSE:
             return entry
         self.counts["rejected"] += 1
         return move(entry, "rejected", f"descends from v{parent.version}, which was {parent.state.replace('_', ' ')}", "lineage")

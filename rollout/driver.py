@@ -152,7 +152,7 @@ class RolloutDriver:
                     if serving > served:
                         await self._until_served(http, serving)
                         served = serving
-                    self._advance(serving + abandoned_above(await registry.versions(), serving))
+                    self._advance(serving + abandoned_above(await registry.versions(above=serving), serving))
 
         async with asyncio.TaskGroup() as group:  # one that fails takes the others down, and `repeat` starts over
             for subject in (ROUTING_SUBJECT, DIRECTIVE_SUBJECT):

@@ -95,8 +95,7 @@ class Engine:
         self._wake = threading.Condition()
         self._running = False
         self._thread: threading.Thread | None = None
-        self.stats = {"requests": 0, "tokens": 0, "steps": 0, "prefills": 0, "weight_updates": 0, "aborted": 0,
-                      "failed": 0}
+        self.stats = dict.fromkeys(("requests", "tokens", "steps", "prefills", "weight_updates", "aborted", "failed"), 0)
 
     # ---- lifecycle -------------------------------------------------------------------------
 
