@@ -76,9 +76,11 @@ class RayNodes:
         node.wait()
 
     def stop(self) -> None:
+        """SIGTERM to each `ray start`, which stops its node's processes in order (2 s); SIGTERM to the
+        whole group reaches the head's GCS and raylet at once, and they hang (30 s, then SIGKILL)."""
         for node in reversed(self.nodes):
             if node.poll() is None:
-                os.killpg(node.pid, signal.SIGTERM)
+                os.kill(node.pid, signal.SIGTERM)
         for node in self.nodes:
             try:
                 node.wait(timeout=30)

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -96,6 +96,13 @@ class Consumer:
         await self._requests()
         info = await self._bus.js.consumer_info(self.stream, self.durable)
         return info.num_ack_pending, info.delivered.stream_seq
+
+    async def hand_back(self, deliveries: Iterable[Delivery]) -> None:
+        """Stop pulling, and give `deliveries` (and what arrived after the last fetch) back to
+        JetStream, which redelivers them now instead of when their ack wait runs out. A delivery
+        settled already (acknowledged, or a redelivery held with its first) is passed over."""
+        late = await self._pull.close() if self._pull is not None else []
+        await asyncio.gather(*(d.nak() for d in deliveries), *(m.nak() for m in late), return_exceptions=True)
 
     async def fetch(self, batch: int = 256, timeout_s: float = 1.0) -> list[Delivery]:
         """Up to `batch` records; an empty list when none arrived within `timeout_s`."""

@@ -59,8 +59,11 @@ class ConsumerLoop:
         return ()
 
     async def stop(self) -> None:
-        """Cancel the step and the keep-alive, `finish`, close the bus. Whatever was held and not
-        acknowledged is redelivered to the next consumer."""
+        """Cancel the step and the keep-alive, `finish`, hand back what is still held, close the
+        bus. Handed back (nak), a record goes to the next consumer at once; left unacknowledged it
+        would wait out its ack wait, and a collector that starts holds everything until its
+        predecessor's records are back (collect/recovery.py). A crash still leaves them to the
+        ack wait."""
         started = bool(self._tasks)
         for task in self._tasks:
             task.cancel()
@@ -68,6 +71,7 @@ class ConsumerLoop:
         self._tasks = []
         if started:
             await self.finish()
+            await self.consumer.hand_back(self.held())
         await self.bus.close()
 
     async def finish(self) -> None:

@@ -27,6 +27,7 @@ from dataclasses import dataclass
 
 import nats
 from nats.aio.msg import Msg
+from nats.aio.subscription import Subscription
 
 log = logging.getLogger(__name__)
 
@@ -55,7 +56,7 @@ class PullRequests:
         self._nc = nc
         self._next_subject = f"{api_prefix}.CONSUMER.MSG.NEXT.{stream}.{durable}"
         self._inbox = nc.new_inbox()
-        self._subscribed = False
+        self._subscription: Subscription | None = None
         self._received: list[Msg] = []
         self._open: _Open | None = None
         self._count = 0
@@ -63,9 +64,8 @@ class PullRequests:
     async def pull(self, batch: int, wait_s: float) -> list[Msg]:
         """Up to `batch` messages (a few more if late ones arrived); waits up to `wait_s` for
         the first when none is available."""
-        if not self._subscribed:
-            await self._nc.subscribe(f"{self._inbox}.*", cb=self._on_message)
-            self._subscribed = True
+        if self._subscription is None:
+            self._subscription = await self._nc.subscribe(f"{self._inbox}.*", cb=self._on_message)
         messages = await self._request(batch, None)
         if not messages:
             messages = await self._request(1, wait_s)
@@ -95,6 +95,17 @@ class PullRequests:
         if request.refusal is not None and not messages:
             raise PullRefused(f"{self._next_subject}: {request.refusal}")
         return messages
+
+    async def close(self) -> list[Msg]:
+        """Stop receiving, and return the messages that arrived after the last pull returned. A
+        request the server still holds open (its pull was cancelled) loses its subscriber, so
+        JetStream delivers nothing more into it."""
+        if self._subscription is not None:
+            await self._subscription.unsubscribe()
+            await self._nc.flush()
+            self._subscription = None
+        late, self._received = self._received, []
+        return late
 
     async def _on_message(self, msg: Msg) -> None:
         status = msg.headers.get("Status") if msg.headers and not msg.data else None

@@ -2,6 +2,7 @@
 
 A collector holds the records of open sessions unacknowledged; when it dies, JetStream delivers
 them again, but only once their ack wait runs out, while records published since flow at once.
+(A collector that stops cleanly hands them back, `Consumer.hand_back`, and they come back first.)
 Fed in that order, a session's later turns (or its feedback) would reach the new collector
 before its earlier ones and close it truncated, the earlier ones forming a fragment of their
 own.

@@ -257,3 +257,30 @@ async def test_collect_loop_publishes_trajectories_and_acks(bus, nats_url, tmp_p
         assert info.num_ack_pending == 0 and info.num_pending == 0
     finally:
         await loop.stop()
+
+
+async def test_a_collector_stopped_cleanly_hands_its_open_sessions_to_the_next_at_once(bus, nats_url, tmp_path):
+    """A stop leaves the open sessions' records unacknowledged; they used to come back only when
+    their ack wait ran out, and the next collector held everything until then (train.run's
+    --resume stood still for ~15-30 s). A clean stop now hands them back (nak) at once."""
+    config = load_config(None, [f"run_dir={tmp_path}", "bus.ack_wait_s=30"])
+    first = CollectLoop(config, nats_url, durable="handover")
+    await first.start()
+    await bus.publish(TURN_SUBJECT, turn("open-1", session="handover", prompt=[5, 6], output=[7]))
+    while first.tracker.open_sessions == 0:
+        await asyncio.sleep(0.05)
+    await first.stop()
+
+    second = CollectLoop(config, nats_url, durable="handover")
+    await second.start()
+    try:
+        await bus.publish(SESSION_EVENT_SUBJECT, SessionEvent(id="handover-end", session_id="handover", kind="feedback", reward=1.0))
+        consumer = bus.consumer(TRAJECTORY_SUBJECT, "handover-check")
+        mine = []
+        async with asyncio.timeout(10):  # a third of the ack wait
+            while not mine:
+                mine = [d.record for d in await consumer.fetch(timeout_s=1) if d.record.session_id == "handover"]
+        [trajectory] = mine
+        assert trajectory.segments[0].token_ids == [5, 6, 7] and [e.reward for e in trajectory.feedback] == [1.0]
+    finally:
+        await second.stop()

@@ -172,11 +172,14 @@ def test_up_joins_an_existing_cluster_and_leaves_it_running(tmp_path):
         assert status.returncode == 0, status.stderr  # the cluster outlives the deployment
     finally:  # stop this cluster only (`ray stop` would take the test session's Ray down too)
         ours = [p for p in psutil.process_iter(["cmdline"]) if temp_dir in " ".join(p.info["cmdline"] or [])]
-        for process in ours:
-            process.terminate()
-        _, alive = psutil.wait_procs(ours, timeout=20)
-        for process in alive:
-            process.kill()
+        gcs = [p for p in ours if "gcs_server" in " ".join(p.info["cmdline"])]
+        # The GCS last: terminated together, the raylet and the GCS wait on each other (20 s, then SIGKILL).
+        for processes in ([p for p in ours if p not in gcs], gcs):
+            for process in processes:
+                process.terminate()
+            _, alive = psutil.wait_procs(processes, timeout=20)
+            for process in alive:
+                process.kill()
 
 
 def test_a_signal_that_lands_inside_a_stats_call_still_stops_the_deployment():
