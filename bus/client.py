@@ -62,6 +62,10 @@ class Delivery:
         await self.msg.term()
 
 
+HAND_BACK_S = 2.0
+"""The longest a stopping consumer spends handing back what it holds."""
+
+
 class Consumer:
     """A durable pull consumer over a subject (wildcards allowed); decodes by each message's subject."""
 
@@ -100,9 +104,17 @@ class Consumer:
     async def hand_back(self, deliveries: Iterable[Delivery]) -> None:
         """Stop pulling, and give `deliveries` (and what arrived after the last fetch) back to
         JetStream, which redelivers them now instead of when their ack wait runs out. A delivery
-        settled already (acknowledged, or a redelivery held with its first) is passed over."""
-        late = await self._pull.close() if self._pull is not None else []
-        await asyncio.gather(*(d.nak() for d in deliveries), *(m.nak() for m in late), return_exceptions=True)
+        settled already (acknowledged, or a redelivery held with its first) is passed over. Best
+        effort, bounded by `HAND_BACK_S`: with the server away, what is not handed back comes back
+        when its ack wait runs out, as after a crash."""
+        deliveries = list(deliveries)
+        try:
+            async with asyncio.timeout(HAND_BACK_S):
+                late = await self._pull.close() if self._pull is not None else []
+                await asyncio.gather(*(d.nak() for d in deliveries), *(m.nak() for m in late), return_exceptions=True)
+        except Exception as exc:  # noqa: BLE001 - see above
+            log.warning("%s: could not hand back %d records (%r); they come back after their ack wait",
+                        self.durable, len(deliveries), exc)
 
     async def fetch(self, batch: int = 256, timeout_s: float = 1.0) -> list[Delivery]:
         """Up to `batch` records; an empty list when none arrived within `timeout_s`."""

@@ -26,6 +26,7 @@ from bus import (
     start_bus,
 )
 from bus.acks import PublishAcks
+from bus.client import HAND_BACK_S
 from bus.process import repeat
 from bus.pull import PullRefused
 from bus.tail import resolve_subject
@@ -227,3 +228,27 @@ async def test_repeat_stops_even_when_a_step_swallows_its_cancellation():
     with pytest.raises(asyncio.CancelledError):
         await asyncio.wait_for(task, 5)
     assert steps == 1
+
+
+async def test_a_consumer_hands_back_what_it_holds_at_once_and_gives_up_when_the_server_is_gone(nats_server):
+    """Handed back, a held record is redelivered now, not into the pull request the stopping
+    consumer cancelled (JetStream keeps that open until it expires) nor after the ack wait; with
+    the server away, handing back gives up within HAND_BACK_S and raises nothing."""
+    bus = await Bus.connect(nats_server.url)
+    await bus.publish(SESSION_EVENT_SUBJECT, event(1))
+    first = bus.consumer(TRAFFIC_SUBJECTS, "handed", ack_wait_s=30)
+    [held] = await first.fetch(timeout_s=5)
+    cancelled = asyncio.create_task(first.fetch(timeout_s=20))
+    await asyncio.sleep(0.2)
+    cancelled.cancel()
+    await first.hand_back([held])
+    second = bus.consumer(TRAFFIC_SUBJECTS, "handed", ack_wait_s=30)
+    [again] = await second.fetch(timeout_s=5)
+    assert again.record.id == "e1"
+
+    nats_server.stop()
+    loop = asyncio.get_running_loop()
+    started = loop.time()
+    await second.hand_back([again])
+    assert loop.time() - started < HAND_BACK_S + 1
+    await bus.close()
