@@ -71,11 +71,13 @@ def test_a_run_stopped_by_sigterm_keeps_its_outputs_and_resumes_within_its_stale
 def test_at_temperature_0_7_and_eta_0_the_trainer_reproduces_the_engine(tmp_path):
     """The digits task (partial rewards, so advantages are not all zero) through train.run:
     every step trains whole groups, nothing twice, recomputes the engine's log-probs to float
-    noise, and the PPO clip fires."""
+    noise, and the PPO clip fires. Answers of 64 tokens: at 16, a digit is so rare in the
+    untrained model's answers that all four steps could go without a reward (advantages all 0,
+    nothing to clip; a fresh clone failed so); at 64, 11 steps in 12 clipped."""
     run_dir = tmp_path / "run"
     done = subprocess.run([sys.executable, "-m", "train.run", "--config", "deploy/configs/local.yaml", "--refresh-s", "0.2",
                            f"run_dir={run_dir}", "serve.port=0", "train.max_steps=4", "train.batch_size=8",
-                           "rollout.max_head_offpolicyness=0", "gconfig.temperature=0.7",
+                           "rollout.max_head_offpolicyness=0", "gconfig.temperature=0.7", "gconfig.max_new_tokens=64",
                            "promotion.mode=off"],  # train.run's own default; tests/test_rollout.py has η = 0 under a gate
                           cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
