@@ -59,8 +59,8 @@ class ConsumerLoop:
         return ()
 
     async def stop(self) -> None:
-        """Cancel the step and the keep-alive, `finish`, hand back what is still held, close the
-        bus. Handed back (nak), a record goes to the next consumer at once; left unacknowledged it
+        """Cancel the step and the keep-alive, `finish`, hand back what was held and is not
+        acknowledged by then, close the bus. Handed back (nak), a record goes to the next consumer at once; left unacknowledged it
         would wait out its ack wait, and a collector that starts holds everything until its
         predecessor's records are back (collect/recovery.py). A crash still leaves them to the
         ack wait."""
@@ -70,8 +70,10 @@ class ConsumerLoop:
         await asyncio.gather(*self._tasks, return_exceptions=True)
         self._tasks = []
         if started:
+            held = {id(d): d for d in self.held()}  # before `finish`, which may drop some (cancelled judgements)
             await self.finish()
-            await self.consumer.hand_back(self.held())
+            held.update((id(d), d) for d in self.held())
+            await self.consumer.hand_back(held.values())
         await self.bus.close()
 
     async def finish(self) -> None:

@@ -147,7 +147,7 @@ class JudgeLoop(ConsumerLoop):
             return []
 
     async def finish(self) -> None:
-        """Abandon judgements in flight (unacknowledged: they are redelivered)."""
+        """Abandon judgements in flight (unacknowledged: `stop` hands them back for redelivery)."""
         in_flight = list(self._in_flight)
         for task in in_flight:
             task.cancel()

@@ -310,3 +310,30 @@ async def test_next_state_judging_is_the_default_majority_of_votes_ties_zero_and
     with pytest.raises(Unscorable, match="nothing followed"):
         await judge.score(conversation("x", ["third"]))
     await judge.close()
+
+
+async def test_a_judge_stopped_with_judgements_in_flight_hands_them_back_at_once(bus, nats_url, tmp_path, endpoint):
+    """Stopping cancels the judgements in flight, which took their deliveries out of what the
+    loop held before it handed back: they came back only after the ack wait."""
+    hang = asyncio.Event()
+
+    async def answer(reply, n):
+        await hang.wait()
+        return "Score: 10"
+
+    url = await endpoint(answer)
+    config = load_config(None, [f"run_dir={tmp_path}", "judge.kind=llm", f"judge.llm.base_url={url}", "judge.llm.mode=score",
+                                "bus.ack_wait_s=30"])
+    loop = JudgeLoop(config, nats_url, durable="judge-handover")
+    await loop.start()
+    try:
+        await bus.publish(TRAJECTORY_SUBJECT, conversation("pending", ["pending"]))
+        while loop.stats()["in_flight"] == 0:
+            await asyncio.sleep(0.05)
+    finally:
+        await loop.stop()
+        hang.set()
+    successor = bus.consumer(TRAJECTORY_SUBJECT, "judge-handover", ack_wait_s=30)
+    async with asyncio.timeout(10):  # a third of the ack wait
+        again = await successor.fetch(timeout_s=10)
+    assert [d.record.id for d in again] == ["pending"]
