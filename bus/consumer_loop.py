@@ -60,10 +60,10 @@ class ConsumerLoop:
 
     async def stop(self) -> None:
         """Cancel the step and the keep-alive, `finish`, hand back what was held and is not
-        acknowledged by then, close the bus. Handed back (nak), a record goes to the next consumer at once; left unacknowledged it
-        would wait out its ack wait, and a collector that starts holds everything until its
-        predecessor's records are back (collect/recovery.py). A crash still leaves them to the
-        ack wait."""
+        acknowledged by then, close the bus. Handed back (nak), a record goes to the next
+        consumer at once; left unacknowledged it would wait out its ack wait, and a collector
+        that starts holds everything until its predecessor's records are back
+        (collect/recovery.py). A crash still leaves them to the ack wait."""
         started = bool(self._tasks)
         for task in self._tasks:
             task.cancel()
