@@ -28,7 +28,7 @@ What it measures
     The embedded engine runs with `serve.own_decoder` on (its own decode step).
 
     The load runs in a child process (this file with `--load`), so its work does not compete
-    with the gateway's for the GIL. The embedded engine runs on `serve.torch_threads` (1);
+    with the gateway's for the GIL. The embedded engine runs on `serve.torch_threads` (every core unless told);
     vLLM's CPU build binds its model to one core and keeps the other for its HTTP server. Both
     in `--dtype` (float32 unless told: the embedded engine's `serve.dtype`, vLLM's `--dtype`).
     Also, per engine: the gap between the log-probs it records and the float32 model's own
@@ -65,6 +65,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench._common import CpuWatch, machine, median, percentile, quiet_logs, table, wait_quiet_async, write_result  # noqa: E402
 from bench.workload import uniform_requests  # noqa: E402
+from serve.engine.threads import torch_threads  # noqa: E402
 
 
 def parse_args() -> argparse.Namespace:
@@ -76,10 +77,13 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="both engines' weights and KV cache")
     p.add_argument("--repeats", type=int, default=1, help="runs of each engine, alternating")
-    p.add_argument("--torch-threads", type=int, default=1, help="the embedded engine's serve.torch_threads")
+    p.add_argument("--torch-threads", type=int,
+                   help="the embedded engine's serve.torch_threads (and HF generate's); default: every core, as serve's default")
     p.add_argument("--routes", action="store_true", help="also compare vLLM's generate and completions routes")
     p.add_argument("--load", help=argparse.SUPPRESS)  # internal: run a load (JSON config) and exit
-    return p.parse_args()
+    args = p.parse_args()
+    args.torch_threads = torch_threads(args.torch_threads)
+    return args
 
 
 # ---- the load (child process) ----------------------------------------------------------------

@@ -25,11 +25,15 @@ class ServeConfig(Section):
     """Used when a request does not say (`max_new_tokens` still bounds it)."""
     publish_queue_size: int = Field(10_000, ge=1)
     """Finished turns waiting to be published, off the response path."""
-    torch_threads: int = Field(1, ge=1)
+    torch_threads: int | None = Field(None, ge=1)
+    """Intra-op threads of the embedded engine's torch. None: every core this process may use, as
+    a gateway alone on its machine wants (docs/benchmarks.md section 19: 1.17x vLLM's throughput on 2
+    cores here, 0.77x on one); a `Deployment`, whose loops share their machine, gives its serve
+    loops 1 unless this is set."""
     dtype: Literal["float32", "bfloat16"] = "float32"
     """The embedded engine's weights and KV cache (its logits and sampling stay float32; a vLLM
     engine takes `--dtype` from `FLYWHEEL_VLLM_ARGS`). A `bfloat16` decode step takes ~0.64x
-    the CPU time of a float32 one here (AVX-512 BF16, AMX), but its behaviour log-probs differ
+    the CPU time of a float32 one here (AVX-512 BF16), but its behaviour log-probs differ
     from the float32 trainer's recomputation (`behav_logprob_gap`, docs/benchmarks.md §19)."""
     chunked_prefill_size: int = Field(512, ge=1)
     """Most prompt tokens the embedded engine prefills between two decode steps (SGLang's

@@ -40,7 +40,7 @@ CALL_TIMEOUT_S = 300.0
 
 class Deployment:
     def __init__(self, config: FlywheelConfig):
-        self.config = config
+        self.config = sharing_cores(config)
         self.bus_url: str | None = None
         self.serve_url: str | None = None
         self.judge_url: str | None = None
@@ -144,6 +144,18 @@ class Deployment:
 
     def __exit__(self, *exc) -> None:
         self.stop()
+
+
+def sharing_cores(config: FlywheelConfig) -> FlywheelConfig:
+    """`config` for loops that share their machine's cores: a serve loop that does not say how many
+    torch threads it takes (`serve.torch_threads`, whose default is every core, for a gateway alone
+    on its machine) gets one, as the trainer and the judge's model do. A loop placed on a node of its
+    own (`deploy.resources`) is given more by setting it."""
+    if config.serve.torch_threads is not None:
+        return config
+    config = config.model_copy(deep=True)
+    config.serve.torch_threads = 1
+    return config
 
 
 def needs_judge_server(config: FlywheelConfig) -> bool:

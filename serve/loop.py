@@ -34,7 +34,7 @@ from serve.backends.pool import EnginePool
 from serve.backends.sglang import HTTPEngineClient
 from serve.backends.vllm import VLLMEngineClient
 from serve.backends.vllm_server import uses_vllm, vllm_engines
-from serve.engine import Engine
+from serve.engine import Engine, torch_threads
 from serve.gateway import create_gateway
 from serve.ops.metrics import ServeMetrics
 from serve.ops.versions import VersionBoard
@@ -57,7 +57,9 @@ class ServeLoop:
     async def start(self) -> str:
         """Start the engines and the gateway; returns the gateway's base URL."""
         cfg = self.config.serve
-        torch.set_num_threads(cfg.torch_threads)
+        embedded = not (uses_vllm(self.config) or cfg.engine_urls)
+        if embedded:  # the embedded engine computes here; external engines elsewhere
+            torch.set_num_threads(torch_threads(cfg.torch_threads))
         model, tokenizer = await asyncio.to_thread(load_model, self.config.model, getattr(torch, cfg.dtype))
         if cfg.chat_template is not None:
             tokenizer.chat_template = cfg.chat_template
@@ -66,7 +68,7 @@ class ServeLoop:
         if uses_vllm(self.config):
             del model  # vLLM holds the weights (a server started here, or the engine_urls)
             engines, context_length, self.vllm_server = await vllm_engines(self.config)
-        elif cfg.engine_urls:
+        elif not embedded:
             del model  # external engines hold the weights; the gateway needs the tokenizer only
             engines = [await HTTPEngineClient(url, admin_key=cfg.admin_key).connect() for url in cfg.engine_urls]
             context_length = tokenizer.model_max_length if tokenizer.model_max_length < 10**8 else 2048

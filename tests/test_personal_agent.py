@@ -20,7 +20,7 @@ from bench.personal_agent import CONFIG, converse, judge_agreement, rolling_rate
 from bus import SAMPLE_SUBJECT, Sample
 from collect.loop import CollectLoop
 from config import load_config
-from deploy.deployment import side_server_config
+from deploy.deployment import sharing_cores, side_server_config
 from judge.loop import JudgeLoop
 from judge.next_state import hint_for
 from serve.loop import ServeLoop
@@ -30,6 +30,7 @@ from train.loop import TrainLoop
 
 async def test_a_persons_correction_is_judged_taught_and_trained(nats_url, tmp_path, bus):
     config = load_config(CONFIG, [f"run_dir={tmp_path}", "model=tiny", "collect.idle_timeout_s=1.5"])
+    config = sharing_cores(config)  # the loops share this machine, as in a Deployment
     assert config.judge.kind == "next_state" and config.train.batch_size == 1 and not config.rollout.enabled
     judge_server = ServeLoop(side_server_config(config, "judge"), nats_url)
     loops = [ServeLoop(config, nats_url), judge_server, CollectLoop(config, nats_url), JudgeLoop(config, nats_url),

@@ -13,6 +13,7 @@ import uvicorn
 from models import load_model, load_weights, place
 from serve.engine.core import Engine
 from serve.engine.server import create_engine_app
+from serve.engine.threads import torch_threads
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -30,7 +31,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-version-spans", dest="version_spans", action="store_false",
                         help="report only the current weight version label per response or chunk, no per-token "
                              "spans (like a server that does not track them)")
-    parser.add_argument("--torch-threads", type=int, default=1)
+    parser.add_argument("--torch-threads", type=int, help="default: every core this process may use")
     parser.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="weights and KV cache")
     parser.add_argument("--own-decoder", action=argparse.BooleanOptionalAction, default=True,
@@ -38,7 +39,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--chunked-prefill-size", type=int, default=512, help="most prompt tokens prefilled between two decode steps")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    torch.set_num_threads(args.torch_threads)
+    torch.set_num_threads(torch_threads(args.torch_threads))
     model, tokenizer = load_model(args.model, getattr(torch, args.dtype))
     try:
         model = place(model, args.device)
