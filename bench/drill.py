@@ -69,7 +69,7 @@ class Cluster:
         else:
             self.nats = EmbeddedNats(run_dir / "nats", port=free_port())
             self.bus_url = f"nats://127.0.0.1:{self.nats.port}"
-        self.overrides = overrides
+        self.overrides = ["serve.torch_threads=1", *overrides]  # the loops share this machine, as a Deployment's do
         self.serve_urls = [f"http://127.0.0.1:{port}" for port in self.serve_ports.values()]
         self.procs: dict[str, subprocess.Popen] = {}
         self.restarts: Counter[str] = Counter()
@@ -87,7 +87,7 @@ class Cluster:
         log = (self.run_dir / f"{kind}.log").open("a")
         if kind in self.engine_ports:
             args = [sys.executable, "-m", "serve.engine", "--port", str(self.engine_ports[kind]), "--weight-version", "0",
-                    "--max-running-requests", "16"]
+                    "--max-running-requests", "16", "--torch-threads", "1"]
         else:
             gateway = [f"serve.port={self.serve_ports[kind]}", f"serve.spill_dir={self.run_dir / 'spill' / kind}"] \
                 if kind in self.serve_ports else []
