@@ -45,6 +45,7 @@ How to run (from the repository root)
     .venv/bin/python bench/engines.py --model tiny --requests 32 --routes
     .venv/bin/python bench/engines.py --dtype bfloat16 --repeats 2 --engines embedded,vllm,hf
     options: --engines embedded,process,vllm,hf --requests N --concurrency C --seed S --dtype D --repeats R
+             --torch-threads T --chunked-prefill-size P (the embedded engine's)
 
     Writes bench/results/engines_<model>[_<dtype>].json.
 """
@@ -79,6 +80,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--repeats", type=int, default=1, help="runs of each engine, alternating")
     p.add_argument("--torch-threads", type=int,
                    help="the embedded engine's serve.torch_threads (and HF generate's); default: every core, as serve's default")
+    p.add_argument("--chunked-prefill-size", type=int, help="the embedded engine's serve.chunked_prefill_size (default: serve's)")
     p.add_argument("--routes", action="store_true", help="also compare vLLM's generate and completions routes")
     p.add_argument("--load", help=argparse.SUPPRESS)  # internal: run a load (JSON config) and exit
     args = p.parse_args()
@@ -288,6 +290,8 @@ async def bench_engine(engine: str, args, requests: list[dict], workdir: Path) -
 
     overrides = ["serve.max_batch_size=32", "serve.max_new_tokens=256", f"serve.dtype={args.dtype}",
                  f"serve.torch_threads={args.torch_threads}", "serve.own_decoder=true"]
+    if args.chunked_prefill_size:
+        overrides.append(f"serve.chunked_prefill_size={args.chunked_prefill_size}")
     if engine.startswith("gateway to "):
         overrides.append(f"serve.engine_urls=[{engine.removeprefix('gateway to ')}]")
     if engine == "vllm":
