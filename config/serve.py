@@ -27,8 +27,8 @@ class ServeConfig(Section):
     """Finished turns waiting to be published, off the response path."""
     torch_threads: int | None = Field(None, ge=1)
     """Intra-op threads of the embedded engine's torch. None: every core this process may use, as
-    a gateway alone on its machine wants (docs/benchmarks.md section 19: 1.17x vLLM's throughput on 2
-    cores here, 0.77x on one); a `Deployment`, whose loops share their machine, gives its serve
+    a gateway alone on its machine wants (docs/benchmarks.md section 19c: 1.17x vLLM's throughput on
+    2 cores here in float32, 0.77x on one); a `Deployment`, whose loops share their machine, gives its serve
     loops 1 unless this is set."""
     dtype: Literal["float32", "bfloat16"] = "float32"
     """The embedded engine's weights and KV cache (its logits and sampling stay float32; a vLLM

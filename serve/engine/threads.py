@@ -1,10 +1,10 @@
 """How many torch intra-op threads the embedded engine computes on (`serve.torch_threads`).
 
 A gateway alone on its machine should use every core it may: the engine's decode step is its
-work, and one thread leaves the rest of a CPU idle (docs/benchmarks.md section 19). "May" is the
+work, and one thread leaves the rest of a CPU idle (docs/benchmarks.md section 19c). "May" is the
 process's CPU affinity, bounded by a cgroup v2 CPU quota when the container has one
-(`docker run --cpus`): torch's own default counts the machine's cores, which in a container
-limited to two of sixty-four starts sixty-four spinning threads.
+(`docker run --cpus`), which torch's own default does not read: in a container given two of a
+machine's sixty-four cores by quota, it would start sixty-four threads.
 """
 
 from __future__ import annotations
