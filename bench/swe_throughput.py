@@ -94,7 +94,8 @@ async def with_model(parallel: int, episodes: int, args: argparse.Namespace, env
 
     overrides = ["rollout.env=swe", f"rollout.n_parallel_envs={parallel}", f"rollout.episode.max_turns={args.max_turns}",
                  f"gconfig.max_new_tokens={args.max_new_tokens}", f"rollout.max_concurrent_rollouts={max(parallel, 1)}",
-                 f"gconfig.temperature={args.temperature}"]
+                 f"gconfig.temperature={args.temperature}",
+                 "serve.torch_threads=1"]  # the environments' workers share the machine (section 11 measured it so)
     async with Served(args.model, overrides) as served:
         config = served.config.model_copy(update={"rollout": served.config.rollout.model_copy(update={"env_args": env_args})})
         pool = RayEnvPool(config, served.url, served.loop.model_name)

@@ -19,7 +19,7 @@ from judge.loop import JudgeLoop
 from judge.parse import parse_score
 from judge.prompt import PromptBuilder
 from tests.conftest import RunningApp
-from tests.test_judge import conversation, fb, judged
+from tests.test_judge import conversation, fb, judged, until
 from tests.test_serve import client, served  # noqa: F401  (fixtures)
 
 INJECTION = (
@@ -328,8 +328,7 @@ async def test_a_judge_stopped_with_judgements_in_flight_hands_them_back_at_once
     await loop.start()
     try:
         await bus.publish(TRAJECTORY_SUBJECT, conversation("pending", ["pending"]))
-        while loop.stats()["in_flight"] == 0:
-            await asyncio.sleep(0.05)
+        await until(lambda: loop.stats()["in_flight"] > 0)
     finally:
         await loop.stop()
         hang.set()
