@@ -87,6 +87,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--parts", default="engine,profile,logprobs,train,fsdp")
     p.add_argument("--quick", action="store_true", help="small sizes for a CPU smoke test")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--no-static", action="store_true", help="the engine part without its HF generate baseline")
+    p.add_argument("--no-cudnn-sdp", action="store_true",
+                   help="torch.backends.cuda.enable_cudnn_sdp(False): attention without cuDNN's SDPA kernels")
     p.add_argument("--name")
     p.add_argument("--out", help="also copy the result file into this folder after each part")
     args = p.parse_args(argv)
@@ -230,6 +233,8 @@ def engine_part(args: argparse.Namespace, dtype: str, result: dict) -> None:
             result["engine"].append(row)
             print(f"  {dtype} B={batch} engine(prefill {prefill}): {row['tokens_per_s']:.0f} tok/s, TTFT p50 "
                   f"{row['ttft_p50_s']:.3f}s, {row['decode_steps']} steps, peak {row['peak_gib']} GiB", flush=True)
+        if args.no_static:
+            continue
         free(args.device)
         run_static(model, pad_id, warm, batch, args.device)
         run = run_static(model, pad_id, requests, batch, args.device)
@@ -330,6 +335,8 @@ def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     quiet_logs()
     torch.set_num_threads(min(4, torch.get_num_threads()))
+    if args.no_cudnn_sdp:
+        torch.backends.cuda.enable_cudnn_sdp(False)
     label = args.name or f"{Path(str(args.model)).name}_{args.device.replace(':', '')}"
     result: dict = {"args": {k: sorted(v) if isinstance(v, set) else v for k, v in vars(args).items()},
                     "machine": machine(torch.get_num_threads()), "engine": [], "profile": [], "logprobs": [], "train": []}

@@ -25,9 +25,11 @@ Each row's newest sampled token is not in the cache yet: it is the input of the 
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 
 import torch
+from torch.nn.attention import SDPBackend, sdpa_kernel
 from transformers import Cache, DynamicCache
 
 from serve.engine.decoder import Decoder
@@ -38,7 +40,13 @@ sequence alone is longer."""
 PREFILL_PADDING = 0.125
 """At most this share of a prefill group's positions is padding."""
 ATTENTION_ROWS = 8
-"""A decoder's step attends in spans of this many slots, each over its own longest row's columns."""
+"""On a CPU, a decoder's step attends in spans of this many slots, each over its own longest
+row's columns. On a GPU, where a step is bound by kernel launches rather than arithmetic
+(docs/benchmarks.md section 20), the whole batch is one span."""
+SDPA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+"""transformers' attention on CUDA, without cuDNN's: it plans each new shape, and an engine's
+prefill groups and batch widths are new shapes all the time (a bfloat16 engine on an H200 made
+228 useful tok/s with it and 362 without, section 20)."""
 
 
 @dataclass
@@ -59,15 +67,15 @@ class Prefill:
 class KVBatch(Cache):
     """The slots of the running batch, and the `Cache` the model writes a decode step into."""
 
-    def __init__(self, model: torch.nn.Module, max_rows: int, first_columns: int = 256, attention_rows: int = ATTENTION_ROWS):
+    def __init__(self, model: torch.nn.Module, max_rows: int, first_columns: int = 256, attention_rows: int | None = None):
         super().__init__(layers=[])
-        self.attention_rows = attention_rows
         config = model.config
         self.layer_count = config.num_hidden_layers
         self.kv_heads = config.num_key_value_heads
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         parameter = next(model.parameters())
         self.dtype, self.device = parameter.dtype, parameter.device
+        self.attention_rows = attention_rows or (ATTENTION_ROWS if self.device.type == "cpu" else max_rows)
         self.max_rows = max_rows
         self.first_columns = first_columns
         self.keys: list[torch.Tensor] = []
@@ -150,9 +158,10 @@ class KVBatch(Cache):
                 attention[row, width - len(sequences[i]):] = 1
             positions = (attention.cumsum(-1) - 1).clamp(min=0)
             cache = DynamicCache()
-            out = model(input_ids=input_ids.to(self.device), attention_mask=attention.to(self.device),
-                        position_ids=positions.to(self.device), past_key_values=cache, use_cache=True,
-                        logits_to_keep=1)
+            with self._attention_kernels():
+                out = model(input_ids=input_ids.to(self.device), attention_mask=attention.to(self.device),
+                            position_ids=positions.to(self.device), past_key_values=cache, use_cache=True,
+                            logits_to_keep=1)
             for row, i in enumerate(group):
                 start = width - len(sequences[i])
                 keys[i] = [layer.keys[row, :, start:] for layer in cache.layers]
@@ -190,13 +199,18 @@ class KVBatch(Cache):
             visible = torch.arange(width, device=self.device)[None, :] <= self.lengths[:, None]
             self._write_rows = torch.arange(self.rows, device=self.device)  # once per step, not per layer
             self._write_columns, self._step_width = self.lengths, width
-            out = model(input_ids=tokens.unsqueeze(1), attention_mask=visible[:, None, None, :],
-                        position_ids=self.lengths.unsqueeze(1), past_key_values=self, use_cache=True, logits_to_keep=1)
+            with self._attention_kernels():
+                out = model(input_ids=tokens.unsqueeze(1), attention_mask=visible[:, None, None, :],
+                            position_ids=self.lengths.unsqueeze(1), past_key_values=self, use_cache=True, logits_to_keep=1)
             self._write_rows = self._write_columns = None
             logits = out.logits[:, -1, :]
         self.lengths = self.lengths + 1
         self._written = max(self._written, width)
         return logits
+
+    def _attention_kernels(self) -> contextlib.AbstractContextManager:
+        """The SDPA kernels transformers' forward may use here (`SDPA_BACKENDS` on CUDA)."""
+        return sdpa_kernel(SDPA_BACKENDS) if self.device.type == "cuda" else contextlib.nullcontext()
 
     def _spans(self) -> list[tuple[int, int, torch.Tensor]]:
         """The step's attention spans: slots [start, end) and which of their first columns each
