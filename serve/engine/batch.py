@@ -44,9 +44,9 @@ ATTENTION_ROWS = 8
 row's columns. On a GPU, where a step is bound by kernel launches rather than arithmetic
 (docs/benchmarks.md section 20), the whole batch is one span."""
 SDPA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
-"""transformers' attention on CUDA, without cuDNN's: it plans each new shape, and an engine's
-prefill groups and batch widths are new shapes all the time (a bfloat16 engine on an H200 made
-228 useful tok/s with it and 362 without, section 20)."""
+"""Attention (transformers' and the decoder's) on CUDA, without cuDNN's kernels: they plan each
+new shape, and an engine's prefill groups and batch widths are new shapes all the time (a
+bfloat16 engine on an H200 made 228 useful tok/s with them and 362 without, section 20b)."""
 
 
 @dataclass
@@ -62,6 +62,11 @@ class Prefill:
     @property
     def lengths(self) -> list[int]:
         return [layers[0].shape[1] for layers in self.keys]
+
+
+def attention_kernels(device: torch.device) -> contextlib.AbstractContextManager:
+    """The attention kernels a forward on `device` may use (`SDPA_BACKENDS` on CUDA)."""
+    return sdpa_kernel(SDPA_BACKENDS) if device.type == "cuda" else contextlib.nullcontext()
 
 
 class KVBatch(Cache):
@@ -158,7 +163,7 @@ class KVBatch(Cache):
                 attention[row, width - len(sequences[i]):] = 1
             positions = (attention.cumsum(-1) - 1).clamp(min=0)
             cache = DynamicCache()
-            with self._attention_kernels():
+            with attention_kernels(self.device):
                 out = model(input_ids=input_ids.to(self.device), attention_mask=attention.to(self.device),
                             position_ids=positions.to(self.device), past_key_values=cache, use_cache=True,
                             logits_to_keep=1)
@@ -193,24 +198,20 @@ class KVBatch(Cache):
         width = int(self.lengths.max()) + 1
         self._reserve(width)
         tokens = tokens.to(self.device)
-        if decoder is not None:
-            logits = decoder.step(tokens, self.lengths, self.keys, self.values, self._spans())
-        else:
-            visible = torch.arange(width, device=self.device)[None, :] <= self.lengths[:, None]
-            self._write_rows = torch.arange(self.rows, device=self.device)  # once per step, not per layer
-            self._write_columns, self._step_width = self.lengths, width
-            with self._attention_kernels():
+        with attention_kernels(self.device):
+            if decoder is not None:
+                logits = decoder.step(tokens, self.lengths, self.keys, self.values, self._spans())
+            else:
+                visible = torch.arange(width, device=self.device)[None, :] <= self.lengths[:, None]
+                self._write_rows = torch.arange(self.rows, device=self.device)  # once per step, not per layer
+                self._write_columns, self._step_width = self.lengths, width
                 out = model(input_ids=tokens.unsqueeze(1), attention_mask=visible[:, None, None, :],
                             position_ids=self.lengths.unsqueeze(1), past_key_values=self, use_cache=True, logits_to_keep=1)
-            self._write_rows = self._write_columns = None
-            logits = out.logits[:, -1, :]
+                self._write_rows = self._write_columns = None
+                logits = out.logits[:, -1, :]
         self.lengths = self.lengths + 1
         self._written = max(self._written, width)
         return logits
-
-    def _attention_kernels(self) -> contextlib.AbstractContextManager:
-        """The SDPA kernels transformers' forward may use here (`SDPA_BACKENDS` on CUDA)."""
-        return sdpa_kernel(SDPA_BACKENDS) if self.device.type == "cuda" else contextlib.nullcontext()
 
     def _spans(self) -> list[tuple[int, int, torch.Tensor]]:
         """The step's attention spans: slots [start, end) and which of their first columns each

@@ -22,7 +22,7 @@ from typing import Any
 import torch
 from transformers import DynamicCache
 
-from serve.engine.batch import Prefill
+from serve.engine.batch import Prefill, attention_kernels
 
 
 @dataclass
@@ -38,7 +38,8 @@ class PartialPrefill:
         device = next(model.parameters()).device
         ids = torch.tensor([sequence[self.done:end]], device=device)
         positions = torch.arange(self.done, end, device=device).unsqueeze(0)
-        out = model(input_ids=ids, position_ids=positions, past_key_values=self.cache, use_cache=True, logits_to_keep=1)
+        with attention_kernels(device):
+            out = model(input_ids=ids, position_ids=positions, past_key_values=self.cache, use_cache=True, logits_to_keep=1)
         self.done = end
         if end < len(sequence):
             return None

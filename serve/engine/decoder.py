@@ -9,9 +9,13 @@ and up as one) and, where oneDNN serves the dtype, packed into oneDNN's blocked 
 (`torch.ops.mkldnn._reorder_linear_weight`), so a step neither re-lays out the weights nor runs
 seven products per layer where four do. Its forward does what transformers' does for these
 models, in the same order and dtypes (RMSNorm in float32, rotary embedding from the model's own
-`rotary_emb`, so scaled ropes are as the model defines them; attention over the engine's
-`KVBatch` columns, in spans of slots each over its own longest row), and nothing else: logits
-agree with transformers' to float rounding (tests/test_engine_decoder.py).
+`rotary_emb`, so scaled ropes are as the model defines them; attention by torch's fused
+`scaled_dot_product_attention`, as transformers' default, over the engine's `KVBatch` columns,
+in spans of slots each over its own longest row), and nothing else: logits agree with
+transformers' to float rounding (tests/test_engine_decoder.py). A row's query heads that share a
+KV head attend as one short query sequence over it, so the cache is never repeated per query
+head; in bfloat16 that kernel took a decode step from 80 to 70 ms against two batched products
+(docs/benchmarks.md section 19d).
 
 The copy costs memory (about the model's linear weights once more) and must follow the model:
 after a weight update, `refresh()` rebuilds it (the engine does, between two steps). Models this
@@ -58,8 +62,6 @@ class Decoder:
         self.kv_heads = config.num_key_value_heads
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         self.scale = 1 / math.sqrt(self.head_dim)
-        parameter = next(model.parameters())
-        self.contiguous_attention = parameter.device.type == "cpu" and parameter.dtype != torch.float32
         self.refresh()
 
     @classmethod
@@ -105,7 +107,7 @@ class Decoder:
         slots = torch.arange(rows, device=tokens.device)
         hidden_q, hidden_kv = self.heads * self.head_dim, self.kv_heads * self.head_dim
         group = self.heads // self.kv_heads
-        hidden_spans = [(start, end, self._hide(visible, keys[0].shape[2])) for start, end, visible in spans]
+        spans = [(start, end, visible[:, None, None, :]) for start, end, visible in spans]
         for layer, layer_keys, layer_values in zip(self.layers, keys, values):
             normed = _rms_norm(hidden, *layer.input_norm)
             q, k, v = layer.qkv(normed).split([hidden_q, hidden_kv, hidden_kv], dim=-1)
@@ -115,22 +117,13 @@ class Decoder:
             layer_values[slots, :, positions] = v.view(rows, self.kv_heads, self.head_dim)
             q = q.view(rows, self.kv_heads, group, self.head_dim)
             context = torch.cat([
-                _attend(q[start:end], layer_keys[start:end, :, :hide.shape[-1]], layer_values[start:end, :, :hide.shape[-1]],
-                        hide, self.scale)
-                for start, end, hide in hidden_spans])
+                F.scaled_dot_product_attention(q[start:end], layer_keys[start:end, :, :visible.shape[-1]],
+                                               layer_values[start:end, :, :visible.shape[-1]], attn_mask=visible, scale=self.scale)
+                for start, end, visible in spans])
             hidden = hidden + layer.out(context.reshape(rows, hidden_q))
             gate, up = layer.gate_up(_rms_norm(hidden, *layer.post_norm)).chunk(2, dim=-1)
             hidden = hidden + layer.down(layer.act(gate) * up)
         return self.head(_rms_norm(hidden, *self.norm)).float()
-
-    def _hide(self, visible: torch.Tensor, columns: int) -> torch.Tensor:
-        """The columns a span's rows must not see, [rows in span, 1, 1, columns attended]. oneDNN
-        copies a strided slice of a bfloat16 cache before a matrix product (~25 % of a bfloat16
-        step); the slice over every allocated column is contiguous, so a span at least half as
-        wide as the allocation attends over all of it, the extra columns hidden."""
-        if self.contiguous_attention and 2 * visible.shape[1] >= columns:
-            visible = F.pad(visible, (0, columns - visible.shape[1]), value=False)
-        return ~visible[:, None, None, :]
 
 
 def _unsupported(model: torch.nn.Module) -> str | None:
@@ -200,11 +193,3 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
     """Rotary embedding as transformers applies it (rotate_half)."""
     half = x.shape[-1] // 2
     return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
-
-
-def _attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, hide: torch.Tensor, scale: float) -> torch.Tensor:
-    """One query per row, grouped by KV head: q [rows, kv heads, group, head dim] over keys and
-    values [rows, kv heads, columns, head dim]; `hide` [rows, 1, 1, columns] masks columns."""
-    scores = torch.matmul(q, keys.transpose(-1, -2)).float() * scale
-    weights = scores.masked_fill(hide, float("-inf")).softmax(-1).to(values.dtype)
-    return torch.matmul(weights, values)

@@ -18,6 +18,8 @@ from typing import Any
 
 import torch
 
+from serve.engine.batch import attention_kernels
+
 log = logging.getLogger(__name__)
 
 
@@ -38,7 +40,8 @@ def input_logprobs(model: torch.nn.Module, ids: list[int], start: int, temperatu
     """SGLang's `input_token_logprobs` values for `ids` from position `start` (see the module)."""
     start = min(start, len(ids) - 1)
     inputs = torch.tensor([ids], device=next(model.parameters()).device)
-    logits = model(input_ids=inputs, use_cache=False).logits[0, start:-1].float()
+    with attention_kernels(inputs.device):
+        logits = model(input_ids=inputs, use_cache=False).logits[0, start:-1].float()
     if temperature > 0:
         logits = logits / temperature
     targets = inputs[0, start + 1:].unsqueeze(1)
