@@ -6,9 +6,7 @@ A session closes when:
   no session id and is a one-turn session): reason `done`;
 - an `end` event arrives: reason `end`;
 - session-level feedback arrives (a reward or text not tied to one turn): reason `feedback`;
-  feedback about one turn (`turn_index` set) attaches to the session and does not close it.
-  A close signal waits for the session's replies in flight (below): feedback posted while an
-  abandoned stream is still being recorded must not leave that turn out;
+  feedback about one turn (`turn_index` set) attaches to the session and does not close it;
 - no traffic for `idle_timeout_s`: reason `idle`. A request in flight is traffic: the gateway
   announces each request's turns when it arrives (a `pending` event), and the session stays open
   until they are recorded, however long the reply takes (at most `reply_timeout_s` after the
@@ -178,7 +176,7 @@ class SessionTracker:
             session = next(iter(self._open.values()))
             if session.last_seen > now - self.config.idle_timeout_s:
                 break
-            if self._in_flight(session):
+            if any(deadline > now for deadline in session.pending.values()):
                 self._touch(session.session_id)  # a reply in flight: idle only once it is recorded
                 continue
             closed.append(self._emit(self._open.pop(session.session_id), session.close_reason or "idle"))
@@ -276,15 +274,9 @@ class SessionTracker:
         session.pending.update((tid, deadline) for tid in event.turn_ids or () if tid not in session.seen)
         return []
 
-    def _in_flight(self, session: _Session) -> bool:
-        """Whether a turn announced for `session` is still being generated or recorded."""
-        now = self._clock()
-        return any(deadline > now for deadline in session.pending.values())
-
     def _end_if_signalled(self, session: _Session) -> list[Closed]:
-        """Close (or start the grace period of) an open session with a close signal and turns,
-        once no reply of it is in flight (the last of them to be recorded closes it)."""
-        if session.close_reason is None or not session.has_turns or self._in_flight(session):
+        """Close (or start the grace period of) an open session with a close signal and turns."""
+        if session.close_reason is None or not session.has_turns:
             return []
         del self._open[session.session_id]
         wait = session.close_reason in ("done", "end") and not session.has_session_reward

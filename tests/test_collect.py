@@ -120,31 +120,6 @@ def test_a_reply_in_flight_keeps_its_session_open_past_the_idle_timeout():
     assert [t.id for t in closed.trajectory.turns] == ["c"] and sorted(closed.handles) == [4, 5]
 
 
-
-def test_a_close_signal_waits_for_the_replies_still_in_flight():
-    """Session feedback (or an end, or a done turn) that overtakes a reply still being generated
-    or recorded (a stream the client abandoned is recorded once its generation stops) closes the
-    session only once that turn is in it; a turn that never comes holds it `reply_timeout_s`."""
-    now = [0.0]
-    tracker = SessionTracker(CollectConfig(idle_timeout_s=10, reply_timeout_s=100, feedback_grace_s=0), clock=lambda: now[0])
-    tracker.add(turn("a"), 1)
-    tracker.add(SessionEvent(id="p", session_id="s", kind="pending", turn_ids=["b"]), 2)
-    assert tracker.add(SessionEvent(id="f", session_id="s", kind="feedback", reward=1.0), 3) == []
-    now[0] = 5.0
-    [closed] = tracker.add(turn("b", index=1, prompt=(1, 2, 3, 4, 5), output=(6,)), 4)
-    assert [t.id for t in closed.trajectory.turns] == ["a", "b"] and sorted(closed.handles) == [1, 2, 3, 4]
-    assert closed.trajectory.close_reason == "feedback" and closed.trajectory.feedback[0].reward == 1.0
-
-    tracker.add(turn("c", session="gone"), 5)
-    tracker.add(SessionEvent(id="q", session_id="gone", kind="pending", turn_ids=["d"]), 6)
-    assert tracker.add(SessionEvent(id="e", session_id="gone", kind="end"), 7) == []
-    now[0] = 100.0
-    assert tracker.expire() == []  # within reply_timeout_s of the announcement
-    now[0] = 111.0
-    [closed] = tracker.expire()
-    assert [t.id for t in closed.trajectory.turns] == ["c"] and closed.trajectory.close_reason == "end"
-
-
 class Clock:
     def __init__(self):
         self.now = 0.0
