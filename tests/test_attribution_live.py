@@ -174,6 +174,9 @@ async def test_the_interaction_id_comes_back_and_aims_feedback_at_its_turn(nats_
         async with client.chat.completions.with_streaming_response.create(model="tiny", messages=messages, max_tokens=4,
                                                                           stream=True, extra_headers=headers) as streamed:
             second = streamed.headers["x-interaction-id"]
+            # read to the end: a stream the client leaves unread is abandoned, and a turn the client
+            # gave up on is no part of the trajectory (the test above)
+            assert [line async for line in streamed.iter_lines() if line][-1] == "data: [DONE]"
         await feedback(serve.url, "aimed", reward=-1.0, interaction_id=interaction)
         await feedback(serve.url, "aimed", reward=1.0)
         trajectories, turns = await collected(bus, 1, 2)
