@@ -44,7 +44,7 @@ class Platform:
         self.nats = EmbeddedNats(run_dir / "nats")
         self.nats.start()
         self.config = load_config(None, [f"run_dir={run_dir}", "serve.port=0", "serve.engine_kind=vllm", "serve.max_batch_size=32",
-                                         "serve.swap_mode=retract", "collect.feedback_grace_s=0"])
+                                         "serve.swap_mode=retract", "collect.feedback_grace_s=0", "serve.max_new_tokens=4096"])
         started = time.monotonic()
         self.serve = ServeLoop(self.config, self.nats.url)
         await self.serve.start()
@@ -242,112 +242,105 @@ async def test_multi_turn_sessions_are_exact_and_the_trainer_reproduces_vllms_lo
     assert metrics["behav_logprob_gap"] < 1e-4 and metrics["behav_logprob_gap_max"] < TOL
 
 
-STREAMS, WHOLE = 4, 12
-"""Clients streaming their answers, and clients taking them whole. Few streams: their chunks are
-this process's work at every engine step, and a gateway that falls behind acts on a swap late."""
+STREAMS, WHOLE = 2, 4
+"""Clients streaming their answers and clients taking them whole, as load across the swaps."""
 MODES = ("in_place", "retract")
-SWAPS_PER_MODE = (1, 6)
-"""Each mode swaps once, and again (at most 6 times) until a whole answer crossed one of its
-swaps: whether the answer chosen is still decoding when the swap reaches the engine depends on
-how far this busy process (gateway and clients) lags the engine, up to seconds on two cores; a
-lone unlucky swap made the test fail 1 run in 3, and without a crossing its exactness check would
-check nothing."""
-LENGTHS = {"stream": 48, "whole": 384}
-"""Tokens per answer: whole answers long, so that some are being generated when a swap comes (the
-gateway, not the engine, is most of a short request's time on a busy machine)."""
+SWAPS_PER_MODE = 3
+"""Each mode swaps until its probe crossed a swap, at most 3 times (see `probe`)."""
+LENGTHS = {"stream": 48, "whole": 384, "probe": 4096}
+"""Tokens per answer. A probe is long: the swap meant for it must reach the engine while it is
+still decoding, seconds after the probe started on a busy machine."""
 
 
 async def test_hot_swaps_under_load_fail_nothing_and_label_every_token(platform, tmp_path):
     """Streaming and whole-answer clients while versions roll in (in place, then recomputing):
     no request fails, versions only grow; a whole answer carries vLLM's exact spans, so where the
-    swap recomputed, each token's log-prob is its version's weights' on its prefix. Swaps in place
-    keep the running requests' KV (vLLM's pause drops it unless told not to: an 8 s stall on
-    SmolLM2); each swap that recomputes resets it once."""
+    swap recomputed, each token's log-prob is its version's weights' on its prefix. For each
+    swap a probe (a long stream) is sent, and the swap is published once the probe has received
+    tokens: it crosses the swap by construction, not by the luck of timing (whole answers chosen
+    by the streams' progress missed 6 swaps in a row: this process hears of tokens seconds after
+    vLLM samples them, and a whole answer was done by then). Its tokens labelled with the new
+    version are exact (a stream's earlier tokens may be labelled older, never newer), so under a
+    recomputing swap they are checked against that version's weights. Swaps in place keep the
+    running requests' KV (vLLM's pause drops it unless told not to: an 8 s stall on SmolLM2);
+    each swap that recomputes resets it once."""
     serve = platform.serve
-    store = WeightStore(tmp_path / "store", keep=2 * SWAPS_PER_MODE[1] + 2)
+    store = WeightStore(tmp_path / "store", keep=2 * SWAPS_PER_MODE + 2)
     model, _ = load_model("tiny")
     store.publish(model, 0)
     modes: dict[int, str] = {}  # each version's swap mode
-    crossed = {mode: 0 for mode in MODES}  # whole answers that went on across a swap of each mode
-    done, tokens, streamed = asyncio.Event(), [0], [0]
-    generating: dict[str, int] = {}  # whole answers in flight: the streamed tokens when each was sent
+    crossed = {mode: 0 for mode in MODES}  # probes that went on across a swap of each mode
+    done = asyncio.Event()
+    tokens = [0]  # every answer's tokens, as the clients receive them
+    received: dict[str, int] = {}  # each stream's tokens so far
     resets = {}  # vLLM's KV cache resets before the first swap, and before the first recomputing one
     completed, failures, fingerprints, whole = [], [], {}, set()
+
+    async def answer(client, session: str, kind: str) -> None:
+        """One request of `kind` (stream, whole or probe), its tokens counted as they come."""
+        kw = dict(model="tiny", messages=[{"role": "user", "content": f"Tell me a number, {session}."}],
+                  max_tokens=LENGTHS[kind], extra_body={"ignore_eos": True}, extra_headers={"X-Session-Id": session})
+        try:
+            if kind == "whole":
+                whole.add(session)
+                reply = await client.chat.completions.create(**kw)
+                tokens[0] += reply.usage.completion_tokens
+                fingerprints[session] = [int(reply.system_fingerprint.removeprefix("flywheel-v"))]
+            else:
+                chunks = []
+                async for chunk in await client.chat.completions.create(**kw, stream=True, logprobs=True):
+                    chunks.append(chunk)
+                    sampled = len(chunk.choices[0].logprobs.content) if chunk.choices and chunk.choices[0].logprobs else 0
+                    tokens[0] += sampled
+                    received[session] = received.get(session, 0) + sampled
+                fingerprints[session] = [int(c.system_fingerprint.removeprefix("flywheel-v")) for c in chunks[1:]]
+                assert [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason] == ["length"]
+            completed.append(session)
+        except Exception as exc:  # any failure at all is a finding
+            failures.append((session, repr(exc)))
 
     async def user(i: int) -> None:
         client = openai.AsyncOpenAI(base_url=f"{serve.url}/v1", api_key="x", max_retries=0, timeout=120)
         for k in range(1000):
             if done.is_set():
                 return
-            session = f"swap{i}-{k}"
-            kw = dict(model="tiny", messages=[{"role": "user", "content": f"Tell me a number, {i}."}],
-                      max_tokens=LENGTHS["stream" if i < STREAMS else "whole"], extra_body={"ignore_eos": True},
-                      extra_headers={"X-Session-Id": session})
-            try:
-                if i >= STREAMS:
-                    whole.add(session)
-                    generating[session] = streamed[0]
-                    try:
-                        reply = await client.chat.completions.create(**kw)
-                    finally:
-                        del generating[session]
-                    tokens[0] += reply.usage.completion_tokens
-                    fingerprints[session] = [int(reply.system_fingerprint.removeprefix("flywheel-v"))]
-                else:
-                    chunks = []
-                    async for chunk in await client.chat.completions.create(**kw, stream=True):
-                        chunks.append(chunk)
-                        tokens[0] += 1
-                        streamed[0] += 1
-                    fingerprints[session] = [int(c.system_fingerprint.removeprefix("flywheel-v")) for c in chunks[1:]]
-                    assert [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason] == ["length"]
-                completed.append(session)
-            except Exception as exc:  # any failure at all is a finding
-                failures.append((session, repr(exc)))
+            await answer(client, f"swap{i}-{k}", "stream" if i < STREAMS else "whole")
 
-    async def swap(version: int, mode: str) -> set[str]:
-        """One swap to `version`, while a whole answer is (likely) decoding; the whole answers in
-        flight when it was sent."""
+    async def swap(version: int, mode: str) -> str:
+        """One swap to `version` while a probe (a long stream) is decoding; the probe's session.
+        The tokens it received were sampled: once it has some, the swap is published, and the
+        probe has ~4,000 steps to go, more than the swap takes to reach the engine even when the
+        first of its tokens reached this process seconds after they were sampled."""
         seen = tokens[0]
         with torch.no_grad():
             for p in model.parameters():
                 p.add_(torch.randn_like(p) * 0.05)
-        path = await asyncio.to_thread(store.publish, model, version)  # written before the moment is chosen
+        path = await asyncio.to_thread(store.publish, model, version)
         while tokens[0] < seen + 24 * STREAMS:  # let traffic flow between swaps
             await asyncio.sleep(0.01)
-        # and swap while a whole answer is decoding: the streams (one token a step each) moved
-        # 2-40 steps since it was sent, so it is past its prefill and far from its end
-        while not any(2 * STREAMS <= streamed[0] - sent <= 40 * STREAMS for sent in generating.values()):
+        session = f"probe{version}"
+        probe = asyncio.create_task(answer(openai.AsyncOpenAI(base_url=f"{serve.url}/v1", api_key="x", max_retries=0, timeout=300),
+                                           session, "probe"))
+        while received.get(session, 0) < 2 and not probe.done():
             await asyncio.sleep(0.005)
-        in_flight = set(generating)
         resets.setdefault(mode, cache_resets(serve.vllm_server))
         modes[version] = serve.config.serve.swap_mode = mode
         await platform.bus.publish(WEIGHTS_SUBJECT, WeightUpdate(id=f"w{version}", version=version, path=str(path), step=version))
         while serve.stats()["swaps"] < version:
             await asyncio.sleep(0.01)
-        return in_flight
-
-    async def crossings(version: int, in_flight: set[str]) -> int:
-        """Of the whole answers in flight at the swap to `version`, those that crossed it:
-        recorded with tokens of an older version and of this one."""
-        while in_flight & set(generating):
-            await asyncio.sleep(0.01)
-        turns = await platform.records(TRAFFIC_SUBJECTS, Turn, lambda t: t.session_id in in_flight, len(in_flight))
-        return sum(version in t.output_versions and t.output_versions[0] < version for t in turns)
+        await probe
+        return session
 
     async def swapper() -> None:
-        version, (least, most) = 0, SWAPS_PER_MODE
+        version = 0
         for mode in MODES:
-            swapped: list[tuple[int, set[str]]] = []  # counted once the mode's first swaps are done
-            for k in range(most):
-                if k >= least:
-                    crossed[mode] += sum([await crossings(*s) for s in swapped])
-                    swapped.clear()
-                    if crossed[mode]:
-                        break
+            for _ in range(SWAPS_PER_MODE):
                 version += 1
-                swapped.append((version, await swap(version, mode)))
-            crossed[mode] += sum([await crossings(*s) for s in swapped])
+                session = await swap(version, mode)
+                [turn] = await platform.records(TRAFFIC_SUBJECTS, Turn, lambda t: t.session_id == session, 1)
+                if version in turn.output_versions and turn.output_versions[0] < version:
+                    crossed[mode] += 1
+                    break
         done.set()
 
     await asyncio.wait_for(asyncio.gather(swapper(), *(user(i) for i in range(STREAMS + WHOLE))), 400)
@@ -355,18 +348,19 @@ async def test_hot_swaps_under_load_fail_nothing_and_label_every_token(platform,
     assert failures == [] and serve.stats()["swaps"] == swaps and platform.vllm.weight_version == swaps
     recomputing = sum(mode == "retract" for mode in modes.values())
     assert resets["retract"] - resets["in_place"] == 0 and cache_resets(serve.vllm_server) - resets["retract"] == recomputing
-    print(f"\n{len(completed)} requests across {swaps} swaps, crossed by {crossed} whole answers; "
+    print(f"\n{len(completed)} requests across {swaps} swaps ({modes}), probes crossed {crossed}; "
           f"pauses {[round(p, 3) for p in serve.pauses]} s")
-    assert all(crossed.values()), crossed  # whole answers were in flight across swaps of each mode and went on
-    recorded = {t.session_id: t for t in await platform.records(TRAFFIC_SUBJECTS, Turn, lambda t: t.session_id.startswith("swap"),
+    assert all(crossed.values()), crossed  # a probe was decoding across a swap of each mode and went on
+    recorded = {t.session_id: t for t in await platform.records(TRAFFIC_SUBJECTS, Turn, lambda t: t.session_id.startswith(("swap", "probe")),
                                                                    len(completed))}
     checker, _ = load_model("tiny")
     for session, turn in recorded.items():
         versions = turn.output_versions
+        kind = "probe" if session.startswith("probe") else "whole" if session in whole else "stream"
         assert versions == sorted(versions) and set(versions) <= set(range(swaps + 1)), session
-        assert turn.finish_reason == "length" and len(versions) == LENGTHS["whole" if session in whole else "stream"]
+        assert turn.finish_reason == "length" and len(versions) == LENGTHS[kind]
         assert fingerprints[session] == sorted(fingerprints[session]) and fingerprints[session][-1] == versions[-1]
-        if len(set(versions)) > 1 and session in whole:  # a whole answer that crossed a swap: its spans are vLLM's, exact
+        if len(set(versions)) > 1 and kind != "stream":  # a whole answer or probe that crossed a swap
             for version in sorted(set(versions))[1:]:
                 if modes[version] != "retract":
                     continue  # in place: later tokens of a running request see KV of the older weights
