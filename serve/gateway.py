@@ -55,6 +55,7 @@ def create_gateway(pool: EnginePool, tokenizer: Any, recorder: Recorder, model_n
     answerer = Answerer(pool, tokenizer, recorder, model_name, config, context_length, metrics, continuations, limiter)
     stats = app.state.stats = answerer.stats
     app.state.limiter = limiter
+    app.state.prompts = prompts  # closed by the serve loop once the server has stopped
     metrics.on_scrape(lambda m: m.admission(limiter.active, limiter.waiting, limiter.rejected))
     metrics.on_scrape(lambda m: m.recorder(recorder.published, recorder.dropped, recorder.spilled, recorder.pending))
     metrics.on_scrape(lambda m: m.weight_versions({engine.name: engine.weight_version for engine in pool.engines}))

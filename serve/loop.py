@@ -194,6 +194,7 @@ class ServeLoop:
         for task in self._tasks:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
+        self.app.state.prompts.close()
         await self.pool.close()
         if self.vllm_server is not None:
             await asyncio.to_thread(self.vllm_server.stop)

@@ -34,6 +34,11 @@ class PromptBuilder:
         else:
             self.tool_format = detect(tokenizer.chat_template) if tool_format == "auto" else FORMATS[tool_format]
 
+    def close(self) -> None:
+        """End the rendering thread, once what is queued on it is rendered (call it after the
+        server stopped taking requests: nothing is then)."""
+        self._thread.shutdown(wait=True)
+
     async def chat(self, body: ChatCompletionRequest, session: SessionInfo) -> tuple[list[int], str, str, ToolFormat | None]:
         """(prompt ids, the text they stand for, forced tool-call prefix, the tool-call format
         when tools are active)."""

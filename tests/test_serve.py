@@ -2,6 +2,7 @@
 with exact tokens, session signals, OpenAI-shaped errors, and hot swaps from the bus."""
 
 import asyncio
+import threading
 
 import httpx
 import openai
@@ -204,3 +205,17 @@ async def test_requests_past_the_timeout_end_with_a_504_or_an_error_event(nats_u
         assert loop.engine.load()["num_waiting_reqs"] == 0  # and aborted in the engine
     finally:
         await loop.stop()
+
+
+async def test_a_stopped_gateway_leaves_no_thread_of_its_own_running(nats_url, tmp_path):
+    """Every thread a gateway started ends with it: a process that starts and stops gateways
+    (a test suite, a deployment restarting its serve loop) does not collect them."""
+    before = set(threading.enumerate())
+    loop = ServeLoop(load_config(None, [f"run_dir={tmp_path}", "serve.port=0"]), nats_url)
+    await loop.start()
+    client = openai.AsyncOpenAI(base_url=f"{loop.url}/v1", api_key="x", max_retries=0)
+    await client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=2)
+    await loop.stop()
+    shared = ("asyncio_", "tqdm_monitor")  # the event loop's default executor, tqdm's monitor: the process's
+    left = [t.name for t in set(threading.enumerate()) - before if t.is_alive() and not t.name.startswith(shared)]
+    assert left == []
