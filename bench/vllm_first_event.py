@@ -6,9 +6,10 @@ What it measures
     with background load in loops: `--streams` streams of 48 tokens and `--whole` whole answers
     of 384 tokens (`ignore_eos`, one sampled log-prob each). After 3 s, `--probes` probes one
     after another: streams of 2,048 tokens. For each probe: seconds to its response headers, to
-    its first event, the number of events, and its total time. A probe whose first event comes
-    seconds after its headers were due, with every event there (none merged), was generated on
-    time and held back on the way: what `tests/test_vllm_engine.py` had to work around.
+    its first event, the number of events (fewer than its tokens: vLLM merged outputs it could
+    not send in time), and its total time. Probes whose headers come seconds late are what
+    `tests/test_vllm_engine.py`'s hot-swap test had to work around; where vLLM spends those
+    seconds is open (`docs/benchmarks.md`).
 
 Run: `.venv/bin/python bench/vllm_first_event.py` (about a minute). Results:
 `docs/benchmarks.md` ("Odd things found on the way").
