@@ -16,6 +16,15 @@ engine the trainer replays them with), at most `serve.max_batch_size` sequences 
 Flywheel's worker extension (`vllm_ext/flywheel_worker.py`: weight reloads that also refresh
 tied output layers, which the CPU build's own reload leaves stale).
 
+Its model's worker is not pinned to cores (`VLLM_CPU_OMP_THREADS_BIND=nobind`). The CPU build
+pins it to one core by default and keeps the rest for everything else; but its worker and its
+engine core busy-wait between steps, and with the worker pinned the kernel left other runnable
+processes (the gateway, its clients, vLLM's own HTTP server) without a core for seconds at a
+time: on two cores a bystander that sleeps 10 ms at a time waited 15 s of 20 for one, up to
+7.5 s at once. Unpinned: 3.1 s, at most 1.4 s at once, and vLLM served as many tokens per second
+through the gateway, within the noise (`bench/vllm_first_event.py`, `docs/benchmarks.md` odd
+things 5).
+
 Environment: `FLYWHEEL_VLLM_PYTHON` names another interpreter with vLLM; `FLYWHEEL_VLLM_ARGS`
 adds server flags (shell words, after ours, so they win: e.g. `--max-model-len 4096` or
 `--dtype bfloat16`); `VLLM_CPU_KVCACHE_SPACE` (GiB of KV cache on a CPU, 2 unless set) and any
@@ -54,8 +63,9 @@ FLAGS = ["--dtype", "float32", "--enforce-eager", "--distributed-executor-backen
          "--logprobs-mode", "processed_logprobs", "--return-tokens-as-token-ids", "--generation-config", "vllm",
          "--structured-outputs-config.backend", "guidance", "--disable-uvicorn-access-log", "--no-enable-chunked-prefill",
          "--worker-extension-cls", "flywheel_worker.FlywheelWorker"]
-ENV = {"VLLM_SERVER_DEV_MODE": "1", "VLLM_CPU_KVCACHE_SPACE": "2", "VLLM_NO_USAGE_STATS": "1", "VLLM_DO_NOT_TRACK": "1",
-       "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+ENV = {"VLLM_SERVER_DEV_MODE": "1", "VLLM_CPU_KVCACHE_SPACE": "2", "VLLM_CPU_OMP_THREADS_BIND": "nobind",
+       "VLLM_NO_USAGE_STATS": "1", "VLLM_DO_NOT_TRACK": "1", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
+       "TOKENIZERS_PARALLELISM": "false"}
 """Set unless the environment sets them."""
 
 
