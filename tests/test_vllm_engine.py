@@ -15,6 +15,7 @@ import uuid
 
 import httpx
 import openai
+import psutil
 import pytest
 import torch
 from transformers import AutoTokenizer
@@ -387,17 +388,10 @@ def test_vllm_may_run_on_every_core(platform):
     sleeps 10 ms at a time waited 15 s of 20): the gateway, its clients, and vLLM's own HTTP
     server (`docs/benchmarks.md`, odd things 5)."""
     everywhere = os.sched_getaffinity(0)
-    group = os.getpgid(platform.serve.vllm_server.pid)
-    members = [int(pid) for pid in os.listdir("/proc") if pid.isdigit() and _group_of(int(pid)) == group]
+    server = psutil.Process(platform.serve.vllm_server.pid)
+    members = [server, *server.children(recursive=True)]
     assert len(members) >= 3  # its HTTP server, engine core and worker
-    assert {pid: os.sched_getaffinity(pid) for pid in members} == dict.fromkeys(members, everywhere)
-
-
-def _group_of(pid: int) -> int | None:
-    try:
-        return os.getpgid(pid)
-    except ProcessLookupError:
-        return None
+    assert {p.pid: set(p.cpu_affinity()) for p in members} == {p.pid: everywhere for p in members}
 
 
 async def test_stopping_the_gateway_stops_its_vllm_server(platform):

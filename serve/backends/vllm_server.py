@@ -23,9 +23,9 @@ processes (the gateway, its clients, vLLM's own HTTP server) without a core for 
 time: on two cores a bystander that sleeps 10 ms at a time waited 15 s of 20 for one, up to
 7.5 s at once. Unpinned: 3.1 s, at most 1.4 s at once, and vLLM served as many tokens per second
 through the gateway, within the noise (`bench/vllm_first_event.py`, `docs/benchmarks.md` odd
-things 5). On a machine with cores to spare (where the CPU build's binding to a NUMA node's
-physical cores pays), set `VLLM_CPU_OMP_THREADS_BIND` yourself (`auto`, or a list of cores): the
-environment wins. GPU builds ignore it.
+things 5). On a machine with cores to spare, where the CPU build's binding to a NUMA node's
+physical cores may pay (not measured here), set `VLLM_CPU_OMP_THREADS_BIND` yourself (`auto`, or
+a list of cores): the environment wins. It is a CPU-backend variable (vLLM's `envs.py`).
 
 Environment: `FLYWHEEL_VLLM_PYTHON` names another interpreter with vLLM; `FLYWHEEL_VLLM_ARGS`
 adds server flags (shell words, after ours, so they win: e.g. `--max-model-len 4096` or
