@@ -29,7 +29,7 @@ What it measures
 
     The load runs in a child process (this file with `--load`), so its work does not compete
     with the gateway's for the GIL. The embedded engine runs on `serve.torch_threads` (every core unless told);
-    vLLM's model runs unpinned on every core (`VLLM_CPU_OMP_THREADS_BIND=nobind`, as the serve loop
+    vLLM's model runs unpinned, free to use every core (`VLLM_CPU_OMP_THREADS_BIND=nobind`, as the serve loop
     starts it; until 2026-11-27, sections 18-19d, it ran pinned to one core, the CPU build's default). Both
     in `--dtype` (float32 unless told: the embedded engine's `serve.dtype`, vLLM's `--dtype`).
     Also, per engine: the gap between the log-probs it records and the float32 model's own
