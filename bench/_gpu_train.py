@@ -5,7 +5,6 @@ benchmark itself; see `bench/gpu_path.py` for what is measured and how to run it
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import gc
 import os
 import statistics
@@ -88,26 +87,24 @@ def _gaps(trainer: Trainer, batches: list[MicroBatch], eps: float, cap: float | 
 
 def logprob_part(args: Any, build: Callable) -> list[dict[str, Any]]:
     """Per engine dtype: |engine logprob - trainer logprob| on every sampled token, the trainer
-    recomputing as `Trainer._proximal` does (bf16 autocast on CUDA), and without autocast."""
+    recomputing as `Trainer._proximal` does, with `train.autocast` (bf16 on CUDA) and without."""
     out = []
     trainer_model, _ = build(args, "float32")
-    trainer = _trainer(trainer_model, args)
-    eps, cap = trainer.actor.eps_clip, trainer.actor.behav_imp_weight_cap
+    trainers = {"autocast": _trainer(trainer_model, args)}
+    if args.device.startswith("cuda"):  # a CPU never autocasts: the one trainer is float32
+        trainers["float32"] = _trainer(trainer_model, args, "train.autocast=false")
+    eps, cap = trainers["autocast"].actor.eps_clip, trainers["autocast"].actor.behav_imp_weight_cap
     for dtype in args.lp_dtypes:
         rows, _ = _sample(args, build, dtype)
-        batches = [trainer._to_device(b) for b in micro_batches(rows, args.budget, pad_id=0)]
-        _, reported = trainer._proximal([batches], 0)  # what the trainer's metric says
-        for recompute in ("autocast", "float32"):
-            if recompute == "float32":
-                trainer._autocast = contextlib.nullcontext  # the same pass without autocast
+        for recompute, trainer in trainers.items():
+            batches = [trainer._to_device(b) for b in micro_batches(rows, args.budget, pad_id=0)]
+            _, reported = trainer._proximal([batches], 0)  # what the trainer's metric says
             gaps = _gaps(trainer, batches, eps, cap)
-            trainer.__dict__.pop("_autocast", None)
             mode = "bf16 autocast" if args.device.startswith("cuda") and recompute == "autocast" else "float32"
-            out.append({"engine_dtype": dtype, "recompute": mode, **gaps,
-                        "trainer_metric_gap": reported.mean if recompute == "autocast" else None})
+            out.append({"engine_dtype": dtype, "recompute": mode, **gaps, "trainer_metric_gap": reported.mean})
             print(f"  engine {dtype} vs trainer {mode}: mean |gap| {gaps['gap_mean']:.3g}, max {gaps['gap_max']:.3g} over "
                   f"{gaps['tokens']} tokens", flush=True)
-    del trainer, trainer_model
+    del trainers, trainer_model
     _free(args.device)
     return out
 
@@ -153,7 +150,8 @@ def train_part(args: Any, build: Callable) -> list[dict[str, Any]]:
                     "peak_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda else None, **(extra or {})})
         print(f"  train {variant}: {step:.3f} s/step, {real / step:.0f} real tok/s", flush=True)
 
-    variants = {"standard PPO": ("actor.use_decoupled_loss=false", "actor.recompute_logprobs=false"), "decoupled PPO": ()}
+    variants = {"standard PPO": ("actor.use_decoupled_loss=false", "actor.recompute_logprobs=false"), "decoupled PPO": (),
+                "decoupled PPO, float32 (train.autocast=false)": ("train.autocast=false",)}
     if "train" in args.parts:
         for variant, overrides in variants.items():
             _free(args.device)

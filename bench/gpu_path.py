@@ -21,14 +21,15 @@ What it measures (every part in one process, one model shape; `--parts` picks th
               and kernel count per step. GPU idle = 1 - kernel time / step wall.
     logprobs  `--lp-requests` chat prompts x `--lp-tokens` tokens sampled (temperature 1) by the
               engine at each dtype, then the trainer (`train.trainer.Trainer`, float32 weights,
-              bf16 autocast on CUDA, as `train.device: cuda` runs) recomputes every sampled
+              `train.autocast`: bf16 autocast on CUDA, as `train.device: cuda` runs) recomputes every sampled
               token: mean and max |engine logprob - trainer logprob| (`behav_logprob_gap`), the
               behaviour weight pi_prox/pi_behav = exp(gap) (mean, extremes, the share outside the
               PPO clip range 1 +- eps and above `actor.behav_imp_weight_cap`), and the same against
-              a float32 recompute without autocast.
+              a float32 recompute (`train.autocast: false`).
     train     `Trainer.step` on the workload of `bench/trainer_efficiency.py` (`--train-samples`
               samples, prompts 30-200 + outputs 8..256, random ids), packed micro-batches of
-              `--budget` tokens: standard PPO, decoupled PPO (+ the pi_prox pass), and a bare
+              `--budget` tokens: standard PPO, decoupled PPO (+ the pi_prox pass), decoupled PPO in
+              float32 (`train.autocast: false`), and a bare
               loop (forward under the same autocast, -A*logp, backward, clip, AdamW). Median step
               time of `--repeats` after a warm-up, real and computed tokens/s, peak GPU memory.
     fsdp      The decoupled step once more with `train.fsdp: true` on a one-rank NCCL group.

@@ -235,7 +235,13 @@ class TrainConfig(Section):
     remember_samples: int = Field(100_000, ge=1)
     """How many trained sample ids are remembered (and checkpointed) to drop redeliveries."""
     device: str = "cpu"
-    """`cpu`, `cuda`, `cuda:N`; on CUDA the forward passes run under bf16 autocast."""
+    """`cpu`, `cuda`, `cuda:N`."""
+    autocast: bool = True
+    """On CUDA, run the forward passes under bf16 autocast (weights and AdamW stay float32):
+    faster, but its log-probs then differ from a float32 engine's by a few hundredths of a nat
+    per token (`behav_logprob_gap`), so π_prox is not exactly π_behav. false: float32
+    throughout, and the recompute reproduces the engine. A CPU never autocasts
+    (docs/benchmarks.md 20)."""
     fsdp: bool = False
     """Shard the model with FSDP2 across the ranks of an initialised torch.distributed process
     group (multi-GPU; see docs/architecture.md). Refused without one."""

@@ -45,6 +45,22 @@ async def generate(engine: Engine, tokenizer, lengths: list[int], seed: int) -> 
         for i, (text, n) in enumerate(zip(texts(len(lengths), seed), lengths))))
 
 
+def training_rows(results) -> list[Row]:
+    """Each engine answer as a training row with the engine's log-probs, advantages ±1 in turn."""
+    rows = []
+    for i, r in enumerate(results):
+        p, o = len(r.prompt_ids), len(r.output_ids)
+        segment = Segment(token_ids=r.prompt_ids + r.output_ids, loss_mask=[0] * p + [1] * o,
+                          logprobs=[0.0] * p + list(r.logprobs), versions=[-1] * p + [0] * o)
+        rows.append(Row(segment, [0.0] * p + [1.0 if i % 2 else -1.0] * o))
+    return rows
+
+
+def cuda_trainer(tiny_path, *overrides: str) -> Trainer:
+    config = load_config(None, ["train.device=cuda", "actor.ppo_n_minibatches=1", "actor.optimizer.lr=0.001", *overrides])
+    return Trainer(load_model(tiny_path)[0], config.actor, config.train)
+
+
 async def test_the_engine_on_cuda_records_what_its_own_forward_pass_gives(tiny_path):
     model, tokenizer = load_model(tiny_path)
     model = place(model, "cuda")
@@ -78,16 +94,8 @@ async def test_samples_trained_on_cuda_then_swapped_into_the_cuda_engine(tiny_pa
     engine = Engine(place(model, "cuda"), tokenizer, max_batch_size=8, load_weights=load_weights).start()
     try:
         results = await generate(engine, tokenizer, [24, 8, 48, 16, 32, 12], seed=9)
-        rows = []
-        for i, r in enumerate(results):
-            p, o = len(r.prompt_ids), len(r.output_ids)
-            segment = Segment(token_ids=r.prompt_ids + r.output_ids, loss_mask=[0] * p + [1] * o,
-                              logprobs=[0.0] * p + list(r.logprobs), versions=[-1] * p + [0] * o)
-            rows.append(Row(segment, [0.0] * p + [1.0 if i % 2 else -1.0] * o))
-        config = load_config(None, ["train.device=cuda", "actor.ppo_n_minibatches=1", "actor.optimizer.lr=0.001"])
-        trainer_model, _ = load_model(tiny_path)
-        trainer = Trainer(trainer_model, config.actor, config.train)
-        metrics = trainer.step([micro_batches(rows, 4096, pad_id=0)], version=0)
+        trainer = cuda_trainer(tiny_path)
+        metrics = trainer.step([micro_batches(training_rows(results), 4096, pad_id=0)], version=0)
         assert metrics["gap_tokens"] == 140 and metrics["behav_logprob_gap"] < 0.02  # bf16 autocast against fp32
         assert torch.isfinite(torch.tensor(metrics["loss"])) and metrics["grad_norm"] > 0
         path = WeightStore(tmp_path / "weights").publish(trainer.model, 1, tokenizer)
@@ -101,3 +109,19 @@ async def test_samples_trained_on_cuda_then_swapped_into_the_cuda_engine(tiny_pa
         assert result.versions == ["1"] * len(result.output_ids)
         expected = forward_logprobs(trainer.model.eval(), result.prompt_ids, result.output_ids)
         assert result.logprobs == pytest.approx(expected, abs=2e-4)
+
+
+async def test_without_autocast_the_trainer_on_cuda_reproduces_the_engine(tiny_path):
+    model, tokenizer = load_model(tiny_path)
+    engine = Engine(place(model, "cuda"), tokenizer, max_batch_size=8).start()
+    try:
+        results = await generate(engine, tokenizer, [24, 8, 48, 16, 32, 12], seed=13)
+    finally:
+        engine.stop()
+    gaps = {}
+    for autocast in ("true", "false"):
+        trainer = cuda_trainer(tiny_path, f"train.autocast={autocast}")
+        metrics = trainer.step([micro_batches(training_rows(results), 4096, pad_id=0)], version=0)
+        assert metrics["gap_tokens"] == 140
+        gaps[autocast] = metrics["behav_logprob_gap"]
+    assert gaps["false"] < 1e-5 < gaps["true"], gaps  # float32 reproduces the engine; bf16 rounds (H200: 1.7e-7, 9.7e-4)

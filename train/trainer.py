@@ -21,7 +21,8 @@ minibatches, each a list of micro-batches:
    so the PPO clip is a real trust region (`clip_fraction`).
 3. one learning-rate schedule step per training step.
 
-On CUDA the forward passes run under bf16 autocast (the weights and the optimizer stay fp32).
+On CUDA the forward passes run under bf16 autocast unless `train.autocast` is false (the weights
+and the optimizer stay fp32).
 `train.fsdp` shards the model over a process group (`train/fsdp.py`).
 """
 
@@ -88,7 +89,7 @@ class Trainer:
         self.step_count = 0
 
     def _autocast(self) -> Any:
-        return torch.autocast(device_type=self.device.type, dtype=torch.bfloat16, enabled=self.device.type == "cuda")
+        return torch.autocast(device_type=self.device.type, dtype=torch.bfloat16, enabled=self.device.type == "cuda" and self.train.autocast)
 
     def token_logprobs(self, batch: MicroBatch, model: torch.nn.Module | None = None,
                        with_entropy: bool = False) -> tuple[torch.Tensor, float | None]:
