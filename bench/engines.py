@@ -46,7 +46,7 @@ How to run (from the repository root)
     .venv/bin/python bench/engines.py --model tiny --requests 32 --routes
     .venv/bin/python bench/engines.py --dtype bfloat16 --repeats 2 --engines embedded,vllm,hf
     options: --engines embedded,process,vllm,hf --requests N --concurrency C --seed S --dtype D --repeats R
-             --torch-threads T --chunked-prefill-size P (the embedded engine's)
+             --torch-threads T --chunked-prefill-size P --schedule-policy S (the embedded engine's) --name FILE
 
     Writes bench/results/engines_<model>[_<dtype>].json.
 """
@@ -82,6 +82,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--torch-threads", type=int,
                    help="the embedded engine's serve.torch_threads (and HF generate's); default: every core, as serve's default")
     p.add_argument("--chunked-prefill-size", type=int, help="the embedded engine's serve.chunked_prefill_size (default: serve's)")
+    p.add_argument("--schedule-policy", choices=["shortest-first", "fcfs"], help="the embedded engine's serve.schedule_policy (default: serve's)")
+    p.add_argument("--name", help="the result file's name (default: engines_<model>[_<dtype>])")
     p.add_argument("--routes", action="store_true", help="also compare vLLM's generate and completions routes")
     p.add_argument("--load", help=argparse.SUPPRESS)  # internal: run a load (JSON config) and exit
     args = p.parse_args()
@@ -293,6 +295,8 @@ async def bench_engine(engine: str, args, requests: list[dict], workdir: Path) -
                  f"serve.torch_threads={args.torch_threads}", "serve.own_decoder=true"]
     if args.chunked_prefill_size:
         overrides.append(f"serve.chunked_prefill_size={args.chunked_prefill_size}")
+    if args.schedule_policy:
+        overrides.append(f"serve.schedule_policy={args.schedule_policy}")
     if engine.startswith("gateway to "):
         overrides.append(f"serve.engine_urls=[{engine.removeprefix('gateway to ')}]")
     if engine == "vllm":
@@ -419,7 +423,7 @@ def main() -> None:
             for engine, runs in results.items() for r in runs]
     print(table(["engine", "start s", "useful tok/s", "TTFT p50 s", "TTFT p90 s", "max gap s", "swap pause s",
                  "swap stall s", "errors", "foreign cores"], rows))
-    name = f"engines_{args.model}" + ("" if args.dtype == "float32" else f"_{args.dtype}")
+    name = args.name or f"engines_{args.model}" + ("" if args.dtype == "float32" else f"_{args.dtype}")
     path = write_result(name, {"machine": machine(1), "args": vars(args), "results": results,
                                                    "command": " ".join(["python", *sys.argv])})
     print(f"wrote {path}")

@@ -39,6 +39,11 @@ class ServeConfig(Section):
     """Most prompt tokens the embedded engine prefills between two decode steps (SGLang's
     `--chunked-prefill-size`): a longer prompt is prefilled in pieces, and the running streams
     get a token after each (`serve/engine/chunked.py`)."""
+    schedule_policy: Literal["shortest-first", "fcfs"] = "shortest-first"
+    """The order in which the embedded engine admits waiting requests (SGLang's
+    `--schedule-policy`): `shortest-first`, the least prompt left to prefill first (a burst's
+    short prompts do not wait behind its long ones; a request passed over in 8 rounds then goes
+    first), or `fcfs`, arrival order (`serve/engine/chunked.py`; docs/benchmarks.md 19f)."""
     own_decoder: bool = True
     """Decode steps of Llama-family models through the embedded engine's own forward
     (`serve/engine/decoder.py`: fused, oneDNN-packed weights; 0.77x the CPU time of a float32

@@ -28,6 +28,7 @@ from bus.registry import Registry
 from bus.streams import ROUTING_SUBJECT
 from bus.versions import Arm, Routing
 from config import ConfigError, FlywheelConfig
+from config.serve import ServeConfig
 from models import load_model, load_weights, place
 from serve.backends.in_process import InProcessEngineClient
 from serve.backends.pool import EnginePool
@@ -77,8 +78,7 @@ class ServeLoop:
                 model = place(model, cfg.device)
             except ValueError as exc:
                 raise ConfigError(f"serve.device: {exc}") from None
-            self.engine = Engine(model, tokenizer, max_batch_size=cfg.max_batch_size, load_weights=load_weights,
-                                 chunked_prefill_size=cfg.chunked_prefill_size, own_decoder=cfg.own_decoder).start()
+            self.engine = embedded_engine(model, tokenizer, cfg)
             engines = [InProcessEngineClient(self.engine)]
             context_length = self.engine.context_length
         self.routed = cfg.role == "policy" and self.config.promotion.enabled
@@ -179,8 +179,7 @@ class ServeLoop:
         model, tokenizer = await asyncio.to_thread(load_model, self.config.model, getattr(torch, cfg.dtype))
         if cfg.chat_template is not None:
             tokenizer.chat_template = cfg.chat_template
-        self.canary_engine = Engine(place(model, cfg.device), tokenizer, max_batch_size=cfg.max_batch_size,
-                                    load_weights=load_weights, chunked_prefill_size=cfg.chunked_prefill_size, own_decoder=cfg.own_decoder).start()
+        self.canary_engine = embedded_engine(place(model, cfg.device), tokenizer, cfg)
         return [InProcessEngineClient(self.canary_engine, name="canary")]
 
     async def stop(self) -> None:
@@ -219,6 +218,13 @@ class ServeLoop:
             "engine": dict(self.engine.stats) if self.engine else None,
             "last_pause_s": self.pauses[-1] if self.pauses else None,
         }
+
+
+def embedded_engine(model: torch.nn.Module, tokenizer: Any, cfg: ServeConfig) -> Engine:
+    """A started embedded engine over `model` (already placed), as `serve` configures it."""
+    return Engine(model, tokenizer, max_batch_size=cfg.max_batch_size, load_weights=load_weights,
+                  chunked_prefill_size=cfg.chunked_prefill_size, schedule_policy=cfg.schedule_policy,
+                  own_decoder=cfg.own_decoder).start()
 
 
 def _engine_state(engine: Engine) -> dict[str, Any]:

@@ -1,4 +1,6 @@
-"""The embedded engine's chunked prefill and its dtype key, on the real tiny model: a prompt
+"""The embedded engine's chunked prefill, its admission order and its dtype key, on the real tiny
+model: a round's plan in either order (shortest prompt first, with its bound on overtaking, or
+arrival), a short prompt behind a long one served first unless first come, a prompt
 prefilled in pieces samples what a whole prefill samples, running streams get tokens while a
 long prompt is prefilled, a request aborted mid-prefill ends alone; a bfloat16 engine (weights
 and KV cache) samples with log-probs close to the float32 model's and loads float32 weights."""
@@ -12,7 +14,7 @@ import torch
 from config import load_config
 from models import WeightStore, load_model, load_weights
 from serve.engine import Engine, SamplingParams
-from serve.engine.chunked import PartialPrefill, plan
+from serve.engine.chunked import OVERTAKEN_LIMIT, PartialPrefill, plan
 from serve.loop import ServeLoop
 from tests.test_engine import recomputed_logprobs
 
@@ -30,19 +32,58 @@ def started(model_and_tokenizer, chunk: int) -> Engine:
     return Engine(model, tokenizer, max_batch_size=4, chunked_prefill_size=chunk, load_weights=load_weights).start()
 
 
-def waiting(tokens: int, done: int | None = None) -> SimpleNamespace:
-    return SimpleNamespace(tokens=[1] * tokens, partial=None if done is None else PartialPrefill(done=done))
+def waiting(tokens: int, done: int | None = None, overtaken: int = 0, output: int = 0) -> SimpleNamespace:
+    return SimpleNamespace(tokens=[1] * tokens, partial=None if done is None else PartialPrefill(done=done),
+                           overtaken=overtaken, output_ids=[2] * output)
 
 
-def test_a_round_prefills_whole_prompts_in_order_then_a_piece_of_the_first_that_does_not_fit():
+def test_first_come_a_round_prefills_whole_prompts_in_order_then_a_piece_of_the_first_that_does_not_fit():
     a, b, c, d = waiting(10), waiting(20), waiting(100), waiting(5)
-    work = plan([a, b, c, d], room=4, budget=64)
+    work = plan([a, b, c, d], room=4, budget=64, policy="fcfs")
     assert work.whole == [a, b] and work.piece == (c, 34)  # d waits behind c
-    assert plan([a, b, c], room=1, budget=64).whole == [a]
+    assert plan([a, b, c], room=1, budget=64, policy="fcfs").whole == [a]
     started_long = waiting(100, done=90)
-    work = plan([started_long, d], room=4, budget=64)
+    work = plan([started_long, d], room=4, budget=64, policy="fcfs")
     assert work.whole == [] and work.piece == (started_long, 10)  # its last piece completes it alone
-    assert plan([started_long], room=0, budget=64).piece is None  # no row to join: it waits
+    assert plan([started_long], room=0, budget=64, policy="fcfs").piece is None  # no row to join: it waits
+    assert a.overtaken == b.overtaken == c.overtaken == d.overtaken == 0
+
+
+def test_shortest_first_admits_the_least_prompt_left_first_and_a_request_passed_over_too_often_before_it():
+    a, b, c, d = waiting(100), waiting(20), waiting(10), waiting(20)
+    work = plan([a, b, c, d], room=4, budget=64, policy="shortest-first")
+    assert work.whole == [c, b, d] and work.piece == (a, 14)  # equal prompts keep their arrival order
+    work = plan([a, b, c, d], room=2, budget=64, policy="shortest-first")
+    assert work.whole == [c, b] and work.piece is None
+    assert (a.overtaken, b.overtaken, c.overtaken, d.overtaken) == (1, 0, 0, 0)  # only a was passed by a later one
+    started = waiting(300, done=200)
+    assert plan([c, started], room=4, budget=64, policy="shortest-first").piece == (started, 64)  # it goes on first
+    for _ in range(OVERTAKEN_LIMIT - 1):
+        assert plan([a, b], room=1, budget=64, policy="shortest-first").whole == [b]
+    assert a.overtaken == OVERTAKEN_LIMIT
+    assert plan([a, b], room=1, budget=64, policy="shortest-first").piece == (a, 64)  # passed over enough: first
+    assert plan([a, waiting(5, overtaken=OVERTAKEN_LIMIT), b], room=4, budget=200,
+                policy="shortest-first").whole[0] is a  # the starved go first in their arrival order
+    retracted = waiting(60, output=40)  # sent back mid-generation by a retract pause
+    assert plan([c, retracted], room=4, budget=200, policy="shortest-first").whole == [retracted, c]
+
+
+@pytest.mark.parametrize("policy", ["shortest-first", "fcfs"])
+async def test_a_short_prompt_behind_a_long_one_gets_its_first_token_first_unless_first_come(model_and_tokenizer, policy):
+    model, tokenizer = model_and_tokenizer
+    engine = Engine(model, tokenizer, max_batch_size=4, chunked_prefill_size=8, schedule_policy=policy).start()
+    try:
+        await engine.pause("in_place")  # both wait for the same round
+        params = SamplingParams(max_new_tokens=2, ignore_eos=True)
+        long = asyncio.create_task(engine.generate(LONG, params))
+        short = asyncio.create_task(engine.generate([5, 6, 7], params))
+        while engine.load()["num_waiting_reqs"] < 2:
+            await asyncio.sleep(0.01)
+        await engine.resume()
+        long, short = await long, await short
+    finally:
+        engine.stop()
+    assert (short.first_token_s < long.first_token_s) == (policy == "shortest-first")  # both queued at once
 
 
 async def test_a_prompt_prefilled_in_pieces_samples_what_a_whole_prefill_samples(model_and_tokenizer):

@@ -37,6 +37,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--own-decoder", action=argparse.BooleanOptionalAction, default=True,
                         help="decode steps through the engine's own forward (serve.own_decoder)")
     parser.add_argument("--chunked-prefill-size", type=int, default=512, help="most prompt tokens prefilled between two decode steps")
+    parser.add_argument("--schedule-policy", default="shortest-first", choices=["shortest-first", "fcfs"],
+                        help="the order waiting requests are admitted in (serve.schedule_policy)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     torch.set_num_threads(torch_threads(args.torch_threads))
@@ -47,7 +49,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--device: {exc}")
     engine = Engine(model, tokenizer, version=args.weight_version, max_batch_size=args.max_batch_size,
                     context_length=args.context_length, load_weights=load_weights,
-                    chunked_prefill_size=args.chunked_prefill_size, own_decoder=args.own_decoder).start()
+                    chunked_prefill_size=args.chunked_prefill_size, schedule_policy=args.schedule_policy,
+                    own_decoder=args.own_decoder).start()
     app = create_engine_app(engine, args.model, args.served_model_name or args.model, args.admin_api_key,
                             args.incremental_streaming_output, args.version_spans)
     server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level="warning"))

@@ -4,10 +4,17 @@ Each round of the engine (one decode step of the running batch) prefills at most
 prompt tokens (`serve.chunked_prefill_size`), so a long prompt cannot stall the running streams
 for its whole prefill: it is prefilled in pieces, one per round, each piece attending to the
 keys and values of the earlier ones, held in a `PartialPrefill` on the request until its last
-piece. Waiting requests are taken in arrival order: those whose (remaining) prompt fits in what
-is left of the budget are prefilled together as one `KVBatch.prefill`; the first that does not
-fit gets a piece of the rest of the budget (the longest request then waits at the front of the
-queue, no later request overtakes it, and at most one request is part-prefilled at a time).
+piece. Waiting requests are taken in `admission_order`: those whose (remaining) prompt fits in
+what is left of the budget are prefilled together as one `KVBatch.prefill`; the first that does
+not fit gets a piece of the rest of the budget, and goes first from then on (at most one request
+is part-prefilled at a time; requests a `retract` pause sent back, mid-generation, go first too).
+
+The order (`serve.schedule_policy`) is `shortest-first` by default: the request with the least
+prompt left to prefill goes first, so a burst's short prompts do not wait behind its long ones
+(every request's wait is the prefill of those before it: this order makes the waits shortest
+in sum, and most of them short). A request passed over by later ones in `OVERTAKEN_LIMIT`
+rounds goes first among the rest, in arrival order, so a long prompt waits a bounded number of
+rounds however many short ones keep coming. `fcfs`: arrival order, no one overtakes.
 
 A part-prefilled request stays in the engine's waiting queue, so aborting, retracting or
 failing waiting requests covers it too. A weight swap between two of its pieces leaves the
@@ -17,7 +24,8 @@ earlier pieces as they were computed, as an in-place swap leaves a running reque
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from collections.abc import Sequence
+from typing import Any, Literal
 
 import torch
 from transformers import DynamicCache
@@ -47,6 +55,12 @@ class PartialPrefill:
         return Prefill([[layer.keys[0] for layer in layers]], [[layer.values[0] for layer in layers]], out.logits[:, -1])
 
 
+OVERTAKEN_LIMIT = 8
+"""Rounds in which later requests may be admitted before a waiting one; then it goes first."""
+
+SchedulePolicy = Literal["shortest-first", "fcfs"]
+
+
 @dataclass
 class Plan:
     """One round's prefill work: `whole` requests prefilled together, and a `piece` of one more."""
@@ -54,20 +68,56 @@ class Plan:
     whole: list[Any]
     piece: tuple[Any, int] | None
 
+    @property
+    def admitted(self) -> list[Any]:
+        return self.whole + ([self.piece[0]] if self.piece else [])
 
-def plan(waiting: list[Any], room: int, budget: int) -> Plan:
+
+def _left(request: Any) -> int:
+    return len(request.tokens) - (request.partial.done if request.partial else 0)
+
+
+def admission_order(waiting: Sequence[Any], policy: SchedulePolicy) -> list[Any]:
+    """`waiting` (in arrival order) in the order a round considers them. For `shortest-first`:
+    the part-prefilled request and those sent back mid-generation (a `retract` pause: they have
+    output) first, then those overtaken `OVERTAKEN_LIMIT` times, both in arrival order, then the
+    rest by the prompt they have left (ties in arrival order). For `fcfs`, arrival order (the
+    part-prefilled request is then always the first)."""
+    if policy == "fcfs":
+        return list(waiting)
+
+    def key(request: Any) -> tuple[bool, bool, int]:
+        started = request.partial is not None or bool(request.output_ids)
+        starved = request.overtaken >= OVERTAKEN_LIMIT
+        return not started, not starved, 0 if started or starved else _left(request)
+
+    return sorted(waiting, key=key)  # stable: equal keys keep their arrival order
+
+
+def plan(waiting: Sequence[Any], room: int, budget: int, policy: SchedulePolicy) -> Plan:
     """What to prefill this round from `waiting` (requests in arrival order, each with `tokens`:
-    its sequence, and `partial`: its `PartialPrefill` or None) with `room` free rows and `budget`
-    prompt tokens (see the module docstring)."""
+    its sequence, `partial`: its `PartialPrefill` or None, and `overtaken`: a count of rounds)
+    with `room` free rows and `budget` prompt tokens (see the module docstring). Each request
+    left waiting that a later one was admitted before counts the round in its `overtaken`."""
     whole: list[Any] = []
-    for request in waiting:
+    work = Plan(whole, None)
+    for request in admission_order(waiting, policy):
         if len(whole) == room or budget <= 0:
             break
-        left = len(request.tokens) - (request.partial.done if request.partial else 0)
+        left = _left(request)
         if left > budget:
-            return Plan(whole, (request, budget))
+            work.piece = (request, budget)
+            break
         if request.partial is not None:  # its last piece: it completes alone
-            return Plan(whole, (request, left))
+            work.piece = (request, left)
+            break
         whole.append(request)
         budget -= left
-    return Plan(whole, None)
+    admitted = {id(r) for r in work.admitted}
+    later = False
+    for request in reversed(waiting):  # newest first: has one that arrived after it been admitted?
+        if id(request) in admitted:
+            later = True
+        elif later:
+            request.overtaken += 1
+    return work

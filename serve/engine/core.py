@@ -7,8 +7,10 @@ the running batch, see `batch.KVBatch`), and removes finished ones; each decode 
 every running request by one token (Llama-family models through the engine's own forward,
 `decoder.Decoder`, with fused and packed weights; others through transformers'). A round
 prefills at most `chunked_prefill_size` prompt tokens, a longer prompt in pieces over several
-rounds (`chunked`), so that running streams go on while it is prefilled. A weight update is
-applied between steps (the decoder's weights rebuilt after it): generations in flight go on, and each token records the version that sampled it. Pausing follows SGLang's
+rounds (`chunked`), so that running streams go on while it is prefilled; waiting requests are
+admitted shortest prompt first (`schedule_policy`, with a bound on how often one is overtaken).
+A weight update is applied between steps (the decoder's weights rebuilt after it): generations
+in flight go on, and each token records the version that sampled it. Pausing follows SGLang's
 modes: `abort` ends every request with its partial output, `retract` sends running requests
 back to the queue (their KV cache is recomputed, under whatever weights are current, when they
 resume), `in_place` just stops stepping and keeps the cache.
@@ -37,7 +39,7 @@ import torch
 
 from models.grammar import end_ids
 from serve.engine.batch import KVBatch, Prefill
-from serve.engine.chunked import PartialPrefill, plan
+from serve.engine.chunked import PartialPrefill, SchedulePolicy, plan
 from serve.engine.decoder import Decoder
 from serve.engine.grammar import Grammars
 from serve.engine.request import GenerationResult, Request, RequestFailed, TokenDelta, drain, resolve
@@ -71,10 +73,12 @@ class Engine:
         context_length: int | None = None,
         load_weights: Callable[[torch.nn.Module, str], None] | None = None,
         chunked_prefill_size: int = 512,
+        schedule_policy: SchedulePolicy = "shortest-first",
         own_decoder: bool = True,
     ):
         self.model = model.eval()
         self.chunked_prefill_size = chunked_prefill_size
+        self.schedule_policy = schedule_policy
         self.tokenizer = tokenizer
         self.version = version
         self.max_batch_size = max_batch_size
@@ -296,9 +300,9 @@ class Engine:
 
     def _admit(self) -> None:
         with self._wake:
-            work = plan(self._waiting, self.max_batch_size - len(self._rows), self.chunked_prefill_size)
-            for _ in work.whole:
-                self._waiting.popleft()
+            work = plan(self._waiting, self.max_batch_size - len(self._rows), self.chunked_prefill_size, self.schedule_policy)
+            for request in work.whole:
+                self._waiting.remove(request)
         new = [r for r in work.whole if self._arrive(r)]
         if work.piece is not None:
             self._advance(*work.piece)

@@ -90,6 +90,8 @@ class Request:
     finish: dict[str, Any] | None = None
     error: RequestFailed | None = None
     """Set when this request failed; it then leaves the batch like a finished one."""
+    overtaken: int = 0
+    """Rounds in which later requests were admitted while this one waited (`chunked.plan`)."""
     text: str | None = None
     started: float = 0.0
     first_token: float = 0.0
