@@ -14,6 +14,10 @@ TORCH_SPEC ?= torch==2.13.0
 CONFIG ?= deploy/configs/local.yaml
 # `make run ENGINE=vllm`: the gateway starts a vLLM server (from $(VLLM_VENV)) as its engine.
 ENGINE ?=
+# `make test` runs the suite in this many pytest-xdist workers, each test file whole in one of
+# them (a file's shared fixtures, such as its one vLLM server, stay shared); on 2 cores, 2 took
+# 8.3 minutes against 16.6 in one process (docs/benchmarks.md, odd things 6). 0: in this process.
+TEST_WORKERS ?= 2
 
 .PHONY: run test install clean sandbox-tools msa-venv vllm-venv
 
@@ -72,7 +76,7 @@ run: install $(if $(filter vllm,$(ENGINE)),vllm-venv)
 	$(PY) -m deploy.up --config $(CONFIG) $(if $(ENGINE),serve.engine_kind=$(ENGINE))
 
 test: install msa-venv vllm-venv
-	$(PY) -m pytest
+	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile
 
 clean:
 	rm -rf $(VENV) $(MSA_VENV) $(VLLM_VENV) runs .pytest_cache

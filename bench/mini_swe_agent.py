@@ -49,7 +49,7 @@ if str(ROOT) not in sys.path:
 
 MSA_VENV = Path(os.environ.get("FLYWHEEL_MSA_VENV", ROOT / ".venv-msa"))
 ADAPTER = "envs.swe.mini_swe_agent.MiniSweAgentEnvironment"
-SLOT = 40  # the sandbox uid is 10000 + slot: far from the slots tests and rollouts use
+SLOT = 40  # the sandbox uid is the uid base (10000) + slot: far from the slots tests and rollouts use
 
 
 def msa_available() -> str:
@@ -303,6 +303,8 @@ def protocol_check(task: dict[str, Any]) -> dict[str, Any]:
 
 
 async def protocol_run(work: Path, timeout_s: float) -> dict[str, Any]:
+    from envs.sandbox.bubblewrap import default_uid_base
+
     task, _ = prepare_task(work / "protocol")
     (work / "protocol-task.json").write_text(json.dumps(task))
     proc = await asyncio.create_subprocess_exec(
@@ -319,7 +321,7 @@ async def protocol_run(work: Path, timeout_s: float) -> dict[str, Any]:
     checks = {
         "submitted": result["exit_status"] == "Submitted",
         "raises_minisweagents_Submitted": result["submitted_is_minisweagents"],
-        "runs_in_repository_as_slot_uid": f"{task['workdir']}\n{10000 + SLOT}" in obs[0],
+        "runs_in_repository_as_slot_uid": f"{task['workdir']}\n{default_uid_base() + SLOT}" in obs[0],
         "no_network": "Network is unreachable" in obs[1],
         "stateless_commands": task["workdir"] in obs[3] and "FOO=unset" in obs[3],
         "submission_is_the_diff": "README.protocol" in (result["submission"] or ""),

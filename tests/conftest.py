@@ -24,6 +24,9 @@ os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+_worker = os.environ.get("PYTEST_XDIST_WORKER")  # gw0, gw1, ... under `pytest -n N`
+if _worker:  # each worker's sandbox slots get uids of their own (closing a sandbox kills its uid's processes)
+    os.environ.setdefault("FLYWHEEL_SANDBOX_UID_BASE", str(10000 * (1 + int(_worker.removeprefix("gw")))))
 
 
 def freeze(pid: int, timeout_s: float = 10.0) -> None:

@@ -9,6 +9,7 @@ import pytest
 from envs import make_env
 from envs.arithmetic import ArithmeticEnv
 from envs.humaneval import HumanEvalEnv
+from envs.sandbox.bubblewrap import default_uid_base
 
 
 def test_arithmetic_never_trains_on_its_held_out_problems():
@@ -63,7 +64,7 @@ def test_humaneval_code_runs_in_the_sandbox_as_its_slots_own_uid_without_network
     """The verifier goes through `envs.sandbox` like SWE (its own bwrap line ran the code as root
     with the whole host file system visible): a non-root uid from the slot, no network, the
     host's home invisible."""
-    check_uid = "import os, sys\nsys.exit(0 if os.getuid() == 10000 + 900 + 1 else 1)\n"
+    check_uid = f"import os, sys\nsys.exit(0 if os.getuid() == {default_uid_base()} + 900 + 1 else 1)\n"
     assert humaneval.run(check_uid, slot=1) == 0
     no_network = ("import socket, sys\ntry:\n    socket.create_connection(('127.0.0.1', 22), timeout=1)\n"
                   "except OSError:\n    sys.exit(0)\nsys.exit(1)\n")

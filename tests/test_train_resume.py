@@ -1,5 +1,6 @@
 """Checkpoints and `train.resume`: weights, optimizer, schedule, step, version, counters,
-baseline and RNG come back; training goes on from there."""
+baseline and RNG come back; training goes on from there; a trainer that starts again without a
+checkpoint marks the dead process's steps as leading nowhere."""
 
 import asyncio
 import json
@@ -10,6 +11,7 @@ import torch
 from bus import SAMPLE_SUBJECT, WEIGHTS_SUBJECT
 from config import ConfigError, load_config
 from tests.test_train_loop import sample_of, sampled_turns
+from train.ledger import Ledger, lineage
 from train.loop import TrainLoop
 
 
@@ -63,3 +65,24 @@ async def test_resume_without_a_checkpoint_is_a_config_error(nats_url, tmp_path)
     with pytest.raises(ConfigError, match="train.resume: no checkpoint"):
         await loop.start()
     await loop.bus.close()
+
+
+async def test_a_trainer_that_died_before_its_first_checkpoint_leaves_no_steps_in_the_lineage(bus, nats_url, tmp_path):
+    """A trainer killed before it saved a checkpoint starts again from the initial weights: the
+    steps the dead process logged in `trained.jsonl` made weights that lead nowhere, and their
+    samples (never acknowledged) are trained again. The fault drill counted them as trained twice
+    when the kill came before the first checkpoint."""
+    Ledger(tmp_path / "trained.jsonl").trained(1, 1, ["s0", "s1"])  # what the dead process logged
+    turns = await sampled_turns(2)
+    loop = TrainLoop(load_config(None, [f"run_dir={tmp_path}", "train.batch_size=2", "rollout.max_head_offpolicyness=8"]),
+                     nats_url)
+    await loop.start()
+    try:
+        assert lineage(tmp_path / "trained.jsonl") == []  # started from the initial weights
+        for turn in turns:
+            await bus.publish(SAMPLE_SUBJECT, sample_of(turn, 1.0, version=0))
+        await wait_for_version(loop, 1)
+    finally:
+        await loop.stop()
+    [step] = lineage(tmp_path / "trained.jsonl")
+    assert step["step"] == 1 and len(step["samples"]) == 2

@@ -2,10 +2,11 @@
 
     {"step": 12, "version": 12, "samples": ["<sample id>", ...]}
 
-A trainer that restarts from a checkpoint writes `{"resumed_at_step": N}` first: the steps
-after N that the previous process wrote belong to weights that no longer lead anywhere (their
-samples were not acknowledged, and are trained again). `lineage` reads the file the way it is
-meant: the steps that made the current weights, each once.
+A trainer writes `{"resumed_at_step": N}` when it starts, N being the step of the checkpoint it
+continues from (0 without one): the steps after N that an earlier process wrote belong to weights
+that no longer lead anywhere (their samples were not acknowledged, and are trained again; a
+process killed before its first checkpoint leaves only such steps). `lineage` reads the file the
+way it is meant: the steps that made the current weights, each once.
 """
 
 from __future__ import annotations

@@ -130,8 +130,8 @@ class TrainLoop(ConsumerLoop):
             self.trained.add(loop.get("trained", []))
             if self.promotion is not None:
                 self.promotion.restore(loop.get("promotion", {}))
-            self.ledger.resumed(self.trainer.step_count)
             log.info("resumed from %s at step %d, version %d", path, self.trainer.step_count, self.version)
+        self.ledger.resumed(self.trainer.step_count)  # 0 without a checkpoint: a dead process's steps lead nowhere
         newest = await self.publisher.newest()
         if newest is not None and newest > self.version:
             log.info("versions up to %d were published after this state: it becomes version %d", newest, newest + 1)

@@ -10,7 +10,8 @@ What a command sees and may do
   the spec's `readonly` paths, and the spec's `workdir`, read-write, at its own path. Everything
   else of the host (/work with the project and its task sets, /root, /home, ...) is absent.
   Folders bwrap must create to reach a bind are empty, mode 0755.
-- It runs as uid = gid = `uid_base + slot` (no passwd entry needed; HOME=/tmp) with no
+- It runs as uid = gid = `uid_base + slot` (`$FLYWHEEL_SANDBOX_UID_BASE`, 10000 unless set; no
+  passwd entry needed; HOME=/tmp) with no
   capabilities and no_new_privs (set-uid programs gain nothing), under rlimits for CPU time,
   address space, processes of that uid, file size, open files, and no core dumps. The process
   limit binds because the uid is not root and is the slot's own.
@@ -107,6 +108,20 @@ def kill_uid(uid: int, wait_s: float = 2.0) -> list[int]:
         psutil.wait_procs(alive, timeout=0.2)
 
 
+def default_uid_base() -> int:
+    """`$FLYWHEEL_SANDBOX_UID_BASE`, else 10000. A slot's uid is its own only within one uid base:
+    closing a sandbox kills every process of its uid, so two rollout processes sharing a machine
+    (or two test workers) need bases far enough apart for their slots."""
+    value = os.environ.get("FLYWHEEL_SANDBOX_UID_BASE", "10000")
+    try:
+        base = int(value)
+    except ValueError:
+        raise SandboxUnavailable(f"FLYWHEEL_SANDBOX_UID_BASE={value!r} is not an integer uid") from None
+    if base < 1000:
+        raise SandboxUnavailable(f"FLYWHEEL_SANDBOX_UID_BASE={base} would put sandboxes on system uids (< 1000)")
+    return base
+
+
 class BubblewrapBackend:
     """Opens bubblewrap sandboxes; one per parallel slot at a time (the slot picks the uid).
 
@@ -115,9 +130,9 @@ class BubblewrapBackend:
 
     name = "bubblewrap"
 
-    def __init__(self, bwrap: str | None = None, uid_base: int = 10000):
+    def __init__(self, bwrap: str | None = None, uid_base: int | None = None):
         self.bwrap = bwrap or find_bwrap()
-        self.uid_base = uid_base
+        self.uid_base = uid_base = default_uid_base() if uid_base is None else uid_base
         if not os.access(self.bwrap, os.X_OK):
             raise SandboxUnavailable(f"sandbox backend 'bubblewrap': {self.bwrap} is not an executable file; "
                                      f"{INSTALL_HINT}")
