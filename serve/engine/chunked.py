@@ -23,8 +23,8 @@ earlier pieces as they were computed, as an in-place swap leaves a running reque
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import torch
