@@ -247,10 +247,12 @@ def test_a_machine_that_cannot_sandbox_gets_a_clear_error(tmp_path, monkeypatch)
         make_backend("bubblewrap")
 
 
-def test_the_slots_uids_start_at_a_base_the_environment_may_move(monkeypatch):
+def test_the_slots_uids_start_at_a_base_the_environment_may_move(backend, monkeypatch):
     monkeypatch.setenv("FLYWHEEL_SANDBOX_UID_BASE", "30000")
-    assert BubblewrapBackend().uid_base == default_uid_base() == 30000
+    assert BubblewrapBackend(bwrap=backend.bwrap).uid_base == 30000
     for bad, why in (("ten", "not an integer uid"), ("500", "system uids")):
         monkeypatch.setenv("FLYWHEEL_SANDBOX_UID_BASE", bad)
         with pytest.raises(SandboxUnavailable, match=f"FLYWHEEL_SANDBOX_UID_BASE.*{why}"):
-            BubblewrapBackend()
+            BubblewrapBackend(bwrap=backend.bwrap)
+    monkeypatch.delenv("FLYWHEEL_SANDBOX_UID_BASE")
+    assert default_uid_base() == 10000

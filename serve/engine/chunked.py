@@ -23,6 +23,7 @@ earlier pieces as they were computed, as an in-place swap leaves a running reque
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -120,4 +121,13 @@ def plan(waiting: Sequence[Any], room: int, budget: int, policy: SchedulePolicy)
             later = True
         elif later:
             request.overtaken += 1
+    return work
+
+
+def take(waiting: deque[Any], room: int, budget: int, policy: SchedulePolicy) -> Plan:
+    """`plan` this round, and take its whole requests off `waiting` (a part-prefilled request
+    stays there until its last piece)."""
+    work = plan(waiting, room, budget, policy)
+    for request in work.whole:
+        waiting.remove(request)
     return work

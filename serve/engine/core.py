@@ -1,26 +1,25 @@
 """The embedded engine: continuous batching over a KV cache, with exact token ids, behaviour
 logprobs and the weight version of every sampled token.
 
-A worker thread owns the model. Between two decode steps it runs control commands (pause,
-continue, abort, weight updates), admits waiting requests (prefilled together, then merged into
-the running batch, see `batch.KVBatch`), and removes finished ones; each decode step advances
-every running request by one token (Llama-family models through the engine's own forward,
-`decoder.Decoder`, with fused and packed weights; others through transformers'). A round
-prefills at most `chunked_prefill_size` prompt tokens, a longer prompt in pieces over several
-rounds (`chunked`), so that running streams go on while it is prefilled; waiting requests are
-admitted shortest prompt first (`schedule_policy`, with a bound on how often one is overtaken).
-A weight update is applied between steps (the decoder's weights rebuilt after it): generations
-in flight go on, and each token records the version that sampled it. Pausing follows SGLang's
-modes: `abort` ends every request with its partial output, `retract` sends running requests
-back to the queue (their KV cache is recomputed, under whatever weights are current, when they
-resume), `in_place` just stops stepping and keeps the cache.
+A worker thread owns the model. Between two decode steps it runs control commands (pause, continue,
+abort, weight updates), admits waiting requests (prefilled together, then merged into the running
+batch, see `batch.KVBatch`), and removes finished ones; each decode step advances every running
+request by one token (Llama-family models through the engine's own forward, `decoder.Decoder`, with
+fused and packed weights; others through transformers'). A round prefills at most
+`chunked_prefill_size` prompt tokens, shortest prompt first (`schedule_policy`), a longer prompt in
+pieces over several rounds (`chunked`), so that running streams go on while it is prefilled. A
+weight update is applied between steps (the decoder's weights rebuilt after it): generations in
+flight go on, and each token records the version that sampled it. Pausing follows SGLang's modes:
+`abort` ends every request with its partial output, `retract` sends running requests back to the
+queue (their KV cache is recomputed, under the weights current when they resume), `in_place` just
+stops stepping and keeps the cache.
 
 The version is an opaque string label, as in SGLang ("0" unless given; a weight update sets the
-label it names). A failure that belongs to one request (its prefill raises, its distribution
-is not finite, its bans or finish checks raise, its result cannot be built) fails that request
-alone: it leaves the batch, its caller gets a `RequestFailed`, and the others go on (newcomers
-whose joint prefill failed are prefilled again one by one, to find the one to blame). Only a
-failed decode step, which no request can be blamed for, fails every running request.
+label it names). A failure that belongs to one request (its prefill raises, its distribution is not
+finite, its bans or finish checks raise, its result cannot be built) fails that request alone: it
+leaves the batch, its caller gets a `RequestFailed`, and the others go on (newcomers whose joint
+prefill failed are prefilled again one by one, to find the one to blame). Only a failed decode
+step, which no request can be blamed for, fails every running request.
 """
 
 from __future__ import annotations
@@ -39,7 +38,7 @@ import torch
 
 from models.grammar import end_ids
 from serve.engine.batch import KVBatch, Prefill
-from serve.engine.chunked import PartialPrefill, SchedulePolicy, plan
+from serve.engine.chunked import PartialPrefill, SchedulePolicy, take
 from serve.engine.decoder import Decoder
 from serve.engine.grammar import Grammars
 from serve.engine.request import GenerationResult, Request, RequestFailed, TokenDelta, drain, resolve
@@ -300,9 +299,7 @@ class Engine:
 
     def _admit(self) -> None:
         with self._wake:
-            work = plan(self._waiting, self.max_batch_size - len(self._rows), self.chunked_prefill_size, self.schedule_policy)
-            for request in work.whole:
-                self._waiting.remove(request)
+            work = take(self._waiting, self.max_batch_size - len(self._rows), self.chunked_prefill_size, self.schedule_policy)
         new = [r for r in work.whole if self._arrive(r)]
         if work.piece is not None:
             self._advance(*work.piece)
