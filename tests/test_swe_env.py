@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from envs import make_env
+from envs.sandbox.bubblewrap import default_uid_base
 from envs.swe.agent import SUBMIT_MARKER, parse_action
 from rollout.env_pool import LocalRunner
 from tests.test_collect_live import assert_segment_is_exact, collected, platform
@@ -42,7 +43,7 @@ def test_a_scripted_fix_resolves_the_task_and_doing_nothing_does_not(swe):
     try:
         seen = episode.step(bash("id -u && git log --oneline | wc -l && ls"))
         output = seen.messages[0]["content"]
-        assert "<returncode>0</returncode>" in output and "10001\n1\n" in output  # slot 1's uid; one commit
+        assert "<returncode>0</returncode>" in output and f"{default_uid_base() + 1}\n1\n" in output  # slot 1's uid; one commit
         assert "exactly one" in episode.step("I will think first.").messages[0]["content"]
         applied = episode.step(bash(f"git apply <<'PATCH'\n{record.patch}PATCH"))
         assert not applied.done and "<returncode>0</returncode>" in applied.messages[0]["content"]
