@@ -24,6 +24,11 @@ os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# OpenMP threads that wait at a barrier sleep instead of spinning (in this process and every
+# server a test starts: set before torch loads). Two test workers and their servers run more
+# torch threads than there are cores; spinning threads starved the others: a 6 s fixture took
+# 100-160 s while the other worker ran vLLM (docs/benchmarks.md, odd things 7).
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 _worker = os.environ.get("PYTEST_XDIST_WORKER")  # gw0, gw1, ... under `pytest -n N`
 if _worker:  # each worker's sandbox slots get uids of their own (closing a sandbox kills its uid's processes)
     os.environ.setdefault("FLYWHEEL_SANDBOX_UID_BASE", str(10000 * (1 + int(_worker.removeprefix("gw")))))
