@@ -35,7 +35,7 @@ Writes bench/results/NAME.json (after every trial: `--keep` continues a partial 
 the trials it holds) and docs/img/NAME.png (each trial's preference rate over the last 5
 sessions, and the version that answered, as versions roll in).
 
-    .venv/bin/python bench/personal_agent.py --arms both --prefs brief --trials 1 --cap 20   # one trial, ~5 min
+    .venv/bin/python bench/personal_agent.py --arms both --prefs formal --trials 1 --cap 20   # one trial, ~3-7 min
     .venv/bin/python bench/personal_agent.py       # the full grid: 4 prefs x 3 trials of both, 2 x 3 of the others
 """
 
@@ -309,11 +309,17 @@ def plot(trials: list[dict], path: Path) -> None:
     colors = {"none": "tab:gray", "rl": "tab:blue", "opd": "tab:orange", "both": "tab:green"}
     for col, pref in enumerate(prefs):
         rate, version = axes[0][col], axes[1][col]
-        for t in (t for t in trials if t["pref"] == pref):
-            x = [s["session"] + 1 for s in t["sessions"]]
-            label = f"{t['arm']} #{t['trial']}" + (f" (learned at {t['learned_at']})" if t["learned_at"] else "")
-            rate.plot(x, rolling_rate([s["satisfied"] for s in t["sessions"]]), color=colors[t["arm"]], alpha=0.8, label=label)
-            version.step(x, [s["version"] for s in t["sessions"]], where="post", color=colors[t["arm"]], alpha=0.8)
+        for arm in (arm for arm in colors if any(t["arm"] == arm and t["pref"] == pref for t in trials)):
+            mine = [t for t in trials if t["arm"] == arm and t["pref"] == pref]
+            learned = sorted(t["learned_at"] for t in mine if t["learned_at"])
+            label = f"{arm}: learned in {len(learned)} of {len(mine)}" + (f" (at {', '.join(map(str, learned))})" if learned else "")
+            for i, t in enumerate(mine):  # a line per trial, a dot where it met the preference 3 times in a row
+                x = [s["session"] + 1 for s in t["sessions"]]
+                y = rolling_rate([s["satisfied"] for s in t["sessions"]])
+                rate.plot(x, y, color=colors[arm], alpha=0.7, linewidth=1.2, label=None if i else label)
+                if t["learned_at"]:
+                    rate.plot(t["learned_at"], y[x.index(t["learned_at"])], "o", color=colors[arm], markersize=5)
+                version.step(x, [s["version"] for s in t["sessions"]], where="post", color=colors[arm], alpha=0.7)
         rate.set_title(f"{pref}: first replies meeting it (last {WINDOW} sessions)", fontsize=9)
         rate.set_ylim(-0.05, 1.05)
         rate.legend(fontsize=7)
