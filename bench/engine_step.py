@@ -10,8 +10,10 @@ What it measures (SmolLM2-135M unless told, one torch thread, as `serve.torch_th
     - run: the engine alone (`Engine.generate`, no gateway, no HTTP) on `bench/engines.py`'s
       workload (N chat prompts, C at a time, 16-256 tokens each, `ignore_eos`, temperature 1,
       each request seeded), with its decoder and with transformers' forward for decode steps
-      (`--arms`), each run in a fresh process, alternating: useful tok/s, CPU seconds, decode
-      steps, TTFT p50.
+      (`--arms`), under each admission order (`--policies`, `serve.schedule_policy`), each run in
+      a fresh process, alternating: useful tok/s, CPU seconds, decode steps, and the time to
+      first token from a request's arrival at the engine, p50 and p90 (as `bench/engines.py`
+      measures it through the gateway, less HTTP, the template and tokenizing).
     - long: B streams decoding (prompts of ~L tokens, `ignore_eos`), then one prompt of P tokens
       arrives: its time to first token and the longest gap between two tokens of the running
       streams from its arrival to its first token, per `chunked_prefill_size` (one large enough
@@ -20,11 +22,12 @@ What it measures (SmolLM2-135M unless told, one torch thread, as `serve.torch_th
 How to run (from the repository root)
     .venv/bin/python bench/engine_step.py --part step
     .venv/bin/python bench/engine_step.py --part run --dtype float32 --repeats 2
+    .venv/bin/python bench/engine_step.py --part run --arms decoder --policies shortest-first,fcfs --name NAME
     .venv/bin/python bench/engine_step.py --part long --dtype bfloat16 --chunks 100000,512,256
     options: --model M --rows B --context L --prompt P --repeats R --dtypes float32,bfloat16
-             --requests N --arms decoder,transformers
+             --requests N --arms decoder,transformers --policies shortest-first,fcfs --name FILE
 
-    Writes bench/results/engine_step_<part>_<model>[_<dtype>: run].json.
+    Writes bench/results/engine_step_<part>_<model>[_<dtype>: run].json, or NAME.json.
 """
 
 from __future__ import annotations
@@ -41,7 +44,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch  # noqa: E402
 
-from bench._common import machine, median, quiet_logs, table, wait_quiet, write_result  # noqa: E402
+from bench._common import machine, median, percentile, quiet_logs, table, wait_quiet, write_result  # noqa: E402
 
 
 def parse_args() -> argparse.Namespace:
@@ -57,7 +60,10 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--chunks", default="100000,512,256", help="chunked_prefill_size values for --part long")
     p.add_argument("--requests", type=int, default=64, help="--part run: N requests, --rows at a time")
     p.add_argument("--arms", default="decoder,transformers", help="--part run: the decode forwards compared")
+    p.add_argument("--policies", default="shortest-first", help="--part run: the admission orders compared")
+    p.add_argument("--name", help="the results file's name (default engine_step_<part>_<model>[_<dtype>])")
     p.add_argument("--arm", help=argparse.SUPPRESS)  # internal: run one arm of --part run and print its JSON
+    p.add_argument("--policy", default="shortest-first", help=argparse.SUPPRESS)  # internal: that arm's order
     return p.parse_args()
 
 
@@ -108,7 +114,8 @@ def part_step(args) -> dict:
 
 
 async def run_arm(args) -> dict:
-    """The engine alone on bench/engines.py's workload, decode steps through `args.arm`."""
+    """The engine alone on bench/engines.py's workload, `--rows` requests at a time, decode steps
+    through `args.arm`, waiting requests admitted in `args.policy`'s order."""
     from transformers import AutoTokenizer
 
     from bench.workload import uniform_requests
@@ -117,35 +124,41 @@ async def run_arm(args) -> dict:
 
     model, tokenizer = load_model(args.model, getattr(torch, args.dtype))
     requests = uniform_requests(AutoTokenizer.from_pretrained(resolve_model(args.model)), args.requests, seed=0)
-    engine = Engine(model, tokenizer, max_batch_size=args.rows, own_decoder=args.arm == "decoder").start()
+    engine = Engine(model, tokenizer, max_batch_size=args.rows, own_decoder=args.arm == "decoder",
+                    schedule_policy=args.policy).start()
+    slots = asyncio.Semaphore(args.rows)
+
+    async def generate(i: int, request: dict, max_new_tokens: int):
+        async with slots:
+            return await engine.generate(request["prompt_ids"], SamplingParams(
+                max_new_tokens=max_new_tokens, temperature=1.0, ignore_eos=True, sampling_seed=i))
     try:
-        def params(i: int, n: int) -> SamplingParams:
-            return SamplingParams(max_new_tokens=n, temperature=1.0, ignore_eos=True, sampling_seed=i)
-        await asyncio.gather(*(engine.generate(r["prompt_ids"], params(i, 8)) for i, r in enumerate(requests[:4])))  # warm-up
+        await asyncio.gather(*(generate(i, r, 8) for i, r in enumerate(requests[:4])))  # warm-up
         steps = engine.stats["steps"]
         wall, cpu = time.monotonic(), time.process_time()
-        results = await asyncio.gather(*(engine.generate(r["prompt_ids"], params(i, r["max_new_tokens"]))
-                                         for i, r in enumerate(requests)))
+        results = await asyncio.gather(*(generate(i, r, r["max_new_tokens"]) for i, r in enumerate(requests)))
         wall, cpu = time.monotonic() - wall, time.process_time() - cpu
     finally:
         engine.stop()
     useful = sum(r["max_new_tokens"] for r in requests)
     assert sum(len(r.output_ids) for r in results) == useful
-    return {"arm": args.arm, "dtype": args.dtype, "useful_tok_s": round(useful / wall, 1), "wall_s": round(wall, 2),
-            "cpu_s": round(cpu, 2), "decode_steps": engine.stats["steps"] - steps,
-            "ttft_p50_s": round(median([r.first_token_s for r in results]), 3)}
+    ttft = [r.first_token_s for r in results]
+    return {"arm": args.arm, "policy": args.policy, "dtype": args.dtype, "useful_tok_s": round(useful / wall, 1),
+            "wall_s": round(wall, 2), "cpu_s": round(cpu, 2), "decode_steps": engine.stats["steps"] - steps,
+            "ttft_p50_s": round(percentile(ttft, 50), 3), "ttft_p90_s": round(percentile(ttft, 90), 3)}
 
 
 def part_run(args) -> list[dict]:
     results = []
     for _ in range(args.repeats):
         for arm in args.arms.split(","):
-            wait_quiet(max_wait_s=30)
-            child = subprocess.run([sys.executable, __file__, "--part", "run", "--arm", arm, "--dtype", args.dtype, "--model",
-                                    args.model, "--rows", str(args.rows), "--requests", str(args.requests)],
-                                   capture_output=True, text=True, check=True)
-            results.append(json.loads(child.stdout.strip().splitlines()[-1]))
-            print(results[-1], flush=True)
+            for policy in args.policies.split(","):
+                wait_quiet(max_wait_s=30)
+                child = subprocess.run([sys.executable, __file__, "--part", "run", "--arm", arm, "--policy", policy,
+                                        "--dtype", args.dtype, "--model", args.model, "--rows", str(args.rows),
+                                        "--requests", str(args.requests)], capture_output=True, text=True, check=True)
+                results.append(json.loads(child.stdout.strip().splitlines()[-1]))
+                print(results[-1], flush=True)
     return results
 
 
@@ -204,11 +217,12 @@ def main() -> None:
         print(f"(decode: CPU ms per step at {args.rows} rows x ~{args.context + 10} tokens; prefill: tok/s of {args.prompt} tokens)")
     elif args.part == "run":
         result = part_run(args)
-        print(table(["arm", "dtype", "useful tok/s", "CPU s", "decode steps", "TTFT p50 s"],
-                    [[r["arm"], r["dtype"], r["useful_tok_s"], r["cpu_s"], r["decode_steps"], r["ttft_p50_s"]] for r in result]))
+        print(table(["arm", "policy", "dtype", "useful tok/s", "CPU s", "decode steps", "TTFT p50 s", "p90 s"],
+                    [[r["arm"], r["policy"], r["dtype"], r["useful_tok_s"], r["cpu_s"], r["decode_steps"],
+                      r["ttft_p50_s"], r["ttft_p90_s"]] for r in result]))
     else:
         result = part_long(args)
-    name = f"engine_step_{args.part}_{args.model}" + (f"_{args.dtype}" if args.part == "run" else "")
+    name = args.name or f"engine_step_{args.part}_{args.model}" + (f"_{args.dtype}" if args.part == "run" else "")
     path = write_result(name, {"machine": machine(1), "args": vars(args), "results": result,
                                                                   "command": " ".join(["python", *sys.argv])})
     print(f"wrote {path}")
