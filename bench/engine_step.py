@@ -1,6 +1,6 @@
 """The embedded engine's decode step, its chunked prefill and the engine alone (issue 26 part 2).
 
-What it measures (SmolLM2-135M unless told, one torch thread, as `serve.torch_threads`)
+What it measures (SmolLM2-135M unless told, one torch thread: a serve loop that shares its cores)
     - step: the CPU time of one decode step (`KVBatch.step`) of B rows over ~L cached tokens
       each, per dtype, through transformers' forward and through the engine's own decoder
       (`serve/engine/decoder.py`), run alternately and repeated, median reported; and the

@@ -347,9 +347,8 @@ class Engine:
         self._sample(rows, prefill.logits)
 
     def _prefill(self, new: list[Request]) -> list[tuple[list[Request], Prefill]]:
-        """Prefill `new` together; if that fails, each alone, so that only a request whose own
-        prefill fails (say, a token id the model has no embedding for) fails. The running batch
-        is not touched either way."""
+        """Prefill `new` together; if that fails, each alone, so that only a request whose own prefill
+        fails (a token id the model has no embedding for, say) fails. The running batch is untouched."""
         try:
             prefill = self._batch.prefill(self.model, [r.tokens for r in new], self.pad_id)
         except Exception as exc:
