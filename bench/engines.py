@@ -46,7 +46,8 @@ How to run (from the repository root)
     .venv/bin/python bench/engines.py --model tiny --requests 32 --routes
     .venv/bin/python bench/engines.py --dtype bfloat16 --repeats 2 --engines embedded,vllm,hf
     options: --engines embedded,process,vllm,hf --requests N --concurrency C --seed S --dtype D --repeats R
-             --torch-threads T --chunked-prefill-size P --schedule-policy S (the embedded engine's) --name FILE
+             --torch-threads T --chunked-prefill-size P --schedule-policy S --max-stall-s S (the embedded engine's)
+             --name FILE
 
     Writes bench/results/engines_<model>[_<dtype>].json.
 """
@@ -83,6 +84,7 @@ def parse_args() -> argparse.Namespace:
                    help="the embedded engine's serve.torch_threads (and HF generate's); default: every core, as serve's default")
     p.add_argument("--chunked-prefill-size", type=int, help="the embedded engine's serve.chunked_prefill_size (default: serve's)")
     p.add_argument("--schedule-policy", choices=["shortest-first", "fcfs"], help="the embedded engine's serve.schedule_policy (default: serve's)")
+    p.add_argument("--max-stall-s", type=float, help="the embedded engine's serve.max_stall_s (default: serve's)")
     p.add_argument("--name", help="the result file's name (default: engines_<model>[_<dtype>])")
     p.add_argument("--routes", action="store_true", help="also compare vLLM's generate and completions routes")
     p.add_argument("--load", help=argparse.SUPPRESS)  # internal: run a load (JSON config) and exit
@@ -297,6 +299,8 @@ async def bench_engine(engine: str, args, requests: list[dict], workdir: Path) -
         overrides.append(f"serve.chunked_prefill_size={args.chunked_prefill_size}")
     if args.schedule_policy:
         overrides.append(f"serve.schedule_policy={args.schedule_policy}")
+    if args.max_stall_s is not None:
+        overrides.append(f"serve.max_stall_s={args.max_stall_s}")
     if engine.startswith("gateway to "):
         overrides.append(f"serve.engine_urls=[{engine.removeprefix('gateway to ')}]")
     if engine == "vllm":

@@ -27,9 +27,10 @@ def model_and_tokenizer(tiny_path):
     return load_model(tiny_path)
 
 
-def started(model_and_tokenizer, chunk: int) -> Engine:
+def started(model_and_tokenizer, chunk: int, max_stall_s: float = 0.0, rows: int = 4) -> Engine:
     model, tokenizer = model_and_tokenizer
-    return Engine(model, tokenizer, max_batch_size=4, chunked_prefill_size=chunk, load_weights=load_weights).start()
+    return Engine(model, tokenizer, max_batch_size=rows, chunked_prefill_size=chunk, load_weights=load_weights,
+                  max_stall_s=max_stall_s).start()
 
 
 def waiting(tokens: int, done: int | None = None, overtaken: int = 0, output: int = 0) -> SimpleNamespace:
@@ -37,16 +38,26 @@ def waiting(tokens: int, done: int | None = None, overtaken: int = 0, output: in
                            overtaken=overtaken, output_ids=[2] * output)
 
 
-def test_first_come_a_round_prefills_whole_prompts_in_order_then_a_piece_of_the_first_that_does_not_fit():
+def test_first_come_a_round_prefills_whole_prompts_in_order_then_a_piece_of_a_longer_one():
     a, b, c, d = waiting(10), waiting(20), waiting(100), waiting(5)
     work = plan([a, b, c, d], room=4, budget=64, policy="fcfs")
     assert work.whole == [a, b] and work.piece == (c, 34)  # d waits behind c
     assert plan([a, b, c], room=1, budget=64, policy="fcfs").whole == [a]
     started_long = waiting(100, done=90)
     work = plan([started_long, d], room=4, budget=64, policy="fcfs")
-    assert work.whole == [] and work.piece == (started_long, 10)  # its last piece completes it alone
+    assert work.whole == [d] and work.piece == (started_long, 10)  # its last piece shares the round
+    assert plan([started_long, d], room=1, budget=64, policy="fcfs").whole == []  # its row is the last
     assert plan([started_long], room=0, budget=64, policy="fcfs").piece is None  # no row to join: it waits
     assert a.overtaken == b.overtaken == c.overtaken == d.overtaken == 0
+
+
+def test_a_prompt_that_fits_in_a_round_is_not_split_it_waits_for_the_next():
+    a, b, fits, d = waiting(10), waiting(20), waiting(40), waiting(5)
+    for policy in ("fcfs", "shortest-first"):
+        work = plan([a, b, fits, d], room=4, budget=64, policy=policy)
+        assert work.piece is None and fits not in work.whole
+    assert plan([a, b, fits, d], room=4, budget=64, policy="fcfs").whole == [a, b]  # d waits behind it
+    assert plan([fits], room=4, budget=64, policy="fcfs").whole == [fits]  # the next round takes it whole
 
 
 def test_shortest_first_admits_the_least_prompt_left_first_and_a_request_passed_over_too_often_before_it():
@@ -84,6 +95,36 @@ async def test_a_short_prompt_behind_a_long_one_gets_its_first_token_first_unles
     finally:
         engine.stop()
     assert (short.first_token_s < long.first_token_s) == (policy == "shortest-first")  # both queued at once
+
+
+@pytest.mark.parametrize("max_stall_s", [0.0, 3600.0])
+async def test_while_prompts_wait_rounds_run_back_to_back_until_the_streams_stall_limit(model_and_tokenizer, max_stall_s):
+    """Four prompts queued together, one per round: with a stall limit no decode step comes
+    between the rounds, so every first token comes before any request's second (its last); with
+    0, a decode step after each round finishes the first request before the last one starts."""
+    engine = started(model_and_tokenizer, chunk=3, max_stall_s=max_stall_s)
+    try:
+        await engine.pause("in_place")
+        params = SamplingParams(max_new_tokens=2, ignore_eos=True)
+        tasks = [asyncio.create_task(engine.generate([5 + i, 6, 7], params)) for i in range(4)]
+        while engine.load()["num_waiting_reqs"] < 4:
+            await asyncio.sleep(0.01)
+        await engine.resume()
+        results = [await task for task in tasks]
+    finally:
+        engine.stop()
+    prefill_first = max(r.first_token_s for r in results) < min(r.total_s for r in results)
+    assert prefill_first == (max_stall_s > 0)
+
+
+async def test_a_full_batch_decodes_though_prompts_wait_and_the_streams_are_young(model_and_tokenizer):
+    engine = started(model_and_tokenizer, chunk=64, max_stall_s=3600.0, rows=2)  # no row for the third
+    try:
+        params = SamplingParams(max_new_tokens=5, ignore_eos=True)
+        results = await asyncio.wait_for(asyncio.gather(*(engine.generate([5, 6, 7 + i], params) for i in range(3))), 60)
+    finally:
+        engine.stop()
+    assert [len(r.output_ids) for r in results] == [5, 5, 5]
 
 
 async def test_a_prompt_prefilled_in_pieces_samples_what_a_whole_prefill_samples(model_and_tokenizer):

@@ -39,6 +39,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--chunked-prefill-size", type=int, default=512, help="most prompt tokens prefilled between two decode steps")
     parser.add_argument("--schedule-policy", default="shortest-first", choices=["shortest-first", "fcfs"],
                         help="the order waiting requests are admitted in (serve.schedule_policy)")
+    parser.add_argument("--max-stall-s", type=float, default=0.5,
+                        help="while prompts wait, how old running streams' last tokens get before a decode step (serve.max_stall_s)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     torch.set_num_threads(torch_threads(args.torch_threads))
@@ -50,7 +52,7 @@ def main(argv: list[str] | None = None) -> int:
     engine = Engine(model, tokenizer, version=args.weight_version, max_batch_size=args.max_batch_size,
                     context_length=args.context_length, load_weights=load_weights,
                     chunked_prefill_size=args.chunked_prefill_size, schedule_policy=args.schedule_policy,
-                    own_decoder=args.own_decoder).start()
+                    max_stall_s=args.max_stall_s, own_decoder=args.own_decoder).start()
     app = create_engine_app(engine, args.model, args.served_model_name or args.model, args.admin_api_key,
                             args.incremental_streaming_output, args.version_spans)
     server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level="warning"))

@@ -7,7 +7,8 @@ batch, see `batch.KVBatch`), and removes finished ones; each decode step advance
 request by one token (Llama-family models through the engine's own forward, `decoder.Decoder`, with
 fused and packed weights; others through transformers'). A round prefills at most
 `chunked_prefill_size` prompt tokens, shortest prompt first (`schedule_policy`), a longer prompt in
-pieces over several rounds (`chunked`), so that running streams go on while it is prefilled. A
+pieces over several rounds (`chunked`); while prompts wait, rounds run back to back until the running
+streams' last tokens are `max_stall_s` old, then a decode step, so that they go on meanwhile. A
 weight update is applied between steps (the decoder's weights rebuilt after it): generations in
 flight go on, and each token records the version that sampled it. Pausing follows SGLang's modes:
 `abort` ends every request with its partial output, `retract` sends running requests back to the
@@ -73,11 +74,14 @@ class Engine:
         load_weights: Callable[[torch.nn.Module, str], None] | None = None,
         chunked_prefill_size: int = 512,
         schedule_policy: SchedulePolicy = "shortest-first",
+        max_stall_s: float = 0.5,
         own_decoder: bool = True,
     ):
         self.model = model.eval()
         self.chunked_prefill_size = chunked_prefill_size
         self.schedule_policy = schedule_policy
+        self.max_stall_s = max_stall_s
+        self._tokens_at = 0.0  # when the running rows' oldest last token was sampled
         self.tokenizer = tokenizer
         self.version = version
         self.max_batch_size = max_batch_size
@@ -223,7 +227,8 @@ class Engine:
                 continue
             try:
                 self._admit()
-                self._decode()
+                if self._decode_due():
+                    self._decode()
             except Exception as exc:  # a bug or OOM fails the running requests, not the engine
                 log.exception("engine step failed")
                 self._fail_all(exc)
@@ -307,6 +312,12 @@ class Engine:
             self._enter(rows, prefill)
         self._drop_finished()
 
+    def _decode_due(self) -> bool:
+        """Whether this round ends with a decode step: not while prompts wait for a free row and the
+        running streams' last tokens are younger than `max_stall_s` (the next round prefills more)."""
+        prefill_waits = bool(self._waiting) and len(self._rows) < self.max_batch_size
+        return not prefill_waits or time.monotonic() - self._tokens_at >= self.max_stall_s
+
     def _arrive(self, request: Request) -> bool:
         """A request's first admission: score its input if asked; whether it goes on to be prefilled
         (not when that failed, nor when it generates nothing)."""
@@ -343,6 +354,7 @@ class Engine:
         # Rows join the running batch before they are sampled: whatever happens next, the
         # engine knows them (a failure fails them, never leaves them waiting forever).
         self._batch.add(prefill)
+        self._tokens_at = self._tokens_at if self._rows else time.monotonic()
         self._rows.extend(rows)
         self._sample(rows, prefill.logits)
 
@@ -367,6 +379,7 @@ class Engine:
             return
         tokens = torch.tensor([r.output_ids[-1] for r in self._rows])
         logits = self._batch.step(self.model, tokens, self._decoder)
+        self._tokens_at = time.monotonic()
         self.stats["steps"] += 1
         self._sample(self._rows, logits)
         self._drop_finished()
