@@ -49,7 +49,8 @@ class ServeConfig(Section):
     rounds back to back (SGLang's prefill-first order) until the running streams' last tokens are
     this old; then a decode step gives each of them a token. A round under way finishes, so a stream
     may wait this plus one round. 0: a decode step after every round. Under a burst of 32 prompts
-    0.5 took the time to first token's p90 from ~1.35 to ~1.1 s (docs/benchmarks.md 19g)."""
+    0.5 took the time to first token's p90 from 1.09 to 0.89 s, the median from 0.38 to 0.27 s
+    (bfloat16, medians of two; docs/benchmarks.md 19g)."""
     own_decoder: bool = True
     """Decode steps of Llama-family models through the embedded engine's own forward
     (`serve/engine/decoder.py`: fused, oneDNN-packed weights; 0.77x the CPU time of a float32

@@ -81,6 +81,7 @@ def test_weight_update_intervals_that_reach_the_next_announcement_are_accepted(i
         (["serve.device=gpu"], "serve.device: "),
         (["serve.dtype=float16"], "serve.dtype: Input should be 'float32' or 'bfloat16'"),
         (["serve.chunked_prefill_size=0"], "serve.chunked_prefill_size: "),
+        (["serve.max_stall_s=-0.1"], "serve.max_stall_s: Input should be greater than or equal to 0"),
         (["serve.swap_weights=false"], "serve.swap_weights=false needs serve.engine_urls"),
         (["train.weight_update_interval=2", "rollout.max_head_offpolicyness=0"],
          "train.weight_update_interval=2 with rollout.max_head_offpolicyness=0 can deadlock"),

@@ -1,8 +1,9 @@
 """The embedded engine's chunked prefill, its admission order and its dtype key, on the real tiny
 model: a round's plan in either order (shortest prompt first, with its bound on overtaking, or
-arrival), a short prompt behind a long one served first unless first come, a prompt
-prefilled in pieces samples what a whole prefill samples, running streams get tokens while a
-long prompt is prefilled, a request aborted mid-prefill ends alone; a bfloat16 engine (weights
+arrival; only a prompt longer than a round split), a short prompt behind a long one served first
+unless first come, rounds back to back while prompts wait (until the streams' stall bound; never
+with a full batch), a prompt prefilled in pieces samples what a whole prefill samples, running
+streams get tokens while a long prompt is prefilled, a request aborted mid-prefill ends alone; a bfloat16 engine (weights
 and KV cache) samples with log-probs close to the float32 model's and loads float32 weights."""
 
 import asyncio

@@ -7,8 +7,8 @@ batch, see `batch.KVBatch`), and removes finished ones; each decode step advance
 request by one token (Llama-family models through the engine's own forward, `decoder.Decoder`, with
 fused and packed weights; others through transformers'). A round prefills at most
 `chunked_prefill_size` prompt tokens, shortest prompt first (`schedule_policy`), a longer prompt in
-pieces over several rounds (`chunked`); while prompts wait, rounds run back to back until the running
-streams' last tokens are `max_stall_s` old, then a decode step, so that they go on meanwhile. A
+pieces over several rounds (`chunked`). While prompts wait, rounds run back to back until the
+running streams' last tokens are `max_stall_s` old; then a decode step gives each a token. A
 weight update is applied between steps (the decoder's weights rebuilt after it): generations in
 flight go on, and each token records the version that sampled it. Pausing follows SGLang's modes:
 `abort` ends every request with its partial output, `retract` sends running requests back to the
