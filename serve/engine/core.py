@@ -313,8 +313,8 @@ class Engine:
         self._drop_finished()
 
     def _decode_due(self) -> bool:
-        """Whether this round ends with a decode step: not while prompts wait for a free row and the
-        running streams' last tokens are younger than `max_stall_s` (the next round prefills more)."""
+        """Whether this round ends with a decode step: not while prompts wait, a row is free for them
+        and the running streams' last tokens are younger than `max_stall_s` (the next round prefills)."""
         prefill_waits = bool(self._waiting) and len(self._rows) < self.max_batch_size
         return not prefill_waits or time.monotonic() - self._tokens_at >= self.max_stall_s
 
