@@ -2,10 +2,10 @@
 logprobs and the weight version of every sampled token.
 
 A worker thread owns the model. Between two decode steps it runs control commands (pause, continue,
-abort, weight updates), admits waiting requests (prefilled together, then merged into the running
-batch, see `batch.KVBatch`), and removes finished ones; each decode step advances every running
-request by one token (Llama-family models through the engine's own forward, `decoder.Decoder`, with
-fused and packed weights; others through transformers'). A round prefills at most
+abort, weight updates), admits waiting requests (`admission.Admission`: prefilled together, then
+merged into the running batch, see `batch.KVBatch`), and removes finished ones; each decode step
+advances every running request by one token (Llama-family models through the engine's own
+forward, `decoder.Decoder`, with fused and packed weights; others through transformers'). A round prefills at most
 `chunked_prefill_size` prompt tokens, shortest prompt first (`schedule_policy`), a longer prompt in
 pieces over several rounds (`chunked`). While prompts wait, rounds run back to back until the
 running streams' last tokens are `max_stall_s` old; then a decode step gives each a token. A
@@ -38,13 +38,13 @@ from typing import Any, Literal
 import torch
 
 from models.grammar import end_ids
-from serve.engine.batch import KVBatch, Prefill
-from serve.engine.chunked import PartialPrefill, SchedulePolicy, take
+from serve.engine.admission import Admission
+from serve.engine.batch import KVBatch
+from serve.engine.chunked import SchedulePolicy
 from serve.engine.decoder import Decoder
 from serve.engine.grammar import Grammars
 from serve.engine.request import GenerationResult, Request, RequestFailed, TokenDelta, drain, resolve
 from serve.engine.sampling import SamplingParams
-from serve.engine.scoring import score_input
 from serve.engine.stepping import post, sample_rows
 
 log = logging.getLogger(__name__)
@@ -60,7 +60,7 @@ class _Command:
     future: asyncio.Future | None
 
 
-class Engine:
+class Engine(Admission):
     """Generation over one model; safe to call from any asyncio event loop."""
 
     def __init__(
@@ -301,78 +301,6 @@ class Engine:
     def _fail(self, request: Request, error: Exception) -> None:
         self.stats["failed"] += 1
         request.fail(error)
-
-    def _admit(self) -> None:
-        with self._wake:
-            work = take(self._waiting, self.max_batch_size - len(self._rows), self.chunked_prefill_size, self.schedule_policy)
-        new = [r for r in work.whole if self._arrive(r)]
-        if work.piece is not None:
-            self._advance(*work.piece)
-        for rows, prefill in self._prefill(new) if new else []:
-            self._enter(rows, prefill)
-        self._drop_finished()
-
-    def _decode_due(self) -> bool:
-        """Whether this round ends with a decode step: not while prompts wait, a row is free for them
-        and the running streams' last tokens are younger than `max_stall_s` (the next round prefills)."""
-        prefill_waits = bool(self._waiting) and len(self._rows) < self.max_batch_size
-        return not prefill_waits or time.monotonic() - self._tokens_at >= self.max_stall_s
-
-    def _arrive(self, request: Request) -> bool:
-        """A request's first admission: score its input if asked; whether it goes on to be prefilled
-        (not when that failed, nor when it generates nothing)."""
-        request.started = request.started or time.monotonic()
-        score_input(self.model, request)
-        if request.error is not None:
-            self._fail(request, request.error)
-        elif request.finish is not None:  # max_new_tokens=0 (scoring only): nothing to generate
-            self._complete(request)
-        else:
-            return True
-        return False
-
-    def _advance(self, request: Request, count: int) -> None:
-        """Prefill the next `count` tokens of the waiting `request`; it joins the batch after its
-        last piece. A piece that raises fails the request alone."""
-        try:
-            if request.partial is None and not self._arrive(request):
-                prefill = None
-            else:
-                request.partial = request.partial or PartialPrefill()
-                if (prefill := request.partial.advance(self.model, request.tokens, count)) is None:
-                    return
-        except Exception as exc:
-            prefill = self._prefill_failed(request, exc)
-        with self._wake:
-            self._waiting.remove(request)
-        request.partial = None
-        if prefill is not None:
-            self.stats["prefills"] += 1
-            self._enter([request], prefill)
-
-    def _enter(self, rows: list[Request], prefill: Prefill) -> None:
-        # Rows join the running batch before they are sampled: whatever happens next, the
-        # engine knows them (a failure fails them, never leaves them waiting forever).
-        self._batch.add(prefill)
-        self._tokens_at = self._tokens_at if self._rows else time.monotonic()
-        self._rows.extend(rows)
-        self._sample(rows, prefill.logits)
-
-    def _prefill(self, new: list[Request]) -> list[tuple[list[Request], Prefill]]:
-        """Prefill `new` together; if that fails, each alone, so that only a request whose own prefill
-        fails (a token id the model has no embedding for, say) fails. The running batch is untouched."""
-        try:
-            prefill = self._batch.prefill(self.model, [r.tokens for r in new], self.pad_id)
-        except Exception as exc:
-            if len(new) > 1:
-                return [part for request in new for part in self._prefill([request])]
-            return self._prefill_failed(new[0], exc) or []
-        self.stats["prefills"] += 1
-        return [(new, prefill)]
-
-    def _prefill_failed(self, request: Request, exc: Exception) -> None:
-        log.exception("prefill of request %s failed", request.rid)
-        self._fail(request, RequestFailed(f"request {request.rid} failed: its prefill raised: {exc}"))
 
     def _decode(self) -> None:
         if not self._rows:
