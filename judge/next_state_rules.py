@@ -178,6 +178,8 @@ _CRITICAL_QUESTION = re.compile(
     r"\b(?:doesn't|didn't|isn't|wasn't|won't|can't|shouldn't) (?:it|this|that|you)\b|"
     r"\b(?:it|this|that|you) (?:still )?(?:doesn't|didn't|isn't|wasn't|won't|can't|does not|did not|is not)\b|"
     r"\b(?:it|this|that)(?:'s| is) still\b|\bwhy did you\b|\bwhat happened to\b")
+_OFF_QUESTION = re.compile(r"\b(?:has|had|have) (?:nothing|little) to do with (?:what i (?:asked|said|meant|wanted)|my question)\b")
+"""The reply missed the question: a complaint, and the "what I asked" in it is no hint of how to do better."""
 _REJECTION = re.compile(r"^(?:no|nope|nah|nein|non|wrong|incorrect|stop)\b|\bno\b(?=\s*(?:[!.,;:]|$))")
 _DIRECTIVE = frozenset("use add make describe start stop change put remove return try read write fix call set keep include "
                        "drop rename replace move check look give show convert switch revert undo delete swap sort apply "
@@ -302,6 +304,9 @@ def _negative(parsed: _Parsed, after_contrast: bool) -> Call | None:
             if m := _CRITICAL_QUESTION.search(sentence):
                 complaints.append(m[0])
             continue
+        if off := _OFF_QUESTION.search(sentence):
+            complaints.append(off[0])
+            sentence = sentence[:off.start()] + sentence[off.end():]
         hints += [m[0] for m in [_HINT.search(sentence)] if m] + [x for x in [_not_x(sentence)] if x]
         complaints += [m[0] for m in [_COMPLAINT.search(sentence)] if m]
         complaints += [f"not {m[0]}" for m in _ACCEPT.finditer(sentence)

@@ -15,7 +15,7 @@ from config.schema import CollectConfig
 from judge.base import Unscorable
 from judge.composite import CompositeJudge
 from judge.next_state import NextStateJudge, hint_for
-from judge.next_state_rules import LABELS, classify_tool_output, polarity
+from judge.next_state_rules import LABELS, classify_tool_output, classify_user_text, polarity
 from judge.registry import build_judge
 from tests.test_records import make_turn
 
@@ -80,6 +80,17 @@ def test_the_hint_is_the_users_instruction_and_only_corrections_have_one():
     assert hint_for("Not quite - start at 0.") == "start at 0."
     for not_a_correction in ("thanks!", "no worries, that's perfect", "still broken", "Why doesn't the sky fall down?"):
         assert hint_for(not_a_correction) is None
+
+
+@pytest.mark.parametrize("said", ["Huh, that has nothing to do with what I asked.", "This has nothing to do with my question.",
+                                  "That had nothing to do with what I said"])
+def test_a_reply_off_the_question_draws_a_complaint_not_a_hint(said):
+    """"Nothing to do with what I asked" says the reply missed, not how to do better. Read as a
+    hint ("I asked" is a correction cue), it told the hint teacher to expect an apology, and hint
+    distillation taught a personal agent to apologise instead of answering (docs/benchmarks.md 17e)."""
+    assert classify_user_text(said).label == "complaint"
+    assert hint_for(said) is None
+    assert hint_for(f"{said} I asked how to boil an egg.").endswith("I asked how to boil an egg.")  # now it says how
 
 
 async def test_a_traceback_scores_minus_one_and_passing_tests_plus_one():
