@@ -71,7 +71,7 @@ def _gaps(trainer: Trainer, batches: list[MicroBatch], eps: float, cap: float | 
     diffs = []
     with torch.no_grad():
         for batch in batches:
-            logp, _ = trainer.token_logprobs(batch)
+            logp = trainer.token_logprobs(batch).logp
             own = batch.loss_mask.bool() & (batch.versions == 0)
             diffs.append((logp - batch.behav_logp)[own].double().cpu())
     d = torch.cat(diffs)

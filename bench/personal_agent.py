@@ -14,9 +14,10 @@ What runs
     next session starts once the previous one has been trained and its version swapped in
     (`--pace free` does not wait).
 
-Arms (train.rl_coef / train.opd_coef): `none` (serve, collect and judge only: the base model),
-`rl` (next-state RL: the judge's ±1 from the person's reaction), `opd` (hint distillation only:
-the teacher, the pinned starting model told the correction, scores the tokens sampled), `both`.
+Arms: `none` (serve, collect and judge only: the base model), `rl` (next-state RL: the judge's
+±1 from the person's reaction), `opd` (hint distillation only: the teacher, the pinned starting
+model told the correction, scores the tokens sampled, and gives its distribution at each of
+them), `both`.
 
 Measured
     - sessions to learn, as OpenClaw-RL counts it: the session at which the first replies have
@@ -60,10 +61,12 @@ from bench._personal_users import HELD_OUT_QUESTIONS, NAMES, PREFERENCES, TRAIN_
 CONFIG = "bench/configs/personal_agent.yaml"
 ARMS = {
     "none": ["deploy.loops=[serve,collect,judge]", "judge.teacher.enabled=false"],
-    "rl": ["train.rl_coef=1.0", "train.opd_coef=0.0", "judge.teacher.enabled=false"],
-    "opd": ["train.rl_coef=0.0", "train.opd_coef=1.0"],
-    "both": ["train.rl_coef=1.0", "train.opd_coef=1.0"],
+    "rl": ["train.rl_coef=1.0", "train.opd_coef=0.0", "train.opd_topk_coef=0.0", "judge.teacher.enabled=false"],
+    "opd": ["train.rl_coef=0.0"],
+    "both": ["train.rl_coef=1.0"],
 }
+"""Each arm's overrides; hint distillation's form and weights (`train.opd_coef`, `opd_topk_coef`,
+`judge.teacher.top_k`) are the config's."""
 DEFAULT_PREFS = {"both": ["brief", "bullets", "name", "formal"], "rl": ["brief", "name"], "opd": ["brief", "name"],
                  "none": ["brief", "name"]}
 RUN = 3

@@ -251,11 +251,21 @@ class Sample(Record, kw_only=True):
     """Hint distillation: per segment of the trajectory (aligned with its tokens), a teacher's
     log-probability of each sampled token of a turn that got a hint (the pinned model, told the
     hint, scoring what the policy sampled); NaN elsewhere. Empty: no turn got a hint."""
+    teacher_top_k: int = 0
+    """How many of the teacher's likeliest tokens each position of `teacher_top_ids` holds (0: none)."""
+    teacher_top_ids: list[Int32s] = msgspec.field(default_factory=list)
+    """Dense hint distillation: per segment, for each token `teacher_top_k` ids, the likeliest
+    tokens of the teacher's distribution at that position, likeliest first (token t's at
+    [t·k, (t+1)·k)); -1 where no teacher spoke. Empty when `teacher_top_k` is 0."""
+    teacher_top_logprobs: list[Float64s] = msgspec.field(default_factory=list)
+    """Their log-probabilities under the teacher, aligned with `teacher_top_ids` (NaN where none)."""
 
     def __post_init__(self) -> None:
         if (self.trajectory is None) == (self.trajectory_seq is None):
             raise ValueError("a Sample needs exactly one of `trajectory` and `trajectory_seq`")
         self.teacher_logprobs = [Float64s.coerce(values) for values in self.teacher_logprobs]
+        self.teacher_top_ids = [Int32s.coerce(values) for values in self.teacher_top_ids]
+        self.teacher_top_logprobs = [Float64s.coerce(values) for values in self.teacher_top_logprobs]
 
 
 class Unscored(Record, kw_only=True):

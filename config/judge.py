@@ -225,6 +225,10 @@ class TeacherConfig(Section):
     """How a hint is appended to the last user message of the turn's request (`string.Template`,
     $hint)."""
     max_hint_chars: int = Field(600, ge=10)
+    top_k: int = Field(0, ge=0, le=20)
+    """Also send, for each token it scores, the teacher's k likeliest tokens and their
+    log-probabilities (SGLang's `input_top_logprobs`): dense distillation toward its whole
+    distribution (`train.opd_topk_coef`), not only the sampled token's. 0: the sampled token's alone."""
 
 
 class JudgeConfig(Section):

@@ -215,6 +215,10 @@ class TrainConfig(Section):
     tokens a teacher scored (`Sample.teacher_logprobs`); 0 turns it off."""
     opd_clip: float = Field(2.0, gt=0.0)
     """c: the teacher − student log-probability difference is clipped to [−c, c] (nats)."""
+    opd_topk_coef: float = Field(0.0, ge=0.0)
+    """β: dense hint distillation, the weight of the reverse KL from the policy to the teacher
+    over the teacher's top-k tokens (`judge.teacher.top_k`) on the tokens it scored
+    (train/distill.py); 0 turns it off."""
     turn_reward_norm: Literal["group", "none"] = "group"
     """`group`: a task group's per-turn rewards are normalised among the members' rewards for the
     same step, (r − mean) / std, like outcomes (OpenClaw-RL v2's per (task, step) normalisation;

@@ -33,7 +33,7 @@ from bus.consumer_loop import ConsumerLoop
 from config import FlywheelConfig
 from judge.base import Unscorable, Verdict
 from judge.registry import build_judge
-from judge.teacher import Teacher, hints_of
+from judge.teacher import Teacher, Teaching, hints_of
 
 log = logging.getLogger(__name__)
 
@@ -129,22 +129,22 @@ class JudgeLoop(ConsumerLoop):
         return Sample(
             id=trajectory.id, trajectory_seq=stream_seq, reward=verdict.reward, turn_rewards=verdict.turn_rewards,
             judge=self.judge.name, details=verdict.details, judge_model=self.judge.identity,
-            teacher_logprobs=await self._teach(trajectory, verdict),
+            **(await self._teach(trajectory, verdict)).sample_fields(),
         )
 
-    async def _teach(self, trajectory: Trajectory, verdict: Verdict) -> list:
-        """The teacher's log-probabilities for the turns that got a hint (judge/teacher.py); none
-        when there is no teacher, no hint, or the teacher failed (the sample goes without)."""
+    async def _teach(self, trajectory: Trajectory, verdict: Verdict) -> Teaching:
+        """What the teacher said of the turns that got a hint (judge/teacher.py); nothing when
+        there is no teacher, no hint, or the teacher failed (the sample goes without)."""
         if self.teacher is None:
-            return []
+            return Teaching()
         hints = hints_of(trajectory, verdict.details)
         if not hints:
-            return []
+            return Teaching()
         try:
             return await self.teacher.teach(trajectory, hints)
         except Exception:
             log.exception("the teacher failed on %s; the sample goes without it", trajectory.id)
-            return []
+            return Teaching()
 
     async def finish(self) -> None:
         """Abandon judgements in flight (unacknowledged: `stop` hands them back for redelivery)."""

@@ -17,6 +17,10 @@ the turn was sampled at. Its log-probabilities go on the sample, per segment, al
 trajectory's tokens (NaN where no teacher spoke); the trainer adds w_opd · clip(log π_teacher −
 log π_student) to those tokens' advantage (train/distill.py). A turn drawn under a grammar (a
 forced tool call, a JSON schema) gets no teacher: its tokens' distribution is the grammar's.
+
+With `judge.teacher.top_k` k, the same request also returns the teacher's k likeliest tokens at
+each of those positions (its distribution, not only its view of the token sampled), carried as
+`Sample.teacher_top_ids` / `teacher_top_logprobs` for dense distillation (train/distill.py).
 """
 
 from __future__ import annotations
@@ -28,8 +32,10 @@ from typing import Any
 
 import httpx
 
+from dataclasses import dataclass, field
+
 from bus import Trajectory
-from bus.arrays import Float64s
+from bus.arrays import Float64s, Int32s
 from config.judge import TeacherConfig
 from judge.rule import turn_positions
 
@@ -72,6 +78,21 @@ def _judged_hints(details: dict[str, Any]) -> dict[int, str]:
     return found
 
 
+@dataclass
+class Teaching:
+    """What a teacher said of a trajectory, per segment, aligned with its tokens (the `Sample`
+    fields of the same names); all empty when no turn was taught."""
+
+    logprobs: list[Float64s] = field(default_factory=list)
+    top_k: int = 0
+    top_ids: list[Int32s] = field(default_factory=list)
+    top_logprobs: list[Float64s] = field(default_factory=list)
+
+    def sample_fields(self) -> dict[str, Any]:
+        return {"teacher_logprobs": self.logprobs, "teacher_top_k": self.top_k, "teacher_top_ids": self.top_ids,
+                "teacher_top_logprobs": self.top_logprobs}
+
+
 class Teacher:
     def __init__(self, config: TeacherConfig, server_url: str, api_key: str | None = None, timeout_s: float = 120.0):
         self.config = config
@@ -79,13 +100,15 @@ class Teacher:
         self.http = httpx.AsyncClient(base_url=server_url, headers=headers, timeout=timeout_s)
         self.counts = {"hinted_turns": 0, "scored_tokens": 0, "failures": 0}
 
-    async def teach(self, trajectory: Trajectory, hints: dict[int, str]) -> list[Float64s]:
-        """The teacher's log-probabilities, per segment (NaN where no hint reached a turn); [] when
-        no turn could be taught."""
-        out = [Float64s([math.nan] * len(segment.token_ids)) for segment in trajectory.segments]
-        taught = False
-        position = 0
-        for segment, values in zip(trajectory.segments, out):
+    async def teach(self, trajectory: Trajectory, hints: dict[int, str]) -> Teaching:
+        """The teacher's log-probabilities (and with `top_k` its likeliest tokens), per segment,
+        NaN (-1) where no hint reached a turn; empty when no turn could be taught."""
+        k = self.config.top_k
+        taught = Teaching([Float64s([math.nan] * len(s.token_ids)) for s in trajectory.segments], k,
+                          [Int32s([-1] * (len(s.token_ids) * k)) for s in trajectory.segments] if k else [],
+                          [Float64s([math.nan] * (len(s.token_ids) * k)) for s in trajectory.segments] if k else [])
+        position, any_taught = 0, False
+        for index, segment in enumerate(trajectory.segments):
             for _, start, end in segment.turn_spans:
                 turn = trajectory.turns[position]
                 hint = hints.get(position)
@@ -94,24 +117,41 @@ class Teacher:
                     continue
                 scored = await self._score(turn.messages, list(segment.token_ids[start:end]), hint,
                                            float(turn.sampling.get("temperature", 1.0)))
-                if scored is not None:
-                    values[start:end] = Float64s(scored)
-                    taught = True
-                    self.counts["hinted_turns"] += 1
-                    self.counts["scored_tokens"] += end - start
-        return out if taught else []
+                if scored is None:
+                    continue
+                taught.logprobs[index][start:end] = Float64s(scored["logprobs"])
+                if k:
+                    taught.top_ids[index][start * k:end * k] = Int32s(i for ids in scored["top_ids"] for i in ids)
+                    taught.top_logprobs[index][start * k:end * k] = Float64s(v for values in scored["top_logprobs"] for v in values)
+                any_taught = True
+                self.counts["hinted_turns"] += 1
+                self.counts["scored_tokens"] += end - start
+        return taught if any_taught else Teaching()
 
-    async def _score(self, messages: list[dict[str, Any]], output_ids: list[int], hint: str, temperature: float) -> list[float] | None:
+    async def _score(self, messages: list[dict[str, Any]], output_ids: list[int], hint: str,
+                     temperature: float) -> dict[str, Any] | None:
+        """The score server's answer for these tokens told the hint (`logprobs`, and with `top_k`
+        `top_ids` and `top_logprobs`, k per token); None when it failed or answered out of shape."""
+        k = self.config.top_k
         try:
             response = await self.http.post("/engine/score", json={
-                "messages": self.told(messages, hint), "output_ids": output_ids, "temperature": temperature or 1.0})
+                "messages": self.told(messages, hint), "output_ids": output_ids, "temperature": temperature or 1.0,
+                **({"top_k": k} if k else {})})
             response.raise_for_status()
-            logprobs = response.json()["logprobs"]
-        except (httpx.HTTPError, KeyError, ValueError) as exc:
+            scored = response.json()
+            n = len(output_ids)
+            shaped = len(scored["logprobs"]) == n and (not k or (
+                len(scored["top_ids"]) == len(scored["top_logprobs"]) == n
+                and all(len(ids) == len(values) == k for ids, values in zip(scored["top_ids"], scored["top_logprobs"]))))
+        except (httpx.HTTPError, KeyError, TypeError, ValueError) as exc:
             self.counts["failures"] += 1
             log.warning("the teacher could not score a turn: %s", exc)
             return None
-        return logprobs if len(logprobs) == len(output_ids) else None
+        if not shaped:
+            self.counts["failures"] += 1
+            log.warning("the teacher's answer does not cover the %d tokens it was asked about", len(output_ids))
+            return None
+        return scored
 
     def told(self, messages: list[dict[str, Any]], hint: str) -> list[dict[str, Any]]:
         """The turn's request with the hint appended to its last user message (a user message of

@@ -8,7 +8,10 @@ distillation's teacher gets its log-probabilities; and the promotion gate's eval
   with its hint), followed by `output_ids` (the tokens the policy sampled), scored with one
   prefill-only engine request (SGLang's `/generate` with `input_ids`, `return_logprob`,
   `logprob_start_len` = the prompt's length − 1, `max_new_tokens: 0`, at `temperature`);
-  answers `{"logprobs": [log π(output_ids[i] | prompt, output_ids[:i])...], "prompt_tokens"}`.
+  answers `{"logprobs": [log π(output_ids[i] | prompt, output_ids[:i])...], "prompt_tokens"}`;
+  with `"top_k": k` also the k likeliest tokens of each of those positions' distributions,
+  `"top_ids"` and `"top_logprobs"` (one list of k per output token, likeliest first; SGLang's
+  `top_logprobs_num` and `input_top_logprobs`): a teacher's distribution for dense distillation.
 
 - `POST /engine/update_weights_from_disk` `{"model_path", "weight_version"}` (`serve.role: eval`
   only): SGLang's route, loading any version, older ones too (the gate goes back and forth).
@@ -37,6 +40,7 @@ class ScoreRequest(Body):
     messages: list[Message] = Field(min_length=1)
     output_ids: list[int] = Field(min_length=1)
     temperature: float = Field(1.0, ge=0.0)
+    top_k: int = Field(0, ge=0, le=20)
 
 
 class LoadRequest(Body):
@@ -83,6 +87,13 @@ def install_scoring_routes(app: FastAPI, pool: EnginePool, prompts: PromptBuilde
         scored = await generate_on_engine({
             "input_ids": prompt_ids + body.output_ids, "return_logprob": True, "logprob_start_len": len(prompt_ids) - 1,
             "sampling_params": {"max_new_tokens": 0, "temperature": body.temperature},
+            **({"top_logprobs_num": body.top_k} if body.top_k else {}),
         })
-        entries = scored["meta_info"]["input_token_logprobs"][1:]
-        return {"logprobs": [entry[0] for entry in entries], "prompt_tokens": len(prompt_ids)}
+        meta = scored["meta_info"]
+        answer: dict[str, Any] = {"logprobs": [entry[0] for entry in meta["input_token_logprobs"][1:]],
+                                  "prompt_tokens": len(prompt_ids)}
+        if body.top_k:
+            tops = meta["input_top_logprobs"][1:]
+            answer.update(top_ids=[[entry[1] for entry in top] for top in tops],
+                          top_logprobs=[[entry[0] for entry in top] for top in tops])
+        return answer

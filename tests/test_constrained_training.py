@@ -71,7 +71,7 @@ async def test_forced_calls_and_response_formats_are_trained_under_their_grammar
     batch = step_of(samples, config)
     [whole] = micro_batches(unmasked_rows(samples), budget=100_000, pad_id=0)
     with torch.no_grad():
-        vocabulary_wide, _ = trainer.token_logprobs(whole)
+        vocabulary_wide = trainer.token_logprobs(whole).logp
     old = GapStats()
     old.add(vocabulary_wide, whole, version=0)
     assert old.tokens == sampled and old.mean > 0.5  # over the whole vocabulary: not what the engine sampled from

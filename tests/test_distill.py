@@ -1,8 +1,10 @@
 """Hint distillation in the trainer: teacher log-probabilities travel on the sample aligned with
 the tokens the policy sampled, through packing and padding, and become
-w_rl · Â + w_opd · clip(log π_teacher − log π_student, −c, c) per token, the student being π_prox.
-The teacher here is the real embedded engine scoring what the policy sampled under a prompt
-that carries a hint (a prefill-only request, as the judge's teacher does)."""
+w_rl · Â + w_opd · clip(log π_teacher − log π_student, −c, c) per token, the student being π_prox;
+the teacher's top-k tokens travel the same way and give the dense term, the reverse KL from the
+policy to the teacher over those k tokens and the rest. The teacher here is the real embedded
+engine scoring what the policy sampled under a prompt that carries a hint (a prefill-only
+request, as the judge's teacher does)."""
 
 from __future__ import annotations
 
@@ -13,7 +15,7 @@ import pytest
 import torch
 
 from bus import Sample
-from bus.arrays import Float64s
+from bus.arrays import Float64s, Int32s
 from collect.stitch import stitch
 from config import load_config
 from models import load_model
@@ -21,7 +23,7 @@ from serve.engine import Engine, SamplingParams
 from tests.test_records import make_turn
 from tests.test_train_loop import sample_of, sampled_turns
 from train.advantages import RunningBaseline
-from train.distill import DistillStats, add_distillation
+from train.distill import DenseStats, DistillStats, add_distillation, topk_kl
 from train.grouping import Group, Member
 from train.packing import Row, micro_batches
 from train.step_batch import StepBatch
@@ -41,6 +43,18 @@ def taught(sample: Sample, values_of_turn: list[float]) -> Sample:
     teacher = [NAN] * len(segment.token_ids)
     teacher[start:end] = values_of_turn
     sample.teacher_logprobs = [Float64s(teacher)]
+    return sample
+
+
+def taught_top(sample: Sample, tops: list[list[tuple[int, float]]]) -> Sample:
+    """The sample with a teacher's top-k (id, logprob) pairs on its (one) turn's sampled tokens."""
+    [segment] = sample.trajectory.segments
+    [(_, start, end)] = segment.turn_spans
+    k = len(tops[0])
+    ids, values = [-1] * (len(segment.token_ids) * k), [NAN] * (len(segment.token_ids) * k)
+    ids[start * k:end * k] = [i for top in tops for i, _ in top]
+    values[start * k:end * k] = [v for top in tops for _, v in top]
+    sample.teacher_top_k, sample.teacher_top_ids, sample.teacher_top_logprobs = k, [Int32s(ids)], [Float64s(values)]
     return sample
 
 
@@ -64,6 +78,95 @@ async def test_teacher_logprobs_stay_on_the_tokens_they_score_through_packing(tu
     assert [i for i, _ in sorted(found)] == [i for i, _ in sorted(expected)]
     assert [v for _, v in sorted(found)] == pytest.approx([v for _, v in sorted(expected)])
     assert batch.hinted_turns == 1 and batch.turns == 3
+
+
+@pytest.mark.parametrize("packing", ["true", "false"])
+async def test_the_teachers_top_tokens_stay_on_the_tokens_they_describe_through_packing(turns, packing):
+    """Each sampled token of the taught turn carries k (id, logprob) pairs (here: the token itself,
+    then the next two ids); wherever packing or padding puts it, they sit at its position."""
+    samples = [sample_of(t, 1.0) for t in turns]
+    taught_top(samples[2], [[(t, -0.1), (t + 1, -2.0), (t + 2, -3.0)] for t in turns[2].output_ids])
+    config = load_config(None, [f"train.packing={packing}", "actor.ppo_n_minibatches=1", "train.micro_batch_tokens=64"])
+    batch = StepBatch([group_of(s) for s in samples], config, RunningBaseline(), 0)
+    found = []
+    for micro in (b for minibatch in batch.minibatches for b in minibatch):
+        if not micro.teacher_top_ids.shape[-1]:  # no row of this micro-batch was taught
+            continue
+        at = micro.teacher_top_ids[..., 0] >= 0
+        assert bool((micro.loss_mask[at] == 1).all())
+        assert micro.teacher_top_ids[at].tolist() == [[t, t + 1, t + 2] for t in micro.input_ids[at].tolist()]
+        assert micro.teacher_top_logp[at].flatten().tolist() == pytest.approx([-0.1, -2.0, -3.0] * int(at.sum()))
+        found += micro.input_ids[at].tolist()
+    assert sorted(found) == sorted(turns[2].output_ids)
+
+
+async def test_dense_distillation_moves_the_policys_distribution_toward_the_teachers(turns):
+    """A teacher sure of one token the policy finds unlikely (its top-2: that token at 0.9, another
+    at 0.05): one step of the dense term alone (no RL, no token-level term) raises that token's
+    probability at every taught position and lowers the k+1-bin KL from the policy to the teacher."""
+    config = load_config(None, ["train.rl_coef=0", "train.opd_coef=0", "train.opd_topk_coef=1", "actor.optimizer.lr=0.01",
+                                "actor.ppo_n_minibatches=1"])
+    trainer = Trainer(load_model("tiny")[0], config.actor, config.train)
+    wanted, other = 7, 8
+    samples = [taught_top(sample_of(turn, 0.0), [[(wanted, math.log(0.9)), (other, math.log(0.05))]] * len(turn.output_ids))
+               for turn in turns]
+    batch = StepBatch([group_of(s) for s in samples], config, RunningBaseline(), 0)
+    micros = [b for minibatch in batch.minibatches for b in minibatch]
+
+    def measured() -> tuple[float, float]:
+        """(the mean KL per taught token, the mean probability of `wanted` there)."""
+        stats, probability = DenseStats(), []
+        with torch.no_grad():
+            for micro in micros:
+                trainer.token_logprobs(micro, dense=stats)
+                logits = trainer.model(input_ids=micro.input_ids, position_ids=micro.position_ids).logits[:, :-1]
+                taught = micro.teacher_top_ids[:, 1:, 0] >= 0
+                probability += torch.softmax(logits / micro.temperatures[:, 1:, None], -1)[..., wanted][taught].tolist()
+        return stats.kl_sum / stats.tokens, sum(probability) / len(probability)
+
+    kl_before, p_before = measured()
+    metrics = trainer.step(batch.minibatches, version=0)
+    kl_after, p_after = measured()
+    assert metrics["opd_topk_tokens"] == sum(len(t.output_ids) for t in turns) and metrics["opd_tokens"] == 0
+    assert metrics["opd_topk_kl"] == pytest.approx(kl_before, rel=1e-4) and p_before < 0.1
+    assert kl_after < kl_before and p_after > 2 * p_before  # 0.0005 -> 0.003 here: the reverse KL falls slowly while
+    # the policy's mass is still in the tail bin
+
+
+async def test_the_dense_term_is_zero_where_the_teacher_is_the_policy(turns):
+    """The real engine's top-8 at the policy's own prompt: the policy's own distribution, so there
+    is nothing to distil (the tail bin makes the k+1 bins exact)."""
+    model, tokenizer = load_model("tiny")
+    engine = Engine(model, tokenizer).start()
+    try:
+        own = await engine.generate(list(turns[0].prompt_ids) + list(turns[0].output_ids), SamplingParams(
+            max_new_tokens=0, logprob_start_len=len(turns[0].prompt_ids) - 1, top_logprobs_num=8, temperature=1.0))
+    finally:
+        engine.stop()
+    config = load_config(None, ["train.opd_topk_coef=1", "actor.ppo_n_minibatches=1"])
+    sample = sample_of(turns[0], 0.0)
+    batch = StepBatch([group_of(taught_top(sample, own.input_top_logprobs[1:]))], config, RunningBaseline(), 0)
+    [[micro]] = batch.minibatches
+    stats = DenseStats()
+    with torch.no_grad():
+        kl = Trainer(model, config.actor, config.train).token_logprobs(micro, dense=stats).dense_kl
+    assert stats.tokens == len(turns[0].output_ids) and float(kl) == pytest.approx(0.0, abs=1e-4)
+
+
+def test_the_dense_term_counts_only_taught_loss_tokens():
+    """Positions without the teacher's tokens (id -1), or off the loss mask, add nothing."""
+    turn = make_turn(prompt_ids=[1, 2], output_ids=[3, 4, 5], output_logprobs=[-1.0] * 3, output_versions=[0, 0, 0])
+    [segment] = stitch([turn])
+    from train.packing import TeacherTop
+    top = TeacherTop(2, array.array("i", [-1, -1, -1, -1, 3, 4, -1, -1, 5, 6]), array.array("d", [NAN] * 4 + [-0.1, -3.0] + [NAN] * 2 + [-0.2, -2.5]))
+    [batch] = micro_batches([Row(segment, [0.0] * 5, loss_mask=[0, 0, 1, 1, 0], teacher_top=top)], budget=64, pad_id=0)
+    logp_all = torch.log_softmax(torch.zeros((1, 4, 8)), dim=-1)  # uniform over 8 tokens
+    stats = DenseStats()
+    kl = topk_kl(logp_all, batch, stats)
+    # Only token 3 (position 2) counts: token 5 is off the mask, token 4 has no teacher.
+    student = torch.log(torch.tensor([1 / 8, 1 / 8, 6 / 8]))
+    teacher = torch.tensor([-0.1, -3.0, math.log(1 - math.exp(-0.1) - math.exp(-3.0))])
+    assert stats.tokens == 1 and float(kl) == pytest.approx(float((student.exp() * (student - teacher)).sum()), abs=1e-5)
 
 
 def test_the_combined_advantage_is_the_rl_term_plus_the_clipped_teacher_gap():
@@ -106,11 +209,11 @@ async def test_a_teacher_told_a_hint_moves_the_policy_toward_what_it_prefers(tur
     batch = StepBatch([group_of(sample)], config, RunningBaseline(), 0)
     [[micro]] = batch.minibatches
     with torch.no_grad():
-        before = trainer.token_logprobs(micro)[0][micro.loss_mask.bool()]
+        before = trainer.token_logprobs(micro).logp[micro.loss_mask.bool()]
     gaps = torch.tensor(teacher) - before.double()
     metrics = trainer.step(batch.minibatches, version=0)
     with torch.no_grad():
-        after = trainer.token_logprobs(micro)[0][micro.loss_mask.bool()]
+        after = trainer.token_logprobs(micro).logp[micro.loss_mask.bool()]
     assert metrics["opd_tokens"] == len(teacher) and metrics["opd_gap_mean"] == pytest.approx(float(gaps.mean()), abs=1e-4)
     moved = (after - before).double()
     liked, disliked = gaps > 0.1, gaps < -0.1

@@ -212,3 +212,36 @@ async def test_a_prefill_only_request_scores_the_tokens_it_is_given_as_sglang_do
     assert entries[0][0] is None
     recorded = [e[0] for e in sampled["meta_info"]["output_token_logprobs"]]
     assert [e[0] for e in entries[1:]] == pytest.approx(recorded, abs=1e-4)
+
+
+async def test_a_prefill_only_request_returns_each_positions_top_logprobs_as_sglang_does(engine_url):
+    """With `top_logprobs_num` k, SGLang's `input_top_logprobs` comes beside `input_token_logprobs`,
+    aligned with it: entry 0 None, then per position k [logprob, id, null] entries, likeliest
+    first (a teacher's whole distribution for dense hint distillation). They are the top of the
+    distribution the output's tokens were sampled from: at each position, the generation's own
+    `output_top_logprobs`."""
+    url, _ = engine_url
+    prompt, k = [5, 9, 13, 21, 34], 5
+    sampling = {"max_new_tokens": 6, "temperature": 0.8, "ignore_eos": True, "sampling_seed": 4}
+    async with httpx.AsyncClient(base_url=url, timeout=60) as http:
+        sampled = (await http.post("/generate", json={"input_ids": prompt, "sampling_params": sampling,
+                                                      "return_logprob": True, "top_logprobs_num": k})).json()
+        ids = prompt + sampled["output_ids"]
+        start = len(prompt) - 1
+        scored = (await http.post("/generate", json={
+            "input_ids": ids, "sampling_params": {"max_new_tokens": 0, "temperature": 0.8},
+            "return_logprob": True, "logprob_start_len": start, "top_logprobs_num": k})).json()
+        plain = (await http.post("/generate", json={
+            "input_ids": ids, "sampling_params": {"max_new_tokens": 0, "temperature": 0.8},
+            "return_logprob": True, "logprob_start_len": start})).json()
+    tops = scored["meta_info"]["input_top_logprobs"]
+    assert len(tops) == len(scored["meta_info"]["input_token_logprobs"]) == len(ids) - start and tops[0] is None
+    for position, (top, generated) in enumerate(zip(tops[1:], sampled["meta_info"]["output_top_logprobs"])):
+        assert len(top) == k and all(e[2] is None for e in top)
+        values = [e[0] for e in top]
+        assert values == sorted(values, reverse=True)
+        assert [e[1] for e in top] == [e[1] for e in generated], position
+        assert values == pytest.approx([e[0] for e in generated], abs=1e-4)
+        token_logprob = scored["meta_info"]["input_token_logprobs"][position + 1][0]
+        assert token_logprob <= values[0] + 1e-6 and (token_logprob < values[-1] + 1e-6 or ids[start + 1 + position] in [e[1] for e in top])
+    assert "input_top_logprobs" not in plain["meta_info"]

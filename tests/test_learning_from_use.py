@@ -57,8 +57,11 @@ async def test_the_judges_server_keeps_its_weights_while_the_policys_move(nats_u
         await policy.stop()
 
 
-async def test_feedback_text_becomes_a_hint_the_teacher_scores_onto_the_sample(nats_url, tmp_path, bus):
-    async with platform(nats_url, tmp_path, "judge.kind=rule") as (serve, _, client):
+@pytest.mark.parametrize("top_k", [0, 3])
+async def test_feedback_text_becomes_a_hint_the_teacher_scores_onto_the_sample(nats_url, tmp_path, bus, top_k):
+    """With `judge.teacher.top_k` the teacher's 3 likeliest tokens at each taught position come
+    too, on the same positions (token t's at [3t, 3t + 3)), likeliest first."""
+    async with platform(nats_url, tmp_path, "judge.kind=rule", f"judge.teacher.top_k={top_k}") as (serve, _, client):
         server = ServeLoop(side_server_config(serve.config, "judge"), nats_url)
         await server.start()
         judge = JudgeLoop(serve.config, nats_url)
@@ -89,6 +92,16 @@ async def test_feedback_text_becomes_a_hint_the_teacher_scores_onto_the_sample(n
     (_, start, end), (_, later, _) = segment.turn_spans
     taught = [i for i, v in enumerate(teacher) if not math.isnan(v)]
     assert taught == list(range(start, end)) and later >= end  # the hinted turn's sampled tokens, only
+    assert sample.teacher_top_k == top_k
+    if top_k:
+        [ids], [values] = sample.teacher_top_ids, sample.teacher_top_logprobs
+        assert len(ids) == len(values) == top_k * len(segment.token_ids)
+        assert [t for t in range(len(segment.token_ids)) if ids[t * top_k] >= 0] == taught
+        for t in taught:
+            top = values[t * top_k:(t + 1) * top_k]
+            assert list(top) == sorted(top, reverse=True) and teacher[t] <= top[0] + 1e-6
+    else:
+        assert sample.teacher_top_ids == [] and sample.teacher_top_logprobs == []
     # The same numbers straight from the pinned engine: the turn's request with the hint appended.
     told = Teacher(serve.config.judge.teacher, server.url).told(trajectory.turns[0].messages, "Say my name, Ada, first.")
     assert told[-1]["content"].startswith("Greet me.") and "Ada" in told[-1]["content"]
@@ -109,11 +122,17 @@ async def test_the_teacher_scores_sampled_tokens_as_the_engine_sampled_them(nats
         [turn] = await recorded_turns(bus, 1)
         async with httpx.AsyncClient(base_url=server.url) as http:
             scored = (await http.post("/engine/score", json={"messages": asked, "output_ids": list(turn.output_ids),
-                                                             "temperature": 0.7})).json()
+                                                             "temperature": 0.7, "top_k": 4})).json()
             bad = await http.post("/engine/score", json={"messages": [], "output_ids": [1]})
+            too_many = await http.post("/engine/score", json={"messages": asked, "output_ids": [1], "top_k": 21})
         assert scored["prompt_tokens"] == len(turn.prompt_ids)
         assert scored["logprobs"] == pytest.approx(list(turn.output_logprobs), abs=1e-4)
-        assert bad.status_code == 400
+        # The teacher's whole distribution at each sampled token's position: its top 4, likeliest first.
+        assert len(scored["top_ids"]) == len(scored["top_logprobs"]) == len(turn.output_ids)
+        for ids, values, token, value in zip(scored["top_ids"], scored["top_logprobs"], turn.output_ids, scored["logprobs"]):
+            assert len(ids) == 4 and values == sorted(values, reverse=True) and value <= values[0] + 1e-6
+            assert token not in ids or values[ids.index(token)] == pytest.approx(value, abs=1e-5)
+        assert bad.status_code == 400 and too_many.status_code == 400
     finally:
         await server.stop()
 

@@ -73,10 +73,13 @@ async def test_a_persons_correction_is_judged_taught_and_trained(nats_url, tmp_p
         [segment], [teacher] = trajectory.segments, sample.teacher_logprobs
         (_, start, end), _ = segment.turn_spans
         assert [i for i, v in enumerate(teacher) if not math.isnan(v)] == list(range(start, end))  # the first reply, only
+        k, [top_ids] = sample.teacher_top_k, sample.teacher_top_ids  # and the teacher's 20 likeliest tokens there
+        assert k == config.judge.teacher.top_k == 20 and [t for t in range(len(teacher)) if top_ids[t * k] >= 0] == list(range(start, end))
         assert said[session["id"]] == {"judge_class": "correction", "judge_score": -1, "hint": first["hint"],
                                        "teacher_tokens": end - start}
     metrics = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
-    assert [(m["step"], m["n_samples"]) for m in metrics] == [(1, 1), (2, 1)] and all(m["opd_tokens"] > 0 for m in metrics)
+    assert [(m["step"], m["n_samples"]) for m in metrics] == [(1, 1), (2, 1)]
+    assert all(m["opd_topk_tokens"] > 0 and m["opd_topk_kl"] > 0 for m in metrics)  # the bench distils densely
     assert judge_server.pool.weight_version == 0  # the teacher never moved
 
 

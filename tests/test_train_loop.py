@@ -71,12 +71,12 @@ async def test_a_step_raises_rewarded_and_lowers_unrewarded_sequences():
     [batch] = batches
     # Engine logprobs are the behaviour policy: they match the trainer's own before any step.
     with torch.no_grad():
-        before, _ = trainer.token_logprobs(batch)
+        before = trainer.token_logprobs(batch).logp
     mask = batch.loss_mask.bool()
     assert before[mask].tolist() == pytest.approx(batch.behav_logp[mask].tolist(), abs=2e-4)
     metrics = trainer.step([batches])
     with torch.no_grad():
-        after, _ = trainer.token_logprobs(batch)
+        after = trainer.token_logprobs(batch).logp
     gain = ((after - before) * batch.loss_mask).sum(dim=1)
     assert gain[0] > 0 > gain[1]
     assert metrics["tokens"] == int(batch.loss_mask.sum()) and math.isfinite(metrics["loss"])

@@ -47,7 +47,7 @@ async def test_logprobs_are_recomputed_at_the_temperature_each_turn_was_sampled_
         rows.append(Row(trajectory.segments[0], [1.0] * len(turn.prompt_ids + turn.output_ids), sampling.temperatures))
     [batch] = micro_batches(rows, budget=10_000, pad_id=0)
     with torch.no_grad():
-        logp, _ = trainer.token_logprobs(batch)
+        logp = trainer.token_logprobs(batch).logp
     mask = batch.loss_mask.bool()
     assert logp[mask].tolist() == pytest.approx(batch.behav_logp[mask].tolist(), abs=2e-4)
 

@@ -41,7 +41,7 @@ def per_token(trainer, batches) -> list[list[float]]:
     out = []
     with torch.no_grad():
         for batch in batches:
-            logp, _ = trainer.token_logprobs(batch)
+            logp = trainer.token_logprobs(batch).logp
             out += sorted(logp[batch.loss_mask.bool()].tolist())
     return sorted(out)
 

@@ -53,6 +53,16 @@ class GrammarMasks:
 
 
 @dataclass
+class TeacherTop:
+    """A segment's `Sample.teacher_top_ids` / `teacher_top_logprobs`: `k` per token, token t's at
+    [t·k, (t+1)·k), id -1 where no teacher spoke."""
+
+    k: int
+    ids: array.array
+    logprobs: array.array
+
+
+@dataclass
 class Row:
     """One segment with, per token, its advantage, the temperature it was sampled at, and
     whether it counts in the loss (the segment's mask without excluded tokens, see
@@ -66,6 +76,8 @@ class Row:
     grammar: GrammarMasks | None = None
     teacher_logprobs: array.array | None = None
     """A teacher's log-probability of each token (NaN where it gave none): hint distillation."""
+    teacher_top: "TeacherTop | None" = None
+    """A teacher's likeliest tokens at each position, for dense hint distillation."""
 
     def __len__(self) -> int:
         return len(self.segment.token_ids)
@@ -84,6 +96,8 @@ class MicroBatch:
     grammar_at: torch.Tensor  # [n, 2] long: (row, column) of each loss token drawn under a grammar
     grammar_allowed: torch.Tensor  # [n, words] int32: the bitmask of the tokens allowed there
     teacher_logp: torch.Tensor  # [rows, T] float, NaN where no teacher scored the token
+    teacher_top_ids: torch.Tensor  # [rows, T, k] long, the teacher's likeliest tokens at t; -1 where none
+    teacher_top_logp: torch.Tensor  # [rows, T, k] float, their teacher log-probabilities
     real_tokens: int
     """Tokens that belong to a segment (the rest is padding)."""
 
@@ -94,6 +108,7 @@ class MicroBatch:
 
 def _tensors(lines: list[list[Row]], width: int, pad_id: int, packed: bool) -> MicroBatch:
     shape = (len(lines), width)
+    k = max((row.teacher_top.k for line in lines for row in line if row.teacher_top is not None), default=0)
     batch = MicroBatch(
         input_ids=torch.full(shape, pad_id, dtype=torch.long),
         position_ids=torch.zeros(shape, dtype=torch.long),
@@ -106,6 +121,8 @@ def _tensors(lines: list[list[Row]], width: int, pad_id: int, packed: bool) -> M
         grammar_at=torch.zeros((0, 2), dtype=torch.long),
         grammar_allowed=torch.zeros((0, 0), dtype=torch.int32),
         teacher_logp=torch.full(shape, float("nan")),
+        teacher_top_ids=torch.full((*shape, k), -1, dtype=torch.long),
+        teacher_top_logp=torch.full((*shape, k), float("nan")),
         real_tokens=sum(len(row) for line in lines for row in line),
     )
     grammar_at: list[tuple[int, int]] = []
@@ -124,6 +141,9 @@ def _tensors(lines: list[list[Row]], width: int, pad_id: int, packed: bool) -> M
             batch.advantages[i, at:end] = torch.tensor(row.advantages)
             if row.teacher_logprobs is not None:
                 batch.teacher_logp[i, at:end] = as_tensor(row.teacher_logprobs)
+            if row.teacher_top is not None and row.teacher_top.k == k:  # one teacher setting per step
+                batch.teacher_top_ids[i, at:end] = as_tensor(row.teacher_top.ids).view(len(row), k)
+                batch.teacher_top_logp[i, at:end] = as_tensor(row.teacher_top.logprobs).view(len(row), k)
             if batch.attention_mask is not None:
                 batch.attention_mask[i, at:end] = 1
             if row.grammar is not None:

@@ -17,7 +17,7 @@ from statistics import fmean
 from config import FlywheelConfig
 from train.advantages import RunningBaseline, group_advantages, group_turn_rewards, token_advantages
 from train.grouping import Group
-from train.packing import MicroBatch, Row, micro_batches, split_minibatches
+from train.packing import MicroBatch, Row, TeacherTop, micro_batches, split_minibatches
 from train.sampled import segment_sampling
 
 
@@ -96,10 +96,14 @@ class StepBatch:
                 values = [[train.rl_coef * v for v in segment] for segment in values]
             sampling = segment_sampling(sample.trajectory, self.excluded, config.model)
             exclude_unjudged(sample, sampling, self.excluded)
-            teachers = sample.teacher_logprobs or [None] * len(sample.trajectory.segments)
+            segments = sample.trajectory.segments
+            teachers = sample.teacher_logprobs or [None] * len(segments)
+            tops = ([TeacherTop(sample.teacher_top_k, ids, logprobs)
+                     for ids, logprobs in zip(sample.teacher_top_ids, sample.teacher_top_logprobs)]
+                    if sample.teacher_top_k and sample.teacher_top_ids else [None] * len(segments))
             per_sample.append([
-                Row(segment, adv, s.temperatures, s.loss_mask, s.grammar, teacher)
-                for segment, adv, s, teacher in zip(sample.trajectory.segments, values, sampling, teachers)
+                Row(segment, adv, s.temperatures, s.loss_mask, s.grammar, teacher, top)
+                for segment, adv, s, teacher, top in zip(segments, values, sampling, teachers, tops)
             ])
         self.minibatches: list[list[MicroBatch]] = [
             micro_batches(rows, train.micro_batch_tokens, pad_id, train.packing)

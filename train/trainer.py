@@ -31,13 +31,13 @@ from __future__ import annotations
 import copy
 import math
 import time
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
 from config.schema import ActorConfig, TrainConfig
 from models.grammar import allowed_tokens
-from train.distill import DistillStats, add_distillation
+from train.distill import DenseStats, DistillStats, add_distillation, topk_kl
 from train.fsdp import shard
 from train.loss import LossStats, decoupled_ppo_loss, k3_kl
 from train.packing import MicroBatch
@@ -73,6 +73,12 @@ def _entropy(logp: torch.Tensor) -> float:
     return float(-(logp.exp() * logp).sum())
 
 
+class Scored(NamedTuple):
+    logp: torch.Tensor
+    entropy: float | None
+    dense_kl: torch.Tensor | None
+
+
 class Trainer:
     def __init__(self, model: torch.nn.Module, actor: ActorConfig, train: TrainConfig):
         self.actor = actor
@@ -92,10 +98,11 @@ class Trainer:
         return torch.autocast(device_type=self.device.type, dtype=torch.bfloat16, enabled=self.device.type == "cuda" and self.train.autocast)
 
     def token_logprobs(self, batch: MicroBatch, model: torch.nn.Module | None = None,
-                       with_entropy: bool = False) -> tuple[torch.Tensor, float | None]:
-        """(logprob of each token given its prefix, 0 at position 0; the summed entropy of the
-        predictions of loss-mask tokens, or None). Tokens drawn under a grammar are over the
-        tokens it allowed."""
+                       with_entropy: bool = False, dense: DenseStats | None = None) -> Scored:
+        """The logprob of each token given its prefix (0 at position 0); with `with_entropy` the
+        summed entropy of the predictions of loss-mask tokens; with `dense` the summed top-k
+        distillation divergence where the batch carries the teacher's top tokens
+        (train/distill.py). Tokens drawn under a grammar are over the tokens it allowed."""
         with self._autocast():
             logits = (model or self.model)(
                 input_ids=batch.input_ids, attention_mask=batch.attention_mask, position_ids=batch.position_ids,
@@ -120,7 +127,7 @@ class Trainer:
                     entropy = _entropy(masked.masked_fill(forbidden, 0.0))
                 entropy += _entropy(logp_all[counted])
         pad = torch.zeros((logp.shape[0], 1), dtype=logp.dtype, device=logp.device)
-        return torch.cat([pad, logp], dim=1), entropy
+        return Scored(torch.cat([pad, logp], dim=1), entropy, None if dense is None else topk_kl(logp_all, batch, dense))
 
     def _to_device(self, batch: MicroBatch) -> MicroBatch:
         if self.device.type == "cpu":
@@ -141,20 +148,23 @@ class Trainer:
                 student = batch.behav_logp if prox_logp is None else prox_logp
                 add_distillation(batch, student, self.train.opd_coef, self.train.opd_clip, distilled)
         stats: LossStats | None = None
+        dense = DenseStats() if self.train.opd_topk_coef else None
         loss_sum = kl_sum = entropy_sum = grad_norm_sum = 0.0
         for minibatch, minibatch_prox in zip(minibatches, prox):
             self.optimizer.zero_grad(set_to_none=True)
             total = float(sum(b.loss_mask.sum() for b in minibatch))
             for batch, prox_logp in zip(minibatch, minibatch_prox):
-                logp, entropy = self.token_logprobs(batch, with_entropy=True)
+                logp, entropy, dense_kl = self.token_logprobs(batch, with_entropy=True, dense=dense)
                 loss, part = decoupled_ppo_loss(
                     logp, batch.behav_logp if prox_logp is None else prox_logp, batch.behav_logp, batch.advantages,
                     batch.loss_mask, self.actor.eps_clip, self.actor.behav_imp_weight_cap,
                     self.actor.behav_imp_weight_cap_mode, self.actor.dual_clip, denominator=total,
                 )
+                if dense_kl is not None:
+                    loss = loss + self.train.opd_topk_coef * dense_kl / max(total, 1.0)
                 if self.reference is not None:
                     with torch.no_grad():
-                        ref_logp, _ = self.token_logprobs(batch, self.reference)
+                        ref_logp = self.token_logprobs(batch, self.reference).logp
                     kl = k3_kl(logp, ref_logp, batch.loss_mask, total)
                     loss = loss + self.actor.kl_coef * kl
                     kl_sum += float(kl.detach())
@@ -185,6 +195,7 @@ class Trainer:
             "behav_logprob_gap": gap.mean,
             "behav_logprob_gap_max": gap.max,
             **distilled.metrics(),
+            **(dense or DenseStats()).metrics(),
             "gap_tokens": gap.tokens,
             "grammar_tokens": sum(int(b.grammar_at.shape[0]) for b in batches),
             "minibatches": n,
@@ -205,7 +216,7 @@ class Trainer:
         prox = []
         with torch.no_grad():
             for minibatch in minibatches:
-                logps = [self.token_logprobs(batch)[0] for batch in minibatch]
+                logps = [self.token_logprobs(batch).logp for batch in minibatch]
                 for batch, logp in zip(minibatch, logps):
                     gap.add(logp, batch, version)
                 prox.append(logps if self.actor.use_decoupled_loss else [None] * len(minibatch))

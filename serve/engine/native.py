@@ -90,6 +90,9 @@ def to_response(result: GenerationResult, engine_version: str, return_logprob: b
         scored = result.input_logprobs or []
         first = len(result.prompt_ids) - len(scored)
         meta["input_token_logprobs"] = [[lp, tid, None] for lp, tid in zip(scored, result.prompt_ids[first:])]
+        if result.input_top_logprobs is not None:
+            meta["input_top_logprobs"] = [None if top is None else [[lp, tid, None] for tid, lp in top]
+                                          for top in result.input_top_logprobs]
     meta.update(e2e_latency=result.total_s, queue_time=result.queued_s, first_token_latency=result.first_token_s)
     response: dict[str, Any] = {"text": result.text, "output_ids": result.output_ids, "meta_info": meta}
     if return_prompt_ids:

@@ -69,6 +69,9 @@ class GenerationResult:
     total_s: float
     input_logprobs: list[float | None] | None = None
     """SGLang's `input_token_logprobs` values from `logprob_start_len` on, when asked for."""
+    input_top_logprobs: list[list[tuple[int, float]] | None] | None = None
+    """Its `input_top_logprobs` as (id, logprob) pairs, aligned with `input_logprobs`, when
+    `top_logprobs_num` asked for them too."""
 
 
 @dataclass
@@ -99,6 +102,7 @@ class Request:
     """The grammar matcher of a constrained request (`serve.engine.grammar`), else None."""
     input_logprobs: list[float | None] | None = None
     """Filled at admission when the request asks for input log-probabilities."""
+    input_top_logprobs: list[list[tuple[int, float]] | None] | None = None
     partial: Any = None
     """Its `chunked.PartialPrefill` while its prompt is prefilled in pieces."""
 
@@ -187,6 +191,7 @@ class Request:
             first_token_s=(self.first_token or end) - self.arrived,
             total_s=end - self.arrived,
             input_logprobs=self.input_logprobs,
+            input_top_logprobs=self.input_top_logprobs,
         )
         return result
 
