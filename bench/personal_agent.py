@@ -272,7 +272,7 @@ def progress(arm: str, pref: str, index: int, user: User, sessions: list[dict], 
           f"{'meets' if last['satisfied'] else 'misses'} {user.preference.kind:12} rate(last {WINDOW})="
           f"{rolling_rate([s['satisfied'] for s in sessions])[-1]:.2f} streak={streak}"
           f"{f'  LEARNED at {learned}' if learned else ''}  | trained={train.get('samples', '-')} "
-          f"opd_tokens={metrics.get('opd_tokens', '-')} loss={metrics.get('loss') or 0:.3f}  "
+          f"taught={metrics.get('opd_topk_tokens') or metrics.get('opd_tokens', '-')} loss={metrics.get('loss') or 0:.3f}  "
           f"said: {last['said'][:48]!r}", flush=True)
 
 

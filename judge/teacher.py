@@ -27,12 +27,11 @@ from __future__ import annotations
 
 import logging
 import math
+from dataclasses import dataclass, field
 from string import Template
 from typing import Any
 
 import httpx
-
-from dataclasses import dataclass, field
 
 from bus import Trajectory
 from bus.arrays import Float64s, Int32s

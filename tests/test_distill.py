@@ -25,7 +25,7 @@ from tests.test_train_loop import sample_of, sampled_turns
 from train.advantages import RunningBaseline
 from train.distill import DenseStats, DistillStats, add_distillation, topk_kl
 from train.grouping import Group, Member
-from train.packing import Row, micro_batches
+from train.packing import Row, TeacherTop, micro_batches
 from train.step_batch import StepBatch
 from train.trainer import Trainer
 
@@ -157,7 +157,6 @@ def test_the_dense_term_counts_only_taught_loss_tokens():
     """Positions without the teacher's tokens (id -1), or off the loss mask, add nothing."""
     turn = make_turn(prompt_ids=[1, 2], output_ids=[3, 4, 5], output_logprobs=[-1.0] * 3, output_versions=[0, 0, 0])
     [segment] = stitch([turn])
-    from train.packing import TeacherTop
     top = TeacherTop(2, array.array("i", [-1, -1, -1, -1, 3, 4, -1, -1, 5, 6]), array.array("d", [NAN] * 4 + [-0.1, -3.0] + [NAN] * 2 + [-0.2, -2.5]))
     [batch] = micro_batches([Row(segment, [0.0] * 5, loss_mask=[0, 0, 1, 1, 0], teacher_top=top)], budget=64, pad_id=0)
     logp_all = torch.log_softmax(torch.zeros((1, 4, 8)), dim=-1)  # uniform over 8 tokens

@@ -7,6 +7,7 @@ back to the same registry. Then the canary: its sessions' rewards against the se
 decide it."""
 
 import asyncio
+import sys
 import time
 
 import msgspec
@@ -70,10 +71,22 @@ async def promotion(bus, nats_url: str, tmp_path, *overrides: str):
 
 async def test_gate_lineage_commands_and_a_restart(bus, nats_url, tmp_path):
     # It once waited out pytest-timeout's 300 s in a fresh clone's full suite (never alone, 12
-    # runs of 12), and a thread dump does not say which await hung: this bound fails it sooner,
-    # with the awaiting line in the traceback.
-    async with asyncio.timeout(150):
-        await _gate_lineage_commands_and_a_restart(bus, nats_url, tmp_path)
+    # runs of 12), and a thread dump does not say which await hung: this bound fails it sooner.
+    # It hung again in a one-worker full suite (after the second promoter started; alone it takes
+    # 3 s), and the traceback showed only the `finally`'s cleanup, so every task's stack is
+    # printed (to the captured stderr) just before the bound.
+    watchdog = asyncio.get_running_loop().call_later(145, print_every_tasks_stack)
+    try:
+        async with asyncio.timeout(150):
+            await _gate_lineage_commands_and_a_restart(bus, nats_url, tmp_path)
+    finally:
+        watchdog.cancel()
+
+
+def print_every_tasks_stack() -> None:
+    for task in asyncio.all_tasks():
+        print(f"--- task {task.get_name()}", file=sys.stderr)
+        task.print_stack(file=sys.stderr)
 
 
 async def _gate_lineage_commands_and_a_restart(bus, nats_url, tmp_path):
