@@ -156,6 +156,10 @@ async def verdicts(bus_url: str) -> dict[str, dict]:
 
 # ---- one trial ------------------------------------------------------------------------------
 
+def trial_dir(arm: str, pref: str, index: int, args) -> Path:
+    return ROOT / args.run_root / f"{arm}-{pref}-{index}"
+
+
 def trial(arm: str, pref: str, index: int, args, progress) -> dict:
     from openai import OpenAI
 
@@ -165,8 +169,8 @@ def trial(arm: str, pref: str, index: int, args, progress) -> dict:
 
     seed = 1000 * index + sorted(PREFERENCES).index(pref)
     user = User(NAMES[seed % len(NAMES)], PREFERENCES[pref], seed=seed)
-    trial_id = f"{arm}-{pref}-{index}"
-    run_dir = ROOT / args.run_root / trial_id
+    run_dir = trial_dir(arm, pref, index, args)
+    trial_id = run_dir.name
     shutil.rmtree(run_dir, ignore_errors=True)  # a fresh model: nothing to resume from
     config = load_config(CONFIG, [f"run_dir={run_dir}", f"seed={seed}", *ARMS[arm], *args.overrides])
     trains = "train" in config.deploy.loops
@@ -351,6 +355,8 @@ def main() -> None:
     parser.add_argument("--run-root", default="runs/bench_personal_agent")
     parser.add_argument("--name", default="personal_agent")
     parser.add_argument("--keep", action="store_true", help="continue the results file: skip the trials it holds")
+    parser.add_argument("--keep-weights", action="store_true",
+                        help="keep each trial's weight versions and checkpoints under --run-root (~2.7 GB a trial)")
     parser.add_argument("--report", action="store_true", help="only print the table and draw the plot of the results file")
     parser.add_argument("--probe-hints", action="store_true",
                         help="only measure, per preference, the base model's and the hint teacher's satisfaction rates")
@@ -392,6 +398,9 @@ def main() -> None:
                     result = trial(arm, pref, index, args, progress)
                     if result["weights"] and args.arith_problems:
                         result["arith_after"] = arithmetic(result["weights"], args)
+                    if not args.keep_weights:  # ~2.7 GB a trial, not needed once measured
+                        for heavy in ("weights", "checkpoints"):
+                            shutil.rmtree(trial_dir(arm, pref, index, args) / heavy, ignore_errors=True)
                     trials.append(result)
                     print(f"== {arm} {pref} #{index}: learned at {result['learned_at'] or f'>{args.cap}'}, held-out rate "
                           f"{result['heldout']['rate']:.2f}, arithmetic {result.get('arith_after')}, first replies not judged "

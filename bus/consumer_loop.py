@@ -18,7 +18,7 @@ from typing import Any, ClassVar
 
 from bus.client import Bus, Consumer, Delivery
 from bus.keepalive import keep_alive
-from bus.process import repeat
+from bus.process import cancel_and_wait, repeat
 from config import FlywheelConfig
 
 
@@ -65,9 +65,7 @@ class ConsumerLoop:
         that starts holds everything until its predecessor's records are back
         (collect/recovery.py). A crash still leaves them to the ack wait."""
         started = bool(self._tasks)
-        for task in self._tasks:
-            task.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await cancel_and_wait(self._tasks)
         self._tasks = []
         if started:
             held = {id(d): d for d in self.held()}  # before `finish`, which may drop some (cancelled judgements)

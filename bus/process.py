@@ -10,16 +10,19 @@ from __future__ import annotations
 import argparse
 import asyncio
 import gc
+import io
 import json
 import logging
 import signal
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any, Protocol
 
 from bus.embedded import start_bus
 from config import ConfigError, FlywheelConfig, load_config
 from config.imports import import_object
+
+log = logging.getLogger(__name__)
 
 
 class Loop(Protocol):
@@ -108,7 +111,7 @@ def tune_gc() -> None:
 async def repeat(step: Callable[[], Any], name: str, backoff_s: float = 1.0) -> None:
     """Run `await step()` forever; an exception is logged and retried after a pause, so a
     passing fault (the bus restarting, a bad record) never ends a loop. Cancel to stop."""
-    log = logging.getLogger(name)
+    step_log = logging.getLogger(name)
     task = asyncio.current_task()
     while True:
         try:
@@ -116,7 +119,28 @@ async def repeat(step: Callable[[], Any], name: str, backoff_s: float = 1.0) -> 
         except asyncio.CancelledError:
             raise
         except Exception:
-            log.exception("%s step failed; retrying in %.1fs", name, backoff_s)
+            step_log.exception("%s step failed; retrying in %.1fs", name, backoff_s)
             await asyncio.sleep(backoff_s)
         if task is not None and task.cancelling():  # a library swallowed the cancellation (gh-86296)
             raise asyncio.CancelledError
+
+
+async def cancel_and_wait(tasks: Iterable[asyncio.Task], patience_s: float = 2.0) -> None:
+    """Cancel `tasks` and return once every one has ended. A library may swallow a cancellation
+    (nats-py's publish catches CancelledError while it flushes; `wait_for` on 3.11, gh-86296), and
+    a loop that misses its one cancellation runs on: a stop that cancelled once and gathered
+    waited forever (the promotion test, under a loaded full suite). A task still running after
+    `patience_s` is cancelled again, with its stack logged, until all have ended."""
+    pending = {task for task in tasks if not task.done()}
+    for task in pending:
+        task.cancel()
+    while pending:
+        done, pending = await asyncio.wait(pending, timeout=patience_s)
+        for task in done:
+            if not task.cancelled():
+                task.exception()  # retrieved: an error on the way out is the loop's own to log
+        for task in pending:
+            stack = io.StringIO()
+            task.print_stack(file=stack)
+            log.warning("task %s went on after it was cancelled; cancelling it again:\n%s", task.get_name(), stack.getvalue())
+            task.cancel()

@@ -30,6 +30,7 @@ from typing import Any
 from bus import SAMPLE_SUBJECT, TRAJECTORY_SUBJECT, UNSCORED_SUBJECT, Delivery, Sample, Trajectory, Unscored, addresses
 from bus.addresses import read_address
 from bus.consumer_loop import ConsumerLoop
+from bus.process import cancel_and_wait
 from config import FlywheelConfig
 from judge.base import Unscorable, Verdict
 from judge.registry import build_judge
@@ -148,10 +149,7 @@ class JudgeLoop(ConsumerLoop):
 
     async def finish(self) -> None:
         """Abandon judgements in flight (unacknowledged: `stop` hands them back for redelivery)."""
-        in_flight = list(self._in_flight)
-        for task in in_flight:
-            task.cancel()
-        await asyncio.gather(*in_flight, return_exceptions=True)
+        await cancel_and_wait(list(self._in_flight))
         await self.judge.close()
         if self.teacher is not None:
             await self.teacher.close()

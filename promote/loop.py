@@ -32,7 +32,7 @@ import time
 from typing import Any
 
 from bus import SAMPLE_SUBJECT, TURN_SUBJECT, WEIGHTS_SUBJECT, Bus, Turn, WeightUpdate
-from bus.process import repeat
+from bus.process import cancel_and_wait, repeat
 from bus.registry import Registry
 from bus.running_stats import RunningStats
 from bus.streams import COMMANDS_SUBJECT
@@ -335,9 +335,7 @@ class PromoteLoop:
         return f"v{entry.version} serves"
 
     async def stop(self) -> None:
-        for task in self._tasks:
-            task.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await cancel_and_wait(self._tasks)
         if hasattr(self, "gate"):
             await self.gate.close()
         await self.bus.close()

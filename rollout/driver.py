@@ -36,7 +36,6 @@ batch, and at η = 0 a resumed run waited forever for samples nothing would send
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import logging
 import os
@@ -50,7 +49,7 @@ from typing import Any
 import httpx
 
 from bus import WEIGHTS_SUBJECT, Bus
-from bus.process import repeat
+from bus.process import cancel_and_wait, repeat
 from bus.registry import Registry
 from bus.streams import DIRECTIVE_SUBJECT, ROUTING_SUBJECT
 from bus.versions import abandoned_above
@@ -250,10 +249,7 @@ class RolloutDriver:
         return True
 
     async def stop(self) -> None:
-        for task in [*self._tasks, *self._groups]:
-            task.cancel()
-        with contextlib.suppress(Exception):
-            await asyncio.gather(*self._tasks, *self._groups, return_exceptions=True)
+        await cancel_and_wait([*self._tasks, *self._groups])
         await self.runner.close()
         await self.bus.close()
 

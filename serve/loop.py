@@ -23,7 +23,7 @@ import uvicorn
 
 from bus import WEIGHTS_SUBJECT, Bus, WeightUpdate, addresses
 from bus.addresses import write_address
-from bus.process import repeat
+from bus.process import cancel_and_wait, repeat
 from bus.registry import Registry
 from bus.streams import ROUTING_SUBJECT
 from bus.versions import Arm, Routing
@@ -190,9 +190,7 @@ class ServeLoop:
             await asyncio.wait_for(self._http, self.config.serve.shutdown_grace_s + 5)
         with contextlib.suppress(Exception):
             await self.recorder.flush(timeout_s=5)
-        for task in self._tasks:
-            task.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await cancel_and_wait(self._tasks)
         self.app.state.prompts.close()
         await self.pool.close()
         if self.vllm_server is not None:

@@ -27,7 +27,7 @@ from bus import (
 )
 from bus.acks import PublishAcks
 from bus.client import HAND_BACK_S
-from bus.process import repeat
+from bus.process import cancel_and_wait, repeat
 from bus.pull import PullRefused
 from bus.tail import resolve_subject
 from tests.test_records import make_turn
@@ -228,6 +228,23 @@ async def test_repeat_stops_even_when_a_step_swallows_its_cancellation():
     with pytest.raises(asyncio.CancelledError):
         await asyncio.wait_for(task, 5)
     assert steps == 1
+
+
+async def test_cancel_and_wait_ends_a_task_that_lost_its_cancellation():
+    """A stop that cancelled its loops once and gathered them waited forever for one that had
+    lost the cancellation (a library swallowed it and forgot it was asked): cancelled again, it ends."""
+    async def forgetful_loop():
+        try:
+            await asyncio.sleep(10)
+        except asyncio.CancelledError:
+            asyncio.current_task().uncancel()
+        while True:  # runs on, as a loop does
+            await asyncio.sleep(0.01)
+
+    task = asyncio.create_task(forgetful_loop())
+    await asyncio.sleep(0.05)
+    await asyncio.wait_for(cancel_and_wait([task], patience_s=0.1), 5)
+    assert task.cancelled()
 
 
 async def test_a_consumer_hands_back_what_it_holds_at_once_and_gives_up_when_the_server_is_gone(nats_server):
