@@ -71,10 +71,9 @@ async def promotion(bus, nats_url: str, tmp_path, *overrides: str):
 
 async def test_gate_lineage_commands_and_a_restart(bus, nats_url, tmp_path):
     # It once waited out pytest-timeout's 300 s in a fresh clone's full suite (never alone, 12
-    # runs of 12), and a thread dump does not say which await hung: this bound fails it sooner.
-    # It hung again in a one-worker full suite (after the second promoter started; alone it takes
-    # 3 s), and the traceback showed only the `finally`'s cleanup, so every task's stack is
-    # printed (to the captured stderr) just before the bound.
+    # runs of 12): the first promoter's `stop` waited for a loop that had lost its cancellation
+    # (now cancelled again: bus.process.cancel_and_wait). Should anything else hang, this bound
+    # fails it sooner, and every task's stack is printed (to the captured stderr) just before it.
     watchdog = asyncio.get_running_loop().call_later(145, print_every_tasks_stack)
     try:
         async with asyncio.timeout(150):
