@@ -226,7 +226,7 @@ async def satisfaction(weights: Path | None, model_name: str, user: User, questi
     asked = [q for q in questions for _ in range(args.heldout_samples)]
     chats = [[{"role": "system", "content": user.system}, {"role": "user", "content": q}] for q in asked]
     if hint is not None:
-        teacher = Teacher(load_config(CONFIG, []).judge.teacher, "http://unused")
+        teacher = Teacher(load_config(CONFIG, args.overrides).judge.teacher, "http://unused")
         chats = [teacher.told(chat, hint) for chat in chats]
         await teacher.close()
     prompts = [tokenizer.encode(tokenizer.apply_chat_template(chat, add_generation_prompt=True, tokenize=False),
@@ -359,7 +359,8 @@ def main() -> None:
                         help="keep each trial's weight versions and checkpoints under --run-root (~2.7 GB a trial)")
     parser.add_argument("--report", action="store_true", help="only print the table and draw the plot of the results file")
     parser.add_argument("--probe-hints", action="store_true",
-                        help="only measure, per preference, the base model's and the hint teacher's satisfaction rates")
+                        help="only measure, per preference, the base model's and the hint teacher's satisfaction rates "
+                             "(the teacher as configured, overrides included: e.g. judge.teacher.hint_template)")
     parser.add_argument("--model", default="smollm2-135m", help="the model --probe-hints measures")
     parser.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides for every deployment")
     args = parser.parse_args()
