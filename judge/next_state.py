@@ -1,7 +1,7 @@
 """The `next_state` judge: per-turn rewards from what followed each assistant reply, no judge model.
 
-Each turn k is classified (judge/next_state_rules.py) from the evidence about it, the first that
-decides:
+Each turn k is classified (judge/next_state_rules.py, next_state_tool_output.py) from the
+evidence about it, the first that decides:
 1. feedback about the turn with a `reward` (by `interaction_id`, or by `turn_index` for thread-0
    turns: `judge.rule.turn_positions`): its sign decides, the class comes from its text when
    the text agrees, else it is `rated`;
@@ -34,7 +34,9 @@ from typing import Any
 from bus import SessionEvent, Trajectory, Turn
 from config.judge import NextStateJudgeConfig
 from judge.base import Judge, Unscorable, Verdict
-from judge.next_state_rules import Call, classify_tool_output, classify_user_text, contrast_split
+from judge.next_state_classes import Call
+from judge.next_state_rules import classify_user_text, contrast_split
+from judge.next_state_tool_output import classify_tool_output
 from judge.rule import turn_positions
 from judge.transcript import Message, body_text, content_text, next_state, response_message
 

@@ -15,7 +15,9 @@ from config.schema import CollectConfig
 from judge.base import Unscorable
 from judge.composite import CompositeJudge
 from judge.next_state import NextStateJudge, hint_for
-from judge.next_state_rules import LABELS, classify_tool_output, classify_user_text, polarity
+from judge.next_state_classes import LABELS, polarity
+from judge.next_state_rules import classify_user_text
+from judge.next_state_tool_output import classify_tool_output
 from judge.registry import build_judge
 from tests.test_records import make_turn
 
