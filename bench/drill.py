@@ -202,10 +202,12 @@ class Balancer(httpx.AsyncBaseTransport):
 
 
 async def agents(urls: list[str], stop: asyncio.Event, turns: int, concurrency: int, group_size: int, round_to: int,
-                 tag: str = "s", by_session: bool = False) -> Load:
+                 tag: str = "s", by_session: bool = False, min_sessions: int = 0) -> Load:
     """Run multi-turn sessions through the gateways at `urls` (`Balancer`, by session or not),
-    `concurrency` at a time, until `stop` is set; then only until the count of sessions is a
-    multiple of `round_to` (whole groups and training batches)."""
+    `concurrency` at a time, until `stop` is set and at least `min_sessions` have ended (answered
+    or failed: a count of work, not of seconds, so a slower machine runs the same drill longer);
+    then only until the count of sessions is a multiple of `round_to` (whole groups and training
+    batches)."""
     load = Load()
     url = urls[0]
 
@@ -246,7 +248,7 @@ async def agents(urls: list[str], stop: asyncio.Event, turns: int, concurrency: 
     async def worker() -> None:
         nonlocal limit
         for i in started:
-            if stop.is_set():
+            if stop.is_set() and (limit is not None or len(load.answered) + len(load.failed) >= min_sessions):
                 limit = limit if limit is not None else -(-i // round_to) * round_to
                 if i >= limit:
                     return
@@ -345,10 +347,10 @@ gateway's spill file after a kill: a group split by its timeout leaves a partial
 
 async def drill(run_dir: Path, victims: list[str], turns: int = 3, concurrency: int = 8, group_size: int = 4,
                 every_s: float = 3.0, down_s: float = 1.5, settle_s: float = 90.0, nats_nodes: int = 1,
-                gateways: int = 1, by_session: bool = False, engines: int = 0) -> dict[str, Any]:
+                gateways: int = 1, by_session: bool = False, engines: int = 0, min_sessions: int = 0) -> dict[str, Any]:
     """Start the cluster, put it under the agents' load, kill -9 each victim in turn (`every_s`
-    apart, down for `down_s`, then restarted and back), keep the load on for `every_s` more, and
-    audit once everything has settled."""
+    apart, down for `down_s`, then restarted and back), keep the load on for `every_s` more and
+    until `min_sessions` sessions have ended, and audit once everything has settled."""
     cluster = Cluster(run_dir, DRILL_CONFIG, nats_nodes, gateways, engines)
     cluster.start_nats()
     try:
@@ -361,7 +363,7 @@ async def drill(run_dir: Path, victims: list[str], turns: int = 3, concurrency: 
         started = time.monotonic()
         stop = asyncio.Event()
         load_task = asyncio.create_task(agents(cluster.serve_urls, stop, turns, concurrency, group_size, BATCH,
-                                                by_session=by_session))
+                                                by_session=by_session, min_sessions=min_sessions))
         for victim in victims:
             await asyncio.sleep(every_s)
             cluster.kill(victim)
