@@ -94,20 +94,29 @@ def judge_agreement(sessions: list[dict]) -> float | None:
 
 # ---- one session, as a person with the openai client ---------------------------------------
 
+def reply_seed(user: User, session: int, reply: int) -> int:
+    """The sampling seed of a session's first (0) or second (1) reply: distinct per user, session, reply."""
+    return (user.seed * 1000 + session) * 2 + reply
+
+
 def converse(client, model: str, user: User, session: int, trial_id: str, args) -> dict:
-    """The session's question, the first reply, the person's reaction and the reply to it."""
+    """The session's question, the first reply, the person's reaction and the reply to it. Each
+    reply samples with its own OpenAI `seed` (the user's seed, the session, first or second), so
+    a trial run again on the same code meets the same draws: its versions and replies repeat."""
     session_id = f"{trial_id}-s{session:03d}"
     headers = {"X-Session-Id": session_id}
     question = user.question(session)
     messages = [{"role": "system", "content": user.system}, {"role": "user", "content": question}]
     first = client.chat.completions.create(model=model, messages=messages, max_tokens=args.max_tokens,
-                                           temperature=args.temperature, extra_headers=headers)
+                                           temperature=args.temperature, seed=reply_seed(user, session, 0),
+                                           extra_headers=headers)
     reply = first.choices[0].message.content or ""
     satisfied = user.satisfied(reply, question)
     said = user.react(reply, session)
     messages += [{"role": "assistant", "content": reply}, {"role": "user", "content": said}]
     client.chat.completions.create(model=model, messages=messages, max_tokens=args.max_tokens,
-                                   temperature=args.temperature, extra_headers=headers)
+                                   temperature=args.temperature, seed=reply_seed(user, session, 1),
+                                   extra_headers=headers)
     return {"session": session, "id": session_id, "version": version_of(first.system_fingerprint), "question": question,
             "reply": reply, "satisfied": satisfied, "said": said}
 
