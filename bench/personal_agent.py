@@ -102,7 +102,7 @@ def reply_seed(user: User, session: int, reply: int) -> int:
 def converse(client, model: str, user: User, session: int, trial_id: str, args) -> dict:
     """The session's question, the first reply, the person's reaction and the reply to it. Each
     reply samples with its own OpenAI `seed` (the user's seed, the session, first or second), so
-    a trial run again on the same code meets the same draws: its versions and replies repeat."""
+    a trial run again on the same code meets the same draws (its replies repeated: benchmarks 17g)."""
     session_id = f"{trial_id}-s{session:03d}"
     headers = {"X-Session-Id": session_id}
     question = user.question(session)
