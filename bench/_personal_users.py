@@ -238,20 +238,23 @@ class User:
         """The reply answers the question and meets the preference."""
         return (answers(question, reply) or not self.wants_answers) and self.preference.rule(reply, self.name)
 
-    def react(self, reply: str, session: int) -> str:
-        """What the person says after session `session`'s first reply: a complaint when it is no
-        answer at all, a correction when it misses the preference, else thanks or (half the time)
-        a new question (one this user asks in a session only much later: its first reply there is a
-        fresh one)."""
-        if self.wants_answers and not answers(self.question(session), reply):
-            return self.rng.choice(OFF_TOPIC)
-        if not self.satisfied(reply, self.question(session)):
+    def react(self, reply: str, session: int, question: str | None = None, ask: bool = True) -> tuple[str, str | None]:
+        """What the person says to a reply in session `session` that answers `question` (default: the
+        session's own), and what the reply to that must answer. A complaint when the reply is no
+        answer at all, a correction when it misses the preference (the next reply answers the same
+        question); else thanks (nothing more to answer) or, when `ask` and half the time, a new
+        question: one this user asks in a session only much later, so its first reply there is a
+        fresh one."""
+        question = question or self.question(session)
+        if self.wants_answers and not answers(question, reply):
+            return self.rng.choice(OFF_TOPIC), question
+        if not self.satisfied(reply, question):
             vague = self.rng.random() < self.vague_share
-            return self.rng.choice(self.preference.vague if vague else self.preference.specific).format(name=self.name)
-        if self.rng.random() < 0.5:
-            return self.rng.choice(THANKS)
-        opener, question = self.rng.choice(NEW_QUESTION_OPENERS), self.question(session + len(self._order) // 2)
-        return opener + (question[0].lower() + question[1:] if opener.endswith(", ") else question)
+            return self.rng.choice(self.preference.vague if vague else self.preference.specific).format(name=self.name), question
+        if not ask or self.rng.random() < 0.5:
+            return self.rng.choice(THANKS), None
+        opener, new = self.rng.choice(NEW_QUESTION_OPENERS), self.question(session + len(self._order) // 2)
+        return opener + (new[0].lower() + new[1:] if opener.endswith(", ") else new), new
 
 
 def sessions_to_learn(satisfied: list[bool], run: int = 3) -> int | None:

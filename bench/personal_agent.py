@@ -9,8 +9,11 @@ What runs
     to it with the official `openai` client, one `X-Session-Id` per conversation and nothing
     else: no rewards, no feedback API, no other header. A session is one everyday question, the
     first reply, the person's reaction (a correction in words when the reply misses the
-    preference, thanks or a new question when it meets it) and the reply to that; then the person
-    goes quiet and the collector closes the session. Like a person who comes back later, the
+    preference, thanks or a new question when it meets it) and the reply to that; with
+    `--reactions 2` the person also reacts to that second reply unless they had said thanks (a
+    second next state to judge: thanks once it meets the preference, else a correction or a
+    complaint), and gets a third reply. Then the person goes quiet and the collector closes the
+    session. Like a person who comes back later, the
     next session starts once the previous one has been trained and its version swapped in
     (`--pace free` does not wait).
 
@@ -95,30 +98,42 @@ def judge_agreement(sessions: list[dict]) -> float | None:
 # ---- one session, as a person with the openai client ---------------------------------------
 
 def reply_seed(user: User, session: int, reply: int) -> int:
-    """The sampling seed of a session's first (0) or second (1) reply: distinct per user, session, reply."""
-    return (user.seed * 1000 + session) * 2 + reply
+    """The sampling seed of a session's first (0), second (1) or third (2) reply: distinct per user,
+    session, reply (the first two as in 17g's runs)."""
+    draw = user.seed * 1000 + session
+    return draw * 2 + reply if reply < 2 else 10**9 + draw
 
 
 def converse(client, model: str, user: User, session: int, trial_id: str, args) -> dict:
-    """The session's question, the first reply, the person's reaction and the reply to it. Each
-    reply samples with its own OpenAI `seed` (the user's seed, the session, first or second), so
-    a trial run again on the same code meets the same draws (its replies repeated: benchmarks 17g)."""
+    """The session's question, the first reply, the person's reaction and the reply to it; with
+    `args.reactions` 2, also the person's reaction to that second reply when it answered something
+    (a correction, a complaint or a new question; not thanks), and the reply to that, which nothing
+    follows. Each reply samples with its own OpenAI `seed` (the user's seed, the session, which
+    reply), so a trial run again on the same code meets the same draws (benchmarks 17g)."""
     session_id = f"{trial_id}-s{session:03d}"
-    headers = {"X-Session-Id": session_id}
     question = user.question(session)
     messages = [{"role": "system", "content": user.system}, {"role": "user", "content": question}]
-    first = client.chat.completions.create(model=model, messages=messages, max_tokens=args.max_tokens,
-                                           temperature=args.temperature, seed=reply_seed(user, session, 0),
-                                           extra_headers=headers)
-    reply = first.choices[0].message.content or ""
-    satisfied = user.satisfied(reply, question)
-    said = user.react(reply, session)
-    messages += [{"role": "assistant", "content": reply}, {"role": "user", "content": said}]
-    client.chat.completions.create(model=model, messages=messages, max_tokens=args.max_tokens,
-                                   temperature=args.temperature, seed=reply_seed(user, session, 1),
-                                   extra_headers=headers)
-    return {"session": session, "id": session_id, "version": version_of(first.system_fingerprint), "question": question,
-            "reply": reply, "satisfied": satisfied, "said": said}
+
+    def reply(index: int) -> tuple[str, object]:
+        answer = client.chat.completions.create(model=model, messages=messages, max_tokens=args.max_tokens,
+                                                temperature=args.temperature, seed=reply_seed(user, session, index),
+                                                extra_headers={"X-Session-Id": session_id})
+        text = answer.choices[0].message.content or ""
+        messages.append({"role": "assistant", "content": text})
+        return text, answer
+
+    first, answer = reply(0)
+    said, asked = user.react(first, session)
+    messages.append({"role": "user", "content": said})
+    second, _ = reply(1)
+    record = {"session": session, "id": session_id, "version": version_of(answer.system_fingerprint), "question": question,
+              "reply": first, "satisfied": user.satisfied(first, question), "said": said}
+    if args.reactions == 2 and asked is not None:
+        said_again, _ = user.react(second, session, asked, ask=False)
+        messages.append({"role": "user", "content": said_again})
+        reply(2)
+        record |= {"second": second, "second_satisfied": user.satisfied(second, asked), "said_again": said_again}
+    return record
 
 
 def wait_trained(deployment, sessions: int, timeout_s: float) -> dict:
@@ -140,7 +155,8 @@ def wait_trained(deployment, sessions: int, timeout_s: float) -> dict:
 
 
 async def verdicts(bus_url: str) -> dict[str, dict]:
-    """{session id: what the judge said of its first reply, and whether the teacher scored it}."""
+    """{session id: what the judge said of its first reply (and of the second, when the person
+    reacted to it), and how many tokens the teacher scored}."""
     import math
 
     from bus import SAMPLE_SUBJECT, Bus
@@ -157,6 +173,9 @@ async def verdicts(bus_url: str) -> dict[str, dict]:
                 taught = sum(not math.isnan(v) for values in sample.teacher_logprobs for v in values)
                 found[sample.trajectory.session_id] = {"judge_class": turns[0].get("class"), "judge_score": turns[0].get("score"),
                                                        "hint": turns[0].get("hint"), "teacher_tokens": taught}
+                if len(turns) > 2:  # the person reacted to the second reply too (--reactions 2)
+                    found[sample.trajectory.session_id] |= {"second_class": turns[1].get("class"),
+                                                            "second_score": turns[1].get("score"), "second_hint": turns[1].get("hint")}
                 await delivery.ack()
         return found
     finally:
@@ -357,6 +376,8 @@ def main() -> None:
     parser.add_argument("--after", type=int, default=0, help="sessions to go on once learned (for the curve)")
     parser.add_argument("--pace", choices=("trained", "free"), default="trained")
     parser.add_argument("--wait-s", type=float, default=180.0, help="longest wait for a session to be trained")
+    parser.add_argument("--reactions", type=int, choices=(1, 2), default=1,
+                        help="2: the person also reacts to the second reply (unless they had said thanks)")
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--temperature", type=float, default=0.7)
     parser.add_argument("--heldout-samples", type=int, default=2)

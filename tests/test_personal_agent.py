@@ -40,12 +40,13 @@ async def test_a_persons_correction_is_judged_taught_and_trained(nats_url, tmp_p
     serve, train = loops[0], loops[-1]
     # "name": the untrained tiny model never writes "Maya"; every correction is a specific one (a hint);
     # tiny's replies answer nothing, so only their form counts here.
+    # In the second session the person also reacts to the second reply (the bench's --reactions 2).
     user = User("Maya", PREFERENCES["name"], seed=3, vague_share=0.0, wants_answers=False)
-    app = SimpleNamespace(max_tokens=12, temperature=1.0)
     try:
         client = openai.OpenAI(base_url=f"{serve.url}/v1", api_key="unused", max_retries=0)
         sessions = []
-        for s in range(2):
+        for s, reactions in enumerate((1, 2)):
+            app = SimpleNamespace(max_tokens=12, temperature=1.0, reactions=reactions)
             sessions.append(await asyncio.to_thread(converse, client, serve.model_name, user, s, "t", app))
             await until(lambda: train.stats()["samples"] == s + 1 and serve.pool.weight_version == train.version, 90)
         said = await verdicts(nats_url)
@@ -60,23 +61,30 @@ async def test_a_persons_correction_is_judged_taught_and_trained(nats_url, tmp_p
     assert [s["version"] for s in sessions] == [0, 1]  # the second session was answered by the trained weights
     assert [s["question"] for s in sessions] == [user.question(0), user.question(1)] and set(TRAIN_QUESTIONS) >= {
         s["question"] for s in sessions}
-    assert not any(s["satisfied"] for s in sessions)
+    assert not any(s["satisfied"] for s in sessions) and "said_again" not in sessions[0]
+    assert not sessions[1]["second_satisfied"] and sessions[1]["said_again"] in {t.format(name="Maya") for t in PREFERENCES["name"].specific}
     by_session = {sample.trajectory.session_id: sample for sample in samples}
     for session in sessions:
-        sample, correction = by_session[session["id"]], session["said"]
-        assert correction in {t.format(name="Maya") for t in PREFERENCES["name"].specific}
-        trajectory = sample.trajectory
-        assert trajectory.next_states[0] == [{"role": "user", "content": correction}]  # the person's words, as said
-        first = sample.details["turns"][0]
-        assert first["class"] == "correction" and first["source"] == "next_state" and first["hint"] == hint_for(correction)
-        assert sample.turn_rewards[0] == -1.0 and sample.details["unjudged_turns"] == [1]
+        sample, trajectory = by_session[session["id"]], by_session[session["id"]].trajectory
+        corrections = [session["said"], *([session["said_again"]] if "said_again" in session else [])]
+        assert corrections[0] in {t.format(name="Maya") for t in PREFERENCES["name"].specific}
+        judged = len(corrections)  # the last reply has nothing after it
+        for turn, correction in enumerate(corrections):
+            assert trajectory.next_states[turn] == [{"role": "user", "content": correction}]  # the person's words, as said
+            verdict = sample.details["turns"][turn]
+            assert verdict["class"] == "correction" and verdict["source"] == "next_state" and verdict["hint"] == hint_for(correction)
+            assert sample.turn_rewards[turn] == -1.0
+        assert sample.details["unjudged_turns"] == [judged]
         [segment], [teacher] = trajectory.segments, sample.teacher_logprobs
-        (_, start, end), _ = segment.turn_spans
-        assert [i for i, v in enumerate(teacher) if not math.isnan(v)] == list(range(start, end))  # the first reply, only
+        assert len(segment.turn_spans) == judged + 1
+        taught = [i for _, start, end in segment.turn_spans[:judged] for i in range(start, end)]
+        assert [i for i, v in enumerate(teacher) if not math.isnan(v)] == taught  # the judged replies, only
         k, [top_ids] = sample.teacher_top_k, sample.teacher_top_ids  # and the teacher's 20 likeliest tokens there
-        assert k == config.judge.teacher.top_k == 20 and [t for t in range(len(teacher)) if top_ids[t * k] >= 0] == list(range(start, end))
-        assert said[session["id"]] == {"judge_class": "correction", "judge_score": -1, "hint": first["hint"],
-                                       "teacher_tokens": end - start}
+        assert k == config.judge.teacher.top_k == 20 and [t for t in range(len(teacher)) if top_ids[t * k] >= 0] == taught
+        turns = sample.details["turns"]
+        assert said[session["id"]] == {"judge_class": "correction", "judge_score": -1, "hint": turns[0]["hint"], "teacher_tokens": len(taught),
+                                       **({"second_class": "correction", "second_score": -1, "second_hint": turns[1]["hint"]}
+                                          if judged == 2 else {})}
     metrics = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [(m["step"], m["n_samples"]) for m in metrics] == [(1, 1), (2, 1)]
     assert all(m["opd_topk_tokens"] > 0 and m["opd_topk_kl"] > 0 for m in metrics)  # the bench distils densely
@@ -128,13 +136,20 @@ def test_each_preference_rule_on_known_replies(kind, meets, misses):
 
 def test_a_person_corrects_a_miss_and_otherwise_thanks_or_moves_on():
     user = User("Omar", PREFERENCES["name"], seed=1)
-    corrections = {user.react(f"{user.question(s)} Do it daily.", s) for s in range(40)}
+    miss = [user.react(f"{user.question(s)} Do it daily.", s) for s in range(40)]
+    corrections = {said for said, _ in miss}
     assert corrections <= {t.format(name="Omar") for t in (*PREFERENCES["name"].specific, *PREFERENCES["name"].vague)}
     assert len(corrections) > 3  # varied phrasings, specific and vague
-    happy = {user.react(f"Omar, {user.question(s)} Do it daily.", s) for s in range(40)}
-    assert not happy & corrections and any("?" in h for h in happy) and any("?" not in h for h in happy)
+    assert [asked for _, asked in miss] == [user.question(s) for s in range(40)]  # the next reply answers the same question
+    happy = [user.react(f"Omar, {user.question(s)} Do it daily.", s) for s in range(40)]
+    assert not {said for said, _ in happy} & corrections
+    new = [(s, said, asked) for s, (said, asked) in enumerate(happy) if asked is not None]
+    assert 0 < len(new) < len(happy)  # thanks (nothing more to answer) or a new question to answer next
+    assert all(asked != user.question(s) and asked[1:] in said for s, said, asked in new)
+    # Told not to ask more (its reaction to a second reply), a satisfied person only thanks.
+    assert {user.react(f"Omar, {user.question(s)} Do it daily.", s, ask=False)[1] for s in range(20)} == {None}
     # No answer at all (nonsense that happens to use the name) is no success, whatever its form.
-    assert {user.react("You are Omar's personal assistant.", s) for s in range(10)} <= set(OFF_TOPIC)
+    assert {user.react("You are Omar's personal assistant.", s)[0] for s in range(10)} <= set(OFF_TOPIC)
     assert not user.satisfied("You are Omar's personal assistant.", user.question(0))
 
 
