@@ -23,7 +23,7 @@ from typing import Any
 
 import msgspec
 from nats.js.api import KeyValueConfig, StorageType
-from nats.js.errors import BucketNotFoundError, KeyNotFoundError, NoKeysError
+from nats.js.errors import BucketNotFoundError, KeyNotFoundError
 
 from bus.records import decode, encode
 from bus.streams import COMMANDS_SUBJECT, REGISTRY_BUCKET
@@ -40,8 +40,8 @@ def version_key(version: int) -> str:
 
 
 class Registry:
-    def __init__(self, kv: Any):
-        self._kv = kv
+    def __init__(self, kv: Any, js: Any):
+        self._kv, self._js = kv, js
 
     @classmethod
     async def open(cls, bus: Any) -> "Registry":
@@ -52,7 +52,7 @@ class Registry:
             config = KeyValueConfig(bucket=BUCKET, history=HISTORY, storage=StorageType.FILE, replicas=bus.replicas,
                                     description="Flywheel's policy versions, their states and the routing")
             kv = await bus.js.create_key_value(config)
-        return cls(kv)
+        return cls(kv, bus.js)
 
     async def _get(self, key: str, kind: type) -> Any:
         try:
@@ -73,12 +73,14 @@ class Registry:
         await self._kv.put(version_key(entry.version), encode(entry))
 
     async def versions(self, above: int = -1) -> list[VersionEntry]:
-        """Every version the registry holds (those newer than `above`), oldest first."""
-        try:
-            keys = await self._kv.keys()
-        except NoKeysError:
-            return []
-        entries = [await self._get(key, VersionEntry) for key in keys if key.startswith("v.") and int(key[2:]) > above]
+        """Every version the registry holds (those newer than `above`), oldest first. The keys come
+        from the bucket's stream (the subjects it holds), not `kv.keys()`: nats-py's key watcher
+        can signal "no more keys" before it has counted entries already delivered to it, and
+        under load `keys()` then returned none (tests/test_promotion.py failed so in a full suite)."""
+        prefix = f"$KV.{BUCKET}."
+        info = await self._js.stream_info(f"KV_{BUCKET}", subjects_filter=f"{prefix}v.>")
+        keys = [subject.removeprefix(prefix) for subject in info.state.subjects or {}]
+        entries = [await self._get(key, VersionEntry) for key in keys if int(key[2:]) > above]
         return sorted((e for e in entries if e is not None), key=lambda e: e.version)
 
     async def routing(self) -> Routing | None:
