@@ -18,6 +18,7 @@ from serve.engine import Engine, SamplingParams
 from serve.engine.server import create_engine_app
 from tests.conftest import RunningApp
 from tests.test_engine import prompt
+from tests.waiting import until
 
 GOOD = SamplingParams(max_new_tokens=24, temperature=0.0, ignore_eos=True)
 TINY_P = {"max_new_tokens": 24, "top_p": 1e-300, "sampling_seed": 1, "ignore_eos": True}
@@ -39,14 +40,6 @@ def engine(tiny_path):
 
 async def collect(stream) -> list:
     return [item async for item in stream]
-
-
-async def until(condition) -> None:
-    async def poll() -> None:
-        while not condition():
-            await asyncio.sleep(0.001)
-
-    await asyncio.wait_for(poll(), WAIT_S)
 
 
 async def test_a_bad_request_fails_alone_in_the_batch_it_was_sampled_with(engine):

@@ -11,6 +11,7 @@ from judge.base import Judge, Unscorable, Verdict, outcome_of
 from judge.loop import JudgeLoop
 from judge.rule import RuleJudge
 from tests.test_records import make_turn
+from tests.waiting import until
 
 
 def conversation(tid: str, replies: list[str], task_id: str | None = None, feedback=(), system: str = "Be exact.") -> Trajectory:
@@ -27,13 +28,6 @@ def conversation(tid: str, replies: list[str], task_id: str | None = None, feedb
 
 def fb(reward, turn_index=None, source="env"):
     return SessionEvent(id=f"f{reward}{turn_index}", session_id="s", kind="feedback", reward=reward, turn_index=turn_index, source=source)
-
-
-async def until(condition, timeout_s: float = 20.0) -> None:
-    """Wait until `condition()` is true (polling), failing the test after `timeout_s`."""
-    async with asyncio.timeout(timeout_s):
-        while not condition():
-            await asyncio.sleep(0.01)
 
 
 async def judged(bus, n: int, durable: str = "check") -> dict[str, object]:
@@ -135,8 +129,8 @@ async def test_judge_loop_publishes_samples_and_reports_unscored(bus, nats_url, 
         assert sample.details == {"session_feedback": 1, "turn_feedback": 0}
         assert unscored.judge == "rule" and unscored.reason.startswith("no reward:")
         assert unscored.trajectory.turns[0].id == "none-0"
-        stats = loop.stats()
-        assert stats["scored"] == 1 and stats["unscored"] == 1 and stats["unscored_by_reason"] == {"no reward": 1}
+        await until(lambda: loop.stats()["scored"] + loop.stats()["unscored"] == 2)  # counted once acknowledged
+        assert loop.stats()["scored"] == 1 and loop.stats()["unscored_by_reason"] == {"no reward": 1}
     finally:
         await loop.stop()
 
@@ -151,7 +145,8 @@ async def test_judgements_run_concurrently_up_to_the_limit_and_fetching_goes_on(
     assert loop.stats()["in_flight"] == 3
     judge.release.set()  # the fast one waits for room, then everything is judged
     out = await judged(bus, 6)
-    assert judge.most_at_once == 3 and loop.stats()["scored"] == 6
+    assert judge.most_at_once == 3
+    await until(lambda: loop.stats()["scored"] == 6)  # counted once published and acknowledged
     assert all(s.reward == 0.5 and s.details == {"by": "gate"} for s in out.values())
 
 
@@ -176,7 +171,7 @@ async def test_deadline_failures_and_bad_verdicts_are_unscored_and_the_loop_goes
     assert out["buggy"].reason == "judge error: RuntimeError: judge bug"
     assert out["wrong-length"].reason == "invalid verdict: 0 turn rewards for 1 turns"
     assert out["fast"].reward == 0.5
-    assert loop.stats()["unscored_by_reason"] == {"deadline": 1, "judge error": 1, "invalid verdict": 1}
+    await until(lambda: loop.stats()["unscored_by_reason"] == {"deadline": 1, "judge error": 1, "invalid verdict": 1})
 
 
 async def test_a_failed_publish_is_redelivered_not_lost(bus, loop_with):
@@ -193,4 +188,5 @@ async def test_a_failed_publish_is_redelivered_not_lost(bus, loop_with):
     await bus.publish(TRAJECTORY_SUBJECT, conversation("fast", ["x"]))
     out = await judged(bus, 1)
     assert failures == ["fast"] and out["fast"].reward == 0.5
-    assert loop.stats()["publish_failures"] == 1 and loop.stats()["scored"] == 1
+    await until(lambda: loop.stats()["scored"] == 1)
+    assert loop.stats()["publish_failures"] == 1

@@ -24,7 +24,7 @@ from serve.loop import ServeLoop
 from tests.test_attribution_live import recorded_turns
 from tests.test_collect_live import collected, platform
 from tests.test_records import make_turn
-from tests.test_train_signal import until
+from tests.waiting import until
 from train.advantages import RunningBaseline
 from train.grouping import Group, Member
 from train.step_batch import StepBatch

@@ -24,7 +24,7 @@ from deploy.deployment import sharing_cores, side_server_config
 from judge.loop import JudgeLoop
 from judge.next_state import hint_for
 from serve.loop import ServeLoop
-from tests.test_train_signal import until
+from tests.waiting import until
 from train.loop import TrainLoop
 
 

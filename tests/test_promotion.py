@@ -23,15 +23,9 @@ from models import WeightStore
 from promote.loop import PromoteLoop
 from serve.loop import ServeLoop
 from tests.test_train_loop import sample_of, sampled_turns
+from tests.waiting import until
 
 SUITE = "promotion.gate.suites=[{name: digits, env: digits, items: 6, max_new_tokens: 12}]"
-
-
-async def until(condition, timeout_s: float = 120.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not await condition():
-        assert time.monotonic() < deadline, "condition not reached"
-        await asyncio.sleep(0.05)
 
 
 async def announce(bus, store, version: int, parent: int, noise: float = 0.0) -> None:

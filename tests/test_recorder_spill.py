@@ -10,7 +10,7 @@ import pytest
 from bus import TRAFFIC_SUBJECTS, TURN_SUBJECT, Bus, EmbeddedNats
 from serve.recorder import Recorder, RecordLost
 from tests.test_records import make_turn
-from tests.test_serve_ops import until
+from tests.waiting import until
 
 
 class RestartableNats:

@@ -4,7 +4,6 @@ restarted driver keeps (a driver run against the real gateway, stopped, and star
 
 import asyncio
 import random
-import time
 from collections import Counter
 
 import pytest
@@ -15,6 +14,7 @@ from envs import make_env
 from models import WeightStore, load_model
 from rollout.driver import RolloutDriver
 from tests.test_serve import served  # noqa: F401  (fixture)
+from tests.waiting import until
 
 
 def driver(tmp_path, *overrides: str) -> RolloutDriver:
@@ -58,13 +58,6 @@ def test_environment_errors_name_the_key(tmp_path):
         driver(tmp_path, "rollout.env=nope")
     with pytest.raises(ConfigError, match="rollout.env_args: arithmetic takes no argument"):
         driver(tmp_path, "rollout.env=arithmetic", "rollout.env_args={bogus: 1}")
-
-
-async def until(condition, timeout_s: float = 120.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        assert time.monotonic() < deadline, "condition not reached"
-        await asyncio.sleep(0.01)
 
 
 async def test_a_restarted_driver_keeps_its_admission_count_and_data_position(served, nats_url, bus, tmp_path):

@@ -2,7 +2,6 @@
 and Prometheus metrics, on a stand-in app wired the way the gateway wires them."""
 
 import asyncio
-import time
 from contextlib import asynccontextmanager
 
 import httpx
@@ -17,13 +16,7 @@ from serve.api.errors import install_error_handlers
 from serve.ops.auth import install_auth
 from serve.ops.limits import ConcurrencyLimiter, install_body_limit, request_timeout
 from serve.ops.metrics import ServeMetrics, install_metrics_route, install_request_metrics
-
-
-async def until(condition, timeout_s: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        assert time.monotonic() < deadline, "condition not met in time"
-        await asyncio.sleep(0.01)
+from tests.waiting import until
 
 
 class StandIn(BaseModel):

@@ -3,7 +3,6 @@ sessions goes to a second embedded engine on the canary version, sessions stay o
 they started with, a promotion moves everyone to it, and a rollback loads an older version.
 Real gateway, real engines, the official `openai` client; versions read from the recorded turns."""
 
-import asyncio
 import time
 from collections import defaultdict
 
@@ -16,15 +15,9 @@ from config import load_config
 from models import WeightStore, load_model
 from serve.loop import ServeLoop
 from serve.routing import canary_draw
+from tests.waiting import until
 
 SUITE = "promotion.gate.suites=[{name: digits, env: digits, items: 4}]"
-
-
-async def until(condition, timeout_s: float = 120.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        assert time.monotonic() < deadline, "condition not reached"
-        await asyncio.sleep(0.02)
 
 
 async def recorded_turns(bus, n: int) -> list[Turn]:

@@ -4,7 +4,6 @@ with the version that sampled them."""
 
 from __future__ import annotations
 
-import asyncio
 import json
 
 import httpx
@@ -18,16 +17,9 @@ from serve.engine.server import create_engine_app
 from serve.loop import ServeLoop
 from tests.conftest import RunningApp
 from tests.test_engine_server import make_engine
+from tests.waiting import until
 
 WAIT_S = 60
-
-
-async def until(condition) -> None:
-    async def poll() -> None:
-        while not condition():
-            await asyncio.sleep(0.01)
-
-    await asyncio.wait_for(poll(), WAIT_S)
 
 
 async def test_a_following_gateway_learns_versions_without_loading_them_again(nats_url, bus, tmp_path):

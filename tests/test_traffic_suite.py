@@ -27,7 +27,8 @@ from promote.loop import PromoteLoop
 from promote.traffic_suite import read_verdict, recorded_items
 from serve.loop import ServeLoop
 from tests.conftest import RunningApp
-from tests.test_promotion import _is, announce, until
+from tests.test_promotion import _is, announce
+from tests.waiting import until
 
 TRAFFIC = "promotion.gate.suites=[{name: traffic, source: traffic, items: 5, min_items: 3, max_new_tokens: 12}]"
 QUESTIONS = ["What is 2 + 3?", "Name a colour.", "Count to four.", "no opinion: say a word",

@@ -5,7 +5,6 @@ not abandoned, passes over a directive about a line it already left, and keeps t
 versions in the weight store."""
 
 import asyncio
-import time
 
 import torch
 
@@ -15,14 +14,8 @@ from bus.versions import Arm, Routing, TrainerDirective
 from config import load_config
 from models import load_model
 from tests.test_train_loop import sample_of, sampled_turns
+from tests.waiting import until
 from train.loop import TrainLoop
-
-
-async def until(condition, timeout_s: float = 60.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        assert time.monotonic() < deadline, "condition not reached"
-        await asyncio.sleep(0.02)
 
 
 async def test_pace_directives_abandoned_versions_and_protection(bus, nats_url, tmp_path):

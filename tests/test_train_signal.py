@@ -14,6 +14,7 @@ from bus import SAMPLE_SUBJECT, WEIGHTS_SUBJECT, Sample, encode
 from config import load_config
 from models import load_model
 from tests.test_train_loop import sample_of, sampled_turns
+from tests.waiting import until
 from train.loop import TrainLoop
 from train.packing import Row, micro_batches, split_minibatches
 from train.sampled import segment_sampling
@@ -22,14 +23,6 @@ from train.trainer import Trainer
 
 def lines(run_dir) -> list[dict]:
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-
-
-async def until(condition, timeout_s: float = 60.0) -> None:
-    for _ in range(int(timeout_s / 0.05)):
-        if condition():
-            return
-        await asyncio.sleep(0.05)
-    raise AssertionError("condition not reached")
 
 
 def grouped(turn, task: str, size: int):

@@ -18,7 +18,8 @@ from deploy.deployment import side_server_config
 from models import WeightStore, load_model
 from promote.loop import PromoteLoop
 from serve.loop import ServeLoop
-from tests.test_promotion import _is, until
+from tests.test_promotion import _is
+from tests.waiting import until
 
 ROOT = Path(__file__).resolve().parent.parent
 SUITE = "promotion.gate.suites=[{name: digits, env: digits, items: 4, max_new_tokens: 8}]"
