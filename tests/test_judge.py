@@ -30,6 +30,13 @@ def fb(reward, turn_index=None, source="env"):
     return SessionEvent(id=f"f{reward}{turn_index}", session_id="s", kind="feedback", reward=reward, turn_index=turn_index, source=source)
 
 
+async def counted(loop: JudgeLoop, n: int) -> dict:
+    """The loop's stats once it has counted `n` judgements: it counts one after publishing its
+    record and acknowledging the trajectory, so the count can lag the record a reader sees."""
+    await until(lambda: loop.stats()["scored"] + loop.stats()["unscored"] >= n)
+    return loop.stats()
+
+
 async def judged(bus, n: int, durable: str = "check") -> dict[str, object]:
     """The first n records on SAMPLES and UNSCORED together, by trajectory id."""
     samples, unscored = bus.consumer(SAMPLE_SUBJECT, durable), bus.consumer(UNSCORED_SUBJECT, durable)
@@ -129,8 +136,8 @@ async def test_judge_loop_publishes_samples_and_reports_unscored(bus, nats_url, 
         assert sample.details == {"session_feedback": 1, "turn_feedback": 0}
         assert unscored.judge == "rule" and unscored.reason.startswith("no reward:")
         assert unscored.trajectory.turns[0].id == "none-0"
-        await until(lambda: loop.stats()["scored"] + loop.stats()["unscored"] == 2)  # counted once acknowledged
-        assert loop.stats()["scored"] == 1 and loop.stats()["unscored_by_reason"] == {"no reward": 1}
+        stats = await counted(loop, 2)
+        assert stats["scored"] == 1 and stats["unscored"] == 1 and stats["unscored_by_reason"] == {"no reward": 1}
     finally:
         await loop.stop()
 
@@ -145,8 +152,7 @@ async def test_judgements_run_concurrently_up_to_the_limit_and_fetching_goes_on(
     assert loop.stats()["in_flight"] == 3
     judge.release.set()  # the fast one waits for room, then everything is judged
     out = await judged(bus, 6)
-    assert judge.most_at_once == 3
-    await until(lambda: loop.stats()["scored"] == 6)  # counted once published and acknowledged
+    assert judge.most_at_once == 3 and (await counted(loop, 6))["scored"] == 6
     assert all(s.reward == 0.5 and s.details == {"by": "gate"} for s in out.values())
 
 
@@ -171,7 +177,7 @@ async def test_deadline_failures_and_bad_verdicts_are_unscored_and_the_loop_goes
     assert out["buggy"].reason == "judge error: RuntimeError: judge bug"
     assert out["wrong-length"].reason == "invalid verdict: 0 turn rewards for 1 turns"
     assert out["fast"].reward == 0.5
-    await until(lambda: loop.stats()["unscored_by_reason"] == {"deadline": 1, "judge error": 1, "invalid verdict": 1})
+    assert (await counted(loop, 4))["unscored_by_reason"] == {"deadline": 1, "judge error": 1, "invalid verdict": 1}
 
 
 async def test_a_failed_publish_is_redelivered_not_lost(bus, loop_with):
@@ -188,5 +194,5 @@ async def test_a_failed_publish_is_redelivered_not_lost(bus, loop_with):
     await bus.publish(TRAJECTORY_SUBJECT, conversation("fast", ["x"]))
     out = await judged(bus, 1)
     assert failures == ["fast"] and out["fast"].reward == 0.5
-    await until(lambda: loop.stats()["scored"] == 1)
-    assert loop.stats()["publish_failures"] == 1
+    stats = await counted(loop, 1)
+    assert stats["publish_failures"] == 1 and stats["scored"] == 1

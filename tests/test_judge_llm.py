@@ -19,7 +19,7 @@ from judge.loop import JudgeLoop
 from judge.parse import parse_score
 from judge.prompt import PromptBuilder
 from tests.conftest import RunningApp
-from tests.test_judge import conversation, fb, judged
+from tests.test_judge import conversation, counted, fb, judged
 from tests.test_serve import client, served  # noqa: F401  (fixtures)
 from tests.waiting import until
 
@@ -254,8 +254,7 @@ async def test_the_loop_publishes_llm_samples_and_reports_a_deadline(bus, nats_u
         assert out["ok"].reward == 1.0 and out["ok"].turn_rewards == [1.0, 1.0]
         assert out["ok"].details["votes"] == [[10.0, 10.0], [10.0, 10.0]] and out["ok"].details["model"] == "tiny"
         assert isinstance(out["stuck"], Unscored) and out["stuck"].reason == "deadline: not judged within 0.5s"
-        # counted after the report is published and the trajectory acknowledged: the count can lag the report
-        await until(lambda: loop.stats()["unscored_by_reason"] == {"deadline": 1})
+        assert (await counted(loop, 2))["unscored_by_reason"] == {"deadline": 1}
     finally:
         hang.set()
         await loop.stop()
