@@ -2,7 +2,6 @@
 baseline and RNG come back; training goes on from there; a trainer that starts again without a
 checkpoint marks the dead process's steps as leading nowhere."""
 
-import asyncio
 import json
 
 import pytest
@@ -11,16 +10,14 @@ import torch
 from bus import SAMPLE_SUBJECT, WEIGHTS_SUBJECT
 from config import ConfigError, load_config
 from tests.test_train_loop import sample_of, sampled_turns
+from tests.waiting import until
 from train.ledger import Ledger, lineage
 from train.loop import TrainLoop
 
 
 async def wait_for_version(loop: TrainLoop, version: int) -> None:
-    for _ in range(600):
-        if loop.last_metrics.get("version", 0) >= version and not loop.buffer:  # the step's bookkeeping done too
-            return
-        await asyncio.sleep(0.05)
-    raise AssertionError(f"the trainer did not reach version {version} (at {loop.version})")
+    # the step's bookkeeping done too
+    await until(lambda: loop.last_metrics.get("version", 0) >= version and not loop.buffer, timeout_s=30)
 
 
 async def test_resume_restores_the_whole_training_state(bus, nats_url, tmp_path):

@@ -12,12 +12,14 @@ from collections.abc import Awaitable, Callable
 DEFAULT_TIMEOUT_S = 120.0
 """Far beyond what any awaited condition takes on a loaded two-core machine: reaching it means
 the condition will not hold."""
+POLL_S = 0.02
+"""Between checks: often enough not to slow a test, rarely enough that a condition asking the bus
+(the registry's state of a version) adds no load worth the name."""
 
 
-async def until(condition: Callable[[], bool | Awaitable[bool]], timeout_s: float = DEFAULT_TIMEOUT_S,
-                interval_s: float = 0.01) -> None:
+async def until(condition: Callable[[], bool | Awaitable[bool]], timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
     """Return once `condition()` (a function or a coroutine function) is true; fail the test with
-    an AssertionError naming the condition after `timeout_s`."""
+    an AssertionError saying where the condition is written after `timeout_s`."""
     deadline = time.monotonic() + timeout_s
     while True:
         held = condition()
@@ -26,5 +28,7 @@ async def until(condition: Callable[[], bool | Awaitable[bool]], timeout_s: floa
         if held:
             return
         if time.monotonic() >= deadline:
-            raise AssertionError(f"condition not reached in {timeout_s:g}s: {getattr(condition, '__qualname__', condition)}")
-        await asyncio.sleep(interval_s)
+            code = getattr(condition, "__code__", None)
+            where = f"{code.co_filename}:{code.co_firstlineno}" if code else repr(condition)
+            raise AssertionError(f"condition not reached in {timeout_s:g}s ({where})")
+        await asyncio.sleep(POLL_S)
