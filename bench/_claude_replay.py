@@ -48,7 +48,7 @@ def steered_text(answer: dict[str, Any]) -> str:
 
 
 class Steered:
-    """An engine client (`serve.backends`) that constrains the next request's output to a given
+    """An engine client (`flywheel.serve.backends`) that constrains the next request's output to a given
     text and passes everything else to `inner`. One request at a time: `expect(text)` before it."""
 
     def __init__(self, inner: Any):

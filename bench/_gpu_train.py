@@ -15,10 +15,10 @@ import torch
 
 from bench.trainer_efficiency import workload
 from bench.workload import mixed_requests
-from bus import Segment
-from config import load_config
-from train.packing import MicroBatch, Row, micro_batches
-from train.trainer import Trainer
+from flywheel.bus import Segment
+from flywheel.config import load_config
+from flywheel.train.packing import MicroBatch, Row, micro_batches
+from flywheel.train.trainer import Trainer
 
 
 def _sync(device: str) -> None:
@@ -42,7 +42,7 @@ def _trainer(model: torch.nn.Module, args: Any, *overrides: str) -> Trainer:
 def _sample(args: Any, build: Callable, dtype: str) -> tuple[list[Row], int]:
     """The engine at `dtype` answers `args.lp_requests` chat prompts with `args.lp_tokens` tokens
     each (temperature 1); each answer becomes one training row carrying the engine's logprobs."""
-    from serve.engine import Engine, SamplingParams
+    from flywheel.serve.engine import Engine, SamplingParams
 
     model, tokenizer = build(args, dtype)
     engine = Engine(model, tokenizer, max_batch_size=32).start()

@@ -1,4 +1,4 @@
-"""Running `python -m train.run` from a benchmark: one run per call, in its own run_dir, and what
+"""Running `flywheel train` from a benchmark: one run per call, in its own run_dir, and what
 it measured (summary, metrics lines, the reward at the end). Not a benchmark itself."""
 
 from __future__ import annotations
@@ -6,12 +6,12 @@ from __future__ import annotations
 import json
 import shutil
 import subprocess
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 from statistics import fmean
 
 from bench._common import ROOT, CpuWatch
+from flywheel.cli import command
 
 
 @dataclass
@@ -35,10 +35,10 @@ class Run:
 def train_run(label: str, config: str, run_dir: Path, overrides: list[str], timeout_s: float = 3600) -> Run:
     shutil.rmtree(run_dir, ignore_errors=True)
     watch = CpuWatch().start()
-    done = subprocess.run([sys.executable, "-m", "train.run", "--config", config, "--refresh-s", "5", f"run_dir={run_dir}",
+    done = subprocess.run([*command("train"), "--config", config, "--refresh-s", "5", f"run_dir={run_dir}",
                            *overrides], cwd=ROOT, capture_output=True, text=True, timeout=timeout_s)
     cpu = watch.stop()
     if done.returncode != 0:
-        raise RuntimeError(f"{label}: train.run failed ({done.returncode}):\n{done.stderr[-3000:]}")
+        raise RuntimeError(f"{label}: flywheel train failed ({done.returncode}):\n{done.stderr[-3000:]}")
     metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     return Run(label, run_dir, json.loads((run_dir / "summary.json").read_text()), metrics, cpu)

@@ -1,5 +1,5 @@
 """Starting a real serve loop for the gateway benchmarks: a private nats-server in a temporary
-directory and `serve.loop.ServeLoop` on a free loopback port; and running the streaming client
+directory and `flywheel.serve.loop.ServeLoop` on a free loopback port; and running the streaming client
 (`bench/_stream_client.py`) as a child process. Not a benchmark itself."""
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ CLIENT = Path(__file__).resolve().parent / "_stream_client.py"
 class Served:
     """`async with Served(model, overrides) as s:` -> s.loop (ServeLoop), s.url, s.nats_url, s.tmp;
     with `native=True` also s.native_url: the same embedded engine behind its SGLang-protocol
-    server (`serve.engine.server`, incremental streaming) on a second loopback port, in the
+    server (`flywheel.serve.engine.server`, incremental streaming) on a second loopback port, in the
     same process and event loop as the gateway."""
 
     def __init__(self, model: str, overrides: list[str], native: bool = False):
@@ -30,9 +30,9 @@ class Served:
         self._native_server = None
 
     async def __aenter__(self) -> "Served":
-        from bus import EmbeddedNats
-        from config import load_config
-        from serve.loop import ServeLoop
+        from flywheel.bus import EmbeddedNats
+        from flywheel.config import load_config
+        from flywheel.serve.loop import ServeLoop
 
         self._tmp = tempfile.TemporaryDirectory(prefix="flywheel-bench-")
         self.tmp = Path(self._tmp.name)
@@ -49,7 +49,7 @@ class Served:
     async def _serve_native(self) -> str:
         import uvicorn
 
-        from serve.engine.server import create_engine_app
+        from flywheel.serve.engine.server import create_engine_app
 
         app = create_engine_app(self.loop.engine, self.model, self.loop.model_name, incremental_streaming=True)
         self._native_server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning", lifespan="off"))

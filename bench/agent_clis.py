@@ -161,8 +161,8 @@ class Platform:
 async def flywheel(model: str, overrides: list[str]) -> AsyncIterator[Platform]:
     """Serve `model` with the collect loop, on a private bus."""
     from bench._serve import Served
-    from bus import TRAFFIC_SUBJECTS, TRAJECTORY_SUBJECT, Bus
-    from collect.loop import CollectLoop
+    from flywheel.bus import TRAFFIC_SUBJECTS, TRAJECTORY_SUBJECT, Bus
+    from flywheel.collect.loop import CollectLoop
 
     async with Served(model, [*overrides, "collect.feedback_grace_s=0"]) as served:
         collect = CollectLoop(served.config, served.nats_url)
@@ -189,7 +189,7 @@ async def drain(consumer) -> list:
 async def collected(platform: Platform, labels: dict[str, str] | None = None) -> dict[str, Any]:
     """End every session recorded since the last call and read back its trajectories; returns
     the turns, the trajectories (`labels`: names for turn ids) and the collect loop's counts."""
-    from bus import Trajectory, Turn
+    from flywheel.bus import Trajectory, Turn
 
     traffic, trajectories = platform.consumers
     turns = [d.record for d in await drain(traffic) if isinstance(d.record, Turn)]

@@ -2,10 +2,10 @@
 trained samples with η = 4 (asynchronous, decoupled PPO) against η = 0 (synchronous: the
 rollout driver admits a batch only once the trainer has consumed the previous one).
 
-Workload: bench/configs/digits_tail.yaml (the `tiny` model on `digits`, heavy-tailed generation
+Workload: configs/digits_tail.yaml (the `tiny` model on `digits`, heavy-tailed generation
 lengths: Pareto tail, alpha 1, 8 to 512 tokens, generated to the end), `train.max_steps` steps
 of `train.batch_size` samples each, `--seeds` seeds per setting, run one after another through
-`python -m train.run`. Reported per setting: wall-clock time from the train loop's start to its
+`flywheel train`. Reported per setting: wall-clock time from the train loop's start to its
 last step, the final reward (mean batch reward of the last 10 steps) and staleness; and the
 ratio of the mean times (target >= 2x; AReaL reports up to 2.77x) with the final rewards' spread
 across seeds as the noise level. Writes bench/results/NAME.json and docs/img/NAME.png
@@ -14,7 +14,7 @@ across seeds as the noise level. Writes bench/results/NAME.json and docs/img/NAM
     .venv/bin/python bench/async_vs_sync.py                      # 2 seeds x 2 settings, ~5 min
     .venv/bin/python bench/async_vs_sync.py --seeds 1 train.max_steps=20
     .venv/bin/python bench/async_vs_sync.py --name async_vs_sync_smollm2 model=smollm2-135m \
-        train.batch_size=16 gconfig.max_new_tokens=1024 train.max_steps=8 actor.optimizer.lr=0.00001   # ~17 min
+        train.batch_size=16 rollout.sampling.max_new_tokens=1024 train.max_steps=8 actor.optimizer.lr=0.00001   # ~17 min
 """
 
 from __future__ import annotations
@@ -28,9 +28,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench._common import ROOT, machine, quiet_logs, table, wait_quiet, write_result  # noqa: E402
 from bench._runs import train_run  # noqa: E402
-from train.plot import plot_runs  # noqa: E402
+from flywheel.train.plot import plot_runs  # noqa: E402
 
-CONFIG = "bench/configs/digits_tail.yaml"
+CONFIG = "configs/digits_tail.yaml"
 SETTINGS = {"async (η=4)": ["rollout.max_head_offpolicyness=4"], "sync (η=0)": ["rollout.max_head_offpolicyness=0"]}
 
 
@@ -38,7 +38,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--seeds", type=int, default=2)
     parser.add_argument("--name", default="async_vs_sync", help="writes bench/results/NAME.json and docs/img/NAME.png")
-    parser.add_argument("overrides", nargs="*", metavar="key=value", help="passed to every train.run")
+    parser.add_argument("overrides", nargs="*", metavar="key=value", help="passed to every flywheel train")
     args = parser.parse_args()
     quiet_logs()
     runs = {name: [] for name in SETTINGS}

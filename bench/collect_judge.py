@@ -1,7 +1,7 @@
 """Turn records through the collect loop and a `rule` judge to scored samples: throughput and
 latency.
 
-The collect and judge loops run as their own processes (`python -m collect`, `python -m judge`),
+The collect and judge loops run as their own processes (`flywheel loop collect`, `flywheel loop judge`),
 as deployed, against a private nats-server. This process plays the gateways: it publishes
 pre-encoded turn records (sessions of `--turns` turns whose prompts grow by the previous output
 plus a user message, as an agent's do; token ids, logprobs, versions and message text of
@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import os
 import random
 import subprocess
 import sys
@@ -36,8 +35,26 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench._common import ROOT, CpuWatch, machine, percentile, table, wait_quiet_async, write_result  # noqa: E402
-from bus import SAMPLE_SUBJECT, SESSION_EVENT_SUBJECT, TURN_SUBJECT, Bus, EmbeddedNats, SessionEvent, Turn, encode  # noqa: E402
+from bench._common import (  # noqa: E402
+    ROOT,
+    CpuWatch,
+    machine,
+    percentile,
+    table,
+    wait_quiet_async,
+    write_result,
+)
+from flywheel.bus import (  # noqa: E402
+    SAMPLE_SUBJECT,
+    SESSION_EVENT_SUBJECT,
+    TURN_SUBJECT,
+    Bus,
+    EmbeddedNats,
+    SessionEvent,
+    Turn,
+    encode,
+)
+from flywheel.cli import command  # noqa: E402
 
 WORDS = "the cat sat on a mat and then it ran off to find some food in the big old house".split()
 
@@ -68,9 +85,8 @@ def session_records(sid: str, turns: int, rng: random.Random) -> list[tuple[str,
 
 
 def start_loops(url: str, run_dir: Path) -> list[subprocess.Popen]:
-    common = ["--bus-url", url, f"run_dir={run_dir}", "collect.feedback_grace_s=0", "judge.kind=rule"]
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    return [subprocess.Popen([sys.executable, "-m", name, *common], cwd=ROOT, env=env) for name in ("collect", "judge")]
+    common = [f"bus.url={url}", f"run_dir={run_dir}", "collect.feedback_grace_s=0", "judge.kind=rule"]
+    return [subprocess.Popen(command("loop", name, *common), cwd=ROOT) for name in ("collect", "judge")]
 
 
 class Samples:

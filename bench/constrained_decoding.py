@@ -2,7 +2,7 @@
 
 What it measures
     B requests at once (the same prompt, temperature 1, distinct seeds), each generating exactly
-    T tokens, in one `serve.engine.Engine`:
+    T tokens, in one `flywheel.serve.engine.Engine`:
 
     - json: `json_schema` = an object with one free string field, the way a forced tool call's
       arguments or a `response_format` answer are decoded, up to T tokens; every token pays for
@@ -31,7 +31,15 @@ import asyncio
 import json
 import time
 
-from bench._common import git_commit, machine, median, quiet_logs, table, wait_quiet, write_result
+from bench._common import (
+    git_commit,
+    machine,
+    median,
+    quiet_logs,
+    table,
+    wait_quiet,
+    write_result,
+)
 
 SCHEMA = json.dumps({"type": "object", "properties": {"text": {"type": "string"}}, "required": ["text"],
                      "x-guidance": {"whitespace_flexible": False}})
@@ -39,7 +47,7 @@ SCHEMA = json.dumps({"type": "object", "properties": {"text": {"type": "string"}
 
 async def run(engine, prompt: list[int], lengths: list[int], constrained: bool, seed: int) -> tuple[float, list[int]]:
     """One request per entry of `lengths` (its token budget), all at once; (seconds, tokens each)."""
-    from serve.engine.sampling import SamplingParams
+    from flywheel.serve.engine.sampling import SamplingParams
 
     def params(i: int, length: int) -> SamplingParams:
         raw = {"max_new_tokens": length, "temperature": 1.0, "sampling_seed": seed * 1000 + i}
@@ -62,8 +70,8 @@ async def main() -> None:
     quiet_logs()
     import torch
 
-    from models import load_model
-    from serve.engine import Engine
+    from flywheel.models import load_model
+    from flywheel.serve.engine import Engine
 
     torch.set_num_threads(args.threads)
     model, tokenizer = load_model(args.model)

@@ -1,7 +1,7 @@
 """Evidence 3, "the decoupled loss is what makes staleness safe": final reward for
 η ∈ {0, 1, 4, 8} × decoupled PPO on/off on the same workload.
 
-Workload: bench/configs/digits_tail.yaml (see bench/async_vs_sync.py), `train.max_steps`
+Workload: configs/digits_tail.yaml (see bench/async_vs_sync.py), `train.max_steps`
 steps. *Decoupled on*: AReaL's objective (π_prox recomputed, behaviour weight capped).
 *Off*: standard PPO against the behaviour policy (`actor.use_decoupled_loss=false`): the ratio
 is taken to the stale policy that sampled each token. Reported per cell: the final reward
@@ -24,16 +24,16 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench._common import ROOT, machine, quiet_logs, table, wait_quiet, write_result  # noqa: E402
 from bench._runs import train_run  # noqa: E402
-from train.plot import plot_runs  # noqa: E402
+from flywheel.train.plot import plot_runs  # noqa: E402
 
-CONFIG = "bench/configs/digits_tail.yaml"
+CONFIG = "configs/digits_tail.yaml"
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--etas", default="0,1,4,8")
     parser.add_argument("--seeds", type=int, default=1)
-    parser.add_argument("overrides", nargs="*", metavar="key=value", help="passed to every train.run")
+    parser.add_argument("overrides", nargs="*", metavar="key=value", help="passed to every flywheel train")
     args = parser.parse_args()
     quiet_logs()
     cells: dict[tuple[int, bool], list] = {}

@@ -2,7 +2,7 @@
 the gateway, kill -9 of a component under that load, and an audit of what came out.
 
 `Cluster` runs nats-server (its data on disk, restartable on the same port), or a JetStream
-cluster of three (`bus.cluster`, every stream replicated three times), and `python -m
+cluster of three (`flywheel.bus.cluster`, every stream replicated three times), and `python -m
 serve|collect|judge|train` over it, each killable with SIGKILL and restartable. `agents` drives
 multi-turn sessions through the official `openai` client (each session: `turns` chat turns that
 resend the growing history, then a reward as feedback), grouped into task groups with
@@ -29,7 +29,6 @@ import os
 import re
 import signal
 import subprocess
-import sys
 import time
 from collections import Counter, defaultdict
 from dataclasses import dataclass, field
@@ -40,8 +39,9 @@ import httpx
 import nats
 import openai
 
-from bus.cluster import LocalNatsCluster, free_port
-from bus.embedded import EmbeddedNats
+from flywheel.bus.cluster import LocalNatsCluster, free_port
+from flywheel.bus.embedded import EmbeddedNats
+from flywheel.cli import command
 
 ROOT = Path(__file__).resolve().parent.parent
 LOOPS = ("serve", "collect", "judge", "train")
@@ -51,7 +51,7 @@ class Cluster:
     """nats-server (or a JetStream cluster of `nats_nodes` members, `bus.replicas=3`) plus the
     loops as processes, all sharing `run_dir`, with `gateways` serve processes (`serve`,
     `serve-1`, ...: each its own port and spill directory). Each gateway has its embedded
-    engine, or with `engines` > 0 all share that many `python -m serve.engine` processes
+    engine, or with `engines` > 0 all share that many `flywheel engine` processes
     (`engine-0`, ...): `serve` swaps their weights, the others follow. Victims: a loop's, a
     gateway's or an engine's name, `nats` (the one server), or `nats-0`, `nats-1`, ... (cluster
     members)."""
@@ -86,15 +86,16 @@ class Cluster:
             return
         log = (self.run_dir / f"{kind}.log").open("a")
         if kind in self.engine_ports:
-            args = [sys.executable, "-m", "serve.engine", "--port", str(self.engine_ports[kind]), "--weight-version", "0",
+            args = [*command("engine"), "--port", str(self.engine_ports[kind]), "--weight-version", "0",
                     "--max-running-requests", "16", "--torch-threads", "1"]
         else:
             gateway = [f"serve.port={self.serve_ports[kind]}", f"serve.spill_dir={self.run_dir / 'spill' / kind}"] \
                 if kind in self.serve_ports else []
             if kind in self.serve_ports and self.engine_urls:
                 gateway += [f"serve.engine_urls={json.dumps(self.engine_urls)}", f"serve.swap_weights={kind == 'serve'}"]
-            args = [sys.executable, "-m", kind.partition("-")[0], "--bus-url", self.bus_url, f"run_dir={self.run_dir}",
-                    *gateway, *self.overrides]
+            loop = kind.partition("-")[0]
+            args = [*command(*(["serve"] if loop == "serve" else ["loop", loop])), f"bus.url={self.bus_url}",
+                    f"run_dir={self.run_dir}", *gateway, *self.overrides]
         self.procs[kind] = subprocess.Popen(args, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
 
     def kill(self, kind: str) -> None:
@@ -265,8 +266,8 @@ async def read_stream(bus: Any, stream: str, kind: type) -> list[Any]:
     """Every record in a stream, in order (gets by sequence)."""
     from nats.js.errors import NotFoundError
 
-    from bus import decode
-    from bus.large import read_payload
+    from flywheel.bus import decode
+    from flywheel.bus.large import read_payload
 
     info = await bus.js.stream_info(stream)
     records = []
@@ -280,8 +281,8 @@ async def read_stream(bus: Any, stream: str, kind: type) -> list[Any]:
 
 
 async def audit(bus_url: str, run_dir: Path, load: Load, turns: int) -> dict[str, Any]:
-    from bus import Bus, Sample, Trajectory, WeightUpdate
-    from train.ledger import lineage
+    from flywheel.bus import Bus, Sample, Trajectory, WeightUpdate
+    from flywheel.train.ledger import lineage
 
     bus = await Bus.connect(bus_url, name="audit", ensure_streams=False)
     try:

@@ -1,7 +1,7 @@
 """Throughput of one gateway in front of 1 vs 2 engine replicas (issue 15).
 
-Each engine is `python -m serve.engine` (SGLang's protocol, one torch thread) in a process of its
-own; the gateway (`serve.loop.ServeLoop` with `serve.engine_urls`) routes each session to one
+Each engine is `flywheel engine` (SGLang's protocol, one torch thread) in a process of its
+own; the gateway (`flywheel.serve.loop.ServeLoop` with `serve.engine_urls`) routes each session to one
 engine by rendezvous hashing on its id. The load: `--streams` concurrent agents, each its own
 session, sending chat turns with a mixed `max_tokens` (16-128) back to back for `--seconds`
 after a warm-up. Reported: completion tokens per second and per engine, and the CPU each process
@@ -18,7 +18,6 @@ import asyncio
 import json
 import random
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -27,14 +26,15 @@ import openai
 import psutil
 
 from bench._serve import Served
-from bus.cluster import free_port
+from flywheel.bus.cluster import free_port
+from flywheel.cli import command
 
 RESULTS = Path(__file__).resolve().parent / "results"
 
 
 def start_engine(model: str, max_batch: int) -> tuple[subprocess.Popen, str]:
     port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "serve.engine", "--model", model, "--port", str(port),
+    proc = subprocess.Popen([*command("engine"), "--model", model, "--port", str(port),
                              "--torch-threads", "1", "--max-running-requests", str(max_batch)],
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     url = f"http://127.0.0.1:{port}"

@@ -3,7 +3,7 @@
 What it measures (SmolLM2-135M unless told, one torch thread: a serve loop that shares its cores)
     - step: the CPU time of one decode step (`KVBatch.step`) of B rows over ~L cached tokens
       each, per dtype, through transformers' forward and through the engine's own decoder
-      (`serve/engine/decoder.py`), run alternately and repeated, median reported; and the
+      (`flywheel/serve/engine/decoder.py`), run alternately and repeated, median reported; and the
       prefill rate (prompt tokens per CPU second) of one P-token prompt. CPU time of the
       engine's one thread, not wall time: the machine is shared, and another process's work
       lengthens the wall time of a step, hardly its CPU time.
@@ -44,7 +44,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch  # noqa: E402
 
-from bench._common import machine, median, percentile, quiet_logs, table, wait_quiet, write_result  # noqa: E402
+from bench._common import (  # noqa: E402
+    machine,
+    median,
+    percentile,
+    quiet_logs,
+    table,
+    wait_quiet,
+    write_result,
+)
 
 
 def parse_args() -> argparse.Namespace:
@@ -73,7 +81,7 @@ def prompts(rows: int, length: int, seed: int = 0) -> list[list[int]]:
 
 
 def step_ms(model, rows: list[list[int]], decoder=None, steps: int = 10) -> float:
-    from serve.engine.batch import KVBatch
+    from flywheel.serve.engine.kv_cache import KVBatch
 
     batch = KVBatch(model, len(rows))
     batch.add(batch.prefill(model, rows, 0))
@@ -86,7 +94,7 @@ def step_ms(model, rows: list[list[int]], decoder=None, steps: int = 10) -> floa
 
 
 def prefill_tok_s(model, length: int) -> float:
-    from serve.engine.chunked import PartialPrefill
+    from flywheel.serve.engine.chunked import PartialPrefill
 
     [sequence] = prompts(1, length, seed=1)
     started = time.thread_time()
@@ -95,8 +103,8 @@ def prefill_tok_s(model, length: int) -> float:
 
 
 def part_step(args) -> dict:
-    from models import load_model
-    from serve.engine.decoder import Decoder
+    from flywheel.models import load_model
+    from flywheel.serve.engine.decoder import Decoder
 
     rows = prompts(args.rows, args.context)
     out: dict = {}
@@ -119,8 +127,8 @@ async def run_arm(args) -> dict:
     from transformers import AutoTokenizer
 
     from bench.workload import uniform_requests
-    from models import load_model, resolve_model
-    from serve.engine import Engine, SamplingParams
+    from flywheel.models import load_model, resolve_model
+    from flywheel.serve.engine import Engine, SamplingParams
 
     model, tokenizer = load_model(args.model, getattr(torch, args.dtype))
     requests = uniform_requests(AutoTokenizer.from_pretrained(resolve_model(args.model)), args.requests, seed=0)
@@ -163,8 +171,8 @@ def part_run(args) -> list[dict]:
 
 
 async def long_prompt(args, chunk: int) -> dict:
-    from models import load_model
-    from serve.engine import Engine, SamplingParams
+    from flywheel.models import load_model
+    from flywheel.serve.engine import Engine, SamplingParams
 
     model, tokenizer = load_model(args.model, getattr(torch, args.dtype))
     engine = Engine(model, tokenizer, max_batch_size=args.rows + 1, chunked_prefill_size=chunk).start()

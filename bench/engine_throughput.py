@@ -6,7 +6,7 @@ What it measures
     {8, 16, 32, 64, 128, 256} with weights 32:16:8:4:2:1, sampled at temperature 1 with
     `ignore_eos`, so every request produces exactly what it asked for.
 
-    - engine: all N submitted at once to `serve.engine.Engine` (max_batch_size B) with
+    - engine: all N submitted at once to `flywheel.serve.engine.Engine` (max_batch_size B) with
       `await engine.generate(ids, SamplingParams(max_new_tokens=k, temperature=1.0,
       ignore_eos=True))`; finished rows leave the batch and waiting ones join between steps.
     - baseline: plain transformers `model.generate` on the same model object and the same
@@ -47,7 +47,15 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench._common import CpuWatch, machine, median, quiet_logs, table, wait_quiet, write_result  # noqa: E402
+from bench._common import (  # noqa: E402
+    CpuWatch,
+    machine,
+    median,
+    quiet_logs,
+    table,
+    wait_quiet,
+    write_result,
+)
 from bench.workload import mixed_requests  # noqa: E402
 
 DEFAULTS = {
@@ -82,7 +90,7 @@ def parse_args() -> argparse.Namespace:
 
 
 def run_engine(engine, requests) -> dict:
-    from serve.engine import SamplingParams
+    from flywheel.serve.engine import SamplingParams
 
     async def go() -> list:
         return await asyncio.gather(*(
@@ -149,8 +157,8 @@ def worker(args: argparse.Namespace) -> None:
     import torch
 
     torch.set_num_threads(args.threads)
-    from models import load_model
-    from serve.engine import Engine
+    from flywheel.models import load_model
+    from flywheel.serve.engine import Engine
 
     model, tokenizer = load_model(args.model)
     requests = mixed_requests(tokenizer, args.requests, args.lengths, args.weights, args.seed)
@@ -196,7 +204,7 @@ def main() -> None:
     quiet_logs()
     from transformers import AutoTokenizer
 
-    from models import resolve_model
+    from flywheel.models import resolve_model
 
     tokenizer = AutoTokenizer.from_pretrained(resolve_model(args.model))
     requests = mixed_requests(tokenizer, args.requests, args.lengths, args.weights, args.seed)

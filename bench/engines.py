@@ -2,7 +2,7 @@
 and Hugging Face's static `generate` as the floor.
 
 What it measures
-    The same seeded workload through the Flywheel gateway (`serve.loop.ServeLoop`, the official
+    The same seeded workload through the Flywheel gateway (`flywheel.serve.loop.ServeLoop`, the official
     OpenAI route `/v1/chat/completions`, streamed) backed by each engine in turn, each alone on
     the machine: N chat prompts (`bench/workload.py`, the gateway's chat template), C at a time,
     each asking for a length drawn uniformly from [16, 256] tokens with `ignore_eos` at
@@ -37,7 +37,7 @@ What it measures
     `behav_logprob_gap`) over 8 answers of 64 tokens at temperature 1 and 0.7. With `--repeats R`
     the engines run R times each, alternating (embedded, vLLM, embedded, ...): the machine is
     shared, and one run of each says little about which is faster. With `--routes`, vLLM's two token-returning routes are also compared directly (no
-    gateway): `/inference/v1/generate` (what `serve.backends.vllm` uses) against `/v1/completions`
+    gateway): `/inference/v1/generate` (what `flywheel.serve.backends.vllm` uses) against `/v1/completions`
     with `return_token_ids` and logprobs, by tok/s and by the CPU seconds vLLM's API server
     spends per 1000 tokens (its cost, steadier than throughput on a shared machine).
 
@@ -66,9 +66,19 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench._common import CpuWatch, machine, median, percentile, quiet_logs, table, wait_quiet_async, write_result  # noqa: E402
+from bench._common import (  # noqa: E402
+    CpuWatch,
+    machine,
+    median,
+    percentile,
+    quiet_logs,
+    table,
+    wait_quiet_async,
+    write_result,
+)
 from bench.workload import uniform_requests  # noqa: E402
-from serve.engine.threads import torch_threads  # noqa: E402
+from flywheel.cli import command  # noqa: E402
+from flywheel.serve.engine.torch_threads import torch_threads  # noqa: E402
 
 
 def parse_args() -> argparse.Namespace:
@@ -202,7 +212,7 @@ async def throughput(url: str, model: str, requests: list[dict], args, workdir: 
 
 async def hot_swap(served, model_spec: str, requests: list[dict], args, workdir: Path, version: int) -> dict:
     """C streams of 256 tokens; once tokens flow, announce `version` and let the gateway swap."""
-    from bus import WEIGHTS_SUBJECT, Bus, WeightUpdate
+    from flywheel.bus import WEIGHTS_SUBJECT, Bus, WeightUpdate
 
     path = str(workdir / "store" / f"v{version}")
     long = [dict(r, max_new_tokens=256) for r in requests[: args.concurrency]]
@@ -237,15 +247,15 @@ async def hot_swap(served, model_spec: str, requests: list[dict], args, workdir:
 
 @contextlib.asynccontextmanager
 async def engine_process(args):
-    """`python -m serve.engine` on a free port (the embedded engine as a server of its own)."""
+    """`flywheel engine` on a free port (the embedded engine as a server of its own)."""
     child = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "serve.engine", "--model", args.model, "--port", "0", "--dtype", args.dtype,
+        *command("engine"), "--model", args.model, "--port", "0", "--dtype", args.dtype,
         "--torch-threads", str(args.torch_threads), "--max-running-requests", str(args.concurrency),
         "--incremental-streaming-output", "--own-decoder", stdout=asyncio.subprocess.PIPE, cwd=Path(__file__).resolve().parent.parent)
     try:
         while not (line := (await child.stdout.readline()).decode()).startswith("engine serving"):
             if not line:
-                raise RuntimeError("python -m serve.engine did not start")
+                raise RuntimeError("flywheel engine did not start")
         yield line.rsplit(" at ", 1)[1].strip()
     finally:
         child.terminate()
@@ -255,7 +265,7 @@ async def engine_process(args):
 HF_GENERATE = """
 import json, sys, torch
 from bench.engine_throughput import run_static
-from models import load_model
+from flywheel.models import load_model
 cfg = json.loads(open(sys.argv[1]).read())
 torch.set_num_threads(cfg["threads"])
 model, tokenizer = load_model(cfg["model"], getattr(torch, cfg["dtype"]))
@@ -337,7 +347,7 @@ def logprob_gap(model_spec: str, sampled: list[dict]) -> dict:
     the same prefix: what the trainer's `behav_logprob_gap` is for tokens of its own version."""
     import torch
 
-    from models import load_model
+    from flywheel.models import load_model
 
     model, _ = load_model(model_spec)
     gaps = []
@@ -373,7 +383,8 @@ def _cpu_s(pid: int) -> float:
 PUBLISH = """
 import sys, torch
 from pathlib import Path
-from models import WeightStore, load_model
+from flywheel.models import WeightStore, load_model
+from flywheel.cli import command
 model, _ = load_model(sys.argv[1])
 generator = torch.Generator().manual_seed(int(sys.argv[3]))
 with torch.no_grad():
@@ -389,7 +400,7 @@ odd things found, 1)."""
 async def main_async(args) -> dict:
     from transformers import AutoTokenizer
 
-    from models import resolve_model
+    from flywheel.models import resolve_model
 
     tokenizer = AutoTokenizer.from_pretrained(resolve_model(args.model))
     requests = uniform_requests(tokenizer, args.requests, args.seed)

@@ -40,7 +40,7 @@ def main() -> int:
     parser.add_argument("--gateways", type=int, default=1,
                         help="with --victims: gateways behind a balancer (victims serve, serve-1, ...)")
     parser.add_argument("--engines", type=int, default=0,
-                        help="with --gateways: the gateways share this many `python -m serve.engine` processes "
+                        help="with --gateways: the gateways share this many `flywheel engine` processes "
                              "(serve swaps their weights, the others follow; victims engine-0, ...)")
     parser.add_argument("--route", choices=["round-robin", "session"], default="round-robin",
                         help="how the balancer in front of several gateways picks one (session: hash of X-Session-Id)")

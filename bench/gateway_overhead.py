@@ -2,14 +2,14 @@
 streams.
 
 What it measures
-    One `serve.loop.ServeLoop` (embedded engine, max_batch_size = concurrency, recording turns
+    One `flywheel.serve.loop.ServeLoop` (embedded engine, max_batch_size = concurrency, recording turns
     to a private nats-server) serves every mode, so the model, engine, threads and process are
     the same; only the path in front of the engine changes:
 
     - engine_http: C concurrent streaming SGLang `/generate` requests (prompt ids,
                incremental output, no logprobs: the gateway's client asks for none either)
                over loopback HTTP from a separate client process to the same engine's native
-               server (`serve.engine.server`, second port, same process and event loop):
+               server (`flywheel.serve.engine.server`, second port, same process and event loop):
                calling the engine directly, as a client of an SGLang server would;
     - gateway: C concurrent streaming `/v1/chat/completions` requests over loopback HTTP from
                the same kind of client process, which also pays for the chat template,
@@ -123,7 +123,7 @@ def new_record(tag: str) -> dict:
 
 
 async def direct_stream(engine, ids: list[int], max_tokens: int, seed: int, tag: str) -> dict:
-    from serve.engine import SamplingParams, TokenDelta
+    from flywheel.serve.engine import SamplingParams, TokenDelta
 
     rec = new_record(tag)
     params = SamplingParams(max_new_tokens=max_tokens, temperature=1.0, top_p=1.0, sampling_seed=seed)
@@ -224,7 +224,7 @@ class PathRunner:
     records, wall times and CPU per path (`results`)."""
 
     def __init__(self, served: Served, args: argparse.Namespace, modes: list[str]):
-        from serve.backends.in_process import InProcessEngineClient
+        from flywheel.serve.backends.in_process import InProcessEngineClient
 
         self.served, self.args, self.modes = served, args, modes
         self.seed = 1000 * args.seed
@@ -318,7 +318,7 @@ class PathRunner:
 async def recorded(served: Served, prompts: list[list[int]]) -> dict:
     """After the blocks: whether the last recorded turn's prompt ids are among the ones the other
     paths were given, and the gateway's turns published and dropped."""
-    from bus import TURN_SUBJECT
+    from flywheel.bus import TURN_SUBJECT
 
     await served.loop.recorder.flush(timeout_s=10)
     last_turn = await served.loop.bus.last(TURN_SUBJECT)

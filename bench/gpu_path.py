@@ -6,21 +6,21 @@ What it measures (every part in one process, one model shape; `--parts` picks th
               4-240 words, `max_new_tokens` drawn, seeded, from 8..256 with weights
               32:16:8:4:2:1, temperature 1, `ignore_eos`), N = `--per-slot` x B requests, for each
               `--dtypes` x `--batches` (B = max_batch_size): all N submitted at once to
-              `serve.engine.Engine` (default `chunked_prefill_size` 512; at the largest B also
+              `flywheel.serve.engine.Engine` (default `chunked_prefill_size` 512; at the largest B also
               `--wide-prefill`); then HF `model.generate` on the same model object and requests
               in static batches of B (left padding, sampling at temperature 1, each batch run to
               its longest request). Useful tokens/s (the sum of the requested lengths / wall),
               TTFT p50/p90 (from submission; all N arrive at t=0, so it includes queueing; for
               the static side, the time the request's batch produced its first token), decode
               steps, peak GPU memory. The dtype is the engine's `serve.dtype`: weights and KV
-              cache (`load_model(dtype)` then `place`, as `serve/loop.py` does).
+              cache (`load_model(dtype)` then `place`, as `flywheel/serve/loop.py` does).
     profile   At B = `--profile-batch` rows, each with ~a prompt plus 4 tokens cached: the
               engine is paused in place and its own decode step (`Engine._decode`: forward,
               sampling, per-request bookkeeping) is called directly: wall ms per step (synced),
               ms per bare forward (`KVBatch.step`), and under torch.profiler the GPU kernel time
               and kernel count per step. GPU idle = 1 - kernel time / step wall.
     logprobs  `--lp-requests` chat prompts x `--lp-tokens` tokens sampled (temperature 1) by the
-              engine at each dtype, then the trainer (`train.trainer.Trainer`, float32 weights,
+              engine at each dtype, then the trainer (`flywheel.train.trainer.Trainer`, float32 weights,
               `train.autocast`: bf16 autocast on CUDA, as `train.device: cuda` runs) recomputes every sampled
               token: mean and max |engine logprob - trainer logprob| (`behav_logprob_gap`), the
               behaviour weight pi_prox/pi_behav = exp(gap) (mean, extremes, the share outside the
@@ -125,11 +125,11 @@ def peak_gib(device: str) -> float | None:
 
 
 def build(args: argparse.Namespace, dtype: str):
-    """(model on args.device in `dtype`, tokenizer): as `serve/loop.py` builds the engine's model
+    """(model on args.device in `dtype`, tokenizer): as `flywheel/serve/loop.py` builds the engine's model
     (`load_model(spec, dtype)` then `place`), or with seeded random weights of the same shape."""
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-    from models import load_model, place, resolve_model
+    from flywheel.models import load_model, place, resolve_model
 
     path = resolve_model(args.model)
     if args.random_weights:
@@ -145,7 +145,7 @@ def build(args: argparse.Namespace, dtype: str):
 # ---- engine against static batches -------------------------------------------------------------
 
 def run_engine(engine, requests: list[dict], device: str) -> dict:
-    from serve.engine import SamplingParams
+    from flywheel.serve.engine import SamplingParams
 
     async def go() -> list:
         return await asyncio.gather(*(
@@ -211,7 +211,7 @@ def run_static(model, pad_id: int, requests: list[dict], batch: int, device: str
 
 
 def engine_part(args: argparse.Namespace, dtype: str, result: dict) -> None:
-    from serve.engine import Engine
+    from flywheel.serve.engine import Engine
 
     model, tokenizer = build(args, dtype)
     pad_id = Engine(model, tokenizer).pad_id
@@ -254,7 +254,7 @@ def profile_part(args: argparse.Namespace, model, tokenizer, dtype: str) -> dict
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
-    from serve.engine import Engine, SamplingParams
+    from flywheel.serve.engine import Engine, SamplingParams
 
     rows, steps = args.profile_batch, args.profile_steps
     engine = Engine(model, tokenizer, max_batch_size=rows, chunked_prefill_size=args.wide_prefill).start()

@@ -1,7 +1,7 @@
 """Hot swap cost: what publishing new weights every ~second does to a gateway under load.
 
 What it measures
-    One `serve.loop.ServeLoop` (embedded engine, `serve.swap_mode` in_place, turns recorded to
+    One `flywheel.serve.loop.ServeLoop` (embedded engine, `serve.swap_mode` in_place, turns recorded to
     a private nats-server) serves K streaming chat clients that each send one request after
     another (a separate client process, httpx SSE, `logprobs: true` so that every output token
     arrives in a chunk of its own with its `system_fingerprint` version). Two phases of the same
@@ -63,7 +63,17 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench._common import machine, ms, percentile, quiet_logs, table, tpot_s, ttft_s, wait_quiet_async, write_result  # noqa: E402
+from bench._common import (  # noqa: E402
+    machine,
+    ms,
+    percentile,
+    quiet_logs,
+    table,
+    tpot_s,
+    ttft_s,
+    wait_quiet_async,
+    write_result,
+)
 from bench._serve import ClientRun, Served  # noqa: E402
 from bench.workload import user_message  # noqa: E402
 
@@ -173,7 +183,7 @@ class VersionWriter:
     standing in for the trainer (see the docstring). `await write()` -> the new versions."""
 
     def __init__(self, store_dir: Path, args: argparse.Namespace):
-        from models import WeightStore
+        from flywheel.models import WeightStore
 
         self.store_dir = store_dir
         self.store = WeightStore(store_dir, keep=args.swaps * args.attempts + 1)
@@ -209,7 +219,7 @@ def client_config(served: Served, args: argparse.Namespace) -> dict:
 async def announce(nats_url: str, store, versions: list[int], args: argparse.Namespace) -> dict[int, float]:
     """The trainer's side of the swap phase, on a bus connection of its own: after `--lead` s,
     one version announced on `flywheel.weights` every `--interval` s. -> {version: when}."""
-    from bus import WEIGHTS_SUBJECT, Bus, WeightUpdate
+    from flywheel.bus import WEIGHTS_SUBJECT, Bus, WeightUpdate
 
     announced = {}
     trainer = await Bus.connect(nats_url, name="bench-trainer")
@@ -265,7 +275,7 @@ async def timed_phase(name: str, served: Served, client_cfg: dict, writer: Versi
 async def server_side(loop, stats_before: dict) -> dict:
     """After the phases, from the server: every recorded turn (read back from the bus), the
     pool's pauses, the swaps applied, the engine's aborts since `stats_before`, the recorder."""
-    from bus import TURN_SUBJECT
+    from flywheel.bus import TURN_SUBJECT
 
     await loop.recorder.flush(timeout_s=30)
     stats_after = dict(loop.engine.stats)
@@ -478,7 +488,7 @@ def write_versions_main(args: argparse.Namespace) -> None:
     quiet_logs()
     import torch
 
-    from models import WeightStore, load_model
+    from flywheel.models import WeightStore, load_model
 
     model, _ = load_model(args.model)
     store = WeightStore(Path(args.writer), keep=args.keep)
@@ -499,7 +509,7 @@ def main() -> None:
         write_versions_main(args)
         return
     quiet_logs()
-    logging.getLogger("serve.engine.core").setLevel(logging.WARNING)
+    logging.getLogger("flywheel.serve.engine.core").setLevel(logging.WARNING)
     asyncio.run(main_async(args))
 
 

@@ -41,7 +41,15 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench._common import CpuWatch, machine, percentile, quiet_logs, table, wait_quiet_async, write_result  # noqa: E402
+from bench._common import (  # noqa: E402
+    CpuWatch,
+    machine,
+    percentile,
+    quiet_logs,
+    table,
+    wait_quiet_async,
+    write_result,
+)
 from bench._serve import Served  # noqa: E402
 
 LOCK = Path("/tmp/flywheel-bench.lock")
@@ -63,7 +71,7 @@ def parse_args() -> argparse.Namespace:
 
 def arithmetic_trajectory(tid: str, a: int, b: int):
     """Two assistant turns: a sum (answered right) and a product (answered wrong when a is odd)."""
-    from bus import Trajectory, Turn
+    from flywheel.bus import Trajectory, Turn
 
     system = {"role": "system", "content": "You are a calculator. Answer with the number only."}
     ask = {"role": "user", "content": f"What is {a} + {b}?"}
@@ -113,7 +121,7 @@ class TimedRequests:
 
 
 async def judge_all(loop, bus, trajectories, expected_total: int) -> float:
-    from bus import TRAJECTORY_SUBJECT
+    from flywheel.bus import TRAJECTORY_SUBJECT
 
     started = time.perf_counter()
     for trajectory in trajectories:
@@ -124,9 +132,9 @@ async def judge_all(loop, bus, trajectories, expected_total: int) -> float:
 
 
 async def run(args: argparse.Namespace) -> dict:
-    from bus import Bus
-    from config import load_config
-    from judge.loop import JudgeLoop
+    from flywheel.bus import Bus
+    from flywheel.config import load_config
+    from flywheel.judge.loop import JudgeLoop
 
     async with Served(args.model, [f"serve.torch_threads={args.threads}", "serve.max_batch_size=32"]) as served:
         config = load_config(None, [
@@ -174,7 +182,7 @@ async def run(args: argparse.Namespace) -> dict:
 def main() -> None:
     args = parse_args()
     quiet_logs()
-    logging.getLogger("judge.loop").setLevel(logging.ERROR)  # one warning per unscored trajectory
+    logging.getLogger("flywheel.judge.loop").setLevel(logging.ERROR)  # one warning per unscored trajectory
     result = asyncio.run(run(args))
     print(table(
         ["model", "traj", "conc", "k", "max_tok", "traj/s", "turns/s", "req/s", "tok/s", "parse rate", "scored", "p50 s",

@@ -2,9 +2,9 @@
 and per polarity on the hand-labelled set, against a naive keyword baseline.
 
 What it measures
-    judge/data/next_state_labelled.jsonl: hand-written examples, each the turn's request, the
+    flywheel/judge/data/next_state_labelled.jsonl: hand-written examples, each the turn's request, the
     assistant's reply, what followed it (user or tool messages), optional feedback text about
-    the turn, the gold class (one of `judge.next_state_classes.LABELS`) and polarity (+1/-1/0).
+    the turn, the gold class (one of `flywheel.judge.next_state_classes.LABELS`) and polarity (+1/-1/0).
     `split` says how each may be trusted. `dev` (130) and `heldout` (56, a fixed 30 % drawn by a
     seeded shuffle) were written before the classifier; the rules were developed on `dev`'s
     numbers and mistakes only, but by the author of all of them, so `heldout` is optimistic.
@@ -39,9 +39,9 @@ if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench._common import table, write_result  # noqa: E402
-from bus import SessionEvent, Trajectory, Turn  # noqa: E402
-from judge.next_state import NextStateJudge  # noqa: E402
-from judge.next_state_classes import LABELS, polarity  # noqa: E402
+from flywheel.bus import SessionEvent, Trajectory, Turn  # noqa: E402
+from flywheel.judge.next_state import NextStateJudge  # noqa: E402
+from flywheel.judge.next_state_classes import LABELS, polarity  # noqa: E402
 
 DATA = Path(__file__).resolve().parent.parent / "judge" / "data" / "next_state_labelled.jsonl"
 SPLITS = ("dev", "heldout", "fresh")

@@ -1,10 +1,10 @@
 """Evidence 1, "it learns": SmolLM2-135M's greedy accuracy on held-out arithmetic before and
-after a `train.run` of at most `--minutes` on this CPU.
+after a `flywheel train` of at most `--minutes` on this CPU.
 
 1. *Before*: the base model answers the environment's fixed held-out problems (never drawn for
-   training, see envs/arithmetic.py), greedy, through the embedded engine with the chat
+   training, see flywheel/envs/arithmetic.py), greedy, through the embedded engine with the chat
    template applied as the gateway does; scored by the environment's verifier.
-2. *Training*: `python -m train.run --config train/configs/arith_smollm2.yaml` in a fresh
+2. *Training*: `flywheel train --config configs/arith_smollm2.yaml` in a fresh
    `run_dir`, stopped (SIGTERM, which saves a final checkpoint) when `--minutes` are up unless
    it reaches `train.max_steps` first. Extra `key=value` arguments go to it.
 3. *After*: the same evaluation with the newest checkpoint's weights.
@@ -31,14 +31,15 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench._common import ROOT, machine, quiet_logs, wait_quiet, write_result  # noqa: E402
-from config import load_config  # noqa: E402
-from envs import make_env  # noqa: E402
-from models import load_model, load_weights  # noqa: E402
-from serve.engine import Engine, SamplingParams  # noqa: E402
-from train.checkpoint import Checkpoints  # noqa: E402
-from train.plot import plot_runs  # noqa: E402
+from flywheel.cli import command
+from flywheel.config import load_config  # noqa: E402
+from flywheel.envs import make_env  # noqa: E402
+from flywheel.models import load_model, load_weights  # noqa: E402
+from flywheel.serve.engine import Engine, SamplingParams  # noqa: E402
+from flywheel.train.checkpoint import Checkpoints  # noqa: E402
+from flywheel.train.plot import plot_runs  # noqa: E402
 
-CONFIG = "train/configs/arith_smollm2.yaml"
+CONFIG = "configs/arith_smollm2.yaml"
 
 
 async def accuracy(weights: Path | None, model_name: str, env, n: int, max_new_tokens: int) -> dict:
@@ -65,13 +66,13 @@ async def accuracy(weights: Path | None, model_name: str, env, n: int, max_new_t
 
 
 def train(run_dir: Path, minutes: float, overrides: list[str]) -> dict:
-    command = [sys.executable, "-m", "train.run", "--config", CONFIG, "--refresh-s", "10", f"run_dir={run_dir}", *overrides]
+    command = [*command("train"), "--config", CONFIG, "--refresh-s", "10", f"run_dir={run_dir}", *overrides]
     child = subprocess.Popen(command, cwd=ROOT)
     try:
         child.wait(timeout=minutes * 60)
         stopped_early = False
     except subprocess.TimeoutExpired:
-        child.send_signal(signal.SIGTERM)  # train.run stops the loops; the trainer saves a checkpoint
+        child.send_signal(signal.SIGTERM)  # flywheel train stops the loops; the trainer saves a checkpoint
         child.wait(timeout=300)
         stopped_early = True
     summary = run_dir / "summary.json"
@@ -87,7 +88,7 @@ def main() -> None:
     parser.add_argument("--name", default="learn_arith", help="results go to bench/results/NAME.json and docs/img/NAME.png")
     parser.add_argument("--reuse-run", action="store_true",
                         help="skip training: evaluate the newest checkpoint of an existing --run-dir")
-    parser.add_argument("overrides", nargs="*", metavar="key=value", help="passed to train.run")
+    parser.add_argument("overrides", nargs="*", metavar="key=value", help="passed to flywheel train")
     args = parser.parse_args()
     quiet_logs()
     config = load_config(CONFIG, args.overrides)
@@ -97,18 +98,18 @@ def main() -> None:
         shutil.rmtree(run_dir, ignore_errors=True)
 
     wait_quiet()
-    before = asyncio.run(accuracy(None, config.model, env, args.problems, config.gconfig.max_new_tokens))
+    before = asyncio.run(accuracy(None, config.model, env, args.problems, config.rollout.sampling.max_new_tokens))
     print(f"before: {before['accuracy']:.3f} on {before['problems']} held-out problems", flush=True)
     summary = run_dir / "summary.json"
     run = {"reused": True, "summary": json.loads(summary.read_text()) if summary.exists() else None} if args.reuse_run \
         else train(run_dir, args.minutes, args.overrides)
     checkpoint = Checkpoints(run_dir / "checkpoints", keep=1).latest()
-    after = asyncio.run(accuracy(checkpoint, config.model, env, args.problems, config.gconfig.max_new_tokens))
+    after = asyncio.run(accuracy(checkpoint, config.model, env, args.problems, config.rollout.sampling.max_new_tokens))
     print(f"after:  {after['accuracy']:.3f} ({checkpoint.name})", flush=True)
 
     curve = ROOT / "docs" / "img" / f"{args.name}.png"
     curve.parent.mkdir(parents=True, exist_ok=True)
-    plot_runs({"SmolLM2-135M, η=4": run_dir / "metrics.jsonl"}, curve, title="SmolLM2-135M on arithmetic (train.run)")
+    plot_runs({"SmolLM2-135M, η=4": run_dir / "metrics.jsonl"}, curve, title="SmolLM2-135M on arithmetic (flywheel train)")
     result = {"args": vars(args), "machine": machine(config.train.torch_threads), "before": before, "after": after,
               "gain_points": 100 * (after["accuracy"] - before["accuracy"]), "checkpoint": checkpoint.name, "run": run}
     path = write_result(args.name, result)

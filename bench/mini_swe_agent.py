@@ -13,7 +13,7 @@ the Flywheel endpoint in a Flywheel sandbox, and its session becomes one traject
   task set), with the configuration's own prompts. The model's replies are not scripted;
   tiny's are random text without an action, so each step is a format error that
   mini-swe-agent sends back, until `--steps` model calls.
-- The episode's reward is the task's grade of the repository the agent left (`envs.swe.grade`);
+- The episode's reward is the task's grade of the repository the agent left (`flywheel.envs.swe.grade`);
   posting it closes the session. The TRAFFIC stream must then hold exactly `api_calls` turns,
   all of that session (every request carried the header), and the TRAJECTORY stream exactly
   one trajectory, of that session, holding all of them.
@@ -48,7 +48,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 MSA_VENV = Path(os.environ.get("FLYWHEEL_MSA_VENV", ROOT / ".venv-msa"))
-ADAPTER = "envs.swe.mini_swe_agent.MiniSweAgentEnvironment"
+ADAPTER = "flywheel.envs.swe.mini_swe_agent.MiniSweAgentEnvironment"
 SLOT = 40  # the sandbox uid is the uid base (10000) + slot: far from the slots tests and rollouts use
 
 
@@ -71,14 +71,14 @@ def msa_env(home: Path) -> dict[str, str]:
 def prepare_task(work: Path) -> tuple[dict[str, Any], Any]:
     """(what the client needs, the `SweTask` or None): the first task of the tiny SWE task set,
     materialized under `work`; a small repository with one bug when the task set is missing."""
-    from envs.sandbox.bubblewrap import interpreter_prefixes
-    from envs.swe.testenv import sandbox_spec
+    from flywheel.envs.sandbox.bubblewrap import interpreter_prefixes
+    from flywheel.envs.swe.testenv import sandbox_spec
 
     work.mkdir(parents=True, exist_ok=True)
     workdir = work / "repo"
     task = None
     try:
-        from envs.swe import TINY_TASKS, load_tasks, materialize
+        from flywheel.envs.swe import TINY_TASKS, load_tasks, materialize
 
         task = load_tasks(TINY_TASKS)[0]
         materialize(task, workdir)
@@ -104,9 +104,9 @@ def prepare_task(work: Path) -> tuple[dict[str, Any], Any]:
 
 def episode_reward(task: Any, workdir: Path) -> tuple[float, dict[str, Any]]:
     """The task's grade of what the agent left in the repository (the tiny set's `grade`)."""
-    from envs.sandbox import make_backend
-    from envs.swe import grade
-    from envs.swe.gitstore import working_diff
+    from flywheel.envs.sandbox import make_backend
+    from flywheel.envs.swe import grade
+    from flywheel.envs.swe.gitstore import working_diff
 
     diff = working_diff(workdir)
     result = grade(task, diff, make_backend("bubblewrap"), SLOT)
@@ -157,7 +157,7 @@ async def run_mini(argv: list[str], home: Path, log_path: Path, timeout_s: float
 
 async def bus_records(nats_url: str, session: str, want_turns: int, wait_s: float = 20.0) -> dict[str, Any]:
     """Every turn and trajectory on the bus (this run's private nats-server): ours and any other."""
-    from bus import TRAFFIC_SUBJECTS, TRAJECTORY_SUBJECT, Bus, Trajectory, Turn
+    from flywheel.bus import TRAFFIC_SUBJECTS, TRAJECTORY_SUBJECT, Bus, Trajectory, Turn
 
     bus = await Bus.connect(nats_url, name="bench-msa")
     turns: list[Turn] = []
@@ -216,10 +216,10 @@ def summarize(session: str, records: dict[str, Any], mini_traj: dict[str, Any]) 
 async def endpoint_run(args: argparse.Namespace, work: Path) -> dict[str, Any]:
     import httpx
 
-    from bus import EmbeddedNats
-    from collect.loop import CollectLoop
-    from config import load_config
-    from serve.loop import ServeLoop
+    from flywheel.bus import EmbeddedNats
+    from flywheel.collect.loop import CollectLoop
+    from flywheel.config import load_config
+    from flywheel.serve.loop import ServeLoop
 
     task, swe_task = prepare_task(work)
     session = f"msa-{uuid.uuid4().hex[:12]}"
@@ -274,8 +274,11 @@ def protocol_check(task: dict[str, Any]) -> dict[str, Any]:
     from minisweagent.exceptions import Submitted
     from minisweagent.models.test_models import DeterministicModel, make_output
 
-    from envs.sandbox import Limits, SandboxSpec, make_backend
-    from envs.swe.mini_swe_agent import MiniSweAgentEnvironment, submitted_class
+    from flywheel.envs.sandbox import Limits, SandboxSpec, make_backend
+    from flywheel.envs.swe.mini_swe_agent import (
+        MiniSweAgentEnvironment,
+        submitted_class,
+    )
 
     spec = SandboxSpec(workdir=Path(task["workdir"]), readonly=tuple(Path(p) for p in task["readonly"]), env=task["env"],
                        limits=Limits(timeout_s=30))
@@ -303,7 +306,7 @@ def protocol_check(task: dict[str, Any]) -> dict[str, Any]:
 
 
 async def protocol_run(work: Path, timeout_s: float) -> dict[str, Any]:
-    from envs.sandbox.bubblewrap import default_uid_base
+    from flywheel.envs.sandbox.bubblewrap import default_uid_base
 
     task, _ = prepare_task(work / "protocol")
     (work / "protocol-task.json").write_text(json.dumps(task))
@@ -333,7 +336,7 @@ async def protocol_run(work: Path, timeout_s: float) -> dict[str, Any]:
 
 async def main_async(args: argparse.Namespace) -> int:
     from bench._common import machine, quiet_logs, write_result
-    from envs.sandbox.workdirs import work_root
+    from flywheel.envs.sandbox.workdirs import work_root
 
     quiet_logs()
     if why := msa_available():

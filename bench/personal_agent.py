@@ -4,7 +4,7 @@ preference from nothing but the conversation (OpenClaw-RL's personal-agent exper
 What runs
     For each (arm, preference, trial): a fresh deployment of the whole platform (serve with
     hot swaps, collect, the `next_state` rule judge and its hint teacher, train; Ray actors over
-    the bus, bench/configs/personal_agent.yaml) on a fresh SmolLM2-135M. A simulated person
+    the bus, configs/personal_agent.yaml) on a fresh SmolLM2-135M. A simulated person
     (bench/_personal_users.py: a name, a hidden preference checked by a deterministic rule) talks
     to it with the official `openai` client, one `X-Session-Id` per conversation and nothing
     else: no rewards, no feedback API, no other header. A session is one everyday question, the
@@ -59,16 +59,24 @@ from statistics import fmean, median
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench._common import RESULTS, ROOT, machine, quiet_logs, table, write_result  # noqa: E402
-from bench._personal_users import HELD_OUT_QUESTIONS, NAMES, PREFERENCES, TRAIN_QUESTIONS, User, answers, sessions_to_learn  # noqa: E402
+from bench._personal_users import (  # noqa: E402
+    HELD_OUT_QUESTIONS,
+    NAMES,
+    PREFERENCES,
+    TRAIN_QUESTIONS,
+    User,
+    answers,
+    sessions_to_learn,
+)
 
-CONFIG = "bench/configs/personal_agent.yaml"
+CONFIG = "configs/personal_agent.yaml"
 ARMS = {
     "none": ["deploy.loops=[serve,collect,judge]", "judge.teacher.enabled=false"],
-    "rl": ["train.rl_coef=1.0", "train.opd_coef=0.0", "train.opd_topk_coef=0.0", "judge.teacher.enabled=false"],
-    "opd": ["train.rl_coef=0.0"],
-    "both": ["train.rl_coef=1.0"],
+    "rl": ["actor.rl_coef=1.0", "actor.opd_coef=0.0", "actor.opd_topk_coef=0.0", "judge.teacher.enabled=false"],
+    "opd": ["actor.rl_coef=0.0"],
+    "both": ["actor.rl_coef=1.0"],
 }
-"""Each arm's overrides; hint distillation's form and weights (`train.opd_coef`, `opd_topk_coef`,
+"""Each arm's overrides; hint distillation's form and weights (`actor.opd_coef`, `opd_topk_coef`,
 `judge.teacher.top_k`) are the config's."""
 DEFAULT_PREFS = {"both": ["brief", "bullets", "name", "formal"], "rl": ["brief", "name"], "opd": ["brief", "name"],
                  "none": ["brief", "name"]}
@@ -159,7 +167,7 @@ async def verdicts(bus_url: str) -> dict[str, dict]:
     reacted to it), and how many tokens the teacher scored}."""
     import math
 
-    from bus import SAMPLE_SUBJECT, Bus
+    from flywheel.bus import SAMPLE_SUBJECT, Bus
 
     bus = await Bus.connect(bus_url, name="personal-agent-bench")
     try:
@@ -191,9 +199,9 @@ def trial_dir(arm: str, pref: str, index: int, args) -> Path:
 def trial(arm: str, pref: str, index: int, args, progress) -> dict:
     from openai import OpenAI
 
-    from config import load_config
-    from deploy.deployment import Deployment
-    from models import WeightStore
+    from flywheel.config import load_config
+    from flywheel.deploy.deployment import Deployment
+    from flywheel.models import WeightStore
 
     seed = 1000 * index + sorted(PREFERENCES).index(pref)
     user = User(NAMES[seed % len(NAMES)], PREFERENCES[pref], seed=seed)
@@ -243,10 +251,10 @@ async def satisfaction(weights: Path | None, model_name: str, user: User, questi
     """How often replies to `questions` satisfy the user (`--heldout-samples` seeded samples each,
     the app's temperature and max_tokens, the same seeds for every arm). With a `hint`: the
     teacher's view, each request told the hint exactly as the hint teacher renders it."""
-    from config import load_config
-    from judge.teacher import Teacher
-    from models import load_model, load_weights
-    from serve.engine import Engine, SamplingParams
+    from flywheel.config import load_config
+    from flywheel.judge.teacher import Teacher
+    from flywheel.models import load_model, load_weights
+    from flywheel.serve.engine import Engine, SamplingParams
 
     model, tokenizer = load_model(model_name)
     if weights is not None:
@@ -285,13 +293,13 @@ def probe_hints(prefs: list[str], args) -> list[list]:
 
 def arithmetic(weights: str | None, args) -> float:
     from bench.learn_arith import accuracy
-    from config import load_config
-    from envs import make_env
+    from flywheel.config import load_config
+    from flywheel.envs import make_env
 
-    config = load_config("train/configs/arith_smollm2.yaml", [])
+    config = load_config("configs/arith_smollm2.yaml", [])
     env = make_env(config.rollout.env, config.rollout.env_args)
     return asyncio.run(accuracy(weights and Path(weights), config.model, env, args.arith_problems,
-                                config.gconfig.max_new_tokens))["accuracy"]
+                                config.rollout.sampling.max_new_tokens))["accuracy"]
 
 
 # ---- live progress, the table, the plot -----------------------------------------------------
@@ -411,7 +419,7 @@ def main() -> None:
     started = time.monotonic()
     import ray
 
-    from deploy.deployment import LOCAL_RAY_ENV, RAY_ENV
+    from flywheel.deploy.deployment import LOCAL_RAY_ENV, RAY_ENV
 
     for key, value in {**RAY_ENV, **LOCAL_RAY_ENV}.items():
         os.environ.setdefault(key, value)

@@ -6,7 +6,7 @@ collect, judge, the promotion loop and its evaluation server (`serve.role: eval`
 client (each a `digits` task: the user asks, then asks again; the environment grades both replies
 and the user sends the mean as feedback), `--concurrency` at a time, all drill long. Serving
 starts on the untrained `tiny` (digits reward ≈ 0). The trainer's versions are real: first a
-short `train.run` on digits (`deploy/configs/local.yaml`, promotion off, `--train-steps` steps)
+short `flywheel train` on digits (`configs/local.yaml`, promotion off, `--train-steps` steps)
 keeps every version it published; then a stand-in trainer publishes, in the order the issue
 asks, a good version (that run's version `--good-steps`), a harmful one (the same weights with
 Gaussian noise of `--noise` on every weight: its replies stop being digits), and a good one
@@ -46,11 +46,12 @@ import torch
 from bench._common import write_result
 from bench._runs import train_run
 from bench.drill import ROOT, Cluster, read_stream
-from bus import WEIGHTS_SUBJECT, Bus, Trajectory, WeightUpdate
-from bus.cluster import free_port
-from bus.registry import Registry
-from envs import make_env
-from models import WeightStore, load_model, load_weights
+from flywheel.bus import WEIGHTS_SUBJECT, Bus, Trajectory, WeightUpdate
+from flywheel.bus.cluster import free_port
+from flywheel.cli import command
+from flywheel.envs import make_env
+from flywheel.models import WeightStore, load_model, load_weights
+from flywheel.versions.registry import Registry
 
 SCREENSHOT = Path(__file__).resolve().parent / "results" / "promotion_dashboard.png"
 
@@ -143,10 +144,10 @@ def screenshot(url: str, out: Path) -> str | None:
 
 
 def pretrain(run_dir: Path, steps: int) -> dict[int, str]:
-    """A short `train.run` on digits (kept in `run_dir`: a second drill reuses it); every version
+    """A short `flywheel train` on digits (kept in `run_dir`: a second drill reuses it); every version
     it published, by version."""
     if not (run_dir / "weights" / f"v{steps}").exists():
-        run = train_run("pretrain", "deploy/configs/local.yaml", run_dir,
+        run = train_run("pretrain", "configs/local.yaml", run_dir,
                         [f"train.max_steps={steps}", "promotion.mode=off", f"train.keep_versions={steps + 1}", "serve.port=0"])
         print(f"trained {steps} steps on digits: reward {run.metrics[0]['reward_mean']:.3f} -> {run.final_reward(3):.3f}")
     return {v: str(run_dir / "weights" / f"v{v}") for v in range(1, steps + 1)}
@@ -165,7 +166,7 @@ async def drill(run_dir: Path, args: argparse.Namespace) -> dict[str, Any]:
     cluster = Cluster(run_dir, overrides)
     cluster.start_nats()
     log = (run_dir / "eval.log").open("a")
-    evaluator = subprocess.Popen([sys.executable, "-m", "serve", "--bus-url", cluster.bus_url, f"run_dir={run_dir}", *overrides,
+    evaluator = subprocess.Popen([*command("serve"), f"bus.url={cluster.bus_url}", f"run_dir={run_dir}", *overrides,
                                   "serve.role=eval", f"serve.port={eval_port}", f"serve.spill_dir={run_dir / 'spill' / 'eval'}"],
                                  cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     for kind in ("serve", "collect", "judge", "promote"):
@@ -266,9 +267,9 @@ def main() -> int:
     parser.add_argument("--share", type=float, default=0.25)
     parser.add_argument("--delta", type=float, default=0.1)
     parser.add_argument("--noise", type=float, default=0.3)
-    parser.add_argument("--train-steps", type=int, default=36, help="steps of the train.run that makes the good versions")
+    parser.add_argument("--train-steps", type=int, default=36, help="steps of the flywheel train that makes the good versions")
     parser.add_argument("--good-steps", type=int, default=28, help="its version that is the first good one")
-    parser.add_argument("--pretrain-dir", type=Path, help="keep that train.run here (and reuse it when it is there)")
+    parser.add_argument("--pretrain-dir", type=Path, help="keep that flywheel train here (and reuse it when it is there)")
     parser.add_argument("--kill-after", type=int, default=5, help="judged canary sessions before the promoter is killed")
     parser.add_argument("--timeout-s", type=float, default=900)
     args = parser.parse_args()

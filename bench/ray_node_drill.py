@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.drill import BATCH, DRILL_CONFIG, agents, audit
-from bus.cluster import free_port
+from flywheel.bus.cluster import free_port
 
 RESULTS = Path(__file__).resolve().parent / "results" / "ray_node_drill.json"
 PLACEMENT = {"serve": {"head": 1}, "collect": {"head": 1}, "judge": {"head": 1}, "train": {"trainer": 1}}
@@ -106,8 +106,8 @@ async def drill(run_dir: Path, temp_dir: str, every_s: float = 5.0, concurrency:
                 group_size: int = 4, settle_s: float = 120.0) -> dict[str, Any]:
     import ray
 
-    from config import load_config
-    from deploy.deployment import Deployment
+    from flywheel.config import load_config
+    from flywheel.deploy.deployment import Deployment
 
     nodes = RayNodes(temp_dir)
     nodes.start_head(NODE_RESOURCES["head"])

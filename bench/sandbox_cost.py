@@ -41,7 +41,7 @@ from typing import Callable
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench._common import CpuWatch, machine, percentile, table, wait_quiet, write_result  # noqa: E402
-from envs.sandbox import SandboxSpec, make_backend  # noqa: E402
+from flywheel.envs.sandbox import SandboxSpec, make_backend  # noqa: E402
 
 
 def parse_args() -> argparse.Namespace:

@@ -1,7 +1,7 @@
 """SWE grading is right: over a task set, gold patches resolve every task and wrong patches none.
 
 What it measures
-    For each task of a task set (all, or a seeded sample of `--sample` tasks), `envs.swe.grade`
+    For each task of a task set (all, or a seeded sample of `--sample` tasks), `flywheel.envs.swe.grade`
     is called, in bubblewrap sandboxes (`--jobs` at a time), with five candidate diffs:
 
       gold        the task's own `patch`                                      expected reward 1
@@ -39,11 +39,11 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench._common import CpuWatch, percentile, table, write_result  # noqa: E402
-from envs.sandbox.workdirs import new_workdir  # noqa: E402
-from envs.swe import TINY_TASKS, SweTask, grade, load_tasks, materialize  # noqa: E402
-from envs.swe.gitstore import working_diff  # noqa: E402
-from envs.swe.mutate import find_sites, mutate  # noqa: E402
-from envs.swe.testenv import default_backend  # noqa: E402
+from flywheel.envs.sandbox.workdirs import new_workdir  # noqa: E402
+from flywheel.envs.swe import TINY_TASKS, SweTask, grade, load_tasks, materialize  # noqa: E402
+from flywheel.envs.swe.gitstore import working_diff  # noqa: E402
+from flywheel.envs.swe.mutate import find_sites, mutate  # noqa: E402
+from flywheel.envs.swe.testenv import default_backend  # noqa: E402
 
 UNRELATED_LINES = 20
 """An unrelated change is this many lines or more away from the bug (nearer ones can compensate

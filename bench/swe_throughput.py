@@ -5,7 +5,7 @@ environments, with a scripted agent and with the model.
   `cat`), applies the gold patch with one command, submits, and is graded by the task's tests:
   the environment side alone (sandbox commands, materialization, test runs), on Ray workers,
   one per slot. Every episode must grade 1.0.
-- model: the rollout driver's own pool (`rollout.env_pool.RayEnvPool`) running episodes of
+- model: the rollout driver's own pool (`flywheel.rollout.env_pool.RayEnvPool`) running episodes of
   `--max-turns` turns through the real endpoint (`tiny`, embedded engine, turns recorded to a
   private nats-server), graded like any episode.
 
@@ -42,12 +42,12 @@ class ScriptedWorker:
     """One slot: plays the scripted agent on whatever task it is handed."""
 
     def __init__(self, env_args: dict[str, Any], slot: int):
-        from envs import make_env
+        from flywheel.envs import make_env
 
         self.env, self.slot = make_env("swe", env_args), slot
 
     def episode(self, seed: int, k: int) -> dict[str, Any]:
-        from envs.swe.agent import SUBMIT_MARKER
+        from flywheel.envs.swe.agent import SUBMIT_MARKER
 
         started = time.monotonic()
         task = self.env.reset(random.Random(seed))
@@ -89,12 +89,12 @@ def scripted(parallel: int, episodes: int, k: int, env_args: dict[str, Any]) -> 
 
 async def with_model(parallel: int, episodes: int, args: argparse.Namespace, env_args: dict[str, Any]) -> dict[str, Any]:
     from bench._serve import Served
-    from envs import make_env
-    from rollout.env_pool import RayEnvPool
+    from flywheel.envs import make_env
+    from flywheel.rollout.env_pool import RayEnvPool
 
     overrides = ["rollout.env=swe", f"rollout.n_parallel_envs={parallel}", f"rollout.episode.max_turns={args.max_turns}",
-                 f"gconfig.max_new_tokens={args.max_new_tokens}", f"rollout.max_concurrent_rollouts={max(parallel, 1)}",
-                 f"gconfig.temperature={args.temperature}",
+                 f"rollout.sampling.max_new_tokens={args.max_new_tokens}", f"rollout.max_concurrent_rollouts={max(parallel, 1)}",
+                 f"rollout.sampling.temperature={args.temperature}",
                  "serve.torch_threads=1"]  # the environments' workers share the machine (section 11 measured it so)
     async with Served(args.model, overrides) as served:
         config = served.config.model_copy(update={"rollout": served.config.rollout.model_copy(update={"env_args": env_args})})

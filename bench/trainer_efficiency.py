@@ -1,4 +1,4 @@
-"""Evidence 4, "the trainer wastes nothing": `train.trainer.Trainer.step` against a bare torch
+"""Evidence 4, "the trainer wastes nothing": `flywheel.train.trainer.Trainer.step` against a bare torch
 loop on the same model and the same micro-batches, and packing against padding.
 
 Workload: `--samples` single-segment samples with heavy-tailed lengths (prompts of 30-200
@@ -37,11 +37,11 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench._common import CpuWatch, machine, quiet_logs, table, wait_quiet, write_result  # noqa: E402
-from bus import Segment  # noqa: E402
-from config import load_config  # noqa: E402
-from models import load_model  # noqa: E402
-from train.packing import MicroBatch, Row, micro_batches  # noqa: E402
-from train.trainer import Trainer  # noqa: E402
+from flywheel.bus import Segment  # noqa: E402
+from flywheel.config import load_config  # noqa: E402
+from flywheel.models import load_model  # noqa: E402
+from flywheel.train.packing import MicroBatch, Row, micro_batches  # noqa: E402
+from flywheel.train.trainer import Trainer  # noqa: E402
 
 LENGTHS, WEIGHTS = [8, 16, 32, 64, 128, 256], [32, 16, 8, 4, 2, 1]
 

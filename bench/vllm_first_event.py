@@ -1,6 +1,6 @@
 """What a busy vLLM CPU server does to the other processes on a small machine, with its model's
 worker pinned to one core (vLLM's default, `VLLM_CPU_OMP_THREADS_BIND=auto`) and unpinned
-(`nobind`, what `serve.backends.vllm_server` starts it with), both measured in one run.
+(`nobind`, what `flywheel.serve.backends.vllm_server` starts it with), both measured in one run.
 
 What it measures
     For each binding: a vLLM server (the CPU build in `.venv-vllm`, `tiny`, started as the serve
@@ -36,7 +36,7 @@ import httpx
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench._common import median, table, write_result  # noqa: E402
-from serve.backends.vllm_server import VLLMServer  # noqa: E402
+from flywheel.serve.backends.vllm_server import VLLMServer  # noqa: E402
 
 BYSTANDER = """
 import sys, time

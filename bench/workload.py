@@ -23,7 +23,7 @@ def user_message(rng: random.Random, words: int) -> str:
 
 
 def render(tokenizer: Any, messages: list[dict[str, str]]) -> list[int]:
-    """Prompt ids exactly as the gateway makes them (`serve.prompts.PromptBuilder.chat`)."""
+    """Prompt ids exactly as the gateway makes them (`flywheel.serve.prompts.PromptBuilder.chat`)."""
     text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
     return tokenizer.encode(text, add_special_tokens=False)
 

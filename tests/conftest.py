@@ -54,7 +54,7 @@ def freeze(pid: int, timeout_s: float = 10.0) -> None:
 @pytest.fixture
 def nats_server(tmp_path):
     """A fresh embedded nats-server with JetStream (a new one per test: no shared state)."""
-    from bus import EmbeddedNats
+    from flywheel.bus import EmbeddedNats
 
     with EmbeddedNats(tmp_path / "nats") as server:
         yield server
@@ -67,7 +67,7 @@ def nats_url(nats_server) -> str:
 
 @pytest.fixture
 async def bus(nats_url):
-    from bus import Bus
+    from flywheel.bus import Bus
 
     connection = await Bus.connect(nats_url, name="test")
     yield connection
@@ -76,7 +76,7 @@ async def bus(nats_url):
 
 @pytest.fixture(scope="session")
 def tiny_path() -> Path:
-    from models import resolve_model
+    from flywheel.models import resolve_model
 
     return resolve_model("tiny")
 

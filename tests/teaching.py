@@ -8,9 +8,9 @@ from typing import Any
 
 import torch
 
-from config import load_config
-from models import load_model, save_model
-from serve.loop import ServeLoop
+from flywheel.config import load_config
+from flywheel.models import load_model, save_model
+from flywheel.serve.loop import ServeLoop
 
 
 def teach_tiny(messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None, answer: str, out_dir: Path,

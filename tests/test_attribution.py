@@ -7,13 +7,13 @@ from __future__ import annotations
 
 import pytest
 
-from bus import Sample, SessionEvent
-from collect.tracker import SessionTracker
-from config.schema import CollectConfig
-from judge.normalize import Normalizer
-from judge.rule import RuleJudge
+from flywheel.bus import Sample, SessionEvent
+from flywheel.collect.tracker import SessionTracker
+from flywheel.config.schema import CollectConfig
+from flywheel.judge.normalize import Normalizer
+from flywheel.judge.rule import RuleJudge
+from flywheel.train.advantages import token_advantages
 from tests.test_records import make_turn
-from train.advantages import token_advantages
 
 
 def turn(tid, index, prompt, output, created, messages=None, response=None, **kw):
@@ -186,7 +186,7 @@ def test_normalising_a_score_does_not_use_the_score_itself():
 def test_per_turn_rewards_of_a_group_are_normalised_within_it_whatever_the_order():
     """The group case: four attempts at one task, one turn each, raw turn rewards [1, 1, 0, 0]
     become [1, 1, -1, -1] in the trainer, which holds the group whole, in any arrival order."""
-    from train.advantages import group_turn_rewards
+    from flywheel.train.advantages import group_turn_rewards
 
     def sample(i, reward):
         [trajectory], _ = closed([turn(f"t{i}", 0, [1], [2], 1.0)])

@@ -15,11 +15,17 @@ import anthropic
 import httpx
 import openai
 import pytest
-from agents import Agent, ModelSettings, OpenAIResponsesModel, Runner, set_tracing_disabled
+from agents import (
+    Agent,
+    ModelSettings,
+    OpenAIResponsesModel,
+    Runner,
+    set_tracing_disabled,
+)
 from pydantic import BaseModel
 
-from bus import TRAFFIC_SUBJECTS, Turn
-from judge.rule import RuleJudge
+from flywheel.bus import TRAFFIC_SUBJECTS, Turn
+from flywheel.judge.rule import RuleJudge
 from tests.test_collect_live import collected, platform
 
 set_tracing_disabled(True)

@@ -3,14 +3,13 @@
 import asyncio
 import json
 import subprocess
-import sys
 
 import nats
 import psutil
 import pytest
 from nats.js.errors import APIError, NoStreamResponseError
 
-from bus import (
+from flywheel.bus import (
     SESSION_EVENT_SUBJECT,
     TRAFFIC_SUBJECTS,
     TRAJECTORY_SUBJECT,
@@ -25,11 +24,12 @@ from bus import (
     read_bus_url,
     start_bus,
 )
-from bus.acks import PublishAcks
-from bus.client import HAND_BACK_S
-from bus.process import cancel_and_wait, repeat
-from bus.pull import PullRefused
-from bus.tail import resolve_subject
+from flywheel.bus.acks import PublishAcks
+from flywheel.bus.client import HAND_BACK_S
+from flywheel.bus.pull import PullRefused
+from flywheel.cli import command
+from flywheel.cli.tail import resolve_subject
+from flywheel.runtime import cancel_and_wait, repeat
 from tests.test_records import make_turn
 
 
@@ -120,7 +120,7 @@ async def test_tail_prints_json_lines(bus, nats_url):
         await bus.publish(SESSION_EVENT_SUBJECT, event(i))
     await bus.publish(TURN_SUBJECT, make_turn(id="t9"))
     proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "bus.tail", "events", "--url", nats_url, stdout=subprocess.PIPE
+        *command("tail", "events", f"bus.url={nats_url}"), stdout=subprocess.PIPE
     )
     out, _ = await asyncio.wait_for(proc.communicate(), 30)
     lines = [json.loads(line) for line in out.decode().splitlines()]
@@ -128,7 +128,7 @@ async def test_tail_prints_json_lines(bus, nats_url):
     assert [line["id"] for line in lines] == ["e0", "e1", "e2"]
 
     proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "bus.tail", "TRAFFIC", "--url", nats_url, "-n", "4", stdout=subprocess.PIPE
+        *command("tail", "TRAFFIC", f"bus.url={nats_url}"), "-n", "4", stdout=subprocess.PIPE
     )
     out, _ = await asyncio.wait_for(proc.communicate(), 30)
     assert [json.loads(line)["id"] for line in out.decode().splitlines()] == ["e0", "e1", "e2", "t9"]
@@ -139,7 +139,7 @@ def test_tail_rejects_unknown_names():
     assert resolve_subject("TRAFFIC") == "flywheel.traffic.>"
     with pytest.raises(ValueError, match="accepted"):
         resolve_subject("nonsense")
-    proc = subprocess.run([sys.executable, "-m", "bus.tail", "nonsense", "--url", "nats://x"], capture_output=True, text=True)
+    proc = subprocess.run(command("tail", "nonsense", "bus.url=nats://x"), capture_output=True, text=True)
     assert proc.returncode == 2 and "unknown stream or subject" in proc.stderr
 
 
@@ -150,7 +150,7 @@ async def test_publish_all_pipelines_and_reports_each_record(bus):
     assert errors == [None, None, None, None]
     got = await bus.consumer(TRAFFIC_SUBJECTS, "t").fetch(batch=10, timeout_s=1)
     assert [d.record.id for d in got] == ["a", "big", "b"]  # the repeat of "a" was dropped as a duplicate
-    assert got[1].record == big  # larger than a NATS message: carried whole (bus/large.py)
+    assert got[1].record == big  # larger than a NATS message: carried whole (flywheel/bus/large.py)
     assert bus.publishes_in_flight == 0
 
 

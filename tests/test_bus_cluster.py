@@ -1,20 +1,27 @@
-"""The bus on a JetStream cluster of three real nats-servers (`bus.cluster`), and publishes that
+"""The bus on a JetStream cluster of three real nats-servers (`flywheel.bus.cluster`), and publishes that
 outlive the server they were sent to."""
 
 import asyncio
 
 import nats.errors
 
-from bus import TRAJECTORY_SUBJECT, TURN_SUBJECT, Bus, EmbeddedNats, Sample, Trajectory
-from bus.cluster import LocalNatsCluster, free_port
-from bus.large import BUCKET
-from bus.pull import PullRefused
+from flywheel.bus import (
+    TRAJECTORY_SUBJECT,
+    TURN_SUBJECT,
+    Bus,
+    EmbeddedNats,
+    Sample,
+    Trajectory,
+)
+from flywheel.bus.cluster import LocalNatsCluster, free_port
+from flywheel.bus.large import BUCKET
+from flywheel.bus.pull import PullRefused
 from tests.conftest import freeze
 from tests.test_records import make_turn
 
 
 async def eventually(step, tries: int = 300):
-    """`await step()`, retried as the loops retry a failed step (`bus.process.repeat`): while a
+    """`await step()`, retried as the loops retry a failed step (`flywheel.runtime.repeat`): while a
     stream elects a new leader, its requests are refused or go unanswered for a few seconds."""
     for _ in range(tries - 1):
         try:

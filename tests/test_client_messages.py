@@ -14,8 +14,16 @@ import operator
 import httpx
 import openai
 import pytest
-from openai.types.chat import ChatCompletionAudio, ChatCompletionMessage, ChatCompletionMessageFunctionToolCall
-from openai.types.chat.chat_completion_message import Annotation, AnnotationURLCitation, FunctionCall
+from openai.types.chat import (
+    ChatCompletionAudio,
+    ChatCompletionMessage,
+    ChatCompletionMessageFunctionToolCall,
+)
+from openai.types.chat.chat_completion_message import (
+    Annotation,
+    AnnotationURLCitation,
+    FunctionCall,
+)
 
 from tests.test_gateway_robustness import gateway  # noqa: F401  (fixture: a serve loop on its own thread)
 from tests.test_serve import records, served  # noqa: F401  (fixture: a serve loop in the test's event loop)

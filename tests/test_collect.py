@@ -3,12 +3,17 @@ loop over a real NATS server."""
 
 import asyncio
 
-from bus import SESSION_EVENT_SUBJECT, TRAJECTORY_SUBJECT, TURN_SUBJECT, SessionEvent
-from collect.loop import CollectLoop
-from collect.stitch import stitch
-from collect.tracker import SessionTracker
-from config import load_config
-from config.schema import CollectConfig
+from flywheel.bus import (
+    SESSION_EVENT_SUBJECT,
+    TRAJECTORY_SUBJECT,
+    TURN_SUBJECT,
+    SessionEvent,
+)
+from flywheel.collect.loop import CollectLoop
+from flywheel.collect.stitch import stitch
+from flywheel.collect.tracker import SessionTracker
+from flywheel.config import load_config
+from flywheel.config.schema import CollectConfig
 from tests.test_records import make_turn
 
 
@@ -261,7 +266,7 @@ async def test_collect_loop_publishes_trajectories_and_acks(bus, nats_url, tmp_p
 
 async def test_a_collector_stopped_cleanly_hands_its_open_sessions_to_the_next_at_once(bus, nats_url, tmp_path):
     """A stop leaves the open sessions' records unacknowledged; they used to come back only when
-    their ack wait ran out, and the next collector held everything until then (train.run's
+    their ack wait ran out, and the next collector held everything until then (flywheel train's
     --resume stood still for ~15-30 s). A clean stop now hands them back (nak) at once."""
     config = load_config(None, [f"run_dir={tmp_path}", "bus.ack_wait_s=30"])
     first = CollectLoop(config, nats_url, durable="handover")

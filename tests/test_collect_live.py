@@ -10,11 +10,17 @@ import httpx
 import openai
 import pytest
 
-from bus import TRAFFIC_SUBJECTS, TRAJECTORY_SUBJECT, SessionEvent, Trajectory, Turn
-from collect.loop import CollectLoop
-from config import load_config
-from models.tiny import CHAT_TEMPLATE
-from serve.loop import ServeLoop
+from flywheel.bus import (
+    TRAFFIC_SUBJECTS,
+    TRAJECTORY_SUBJECT,
+    SessionEvent,
+    Trajectory,
+    Turn,
+)
+from flywheel.collect.loop import CollectLoop
+from flywheel.config import load_config
+from flywheel.models.tiny import CHAT_TEMPLATE
+from flywheel.serve.loop import ServeLoop
 from tests.teaching import teach_tiny
 
 WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}

@@ -2,7 +2,7 @@
 
 import pytest
 
-from config import ConfigError, dump_config, load_config, parse_overrides
+from flywheel.config import ConfigError, dump_config, load_config, parse_overrides
 
 
 def test_defaults_yaml_and_overrides_compose(tmp_path):
@@ -24,21 +24,23 @@ def test_dumped_config_loads_back_identically(tmp_path):
     assert load_config(path) == config
 
 
-def test_shipped_configs_are_valid():
+def test_shipped_configs_are_valid_and_each_is_said_what_it_is_for():
     from pathlib import Path
 
-    paths = [*Path("deploy/configs").glob("*.yaml"), *Path("train/configs").glob("*.yaml")]
-    assert len(paths) >= 6
+    paths = sorted(Path("configs").glob("*.yaml"))
+    assert len(paths) >= 9
+    readme = Path("configs/README.md").read_text()
     for path in paths:
         load_config(path)
+        assert f"`{path.name}`" in readme
 
 
 def test_promotion_defaults_offline_off_local_gate_live_canary():
-    assert load_config("train/configs/arith_tiny.yaml").promotion.mode == "off"
+    assert load_config("configs/arith_tiny.yaml").promotion.mode == "off"
     assert load_config(None).promotion.mode == "off"
     assert load_config(None, ["promotion.mode=off"]).promotion.mode == "off"  # YAML's `off` is false
-    assert load_config("deploy/configs/local.yaml").promotion.mode == "gate"
-    assert load_config("deploy/configs/live.yaml").promotion.mode == "canary"
+    assert load_config("configs/local.yaml").promotion.mode == "gate"
+    assert load_config("configs/live.yaml").promotion.mode == "canary"
 
 
 @pytest.mark.parametrize("interval, eta, enabled", [(1, 0, "true"), (2, 1, "true"), (5, 4, "true"), (2, 0, "false")])
@@ -115,3 +117,15 @@ def test_override_values_parse_as_yaml():
 
 def test_exponent_floats_coerce_for_float_keys():
     assert load_config(None, ["actor.optimizer.lr=3e-4"]).actor.optimizer.lr == 3e-4
+
+
+def test_a_moved_key_is_refused_saying_where_it_went():
+    with pytest.raises(ConfigError, match=r"gconfig: moved to rollout.sampling; train.opd_coef: moved to actor.opd_coef"):
+        load_config(None, ["gconfig.n_samples=2", "train.opd_coef=0.5"])
+
+
+def test_the_hint_teacher_runs_exactly_when_the_judge_reads_words():
+    assert not load_config(None, ["judge.kind=rule"]).judge.teaches()
+    assert load_config(None, ["judge.kind=next_state"]).judge.teaches()
+    assert not load_config(None, ["judge.kind=next_state", "judge.teacher.enabled=false"]).judge.teaches()
+    assert load_config(None, ["judge.kind=rule", "judge.teacher.enabled=true"]).judge.teaches()

@@ -11,21 +11,21 @@ from collections import Counter
 import msgspec
 import torch
 
-from bus import TRAJECTORY_SUBJECT, Sample, Trajectory
-from config import load_config
-from models import load_model
-from models.grammar import TokenGrammar, allowed_tokens, model_grammar
-from serve.engine.core import Engine
-from serve.engine.sampling import SamplingParams
+from flywheel.bus import TRAJECTORY_SUBJECT, Sample, Trajectory
+from flywheel.config import load_config
+from flywheel.formats.grammar import TokenGrammar, allowed_tokens, model_grammar
+from flywheel.models import load_model
+from flywheel.serve.engine.core import Engine
+from flywheel.serve.engine.sampling import SamplingParams
+from flywheel.train.advantages import RunningBaseline
+from flywheel.train.grouping import Group, Member
+from flywheel.train.packing import Row, micro_batches
+from flywheel.train.step_batch import StepBatch
+from flywheel.train.trainer import GapStats, Trainer
 from tests.test_collect_live import fetch_all, platform, post_feedback
 from tests.test_records import make_turn
 from tests.test_structured_outputs import ASK, FORECAST, TOOLS
 from tests.test_train_loop import sample_of
-from train.advantages import RunningBaseline
-from train.grouping import Group, Member
-from train.packing import Row, micro_batches
-from train.step_batch import StepBatch
-from train.trainer import GapStats, Trainer
 
 AGENTS = {  # every turn of each session is drawn under a grammar
     "named": {"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "forecast"}}},

@@ -3,8 +3,8 @@ model saw and sampled, even where tokenizing the text again would give other ids
 
 from transformers import AutoTokenizer
 
-from models import resolve_model
-from serve.continuation import SessionContinuations
+from flywheel.models import resolve_model
+from flywheel.serve.continuation import SessionContinuations
 
 
 def tokenizer():

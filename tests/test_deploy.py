@@ -1,5 +1,5 @@
 """The whole platform on Ray: the loop closes (serve → collect → judge → train → weights → serve)
-and the reward of the random tiny model climbs; `deploy.up` stops cleanly on Ctrl-C."""
+and the reward of the random tiny model climbs; `flywheel up` stops cleanly on Ctrl-C."""
 
 import asyncio
 import json
@@ -16,10 +16,11 @@ import httpx
 import openai
 import psutil
 
-from bus import TRAFFIC_SUBJECTS, Bus, Turn
-from bus.registry import Registry
-from config import load_config
-from deploy.deployment import Deployment
+from flywheel.bus import TRAFFIC_SUBJECTS, Bus, Turn
+from flywheel.cli import command
+from flywheel.config import load_config
+from flywheel.deploy.deployment import Deployment
+from flywheel.versions.registry import Registry
 
 ETA = 2
 
@@ -51,7 +52,7 @@ async def turns_until(bus_url: str, session_id: str) -> list[Turn]:
 
 def test_the_loop_closes_and_the_reward_rises(ray_session, tmp_path):
     config = load_config(
-        "deploy/configs/local.yaml",
+        "configs/local.yaml",
         [f"run_dir={tmp_path}", "serve.port=0", f"rollout.max_head_offpolicyness={ETA}"],
     )
     with Deployment(config) as deployment:
@@ -97,7 +98,7 @@ def test_a_gate_that_rejects_every_version_does_not_stall_the_loop(ray_session, 
     a rejected version, before the trainer heard, was evaluated and served), nor a version the
     trainer went on with be abandoned by a directive that came late (every sample of that
     serving version was then dropped)."""
-    config = load_config("deploy/configs/local.yaml", [f"run_dir={tmp_path}", "serve.port=0", f"rollout.max_head_offpolicyness={ETA}",
+    config = load_config("configs/local.yaml", [f"run_dir={tmp_path}", "serve.port=0", f"rollout.max_head_offpolicyness={ETA}",
                                                         "promotion.gate.guards.max_kl=1e-9"])
     with Deployment(config) as deployment:
         stats = wait_for(lambda: (s := deployment.stats())["train"].get("version", 0) >= 3 * (ETA + 1) and s, timeout_s=120)
@@ -117,11 +118,11 @@ async def registered(bus_url: str) -> list:
 
 
 def start_up(run_dir, *overrides: str, env=None) -> subprocess.Popen:
-    """`python -m deploy.up` on the local config, returned once it is up and has trained a step.
+    """`flywheel up` on the local config, returned once it is up and has trained a step.
     Without the promotion gate (its evaluation server and loop only lengthen the start; the
     learning test above runs make run's configuration whole)."""
     proc = subprocess.Popen(
-        [sys.executable, "-m", "deploy.up", "--config", "deploy/configs/local.yaml", f"run_dir={run_dir}",
+        [*command("up"), "--config", "configs/local.yaml", f"run_dir={run_dir}",
          "serve.port=0", "promotion.mode=off", *overrides, "--refresh-s", "0.5"],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
     )
@@ -190,7 +191,7 @@ def test_a_signal_that_lands_inside_a_stats_call_still_stops_the_deployment():
 
     from rich.console import Console
 
-    from deploy.foreground import run_in_foreground
+    from flywheel.deploy.foreground import run_in_foreground
 
     class SwallowingDeployment:  # what Ray did with the interrupt, around a real signal
         def __init__(self):

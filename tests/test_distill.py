@@ -14,20 +14,20 @@ import math
 import pytest
 import torch
 
-from bus import Sample
-from bus.arrays import Float64s, Int32s
-from collect.stitch import stitch
-from config import load_config
-from models import load_model
-from serve.engine import Engine, SamplingParams
+from flywheel.bus import Sample
+from flywheel.bus.arrays import Float64s, Int32s
+from flywheel.collect.stitch import stitch
+from flywheel.config import load_config
+from flywheel.models import load_model
+from flywheel.serve.engine import Engine, SamplingParams
+from flywheel.train.advantages import RunningBaseline
+from flywheel.train.distill import DenseStats, DistillStats, add_distillation, topk_kl
+from flywheel.train.grouping import Group, Member
+from flywheel.train.packing import Row, TeacherTop, micro_batches
+from flywheel.train.step_batch import StepBatch
+from flywheel.train.trainer import Trainer
 from tests.test_records import make_turn
 from tests.test_train_loop import sample_of, sampled_turns
-from train.advantages import RunningBaseline
-from train.distill import DenseStats, DistillStats, add_distillation, topk_kl
-from train.grouping import Group, Member
-from train.packing import Row, TeacherTop, micro_batches
-from train.step_batch import StepBatch
-from train.trainer import Trainer
 
 NAN = float("nan")
 
@@ -104,7 +104,7 @@ async def test_dense_distillation_moves_the_policys_distribution_toward_the_teac
     """A teacher sure of one token the policy finds unlikely (its top-2: that token at 0.9, another
     at 0.05): one step of the dense term alone (no RL, no token-level term) raises that token's
     probability at every taught position and lowers the k+1-bin KL from the policy to the teacher."""
-    config = load_config(None, ["train.rl_coef=0", "train.opd_coef=0", "train.opd_topk_coef=1", "actor.optimizer.lr=0.01",
+    config = load_config(None, ["actor.rl_coef=0", "actor.opd_coef=0", "actor.opd_topk_coef=1", "actor.optimizer.lr=0.01",
                                 "actor.ppo_n_minibatches=1"])
     trainer = Trainer(load_model("tiny")[0], config.actor, config.train)
     wanted, other = 7, 8
@@ -143,7 +143,7 @@ async def test_the_dense_term_is_zero_where_the_teacher_is_the_policy(turns):
             max_new_tokens=0, logprob_start_len=len(turns[0].prompt_ids) - 1, top_logprobs_num=8, temperature=1.0))
     finally:
         engine.stop()
-    config = load_config(None, ["train.opd_topk_coef=1", "actor.ppo_n_minibatches=1"])
+    config = load_config(None, ["actor.opd_topk_coef=1", "actor.ppo_n_minibatches=1"])
     sample = sample_of(turns[0], 0.0)
     batch = StepBatch([group_of(taught_top(sample, own.input_top_logprobs[1:]))], config, RunningBaseline(), 0)
     [[micro]] = batch.minibatches
@@ -203,7 +203,7 @@ async def test_a_teacher_told_a_hint_moves_the_policy_toward_what_it_prefers(tur
                          and min(t - b for t, b in zip(s.input_logprobs[1:], turn.output_logprobs)) < -0.1)
     assert len(teacher) == len(turn.output_ids) and all(math.isfinite(v) for v in teacher)
     sample = taught(sample_of(turn, 0.0), teacher)
-    config = load_config(None, ["train.rl_coef=0", "actor.optimizer.lr=0.02", "actor.ppo_n_minibatches=1"])
+    config = load_config(None, ["actor.rl_coef=0", "actor.optimizer.lr=0.02", "actor.ppo_n_minibatches=1"])
     trainer = Trainer(load_model("tiny")[0], config.actor, config.train)
     batch = StepBatch([group_of(sample)], config, RunningBaseline(), 0)
     [[micro]] = batch.minibatches

@@ -6,8 +6,14 @@ import asyncio
 import pytest
 import torch
 
-from models import WeightStore, load_model
-from serve.engine import Engine, ProtocolError, SamplingParams, generate, version_spans
+from flywheel.models import WeightStore, load_model
+from flywheel.serve.engine import (
+    Engine,
+    ProtocolError,
+    SamplingParams,
+    generate,
+    version_spans,
+)
 
 
 @pytest.fixture(scope="module")
@@ -18,7 +24,7 @@ def model_and_tokenizer(tiny_path):
 @pytest.fixture
 def engine(model_and_tokenizer):
     model, tokenizer = model_and_tokenizer
-    from models import load_weights
+    from flywheel.models import load_weights
 
     eng = Engine(model, tokenizer, max_batch_size=8, load_weights=load_weights).start()
     yield eng

@@ -12,11 +12,11 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from config import load_config
-from models import WeightStore, load_model, load_weights
-from serve.engine import Engine, SamplingParams
-from serve.engine.chunked import OVERTAKEN_LIMIT, PartialPrefill, plan
-from serve.loop import ServeLoop
+from flywheel.config import load_config
+from flywheel.models import WeightStore, load_model, load_weights
+from flywheel.serve.engine import Engine, SamplingParams
+from flywheel.serve.engine.chunked import OVERTAKEN_LIMIT, PartialPrefill, plan
+from flywheel.serve.loop import ServeLoop
 from tests.test_engine import recomputed_logprobs
 
 LONG = [(7 * i) % 1900 + 50 for i in range(120)]

@@ -6,8 +6,8 @@ import asyncio
 import pytest
 import torch
 
-from models import WeightStore, load_model, load_weights
-from serve.engine import Engine, GenerationResult, SamplingParams, TokenDelta
+from flywheel.models import WeightStore, load_model, load_weights
+from flywheel.serve.engine import Engine, GenerationResult, SamplingParams, TokenDelta
 from tests.test_engine import prompt, recomputed_logprobs
 
 

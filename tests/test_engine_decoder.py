@@ -1,4 +1,4 @@
-"""The engine's own decode step (`serve/engine/decoder.py`) against the owner of the numbers,
+"""The engine's own decode step (`flywheel/serve/engine/decoder.py`) against the owner of the numbers,
 transformers' forward pass: the same logits over the same KV cache, for the architectures it
 implements (Qwen2 with its biases: tiny; Llama with tied embeddings, grouped KV heads and a
 scaled rope), and transformers' forward kept for those it does not."""
@@ -9,9 +9,9 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
-from models import load_model
-from serve.engine.batch import KVBatch
-from serve.engine.decoder import Decoder
+from flywheel.models import load_model
+from flywheel.serve.engine.decoder import Decoder
+from flywheel.serve.engine.kv_cache import KVBatch
 
 
 def small_llama() -> LlamaForCausalLM:

@@ -10,12 +10,12 @@ import json
 import httpx
 import pytest
 
-from models import load_model
-from serve.backends.base import EngineError
-from serve.backends.in_process import InProcessEngineClient
-from serve.backends.sglang import HTTPEngineClient
-from serve.engine import Engine, SamplingParams
-from serve.engine.server import create_engine_app
+from flywheel.models import load_model
+from flywheel.serve.backends.base import EngineError
+from flywheel.serve.backends.in_process import InProcessEngineClient
+from flywheel.serve.backends.sglang import HTTPEngineClient
+from flywheel.serve.engine import Engine, SamplingParams
+from flywheel.serve.engine.server import create_engine_app
 from tests.conftest import RunningApp
 from tests.test_engine import prompt
 from tests.waiting import until

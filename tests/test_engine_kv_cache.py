@@ -11,10 +11,10 @@ import pytest
 import torch
 from transformers import AutoTokenizer
 
-from models import load_model, resolve_model
-from serve.engine import Engine, SamplingParams
-from serve.engine.batch import KVBatch, _groups
-from serve.engine.detokenizer import IncrementalText
+from flywheel.models import load_model, resolve_model
+from flywheel.serve.engine import Engine, SamplingParams
+from flywheel.serve.engine.detokenizer import IncrementalText
+from flywheel.serve.engine.kv_cache import KVBatch, _groups
 from tests.test_engine import prompt, recomputed_logprobs
 
 
@@ -154,7 +154,7 @@ def test_a_slot_left_with_non_finite_values_does_not_reach_its_next_row(model_an
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU (serve.device=cuda); none here")
 async def test_the_engine_on_a_gpu_samples_what_a_cpu_forward_pass_scores(tiny_path):
-    from models import place
+    from flywheel.models import place
 
     cpu_model, tokenizer = load_model(str(tiny_path))
     gpu_model, _ = load_model(str(tiny_path))

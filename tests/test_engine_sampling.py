@@ -1,4 +1,4 @@
-"""The engine's batched sampler (`serve/engine/sampling.py`): tokens drawn with the probabilities
+"""The engine's batched sampler (`flywheel/serve/engine/sampling.py`): tokens drawn with the probabilities
 the recorded behaviour log-probs claim, never a token that top-k or top-p removed, and a seeded
 row's draw independent of the rows batched with it."""
 
@@ -8,7 +8,7 @@ import math
 
 import torch
 
-from serve.engine.sampling import SamplingParams, sample
+from flywheel.serve.engine.sampling import SamplingParams, sample
 
 PROBS = torch.tensor([0.5, 0.25, 0.15, 0.07, 0.03, 0.0])
 

@@ -9,14 +9,14 @@ import openai
 import pytest
 import torch
 
-from bus import TRAFFIC_SUBJECTS, WEIGHTS_SUBJECT, Turn, WeightUpdate
-from config import ConfigError, load_config
-from models import WeightStore, load_model, load_weights
-from serve.backends.pool import EnginePool
-from serve.backends.sglang import HTTPEngineClient
-from serve.engine import Engine
-from serve.engine.server import create_engine_app
-from serve.loop import ServeLoop
+from flywheel.bus import TRAFFIC_SUBJECTS, WEIGHTS_SUBJECT, Turn, WeightUpdate
+from flywheel.config import ConfigError, load_config
+from flywheel.models import WeightStore, load_model, load_weights
+from flywheel.serve.backends.pool import EnginePool
+from flywheel.serve.backends.sglang import HTTPEngineClient
+from flywheel.serve.engine import Engine
+from flywheel.serve.engine.server import create_engine_app
+from flywheel.serve.loop import ServeLoop
 from tests.conftest import RunningApp
 
 

@@ -6,11 +6,11 @@ import os
 
 import torch
 
-from config import load_config
-from deploy.deployment import Deployment
-from serve.engine import threads
-from serve.engine.threads import torch_threads
-from serve.loop import ServeLoop
+from flywheel.config import load_config
+from flywheel.deploy.deployment import Deployment
+from flywheel.serve.engine import torch_threads as threads
+from flywheel.serve.engine.torch_threads import torch_threads
+from flywheel.serve.loop import ServeLoop
 
 
 def test_unset_means_every_core_this_process_may_use_within_its_cgroup_quota(tmp_path, monkeypatch):

@@ -7,21 +7,21 @@ gateway never labels a token with a version newer than the one that sampled it."
 import asyncio
 import json
 import subprocess
-import sys
 
 import httpx
 import openai
 import pytest
 import torch
 
-from bus import TRAFFIC_SUBJECTS, WEIGHTS_SUBJECT, Turn, WeightUpdate
-from config import load_config
-from models import WeightStore, load_model, load_weights
-from serve import choices
-from serve.backends.sglang import HTTPEngineClient
-from serve.engine import Engine
-from serve.engine.server import create_engine_app
-from serve.loop import ServeLoop
+from flywheel.bus import TRAFFIC_SUBJECTS, WEIGHTS_SUBJECT, Turn, WeightUpdate
+from flywheel.cli import command
+from flywheel.config import load_config
+from flywheel.models import WeightStore, load_model, load_weights
+from flywheel.serve import engine_choice as choices
+from flywheel.serve.backends.sglang import HTTPEngineClient
+from flywheel.serve.engine import Engine
+from flywheel.serve.engine.server import create_engine_app
+from flywheel.serve.loop import ServeLoop
 from tests.conftest import RunningApp
 from tests.test_engine import recomputed_logprobs
 
@@ -150,9 +150,9 @@ async def test_tokens_in_flight_across_a_swap_are_never_labelled_newer(nats_url,
 
 
 async def test_engine_started_with_default_label_serves_version_0(nats_url, bus, tmp_path):
-    """`python -m serve.engine --weight-version default --no-version-spans`, like an SGLang server
+    """`flywheel engine --weight-version default --no-version-spans`, like an SGLang server
     started without --weight-version, behind the gateway."""
-    engine = subprocess.Popen([sys.executable, "-m", "serve.engine", "--model", "tiny", "--port", "0",
+    engine = subprocess.Popen([*command("engine"), "--model", "tiny", "--port", "0",
                                "--weight-version", "default", "--no-version-spans"],
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:

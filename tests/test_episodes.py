@@ -7,14 +7,14 @@ import os
 import random
 import signal
 
-from bus import TRAFFIC_SUBJECTS, Turn
-from envs import make_env
-from envs.base import RETRY
-from rollout.env_pool import LocalRunner, RayEnvPool
+from flywheel.bus import TRAFFIC_SUBJECTS, Turn
+from flywheel.envs import make_env
+from flywheel.envs.base import RETRY
+from flywheel.rollout.env_pool import LocalRunner, RayEnvPool
 from tests.conftest import freeze
 from tests.test_collect_live import assert_segment_is_exact, collected, platform
 
-ARITHMETIC = ["rollout.env=arithmetic", "rollout.env_args={max_operand: 20, attempts: 3}", "gconfig.max_new_tokens=8"]
+ARITHMETIC = ["rollout.env=arithmetic", "rollout.env_args={max_operand: 20, attempts: 3}", "rollout.sampling.max_new_tokens=8"]
 
 
 async def test_a_multi_turn_episode_is_one_exact_trajectory_with_its_grade(nats_url, tmp_path, bus):
@@ -43,7 +43,7 @@ async def test_a_multi_turn_episode_is_one_exact_trajectory_with_its_grade(nats_
 
 async def test_a_dead_env_worker_fails_its_own_episode_and_the_pool_goes_on(nats_url, tmp_path, bus, ray_session):
     overrides = ["rollout.env=arithmetic", "rollout.env_args={max_operand: 20, attempts: 200}",
-                 "rollout.episode.max_turns=40", "gconfig.max_new_tokens=8", "rollout.n_parallel_envs=1"]
+                 "rollout.episode.max_turns=40", "rollout.sampling.max_new_tokens=8", "rollout.n_parallel_envs=1"]
     async with platform(nats_url, tmp_path, *overrides) as (serve, collect, _):
         pool = RayEnvPool(serve.config, serve.url, serve.model_name)
         pid = await pool.workers[0].pid.remote()

@@ -9,7 +9,6 @@ lost (clients retry on the other)."""
 
 from bench.drill import drill
 
-
 SESSIONS = 100
 """Sessions each drill runs at least (the load goes on after the last kill until they have ended):
 a count, not a duration, so a loaded machine runs the drill longer instead of failing it."""

@@ -90,7 +90,7 @@ def test_no_generated_request_gets_a_5xx(api_schema, gateway, path, method, mode
 def test_the_schema_documents_openais_error_object_not_fastapis_422():
     from fastapi import FastAPI
 
-    from serve.api.errors import ERROR_SCHEMA, install_error_handlers
+    from flywheel.serve.api.errors import ERROR_SCHEMA, install_error_handlers
 
     app = FastAPI()
     install_error_handlers(app)

@@ -14,9 +14,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from bus import EmbeddedNats
-from config import load_config
-from serve.loop import ServeLoop
+from flywheel.bus import EmbeddedNats
+from flywheel.config import load_config
+from flywheel.serve.loop import ServeLoop
 
 CHAT, COMPLETIONS, FEEDBACK = "/v1/chat/completions", "/v1/completions", "/v1/sessions/s1/feedback"
 RESPONSES, MESSAGES = "/v1/responses", "/v1/messages"

@@ -13,13 +13,13 @@ import random
 import pytest
 import torch
 
-from bus import Segment
-from config import load_config
-from models import WeightStore, load_model, load_weights, place
-from serve.engine import Engine, SamplingParams
+from flywheel.bus import Segment
+from flywheel.config import load_config
+from flywheel.models import WeightStore, load_model, load_weights, place
+from flywheel.serve.engine import Engine, SamplingParams
+from flywheel.train.packing import Row, micro_batches
+from flywheel.train.trainer import Trainer
 from tests.test_engine import prompt
-from train.packing import Row, micro_batches
-from train.trainer import Trainer
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device; none here")
 

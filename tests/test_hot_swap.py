@@ -7,10 +7,10 @@ import openai
 import pytest
 import torch
 
-from bus import TRAFFIC_SUBJECTS, WEIGHTS_SUBJECT, Turn, WeightUpdate
-from config import load_config
-from models import WeightStore, load_model, load_weights
-from serve.loop import ServeLoop
+from flywheel.bus import TRAFFIC_SUBJECTS, WEIGHTS_SUBJECT, Turn, WeightUpdate
+from flywheel.config import load_config
+from flywheel.models import WeightStore, load_model, load_weights
+from flywheel.serve.loop import ServeLoop
 from tests.test_engine import recomputed_logprobs
 
 CLIENTS = 64

@@ -5,11 +5,17 @@ import asyncio
 
 import pytest
 
-from bus import SAMPLE_SUBJECT, TRAJECTORY_SUBJECT, UNSCORED_SUBJECT, SessionEvent, Trajectory
-from config import load_config
-from judge.base import Judge, Unscorable, Verdict, outcome_of
-from judge.loop import JudgeLoop
-from judge.rule import RuleJudge
+from flywheel.bus import (
+    SAMPLE_SUBJECT,
+    TRAJECTORY_SUBJECT,
+    UNSCORED_SUBJECT,
+    SessionEvent,
+    Trajectory,
+)
+from flywheel.config import load_config
+from flywheel.judge.base import Judge, Unscorable, Verdict, outcome_of
+from flywheel.judge.loop import JudgeLoop
+from flywheel.judge.rule import RuleJudge
 from tests.test_records import make_turn
 from tests.waiting import until
 

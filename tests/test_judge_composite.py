@@ -8,14 +8,14 @@ import pytest
 import torch
 from transformers import AutoTokenizer, LlamaConfig, LlamaForSequenceClassification
 
-from bus.running_stats import RunningStats
-from config import load_config
-from config.judge import RewardModelJudgeConfig
-from judge.base import Judge, Unscorable, Verdict
-from judge.composite import Component, CompositeJudge
-from judge.normalize import Normalizer
-from judge.registry import build_judge
-from judge.reward_model import RewardModelJudge
+from flywheel.config import load_config
+from flywheel.config.judge import RewardModelJudgeConfig
+from flywheel.judge.base import Judge, Unscorable, Verdict
+from flywheel.judge.build import build_judge
+from flywheel.judge.composite import Component, CompositeJudge
+from flywheel.judge.normalize import Normalizer
+from flywheel.judge.reward_model import RewardModelJudge
+from flywheel.running_stats import RunningStats
 from tests.test_judge import conversation, fb
 
 

@@ -10,14 +10,21 @@ from starlette.applications import Starlette
 from starlette.responses import JSONResponse
 from starlette.routing import Route
 
-from bus import TRAFFIC_SUBJECTS, TRAJECTORY_SUBJECT, Sample, SessionEvent, Turn, Unscored
-from config import ConfigError, load_config
-from config.judge import LLMJudgeConfig
-from judge.base import Unscorable
-from judge.llm import LLMJudge
-from judge.loop import JudgeLoop
-from judge.parse import parse_score
-from judge.prompt import PromptBuilder
+from flywheel.bus import (
+    TRAFFIC_SUBJECTS,
+    TRAJECTORY_SUBJECT,
+    Sample,
+    SessionEvent,
+    Turn,
+    Unscored,
+)
+from flywheel.config import ConfigError, load_config
+from flywheel.config.judge import LLMJudgeConfig
+from flywheel.judge.base import Unscorable
+from flywheel.judge.llm import LLMJudge
+from flywheel.judge.loop import JudgeLoop
+from flywheel.judge.parse import parse_score
+from flywheel.judge.prompt import PromptBuilder
 from tests.conftest import RunningApp
 from tests.test_judge import conversation, counted, fb, judged
 from tests.test_serve import client, served  # noqa: F401  (fixtures)

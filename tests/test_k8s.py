@@ -20,10 +20,10 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from config import load_config
+from flywheel.config import load_config
 
 ROOT = Path(__file__).resolve().parent.parent
-K8S = ROOT / "deploy" / "k8s"
+K8S = ROOT / "flywheel" / "deploy" / "k8s"
 KUBERNETES_VERSION = "1.34.0"
 KUBERAY = Path(__file__).parent / "data" / "kuberay-v1.7.0"
 OVERLAYS = sorted(p.name for p in (K8S / "overlays").iterdir())

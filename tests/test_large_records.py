@@ -7,11 +7,18 @@ import random
 import httpx
 import pytest
 
-from bus import SAMPLE_SUBJECT, SESSION_EVENT_SUBJECT, TRAJECTORY_SUBJECT, TURN_SUBJECT, SessionEvent, Trajectory
-from collect.loop import CollectLoop
-from config import load_config
-from judge.loop import JudgeLoop
-from serve.loop import ServeLoop
+from flywheel.bus import (
+    SAMPLE_SUBJECT,
+    SESSION_EVENT_SUBJECT,
+    TRAJECTORY_SUBJECT,
+    TURN_SUBJECT,
+    SessionEvent,
+    Trajectory,
+)
+from flywheel.collect.loop import CollectLoop
+from flywheel.config import load_config
+from flywheel.judge.loop import JudgeLoop
+from flywheel.serve.loop import ServeLoop
 from tests.test_records import make_turn
 
 TOKENS = 128_000  # an agent context of 128k tokens (under collect.max_tokens, 128 Ki)

@@ -13,21 +13,27 @@ import httpx
 import openai
 import pytest
 
-from bus import SAMPLE_SUBJECT, WEIGHTS_SUBJECT, Sample, Trajectory, WeightUpdate
-from collect.stitch import stitch
-from config import load_config
-from deploy.deployment import side_server_config
-from judge.loop import JudgeLoop
-from judge.teacher import Teacher, hints_of
-from models import WeightStore, load_model
-from serve.loop import ServeLoop
+from flywheel.bus import (
+    SAMPLE_SUBJECT,
+    WEIGHTS_SUBJECT,
+    Sample,
+    Trajectory,
+    WeightUpdate,
+)
+from flywheel.collect.stitch import stitch
+from flywheel.config import load_config
+from flywheel.deploy.deployment import side_server_config
+from flywheel.judge.loop import JudgeLoop
+from flywheel.judge.teacher import Teacher, hints_of
+from flywheel.models import WeightStore, load_model
+from flywheel.serve.loop import ServeLoop
+from flywheel.train.advantages import RunningBaseline
+from flywheel.train.grouping import Group, Member
+from flywheel.train.step_batch import StepBatch
 from tests.test_attribution_live import recorded_turns
 from tests.test_collect_live import collected, platform
 from tests.test_records import make_turn
 from tests.waiting import until
-from train.advantages import RunningBaseline
-from train.grouping import Group, Member
-from train.step_batch import StepBatch
 
 
 def test_the_default_judge_is_pinned_not_the_policy_being_trained():
@@ -164,7 +170,7 @@ def test_live_traffic_trains_each_reply_on_its_own_next_state_verdict():
     undiscounted by the verdicts of later replies: a corrected reply is pushed down even when
     every reply is, and of a corrected reply and a thanked one, the thanked one is pushed up by
     two verdicts more (the session's outcome, the mean verdict, adds alike to both)."""
-    config = load_config(Path("deploy/configs/live.yaml"), ["actor.ppo_n_minibatches=1"])
+    config = load_config(Path("configs/live.yaml"), ["actor.ppo_n_minibatches=1"])
     assert config.judge.kind == "next_state"
     corrected_always = turn_advantages(config, live_sample([-1.0]), baseline=-1.0)
     assert corrected_always and max(corrected_always) < 0

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from bench.mini_swe_agent import MSA_VENV, msa_available
-from bus import Turn
+from flywheel.bus import Turn
 from tests.test_serve import records, served  # noqa: F401  (fixture)
 
 SCRIPT = Path(__file__).parent / "clients" / "litellm_calls.py"

@@ -1,8 +1,8 @@
-"""`bus.lru.LRU`, the one bounded map: least recently used forgotten first, reads count as use."""
+"""`flywheel.lru.LRU`, the one bounded map: least recently used forgotten first, reads count as use."""
 
 import pytest
 
-from bus.lru import LRU
+from flywheel.lru import LRU
 
 
 def test_the_least_recently_used_entry_goes_first():

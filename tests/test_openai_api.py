@@ -7,7 +7,7 @@ import httpx
 import openai
 import pytest
 
-from bus import TRAFFIC_SUBJECTS, Turn
+from flywheel.bus import TRAFFIC_SUBJECTS, Turn
 from tests.test_serve import client, served  # noqa: F401  (fixtures)
 
 CHAT = dict(model="tiny", messages=[{"role": "user", "content": "Write some digits."}])

@@ -15,17 +15,32 @@ from types import SimpleNamespace
 import openai
 import pytest
 
-from bench._personal_users import OFF_TOPIC, PREFERENCES, TRAIN_QUESTIONS, User, answers, sessions_to_learn
-from bench.personal_agent import CONFIG, converse, judge_agreement, rolling_rate, summary_rows, verdicts, version_of
-from bus import SAMPLE_SUBJECT, Sample
-from collect.loop import CollectLoop
-from config import load_config
-from deploy.deployment import sharing_cores, side_server_config
-from judge.loop import JudgeLoop
-from judge.next_state import hint_for
-from serve.loop import ServeLoop
+from bench._personal_users import (
+    OFF_TOPIC,
+    PREFERENCES,
+    TRAIN_QUESTIONS,
+    User,
+    answers,
+    sessions_to_learn,
+)
+from bench.personal_agent import (
+    CONFIG,
+    converse,
+    judge_agreement,
+    rolling_rate,
+    summary_rows,
+    verdicts,
+    version_of,
+)
+from flywheel.bus import SAMPLE_SUBJECT, Sample
+from flywheel.collect.loop import CollectLoop
+from flywheel.config import load_config
+from flywheel.deploy.deployment import sharing_cores, side_server_config
+from flywheel.judge.loop import JudgeLoop
+from flywheel.judge.next_state import hint_for
+from flywheel.serve.loop import ServeLoop
+from flywheel.train.loop import TrainLoop
 from tests.waiting import until
-from train.loop import TrainLoop
 
 
 async def test_a_persons_correction_is_judged_taught_and_trained(nats_url, tmp_path, bus):

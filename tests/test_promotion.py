@@ -13,15 +13,15 @@ import time
 import msgspec
 
 from bench.promotion_drill import weights
-from bus import SAMPLE_SUBJECT, WEIGHTS_SUBJECT, WeightUpdate
-from bus.registry import Registry
-from bus.streams import COMMANDS_SUBJECT
-from bus.versions import VersionCommand
-from config import load_config
-from deploy.deployment import side_server_config
-from models import WeightStore
-from promote.loop import PromoteLoop
-from serve.loop import ServeLoop
+from flywheel.bus import SAMPLE_SUBJECT, WEIGHTS_SUBJECT, WeightUpdate
+from flywheel.bus.streams import COMMANDS_SUBJECT
+from flywheel.config import load_config
+from flywheel.deploy.deployment import side_server_config
+from flywheel.models import WeightStore
+from flywheel.promote.loop import PromoteLoop
+from flywheel.serve.loop import ServeLoop
+from flywheel.versions.records import VersionCommand
+from flywheel.versions.registry import Registry
 from tests.test_train_loop import sample_of, sampled_turns
 from tests.waiting import until
 

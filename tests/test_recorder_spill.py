@@ -7,8 +7,8 @@ import time
 
 import pytest
 
-from bus import TRAFFIC_SUBJECTS, TURN_SUBJECT, Bus, EmbeddedNats
-from serve.recorder import Recorder, RecordLost
+from flywheel.bus import TRAFFIC_SUBJECTS, TURN_SUBJECT, Bus, EmbeddedNats
+from flywheel.serve.recorder import Recorder, RecordLost
 from tests.test_records import make_turn
 from tests.waiting import until
 

@@ -8,8 +8,18 @@ import struct
 import msgspec
 import pytest
 
-from bus import SCHEMA_VERSION, Sample, Segment, SessionEvent, Trajectory, Turn, WeightUpdate, decode, encode
-from bus.arrays import Float64s, Int32s
+from flywheel.bus import (
+    SCHEMA_VERSION,
+    Sample,
+    Segment,
+    SessionEvent,
+    Trajectory,
+    Turn,
+    WeightUpdate,
+    decode,
+    encode,
+)
+from flywheel.bus.arrays import Float64s, Int32s
 
 
 def make_turn(**overrides) -> Turn:

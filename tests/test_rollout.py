@@ -8,11 +8,11 @@ from collections import Counter
 
 import pytest
 
-from bus import TRAFFIC_SUBJECTS, WEIGHTS_SUBJECT, Turn, WeightUpdate
-from config import ConfigError, load_config
-from envs import make_env
-from models import WeightStore, load_model
-from rollout.driver import RolloutDriver
+from flywheel.bus import TRAFFIC_SUBJECTS, WEIGHTS_SUBJECT, Turn, WeightUpdate
+from flywheel.config import ConfigError, load_config
+from flywheel.envs import make_env
+from flywheel.models import WeightStore, load_model
+from flywheel.rollout.driver import RolloutDriver
 from tests.test_serve import served  # noqa: F401  (fixture)
 from tests.waiting import until
 
@@ -32,7 +32,7 @@ def test_admission_keeps_accepted_plus_running_within_the_staleness_bound(tmp_pa
 
 
 def test_heavy_tailed_lengths_stay_in_bounds_and_have_a_tail(tmp_path):
-    d = driver(tmp_path, "gconfig.length_tail=1.0", "gconfig.min_new_tokens=8", "gconfig.max_new_tokens=256")
+    d = driver(tmp_path, "rollout.sampling.length_tail=1.0", "rollout.sampling.min_new_tokens=8", "rollout.sampling.max_new_tokens=256")
     lengths = [d.draw_length() for _ in range(20_000)]
     assert min(lengths) == 8 and max(lengths) <= 256
     share_long = sum(n >= 128 for n in lengths) / len(lengths)
@@ -66,9 +66,9 @@ async def test_a_restarted_driver_keeps_its_admission_count_and_data_position(se
     version 1. Restarted on the same run_dir (train.resume false, as under a Ray restart), the
     driver counts those 4 as accepted, so version 1 lets in 4 more, not 8, and it draws the tasks
     and generation lengths the first one would have drawn next."""
-    config = load_config(None, [f"run_dir={tmp_path / 'run'}", "rollout.env=arithmetic", "gconfig.n_samples=2",
-                                "train.batch_size=4", "rollout.max_head_offpolicyness=0", "gconfig.length_tail=1.0",
-                                "gconfig.max_new_tokens=8"])
+    config = load_config(None, [f"run_dir={tmp_path / 'run'}", "rollout.env=arithmetic", "rollout.sampling.n_samples=2",
+                                "train.batch_size=4", "rollout.max_head_offpolicyness=0", "rollout.sampling.length_tail=1.0",
+                                "rollout.sampling.max_new_tokens=8"])
     assert not config.train.resume
     first = RolloutDriver(config, nats_url, gateway.url)
     await first.start()
@@ -121,9 +121,9 @@ async def test_a_group_cut_short_by_the_drivers_death_uses_no_admission_slot(ser
     """η = 0, B = 4, one group of 4 whose last episode is still running when the driver dies: the
     three verdicts reported reach the trainer as a group of 3 that times out incomplete, never a
     batch of 4. Had they been counted, the restarted driver (3 accepted, bound 4) could start no
-    group and the trainer would wait for ever (a resumed `train.run` hung so in CI)."""
-    config = load_config(None, [f"run_dir={tmp_path / 'run'}", "rollout.env=arithmetic", "gconfig.n_samples=4",
-                                "train.batch_size=4", "rollout.max_head_offpolicyness=0", "gconfig.max_new_tokens=8"])
+    group and the trainer would wait for ever (a resumed `flywheel train` hung so in CI)."""
+    config = load_config(None, [f"run_dir={tmp_path / 'run'}", "rollout.env=arithmetic", "rollout.sampling.n_samples=4",
+                                "train.batch_size=4", "rollout.max_head_offpolicyness=0", "rollout.sampling.max_new_tokens=8"])
     first = RolloutDriver(config, nats_url, served.url)
     await first.start()
     first.runner = HoldingLast(first.runner, 4)
@@ -137,7 +137,7 @@ async def test_a_group_cut_short_by_the_drivers_death_uses_no_admission_slot(ser
 async def test_admission_rises_only_once_the_endpoint_serves_the_announced_version(served, nats_url, bus, tmp_path):
     """A version announced is not yet served: the gateway still loads it. An episode admitted for
     it before then runs on the version before (tiny answers in tens of milliseconds), and at η = 0
-    the trainer drops it as stale while its admission slot is never given back: train.run at η = 0
+    the trainer drops it as stale while its admission slot is never given back: flywheel train at η = 0
     stopped for good (1 run in 2 here). The driver's bound rises once the endpoint reports it."""
     config = load_config(None, [f"run_dir={tmp_path / 'run'}", "rollout.env=arithmetic", "rollout.max_head_offpolicyness=0"])
     d = RolloutDriver(config, nats_url, served.url)

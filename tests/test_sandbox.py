@@ -22,9 +22,9 @@ from pathlib import Path
 import psutil
 import pytest
 
-from config import ConfigError
-from envs.sandbox import Limits, SandboxSpec, SandboxUnavailable, make_backend
-from envs.sandbox.bubblewrap import BubblewrapBackend, default_uid_base
+from flywheel.config import ConfigError
+from flywheel.envs.sandbox import Limits, SandboxSpec, SandboxUnavailable, make_backend
+from flywheel.envs.sandbox.bubblewrap import BubblewrapBackend, default_uid_base
 
 # Slots of their own (uid 10700+): other tests on this machine may sandbox slots 0, 1, ...
 _slots = itertools.count(700)

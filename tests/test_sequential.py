@@ -3,8 +3,8 @@ share, the configured δ = 0.1, α = 0.05, β = 0.1), and its decisions on known
 
 import pytest
 
-from bus.running_stats import RunningStats
-from promote.sequential import SequentialTest, simulate
+from flywheel.promote.sequential import SequentialTest, simulate
+from flywheel.running_stats import RunningStats
 
 TEST = SequentialTest(delta=0.1, alpha=0.05, beta=0.1, min_sessions=8, max_sessions=400)
 RUNS = 300
@@ -57,9 +57,14 @@ def test_arm_statistics_survive_a_round_trip_and_match_the_batch_formulas(reward
 
 
 def test_operations_roll_back_a_canary_whose_turns_fail_or_crawl():
-    from bus import Timings
-    from config.promotion import CanaryConfig
-    from promote.evidence import add_turn, new_operations, operations_verdict, turn_version
+    from flywheel.bus import Timings
+    from flywheel.config.promotion import CanaryConfig
+    from flywheel.promote.evidence import (
+        add_turn,
+        new_operations,
+        operations_verdict,
+        turn_version,
+    )
     from tests.test_records import make_turn
 
     def turns(n: int, failed: int, tpot: float) -> dict:

@@ -8,10 +8,16 @@ import httpx
 import openai
 import pytest
 
-from bus import TRAFFIC_SUBJECTS, WEIGHTS_SUBJECT, SessionEvent, Turn, WeightUpdate
-from config import load_config
-from models import WeightStore, load_model
-from serve.loop import ServeLoop
+from flywheel.bus import (
+    TRAFFIC_SUBJECTS,
+    WEIGHTS_SUBJECT,
+    SessionEvent,
+    Turn,
+    WeightUpdate,
+)
+from flywheel.config import load_config
+from flywheel.models import WeightStore, load_model
+from flywheel.serve.loop import ServeLoop
 
 
 @pytest.fixture

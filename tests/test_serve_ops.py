@@ -12,10 +12,18 @@ from fastapi import FastAPI
 from prometheus_client.parser import text_string_to_metric_families
 from pydantic import BaseModel
 
-from serve.api.errors import install_error_handlers
-from serve.ops.auth import install_auth
-from serve.ops.limits import ConcurrencyLimiter, install_body_limit, request_timeout
-from serve.ops.metrics import ServeMetrics, install_metrics_route, install_request_metrics
+from flywheel.serve.api.errors import install_error_handlers
+from flywheel.serve.ops.auth import install_auth
+from flywheel.serve.ops.limits import (
+    ConcurrencyLimiter,
+    install_body_limit,
+    request_timeout,
+)
+from flywheel.serve.ops.metrics import (
+    ServeMetrics,
+    install_metrics_route,
+    install_request_metrics,
+)
 from tests.waiting import until
 
 

@@ -8,13 +8,13 @@ from collections import defaultdict
 
 import openai
 
-from bus import TRAFFIC_SUBJECTS, Turn
-from bus.registry import Registry
-from bus.versions import Arm, Routing
-from config import load_config
-from models import WeightStore, load_model
-from serve.loop import ServeLoop
-from serve.routing import canary_draw
+from flywheel.bus import TRAFFIC_SUBJECTS, Turn
+from flywheel.config import load_config
+from flywheel.models import WeightStore, load_model
+from flywheel.serve.loop import ServeLoop
+from flywheel.serve.routing import canary_draw
+from flywheel.versions.records import Arm, Routing
+from flywheel.versions.registry import Registry
 from tests.waiting import until
 
 SUITE = "promotion.gate.suites=[{name: digits, env: digits, items: 4}]"

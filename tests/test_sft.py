@@ -1,17 +1,17 @@
 """The supervised warm start for SWE agents: gold demonstrations are real, resolving episodes in
-the agent's format, and `train.sft` learns from their assistant tokens only."""
+the agent's format, and `flywheel.train.sft` learns from their assistant tokens only."""
 
 import json
 
 import pytest
 import torch
 
-from envs.swe.agent import parse_action
-from envs.swe.demos import demonstration, split
-from envs.swe.env import SweEnv
-from envs.swe.statement import enclosing_function
-from models import load_model
-from train.sft import encode, fine_tune, main
+from flywheel.envs.swe.agent import parse_action
+from flywheel.envs.swe.demos import demonstration, split
+from flywheel.envs.swe.env import SweEnv
+from flywheel.envs.swe.statement import enclosing_function
+from flywheel.models import load_model
+from flywheel.train.sft import encode, fine_tune, main
 
 
 def test_the_easy_statement_names_the_function_that_holds_the_bug():

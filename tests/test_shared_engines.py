@@ -10,11 +10,11 @@ import httpx
 import openai
 import torch
 
-from bus import TRAFFIC_SUBJECTS, WEIGHTS_SUBJECT, Turn, WeightUpdate
-from config import load_config
-from models import WeightStore, load_model
-from serve.engine.server import create_engine_app
-from serve.loop import ServeLoop
+from flywheel.bus import TRAFFIC_SUBJECTS, WEIGHTS_SUBJECT, Turn, WeightUpdate
+from flywheel.config import load_config
+from flywheel.models import WeightStore, load_model
+from flywheel.serve.engine.server import create_engine_app
+from flywheel.serve.loop import ServeLoop
 from tests.conftest import RunningApp
 from tests.test_engine_server import make_engine
 from tests.waiting import until

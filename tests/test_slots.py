@@ -1,9 +1,9 @@
-"""`envs.slots.SlotPool`: one pool of numbered slots for threads and coroutines alike."""
+"""`flywheel.envs.slots.SlotPool`: one pool of numbered slots for threads and coroutines alike."""
 
 import asyncio
 import threading
 
-from envs.slots import SlotPool
+from flywheel.envs.slots import SlotPool
 
 
 async def test_coroutines_wait_for_a_slot_and_get_it_in_order():

@@ -1,4 +1,4 @@
-"""Held-back streaming text (`serve.streamed_text`) against the rule it implements: at every
+"""Held-back streaming text (`flywheel.serve.streamed_text`) against the rule it implements: at every
 chunk the client has seen exactly the longest prefix of the answer so far that cannot be (the
 start of) a tool call."""
 
@@ -8,8 +8,8 @@ import random
 
 import pytest
 
-from models.tool_formats import FORMATS
-from serve.streamed_text import StreamedText
+from flywheel.formats.tool_calls import FORMATS
+from flywheel.serve.streamed_text import StreamedText
 
 
 def reference(fmt, text: str) -> str:

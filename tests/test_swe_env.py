@@ -1,19 +1,19 @@
 """The `swe` environment: the coding agent's protocol over a real sandbox, graded by the task's
 tests; an episode through the real endpoint becoming one multi-turn trajectory with its grade;
-and `train.run` on SWE tasks (`swe_tiny`) through all four loops."""
+and `flywheel train` on SWE tasks (`swe_tiny`) through all four loops."""
 
 import json
 import random
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-from envs import make_env
-from envs.sandbox.bubblewrap import default_uid_base
-from envs.swe.agent import SUBMIT_MARKER, parse_action
-from rollout.env_pool import LocalRunner
+from flywheel.cli import command
+from flywheel.envs import make_env
+from flywheel.envs.sandbox.bubblewrap import default_uid_base
+from flywheel.envs.swe.agent import SUBMIT_MARKER, parse_action
+from flywheel.rollout.env_pool import LocalRunner
 from tests.test_collect_live import assert_segment_is_exact, collected, platform
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -64,7 +64,7 @@ def test_a_scripted_fix_resolves_the_task_and_doing_nothing_does_not(swe):
 
 
 async def test_an_episode_through_the_endpoint_is_one_trajectory_graded_by_the_tests(nats_url, tmp_path, bus, swe):
-    overrides = ["rollout.env=swe", "rollout.episode.max_turns=3", "gconfig.max_new_tokens=16"]
+    overrides = ["rollout.env=swe", "rollout.episode.max_turns=3", "rollout.sampling.max_new_tokens=16"]
     async with platform(nats_url, tmp_path, *overrides) as (serve, collect, _):
         runner = LocalRunner(serve.config, swe, serve.url, serve.model_name)
         task = swe.reset(random.Random(4))
@@ -84,7 +84,7 @@ async def test_an_episode_through_the_endpoint_is_one_trajectory_graded_by_the_t
 
 def test_train_run_on_swe_tasks(tmp_path):
     run_dir = tmp_path / "run"
-    done = subprocess.run([sys.executable, "-m", "train.run", "--config", "train/configs/swe_tiny.yaml", "--refresh-s", "0.5",
+    done = subprocess.run([*command("train"), "--config", "configs/swe_tiny.yaml", "--refresh-s", "0.5",
                            f"run_dir={run_dir}"], cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     lines = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]

@@ -17,10 +17,11 @@ from pathlib import Path
 
 import pytest
 
-from envs.swe import TINY_TASKS, SweTask, grade, load_tasks, materialize
-from envs.swe.mutate import find_sites, mutate, sample_sites
-from envs.swe.testenv import default_backend
-from envs.swe.testpaths import without_test_changes
+from flywheel.cli import command
+from flywheel.envs.swe import TINY_TASKS, SweTask, grade, load_tasks, materialize
+from flywheel.envs.swe.mutate import find_sites, mutate, sample_sites
+from flywheel.envs.swe.testenv import default_backend
+from flywheel.envs.swe.testpaths import without_test_changes
 
 ROOT = Path(__file__).resolve().parent.parent
 SLOT = 800  # slots of their own (uid 10800+): other tests sandbox 0, 1, ... and 700+
@@ -32,7 +33,7 @@ def _git(repo: Path, *args: str) -> str:
 
 
 def _cli(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "envs.swe", *args], cwd=ROOT, capture_output=True, text=True,
+    return subprocess.run([*command("swe"), *args], cwd=ROOT, capture_output=True, text=True,
                           timeout=timeout)
 
 

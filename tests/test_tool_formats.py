@@ -12,7 +12,7 @@ import jsonschema
 import openai
 import pytest
 
-from models.tool_formats import FORMATS, HERMES, detect
+from flywheel.formats.tool_calls import FORMATS, HERMES, detect
 from tests.teaching import serving, teach_tiny
 from tests.test_tools import ASK, WEATHER, recorded
 

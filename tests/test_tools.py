@@ -7,10 +7,10 @@ import openai
 import pytest
 from transformers import AutoTokenizer
 
-from bus import TRAFFIC_SUBJECTS, Turn
-from models import resolve_model
-from models.tool_formats import HERMES
-from serve.tools.template import adapt_messages, template_support
+from flywheel.bus import TRAFFIC_SUBJECTS, Turn
+from flywheel.formats.tool_calls import HERMES
+from flywheel.models import resolve_model
+from flywheel.serve.tools.template import adapt_messages, template_support
 from tests.teaching import serving, teach_tiny
 
 WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "Weather in a city",
@@ -118,10 +118,10 @@ def test_templates_without_tool_support_get_the_documented_format():
 async def test_system_messages_partway_through_stay_put_unless_the_template_takes_one_system_message():
     """A system message after the first is rendered where it stands (the history stays
     append-only); a template that refuses that gets it appended to the first system message."""
-    from serve.api.chat import ChatCompletionRequest
-    from serve.api.sessions import session_of
-    from serve.continuation import SessionContinuations
-    from serve.prompts import PromptBuilder
+    from flywheel.serve.api.chat import ChatCompletionRequest
+    from flywheel.serve.api.sessions import session_of
+    from flywheel.serve.continuation import SessionContinuations
+    from flywheel.serve.prompts import PromptBuilder
 
     tokenizer = AutoTokenizer.from_pretrained(resolve_model("tiny"))
     conversation = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hi"},

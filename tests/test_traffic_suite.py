@@ -16,16 +16,16 @@ import torch
 from fastapi import FastAPI, Request
 from rich.console import Console
 
-from bus import TURN_SUBJECT, WEIGHTS_SUBJECT, WeightUpdate
-from bus.registry import Registry
-from config import ConfigError, FlywheelConfig, load_config
-from config.promotion import SuiteConfig
-from deploy.deployment import needs_judge_server, side_server_config
-from deploy.versions import version_table
-from models import WeightStore, load_model
-from promote.loop import PromoteLoop
-from promote.traffic_suite import read_verdict, recorded_items
-from serve.loop import ServeLoop
+from flywheel.bus import TURN_SUBJECT, WEIGHTS_SUBJECT, WeightUpdate
+from flywheel.cli.versions import version_table
+from flywheel.config import ConfigError, FlywheelConfig, load_config
+from flywheel.config.promotion import SuiteConfig
+from flywheel.deploy.deployment import needs_judge_server, side_server_config
+from flywheel.models import WeightStore, load_model
+from flywheel.promote.loop import PromoteLoop
+from flywheel.promote.traffic_suite import read_verdict, recorded_items
+from flywheel.serve.loop import ServeLoop
+from flywheel.versions.registry import Registry
 from tests.conftest import RunningApp
 from tests.test_promotion import _is, announce
 from tests.waiting import until
@@ -219,7 +219,7 @@ async def test_the_gate_waits_for_traffic_and_a_version_like_the_serving_one_tie
 
 
 def table(entries) -> str:
-    """`python -m deploy.versions list`'s table, as text."""
+    """`flywheel versions list`'s table, as text."""
     console = Console(width=400, record=True, file=io.StringIO())
     console.print(version_table(entries, None))
     return console.export_text()

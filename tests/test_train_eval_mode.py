@@ -5,11 +5,11 @@ engine samples: on `tiny` with attention dropout 0.5, the first minibatch of a s
 import pytest
 import torch
 
-from config import load_config
-from models import load_model
+from flywheel.config import load_config
+from flywheel.models import load_model
+from flywheel.train.packing import micro_batches
+from flywheel.train.trainer import Trainer
 from tests.test_train_loop import rows_of, sample_of, sampled_turns
-from train.packing import micro_batches
-from train.trainer import Trainer
 
 
 def with_attention_dropout(p: float) -> torch.nn.Module:

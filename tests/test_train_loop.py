@@ -9,16 +9,23 @@ import msgspec
 import pytest
 import torch
 
-from bus import SAMPLE_SUBJECT, TRAJECTORY_SUBJECT, WEIGHTS_SUBJECT, Sample, Trajectory, encode
-from collect.stitch import stitch
-from config import load_config
-from models import load_model
-from serve.engine import Engine, SamplingParams
+from flywheel.bus import (
+    SAMPLE_SUBJECT,
+    TRAJECTORY_SUBJECT,
+    WEIGHTS_SUBJECT,
+    Sample,
+    Trajectory,
+    encode,
+)
+from flywheel.collect.stitch import stitch
+from flywheel.config import load_config
+from flywheel.models import load_model
+from flywheel.serve.engine import Engine, SamplingParams
+from flywheel.train.advantages import RunningBaseline, group_advantages
+from flywheel.train.loop import TrainLoop
+from flywheel.train.packing import Row, micro_batches
+from flywheel.train.trainer import Trainer
 from tests.test_records import make_turn
-from train.advantages import RunningBaseline, group_advantages
-from train.loop import TrainLoop
-from train.packing import Row, micro_batches
-from train.trainer import Trainer
 
 
 async def sampled_turns(n: int, version: int = 0, task_id: str | None = None, temperature: float = 1.0) -> list:

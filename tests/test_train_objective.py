@@ -5,8 +5,8 @@ import math
 import pytest
 import torch
 
-from train.advantages import RunningBaseline, group_advantages
-from train.loss import decoupled_ppo_loss
+from flywheel.train.advantages import RunningBaseline, group_advantages
+from flywheel.train.loss import decoupled_ppo_loss
 
 E = math.e
 

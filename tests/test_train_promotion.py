@@ -8,14 +8,14 @@ import asyncio
 
 import torch
 
-from bus import SAMPLE_SUBJECT, WEIGHTS_SUBJECT
-from bus.registry import Registry
-from bus.versions import Arm, Routing, TrainerDirective
-from config import load_config
-from models import load_model
+from flywheel.bus import SAMPLE_SUBJECT, WEIGHTS_SUBJECT
+from flywheel.config import load_config
+from flywheel.models import load_model
+from flywheel.train.loop import TrainLoop
+from flywheel.versions.records import Arm, Routing, TrainerDirective
+from flywheel.versions.registry import Registry
 from tests.test_train_loop import sample_of, sampled_turns
 from tests.waiting import until
-from train.loop import TrainLoop
 
 
 async def test_pace_directives_abandoned_versions_and_protection(bus, nats_url, tmp_path):

@@ -7,12 +7,12 @@ import json
 import pytest
 import torch
 
-from bus import SAMPLE_SUBJECT, WEIGHTS_SUBJECT
-from config import ConfigError, load_config
+from flywheel.bus import SAMPLE_SUBJECT, WEIGHTS_SUBJECT
+from flywheel.config import ConfigError, load_config
+from flywheel.train.ledger import Ledger, lineage
+from flywheel.train.loop import TrainLoop
 from tests.test_train_loop import sample_of, sampled_turns
 from tests.waiting import until
-from train.ledger import Ledger, lineage
-from train.loop import TrainLoop
 
 
 async def wait_for_version(loop: TrainLoop, version: int) -> None:

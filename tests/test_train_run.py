@@ -1,20 +1,21 @@
-"""`python -m train.run` end to end, as a user runs it: the shipped `arith_tiny` config through
+"""`flywheel train` end to end, as a user runs it: the shipped `arith_tiny` config through
 all four loops; its outputs; `--resume`; a used run_dir refused; and the staleness bound at
 η = 0, 1 and 4: no trained sample's oldest token is ever more than η versions old."""
 
 import json
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
+from flywheel.cli import command
+
 ROOT = Path(__file__).resolve().parent.parent
-CONFIG = "train/configs/arith_tiny.yaml"
+CONFIG = "configs/arith_tiny.yaml"
 
 
 def train_run(*args: str, timeout_s: float = 300) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "train.run", "--config", CONFIG, "--refresh-s", "0.2", *args],
+    return subprocess.run([*command("train"), "--config", CONFIG, "--refresh-s", "0.2", *args],
                           cwd=ROOT, capture_output=True, text=True, timeout=timeout_s)
 
 
@@ -28,7 +29,7 @@ def test_a_run_stopped_by_sigterm_keeps_its_outputs_and_resumes_within_its_stale
     at η = 2 (the driver now runs ahead of the trainer) it goes on from the next step to
     max_steps, no trained sample more than 2 versions behind, and draws new tasks."""
     run_dir = tmp_path / "run"
-    child = subprocess.Popen([sys.executable, "-m", "train.run", "--config", CONFIG, "--refresh-s", "0.2", f"run_dir={run_dir}",
+    child = subprocess.Popen([*command("train"), "--config", CONFIG, "--refresh-s", "0.2", f"run_dir={run_dir}",
                               "train.max_steps=10000", "train.batch_size=8", "rollout.max_head_offpolicyness=0"],
                              cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     try:
@@ -69,16 +70,16 @@ def test_a_run_stopped_by_sigterm_keeps_its_outputs_and_resumes_within_its_stale
 
 
 def test_at_temperature_0_7_and_eta_0_the_trainer_reproduces_the_engine(tmp_path):
-    """The digits task (partial rewards, so advantages are not all zero) through train.run:
+    """The digits task (partial rewards, so advantages are not all zero) through flywheel train:
     every step trains whole groups, nothing twice, recomputes the engine's log-probs to float
     noise, and the PPO clip fires. Answers of 64 tokens: at 16, a digit is so rare in the
     untrained model's answers that all four steps could go without a reward (advantages all 0,
     nothing to clip; a fresh clone failed so); at 64, 11 steps in 12 clipped."""
     run_dir = tmp_path / "run"
-    done = subprocess.run([sys.executable, "-m", "train.run", "--config", "deploy/configs/local.yaml", "--refresh-s", "0.2",
+    done = subprocess.run([*command("train"), "--config", "configs/local.yaml", "--refresh-s", "0.2",
                            f"run_dir={run_dir}", "serve.port=0", "train.max_steps=4", "train.batch_size=8",
-                           "rollout.max_head_offpolicyness=0", "gconfig.temperature=0.7", "gconfig.max_new_tokens=64",
-                           "promotion.mode=off"],  # train.run's own default; tests/test_rollout.py has η = 0 under a gate
+                           "rollout.max_head_offpolicyness=0", "rollout.sampling.temperature=0.7", "rollout.sampling.max_new_tokens=64",
+                           "promotion.mode=off"],  # flywheel train's own default; tests/test_rollout.py has η = 0 under a gate
                           cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     lines = metrics(run_dir)

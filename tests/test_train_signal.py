@@ -10,15 +10,15 @@ import msgspec
 import pytest
 import torch
 
-from bus import SAMPLE_SUBJECT, WEIGHTS_SUBJECT, Sample, encode
-from config import load_config
-from models import load_model
+from flywheel.bus import SAMPLE_SUBJECT, WEIGHTS_SUBJECT, Sample, encode
+from flywheel.config import load_config
+from flywheel.models import load_model
+from flywheel.train.loop import TrainLoop
+from flywheel.train.packing import Row, micro_batches, split_minibatches
+from flywheel.train.trainable_tokens import segment_sampling
+from flywheel.train.trainer import Trainer
 from tests.test_train_loop import sample_of, sampled_turns
 from tests.waiting import until
-from train.loop import TrainLoop
-from train.packing import Row, micro_batches, split_minibatches
-from train.sampled import segment_sampling
-from train.trainer import Trainer
 
 
 def lines(run_dir) -> list[dict]:

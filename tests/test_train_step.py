@@ -9,16 +9,16 @@ import msgspec
 import pytest
 import torch
 
-from bus import Sample, Segment, Trajectory
-from config import ConfigError, load_config
-from models import load_model
+from flywheel.bus import Sample, Segment, Trajectory
+from flywheel.config import ConfigError, load_config
+from flywheel.models import load_model
+from flywheel.train.advantages import token_advantages, turn_returns
+from flywheel.train.fsdp import shard
+from flywheel.train.packing import Row, micro_batches
+from flywheel.train.schedule import lr_factor
+from flywheel.train.trainer import Trainer
 from tests.test_records import make_turn
 from tests.test_train_loop import rows_of, sample_of, sampled_turns
-from train.advantages import token_advantages, turn_returns
-from train.fsdp import shard
-from train.packing import Row, micro_batches
-from train.schedule import lr_factor
-from train.trainer import Trainer
 
 
 @pytest.fixture(scope="module")

@@ -1,17 +1,23 @@
 """The version registry on a real NATS server: versions, routing and the trainer's directive
 written by one connection are read by another (a promoter that died and came back), gateways
-follow routing changes, only the moves of promote/states.py are allowed, and the versions above
+follow routing changes, only the moves of flywheel/promote/states.py are allowed, and the versions above
 the serving one that the trainer abandoned are counted (the rollout's admission bound)."""
 
 import asyncio
 
 import pytest
 
-from bus import Bus
-from bus.registry import Registry
-from bus.streams import ROUTING_SUBJECT
-from bus.versions import Arm, Routing, TrainerDirective, VersionEntry, abandoned_above
-from promote.states import AUTOMATIC, IllegalTransition, move
+from flywheel.bus import Bus
+from flywheel.bus.streams import ROUTING_SUBJECT
+from flywheel.promote.states import AUTOMATIC, IllegalTransition, move
+from flywheel.versions.records import (
+    Arm,
+    Routing,
+    TrainerDirective,
+    VersionEntry,
+    abandoned_above,
+)
+from flywheel.versions.registry import Registry
 
 
 def entry(version: int, state="candidate") -> VersionEntry:

@@ -1,23 +1,23 @@
 """Operators' view of the versions, against a running promotion loop, gateway and evaluation
-server: `python -m deploy.versions` (list, show, rollback, promote, a refusal, no promotion
+server: `flywheel versions` (list, show, rollback, promote, a refusal, no promotion
 loop), the gateway's admin API (its key, its results), `/dashboard.json`, the `/dashboard` page
 and the per-version Prometheus series."""
 
 import asyncio
 import subprocess
-import sys
 from pathlib import Path
 
 import httpx
 
-from bus import WEIGHTS_SUBJECT, WeightUpdate
-from bus.addresses import BUS, write_address
-from bus.registry import Registry
-from config import load_config
-from deploy.deployment import side_server_config
-from models import WeightStore, load_model
-from promote.loop import PromoteLoop
-from serve.loop import ServeLoop
+from flywheel.bus import WEIGHTS_SUBJECT, WeightUpdate
+from flywheel.bus.addresses import BUS, write_address
+from flywheel.cli import command
+from flywheel.config import load_config
+from flywheel.deploy.deployment import side_server_config
+from flywheel.models import WeightStore, load_model
+from flywheel.promote.loop import PromoteLoop
+from flywheel.serve.loop import ServeLoop
+from flywheel.versions.registry import Registry
 from tests.test_promotion import _is
 from tests.waiting import until
 
@@ -27,7 +27,7 @@ SUITE = "promotion.gate.suites=[{name: digits, env: digits, items: 4, max_new_to
 
 async def versions_cli(run_dir: Path, *args: str) -> subprocess.CompletedProcess:
     """The CLI in its own process (the promotion loop runs on this test's event loop meanwhile)."""
-    return await asyncio.to_thread(subprocess.run, [sys.executable, "-m", "deploy.versions", "--run-dir", str(run_dir), *args],
+    return await asyncio.to_thread(subprocess.run, [*command("versions", f"run_dir={run_dir}"), *args],
                                    cwd=ROOT, capture_output=True, text=True, timeout=120)
 
 

@@ -20,19 +20,33 @@ import pytest
 import torch
 from transformers import AutoTokenizer
 
-from bus import TRAFFIC_SUBJECTS, TRAJECTORY_SUBJECT, WEIGHTS_SUBJECT, Bus, EmbeddedNats, Sample, Trajectory, Turn, WeightUpdate
-from collect.loop import CollectLoop
-from config import load_config
-from models import WeightStore, load_model, load_weights, resolve_model
-from serve.backends import vllm_server
-from serve.backends.base import EngineError
-from serve.backends.vllm import VLLMEngineClient
-from serve.loop import ServeLoop
-from tests.test_collect_live import assert_prompts_render_the_conversation, assert_segment_is_exact, post_feedback
+from flywheel.bus import (
+    TRAFFIC_SUBJECTS,
+    TRAJECTORY_SUBJECT,
+    WEIGHTS_SUBJECT,
+    Bus,
+    EmbeddedNats,
+    Sample,
+    Trajectory,
+    Turn,
+    WeightUpdate,
+)
+from flywheel.collect.loop import CollectLoop
+from flywheel.config import load_config
+from flywheel.models import WeightStore, load_model, load_weights, resolve_model
+from flywheel.serve.backends import vllm_server
+from flywheel.serve.backends.base import EngineError
+from flywheel.serve.backends.vllm import VLLMEngineClient
+from flywheel.serve.loop import ServeLoop
+from flywheel.train.trainer import Trainer
+from tests.test_collect_live import (
+    assert_prompts_render_the_conversation,
+    assert_segment_is_exact,
+    post_feedback,
+)
 from tests.test_constrained_training import step_of
 from tests.test_engine import recomputed_logprobs
 from tests.test_structured_outputs import FORECAST
-from train.trainer import Trainer
 
 pytestmark = pytest.mark.timeout(600)
 TOL = 5e-4  # vLLM's decode step against a full forward pass of the same float32 weights

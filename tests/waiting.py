@@ -1,7 +1,8 @@
 """Waiting on a condition in tests: poll until it holds, fail the test if it never does.
 
 One helper for every test that waits on something another task or process does (a counter the
-judge loop bumps after publishing, a version the registry records), instead of sleeping.
+judge loop bumps after publishing, a version the registry records), instead of sleeping:
+`until` in async tests, `until_sync` in synchronous ones.
 """
 
 import asyncio
@@ -28,7 +29,20 @@ async def until(condition: Callable[[], bool | Awaitable[bool]], timeout_s: floa
         if held:
             return
         if time.monotonic() >= deadline:
-            code = getattr(condition, "__code__", None)
-            where = f"{code.co_filename}:{code.co_firstlineno}" if code else repr(condition)
-            raise AssertionError(f"condition not reached in {timeout_s:g}s ({where})")
+            raise _not_reached(condition, timeout_s)
         await asyncio.sleep(POLL_S)
+
+
+def until_sync(condition: Callable[[], bool], timeout_s: float = DEFAULT_TIMEOUT_S, poll_s: float = POLL_S) -> None:
+    """`until` for synchronous tests: return once `condition()` is true, or fail the same way."""
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        if time.monotonic() >= deadline:
+            raise _not_reached(condition, timeout_s)
+        time.sleep(poll_s)
+
+
+def _not_reached(condition: Callable, timeout_s: float) -> AssertionError:
+    code = getattr(condition, "__code__", None)
+    where = f"{code.co_filename}:{code.co_firstlineno}" if code else repr(condition)
+    return AssertionError(f"condition not reached in {timeout_s:g}s ({where})")

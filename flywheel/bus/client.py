@@ -1,0 +1,336 @@
+"""Connecting to the bus, publishing records, and consuming them durably.
+
+`Bus.connect(url)` opens a NATS connection that reconnects forever (a loop survives a NATS
+restart) and makes sure the streams of `flywheel.bus.streams` exist. `publish` sets `Nats-Msg-Id` to the
+record id, so JetStream drops a re-publish of the same record inside its duplicate window;
+`publish_all` pipelines many (`bus/acks.py`). `consumer` returns a durable pull consumer
+(`bus/pull.py`): it resumes where the named consumer left off after a restart, and delivers
+each message until it is acked (at-least-once). A message that does not decode as its
+subject's record type is terminated and counted, never allowed to crash a loop. `resolve`
+attaches to a `Sample` the trajectory it refers to; `recent` reads a subject's records among its
+stream's newest messages (the promotion gate's sample of traffic). Records of any size are carried whole: one
+larger than a NATS message goes through the object store (`bus/large.py`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator, Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import msgspec
+import nats
+from nats.aio.msg import Msg
+from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy, StreamConfig
+from nats.js.errors import APIError, NotFoundError
+
+from flywheel.bus.acks import PublishAcks
+from flywheel.bus.large import HEADER, HEADROOM, LargeRecords, is_large, read_payload
+from flywheel.bus.pull import PullRequests
+from flywheel.bus.records import Record, Sample, Trajectory, decode, encode
+from flywheel.bus.streams import RECORD_TYPES, STREAMS, TRAJECTORIES, StreamSpec
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Delivery:
+    """A decoded record and the message it came in, for acknowledging."""
+
+    record: Record
+    msg: Msg
+
+    @property
+    def stream_seq(self) -> int:
+        """The message's sequence number in its stream (how a `Sample` refers to a trajectory)."""
+        return self.msg.metadata.sequence.stream
+
+    async def ack(self) -> None:
+        await self.msg.ack()
+
+    async def in_progress(self) -> None:
+        """Still being worked on: restart the ack wait (JetStream's `+WPI`)."""
+        await self.msg.in_progress()
+
+    async def nak(self, delay_s: float | None = None) -> None:
+        await self.msg.nak(delay=delay_s)
+
+    async def term(self) -> None:
+        """Never deliver this message again."""
+        await self.msg.term()
+
+
+HAND_BACK_S = 2.0
+"""The longest a stopping consumer spends handing back what it holds."""
+
+
+class Consumer:
+    """A durable pull consumer over a subject (wildcards allowed); decodes by each message's subject."""
+
+    def __init__(self, bus: "Bus", subject: str, durable: str, ack_wait_s: float, max_ack_pending: int):
+        self._bus = bus
+        self.subject = subject
+        self.durable = durable
+        self._config = ConsumerConfig(
+            durable_name=durable,
+            ack_policy=AckPolicy.EXPLICIT,
+            ack_wait=ack_wait_s,
+            max_ack_pending=max_ack_pending,
+            filter_subject=subject,
+        )
+        self._pull: PullRequests | None = None
+        self.malformed = 0
+        """Messages terminated because they did not decode."""
+
+    async def _requests(self) -> PullRequests:
+        """Create the durable consumer, or update an existing one to this configuration (its
+        position and pending records are kept), then pull from it."""
+        if self._pull is None:
+            js = self._bus.js
+            self.stream = await js.find_stream_name_by_subject(self.subject)
+            await js.add_consumer(self.stream, config=self._config)
+            self._pull = PullRequests(self._bus.nc, self.stream, self.durable)
+        return self._pull
+
+    async def unacknowledged(self) -> tuple[int, int]:
+        """(how many records were delivered and not acknowledged yet, the highest stream
+        sequence delivered so far): what a previous consumer still held when it stopped."""
+        await self._requests()
+        info = await self._bus.js.consumer_info(self.stream, self.durable)
+        return info.num_ack_pending, info.delivered.stream_seq
+
+    async def hand_back(self, deliveries: Iterable[Delivery]) -> None:
+        """Stop pulling, and give `deliveries` (and what arrived after the last fetch) back to
+        JetStream, which redelivers them now instead of when their ack wait runs out. A delivery
+        settled already (acknowledged, or a redelivery held with its first) is passed over. Best
+        effort, bounded by `HAND_BACK_S`: with the server away, what is not handed back comes back
+        when its ack wait runs out, as after a crash."""
+        deliveries = list(deliveries)
+        try:
+            async with asyncio.timeout(HAND_BACK_S):
+                late = await self._pull.close() if self._pull is not None else []
+                await asyncio.gather(*(d.nak() for d in deliveries), *(m.nak() for m in late), return_exceptions=True)
+        except Exception as exc:  # noqa: BLE001 - see above
+            log.warning("%s: could not hand back %d records (%r); they come back after their ack wait",
+                        self.durable, len(deliveries), exc)
+
+    async def fetch(self, batch: int = 256, timeout_s: float = 1.0) -> list[Delivery]:
+        """Up to `batch` records; an empty list when none arrived within `timeout_s`."""
+        msgs = await (await self._requests()).pull(batch, timeout_s)
+        out = []
+        for msg in msgs:
+            kind = RECORD_TYPES.get(msg.subject)
+            try:
+                if kind is None:
+                    raise msgspec.ValidationError(f"no record type is defined for {msg.subject}")
+                data = await read_payload(self._bus, msg.data, msg.headers) if is_large(msg.headers) else msg.data
+                out.append(Delivery(decode(data, kind), msg))
+            except (msgspec.ValidationError, msgspec.DecodeError) as exc:
+                self.malformed += 1
+                log.error("dropping malformed record on %s: %s", msg.subject, exc)
+                await msg.term()
+        return out
+
+    async def __aiter__(self) -> AsyncIterator[Delivery]:
+        while True:
+            for delivery in await self.fetch():
+                yield delivery
+
+
+def _outcome(sent: asyncio.Future | BaseException, timeout_s: float) -> BaseException | None:
+    if not isinstance(sent, asyncio.Future):
+        return sent
+    if not sent.done():
+        sent.cancel()
+        return TimeoutError(f"no acknowledgement from JetStream within {timeout_s:g}s")
+    return sent.exception()
+
+
+class Bus:
+    """A connection to NATS JetStream with the Flywheel streams in place."""
+
+    def __init__(self, nc: nats.NATS, replicas: int = 1):
+        self.nc = nc
+        self.js = nc.jetstream()
+        self.replicas = replicas
+        self._acks = PublishAcks(nc)
+        self.large = LargeRecords(self.js, replicas)
+
+    @property
+    def publishes_in_flight(self) -> int:
+        """Records sent whose JetStream acknowledgement has neither arrived nor been given up on."""
+        return self._acks.outstanding
+
+    @classmethod
+    async def connect(cls, url: str, name: str = "flywheel", ensure_streams: bool = True, replicas: int = 1) -> "Bus":
+        """Connect to `url`: one server, or several of a cluster separated by commas (the client
+        picks one and fails over to the others). The streams are kept in `replicas` copies.
+        After a reconnect, publishes still waiting for their acknowledgement are sent again."""
+        bus: Bus | None = None
+
+        async def reconnected() -> None:
+            if bus is not None:
+                await bus._acks.resend()
+
+        nc = await nats.connect(
+            [server.strip() for server in url.split(",")],
+            name=name,
+            max_reconnect_attempts=-1,
+            reconnect_time_wait=0.5,
+            connect_timeout=5,
+            reconnected_cb=reconnected,
+        )
+        bus = cls(nc, replicas)
+        if ensure_streams:
+            await bus.ensure_streams()
+        return bus
+
+    async def ensure_streams(self, specs: list[StreamSpec] | None = None) -> None:
+        for spec in specs or list(STREAMS.values()):
+            config = StreamConfig(
+                name=spec.name,
+                subjects=list(spec.subjects),
+                max_age=spec.max_age_s,
+                max_msgs_per_subject=spec.max_msgs_per_subject,
+                duplicate_window=120.0,
+                allow_direct=True,  # `resolve` reads trajectories by sequence number
+                num_replicas=self.replicas,
+            )
+            try:
+                await self.js.stream_info(spec.name)
+                await self.js.update_stream(config)
+            except NotFoundError:
+                await self.js.add_stream(config)
+
+    async def publish(self, subject: str, record: Record, timeout_s: float = 10.0) -> None:
+        """Publish and wait for JetStream's ack (the record is then durable)."""
+        [error] = await self.publish_all(subject, [record], timeout_s)
+        if error is not None:
+            raise error
+
+    async def publish_all(
+        self, subject: str, records: list[Record], timeout_s: float = 10.0
+    ) -> list[BaseException | None]:
+        """Publish records pipelined: send them all, then wait for JetStream's acks together
+        (one round trip and no task per record). Per record: None once it is durable, else the
+        error (`TimeoutError`, ...)."""
+        kind = RECORD_TYPES[subject]
+        for record in records:
+            if not isinstance(record, kind):
+                raise TypeError(f"{subject} carries {kind.__name__}, not {type(record).__name__}")
+        sent: list[asyncio.Future | BaseException] = []
+        for record in records:
+            try:
+                sent.append(await self._send(subject, record))
+            except Exception as exc:
+                sent.append(exc)
+        futures = [f for f in sent if isinstance(f, asyncio.Future)]
+        if futures:
+            await asyncio.wait(futures, timeout=timeout_s)
+        return [_outcome(item, timeout_s) for item in sent]
+
+    async def _send(self, subject: str, record: Record) -> asyncio.Future:
+        payload = encode(record)
+        headers = {"Nats-Msg-Id": record.id}
+        if len(payload) > self.nc.max_payload - HEADROOM:
+            headers[HEADER] = await self.large.put(subject, record.id, payload)
+            payload = b""
+        return await self._acks.send(subject, payload, headers=headers)
+
+    async def resolve(self, sample: Sample) -> bool:
+        """Attach the trajectory a sample refers to (nothing to do if it carries one). False if
+        the TRAJECTORIES stream no longer holds it (past its retention) or holds something else
+        at that sequence."""
+        if sample.trajectory is not None:
+            return True
+        try:
+            raw = await self.get_message(TRAJECTORIES.name, sample.trajectory_seq)
+            trajectory = decode(await read_payload(self, raw.data, raw.headers), Trajectory)
+        except (NotFoundError, msgspec.ValidationError, msgspec.DecodeError) as exc:
+            log.error("sample %s: no trajectory at TRAJECTORIES #%s (%s)", sample.id, sample.trajectory_seq, exc)
+            return False
+        if trajectory.id != sample.id:
+            log.error("sample %s: TRAJECTORIES #%s holds %s", sample.id, sample.trajectory_seq, trajectory.id)
+            return False
+        sample.trajectory = trajectory
+        return True
+
+    async def get_message(self, stream: str, seq: int) -> Any:
+        """A stream's message by sequence number. A direct get first (any replica answers it:
+        cheap, and it spreads reads); then through the stream's leader if that found nothing,
+        failed or was not answered, because a replica that is behind, or just restarted, does not
+        hold the newest messages yet (it answers 404, or 408). `NotFoundError` when the stream
+        does not hold it."""
+        try:
+            return await self.js.get_msg(stream, seq, direct=True)
+        except (APIError, nats.errors.TimeoutError):
+            return await self.js.get_msg(stream, seq)
+
+    def consumer(
+        self, subject: str, durable: str, ack_wait_s: float = 30.0, max_ack_pending: int = 100_000
+    ) -> Consumer:
+        return Consumer(self, subject, durable, ack_wait_s, max_ack_pending)
+
+    async def last(self, subject: str) -> Record | None:
+        """The newest record on a subject, or None if there is none."""
+        stream = await self.js.find_stream_name_by_subject(subject)
+        try:
+            raw = await self.js.get_last_msg(stream, subject)
+        except NotFoundError:
+            return None
+        return decode(await read_payload(self, raw.data, raw.headers), RECORD_TYPES[subject])
+
+    async def recent(self, subject: str, window: int) -> AsyncIterator[tuple[int, Record]]:
+        """The records on `subject` among the last `window` messages its stream held when called,
+        oldest first, each with its stream sequence: one direct get per record, the next one on
+        the subject (the stream's other subjects are skipped by the server). For a sample of
+        recent history; a record that does not decode is logged and skipped."""
+        stream = await self.js.find_stream_name_by_subject(subject)
+        last = (await self.js.stream_info(stream)).state.last_seq
+        seq, kind = max(1, last - window + 1), RECORD_TYPES[subject]
+        while seq <= last:
+            try:
+                raw = await self.js.get_msg(stream, seq, subject=subject, next=True, direct=True)
+            except NotFoundError:
+                return
+            if raw.seq > last:
+                return
+            seq = raw.seq + 1
+            try:
+                yield raw.seq, decode(await read_payload(self, raw.data, raw.headers), kind)
+            except (msgspec.ValidationError, msgspec.DecodeError) as exc:
+                log.error("ignoring malformed %s record at %s #%d: %s", kind.__name__, stream, raw.seq, exc)
+
+    async def follow(self, subject: str, from_last: bool = True, newest_only: bool = False,
+                     from_first: bool = False) -> AsyncIterator[Record]:
+        """Every new record on a subject (starting with the newest existing one if `from_last`,
+        with every one the stream holds if `from_first`), through an ephemeral ordered consumer:
+        for state every process must see, like weights. `newest_only`: of records that arrived
+        together (a backlog after the bus was away, or while the caller was busy) only the
+        newest, for state where it supersedes the rest."""
+        queue: asyncio.Queue[Msg] = asyncio.Queue()
+        policy = DeliverPolicy.ALL if from_first else DeliverPolicy.LAST if from_last else DeliverPolicy.NEW
+        sub = await self.js.subscribe(subject, cb=queue.put, ordered_consumer=True, deliver_policy=policy)
+        kind = RECORD_TYPES[subject]
+        try:
+            while True:
+                msg = await queue.get()
+                while newest_only and not queue.empty():
+                    msg = queue.get_nowait()
+                try:
+                    yield decode(await read_payload(self, msg.data, msg.headers), kind)
+                except (msgspec.ValidationError, msgspec.DecodeError) as exc:
+                    log.error("ignoring malformed %s record: %s", kind.__name__, exc)
+        finally:
+            await sub.unsubscribe()
+
+    async def close(self) -> None:
+        """Close the connection. Publishes are acknowledged before `publish` returns, so there is
+        nothing to drain (draining would wait on consumers' outstanding pull requests)."""
+        if not self.nc.is_closed:
+            try:
+                await self.nc.close()
+            except ConnectionError:  # the server went first; nothing left to close cleanly
+                pass

@@ -1,0 +1,72 @@
+"""JetStream streams, their subjects, and which record type each subject carries.
+
+One stream per hand-off between loops. Turns and session events share the TRAFFIC stream so
+that a collector sees a session's feedback after the turns that one gateway published before
+it (JetStream orders messages within a stream).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from flywheel.bus.records import (
+    Record,
+    Sample,
+    SessionEvent,
+    Trajectory,
+    Turn,
+    Unscored,
+    WeightUpdate,
+)
+from flywheel.versions.records import Routing, TrainerDirective, VersionCommand
+
+
+@dataclass(frozen=True)
+class StreamSpec:
+    name: str
+    subjects: tuple[str, ...]
+    max_age_s: float
+    """How long records are kept (for replay, `flywheel tail` and late consumers)."""
+    max_msgs_per_subject: int = -1
+
+
+TRAFFIC_SUBJECTS = "flywheel.traffic.>"
+"""Turns and session events together, in the order they were published."""
+TURN_SUBJECT = "flywheel.traffic.turn"
+SESSION_EVENT_SUBJECT = "flywheel.traffic.event"
+TRAJECTORY_SUBJECT = "flywheel.trajectories"
+SAMPLE_SUBJECT = "flywheel.samples"
+UNSCORED_SUBJECT = "flywheel.unscored"
+WEIGHTS_SUBJECT = "flywheel.weights"
+COMMANDS_SUBJECT = "flywheel.versions.commands"
+"""Operators' requests to the promotion loop (`flywheel versions`, the gateway's admin routes)."""
+REGISTRY_BUCKET = "FLYWHEEL_VERSIONS"
+"""The version registry's key-value bucket (versions/registry.py)."""
+ROUTING_SUBJECT = f"$KV.{REGISTRY_BUCKET}.routing"
+"""The registry's routing key, as a subject gateways follow."""
+DIRECTIVE_SUBJECT = f"$KV.{REGISTRY_BUCKET}.trainer"
+"""The registry's trainer directive, as a subject (written on every rejection and rollback)."""
+
+DAY = 24 * 3600.0
+
+TRAFFIC = StreamSpec("TRAFFIC", (TRAFFIC_SUBJECTS,), max_age_s=7 * DAY)
+TRAJECTORIES = StreamSpec("TRAJECTORIES", (TRAJECTORY_SUBJECT,), max_age_s=7 * DAY)
+SAMPLES = StreamSpec("SAMPLES", (SAMPLE_SUBJECT,), max_age_s=7 * DAY)
+UNSCORED = StreamSpec("UNSCORED", (UNSCORED_SUBJECT,), max_age_s=30 * DAY)
+WEIGHTS = StreamSpec("WEIGHTS", (WEIGHTS_SUBJECT,), max_age_s=30 * DAY, max_msgs_per_subject=64)
+COMMANDS = StreamSpec("VERSION_COMMANDS", (COMMANDS_SUBJECT,), max_age_s=30 * DAY)
+
+STREAMS: dict[str, StreamSpec] = {s.name: s for s in (TRAFFIC, TRAJECTORIES, SAMPLES, UNSCORED, WEIGHTS, COMMANDS)}
+
+RECORD_TYPES: dict[str, type[Record]] = {
+    TURN_SUBJECT: Turn,
+    SESSION_EVENT_SUBJECT: SessionEvent,
+    TRAJECTORY_SUBJECT: Trajectory,
+    SAMPLE_SUBJECT: Sample,
+    UNSCORED_SUBJECT: Unscored,
+    WEIGHTS_SUBJECT: WeightUpdate,
+    COMMANDS_SUBJECT: VersionCommand,
+    ROUTING_SUBJECT: Routing,  # keys of the registry's bucket (versions/registry.py), not streams of their own
+    DIRECTIVE_SUBJECT: TrainerDirective,
+}
+"""Which record type a subject carries; the bus decodes by subject."""

@@ -1,0 +1,140 @@
+"""`flywheel versions`: the policy versions of a running Flywheel, and an operator's say.
+
+    flywheel versions list                 every version: state, lineage, gate, online reward
+    flywheel versions show N               one version: its transitions, gate report, canary
+    flywheel versions promote N            serve N to everyone (an operator's decision)
+    flywheel versions rollback [N]         take back the canary, else the serving version
+                                           (to N, or to the last good version)
+    flywheel versions pin N | unpin        serve N and promote nothing automatically, or resume
+
+It finds the deployment's bus as the other subcommands do: from `--config FILE` and `key=value`
+(`bus.url`, else the `bus.url` file in `run_dir`, default `runs/local`). Reading needs only the registry; commands are carried out by the promotion loop, in
+order, and this waits for each one's result (exit status 1 when it was refused, 2 when no
+promotion loop answered).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import time
+
+from rich.console import Console
+from rich.table import Table
+
+from flywheel.bus import Bus
+from flywheel.cli.arguments import add_config, bus_url, load
+from flywheel.versions.records import Routing, VersionEntry
+from flywheel.versions.registry import Registry, send_command
+
+
+def _when(at: float) -> str:
+    return time.strftime("%m-%d %H:%M:%S", time.localtime(at))
+
+
+def _role(entry: VersionEntry, routing: Routing | None) -> str:
+    if routing is None:
+        return ""
+    if routing.serving.version == entry.version:
+        return "serves everyone" + (" (pinned)" if routing.pinned else "")
+    if routing.canary is not None and routing.canary.version == entry.version:
+        return f"canary, {routing.canary_share:.0%} of new sessions"
+    return ""
+
+
+def _suite(name: str, suite: dict) -> str:
+    if suite.get("source") == "traffic":  # how often the pinned judge preferred each version's reply
+        return f"{name} preferred {suite['wins']} vs {suite['losses']} of {suite['items']}"
+    return f"{name} {suite['candidate']:.2f} vs {suite['serving']:.2f}"
+
+
+def _gate(entry: VersionEntry) -> str:
+    if entry.waiting:
+        return f"waiting: {entry.waiting}"
+    if not entry.gate:
+        return "-"
+    suites = ", ".join(_suite(name, s) for name, s in entry.gate["suites"].items())
+    return f"{'passed' if entry.gate['passed'] else 'failed'}: {suites}; KL {entry.gate['guards'].get('kl', 0):.3f}"
+
+
+def version_table(entries: list[VersionEntry], routing: Routing | None) -> Table:
+    table = Table(title="policy versions", title_justify="left")
+    for column in ("version", "state", "parent", "step", "trained on", "train reward", "gate", "online reward", "since", "why"):
+        table.add_column(column, overflow="fold")
+    for entry in entries:
+        last = entry.transitions[-1] if entry.transitions else None
+        sessions, reward = entry.online_reward()
+        table.add_row(
+            f"v{entry.version}", entry.state + (f"\n{_role(entry, routing)}" if _role(entry, routing) else ""),
+            "-" if entry.parent is None else f"v{entry.parent}", str(entry.step),
+            f"{entry.trained_on.get('samples', '-')} samples",
+            "-" if "reward_mean" not in entry.metrics else f"{entry.metrics['reward_mean']:.3f}",
+            _gate(entry), "-" if reward is None else f"{reward:.3f} ({sessions})",
+            _when(last.at) if last else "-", f"{last.by}: {last.reason}" if last else "-",
+        )
+    return table
+
+
+def show(console: Console, entry: VersionEntry, routing: Routing | None) -> None:
+    console.print(f"[bold]v{entry.version}[/bold]  {entry.state}  {_role(entry, routing)}")
+    console.print(f"parent: {'-' if entry.parent is None else f'v{entry.parent}'}   step {entry.step}   weights: {entry.path}")
+    trained = {k: v for k, v in entry.trained_on.items() if k != "sample_ids"}
+    console.print(f"trained on: {json.dumps(trained)}   metrics: {json.dumps(entry.metrics)}", highlight=False)
+    table = Table(title="transitions", title_justify="left")
+    for column in ("when", "state", "by", "why"):
+        table.add_column(column, overflow="fold")
+    for t in entry.transitions:
+        table.add_row(_when(t.at), t.state, t.by, t.reason)
+    console.print(table)
+    console.print(f"gate: {_gate(entry)}", highlight=False)
+    for name, part in (("gate report", entry.gate), ("canary", entry.canary)):
+        if part:
+            console.print(f"[bold]{name}[/bold]: {json.dumps(part, indent=1, default=str)}", highlight=False)
+
+
+async def run(args: argparse.Namespace, url: str, console: Console) -> int:
+    bus = await Bus.connect(url, name="versions-cli")
+    try:
+        registry = await Registry.open(bus)
+        routing = await registry.routing()
+        if args.action == "list":
+            console.print(version_table(await registry.versions(), routing))
+            return 0
+        if args.action == "show":
+            entry = await registry.get(args.version)
+            if entry is None:
+                console.print(f"no version {args.version} in the registry")
+                return 1
+            show(console, entry, routing)
+            return 0
+        result = await send_command(bus, registry, args.action, args.version, reason=args.reason, operator=args.operator,
+                                    timeout_s=args.timeout_s)
+        console.print(("done: " if result.ok else "refused: ") + result.message, highlight=False)
+        return 0 if result.ok else 1
+    except TimeoutError as exc:
+        console.print(str(exc))
+        return 2
+    finally:
+        await bus.close()
+
+
+def configure(parser: argparse.ArgumentParser, command: str) -> None:
+    parser.description = __doc__.split("\n\n")[0].split(": ", 1)[1]
+    parser.formatter_class = argparse.RawDescriptionHelpFormatter
+    parser.epilog = __doc__.split("\n\n", 1)[1]
+    parser.add_argument("action", choices=["list", "show", "promote", "rollback", "pin", "unpin"])
+    parser.add_argument("version", nargs="?", type=lambda s: int(s.lstrip("v")), help="N or vN")
+    parser.add_argument("--reason", default="", help="why (kept in the version's history)")
+    parser.add_argument("--operator", default="cli", help="who (kept in the version's history)")
+    parser.add_argument("--timeout-s", type=float, default=60.0)
+    add_config(parser)
+    parser.set_defaults(run=main, parser=parser)
+
+
+def main(args: argparse.Namespace) -> int:
+    if args.action in ("show", "promote", "pin") and args.version is None:
+        args.parser.error(f"{args.action} needs a version")
+    if args.action in ("list", "unpin") and args.version is not None:
+        args.parser.error(f"{args.action} takes no version")
+    return asyncio.run(run(args, bus_url(load(args)), Console(width=160)))

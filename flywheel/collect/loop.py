@@ -1,0 +1,82 @@
+"""The collect loop: turns and session events in, trajectories out.
+
+Consumes the TRAFFIC stream with a durable consumer and feeds the `SessionTracker`. A record is
+acknowledged only after the trajectory it went into has been published (or after it was found
+to be a duplicate, or part of a session with nothing to train on); until then it is kept from
+redelivery with progress acknowledgements (`bus/keepalive.py`), so the ack wait is short. A
+collector that dies loses nothing: within an ack wait its records are redelivered to the next
+one, which rebuilds the open sessions in stream order before taking anything newer
+(`collect/recovery.py`), and JetStream drops the re-publish of a trajectory already sent (same
+id, within its duplicate window).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from flywheel.bus import TRAFFIC_SUBJECTS, TRAJECTORY_SUBJECT, Delivery
+from flywheel.bus.consumer_loop import ConsumerLoop
+from flywheel.collect.recovery import RestartBarrier
+from flywheel.collect.tracker import Closed, SessionTracker
+from flywheel.config import FlywheelConfig
+
+log = logging.getLogger(__name__)
+
+
+class CollectLoop(ConsumerLoop):
+    name = "collect"
+    subjects = TRAFFIC_SUBJECTS
+
+    def __init__(self, config: FlywheelConfig, bus_url: str, durable: str = "collect"):
+        super().__init__(config, bus_url, durable)
+        self.tracker = SessionTracker(config.collect)
+        self._closed: list[Closed] = []
+
+    async def prepare(self) -> None:
+        outstanding, last_delivered = await self.consumer.unacknowledged()
+        self._barrier = RestartBarrier(outstanding, last_delivered, self.config.bus.ack_wait_s) if outstanding else None
+
+    def held(self) -> list[Delivery]:
+        barrier = self._barrier.held if self._barrier is not None else []
+        return [*self.tracker.handles(), *barrier, *(h for item in self._closed for h in item.handles)]
+
+    async def step(self) -> None:
+        deliveries: list[Delivery] | None = await self.consumer.fetch(batch=512, timeout_s=0.25)
+        if self._barrier is not None:
+            deliveries = self._barrier.hold(deliveries)
+            if deliveries is None:
+                return
+            self._barrier = None
+        for delivery in deliveries:
+            self._closed.extend(self.tracker.add(delivery.record, delivery))
+        self._closed.extend(self.tracker.expire())
+        if self._closed:  # what fails to publish stays here and is retried next step
+            closed, self._closed = self._closed, []
+            failures = await self._publish(closed)
+            self._closed = [item for item, _ in failures]
+            if failures:
+                raise failures[0][1]
+
+    async def _publish(self, closed: list[Closed]) -> list[tuple[Closed, BaseException]]:
+        """Publish the trajectories (pipelined, each acknowledged by JetStream), then acknowledge
+        the records of each session whose trajectories were all published. Returns what failed."""
+        trajectories = [(item, trajectory) for item in closed for trajectory in item.trajectories]
+        errors = await self.bus.publish_all(TRAJECTORY_SUBJECT, [trajectory for _, trajectory in trajectories])
+        failed = {id(item): error for (item, _), error in zip(trajectories, errors) if error is not None}
+        failures = []
+        for item in closed:
+            error = failed.get(id(item))
+            if error is None:
+                try:
+                    for delivery in item.handles:
+                        await delivery.ack()
+                except Exception as exc:  # published again next step: JetStream drops the repeat
+                    error = exc
+            if error is not None:
+                failures.append((item, error))
+        return failures
+
+    def stats(self) -> dict[str, Any]:
+        return {**self.tracker.counts, "open_sessions": self.tracker.open_sessions, "malformed": self.consumer.malformed,
+                "recovering": self._barrier is not None}

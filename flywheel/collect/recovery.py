@@ -1,0 +1,50 @@
+"""Picking up where a collector that died left off.
+
+A collector holds the records of open sessions unacknowledged; when it dies, JetStream delivers
+them again, but only once their ack wait runs out, while records published since flow at once.
+(A collector that stops cleanly hands them back, `Consumer.hand_back`, and they come back first.)
+Fed in that order, a session's later turns (or its feedback) would reach the new collector
+before its earlier ones and close it truncated, the earlier ones forming a fragment of their
+own.
+
+So a collector that starts with records outstanding (delivered to its predecessor, never
+acknowledged) first holds everything it receives, until all of those outstanding records have
+come back (or, should some never come, e.g. because a live predecessor acknowledged them, twice
+the ack wait has passed), and then releases what it holds in stream order: the sessions are
+rebuilt exactly as they were published, and what followed joins them in order.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+
+from flywheel.bus import Delivery
+
+log = logging.getLogger(__name__)
+
+
+class RestartBarrier:
+    def __init__(self, outstanding: int, last_delivered: int, ack_wait_s: float, clock: Callable[[], float] = time.monotonic):
+        self.outstanding = outstanding
+        """Records the previous collector held, still to come back."""
+        self.last_delivered = last_delivered
+        """The highest stream sequence delivered before this collector started."""
+        self._clock = clock
+        self._deadline = clock() + 2 * ack_wait_s + 5.0
+        self.held: list[Delivery] = []
+
+    def hold(self, deliveries: list[Delivery]) -> list[Delivery] | None:
+        """Take `deliveries`; once the predecessor's records are all back, everything held so
+        far in stream order (and None until then)."""
+        for delivery in deliveries:
+            if delivery.stream_seq <= self.last_delivered:
+                self.outstanding -= 1
+            self.held.append(delivery)
+        if self.outstanding > 0 and self._clock() < self._deadline:
+            return None
+        if self.outstanding > 0:
+            log.warning("%d records held by the previous collector did not come back; going on", self.outstanding)
+        released, self.held = sorted(self.held, key=lambda d: d.stream_seq), []
+        return released

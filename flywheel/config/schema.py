@@ -1,0 +1,365 @@
+"""The typed configuration of a Flywheel deployment, one section per concern.
+
+Names follow AReaL where it has one (`rollout.max_head_offpolicyness`,
+`rollout.max_concurrent_rollouts`, `actor.use_decoupled_loss`, `actor.recompute_logprobs`,
+`actor.eps_clip`, `actor.behav_imp_weight_cap`; AReaL's `gconfig` is `rollout.sampling`). Every
+section forbids unknown keys, so a typo is an error that names the key rather than a silently ignored setting.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import Field, field_validator, model_validator
+
+from flywheel.config.judge import JudgeConfig
+from flywheel.config.promotion import PromotionConfig
+from flywheel.config.section import Section
+from flywheel.config.serve import ServeConfig
+
+
+class BusConfig(Section):
+    url: str = "embedded"
+    """`embedded` starts a private nats-server under `run_dir/nats`; otherwise the URL of a NATS
+    server, or of several servers of one cluster separated by commas
+    (`nats://a:4222,nats://b:4222,nats://c:4222`): the client connects to any and fails over."""
+    replicas: int = Field(1, ge=1, le=5)
+    """Copies JetStream keeps of every stream (and of the large-record store), on different
+    servers of a cluster: 3 survives the loss of any one server. 1 on a single server."""
+    ack_wait_s: float = Field(30.0, ge=1.0)
+    """How long a record a loop has taken may stay unacknowledged before the bus delivers it
+    again: how soon a dead loop's records reach its successor. Records held longer (open
+    sessions, samples waiting for their group or checkpoint) are kept alive meanwhile."""
+
+    @field_validator("url")
+    @classmethod
+    def _embedded_or_nats_urls(cls, value: str) -> str:
+        if value == "embedded":
+            return value
+        for server in (part.strip() for part in value.split(",")):
+            scheme, found, rest = server.partition("://")
+            if not server or (found and scheme not in ("nats", "tls", "ws", "wss")) or not (rest if found else server):
+                raise ValueError(f"{server!r} is not a NATS URL (nats://host:port; several separated by commas)")
+        return value
+
+    @model_validator(mode="after")
+    def _replicas_need_a_cluster(self) -> "BusConfig":
+        if self.replicas > 1 and self.url == "embedded":
+            raise ValueError(
+                f"bus.replicas={self.replicas} needs a JetStream cluster, and `embedded` is one server: point "
+                "bus.url at the cluster's servers (`flywheel nats-cluster` starts one on this machine)"
+            )
+        return self
+
+
+
+class CollectConfig(Section):
+    idle_timeout_s: float = Field(600.0, gt=0)
+    """A session with no traffic for this long, and no request of it in flight, is closed and
+    emitted (a reply slower than this does not split its conversation)."""
+    reply_timeout_s: float = Field(900.0, gt=0)
+    """A request the gateway announced (`pending`) holds its session open at most this long
+    after it arrived, when its turn never comes (the gateway died mid-reply); keep it above
+    `serve.request_timeout_s`."""
+    feedback_grace_s: float = Field(5.0, ge=0)
+    """A session ended by `X-Session-Done` or the end endpoint, with no session reward yet,
+    waits this long for one before it is emitted (clients often send the reward right after the
+    last turn). Session feedback ends the wait at once."""
+    max_turns: int = Field(256, ge=1)
+    """A session reaching this many main turns is cut (reason `limit`): its later turns form the
+    next trajectory. The pieces are held until the session closes and emitted together, each with
+    all of the session's feedback."""
+    max_tokens: int = Field(131_072, ge=1)
+    """Likewise for the total length of its stitched token segments."""
+    truncated_turns: Literal["train", "mask"] = "train"
+    """Turns cut at `max_tokens` (finish reason `length`): `train` them like any other (the
+    length limit is part of what the policy learns to live with: a rambling turn is credited
+    with what followed it), or `mask` their sampled tokens out of the loss, as DAPO's overlong
+    filtering does where the cut is an artefact. Counted either way (`truncated_turns`)."""
+    remember_closed: int = Field(100_000, ge=1)
+    """How many emitted sessions, and as many turn ids, are remembered to drop duplicate
+    deliveries and to recognise late feedback."""
+
+
+class SamplingConfig(Section):
+    """How the rollout driver samples (AReaL's `gconfig`)."""
+
+    n_samples: int = Field(4, ge=1)
+    """Samples per prompt: the group that advantages are normalised over."""
+    max_new_tokens: int = Field(32, ge=1)
+    temperature: float = Field(1.0, ge=0.0)
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    length_tail: float | None = Field(None, gt=0.0)
+    """α of heavy-tailed generation lengths, as reasoning models produce: each sample's length
+    is drawn from a Pareto tail P(L >= x) ∝ x^-α on [`min_new_tokens`, `max_new_tokens`] and
+    generated to the end (`ignore_eos`). None: the model decides, up to `max_new_tokens`."""
+    min_new_tokens: int = Field(1, ge=1)
+
+
+class EpisodeConfig(Section):
+    """Limits on one episode (one attempt at a task); single-turn tasks end at their first reply."""
+
+    max_turns: int = Field(20, ge=1)
+    """Model replies per episode; then the attempt is graded as it stands."""
+    max_tokens: int | None = Field(None, ge=1)
+    """Sampled tokens per episode, over all turns (each turn's `max_tokens` is cut to what is
+    left); None: only `rollout.sampling.max_new_tokens` per turn."""
+    timeout_s: float = Field(900.0, gt=0)
+    """Wall-clock limit: past it the episode stops acting and is graded; an episode that does
+    not come back within twice this time fails (unscored, with the reason)."""
+
+
+class RolloutConfig(Section):
+    enabled: bool = True
+    """Run the rollout driver (offline RL / environment traffic); off for live traffic only."""
+    env: str = "digits"
+    """Task source, by name (see `envs.make_env`)."""
+    env_args: dict[str, Any] = Field(default_factory=dict)
+    """Keyword arguments of the environment, e.g. `{max_operand: 50, word_problems: true}`."""
+    endpoint: str | None = None
+    """OpenAI-compatible base URL to send rollouts to; default: this deployment's serve loop.
+    Requests carry the key in the environment variable `FLYWHEEL_API_KEY` when it is set."""
+    max_head_offpolicyness: int = Field(4, ge=0)
+    """η: rollouts may start only while (accepted + running) < (η + version + 1) · batch size;
+    the trainer also drops samples whose oldest token is more than η versions old."""
+    max_concurrent_rollouts: int = Field(32, ge=1)
+    sampling: SamplingConfig = SamplingConfig()
+    episode: EpisodeConfig = EpisodeConfig()
+    n_parallel_envs: int = Field(0, ge=0)
+    """0: episodes run in the driver's process (light environments). N > 0: a pool of N Ray
+    workers, each running one episode at a time in its own slot (a sandbox's uid is
+    10000 + slot); placed by `env_worker_resources`, so a Ray cluster spreads them unchanged."""
+    env_worker_resources: dict[str, float] = Field(default_factory=lambda: {"CPU": 0.0})
+    """Ray resources each environment worker requests, e.g. `{CPU: 1}` or a custom
+    `{env_node: 1}` that only CPU nodes advertise."""
+
+
+class OptimizerConfig(Section):
+    lr: float = Field(1e-3, gt=0)
+    weight_decay: float = Field(0.0, ge=0)
+    betas: tuple[float, float] = (0.9, 0.999)
+    max_grad_norm: float = Field(1.0, gt=0)
+    lr_schedule: Literal["constant", "linear", "cosine"] = "constant"
+    """After the warm-up: keep `lr`, or decay it linearly or along a cosine to `min_lr_ratio`·lr
+    at `schedule_steps`."""
+    warmup_steps: int = Field(0, ge=0)
+    """Steps over which the learning rate rises linearly from 0 to `lr`."""
+    min_lr_ratio: float = Field(0.0, ge=0.0, le=1.0)
+    schedule_steps: int | None = Field(None, ge=1)
+    """Where a decaying schedule ends; None: `train.max_steps` (required for a decay)."""
+
+
+class ActorConfig(Section):
+    """The policy being trained and its objective, every coefficient of it: decoupled PPO's clip
+    and behaviour weights, the KL penalty, and how outcome rewards, per-turn rewards and hint
+    distillation make each token's advantage (docs/architecture.md)."""
+
+    optimizer: OptimizerConfig = OptimizerConfig()
+    eps_clip: float = Field(0.2, gt=0)
+    behav_imp_weight_cap: float | None = Field(5.0, gt=1.0)
+    """Cap on π_prox/π_behav; what happens above it is `behav_imp_weight_cap_mode`. None: no cap."""
+    behav_imp_weight_cap_mode: Literal["mask", "clamp"] = "mask"
+    """`mask`: tokens above the cap leave the loss (AReaL); `clamp`: their weight is the cap."""
+    dual_clip: float | None = Field(None, gt=1.0)
+    """Dual-clip PPO's c: for negative advantages the objective is bounded below by c·Â."""
+    kl_coef: float = Field(0.0, ge=0.0)
+    """Weight of a KL penalty to the reference policy (the weights the run started from), per
+    token with the k3 estimator; 0 turns it off (and keeps no reference copy)."""
+    use_decoupled_loss: bool = True
+    recompute_logprobs: bool = True
+    """Recompute π_prox with one no-grad pass at the start of each step."""
+    ppo_n_minibatches: int = Field(4, ge=1)
+    """Optimizer steps per training step: the batch is split into this many minibatches (whole
+    samples, about equal tokens), all weighed against the π_prox of the step's start. More than
+    one makes the PPO clip a real trust region; 1 is a single policy-gradient step."""
+
+    turn_reward_coef: float = Field(0.0, ge=0.0)
+    """β: how much a judge's per-turn rewards add to a turn's advantage (see train/advantages.py);
+    0: the outcome alone. Per-turn rewards should be centred: in groups `turn_reward_norm` does it;
+    for live traffic (groups of one) use the composite judge's normalisation (raw scores in
+    [0, 1] would push every turn up)."""
+    turn_discount: float = Field(1.0, ge=0.0, le=1.0)
+    """γ: per-turn rewards reach earlier turns of the same conversation discounted by γ per turn."""
+    rl_coef: float = Field(1.0, ge=0.0)
+    """w_rl: the weight of the RL advantage in each token's advantage (train/distill.py)."""
+    opd_coef: float = Field(1.0, ge=0.0)
+    """w_opd: the weight of hint distillation, clip(log π_teacher − log π_student, ±opd_clip), on
+    tokens a teacher scored (`Sample.teacher_logprobs`); 0 turns it off."""
+    opd_clip: float = Field(2.0, gt=0.0)
+    """c: the teacher − student log-probability difference is clipped to [−c, c] (nats)."""
+    opd_topk_coef: float = Field(0.0, ge=0.0)
+    """β: dense hint distillation, the weight of the reverse KL from the policy to the teacher
+    over the teacher's top-k tokens (`judge.teacher.top_k`) on the tokens it scored
+    (train/distill.py); 0 turns it off."""
+    turn_reward_norm: Literal["group", "none"] = "group"
+    """`group`: a task group's per-turn rewards are normalised among the members' rewards for the
+    same step, (r − mean) / std, like outcomes (OpenClaw-RL v2's per (task, step) normalisation;
+    the trainer holds groups whole, so no order of arrival matters); a sample alone in its group
+    keeps its judge's rewards. `none`: as the judge gave them."""
+
+    @model_validator(mode="after")
+    def _decoupled_needs_recompute(self) -> "ActorConfig":
+        if self.use_decoupled_loss and not self.recompute_logprobs:
+            raise ValueError(
+                "actor.use_decoupled_loss=true requires actor.recompute_logprobs=true "
+                "(the proximal policy's logprobs must be recomputed)"
+            )
+        return self
+
+
+class TrainConfig(Section):
+    batch_size: int = Field(32, ge=1)
+    """Samples per optimizer step (B in the staleness bound)."""
+    max_steps: int | None = Field(None, ge=1)
+    """Stop training after this many steps; None trains as long as samples come."""
+    weight_update_interval: int = Field(1, ge=1)
+    """Publish weights to the store and announce them every this many steps; with rollouts, at most
+    `rollout.max_head_offpolicyness` + 1 (more could deadlock the admission: refused at start)."""
+    keep_versions: int = Field(3, ge=1)
+    """Weight versions kept in the store."""
+    torch_threads: int = Field(1, ge=1)
+    micro_batch_tokens: int = Field(4096, ge=16)
+    """Token budget of one forward/backward pass; a step accumulates gradients over as many
+    micro-batches as its samples need (a segment longer than this gets one of its own)."""
+    packing: bool = True
+    """Pack segments into rows with no padding (block-diagonal attention); false: one padded
+    row per segment (for comparison)."""
+    attn_implementation: Literal["sdpa", "eager", "flex_attention", "flash_attention_2", "flash_attention_3"] = "sdpa"
+    """The trainer's attention kernel (transformers' `attn_implementation`). Packing needs the
+    segments of a row kept apart: sdpa, eager and flex_attention derive that from the restarting
+    position ids; flash-attention does only for a single row, so it is refused with packing."""
+    checkpoint_interval: int = Field(50, ge=0)
+    """Save a full checkpoint (model, optimizer, schedule, counters, RNG, trained sample ids)
+    every this many steps, and when the loop stops; 0: only when it stops. Samples are
+    acknowledged on the bus when the checkpoint that holds them is saved: a trainer that dies
+    is sent again what it trained since, and trains it once more from that checkpoint."""
+    keep_checkpoints: int = Field(2, ge=1)
+    resume: bool = False
+    """Require a checkpoint to continue from (`flywheel train --resume`). The train loop continues
+    from the newest checkpoint in `run_dir/checkpoints` whenever there is one."""
+    group_timeout_s: float = Field(60.0, gt=0)
+    """A task group of unknown size, or one that never fills, is trained once no member has
+    arrived for this long (see train/grouping.py)."""
+    remember_samples: int = Field(100_000, ge=1)
+    """How many trained sample ids are remembered (and checkpointed) to drop redeliveries."""
+    device: str = "cpu"
+    """`cpu`, `cuda`, `cuda:N`."""
+    autocast: bool = True
+    """On CUDA, run the forward passes under bf16 autocast (weights and AdamW stay float32):
+    faster, but its log-probs then differ from a float32 engine's by a few hundredths of a nat
+    per token (`behav_logprob_gap`), so π_prox is not exactly π_behav. false: float32
+    throughout, and the recompute reproduces the engine. A CPU never autocasts
+    (docs/benchmarks.md 20)."""
+    fsdp: bool = False
+    """Shard the model with FSDP2 across the ranks of an initialised torch.distributed process
+    group (multi-GPU; see docs/architecture.md). Refused without one."""
+
+
+    @model_validator(mode="after")
+    def _packing_needs_separate_segments(self) -> "TrainConfig":
+        if self.packing and self.attn_implementation.startswith("flash_attention"):
+            raise ValueError(
+                f"train.attn_implementation: {self.attn_implementation} would attend across the packed segments of a "
+                "row (transformers separates them for single-row batches only); use sdpa, eager or flex_attention, "
+                "or set train.packing=false"
+            )
+        return self
+
+
+LOOP_NAMES = ("serve", "collect", "judge", "train", "rollout", "promote", "eval_serve")
+
+
+class DeployConfig(Section):
+    ray_address: str | None = None
+    """None starts a local Ray; otherwise the address of an existing cluster (`auto`, `ray://…`)."""
+    num_cpus: int | None = Field(None, ge=1)
+    """CPUs for a local Ray (default: all)."""
+    loops: list[Literal["serve", "collect", "judge", "train", "promote"]] = ["serve", "collect", "judge", "train", "promote"]
+    """The loops this deployment hosts (the rollout driver joins them when `rollout.enabled`;
+    `promote`, with its evaluation server, runs only when `promotion.mode` is not off).
+    Where gateways run on their own (a Kubernetes Deployment), the Ray cluster hosts
+    `[collect, judge, train]` and rollouts reach the gateways at `rollout.endpoint`."""
+    serve_torch_threads: int = Field(1, ge=1)
+    """Intra-op torch threads of the serve loops a deployment hosts when `serve.torch_threads` is
+    not set: the loops share their machine's cores (the trainer and the judge's model take one
+    each too). A gateway run alone (`flywheel serve`, `flywheel engine`) takes every core it may;
+    a serve loop placed on a node of its own (`resources`) is given more by setting either key."""
+    resources: dict[str, dict[str, float]] = Field(default_factory=dict)
+    """Ray resources each loop's actor requests, by loop (serve, collect, judge, train, rollout,
+    promote, eval_serve),
+    e.g. `{train: {trainer: 1}, serve: {engine: 1}}`: a custom resource places the loop on the
+    nodes started with it (`ray start --resources '{"trainer": 1}'`); `CPU` and `GPU` are
+    Ray's own. A loop not named reserves nothing and runs on any node."""
+
+    @field_validator("resources")
+    @classmethod
+    def _known_loops(cls, value: dict[str, dict[str, float]]) -> dict[str, dict[str, float]]:
+        for loop, wanted in value.items():
+            if loop not in LOOP_NAMES:
+                raise ValueError(f"{loop!r} is not a loop (one of {', '.join(LOOP_NAMES)})")
+            if any(amount < 0 for amount in wanted.values()):
+                raise ValueError(f"{loop}: resource amounts cannot be negative")
+        return value
+
+
+class FlywheelConfig(Section):
+    run_dir: str = "runs/local"
+    """Where a run keeps its bus data, weight store, logs and metrics."""
+    model: str = "tiny"
+    """`tiny`, `smollm2-135m`, or a local Hugging Face model directory."""
+    seed: int = 0
+    bus: BusConfig = BusConfig()
+    serve: ServeConfig = ServeConfig()
+    collect: CollectConfig = CollectConfig()
+    judge: JudgeConfig = JudgeConfig()
+    rollout: RolloutConfig = RolloutConfig()
+    actor: ActorConfig = ActorConfig()
+    train: TrainConfig = TrainConfig()
+    promotion: PromotionConfig = PromotionConfig()
+    deploy: DeployConfig = DeployConfig()
+
+    @property
+    def served_model(self) -> str:
+        """The model's name on the endpoint: what clients (the rollout driver, an `llm` judge on this
+        deployment) put in `model`."""
+        return self.serve.served_model_name or self.model
+
+    @model_validator(mode="after")
+    def _a_canary_needs_traffic_that_does_not_wait(self) -> "FlywheelConfig":
+        if self.promotion.mode == "canary" and self.rollout.enabled:
+            raise ValueError(
+                "promotion.mode=canary with rollout.enabled=true: the rollout driver waits for the trainer, which waits "
+                "for the canary's evidence, which waits for traffic; use promotion.mode=gate with the driver, canary "
+                "with live traffic"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _rollouts_need_a_gateway(self) -> "FlywheelConfig":
+        if self.rollout.enabled and "serve" not in self.deploy.loops and self.rollout.endpoint is None:
+            raise ValueError(
+                "rollout.enabled=true and deploy.loops without serve: set rollout.endpoint to the gateways' URL "
+                "(or rollout.enabled=false for live traffic only)"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _admission_reaches_the_next_announcement(self) -> "FlywheelConfig":
+        # Deadlock-free iff k <= η + 1, with k = train.weight_update_interval, B = train.batch_size
+        # and every step taking B samples (rollout.sampling.n_samples divides B; every episode scored).
+        # While v is the newest announced version the driver admits (η + v + 1)·B samples in all,
+        # and no more. The trainer's version is at least its step count s (one more a step; a
+        # restarted trainer may jump ahead) and it announces when s is a multiple of k: having
+        # announced v at step s <= v, it announces again by step s + k, once at most
+        # (s + k)·B <= (v + k)·B samples in all are trained, which the driver admits if k <= η + 1.
+        # If k > η + 1 a fresh run stops at once: the driver admits (η + 1)·B samples, the trainer
+        # takes η + 1 < k steps without announcing, and each waits for the other.
+        interval, eta = self.train.weight_update_interval, self.rollout.max_head_offpolicyness
+        if self.rollout.enabled and interval > eta + 1:
+            raise ValueError(
+                f"train.weight_update_interval={interval} with rollout.max_head_offpolicyness={eta} can deadlock: the "
+                f"rollout driver admits at most ({eta} + v + 1)·train.batch_size samples while v is the newest announced "
+                f"version, and the trainer announces one only every {interval} steps; set train.weight_update_interval <= "
+                "rollout.max_head_offpolicyness + 1 (or rollout.enabled=false for live traffic only)"
+            )
+        return self

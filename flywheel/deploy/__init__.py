@@ -1,0 +1,1 @@
+"""Hosting the loops: Ray actors, the deployment lifecycle, `flywheel up`, configs."""

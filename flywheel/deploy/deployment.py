@@ -1,0 +1,182 @@
+"""A running Flywheel: the bus plus the loops hosted as Ray actors.
+
+    with Deployment(config) as deployment:
+        deployment.stats()   # every loop's counters
+
+Starting: the bus (an embedded nats-server unless `bus.url` names one), Ray (local unless
+`deploy.ray_address` names a cluster), then the loops of `deploy.loops` (serve, collect, judge,
+train), each placed by `deploy.resources`, and, when `rollout.enabled`, the rollout driver
+pointed at serve's URL (or `rollout.endpoint`). With `promotion.mode` not off, `promote` in the
+loops starts the promotion loop with its evaluation server (`eval_serve`, `serve.role: eval`);
+the judge's own server starts when the judge needs one or the gate has a traffic suite (its
+pinned judge). Ray restarts a loop whose process or node dies
+(`flywheel.deploy.actors`). Stopping reverses that and leaves
+no process behind: every loop is stopped, its actor killed, a Ray this deployment started is
+shut down, and an embedded nats-server is terminated.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+from typing import Any
+
+import ray
+
+from flywheel.bus.embedded import EmbeddedNats, start_bus
+from flywheel.config import FlywheelConfig, dump_config
+from flywheel.config.placement import ray_options
+from flywheel.deploy.actors import LoopActor
+
+log = logging.getLogger(__name__)
+
+RAY_ENV = {"RAY_USAGE_STATS_ENABLED": "0", "RAY_AUTH_MODE": "disabled"}
+LOCAL_RAY_ENV = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
+"""Only for a Ray this deployment starts itself: its node advertises the loopback address. Never
+set when joining a cluster (`deploy.ray_address`), whose nodes must reach this driver."""
+CALL_TIMEOUT_S = 300.0
+
+
+class Deployment:
+    def __init__(self, config: FlywheelConfig):
+        self.config = sharing_cores(config)
+        self.bus_url: str | None = None
+        self.serve_url: str | None = None
+        self.judge_url: str | None = None
+        """The judge's own server (`serve.role: judge`), when the judge needs one."""
+        self.eval_url: str | None = None
+        """The promotion gate's evaluation server (`serve.role: eval`), under promotion."""
+        self.actors: dict[str, Any] = {}
+        self._nats: EmbeddedNats | None = None
+        self._owns_ray = False
+
+    def start(self) -> "Deployment":
+        try:
+            self._start()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def _start(self) -> None:
+        run_dir = Path(self.config.run_dir)
+        run_dir.mkdir(parents=True, exist_ok=True)
+        (run_dir / "config.yaml").write_text(dump_config(self.config))
+        self.bus_url, self._nats = start_bus(self.config.bus.url, run_dir)
+        if not ray.is_initialized():
+            local = self.config.deploy.ray_address is None
+            for key, value in {**RAY_ENV, **(LOCAL_RAY_ENV if local else {})}.items():
+                os.environ.setdefault(key, value)
+            ray.init(
+                address=self.config.deploy.ray_address,
+                num_cpus=self.config.deploy.num_cpus,
+                include_dashboard=False,
+                log_to_driver=False,
+            )
+            self._owns_ray = self.config.deploy.ray_address is None
+        loops = self.config.deploy.loops
+        if "serve" in loops:
+            self.serve_url = self._launch("serve", self.config)
+        gateway = self.serve_url or self.config.rollout.endpoint  # gateways hosted elsewhere
+        judge = self.config.model_copy(deep=True)
+        if needs_judge_server(self.config):
+            self.judge_url = self._launch("judge_serve", side_server_config(self.config, "judge"))
+        if "promote" in loops and self.config.promotion.enabled:
+            self.eval_url = self._launch("eval_serve", side_server_config(self.config, "eval"))
+            promote = self.config.model_copy(deep=True)
+            promote.promotion.eval_url = self.eval_url
+            if promote.judge.llm.base_url is None and self.judge_url is not None:  # a traffic suite's pinned judge
+                promote.judge.llm.base_url = f"{self.judge_url}/v1"
+            self._launch("promote", promote)
+        if judge.judge.llm.base_url is None:  # the judge reads its URL here, on whatever node it runs
+            source = self.judge_url if judge.judge.llm.source == "pinned" else gateway
+            judge.judge.llm.base_url = source and f"{source}/v1"
+        for kind in ("collect", "judge", "train"):
+            if kind in loops:
+                self._launch(kind, judge if kind == "judge" else self.config)
+        if self.config.rollout.enabled:
+            rollout = self.config.model_copy(deep=True)
+            rollout.rollout.endpoint = gateway
+            self._launch("rollout", rollout)
+
+    def _launch(self, kind: str, config: FlywheelConfig) -> Any:
+        """Start a loop's actor where `deploy.resources` places it; its `start` result."""
+        placement = self.config.deploy.resources.get(kind)
+        options = ray_options(placement) if placement is not None else {}
+        actor = LoopActor.options(name=f"flywheel-{kind}-{os.getpid()}", **options).remote(
+            kind, config.model_dump(mode="json"), self.bus_url
+        )
+        self.actors[kind] = actor
+        return ray.get(actor.address.remote(), timeout=CALL_TIMEOUT_S)
+
+    def stats(self, timeout_s: float = 10.0) -> dict[str, dict[str, Any]]:
+        """Each loop's counters; a loop that does not answer reports its error."""
+        refs = {kind: actor.stats.remote() for kind, actor in self.actors.items()}
+        out: dict[str, dict[str, Any]] = {}
+        for kind, ref in refs.items():
+            try:
+                out[kind] = ray.get(ref, timeout=timeout_s)
+            except Exception as exc:
+                out[kind] = {"error": f"{type(exc).__name__}: {exc}"}
+        return out
+
+    def stop(self) -> None:
+        # Traffic sources first, then the loops downstream of them.
+        for kind in ("rollout", "serve", "collect", "judge", "judge_serve", "promote", "eval_serve", "train"):
+            actor = self.actors.pop(kind, None)
+            if actor is None:
+                continue
+            try:
+                ray.get(actor.stop.remote(), timeout=CALL_TIMEOUT_S)  # train finishes its step and checkpoints
+            except Exception as exc:
+                log.warning("%s did not stop cleanly: %s", kind, exc)
+            ray.kill(actor)
+        if self._owns_ray and ray.is_initialized():
+            ray.shutdown()
+            self._owns_ray = False
+        if self._nats is not None:
+            self._nats.stop()
+            self._nats = None
+
+    def __enter__(self) -> "Deployment":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+def sharing_cores(config: FlywheelConfig) -> FlywheelConfig:
+    """`config` for loops that share their machine's cores: a serve loop that does not say how many
+    torch threads it takes (`serve.torch_threads`, whose default is every core, for a gateway alone
+    on its machine) takes `deploy.serve_torch_threads`."""
+    if config.serve.torch_threads is not None:
+        return config
+    config = config.model_copy(deep=True)
+    config.serve.torch_threads = config.deploy.serve_torch_threads
+    return config
+
+
+def needs_judge_server(config: FlywheelConfig) -> bool:
+    """Whether the judge's own server starts: the judge needs it (a pinned `llm` judge, the hint
+    teacher), or the promotion gate has a traffic suite and no `judge.llm.base_url` to ask."""
+    loops = config.deploy.loops
+    gate_judge = ("promote" in loops and config.promotion.enabled and config.judge.llm.base_url is None
+                  and any(suite.source == "traffic" for suite in config.promotion.gate.suites))
+    return gate_judge or ("judge" in loops and config.judge.needs_server())
+
+
+def side_server_config(config: FlywheelConfig, role: str) -> FlywheelConfig:
+    """A server beside the policy's, on a free port, its weights never following announcements:
+    the judge's (`judge`: the weights in `judge.weights`, the starting model by default) or the
+    promotion gate's (`eval`: the starting model, then whatever versions the gate loads, on
+    `promotion.eval_torch_threads` threads)."""
+    server = config.model_copy(deep=True)
+    server.model = config.judge.weights or config.model if role == "judge" else config.model
+    server.serve.role = role  # type: ignore[assignment]
+    if role == "eval":
+        server.serve.torch_threads = config.promotion.eval_torch_threads
+    server.serve.port = 0
+    server.serve.engine_urls = []
+    server.serve.served_model_name = config.served_model
+    return server

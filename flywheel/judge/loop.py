@@ -1,0 +1,176 @@
+"""The judge loop: trajectories in, scored samples (or unscored reports) out.
+
+Consumes TRAJECTORIES durably and scores each trajectory with the configured judge
+(`judge/build.py`), up to `judge.max_concurrency` at once: it keeps fetching while
+judgements run. Each judgement has `judge.deadline_s`. The result is published, and only then
+the trajectory acknowledged:
+
+- a `Sample` on SAMPLES (with the judge's `details`), referring to the trajectory by its
+  sequence in TRAJECTORIES instead of carrying its tokens again, or
+- an `Unscored` on UNSCORED with the reason, when the judge cannot score it (`Unscorable`),
+  ran past the deadline, or failed unexpectedly (`judge error`, logged with its traceback).
+  Never a silent zero.
+
+Both records carry the trajectory's id, so a re-publish after a crash is dropped as a
+duplicate. If publishing fails (the bus is away), the trajectory is negatively acknowledged and
+judged again on redelivery: nothing is lost, and one judgement failing never stops the loop.
+The consumer's ack wait is short (`bus.ack_wait_s`), so a judge that dies has its trajectories
+redelivered to the next one promptly; the ones being judged are kept from redelivery meanwhile
+(`bus/keepalive.py`). Other loops never wait on this one: it only consumes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections import Counter
+from typing import Any
+
+from flywheel.bus import (
+    SAMPLE_SUBJECT,
+    TRAJECTORY_SUBJECT,
+    UNSCORED_SUBJECT,
+    Delivery,
+    Sample,
+    Trajectory,
+    Unscored,
+    addresses,
+)
+from flywheel.bus.addresses import read_address
+from flywheel.bus.consumer_loop import ConsumerLoop
+from flywheel.config import FlywheelConfig
+from flywheel.judge.base import Unscorable, Verdict
+from flywheel.judge.build import build_judge
+from flywheel.judge.teacher import Teacher, Teaching, hints_of
+from flywheel.runtime import cancel_and_wait
+
+log = logging.getLogger(__name__)
+
+REDELIVERY_DELAY_S = 1.0
+"""Pause before a trajectory whose result could not be published is delivered again."""
+
+
+class JudgeLoop(ConsumerLoop):
+    name = "judge"
+    subjects = TRAJECTORY_SUBJECT
+
+    def __init__(self, config: FlywheelConfig, bus_url: str, durable: str = "judge"):
+        super().__init__(config, bus_url, durable)
+        self.judge = build_judge(config)
+        self.scored = 0
+        self.unscored: Counter[str] = Counter()
+        """Unscored trajectories by reason category (`no reward`, `no valid vote`, `deadline`, ...)."""
+        self.publish_failures = 0
+        self._in_flight: dict[asyncio.Task, Delivery] = {}
+        self.teacher: Teacher | None = None
+
+    async def prepare(self) -> None:
+        await self.judge.start()
+        self.teacher = self._teacher()
+
+    def _teacher(self) -> Teacher | None:
+        """The hint teacher on the judge's own server (`judge.teacher`); None when it is off or
+        there is no server (then samples carry no teacher log-probs, said once in the log)."""
+        if not self.config.judge.teaches():
+            return None
+        try:
+            url = read_address(self.config.run_dir, addresses.JUDGE)
+        except FileNotFoundError:
+            log.warning("judge.teacher is on but no judge server wrote %s: no hint distillation", addresses.JUDGE)
+            return None
+        keys = self.config.serve.api_keys
+        return Teacher(self.config.judge.teacher, url, keys[0] if keys else None)
+
+    def held(self) -> list[Delivery]:
+        return list(self._in_flight.values())
+
+    async def step(self) -> None:
+        room = self.config.judge.max_concurrency - len(self._in_flight)
+        if room <= 0:
+            await asyncio.wait(list(self._in_flight), return_when=asyncio.FIRST_COMPLETED)
+            return
+        for delivery in await self.consumer.fetch(batch=room, timeout_s=0.5):
+            task = asyncio.create_task(self._handle(delivery), name=f"judge {delivery.record.id}")
+            self._in_flight[task] = delivery
+            task.add_done_callback(lambda done: self._in_flight.pop(done, None))
+
+    async def _handle(self, delivery: Delivery) -> None:
+        trajectory = delivery.record
+        assert isinstance(trajectory, Trajectory)
+        unscorable: Unscorable | None = None
+        try:
+            record: Sample | Unscored = await self._score(trajectory, delivery.stream_seq)
+        except Unscorable as error:
+            unscorable = error
+            record = Unscored(id=trajectory.id, trajectory=trajectory, judge=self.judge.name, reason=error.reason)
+        try:
+            await self.bus.publish(UNSCORED_SUBJECT if unscorable else SAMPLE_SUBJECT, record)
+            await delivery.ack()
+        except Exception:
+            self.publish_failures += 1
+            log.exception("could not publish the judgement of %s; it will be redelivered", trajectory.id)
+            with contextlib.suppress(Exception):
+                await delivery.nak(delay_s=REDELIVERY_DELAY_S)
+            return
+        if unscorable is None:
+            self.scored += 1
+        else:
+            self.unscored[unscorable.category] += 1
+            log.warning("trajectory %s unscored by the %s judge: %s", trajectory.id, self.judge.name, unscorable.reason)
+
+    async def _score(self, trajectory: Trajectory, stream_seq: int) -> Sample:
+        """The sample for `trajectory` (referring to it by its sequence in the TRAJECTORIES
+        stream); `Unscorable` for whatever keeps it from being scored."""
+        deadline_s = self.config.judge.deadline_s
+        try:
+            async with asyncio.timeout(deadline_s) as deadline:
+                verdict: Verdict = await self.judge.score(trajectory)
+            verdict.check(trajectory)
+        except Unscorable:
+            raise
+        except TimeoutError as error:
+            if not deadline.expired():
+                raise Unscorable("judge error", f"TimeoutError: {error}") from error
+            raise Unscorable("deadline", f"not judged within {deadline_s:g}s") from None
+        except Exception as error:
+            log.exception("the %s judge failed on %s", self.judge.name, trajectory.id)
+            raise Unscorable("judge error", f"{type(error).__name__}: {error}") from error
+        return Sample(
+            id=trajectory.id, trajectory_seq=stream_seq, reward=verdict.reward, turn_rewards=verdict.turn_rewards,
+            judge=self.judge.name, details=verdict.details, judge_model=self.judge.identity,
+            **(await self._teach(trajectory, verdict)).sample_fields(),
+        )
+
+    async def _teach(self, trajectory: Trajectory, verdict: Verdict) -> Teaching:
+        """What the teacher said of the turns that got a hint (judge/teacher.py); nothing when
+        there is no teacher, no hint, or the teacher failed (the sample goes without)."""
+        if self.teacher is None:
+            return Teaching()
+        hints = hints_of(trajectory, verdict.details)
+        if not hints:
+            return Teaching()
+        try:
+            return await self.teacher.teach(trajectory, hints)
+        except Exception:
+            log.exception("the teacher failed on %s; the sample goes without it", trajectory.id)
+            return Teaching()
+
+    async def finish(self) -> None:
+        """Abandon judgements in flight (unacknowledged: `stop` hands them back for redelivery)."""
+        await cancel_and_wait(list(self._in_flight))
+        await self.judge.close()
+        if self.teacher is not None:
+            await self.teacher.close()
+
+    def stats(self) -> dict[str, Any]:
+        return {
+            "scored": self.scored,
+            "unscored": sum(self.unscored.values()),
+            "unscored_by_reason": dict(self.unscored),
+            "in_flight": len(self._in_flight),
+            "publish_failures": self.publish_failures,
+            "malformed": self.consumer.malformed,
+            "judge": self.judge.stats(),
+            "teacher": self.teacher.counts if self.teacher else None,
+        }

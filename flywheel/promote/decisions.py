@@ -1,0 +1,114 @@
+"""The promotion loop's changes to the registry: who serves, and what the trainer continues from.
+
+Every change goes through here, under one lock (the promoter is the registry's single writer,
+but its gate, canary and command tasks run side by side), and every version's state moves only
+through `flywheel.promote.states.move`, so each change is recorded with its reason and its decider.
+Routing is written after the versions' states, so a gateway never follows a routing whose
+versions the registry does not show in those states for long (a crash in between is repaired
+at the next start: `repair`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+
+from flywheel.config import FlywheelConfig
+from flywheel.promote.evidence import new_operations
+from flywheel.promote.states import move
+from flywheel.versions.records import (
+    Arm,
+    Routing,
+    TrainerDirective,
+    VersionEntry,
+    last_good,
+)
+from flywheel.versions.registry import Registry
+
+
+def arm(entry: VersionEntry) -> Arm:
+    return Arm(version=entry.version, path=entry.path)
+
+
+class Decisions:
+    def __init__(self, registry: Registry, config: FlywheelConfig):
+        self.registry = registry
+        self.config = config
+        self.lock = asyncio.Lock()
+
+    async def routing(self) -> Routing:
+        routing = await self.registry.routing()
+        assert routing is not None, "the promoter writes a routing at its first start"
+        return routing
+
+    async def entry(self, version: int) -> VersionEntry:
+        entry = await self.registry.get(version)
+        if entry is None:
+            raise LookupError(f"no version {version} in the registry")
+        return entry
+
+    async def set_routing(self, routing: Routing, reason: str, **changes) -> None:
+        fields = {"serving": routing.serving, "canary": routing.canary, "canary_share": routing.canary_share,
+                  "pinned": routing.pinned, **changes}
+        if fields["canary"] is None:
+            fields["canary_share"] = 0.0
+        await self.registry.set_routing(Routing(id=f"routing-{uuid.uuid4().hex[:12]}", reason=reason, **fields))
+
+    async def serve(self, entry: VersionEntry, reason: str, by: str) -> None:
+        """`entry` serves everyone; the version serving before retires (a canary other than
+        `entry` retires too: it was not chosen)."""
+        routing = await self.routing()
+        for old in {routing.serving.version, *([routing.canary.version] if routing.canary else [])} - {entry.version}:
+            previous = await self.entry(old)
+            if previous.state in ("serving", "canary"):
+                await self.registry.put(move(previous, "retired", f"v{entry.version} serves instead", by))
+        await self.registry.put(move(entry, "serving", reason, by))
+        await self.set_routing(routing, reason, serving=arm(entry), canary=None)
+
+    async def start_canary(self, entry: VersionEntry, reason: str) -> None:
+        routing = await self.routing()
+        share = self.config.promotion.canary.share
+        entry.canary = {"started": time.time(), "share": share, "serving": routing.serving.version,
+                        "canary_arm": {"n": 0, "mean": 0.0, "m2": 0.0}, "serving_arm": {"n": 0, "mean": 0.0, "m2": 0.0},
+                        "applied_seq": 0, "canary_ops": new_operations(), "serving_ops": new_operations(),
+                        "applied_turn_seq": 0, "decision": None}
+        await self.registry.put(move(entry, "canary", reason, "gate"))
+        await self.set_routing(routing, f"v{entry.version} is canary for {share:.0%} of new sessions",
+                               canary=arm(entry), canary_share=share)
+
+    async def reject(self, entry: VersionEntry, state: str, reason: str, by: str) -> None:
+        """`entry` is rejected (never served) or rolled back; serving goes back to the last good
+        version if it was `entry`, and the trainer is told what to continue from."""
+        routing = await self.routing()
+        await self.registry.put(move(entry, state, reason, by))  # type: ignore[arg-type]
+        serving = await self.entry(routing.serving.version)
+        if routing.serving.version == entry.version:
+            back = last_good(await self.registry.versions(), besides=entry.version) or await self.entry(0)
+            await self.registry.put(move(back, "serving", f"v{entry.version} was {state.replace('_', ' ')}", by))
+            serving = back
+            await self.set_routing(routing, reason, serving=arm(back), canary=None)
+        elif routing.canary is not None and routing.canary.version == entry.version:
+            await self.set_routing(routing, reason, canary=None)
+        await self.direct_trainer(serving, entry.version, f"v{entry.version} {state.replace('_', ' ')}: {reason}")
+
+    async def direct_trainer(self, good: VersionEntry, rejected: int, reason: str) -> None:
+        """Tell the trainer to continue from `good`, `rejected` having been found worse
+        (`promotion.continue_from: last_good`)."""
+        if self.config.promotion.continue_from != "last_good":
+            return
+        await self.registry.set_directive(TrainerDirective(
+            id=f"directive-{uuid.uuid4().hex[:12]}", version=good.version, path=good.path, abandon_after=good.version,
+            reason=reason, rejected=rejected))
+
+    async def repair(self) -> None:
+        """After a restart: an evaluation cut short goes back to candidate; the routing names the
+        versions the registry has serving and on canary."""
+        routing = await self.routing()
+        for entry in await self.registry.versions():
+            if entry.state == "evaluating":
+                await self.registry.put(move(entry, "candidate", "the promoter restarted during its evaluation", "promoter"))
+            if entry.state == "canary" and (routing.canary is None or routing.canary.version != entry.version):
+                await self.set_routing(routing, "restored after a restart", canary=arm(entry),
+                                       canary_share=(entry.canary or {}).get("share", self.config.promotion.canary.share))
+                routing = await self.routing()

@@ -1,0 +1,366 @@
+"""The promotion loop: weight announcements in, promotions out (`promotion.mode` gate or canary).
+
+A fifth loop beside serve, collect, judge and train, which it never imports: it reads the bus
+(WEIGHTS, SAMPLES, operators' VERSION_COMMANDS) and writes the version registry
+(`versions/registry.py`), the only writer of it. Gateways follow the registry's routing, the trainer
+its directive; the four loops run as before.
+
+- Each announced version is registered as a candidate, with its lineage; one that descends from
+  a rejected or rolled-back version (trained before the trainer heard) is rejected (`lineage`).
+- The newest candidate is evaluated (`promote/gate.py`) against the serving version; older
+  candidates retire unevaluated (superseded). Nothing is evaluated while a canary runs or while
+  an operator has pinned the serving version, nor while a traffic suite has too few recorded
+  prompts (the candidate's entry says why: `waiting`; looked at again as turns are recorded).
+- Passed: mode `gate` serves it; mode `canary` gives it `promotion.canary.share` of new sessions
+  until the sequential test (`promote/sequential.py`) on the arms' judged sessions promotes it
+  or rolls it back (`promotion.canary.max_minutes`: rolled back if still undecided then).
+- Rejected or rolled back: the trainer is told to continue from the serving version
+  (`promotion.continue_from`).
+- Operators' commands (`flywheel versions`, the gateway's admin routes) are carried out
+  in order, and each one's result is written back (`CommandResult`).
+
+Everything it decides is in the registry before the bus messages that caused it are
+acknowledged, so a promoter killed at any point comes back to the same registry and decision.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from typing import Any
+
+from flywheel.bus import (
+    SAMPLE_SUBJECT,
+    TURN_SUBJECT,
+    WEIGHTS_SUBJECT,
+    Bus,
+    Turn,
+    WeightUpdate,
+)
+from flywheel.bus.streams import COMMANDS_SUBJECT
+from flywheel.config import ConfigError, FlywheelConfig
+from flywheel.models import load_model
+from flywheel.promote.decisions import Decisions
+from flywheel.promote.evidence import (
+    add_online,
+    add_turn,
+    by_version,
+    operations_verdict,
+    turn_version,
+)
+from flywheel.promote.gate import EvalServer, Gate
+from flywheel.promote.sequential import SequentialTest
+from flywheel.promote.states import IllegalTransition, move
+from flywheel.running_stats import RunningStats
+from flywheel.runtime import cancel_and_wait, repeat
+from flywheel.versions.records import (
+    FOUND_WORSE,
+    Arm,
+    CommandResult,
+    Routing,
+    Transition,
+    VersionCommand,
+    VersionEntry,
+    last_good,
+)
+from flywheel.versions.registry import Registry
+
+log = logging.getLogger(__name__)
+RETRY_S = 10.0
+LOOK_AGAIN_S = 2.0
+"""A gate waiting for recorded prompts looks again once turns have come, at most this often."""
+
+
+class PromoteLoop:
+    def __init__(self, config: FlywheelConfig, bus_url: str):
+        self.config = config
+        self.bus_url = bus_url
+        self.counts = {"registered": 0, "evaluated": 0, "rejected": 0, "promoted": 0, "rolled_back": 0, "commands": 0}
+        self._wake = asyncio.Event()
+        self._waiting_since: float | None = None
+        """When the gate last found a traffic suite short of recorded prompts (None: not waiting)."""
+        self._turns_since = 0
+        self._tasks: list[asyncio.Task] = []
+        p = config.promotion.canary
+        self.test = SequentialTest(p.delta, p.alpha, p.beta, p.min_sessions, p.max_sessions, p.variance_floor)
+
+    async def start(self) -> None:
+        url = self.config.promotion.eval_url
+        if not self.config.promotion.enabled or not url:
+            raise ConfigError("promotion.eval_url: the promotion loop needs promotion.mode on and an evaluation server "
+                              "(deploy starts one and sets it; by hand: flywheel serve serve.role=eval)")
+        self.bus = await Bus.connect(self.bus_url, name="promote", replicas=self.config.bus.replicas)
+        self.registry = await Registry.open(self.bus)
+        self.decisions = Decisions(self.registry, self.config)
+        async with self.decisions.lock:
+            await self._first_start()
+            await self.decisions.repair()
+        _, tokenizer = await asyncio.to_thread(load_model, self.config.model)
+        self.gate = Gate(self.config, tokenizer, EvalServer(url, next(iter(self.config.serve.api_keys), None),
+                                                            self.config.promotion.gate.timeout_s), self.bus)
+        self.samples = self.bus.consumer(SAMPLE_SUBJECT, "promote", ack_wait_s=self.config.bus.ack_wait_s)
+        self.turns = self.bus.consumer(TURN_SUBJECT, "promote-turns", ack_wait_s=self.config.bus.ack_wait_s)
+        self.commands = self.bus.consumer(COMMANDS_SUBJECT, "promote-commands")
+        self._tasks = [asyncio.create_task(repeat(fn, f"promote.{name}"), name=name) for name, fn in (
+            ("weights", self._follow_weights), ("evaluate", self._evaluate_forever), ("evidence", self._evidence),
+            ("operations", self._operations), ("commands", self._commands))]
+        self._wake.set()
+
+    async def _first_start(self) -> None:
+        """Version 0 (the weights serving started with) serves, unless the registry says otherwise."""
+        if await self.registry.get(0) is None:
+            await self.registry.put(VersionEntry(id="v0", version=0, path=None, state="serving", transitions=[
+                Transition(state="serving", reason="the weights serving started with", by="promoter")]))
+        if await self.registry.routing() is None:
+            await self.registry.set_routing(Routing(id="routing-initial", serving=Arm(version=0, path=None),
+                                                    reason="the weights serving started with"))
+
+    async def _follow_weights(self) -> None:
+        async for update in self.bus.follow(WEIGHTS_SUBJECT, from_first=True):  # registered once each
+            assert isinstance(update, WeightUpdate)
+            async with self.decisions.lock:
+                await self._register(update)
+            self._wake.set()
+
+    async def _register(self, update: WeightUpdate) -> None:
+        if await self.registry.get(update.version) is not None:
+            return  # announced again (a restarted trainer), or seen before this promoter restarted
+        entry = VersionEntry(id=f"v{update.version}", version=update.version, path=update.path, parent=update.parent,
+                             step=update.step, trained_on=update.trained_on, config=update.config, metrics=update.metrics,
+                             transitions=[Transition(state="candidate", reason="announced by the trainer", by="trainer")])
+        self.counts["registered"] += 1
+        await self.registry.put(await self._lineage_checked(entry))
+
+    async def _lineage_checked(self, entry: VersionEntry) -> VersionEntry:
+        """`entry`, rejected (`lineage`) if it descends from a version that was rejected or rolled
+        back. Checked when it is announced, and again before and after its evaluation: its parent
+        may be rejected after it was announced (the trainer trains on while a candidate is
+        evaluated), and a version that served from such a line was one the trainer abandoned."""
+        parent = await self.registry.get(entry.parent) if entry.parent is not None else None
+        while parent is not None and not parent.served and parent.state == "retired" and parent.parent is not None:
+            parent = await self.registry.get(parent.parent)  # superseded ancestors say nothing; look further up
+        if parent is None or parent.state not in FOUND_WORSE:
+            return entry
+        self.counts["rejected"] += 1
+        return move(entry, "rejected", f"descends from v{parent.version}, which was {parent.state.replace('_', ' ')}", "lineage")
+
+    async def _newest_candidate(self) -> VersionEntry | None:
+        """Under the lock: the newest candidate (older ones retire), unless nothing may be evaluated now."""
+        routing = await self.decisions.routing()
+        if routing.pinned or routing.canary is not None:
+            return None
+        candidates = sorted((e for e in await self.registry.versions() if e.state == "candidate"), key=lambda e: e.version)
+        if not candidates:
+            return None
+        newest = candidates[-1]
+        for older in candidates[:-1]:
+            await self.registry.put(move(older, "retired", f"superseded by v{newest.version} before evaluation", "promoter"))
+        return newest
+
+    async def _begin(self, version: int, waiting: str | None) -> tuple[VersionEntry, VersionEntry] | None:
+        """Under the lock: the candidate moved to evaluating, and the serving version; None when it
+        is no longer to be evaluated, or when the gate is `waiting` (the reason kept in its entry's
+        `waiting`)."""
+        entry, routing = await self.decisions.entry(version), await self.decisions.routing()
+        if entry.state != "candidate" or routing.pinned or routing.canary is not None:
+            return None
+        if (entry := await self._lineage_checked(entry)).state == "rejected":
+            await self.registry.put(entry)
+            return None
+        if waiting is not None:
+            if entry.waiting != waiting:
+                log.info("v%d waits: %s", version, waiting)
+                entry.waiting = waiting
+                await self.registry.put(entry)
+            return None
+        entry = move(entry, "evaluating", f"compared with the serving v{routing.serving.version}", "promoter")
+        await self.registry.put(entry)
+        return entry, await self.decisions.entry(routing.serving.version)
+
+    async def _evaluate_forever(self) -> None:
+        while True:
+            await self._wake.wait()
+            self._wake.clear()
+            while True:
+                async with self.decisions.lock:
+                    newest = await self._newest_candidate()
+                if newest is None:
+                    break
+                waiting = await self.gate.prepare()  # reads recorded traffic: outside the lock
+                async with self.decisions.lock:
+                    work = await self._begin(newest.version, waiting)
+                if waiting is not None:  # a traffic suite short of recorded prompts: `_operations` wakes it when turns come
+                    self._waiting_since, self._turns_since = time.monotonic(), 0
+                if work is None:
+                    break
+                await self._evaluate(*work)
+
+    async def _evaluate(self, candidate: VersionEntry, serving: VersionEntry) -> None:
+        try:
+            report = await asyncio.wait_for(self.gate.evaluate(candidate, serving), self.config.promotion.gate.timeout_s)
+        except Exception as exc:  # the evaluation server away, a timeout: try again later
+            log.warning("evaluation of v%d failed (%s); retrying in %.0f s", candidate.version, exc, RETRY_S)
+            async with self.decisions.lock:
+                entry = await self.decisions.entry(candidate.version)
+                if entry.state == "evaluating":
+                    await self.registry.put(move(entry, "candidate", f"evaluation failed: {exc}", "promoter"))
+            await asyncio.sleep(RETRY_S)
+            self._wake.set()
+            return
+        self.counts["evaluated"] += 1
+        async with self.decisions.lock:
+            entry = await self.decisions.entry(candidate.version)
+            if entry.state != "evaluating":
+                return  # an operator decided meanwhile
+            entry.gate = report
+            if (entry := await self._lineage_checked(entry)).state == "rejected":
+                await self.registry.put(entry)
+                return
+            said = f"gate against v{serving.version}"
+            if not report["passed"]:
+                self.counts["rejected"] += 1
+                await self.decisions.reject(entry, "rejected", f"{said}: " + "; ".join(report["reasons"]), "gate")
+            elif self.config.promotion.mode == "canary":
+                await self.decisions.start_canary(entry, f"{said}: passed")
+            else:
+                self.counts["promoted"] += 1
+                await self.decisions.serve(entry, f"{said}: passed", "gate")
+
+    async def _evidence(self) -> None:
+        deliveries = await self.samples.fetch(batch=256, timeout_s=1.0)
+        if deliveries:
+            found = await asyncio.gather(*(self.bus.resolve(d.record) for d in deliveries), return_exceptions=True)
+            usable = [d for d, ok in zip(deliveries, found) if ok is True]
+            async with self.decisions.lock:
+                await self._apply(by_version(usable))
+            for delivery in deliveries:
+                with contextlib.suppress(Exception):
+                    await delivery.ack()
+        async with self.decisions.lock:
+            await self._decide_canary()
+
+    async def _apply(self, rewards: dict[int, list[tuple[int, float]]]) -> None:
+        routing = await self.decisions.routing()
+        for version, seen in rewards.items():
+            entry = await self.registry.get(version)
+            if entry is None:
+                continue
+            arms = {routing.canary.version: "canary_arm", routing.serving.version: "serving_arm"} if routing.canary else {}
+            if version in arms:  # while a canary runs, both arms' state lives in the canary's entry
+                holder = entry if version == routing.canary.version else await self.decisions.entry(routing.canary.version)
+                state = holder.canary
+                stats = RunningStats.from_dict(state[arms[version]])
+                fresh = [(seq, r) for seq, r in seen if seq > state["applied_seq"]]
+                for _, reward in fresh:
+                    stats.add(reward)
+                state[arms[version]] = stats.as_dict()
+                state["applied_seq"] = max([state["applied_seq"], *(seq for seq, _ in fresh)])
+                if holder is not entry:
+                    await self.registry.put(holder)
+                    entry = await self.decisions.entry(version)
+            add_online(entry, [r for _, r in seen])
+            await self.registry.put(entry)
+
+    async def _operations(self) -> None:
+        deliveries = await self.turns.fetch(batch=256, timeout_s=1.0)
+        self._turns_since += len(deliveries)
+        if self._waiting_since is not None and self._turns_since and time.monotonic() - self._waiting_since >= LOOK_AGAIN_S:
+            self._waiting_since = None  # the gate waits for recorded prompts, and turns were recorded since it looked
+            self._wake.set()
+        async with self.decisions.lock:
+            routing = await self.decisions.routing()
+            if routing.canary is not None and deliveries:
+                entry = await self.decisions.entry(routing.canary.version)
+                state = entry.canary
+                arms = {routing.canary.version: "canary_ops", routing.serving.version: "serving_ops"}
+                for delivery in deliveries:
+                    turn = delivery.record
+                    if isinstance(turn, Turn) and turn_version(turn) in arms and delivery.stream_seq > state["applied_turn_seq"]:
+                        add_turn(state[arms[turn_version(turn)]], turn)
+                        state["applied_turn_seq"] = delivery.stream_seq
+                await self.registry.put(entry)
+        for delivery in deliveries:
+            with contextlib.suppress(Exception):
+                await delivery.ack()
+
+    async def _decide_canary(self) -> None:
+        routing = await self.decisions.routing()
+        if routing.canary is None:
+            return
+        entry = await self.decisions.entry(routing.canary.version)
+        state = entry.canary or {}
+        decision = self.test.decide(RunningStats.from_dict(state["canary_arm"]), RunningStats.from_dict(state["serving_arm"]))
+        state["decision"] = decision.reason
+        limit = self.config.promotion.canary.max_minutes
+        operations = operations_verdict(state["canary_ops"], state["serving_ops"], self.config.promotion.canary)
+        if operations is not None:
+            decision_reason, verdict = operations, "rollback"
+        elif decision.verdict is None and limit is not None and time.time() - state["started"] > limit * 60:
+            decision_reason, verdict = f"{decision.reason}; still undecided after {limit} minutes", "rollback"
+        else:
+            decision_reason, verdict = decision.reason, decision.verdict
+        if verdict == "promote":
+            self.counts["promoted"] += 1
+            await self.decisions.serve(entry, decision_reason, "canary")
+            self._wake.set()
+        elif verdict == "rollback":
+            self.counts["rolled_back"] += 1
+            await self.decisions.reject(entry, "rolled_back", decision_reason, "canary")
+            self._wake.set()
+        else:
+            await self.registry.put(entry)
+
+    async def _commands(self) -> None:
+        for delivery in await self.commands.fetch(batch=16, timeout_s=1.0):
+            command: VersionCommand = delivery.record  # type: ignore[assignment]
+            async with self.decisions.lock:
+                if await self.registry.result(command.id) is None:  # not carried out before a restart
+                    try:
+                        message = await self._carry_out(command)
+                        result = CommandResult(id=command.id, ok=True, message=message)
+                    except (LookupError, IllegalTransition, ValueError) as exc:
+                        result = CommandResult(id=command.id, ok=False, message=str(exc))
+                    await self.registry.set_result(result)
+                    self.counts["commands"] += 1
+            await delivery.ack()
+            self._wake.set()
+
+    async def _carry_out(self, command: VersionCommand) -> str:
+        routing = await self.decisions.routing()
+        said = f"{command.operator}: {command.reason or command.kind}"
+        if command.kind == "unpin":
+            await self.decisions.set_routing(routing, said, pinned=False)
+            return "unpinned: candidates are evaluated again"
+        if command.kind == "rollback":
+            if command.version is None and routing.canary is not None:
+                await self.decisions.reject(await self.decisions.entry(routing.canary.version), "rolled_back", said, "operator")
+                return f"canary v{routing.canary.version} rolled back"
+            current = await self.decisions.entry(routing.serving.version)
+            target = (await self.decisions.entry(command.version) if command.version is not None
+                      else last_good(await self.registry.versions(), besides=current.version))
+            if target is None:
+                raise LookupError(f"no version served before v{current.version}: nothing to roll back to")
+            await self.registry.put(move(current, "rolled_back", said, "operator"))
+            await self.decisions.serve(await self.decisions.entry(target.version), said, "operator")
+            await self.decisions.direct_trainer(target, current.version, f"v{current.version} rolled back by {command.operator}")
+            return f"v{current.version} rolled back; v{target.version} serves"
+        if command.version is None:
+            raise ValueError(f"{command.kind} needs a version")
+        entry = await self.decisions.entry(command.version)
+        if entry.state != "serving":
+            await self.decisions.serve(entry, said, "operator")
+        if command.kind == "pin":
+            await self.decisions.set_routing(await self.decisions.routing(), said, pinned=True)
+            return f"v{entry.version} serves, pinned"
+        return f"v{entry.version} serves"
+
+    async def stop(self) -> None:
+        await cancel_and_wait(self._tasks)
+        if hasattr(self, "gate"):
+            await self.gate.close()
+        await self.bus.close()
+
+    def stats(self) -> dict[str, Any]:
+        return dict(self.counts)

@@ -1,0 +1,98 @@
+"""Which session a request belongs to, and the session signals clients send.
+
+Session id: the `X-Session-Id` header, else `metadata.session_id`, else the client's own
+conversation id where its API has one (a Responses chain, Codex CLI's `session-id` header, Claude
+Code's `x-claude-code-session-id`: see the README's table), else `user`; a request with none of
+these is a one-turn session of its own (still recorded and trainable: an unpatched
+client must never silently produce nothing). `X-Turn-Type: side` marks turns that are served but
+not trained; `X-Session-Done: true` ends the session with this turn; `X-Task-Id` (or
+`metadata.task_id`) groups sessions of one task, e.g. the samples of one prompt, and
+`X-Group-Size` says how many sessions that group has in all, so the trainer knows when it is
+whole.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import msgspec
+from pydantic import Field, field_validator, model_validator
+
+from flywheel.serve.api.chat import INT64_MAX
+from flywheel.serve.api.errors import APIError
+from flywheel.serve.api.validation import Body
+
+_TRUE = {"1", "true", "yes"}
+_FALSE = {"0", "false", "no", ""}
+
+
+@dataclass(frozen=True)
+class SessionInfo:
+    session_id: str
+    turn_type: str
+    task_id: str | None
+    group_size: int | None
+    """`X-Group-Size`: how many sessions the task group has in all (None: not said)."""
+    done: bool
+    anonymous: bool
+    """No session id was given: a one-turn session of its own."""
+
+
+def session_of(headers: Mapping[str, str], metadata: dict[str, str] | None, user: str | None,
+               conversation: str | None = None) -> SessionInfo:
+    metadata = metadata or {}
+    session_id = headers.get("x-session-id") or metadata.get("session_id") or conversation or user
+    anonymous = not session_id
+    turn_type = headers.get("x-turn-type", "main").strip().lower()
+    if turn_type not in ("main", "side"):
+        raise APIError(400, "X-Turn-Type must be 'main' or 'side'", param="X-Turn-Type")
+    done_header = headers.get("x-session-done", "").strip().lower()
+    if done_header not in _TRUE | _FALSE:
+        raise APIError(400, "X-Session-Done must be 'true' or 'false'", param="X-Session-Done")
+    size_header = headers.get("x-group-size", "").strip()
+    if size_header and not (size_header.isdigit() and 1 <= int(size_header) <= 1_000_000):
+        raise APIError(400, "X-Group-Size must be a whole number from 1 to 1000000", param="X-Group-Size")
+    return SessionInfo(
+        session_id=session_id or f"anon-{uuid.uuid4().hex}",
+        turn_type=turn_type,
+        task_id=headers.get("x-task-id") or metadata.get("task_id"),
+        group_size=int(size_header) if size_header else None,
+        done=anonymous or done_header in _TRUE,
+        anonymous=anonymous,
+    )
+
+
+class FeedbackRequest(Body):
+    """Body of `POST /v1/sessions/{id}/feedback` (strict, and valid Unicode throughout)."""
+
+    reward: float | None = Field(None, allow_inf_nan=False)
+    interaction_id: str | None = Field(None, min_length=1, max_length=256)
+    """The turn the feedback is about, by the id its answer carried in `X-Interaction-Id`."""
+    turn_index: int | None = Field(None, ge=0, le=INT64_MAX)
+    """The turn of the session's first conversation with this many assistant messages before it
+    (a shorthand for a plain chat); without either, the feedback is about the whole session."""
+    text: str | None = None
+    source: str = Field("user", min_length=1, max_length=64)
+    details: dict[str, Any] | None = None
+    """Structured facts behind the verdict (e.g. an environment's per-test outcomes), kept on
+    the trajectory for judges and analysis."""
+
+    @field_validator("details")
+    @classmethod
+    def _recordable(cls, details: dict[str, Any] | None) -> dict[str, Any] | None:
+        try:  # the bus carries MessagePack, whose integers are 64-bit
+            msgspec.msgpack.encode(details)
+        except OverflowError:
+            raise ValueError("details holds an integer outside the 64-bit range; send it as a string") from None
+        return details
+
+    @model_validator(mode="after")
+    def _says_something(self) -> "FeedbackRequest":
+        if self.reward is None and not self.text:
+            raise ValueError("feedback needs a reward or a text")
+        if self.interaction_id is not None and self.turn_index is not None:
+            raise ValueError("name the turn by interaction_id or by turn_index, not both")
+        return self

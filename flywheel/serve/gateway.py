@@ -1,0 +1,162 @@
+"""The HTTP gateway: OpenAI's chat and text completions and Responses, Anthropic's Messages,
+models, session signals.
+
+This module assembles the app (operations middleware, metrics, routes); the routes are thin.
+A request's prompt is built once (`serve/prompts.py`: the chat template rendered and tokenized,
+continuing the session's exact ids); `serve/answerer.py` checks it against the model and its
+limits and runs the `Generation` (`serve/in_flight.py`) on the engine the session routes to,
+through SGLang's native protocol (`serve/backends/`). The prompt ids, and the output ids,
+logprobs and weight versions the engine returns, are what each recorded `Turn` carries.
+Feedback and explicit session ends become `SessionEvent`s, answered once durable.
+"""
+
+from __future__ import annotations
+
+import uuid
+from typing import Any
+
+from fastapi import FastAPI, Request, Response
+
+from flywheel.bus import SESSION_EVENT_SUBJECT, SessionEvent
+from flywheel.config.schema import ServeConfig
+from flywheel.serve.answerer import Answerer
+from flywheel.serve.api.chat import ChatCompletionRequest, CompletionRequest
+from flywheel.serve.api.errors import APIError, install_error_handlers, translated
+from flywheel.serve.api.messages import CountTokensRequest, MessagesRequest
+from flywheel.serve.api.messages_wire import MessagesWire
+from flywheel.serve.api.responses import ResponsesRequest
+from flywheel.serve.api.responses_wire import ResponseStore, ResponsesWire
+from flywheel.serve.api.sessions import FeedbackRequest, session_of
+from flywheel.serve.backends.pool import EnginePool
+from flywheel.serve.continuation import SessionContinuations
+from flywheel.serve.ops.auth import install_auth
+from flywheel.serve.ops.limits import ConcurrencyLimiter, install_body_limit
+from flywheel.serve.ops.metrics import (
+    ServeMetrics,
+    install_metrics_route,
+    install_request_metrics,
+)
+from flywheel.serve.prompts import PromptBuilder
+from flywheel.serve.recorder import Recorder, RecordLost
+from flywheel.serve.scoring_server import install_scoring_routes
+
+
+def create_gateway(pool: EnginePool, tokenizer: Any, recorder: Recorder, model_name: str, config: ServeConfig,
+                   context_length: int, metrics: ServeMetrics) -> FastAPI:
+    """The gateway app. Operations: API keys and the admin key (`serve.api_keys`,
+    `serve.admin_key`), a body size limit (413), a concurrency limit with a bounded queue
+    (429 with Retry-After), a per-request timeout (504), Prometheus metrics on `/metrics`."""
+    app = FastAPI(title="Flywheel gateway", docs_url=None, redoc_url=None)
+    install_error_handlers(app)
+    install_metrics_route(app, metrics)
+    install_body_limit(app, config.max_body_bytes)
+    install_auth(app, config.api_keys, config.admin_key)
+    install_request_metrics(app, metrics)
+    continuations = SessionContinuations(tokenizer, config.continue_sessions)
+    prompts = PromptBuilder(tokenizer, continuations, config.tool_format)
+    stored_responses = ResponseStore(config.stored_responses)
+    limiter = ConcurrencyLimiter(config.max_concurrent_requests, config.max_queued_requests, config.retry_after_s)
+    answerer = Answerer(pool, tokenizer, recorder, model_name, config, context_length, metrics, continuations, limiter)
+    stats = app.state.stats = answerer.stats
+    app.state.limiter = limiter
+    app.state.prompts = prompts  # closed by the serve loop once the server has stopped
+    metrics.on_scrape(lambda m: m.admission(limiter.active, limiter.waiting, limiter.rejected))
+    metrics.on_scrape(lambda m: m.recorder(recorder.published, recorder.dropped, recorder.spilled, recorder.pending))
+    metrics.on_scrape(lambda m: m.weight_versions({engine.name: engine.weight_version for engine in pool.engines}))
+
+    @app.get("/health")
+    async def health() -> dict[str, Any]:
+        return {"status": "ok", "weight_version": pool.weight_version}
+
+    @app.get("/v1/models")
+    async def models() -> dict[str, Any]:
+        return {
+            "object": "list",
+            "data": [{"id": model_name, "object": "model", "created": int(stats.started_at), "owned_by": "flywheel"}],
+        }
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: ChatCompletionRequest, request: Request, response: Response) -> Any:
+        session = session_of(request.headers, body.metadata, body.user)
+        return await answerer.answer(request, response.headers, body, session, *await prompts.chat(body, session))
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, request: Request, response: Response) -> Any:
+        session = session_of(request.headers, body.metadata, body.user)
+        return await answerer.answer(request, response.headers, body, session, *await prompts.completion(body, session))
+
+    @app.post("/v1/responses")
+    async def responses(body: ResponsesRequest, request: Request, response: Response) -> Any:
+        previous = None
+        if body.previous_response_id is not None:
+            previous = stored_responses.get(body.previous_response_id)
+            if previous is None:
+                raise APIError(404, f"previous response {body.previous_response_id!r} not found (never stored, or evicted)",
+                               "previous_response_id", "previous_response_not_found")
+        response_id = f"resp_{uuid.uuid4().hex}"
+        conversation = (previous.session_id if previous else request.headers.get("session-id") or body.prompt_cache_key
+                        or (response_id if body.store else None))  # a stored response may be continued
+        session = session_of(request.headers, body.metadata, body.user, conversation)
+        history = previous.conversation if previous else []
+        chat = translated(lambda: body.to_chat(history))
+        wire = ResponsesWire(body, stored_responses, response_id, session.session_id, history)
+        return await answerer.answer(request, response.headers, chat, session, *await prompts.chat(chat, session), wire=wire)
+
+    @app.get("/v1/responses/{response_id}")
+    async def stored_response(response_id: str) -> dict[str, Any]:
+        stored = stored_responses.get(response_id)
+        if stored is None:
+            raise APIError(404, f"response {response_id!r} not found (never stored, or evicted)", "response_id", "not_found")
+        return stored.response
+
+    @app.post("/v1/messages")
+    async def messages(body: MessagesRequest, request: Request, response: Response) -> Any:
+        conversation = request.headers.get("x-claude-code-session-id") or body.session_hint()
+        session = session_of(request.headers, None, None, conversation)
+        chat = translated(body.to_chat)
+        return await answerer.answer(request, response.headers, chat, session, *await prompts.chat(chat, session),
+                                     wire=MessagesWire(body.stop_sequences))
+
+    @app.post("/v1/messages/count_tokens")
+    async def count_tokens(body: CountTokensRequest) -> dict[str, int]:
+        chat = translated(body.to_chat)
+        prompt_ids, *_ = await prompts.chat(chat, session_of({}, None, None))
+        return {"input_tokens": len(prompt_ids)}
+
+    @app.api_route("/", methods=["GET", "HEAD"], include_in_schema=False)
+    async def root() -> dict[str, str]:
+        """Claude Code probes `HEAD /` before it starts."""
+        return {"status": "ok"}
+
+    async def session_event(session_id: str, kind: str, feedback: FeedbackRequest | None = None) -> dict[str, Any]:
+        """Record a session event; answered only once it is durable (a 200 means it is kept)."""
+        event = SessionEvent(
+            id=uuid.uuid4().hex,
+            session_id=session_id,
+            kind=kind,
+            reward=feedback.reward if feedback else None,
+            turn_index=feedback.turn_index if feedback else None,
+            interaction_id=feedback.interaction_id if feedback else None,
+            text=feedback.text if feedback else None,
+            source=feedback.source if feedback else "user",
+            details=feedback.details if feedback else None,
+        )
+        try:
+            await recorder.durable(SESSION_EVENT_SUBJECT, event)
+        except RecordLost as exc:
+            raise APIError(503, f"the event could not be recorded ({exc}); send it again", code="not_recorded") from None
+        return {"id": event.id, "object": "session.event", "session_id": session_id, "kind": kind}
+
+    @app.post("/v1/sessions/{session_id}/feedback")
+    async def feedback(session_id: str, body: FeedbackRequest) -> dict[str, Any]:
+        stats.feedback += 1
+        return await session_event(session_id, "feedback", body)
+
+    @app.post("/v1/sessions/{session_id}/end")
+    async def end(session_id: str) -> dict[str, Any]:
+        return await session_event(session_id, "end")
+
+    if config.role != "policy":
+        install_scoring_routes(app, pool, prompts, model_name, loads_weights=config.role == "eval")
+    return app
+

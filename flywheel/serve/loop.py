@@ -1,0 +1,235 @@
+"""The serve loop: engines, the gateway on HTTP, turn recording, and hot swaps.
+
+The engines are one embedded engine in this process, the external ones in `serve.engine_urls`
+(SGLang, or `flywheel engine`), or vLLM servers (`serve.engine_kind: vllm`: the
+`engine_urls`, else one this loop starts and stops, serve/backends/vllm_server.py). Weight announcements are followed
+from the bus (starting with the newest one, so a restarted server comes back on the current
+policy) and rolled across the engines (`EnginePool.swap`, in `serve.swap_mode`) while the
+gateway keeps answering. Under promotion (`promotion.mode` not off) the gateway follows the
+registry's routing instead: the version that serves, and a canary's (serve/routing.py).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import gc
+import logging
+from pathlib import Path
+from typing import Any
+
+import torch
+import uvicorn
+
+from flywheel.bus import WEIGHTS_SUBJECT, Bus, WeightUpdate, addresses
+from flywheel.bus.addresses import write_address
+from flywheel.bus.streams import ROUTING_SUBJECT
+from flywheel.config import ConfigError, FlywheelConfig
+from flywheel.config.serve import ServeConfig
+from flywheel.models import load_model, load_weights, place
+from flywheel.runtime import cancel_and_wait, repeat
+from flywheel.serve.backends.in_process import InProcessEngineClient
+from flywheel.serve.backends.pool import EnginePool
+from flywheel.serve.backends.sglang import HTTPEngineClient
+from flywheel.serve.backends.vllm import VLLMEngineClient
+from flywheel.serve.backends.vllm_server import uses_vllm, vllm_engines
+from flywheel.serve.engine import Engine, torch_threads
+from flywheel.serve.gateway import create_gateway
+from flywheel.serve.ops.metrics import ServeMetrics
+from flywheel.serve.ops.version_routes import VersionBoard
+from flywheel.serve.recorder import Recorder
+from flywheel.serve.routing import RoutedPool
+from flywheel.versions.records import Arm, Routing
+from flywheel.versions.registry import Registry
+
+log = logging.getLogger(__name__)
+
+
+
+class ServeLoop:
+    def __init__(self, config: FlywheelConfig, bus_url: str):
+        self.config = config
+        self.bus_url = bus_url
+        self.url: str | None = None
+        self.swaps = 0
+        self.pauses: list[float] = []
+        self._tasks: list[asyncio.Task] = []
+
+    async def start(self) -> str:
+        """Start the engines and the gateway; returns the gateway's base URL."""
+        cfg = self.config.serve
+        embedded = not (uses_vllm(self.config) or cfg.engine_urls)
+        if embedded:  # the embedded engine computes here; external engines elsewhere
+            torch.set_num_threads(torch_threads(cfg.torch_threads))
+        model, tokenizer = await asyncio.to_thread(load_model, self.config.model, getattr(torch, cfg.dtype))
+        if cfg.chat_template is not None:
+            tokenizer.chat_template = cfg.chat_template
+        self.engine: Engine | None = None
+        self.vllm_server = None
+        if uses_vllm(self.config):
+            del model  # vLLM holds the weights (a server started here, or the engine_urls)
+            engines, context_length, self.vllm_server = await vllm_engines(self.config)
+        elif not embedded:
+            del model  # external engines hold the weights; the gateway needs the tokenizer only
+            engines = [await HTTPEngineClient(url, admin_key=cfg.admin_key).connect() for url in cfg.engine_urls]
+            context_length = tokenizer.model_max_length if tokenizer.model_max_length < 10**8 else 2048
+        else:
+            try:
+                model = place(model, cfg.device)
+            except ValueError as exc:
+                raise ConfigError(f"serve.device: {exc}") from None
+            self.engine = embedded_engine(model, tokenizer, cfg)
+            engines = [InProcessEngineClient(self.engine)]
+            context_length = self.engine.context_length
+        self.routed = cfg.role == "policy" and self.config.promotion.enabled
+        self.pool = RoutedPool(engines) if self.routed else EnginePool(engines)
+        self.bus = await Bus.connect(self.bus_url, name="serve", replicas=self.config.bus.replicas)
+        spill_dir = Path(cfg.spill_dir) if cfg.spill_dir else Path(self.config.run_dir) / "spill"
+        self.recorder = Recorder(self.bus, cfg.publish_queue_size, spill_dir=spill_dir)
+        self.metrics = ServeMetrics()
+        if self.engine is not None:
+            engine = self.engine
+            self.metrics.on_scrape(lambda m: m.engine_state(**_engine_state(engine)))
+        self.app = create_gateway(self.pool, tokenizer, self.recorder, self.model_name, cfg, context_length, self.metrics)
+        self.board: VersionBoard | None = None
+        if self.routed:
+            assert isinstance(self.pool, RoutedPool)
+            self.board = VersionBoard(self.bus, await Registry.open(self.bus), self.metrics, self.pool.counts)
+            self.board.install(self.app)
+        # The model, tokenizer and libraries live as long as the server: take them out of the
+        # collector's generations, or every full collection walks them all (~0.2 s for tiny).
+        gc.collect()
+        gc.freeze()
+        self._server = uvicorn.Server(uvicorn.Config(
+            self.app, host=cfg.host, port=cfg.port, log_level="warning", lifespan="off",
+            timeout_graceful_shutdown=cfg.shutdown_grace_s, timeout_keep_alive=cfg.keep_alive_s,
+        ))
+        self._http = asyncio.create_task(self._server.serve(), name="http")
+        self._tasks = [asyncio.create_task(self.recorder.run(), name="recorder"), self._http]
+        if self.board is not None:
+            self._tasks.append(asyncio.create_task(repeat(self._follow_routing, "flywheel.serve.routing"), name="routing"))
+            self._tasks.append(asyncio.create_task(self.board.refresh_forever(), name="versions"))
+        elif cfg.role == "policy":  # a judge's weights do not move; the gate's move when it says
+            self._tasks.append(asyncio.create_task(repeat(self._follow_weights, "serve.weights"), name="weights"))
+        while not self._server.started:
+            if self._http.done():
+                self._http.result()  # raises the reason it could not start
+            await asyncio.sleep(0.01)
+        port = self._server.servers[0].sockets[0].getsockname()[1]
+        self.url = f"http://{cfg.host}:{port}"
+        address = {"policy": addresses.SERVE, "judge": addresses.JUDGE, "eval": addresses.EVAL}[cfg.role]
+        write_address(self.config.run_dir, address, self.url)
+        log.info("serving %s at %s", self.model_name, self.url)
+        return self.url
+
+    @property
+    def model_name(self) -> str:
+        return self.config.served_model
+
+    async def _follow_weights(self) -> None:
+        async for update in self.bus.follow(WEIGHTS_SUBJECT, newest_only=True):
+            assert isinstance(update, WeightUpdate)
+            if update.version <= self.pool.weight_version:
+                continue
+            try:
+                if not self.config.serve.swap_weights:
+                    await self.pool.follow(update.version, self.config.serve.follow_timeout_s)
+                    continue
+                pauses = await self.pool.swap(update.path, update.version, self.config.serve.swap_mode)
+                for seconds in pauses:
+                    self.metrics.swap(seconds)
+                self.pauses += pauses
+                self.swaps += 1
+            except Exception:
+                log.exception("could not load weights v%d from %s", update.version, update.path)
+
+    async def _follow_routing(self) -> None:
+        async for routing in self.bus.follow(ROUTING_SUBJECT, newest_only=True):
+            assert isinstance(routing, Routing) and isinstance(self.pool, RoutedPool) and self.board is not None
+            self.pool.routing = routing
+            with contextlib.suppress(Exception):
+                await self.board.refresh()
+            try:
+                await self._load(self.pool, routing.serving)
+                if routing.canary is not None:
+                    if self.pool.canary is None:
+                        self.pool.canary = EnginePool(await self._canary_engines())
+                    await self._load(self.pool.canary, routing.canary)
+            except Exception:
+                log.exception("could not follow the routing %s (%s)", routing.id, routing.reason)
+
+    async def _load(self, pool: EnginePool, arm: Arm) -> None:
+        """Swap `pool` to the arm's version, older or newer (`None` path: the starting weights)."""
+        if pool.weight_version == arm.version:
+            return
+        pauses = await pool.swap(arm.path or self.config.model, arm.version, self.config.serve.swap_mode, only_newer=False)
+        for seconds in pauses:
+            self.metrics.swap(seconds)
+        self.pauses += pauses
+        self.swaps += 1
+
+    async def _canary_engines(self) -> list:
+        """The canary's engines: `promotion.canary.engine_urls` (clients of `serve.engine_kind`), else
+        a second embedded engine."""
+        cfg = self.config.serve
+        urls = self.config.promotion.canary.engine_urls
+        if urls:
+            client = VLLMEngineClient if cfg.engine_kind == "vllm" else HTTPEngineClient
+            return [await client(url, admin_key=cfg.admin_key).connect() for url in urls]
+        model, tokenizer = await asyncio.to_thread(load_model, self.config.model, getattr(torch, cfg.dtype))
+        if cfg.chat_template is not None:
+            tokenizer.chat_template = cfg.chat_template
+        self.canary_engine = embedded_engine(place(model, cfg.device), tokenizer, cfg)
+        return [InProcessEngineClient(self.canary_engine, name="canary")]
+
+    async def stop(self) -> None:
+        """Stop taking requests, let in-flight ones finish (up to `serve.shutdown_grace_s`),
+        publish what was recorded (what cannot be published now stays in the spill dir)."""
+        self._server.should_exit = True
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(self._http, self.config.serve.shutdown_grace_s + 5)
+        with contextlib.suppress(Exception):
+            await self.recorder.flush(timeout_s=5)
+        await cancel_and_wait(self._tasks)
+        self.app.state.prompts.close()
+        await self.pool.close()
+        if self.vllm_server is not None:
+            await asyncio.to_thread(self.vllm_server.stop)
+        for engine in (self.engine, getattr(self, "canary_engine", None)):
+            if engine is not None:
+                engine.stop()
+        await self.bus.close()
+        gc.unfreeze()  # what this server froze may be collected again
+
+    def stats(self) -> dict[str, Any]:
+        gateway = self.app.state.stats
+        return {
+            "url": self.url,
+            "version": self.pool.weight_version,
+            "requests": gateway.requests,
+            "turns": gateway.turns,
+            "feedback": gateway.feedback,
+            "published": self.recorder.published,
+            "dropped": self.recorder.dropped,
+            "spilled": self.recorder.spilled,
+            "swaps": self.swaps,
+            "engine": dict(self.engine.stats) if self.engine else None,
+            "last_pause_s": self.pauses[-1] if self.pauses else None,
+        }
+
+
+def embedded_engine(model: torch.nn.Module, tokenizer: Any, cfg: ServeConfig) -> Engine:
+    """A started embedded engine over `model` (already placed), as `serve` configures it."""
+    return Engine(model, tokenizer, max_batch_size=cfg.max_batch_size, load_weights=load_weights,
+                  chunked_prefill_size=cfg.chunked_prefill_size, schedule_policy=cfg.schedule_policy,
+                  max_stall_s=cfg.max_stall_s, own_decoder=cfg.own_decoder).start()
+
+
+def _engine_state(engine: Engine) -> dict[str, Any]:
+    load = engine.load()
+    return {
+        "batch_size": load["num_running_reqs"],
+        "waiting": load["num_waiting_reqs"],
+        "kv_tokens": load["cached_tokens"],
+        "kv_capacity_tokens": load["cache_slots"] or None,
+    }

@@ -1,0 +1,132 @@
+"""The versions, seen and steered from the gateway (`promotion.mode` not off).
+
+- `GET /dashboard`: one static page (serve/ops/dashboard.html, no build step) that polls
+  `GET /dashboard.json` (the registry as JSON: every version, its state and transitions, its
+  gate report and online reward per 15 s, and the routing) and draws the versions' online
+  reward over time.
+- Admin API (admin key when `serve.admin_key` is set, like the engines' control routes):
+  `GET /admin/versions`, `GET /admin/versions/{N}`, `POST /admin/versions/{N}/promote`,
+  `POST /admin/versions/{N}/pin`, `POST /admin/versions/unpin`, `POST /admin/versions/rollback`
+  (`{"version": N}` or `{}`; optional `"reason"`). A command answers 200 with the promotion
+  loop's result, 409 when the loop refused it, 504 when no promotion loop answered.
+- Prometheus: `flywheel_version_state{version,state}` (1 for each version's state),
+  `flywheel_version_online_reward{version}` and `flywheel_version_online_sessions{version}`,
+  `flywheel_canary_share`, and `flywheel_routed_sessions{arm}` (new sessions sent to each arm).
+
+The snapshot the page and metrics show is refreshed whenever the routing changes and every
+`REFRESH_S` seconds.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from pathlib import Path
+from typing import Any
+
+from fastapi import FastAPI
+from fastapi.responses import HTMLResponse
+from prometheus_client import Gauge
+from pydantic import BaseModel
+
+from flywheel.serve.api.errors import APIError
+from flywheel.serve.ops.metrics import ServeMetrics
+from flywheel.versions.records import Routing, VersionEntry, registry_json
+from flywheel.versions.registry import Registry, send_command
+
+log = logging.getLogger(__name__)
+REFRESH_S = 15.0
+PAGE = Path(__file__).with_name("dashboard.html")
+
+
+class RollbackRequest(BaseModel):
+    version: int | None = None
+    reason: str = ""
+
+
+class VersionBoard:
+    def __init__(self, bus: Any, registry: Registry, metrics: ServeMetrics, routed: dict[str, int]):
+        self.bus = bus
+        self.registry = registry
+        self.entries: list[VersionEntry] = []
+        self.routing: Routing | None = None
+        r = metrics.registry
+        self._state = Gauge("flywheel_version_state", "1 for each version's registry state.", ["version", "state"], registry=r)
+        self._reward = Gauge("flywheel_version_online_reward", "Mean judged reward of a version's sessions.", ["version"],
+                             registry=r)
+        self._sessions = Gauge("flywheel_version_online_sessions", "Judged sessions a version sampled.", ["version"], registry=r)
+        self._share = Gauge("flywheel_canary_share", "Share of new sessions sent to the canary (0: none).", registry=r)
+        self._routed = Gauge("flywheel_routed_sessions", "New sessions this gateway sent to each arm.", ["arm"], registry=r)
+        self.routed_counts = routed
+        metrics.on_scrape(lambda _: self._report())
+
+    async def refresh(self) -> None:
+        self.entries = await self.registry.versions()
+        self.routing = await self.registry.routing()
+
+    async def refresh_forever(self) -> None:
+        while True:
+            try:
+                await self.refresh()
+            except Exception as exc:  # the bus away: the page shows the last snapshot
+                log.warning("could not read the version registry: %s", exc)
+            await asyncio.sleep(REFRESH_S)
+
+    def _report(self) -> None:
+        self._state.clear()
+        for entry in self.entries:
+            self._state.labels(str(entry.version), entry.state).set(1)
+            sessions, reward = entry.online_reward()
+            self._sessions.labels(str(entry.version)).set(sessions)
+            if reward is not None:
+                self._reward.labels(str(entry.version)).set(reward)
+        self._share.set(self.routing.canary_share if self.routing and self.routing.canary else 0.0)
+        for arm, count in self.routed_counts.items():
+            self._routed.labels(arm).set(count)
+
+    def install(self, app: FastAPI) -> None:
+        @app.get("/dashboard", include_in_schema=False)
+        async def dashboard() -> HTMLResponse:
+            return HTMLResponse(PAGE.read_text())
+
+        @app.get("/dashboard.json")
+        async def dashboard_json() -> dict[str, Any]:
+            return registry_json(self.entries, self.routing)
+
+        @app.get("/admin/versions")
+        async def versions() -> dict[str, Any]:
+            await self.refresh()
+            return registry_json(self.entries, self.routing)
+
+        @app.get("/admin/versions/{version}")
+        async def version(version: int) -> dict[str, Any]:
+            entry = await self.registry.get(version)
+            if entry is None:
+                raise APIError(404, f"no version {version} in the registry", code="not_found")
+            return registry_json([entry], None)["versions"][0]
+
+        async def command(kind: str, version: int | None = None, reason: str = "") -> dict[str, Any]:
+            try:
+                result = await send_command(self.bus, self.registry, kind, version, reason=reason, operator="admin-api")
+            except TimeoutError as exc:
+                raise APIError(504, str(exc), code="no_promotion_loop") from None
+            if not result.ok:
+                raise APIError(409, result.message, code="refused")
+            await self.refresh()
+            return {"ok": True, "message": result.message}
+
+        @app.post("/admin/versions/{version}/promote")
+        async def promote(version: int) -> dict[str, Any]:
+            return await command("promote", version)
+
+        @app.post("/admin/versions/{version}/pin")
+        async def pin(version: int) -> dict[str, Any]:
+            return await command("pin", version)
+
+        @app.post("/admin/versions/unpin")
+        async def unpin() -> dict[str, Any]:
+            return await command("unpin")
+
+        @app.post("/admin/versions/rollback")
+        async def rollback(body: RollbackRequest) -> dict[str, Any]:
+            return await command("rollback", body.version, body.reason)

@@ -1,0 +1,99 @@
+"""Scoring what a policy sampled, on a judge's server (`serve.role: judge`): how hint
+distillation's teacher gets its log-probabilities; and the promotion gate's evaluation server
+(`serve.role: eval`), which answers the gate's suites with the versions it compares.
+
+- `POST /engine/generate`: SGLang's native `/generate` on the server's engine, as is.
+- `POST /engine/score` `{"messages", "output_ids", "temperature"}`: the chat `messages` rendered
+  through the server's chat template as for a request (the teacher's prompt: the turn's context
+  with its hint), followed by `output_ids` (the tokens the policy sampled), scored with one
+  prefill-only engine request (SGLang's `/generate` with `input_ids`, `return_logprob`,
+  `logprob_start_len` = the prompt's length − 1, `max_new_tokens: 0`, at `temperature`);
+  answers `{"logprobs": [log π(output_ids[i] | prompt, output_ids[:i])...], "prompt_tokens"}`;
+  with `"top_k": k` also the k likeliest tokens of each of those positions' distributions,
+  `"top_ids"` and `"top_logprobs"` (one list of k per output token, likeliest first; SGLang's
+  `top_logprobs_num` and `input_top_logprobs`): a teacher's distribution for dense distillation.
+
+- `POST /engine/update_weights_from_disk` `{"model_path", "weight_version"}` (`serve.role: eval`
+  only): SGLang's route, loading any version, older ones too (the gate goes back and forth).
+
+All sit under `/engine/`, which needs a client key when the server has keys (`serve/ops/auth.py`).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse
+from pydantic import Field
+
+from flywheel.serve.api.chat import ChatCompletionRequest, Message
+from flywheel.serve.api.errors import APIError, translated
+from flywheel.serve.api.sessions import session_of
+from flywheel.serve.api.validation import Body
+from flywheel.serve.backends.base import EngineError
+from flywheel.serve.backends.pool import EnginePool
+from flywheel.serve.prompts import PromptBuilder
+
+
+class ScoreRequest(Body):
+    messages: list[Message] = Field(min_length=1)
+    output_ids: list[int] = Field(min_length=1)
+    temperature: float = Field(1.0, ge=0.0)
+    top_k: int = Field(0, ge=0, le=20)
+
+
+class LoadRequest(Body):
+    model_path: str = Field(min_length=1)
+    weight_version: int = Field(ge=0)
+
+
+def install_scoring_routes(app: FastAPI, pool: EnginePool, prompts: PromptBuilder, model_name: str,
+                           loads_weights: bool = False) -> None:
+    engine = pool.engines[0]
+
+    if loads_weights:
+        @app.post("/engine/update_weights_from_disk")
+        async def load(body: LoadRequest) -> dict[str, Any]:
+            try:
+                await pool.swap(body.model_path, body.weight_version, only_newer=False)
+            except (OSError, ValueError) as exc:
+                raise APIError(400, f"could not load {body.model_path}: {exc}") from None
+            return {"success": True, "weight_version": pool.weight_version}
+
+    async def generate_on_engine(body: dict[str, Any]) -> dict[str, Any]:
+        try:
+            return await engine.generate(body)
+        except EngineError as exc:
+            raise APIError(exc.status, str(exc)) from None
+
+    @app.post("/engine/generate")
+    async def generate(request: Request) -> Any:
+        try:
+            body = await request.json()
+        except ValueError:
+            body = None
+        if not isinstance(body, dict):
+            return JSONResponse({"error": {"message": "the body must be a JSON object"}}, status_code=400)
+        try:
+            return await engine.generate(body)
+        except EngineError as exc:
+            return JSONResponse({"error": {"message": str(exc)}}, status_code=exc.status)
+
+    @app.post("/engine/score")
+    async def score(body: ScoreRequest) -> dict[str, Any]:
+        chat = translated(lambda: ChatCompletionRequest(model=model_name, messages=body.messages))
+        prompt_ids, *_ = await prompts.chat(chat, session_of({}, None, None))
+        scored = await generate_on_engine({
+            "input_ids": prompt_ids + body.output_ids, "return_logprob": True, "logprob_start_len": len(prompt_ids) - 1,
+            "sampling_params": {"max_new_tokens": 0, "temperature": body.temperature},
+            **({"top_logprobs_num": body.top_k} if body.top_k else {}),
+        })
+        meta = scored["meta_info"]
+        answer: dict[str, Any] = {"logprobs": [entry[0] for entry in meta["input_token_logprobs"][1:]],
+                                  "prompt_tokens": len(prompt_ids)}
+        if body.top_k:
+            tops = meta["input_top_logprobs"][1:]
+            answer.update(top_ids=[[entry[1] for entry in top] for top in tops],
+                          top_logprobs=[[entry[0] for entry in top] for top in tops])
+        return answer

@@ -1,0 +1,64 @@
+"""Full training checkpoints, for `--resume`: everything a run needs to go on as if never stopped.
+
+A checkpoint is a directory `run_dir/checkpoints/step-NNNNNNNN/` holding the model
+(safetensors + config, loadable by itself) and `state.pt`: optimizer and learning-rate schedule
+state, the trainer's step, the loop's counters (samples, stale drops, the staleness histogram,
+the running reward baseline) and the torch and Python RNG states. The directory appears
+atomically (written aside, then renamed), so a crash mid-save leaves the previous checkpoint as
+the newest. The newest `train.keep_checkpoints` are kept.
+
+The rollout driver keeps its own data position and RNG next to the run (`rollout/driver.py`):
+a checkpoint holds what the trainer owns.
+"""
+
+from __future__ import annotations
+
+import random
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from flywheel.models import atomic_directory, load_weights
+
+PREFIX = "step-"
+
+
+class Checkpoints:
+    def __init__(self, directory: Path, keep: int):
+        self.directory = Path(directory)
+        self.keep = keep
+
+    def steps(self) -> list[int]:
+        if not self.directory.is_dir():
+            return []
+        return sorted(int(p.name.removeprefix(PREFIX)) for p in self.directory.glob(f"{PREFIX}*") if p.is_dir())
+
+    def path(self, step: int) -> Path:
+        return self.directory / f"{PREFIX}{step:08d}"
+
+    def latest(self) -> Path | None:
+        steps = self.steps()
+        return self.path(steps[-1]) if steps else None
+
+    def save(self, step: int, model: torch.nn.Module, state: dict[str, Any]) -> Path:
+        """Write the checkpoint of `step` (replacing one of the same step) and prune old ones."""
+        dest = self.path(step)
+        if dest.exists():
+            shutil.rmtree(dest)
+        state = {**state, "rng": {"torch": torch.get_rng_state(), "python": random.getstate()}}
+        with atomic_directory(dest) as tmp:
+            model.save_pretrained(tmp)
+            torch.save(state, tmp / "state.pt")
+        for old in self.steps()[: -self.keep]:
+            shutil.rmtree(self.path(old), ignore_errors=True)
+        return dest
+
+    def load(self, path: Path, model: torch.nn.Module) -> dict[str, Any]:
+        """Load the weights into `model` in place, restore the RNGs, return the rest of the state."""
+        load_weights(model, path)
+        state = torch.load(path / "state.pt", weights_only=False)
+        torch.set_rng_state(state["rng"]["torch"])
+        random.setstate(state["rng"]["python"])
+        return state

@@ -1,0 +1,310 @@
+"""The train loop: scored samples in, new policy versions out, each sample trained once.
+
+Consumes SAMPLES durably and hands the pieces to their owners:
+
+- each sample gets its trajectory (`Bus.resolve`; one the stream no longer holds is counted
+  `unresolved`) and is dropped if it was trained already (`duplicates_dropped`: the bus
+  delivers at least once; the ids trained are remembered, and checkpointed);
+- `GroupBatcher` (train/grouping.py) holds samples until their task group is whole and drops
+  groups older than η = `rollout.max_head_offpolicyness` versions (`stale_dropped`);
+- `train/step_batch.py` turns a step's groups into advantages, minibatches and micro-batches;
+  `Trainer` (train/trainer.py) takes the step;
+- `WeightPublisher` (train/publisher.py) publishes and announces a new version every
+  `train.weight_update_interval` steps; `Checkpoints` saves every `train.checkpoint_interval`.
+
+Exactly once. A sample is acknowledged only when a checkpoint that holds it (its effect on the
+weights and its id) is saved; until then it is kept from redelivery with progress
+acknowledgements. A trainer that dies restarts from its newest checkpoint (always, whether or
+not `train.resume` is set), the bus sends it again what it trained since, and it trains that
+once more from the same state; redeliveries of what the checkpoint holds are dropped by id.
+The steps of the abandoned weights are marked in `run_dir/trained.jsonl` (train/ledger.py).
+Versions only grow: restarting behind published versions gives the weights a new one.
+
+Under promotion (`promotion.mode` not off) the loop also follows the version registry before
+each step (train/under_promotion.py): it continues from the version a directive names, measures
+staleness in updates that were not abandoned, keeps pace with the serving version, and keeps the
+served versions in the weight store.
+
+One JSON line per step goes to `run_dir/metrics.jsonl`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import time
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from flywheel.bus import SAMPLE_SUBJECT, Delivery, Sample
+from flywheel.bus.consumer_loop import ConsumerLoop
+from flywheel.bus.dedup import RecentIds
+from flywheel.config import ConfigError, FlywheelConfig
+from flywheel.models import WeightStore, load_model, load_weights
+from flywheel.train.advantages import RunningBaseline
+from flywheel.train.checkpoint import Checkpoints
+from flywheel.train.grouping import Group, GroupBatcher
+from flywheel.train.ledger import Ledger
+from flywheel.train.publisher import Lineage, WeightPublisher
+from flywheel.train.step_batch import StepBatch
+from flywheel.train.trainer import Trainer
+from flywheel.train.under_promotion import UnderPromotion
+from flywheel.versions.registry import Registry
+
+log = logging.getLogger(__name__)
+
+
+class TrainLoop(ConsumerLoop):
+    name = "train"
+    subjects = SAMPLE_SUBJECT
+
+    def __init__(self, config: FlywheelConfig, bus_url: str, durable: str = "train"):
+        super().__init__(config, bus_url, durable)
+        self.run_dir = Path(config.run_dir)
+        self.baseline = RunningBaseline()
+        self.counts = {"samples": 0, "stale_dropped": 0, "unresolved": 0, "duplicates_dropped": 0, "abandoned_dropped": 0}
+        self.excluded: Counter[str] = Counter()
+        """Sampled tokens left out of the loss, by reason (train/trainable_tokens.py), all run."""
+        self.staleness_seen: Counter[int] = Counter()
+        """How many trained samples had each staleness (versions behind the trainer), all run."""
+        self.version = 0
+        self.batcher = GroupBatcher(config.train.batch_size, config.train.group_timeout_s)
+        self.trained = RecentIds(config.train.remember_samples)
+        self.unacknowledged: list[Delivery] = []
+        """Deliveries of trained samples, acknowledged at the next checkpoint."""
+        self._training: list[Group] = []
+        """The groups of the step under way (held too: a step can outlast the ack wait)."""
+        self._checkpointed_at = -1
+        self.last_metrics: dict[str, Any] = {}
+        self._inflight: asyncio.Task | None = None
+        self._started = time.monotonic()
+
+    @property
+    def buffer(self) -> int:
+        """Samples waiting for their group or a batch."""
+        return len(self.batcher)
+
+    async def start(self) -> None:
+        torch.manual_seed(self.config.seed)
+        torch.set_num_threads(self.config.train.torch_threads)
+        model, self.tokenizer = await asyncio.to_thread(load_model, self.config.model)
+        self.checkpoints = Checkpoints(self.run_dir / "checkpoints", keep=self.config.train.keep_checkpoints)
+        self.trainer = Trainer(model, self.config.actor, self.config.train)
+        await super().start()
+
+    async def prepare(self) -> None:
+        self.store = WeightStore(self.run_dir / "weights", keep=self.config.train.keep_versions)
+        self.publisher = WeightPublisher(self.store, self.bus)
+        self.promotion: UnderPromotion | None = None
+        if self.config.promotion.enabled:
+            self.promotion = UnderPromotion(await Registry.open(self.bus), self.config.rollout.max_head_offpolicyness)
+        self.ledger = Ledger(self.run_dir / "trained.jsonl")
+        await self._restore()
+        self._checkpointed_at = self.trainer.step_count
+        self.metrics_file = (self.run_dir / "metrics.jsonl").open("a")
+
+    def held(self) -> list[Delivery]:
+        return [*self.batcher.deliveries(), *(d for g in self._training for d in g.deliveries), *self.unacknowledged]
+
+    async def _restore(self) -> None:
+        """Continue from the newest checkpoint, if any; then make sure the version is newer than
+        anything published before (a trainer that died after publishing)."""
+        path = self.checkpoints.latest()
+        if path is None and self.config.train.resume:
+            raise ConfigError(f"train.resume: no checkpoint in {self.checkpoints.directory}")
+        if path is not None:
+            state = await asyncio.to_thread(self.checkpoints.load, path, self.trainer.model)
+            self.trainer.restore(state["trainer"])
+            loop = state["loop"]
+            self.counts = {**self.counts, **loop["counts"]}
+            self.baseline.value = loop["baseline"]
+            self.staleness_seen = Counter({int(k): v for k, v in loop["staleness_seen"].items()})
+            self.excluded = Counter(loop.get("excluded", {}))
+            self.batcher.counts.update(loop.get("batcher", {}))
+            self.version = loop.get("version", self.trainer.step_count)
+            self.trained.add(loop.get("trained", []))
+            if self.promotion is not None:
+                self.promotion.restore(loop.get("promotion", {}))
+            log.info("resumed from %s at step %d, version %d", path, self.trainer.step_count, self.version)
+        self.ledger.resumed(self.trainer.step_count)  # 0 without a checkpoint: a dead process's steps lead nowhere
+        newest = await self.publisher.newest()
+        if newest is not None and newest > self.version:
+            log.info("versions up to %d were published after this state: it becomes version %d", newest, newest + 1)
+            self.version = newest + 1
+        if newest is not None:
+            await self.publisher.publish(self.trainer.model, self.version, self.trainer.step_count)
+        settings = {"model": self.config.model, "train": self.config.train.model_dump(mode="json"),
+                    "actor": self.config.actor.model_dump(mode="json")}
+        self.lineage = Lineage(parent=self.version, config=settings)
+
+    def staleness(self, version: int) -> int:
+        """Updates between the trainer's weights and those of `version`."""
+        return self.promotion.distance(self.version, version) if self.promotion else self.version - version
+
+    def is_stale(self, sample: Sample) -> bool:
+        oldest = sample.trajectory.oldest_version
+        return oldest is not None and self.staleness(oldest) > self.config.rollout.max_head_offpolicyness
+
+    def is_abandoned(self, sample: Sample) -> bool:
+        """Whether tokens of the sample came from a version a directive abandoned."""
+        if self.promotion is None or not self.promotion.abandoned:
+            return False
+        return any(self.promotion.is_abandoned(v) for seg in sample.trajectory.segments for v in set(seg.versions))
+
+    async def _follow_registry(self) -> bool:
+        """Carry out a new directive; whether the trainer may take a step now."""
+        assert self.promotion is not None
+        directive = await self.promotion.refresh()
+        self.store.protected = self.promotion.protected
+        if directive is not None and not self.promotion.concerns(directive, self.lineage.parent):
+            self.promotion.pass_over(directive)
+            await self._checkpoint()
+        elif directive is not None:
+            await asyncio.to_thread(load_weights, self.trainer.model, directive.path or self.config.model)
+            self.trainer.optimizer.state.clear()
+            self.promotion.abandon(directive, self.version)
+            self.lineage.parent = directive.version
+            await self._checkpoint()
+        return self.promotion.may_step(self.version)
+
+    async def _fetch(self, batch_size: int) -> list[Delivery]:
+        """Up to `batch_size` samples, each with its trajectory attached. A sample whose
+        trajectory the bus no longer holds is counted (`unresolved`) and terminated; one whose
+        lookup failed (the bus away) is redelivered shortly."""
+        deliveries = await self.consumer.fetch(batch=batch_size, timeout_s=0.5)
+        found = await asyncio.gather(*(self.bus.resolve(d.record) for d in deliveries), return_exceptions=True)
+        ready = []
+        for delivery, outcome in zip(deliveries, found):
+            if outcome is True:
+                ready.append(delivery)
+            elif outcome is False:
+                self.counts["unresolved"] += 1
+                await delivery.term()
+            else:
+                log.warning("could not look up the trajectory of %s (%s); retrying", delivery.record.id, outcome)
+                await delivery.nak(delay_s=1.0)
+        return ready
+
+    async def _admit(self, delivery: Delivery) -> None:
+        """Into the batcher, unless the sample was trained or is held already (a redelivery:
+        its delivery is kept with the first, so the message is acknowledged only when that is)."""
+        sample: Sample = delivery.record  # type: ignore[assignment]
+        held = self.batcher.holds(sample.id)
+        if sample.id in self.trained or held is not None:
+            self.counts["duplicates_dropped"] += 1
+            if held is not None:
+                held.deliveries.append(delivery)
+            elif any(d.record.id == sample.id for d in self.unacknowledged):
+                self.unacknowledged.append(delivery)
+            else:
+                await delivery.ack()
+            return
+        self.batcher.add(sample, delivery)
+
+    async def step(self) -> None:
+        for delivery in await self._fetch(self.config.train.batch_size):
+            await self._admit(delivery)
+        if self.promotion is not None and not await self._follow_registry():
+            return  # too far ahead of the serving version: the samples wait
+        for reason, dropped in (("abandoned_dropped", self.is_abandoned), ("stale_dropped", self.is_stale)):
+            for group in self.batcher.drop_stale(dropped):  # re-checked each step: a waiting sample ages too
+                self.counts[reason] += len(group.members)
+                for delivery in group.deliveries:
+                    await delivery.ack()
+        max_steps = self.config.train.max_steps
+        if max_steps is not None and self.trainer.step_count >= max_steps:
+            return
+        groups = self.batcher.take()
+        if groups is None:
+            return
+        # A step runs to its end even if the loop is stopped meanwhile: `stop` waits for it.
+        self._inflight = asyncio.create_task(self._optimize(groups))
+        await asyncio.shield(self._inflight)
+
+    async def _optimize(self, groups: list[Group]) -> None:
+        """One training step on `groups`, then the publish and checkpoint it calls for."""
+        self._training = groups
+        metrics = await asyncio.to_thread(self._train, groups)
+        ids = [s.id for g in groups for s in g.samples]
+        self.counts["samples"] += len(ids)  # before the announcement and the checkpoint: they show this step
+        self.trained.add(ids)
+        self.unacknowledged.extend(d for g in groups for d in g.deliveries)
+        self._training = []
+        self.ledger.trained(self.trainer.step_count, self.version, ids)
+        self._record(metrics)
+        self.lineage.trained(self.trainer.step_count, ids, metrics)
+        if self.trainer.step_count % self.config.train.weight_update_interval == 0:
+            lineage = self.lineage.announced(self.version)
+            if self.promotion is not None:
+                self.promotion.announced(self.version, lineage["parent"])
+            await self.publisher.publish(self.trainer.model, self.version, self.trainer.step_count, lineage)
+            log.info("published weights v%d", self.version)
+        interval = self.config.train.checkpoint_interval
+        if interval and self.trainer.step_count % interval == 0:
+            await self._checkpoint()
+
+    def _train(self, groups: list[Group]) -> dict[str, Any]:
+        batch = StepBatch(groups, self.config, self.baseline, self.tokenizer.pad_token_id or 0)
+        staleness = [self.staleness(v) for v in batch.oldest_versions if v is not None]
+        self.staleness_seen.update(staleness)
+        self.excluded.update(batch.excluded)
+        metrics = self.trainer.step(batch.minibatches, version=self.version)
+        self.version += 1
+        return {
+            "reward_mean": batch.reward_mean,
+            "staleness_max": max(staleness, default=0),
+            "staleness_mean": sum(staleness) / len(staleness) if staleness else 0.0,
+            "staleness_hist": {str(k): v for k, v in sorted(Counter(staleness).items())},
+            "n_samples": batch.n_samples,
+            "n_groups": len(groups),
+            "turns_mean": batch.turns_mean,
+            "threads_mean": batch.threads_mean,
+            "hinted_turn_share": batch.hinted_turns / batch.turns if batch.turns else 0.0,
+            "attribution": batch.attribution,
+            "excluded_tokens": dict(batch.excluded),
+            **self.counts,
+            **self.batcher.counts,
+            **metrics,
+        }
+
+    async def _checkpoint(self) -> None:
+        """Save everything, then acknowledge the samples it holds."""
+        state = {
+            "trainer": self.trainer.state(),
+            "loop": {"counts": dict(self.counts), "baseline": self.baseline.value, "staleness_seen": dict(self.staleness_seen),
+                     "excluded": dict(self.excluded), "batcher": dict(self.batcher.counts), "version": self.version,
+                     "trained": self.trained.to_list(), "promotion": self.promotion.state() if self.promotion else {}},
+        }
+        await asyncio.to_thread(self.checkpoints.save, self.trainer.step_count, self.trainer.model, state)
+        self._checkpointed_at = self.trainer.step_count
+        acknowledged, self.unacknowledged = self.unacknowledged, []
+        for delivery in acknowledged:
+            with contextlib.suppress(Exception):  # a lost ack is a redelivery, dropped by id
+                await delivery.ack()
+
+    def _record(self, metrics: dict[str, Any]) -> None:
+        line = {"step": self.trainer.step_count, "version": self.version, **metrics, "elapsed_s": time.monotonic() - self._started}
+        self.last_metrics = line
+        self.metrics_file.write(json.dumps(line) + "\n")
+        self.metrics_file.flush()
+
+    async def finish(self) -> None:
+        """Let a step under way end, then checkpoint what was trained since the last checkpoint
+        (which acknowledges its samples)."""
+        if self._inflight is not None:
+            with contextlib.suppress(Exception):
+                await self._inflight
+        if self.trainer.step_count > self._checkpointed_at or self.unacknowledged:
+            await self._checkpoint()
+        self.metrics_file.close()
+        self.ledger.close()
+
+    def stats(self) -> dict[str, Any]:
+        return {"version": self.version, "step": self.trainer.step_count, "buffered": self.buffer, **self.counts,
+                **self.batcher.counts, "excluded_tokens": dict(self.excluded), "staleness_seen": dict(self.staleness_seen),
+                "last": self.last_metrics}

@@ -1,0 +1,1 @@
+"""The version registry: every policy version, its state and why, kept on the bus."""
