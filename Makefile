@@ -16,7 +16,7 @@ CONFIG ?= configs/local.yaml
 ENGINE ?=
 # `make test` runs the suite in this many pytest-xdist workers, each test file whole in one of
 # them (a file's shared fixtures, such as its one vLLM server, stay shared); on 2 cores, 2 took
-# 8.3 minutes against 16.6 in one process (docs/benchmarks.md, odd things 6). 0: in this process.
+# 8.3 minutes against 16.6 in one process (docs/experiments/odd-things.md). 0: in this process.
 TEST_WORKERS ?= 2
 
 .PHONY: run test install clean sandbox-tools msa-venv vllm-venv
@@ -76,7 +76,7 @@ run: install $(if $(filter vllm,$(ENGINE)),vllm-venv)
 	$(VENV)/bin/flywheel up --config $(CONFIG) $(if $(ENGINE),serve.engine_kind=$(ENGINE))
 
 # The three virtualenvs install side by side (each is one pip process at a time), then the suite
-# runs: 3:13 against 4:57 one after another, from a fresh clone here (docs/benchmarks.md, odd things 9).
+# runs: 3:13 against 4:57 one after another, from a fresh clone here (docs/experiments/odd-things.md).
 test:
 	$(MAKE) --no-print-directory --output-sync=target -j3 install msa-venv vllm-venv
 	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile

@@ -22,13 +22,13 @@ Live runs (--codex, --claude)
 
 A sub-agent, recorded (--record-subagent CLAUDE) and replayed (--replay)
     No model served here makes Claude Code start a sub-agent, so the request sequence of such a
-    run is recorded from the real CLI driven by a scripted model (`bench/_scripted_anthropic.py`:
+    run is recorded from the real CLI driven by a scripted model (`bench/lib/scripted_anthropic.py`:
     the main agent calls the sub-agent tool, the sub-agent runs `ls` and answers, the title call
     gets a title) with `claude -p "Use a sub-agent to list the files here." --allowedTools
     Bash,Agent --model MODEL` (nonessential traffic on, so the title call is in it) and saved
     to bench/data/claude_code_subagent.json (Claude Code 2.1.197; other versions' recordings as
     claude_code_subagent_<version>.json, with --fixture): every request's body, the headers that
-    matter and the scripted answer. `--replay` sends each through the platform (`bench/_claude_replay.py`),
+    matter and the scripted answer. `--replay` sends each through the platform (`bench/lib/claude_replay.py`),
     once with the served model sampling freely (`free`) and once with each answer steered to the
     scripted one (`steered`), and reports each request's thread next to the conversation it
     belongs to.
@@ -59,6 +59,7 @@ import contextlib
 import json
 import os
 import subprocess
+import sys
 import tempfile
 import time
 from collections.abc import AsyncIterator
@@ -68,7 +69,9 @@ from typing import Any
 
 import httpx
 
-from bench._common import git_commit, quiet_logs, write_result
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # `python bench/NAME.py` as well as `-m bench.NAME`
+
+from bench.lib.common import git_commit, quiet_logs, write_result  # noqa: E402
 
 PROMPT = "list the files here"
 SUBAGENT_TASK = "Use a sub-agent to list the files here."
@@ -145,7 +148,7 @@ async def run_process(command: list[str], env: dict[str, str], timeout: float) -
 
 @dataclass
 class Platform:
-    """The gateway with its embedded engine (`served`: a `bench._serve.Served`), the collect loop,
+    """The gateway with its embedded engine (`served`: a `bench.lib.served.Served`), the collect loop,
     and this bench's consumers of the traffic and trajectory streams."""
 
     served: Any
@@ -160,7 +163,7 @@ class Platform:
 @contextlib.asynccontextmanager
 async def flywheel(model: str, overrides: list[str]) -> AsyncIterator[Platform]:
     """Serve `model` with the collect loop, on a private bus."""
-    from bench._serve import Served
+    from bench.lib.served import Served
     from flywheel.bus import TRAFFIC_SUBJECTS, TRAJECTORY_SUBJECT, Bus
     from flywheel.collect.loop import CollectLoop
 
@@ -240,7 +243,7 @@ async def run_cli(name: str, executable: str, platform: Platform, timeout: float
 async def record_subagent(executable: str, model: str, timeout: float) -> dict[str, Any]:
     """Run Claude Code against the scripted model on SUBAGENT_TASK; returns the fixture (raises
     if the run did not start a sub-agent)."""
-    from bench._scripted_anthropic import ScriptedAnthropic
+    from bench.lib.scripted_anthropic import ScriptedAnthropic
 
     version = subprocess.run([executable, "--version"], capture_output=True, text=True, timeout=60).stdout.strip()
     async with ScriptedAnthropic(SUBAGENT_TASK) as scripted:
@@ -257,7 +260,7 @@ async def record_subagent(executable: str, model: str, timeout: float) -> dict[s
 
 async def replay_subagent(platform: Platform, fixture: dict[str, Any], mode: str) -> dict[str, Any]:
     """Replay a recorded run through the platform (`mode`: free or steered) and check its threads."""
-    from bench._claude_replay import Steered, message_requests, replay
+    from bench.lib.claude_replay import Steered, message_requests, replay
 
     steered = None
     if mode == "steered":
@@ -323,7 +326,7 @@ async def live(clis: dict[str, str], model: str, max_new_tokens: int, timeout: f
 
 async def record(executable: str, path: Path | None, model: str, timeout: float) -> None:
     """Record Claude Code's sub-agent run into `path` (default: the 2.1.197 fixture)."""
-    from bench._claude_replay import FIXTURE
+    from bench.lib.claude_replay import FIXTURE
 
     path = path or FIXTURE
     fixture = await record_subagent(executable, model, timeout)
@@ -335,7 +338,7 @@ async def record(executable: str, path: Path | None, model: str, timeout: float)
 
 async def replays(paths: list[Path] | None, modes: list[str], model: str, max_new_tokens: int) -> None:
     """Each recording replayed in each mode, on a fresh platform each time."""
-    from bench._claude_replay import fixtures
+    from bench.lib.claude_replay import fixtures
 
     results = {}
     for path in paths or fixtures():

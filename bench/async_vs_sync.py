@@ -24,10 +24,10 @@ import sys
 from pathlib import Path
 from statistics import fmean, pstdev
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # `python bench/NAME.py` as well as `-m bench.NAME`
 
-from bench._common import ROOT, machine, quiet_logs, table, wait_quiet, write_result  # noqa: E402
-from bench._runs import train_run  # noqa: E402
+from bench.lib.common import ROOT, machine, quiet_logs, table, wait_quiet, write_result  # noqa: E402
+from bench.lib.train_runs import train_run  # noqa: E402
 from flywheel.train.plot import plot_runs  # noqa: E402
 
 CONFIG = "configs/digits_tail.yaml"
@@ -37,7 +37,7 @@ SETTINGS = {"async (η=4)": ["rollout.max_head_offpolicyness=4"], "sync (η=0)":
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--seeds", type=int, default=2)
-    parser.add_argument("--name", default="async_vs_sync", help="writes bench/results/NAME.json and docs/img/NAME.png")
+    parser.add_argument("--name", default="async_vs_sync", help="writes bench/results/NAME.json and docs/img/NAME.png (NAME begins async_vs_sync: bench/README.md)")
     parser.add_argument("overrides", nargs="*", metavar="key=value", help="passed to every flywheel train")
     args = parser.parse_args()
     quiet_logs()

@@ -33,9 +33,9 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # `python bench/NAME.py` as well as `-m bench.NAME`
 
-from bench._common import (  # noqa: E402
+from bench.lib.common import (  # noqa: E402
     ROOT,
     CpuWatch,
     machine,

@@ -29,9 +29,13 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import sys
 import time
+from pathlib import Path
 
-from bench._common import (
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # `python bench/NAME.py` as well as `-m bench.NAME`
+
+from bench.lib.common import (  # noqa: E402
     git_commit,
     machine,
     median,

@@ -20,10 +20,10 @@ import sys
 from pathlib import Path
 from statistics import fmean
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # `python bench/NAME.py` as well as `-m bench.NAME`
 
-from bench._common import ROOT, machine, quiet_logs, table, wait_quiet, write_result  # noqa: E402
-from bench._runs import train_run  # noqa: E402
+from bench.lib.common import ROOT, machine, quiet_logs, table, wait_quiet, write_result  # noqa: E402
+from bench.lib.train_runs import train_run  # noqa: E402
 from flywheel.train.plot import plot_runs  # noqa: E402
 
 CONFIG = "configs/digits_tail.yaml"

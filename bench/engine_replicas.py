@@ -18,6 +18,7 @@ import asyncio
 import json
 import random
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -25,9 +26,11 @@ import httpx
 import openai
 import psutil
 
-from bench._serve import Served
-from flywheel.bus.cluster import free_port
-from flywheel.cli import command
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # `python bench/NAME.py` as well as `-m bench.NAME`
+
+from bench.lib.served import Served  # noqa: E402
+from flywheel.bus.cluster import free_port  # noqa: E402
+from flywheel.cli import command  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
 

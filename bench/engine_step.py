@@ -40,11 +40,11 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # `python bench/NAME.py` as well as `-m bench.NAME`
 
 import torch  # noqa: E402
 
-from bench._common import (  # noqa: E402
+from bench.lib.common import (  # noqa: E402
     machine,
     median,
     percentile,
@@ -69,7 +69,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--requests", type=int, default=64, help="--part run: N requests, --rows at a time")
     p.add_argument("--arms", default="decoder,transformers", help="--part run: the decode forwards compared")
     p.add_argument("--policies", default="shortest-first", help="--part run: the admission orders compared")
-    p.add_argument("--name", help="the results file's name (default engine_step_<part>_<model>[_<dtype>])")
+    p.add_argument("--name", help="the results file's name, beginning engine_step_ (default engine_step_<part>_<model>[_<dtype>])")
     p.add_argument("--arm", help=argparse.SUPPRESS)  # internal: run one arm of --part run and print its JSON
     p.add_argument("--policy", default="shortest-first", help=argparse.SUPPRESS)  # internal: that arm's order
     return p.parse_args()
@@ -126,7 +126,7 @@ async def run_arm(args) -> dict:
     through `args.arm`, waiting requests admitted in `args.policy`'s order."""
     from transformers import AutoTokenizer
 
-    from bench.workload import uniform_requests
+    from bench.lib.workload import uniform_requests
     from flywheel.models import load_model, resolve_model
     from flywheel.serve.engine import Engine, SamplingParams
 

@@ -45,9 +45,9 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # `python bench/NAME.py` as well as `-m bench.NAME`
 
-from bench._common import (  # noqa: E402
+from bench.lib.common import (  # noqa: E402
     CpuWatch,
     machine,
     median,
@@ -56,7 +56,7 @@ from bench._common import (  # noqa: E402
     wait_quiet,
     write_result,
 )
-from bench.workload import mixed_requests  # noqa: E402
+from bench.lib.workload import mixed_requests  # noqa: E402
 
 DEFAULTS = {
     "tiny": {"requests": 128, "batch": 32, "lengths": [8, 16, 32, 64, 128, 256], "weights": [32, 16, 8, 4, 2, 1], "repeats": 3},

@@ -4,7 +4,7 @@ and Hugging Face's static `generate` as the floor.
 What it measures
     The same seeded workload through the Flywheel gateway (`flywheel.serve.loop.ServeLoop`, the official
     OpenAI route `/v1/chat/completions`, streamed) backed by each engine in turn, each alone on
-    the machine: N chat prompts (`bench/workload.py`, the gateway's chat template), C at a time,
+    the machine: N chat prompts (`bench/lib/workload.py`, the gateway's chat template), C at a time,
     each asking for a length drawn uniformly from [16, 256] tokens with `ignore_eos` at
     temperature 1, so every request produces exactly what it asked for.
 
@@ -27,10 +27,10 @@ What it measures
 
     The embedded engine runs with `serve.own_decoder` on (its own decode step).
 
-    The load runs in a child process (this file with `--load`), so its work does not compete
+    The load runs in a child process (`bench/lib/route_load.py`), so its work does not compete
     with the gateway's for the GIL. The embedded engine runs on `serve.torch_threads` (every core unless told);
     vLLM's model runs unpinned, free to use every core (`VLLM_CPU_OMP_THREADS_BIND=nobind`, as the serve loop
-    starts it; until 2026-11-27, sections 18-19d, it ran pinned to one core, the CPU build's default). Both
+    starts it; until 2026-11-27 (docs/experiments/engines-side-by-side.md, engine-vs-vllm.md) it ran pinned to one core, the CPU build's default). Both
     in `--dtype` (float32 unless told: the embedded engine's `serve.dtype`, vLLM's `--dtype`).
     Also, per engine: the gap between the log-probs it records and the float32 model's own
     (log softmax(logits / T) on the same prefix, as the trainer recomputes them: the trainer's
@@ -64,9 +64,9 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # `python bench/NAME.py` as well as `-m bench.NAME`
 
-from bench._common import (  # noqa: E402
+from bench.lib.common import (  # noqa: E402
     CpuWatch,
     machine,
     median,
@@ -76,9 +76,10 @@ from bench._common import (  # noqa: E402
     wait_quiet_async,
     write_result,
 )
-from bench.workload import uniform_requests  # noqa: E402
+from bench.lib.route_load import Load  # noqa: E402
+from bench.lib.workload import uniform_requests  # noqa: E402
 from flywheel.cli import command  # noqa: E402
-from flywheel.serve.engine.torch_threads import torch_threads  # noqa: E402
+from flywheel.serve.engine.cpu_threads import torch_threads  # noqa: E402
 
 
 def parse_args() -> argparse.Namespace:
@@ -95,98 +96,11 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--chunked-prefill-size", type=int, help="the embedded engine's serve.chunked_prefill_size (default: serve's)")
     p.add_argument("--schedule-policy", choices=["shortest-first", "fcfs"], help="the embedded engine's serve.schedule_policy (default: serve's)")
     p.add_argument("--max-stall-s", type=float, help="the embedded engine's serve.max_stall_s (default: serve's)")
-    p.add_argument("--name", help="the result file's name (default: engines_<model>[_<dtype>])")
+    p.add_argument("--name", help="the result file's name, beginning engines_ (default: engines_<model>[_<dtype>])")
     p.add_argument("--routes", action="store_true", help="also compare vLLM's generate and completions routes")
-    p.add_argument("--load", help=argparse.SUPPRESS)  # internal: run a load (JSON config) and exit
     args = p.parse_args()
     args.torch_threads = torch_threads(args.torch_threads)
     return args
-
-
-# ---- the load (child process) ----------------------------------------------------------------
-
-async def run_load(cfg: dict) -> list[dict]:
-    """Stream every request of `cfg` (C at a time); per request: send and first-token times,
-    tokens, the longest gap between two token chunks. Prints `flowing` once `signal_after`
-    token chunks arrived (the parent's cue for a swap)."""
-    import httpx
-
-    seen, signalled = [0], [False]
-    sem = asyncio.Semaphore(cfg["concurrency"])
-
-    async def one(http: httpx.AsyncClient, i: int, req: dict) -> dict:
-        async with sem:
-            path, body = _body(cfg, i, req)
-            rec = {"t_send": time.monotonic(), "t_first": None, "t_last": None, "tokens": 0, "max_gap": 0.0, "gaps": [],
-                   "error": None}
-            try:
-                async with http.stream("POST", path, json=body) as response:
-                    response.raise_for_status()
-                    async for line in response.aiter_lines():
-                        if not line.startswith("data:") or "[DONE]" in line:
-                            continue
-                        n = _tokens(cfg["route"], json.loads(line[5:]))
-                        if not n:
-                            continue
-                        now = time.monotonic()
-                        if rec["t_last"] is not None:
-                            rec["max_gap"] = max(rec["max_gap"], now - rec["t_last"])
-                            if now - rec["t_last"] > 0.1:
-                                rec["gaps"].append((rec["t_last"], now))
-                        rec["t_first"] = rec["t_first"] or now
-                        rec["t_last"] = now
-                        rec["tokens"] += n
-                        seen[0] += 1
-                        if cfg.get("signal_after") and seen[0] >= cfg["signal_after"] and not signalled[0]:
-                            signalled[0] = True
-                            print("flowing", flush=True)
-            except Exception as exc:
-                rec["error"] = repr(exc)
-            return rec
-
-    async with httpx.AsyncClient(base_url=cfg["url"], timeout=900,
-                                 limits=httpx.Limits(max_connections=256, max_keepalive_connections=256)) as http:
-        return list(await asyncio.gather(*(one(http, i, r) for i, r in enumerate(cfg["requests"]))))
-
-
-def _body(cfg: dict, i: int, req: dict) -> tuple[str, dict]:
-    route, n = cfg["route"], req["max_new_tokens"]
-    if route == "chat":
-        return "/v1/chat/completions", {"model": cfg["model"], "messages": req["messages"], "max_tokens": n, "temperature": 1.0,
-                                        "ignore_eos": True, "stream": True, "seed": cfg["seed"] + i}
-    sampling = {"max_tokens": n, "temperature": 1.0, "ignore_eos": True, "seed": cfg["seed"] + i, "logprobs": 0}
-    if route == "generate":
-        return "/inference/v1/generate", {"token_ids": req["prompt_ids"], "sampling_params": sampling, "stream": True,
-                                          "output_mode": "text"}
-    return "/v1/completions", {"model": cfg["model"], "prompt": req["prompt_ids"], "stream": True, "return_token_ids": True, **sampling}
-
-
-def _tokens(route: str, event: dict) -> int:
-    choices = event.get("choices") or []
-    if route == "chat":  # one token per content chunk (the gateway streams a chunk per engine delta)
-        return sum(1 for c in choices if (c.get("delta") or {}).get("content"))
-    return sum(len(c.get("token_ids") or []) for c in choices)
-
-
-class Load:
-    """The load process: `await Load(cfg).run()` -> its records (with `on_flowing` called once
-    tokens flow, when `cfg["signal_after"]` is set)."""
-
-    def __init__(self, cfg: dict, workdir: Path):
-        self.path = workdir / f"load-{time.monotonic_ns()}.json"
-        self.path.write_text(json.dumps(cfg))
-
-    async def run(self, on_flowing=None) -> list[dict]:
-        proc = await asyncio.create_subprocess_exec(sys.executable, __file__, "--load", str(self.path),
-                                                    stdout=asyncio.subprocess.PIPE, limit=1 << 26)
-        while line := await proc.stdout.readline():
-            if line.strip() == b"flowing" and on_flowing is not None:
-                await on_flowing()
-            elif line.startswith(b"["):
-                records = json.loads(line)
-        if await proc.wait() != 0:
-            raise RuntimeError(f"load process failed ({proc.returncode})")
-        return records
 
 
 # ---- phases ----------------------------------------------------------------------------------
@@ -295,7 +209,7 @@ async def bench_hf(args, requests: list[dict], workdir: Path) -> dict:
 
 
 async def bench_engine(engine: str, args, requests: list[dict], workdir: Path) -> dict:
-    from bench._serve import Served
+    from bench.lib.served import Served
 
     if engine == "hf":
         return await bench_hf(args, requests, workdir)
@@ -426,10 +340,6 @@ async def main_async(args) -> dict:
 
 def main() -> None:
     args = parse_args()
-    if args.load:
-        records = asyncio.run(run_load(json.loads(Path(args.load).read_text())))
-        print(json.dumps(records), flush=True)
-        return
     quiet_logs()
     results = asyncio.run(main_async(args))
     rows = [[engine, r["start_s"], r["throughput"]["useful_tok_s"], r["throughput"]["ttft_p50_s"], r["throughput"]["ttft_p90_s"],

@@ -1,7 +1,7 @@
 """Fault drills under load: kill -9 each component (collect, judge, train, serve, the NATS
 server) while agents run multi-turn sessions through the gateway, restart it, and count what
 was lost, truncated or duplicated, what was trained twice, and the 5xx the agents saw
-(bench/drill.py). Every count but `complete` and `trained` must be 0.
+(`flywheel/drills/fault.py`). Every count but `complete` and `trained` must be 0.
 
     .venv/bin/python -m bench.fault_drill                      # each component alone, then all in a row
     .venv/bin/python -m bench.fault_drill --victims collect --every-s 10
@@ -20,14 +20,14 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import sys
 import tempfile
 from pathlib import Path
 
-from bench.drill import drill
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # `python bench/NAME.py` as well as `-m bench.NAME`
 
-RESULTS = Path(__file__).resolve().parent / "results" / "fault_drill.json"
-FAILURES = ("lost", "truncated", "duplicated_sessions", "duplicated_trajectories", "duplicated_samples", "trained_twice",
-            "server_errors", "sessions_failed", "engine_duplicate_loads")
+from bench.lib.common import RESULTS  # noqa: E402
+from flywheel.drills.fault import FAILURES, drill  # noqa: E402
 
 
 def main() -> int:
@@ -44,7 +44,7 @@ def main() -> int:
                              "(serve swaps their weights, the others follow; victims engine-0, ...)")
     parser.add_argument("--route", choices=["round-robin", "session"], default="round-robin",
                         help="how the balancer in front of several gateways picks one (session: hash of X-Session-Id)")
-    parser.add_argument("--out", type=Path, default=RESULTS, help="where the reports go (JSON)")
+    parser.add_argument("--out", type=Path, default=RESULTS / "fault_drill.json", help="where the reports go (JSON)")
     args = parser.parse_args()
     plans = [(args.victims, args.nats_nodes, args.gateways)] if args.victims else [
         (["collect"], 1, 1), (["judge"], 1, 1), (["train"], 1, 1), (["serve"], 1, 1), (["nats"], 1, 1),

@@ -2,7 +2,7 @@
 engine's behaviour log-probs against the trainer's recompute, and `Trainer.step` on CUDA.
 
 What it measures (every part in one process, one model shape; `--parts` picks them)
-    engine    The workload of `bench/engine_throughput.py` (`bench/workload.py`: chat prompts of
+    engine    The workload of `bench/engine_throughput.py` (`bench/lib/workload.py`: chat prompts of
               4-240 words, `max_new_tokens` drawn, seeded, from 8..256 with weights
               32:16:8:4:2:1, temperature 1, `ignore_eos`), N = `--per-slot` x B requests, for each
               `--dtypes` x `--batches` (B = max_batch_size): all N submitted at once to
@@ -40,7 +40,7 @@ log-prob gaps do (random weights give near-uniform, small logits), so read those
 
 How to run (from the repository root)
     .venv/bin/python bench/gpu_path.py --model tiny --device cpu --quick     # CPU smoke test, ~1 min
-    python3 bench/gpu_path.py --model DIR --device cuda                       # the numbers (docs/benchmarks.md 20)
+    python3 bench/gpu_path.py --model DIR --device cuda                       # the numbers (docs/experiments/gpu-path.md)
     options: --dtypes float32,bfloat16 --batches 32,64,128,256 --parts engine,profile,logprobs,train,fsdp
 Writes bench/results/gpu_path_<name>.json (`--name`, default the model's and device's names).
 """
@@ -58,11 +58,18 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # `python bench/NAME.py` as well as `-m bench.NAME`
 
-from bench._common import machine, median, percentile, quiet_logs, table, write_result  # noqa: E402
-from bench._gpu_train import logprob_part, train_part  # noqa: E402
-from bench.workload import mixed_requests  # noqa: E402
+from bench.lib.common import (  # noqa: E402
+    machine,
+    median,
+    percentile,
+    quiet_logs,
+    table,
+    write_result,
+)
+from bench.lib.gpu_train import logprob_part, train_part  # noqa: E402
+from bench.lib.workload import mixed_requests  # noqa: E402
 
 LENGTHS, WEIGHTS = [8, 16, 32, 64, 128, 256], [32, 16, 8, 4, 2, 1]
 

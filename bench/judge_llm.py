@@ -39,9 +39,9 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # `python bench/NAME.py` as well as `-m bench.NAME`
 
-from bench._common import (  # noqa: E402
+from bench.lib.common import (  # noqa: E402
     CpuWatch,
     machine,
     percentile,
@@ -50,7 +50,7 @@ from bench._common import (  # noqa: E402
     wait_quiet_async,
     write_result,
 )
-from bench._serve import Served  # noqa: E402
+from bench.lib.served import Served  # noqa: E402
 
 LOCK = Path("/tmp/flywheel-bench.lock")
 DEFAULTS = {"tiny": {"trajectories": 32}, "smollm2-135m": {"trajectories": 8}}

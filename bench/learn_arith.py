@@ -28,9 +28,9 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # `python bench/NAME.py` as well as `-m bench.NAME`
 
-from bench._common import ROOT, machine, quiet_logs, wait_quiet, write_result  # noqa: E402
+from bench.lib.common import ROOT, machine, quiet_logs, wait_quiet, write_result  # noqa: E402
 from flywheel.cli import command
 from flywheel.config import load_config  # noqa: E402
 from flywheel.envs import make_env  # noqa: E402
@@ -66,8 +66,8 @@ async def accuracy(weights: Path | None, model_name: str, env, n: int, max_new_t
 
 
 def train(run_dir: Path, minutes: float, overrides: list[str]) -> dict:
-    command = [*command("train"), "--config", CONFIG, "--refresh-s", "10", f"run_dir={run_dir}", *overrides]
-    child = subprocess.Popen(command, cwd=ROOT)
+    argv = [*command("train"), "--config", CONFIG, "--refresh-s", "10", f"run_dir={run_dir}", *overrides]
+    child = subprocess.Popen(argv, cwd=ROOT)
     try:
         child.wait(timeout=minutes * 60)
         stopped_early = False
@@ -85,7 +85,7 @@ def main() -> None:
     parser.add_argument("--minutes", type=float, default=30.0, help="training time limit")
     parser.add_argument("--problems", type=int, default=200, help="held-out problems to evaluate")
     parser.add_argument("--run-dir", default="runs/bench_learn_arith")
-    parser.add_argument("--name", default="learn_arith", help="results go to bench/results/NAME.json and docs/img/NAME.png")
+    parser.add_argument("--name", default="learn_arith", help="results go to bench/results/NAME.json and docs/img/NAME.png (NAME begins learn_arith)")
     parser.add_argument("--reuse-run", action="store_true",
                         help="skip training: evaluate the newest checkpoint of an existing --run-dir")
     parser.add_argument("overrides", nargs="*", metavar="key=value", help="passed to flywheel train")

@@ -5,9 +5,9 @@ What runs
     For each (arm, preference, trial): a fresh deployment of the whole platform (serve with
     hot swaps, collect, the `next_state` rule judge and its hint teacher, train; Ray actors over
     the bus, configs/personal_agent.yaml) on a fresh SmolLM2-135M. A simulated person
-    (bench/_personal_users.py: a name, a hidden preference checked by a deterministic rule) talks
-    to it with the official `openai` client, one `X-Session-Id` per conversation and nothing
-    else: no rewards, no feedback API, no other header. A session is one everyday question, the
+    (flywheel/drills/simulated_people.py: a name, a hidden preference checked by a
+    deterministic rule) talks to it with the official `openai` client, one `X-Session-Id` per
+    conversation and nothing else: no rewards, no feedback API, no other header. A session is one everyday question, the
     first reply, the person's reaction (a correction in words when the reply misses the
     preference, thanks or a new question when it meets it) and the reply to that; with
     `--reactions 2` the person also reacts to that second reply unless they had said thanks (a
@@ -49,99 +49,39 @@ import argparse
 import asyncio
 import json
 import os
-import re
 import shutil
 import sys
 import time
 from pathlib import Path
-from statistics import fmean, median
+from statistics import fmean
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # `python bench/NAME.py` as well as `-m bench.NAME`
 
-from bench._common import RESULTS, ROOT, machine, quiet_logs, table, write_result  # noqa: E402
-from bench._personal_users import (  # noqa: E402
+from bench.lib.common import RESULTS, ROOT, machine, quiet_logs, table, write_result  # noqa: E402
+from flywheel.drills.personal_agent import (  # noqa: E402
+    ARMS,
+    CONFIG,
+    HEADERS,
+    RUN,
+    WINDOW,
+    converse,
+    judge_agreement,
+    rolling_rate,
+    sessions_to_learn,
+    summary_rows,
+    verdicts,
+)
+from flywheel.drills.simulated_people import (  # noqa: E402
     HELD_OUT_QUESTIONS,
     NAMES,
     PREFERENCES,
     TRAIN_QUESTIONS,
     User,
     answers,
-    sessions_to_learn,
 )
 
-CONFIG = "configs/personal_agent.yaml"
-ARMS = {
-    "none": ["deploy.loops=[serve,collect,judge]", "judge.teacher.enabled=false"],
-    "rl": ["actor.rl_coef=1.0", "actor.opd_coef=0.0", "actor.opd_topk_coef=0.0", "judge.teacher.enabled=false"],
-    "opd": ["actor.rl_coef=0.0"],
-    "both": ["actor.rl_coef=1.0"],
-}
-"""Each arm's overrides; hint distillation's form and weights (`actor.opd_coef`, `opd_topk_coef`,
-`judge.teacher.top_k`) are the config's."""
 DEFAULT_PREFS = {"both": ["brief", "bullets", "name", "formal"], "rl": ["brief", "name"], "opd": ["brief", "name"],
                  "none": ["brief", "name"]}
-RUN = 3
-"""Consecutive satisfied sessions that count as learned."""
-WINDOW = 5
-"""Sessions in the plotted preference rate."""
-
-
-def version_of(fingerprint: str | None) -> int | None:
-    match = re.fullmatch(r"flywheel-v(\d+)", fingerprint or "")
-    return int(match[1]) if match else None
-
-
-def rolling_rate(satisfied: list[bool], window: int = WINDOW) -> list[float]:
-    """At each session, the share of satisfied sessions among the last `window` (fewer at the start)."""
-    return [fmean(satisfied[max(0, i + 1 - window):i + 1]) for i in range(len(satisfied))]
-
-
-def judge_agreement(sessions: list[dict]) -> float | None:
-    """Share of judged sessions where the judge's sign of the first reply is the truth (+1 when it
-    satisfied the preference, -1 when the person corrected it)."""
-    judged = [s for s in sessions if s.get("judge_score") is not None]
-    return fmean((s["judge_score"] > 0) == s["satisfied"] for s in judged) if judged else None
-
-
-# ---- one session, as a person with the openai client ---------------------------------------
-
-def reply_seed(user: User, session: int, reply: int) -> int:
-    """The sampling seed of a session's first (0), second (1) or third (2) reply: distinct per user,
-    session, reply (the first two as in 17g's runs)."""
-    draw = user.seed * 1000 + session
-    return draw * 2 + reply if reply < 2 else 10**9 + draw
-
-
-def converse(client, model: str, user: User, session: int, trial_id: str, args) -> dict:
-    """The session's question, the first reply, the person's reaction and the reply to it; with
-    `args.reactions` 2, also the person's reaction to that second reply when it answered something
-    (a correction, a complaint or a new question; not thanks), and the reply to that, which nothing
-    follows. Each reply samples with its own OpenAI `seed` (the user's seed, the session, which
-    reply), so a trial run again on the same code meets the same draws (benchmarks 17g)."""
-    session_id = f"{trial_id}-s{session:03d}"
-    question = user.question(session)
-    messages = [{"role": "system", "content": user.system}, {"role": "user", "content": question}]
-
-    def reply(index: int) -> tuple[str, object]:
-        answer = client.chat.completions.create(model=model, messages=messages, max_tokens=args.max_tokens,
-                                                temperature=args.temperature, seed=reply_seed(user, session, index),
-                                                extra_headers={"X-Session-Id": session_id})
-        text = answer.choices[0].message.content or ""
-        messages.append({"role": "assistant", "content": text})
-        return text, answer
-
-    first, answer = reply(0)
-    said, asked = user.react(first, session)
-    messages.append({"role": "user", "content": said})
-    second, _ = reply(1)
-    record = {"session": session, "id": session_id, "version": version_of(answer.system_fingerprint), "question": question,
-              "reply": first, "satisfied": user.satisfied(first, question), "said": said}
-    if args.reactions == 2 and asked is not None:
-        said_again, _ = user.react(second, session, asked, ask=False)
-        messages.append({"role": "user", "content": said_again})
-        reply(2)
-        record |= {"second": second, "second_satisfied": user.satisfied(second, asked), "said_again": said_again}
-    return record
 
 
 def wait_trained(deployment, sessions: int, timeout_s: float) -> dict:
@@ -160,34 +100,6 @@ def wait_trained(deployment, sessions: int, timeout_s: float) -> dict:
         if done or time.monotonic() > deadline:
             return {**stats, "waited_out": not done}
         time.sleep(0.2)
-
-
-async def verdicts(bus_url: str) -> dict[str, dict]:
-    """{session id: what the judge said of its first reply (and of the second, when the person
-    reacted to it), and how many tokens the teacher scored}."""
-    import math
-
-    from flywheel.bus import SAMPLE_SUBJECT, Bus
-
-    bus = await Bus.connect(bus_url, name="personal-agent-bench")
-    try:
-        consumer, found = bus.consumer(SAMPLE_SUBJECT, f"bench-{os.getpid()}-{time.monotonic_ns()}"), {}
-        while deliveries := await consumer.fetch(batch=256, timeout_s=2):
-            for delivery in deliveries:
-                sample = delivery.record
-                if not await bus.resolve(sample):
-                    continue
-                turns = sample.details.get("turns") or [{}]
-                taught = sum(not math.isnan(v) for values in sample.teacher_logprobs for v in values)
-                found[sample.trajectory.session_id] = {"judge_class": turns[0].get("class"), "judge_score": turns[0].get("score"),
-                                                       "hint": turns[0].get("hint"), "teacher_tokens": taught}
-                if len(turns) > 2:  # the person reacted to the second reply too (--reactions 2)
-                    found[sample.trajectory.session_id] |= {"second_class": turns[1].get("class"),
-                                                            "second_score": turns[1].get("score"), "second_hint": turns[1].get("hint")}
-                await delivery.ack()
-        return found
-    finally:
-        await bus.close()
 
 
 # ---- one trial ------------------------------------------------------------------------------
@@ -316,31 +228,6 @@ def progress(arm: str, pref: str, index: int, user: User, sessions: list[dict], 
           f"said: {last['said'][:48]!r}", flush=True)
 
 
-def summary_rows(trials: list[dict], arith_before: float | None) -> list[list]:
-    rows = []
-    for arm in ARMS:
-        for pref in sorted({t["pref"] for t in trials if t["arm"] == arm}):
-            mine = [t for t in trials if t["arm"] == arm and t["pref"] == pref]
-            learned = [t["learned_at"] for t in mine]
-            got = [x for x in learned if x is not None]
-            rows.append([arm, pref, len(mine), " ".join(str(x) if x else f">{t['cap']}" for x, t in zip(learned, mine)),
-                         median(got) if len(got) == len(mine) else None, f"{len(got)}/{len(mine)}",
-                         mean_of(t["satisfied_rate"] for t in mine), mean_of(t["heldout"]["rate"] for t in mine),
-                         mean_of(t["heldout"].get("answers") for t in mine), mean_of(t["judge_agreement"] for t in mine),
-                         arith_before, mean_of(t.get("arith_after") for t in mine)])
-    return rows
-
-
-def mean_of(values) -> float | None:
-    """The mean of the values that are there (None for none)."""
-    present = [v for v in values if v is not None]
-    return fmean(present) if present else None
-
-
-HEADERS = ["arm", "preference", "trials", "sessions to learn", "median", "learned", "rate in trial", "held-out rate",
-           "held-out answers", "judge agrees", "arith before", "arith after"]
-
-
 def plot(trials: list[dict], path: Path) -> None:
     import matplotlib
 
@@ -391,7 +278,8 @@ def main() -> None:
     parser.add_argument("--heldout-samples", type=int, default=2)
     parser.add_argument("--arith-problems", type=int, default=50)
     parser.add_argument("--run-root", default="runs/bench_personal_agent")
-    parser.add_argument("--name", default="personal_agent")
+    parser.add_argument("--name", default="personal_agent", help="bench/results/NAME.json and docs/img/NAME.png "
+                        "(NAME begins personal_agent: bench/README.md)")
     parser.add_argument("--keep", action="store_true", help="continue the results file: skip the trials it holds")
     parser.add_argument("--keep-weights", action="store_true",
                         help="keep each trial's weight versions and checkpoints under --run-root (~2.7 GB a trial)")

@@ -1,6 +1,6 @@
 """The promotion drill: no version serves before it earns it, under live traffic and a kill -9.
 
-The platform runs as processes of its own (bench/drill.py's `Cluster`): nats-server, the gateway,
+The platform runs as processes of its own (`flywheel.drills.cluster.Cluster`): nats-server, the gateway,
 collect, judge, the promotion loop and its evaluation server (`serve.role: eval`), with
 `promotion.mode: canary`. Simulated users hold two-turn sessions through the official `openai`
 client (each a `digits` task: the user asks, then asks again; the environment grades both replies
@@ -41,19 +41,22 @@ from typing import Any
 
 import httpx
 import openai
-import torch
 
-from bench._common import write_result
-from bench._runs import train_run
-from bench.drill import ROOT, Cluster, read_stream
-from flywheel.bus import WEIGHTS_SUBJECT, Bus, Trajectory, WeightUpdate
-from flywheel.bus.cluster import free_port
-from flywheel.cli import command
-from flywheel.envs import make_env
-from flywheel.models import WeightStore, load_model, load_weights
-from flywheel.versions.registry import Registry
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # `python bench/NAME.py` as well as `-m bench.NAME`
 
-SCREENSHOT = Path(__file__).resolve().parent / "results" / "promotion_dashboard.png"
+from bench.lib.common import RESULTS, ROOT, write_result  # noqa: E402
+from bench.lib.train_runs import train_run  # noqa: E402
+from flywheel.bus import WEIGHTS_SUBJECT, Bus, Trajectory, WeightUpdate  # noqa: E402
+from flywheel.bus.cluster import free_port  # noqa: E402
+from flywheel.cli import command  # noqa: E402
+from flywheel.drills.audit import read_stream  # noqa: E402
+from flywheel.drills.cluster import Cluster  # noqa: E402
+from flywheel.drills.noised_weights import publish_noised  # noqa: E402
+from flywheel.envs import make_env  # noqa: E402
+from flywheel.models import WeightStore  # noqa: E402
+from flywheel.versions.registry import Registry  # noqa: E402
+
+SCREENSHOT = RESULTS / "promotion_drill_dashboard.png"
 
 
 class Users:
@@ -102,20 +105,6 @@ class Users:
             await asyncio.gather(*(worker() for _ in range(self.concurrency)))
         finally:
             await client.close()
-
-
-def weights(store: WeightStore, version: int, noise: float, source: str | None = None) -> str:
-    """Publish `version`: the weights in `source` (default: the starting `tiny`), plus Gaussian
-    noise of standard deviation `noise` on every weight."""
-    model, _ = load_model("tiny")
-    if source is not None:
-        load_weights(model, source)
-    if noise:
-        generator = torch.Generator().manual_seed(version)
-        with torch.no_grad():
-            for p in model.parameters():
-                p.add_(torch.randn(p.shape, generator=generator) * noise)
-    return str(store.publish(model, version))
 
 
 async def until(check, timeout_s: float, what: str) -> Any:
@@ -185,7 +174,7 @@ async def drill(run_dir: Path, args: argparse.Namespace) -> dict[str, Any]:
         async def publish(version: int, source: str, noise: float, label: str) -> Any:
             directive = await registry.directive()
             parent = directive.version if directive is not None else (await registry.routing()).serving.version
-            path = await asyncio.to_thread(weights, store, version, noise, source)
+            path = await asyncio.to_thread(publish_noised, store, version, noise, source)
             started = time.time()
             await bus.publish(WEIGHTS_SUBJECT, WeightUpdate(id=f"w{version}", version=version, path=path, step=version, parent=parent))
             if label == "harmful":

@@ -38,9 +38,16 @@ import time
 from pathlib import Path
 from typing import Callable
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # `python bench/NAME.py` as well as `-m bench.NAME`
 
-from bench._common import CpuWatch, machine, percentile, table, wait_quiet, write_result  # noqa: E402
+from bench.lib.common import (  # noqa: E402
+    CpuWatch,
+    machine,
+    percentile,
+    table,
+    wait_quiet,
+    write_result,
+)
 from flywheel.envs.sandbox import SandboxSpec, make_backend  # noqa: E402
 
 

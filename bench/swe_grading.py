@@ -36,9 +36,9 @@ from collections import defaultdict
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # `python bench/NAME.py` as well as `-m bench.NAME`
 
-from bench._common import CpuWatch, percentile, table, write_result  # noqa: E402
+from bench.lib.common import CpuWatch, percentile, table, write_result  # noqa: E402
 from flywheel.envs.sandbox.workdirs import new_workdir  # noqa: E402
 from flywheel.envs.swe import TINY_TASKS, SweTask, grade, load_tasks, materialize  # noqa: E402
 from flywheel.envs.swe.gitstore import working_diff  # noqa: E402

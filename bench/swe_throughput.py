@@ -30,9 +30,16 @@ from typing import Any
 
 import ray
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # `python bench/NAME.py` as well as `-m bench.NAME`
 
-from bench._common import machine, median, percentile, quiet_logs, table, write_result  # noqa: E402
+from bench.lib.common import (  # noqa: E402
+    machine,
+    median,
+    percentile,
+    quiet_logs,
+    table,
+    write_result,
+)
 
 SCRIPT = ("ls", "grep -rn 'def ' --include=*.py . | head -20", "cat setup.cfg pyproject.toml 2>/dev/null | head -40")
 
@@ -88,14 +95,14 @@ def scripted(parallel: int, episodes: int, k: int, env_args: dict[str, Any]) -> 
 
 
 async def with_model(parallel: int, episodes: int, args: argparse.Namespace, env_args: dict[str, Any]) -> dict[str, Any]:
-    from bench._serve import Served
+    from bench.lib.served import Served
     from flywheel.envs import make_env
     from flywheel.rollout.env_pool import RayEnvPool
 
     overrides = ["rollout.env=swe", f"rollout.n_parallel_envs={parallel}", f"rollout.episode.max_turns={args.max_turns}",
                  f"rollout.sampling.max_new_tokens={args.max_new_tokens}", f"rollout.max_concurrent_rollouts={max(parallel, 1)}",
                  f"rollout.sampling.temperature={args.temperature}",
-                 "serve.torch_threads=1"]  # the environments' workers share the machine (section 11 measured it so)
+                 "serve.torch_threads=1"]  # the environments' workers share the machine (docs/experiments/swe-environments.md measured it so)
     async with Served(args.model, overrides) as served:
         config = served.config.model_copy(update={"rollout": served.config.rollout.model_copy(update={"env_args": env_args})})
         pool = RayEnvPool(config, served.url, served.loop.model_name)
@@ -149,7 +156,7 @@ def main() -> None:
     parser.add_argument("--modes", default="scripted,model")
     parser.add_argument("--temperature", type=float, default=1.0, help="the policy's sampling temperature")
     parser.add_argument("--instances", help="a file of instance ids: the model runs work each once, in order")
-    parser.add_argument("--name", help="result file name (default: swe_throughput[_MODEL])")
+    parser.add_argument("--name", help="result file name, beginning swe_throughput (default: swe_throughput[_MODEL])")
     args = parser.parse_args()
     quiet_logs()
     env_args: dict[str, Any] = {"difficulty": [args.difficulty], "slot_base": 200}  # clear of the tests' slots

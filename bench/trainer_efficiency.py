@@ -26,7 +26,6 @@ Each variant runs `--repeats` steps after one warm-up step, in one process, with
 from __future__ import annotations
 
 import argparse
-import random
 import statistics
 import sys
 import time
@@ -34,29 +33,21 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # `python bench/NAME.py` as well as `-m bench.NAME`
 
-from bench._common import CpuWatch, machine, quiet_logs, table, wait_quiet, write_result  # noqa: E402
-from flywheel.bus import Segment  # noqa: E402
+from bench.lib.common import (  # noqa: E402
+    CpuWatch,
+    machine,
+    quiet_logs,
+    table,
+    wait_quiet,
+    write_result,
+)
+from bench.lib.workload import training_rows  # noqa: E402
 from flywheel.config import load_config  # noqa: E402
 from flywheel.models import load_model  # noqa: E402
-from flywheel.train.packing import MicroBatch, Row, micro_batches  # noqa: E402
+from flywheel.train.packing import MicroBatch, micro_batches  # noqa: E402
 from flywheel.train.trainer import Trainer  # noqa: E402
-
-LENGTHS, WEIGHTS = [8, 16, 32, 64, 128, 256], [32, 16, 8, 4, 2, 1]
-
-
-def workload(n: int, vocab: int, seed: int) -> list[Row]:
-    rng = random.Random(seed)
-    rows = []
-    for i in range(n):
-        prompt, output = rng.randint(30, 200), rng.choices(LENGTHS, WEIGHTS)[0]
-        ids = [rng.randrange(vocab) for _ in range(prompt + output)]
-        mask = [0] * prompt + [1] * output
-        segment = Segment(token_ids=ids, loss_mask=mask, logprobs=[-1.0 * m for m in mask], versions=[0 * m for m in mask])
-        sign = 1.0 if i % 2 else -1.0
-        rows.append(Row(segment, [sign * m for m in mask]))
-    return rows
 
 
 def bare_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batches: list[MicroBatch]) -> None:
@@ -96,7 +87,7 @@ def main() -> None:
     torch.manual_seed(args.seed)
 
     model, tokenizer = load_model(args.model)
-    rows = workload(args.samples, len(tokenizer), args.seed)
+    rows = training_rows(args.samples, len(tokenizer), args.seed)
     packed = micro_batches(rows, args.budget, pad_id=0, packing=True)
     padded = micro_batches(rows, args.budget, pad_id=0, packing=False)
     real = sum(len(r) for r in rows)

@@ -33,9 +33,9 @@ from pathlib import Path
 
 import httpx
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # `python bench/NAME.py` as well as `-m bench.NAME`
 
-from bench._common import median, table, write_result  # noqa: E402
+from bench.lib.common import median, table, write_result  # noqa: E402
 from flywheel.serve.backends.vllm_server import VLLMServer  # noqa: E402
 
 BYSTANDER = """

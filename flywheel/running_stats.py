@@ -1,7 +1,7 @@
 """Running mean and variance of a stream of numbers (Welford's one-pass algorithm, numerically
 stable), small enough to keep in a record: the composite judge normalises scores with it
-(judge/normalize.py), and the promotion loop keeps each canary arm's rewards in the version
-registry with it (promote/sequential.py, as `as_dict`)."""
+(flywheel/judge/normalize.py), and the promotion loop keeps each canary arm's rewards in the version
+registry with it (flywheel/promote/sequential.py, as `as_dict`)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,7 @@
-"""Shared fixtures: a private NATS server per test, one Ray session, the tiny model.
+"""Shared fixtures: a private NATS server per test, one Ray session, the tiny model, serve loops
+(one per test in the test's event loop, or one per module on a thread of its own), an engine
+behind HTTP, and a `tiny` taught to call a tool. What they are built from, and every other helper
+tests share, is in `factories.py`.
 
 Property-based tests (the fuzzers) draw the same examples on every run (hypothesis's
 `derandomize`), so the suite passes or fails the same way each time. To search for new failures,
@@ -34,23 +37,6 @@ if _worker:  # each worker's sandbox slots get uids of their own (closing a sand
     os.environ.setdefault("FLYWHEEL_SANDBOX_UID_BASE", str(10000 * (1 + int(_worker.removeprefix("gw")))))
 
 
-def freeze(pid: int, timeout_s: float = 10.0) -> None:
-    """SIGSTOP `pid` and return once it has stopped. `kill` returns before the signal takes effect:
-    under load the process went on for a moment and, in the bus drill, acknowledged a publish it
-    was meant never to read (the test then waited for an in-flight publish that had ended)."""
-    import signal
-    import time
-
-    import psutil
-
-    os.kill(pid, signal.SIGSTOP)
-    process, deadline = psutil.Process(pid), time.monotonic() + timeout_s
-    while process.status() != psutil.STATUS_STOPPED:
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"process {pid} did not stop within {timeout_s}s")
-        time.sleep(0.001)
-
-
 @pytest.fixture
 def nats_server(tmp_path):
     """A fresh embedded nats-server with JetStream (a new one per test: no shared state)."""
@@ -81,6 +67,14 @@ def tiny_path() -> Path:
     return resolve_model("tiny")
 
 
+@pytest.fixture(scope="module")
+def model_and_tokenizer(tiny_path):
+    """The tiny model and its tokenizer, loaded once for the module."""
+    from flywheel.models import load_model
+
+    return load_model(tiny_path)
+
+
 @pytest.fixture(scope="session")
 def ray_session():
     import ray
@@ -90,25 +84,80 @@ def ray_session():
     ray.shutdown()
 
 
-class RunningApp:
-    """An ASGI app served by uvicorn on a free loopback port, in the test's event loop."""
+@pytest.fixture
+async def served(nats_url, tmp_path):
+    """A serve loop on the tiny model in the test's event loop (serve.max_new_tokens 64)."""
+    from flywheel.config import load_config
+    from flywheel.serve.loop import ServeLoop
 
-    def __init__(self, app):
-        import uvicorn
+    config = load_config(None, [f"run_dir={tmp_path}", "serve.port=0", "serve.max_new_tokens=64"])
+    loop = ServeLoop(config, nats_url)
+    await loop.start()
+    yield loop
+    await loop.stop()
 
-        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning", lifespan="off"))
 
-    async def __aenter__(self) -> str:
-        import asyncio
+@pytest.fixture
+def client(served):
+    """The official async openai client on `served`."""
+    import openai
 
-        self.task = asyncio.create_task(self.server.serve())
-        while not self.server.started:
-            if self.task.done():
-                self.task.result()
-            await asyncio.sleep(0.01)
-        port = self.server.servers[0].sockets[0].getsockname()[1]
-        return f"http://127.0.0.1:{port}"
+    return openai.AsyncOpenAI(base_url=f"{served.url}/v1", api_key="unused", max_retries=0)
 
-    async def __aexit__(self, *exc) -> None:
-        self.server.should_exit = True
-        await self.task
+
+@pytest.fixture(scope="module")
+def gateway(tmp_path_factory):
+    """One gateway for the module, run on its own event loop in a thread, with its own NATS
+    server (serve.max_new_tokens 8, default 4, bodies up to 20000 bytes)."""
+    import asyncio
+    import threading
+
+    from flywheel.bus import EmbeddedNats
+    from flywheel.config import load_config
+    from flywheel.serve.loop import ServeLoop
+
+    directory = tmp_path_factory.mktemp("gw")
+    loop = asyncio.new_event_loop()
+    with EmbeddedNats(directory / "nats") as nats:
+        config = load_config(None, [f"run_dir={directory}", "serve.port=0", "serve.max_new_tokens=8",
+                                    "serve.default_max_new_tokens=4", "serve.max_body_bytes=20000"])
+        serve = ServeLoop(config, nats.url)
+        thread = threading.Thread(target=loop.run_forever, daemon=True)
+        thread.start()
+        asyncio.run_coroutine_threadsafe(serve.start(), loop).result(120)
+        yield serve
+        asyncio.run_coroutine_threadsafe(serve.stop(), loop).result(120)
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join()
+
+
+@pytest.fixture
+async def engine_url():
+    """(url, engine): an embedded engine on the tiny model behind SGLang's HTTP protocol (admin key `adm`)."""
+    from flywheel.serve.engine.server import create_engine_app
+
+    from factories import RunningApp, make_engine
+
+    engine = make_engine()
+    async with RunningApp(create_engine_app(engine, "tiny", "tiny", admin_key="adm")) as url:
+        yield url, engine
+    engine.stop()
+
+
+@pytest.fixture(scope="module")
+def tool_model(tmp_path_factory):
+    """The tiny model, taught by a few supervised steps to answer ASK_WEATHER with WEATHER_CALL."""
+    from factories import ASK_WEATHER, WEATHER, WEATHER_CALL, teach_tiny
+
+    return teach_tiny(ASK_WEATHER, [WEATHER], WEATHER_CALL, tmp_path_factory.mktemp("tool"))
+
+
+@pytest.fixture
+async def served_tools(tool_model, nats_url, tmp_path):
+    """(serve loop, async openai client): `tool_model` served as `tool-tiny`."""
+    import openai
+
+    from factories import serving
+
+    async with serving(tool_model, "tool-tiny", nats_url, tmp_path) as loop:
+        yield loop, openai.AsyncOpenAI(base_url=f"{loop.url}/v1", api_key="x", max_retries=0)

@@ -20,8 +20,7 @@ from agents import (
 )
 from pydantic import BaseModel
 
-from tests.test_openai_api import turns
-from tests.test_serve import served  # noqa: F401  (fixture)
+from factories import recorded_turns
 
 set_tracing_disabled(True)  # no export of traces to OpenAI from a test
 
@@ -56,7 +55,7 @@ async def test_openai_agents_runs_a_tool_and_its_run_is_one_session(served, bus,
         result = await Runner.run(agent, "Weather in Paris?", max_turns=3)
     assert calls in (["Paris"], ["Rome"])
     assert isinstance(result.final_output, Forecast)
-    first, second = await turns(bus, 2)
+    first, second = await recorded_turns(bus, 2)
     assert first.endpoint == second.endpoint == api
     assert first.session_id == second.session_id and not first.session_id.startswith("anon-")
     assert first.finish_reason == "tool_calls"

@@ -13,7 +13,8 @@ from flywheel.config.schema import CollectConfig
 from flywheel.judge.normalize import Normalizer
 from flywheel.judge.rule import RuleJudge
 from flywheel.train.advantages import token_advantages
-from tests.test_records import make_turn
+
+from factories import make_turn
 
 
 def turn(tid, index, prompt, output, created, messages=None, response=None, **kw):

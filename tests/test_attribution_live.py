@@ -7,7 +7,6 @@ make its replies the calls the clients expect."""
 
 from __future__ import annotations
 
-import asyncio
 import json
 from typing import Literal
 
@@ -24,9 +23,10 @@ from agents import (
 )
 from pydantic import BaseModel
 
-from flywheel.bus import TRAFFIC_SUBJECTS, Turn
 from flywheel.judge.rule import RuleJudge
-from tests.test_collect_live import collected, platform
+
+from factories import collected, platform, recorded_turns
+from waiting import until
 
 set_tracing_disabled(True)
 
@@ -36,14 +36,6 @@ TASK_TOOL = {"name": "Task", "description": "Launch a sub-agent", "input_schema"
 BASH_TOOL = {"name": "Bash", "description": "Runs a command", "input_schema": {
     "type": "object", "properties": {"command": {"type": "string"}}, "required": ["command"]}}
 CLAUDE_HEADERS = {"anthropic-beta": "claude-code-20250219", "x-app": "cli", "x-claude-code-session-id": "cc-threads"}
-
-
-async def recorded_turns(bus, n: int) -> list[Turn]:
-    consumer = bus.consumer(TRAFFIC_SUBJECTS, "attribution-turns")
-    out: list[Turn] = []
-    while len(out) < n:
-        out += [d.record for d in await consumer.fetch(timeout_s=5) if isinstance(d.record, Turn)]
-    return out
 
 
 async def feedback(url: str, session: str, **body) -> None:
@@ -162,10 +154,7 @@ async def test_a_whole_answer_the_client_gave_up_on_is_recorded_as_such_and_not_
         assert [t.client_disconnected for t in gone] == [True, True] and {t.finish_reason for t in gone} == {"abort"}
         assert all(len(t.output_ids) < 4000 for t in gone)
         await feedback(serve.url, "impatient", reward=1.0)
-        for _ in range(200):
-            if collect.stats()["unused_turns"] + collect.stats()["retry_orphans"] == 2:
-                break
-            await asyncio.sleep(0.05)
+        await until(lambda: collect.stats()["unused_turns"] + collect.stats()["retry_orphans"] >= 2)
         assert collect.stats()["unused_turns"] + collect.stats()["retry_orphans"] == 2
 
 

@@ -30,11 +30,18 @@ from flywheel.bus.pull import PullRefused
 from flywheel.cli import command
 from flywheel.cli.tail import resolve_subject
 from flywheel.runtime import cancel_and_wait, repeat
-from tests.test_records import make_turn
+
+from factories import make_turn
+from waiting import until
 
 
 def event(i: int) -> SessionEvent:
     return SessionEvent(id=f"e{i}", session_id=f"s{i}", kind="end")
+
+
+async def pull_requests_waiting(bus: Bus, durable: str) -> int:
+    """How many pull requests the TRAFFIC consumer `durable` holds open at the server."""
+    return (await bus.js.consumer_info("TRAFFIC", durable)).num_waiting
 
 
 def test_embedded_server_starts_stops_and_keeps_data(tmp_path):
@@ -59,16 +66,22 @@ def test_start_bus_writes_the_url_for_operators(tmp_path):
         read_bus_url(tmp_path / "nowhere")
 
 
-async def test_publish_fetch_ack_in_order_and_dedup(bus):
+async def test_records_are_fetched_in_publish_order_and_once_acknowledged_never_again(bus):
     for i in range(5):
         await bus.publish(SESSION_EVENT_SUBJECT, event(i))
-    await bus.publish(SESSION_EVENT_SUBJECT, event(0))  # same id: dropped by JetStream
     consumer = bus.consumer(TRAFFIC_SUBJECTS, "t")
     got = await consumer.fetch(batch=10, timeout_s=1)
     assert [d.record.id for d in got] == [f"e{i}" for i in range(5)]
     for d in got:
         await d.ack()
     assert await consumer.fetch(batch=10, timeout_s=0.2) == []
+
+
+async def test_a_record_published_again_under_its_id_is_dropped(bus):
+    for i in (0, 1, 0):
+        await bus.publish(SESSION_EVENT_SUBJECT, event(i))  # the second e0: the same id, dropped by JetStream
+    got = await bus.consumer(TRAFFIC_SUBJECTS, "t").fetch(batch=10, timeout_s=1)
+    assert [d.record.id for d in got] == ["e0", "e1"]
 
 
 async def test_publish_rejects_the_wrong_record_type(bus):
@@ -87,9 +100,7 @@ async def test_unacked_records_are_redelivered_to_a_restarted_durable_consumer(n
 
     second = await Bus.connect(nats_url)
     resumed = second.consumer(TRAFFIC_SUBJECTS, "collect", ack_wait_s=1.0)
-    redelivered = []
-    while not redelivered:
-        redelivered = await resumed.fetch(timeout_s=2)
+    redelivered = await until(lambda: resumed.fetch(timeout_s=2))  # once b's ack wait has run out
     assert [d.record.id for d in redelivered] == ["b"]
     await second.close()
 
@@ -162,8 +173,7 @@ async def test_a_jetstream_error_fails_its_publish_without_leaking(bus):
     refused = await acks.send(TURN_SUBJECT, b"x", headers={"Nats-Expected-Stream": "ANOTHER"})
     with pytest.raises(APIError, match="expected stream"):
         await asyncio.wait_for(refused, 5)
-    await asyncio.sleep(0)
-    assert acks.outstanding == 0
+    await until(lambda: acks.outstanding == 0, timeout_s=5)
 
 
 async def test_publish_all_times_out_when_the_server_is_gone(nats_server):
@@ -171,8 +181,7 @@ async def test_publish_all_times_out_when_the_server_is_gone(nats_server):
     nats_server.stop()
     errors = await bus.publish_all(SESSION_EVENT_SUBJECT, [event(1), event(2)], timeout_s=0.5)
     assert all(isinstance(e, (TimeoutError, ConnectionError, nats.errors.Error)) for e in errors), errors
-    await asyncio.sleep(0)  # the given-up futures' callbacks run
-    assert bus.publishes_in_flight == 0
+    await until(lambda: bus.publishes_in_flight == 0, timeout_s=5)  # once the given-up futures' callbacks ran
     await bus.close()
 
 
@@ -183,7 +192,7 @@ async def test_fetch_waits_for_the_first_record_then_takes_what_is_there(bus):
     assert await consumer.fetch(batch=10, timeout_s=0.3) == []
     assert loop.time() - started >= 0.25  # waited, and was ended by the server's expiry
     waiting = asyncio.create_task(consumer.fetch(batch=10, timeout_s=30))
-    await asyncio.sleep(0.2)
+    await until(lambda: pull_requests_waiting(bus, "t"))
     started = loop.time()
     await bus.publish(SESSION_EVENT_SUBJECT, event(1))
     assert [d.record.id for d in await waiting] == ["e1"]
@@ -218,12 +227,12 @@ async def test_repeat_stops_even_when_a_step_swallows_its_cancellation():
         nonlocal steps
         steps += 1
         try:
-            await asyncio.sleep(10)
+            await asyncio.sleep(10)  # a step that takes long: it is cancelled meanwhile
         except asyncio.CancelledError:
             pass
 
     task = asyncio.create_task(repeat(swallowing_step, "test"))
-    await asyncio.sleep(0.05)
+    await until(lambda: steps == 1)  # the step is under way
     task.cancel()
     with pytest.raises(asyncio.CancelledError):
         await asyncio.wait_for(task, 5)
@@ -233,39 +242,47 @@ async def test_repeat_stops_even_when_a_step_swallows_its_cancellation():
 async def test_cancel_and_wait_ends_a_task_that_lost_its_cancellation():
     """A stop that cancelled its loops once and gathered them waited forever for one that had
     lost the cancellation (a library swallowed it and forgot it was asked): cancelled again, it ends."""
+    started = asyncio.Event()
+
     async def forgetful_loop():
+        started.set()
         try:
-            await asyncio.sleep(10)
+            await asyncio.sleep(10)  # waits long: it is cancelled meanwhile
         except asyncio.CancelledError:
             asyncio.current_task().uncancel()
         while True:  # runs on, as a loop does
             await asyncio.sleep(0.01)
 
     task = asyncio.create_task(forgetful_loop())
-    await asyncio.sleep(0.05)
+    await until(started.is_set)
     await asyncio.wait_for(cancel_and_wait([task], patience_s=0.1), 5)
     assert task.cancelled()
 
 
-async def test_a_consumer_hands_back_what_it_holds_at_once_and_gives_up_when_the_server_is_gone(nats_server):
+async def test_a_consumer_hands_back_what_it_holds_at_once(bus):
     """Handed back, a held record is redelivered now, not into the pull request the stopping
-    consumer cancelled (JetStream keeps that open until it expires) nor after the ack wait; with
-    the server away, handing back gives up within HAND_BACK_S and raises nothing."""
-    bus = await Bus.connect(nats_server.url)
+    consumer cancelled (JetStream keeps that open until it expires) nor after the ack wait."""
     await bus.publish(SESSION_EVENT_SUBJECT, event(1))
     first = bus.consumer(TRAFFIC_SUBJECTS, "handed", ack_wait_s=30)
     [held] = await first.fetch(timeout_s=5)
     cancelled = asyncio.create_task(first.fetch(timeout_s=20))
-    await asyncio.sleep(0.2)
+    await until(lambda: pull_requests_waiting(bus, "handed"))  # its pull request is open at the server
     cancelled.cancel()
     await first.hand_back([held])
     second = bus.consumer(TRAFFIC_SUBJECTS, "handed", ack_wait_s=30)
     [again] = await second.fetch(timeout_s=5)
     assert again.record.id == "e1"
 
+
+async def test_handing_back_gives_up_within_its_bound_when_the_server_is_gone(nats_server):
+    """With the server away, handing back gives up within HAND_BACK_S and raises nothing."""
+    bus = await Bus.connect(nats_server.url)
+    await bus.publish(SESSION_EVENT_SUBJECT, event(1))
+    consumer = bus.consumer(TRAFFIC_SUBJECTS, "handed", ack_wait_s=30)
+    [again] = await consumer.fetch(timeout_s=5)
     nats_server.stop()
     loop = asyncio.get_running_loop()
     started = loop.time()
-    await second.hand_back([again])
+    await consumer.hand_back([again])
     assert loop.time() - started < HAND_BACK_S + 1
     await bus.close()

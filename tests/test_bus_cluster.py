@@ -16,19 +16,30 @@ from flywheel.bus import (
 from flywheel.bus.cluster import LocalNatsCluster, free_port
 from flywheel.bus.large import BUCKET
 from flywheel.bus.pull import PullRefused
-from tests.conftest import freeze
-from tests.test_records import make_turn
+
+from factories import freeze, make_turn
+from waiting import until
 
 
-async def eventually(step, tries: int = 300):
-    """`await step()`, retried as the loops retry a failed step (`flywheel.runtime.repeat`): while a
-    stream elects a new leader, its requests are refused or go unanswered for a few seconds."""
-    for _ in range(tries - 1):
+async def eventually(step, timeout_s: float = 60):
+    """`await step()`, retried as the loops retry a failed step (`flywheel.runtime.repeat`) until
+    it succeeds: while a stream elects a new leader, its requests are refused or go unanswered for
+    a few seconds. Fails the test after `timeout_s`, from the step's last error."""
+    results, errors = [], []
+
+    async def succeeded() -> bool:
         try:
-            return await step()
-        except (nats.errors.Error, PullRefused):
-            await asyncio.sleep(0.1)
-    return await step()
+            results.append(await step())
+        except (nats.errors.Error, PullRefused) as error:
+            errors.append(error)
+            return False
+        return True
+
+    try:
+        await until(succeeded, timeout_s, poll_s=0.1)
+    except AssertionError as not_reached:
+        raise not_reached from errors[-1] if errors else None
+    return results[-1]
 
 
 def trajectory(i: int) -> Trajectory:
@@ -53,10 +64,14 @@ async def test_a_three_server_bus_keeps_three_copies_and_serves_through_the_loss
             await eventually(lambda: bus.publish(TRAJECTORY_SUBJECT, trajectory(2)))
             assert bus.nc.connected_url.port != connected
             got = []
-            while len(got) < 2:
+
+            async def both_read() -> bool:
                 for delivery in await eventually(lambda: consumer.fetch(timeout_s=1)):
                     got.append(delivery)
                     await delivery.ack()
+                return len(got) >= 2
+
+            await until(both_read)
             assert [d.record.id for d in got] == ["s1#1", "s2#1"]
 
             cluster.restart(victim)
@@ -75,10 +90,8 @@ async def test_a_publish_lost_with_the_server_that_took_it_is_sent_again_on_reco
     try:
         freeze(server.pid)  # takes the bytes into its socket, never reads them
         publish = asyncio.create_task(bus.publish(TURN_SUBJECT, make_turn(), timeout_s=60))
-        async with asyncio.timeout(10):
-            while bus.publishes_in_flight == 0:
-                assert not publish.done(), "the frozen server acknowledged the publish"
-                await asyncio.sleep(0.01)
+        await until(lambda: bus.publishes_in_flight > 0 or publish.done(), timeout_s=10)
+        assert not publish.done(), "the frozen server acknowledged the publish"
         server.kill()  # dies with the message unread
         server.start()
         await asyncio.wait_for(publish, 30)  # acknowledged after the reconnect, not timed out at 60 s

@@ -25,8 +25,7 @@ from openai.types.chat.chat_completion_message import (
     FunctionCall,
 )
 
-from tests.test_gateway_robustness import gateway  # noqa: F401  (fixture: a serve loop on its own thread)
-from tests.test_serve import records, served  # noqa: F401  (fixture: a serve loop in the test's event loop)
+from factories import traffic_records
 
 ASK = {"role": "user", "content": "Write some digits."}
 AGAIN = {"role": "user", "content": "And again."}
@@ -36,7 +35,7 @@ WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters":
 
 
 @pytest.fixture(scope="module")
-def client(gateway):  # noqa: F811
+def client(gateway):
     with openai.OpenAI(base_url=f"{gateway.url}/v1", api_key="x", max_retries=0) as sync:
         yield sync
 
@@ -67,11 +66,11 @@ def test_openai_sdk_response_messages_go_back_into_the_history(client):
     same_prompt(client, [ASK, rich.model_dump(), AGAIN], plain)
 
 
-async def test_the_recorded_turn_keeps_only_what_the_prompt_used(served, bus):  # noqa: F811
+async def test_the_recorded_turn_keeps_only_what_the_prompt_used(served, bus):
     async with openai.AsyncOpenAI(base_url=f"{served.url}/v1", api_key="x", max_retries=0) as client:
         first = (await client.chat.completions.create(messages=[ASK], **GREEDY)).choices[0].message
         await client.chat.completions.create(messages=[ASK, first.model_dump(), AGAIN], **GREEDY)
-    _, second = await records(bus, 2)
+    _, second = await traffic_records(bus, 2)
     assert second.messages == [ASK, {"role": "assistant", "content": first.content}, AGAIN]
 
 
@@ -90,7 +89,7 @@ def test_openai_sdk_tool_call_messages_go_back_into_the_history(client):
                 tools=[WEATHER])
 
 
-def test_langchain_two_turn_conversations(gateway):  # noqa: F811
+def test_langchain_two_turn_conversations(gateway):
     from langchain_core.messages import AIMessage, HumanMessage
     from langchain_core.messages.content import create_text_block
     from langchain_openai import ChatOpenAI
@@ -152,7 +151,7 @@ def test_text_parts_may_carry_extra_keys(client):
      "messages.0.content.1.type", "input_audio"),
     ({"messages": [{"role": "user", "content": [{"type": "text"}]}]}, "messages.0.content.0.text", "required"),
 ])
-def test_what_stays_a_400_names_its_field(gateway, body, param, words):  # noqa: F811
+def test_what_stays_a_400_names_its_field(gateway, body, param, words):
     response = httpx.post(f"{gateway.url}/v1/chat/completions", json={"model": "tiny", **body}, timeout=60)
     assert response.status_code == 400, response.text
     error = response.json()["error"]

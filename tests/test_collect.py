@@ -1,8 +1,6 @@
 """The session tracker and stitching: exact ids and masks, close rules, dedup; and the collect
 loop over a real NATS server."""
 
-import asyncio
-
 from flywheel.bus import (
     SESSION_EVENT_SUBJECT,
     TRAJECTORY_SUBJECT,
@@ -14,7 +12,9 @@ from flywheel.collect.stitch import stitch
 from flywheel.collect.tracker import SessionTracker
 from flywheel.config import load_config
 from flywheel.config.schema import CollectConfig
-from tests.test_records import make_turn
+
+from factories import make_turn, read
+from waiting import until
 
 
 def turn(tid, session="s", index=0, prompt=(1, 2), output=(3, 4), versions=None, **kw):
@@ -33,14 +33,21 @@ def test_single_turn_mask_is_one_exactly_on_sampled_tokens():
     assert seg.turn_spans == [(0, 3, 5)]
 
 
-def test_turns_merge_when_the_prompt_extends_and_split_when_history_is_rewritten():
+def test_a_turn_whose_prompt_extends_the_last_one_joins_its_segment():
     first = turn("a", index=0, prompt=[1, 2], output=[3, 4])
     second = turn("b", index=1, prompt=[1, 2, 3, 4, 5, 6], output=[7])  # extends: glue 5, 6
-    third = turn("c", index=2, prompt=[1, 2, 9, 5, 6, 7, 8], output=[10])  # rewritten history
-    segs = stitch([first, second, third])
-    assert [s.token_ids for s in segs] == [[1, 2, 3, 4, 5, 6, 7], [1, 2, 9, 5, 6, 7, 8, 10]]
-    assert segs[0].loss_mask == [0, 0, 1, 1, 0, 0, 1]
-    assert segs[0].turn_spans == [(0, 2, 4), (1, 6, 7)]
+    [seg] = stitch([first, second])
+    assert seg.token_ids == [1, 2, 3, 4, 5, 6, 7]
+    assert seg.loss_mask == [0, 0, 1, 1, 0, 0, 1]
+    assert seg.turn_spans == [(0, 2, 4), (1, 6, 7)]
+
+
+def test_a_turn_that_rewrites_history_starts_a_segment_of_its_own():
+    first = turn("a", index=0, prompt=[1, 2], output=[3, 4])
+    rewritten = turn("c", index=1, prompt=[1, 2, 9, 5, 6, 7, 8], output=[10])  # not [1, 2, 3, 4, ...]
+    segs = stitch([first, rewritten])
+    assert [s.token_ids for s in segs] == [[1, 2, 3, 4], [1, 2, 9, 5, 6, 7, 8, 10]]
+    assert segs[0].loss_mask == [0, 0, 1, 1]
     assert segs[1].loss_mask == [0] * 7 + [1]
 
 
@@ -56,29 +63,50 @@ def test_feedback_closes_a_session_with_its_turns_in_order():
     assert sorted(closed.handles) == ["ha", "hb", "he"]
 
 
-def test_turn_feedback_attaches_without_closing_and_end_closes():
+def test_an_end_closes_its_session():
+    tracker = SessionTracker(CollectConfig(idle_timeout_s=60, feedback_grace_s=0))
+    assert tracker.add(turn("a"), 1) == []
+    [closed] = tracker.add(SessionEvent(id="e", session_id="s", kind="end"), 2)
+    assert closed.trajectory.close_reason == "end" and [t.id for t in closed.trajectory.turns] == ["a"]
+    assert closed.handles == [1, 2]
+
+
+def test_turn_feedback_attaches_to_the_session_without_closing_it():
     tracker = SessionTracker(CollectConfig(idle_timeout_s=60, feedback_grace_s=0))
     tracker.add(turn("a"), 1)
     assert tracker.add(SessionEvent(id="e1", session_id="s", kind="feedback", reward=0.5, turn_index=0), 2) == []
+    assert tracker.open_sessions == 1
     [closed] = tracker.add(SessionEvent(id="e2", session_id="s", kind="end"), 3)
-    assert closed.trajectory.close_reason == "end"
-    assert closed.trajectory.feedback[0].turn_index == 0
+    assert closed.trajectory.feedback[0].turn_index == 0 and closed.trajectory.feedback[0].reward == 0.5
 
 
-def test_done_turn_closes_at_once_and_duplicates_are_dropped():
+def test_a_turn_marked_done_closes_its_session_at_once():
     tracker = SessionTracker(CollectConfig(idle_timeout_s=60, feedback_grace_s=0))
     [closed] = tracker.add(turn("a", session_done=True), 1)
-    assert closed.trajectory.close_reason == "done"
+    assert closed.trajectory.close_reason == "done" and tracker.open_sessions == 0
+
+
+def test_a_turn_delivered_again_is_dropped_as_a_duplicate():
+    tracker = SessionTracker(CollectConfig(idle_timeout_s=60, feedback_grace_s=0))
+    tracker.add(turn("a", session_done=True), 1)
     [dup] = tracker.add(turn("a", session_done=True), 2)
     assert dup.trajectory is None and dup.handles == [2]
     assert tracker.counts["duplicates"] == 1
 
 
-def test_end_before_turn_is_held_and_side_turns_are_not_trained():
+def test_an_end_that_arrives_before_its_turn_is_held_until_the_turn_comes():
     tracker = SessionTracker(CollectConfig(idle_timeout_s=60, feedback_grace_s=0))
     assert tracker.add(SessionEvent(id="e", session_id="s", kind="end"), 1) == []
-    assert tracker.add(turn("side", turn_type="side"), 2) == []
-    [closed] = tracker.add(turn("main"), 3)
+    [closed] = tracker.add(turn("main"), 2)
+    assert closed.trajectory.close_reason == "end" and [t.id for t in closed.trajectory.turns] == ["main"]
+    assert closed.handles == [1, 2]
+
+
+def test_side_turns_are_acknowledged_but_not_trained():
+    tracker = SessionTracker(CollectConfig(idle_timeout_s=60, feedback_grace_s=0))
+    assert tracker.add(turn("side", turn_type="side"), 1) == []
+    assert tracker.add(turn("main"), 2) == []
+    [closed] = tracker.add(SessionEvent(id="e", session_id="s", kind="end"), 3)
     assert [t.id for t in closed.trajectory.turns] == ["main"]
     assert closed.handles == [1, 2, 3]
 
@@ -247,19 +275,15 @@ async def test_collect_loop_publishes_trajectories_and_acks(bus, nats_url, tmp_p
     try:
         await bus.publish(TURN_SUBJECT, turn("a", session="x", prompt=[5, 6], output=[7]))
         await bus.publish(SESSION_EVENT_SUBJECT, SessionEvent(id="e", session_id="x", kind="feedback", reward=2.0))
-        consumer = bus.consumer(TRAJECTORY_SUBJECT, "check")
-        got = []
-        while not got:
-            got = await consumer.fetch(timeout_s=5)
-        traj = got[0].record
+        [traj] = await read(bus, TRAJECTORY_SUBJECT, "check")
         assert traj.session_id == "x" and traj.segments[0].token_ids == [5, 6, 7]
         assert traj.segments[0].loss_mask == [0, 0, 1]
-        for _ in range(100):  # acks land after the publish
+
+        async def acknowledged():  # acks land after the publish
             info = await bus.js.consumer_info("TRAFFIC", "collect")
-            if info.num_ack_pending == 0:
-                break
-            await asyncio.sleep(0.05)
-        assert info.num_ack_pending == 0 and info.num_pending == 0
+            return info.num_ack_pending == 0 and info.num_pending == 0
+
+        await until(acknowledged)
     finally:
         await loop.stop()
 
@@ -272,20 +296,15 @@ async def test_a_collector_stopped_cleanly_hands_its_open_sessions_to_the_next_a
     first = CollectLoop(config, nats_url, durable="handover")
     await first.start()
     await bus.publish(TURN_SUBJECT, turn("open-1", session="handover", prompt=[5, 6], output=[7]))
-    while first.tracker.open_sessions == 0:
-        await asyncio.sleep(0.05)
+    await until(lambda: first.tracker.open_sessions > 0)
     await first.stop()
 
     second = CollectLoop(config, nats_url, durable="handover")
     await second.start()
     try:
         await bus.publish(SESSION_EVENT_SUBJECT, SessionEvent(id="handover-end", session_id="handover", kind="feedback", reward=1.0))
-        consumer = bus.consumer(TRAJECTORY_SUBJECT, "handover-check")
-        mine = []
-        async with asyncio.timeout(10):  # a third of the ack wait
-            while not mine:
-                mine = [d.record for d in await consumer.fetch(timeout_s=1) if d.record.session_id == "handover"]
-        [trajectory] = mine
+        [trajectory] = await read(bus, TRAJECTORY_SUBJECT, "handover-check", keep=lambda r: r.session_id == "handover",
+                                  timeout_s=10)  # a third of the ack wait
         assert trajectory.segments[0].token_ids == [5, 6, 7] and [e.reward for e in trajectory.feedback] == [1.0]
     finally:
         await second.stop()

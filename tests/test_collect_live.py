@@ -4,24 +4,21 @@ exactly on sampled tokens: the `tiny` ChatML template, SmolLM2's, parallel tool 
 results, a template that rewrites history (a split), and many interleaved sessions."""
 
 import asyncio
-from contextlib import asynccontextmanager
 
-import httpx
-import openai
 import pytest
 
-from flywheel.bus import (
-    TRAFFIC_SUBJECTS,
-    TRAJECTORY_SUBJECT,
-    SessionEvent,
-    Trajectory,
-    Turn,
-)
-from flywheel.collect.loop import CollectLoop
-from flywheel.config import load_config
+from flywheel.bus import TRAFFIC_SUBJECTS, SessionEvent, Turn
 from flywheel.models.tiny import CHAT_TEMPLATE
-from flywheel.serve.loop import ServeLoop
-from tests.teaching import teach_tiny
+
+from factories import (
+    assert_prompts_render_the_conversation,
+    assert_segment_is_exact,
+    collected,
+    platform,
+    post_feedback,
+    teach_tiny,
+)
+from waiting import until
 
 WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}
 ASK_TWO = [{"role": "user", "content": "Weather in Paris and in Rome?"}]
@@ -31,19 +28,6 @@ TWO_CALLS = ('<tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}
 # rendering of earlier assistant turns leaves out, so no turn's prompt extends the last one.
 THINKING_TEMPLATE = CHAT_TEMPLATE.replace("{{- '<|im_start|>assistant\n' }}", "{{- '<|im_start|>assistant\n<think>\n' }}")
 assert THINKING_TEMPLATE != CHAT_TEMPLATE
-
-
-@asynccontextmanager
-async def platform(nats_url, tmp_path, *overrides):
-    config = load_config(None, [f"run_dir={tmp_path}", "serve.port=0", "collect.feedback_grace_s=0", *overrides])
-    serve, collect = ServeLoop(config, nats_url), CollectLoop(config, nats_url)
-    await serve.start()
-    await collect.start()
-    try:
-        yield serve, collect, openai.AsyncOpenAI(base_url=f"{serve.url}/v1", api_key="x", max_retries=0)
-    finally:
-        await collect.stop()
-        await serve.stop()
 
 
 async def conversation(serve, client, session: str, user_texts: list[str], reward: float = 1.0, **kw) -> list[dict]:
@@ -57,48 +41,6 @@ async def conversation(serve, client, session: str, user_texts: list[str], rewar
         messages.append(reply.choices[0].message.model_dump(exclude_none=True))
     await post_feedback(serve, session, reward)
     return messages
-
-
-async def post_feedback(serve, session: str, reward: float) -> None:
-    async with httpx.AsyncClient() as http:
-        response = await http.post(f"{serve.url}/v1/sessions/{session}/feedback", json={"reward": reward})
-        response.raise_for_status()
-
-
-async def fetch_all(bus, subject: str, durable: str, kind: type, n: int) -> list:
-    consumer = bus.consumer(subject, durable)
-    out: list = []
-    while len(out) < n:
-        out += [d.record for d in await consumer.fetch(timeout_s=5) if isinstance(d.record, kind)]
-    return out
-
-
-async def collected(bus, n_sessions: int, n_turns: int) -> tuple[dict[str, Trajectory], dict[str, list[Turn]]]:
-    trajectories = await fetch_all(bus, TRAJECTORY_SUBJECT, "live-trajectories", Trajectory, n_sessions)
-    turns: dict[str, list[Turn]] = {}
-    for turn in await fetch_all(bus, TRAFFIC_SUBJECTS, "live-turns", Turn, n_turns):
-        turns.setdefault(turn.session_id, []).append(turn)
-    return {t.session_id: t for t in trajectories}, {s: sorted(ts, key=lambda t: t.turn_index) for s, ts in turns.items()}
-
-
-def assert_segment_is_exact(segment, turns: list[Turn]) -> None:
-    """The segment is the last turn's prompt + output; every turn's prompt + output is a prefix of
-    it; mask, logprobs and versions are set exactly on each turn's sampled tokens."""
-    last = turns[-1]
-    assert segment.token_ids == last.prompt_ids + last.output_ids
-    mask, logprobs, versions = [0] * len(segment.token_ids), [0.0] * len(segment.token_ids), [-1] * len(segment.token_ids)
-    for turn in turns:
-        start, end = len(turn.prompt_ids), len(turn.prompt_ids) + len(turn.output_ids)
-        assert segment.token_ids[:end] == turn.prompt_ids + turn.output_ids
-        mask[start:end], logprobs[start:end], versions[start:end] = [1] * len(turn.output_ids), turn.output_logprobs, turn.output_versions
-        assert (turn.turn_index, start, end) in segment.turn_spans
-    assert segment.loss_mask == mask and segment.logprobs == logprobs and segment.versions == versions
-
-
-def assert_prompts_render_the_conversation(tokenizer, turns: list[Turn], **template_kw) -> None:
-    for turn in turns:
-        rendered = tokenizer.apply_chat_template(turn.messages, add_generation_prompt=True, tokenize=False, **template_kw)
-        assert tokenizer.decode(turn.prompt_ids, skip_special_tokens=False) == rendered
 
 
 async def test_a_tiny_chatml_conversation_is_one_exact_segment(nats_url, tmp_path, bus):
@@ -230,8 +172,12 @@ async def test_each_request_is_announced_with_its_turn_ids_before_its_turns(nats
         await client.chat.completions.create(model=serve.model_name, messages=messages, max_tokens=4)
         consumer = bus.consumer(TRAFFIC_SUBJECTS, "announcements")
         records: list = []
-        while sum(isinstance(r, Turn) for r in records) < 4:
-            records += [d.record for d in await consumer.fetch(timeout_s=5)]
+
+        async def four_turns_read() -> bool:
+            records.extend(d.record for d in await consumer.fetch(timeout_s=1))
+            return sum(isinstance(r, Turn) for r in records) >= 4
+
+        await until(four_turns_read)
     announced = [r for r in records if isinstance(r, SessionEvent) and r.kind == "pending"]
     turns = [r for r in records if isinstance(r, Turn)]
     rid = whole.id.removeprefix("chatcmpl-")

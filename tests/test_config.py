@@ -24,15 +24,20 @@ def test_dumped_config_loads_back_identically(tmp_path):
     assert load_config(path) == config
 
 
-def test_shipped_configs_are_valid_and_each_is_said_what_it_is_for():
+def test_every_shipped_config_loads():
     from pathlib import Path
 
     paths = sorted(Path("configs").glob("*.yaml"))
     assert len(paths) >= 9
-    readme = Path("configs/README.md").read_text()
     for path in paths:
         load_config(path)
-        assert f"`{path.name}`" in readme
+
+
+def test_configs_readme_says_what_each_shipped_config_is_for():
+    from pathlib import Path
+
+    readme = Path("configs/README.md").read_text()
+    assert [p.name for p in sorted(Path("configs").glob("*.yaml")) if f"`{p.name}`" not in readme] == []
 
 
 def test_promotion_defaults_offline_off_local_gate_live_canary():

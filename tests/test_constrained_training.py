@@ -17,26 +17,31 @@ from flywheel.formats.grammar import TokenGrammar, allowed_tokens, model_grammar
 from flywheel.models import load_model
 from flywheel.serve.engine.core import Engine
 from flywheel.serve.engine.sampling import SamplingParams
-from flywheel.train.advantages import RunningBaseline
-from flywheel.train.grouping import Group, Member
 from flywheel.train.packing import Row, micro_batches
-from flywheel.train.step_batch import StepBatch
 from flywheel.train.trainer import GapStats, Trainer
-from tests.test_collect_live import fetch_all, platform, post_feedback
-from tests.test_records import make_turn
-from tests.test_structured_outputs import ASK, FORECAST, TOOLS
-from tests.test_train_loop import sample_of
+
+from factories import (
+    ASK_FORECAST,
+    FORECAST,
+    FORECAST_TOOLS,
+    make_turn,
+    platform,
+    post_feedback,
+    read,
+    sample_of,
+    step_of,
+)
 
 AGENTS = {  # every turn of each session is drawn under a grammar
-    "named": {"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "forecast"}}},
-    "required": {"tools": TOOLS, "tool_choice": "required"},
+    "named": {"tools": FORECAST_TOOLS, "tool_choice": {"type": "function", "function": {"name": "forecast"}}},
+    "required": {"tools": FORECAST_TOOLS, "tool_choice": "required"},
     "shaped": {"response_format": {"type": "json_schema", "json_schema": {"name": "forecast", "schema": FORECAST}}},
 }
 
 
 async def agent(serve, client, session: str, reward: float, **kw) -> None:
     """Two turns, as an agent sends them (the whole history each time), then a reward."""
-    messages = list(ASK)
+    messages = list(ASK_FORECAST)
     for seed in range(2):
         reply = await client.chat.completions.create(model=serve.model_name, messages=messages, max_tokens=40, seed=seed,
                                                      extra_headers={"X-Session-Id": session}, **kw)
@@ -49,15 +54,10 @@ async def agent(serve, client, session: str, reward: float, **kw) -> None:
     await post_feedback(serve, session, reward)
 
 
-def step_of(samples: list[Sample], config) -> StepBatch:
-    groups = [Group(s.id, 1, 0.0, 0.0, {s.id: Member(s, [])}) for s in samples]
-    return StepBatch(groups, config, RunningBaseline(), pad_id=0)
-
-
 async def test_forced_calls_and_response_formats_are_trained_under_their_grammar(nats_url, tmp_path, bus):
     async with platform(nats_url, tmp_path) as (serve, _, client):
         await asyncio.gather(*(agent(serve, client, name, float(i), **kw) for i, (name, kw) in enumerate(AGENTS.items())))
-        trajectories = await fetch_all(bus, TRAJECTORY_SUBJECT, "constrained", Trajectory, len(AGENTS))
+        trajectories = await read(bus, TRAJECTORY_SUBJECT, "constrained", len(AGENTS), lambda r: isinstance(r, Trajectory))
     assert sorted(t.session_id for t in trajectories) == sorted(AGENTS)
     assert all(len(t.turns) == 2 and any(k in turn.sampling for k in ("ebnf", "json_schema"))
                for t in trajectories for turn in t.turns)

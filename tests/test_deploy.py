@@ -22,17 +22,9 @@ from flywheel.config import load_config
 from flywheel.deploy.deployment import Deployment
 from flywheel.versions.registry import Registry
 
+from waiting import until, until_sync
+
 ETA = 2
-
-
-def wait_for(condition, timeout_s: float, poll_s: float = 1.0):
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        value = condition()
-        if value:
-            return value
-        time.sleep(poll_s)
-    raise TimeoutError(f"condition not met within {timeout_s}s")
 
 
 async def turns_until(bus_url: str, session_id: str) -> list[Turn]:
@@ -41,10 +33,16 @@ async def turns_until(bus_url: str, session_id: str) -> list[Turn]:
     try:
         consumer = bus.consumer(TRAFFIC_SUBJECTS, "test-check")
         turns: list[Turn] = []
-        while not turns or turns[-1].session_id != session_id:
-            for delivery in await consumer.fetch(batch=1, timeout_s=5.0):
+
+        async def up_to_the_session() -> bool:
+            for delivery in await consumer.fetch(batch=500, timeout_s=5.0):
                 if isinstance(delivery.record, Turn):
                     turns.append(delivery.record)
+                    if delivery.record.session_id == session_id:
+                        return True  # what came after it is left unread
+            return False
+
+        await until(up_to_the_session)
         return turns
     finally:
         await bus.close()
@@ -61,7 +59,7 @@ def test_the_loop_closes_and_the_reward_rises(ray_session, tmp_path):
             reward = stats["rollout"].get("reward_mean")
             return stats["train"].get("version", 0) >= 5 and reward is not None and reward >= 0.4
 
-        wait_for(learned, timeout_s=400)
+        until_sync(learned, timeout_s=400, poll_s=1.0)
         client = openai.OpenAI(base_url=f"{deployment.serve_url}/v1", api_key="x", max_retries=0)
         reply = client.chat.completions.create(
             model="tiny", messages=[{"role": "user", "content": "Reply with a number."}], max_tokens=8,
@@ -101,7 +99,8 @@ def test_a_gate_that_rejects_every_version_does_not_stall_the_loop(ray_session, 
     config = load_config("configs/local.yaml", [f"run_dir={tmp_path}", "serve.port=0", f"rollout.max_head_offpolicyness={ETA}",
                                                         "promotion.gate.guards.max_kl=1e-9"])
     with Deployment(config) as deployment:
-        stats = wait_for(lambda: (s := deployment.stats())["train"].get("version", 0) >= 3 * (ETA + 1) and s, timeout_s=120)
+        stats = until_sync(lambda: (s := deployment.stats())["train"].get("version", 0) >= 3 * (ETA + 1) and s,
+                           timeout_s=120, poll_s=1.0)
         versions = asyncio.run(registered(deployment.bus_url))
     rejected = [v for v in versions if v.state == "rejected"]
     assert len(rejected) >= ETA + 1 and stats["train"]["abandoned_dropped"] == 0

@@ -26,8 +26,8 @@ from flywheel.train.grouping import Group, Member
 from flywheel.train.packing import Row, TeacherTop, micro_batches
 from flywheel.train.step_batch import StepBatch
 from flywheel.train.trainer import Trainer
-from tests.test_records import make_turn
-from tests.test_train_loop import sample_of, sampled_turns
+
+from factories import make_turn, sample_of, sampled_turns
 
 NAN = float("nan")
 

@@ -15,10 +15,8 @@ from flywheel.serve.engine import (
     version_spans,
 )
 
-
-@pytest.fixture(scope="module")
-def model_and_tokenizer(tiny_path):
-    return load_model(tiny_path)
+from factories import prompt, recomputed_logprobs
+from waiting import until
 
 
 @pytest.fixture
@@ -29,18 +27,6 @@ def engine(model_and_tokenizer):
     eng = Engine(model, tokenizer, max_batch_size=8, load_weights=load_weights).start()
     yield eng
     eng.stop()
-
-
-def prompt(tokenizer, text: str) -> list[int]:
-    rendered = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True, tokenize=False)
-    return tokenizer.encode(rendered, add_special_tokens=False)
-
-
-def recomputed_logprobs(model, prompt_ids, output_ids, temperature=1.0) -> list[float]:
-    ids = torch.tensor([prompt_ids + output_ids])
-    with torch.no_grad():
-        logits = model(input_ids=ids).logits[0, len(prompt_ids) - 1 : -1] / temperature
-    return torch.log_softmax(logits.float(), -1).gather(1, torch.tensor(output_ids).unsqueeze(1)).squeeze(1).tolist()
 
 
 async def test_behaviour_logprobs_match_a_full_forward_pass(engine, model_and_tokenizer):
@@ -80,8 +66,7 @@ async def test_requests_join_and_leave_a_running_batch(engine, model_and_tokeniz
         seen += 1
         if seen == 10:
             short_task = asyncio.ensure_future(engine.generate(short_ids, short_params))
-            while engine.load()["num_running_reqs"] < 2 and not short_task.done():
-                await asyncio.sleep(0.001)
+            await until(lambda: engine.load()["num_running_reqs"] >= 2 or short_task.done(), poll_s=0.001)
     long_joined = item
     short_joined = await short_task
     assert long_joined.output_ids == long_alone.output_ids

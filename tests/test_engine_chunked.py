@@ -17,15 +17,12 @@ from flywheel.models import WeightStore, load_model, load_weights
 from flywheel.serve.engine import Engine, SamplingParams
 from flywheel.serve.engine.chunked import OVERTAKEN_LIMIT, PartialPrefill, plan
 from flywheel.serve.loop import ServeLoop
-from tests.test_engine import recomputed_logprobs
+
+from factories import recomputed_logprobs
+from waiting import until
 
 LONG = [(7 * i) % 1900 + 50 for i in range(120)]
 """A 120-token prompt of ids the tiny model knows."""
-
-
-@pytest.fixture(scope="module")
-def model_and_tokenizer(tiny_path):
-    return load_model(tiny_path)
 
 
 def started(model_and_tokenizer, chunk: int, max_stall_s: float = 0.0, rows: int = 4) -> Engine:
@@ -61,7 +58,7 @@ def test_a_prompt_that_fits_in_a_round_is_not_split_it_waits_for_the_next():
     assert plan([fits], room=4, budget=64, policy="fcfs").whole == [fits]  # the next round takes it whole
 
 
-def test_shortest_first_admits_the_least_prompt_left_first_and_a_request_passed_over_too_often_before_it():
+def test_shortest_first_admits_the_least_prompt_left_first():
     a, b, c, d = waiting(100), waiting(20), waiting(10), waiting(20)
     work = plan([a, b, c, d], room=4, budget=64, policy="shortest-first")
     assert work.whole == [c, b, d] and work.piece == (a, 14)  # equal prompts keep their arrival order
@@ -70,14 +67,21 @@ def test_shortest_first_admits_the_least_prompt_left_first_and_a_request_passed_
     assert (a.overtaken, b.overtaken, c.overtaken, d.overtaken) == (1, 0, 0, 0)  # only a was passed by a later one
     started = waiting(300, done=200)
     assert plan([c, started], room=4, budget=64, policy="shortest-first").piece == (started, 64)  # it goes on first
-    for _ in range(OVERTAKEN_LIMIT - 1):
+
+
+def test_shortest_first_admits_a_request_passed_over_too_often_before_shorter_ones():
+    a, b = waiting(100), waiting(20)
+    for _ in range(OVERTAKEN_LIMIT):
         assert plan([a, b], room=1, budget=64, policy="shortest-first").whole == [b]
     assert a.overtaken == OVERTAKEN_LIMIT
     assert plan([a, b], room=1, budget=64, policy="shortest-first").piece == (a, 64)  # passed over enough: first
     assert plan([a, waiting(5, overtaken=OVERTAKEN_LIMIT), b], room=4, budget=200,
                 policy="shortest-first").whole[0] is a  # the starved go first in their arrival order
-    retracted = waiting(60, output=40)  # sent back mid-generation by a retract pause
-    assert plan([c, retracted], room=4, budget=200, policy="shortest-first").whole == [retracted, c]
+
+
+def test_shortest_first_admits_a_request_sent_back_mid_generation_first():
+    short, retracted = waiting(10), waiting(60, output=40)  # sent back mid-generation by a retract pause
+    assert plan([short, retracted], room=4, budget=200, policy="shortest-first").whole == [retracted, short]
 
 
 @pytest.mark.parametrize("policy", ["shortest-first", "fcfs"])
@@ -89,8 +93,7 @@ async def test_a_short_prompt_behind_a_long_one_gets_its_first_token_first_unles
         params = SamplingParams(max_new_tokens=2, ignore_eos=True)
         long = asyncio.create_task(engine.generate(LONG, params))
         short = asyncio.create_task(engine.generate([5, 6, 7], params))
-        while engine.load()["num_waiting_reqs"] < 2:
-            await asyncio.sleep(0.01)
+        await until(lambda: engine.load()["num_waiting_reqs"] >= 2)
         await engine.resume()
         long, short = await long, await short
     finally:
@@ -108,8 +111,7 @@ async def test_while_prompts_wait_rounds_run_back_to_back_until_the_streams_stal
         await engine.pause("in_place")
         params = SamplingParams(max_new_tokens=2, ignore_eos=True)
         tasks = [asyncio.create_task(engine.generate([5 + i, 6, 7], params)) for i in range(4)]
-        while engine.load()["num_waiting_reqs"] < 4:
-            await asyncio.sleep(0.01)
+        await until(lambda: engine.load()["num_waiting_reqs"] >= 4)
         await engine.resume()
         results = [await task for task in tasks]
     finally:
@@ -153,8 +155,7 @@ async def test_running_streams_get_tokens_while_a_long_prompt_is_prefilled(model
                 received.extend(getattr(item, "token_ids", []))
 
         task = asyncio.create_task(running())
-        while not received:
-            await asyncio.sleep(0.01)
+        await until(lambda: received)
         before = len(received)
         result = await engine.generate(LONG, SamplingParams(max_new_tokens=1))
         assert len(received) - before >= 14  # a decode step after each of its pieces but the last
@@ -170,8 +171,7 @@ async def test_a_request_aborted_mid_prefill_ends_alone(model_and_tokenizer):
     try:
         other = asyncio.create_task(engine.generate([5, 6, 7], SamplingParams(max_new_tokens=60, ignore_eos=True)))
         long = asyncio.create_task(engine.generate(LONG, SamplingParams(max_new_tokens=4), rid="long"))
-        while engine.stats["steps"] < 10:  # both admitted: the long one part-prefilled
-            await asyncio.sleep(0.01)
+        await until(lambda: engine.stats["steps"] >= 10)  # both admitted: the long one part-prefilled
         assert await engine.abort("long") == 1
         assert (await long).finish_reason["type"] == "abort"
         assert len((await other).output_ids) == 60

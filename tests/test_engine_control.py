@@ -8,7 +8,9 @@ import torch
 
 from flywheel.models import WeightStore, load_model, load_weights
 from flywheel.serve.engine import Engine, GenerationResult, SamplingParams, TokenDelta
-from tests.test_engine import prompt, recomputed_logprobs
+
+from factories import prompt, recomputed_logprobs
+from waiting import until
 
 
 @pytest.fixture
@@ -66,20 +68,19 @@ async def test_abort_returns_partial_output(engine):
     assert result.finish_reason["type"] == "abort" and 0 < len(result.output_ids) < 60
     assert len(result.logprobs) == len(result.versions) == len(result.output_ids)
     await stream.aclose()  # a consumer that leaves aborts its request too
-    while engine.load()["num_running_reqs"]:
-        await asyncio.sleep(0.01)
+    await until(lambda: engine.load()["num_running_reqs"] == 0)
     assert engine.stats["aborted"] == 2
 
 
 async def test_pause_abort_ends_everything_and_queues_newcomers(engine):
     ids = prompt(engine.tokenizer, "hello")
     running = asyncio.ensure_future(engine.generate(ids, LONG))
-    while not engine.load()["num_running_reqs"]:
-        await asyncio.sleep(0.001)
+    await until(lambda: engine.load()["num_running_reqs"] > 0, poll_s=0.001)
     await engine.pause("abort")
     assert (await running).finish_reason["type"] == "abort"
     late = asyncio.ensure_future(engine.generate(ids, SamplingParams(max_new_tokens=3)))
-    await asyncio.sleep(0.2)
+    await until(lambda: engine.load()["num_waiting_reqs"] == 1)
+    await asyncio.sleep(0.2)  # time passes: the paused engine must not run the newcomer meanwhile
     assert not late.done() and engine.load()["num_waiting_reqs"] == 1
     await engine.resume()
     assert len((await late).output_ids) <= 3

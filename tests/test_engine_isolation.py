@@ -16,9 +16,9 @@ from flywheel.serve.backends.in_process import InProcessEngineClient
 from flywheel.serve.backends.sglang import HTTPEngineClient
 from flywheel.serve.engine import Engine, SamplingParams
 from flywheel.serve.engine.server import create_engine_app
-from tests.conftest import RunningApp
-from tests.test_engine import prompt
-from tests.waiting import until
+
+from factories import RunningApp, prompt
+from waiting import until
 
 GOOD = SamplingParams(max_new_tokens=24, temperature=0.0, ignore_eos=True)
 TINY_P = {"max_new_tokens": 24, "top_p": 1e-300, "sampling_seed": 1, "ignore_eos": True}

@@ -15,12 +15,8 @@ from flywheel.models import load_model, resolve_model
 from flywheel.serve.engine import Engine, SamplingParams
 from flywheel.serve.engine.detokenizer import IncrementalText
 from flywheel.serve.engine.kv_cache import KVBatch, _groups
-from tests.test_engine import prompt, recomputed_logprobs
 
-
-@pytest.fixture(scope="module")
-def model_and_tokenizer(tiny_path):
-    return load_model(str(tiny_path))
+from factories import prompt, recomputed_logprobs
 
 
 async def test_rows_joining_leaving_and_outgrowing_the_cache_decode_like_a_full_forward(model_and_tokenizer):

@@ -9,28 +9,16 @@ import openai
 import pytest
 import torch
 
-from flywheel.bus import TRAFFIC_SUBJECTS, WEIGHTS_SUBJECT, Turn, WeightUpdate
+from flywheel.bus import WEIGHTS_SUBJECT, WeightUpdate
 from flywheel.config import ConfigError, load_config
-from flywheel.models import WeightStore, load_model, load_weights
+from flywheel.models import WeightStore, load_model
 from flywheel.serve.backends.pool import EnginePool
 from flywheel.serve.backends.sglang import HTTPEngineClient
-from flywheel.serve.engine import Engine
 from flywheel.serve.engine.server import create_engine_app
 from flywheel.serve.loop import ServeLoop
-from tests.conftest import RunningApp
 
-
-def make_engine() -> Engine:
-    model, tokenizer = load_model("tiny")
-    return Engine(model, tokenizer, max_batch_size=8, load_weights=load_weights).start()
-
-
-@pytest.fixture
-async def engine_url():
-    engine = make_engine()
-    async with RunningApp(create_engine_app(engine, "tiny", "tiny", admin_key="adm")) as url:
-        yield url, engine
-    engine.stop()
+from factories import RunningApp, make_engine, recorded_turns
+from waiting import until
 
 
 def sse_chunks(text: str) -> list:
@@ -106,8 +94,7 @@ async def test_abort_request_returns_partial_output_over_http(engine_url):
     body = {"text": "hello", "rid": "slow", "sampling_params": {"max_new_tokens": 500, "ignore_eos": True}}
     async with httpx.AsyncClient(base_url=url, timeout=60) as http:
         pending = asyncio.ensure_future(http.post("/generate", json=body))
-        while not engine.load()["num_running_reqs"]:
-            await asyncio.sleep(0.005)
+        await until(lambda: engine.load()["num_running_reqs"] > 0)
         await http.post("/abort_request", json={"rid": "slow"}, headers={"Authorization": "Bearer adm"})
         reply = (await pending).json()
     assert reply["meta_info"]["finish_reason"]["type"] == "abort"
@@ -168,19 +155,13 @@ async def test_gateway_over_two_http_engines_with_a_rolling_swap(nats_url, bus, 
             model.lm_head.weight.mul_(1.5)
         path = WeightStore(tmp_path / "store").publish(model, 2)
         await bus.publish(WEIGHTS_SUBJECT, WeightUpdate(id="w2", version=2, path=str(path), step=2))
-        for _ in range(500):
-            if loop.stats()["swaps"] == 1:
-                break
-            await asyncio.sleep(0.01)
+        await until(lambda: loop.stats()["swaps"] >= 1)
         assert [e.version for e in engines] == ["2", "2"] and loop.stats()["swaps"] == 1
         stream = await client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}],
                                                       max_tokens=4, stream=True, extra_headers={"X-Session-Id": "after"})
         chunks = [c async for c in stream]
         assert chunks[-1].system_fingerprint == "flywheel-v2"
-        consumer = bus.consumer(TRAFFIC_SUBJECTS, "check")
-        recorded = []
-        while len(recorded) < 13:
-            recorded += [d.record for d in await consumer.fetch(timeout_s=1) if isinstance(d.record, Turn)]
+        recorded = await recorded_turns(bus, 13)
         assert recorded[-1].session_id == "after" and set(recorded[-1].output_versions) == {2}
         assert all(set(t.output_versions) == {0} for t in recorded[:12])
     finally:

@@ -8,8 +8,8 @@ import torch
 
 from flywheel.config import load_config
 from flywheel.deploy.deployment import Deployment
-from flywheel.serve.engine import torch_threads as threads
-from flywheel.serve.engine.torch_threads import torch_threads
+from flywheel.serve.engine import cpu_threads as threads
+from flywheel.serve.engine.cpu_threads import torch_threads
 from flywheel.serve.loop import ServeLoop
 
 

@@ -13,7 +13,7 @@ import openai
 import pytest
 import torch
 
-from flywheel.bus import TRAFFIC_SUBJECTS, WEIGHTS_SUBJECT, Turn, WeightUpdate
+from flywheel.bus import WEIGHTS_SUBJECT, Turn, WeightUpdate
 from flywheel.cli import command
 from flywheel.config import load_config
 from flywheel.models import WeightStore, load_model, load_weights
@@ -22,8 +22,9 @@ from flywheel.serve.backends.sglang import HTTPEngineClient
 from flywheel.serve.engine import Engine
 from flywheel.serve.engine.server import create_engine_app
 from flywheel.serve.loop import ServeLoop
-from tests.conftest import RunningApp
-from tests.test_engine import recomputed_logprobs
+
+from factories import RunningApp, recomputed_logprobs, recorded_turns
+from waiting import until
 
 TOL = 5e-4  # a decode step's logprob against a full forward pass of the same weights
 
@@ -120,17 +121,13 @@ async def test_tokens_in_flight_across_a_swap_are_never_labelled_newer(nats_url,
         whole = asyncio.ensure_future(client.chat.completions.create(
             messages=[{"role": "user", "content": "Write digits."}], extra_headers={"X-Session-Id": "whole"}, **ask))
         stream = asyncio.ensure_future(streamed())
-        while engine.stats["tokens"] < 20 or engine.load()["num_running_reqs"] < 2:
-            await asyncio.sleep(0.001)
+        await until(lambda: engine.stats["tokens"] >= 20 and engine.load()["num_running_reqs"] >= 2, poll_s=0.001)
         await engine.pause("retract")  # both stand still mid-generation; the pool's swap resumes them
         await bus.publish(WEIGHTS_SUBJECT, WeightUpdate(id="w1", version=1, path=path, step=1))
         assert (await whole).choices[0].finish_reason == "length"
         await stream
         assert engine.version == "1" and loop.pool.weight_version == 1
-        consumer = bus.consumer(TRAFFIC_SUBJECTS, "check")
-        turns: dict[str, Turn] = {}
-        while len(turns) < 2:
-            turns |= {d.record.session_id: d.record for d in await consumer.fetch(timeout_s=1) if isinstance(d.record, Turn)}
+        turns = {turn.session_id: turn for turn in await recorded_turns(bus, 2)}
     finally:
         await loop.stop()
         await app.__aexit__()
@@ -168,10 +165,7 @@ async def test_engine_started_with_default_label_serves_version_0(nats_url, bus,
             reply = await client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=5)
             chunks = [c async for c in await client.chat.completions.create(
                 model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=5, stream=True)]
-            consumer = bus.consumer(TRAFFIC_SUBJECTS, "check")
-            turns = []
-            while len(turns) < 2:
-                turns += [d.record for d in await consumer.fetch(timeout_s=1) if isinstance(d.record, Turn)]
+            turns = await recorded_turns(bus, 2)
         finally:
             await loop.stop()
     finally:

@@ -7,12 +7,18 @@ import os
 import random
 import signal
 
-from flywheel.bus import TRAFFIC_SUBJECTS, Turn
 from flywheel.envs import make_env
 from flywheel.envs.base import RETRY
 from flywheel.rollout.env_pool import LocalRunner, RayEnvPool
-from tests.conftest import freeze
-from tests.test_collect_live import assert_segment_is_exact, collected, platform
+
+from factories import (
+    assert_segment_is_exact,
+    collected,
+    freeze,
+    platform,
+    recorded_turns,
+)
+from waiting import until
 
 ARITHMETIC = ["rollout.env=arithmetic", "rollout.env_args={max_operand: 20, attempts: 3}", "rollout.sampling.max_new_tokens=8"]
 
@@ -50,9 +56,7 @@ async def test_a_dead_env_worker_fails_its_own_episode_and_the_pool_goes_on(nats
         env = make_env("arithmetic", {"max_operand": 20, "attempts": 200})
         rng = random.Random(1)
         doomed = asyncio.create_task(pool.run(env.reset(rng), "doomed"))
-        turns = bus.consumer(TRAFFIC_SUBJECTS, "watch-doomed")
-        while not any(isinstance(d.record, Turn) for d in await turns.fetch(timeout_s=5)):
-            pass  # the episode is under way once its first turn is recorded
+        await recorded_turns(bus, 1, durable="watch-doomed")  # the episode is under way once its first turn is recorded
         os.kill(pid, signal.SIGKILL)
         failed = await doomed
         assert failed.reward is None and "died" in failed.end
@@ -78,7 +82,6 @@ async def test_a_worker_that_does_not_answer_in_time_is_replaced(nats_url, tmp_p
         freeze(pid)
         stuck = await pool.run(env.reset(random.Random(2)), "stuck")
         assert stuck.reward is None and "hung" in stuck.end and pool.worker_failures == 1
-        while not len(pool._slots):  # the slot comes back once the restarted worker answers
-            await asyncio.sleep(0.1)
+        await until(lambda: len(pool._slots) > 0)  # the slot comes back once the restarted worker answers
         assert await pool.workers[0].pid.remote() != pid  # a fresh process took the slot
         await pool.close()

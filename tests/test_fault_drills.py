@@ -7,7 +7,7 @@ holds on a bus of three nats-servers (`bus.replicas=3`) losing one member, then 
 first is back, and behind a balancer that knows nothing of sessions when one of two gateways is
 lost (clients retry on the other)."""
 
-from bench.drill import drill
+from flywheel.drills.fault import drill
 
 SESSIONS = 100
 """Sessions each drill runs at least (the load goes on after the last kill until they have ended):

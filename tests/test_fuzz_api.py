@@ -1,7 +1,7 @@
 """Property-based fuzzing of the gateway from its own OpenAPI document.
 
-schemathesis reads `/openapi.json` from the real serve loop (the `tiny` model, at most 8 new
-tokens a request) and generates requests for every operation in it, valid ones (positive mode)
+schemathesis reads `/openapi.json` from the real serve loop (the `gateway` fixture: the `tiny`
+model, at most 8 new tokens a request) and generates requests for every operation in it, valid ones (positive mode)
 and ones that break the schema (negative mode). However a request is wrong, the answer is never
 a 5xx, and every 4xx carries its API's error shape (OpenAI's; Anthropic's under `/v1/messages`). Valid requests name the served model and stay
 within the server's token limit, so that they reach generation instead of stopping at a 404 or
@@ -18,7 +18,7 @@ import schemathesis
 from hypothesis import HealthCheck, given, settings
 from schemathesis import GenerationMode
 
-from tests.test_gateway_robustness import assert_api_error, gateway  # noqa: F401  (fixture)
+from factories import assert_api_error
 
 EXAMPLES = 60
 MAX_NEW_TOKENS = 8  # the fixture's serve.max_new_tokens
@@ -40,7 +40,7 @@ WITH_BODY = {"/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/me
 
 
 @pytest.fixture(scope="module")
-def api_schema(gateway):  # noqa: F811
+def api_schema(gateway):
     return schemathesis.openapi.from_url(f"{gateway.url}/openapi.json")
 
 
@@ -55,7 +55,7 @@ def served(case: schemathesis.Case) -> schemathesis.Case:
     return case
 
 
-def test_the_openapi_document_covers_the_api(gateway):  # noqa: F811
+def test_the_openapi_document_covers_the_api(gateway):
     document = httpx.get(f"{gateway.url}/openapi.json", timeout=30).json()
     assert {path: set(operations) for path, operations in document["paths"].items()} == OPERATIONS
     body = document["paths"]["/v1/chat/completions"]["post"]["requestBody"]["content"]["application/json"]
@@ -66,7 +66,7 @@ def test_the_openapi_document_covers_the_api(gateway):  # noqa: F811
     (path, method, mode) for path, methods in OPERATIONS.items() for method in methods for mode in GenerationMode
     if mode is GenerationMode.POSITIVE or path in WITH_BODY  # nothing else can be made invalid
 ], ids=lambda value: value.value if isinstance(value, GenerationMode) else value)
-def test_no_generated_request_gets_a_5xx(api_schema, gateway, path, method, mode):  # noqa: F811
+def test_no_generated_request_gets_a_5xx(api_schema, gateway, path, method, mode):
     strategy = api_schema[path][method.upper()].as_strategy(generation_mode=mode)
     if mode is GenerationMode.POSITIVE:
         strategy = strategy.map(served)

@@ -3,10 +3,9 @@ surrogates, huge integers, deep nesting included) never produce a 5xx, invalid s
 are 400s naming their field, keys are enforced, bodies and concurrency are bounded, metrics are
 exposed, and a real agent framework (LangChain's ChatOpenAI) works unmodified."""
 
-import asyncio
+import contextlib
 import functools
 import json
-import threading
 
 import httpx
 import openai
@@ -14,9 +13,11 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from flywheel.bus import EmbeddedNats
 from flywheel.config import load_config
 from flywheel.serve.loop import ServeLoop
+
+from factories import assert_api_error, assert_openai_error
+from waiting import until
 
 CHAT, COMPLETIONS, FEEDBACK = "/v1/chat/completions", "/v1/completions", "/v1/sessions/s1/feedback"
 RESPONSES, MESSAGES = "/v1/responses", "/v1/messages"
@@ -100,43 +101,10 @@ BODIES = {
 }
 
 
-@pytest.fixture(scope="module")
-def gateway(tmp_path_factory):
-    """One gateway for the module, run on its own event loop in a thread."""
-    directory = tmp_path_factory.mktemp("gw")
-    loop = asyncio.new_event_loop()
-    with EmbeddedNats(directory / "nats") as nats:
-        config = load_config(None, [f"run_dir={directory}", "serve.port=0", "serve.max_new_tokens=8",
-                                    "serve.default_max_new_tokens=4", "serve.max_body_bytes=20000"])
-        serve = ServeLoop(config, nats.url)
-        thread = threading.Thread(target=loop.run_forever, daemon=True)
-        thread.start()
-        asyncio.run_coroutine_threadsafe(serve.start(), loop).result(120)
-        yield serve
-        asyncio.run_coroutine_threadsafe(serve.stop(), loop).result(120)
-        loop.call_soon_threadsafe(loop.stop)
-        thread.join()
-
-
 def post(gateway, path: str, body) -> httpx.Response:
     """`body` as JSON (lone surrogates as `\\ud800` escapes), on a fresh connection."""
     return httpx.post(gateway.url + path, content=json.dumps(body), headers={"content-type": "application/json"},
                       timeout=60)
-
-
-def assert_openai_error(response: httpx.Response) -> dict:
-    error = response.json()["error"]
-    assert set(error) == {"message", "type", "param", "code"} and error["message"] and error["type"]
-    return error
-
-
-def assert_api_error(response: httpx.Response, path: str) -> dict:
-    """The error in the shape of the API that was called: Anthropic's under /v1/messages."""
-    if not path.startswith("/v1/messages"):
-        return assert_openai_error(response)
-    body = response.json()
-    assert body.get("type") == "error" and set(body["error"]) == {"type", "message"} and body["error"]["message"], response.text
-    return body["error"]
 
 
 @settings(max_examples=250, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture,
@@ -229,13 +197,19 @@ def test_fuzzed_bytes_never_get_a_5xx(gateway, raw):
     assert_openai_error(response)
 
 
-def test_large_bodies_are_refused_and_metrics_count_requests(gateway):
+def test_a_body_over_the_limit_is_refused_with_a_413(gateway):
     with httpx.Client(base_url=gateway.url, timeout=60) as http:
         big = {"model": "tiny", "messages": [{"role": "user", "content": "x" * 30000}]}
         response = http.post("/v1/chat/completions", json=big)
         assert response.status_code == 413 and response.json()["error"]["type"] == "invalid_request_error"
         ok = http.post("/v1/chat/completions", json={"model": "tiny", "messages": [{"role": "user", "content": "hi"}]})
         assert ok.status_code == 200
+
+
+def test_metrics_count_requests_by_endpoint_and_status(gateway):
+    with httpx.Client(base_url=gateway.url, timeout=60) as http:
+        assert http.post("/v1/chat/completions", json={"model": "tiny", "messages": [{"role": "user", "content": "x" * 30000}]}).status_code == 413
+        assert http.post("/v1/chat/completions", json={"model": "tiny", "messages": [{"role": "user", "content": "hi"}]}).status_code == 200
         text = http.get("/metrics").text
     assert 'flywheel_requests_total{endpoint="/v1/chat/completions",status="413"}' in text
     assert 'flywheel_requests_total{endpoint="/v1/chat/completions",status="200"}' in text
@@ -252,18 +226,31 @@ def test_langchain_chat_openai_works_unmodified(gateway):
     assert isinstance(streamed, str)
 
 
-async def test_keys_and_overload(nats_url, tmp_path):
-    config = load_config(None, [f"run_dir={tmp_path}", "serve.port=0", "serve.api_keys=[k1]", "serve.admin_key=adm",
-                                "serve.max_concurrent_requests=1", "serve.max_queued_requests=0", "serve.retry_after_s=2"])
-    serve = ServeLoop(config, nats_url)
+@contextlib.asynccontextmanager
+async def limited(nats_url, tmp_path, *overrides: str):
+    """A gateway of its own (in the test's event loop) with `overrides`."""
+    serve = ServeLoop(load_config(None, [f"run_dir={tmp_path}", "serve.port=0", *overrides]), nats_url)
     await serve.start()
     try:
+        yield serve
+    finally:
+        await serve.stop()
+
+
+async def test_api_keys_guard_the_api_but_not_health(nats_url, tmp_path):
+    async with limited(nats_url, tmp_path, "serve.api_keys=[k1]", "serve.admin_key=adm") as serve:
         with pytest.raises(openai.AuthenticationError):
             await openai.AsyncOpenAI(base_url=f"{serve.url}/v1", api_key="wrong", max_retries=0).models.list()
         client = openai.AsyncOpenAI(base_url=f"{serve.url}/v1", api_key="k1", max_retries=0)
         assert [m.id for m in (await client.models.list()).data] == ["tiny"]
         async with httpx.AsyncClient(base_url=serve.url) as http:
             assert (await http.get("/health")).status_code == 200  # open
+
+
+async def test_a_request_past_the_concurrency_limit_is_refused_with_retry_after_until_a_slot_is_free(nats_url, tmp_path):
+    async with limited(nats_url, tmp_path, "serve.max_concurrent_requests=1", "serve.max_queued_requests=0",
+                       "serve.retry_after_s=2") as serve:
+        client = openai.AsyncOpenAI(base_url=f"{serve.url}/v1", api_key="x", max_retries=0)
         # One slot, no queue: while a long stream holds the slot, the next request is refused.
         stream = await client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}],
                                                       max_tokens=200, stream=True, temperature=0)
@@ -273,11 +260,6 @@ async def test_keys_and_overload(nats_url, tmp_path):
             await client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "x"}], max_tokens=2)
         assert refused.value.response.headers["retry-after"] == "2"
         await stream.close()
-        for _ in range(100):
-            if serve.app.state.limiter.active == 0:
-                break
-            await asyncio.sleep(0.02)
+        await until(lambda: serve.app.state.limiter.active == 0)  # the closed stream gives its slot back
         ok = await client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "x"}], max_tokens=2)
         assert ok.choices[0].finish_reason in ("stop", "length")
-    finally:
-        await serve.stop()

@@ -19,7 +19,8 @@ from flywheel.models import WeightStore, load_model, load_weights, place
 from flywheel.serve.engine import Engine, SamplingParams
 from flywheel.train.packing import Row, micro_batches
 from flywheel.train.trainer import Trainer
-from tests.test_engine import prompt
+
+from factories import prompt
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device; none here")
 

@@ -11,7 +11,9 @@ from flywheel.bus import TRAFFIC_SUBJECTS, WEIGHTS_SUBJECT, Turn, WeightUpdate
 from flywheel.config import load_config
 from flywheel.models import WeightStore, load_model, load_weights
 from flywheel.serve.loop import ServeLoop
-from tests.test_engine import recomputed_logprobs
+
+from factories import recomputed_logprobs
+from waiting import until
 
 CLIENTS = 64
 SWAPS = 10
@@ -53,15 +55,13 @@ async def test_streams_survive_swaps_with_correct_versions(nats_url, bus, tmp_pa
     async def swapper() -> None:
         for version in range(1, SWAPS + 1):
             tokens = loop.engine.stats["tokens"]
-            while loop.engine.stats["tokens"] < tokens + 4 * CLIENTS:  # let traffic flow between swaps
-                await asyncio.sleep(0.01)
+            await until(lambda: loop.engine.stats["tokens"] >= tokens + 4 * CLIENTS)  # let traffic flow between swaps
             with torch.no_grad():
                 for p in model.parameters():
                     p.add_(torch.randn_like(p) * 0.02)
             path = await asyncio.to_thread(store.publish, model, version)
             await bus.publish(WEIGHTS_SUBJECT, WeightUpdate(id=f"w{version}", version=version, path=str(path), step=version))
-            while loop.stats()["swaps"] < version:
-                await asyncio.sleep(0.01)
+            await until(lambda: loop.stats()["swaps"] >= version)
         done.set()
 
     try:
@@ -70,8 +70,13 @@ async def test_streams_survive_swaps_with_correct_versions(nats_url, bus, tmp_pa
         assert loop.stats()["swaps"] == SWAPS and loop.engine.stats["aborted"] == 0
         consumer = bus.consumer(TRAFFIC_SUBJECTS, "check")
         turns: dict[str, Turn] = {}
-        while len(turns) < len(completed):
-            turns |= {d.record.session_id: d.record for d in await consumer.fetch(batch=1000, timeout_s=2) if isinstance(d.record, Turn)}
+
+        async def every_completed_turn_read() -> bool:
+            turns.update((d.record.session_id, d.record) for d in await consumer.fetch(batch=1000, timeout_s=2)
+                         if isinstance(d.record, Turn))
+            return len(turns) >= len(completed)
+
+        await until(every_completed_turn_read)
     finally:
         await loop.stop()
 

@@ -5,68 +5,30 @@ import asyncio
 
 import pytest
 
-from flywheel.bus import (
-    SAMPLE_SUBJECT,
-    TRAJECTORY_SUBJECT,
-    UNSCORED_SUBJECT,
-    SessionEvent,
-    Trajectory,
-)
+from flywheel.bus import TRAJECTORY_SUBJECT, SessionEvent
 from flywheel.config import load_config
 from flywheel.judge.base import Judge, Unscorable, Verdict, outcome_of
 from flywheel.judge.loop import JudgeLoop
 from flywheel.judge.rule import RuleJudge
-from tests.test_records import make_turn
-from tests.waiting import until
+
+from factories import conversation, counted, fb, judged
+from waiting import until
 
 
-def conversation(tid: str, replies: list[str], task_id: str | None = None, feedback=(), system: str = "Be exact.") -> Trajectory:
-    """A trajectory of len(replies) assistant turns; the user answers each reply but the last."""
-    turns, history = [], [{"role": "system", "content": system}, {"role": "user", "content": f"task {tid}"}]
-    for i, reply in enumerate(replies):
-        response = {"role": "assistant", "content": reply}
-        turns.append(make_turn(id=f"{tid}-{i}", session_id=tid, turn_index=i, task_id=task_id, messages=list(history), response=response))
-        history += [response, {"role": "user", "content": f"user reply {i}"}]
-    next_states = [[{"role": "user", "content": f"user reply {i}"}] for i in range(len(replies) - 1)] + [[]]
-    return Trajectory(id=tid, session_id=tid, task_id=task_id, segments=[], turns=turns, next_states=next_states,
-                      feedback=list(feedback), close_reason="done")
-
-
-def fb(reward, turn_index=None, source="env"):
-    return SessionEvent(id=f"f{reward}{turn_index}", session_id="s", kind="feedback", reward=reward, turn_index=turn_index, source=source)
-
-
-async def counted(loop: JudgeLoop, n: int) -> dict:
-    """The loop's stats once it has counted `n` judgements: it counts one after publishing its
-    record and acknowledging the trajectory, so the count can lag the record a reader sees."""
-    await until(lambda: loop.stats()["scored"] + loop.stats()["unscored"] >= n)
-    return loop.stats()
-
-
-async def judged(bus, n: int, durable: str = "check") -> dict[str, object]:
-    """The first n records on SAMPLES and UNSCORED together, by trajectory id."""
-    samples, unscored = bus.consumer(SAMPLE_SUBJECT, durable), bus.consumer(UNSCORED_SUBJECT, durable)
-    out: dict[str, object] = {}
-    async with asyncio.timeout(60):
-        while len(out) < n:
-            for consumer in (samples, unscored):
-                for delivery in await consumer.fetch(timeout_s=0.1):
-                    assert delivery.record.id not in out, f"{delivery.record.id} judged twice"
-                    out[delivery.record.id] = delivery.record
-                    await delivery.ack()
-    return out
-
-
-async def test_session_feedback_is_the_reward_and_turn_feedback_lands_on_turns():
+async def test_session_feedback_is_the_reward():
     judge = RuleJudge()
     one = await judge.score(conversation("a", ["x"], feedback=[fb(0.25)]))
     assert (one.reward, one.turn_rewards) == (0.25, [0.0])
     two = await judge.score(conversation("b", ["x"], feedback=[fb(1.0), fb(0.0, source="user")]))
-    assert (two.reward, two.turn_rewards) == (0.5, [0.0])
-    three = await judge.score(conversation("c", ["x", "y"], feedback=[fb(1.0, turn_index=1), fb(-1.0)]))
-    assert (three.reward, three.turn_rewards) == (-1.0, [0.0, 1.0])
-    four = await judge.score(conversation("d", ["x"], feedback=[fb(3.0, turn_index=0)]))
-    assert (four.reward, four.turn_rewards) == (3.0, [3.0])
+    assert (two.reward, two.turn_rewards) == (0.5, [0.0])  # several: their mean
+
+
+async def test_turn_feedback_lands_on_its_turn():
+    judge = RuleJudge()
+    beside_session = await judge.score(conversation("c", ["x", "y"], feedback=[fb(1.0, turn_index=1), fb(-1.0)]))
+    assert (beside_session.reward, beside_session.turn_rewards) == (-1.0, [0.0, 1.0])
+    alone = await judge.score(conversation("d", ["x"], feedback=[fb(3.0, turn_index=0)]))
+    assert (alone.reward, alone.turn_rewards) == (3.0, [3.0])  # the only feedback: also the outcome
 
 
 async def test_no_reward_means_unscorable_not_zero():

@@ -16,7 +16,8 @@ from flywheel.judge.composite import Component, CompositeJudge
 from flywheel.judge.normalize import Normalizer
 from flywheel.judge.reward_model import RewardModelJudge
 from flywheel.running_stats import RunningStats
-from tests.test_judge import conversation, fb
+
+from factories import conversation, fb
 
 
 class Fixed(Judge):

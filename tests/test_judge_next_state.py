@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import pytest
 
-from bench.judge_next_state import evaluate, load_examples
 from flywheel.bus import SessionEvent
 from flywheel.collect.tracker import SessionTracker
 from flywheel.config import load_config
@@ -15,11 +14,13 @@ from flywheel.config.schema import CollectConfig
 from flywheel.judge.base import Unscorable
 from flywheel.judge.build import build_judge
 from flywheel.judge.composite import CompositeJudge
+from flywheel.judge.evaluation import evaluate, load_examples
 from flywheel.judge.next_state import NextStateJudge, hint_for
 from flywheel.judge.next_state_classes import LABELS, polarity
 from flywheel.judge.next_state_rules import classify_user_text
 from flywheel.judge.next_state_tool_output import classify_tool_output
-from tests.test_records import make_turn
+
+from factories import make_turn
 
 CALL = {"id": "c1", "type": "function", "function": {"name": "run", "arguments": "{\"cmd\": \"pytest\"}"}}
 

@@ -28,7 +28,7 @@ KUBERNETES_VERSION = "1.34.0"
 KUBERAY = Path(__file__).parent / "data" / "kuberay-v1.7.0"
 OVERLAYS = sorted(p.name for p in (K8S / "overlays").iterdir())
 USER_CREATED = {"gpu": {("Secret", "flywheel-api-keys")}}
-"""What docs/deploy.md has the user create before applying an overlay."""
+"""What docs/deployment.md has the user create before applying an overlay."""
 
 
 def kubectl() -> str:
@@ -167,7 +167,7 @@ def test_the_flywheel_configuration_loads_and_points_at_what_is_deployed(rendere
         swapping = {}  # Deployment running a gateway -> (replicas, whether it loads weights into the engines)
         for name, deployment in by_kind(docs, "Deployment").items():
             container = deployment["spec"]["template"]["spec"]["containers"][0]
-            if container["command"][:3] == ["python", "-m", "serve"]:
+            if container["command"][:2] == ["flywheel", "serve"]:
                 overrides = [a for a in container.get("args", []) if a.startswith("serve.swap_weights=")]
                 swaps = overrides[-1].endswith("=true") if overrides else config.serve.swap_weights
                 swapping[name] = (deployment["spec"]["replicas"], swaps)

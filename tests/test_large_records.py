@@ -19,7 +19,8 @@ from flywheel.collect.loop import CollectLoop
 from flywheel.config import load_config
 from flywheel.judge.loop import JudgeLoop
 from flywheel.serve.loop import ServeLoop
-from tests.test_records import make_turn
+
+from factories import make_turn
 
 TOKENS = 128_000  # an agent context of 128k tokens (under collect.max_tokens, 128 Ki)
 

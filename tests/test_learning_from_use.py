@@ -30,10 +30,9 @@ from flywheel.serve.loop import ServeLoop
 from flywheel.train.advantages import RunningBaseline
 from flywheel.train.grouping import Group, Member
 from flywheel.train.step_batch import StepBatch
-from tests.test_attribution_live import recorded_turns
-from tests.test_collect_live import collected, platform
-from tests.test_records import make_turn
-from tests.waiting import until
+
+from factories import collected, make_turn, platform, read, recorded_turns
+from waiting import until
 
 
 def test_the_default_judge_is_pinned_not_the_policy_being_trained():
@@ -67,7 +66,8 @@ async def test_the_judges_server_keeps_its_weights_while_the_policys_move(nats_u
 async def test_feedback_text_becomes_a_hint_the_teacher_scores_onto_the_sample(nats_url, tmp_path, bus, top_k):
     """With `judge.teacher.top_k` the teacher's 3 likeliest tokens at each taught position come
     too, on the same positions (token t's at [3t, 3t + 3)), likeliest first."""
-    async with platform(nats_url, tmp_path, "judge.kind=rule", f"judge.teacher.top_k={top_k}") as (serve, _, client):
+    async with platform(nats_url, tmp_path, "judge.kind=rule", "judge.teacher.enabled=true",
+                        f"judge.teacher.top_k={top_k}") as (serve, _, client):
         server = ServeLoop(side_server_config(serve.config, "judge"), nats_url)
         await server.start()
         judge = JudgeLoop(serve.config, nats_url)
@@ -84,10 +84,7 @@ async def test_feedback_text_becomes_a_hint_the_teacher_scores_onto_the_sample(n
                 (await http.post(f"{serve.url}/v1/sessions/hinted/feedback", json=feedback)).raise_for_status()
                 (await http.post(f"{serve.url}/v1/sessions/hinted/feedback", json={"reward": 1.0})).raise_for_status()
             trajectories, _ = await collected(bus, 1, 2)
-            consumer = bus.consumer(SAMPLE_SUBJECT, "hint-check")
-            samples: list[Sample] = []
-            while not samples:
-                samples = [d.record for d in await consumer.fetch(timeout_s=5)]
+            samples: list[Sample] = await read(bus, SAMPLE_SUBJECT, "hint-check")
         finally:
             await judge.stop()
             await server.stop()

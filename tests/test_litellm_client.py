@@ -9,14 +9,15 @@ from pathlib import Path
 
 import pytest
 
-from bench.mini_swe_agent import MSA_VENV, msa_available
 from flywheel.bus import Turn
-from tests.test_serve import records, served  # noqa: F401  (fixture)
+from flywheel.envs.swe.mini_swe_agent_venv import MSA_VENV, msa_available
+
+from factories import traffic_records
 
 SCRIPT = Path(__file__).parent / "clients" / "litellm_calls.py"
 
 
-async def test_litellm_chat_messages_and_responses_are_served_and_recorded(served, bus):  # noqa: F811
+async def test_litellm_chat_messages_and_responses_are_served_and_recorded(served, bus):
     if why := msa_available():
         pytest.skip(f"litellm's virtualenv is missing ({why})")
     process = await asyncio.create_subprocess_exec(
@@ -27,7 +28,7 @@ async def test_litellm_chat_messages_and_responses_are_served_and_recorded(serve
     assert process.returncode == 0, err.decode()[-3000:]
     got = json.loads(out.decode().strip().splitlines()[-1])
 
-    turns = {t.session_id: t for t in await records(bus, 6) if isinstance(t, Turn)}
+    turns = {t.session_id: t for t in await traffic_records(bus, 6) if isinstance(t, Turn)}
     assert set(turns) == {f"litellm-{name}" for name in ("chat", "stream", "async", "tools", "messages", "responses")}
     assert {turns[f"litellm-{name}"].endpoint for name in ("chat", "stream", "async", "tools")} == {"chat"}
     assert turns["litellm-messages"].endpoint == "messages" and turns["litellm-responses"].endpoint == "responses"

@@ -24,9 +24,12 @@ def test_peek_and_membership_do_not_count_as_use():
     assert "a" not in lru and len(lru) == 2
 
 
-def test_capacity_zero_keeps_nothing_and_a_negative_one_is_refused():
+def test_capacity_zero_keeps_nothing():
     off: LRU[str, int] = LRU(0)
     off["a"] = 1
     assert len(off) == 0 and off.get("a", -1) == -1
+
+
+def test_a_negative_capacity_is_refused():
     with pytest.raises(ValueError, match="at least 0"):
         LRU(-1)

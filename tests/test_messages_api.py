@@ -8,10 +8,7 @@ import anthropic
 import httpx
 import pytest
 
-from tests.teaching import serving
-from tests.test_openai_api import turns
-from tests.test_serve import served  # noqa: F401  (fixture)
-from tests.test_tools import ASK, WEATHER, recorded, tool_model  # noqa: F401  (fixtures)
+from factories import ASK_WEATHER, WEATHER, recorded_turns, serving
 
 TOOL = {"name": "get_weather", "description": WEATHER["function"]["description"], "input_schema": WEATHER["function"]["parameters"]}
 """The weather tool in Anthropic's shape."""
@@ -31,7 +28,7 @@ async def served_tools(tool_model, nats_url, tmp_path):
 async def test_an_answer_is_the_recorded_turn(served, client, bus):
     message = await client.messages.create(model="tiny", max_tokens=8, system="Be brief.",
                                            messages=[{"role": "user", "content": "Write some digits."}])
-    [turn] = await turns(bus, 1)
+    [turn] = await recorded_turns(bus, 1)
     assert turn.endpoint == "messages"
     assert turn.messages == [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Write some digits."}]
     text = served.engine.tokenizer.decode(turn.output_ids, skip_special_tokens=True)
@@ -47,7 +44,7 @@ async def test_a_stream_is_anthropics_event_sequence(served, client, bus):
         final = await stream.get_final_message()
     assert names[0] == "message_start" and names[-1] == "message_stop"
     assert names.index("content_block_start") < names.index("content_block_stop") < names.index("message_delta")
-    [turn] = await turns(bus, 1)
+    [turn] = await recorded_turns(bus, 1)
     assert final.content[0].text == served.engine.tokenizer.decode(turn.output_ids, skip_special_tokens=True)
     assert final.usage.output_tokens == len(turn.output_ids)
 
@@ -65,17 +62,17 @@ async def test_stop_sequences_name_the_one_that_matched(served, client):
 async def test_tool_use_goes_out_and_results_come_back_in_one_session(served_tools, bus):
     _, client = served_tools
     headers = {"x-claude-code-session-id": "claude-1"}
-    first = await client.messages.create(model="tool-tiny", max_tokens=40, extra_body={"temperature": 0}, tools=[TOOL], messages=ASK,
+    first = await client.messages.create(model="tool-tiny", max_tokens=40, extra_body={"temperature": 0}, tools=[TOOL], messages=ASK_WEATHER,
                                          extra_headers=headers)
     assert first.stop_reason == "tool_use"
     [use] = [block for block in first.content if block.type == "tool_use"]
     assert use.name == "get_weather" and use.input == {"city": "Paris"}
-    history = [*ASK, {"role": "assistant", "content": [use.model_dump()]},
+    history = [*ASK_WEATHER, {"role": "assistant", "content": [use.model_dump()]},
                {"role": "user", "content": [{"type": "tool_result", "tool_use_id": use.id, "content": "Sunny, 21 C"}]}]
     async with client.messages.stream(model="tool-tiny", max_tokens=8, extra_body={"temperature": 0}, tools=[TOOL], messages=history,
                                       extra_headers=headers) as stream:
         await stream.get_final_message()
-    one, two = await recorded(bus, 2)
+    one, two = await recorded_turns(bus, 2)
     assert one.session_id == two.session_id == "claude-1"
     assert two.messages[1]["tool_calls"][0]["id"] == use.id
     assert two.messages[2] == {"role": "tool", "tool_call_id": use.id, "content": "Sunny, 21 C"}
@@ -84,7 +81,7 @@ async def test_tool_use_goes_out_and_results_come_back_in_one_session(served_too
 
 async def test_a_streamed_tool_use_is_a_whole_block(served_tools):
     _, client = served_tools
-    async with client.messages.stream(model="tool-tiny", max_tokens=40, extra_body={"temperature": 0}, tools=[TOOL], messages=ASK) as stream:
+    async with client.messages.stream(model="tool-tiny", max_tokens=40, extra_body={"temperature": 0}, tools=[TOOL], messages=ASK_WEATHER) as stream:
         events = [event async for event in stream]
         final = await stream.get_final_message()
     deltas = [e.delta.partial_json for e in events if e.type == "content_block_delta" and e.delta.type == "input_json_delta"]
@@ -128,7 +125,7 @@ async def test_claude_code_requests_streamed_and_not(served_tools, bus):
     data = [json.loads(line.removeprefix("data: ")) for line in lines if line.startswith("data: ")]
     assert names == [d["type"] for d in data] and names[0] == "message_start" and names[-1] == "message_stop"
     assert fallback.status_code == 200 and fallback.json()["type"] == "message"
-    streamed, whole = await recorded(bus, 2)
+    streamed, whole = await recorded_turns(bus, 2)
     assert streamed.session_id == "cc-1" and whole.session_id == "from-metadata"
     # A system message partway through stays where it stands: the history is append-only, so a
     # later request of the conversation still continues this one (merged into the first system
@@ -148,17 +145,17 @@ async def test_errors_and_auth_take_anthropics_shape(served_tools):
     assert bad.value.body["type"] == "error" and bad.value.body["error"]["type"] == "invalid_request_error"
     assert "messages.0.content.0.type" in bad.value.body["error"]["message"]
     with pytest.raises(anthropic.NotFoundError):
-        await client.messages.create(model="other", max_tokens=4, messages=ASK)
+        await client.messages.create(model="other", max_tokens=4, messages=ASK_WEATHER)
     wrong = anthropic.AsyncAnthropic(base_url=loop.url, api_key="wrong", max_retries=0)
     with pytest.raises(anthropic.AuthenticationError) as denied:
-        await wrong.messages.create(model="tool-tiny", max_tokens=4, messages=ASK)
+        await wrong.messages.create(model="tool-tiny", max_tokens=4, messages=ASK_WEATHER)
     assert denied.value.body["error"]["type"] == "authentication_error"
     async with httpx.AsyncClient(base_url=loop.url, timeout=30) as http:
         for change in ({"top_k": 5}, {"tools": [{"type": "web_search_20250305", "name": "web_search"}]}, {"max_tokens": 0}):
-            r = await http.post("/v1/messages", json={"model": "tool-tiny", "max_tokens": 4, "messages": ASK, **change},
+            r = await http.post("/v1/messages", json={"model": "tool-tiny", "max_tokens": 4, "messages": ASK_WEATHER, **change},
                                 headers={"x-api-key": "secret"})
             assert r.status_code == 400 and r.json()["error"]["message"].startswith(next(iter(change)))
         # found by the fuzzer: tools that are not a list were a 500
-        r = await http.post("/v1/messages/count_tokens", json={"model": "tool-tiny", "messages": ASK, "tools": 1.0},
+        r = await http.post("/v1/messages/count_tokens", json={"model": "tool-tiny", "messages": ASK_WEATHER, "tools": 1.0},
                             headers={"x-api-key": "secret"})
         assert r.status_code == 400 and r.json()["error"]["message"].startswith("tools"), r.text

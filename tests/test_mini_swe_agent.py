@@ -171,8 +171,8 @@ def test_a_sandbox_passed_in_is_not_closed_by_the_environment(open_sandbox):
 
 
 def _skip_unless_client_and_sandbox() -> None:
-    from bench.mini_swe_agent import msa_available
     from flywheel.envs.sandbox import SandboxUnavailable, make_backend
+    from flywheel.envs.swe.mini_swe_agent_venv import msa_available
 
     if why := msa_available():
         pytest.skip(f"mini-swe-agent is not installed ({why})")
@@ -188,8 +188,9 @@ async def test_mini_swe_agent_session_becomes_one_trajectory(config):
     endpoint on `tiny` (unscripted replies), commands in a bubblewrap sandbox; then (once)
     mini-swe-agent's own DefaultAgent submits through the adapter."""
     _skip_unless_client_and_sandbox()
-    from bench.mini_swe_agent import endpoint_run, protocol_run
+    from flywheel.drills.mini_swe_agent import endpoint_run
     from flywheel.envs.sandbox.workdirs import work_root
+    from flywheel.envs.swe.mini_swe_agent_protocol import protocol_run
 
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     work = work_root() / f"test-msa-{uuid.uuid4().hex[:8]}"

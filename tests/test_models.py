@@ -122,7 +122,7 @@ def test_atomic_directory_failure_leaves_nothing(tmp_path: Path) -> None:
 def test_tiny_is_deterministic_across_processes(cache: Path, tmp_path: Path) -> None:
     here = build_tiny(0)
     other_cache = tmp_path / "other-cache"
-    code = "from models import build_tiny; print(build_tiny(0))"
+    code = "from flywheel.models import build_tiny; print(build_tiny(0))"
     env = {**os.environ, "FLYWHEEL_CACHE": str(other_cache)}
     out = subprocess.run(
         [sys.executable, "-c", code], env=env, cwd=REPO, capture_output=True, text=True, check=True

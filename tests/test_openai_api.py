@@ -7,20 +7,10 @@ import httpx
 import openai
 import pytest
 
-from flywheel.bus import TRAFFIC_SUBJECTS, Turn
-from tests.test_serve import client, served  # noqa: F401  (fixtures)
+from factories import recorded_turns
+from waiting import until
 
 CHAT = dict(model="tiny", messages=[{"role": "user", "content": "Write some digits."}])
-
-
-async def turns(bus, n: int) -> list[Turn]:
-    consumer = bus.consumer(TRAFFIC_SUBJECTS, "api-check")
-    out: list[Turn] = []
-    for _ in range(200):
-        out += [d.record for d in await consumer.fetch(timeout_s=0.1) if isinstance(d.record, Turn)]
-        if len(out) >= n:
-            break
-    return out
 
 
 async def test_streaming_chat_matches_the_recorded_turn(served, client, bus):
@@ -35,7 +25,7 @@ async def test_streaming_chat_matches_the_recorded_turn(served, client, bus):
     assert finishes in (["stop"], ["length"])
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens > 0
     assert all(c.system_fingerprint == "flywheel-v0" for c in chunks[1:])
-    [turn] = await turns(bus, 1)
+    [turn] = await recorded_turns(bus, 1)
     assert turn.session_id == "stream-1" and not turn.client_disconnected
     assert served.engine.tokenizer.decode(turn.output_ids, skip_special_tokens=True) == content
     assert len(turn.output_ids) == chunks[-1].usage.completion_tokens == len(turn.output_logprobs)
@@ -52,7 +42,7 @@ async def test_sync_client_streams_too(served):
 async def test_n_choices_are_separate_sessions_of_one_task(served, client, bus):
     reply = await client.chat.completions.create(**CHAT, max_tokens=6, n=3, seed=1, extra_headers={"X-Session-Id": "multi"})
     assert [c.index for c in reply.choices] == [0, 1, 2]
-    recorded = await turns(bus, 3)
+    recorded = await recorded_turns(bus, 3)
     assert sorted(t.session_id for t in recorded) == ["multi/0", "multi/1", "multi/2"]
     assert len({t.task_id for t in recorded}) == 1 and recorded[0].task_id
     by_session = {t.session_id: t for t in recorded}
@@ -77,7 +67,7 @@ async def test_streamed_n_choices_each_end_and_match_their_turns(served, client,
                 finishes[choice.index].append(choice.finish_reason)
     assert all(len(f) == 1 and f[0] in ("stop", "length") for f in finishes.values())
     assert chunks[-1].choices == []
-    recorded = {t.session_id: t for t in await turns(bus, 2)}
+    recorded = {t.session_id: t for t in await recorded_turns(bus, 2)}
     for i in (0, 1):
         turn = recorded[f"multi-stream/{i}"]
         assert served.engine.tokenizer.decode(turn.output_ids, skip_special_tokens=True) == content[i]
@@ -87,7 +77,7 @@ async def test_streamed_n_choices_each_end_and_match_their_turns(served, client,
 async def test_logprobs_are_the_recorded_behaviour_logprobs(served, client, bus):
     reply = await client.chat.completions.create(**CHAT, max_tokens=8, logprobs=True, top_logprobs=3)
     content = reply.choices[0].logprobs.content
-    [turn] = await turns(bus, 1)
+    [turn] = await recorded_turns(bus, 1)
     assert [entry.logprob for entry in content] == pytest.approx(turn.output_logprobs)
     for entry in content:
         assert len(entry.top_logprobs) == 3
@@ -115,7 +105,7 @@ async def test_text_completions_from_text_and_from_token_ids(served, client, bus
     text = ""
     async for chunk in await client.completions.create(model="tiny", prompt="hello", max_tokens=5, stream=True):
         text += chunk.choices[0].text
-    first, second, streamed = await turns(bus, 3)
+    first, second, streamed = await recorded_turns(bus, 3)
     assert first.endpoint == "completions" and first.prompt == "12 + 7 =" and first.prompt_ids == ids
     assert second.prompt is None and second.prompt_ids == ids
     assert served.engine.tokenizer.decode(streamed.output_ids, skip_special_tokens=True) == text
@@ -131,15 +121,10 @@ async def test_a_client_that_disconnects_mid_stream_is_recorded_and_aborted(serv
                 lines += line.startswith("data:")
                 if lines == 4:
                     break
-    [turn] = await turns(bus, 1)
+    [turn] = await recorded_turns(bus, 1)
     assert turn.client_disconnected and turn.finish_reason == "abort"
     assert 0 < len(turn.output_ids) < 60 and len(turn.output_versions) == len(turn.output_ids)
-    for _ in range(100):
-        if not served.engine.load()["num_running_reqs"]:
-            break
-        await asyncio.sleep(0.02)
-    assert served.engine.load()["num_running_reqs"] == 0
-
+    await until(lambda: served.engine.load()["num_running_reqs"] == 0)
 
 
 async def test_sglang_length_extensions_ignore_eos_and_min_tokens(served, client):

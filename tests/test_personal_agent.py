@@ -15,32 +15,34 @@ from types import SimpleNamespace
 import openai
 import pytest
 
-from bench._personal_users import (
+from flywheel.bus import SAMPLE_SUBJECT, Sample
+from flywheel.collect.loop import CollectLoop
+from flywheel.config import load_config
+from flywheel.deploy.deployment import sharing_cores, side_server_config
+from flywheel.drills.personal_agent import (
+    CONFIG,
+    converse,
+    judge_agreement,
+    rolling_rate,
+    sessions_to_learn,
+    summary_rows,
+    verdicts,
+    version_of,
+)
+from flywheel.drills.simulated_people import (
     OFF_TOPIC,
     PREFERENCES,
     TRAIN_QUESTIONS,
     User,
     answers,
-    sessions_to_learn,
 )
-from bench.personal_agent import (
-    CONFIG,
-    converse,
-    judge_agreement,
-    rolling_rate,
-    summary_rows,
-    verdicts,
-    version_of,
-)
-from flywheel.bus import SAMPLE_SUBJECT, Sample
-from flywheel.collect.loop import CollectLoop
-from flywheel.config import load_config
-from flywheel.deploy.deployment import sharing_cores, side_server_config
 from flywheel.judge.loop import JudgeLoop
 from flywheel.judge.next_state import hint_for
 from flywheel.serve.loop import ServeLoop
 from flywheel.train.loop import TrainLoop
-from tests.waiting import until
+
+from factories import read
+from waiting import until
 
 
 async def test_a_persons_correction_is_judged_taught_and_trained(nats_url, tmp_path, bus):
@@ -65,9 +67,7 @@ async def test_a_persons_correction_is_judged_taught_and_trained(nats_url, tmp_p
             sessions.append(await asyncio.to_thread(converse, client, serve.model_name, user, s, "t", app))
             await until(lambda: train.stats()["samples"] == s + 1 and serve.pool.weight_version == train.version, 90)
         said = await verdicts(nats_url)
-        consumer, samples = bus.consumer(SAMPLE_SUBJECT, "check"), []
-        while len(samples) < 2:
-            samples += [d.record for d in await consumer.fetch(timeout_s=5) if isinstance(d.record, Sample)]
+        samples = await read(bus, SAMPLE_SUBJECT, "check", 2, lambda r: isinstance(r, Sample))
         for sample in samples:
             assert await bus.resolve(sample)
     finally:
@@ -117,12 +117,14 @@ def test_sessions_to_learn_counts_to_the_third_of_the_first_three_in_a_row():
     assert version_of("flywheel-v12") == 12 and version_of(None) is None and version_of("fp_x") is None
 
 
-def test_judge_agreement_and_the_summary_table():
+def test_judge_agreement_is_the_share_of_judged_sessions_it_read_right():
     sessions = [{"satisfied": False, "judge_score": -1}, {"satisfied": True, "judge_score": 1},
                 {"satisfied": True, "judge_score": -1}, {"satisfied": False}]  # the last one not judged
     assert judge_agreement(sessions) == pytest.approx(2 / 3)
     assert judge_agreement([{"satisfied": True}]) is None
 
+
+def test_the_summary_table_has_a_row_per_arm_with_its_trials_numbers():
     def trial(arm, learned, rate, heldout, arith=None):
         return {"arm": arm, "pref": "brief", "learned_at": learned, "cap": 30, "satisfied_rate": rate,
                 "heldout": {"rate": heldout, "answers": 1.0}, "judge_agreement": 1.0, "arith_after": arith}

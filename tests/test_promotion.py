@@ -7,13 +7,13 @@ back to the same registry. Then the canary: its sessions' rewards against the se
 decide it."""
 
 import asyncio
+import contextlib
 import sys
 import time
 
 import msgspec
 
-from bench.promotion_drill import weights
-from flywheel.bus import SAMPLE_SUBJECT, WEIGHTS_SUBJECT, WeightUpdate
+from flywheel.bus import SAMPLE_SUBJECT
 from flywheel.bus.streams import COMMANDS_SUBJECT
 from flywheel.config import load_config
 from flywheel.deploy.deployment import side_server_config
@@ -22,21 +22,11 @@ from flywheel.promote.loop import PromoteLoop
 from flywheel.serve.loop import ServeLoop
 from flywheel.versions.records import VersionCommand
 from flywheel.versions.registry import Registry
-from tests.test_train_loop import sample_of, sampled_turns
-from tests.waiting import until
+
+from factories import announce, is_in_state, sample_of, sampled_turns, state_of
+from waiting import until
 
 SUITE = "promotion.gate.suites=[{name: digits, env: digits, items: 6, max_new_tokens: 12}]"
-
-
-async def announce(bus, store, version: int, parent: int, noise: float = 0.0) -> None:
-    path = weights(store, version, noise)
-    await bus.publish(WEIGHTS_SUBJECT, WeightUpdate(id=f"w{version}", version=version, path=path, step=version, parent=parent,
-                                                    metrics={"reward_mean": 0.5}, trained_on={"samples": 8}))
-
-
-async def state_of(registry: Registry, version: int) -> str | None:
-    entry = await registry.get(version)
-    return entry and entry.state
 
 
 async def command(bus, registry: Registry, kind: str, version: int | None = None):
@@ -63,15 +53,43 @@ async def promotion(bus, nats_url: str, tmp_path, *overrides: str):
     return config, server, promoter, await Registry.open(bus), WeightStore(tmp_path / "weights", keep=10)
 
 
-async def test_gate_lineage_commands_and_a_restart(bus, nats_url, tmp_path):
-    # It once waited out pytest-timeout's 300 s in a fresh clone's full suite (never alone, 12
-    # runs of 12): the first promoter's `stop` waited for a loop that had lost its cancellation
-    # (now cancelled again: bus.process.cancel_and_wait). Should anything else hang, this bound
-    # fails it sooner, and every task's stack is printed (to the captured stderr) just before it.
-    watchdog = asyncio.get_running_loop().call_later(145, print_every_tasks_stack)
+class Promotion:
+    """A promotion loop on its evaluation server, against the test's bus."""
+
+    def __init__(self, nats_url: str, config, server: ServeLoop, promoter: PromoteLoop, registry: Registry,
+                 store: WeightStore):
+        self.nats_url, self.config, self.server, self.promoter = nats_url, config, server, promoter
+        self.registry, self.store = registry, store
+
+    async def restart_promoter(self) -> None:
+        """The promoter dies (stops) and a successor takes over."""
+        await self.promoter.stop()
+        self.promoter = PromoteLoop(self.config, self.nats_url)
+        await self.promoter.start()
+
+
+GATE = ("promotion.mode=gate", "promotion.gate.guards.probe_prompts=4", "promotion.gate.temperature=1.0")
+CANARY = ("promotion.mode=canary", "promotion.gate.guards.probe_prompts=2", "promotion.canary.min_sessions=8")
+
+
+@contextlib.asynccontextmanager
+async def promoting(bus, nats_url: str, tmp_path, *overrides: str):
+    """A `Promotion` (with `overrides`), once v0 is registered, serving. A gate test once waited out
+    pytest-timeout's 300 s in a fresh clone's full suite (never alone, 12 runs of 12): the first
+    promoter's `stop` waited for a loop that had lost its cancellation (now cancelled again:
+    bus.process.cancel_and_wait). Should anything else hang, a bound of 120 s fails it sooner, and
+    every task's stack is printed (to the captured stderr) just before it."""
+    watchdog = asyncio.get_running_loop().call_later(115, print_every_tasks_stack)
     try:
-        async with asyncio.timeout(150):
-            await _gate_lineage_commands_and_a_restart(bus, nats_url, tmp_path)
+        async with asyncio.timeout(120):
+            parts = Promotion(nats_url, *await promotion(bus, nats_url, tmp_path, *overrides))
+            try:
+                await until(lambda: state_of(parts.registry, 0))
+                assert (await parts.registry.routing()).serving.version == 0
+                yield parts
+            finally:
+                await parts.promoter.stop()
+                await parts.server.stop()
     finally:
         watchdog.cancel()
 
@@ -82,69 +100,80 @@ def print_every_tasks_stack() -> None:
         task.print_stack(file=sys.stderr)
 
 
-async def _gate_lineage_commands_and_a_restart(bus, nats_url, tmp_path):
-    config, server, promoter, registry, store = await promotion(bus, nats_url, tmp_path, "promotion.mode=gate",
-                                                                "promotion.gate.guards.probe_prompts=4",
-                                                                "promotion.gate.temperature=1.0")
-    try:
-        await until(lambda: state_of(registry, 0))
-        assert (await registry.routing()).serving.version == 0
-
-        await announce(bus, store, 1, parent=0)  # the starting weights again: no worse
-        await until(lambda: _is(registry, 1, "serving"))
-        one = await registry.get(1)
+async def test_a_version_that_answers_like_the_serving_one_passes_the_gate_and_serves(bus, nats_url, tmp_path):
+    async with promoting(bus, nats_url, tmp_path, *GATE) as g:
+        await announce(bus, g.store, 1, parent=0)  # the starting weights again: no worse
+        await until(lambda: is_in_state(g.registry, 1, "serving"))
+        one = await g.registry.get(1)
         assert one.gate["passed"] and one.gate["guards"]["kl"] < 1e-6 and one.gate["suites"]["digits"]["items"] == 6
         # Sampled, with each item's seed shared by both versions: the same weights give every item the same answer.
         assert one.gate["suites"]["digits"]["difference"] == 0 and one.gate["suites"]["digits"]["lower_bound"] == 0
         assert [t.state for t in one.transitions] == ["candidate", "evaluating", "serving"]
-        assert await state_of(registry, 0) == "retired" and (await registry.routing()).serving.version == 1
+        assert await state_of(g.registry, 0) == "retired" and (await g.registry.routing()).serving.version == 1
 
-        await announce(bus, store, 2, parent=1, noise=0.5)  # harmful
-        await until(lambda: _state_in(registry, 2, ("evaluating", "rejected")))
-        # v3 descends from v2 (trained on while v2 was evaluated, as good as v1 itself): once v2 is
-        # rejected, v3 is rejected by lineage, never evaluated and never served.
-        await announce(bus, store, 3, parent=2)
-        await until(lambda: _is(registry, 2, "rejected"))
-        two = await registry.get(2)
-        assert not two.gate["passed"] and any("KL" in r for r in two.gate["reasons"]) and two.transitions[-1].by == "gate"
-        directive = await registry.directive()
-        assert (directive.version, directive.abandon_after, directive.rejected) == (1, 1, 2) and "v2 rejected" in directive.reason
-        await until(lambda: _is(registry, 3, "rejected"))
-        three = await registry.get(3)
-        assert three.transitions[-1].by == "lineage" and three.gate is None
-        assert (await registry.routing()).serving.version == 1  # neither served
 
-        result = await command(bus, registry, "rollback")
+async def test_a_harmful_version_is_rejected_and_the_trainer_told_to_go_back_to_the_serving_one(bus, nats_url, tmp_path):
+    async with promoting(bus, nats_url, tmp_path, *GATE) as g:
+        await announce(bus, g.store, 1, parent=0, noise=0.5)
+        await until(lambda: is_in_state(g.registry, 1, "rejected"))
+        one = await g.registry.get(1)
+        assert not one.gate["passed"] and any("KL" in r for r in one.gate["reasons"]) and one.transitions[-1].by == "gate"
+        directive = await g.registry.directive()
+        assert (directive.version, directive.abandon_after, directive.rejected) == (0, 0, 1) and "v1 rejected" in directive.reason
+        assert (await g.registry.routing()).serving.version == 0
+
+
+async def test_a_version_descended_from_a_rejected_one_is_rejected_by_lineage_unevaluated(bus, nats_url, tmp_path):
+    async with promoting(bus, nats_url, tmp_path, *GATE) as g:
+        await announce(bus, g.store, 1, parent=0, noise=0.5)  # harmful
+        await until(lambda: is_in_state(g.registry, 1, "evaluating", "rejected"))
+        # v2 descends from v1 (trained on while v1 was evaluated, as good as v0 itself): once v1 is
+        # rejected, v2 is rejected by lineage, never evaluated and never served.
+        await announce(bus, g.store, 2, parent=1)
+        await until(lambda: is_in_state(g.registry, 2, "rejected"))
+        two = await g.registry.get(2)
+        assert two.transitions[-1].by == "lineage" and two.gate is None
+        assert await state_of(g.registry, 1) == "rejected" and (await g.registry.routing()).serving.version == 0
+
+
+async def test_a_rollback_serves_the_version_before_and_sends_the_trainer_back_to_it(bus, nats_url, tmp_path):
+    async with promoting(bus, nats_url, tmp_path, *GATE) as g:
+        await announce(bus, g.store, 1, parent=0)
+        await until(lambda: is_in_state(g.registry, 1, "serving"))
+        result = await command(bus, g.registry, "rollback")
         assert result.ok and result.message == "v1 rolled back; v0 serves"
-        assert (await registry.routing()).serving.version == 0 and await state_of(registry, 1) == "rolled_back"
-        assert (await registry.directive()).version == 0
-        refused = await command(bus, registry, "promote", 9)
+        assert (await g.registry.routing()).serving.version == 0 and await state_of(g.registry, 1) == "rolled_back"
+        assert (await g.registry.directive()).version == 0
+
+
+async def test_a_command_naming_no_version_there_is_refused_with_the_reason(bus, nats_url, tmp_path):
+    async with promoting(bus, nats_url, tmp_path, *GATE) as g:
+        refused = await command(bus, g.registry, "promote", 9)
         assert not refused.ok and "no version 9" in refused.message
-        assert (await command(bus, registry, "pin", 1)).ok
-        routing = await registry.routing()
-        assert routing.pinned and routing.serving.version == 1 and await state_of(registry, 0) == "retired"
-
-        # Pinned: a new candidate waits. The promoter dies; its successor finds everything as it was.
-        await announce(bus, store, 4, parent=1)
-        await until(lambda: _is(registry, 4, "candidate"))
-        await promoter.stop()
-        promoter = PromoteLoop(config, nats_url)
-        await promoter.start()
-        assert await state_of(registry, 4) == "candidate" and (await registry.routing()).pinned
-        assert (await command(bus, registry, "unpin")).ok
-        await until(lambda: _is(registry, 4, "serving"))
-        assert [e.version for e in await registry.versions()] == [0, 1, 2, 3, 4]
-    finally:
-        await promoter.stop()
-        await server.stop()
+        assert (await g.registry.routing()).serving.version == 0
 
 
-async def _is(registry: Registry, version: int, state: str) -> bool:
-    return await state_of(registry, version) == state
+async def test_pinning_a_rolled_back_version_serves_it_pinned(bus, nats_url, tmp_path):
+    async with promoting(bus, nats_url, tmp_path, *GATE) as g:
+        await announce(bus, g.store, 1, parent=0)
+        await until(lambda: is_in_state(g.registry, 1, "serving"))
+        assert (await command(bus, g.registry, "rollback")).ok
+        pinned = await command(bus, g.registry, "pin", 1)
+        assert pinned.ok and pinned.message == "v1 serves, pinned"
+        routing = await g.registry.routing()
+        assert routing.pinned and routing.serving.version == 1 and await state_of(g.registry, 0) == "retired"
 
 
-async def _state_in(registry: Registry, version: int, states: tuple[str, ...]) -> bool:
-    return await state_of(registry, version) in states
+async def test_while_pinned_a_candidate_waits_across_a_promoter_restart_until_unpinned(bus, nats_url, tmp_path):
+    async with promoting(bus, nats_url, tmp_path, *GATE) as g:
+        assert (await command(bus, g.registry, "pin", 0)).ok
+        await announce(bus, g.store, 1, parent=0)
+        await until(lambda: is_in_state(g.registry, 1, "candidate"))
+        await g.restart_promoter()  # the promoter dies; its successor finds everything as it was
+        assert await state_of(g.registry, 1) == "candidate" and (await g.registry.routing()).pinned
+        assert (await command(bus, g.registry, "unpin")).ok
+        await until(lambda: is_in_state(g.registry, 1, "serving"))
+        assert [e.version for e in await g.registry.versions()] == [0, 1]
 
 
 async def publish_samples(bus, turns, version: int, reward: float, tag: str) -> None:
@@ -153,15 +182,12 @@ async def publish_samples(bus, turns, version: int, reward: float, tag: str) -> 
         await bus.publish(SAMPLE_SUBJECT, msgspec.structs.replace(sample, id=f"{sample.id}-{tag}"))
 
 
-async def test_a_canary_is_rolled_back_on_its_sessions_rewards_and_a_good_one_promoted(bus, nats_url, tmp_path):
+async def test_a_canary_whose_sessions_fare_worse_is_rolled_back_across_a_promoter_restart(bus, nats_url, tmp_path):
     turns = await sampled_turns(16)
-    config, server, promoter, registry, store = await promotion(bus, nats_url, tmp_path, "promotion.mode=canary",
-                                                                "promotion.gate.guards.probe_prompts=2",
-                                                                "promotion.canary.min_sessions=8")
-    try:
-        await announce(bus, store, 1, parent=0)
-        await until(lambda: _is(registry, 1, "canary"))
-        routing = await registry.routing()
+    async with promoting(bus, nats_url, tmp_path, *CANARY) as p:
+        await announce(bus, p.store, 1, parent=0)
+        await until(lambda: is_in_state(p.registry, 1, "canary"))
+        routing = await p.registry.routing()
         assert (routing.serving.version, routing.canary.version, routing.canary_share) == (0, 1, 0.1)
 
         # The canary's sessions fail where the serving version's succeed. Half way, the promoter is killed.
@@ -169,29 +195,28 @@ async def test_a_canary_is_rolled_back_on_its_sessions_rewards_and_a_good_one_pr
         await publish_samples(bus, turns[:10], 0, 1.0, "a")
 
         async def applied():
-            state = (await registry.get(1)).canary
+            state = (await p.registry.get(1)).canary
             return state["canary_arm"]["n"] == 4 and state["serving_arm"]["n"] == 10
 
         await until(applied)
-        await promoter.stop()
-        promoter = PromoteLoop(config, nats_url)
-        await promoter.start()
+        await p.restart_promoter()
         await publish_samples(bus, turns[4:8], 1, 0.0, "b")
-        await until(lambda: _is(registry, 1, "rolled_back"))
-        one = await registry.get(1)
+        await until(lambda: is_in_state(p.registry, 1, "rolled_back"))
+        one = await p.registry.get(1)
         assert one.canary["canary_arm"]["n"] == 8 and one.canary["serving_arm"]["n"] == 10  # each sample once
         assert one.transitions[-1].by == "canary" and "worse by δ" in one.transitions[-1].reason
-        assert (await registry.routing()).canary is None and (await registry.directive()).version == 0
-        assert one.online_reward() == (8, 0.0) and (await registry.get(0)).online_reward()[0] == 10
+        assert (await p.registry.routing()).canary is None and (await p.registry.directive()).version == 0
+        assert one.online_reward() == (8, 0.0) and (await p.registry.get(0)).online_reward()[0] == 10
 
-        await announce(bus, store, 2, parent=0)  # good again
-        await until(lambda: _is(registry, 2, "canary"))
-        await publish_samples(bus, turns, 2, 1.0, "c")
+
+async def test_a_canary_whose_sessions_fare_no_worse_is_promoted(bus, nats_url, tmp_path):
+    turns = await sampled_turns(16)
+    async with promoting(bus, nats_url, tmp_path, *CANARY) as p:
+        await announce(bus, p.store, 1, parent=0)
+        await until(lambda: is_in_state(p.registry, 1, "canary"))
+        await publish_samples(bus, turns, 1, 1.0, "c")
         await publish_samples(bus, turns, 0, 1.0, "c")
-        await until(lambda: _is(registry, 2, "serving"))
-        routing = await registry.routing()
-        assert routing.serving.version == 2 and routing.canary is None and await state_of(registry, 0) == "retired"
-        assert "no worse" in (await registry.get(2)).transitions[-1].reason
-    finally:
-        await promoter.stop()
-        await server.stop()
+        await until(lambda: is_in_state(p.registry, 1, "serving"))
+        routing = await p.registry.routing()
+        assert routing.serving.version == 1 and routing.canary is None and await state_of(p.registry, 0) == "retired"
+        assert "no worse" in (await p.registry.get(1)).transitions[-1].reason

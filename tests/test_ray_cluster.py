@@ -10,7 +10,7 @@ import sys
 
 def test_loops_land_where_placed_and_the_trainer_survives_the_loss_of_its_node(tmp_path):
     out = tmp_path / "report.json"
-    done = subprocess.run([sys.executable, "-m", "bench.ray_node_drill", "--every-s", "3", "--out", str(out)],
+    done = subprocess.run([sys.executable, "-m", "flywheel.drills.ray_node", "--every-s", "3", "--out", str(out)],
                           capture_output=True, text=True, timeout=600)
     assert out.exists(), done.stdout[-3000:] + done.stderr[-3000:]
     report = json.loads(out.read_text())

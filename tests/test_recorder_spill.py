@@ -9,8 +9,9 @@ import pytest
 
 from flywheel.bus import TRAFFIC_SUBJECTS, TURN_SUBJECT, Bus, EmbeddedNats
 from flywheel.serve.recorder import Recorder, RecordLost
-from tests.test_records import make_turn
-from tests.waiting import until
+
+from factories import delivered, make_turn
+from waiting import until
 
 
 class RestartableNats:
@@ -39,10 +40,7 @@ def outage_nats(tmp_path):
 async def stream_ids(bus: Bus, n: int) -> list[str]:
     """The ids of everything on the traffic stream, read until n arrived and then once more."""
     consumer = bus.consumer(TRAFFIC_SUBJECTS, "check")
-    ids: list[str] = []
-    deadline = time.monotonic() + 10
-    while len(ids) < n and time.monotonic() < deadline:
-        ids += [d.record.id for d in await consumer.fetch(timeout_s=0.2)]
+    ids = [d.record.id for d in await delivered(consumer, n, timeout_s=10, fetch_s=0.2)]
     return ids + [d.record.id for d in await consumer.fetch(timeout_s=0.3)]
 
 

@@ -21,16 +21,7 @@ from flywheel.bus import (
 )
 from flywheel.bus.arrays import Float64s, Int32s
 
-
-def make_turn(**overrides) -> Turn:
-    fields = dict(
-        id="t1", session_id="s1", turn_index=0, model="tiny",
-        messages=[{"role": "user", "content": "hi"}], response={"role": "assistant", "content": "yo"},
-        prompt_ids=[1, 2, 3], output_ids=[4, 5], output_logprobs=[-0.1, -0.2], output_versions=[3, 4],
-        finish_reason="stop",
-    )
-    fields.update(overrides)
-    return Turn(**fields)
+from factories import make_turn
 
 
 def test_turn_round_trip_keeps_exact_tokens():

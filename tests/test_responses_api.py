@@ -9,9 +9,7 @@ import httpx
 import openai
 import pytest
 
-from tests.test_openai_api import turns
-from tests.test_serve import client, served  # noqa: F401  (fixtures)
-from tests.test_tools import ASK, WEATHER, recorded, served_tools, tool_model  # noqa: F401  (fixtures)
+from factories import ASK_WEATHER, WEATHER, recorded_turns
 
 FUNCTION = {"type": "function", **WEATHER["function"]}
 """The weather tool in the Responses API's flat shape."""
@@ -20,7 +18,7 @@ FUNCTION = {"type": "function", **WEATHER["function"]}
 async def test_an_answer_is_the_recorded_turn(served, client, bus):
     response = await client.responses.create(model="tiny", input="Write some digits.", max_output_tokens=8,
                                              extra_headers={"X-Session-Id": "resp-1"})
-    [turn] = await turns(bus, 1)
+    [turn] = await recorded_turns(bus, 1)
     assert turn.endpoint == "responses" and turn.session_id == "resp-1"
     assert turn.messages == [{"role": "user", "content": "Write some digits."}]
     text = served.engine.tokenizer.decode(turn.output_ids, skip_special_tokens=True)
@@ -43,25 +41,25 @@ async def test_the_stream_is_the_full_event_sequence(served, client, bus):
     assert done.text == deltas == events[-1].response.output_text
     assert kinds.index("response.output_item.added") < kinds.index("response.content_part.added") < kinds.index(
         "response.output_text.delta") < kinds.index("response.content_part.done") < kinds.index("response.output_item.done")
-    [turn] = await turns(bus, 1)
+    [turn] = await recorded_turns(bus, 1)
     assert served.engine.tokenizer.decode(turn.output_ids, skip_special_tokens=True) == deltas
     assert turn.messages[0] == {"role": "developer", "content": "Be brief."}
 
 
 async def test_function_calls_go_out_and_their_outputs_come_back(served_tools, bus):
     _, client = served_tools
-    first = await client.responses.create(model="tool-tiny", input=ASK[0]["content"], tools=[FUNCTION], temperature=0,
+    first = await client.responses.create(model="tool-tiny", input=ASK_WEATHER[0]["content"], tools=[FUNCTION], temperature=0,
                                           max_output_tokens=40, extra_headers={"X-Session-Id": "calls"})
     [call] = [item for item in first.output if item.type == "function_call"]
     assert call.name == "get_weather" and json.loads(call.arguments) == {"city": "Paris"}
     stream = await client.responses.create(
         model="tool-tiny", tools=[FUNCTION], temperature=0, max_output_tokens=10, stream=True,
-        input=[*ASK, {"type": "function_call", "call_id": call.call_id, "name": call.name, "arguments": call.arguments},
+        input=[*ASK_WEATHER, {"type": "function_call", "call_id": call.call_id, "name": call.name, "arguments": call.arguments},
                {"type": "function_call_output", "call_id": call.call_id, "output": "Sunny, 21 C"}],
         extra_headers={"X-Session-Id": "calls"})
     events = [event async for event in stream]
     assert events[-1].type in ("response.completed", "response.incomplete")
-    first_turn, second_turn = await recorded(bus, 2)
+    first_turn, second_turn = await recorded_turns(bus, 2)
     assert second_turn.messages[1]["tool_calls"][0]["id"] == call.call_id
     assert second_turn.messages[2] == {"role": "tool", "tool_call_id": call.call_id, "content": "Sunny, 21 C"}
     assert second_turn.prompt_ids[:len(first_turn.prompt_ids)] == first_turn.prompt_ids
@@ -69,7 +67,7 @@ async def test_function_calls_go_out_and_their_outputs_come_back(served_tools, b
 
 async def test_a_streamed_call_is_one_finished_item(served_tools):
     _, client = served_tools
-    stream = await client.responses.create(model="tool-tiny", input=ASK[0]["content"], tools=[FUNCTION], temperature=0,
+    stream = await client.responses.create(model="tool-tiny", input=ASK_WEATHER[0]["content"], tools=[FUNCTION], temperature=0,
                                            max_output_tokens=40, stream=True)
     events = [event async for event in stream]
     [done] = [e for e in events if e.type == "response.output_item.done" and e.item.type == "function_call"]
@@ -84,7 +82,7 @@ async def test_a_previous_response_chain_is_one_session_continuing_exact_tokens(
     first = await client.responses.create(model="tiny", input="Count with me.", instructions="You count.", max_output_tokens=6)
     second = await client.responses.create(model="tiny", input="Go on.", instructions="You count.",  # not carried along
                                            previous_response_id=first.id, max_output_tokens=6)
-    one, two = await turns(bus, 2)
+    one, two = await recorded_turns(bus, 2)
     assert one.session_id == two.session_id and not one.session_done
     assert two.prompt_ids[:len(one.prompt_ids) + len(one.output_ids)] == one.prompt_ids + one.output_ids
     assert [m["role"] for m in two.messages] == ["system", "user", "assistant", "user"]
@@ -129,7 +127,7 @@ async def test_codex_cli_requests_are_served_and_stitched_by_its_session_header(
     names = [line.removeprefix("event: ") for line in lines if line.startswith("event: ")]
     data = [json.loads(line.removeprefix("data: ")) for line in lines if line.startswith("data: ")]
     assert names == [d["type"] for d in data] and names[-1] in ("response.completed", "response.incomplete")
-    [turn] = await turns(bus, 1)
+    [turn] = await recorded_turns(bus, 1)
     assert turn.session_id == "codex-session"
     assert "exec_command" in served.engine.tokenizer.decode(turn.prompt_ids)
     assert "apply_patch" not in served.engine.tokenizer.decode(turn.prompt_ids)

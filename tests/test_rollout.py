@@ -13,8 +13,8 @@ from flywheel.config import ConfigError, load_config
 from flywheel.envs import make_env
 from flywheel.models import WeightStore, load_model
 from flywheel.rollout.driver import RolloutDriver
-from tests.test_serve import served  # noqa: F401  (fixture)
-from tests.waiting import until
+
+from waiting import until
 
 
 def driver(tmp_path, *overrides: str) -> RolloutDriver:
@@ -61,11 +61,11 @@ def test_environment_errors_name_the_key(tmp_path):
 
 
 async def test_a_restarted_driver_keeps_its_admission_count_and_data_position(served, nats_url, bus, tmp_path):
-    gateway = served
     """η = 0, B = 4, groups of 2: the first driver admits (0 + 0 + 1)·4 samples and waits for
     version 1. Restarted on the same run_dir (train.resume false, as under a Ray restart), the
     driver counts those 4 as accepted, so version 1 lets in 4 more, not 8, and it draws the tasks
     and generation lengths the first one would have drawn next."""
+    gateway = served
     config = load_config(None, [f"run_dir={tmp_path / 'run'}", "rollout.env=arithmetic", "rollout.sampling.n_samples=2",
                                 "train.batch_size=4", "rollout.max_head_offpolicyness=0", "rollout.sampling.length_tail=1.0",
                                 "rollout.sampling.max_new_tokens=8"])
@@ -93,10 +93,13 @@ async def test_a_restarted_driver_keeps_its_admission_count_and_data_position(se
     run_tasks = [env.reset(rng).id for _ in range(4)]
     sessions: dict[str, str] = {}
     traffic = bus.consumer(TRAFFIC_SUBJECTS, "watch")
-    while len(sessions) < 8:
-        delivered = await traffic.fetch(timeout_s=5)
-        assert delivered, f"only {len(sessions)} sessions recorded"
-        sessions.update((d.record.session_id, d.record.task_id) for d in delivered if isinstance(d.record, Turn))
+
+    async def eight_sessions_recorded() -> bool:
+        sessions.update((d.record.session_id, d.record.task_id) for d in await traffic.fetch(timeout_s=1)
+                        if isinstance(d.record, Turn))
+        return len(sessions) >= 8
+
+    await until(eight_sessions_recorded)
     # (c): the restarted driver went on with the run's third and fourth tasks, not its first two again
     assert Counter(sessions.values()) == {task: 2 for task in run_tasks}
 
@@ -143,7 +146,7 @@ async def test_admission_rises_only_once_the_endpoint_serves_the_announced_versi
     d = RolloutDriver(config, nats_url, served.url)
     served_when_admitted: list[int] = []
 
-    async def watch() -> None:
+    async def watch() -> None:  # woken by each change of version: the served version at that moment
         while d.version < 1:
             d._changed.clear()
             await d._changed.wait()

@@ -26,6 +26,8 @@ from flywheel.config import ConfigError
 from flywheel.envs.sandbox import Limits, SandboxSpec, SandboxUnavailable, make_backend
 from flywheel.envs.sandbox.bubblewrap import BubblewrapBackend, default_uid_base
 
+from waiting import until_sync
+
 # Slots of their own (uid 10700+): other tests on this machine may sandbox slots 0, 1, ...
 _slots = itertools.count(700)
 
@@ -216,10 +218,7 @@ def test_close_kills_a_running_command_and_removes_the_workdir(open_sandbox):
     results = []
     runner = threading.Thread(target=lambda: results.append(sandbox.execute("setsid sleep 1000 & sleep 1001", timeout=60)))
     runner.start()
-    deadline = time.monotonic() + 10
-    while len(processes_of(sandbox.uid)) < 2 and time.monotonic() < deadline:
-        time.sleep(0.02)
-    assert len(processes_of(sandbox.uid)) >= 2
+    until_sync(lambda: len(processes_of(sandbox.uid)) >= 2, timeout_s=10)
     sandbox.close()
     runner.join(5)
     assert not runner.is_alive()

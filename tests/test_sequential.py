@@ -35,11 +35,14 @@ def test_a_better_canary_is_promoted():
     assert simulate(TEST, true_delta=0.1, share=0.1, runs=RUNS, seed=4)["promoted"] >= 0.97
 
 
-def test_it_waits_for_min_sessions_on_both_arms_and_decides_by_max_sessions():
+def test_it_waits_for_min_sessions_on_both_arms():
     assert TEST.decide(arm([0.0] * 7), arm([1.0] * 100)).verdict is None  # 7 < 8 canary sessions
     assert TEST.decide(arm([0.0] * 8), arm([1.0] * 100)).verdict == "rollback"
-    wide = SequentialTest(delta=0.1, alpha=0.05, beta=0.1, min_sessions=8, max_sessions=20, variance_floor=1.0)
     assert TEST.decide(arm([1.0] * 8), arm([1.0] * 100)).verdict == "promote"
+
+
+def test_undecided_at_max_sessions_it_decides_by_the_nearer_hypothesis():
+    wide = SequentialTest(delta=0.1, alpha=0.05, beta=0.1, min_sessions=8, max_sessions=20, variance_floor=1.0)
     assert wide.decide(arm([1.0] * 8), arm([1.0] * 100)).verdict is None  # identical rewards claim no certainty past the floor
     assert wide.decide(arm([0.5] * 19), arm([0.5] * 19)).verdict is None
     decided = wide.decide(arm([0.5] * 20), arm([0.5] * 20))
@@ -65,7 +68,8 @@ def test_operations_roll_back_a_canary_whose_turns_fail_or_crawl():
         operations_verdict,
         turn_version,
     )
-    from tests.test_records import make_turn
+
+    from factories import make_turn
 
     def turns(n: int, failed: int, tpot: float) -> dict:
         ops = new_operations()

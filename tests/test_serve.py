@@ -9,7 +9,6 @@ import openai
 import pytest
 
 from flywheel.bus import (
-    TRAFFIC_SUBJECTS,
     WEIGHTS_SUBJECT,
     SessionEvent,
     Turn,
@@ -19,30 +18,8 @@ from flywheel.config import load_config
 from flywheel.models import WeightStore, load_model
 from flywheel.serve.loop import ServeLoop
 
-
-@pytest.fixture
-async def served(nats_url, tmp_path):
-    config = load_config(None, [f"run_dir={tmp_path}", "serve.port=0", "serve.max_new_tokens=64"])
-    loop = ServeLoop(config, nats_url)
-    await loop.start()
-    yield loop
-    await loop.stop()
-
-
-@pytest.fixture
-def client(served):
-    return openai.AsyncOpenAI(base_url=f"{served.url}/v1", api_key="unused", max_retries=0)
-
-
-async def records(bus, n: int, durable: str = "check") -> list:
-    """What the gateway recorded (turns, feedback, ends), without its announcements of requests in flight."""
-    consumer = bus.consumer(TRAFFIC_SUBJECTS, durable)
-    out = []
-    for _ in range(100):
-        out += [d.record for d in await consumer.fetch(timeout_s=0.2) if getattr(d.record, "kind", None) != "pending"]
-        if len(out) >= n:
-            break
-    return out
+from factories import traffic_records
+from waiting import until
 
 
 async def test_chat_completion_is_recorded_with_exact_tokens(served, client, bus):
@@ -54,7 +31,7 @@ async def test_chat_completion_is_recorded_with_exact_tokens(served, client, bus
     choice = reply.choices[0]
     assert choice.message.role == "assistant" and choice.finish_reason in ("stop", "length")
     assert reply.system_fingerprint == "flywheel-v0" and reply.model == "tiny"
-    [turn] = await records(bus, 1)
+    [turn] = await traffic_records(bus, 1)
     assert isinstance(turn, Turn)
     tokenizer = served.engine.tokenizer
     rendered = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
@@ -68,24 +45,46 @@ async def test_chat_completion_is_recorded_with_exact_tokens(served, client, bus
     assert turn.response == {"role": "assistant", "content": choice.message.content}
 
 
-async def test_session_ids_fall_back_and_anonymous_requests_are_one_turn_sessions(served, client, bus):
+async def test_without_the_header_the_session_id_comes_from_metadata_or_user(served, client, bus):
     base = dict(model="tiny", max_tokens=2, messages=[{"role": "user", "content": "hi"}])
     await client.chat.completions.create(**base, metadata={"session_id": "from-metadata"})
     await client.chat.completions.create(**base, user="from-user")
-    await client.chat.completions.create(**base)
-    await client.chat.completions.create(**base, extra_headers={"X-Session-Id": "s", "X-Turn-Type": "side", "X-Session-Done": "true"})
-    turns = await records(bus, 4)
-    assert [t.session_id for t in turns[:2]] == ["from-metadata", "from-user"]
-    assert turns[2].session_id.startswith("anon-") and turns[2].session_done
+    turns = await traffic_records(bus, 2)
+    assert [t.session_id for t in turns] == ["from-metadata", "from-user"]
     assert not turns[0].session_done and not turns[1].session_done
-    assert turns[3].turn_type == "side" and turns[3].session_done
 
 
-async def test_feedback_and_end_become_session_events(served, bus):
+async def test_a_request_naming_no_session_is_a_session_of_one_turn(served, client, bus):
+    await client.chat.completions.create(model="tiny", max_tokens=2, messages=[{"role": "user", "content": "hi"}])
+    [turn] = await traffic_records(bus, 1)
+    assert turn.session_id.startswith("anon-") and turn.session_done
+
+
+async def test_headers_mark_a_side_turn_and_the_end_of_a_session(served, client, bus):
+    await client.chat.completions.create(model="tiny", max_tokens=2, messages=[{"role": "user", "content": "hi"}],
+                                         extra_headers={"X-Session-Id": "s", "X-Turn-Type": "side", "X-Session-Done": "true"})
+    [turn] = await traffic_records(bus, 1)
+    assert turn.session_id == "s" and turn.turn_type == "side" and turn.session_done
+
+
+async def test_feedback_becomes_a_session_event(served, bus):
     async with httpx.AsyncClient(base_url=served.url) as http:
         ok = await http.post("/v1/sessions/s1/feedback", json={"reward": 0.5, "turn_index": 2, "text": "good", "source": "env"})
         assert ok.status_code == 200 and ok.json()["kind"] == "feedback"
+    [feedback] = await traffic_records(bus, 1)
+    assert isinstance(feedback, SessionEvent) and feedback.reward == 0.5 and feedback.turn_index == 2
+    assert feedback.text == "good" and feedback.source == "env" and feedback.session_id == "s1"
+
+
+async def test_an_end_becomes_a_session_event(served, bus):
+    async with httpx.AsyncClient(base_url=served.url) as http:
         assert (await http.post("/v1/sessions/s1/end")).status_code == 200
+    [end] = await traffic_records(bus, 1)
+    assert isinstance(end, SessionEvent) and end.kind == "end" and end.session_id == "s1"
+
+
+async def test_unusable_feedback_is_a_400_naming_what_is_wrong_and_is_not_recorded(served, bus):
+    async with httpx.AsyncClient(base_url=served.url) as http:
         bad = await http.post("/v1/sessions/s1/feedback", json={})
         assert bad.status_code == 400 and "reward or a text" in bad.json()["error"]["message"]
         bad = await http.post("/v1/sessions/s1/feedback", json={"reward": "lots"})
@@ -93,10 +92,9 @@ async def test_feedback_and_end_become_session_events(served, bus):
         # found by the fuzzer: a number the bus cannot carry was a 503 "send it again", forever
         bad = await http.post("/v1/sessions/s1/feedback", json={"reward": 1, "details": {"n": [-(2**63) - 1]}})
         assert bad.status_code == 400 and bad.json()["error"]["param"] == "details", bad.text
-    feedback, end = await records(bus, 2)
-    assert isinstance(feedback, SessionEvent) and feedback.reward == 0.5 and feedback.turn_index == 2
-    assert feedback.text == "good" and feedback.source == "env"
-    assert end.kind == "end" and end.session_id == "s1"
+        assert (await http.post("/v1/sessions/s1/end")).status_code == 200
+    [end] = await traffic_records(bus, 1)  # nothing of the refused feedback was recorded
+    assert end.kind == "end"
 
 
 async def test_serve_max_new_tokens_bounds_requests_that_name_no_limit(served, client):
@@ -105,9 +103,12 @@ async def test_serve_max_new_tokens_bounds_requests_that_name_no_limit(served, c
     assert reply.usage.completion_tokens <= 64 and reply.choices[0].finish_reason == "length"
 
 
-async def test_models_and_health(served, client):
+async def test_the_model_list_names_the_served_model(served, client):
     models = await client.models.list()
     assert [m.id for m in models.data] == ["tiny"]
+
+
+async def test_health_reports_the_weight_version_served(served):
     async with httpx.AsyncClient(base_url=served.url) as http:
         assert (await http.get("/health")).json() == {"status": "ok", "weight_version": 0}
 
@@ -163,13 +164,10 @@ async def test_announced_weights_are_swapped_in_and_versions_recorded(served, cl
     model, _ = load_model("tiny")
     path = WeightStore(tmp_path / "store").publish(model, 3)
     await bus.publish(WEIGHTS_SUBJECT, WeightUpdate(id="w3", version=3, path=str(path), step=3))
-    for _ in range(200):
-        if served.engine.version == "3":
-            break
-        await asyncio.sleep(0.02)
+    await until(lambda: served.engine.version == "3")
     reply = await client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=4)
     assert reply.system_fingerprint == "flywheel-v3"
-    [turn] = await records(bus, 1)
+    [turn] = await traffic_records(bus, 1)
     assert turn.output_versions == [3] * len(turn.output_ids)
     assert served.stats()["swaps"] == 1
 
@@ -188,7 +186,7 @@ async def test_shutdown_lets_in_flight_streams_finish(nats_url, tmp_path, bus):
     await stopping
     assert first.choices[0].delta.role == "assistant"
     assert [c.choices[0].finish_reason for c in rest if c.choices and c.choices[0].finish_reason] in (["stop"], ["length"])
-    [turn] = await records(bus, 1)  # recorded and published before the loop stopped
+    [turn] = await traffic_records(bus, 1)  # recorded and published before the loop stopped
     assert turn.session_id == "draining" and not turn.client_disconnected
 
 
@@ -206,7 +204,7 @@ async def test_requests_past_the_timeout_end_with_a_504_or_an_error_event(nats_u
         events = [line for line in streamed.text.splitlines() if line.startswith("data:")]
         assert streamed.status_code == 200 and '"code": "timeout"' in events[-2] and events[-1] == "data: [DONE]"
         await loop.engine.resume()
-        turns = await records(bus, 2)
+        turns = await traffic_records(bus, 2)
         assert [t.finish_reason for t in turns] == ["abort", "abort"]  # recorded, marked unfinished
         assert loop.engine.load()["num_waiting_reqs"] == 0  # and aborted in the engine
     finally:

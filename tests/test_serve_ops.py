@@ -24,7 +24,8 @@ from flywheel.serve.ops.metrics import (
     install_metrics_route,
     install_request_metrics,
 )
-from tests.waiting import until
+
+from waiting import until
 
 
 class StandIn(BaseModel):
@@ -93,7 +94,7 @@ def error_of(response: httpx.Response) -> dict:
     return response.json()["error"]
 
 
-async def test_api_keys_guard_the_api_and_the_admin_key_guards_control_routes():
+async def test_api_keys_guard_the_api_but_not_health_and_metrics():
     gateway = Gateway(api_keys=["k1", "k2"], admin_key="root")
     async with gateway.serving() as url, httpx.AsyncClient(base_url=url) as http:
         async with openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="k3", max_retries=0) as wrong:
@@ -108,15 +109,19 @@ async def test_api_keys_guard_the_api_and_the_admin_key_guards_control_routes():
             assert [m.id for m in (await right.models.list()).data] == ["tiny"]
             reply = await right.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}])
         assert reply.choices[0].message.content == "42"
+        admin_is_no_client = await http.get("/v1/models", headers={"Authorization": "Bearer root"})
+        assert admin_is_no_client.status_code == 401
+        assert (await http.get("/health")).status_code == 200 and (await http.get("/metrics")).status_code == 200
 
+
+async def test_the_admin_key_guards_control_routes():
+    gateway = Gateway(api_keys=["k1", "k2"], admin_key="root")
+    async with gateway.serving() as url, httpx.AsyncClient(base_url=url) as http:
         assert (await http.post("/pause_generation")).status_code == 401
         as_client = await http.post("/pause_generation", headers={"Authorization": "Bearer k1"})
         assert as_client.status_code == 401 and "invalid admin key" in error_of(as_client)["message"]
         as_admin = await http.post("/pause_generation", headers={"Authorization": "bearer root"})
         assert as_admin.status_code == 200 and as_admin.json() == {"paused": True}
-        admin_is_no_client = await http.get("/v1/models", headers={"Authorization": "Bearer root"})
-        assert admin_is_no_client.status_code == 401
-        assert (await http.get("/health")).status_code == 200 and (await http.get("/metrics")).status_code == 200
 
 
 async def test_without_keys_everything_is_open():
@@ -164,7 +169,7 @@ async def test_overload_is_a_429_with_retry_after_until_slots_free_up():
         assert limiter.active == 0 and limiter.waiting == 0
 
 
-async def test_timeouts_are_504_and_give_back_slots_and_places_in_line():
+async def test_a_request_timed_out_in_line_is_a_504_and_gives_back_its_place():
     gateway = Gateway(max_concurrent=1, max_queue=4)
     limiter = gateway.limiter
     async with gateway.serving() as url, httpx.AsyncClient(base_url=url, timeout=30) as http:
@@ -178,21 +183,27 @@ async def test_timeouts_are_504_and_give_back_slots_and_places_in_line():
         gateway.gate.set()
         assert (await holder).status_code == 200
 
-        gateway.gate = asyncio.Event()
+
+async def test_a_request_timed_out_holding_a_slot_is_a_504_and_gives_back_the_slot():
+    gateway = Gateway(max_concurrent=1, max_queue=4)
+    limiter = gateway.limiter
+    async with gateway.serving() as url, httpx.AsyncClient(base_url=url, timeout=30) as http:
         stuck = await http.post("/v1/chat/completions", json={"hold": True, "timeout_s": 0.2})
         assert stuck.status_code == 504 and limiter.active == 0
         assert (await http.post("/v1/chat/completions", json={})).status_code == 200
 
 
-async def test_request_timeout_leaves_finished_bodies_and_foreign_cancellations_alone():
+async def test_a_request_timeout_does_not_fire_once_its_body_has_finished():
     async def quick_then_linger() -> str:
         async with request_timeout(0.05):
             pass
-        await asyncio.sleep(0.2)  # outlives the time limit of a body that has finished
+        await asyncio.sleep(0.2)  # a sleep, not a wait: outlives the time limit of a body that has finished
         return "done"
 
     assert await asyncio.create_task(quick_then_linger()) == "done"
 
+
+async def test_a_request_timeout_lets_a_cancellation_from_outside_through():
     entered = asyncio.Event()
 
     async def cancelled_from_outside() -> None:

@@ -3,32 +3,22 @@ sessions goes to a second embedded engine on the canary version, sessions stay o
 they started with, a promotion moves everyone to it, and a rollback loads an older version.
 Real gateway, real engines, the official `openai` client; versions read from the recorded turns."""
 
-import time
 from collections import defaultdict
+from contextlib import asynccontextmanager
 
 import openai
 
-from flywheel.bus import TRAFFIC_SUBJECTS, Turn
 from flywheel.config import load_config
 from flywheel.models import WeightStore, load_model
 from flywheel.serve.loop import ServeLoop
 from flywheel.serve.routing import canary_draw
 from flywheel.versions.records import Arm, Routing
 from flywheel.versions.registry import Registry
-from tests.waiting import until
+
+from factories import recorded_turns
+from waiting import until
 
 SUITE = "promotion.gate.suites=[{name: digits, env: digits, items: 4}]"
-
-
-async def recorded_turns(bus, n: int) -> list[Turn]:
-    """The first `n` turns recorded, read from the start."""
-    consumer = bus.consumer(TRAFFIC_SUBJECTS, f"routing-{time.monotonic_ns()}")
-    out: list[Turn] = []
-    while len(out) < n:
-        delivered = await consumer.fetch(timeout_s=5)
-        assert delivered, f"only {len(out)} turns recorded"
-        out += [d.record for d in delivered if isinstance(d.record, Turn)]
-    return out
 
 
 def test_the_canary_draw_is_uniform_and_fixed_by_session_and_version():
@@ -37,7 +27,9 @@ def test_the_canary_draw_is_uniform_and_fixed_by_session_and_version():
     assert canary_draw("a", 3) == canary_draw("a", 3) != canary_draw("a", 4)
 
 
-async def test_canary_sessions_are_sticky_promotion_moves_everyone_and_a_rollback_goes_back(bus, nats_url, tmp_path):
+@asynccontextmanager
+async def canary_gateway(bus, nats_url, tmp_path):
+    """A gateway under canary promotion, the registry, version 1's weights, and `ask(session)`."""
     config = load_config(None, [f"run_dir={tmp_path}", "serve.port=0", "serve.max_new_tokens=4", "promotion.mode=canary", SUITE, "rollout.enabled=false"])
     serve = ServeLoop(config, nats_url)
     await serve.start()
@@ -50,35 +42,57 @@ async def test_canary_sessions_are_sticky_promotion_moves_everyone_and_a_rollbac
                                              max_tokens=4, extra_headers={"X-Session-Id": session})
 
     try:
-        await registry.set_routing(Routing(id="r1", serving=Arm(version=0, path=None), canary=Arm(version=1, path=path),
-                                           canary_share=0.5))
-        await until(lambda: serve.pool.canary is not None and serve.pool.canary.weight_version == 1)
-        sessions = [f"s{i}" for i in range(24)]
-        for session in sessions:
-            await ask(session)
-        for session in sessions[:8]:  # second turns
-            await ask(session)
+        yield serve, registry, path, ask
+    finally:
+        await client.close()
+        await serve.stop()
+
+
+async def start_a_canary(serve, registry, path: str, ask, sessions: list[str]) -> None:
+    """Half of new sessions to version 1; each of `sessions` asks once, the first 8 twice."""
+    await registry.set_routing(Routing(id="r1", serving=Arm(version=0, path=None), canary=Arm(version=1, path=path),
+                                       canary_share=0.5))
+    await until(lambda: serve.pool.canary is not None and serve.pool.canary.weight_version == 1)
+    for session in sessions:
+        await ask(session)
+    for session in sessions[:8]:  # second turns
+        await ask(session)
+
+
+SESSIONS = [f"s{i}" for i in range(24)]
+
+
+async def test_canary_sessions_stay_on_the_version_they_started_with(bus, nats_url, tmp_path):
+    async with canary_gateway(bus, nats_url, tmp_path) as (serve, registry, path, ask):
+        await start_a_canary(serve, registry, path, ask, SESSIONS)
         versions: dict[str, set[int]] = defaultdict(set)
         for turn in await recorded_turns(bus, 32):
-            assert isinstance(turn, Turn)
             versions[turn.session_id] |= set(turn.output_versions)
         assert all(len(v) == 1 for v in versions.values())  # sticky: each session on one version
-        on_canary = {s for s in sessions if versions[s] == {1}}
-        assert on_canary == {s for s in sessions if canary_draw(s, 1) < 0.5} and 0 < len(on_canary) < len(sessions)
-        assert serve.pool.counts == {"canary": len(on_canary), "serving": len(sessions) - len(on_canary)}
+        on_canary = {s for s in SESSIONS if versions[s] == {1}}
+        assert on_canary == {s for s in SESSIONS if canary_draw(s, 1) < 0.5} and 0 < len(on_canary) < len(SESSIONS)
+        assert serve.pool.counts == {"canary": len(on_canary), "serving": len(SESSIONS) - len(on_canary)}
 
+
+async def test_a_promotion_moves_every_session_to_the_promoted_version(bus, nats_url, tmp_path):
+    async with canary_gateway(bus, nats_url, tmp_path) as (serve, registry, path, ask):
+        await start_a_canary(serve, registry, path, ask, SESSIONS)
         await registry.set_routing(Routing(id="r2", serving=Arm(version=1, path=path)))  # promoted
         await until(lambda: serve.pool.weight_version == 1)
-        for session in sessions[:8]:
+        for session in SESSIONS[:8]:
             await ask(session)
-        moved = [t for t in (await recorded_turns(bus, 40))[32:] if t.session_id in sessions[:8]]
+        moved = [t for t in (await recorded_turns(bus, 40))[32:] if t.session_id in SESSIONS[:8]]
         assert len(moved) == 8 and all(set(t.output_versions) == {1} for t in moved)  # the serving ones too
-        assert all(serve.pool.sessions.peek(s) == 1 for s in sessions[:8])
+        assert all(serve.pool.sessions.peek(s) == 1 for s in SESSIONS[:8])
 
+
+async def test_a_rollback_loads_the_older_version_again(bus, nats_url, tmp_path):
+    async with canary_gateway(bus, nats_url, tmp_path) as (serve, registry, path, ask):
+        await registry.set_routing(Routing(id="r2", serving=Arm(version=1, path=path)))
+        await until(lambda: serve.pool.weight_version == 1)
+        await ask("before-rollback")
+        assert serve.pool.sessions.peek("before-rollback") == 1
         await registry.set_routing(Routing(id="r3", serving=Arm(version=0, path=None), reason="rolled back"))
         await until(lambda: serve.pool.weight_version == 0)  # an older version loaded
         await ask("after-rollback")
         assert serve.pool.sessions.peek("after-rollback") == 0
-    finally:
-        await client.close()
-        await serve.stop()

@@ -6,12 +6,13 @@ import json
 import pytest
 import torch
 
+from flywheel.cli.main import main
 from flywheel.envs.swe.agent import parse_action
 from flywheel.envs.swe.demos import demonstration, split
 from flywheel.envs.swe.env import SweEnv
 from flywheel.envs.swe.statement import enclosing_function
 from flywheel.models import load_model
-from flywheel.train.sft import encode, fine_tune, main
+from flywheel.train.sft import encode, fine_tune
 
 
 def test_the_easy_statement_names_the_function_that_holds_the_bug():
@@ -53,6 +54,6 @@ def test_sft_trains_on_assistant_tokens_only_and_saves_a_servable_model(demos, t
     assert any(not torch.equal(a, b) for a, b in zip(before, model.parameters()))
     data = tmp_path / "demos.jsonl"
     data.write_text("".join(json.dumps({"messages": m}) + "\n" for m in conversations))
-    assert main(["--data", str(data), "--model", "tiny", "--out", str(tmp_path / "warm"), "--batch", "2"]) == 0
+    assert main(["sft", "--data", str(data), "--model", "tiny", "--out", str(tmp_path / "warm"), "--batch", "2"]) == 0
     warm, _ = load_model(str(tmp_path / "warm"))
     assert sum(p.numel() for p in warm.parameters()) == sum(p.numel() for p in model.parameters())

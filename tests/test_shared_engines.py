@@ -10,14 +10,14 @@ import httpx
 import openai
 import torch
 
-from flywheel.bus import TRAFFIC_SUBJECTS, WEIGHTS_SUBJECT, Turn, WeightUpdate
+from flywheel.bus import WEIGHTS_SUBJECT, WeightUpdate
 from flywheel.config import load_config
 from flywheel.models import WeightStore, load_model
 from flywheel.serve.engine.server import create_engine_app
 from flywheel.serve.loop import ServeLoop
-from tests.conftest import RunningApp
-from tests.test_engine_server import make_engine
-from tests.waiting import until
+
+from factories import RunningApp, make_engine, recorded_turns
+from waiting import until
 
 WAIT_S = 60
 
@@ -47,10 +47,7 @@ async def test_a_following_gateway_learns_versions_without_loading_them_again(na
         stream = await client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}],
                                                       max_tokens=4, stream=True, extra_headers={"X-Session-Id": "after"})
         assert [c async for c in stream][-1].system_fingerprint == "flywheel-v2"
-        consumer = bus.consumer(TRAFFIC_SUBJECTS, "check")
-        recorded: list[Turn] = []
-        while not recorded:
-            recorded += [d.record for d in await consumer.fetch(timeout_s=1) if isinstance(d.record, Turn)]
+        recorded = await recorded_turns(bus, 1)
         assert recorded[-1].session_id == "after" and set(recorded[-1].output_versions) == {2}
         async with httpx.AsyncClient() as http:
             metrics = (await http.get(f"{follower.url}/metrics")).text

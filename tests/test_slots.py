@@ -5,12 +5,19 @@ import threading
 
 from flywheel.envs.slots import SlotPool
 
+from waiting import until
+
+
+def waiting_in(pool: SlotPool) -> int:
+    """How many takers wait in line (a cancelled one too, until a slot passes it by)."""
+    return len(pool._waiters)
+
 
 async def test_coroutines_wait_for_a_slot_and_get_it_in_order():
     pool = SlotPool([0, 1])
     a, b = await pool.take_async(), await pool.take_async()
     waiters = [asyncio.create_task(pool.take_async()) for _ in range(2)]
-    await asyncio.sleep(0)
+    await until(lambda: waiting_in(pool) == 2)
     assert not any(w.done() for w in waiters)
     pool.give(b)
     assert await waiters[0] == b and not waiters[1].done()
@@ -22,10 +29,10 @@ async def test_a_waiter_cancelled_takes_no_slot_with_it():
     pool = SlotPool([7])
     held = await pool.take_async()
     gone = asyncio.create_task(pool.take_async())
-    await asyncio.sleep(0)
+    await until(lambda: waiting_in(pool) == 1)
     gone.cancel()
     later = asyncio.create_task(pool.take_async())
-    await asyncio.sleep(0)
+    await until(lambda: waiting_in(pool) == 2)  # behind the cancelled one
     pool.give(held)
     assert await asyncio.wait_for(later, 5) == 7
 
@@ -36,10 +43,9 @@ async def test_threads_and_coroutines_share_one_pool():
     got: list[int] = []
     thread = threading.Thread(target=lambda: got.append(pool.take()))
     thread.start()
-    while not pool._waiters:  # the thread waits first
-        await asyncio.sleep(0.001)
+    await until(lambda: waiting_in(pool) == 1)  # the thread waits first
     waiting = asyncio.create_task(pool.take_async())
-    await asyncio.sleep(0)
+    await until(lambda: waiting_in(pool) == 2)
     pool.give(slot)
     await asyncio.to_thread(thread.join, 5)
     assert got == [0] and not waiting.done()

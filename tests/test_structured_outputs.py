@@ -10,20 +10,10 @@ import jsonschema
 import openai
 import pytest
 
-from tests.test_engine_server import engine_url  # noqa: F401  (fixture)
-from tests.test_openai_api import turns
-from tests.test_serve import client, served  # noqa: F401  (fixtures)
-
-FORECAST = {"type": "object", "additionalProperties": False, "required": ["unit", "days"],
-            "properties": {"unit": {"enum": ["celsius", "fahrenheit"]}, "days": {"type": "integer", "minimum": 1, "maximum": 7}}}
-"""A schema whose every value is bounded, so that even a random model must finish it."""
-TOOLS = [{"type": "function", "function": {"name": "forecast", "description": "Weather forecast", "parameters": FORECAST}},
-         {"type": "function", "function": {"name": "alarm", "parameters": {
-             "type": "object", "additionalProperties": False, "required": ["on"], "properties": {"on": {"type": "boolean"}}}}}]
-ASK = [{"role": "user", "content": "Forecast for Paris?"}]
+from factories import ASK_FORECAST, FORECAST, FORECAST_TOOLS, recorded_turns
 
 
-async def test_the_engine_takes_sglangs_grammar_parameters(engine_url):  # noqa: F811
+async def test_the_engine_takes_sglangs_grammar_parameters(engine_url):
     url, _ = engine_url
     async with httpx.AsyncClient(base_url=url, timeout=60) as http:
         for seed in range(3):
@@ -44,42 +34,42 @@ async def test_the_engine_takes_sglangs_grammar_parameters(engine_url):  # noqa:
 
 async def test_response_format_json_schema_always_parses(served, client, bus):
     response_format = {"type": "json_schema", "json_schema": {"name": "forecast", "schema": FORECAST, "strict": True}}
-    reply = await client.chat.completions.create(model="tiny", messages=ASK, max_tokens=40, n=3, seed=1,
+    reply = await client.chat.completions.create(model="tiny", messages=ASK_FORECAST, max_tokens=40, n=3, seed=1,
                                                  response_format=response_format)
     for choice in reply.choices:
         assert choice.finish_reason == "stop"
         jsonschema.validate(json.loads(choice.message.content), FORECAST)
-    recorded = await turns(bus, 3)
+    recorded = await recorded_turns(bus, 3)
     assert all(json.loads(t.sampling["json_schema"])["required"] == ["unit", "days"] for t in recorded)
     with pytest.raises(openai.BadRequestError):
-        await client.chat.completions.create(model="tiny", messages=ASK, response_format={"type": "json_schema"})
+        await client.chat.completions.create(model="tiny", messages=ASK_FORECAST, response_format={"type": "json_schema"})
 
 
 @pytest.mark.parametrize("tool_choice", ["required", {"type": "function", "function": {"name": "alarm"}}])
 async def test_forced_calls_parse_and_match_on_chat(served, client, tool_choice):
     for seed in range(4):
-        reply = await client.chat.completions.create(model="tiny", messages=ASK, tools=TOOLS, tool_choice=tool_choice,
+        reply = await client.chat.completions.create(model="tiny", messages=ASK_FORECAST, tools=FORECAST_TOOLS, tool_choice=tool_choice,
                                                      max_tokens=40, seed=seed)
         choice = reply.choices[0]
         assert choice.finish_reason == "tool_calls" and choice.message.content is None
         [call] = choice.message.tool_calls
         if isinstance(tool_choice, dict):
             assert call.function.name == "alarm"
-        schema = next(t["function"]["parameters"] for t in TOOLS if t["function"]["name"] == call.function.name)
+        schema = next(t["function"]["parameters"] for t in FORECAST_TOOLS if t["function"]["name"] == call.function.name)
         jsonschema.validate(json.loads(call.function.arguments), schema)
 
 
 async def test_a_forced_call_cut_short_is_a_truncated_call_not_content(served, client):
-    reply = await client.chat.completions.create(model="tiny", messages=ASK, tools=TOOLS, max_tokens=2,
+    reply = await client.chat.completions.create(model="tiny", messages=ASK_FORECAST, tools=FORECAST_TOOLS, max_tokens=2,
                                                  tool_choice={"type": "function", "function": {"name": "forecast"}})
     choice = reply.choices[0]
     assert choice.finish_reason == "length" and choice.message.content is None
     assert choice.message.tool_calls[0].function.name == "forecast"
 
 
-async def test_forced_calls_parse_on_responses_and_messages(served):
+async def test_a_forced_call_and_a_json_schema_format_parse_on_the_responses_api(served):
     responses = openai.AsyncOpenAI(base_url=f"{served.url}/v1", api_key="x", max_retries=0)
-    flat = [{"type": "function", **t["function"]} for t in TOOLS]
+    flat = [{"type": "function", **t["function"]} for t in FORECAST_TOOLS]
     response = await responses.responses.create(model="tiny", input="Forecast?", tools=flat, tool_choice="required",
                                                 max_output_tokens=40)
     [call] = [item for item in response.output if item.type == "function_call"]
@@ -88,10 +78,13 @@ async def test_forced_calls_parse_on_responses_and_messages(served):
     shaped = await responses.responses.create(model="tiny", input="Forecast?", max_output_tokens=40, text={
         "format": {"type": "json_schema", "name": "forecast", "schema": FORECAST, "strict": True}})
     jsonschema.validate(json.loads(shaped.output_text), FORECAST)
+
+
+async def test_a_forced_tool_use_parses_on_the_messages_api(served):
     messages = anthropic.AsyncAnthropic(base_url=served.url, api_key="x", max_retries=0)
     answer = await messages.messages.create(
-        model="tiny", max_tokens=40, messages=ASK, tool_choice={"type": "tool", "name": "forecast"},
-        tools=[{"name": t["function"]["name"], "input_schema": t["function"]["parameters"]} for t in TOOLS])
+        model="tiny", max_tokens=40, messages=ASK_FORECAST, tool_choice={"type": "tool", "name": "forecast"},
+        tools=[{"name": t["function"]["name"], "input_schema": t["function"]["parameters"]} for t in FORECAST_TOOLS])
     assert answer.stop_reason == "tool_use"
     [use] = answer.content
     assert use.name == "forecast"

@@ -14,7 +14,8 @@ from flywheel.envs import make_env
 from flywheel.envs.sandbox.bubblewrap import default_uid_base
 from flywheel.envs.swe.agent import SUBMIT_MARKER, parse_action
 from flywheel.rollout.env_pool import LocalRunner
-from tests.test_collect_live import assert_segment_is_exact, collected, platform
+
+from factories import assert_segment_is_exact, collected, platform
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -13,8 +13,8 @@ import openai
 import pytest
 
 from flywheel.formats.tool_calls import FORMATS, HERMES, detect
-from tests.teaching import serving, teach_tiny
-from tests.test_tools import ASK, WEATHER, recorded
+
+from factories import ASK_WEATHER, WEATHER, recorded_turns, serving, teach_tiny
 
 TEMPLATES = Path(__file__).parent / "data" / "templates"
 FAMILIES = {
@@ -78,7 +78,7 @@ def test_the_format_is_read_from_the_template(tiny_path):
 @pytest.fixture(scope="module", params=list(FAMILIES))
 def family_model(request, tmp_path_factory):
     template, answer = FAMILIES[request.param]
-    path = teach_tiny(ASK, [WEATHER], answer, tmp_path_factory.mktemp(request.param), (TEMPLATES / template).read_text())
+    path = teach_tiny(ASK_WEATHER, [WEATHER], answer, tmp_path_factory.mktemp(request.param), (TEMPLATES / template).read_text())
     return request.param, path
 
 
@@ -91,20 +91,20 @@ async def family(family_model, nats_url, tmp_path):
 
 async def test_a_familys_call_comes_back_as_tool_calls_and_its_history_renders(family, bus):
     name, client = family
-    reply = await client.chat.completions.create(model="fam", messages=ASK, tools=[WEATHER], temperature=0, max_tokens=40)
+    reply = await client.chat.completions.create(model="fam", messages=ASK_WEATHER, tools=[WEATHER], temperature=0, max_tokens=40)
     choice = reply.choices[0]
     assert choice.finish_reason == "tool_calls" and choice.message.content is None
     [call] = choice.message.tool_calls
     assert call.function.name == "get_weather" and json.loads(call.function.arguments) == {"city": "Paris"}
-    stream = await client.chat.completions.create(model="fam", messages=ASK, tools=[WEATHER], temperature=0, max_tokens=40,
+    stream = await client.chat.completions.create(model="fam", messages=ASK_WEATHER, tools=[WEATHER], temperature=0, max_tokens=40,
                                                   stream=True)
     chunks = [chunk async for chunk in stream]
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == ""  # nothing of the call leaked
     assert chunks[-1].choices[0].delta.tool_calls[0].function.name == "get_weather"
-    history = [*ASK, {"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},
+    history = [*ASK_WEATHER, {"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},
                {"role": "tool", "tool_call_id": call.id, "content": "Sunny"}]
     await client.chat.completions.create(model="fam", messages=history, tools=[WEATHER], temperature=0, max_tokens=4)
-    *_, last = await recorded(bus, 3)
+    *_, last = await recorded_turns(bus, 3)
     assert last.messages[1]["tool_calls"][0]["function"]["name"] == "get_weather"
 
 

@@ -1,59 +1,33 @@
 """Tools end to end: the tool list rendered through the chat template, calls parsed from what the
-model generates (a tiny model taught one call), streamed, forced by tool_choice, recorded."""
+model generates (a tiny model taught one call: the `tool_model` and `served_tools` fixtures),
+streamed, forced by tool_choice, recorded."""
 
 import json
 
-import openai
-import pytest
 from transformers import AutoTokenizer
 
-from flywheel.bus import TRAFFIC_SUBJECTS, Turn
 from flywheel.formats.tool_calls import HERMES
 from flywheel.models import resolve_model
 from flywheel.serve.tools.template import adapt_messages, template_support
-from tests.teaching import serving, teach_tiny
 
-WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "Weather in a city",
-                                              "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}
-ASK = [{"role": "user", "content": "Weather in Paris?"}]
-CALL = '<tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}</tool_call>'
-
-
-@pytest.fixture(scope="module")
-def tool_model(tmp_path_factory):
-    """The tiny model, taught by a few supervised steps to answer ASK with CALL."""
-    return teach_tiny(ASK, [WEATHER], CALL, tmp_path_factory.mktemp("tool"))
-
-
-@pytest.fixture
-async def served_tools(tool_model, nats_url, tmp_path):
-    async with serving(tool_model, "tool-tiny", nats_url, tmp_path) as loop:
-        yield loop, openai.AsyncOpenAI(base_url=f"{loop.url}/v1", api_key="x", max_retries=0)
-
-
-async def recorded(bus, n=1) -> list[Turn]:
-    consumer = bus.consumer(TRAFFIC_SUBJECTS, "tools-check")
-    out = []
-    while len(out) < n:
-        out += [d.record for d in await consumer.fetch(timeout_s=2) if isinstance(d.record, Turn)]
-    return out
+from factories import ASK_WEATHER, WEATHER, WEATHER_CALL, recorded_turns
 
 
 async def test_a_generated_call_comes_back_as_tool_calls(served_tools, bus):
     _, client = served_tools
-    reply = await client.chat.completions.create(model="tool-tiny", messages=ASK, tools=[WEATHER], temperature=0, max_tokens=40)
+    reply = await client.chat.completions.create(model="tool-tiny", messages=ASK_WEATHER, tools=[WEATHER], temperature=0, max_tokens=40)
     choice = reply.choices[0]
     assert choice.finish_reason == "tool_calls" and choice.message.content is None
     [call] = choice.message.tool_calls
     assert call.type == "function" and call.function.name == "get_weather" and call.id.startswith("call_")
     assert json.loads(call.function.arguments) == {"city": "Paris"}
-    [turn] = await recorded(bus)
+    [turn] = await recorded_turns(bus)
     assert turn.finish_reason == "tool_calls" and turn.response["tool_calls"][0]["function"]["name"] == "get_weather"
 
 
 async def test_streamed_calls_arrive_in_the_final_delta(served_tools):
     _, client = served_tools
-    stream = await client.chat.completions.create(model="tool-tiny", messages=ASK, tools=[WEATHER], temperature=0,
+    stream = await client.chat.completions.create(model="tool-tiny", messages=ASK_WEATHER, tools=[WEATHER], temperature=0,
                                                   max_tokens=40, stream=True)
     chunks = [c async for c in stream]
     content = "".join(c.choices[0].delta.content or "" for c in chunks)
@@ -67,13 +41,13 @@ async def test_streamed_calls_arrive_in_the_final_delta(served_tools):
 async def test_tool_choice_forces_a_call_and_none_hides_the_tools(served_tools, bus):
     loop, client = served_tools
     named = {"type": "function", "function": {"name": "get_weather"}}
-    reply = await client.chat.completions.create(model="tool-tiny", messages=ASK, tools=[WEATHER], tool_choice=named,
+    reply = await client.chat.completions.create(model="tool-tiny", messages=ASK_WEATHER, tools=[WEATHER], tool_choice=named,
                                                  temperature=0, max_tokens=40)
     assert reply.choices[0].message.tool_calls[0].function.name == "get_weather"
-    none = await client.chat.completions.create(model="tool-tiny", messages=ASK, tools=[WEATHER], tool_choice="none",
+    none = await client.chat.completions.create(model="tool-tiny", messages=ASK_WEATHER, tools=[WEATHER], tool_choice="none",
                                                 temperature=0, max_tokens=5)
     assert none.choices[0].message.tool_calls is None
-    forced, hidden = await recorded(bus, 2)
+    forced, hidden = await recorded_turns(bus, 2)
     tokenizer = loop.engine.tokenizer
     assert tokenizer.decode(forced.prompt_ids).endswith('<tool_call>{"name": "get_weather", "arguments":')
     assert "get_weather" not in tokenizer.decode(hidden.prompt_ids)
@@ -81,24 +55,24 @@ async def test_tool_choice_forces_a_call_and_none_hides_the_tools(served_tools, 
 
 async def test_history_with_calls_and_results_is_rendered(served_tools, bus):
     loop, client = served_tools
-    history = ASK + [
+    history = ASK_WEATHER + [
         {"role": "assistant", "content": None, "tool_calls": [
             {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
         {"role": "tool", "tool_call_id": "call_1", "content": "sunny, 21 C"},
     ]
     await client.chat.completions.create(model="tool-tiny", messages=history, tools=[WEATHER], max_tokens=3)
-    [turn] = await recorded(bus)
+    [turn] = await recorded_turns(bus)
     prompt = loop.engine.tokenizer.decode(turn.prompt_ids)
-    assert CALL in prompt and "sunny, 21 C" in prompt
+    assert WEATHER_CALL in prompt and "sunny, 21 C" in prompt
     assert turn.turn_index == 1
 
 
 def test_parsing_keeps_what_is_not_a_call():
-    content, calls = HERMES.parse(f"Let me check. {CALL}\n<tool_call>not json</tool_call>")
+    content, calls = HERMES.parse(f"Let me check. {WEATHER_CALL}\n<tool_call>not json</tool_call>")
     assert [c["function"]["name"] for c in calls] == ["get_weather"]
     assert content == "Let me check. \n<tool_call>not json</tool_call>".strip()
     assert HERMES.parse("plain text") == ("plain text", [])
-    content, calls = HERMES.parse(CALL + CALL.replace("Paris", "Rome"))
+    content, calls = HERMES.parse(WEATHER_CALL + WEATHER_CALL.replace("Paris", "Rome"))
     assert content is None and [json.loads(c["function"]["arguments"])["city"] for c in calls] == ["Paris", "Rome"]
 
 
@@ -108,11 +82,11 @@ def test_templates_without_tool_support_get_the_documented_format():
     assert template_support(tiny) == (True, True)
     assert template_support(smol) == (False, False)
     call = {"id": "c", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}
-    messages = adapt_messages(ASK + [{"role": "assistant", "content": "", "tool_calls": [call]}], [WEATHER], False, False)
+    messages = adapt_messages(ASK_WEATHER + [{"role": "assistant", "content": "", "tool_calls": [call]}], [WEATHER], False, False)
     assert messages[0]["role"] == "system" and "<tools>" in messages[0]["content"] and "get_weather" in messages[0]["content"]
-    assert messages[-1]["content"] == CALL and "tool_calls" not in messages[-1]
+    assert messages[-1]["content"] == WEATHER_CALL and "tool_calls" not in messages[-1]
     rendered = smol.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-    assert "<tools>" in rendered and CALL in rendered
+    assert "<tools>" in rendered and WEATHER_CALL in rendered
 
 
 async def test_system_messages_partway_through_stay_put_unless_the_template_takes_one_system_message():

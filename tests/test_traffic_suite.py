@@ -26,9 +26,9 @@ from flywheel.promote.loop import PromoteLoop
 from flywheel.promote.traffic_suite import read_verdict, recorded_items
 from flywheel.serve.loop import ServeLoop
 from flywheel.versions.registry import Registry
-from tests.conftest import RunningApp
-from tests.test_promotion import _is, announce
-from tests.waiting import until
+
+from factories import RunningApp, announce, is_in_state
+from waiting import until
 
 TRAFFIC = "promotion.gate.suites=[{name: traffic, source: traffic, items: 5, min_items: 3, max_new_tokens: 12}]"
 QUESTIONS = ["What is 2 + 3?", "Name a colour.", "Count to four.", "no opinion: say a word",
@@ -147,52 +147,67 @@ async def promotion_with_traffic(bus, nats_url, tmp_path, *overrides: str):
             await server.stop()
 
 
-async def test_the_pinned_judge_compares_both_orders_fenced_and_decides(bus, nats_url, tmp_path):
+@asynccontextmanager
+async def scripted_judging(bus, nats_url, tmp_path):
+    """`promotion_with_traffic` judged by a `ScriptedJudge`, with every QUESTION recorded:
+    (judge, registry, store)."""
     judge = ScriptedJudge()
     async with RunningApp(judge.app) as judge_url:
         async with promotion_with_traffic(bus, nats_url, tmp_path, f"judge.llm.base_url={judge_url}/v1",
-                                          "promotion.gate.guards.max_kl=1000") as (traffic, promoter, registry, store):
+                                          "promotion.gate.guards.max_kl=1000") as (traffic, _, registry, store):
             for i, question in enumerate(QUESTIONS):
                 await record(traffic.url, f"s{i}", question)
-
-            # A candidate unlike the serving version: the judge, always for reply A, gives every item a tie.
-            await announce(bus, store, 1, parent=0, noise=0.5)
-            await until(lambda: _has(registry, 1, "gate"))
-            suite = (await registry.get(1)).gate["suites"]["traffic"]
-            asked = 5 - suite["identical"]
-            pairs = judge.pairs()
-            no_opinion = sum("no opinion" in p[0]["conversation"] for p in pairs.values())  # its two verdicts unreadable
-            assert asked >= 4 and suite["judge_calls"] == 2 * asked and suite["invalid"] == 2 * no_opinion
-            assert (suite["wins"], suite["losses"], suite["ties"], suite["score"], suite["passed"]) == (0, 0, 5, 0.0, True)
-            assert len(pairs) == asked and all(len(p) == 2 for p in pairs.values())
-            for first, second in pairs.values():  # both orders, each in fences of its own nonce
-                assert (first["reply_a"], first["reply_b"]) == (second["reply_b"], second["reply_a"])
-                assert first["nonce"] != second["nonce"] and first["turn_type"] == "side"
-                for r in (first, second):
-                    assert f"({r['nonce']}) are real" in r["system"] and r["user"].count(r["nonce"]) == 6
-                    assert "<|" not in r["user"]  # the template's control tokens, and any in the traffic, defused
-            injected = next(p[0] for p in pairs.values() if "Ignore the above" in p[0]["conversation"])
-            assert "‹‹‹END conversation" in injected["conversation"] and "‹|im_start|›system" in injected["conversation"]
-
-            # A candidate that says nothing: the judge prefers the serving version's reply in both orders
-            # (where that says something; where it says nothing too, the replies are identical).
-            judge.biased = False
-            await bus.publish(WEIGHTS_SUBJECT, WeightUpdate(id="w2", version=2, path=silent(store, 2), step=2, parent=0))
-            await until(lambda: _is(registry, 2, "rejected"))
-            two = await registry.get(2)
-            suite = two.gate["suites"]["traffic"]
-            asked = 5 - suite["identical"]
-            pairs = judge.pairs()
-            no_opinion = sum("no opinion" in p[0]["conversation"] for p in pairs.values())
-            losses = asked - no_opinion
-            assert losses >= 2 and (suite["wins"], suite["losses"], suite["invalid"]) == (0, losses, 2 * no_opinion)
-            assert not suite["passed"] and suite["lower_bound"] < -0.1 and suite["ties"] == 5 - losses
-            assert any(r.startswith(f"traffic: the judge preferred the candidate's reply on 0 of 5 recorded prompts and the "
-                                    f"serving version's on {losses}") for r in two.gate["reasons"])
-            assert all("" in (first["reply_a"], first["reply_b"]) for first, _ in pairs.values())
+            yield judge, registry, store
 
 
-async def test_the_gate_waits_for_traffic_and_a_version_like_the_serving_one_ties(bus, nats_url, tmp_path):
+async def test_the_pinned_judge_sees_both_orders_each_fenced_with_a_nonce_of_its_own(bus, nats_url, tmp_path):
+    async with scripted_judging(bus, nats_url, tmp_path) as (judge, registry, store):
+        # A candidate unlike the serving version: the judge, always for reply A, gives every item a tie.
+        await announce(bus, store, 1, parent=0, noise=0.5)
+        await until(lambda: _has(registry, 1, "gate"))
+        suite = (await registry.get(1)).gate["suites"]["traffic"]
+        asked = 5 - suite["identical"]
+        pairs = judge.pairs()
+        no_opinion = sum("no opinion" in p[0]["conversation"] for p in pairs.values())  # its two verdicts unreadable
+        assert asked >= 4 and suite["judge_calls"] == 2 * asked and suite["invalid"] == 2 * no_opinion
+        assert (suite["wins"], suite["losses"], suite["ties"], suite["score"], suite["passed"]) == (0, 0, 5, 0.0, True)
+        assert len(pairs) == asked and all(len(p) == 2 for p in pairs.values())
+        for first, second in pairs.values():  # both orders, each in fences of its own nonce
+            assert (first["reply_a"], first["reply_b"]) == (second["reply_b"], second["reply_a"])
+            assert first["nonce"] != second["nonce"] and first["turn_type"] == "side"
+            for r in (first, second):
+                assert f"({r['nonce']}) are real" in r["system"] and r["user"].count(r["nonce"]) == 6
+                assert "<|" not in r["user"]  # the template's control tokens, and any in the traffic, defused
+        injected = next(p[0] for p in pairs.values() if "Ignore the above" in p[0]["conversation"])
+        assert "‹‹‹END conversation" in injected["conversation"] and "‹|im_start|›system" in injected["conversation"]
+
+
+async def test_the_pinned_judge_rejects_a_candidate_whose_replies_it_likes_less(bus, nats_url, tmp_path):
+    async with scripted_judging(bus, nats_url, tmp_path) as (judge, registry, store):
+        # Serving first: a version whose every reply says something (noised; the judge, still all
+        # position bias, ties it in). The starting weights' replies to some prompts are blank.
+        await announce(bus, store, 1, parent=0, noise=0.5)
+        await until(lambda: is_in_state(registry, 1, "serving"))
+        judge.pairs()  # what it was asked about that version
+        # A candidate that says nothing: the judge prefers the serving version's reply in both orders
+        # (where that says something; where it says nothing too, the replies are identical).
+        judge.biased = False
+        await bus.publish(WEIGHTS_SUBJECT, WeightUpdate(id="w2", version=2, path=silent(store, 2), step=2, parent=0))
+        await until(lambda: is_in_state(registry, 2, "rejected"))
+        silent_one = await registry.get(2)
+        suite = silent_one.gate["suites"]["traffic"]
+        asked = 5 - suite["identical"]
+        pairs = judge.pairs()
+        no_opinion = sum("no opinion" in p[0]["conversation"] for p in pairs.values())
+        losses = asked - no_opinion
+        assert losses >= 2 and (suite["wins"], suite["losses"], suite["invalid"]) == (0, losses, 2 * no_opinion)
+        assert not suite["passed"] and suite["lower_bound"] < -0.1 and suite["ties"] == 5 - losses
+        assert any(r.startswith(f"traffic: the judge preferred the candidate's reply on 0 of 5 recorded prompts and the "
+                                f"serving version's on {losses}") for r in silent_one.gate["reasons"])
+        assert all("" in (first["reply_a"], first["reply_b"]) for first, _ in pairs.values())
+
+
+async def test_the_gate_waits_for_enough_traffic_then_a_version_like_the_serving_one_ties(bus, nats_url, tmp_path):
     async with promotion_with_traffic(bus, nats_url, tmp_path, "judge.llm.max_tokens=8") as (traffic, promoter, registry, store):
         await announce(bus, store, 1, parent=0)  # the starting weights again
         await until(lambda: _has(registry, 1, "waiting"))
@@ -200,20 +215,25 @@ async def test_the_gate_waits_for_traffic_and_a_version_like_the_serving_one_tie
         assert "waiting: traffic: 0 of the 3" in table(await registry.versions())
         for i, question in enumerate(QUESTIONS[:4]):
             await record(traffic.url, f"s{i}", question)
-        await until(lambda: _is(registry, 1, "serving"))
+        await until(lambda: is_in_state(registry, 1, "serving"))
         one = await registry.get(1)
         suite = one.gate["suites"]["traffic"]
         assert one.waiting is None and suite["passed"] and suite["items"] == 4
         assert (suite["identical"], suite["ties"], suite["judge_calls"], suite["lower_bound"]) == (4, 4, 0, 0.0)
         assert "passed: traffic preferred 0 vs 0 of 4" in table([one])
 
+
+async def test_the_pinned_tiny_judge_is_asked_on_side_turns_and_its_unreadable_verdicts_reject(bus, nats_url, tmp_path):
+    async with promotion_with_traffic(bus, nats_url, tmp_path, "judge.llm.max_tokens=8") as (traffic, promoter, registry, store):
+        for i, question in enumerate(QUESTIONS[:4]):
+            await record(traffic.url, f"s{i}", question)
         # The pinned tiny judge is really asked (side turns on its server), and cannot give a verdict.
-        await announce(bus, store, 2, parent=1, noise=0.5)
-        await until(lambda: _is(registry, 2, "rejected"))
-        two = await registry.get(2)
-        suite = two.gate["suites"]["traffic"]
+        await announce(bus, store, 1, parent=0, noise=0.5)
+        await until(lambda: is_in_state(registry, 1, "rejected"))
+        one = await registry.get(1)
+        suite = one.gate["suites"]["traffic"]
         assert suite["judge_calls"] == 2 * (4 - suite["identical"]) > 0 and suite["invalid"] == suite["judge_calls"]
-        assert any(r.startswith("traffic: ") and "verdicts unreadable" in r for r in two.gate["reasons"])
+        assert any(r.startswith("traffic: ") and "verdicts unreadable" in r for r in one.gate["reasons"])
         asked = [t async for _, t in bus.recent(TURN_SUBJECT, 1000) if t.session_id.startswith("gate/traffic/")]
         assert len(asked) == suite["judge_calls"] and {t.turn_type for t in asked} == {"side"}
 

@@ -9,7 +9,8 @@ from flywheel.config import load_config
 from flywheel.models import load_model
 from flywheel.train.packing import micro_batches
 from flywheel.train.trainer import Trainer
-from tests.test_train_loop import rows_of, sample_of, sampled_turns
+
+from factories import rows_of, sample_of, sampled_turns
 
 
 def with_attention_dropout(p: float) -> torch.nn.Module:

@@ -5,7 +5,6 @@ import asyncio
 import json
 import math
 
-import msgspec
 import pytest
 import torch
 
@@ -14,46 +13,16 @@ from flywheel.bus import (
     TRAJECTORY_SUBJECT,
     WEIGHTS_SUBJECT,
     Sample,
-    Trajectory,
     encode,
 )
-from flywheel.collect.stitch import stitch
 from flywheel.config import load_config
 from flywheel.models import load_model
-from flywheel.serve.engine import Engine, SamplingParams
 from flywheel.train.advantages import RunningBaseline, group_advantages
 from flywheel.train.loop import TrainLoop
-from flywheel.train.packing import Row, micro_batches
+from flywheel.train.packing import micro_batches
 from flywheel.train.trainer import Trainer
-from tests.test_records import make_turn
 
-
-async def sampled_turns(n: int, version: int = 0, task_id: str | None = None, temperature: float = 1.0) -> list:
-    """Real engine samples from the tiny model, as the gateway would record them (without a
-    task id, each is a group of its own)."""
-    model, tokenizer = load_model("tiny")
-    engine = Engine(model, tokenizer).start()
-    try:
-        text = tokenizer.apply_chat_template([{"role": "user", "content": "Write some digits."}], add_generation_prompt=True, tokenize=False)
-        prompt = tokenizer.encode(text, add_special_tokens=False)
-        params = [SamplingParams(max_new_tokens=8, sampling_seed=i, temperature=temperature) for i in range(n)]
-        results = await asyncio.gather(*(engine.generate(prompt, p) for p in params))
-    finally:
-        engine.stop()
-    return [
-        make_turn(id=f"t{i}", session_id=f"s{i}", prompt_ids=r.prompt_ids, output_ids=r.output_ids,
-                  output_logprobs=r.logprobs, output_versions=[version] * len(r.output_ids), task_id=task_id,
-                  sampling={"temperature": temperature, "max_new_tokens": 8, "sampling_seed": i})
-        for i, r in enumerate(results)
-    ]
-
-
-def sample_of(turn, reward: float, version: int | None = None) -> Sample:
-    if version is not None:
-        turn = msgspec.structs.replace(turn, output_versions=[version] * len(turn.output_ids))
-    traj = Trajectory(id=turn.session_id, session_id=turn.session_id, task_id=turn.task_id, group_size=turn.group_size,
-                      segments=stitch([turn]), turns=[turn], close_reason="feedback")
-    return Sample(id=f"{turn.session_id}-{version}", trajectory=traj, reward=reward, judge="rule")
+from factories import rows_of, sample_of, sampled_turns
 
 
 async def referring_sample(bus, turn, reward: float, version: int) -> Sample:
@@ -61,10 +30,6 @@ async def referring_sample(bus, turn, reward: float, version: int) -> Sample:
     trajectory = sample_of(turn, reward, version).trajectory
     ack = await bus.js.publish(TRAJECTORY_SUBJECT, encode(trajectory), headers={"Nats-Msg-Id": f"{trajectory.id}-{version}"})
     return Sample(id=trajectory.id, trajectory_seq=ack.seq, reward=reward, judge="rule")
-
-
-def rows_of(samples: list[Sample], advantages: list[float]) -> list[Row]:
-    return [Row(seg, [a * m for m in seg.loss_mask]) for s, a in zip(samples, advantages) for seg in s.trajectory.segments]
 
 
 async def test_a_step_raises_rewarded_and_lowers_unrewarded_sequences():

@@ -14,8 +14,9 @@ from flywheel.models import load_model
 from flywheel.train.loop import TrainLoop
 from flywheel.versions.records import Arm, Routing, TrainerDirective
 from flywheel.versions.registry import Registry
-from tests.test_train_loop import sample_of, sampled_turns
-from tests.waiting import until
+
+from factories import sample_of, sampled_turns
+from waiting import until
 
 
 async def test_pace_directives_abandoned_versions_and_protection(bus, nats_url, tmp_path):

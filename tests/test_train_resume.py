@@ -11,8 +11,9 @@ from flywheel.bus import SAMPLE_SUBJECT, WEIGHTS_SUBJECT
 from flywheel.config import ConfigError, load_config
 from flywheel.train.ledger import Ledger, lineage
 from flywheel.train.loop import TrainLoop
-from tests.test_train_loop import sample_of, sampled_turns
-from tests.waiting import until
+
+from factories import sample_of, sampled_turns
+from waiting import until
 
 
 async def wait_for_version(loop: TrainLoop, version: int) -> None:

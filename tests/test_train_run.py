@@ -5,10 +5,11 @@ all four loops; its outputs; `--resume`; a used run_dir refused; and the stalene
 import json
 import signal
 import subprocess
-import time
 from pathlib import Path
 
 from flywheel.cli import command
+
+from waiting import until_sync
 
 ROOT = Path(__file__).resolve().parent.parent
 CONFIG = "configs/arith_tiny.yaml"
@@ -33,10 +34,11 @@ def test_a_run_stopped_by_sigterm_keeps_its_outputs_and_resumes_within_its_stale
                               "train.max_steps=10000", "train.batch_size=8", "rollout.max_head_offpolicyness=0"],
                              cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     try:
-        deadline = time.monotonic() + 240
-        while not ((run_dir / "metrics.jsonl").exists() and (run_dir / "metrics.jsonl").read_text().count("\n") >= 2):
-            assert child.poll() is None and time.monotonic() < deadline, "the run did not reach step 2"
-            time.sleep(0.2)
+        def at_step_2() -> bool:
+            assert child.poll() is None, "the run ended before step 2"
+            return (run_dir / "metrics.jsonl").exists() and (run_dir / "metrics.jsonl").read_text().count("\n") >= 2
+
+        until_sync(at_step_2, timeout_s=240, poll_s=0.2)
         child.send_signal(signal.SIGTERM)
         assert child.wait(timeout=120) == 0, child.stderr.read()[-3000:]
     finally:

@@ -17,8 +17,9 @@ from flywheel.train.loop import TrainLoop
 from flywheel.train.packing import Row, micro_batches, split_minibatches
 from flywheel.train.trainable_tokens import segment_sampling
 from flywheel.train.trainer import Trainer
-from tests.test_train_loop import sample_of, sampled_turns
-from tests.waiting import until
+
+from factories import sample_of, sampled_turns
+from waiting import until
 
 
 def lines(run_dir) -> list[dict]:
@@ -168,11 +169,7 @@ async def test_a_restart_behind_published_versions_announces_a_newer_one(bus, na
         assert second.trainer.step_count == 2 and second.version == 4 and announced.version == 4  # serve takes only newer
         await bus.publish(SAMPLE_SUBJECT, sample_of(turns[2], 1.0, version=4))
         # The step is counted before its weights are announced: wait for the announcement itself.
-        for _ in range(1200):
-            if (await bus.last(WEIGHTS_SUBJECT)).version == 5:
-                break
-            await asyncio.sleep(0.05)
-        assert (await bus.last(WEIGHTS_SUBJECT)).version == 5
+        await until(lambda: announced_version(bus, 5))
     finally:
         await second.stop()
 
@@ -191,8 +188,15 @@ async def test_samples_are_kept_from_redelivery_while_their_step_outlasts_the_ac
         # The step's metrics line, not its count: the count goes up inside the step, the line after it.
         await until(lambda: (tmp_path / "metrics.jsonl").exists() and lines(tmp_path))
         assert lines(tmp_path)[0]["step_s"] > 1.2  # the step did outlast the 1 s ack wait
-        await asyncio.sleep(2.5)  # two more ack waits, the loop fetching all along: a redelivery would be in
+        # A sleep, not a wait: that nothing comes is the claim. Two more ack waits, the loop
+        # fetching all along: a redelivery would be in by then.
+        await asyncio.sleep(2.5)
         info = await bus.js.consumer_info("SAMPLES", "train")
         assert info.delivered.consumer_seq == 240 and loop.counts["duplicates_dropped"] == 0
     finally:
         await loop.stop()
+
+
+async def announced_version(bus, version: int) -> bool:
+    """Whether the newest weights announcement is `version`."""
+    return (await bus.last(WEIGHTS_SUBJECT)).version == version

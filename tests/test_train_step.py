@@ -17,8 +17,8 @@ from flywheel.train.fsdp import shard
 from flywheel.train.packing import Row, micro_batches
 from flywheel.train.schedule import lr_factor
 from flywheel.train.trainer import Trainer
-from tests.test_records import make_turn
-from tests.test_train_loop import rows_of, sample_of, sampled_turns
+
+from factories import make_turn, rows_of, sample_of, sampled_turns
 
 
 @pytest.fixture(scope="module")

@@ -5,7 +5,9 @@ and the per-version Prometheus series."""
 
 import asyncio
 import subprocess
+from contextlib import asynccontextmanager
 from pathlib import Path
+from types import SimpleNamespace
 
 import httpx
 
@@ -18,8 +20,9 @@ from flywheel.models import WeightStore, load_model
 from flywheel.promote.loop import PromoteLoop
 from flywheel.serve.loop import ServeLoop
 from flywheel.versions.registry import Registry
-from tests.test_promotion import _is
-from tests.waiting import until
+
+from factories import is_in_state
+from waiting import until
 
 ROOT = Path(__file__).resolve().parent.parent
 SUITE = "promotion.gate.suites=[{name: digits, env: digits, items: 4, max_new_tokens: 8}]"
@@ -31,7 +34,11 @@ async def versions_cli(run_dir: Path, *args: str) -> subprocess.CompletedProcess
                                    cwd=ROOT, capture_output=True, text=True, timeout=120)
 
 
-async def test_cli_admin_api_dashboard_and_metrics(bus, nats_url, tmp_path):
+@asynccontextmanager
+async def operated(bus, nats_url: str, tmp_path):
+    """A gateway (admin key `adm`), an evaluation server and a promotion loop in gate mode, once
+    v1 (the starting weights again) has passed the gate and serves: (gateway, loops, registry,
+    an HTTP client on the gateway). `loops.promoter` may be stopped by the test."""
     write_address(tmp_path, BUS, nats_url)
     config = load_config(None, [f"run_dir={tmp_path}", "serve.port=0", "promotion.mode=gate", SUITE,
                                 "promotion.gate.guards.probe_prompts=2", "serve.admin_key=adm"])
@@ -40,16 +47,27 @@ async def test_cli_admin_api_dashboard_and_metrics(bus, nats_url, tmp_path):
     config.promotion.eval_url = evaluator.url
     serve = ServeLoop(config, nats_url)
     await serve.start()
-    promoter = PromoteLoop(config, nats_url)
-    await promoter.start()
+    loops = SimpleNamespace(promoter=PromoteLoop(config, nats_url))
+    await loops.promoter.start()
     registry = await Registry.open(bus)
     http = httpx.AsyncClient(base_url=serve.url, timeout=120)
-    admin = {"Authorization": "Bearer adm"}
     try:
         path = str(WeightStore(tmp_path / "weights").publish(load_model("tiny")[0], 1))
         await bus.publish(WEIGHTS_SUBJECT, WeightUpdate(id="w1", version=1, path=path, step=1, parent=0))
-        await until(lambda: _is(registry, 1, "serving"))
+        await until(lambda: is_in_state(registry, 1, "serving"))
+        yield serve, loops, registry, http
+    finally:
+        await http.aclose()
+        await loops.promoter.stop()
+        await serve.stop()
+        await evaluator.stop()
 
+
+ADMIN = {"Authorization": "Bearer adm"}
+
+
+async def test_flywheel_versions_lists_shows_and_commands_the_promotion_loop(bus, nats_url, tmp_path):
+    async with operated(bus, nats_url, tmp_path):
         listed = await versions_cli(tmp_path, "list")
         assert listed.returncode == 0, listed.stderr
         assert "v1" in listed.stdout and "serves everyone" in listed.stdout and "retired" in listed.stdout
@@ -61,31 +79,41 @@ async def test_cli_admin_api_dashboard_and_metrics(bus, nats_url, tmp_path):
         assert refused.returncode == 1 and "no version 7" in refused.stdout
         assert (await versions_cli(tmp_path, "promote")).returncode == 2  # argparse: a version is needed
 
+
+async def test_flywheel_versions_says_so_when_no_promotion_loop_answers(bus, nats_url, tmp_path):
+    async with operated(bus, nats_url, tmp_path) as (_, loops, _, _):
+        await loops.promoter.stop()
+        gone = await versions_cli(tmp_path, "unpin", "--timeout-s", "2")
+        assert gone.returncode == 2 and "no promotion loop" in gone.stdout
+
+
+async def test_the_admin_api_carries_out_commands_for_the_admin_key_only(bus, nats_url, tmp_path):
+    async with operated(bus, nats_url, tmp_path) as (serve, _, _, http):
         assert (await http.get("/admin/versions")).status_code == 401
-        listing = (await http.get("/admin/versions", headers=admin)).json()
-        assert listing["routing"]["serving"]["version"] == 0 and [v["state"] for v in listing["versions"]] == ["serving", "rolled_back"]
-        promoted = await http.post("/admin/versions/1/promote", headers=admin)
+        listing = (await http.get("/admin/versions", headers=ADMIN)).json()
+        assert listing["routing"]["serving"]["version"] == 1 and [v["state"] for v in listing["versions"]] == ["retired", "serving"]
+        rolled = await http.post("/admin/versions/rollback", json={"reason": "drill"}, headers=ADMIN)
+        assert rolled.status_code == 200 and rolled.json()["message"] == "v1 rolled back; v0 serves"
+        promoted = await http.post("/admin/versions/1/promote", headers=ADMIN)
         assert promoted.status_code == 200 and promoted.json()["message"] == "v1 serves"
-        missing = await http.post("/admin/versions/9/pin", headers=admin)
+        missing = await http.post("/admin/versions/9/pin", headers=ADMIN)
         assert missing.status_code == 409 and "no version 9" in missing.json()["error"]["message"]
         await until(lambda: _serving(serve, 1))
+        one = next(v for v in (await http.get("/admin/versions", headers=ADMIN)).json()["versions"] if v["version"] == 1)
+        assert [t["by"] for t in one["transitions"]][-2:] == ["operator", "operator"]
 
+
+async def test_the_dashboard_and_the_metrics_show_each_versions_state(bus, nats_url, tmp_path):
+    async with operated(bus, nats_url, tmp_path) as (serve, _, _, http):
+        await until(lambda: _serving(serve, 1))
+        assert (await http.get("/admin/versions", headers=ADMIN)).status_code == 200  # the board reads the registry now
         board = (await http.get("/dashboard.json")).json()
         one = next(v for v in board["versions"] if v["version"] == 1)
-        assert one["state"] == "serving" and [t["by"] for t in one["transitions"]][-2:] == ["operator", "operator"]
+        assert one["state"] == "serving" and one["transitions"][-1]["by"] == "gate"
         assert "Flywheel policy versions" in (await http.get("/dashboard")).text
         metrics = (await http.get("/metrics")).text
         assert 'flywheel_version_state{state="serving",version="1"} 1.0' in metrics
         assert 'flywheel_version_state{state="retired",version="0"} 1.0' in metrics
-
-        await promoter.stop()
-        gone = await versions_cli(tmp_path, "unpin", "--timeout-s", "2")
-        assert gone.returncode == 2 and "no promotion loop" in gone.stdout
-    finally:
-        await http.aclose()
-        await promoter.stop()
-        await serve.stop()
-        await evaluator.stop()
 
 
 async def _serving(serve: ServeLoop, version: int) -> bool:

@@ -39,14 +39,17 @@ from flywheel.serve.backends.base import EngineError
 from flywheel.serve.backends.vllm import VLLMEngineClient
 from flywheel.serve.loop import ServeLoop
 from flywheel.train.trainer import Trainer
-from tests.test_collect_live import (
+
+from factories import (
+    FORECAST,
     assert_prompts_render_the_conversation,
     assert_segment_is_exact,
+    delivered,
     post_feedback,
+    recomputed_logprobs,
+    step_of,
 )
-from tests.test_constrained_training import step_of
-from tests.test_engine import recomputed_logprobs
-from tests.test_structured_outputs import FORECAST
+from waiting import until
 
 pytestmark = pytest.mark.timeout(600)
 TOL = 5e-4  # vLLM's decode step against a full forward pass of the same float32 weights
@@ -87,12 +90,7 @@ class Platform:
     async def records(self, subject, kind: type, match, n: int, timeout_s: float = 60) -> list:
         """The first `n` records of `kind` on `subject` that `match`, read from the start."""
         consumer = self.bus.consumer(subject, f"check-{uuid.uuid4().hex[:8]}")
-        out: list = []
-        deadline = time.monotonic() + timeout_s
-        while len(out) < n:
-            assert time.monotonic() < deadline, f"only {len(out)} of {n} records"
-            out += [d.record for d in await consumer.fetch(batch=500, timeout_s=1) if isinstance(d.record, kind) and match(d.record)]
-        return out
+        return [d.record for d in await delivered(consumer, n, lambda r: isinstance(r, kind) and match(r), timeout_s)]
 
     async def turns(self, *sessions: str) -> dict[str, list[Turn]]:
         turns = await self.records(TRAFFIC_SUBJECTS, Turn, lambda t: t.session_id.split("/")[0] in sessions, len(sessions))
@@ -333,18 +331,15 @@ async def test_hot_swaps_under_load_fail_nothing_and_label_every_token(platform,
             for p in model.parameters():
                 p.add_(torch.randn_like(p) * 0.05)
         path = await asyncio.to_thread(store.publish, model, version)
-        while tokens[0] < seen + 24 * STREAMS:  # let traffic flow between swaps
-            await asyncio.sleep(0.01)
+        await until(lambda: tokens[0] >= seen + 24 * STREAMS)  # let traffic flow between swaps
         session = f"probe{version}"
         probe = asyncio.create_task(answer(openai.AsyncOpenAI(base_url=f"{serve.url}/v1", api_key="x", max_retries=0, timeout=300),
                                            session, "probe"))
-        while received.get(session, 0) < 2 and not probe.done():
-            await asyncio.sleep(0.005)
+        await until(lambda: received.get(session, 0) >= 2 or probe.done(), poll_s=0.005)
         resets.setdefault(mode, cache_resets(serve.vllm_server))
         modes[version] = serve.config.serve.swap_mode = mode
         await platform.bus.publish(WEIGHTS_SUBJECT, WeightUpdate(id=f"w{version}", version=version, path=str(path), step=version))
-        while serve.stats()["swaps"] < version:
-            await asyncio.sleep(0.01)
+        await until(lambda: serve.stats()["swaps"] >= version)
         await probe
         return session
 

@@ -1,6 +1,6 @@
 """The wire between the loops: record schemas, streams, the NATS connection, an embedded server.
 
-This package and `models/` are the only code the four loops share.
+This package and `flywheel/models/` are the only code the four loops share.
 """
 
 from flywheel.bus.client import Bus, Consumer, Delivery

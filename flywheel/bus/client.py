@@ -3,13 +3,13 @@
 `Bus.connect(url)` opens a NATS connection that reconnects forever (a loop survives a NATS
 restart) and makes sure the streams of `flywheel.bus.streams` exist. `publish` sets `Nats-Msg-Id` to the
 record id, so JetStream drops a re-publish of the same record inside its duplicate window;
-`publish_all` pipelines many (`bus/acks.py`). `consumer` returns a durable pull consumer
-(`bus/pull.py`): it resumes where the named consumer left off after a restart, and delivers
+`publish_all` pipelines many (`flywheel/bus/acks.py`). `consumer` returns a durable pull consumer
+(`flywheel/bus/pull.py`): it resumes where the named consumer left off after a restart, and delivers
 each message until it is acked (at-least-once). A message that does not decode as its
 subject's record type is terminated and counted, never allowed to crash a loop. `resolve`
 attaches to a `Sample` the trajectory it refers to; `recent` reads a subject's records among its
 stream's newest messages (the promotion gate's sample of traffic). Records of any size are carried whole: one
-larger than a NATS message goes through the object store (`bus/large.py`).
+larger than a NATS message goes through the object store (`flywheel/bus/large.py`).
 """
 
 from __future__ import annotations

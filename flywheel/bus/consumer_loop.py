@@ -3,7 +3,7 @@ durable consumer, keep what it holds alive, repeat its step forever, stop cleanl
 
 A loop says what it consumes (`subjects`), what one step does (`step`: fetch, work, publish,
 acknowledge), which deliveries it holds unacknowledged (`held`: kept from redelivery with
-progress acknowledgements, `bus/keepalive.py`, so the ack wait can stay short), and optionally
+progress acknowledgements, `flywheel/bus/keepalive.py`, so the ack wait can stay short), and optionally
 what to do once connected (`prepare`) and once its tasks have stopped, before the bus closes
 (`finish`). A step that raises is logged and retried (`flywheel.runtime.repeat`): a passing fault
 never ends a loop. Acknowledging stays the loop's own business, since only it knows when what it
@@ -63,7 +63,7 @@ class ConsumerLoop:
         acknowledged by then, close the bus. Handed back (nak), a record goes to the next
         consumer at once; left unacknowledged it would wait out its ack wait, and a collector
         that starts holds everything until its predecessor's records are back
-        (collect/recovery.py). A crash still leaves them to the ack wait."""
+        (flywheel/collect/recovery.py). A crash still leaves them to the ack wait."""
         started = bool(self._tasks)
         await cancel_and_wait(self._tasks)
         self._tasks = []

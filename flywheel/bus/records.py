@@ -18,7 +18,7 @@ Who produces and consumes what:
     Unscored      judge    -> (people)  a trajectory no judge could score, and why
     WeightUpdate  train    -> serve     a new policy version published to the weight store
 
-Token conventions (invariants 1 and 2 of DESIGN.md): `prompt_ids` and `output_ids` are the ids
+Token conventions (the exact-token invariants, docs/architecture.md): `prompt_ids` and `output_ids` are the ids
 the engine saw and sampled, never a re-tokenization; `output_logprobs[i]` is the behaviour
 log-probability of `output_ids[i]` under the distribution it was sampled from, and
 `output_versions[i]` the weight version that sampled it.
@@ -179,7 +179,7 @@ class Segment(msgspec.Struct, kw_only=True):
 
 class Trajectory(Record, kw_only=True):
     """A closed session's main turns, arranged into its conversations (threads) and stitched into
-    token segments (collect/lineage.py, collect/stitch.py). A session split at `collect.max_turns`
+    token segments (flywheel/collect/lineage.py, flywheel/collect/stitch.py). A session split at `collect.max_turns`
     or `collect.max_tokens` is several trajectories, each with all of the session's feedback."""
 
     session_id: str
@@ -294,7 +294,7 @@ class WeightUpdate(Record, kw_only=True):
     """Trainer step that produced it."""
     parent: int | None = None
     """The version its training continued from: the previous one announced, or, after a
-    rollback, the version the trainer was told to continue from (`versions/records.py`)."""
+    rollback, the version the trainer was told to continue from (`flywheel/versions/records.py`)."""
     trained_on: dict[str, Any] = msgspec.field(default_factory=dict)
     """What made it since `parent`: `samples`, `steps` ([first, last]), `sample_ids` (the newest)."""
     metrics: dict[str, float] = msgspec.field(default_factory=dict)

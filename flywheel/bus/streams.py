@@ -41,7 +41,7 @@ WEIGHTS_SUBJECT = "flywheel.weights"
 COMMANDS_SUBJECT = "flywheel.versions.commands"
 """Operators' requests to the promotion loop (`flywheel versions`, the gateway's admin routes)."""
 REGISTRY_BUCKET = "FLYWHEEL_VERSIONS"
-"""The version registry's key-value bucket (versions/registry.py)."""
+"""The version registry's key-value bucket (flywheel/versions/registry.py)."""
 ROUTING_SUBJECT = f"$KV.{REGISTRY_BUCKET}.routing"
 """The registry's routing key, as a subject gateways follow."""
 DIRECTIVE_SUBJECT = f"$KV.{REGISTRY_BUCKET}.trainer"
@@ -66,7 +66,7 @@ RECORD_TYPES: dict[str, type[Record]] = {
     UNSCORED_SUBJECT: Unscored,
     WEIGHTS_SUBJECT: WeightUpdate,
     COMMANDS_SUBJECT: VersionCommand,
-    ROUTING_SUBJECT: Routing,  # keys of the registry's bucket (versions/registry.py), not streams of their own
+    ROUTING_SUBJECT: Routing,  # keys of the registry's bucket (flywheel/versions/registry.py), not streams of their own
     DIRECTIVE_SUBJECT: TrainerDirective,
 }
 """Which record type a subject carries; the bus decodes by subject."""

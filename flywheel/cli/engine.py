@@ -65,8 +65,8 @@ def run(args: argparse.Namespace) -> int:
 
     from flywheel.models import load_model, load_weights, place
     from flywheel.serve.engine.core import Engine
+    from flywheel.serve.engine.cpu_threads import torch_threads
     from flywheel.serve.engine.server import create_engine_app
-    from flywheel.serve.engine.torch_threads import torch_threads
 
     config = load(args)
     serve = config.serve

@@ -5,12 +5,12 @@
     flywheel swe exec [--timeout S] DIR/tasks.jsonl INSTANCE_ID -- COMMAND...
     flywheel swe demos DIR/tasks.jsonl --out DEMOS.jsonl [--held-out 0.1] [--seed 0]
 
-`build` writes DIR/tasks.jsonl, DIR/repos/ and DIR/build.json (envs/swe/build.py). `validate`
+`build` writes DIR/tasks.jsonl, DIR/repos/ and DIR/build.json (flywheel/envs/swe/build.py). `validate`
 prints one line per task and a summary, and exits 1 if any task is invalid. `exec` runs COMMAND
 (one word: a shell line, as in `-- "pytest -q && echo ok"`; several: argv, each word kept as
 given, as `docker exec` keeps it) in a fresh sandbox at the task's base commit with the
 task's test environment, prints its output, and exits with its status (124 on timeout).
-`demos` writes gold demonstrations (envs/swe/demos.py) of the easy tasks outside a seeded
+`demos` writes gold demonstrations (flywheel/envs/swe/demos.py) of the easy tasks outside a seeded
 held-out share, one JSON object per line (`instance_id`, `messages`), for `flywheel sft`;
 the held-out instance ids go to DEMOS.heldout.txt.
 `--slot-base` moves the sandbox slots (uids 10000 + slot) away from others' on this machine.

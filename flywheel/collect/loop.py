@@ -3,10 +3,10 @@
 Consumes the TRAFFIC stream with a durable consumer and feeds the `SessionTracker`. A record is
 acknowledged only after the trajectory it went into has been published (or after it was found
 to be a duplicate, or part of a session with nothing to train on); until then it is kept from
-redelivery with progress acknowledgements (`bus/keepalive.py`), so the ack wait is short. A
+redelivery with progress acknowledgements (`flywheel/bus/keepalive.py`), so the ack wait is short. A
 collector that dies loses nothing: within an ack wait its records are redelivered to the next
 one, which rebuilds the open sessions in stream order before taking anything newer
-(`collect/recovery.py`), and JetStream drops the re-publish of a trajectory already sent (same
+(`flywheel/collect/recovery.py`), and JetStream drops the re-publish of a trajectory already sent (same
 id, within its duplicate window).
 """
 

@@ -1,6 +1,6 @@
 """Stitch one conversation's turns into token segments with loss masks, logprobs and versions.
 
-Turns are taken in their conversation's order (collect/lineage.py). A turn whose prompt ids
+Turns are taken in their conversation's order (flywheel/collect/lineage.py). A turn whose prompt ids
 start with everything the current segment holds (the previous prompts and sampled outputs,
 exactly) extends that segment: the new prompt tokens (user text, tool output, template glue)
 join with mask 0, the sampled tokens with mask 1. Otherwise (a chat template that rewrote

@@ -33,7 +33,7 @@ the tokens are in its `segments` once, where `turn_spans` locate each turn's sam
 grow with the square of its length).
 
 Sessions with only side turns produce nothing. A session's main turns are arranged by lineage
-(collect/lineage.py): its conversations (a main agent, its sub-agents, helper calls) become
+(flywheel/collect/lineage.py): its conversations (a main agent, its sub-agents, helper calls) become
 threads with their own segments and next states; retry orphans and turns the client never used
 leave it, counted (`retry_orphans`, `unused_turns`, on the trajectory and in `counts`). Records
 are deduplicated by id: a repeat of one its session holds (the bus

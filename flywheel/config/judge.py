@@ -215,7 +215,7 @@ class CompositeJudgeConfig(Section):
 
 
 class TeacherConfig(Section):
-    """Hint distillation (`judge/teacher.py`): the pinned model, told a turn's hint, scores the
+    """Hint distillation (`flywheel/judge/teacher.py`): the pinned model, told a turn's hint, scores the
     tokens the policy sampled in that turn; the trainer moves the policy toward it."""
 
     enabled: bool | None = None

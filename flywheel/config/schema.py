@@ -174,14 +174,14 @@ class ActorConfig(Section):
     one makes the PPO clip a real trust region; 1 is a single policy-gradient step."""
 
     turn_reward_coef: float = Field(0.0, ge=0.0)
-    """β: how much a judge's per-turn rewards add to a turn's advantage (see train/advantages.py);
+    """β: how much a judge's per-turn rewards add to a turn's advantage (see flywheel/train/advantages.py);
     0: the outcome alone. Per-turn rewards should be centred: in groups `turn_reward_norm` does it;
     for live traffic (groups of one) use the composite judge's normalisation (raw scores in
     [0, 1] would push every turn up)."""
     turn_discount: float = Field(1.0, ge=0.0, le=1.0)
     """γ: per-turn rewards reach earlier turns of the same conversation discounted by γ per turn."""
     rl_coef: float = Field(1.0, ge=0.0)
-    """w_rl: the weight of the RL advantage in each token's advantage (train/distill.py)."""
+    """w_rl: the weight of the RL advantage in each token's advantage (flywheel/train/distill.py)."""
     opd_coef: float = Field(1.0, ge=0.0)
     """w_opd: the weight of hint distillation, clip(log π_teacher − log π_student, ±opd_clip), on
     tokens a teacher scored (`Sample.teacher_logprobs`); 0 turns it off."""
@@ -190,7 +190,7 @@ class ActorConfig(Section):
     opd_topk_coef: float = Field(0.0, ge=0.0)
     """β: dense hint distillation, the weight of the reverse KL from the policy to the teacher
     over the teacher's top-k tokens (`judge.teacher.top_k`) on the tokens it scored
-    (train/distill.py); 0 turns it off."""
+    (flywheel/train/distill.py); 0 turns it off."""
     turn_reward_norm: Literal["group", "none"] = "group"
     """`group`: a task group's per-turn rewards are normalised among the members' rewards for the
     same step, (r − mean) / std, like outcomes (OpenClaw-RL v2's per (task, step) normalisation;
@@ -239,7 +239,7 @@ class TrainConfig(Section):
     from the newest checkpoint in `run_dir/checkpoints` whenever there is one."""
     group_timeout_s: float = Field(60.0, gt=0)
     """A task group of unknown size, or one that never fills, is trained once no member has
-    arrived for this long (see train/grouping.py)."""
+    arrived for this long (see flywheel/train/grouping.py)."""
     remember_samples: int = Field(100_000, ge=1)
     """How many trained sample ids are remembered (and checkpointed) to drop redeliveries."""
     device: str = "cpu"
@@ -249,7 +249,7 @@ class TrainConfig(Section):
     faster, but its log-probs then differ from a float32 engine's by a few hundredths of a nat
     per token (`behav_logprob_gap`), so π_prox is not exactly π_behav. false: float32
     throughout, and the recompute reproduces the engine. A CPU never autocasts
-    (docs/benchmarks.md 20)."""
+    (docs/experiments/gpu-path.md)."""
     fsdp: bool = False
     """Shard the model with FSDP2 across the ranks of an initialised torch.distributed process
     group (multi-GPU; see docs/architecture.md). Refused without one."""

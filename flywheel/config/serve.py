@@ -27,34 +27,34 @@ class ServeConfig(Section):
     """Finished turns waiting to be published, off the response path."""
     torch_threads: int | None = Field(None, ge=1)
     """Intra-op threads of the embedded engine's torch. None: every core this process may use, as
-    a gateway alone on its machine wants (docs/benchmarks.md section 19c: 1.17x vLLM's throughput on
+    a gateway alone on its machine wants (docs/experiments/engine-vs-vllm.md: 1.17x vLLM's throughput on
     2 cores here in float32, 0.77x on one); the serve loops of a deployment, whose loops share
     their machine, take `deploy.serve_torch_threads` instead."""
     dtype: Literal["float32", "bfloat16"] = "float32"
     """The embedded engine's weights and KV cache (its logits and sampling stay float32; a vLLM
     engine takes `--dtype` from `FLYWHEEL_VLLM_ARGS`). A `bfloat16` decode step takes ~0.64x
     the CPU time of a float32 one here (AVX-512 BF16), but its behaviour log-probs differ
-    from the float32 trainer's recomputation (`behav_logprob_gap`, docs/benchmarks.md §19)."""
+    from the float32 trainer's recomputation (`behav_logprob_gap`, docs/experiments/engine-vs-vllm.md)."""
     chunked_prefill_size: int = Field(512, ge=1)
     """Most prompt tokens the embedded engine prefills between two decode steps (SGLang's
     `--chunked-prefill-size`): a longer prompt is prefilled in pieces, and the running streams
-    get tokens between them (`max_stall_s`; `serve/engine/chunked.py`)."""
+    get tokens between them (`max_stall_s`; `flywheel/serve/engine/chunked.py`)."""
     schedule_policy: Literal["shortest-first", "fcfs"] = "shortest-first"
     """The order in which the embedded engine admits waiting requests (SGLang's
     `--schedule-policy`): `shortest-first`, the least prompt left to prefill first (a burst's
     short prompts do not wait behind its long ones; a request passed over in 8 rounds then goes
-    first), or `fcfs`, arrival order (`serve/engine/chunked.py`; docs/benchmarks.md 19f)."""
+    first), or `fcfs`, arrival order (`flywheel/serve/engine/chunked.py`; docs/experiments/engine-vs-vllm-first-token.md)."""
     max_stall_s: float = Field(0.5, ge=0)
     """While prompts wait to be prefilled and a row is free, the embedded engine runs its prefill
     rounds back to back (SGLang's prefill-first order) until the running streams' last tokens are
     this old; then a decode step gives each of them a token. A round under way finishes, so a stream
     may wait this plus one round. 0: a decode step after every round. Under a burst of 32 prompts
     0.5 took the time to first token's p90 from 1.09 to 0.89 s, the median from 0.38 to 0.27 s
-    (bfloat16, medians of two; docs/benchmarks.md 19g)."""
+    (bfloat16, medians of two; docs/experiments/engine-vs-vllm-first-token.md)."""
     own_decoder: bool = True
     """Decode steps of Llama-family models through the embedded engine's own forward
-    (`serve/engine/decoder.py`: fused, oneDNN-packed weights; 0.77x the CPU time of a float32
-    step, 0.72x bfloat16; docs/benchmarks.md 19b). False: transformers' forward."""
+    (`flywheel/serve/engine/decoder.py`: fused, oneDNN-packed weights; 0.77x the CPU time of a float32
+    step, 0.72x bfloat16; docs/experiments/engine-vs-vllm.md). False: transformers' forward."""
     device: str = Field("cpu", pattern=r"^(cpu|cuda(:\d+)?)$")
     """Where the embedded engine runs: `cpu`, `cuda` or `cuda:N` (then its weights, KV cache and
     sampling are on that GPU; a machine without one refuses to start, naming this key)."""
@@ -63,7 +63,7 @@ class ServeConfig(Section):
     empty: one embedded engine in this process."""
     engine_kind: Literal["sglang", "vllm"] = "sglang"
     """What the engines speak: `sglang` (SGLang's protocol: the `engine_urls`, else the embedded
-    engine) or `vllm` (vLLM servers and their RL endpoints, `serve/backends/vllm.py`: the
+    engine) or `vllm` (vLLM servers and their RL endpoints, `flywheel/serve/backends/vllm.py`: the
     `engine_urls`, else one vLLM server this gateway starts for `model` from `.venv-vllm` and
     stops with it; a judge or eval server beside it keeps the embedded engine). A canary's
     `promotion.canary.engine_urls` are engines of this kind too."""
@@ -113,9 +113,9 @@ class ServeConfig(Section):
     """A Jinja chat template to use instead of the model's: a file path, or the template text."""
     continue_sessions: int = Field(4096, ge=0)
     """How many sessions' latest token sequences the gateway keeps so that their next prompt
-    continues the exact ids the model saw (`serve/continuation.py`); 0 turns this off."""
+    continues the exact ids the model saw (`flywheel/serve/continuation.py`); 0 turns this off."""
     tool_format: Literal["auto", "hermes", "llama3_json", "mistral"] = "auto"
-    """How the model writes tool calls (`formats/tool_calls.py`); `auto` reads it from the chat
+    """How the model writes tool calls (`flywheel/formats/tool_calls.py`); `auto` reads it from the chat
     template. A template that renders no tools always gets the gateway's Hermes prompt."""
     stored_responses: int = Field(10_000, ge=0)
     """How many Responses API answers (with `store`) the gateway keeps in memory for

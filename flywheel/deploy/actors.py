@@ -5,7 +5,7 @@ died (`max_restarts=-1`) the loop comes back on its own: it resumes from the bus
 consumer gets back what its predecessor held) and, for train, from its last checkpoint. Where an
 actor runs is set by `deploy.resources` (`Deployment` passes the options); by default it holds
 no reservation (`num_cpus=0`): the loops are long-lived services, and fractional reservations on
-a small machine can starve Ray's own tasks (see machine-notes). Loop classes are imported inside
+a small machine can starve Ray's own tasks. Loop classes are imported inside
 the actor, so a process only loads what its loop needs (collect and judge never import torch).
 """
 

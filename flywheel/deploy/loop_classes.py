@@ -1,4 +1,4 @@
-"""Where each loop's class lives, by name: what a Ray actor (`deploy/actors.py`) or a process of
+"""Where each loop's class lives, by name: what a Ray actor (`flywheel/deploy/actors.py`) or a process of
 its own (`flywheel serve`, `flywheel loop NAME`) builds. Named as `"module:Class"` and imported
 only when built, so a process loads just the loop it runs (collect and judge never import torch).
 """

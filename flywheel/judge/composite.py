@@ -6,7 +6,7 @@ Every component scores the trajectory concurrently. Then, per turn t and for the
     reward          = sum over components i of  weight_i * n_i(reward_i)
 
 where n_i is the identity, or with `normalize: true` a running normalisation per key
-(`judge/normalize.py`): the key of a turn score is (component, task_id, thread, place in the
+(`flywheel/judge/normalize.py`): the key of a turn score is (component, task_id, thread, place in the
 thread) and of an outcome (component, task_id, "outcome"), so a turn is compared with the same
 step of the same task (trajectories without a task id share the key None).
 

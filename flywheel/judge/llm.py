@@ -1,9 +1,9 @@
 """The `llm` judge: an LLM behind any OpenAI-compatible endpoint scores each assistant turn.
 
 For every turn it sends `votes` requests (k), each with the configured prompt templates filled in
-for that turn (`judge/prompt.py`: the task context, what the turn was asked, the reply, and the
+for that turn (`flywheel/judge/prompt.py`: the task context, what the turn was asked, the reply, and the
 next state and any feedback about it, all fenced with a fresh nonce per request), at
-`temperature`. Each reply is parsed for the judge's final labelled score (`judge/parse.py`).
+`temperature`. Each reply is parsed for the judge's final labelled score (`flywheel/judge/parse.py`).
 
 - `next_state` mode (the default; OpenClaw-RL's process reward): the judge is asked whether what
   followed the reply shows it worked, votes -1, 0 or 1; the majority wins, a tie is 0. Only turns

@@ -1,7 +1,7 @@
 """The judge loop: trajectories in, scored samples (or unscored reports) out.
 
 Consumes TRAJECTORIES durably and scores each trajectory with the configured judge
-(`judge/build.py`), up to `judge.max_concurrency` at once: it keeps fetching while
+(`flywheel/judge/build.py`), up to `judge.max_concurrency` at once: it keeps fetching while
 judgements run. Each judgement has `judge.deadline_s`. The result is published, and only then
 the trajectory acknowledged:
 
@@ -16,7 +16,7 @@ duplicate. If publishing fails (the bus is away), the trajectory is negatively a
 judged again on redelivery: nothing is lost, and one judgement failing never stops the loop.
 The consumer's ack wait is short (`bus.ack_wait_s`), so a judge that dies has its trajectories
 redelivered to the next one promptly; the ones being judged are kept from redelivery meanwhile
-(`bus/keepalive.py`). Other loops never wait on this one: it only consumes.
+(`flywheel/bus/keepalive.py`). Other loops never wait on this one: it only consumes.
 """
 
 from __future__ import annotations
@@ -143,7 +143,7 @@ class JudgeLoop(ConsumerLoop):
         )
 
     async def _teach(self, trajectory: Trajectory, verdict: Verdict) -> Teaching:
-        """What the teacher said of the turns that got a hint (judge/teacher.py); nothing when
+        """What the teacher said of the turns that got a hint (flywheel/judge/teacher.py); nothing when
         there is no teacher, no hint, or the teacher failed (the sample goes without)."""
         if self.teacher is None:
             return Teaching()

@@ -1,6 +1,6 @@
 """The `next_state` judge: per-turn rewards from what followed each assistant reply, no judge model.
 
-Each turn k is classified (judge/next_state_rules.py, next_state_tool_output.py) from the
+Each turn k is classified (flywheel/judge/next_state_rules.py, next_state_tool_output.py) from the
 evidence about it, the first that decides:
 1. feedback about the turn with a `reward` (by `interaction_id`, or by `turn_index` for thread-0
    turns: `flywheel.judge.rule.turn_positions`): its sign decides, the class comes from its text when

@@ -1,6 +1,6 @@
 """The `next_state` judge's classifier of a user's words: what they said after an assistant reply,
-as one class and the cue that decided it (`judge/next_state_classes.py`). Rules over the
-structure of the message; no model. Tool output: `judge/next_state_tool_output.py`.
+as one class and the cue that decided it (`flywheel/judge/next_state_classes.py`). Rules over the
+structure of the message; no model. Tool output: `flywheel/judge/next_state_tool_output.py`.
 
 User words (`classify_user_text`), in this order:
 1. pasted tool output (a traceback, a test summary) is read as tool output, and test results told

@@ -1,5 +1,5 @@
 """The `next_state` judge's classifier of tool output: what a tool or test run returned after an
-assistant reply, as one call (`judge/next_state_classes.py`).
+assistant reply, as one call (`flywheel/judge/next_state_classes.py`).
 
 Tool output (`classify_tool_output`) is read for structure, never for words: a test runner's
 summary (pytest, unittest, jest, mocha, cargo, go: "0 failed" passes, "2 xfailed" is no failure,

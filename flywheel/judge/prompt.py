@@ -6,7 +6,7 @@ configured `system_prompt` plus the fence notice; a user message: the configured
 and the `Fence` it used. Templates are `string.Template` text (`$response`, `${context}`; `$$`
 is a literal `$`); `flywheel.config.schema` checks their placeholders when the configuration loads.
 Conversation text (agent-controlled) only ever enters the prompt inside a fenced block
-(`judge_client/fence.py`), and only through the user message:
+(`flywheel/judge_client/fence.py`), and only through the user message:
 
     $context     the task: its id, the system message and first user message of the session
     $request     what the assistant was asked at this turn (the messages since its last reply)

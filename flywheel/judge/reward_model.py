@@ -4,14 +4,14 @@ each assistant turn.
 The checkpoint loads with `AutoModelForSequenceClassification` and must have one label (a
 scalar per sequence). A turn's input is the conversation up to and including the turn's reply,
 rendered with the reward model's own chat template when its tokenizer has one, else as plain
-`role: text` paragraphs (`judge/transcript.py`); longer than `max_length` tokens, it keeps its
+`role: text` paragraphs (`flywheel/judge/transcript.py`); longer than `max_length` tokens, it keeps its
 end. The turn's reward is the model's raw scalar at the last token; the outcome follows from the
 turn rewards (`outcome`: mean, last or min).
 
 Turns are scored in batches of `batch_size` (padded on the right; no gradients) on one
 dedicated worker thread, off the event loop. torch's intra-op thread count is process-wide:
 `start()` sets it to `torch_threads` (default 1), because a second OpenMP team beside an engine
-in the same process halves the engine's speed (docs/benchmarks.md, "Odd things").
+in the same process halves the engine's speed (docs/experiments/odd-things.md).
 """
 
 from __future__ import annotations

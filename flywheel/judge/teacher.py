@@ -15,12 +15,12 @@ It scores every token the policy sampled in that turn with one prefill-only engi
 (`/engine/score`, SGLang's `/generate` with `max_new_tokens: 0` underneath), at the temperature
 the turn was sampled at. Its log-probabilities go on the sample, per segment, aligned with the
 trajectory's tokens (NaN where no teacher spoke); the trainer adds w_opd · clip(log π_teacher −
-log π_student) to those tokens' advantage (train/distill.py). A turn drawn under a grammar (a
+log π_student) to those tokens' advantage (flywheel/train/distill.py). A turn drawn under a grammar (a
 forced tool call, a JSON schema) gets no teacher: its tokens' distribution is the grammar's.
 
 With `judge.teacher.top_k` k, the same request also returns the teacher's k likeliest tokens at
 each of those positions (its distribution, not only its view of the token sampled), carried as
-`Sample.teacher_top_ids` / `teacher_top_logprobs` for dense distillation (train/distill.py).
+`Sample.teacher_top_ids` / `teacher_top_logprobs` for dense distillation (flywheel/train/distill.py).
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """A judge's connection to an OpenAI-compatible endpoint: bounded concurrency, retries with
-backoff, and every request marked as a side turn. Shared by the `llm` judge (`judge/llm.py`) and
-the promotion gate's pairwise judge (`promote/traffic_suite.py`).
+backoff, and every request marked as a side turn. Shared by the `llm` judge (`flywheel/judge/llm.py`) and
+the promotion gate's pairwise judge (`flywheel/promote/traffic_suite.py`).
 
 One `AsyncOpenAI` client (its own retries off: the retry policy is here, so it is the same
 for every endpoint and visible in the stats). At most `max_concurrency` requests are in flight.

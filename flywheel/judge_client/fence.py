@@ -1,6 +1,6 @@
 """Fencing conversation text inside a judge prompt, so an agent's output cannot rewrite the
-judge's instructions. Shared by the `llm` judge (`judge/prompt.py`) and the promotion gate's
-pairwise judge (`promote/traffic_suite.py`).
+judge's instructions. Shared by the `llm` judge (`flywheel/judge/prompt.py`) and the promotion gate's
+pairwise judge (`flywheel/promote/traffic_suite.py`).
 
 Each judge request gets a `Fence` with a fresh random nonce (64 bits from `secrets`). Every
 piece of conversation text goes into a block

@@ -1,6 +1,6 @@
 """Models: naming, building, loading and saving checkpoints, and the versioned weight store.
 
-Shared by every loop (with `bus/`): the serve engine and the trainer load models through
+Shared by every loop (with `flywheel/bus/`): the serve engine and the trainer load models through
 `load_model`; the trainer publishes weights with `WeightStore.publish`, and the server swaps them
 in with `load_weights`.
 

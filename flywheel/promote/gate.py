@@ -10,8 +10,8 @@ wait). One evaluation loads two versions: the candidate first (its suite answers
 per probe prompt at temperature 1 with its log-probabilities), then the serving version (its
 suite answers, and the candidate's samples scored under it in one prefill-only request each).
 
-- **Suites** (`promote/suites.py`): an environment's held-out tasks graded by it (`EnvSuite`), or
-  recorded traffic compared pairwise by the pinned judge (`promote/traffic_suite.py`). Each item
+- **Suites** (`flywheel/promote/suites.py`): an environment's held-out tasks graded by it (`EnvSuite`), or
+  recorded traffic compared pairwise by the pinned judge (`flywheel/promote/traffic_suite.py`). Each item
   gets a score; the candidate passes a suite when the one-sided lower confidence bound of the
   mean score at `gate.confidence` is above −`margin`.
 - **Guards** on the probe prompts (the suites' first items): KL(candidate ‖ serving) per token on

@@ -2,17 +2,17 @@
 
 A fifth loop beside serve, collect, judge and train, which it never imports: it reads the bus
 (WEIGHTS, SAMPLES, operators' VERSION_COMMANDS) and writes the version registry
-(`versions/registry.py`), the only writer of it. Gateways follow the registry's routing, the trainer
+(`flywheel/versions/registry.py`), the only writer of it. Gateways follow the registry's routing, the trainer
 its directive; the four loops run as before.
 
 - Each announced version is registered as a candidate, with its lineage; one that descends from
   a rejected or rolled-back version (trained before the trainer heard) is rejected (`lineage`).
-- The newest candidate is evaluated (`promote/gate.py`) against the serving version; older
+- The newest candidate is evaluated (`flywheel/promote/gate.py`) against the serving version; older
   candidates retire unevaluated (superseded). Nothing is evaluated while a canary runs or while
   an operator has pinned the serving version, nor while a traffic suite has too few recorded
   prompts (the candidate's entry says why: `waiting`; looked at again as turns are recorded).
 - Passed: mode `gate` serves it; mode `canary` gives it `promotion.canary.share` of new sessions
-  until the sequential test (`promote/sequential.py`) on the arms' judged sessions promotes it
+  until the sequential test (`flywheel/promote/sequential.py`) on the arms' judged sessions promotes it
   or rolls it back (`promotion.canary.max_minutes`: rolled back if still undecided then).
 - Rejected or rolled back: the trainer is told to continue from the serving version
   (`promotion.continue_from`).

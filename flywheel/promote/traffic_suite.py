@@ -13,7 +13,7 @@ tries again as traffic comes.
 greedy by default). The pinned judge (`judge.llm.base_url`, else the judge's own server in
 `run_dir/judge.url`; `deploy` starts it when a traffic suite is configured) is asked which reply
 is better for that conversation, twice, once with each reply first, each request fenced with a
-fresh nonce (`judge_client/fence.py`) and greedy. An item's score is the mean of the two verdicts for
+fresh nonce (`flywheel/judge_client/fence.py`) and greedy. An item's score is the mean of the two verdicts for
 the candidate (+1 its reply better, −1 the serving version's, 0 a tie or an unreadable verdict),
 so a judge that always prefers the first reply scores every item 0. Two identical replies are a
 tie without asking. The suite passes when the lower confidence bound of the mean score is above

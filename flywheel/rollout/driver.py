@@ -5,8 +5,8 @@ For each task it runs `rollout.sampling.n_samples` episodes (attempts), each its
 (`X-Group-Size`, so the trainer takes the group whole). An episode is one or more chat turns with
 the official `openai` client, acting in the environment between turns, graded at its end; the
 grade goes back as session feedback (`POST /v1/sessions/{id}/feedback`, source `env`), which
-closes the session (rollout/episodes.py). Episodes run in the driver's process or on a pool of Ray
-workers (`rollout.n_parallel_envs`, rollout/env_pool.py). The driver is one more client of the
+closes the session (flywheel/rollout/episodes.py). Episodes run in the driver's process or on a pool of Ray
+workers (`rollout.n_parallel_envs`, flywheel/rollout/env_pool.py). The driver is one more client of the
 endpoint: the collector, judge and trainer treat its traffic like anyone's.
 
 Staleness control (AReaL's admission rule): with η = `rollout.max_head_offpolicyness`, B =

@@ -2,10 +2,10 @@
 models, session signals.
 
 This module assembles the app (operations middleware, metrics, routes); the routes are thin.
-A request's prompt is built once (`serve/prompts.py`: the chat template rendered and tokenized,
-continuing the session's exact ids); `serve/answerer.py` checks it against the model and its
-limits and runs the `Generation` (`serve/in_flight.py`) on the engine the session routes to,
-through SGLang's native protocol (`serve/backends/`). The prompt ids, and the output ids,
+A request's prompt is built once (`flywheel/serve/prompts.py`: the chat template rendered and tokenized,
+continuing the session's exact ids); `flywheel/serve/answerer.py` checks it against the model and its
+limits and runs the `Generation` (`flywheel/serve/in_flight.py`) on the engine the session routes to,
+through SGLang's native protocol (`flywheel/serve/backends/`). The prompt ids, and the output ids,
 logprobs and weight versions the engine returns, are what each recorded `Turn` carries.
 Feedback and explicit session ends become `SessionEvent`s, answered once durable.
 """

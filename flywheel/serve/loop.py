@@ -2,11 +2,11 @@
 
 The engines are one embedded engine in this process, the external ones in `serve.engine_urls`
 (SGLang, or `flywheel engine`), or vLLM servers (`serve.engine_kind: vllm`: the
-`engine_urls`, else one this loop starts and stops, serve/backends/vllm_server.py). Weight announcements are followed
+`engine_urls`, else one this loop starts and stops, flywheel/serve/backends/vllm_server.py). Weight announcements are followed
 from the bus (starting with the newest one, so a restarted server comes back on the current
 policy) and rolled across the engines (`EnginePool.swap`, in `serve.swap_mode`) while the
 gateway keeps answering. Under promotion (`promotion.mode` not off) the gateway follows the
-registry's routing instead: the version that serves, and a canary's (serve/routing.py).
+registry's routing instead: the version that serves, and a canary's (flywheel/serve/routing.py).
 """
 
 from __future__ import annotations

@@ -16,7 +16,7 @@ its `Nats-Msg-Id` inside its duplicate window, and consumers deduplicate by id b
 
 Without a spill directory a full queue drops the record (counted in `dropped`) and a failed
 publish is retried with backoff until the bus answers. Records of any size are published whole
-(`bus/large.py`).
+(`flywheel/bus/large.py`).
 """
 
 from __future__ import annotations

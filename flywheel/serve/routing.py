@@ -1,6 +1,6 @@
 """Serving under promotion: which version answers a session (`promotion.mode` gate or canary).
 
-The gateway follows the registry's `Routing` (`versions/records.py`) instead of every weight
+The gateway follows the registry's `Routing` (`flywheel/versions/records.py`) instead of every weight
 announcement: the serving engines load the version it says serves (an older one too, after a
 rollback), and while a canary runs, a second set of engines loads the canary version. Those are
 the external engines in `promotion.canary.engine_urls`, or, with the embedded engine, a second

@@ -16,7 +16,7 @@ distillation's teacher gets its log-probabilities; and the promotion gate's eval
 - `POST /engine/update_weights_from_disk` `{"model_path", "weight_version"}` (`serve.role: eval`
   only): SGLang's route, loading any version, older ones too (the gate goes back and forth).
 
-All sit under `/engine/`, which needs a client key when the server has keys (`serve/ops/auth.py`).
+All sit under `/engine/`, which needs a client key when the server has keys (`flywheel/serve/ops/auth.py`).
 """
 
 from __future__ import annotations

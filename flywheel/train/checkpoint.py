@@ -7,7 +7,7 @@ the running reward baseline) and the torch and Python RNG states. The directory 
 atomically (written aside, then renamed), so a crash mid-save leaves the previous checkpoint as
 the newest. The newest `train.keep_checkpoints` are kept.
 
-The rollout driver keeps its own data position and RNG next to the run (`rollout/driver.py`):
+The rollout driver keeps its own data position and RNG next to the run (`flywheel/rollout/driver.py`):
 a checkpoint holds what the trainer owns.
 """
 

@@ -5,11 +5,11 @@ Consumes SAMPLES durably and hands the pieces to their owners:
 - each sample gets its trajectory (`Bus.resolve`; one the stream no longer holds is counted
   `unresolved`) and is dropped if it was trained already (`duplicates_dropped`: the bus
   delivers at least once; the ids trained are remembered, and checkpointed);
-- `GroupBatcher` (train/grouping.py) holds samples until their task group is whole and drops
+- `GroupBatcher` (flywheel/train/grouping.py) holds samples until their task group is whole and drops
   groups older than η = `rollout.max_head_offpolicyness` versions (`stale_dropped`);
-- `train/step_batch.py` turns a step's groups into advantages, minibatches and micro-batches;
-  `Trainer` (train/trainer.py) takes the step;
-- `WeightPublisher` (train/publisher.py) publishes and announces a new version every
+- `flywheel/train/step_batch.py` turns a step's groups into advantages, minibatches and micro-batches;
+  `Trainer` (flywheel/train/trainer.py) takes the step;
+- `WeightPublisher` (flywheel/train/publisher.py) publishes and announces a new version every
   `train.weight_update_interval` steps; `Checkpoints` saves every `train.checkpoint_interval`.
 
 Exactly once. A sample is acknowledged only when a checkpoint that holds it (its effect on the
@@ -17,11 +17,11 @@ weights and its id) is saved; until then it is kept from redelivery with progres
 acknowledgements. A trainer that dies restarts from its newest checkpoint (always, whether or
 not `train.resume` is set), the bus sends it again what it trained since, and it trains that
 once more from the same state; redeliveries of what the checkpoint holds are dropped by id.
-The steps of the abandoned weights are marked in `run_dir/trained.jsonl` (train/ledger.py).
+The steps of the abandoned weights are marked in `run_dir/trained.jsonl` (flywheel/train/ledger.py).
 Versions only grow: restarting behind published versions gives the weights a new one.
 
 Under promotion (`promotion.mode` not off) the loop also follows the version registry before
-each step (train/under_promotion.py): it continues from the version a directive names, measures
+each step (flywheel/train/under_promotion.py): it continues from the version a directive names, measures
 staleness in updates that were not abandoned, keeps pace with the serving version, and keeps the
 served versions in the weight store.
 
@@ -69,7 +69,7 @@ class TrainLoop(ConsumerLoop):
         self.baseline = RunningBaseline()
         self.counts = {"samples": 0, "stale_dropped": 0, "unresolved": 0, "duplicates_dropped": 0, "abandoned_dropped": 0}
         self.excluded: Counter[str] = Counter()
-        """Sampled tokens left out of the loss, by reason (train/trainable_tokens.py), all run."""
+        """Sampled tokens left out of the loss, by reason (flywheel/train/trainable_tokens.py), all run."""
         self.staleness_seen: Counter[int] = Counter()
         """How many trained samples had each staleness (versions behind the trainer), all run."""
         self.version = 0

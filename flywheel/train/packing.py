@@ -19,7 +19,7 @@ A segment longer than the budget gets a micro-batch of its own. Position t of ev
 tensor describes the token at t, which the trainer predicts from t − 1; the first token of a
 segment has no prediction, and it is a prompt token (mask 0), so packing loses nothing there.
 
-Tokens drawn under a grammar (`train/trainable_tokens.py`) are listed apart: their (row, column) and the
+Tokens drawn under a grammar (`flywheel/train/trainable_tokens.py`) are listed apart: their (row, column) and the
 bitmask of the tokens allowed there, one row per token (vocab / 8 bytes each), not a mask over
 every position.
 """
@@ -46,7 +46,7 @@ def as_tensor(values: array.array) -> torch.Tensor:
 class GrammarMasks:
     """The loss tokens of a segment that were drawn under a grammar: their positions and, one row
     each, llguidance's bitmask of the tokens the grammar allowed there ([n, words] int32,
-    `formats/grammar.py`)."""
+    `flywheel/formats/grammar.py`)."""
 
     positions: list[int]
     allowed: torch.Tensor
@@ -66,7 +66,7 @@ class TeacherTop:
 class Row:
     """One segment with, per token, its advantage, the temperature it was sampled at, and
     whether it counts in the loss (the segment's mask without excluded tokens, see
-    `train/trainable_tokens.py`), and the tokens drawn under a grammar. Without the last three:
+    `flywheel/train/trainable_tokens.py`), and the tokens drawn under a grammar. Without the last three:
     temperature 1, the segment's own mask, no grammar."""
 
     segment: Segment

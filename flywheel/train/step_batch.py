@@ -1,9 +1,9 @@
 """One training step's input: whole task groups turned into advantages, rows and minibatches.
 
 Advantages are normalised within each group, and per-turn rewards per step of the group
-(`actor.turn_reward_norm`; `train/advantages.py`); each sample's segments
+(`actor.turn_reward_norm`; `flywheel/train/advantages.py`); each sample's segments
 become rows with per-token advantages, sampling temperatures and the loss mask without the
-tokens that cannot be trained (`train/trainable_tokens.py`); the samples are split into
+tokens that cannot be trained (`flywheel/train/trainable_tokens.py`); the samples are split into
 `actor.ppo_n_minibatches` minibatches of about equal tokens, each packed (or padded) into
 micro-batches of at most `train.micro_batch_tokens`.
 """
@@ -34,7 +34,7 @@ from flywheel.train.trainable_tokens import segment_sampling
 
 def attribution(samples: list) -> dict[str, int]:
     """What the collector left out of these samples' trajectories, or kept out of their loss:
-    retry orphans, turns the client never used, masked tokens by reason (collect/lineage.py)."""
+    retry orphans, turns the client never used, masked tokens by reason (flywheel/collect/lineage.py)."""
     counts: Counter[str] = Counter()
     for sample in samples:
         trajectory = sample.trajectory

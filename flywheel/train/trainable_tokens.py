@@ -1,7 +1,7 @@
 """Which sampled tokens the loss may use, and the distribution each was sampled from.
 
 The engine records a token's behaviour log-probability as log softmax(logits / T) at that
-token, T being the request's own temperature (SGLang's default; see `serve/engine/sampling.py`).
+token, T being the request's own temperature (SGLang's default; see `flywheel/serve/engine/sampling.py`).
 The trainer recomputes π_prox and π_θ the same way, at each token's T, so that for tokens the
 current weights sampled π_prox = π_behav up to float noise (`behav_logprob_gap` shows it).
 
@@ -20,7 +20,7 @@ counted per reason in each step's `excluded_tokens`:
 A turn drawn under a grammar (`json_schema`, `regex`, `ebnf` or `structural_tag` in its
 sampling parameters: `response_format`, a forced tool call) was sampled from the logits with the
 tokens the grammar forbade masked out, from its first output token on. Its tokens stay in the
-loss: the grammar is replayed over the turn's sampled ids (`formats/grammar.py`, the engine's own
+loss: the grammar is replayed over the turn's sampled ids (`flywheel/formats/grammar.py`, the engine's own
 compilation, for the model's tokenizer) and each loss token keeps the bitmask of the tokens
 allowed before it, so the trainer recomputes it over those tokens only (`GrammarMasks`). A turn
 whose grammar does not compile, or rejects a token the engine sampled, cannot be: it leaves the

@@ -2,7 +2,7 @@
 
 Log-probabilities are computed the way the engine sampled: log softmax(logits / T) at the exact
 token ids, position t predicted from position t − 1, T being each token's own sampling
-temperature (`train/trainable_tokens.py`); a token drawn under a grammar, over the tokens the grammar
+temperature (`flywheel/train/trainable_tokens.py`); a token drawn under a grammar, over the tokens the grammar
 allowed there only (`MicroBatch.grammar_at`: those positions' logits are gathered and the
 forbidden ones set to −inf), and its entropy is that of this masked distribution too. Every forward pass (π_prox, π_θ, the KL
 reference) runs in eval mode, as the engine's: dropout off (gradients flow all the same), so
@@ -16,14 +16,14 @@ minibatches, each a list of micro-batches:
    version sampled, shows that the recomputation reproduces the engine (≈ 0 up to float noise).
 2. per minibatch: the loss with gradients, accumulated over its micro-batches and divided by the
    minibatch's count of loss tokens (one token mean per minibatch); with `actor.kl_coef`, the k3
-   KL penalty to the frozen reference policy (`train/loss.py`); then gradient clipping to
+   KL penalty to the frozen reference policy (`flywheel/train/loss.py`); then gradient clipping to
    `actor.optimizer.max_grad_norm` and one AdamW step. From the second minibatch on π_θ ≠ π_prox,
    so the PPO clip is a real trust region (`clip_fraction`).
 3. one learning-rate schedule step per training step.
 
 On CUDA the forward passes run under bf16 autocast unless `train.autocast` is false (the weights
 and the optimizer stay fp32).
-`train.fsdp` shards the model over a process group (`train/fsdp.py`).
+`train.fsdp` shards the model over a process group (`flywheel/train/fsdp.py`).
 """
 
 from __future__ import annotations
@@ -102,7 +102,7 @@ class Trainer:
         """The logprob of each token given its prefix (0 at position 0); with `with_entropy` the
         summed entropy of the predictions of loss-mask tokens; with `dense` the summed top-k
         distillation divergence where the batch carries the teacher's top tokens
-        (train/distill.py). Tokens drawn under a grammar are over the tokens it allowed."""
+        (flywheel/train/distill.py). Tokens drawn under a grammar are over the tokens it allowed."""
         with self._autocast():
             logits = (model or self.model)(
                 input_ids=batch.input_ids, attention_mask=batch.attention_mask, position_ids=batch.position_ids,

@@ -1,5 +1,5 @@
 """The trainer when versions must earn their traffic (`promotion.mode` not off): what it reads
-from the version registry (`versions/registry.py`) before each step.
+from the version registry (`flywheel/versions/registry.py`) before each step.
 
 - **Directives.** After a version is rejected or rolled back, the promotion loop tells the trainer
   what to continue from (`TrainerDirective`, `promotion.continue_from`): the weights of that

@@ -1,12 +1,12 @@
 """The version registry's records: every policy version, its state, and why it is in it.
 
-The registry (`versions/registry.py`) keeps one `VersionEntry` per version the trainer announced, the
+The registry (`flywheel/versions/registry.py`) keeps one `VersionEntry` per version the trainer announced, the
 `Routing` that serving follows (which version serves, which one a share of new sessions tries),
 the `TrainerDirective` that tells the trainer what to continue from after a rollback, and the
-operators' `VersionCommand`s. The promotion loop (`promote/`) is their only writer; the CLI
+operators' `VersionCommand`s. The promotion loop (`flywheel/promote/`) is their only writer; the CLI
 (`flywheel versions`) and the gateway's admin routes send commands and read.
 
-States and who moves a version between them (`promote/states.py` holds the allowed moves):
+States and who moves a version between them (`flywheel/promote/states.py` holds the allowed moves):
 
     candidate    announced by the trainer, not evaluated yet
     evaluating   the gate is comparing it with the serving version on the configured suites
@@ -75,7 +75,7 @@ class VersionEntry(Record, kw_only=True):
     """Its canary: when it started, the share, each arm's evidence, the sequential test's state."""
     online: list[list[float]] = msgspec.field(default_factory=list)
     """Its online reward over time: `[bucket start (unix s), sessions, reward sum]` per 15 s
-    (`promote/evidence.py`)."""
+    (`flywheel/promote/evidence.py`)."""
 
     def moved(self, state: State, reason: str, by: str) -> "VersionEntry":
         self.state = state
@@ -139,7 +139,7 @@ class Arm(msgspec.Struct, kw_only=True):
 class Routing(Record, kw_only=True):
     """Which versions serve: `serving` gets every session except the `canary_share` of new ones
     that go to `canary` (sticky: a session stays on the version it started with). Gateways follow
-    the newest one (`serve/routing.py`)."""
+    the newest one (`flywheel/serve/routing.py`)."""
 
     serving: Arm
     canary: Arm | None = None

@@ -1,6 +1,6 @@
 """The version registry, kept on the bus: a JetStream key-value bucket any component can read.
 
-Keys of the bucket `FLYWHEEL_VERSIONS` (records in `versions/records.py`, MessagePack):
+Keys of the bucket `FLYWHEEL_VERSIONS` (records in `flywheel/versions/records.py`, MessagePack):
 
     v.<N>      the `VersionEntry` of version N
     routing    the `Routing` gateways follow (which version serves, which one is canary)

@@ -4,7 +4,7 @@ repository's own tests.
 A task is one record of a SWE-bench-format task set (`tasks`: a `tasks.jsonl` path; default:
 the small set that ships with Flywheel). An episode materializes the task's repository at its
 buggy commit into a private working directory, opens a sandbox on it for the episode's slot
-(uid 10000 + slot), and plays the built-in coding agent's protocol (envs/swe/agent.py): each
+(uid 10000 + slot), and plays the built-in coding agent's protocol (flywheel/envs/swe/agent.py): each
 reply's bash command runs in the sandbox and its output is the next observation; the agent's
 submit marker ends the episode. `finish` grades the working tree's diff against the base commit
 with the task's tests in a fresh sandbox (changes to test files do not count): reward 1 when

@@ -10,7 +10,7 @@ tests run, with defaults for SWE-bench files whose repositories a user provides:
     test_cmd    shell command run from the repository root   (default: python -m pytest -q -p no:cacheprovider)
     pythonpath  folder put on PYTHONPATH, relative to root     (default: ".")
     timeout_s   limit for one run of the test command         (default: 600)
-    difficulty  easy | medium | hard (see envs/swe/statement.py); version: the project's version
+    difficulty  easy | medium | hard (see flywheel/envs/swe/statement.py); version: the project's version
 
 Other fields are kept in `SweTask.extra`. The gold fix is `patch`; `base_commit` is the buggy
 tree; `test_patch` (SWE-bench's tests that come with the fix; empty for synthesized tasks) is

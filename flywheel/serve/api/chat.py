@@ -1,5 +1,5 @@
 """Request schemas of `/v1/chat/completions` and `/v1/completions`, validated strictly
-(`serve/api/validation.py`): known OpenAI parameters with no effect here are accepted only at
+(`flywheel/serve/api/validation.py`): known OpenAI parameters with no effect here are accepted only at
 their neutral value. `seed` is bounded to the signed 64-bit range. `sampling_params` turns a
 request into the engine's sampling parameters for one choice.
 """

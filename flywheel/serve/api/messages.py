@@ -9,7 +9,7 @@ conversation, served like any chat request (same template, tools, sampling, reco
                                      first system message, a later request's prompt no longer
                                      extends an earlier one, and the conversation splits in two.
                                      A template that refuses a system message after the first
-                                     gets them merged (`serve/prompts.py`)
+                                     gets them merged (`flywheel/serve/prompts.py`)
               text blocks            the message's text
               tool_use               an assistant tool call (`input` as JSON arguments)
               tool_result            a tool message (before the user's text of the same message)

@@ -2,7 +2,7 @@
 
 Session id: the `X-Session-Id` header, else `metadata.session_id`, else the client's own
 conversation id where its API has one (a Responses chain, Codex CLI's `session-id` header, Claude
-Code's `x-claude-code-session-id`: see the README's table), else `user`; a request with none of
+Code's `x-claude-code-session-id`: see docs/api.md), else `user`; a request with none of
 these is a one-turn session of its own (still recorded and trainable: an unpatched
 client must never silently produce nothing). `X-Turn-Type: side` marks turns that are served but
 not trained; `X-Session-Done: true` ends the session with this turn; `X-Task-Id` (or

@@ -22,8 +22,7 @@ engine core busy-wait between steps, and with the worker pinned the kernel left 
 processes (the gateway, its clients, vLLM's own HTTP server) without a core for seconds at a
 time: on two cores a bystander that sleeps 10 ms at a time waited 15 s of 20 for one, up to
 7.5 s at once. Unpinned: 3.1 s, at most 1.4 s at once, and vLLM served as many tokens per second
-through the gateway, within the noise (`bench/vllm_first_event.py`, `docs/benchmarks.md` odd
-things 5). On a machine with cores to spare, where the CPU build's binding to a NUMA node's
+through the gateway, within the noise (`bench/vllm_first_event.py`, docs/experiments/odd-things.md). On a machine with cores to spare, where the CPU build's binding to a NUMA node's
 physical cores may pay (not measured here), set `VLLM_CPU_OMP_THREADS_BIND` yourself (`auto`, or
 a list of cores): the environment wins. It is a CPU-backend variable (vLLM's `envs.py`).
 
@@ -56,7 +55,7 @@ from flywheel.serve.backends.vllm import VLLMEngineClient
 
 log = logging.getLogger(__name__)
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 EXTENSION_DIR = Path(__file__).resolve().parent / "vllm_ext"
 """`flywheel_worker.py`, Flywheel's worker extension (weight reloads right for tied weights)."""
 VENV_PYTHON = ROOT / ".venv-vllm" / "bin" / "python"

@@ -1,6 +1,7 @@
 """Flywheel's embedded engine: torch + transformers generation speaking SGLang's protocol."""
 
 from flywheel.serve.engine.core import Engine
+from flywheel.serve.engine.cpu_threads import torch_threads
 from flywheel.serve.engine.native import (
     ProtocolError,
     generate,
@@ -9,7 +10,6 @@ from flywheel.serve.engine.native import (
 )
 from flywheel.serve.engine.request import GenerationResult, RequestFailed, TokenDelta
 from flywheel.serve.engine.sampling import SamplingParams
-from flywheel.serve.engine.torch_threads import torch_threads
 
 __all__ = [
     "Engine", "GenerationResult", "ProtocolError", "RequestFailed", "SamplingParams", "TokenDelta",

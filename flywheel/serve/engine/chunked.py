@@ -11,7 +11,7 @@ what is left, and goes first from then on (at most one request is part-prefilled
 last piece joins a round of whole prompts; requests a `retract` pause sent back, mid-generation,
 go first too). A prompt that fits in a round of its own waits for the next one instead: a piece
 is a forward of its own (on a CPU ~70 ms for a few tokens, most of it fixed cost) and the
-prompt's first token would still wait for the next round (benchmarks 19g).
+prompt's first token would still wait for the next round (docs/experiments/engine-vs-vllm-first-token.md).
 
 The order (`serve.schedule_policy`) is `shortest-first` by default: the request with the least
 prompt left to prefill goes first, so a burst's short prompts do not wait behind its long ones

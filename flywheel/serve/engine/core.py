@@ -215,7 +215,7 @@ class Engine(Admission):
 
     def _work(self) -> None:
         with torch.inference_mode():
-            if self._own_decoder:  # packed here: torch work on another thread slows this one (benchmarks, odd things 1)
+            if self._own_decoder:  # packed here: torch work on another thread slows this one (docs/experiments/odd-things.md)
                 self._decoder = Decoder.build(self.model, self.max_batch_size)
             self._serve_forever()
 

@@ -3,7 +3,7 @@ weights laid out for one-token-per-row steps, and a forward pass written for the
 
 transformers' forward is written for every use (training, any cache, any mask); a decode step
 of the engine is one narrow case, run thousands of times a minute, and on a CPU its cost is the
-weights' matrix products (~70 % of a step, docs/benchmarks.md §19). `Decoder` keeps, next to the
+weights' matrix products (~70 % of a step, docs/experiments/engine-vs-vllm.md). `Decoder` keeps, next to the
 model's own parameters, a copy of each layer's projections fused (q, k and v as one matrix, gate
 and up as one) and, where oneDNN serves the dtype, packed into oneDNN's blocked layout once
 (`torch.ops.mkldnn._reorder_linear_weight`), so a step neither re-lays out the weights nor runs
@@ -15,7 +15,7 @@ in spans of slots each over its own longest row), and nothing else: logits agree
 transformers' to float rounding (tests/test_engine_decoder.py). A row's query heads that share a
 KV head attend as one short query sequence over it, so the cache is never repeated per query
 head; in bfloat16 that kernel took a decode step from 80 to 70 ms against two batched products
-(docs/benchmarks.md section 19d).
+(docs/experiments/engine-vs-vllm.md).
 
 The copy costs memory (about the model's linear weights once more) and must follow the model:
 after a weight update, `refresh()` rebuilds it (the engine does, between two steps). Models this

@@ -1,5 +1,5 @@
 """Constrained decoding: SGLang's `json_schema`, `regex`, `ebnf` and `structural_tag` sampling
-parameters, compiled with llguidance (`formats/grammar.py`, shared with the trainer, which
+parameters, compiled with llguidance (`flywheel/formats/grammar.py`, shared with the trainer, which
 replays the same grammars to recompute the tokens sampled under them).
 
 Before each token of a constrained request, the tokens the grammar does not allow are masked

@@ -42,11 +42,11 @@ PREFILL_PADDING = 0.125
 ATTENTION_ROWS = 8
 """On a CPU, a decoder's step attends in spans of this many slots, each over its own longest
 row's columns. On a GPU, where a step is bound by kernel launches rather than arithmetic
-(docs/benchmarks.md section 20), the whole batch is one span."""
+(docs/experiments/gpu-path.md), the whole batch is one span."""
 SDPA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 """Attention (transformers' and the decoder's) on CUDA, without cuDNN's kernels: they plan each
 new shape, and an engine's prefill groups and batch widths are new shapes all the time (a
-bfloat16 engine on an H200 made 228 useful tok/s with them and 362 without, section 20b)."""
+bfloat16 engine on an H200 made 228 useful tok/s with them and 362 without, docs/experiments/gpu-path.md)."""
 
 
 @dataclass
@@ -194,7 +194,7 @@ class KVBatch(Cache):
 
     def step(self, model: torch.nn.Module, tokens: torch.Tensor, decoder: Decoder | None = None) -> torch.Tensor:
         """Feed one token per row [rows]; returns next-token logits [rows, vocab]. With a `decoder`
-        (`serve/engine/decoder.py`) the step runs its forward, else transformers'."""
+        (`flywheel/serve/engine/decoder.py`) the step runs its forward, else transformers'."""
         width = int(self.lengths.max()) + 1
         self._reserve(width)
         tokens = tokens.to(self.device)

@@ -1,7 +1,7 @@
 """SGLang's native `/generate` protocol on top of the embedded `Engine`.
 
 `generate(engine, body)` takes the JSON body SGLang's `/generate` takes and returns the JSON it
-returns (see `shared/reference/sglang-api.md`, A.1): `text`, `output_ids` and `meta_info` with
+returns (SGLang's `python/sglang/srt/entrypoints/http_server.py` and `GenerateReqInput`): `text`, `output_ids` and `meta_info` with
 `finish_reason`, `weight_version`, per-token `weight_versions` spans and, with
 `return_logprob`, `output_token_logprobs` as `[logprob, token_id, null]` triples (plus
 `output_top_logprobs` with `top_logprobs_num`). `generate_stream` yields the chunks of a
@@ -16,7 +16,7 @@ one version, `weight_versions` spans cover the chunk's tokens (positions relativ
 and `weight_version` is the label of the chunk's last token (the engine's current label before
 any token). Without `spans` it reports only the engine's current label when the response or
 chunk is produced, like a server that does not track per-token versions: a token sampled
-before a swap may then be reported under the newer label (see `serve/engine_choice.py` for how the
+before a swap may then be reported under the newer label (see `flywheel/serve/engine_choice.py` for how the
 gateway copes).
 """
 

@@ -42,7 +42,7 @@ class SamplingParams(msgspec.Struct, kw_only=True, forbid_unknown_fields=False):
     """Also return this many most likely tokens (with logprobs) at each output position."""
     logprob_start_len: int = -1
     """Also return input token log-probabilities from this position (SGLang's top-level field,
-    carried here with `return_logprob`; -1: none; `serve/engine/input_logprobs.py`)."""
+    carried here with `return_logprob`; -1: none; `flywheel/serve/engine/input_logprobs.py`)."""
     json_schema: str | None = None
     regex: str | None = None
     ebnf: str | None = None

@@ -1,6 +1,6 @@
 """The embedded engine as an HTTP server speaking SGLang's native protocol.
 
-Routes and reply shapes follow SGLang (shared/reference/sglang-api.md): `/generate` (JSON, or
+Routes and reply shapes follow SGLang's HTTP server (`sglang/srt/entrypoints/http_server.py`): `/generate` (JSON, or
 server-sent events with `stream: true`), `/pause_generation`, `/continue_generation`,
 `/update_weights_from_disk`, `/update_weight_version`, `/abort_request`, `/flush_cache`,
 `/model_info` (and `/get_model_info`), `/health`, `/health_generate`, `/v1/loads`,

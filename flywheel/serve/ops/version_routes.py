@@ -1,6 +1,6 @@
 """The versions, seen and steered from the gateway (`promotion.mode` not off).
 
-- `GET /dashboard`: one static page (serve/ops/dashboard.html, no build step) that polls
+- `GET /dashboard`: one static page (flywheel/serve/ops/dashboard.html, no build step) that polls
   `GET /dashboard.json` (the registry as JSON: every version, its state and transitions, its
   gate report and online reward per 15 s, and the routing) and draws the versions' online
   reward over time.

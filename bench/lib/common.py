@@ -1,10 +1,7 @@
 """Helpers shared by the benchmark scripts in `bench/`: machine description, a record of how
 much CPU other processes used while a benchmark ran (the machine is shared), percentiles, the
 TPOT and TTFT of streamed requests, a plain-text table, and writing the JSON result file under
-`bench/results/`.
-
-Not a benchmark itself; the scripts import it as `bench._common` (run them from the repository
-root: `.venv/bin/python -m bench.<name>` or `.venv/bin/python bench/<name>.py`).
+`bench/results/` (`<benchmark>[_<variant>].json`, bench/README.md).
 """
 
 from __future__ import annotations
@@ -14,17 +11,14 @@ import logging
 import os
 import platform
 import subprocess
-import sys
 import time
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 RESULTS = ROOT / "bench" / "results"
 CLK_TCK = os.sysconf("SC_CLK_TCK")
 
-if str(ROOT) not in sys.path:  # `python bench/x.py` as well as `python -m bench.x`
-    sys.path.insert(0, str(ROOT))
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 
@@ -177,7 +171,7 @@ def ms(seconds: float | None) -> float | None:
     return None if seconds is None else 1e3 * seconds
 
 
-# Streamed requests, as the records of `bench/_stream_client.py` describe them (send time, the
+# Streamed requests, as the records of `bench/lib/stream_client.py` describe them (send time, the
 # time of each chunk carrying tokens, first-token and finish times, token count): the same
 # definitions of TPOT and TTFT for every benchmark that streams.
 

@@ -1,5 +1,5 @@
 """A scripted Anthropic Messages server that drives Claude Code into starting a sub-agent, and
-records every request it gets. Not a benchmark itself: `bench/agent_clis.py --record-subagent`
+records every request it gets: `bench/agent_clis.py --record-subagent`
 runs `claude -p` against it and saves what it recorded as the fixture its `--replay` mode sends
 through Flywheel (`bench/data/claude_code_subagent.json`).
 

@@ -1,5 +1,5 @@
 """Running `flywheel train` from a benchmark: one run per call, in its own run_dir, and what
-it measured (summary, metrics lines, the reward at the end). Not a benchmark itself."""
+it measured (summary, metrics lines, the reward at the end)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from statistics import fmean
 
-from bench._common import ROOT, CpuWatch
+from bench.lib.common import ROOT, CpuWatch
 from flywheel.cli import command
 
 

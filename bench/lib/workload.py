@@ -1,10 +1,14 @@
 """Seeded synthetic workloads shared by the benchmarks: chat prompts of varied length and a
-heavy-tailed distribution of output lengths. Not a benchmark itself."""
+heavy-tailed distribution of output lengths; for the trainer, single-segment samples of such
+lengths."""
 
 from __future__ import annotations
 
 import random
 from typing import Any
+
+from flywheel.bus import Segment
+from flywheel.train.packing import Row
 
 WORDS = (
     "the model reads a question and writes an answer with digits only please count from one to ten "
@@ -48,3 +52,22 @@ def uniform_requests(tokenizer: Any, n: int, seed: int, shortest: int = 16, long
     longest] (`bench/engines.py`'s workload, also `bench/engine_step.py --part run`'s)."""
     rng = random.Random(seed)
     return [dict(r, max_new_tokens=rng.randint(shortest, longest)) for r in mixed_requests(tokenizer, n, [16], [1], seed)]
+
+
+TRAINING_OUTPUT_LENGTHS, TRAINING_OUTPUT_WEIGHTS = [8, 16, 32, 64, 128, 256], [32, 16, 8, 4, 2, 1]
+
+
+def training_rows(n: int, vocab: int, seed: int) -> list[Row]:
+    """n single-segment samples for `Trainer.step` (`bench/trainer_efficiency.py`'s workload):
+    prompts of 30-200 random tokens, outputs of heavy-tailed length, behaviour log-probs of -1,
+    advantages alternately -1 and +1."""
+    rng = random.Random(seed)
+    rows = []
+    for i in range(n):
+        prompt, output = rng.randint(30, 200), rng.choices(TRAINING_OUTPUT_LENGTHS, TRAINING_OUTPUT_WEIGHTS)[0]
+        ids = [rng.randrange(vocab) for _ in range(prompt + output)]
+        mask = [0] * prompt + [1] * output
+        segment = Segment(token_ids=ids, loss_mask=mask, logprobs=[-1.0 * m for m in mask], versions=[0 * m for m in mask])
+        sign = 1.0 if i % 2 else -1.0
+        rows.append(Row(segment, [sign * m for m in mask]))
+    return rows

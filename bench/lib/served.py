@@ -1,6 +1,6 @@
 """Starting a real serve loop for the gateway benchmarks: a private nats-server in a temporary
 directory and `flywheel.serve.loop.ServeLoop` on a free loopback port; and running the streaming client
-(`bench/_stream_client.py`) as a child process. Not a benchmark itself."""
+(`bench/lib/stream_client.py`) as a child process."""
 
 from __future__ import annotations
 
@@ -11,9 +11,9 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from bench._common import CpuWatch
+from bench.lib.common import CpuWatch
 
-CLIENT = Path(__file__).resolve().parent / "_stream_client.py"
+CLIENT = Path(__file__).resolve().parent / "stream_client.py"
 
 
 class Served:

@@ -1,5 +1,6 @@
-"""Simulated people for `bench/personal_agent.py`: a hidden preference each, checked by a
-deterministic rule, everyday questions, and what a person says after a reply.
+"""Simulated people for the personal-agent drill (`flywheel/drills/personal_agent.py`,
+`bench/personal_agent.py`): a hidden preference each, checked by a deterministic rule, everyday
+questions, and what a person says after a reply.
 
 A `User` has a name (its assistant's system message names them, as a personal agent's would),
 one `Preference` and a seeded random generator. After each first reply the user complains when
@@ -12,7 +13,6 @@ reaches the platform: no rewards, no headers beyond the session id.
 
 Questions: `TRAIN_QUESTIONS` are asked during a trial; `HELD_OUT_QUESTIONS` are never asked
 there and measure, after training, whether the preference carries over to new questions.
-Not a benchmark itself.
 """
 
 from __future__ import annotations
@@ -255,17 +255,6 @@ class User:
             return self.rng.choice(THANKS), None
         opener, new = self.rng.choice(NEW_QUESTION_OPENERS), self.question(session + len(self._order) // 2)
         return opener + (new[0].lower() + new[1:] if opener.endswith(", ") else new), new
-
-
-def sessions_to_learn(satisfied: list[bool], run: int = 3) -> int | None:
-    """OpenClaw-RL's measure: the number of sessions up to and including the `run`-th of the first
-    `run` consecutive sessions whose first reply satisfied the preference; None if it never happened."""
-    streak = 0
-    for i, ok in enumerate(satisfied):
-        streak = streak + 1 if ok else 0
-        if streak == run:
-            return i + 1
-    return None
 
 
 NAMES = ("Maya", "Tomas", "Priya", "Jonah", "Lena", "Omar", "Greta", "Kenji")

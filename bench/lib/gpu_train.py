@@ -1,6 +1,6 @@
 """The trainer's half of `bench/gpu_path.py`: the engine's behaviour log-probs against the
-trainer's recompute (`logprob_part`), and `Trainer.step` on the device (`train_part`). Not a
-benchmark itself; see `bench/gpu_path.py` for what is measured and how to run it."""
+trainer's recompute (`logprob_part`), and `Trainer.step` on the device (`train_part`); see
+`bench/gpu_path.py` for what is measured and how to run it."""
 
 from __future__ import annotations
 
@@ -13,8 +13,7 @@ from typing import Any, Callable
 
 import torch
 
-from bench.trainer_efficiency import workload
-from bench.workload import mixed_requests
+from bench.lib.workload import mixed_requests, training_rows
 from flywheel.bus import Segment
 from flywheel.config import load_config
 from flywheel.train.packing import MicroBatch, Row, micro_batches
@@ -137,7 +136,7 @@ def _timed(step: Callable[[], Any], repeats: int, device: str) -> list[float]:
 
 def train_part(args: Any, build: Callable) -> list[dict[str, Any]]:
     model, tokenizer = build(args, "float32")
-    rows = workload(args.train_samples, len(tokenizer), args.seed)
+    rows = training_rows(args.train_samples, len(tokenizer), args.seed)
     packed = micro_batches(rows, args.budget, pad_id=0, packing=True)
     real, computed = sum(len(r) for r in rows), sum(b.computed_tokens for b in packed)
     cuda = args.device.startswith("cuda")

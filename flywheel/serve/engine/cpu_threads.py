@@ -1,7 +1,7 @@
 """How many torch intra-op threads the embedded engine computes on (`serve.torch_threads`).
 
 A gateway alone on its machine should use every core it may: the engine's decode step is its
-work, and one thread leaves the rest of a CPU idle (docs/benchmarks.md section 19c). "May" is the
+work, and one thread leaves the rest of a CPU idle (docs/experiments/engine-vs-vllm.md). "May" is the
 process's CPU affinity, bounded by a cgroup v2 CPU quota when the container has one
 (`docker run --cpus`), which torch's own default does not read: in a container given two of a
 machine's sixty-four cores by quota, it would start sixty-four threads.

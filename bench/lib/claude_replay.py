@@ -1,6 +1,6 @@
-"""Replaying a recorded Claude Code request sequence through Flywheel's gateway. Not a benchmark
-itself: `bench/agent_clis.py --replay` uses it on `bench/data/claude_code_subagent.json`, the
-requests Claude Code sent to the scripted model of `bench/_scripted_anthropic.py` in a run that
+"""Replaying a recorded Claude Code request sequence through Flywheel's gateway:
+`bench/agent_clis.py --replay` uses it on `bench/data/claude_code_subagent.json`, the
+requests Claude Code sent to the scripted model of `bench/lib/scripted_anthropic.py` in a run that
 started a sub-agent.
 
 Each recorded `POST /v1/messages` body is sent as it was (only `model` is set to the served
@@ -25,7 +25,7 @@ from typing import Any
 
 import httpx
 
-DATA = Path(__file__).resolve().parent / "data"
+DATA = Path(__file__).resolve().parents[1] / "data"
 FIXTURE = DATA / "claude_code_subagent.json"
 """Claude Code 2.1.197 (the version of the live runs); `claude_code_subagent_<version>.json` are
 other versions' runs of the same task."""

@@ -1,8 +1,8 @@
 """Streaming load generator (chat completions, or SGLang `/generate`), run as a separate
 process by the gateway and hot swap benchmarks (so its own CPU work does not compete for the
-server's GIL). Not a benchmark by itself.
+server's GIL).
 
-    python bench/_stream_client.py CONFIG.json
+    python bench/lib/stream_client.py CONFIG.json
 
 CONFIG: {"url", "model", "client": "httpx"|"openai"|"raw", "concurrency", "max_tokens",
 "messages": [[...], ...] (one conversation per worker, cycled), "logprobs": bool,

@@ -1,0 +1,161 @@
+"""The personal-agent drill (OpenClaw-RL's personal-agent experiment): a simulated person
+(`simulated_people.User`) talks to a deployed agent with the official `openai` client, one
+`X-Session-Id` per conversation and nothing else, and the numbers that say whether the agent
+learned their hidden preference.
+
+- `converse`: one session: the question, the first reply, the person's reaction and the reply to
+  it (with two reactions, also the reaction to that second reply and a third reply);
+- `verdicts`: what the judge made of each session's reactions, and how many tokens the hint
+  teacher scored, read back from the bus's samples;
+- `sessions_to_learn`, `rolling_rate`, `judge_agreement`, `summary_rows`: the measures.
+
+`ARMS` are the configurations compared (on `CONFIG`): the base model, next-state RL, hint
+distillation, both. `bench/personal_agent.py` runs trials of them; tests/test_personal_agent.py
+runs one small session pair on live loops.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import re
+import time
+from statistics import fmean, median
+
+from flywheel.drills.simulated_people import User
+
+CONFIG = "configs/personal_agent.yaml"
+ARMS = {
+    "none": ["deploy.loops=[serve,collect,judge]", "judge.teacher.enabled=false"],
+    "rl": ["actor.rl_coef=1.0", "actor.opd_coef=0.0", "actor.opd_topk_coef=0.0", "judge.teacher.enabled=false"],
+    "opd": ["actor.rl_coef=0.0"],
+    "both": ["actor.rl_coef=1.0"],
+}
+"""Each arm's overrides; hint distillation's form and weights (`actor.opd_coef`, `opd_topk_coef`,
+`judge.teacher.top_k`) are the config's."""
+RUN = 3
+"""Consecutive satisfied sessions that count as learned."""
+WINDOW = 5
+"""Sessions in the plotted preference rate."""
+
+
+def version_of(fingerprint: str | None) -> int | None:
+    """The version a reply's `system_fingerprint` names (`flywheel-vN`); None for any other."""
+    match = re.fullmatch(r"flywheel-v(\d+)", fingerprint or "")
+    return int(match[1]) if match else None
+
+
+def rolling_rate(satisfied: list[bool], window: int = WINDOW) -> list[float]:
+    """At each session, the share of satisfied sessions among the last `window` (fewer at the start)."""
+    return [fmean(satisfied[max(0, i + 1 - window):i + 1]) for i in range(len(satisfied))]
+
+
+def judge_agreement(sessions: list[dict]) -> float | None:
+    """Share of judged sessions where the judge's sign of the first reply is the truth (+1 when it
+    satisfied the preference, -1 when the person corrected it)."""
+    judged = [s for s in sessions if s.get("judge_score") is not None]
+    return fmean((s["judge_score"] > 0) == s["satisfied"] for s in judged) if judged else None
+
+
+def sessions_to_learn(satisfied: list[bool], run: int = RUN) -> int | None:
+    """OpenClaw-RL's measure: the number of sessions up to and including the `run`-th of the first
+    `run` consecutive sessions whose first reply satisfied the preference; None if it never happened."""
+    streak = 0
+    for i, ok in enumerate(satisfied):
+        streak = streak + 1 if ok else 0
+        if streak == run:
+            return i + 1
+    return None
+
+
+def reply_seed(user: User, session: int, reply: int) -> int:
+    """The sampling seed of a session's first (0), second (1) or third (2) reply: distinct per user,
+    session, reply (the first two as in the cap-of-60 trials, docs/experiments/personal-agent-trials.md)."""
+    draw = user.seed * 1000 + session
+    return draw * 2 + reply if reply < 2 else 10**9 + draw
+
+
+def converse(client, model: str, user: User, session: int, trial_id: str, args) -> dict:
+    """The session's question, the first reply, the person's reaction and the reply to it; with
+    `args.reactions` 2, also the person's reaction to that second reply when it answered something
+    (a correction, a complaint or a new question; not thanks), and the reply to that, which nothing
+    follows. Each reply samples with its own OpenAI `seed` (the user's seed, the session, which
+    reply), so a trial run again on the same code meets the same draws (docs/experiments/personal-agent-trials.md)."""
+    session_id = f"{trial_id}-s{session:03d}"
+    question = user.question(session)
+    messages = [{"role": "system", "content": user.system}, {"role": "user", "content": question}]
+
+    def reply(index: int) -> tuple[str, object]:
+        answer = client.chat.completions.create(model=model, messages=messages, max_tokens=args.max_tokens,
+                                                temperature=args.temperature, seed=reply_seed(user, session, index),
+                                                extra_headers={"X-Session-Id": session_id})
+        text = answer.choices[0].message.content or ""
+        messages.append({"role": "assistant", "content": text})
+        return text, answer
+
+    first, answer = reply(0)
+    said, asked = user.react(first, session)
+    messages.append({"role": "user", "content": said})
+    second, _ = reply(1)
+    record = {"session": session, "id": session_id, "version": version_of(answer.system_fingerprint), "question": question,
+              "reply": first, "satisfied": user.satisfied(first, question), "said": said}
+    if args.reactions == 2 and asked is not None:
+        said_again, _ = user.react(second, session, asked, ask=False)
+        messages.append({"role": "user", "content": said_again})
+        reply(2)
+        record |= {"second": second, "second_satisfied": user.satisfied(second, asked), "said_again": said_again}
+    return record
+
+
+async def verdicts(bus_url: str) -> dict[str, dict]:
+    """{session id: what the judge said of its first reply (and of the second, when the person
+    reacted to it), and how many tokens the teacher scored}."""
+    from flywheel.bus import SAMPLE_SUBJECT, Bus
+
+    bus = await Bus.connect(bus_url, name="personal-agent-drill")
+    try:
+        consumer, found = bus.consumer(SAMPLE_SUBJECT, f"drill-{os.getpid()}-{time.monotonic_ns()}"), {}
+        while deliveries := await consumer.fetch(batch=256, timeout_s=2):
+            for delivery in deliveries:
+                sample = delivery.record
+                if not await bus.resolve(sample):
+                    continue
+                turns = sample.details.get("turns") or [{}]
+                taught = sum(not math.isnan(v) for values in sample.teacher_logprobs for v in values)
+                found[sample.trajectory.session_id] = {"judge_class": turns[0].get("class"), "judge_score": turns[0].get("score"),
+                                                       "hint": turns[0].get("hint"), "teacher_tokens": taught}
+                if len(turns) > 2:  # the person reacted to the second reply too (--reactions 2)
+                    found[sample.trajectory.session_id] |= {"second_class": turns[1].get("class"),
+                                                            "second_score": turns[1].get("score"), "second_hint": turns[1].get("hint")}
+                await delivery.ack()
+        return found
+    finally:
+        await bus.close()
+
+
+HEADERS = ["arm", "preference", "trials", "sessions to learn", "median", "learned", "rate in trial", "held-out rate",
+           "held-out answers", "judge agrees", "arith before", "arith after"]
+
+
+def summary_rows(trials: list[dict], arith_before: float | None) -> list[list]:
+    """The results table (`HEADERS`): a row per arm and preference over its trials, with the base
+    model's held-out arithmetic accuracy `arith_before`."""
+    rows = []
+    for arm in ARMS:
+        for pref in sorted({t["pref"] for t in trials if t["arm"] == arm}):
+            mine = [t for t in trials if t["arm"] == arm and t["pref"] == pref]
+            learned = [t["learned_at"] for t in mine]
+            got = [x for x in learned if x is not None]
+            rows.append([arm, pref, len(mine), " ".join(str(x) if x else f">{t['cap']}" for x, t in zip(learned, mine)),
+                         median(got) if len(got) == len(mine) else None, f"{len(got)}/{len(mine)}",
+                         mean_of(t["satisfied_rate"] for t in mine), mean_of(t["heldout"]["rate"] for t in mine),
+                         mean_of(t["heldout"].get("answers") for t in mine), mean_of(t["judge_agreement"] for t in mine),
+                         arith_before, mean_of(t.get("arith_after") for t in mine)])
+    return rows
+
+
+def mean_of(values) -> float | None:
+    """The mean of the values that are there (None for none)."""
+    present = [v for v in values if v is not None]
+    return fmean(present) if present else None
+

@@ -1,0 +1,396 @@
+"""What tests build and read the same way: plain functions and classes, no fixtures (those are in
+`conftest.py`, which builds them from here).
+
+- Records: `make_turn`, `conversation` (a trajectory of assistant replies), `fb` (feedback),
+  real engine samples (`sampled_turns`) and what the trainer takes of them (`sample_of`,
+  `rows_of`, `step_of`).
+- Reading the bus: `delivered` (a consumer's deliveries until there are enough), `read`,
+  `traffic_records`, `recorded_turns`, `collected`, `judged`, `counted`.
+- Running parts: `platform` (a serve loop and a collector), `teach_tiny` and `serving` (a `tiny`
+  taught one answer, served), `post_feedback`, `make_engine`, `RunningApp` (an ASGI app on a free
+  port), `freeze` (SIGSTOP a process).
+- Engines: `prompt`, `recomputed_logprobs`.
+- Promotion: `announce` (a version, noised or not), `state_of`, `is_in_state`.
+- Checks: `assert_segment_is_exact`, `assert_prompts_render_the_conversation`,
+  `assert_openai_error`, `assert_api_error`.
+- Request shapes several tests send: the weather tool (`WEATHER`, `ASK_WEATHER`, `WEATHER_CALL`)
+  and the bounded forecast schema (`FORECAST`, `FORECAST_TOOLS`, `ASK_FORECAST`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import signal
+from collections.abc import AsyncIterator, Callable
+from pathlib import Path
+from typing import Any
+
+import httpx
+import msgspec
+import openai
+import psutil
+import torch
+
+from flywheel.bus import (
+    SAMPLE_SUBJECT,
+    TRAFFIC_SUBJECTS,
+    TRAJECTORY_SUBJECT,
+    UNSCORED_SUBJECT,
+    WEIGHTS_SUBJECT,
+    Sample,
+    SessionEvent,
+    Trajectory,
+    Turn,
+    WeightUpdate,
+)
+from flywheel.collect.loop import CollectLoop
+from flywheel.collect.stitch import stitch
+from flywheel.config import load_config
+from flywheel.drills.noised_weights import publish_noised
+from flywheel.models import WeightStore, load_model, load_weights, save_model
+from flywheel.serve.engine import Engine, SamplingParams
+from flywheel.serve.loop import ServeLoop
+from flywheel.train.advantages import RunningBaseline
+from flywheel.train.grouping import Group, Member
+from flywheel.train.packing import Row
+from flywheel.train.step_batch import StepBatch
+from flywheel.versions.registry import Registry
+
+from waiting import DEFAULT_TIMEOUT_S, until, until_sync
+
+# -- request shapes --------------------------------------------------------------------------------
+
+WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "Weather in a city",
+                                              "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}
+ASK_WEATHER = [{"role": "user", "content": "Weather in Paris?"}]
+WEATHER_CALL = '<tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}</tool_call>'
+"""What `teach_tiny(ASK_WEATHER, [WEATHER], WEATHER_CALL, ...)` teaches the model to answer."""
+
+FORECAST = {"type": "object", "additionalProperties": False, "required": ["unit", "days"],
+            "properties": {"unit": {"enum": ["celsius", "fahrenheit"]}, "days": {"type": "integer", "minimum": 1, "maximum": 7}}}
+"""A schema whose every value is bounded, so that even a random model must finish it."""
+FORECAST_TOOLS = [{"type": "function", "function": {"name": "forecast", "description": "Weather forecast", "parameters": FORECAST}},
+                  {"type": "function", "function": {"name": "alarm", "parameters": {
+                      "type": "object", "additionalProperties": False, "required": ["on"], "properties": {"on": {"type": "boolean"}}}}}]
+ASK_FORECAST = [{"role": "user", "content": "Forecast for Paris?"}]
+
+# -- records ---------------------------------------------------------------------------------------
+
+
+def make_turn(**overrides) -> Turn:
+    """A small valid turn; `overrides` replace its fields."""
+    fields = dict(
+        id="t1", session_id="s1", turn_index=0, model="tiny",
+        messages=[{"role": "user", "content": "hi"}], response={"role": "assistant", "content": "yo"},
+        prompt_ids=[1, 2, 3], output_ids=[4, 5], output_logprobs=[-0.1, -0.2], output_versions=[3, 4],
+        finish_reason="stop",
+    )
+    fields.update(overrides)
+    return Turn(**fields)
+
+
+def conversation(tid: str, replies: list[str], task_id: str | None = None, feedback=(), system: str = "Be exact.") -> Trajectory:
+    """A trajectory of len(replies) assistant turns; the user answers each reply but the last."""
+    turns, history = [], [{"role": "system", "content": system}, {"role": "user", "content": f"task {tid}"}]
+    for i, reply in enumerate(replies):
+        response = {"role": "assistant", "content": reply}
+        turns.append(make_turn(id=f"{tid}-{i}", session_id=tid, turn_index=i, task_id=task_id, messages=list(history), response=response))
+        history += [response, {"role": "user", "content": f"user reply {i}"}]
+    next_states = [[{"role": "user", "content": f"user reply {i}"}] for i in range(len(replies) - 1)] + [[]]
+    return Trajectory(id=tid, session_id=tid, task_id=task_id, segments=[], turns=turns, next_states=next_states,
+                      feedback=list(feedback), close_reason="done")
+
+
+def fb(reward, turn_index=None, source="env") -> SessionEvent:
+    """A feedback event with `reward` (on the turn `turn_index`, or the session's)."""
+    return SessionEvent(id=f"f{reward}{turn_index}", session_id="s", kind="feedback", reward=reward, turn_index=turn_index, source=source)
+
+
+async def sampled_turns(n: int, version: int = 0, task_id: str | None = None, temperature: float = 1.0) -> list[Turn]:
+    """Real engine samples from the tiny model, as the gateway would record them (without a
+    task id, each is a group of its own)."""
+    model, tokenizer = load_model("tiny")
+    engine = Engine(model, tokenizer).start()
+    try:
+        text = tokenizer.apply_chat_template([{"role": "user", "content": "Write some digits."}], add_generation_prompt=True, tokenize=False)
+        ids = tokenizer.encode(text, add_special_tokens=False)
+        params = [SamplingParams(max_new_tokens=8, sampling_seed=i, temperature=temperature) for i in range(n)]
+        results = await asyncio.gather(*(engine.generate(ids, p) for p in params))
+    finally:
+        engine.stop()
+    return [
+        make_turn(id=f"t{i}", session_id=f"s{i}", prompt_ids=r.prompt_ids, output_ids=r.output_ids,
+                  output_logprobs=r.logprobs, output_versions=[version] * len(r.output_ids), task_id=task_id,
+                  sampling={"temperature": temperature, "max_new_tokens": 8, "sampling_seed": i})
+        for i, r in enumerate(results)
+    ]
+
+
+def sample_of(turn: Turn, reward: float, version: int | None = None) -> Sample:
+    """The sample of a one-turn trajectory (its tokens relabelled as sampled by `version`, if given)."""
+    if version is not None:
+        turn = msgspec.structs.replace(turn, output_versions=[version] * len(turn.output_ids))
+    traj = Trajectory(id=turn.session_id, session_id=turn.session_id, task_id=turn.task_id, group_size=turn.group_size,
+                      segments=stitch([turn]), turns=[turn], close_reason="feedback")
+    return Sample(id=f"{turn.session_id}-{version}", trajectory=traj, reward=reward, judge="rule")
+
+
+def rows_of(samples: list[Sample], advantages: list[float]) -> list[Row]:
+    """The trainer's rows of the samples' segments, each token's advantage its sample's."""
+    return [Row(seg, [a * m for m in seg.loss_mask]) for s, a in zip(samples, advantages) for seg in s.trajectory.segments]
+
+
+def step_of(samples: list[Sample], config) -> StepBatch:
+    """One step's batch of the samples, each a group of its own."""
+    groups = [Group(s.id, 1, 0.0, 0.0, {s.id: Member(s, [])}) for s in samples]
+    return StepBatch(groups, config, RunningBaseline(), pad_id=0)
+
+
+# -- reading the bus -------------------------------------------------------------------------------
+
+
+async def delivered(consumer, n: int = 1, keep: Callable[[Any], bool] = lambda record: True,
+                    timeout_s: float = DEFAULT_TIMEOUT_S, fetch_s: float = 1.0) -> list:
+    """The deliveries `consumer` fetches whose record `keep` accepts, once there are at least
+    `n` of them (the others are passed over); fails the test if there are not within `timeout_s`."""
+    got: list = []
+    if n <= 0:
+        return got
+
+    async def enough() -> bool:
+        got.extend(d for d in await consumer.fetch(timeout_s=fetch_s) if keep(d.record))
+        return len(got) >= n
+
+    await until(enough, timeout_s)
+    return got
+
+
+async def read(bus, subject: str, durable: str, n: int = 1, keep: Callable[[Any], bool] = lambda record: True,
+               timeout_s: float = DEFAULT_TIMEOUT_S) -> list:
+    """At least `n` records on `subject` that `keep` accepts, read from the start by the durable
+    consumer `durable` (again under the same name: from where the last read stopped)."""
+    return [d.record for d in await delivered(bus.consumer(subject, durable), n, keep, timeout_s)]
+
+
+async def traffic_records(bus, n: int, durable: str = "check") -> list:
+    """What the gateway recorded (turns, feedback, ends), without its announcements of requests in flight."""
+    return await read(bus, TRAFFIC_SUBJECTS, durable, n, lambda r: getattr(r, "kind", None) != "pending")
+
+
+async def recorded_turns(bus, n: int = 1, durable: str = "turns-check") -> list[Turn]:
+    """The first `n` turns the gateway recorded (at least)."""
+    return await read(bus, TRAFFIC_SUBJECTS, durable, n, lambda r: isinstance(r, Turn))
+
+
+async def collected(bus, n_sessions: int, n_turns: int) -> tuple[dict[str, Trajectory], dict[str, list[Turn]]]:
+    """The collector's first `n_sessions` trajectories by session, and the first `n_turns`
+    recorded turns by session in turn order."""
+    trajectories = await read(bus, TRAJECTORY_SUBJECT, "live-trajectories", n_sessions, lambda r: isinstance(r, Trajectory))
+    turns: dict[str, list[Turn]] = {}
+    for turn in await read(bus, TRAFFIC_SUBJECTS, "live-turns", n_turns, lambda r: isinstance(r, Turn)):
+        turns.setdefault(turn.session_id, []).append(turn)
+    return {t.session_id: t for t in trajectories}, {s: sorted(ts, key=lambda t: t.turn_index) for s, ts in turns.items()}
+
+
+async def judged(bus, n: int, durable: str = "check", timeout_s: float = 60) -> dict[str, object]:
+    """The first n records on SAMPLES and UNSCORED together, by trajectory id (each acknowledged;
+    one judged twice fails the test)."""
+    consumers = bus.consumer(SAMPLE_SUBJECT, durable), bus.consumer(UNSCORED_SUBJECT, durable)
+    out: dict[str, object] = {}
+
+    async def enough() -> bool:
+        for consumer in consumers:
+            for delivery in await consumer.fetch(timeout_s=0.1):
+                assert delivery.record.id not in out, f"{delivery.record.id} judged twice"
+                out[delivery.record.id] = delivery.record
+                await delivery.ack()
+        return len(out) >= n
+
+    await until(enough, timeout_s)
+    return out
+
+
+async def counted(loop, n: int) -> dict:
+    """A judge loop's stats once it has counted `n` judgements: it counts one after publishing its
+    record and acknowledging the trajectory, so the count can lag the record a reader sees."""
+    await until(lambda: loop.stats()["scored"] + loop.stats()["unscored"] >= n)
+    return loop.stats()
+
+
+# -- running parts ---------------------------------------------------------------------------------
+
+
+@contextlib.asynccontextmanager
+async def platform(nats_url: str, tmp_path: Path, *overrides: str):
+    """A serve loop and a collector (no feedback grace) on the bus: (serve, collect, an async openai client)."""
+    config = load_config(None, [f"run_dir={tmp_path}", "serve.port=0", "collect.feedback_grace_s=0", *overrides])
+    serve, collect = ServeLoop(config, nats_url), CollectLoop(config, nats_url)
+    await serve.start()
+    await collect.start()
+    try:
+        yield serve, collect, openai.AsyncOpenAI(base_url=f"{serve.url}/v1", api_key="x", max_retries=0)
+    finally:
+        await collect.stop()
+        await serve.stop()
+
+
+async def post_feedback(serve, session: str, reward: float) -> None:
+    """A session's reward, sent to the gateway."""
+    async with httpx.AsyncClient() as http:
+        response = await http.post(f"{serve.url}/v1/sessions/{session}/feedback", json={"reward": reward})
+        response.raise_for_status()
+
+
+def teach_tiny(messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None, answer: str, out_dir: Path,
+               chat_template: str | None = None) -> str:
+    """Train `tiny` by a few supervised steps until it answers `messages` (rendered with `tools`)
+    with `answer` and its end token, for tests that need a model that reliably produces something
+    specific (a tool call, parallel calls); returns the saved model's directory (its tokenizer
+    carries `chat_template` if given)."""
+    model, tokenizer = load_model("tiny")
+    if chat_template is not None:
+        tokenizer.chat_template = chat_template
+    rendered = tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=True, tokenize=False)
+    prompt_ids = tokenizer.encode(rendered, add_special_tokens=False)
+    target = tokenizer.encode(answer + "<|im_end|>", add_special_tokens=False)
+    ids = torch.tensor([prompt_ids + target])
+    optimizer = torch.optim.Adam(model.parameters(), lr=3e-3)
+    model.train()
+    for _ in range(150):
+        logits = model(input_ids=ids).logits[0, len(prompt_ids) - 1 : -1]
+        loss = torch.nn.functional.cross_entropy(logits, torch.tensor(target))
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    assert loss.item() < 0.05
+    return str(save_model(model.eval(), tokenizer, out_dir / "model"))
+
+
+@contextlib.asynccontextmanager
+async def serving(model: str, name: str, nats_url: str, run_dir: Path, *overrides: str) -> AsyncIterator[ServeLoop]:
+    """A running serve loop for `model` (a path from `teach_tiny`), served as `name`."""
+    loop = ServeLoop(load_config(None, [f"run_dir={run_dir}", "serve.port=0", f"model={model}",
+                                        f"serve.served_model_name={name}", *overrides]), nats_url)
+    await loop.start()
+    try:
+        yield loop
+    finally:
+        await loop.stop()
+
+
+def make_engine() -> Engine:
+    """A started embedded engine on the tiny model that takes weight updates."""
+    model, tokenizer = load_model("tiny")
+    return Engine(model, tokenizer, max_batch_size=8, load_weights=load_weights).start()
+
+
+class RunningApp:
+    """An ASGI app served by uvicorn on a free loopback port, in the test's event loop."""
+
+    def __init__(self, app):
+        import uvicorn
+
+        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning", lifespan="off"))
+
+    async def __aenter__(self) -> str:
+        self.task = asyncio.create_task(self.server.serve())
+        await until(lambda: self.server.started or self.task.done(), timeout_s=60)
+        if not self.server.started:
+            self.task.result()  # raises what stopped it
+            raise RuntimeError("uvicorn returned without starting")
+        port = self.server.servers[0].sockets[0].getsockname()[1]
+        return f"http://127.0.0.1:{port}"
+
+    async def __aexit__(self, *exc) -> None:
+        self.server.should_exit = True
+        await self.task
+
+
+def freeze(pid: int, timeout_s: float = 10.0) -> None:
+    """SIGSTOP `pid` and return once it has stopped. `kill` returns before the signal takes effect:
+    under load the process went on for a moment and, in the bus drill, acknowledged a publish it
+    was meant never to read (the test then waited for an in-flight publish that had ended)."""
+    os.kill(pid, signal.SIGSTOP)
+    process = psutil.Process(pid)
+    until_sync(lambda: process.status() == psutil.STATUS_STOPPED, timeout_s, poll_s=0.001)
+
+
+# -- engines ---------------------------------------------------------------------------------------
+
+
+def prompt(tokenizer, text: str) -> list[int]:
+    """The ids of a one-message chat asking `text`, with the generation prompt."""
+    rendered = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True, tokenize=False)
+    return tokenizer.encode(rendered, add_special_tokens=False)
+
+
+def recomputed_logprobs(model, prompt_ids, output_ids, temperature=1.0) -> list[float]:
+    """The log-probabilities of `output_ids` after `prompt_ids` by one full forward pass of `model`."""
+    ids = torch.tensor([prompt_ids + output_ids])
+    with torch.no_grad():
+        logits = model(input_ids=ids).logits[0, len(prompt_ids) - 1 : -1] / temperature
+    return torch.log_softmax(logits.float(), -1).gather(1, torch.tensor(output_ids).unsqueeze(1)).squeeze(1).tolist()
+
+
+# -- promotion -------------------------------------------------------------------------------------
+
+
+async def announce(bus, store: WeightStore, version: int, parent: int, noise: float = 0.0) -> None:
+    """Publish `version` (`tiny`'s weights with Gaussian noise of standard deviation `noise`: 0 is
+    the starting weights again) and announce it as the trainer does."""
+    path = publish_noised(store, version, noise)
+    await bus.publish(WEIGHTS_SUBJECT, WeightUpdate(id=f"w{version}", version=version, path=path, step=version, parent=parent,
+                                                    metrics={"reward_mean": 0.5}, trained_on={"samples": 8}))
+
+
+async def state_of(registry: Registry, version: int) -> str | None:
+    """The version's state in the registry, None if it has no entry."""
+    entry = await registry.get(version)
+    return entry and entry.state
+
+
+async def is_in_state(registry: Registry, version: int, *states: str) -> bool:
+    """Whether the version's state is one of `states`."""
+    return await state_of(registry, version) in states
+
+
+# -- checks ----------------------------------------------------------------------------------------
+
+
+def assert_segment_is_exact(segment, turns: list[Turn]) -> None:
+    """The segment is the last turn's prompt + output; every turn's prompt + output is a prefix of
+    it; mask, logprobs and versions are set exactly on each turn's sampled tokens."""
+    last = turns[-1]
+    assert segment.token_ids == last.prompt_ids + last.output_ids
+    mask, logprobs, versions = [0] * len(segment.token_ids), [0.0] * len(segment.token_ids), [-1] * len(segment.token_ids)
+    for turn in turns:
+        start, end = len(turn.prompt_ids), len(turn.prompt_ids) + len(turn.output_ids)
+        assert segment.token_ids[:end] == turn.prompt_ids + turn.output_ids
+        mask[start:end], logprobs[start:end], versions[start:end] = [1] * len(turn.output_ids), turn.output_logprobs, turn.output_versions
+        assert (turn.turn_index, start, end) in segment.turn_spans
+    assert segment.loss_mask == mask and segment.logprobs == logprobs and segment.versions == versions
+
+
+def assert_prompts_render_the_conversation(tokenizer, turns: list[Turn], **template_kw) -> None:
+    """Each turn's prompt ids are its messages rendered by the chat template."""
+    for turn in turns:
+        rendered = tokenizer.apply_chat_template(turn.messages, add_generation_prompt=True, tokenize=False, **template_kw)
+        assert tokenizer.decode(turn.prompt_ids, skip_special_tokens=False) == rendered
+
+
+def assert_openai_error(response: httpx.Response) -> dict:
+    """The response is an OpenAI-shaped error; returns it."""
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"} and error["message"] and error["type"]
+    return error
+
+
+def assert_api_error(response: httpx.Response, path: str) -> dict:
+    """The error in the shape of the API that was called: Anthropic's under /v1/messages."""
+    if not path.startswith("/v1/messages"):
+        return assert_openai_error(response)
+    body = response.json()
+    assert body.get("type") == "error" and set(body["error"]) == {"type", "message"} and body["error"]["message"], response.text
+    return body["error"]
