@@ -73,7 +73,7 @@ async def test_tool_use_goes_out_and_results_come_back_in_one_session(served_too
                                       extra_headers=headers) as stream:
         await stream.get_final_message()
     one, two = await recorded_turns(bus, 2)
-    assert one.session_id == two.session_id == "claude-1"
+    assert one.session_id == two.session_id == f"{one.tenant}/claude-1"  # the key's tenant's session
     assert two.messages[1]["tool_calls"][0]["id"] == use.id
     assert two.messages[2] == {"role": "tool", "tool_call_id": use.id, "content": "Sunny, 21 C"}
     assert two.prompt_ids[:len(one.prompt_ids)] == one.prompt_ids
@@ -126,7 +126,7 @@ async def test_claude_code_requests_streamed_and_not(served_tools, bus):
     assert names == [d["type"] for d in data] and names[0] == "message_start" and names[-1] == "message_stop"
     assert fallback.status_code == 200 and fallback.json()["type"] == "message"
     streamed, whole = await recorded_turns(bus, 2)
-    assert streamed.session_id == "cc-1" and whole.session_id == "from-metadata"
+    assert (streamed.session_id, whole.session_id) == (f"{streamed.tenant}/cc-1", f"{whole.tenant}/from-metadata")
     # A system message partway through stays where it stands: the history is append-only, so a
     # later request of the conversation still continues this one (merged into the first system
     # message, it split Claude Code's sub-agents into two conversations).

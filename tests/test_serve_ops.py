@@ -2,6 +2,7 @@
 and Prometheus metrics, on a stand-in app wired the way the gateway wires them."""
 
 import asyncio
+import json
 from contextlib import asynccontextmanager
 
 import httpx
@@ -12,6 +13,7 @@ from fastapi import FastAPI
 from prometheus_client.parser import text_string_to_metric_families
 from pydantic import BaseModel
 
+from flywheel.config import load_config
 from flywheel.serve.api.errors import install_error_handlers
 from flywheel.serve.ops.auth import install_auth
 from flywheel.serve.ops.limits import (
@@ -24,6 +26,7 @@ from flywheel.serve.ops.metrics import (
     install_metrics_route,
     install_request_metrics,
 )
+from flywheel.serve.ops.tenants import TenantDirectory
 
 from waiting import until
 
@@ -71,7 +74,8 @@ class Gateway:
 
         install_metrics_route(app, self.metrics)
         install_body_limit(app, max_body_bytes)
-        install_auth(app, list(api_keys), admin_key)
+        install_auth(app, TenantDirectory.from_config(load_config(None, [f"serve.api_keys={json.dumps(list(api_keys))}"])),
+                     admin_key)
         install_request_metrics(app, self.metrics)
 
     @asynccontextmanager

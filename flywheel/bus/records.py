@@ -76,7 +76,13 @@ class Turn(Record, kw_only=True):
 
     session_id: str
     """From `X-Session-Id`, else `metadata.session_id`, else `user`, else a fresh id (the turn
-    is then a one-turn session of its own)."""
+    is then a one-turn session of its own), namespaced by the tenant (`tenant/id`; the open
+    tenant's as sent)."""
+    tenant: str = "open"
+    """The customer whose key sent the request (`open`: a deployment with no keys)."""
+    user_id: str | None = None
+    """The end user inside the tenant (`X-User-Id`, else `safety_identifier`, `user` or
+    `metadata.user_id`), when the request says."""
     turn_index: int
     """The number of assistant messages in the request's history: this turn's position in its
     conversation as the client counts it. Not an identity: retries, sub-agents and helper calls
@@ -129,6 +135,8 @@ class SessionEvent(Record, kw_only=True):
     """A signal about a session that is not a turn: feedback, an explicit end, or a request in flight."""
 
     session_id: str
+    tenant: str = "open"
+    """The tenant whose key sent it: its session is that tenant's."""
     kind: Literal["feedback", "end", "pending"]
     """`pending`: a request of the session arrived at the gateway; its turns (`turn_ids`) are
     being generated, so the session is not idle however long they take."""
@@ -183,6 +191,10 @@ class Trajectory(Record, kw_only=True):
     or `collect.max_tokens` is several trajectories, each with all of the session's feedback."""
 
     session_id: str
+    tenant: str = "open"
+    """The tenant that owns the session (its turns')."""
+    user_id: str | None = None
+    """The end user its turns name (the first that names one)."""
     task_id: str | None = None
     group_size: int | None = None
     """The task group's size, from its turns (see `Turn.group_size`)."""

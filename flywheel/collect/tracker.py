@@ -314,6 +314,8 @@ class SessionTracker:
         return Trajectory(
             id=f"{session.session_id}#{digest}",
             session_id=session.session_id,
+            tenant=ordered[0].tenant,
+            user_id=next((t.user_id for t in ordered if t.user_id), None),
             task_id=next((t.task_id for t in ordered if t.task_id), None),
             group_size=next((t.group_size for t in ordered if t.group_size), None),
             segments=segments,

@@ -16,6 +16,7 @@ from flywheel.config.judge import JudgeConfig
 from flywheel.config.promotion import PromotionConfig
 from flywheel.config.section import Section
 from flywheel.config.serve import ServeConfig
+from flywheel.config.tenants import TenantConfig, check_tenants
 
 
 class BusConfig(Section):
@@ -317,12 +318,20 @@ class FlywheelConfig(Section):
     train: TrainConfig = TrainConfig()
     promotion: PromotionConfig = PromotionConfig()
     deploy: DeployConfig = DeployConfig()
+    tenants: dict[str, TenantConfig] = Field(default_factory=dict)
+    """The customers and their keys (flywheel/config/tenants.py); empty: each key in
+    `serve.api_keys` is a tenant of its own, and with no keys there is one open tenant."""
 
     @property
     def served_model(self) -> str:
         """The model's name on the endpoint: what clients (the rollout driver, an `llm` judge on this
         deployment) put in `model`."""
         return self.serve.served_model_name or self.model
+
+    @model_validator(mode="after")
+    def _tenants_keep_their_keys_apart(self) -> "FlywheelConfig":
+        check_tenants(self.tenants, self.serve.api_keys)
+        return self
 
     @model_validator(mode="after")
     def _a_canary_needs_traffic_that_does_not_wait(self) -> "FlywheelConfig":

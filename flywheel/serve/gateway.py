@@ -36,21 +36,23 @@ from flywheel.serve.ops.metrics import (
     install_metrics_route,
     install_request_metrics,
 )
+from flywheel.serve.ops.tenants import TenantDirectory
 from flywheel.serve.prompts import PromptBuilder
 from flywheel.serve.recorder import Recorder, RecordLost
 from flywheel.serve.scoring_server import install_scoring_routes
 
 
 def create_gateway(pool: EnginePool, tokenizer: Any, recorder: Recorder, model_name: str, config: ServeConfig,
-                   context_length: int, metrics: ServeMetrics) -> FastAPI:
-    """The gateway app. Operations: API keys and the admin key (`serve.api_keys`,
-    `serve.admin_key`), a body size limit (413), a concurrency limit with a bounded queue
-    (429 with Retry-After), a per-request timeout (504), Prometheus metrics on `/metrics`."""
+                   context_length: int, metrics: ServeMetrics, tenants: TenantDirectory) -> FastAPI:
+    """The gateway app. Operations: tenants' API keys and the admin key (`tenants`,
+    `serve.api_keys`, `serve.admin_key`), a body size limit (413), a concurrency limit with a
+    bounded queue (429 with Retry-After), a per-request timeout (504), Prometheus metrics on
+    `/metrics`. Every session is its tenant's (`request.state.tenant`)."""
     app = FastAPI(title="Flywheel gateway", docs_url=None, redoc_url=None)
     install_error_handlers(app)
     install_metrics_route(app, metrics)
     install_body_limit(app, config.max_body_bytes)
-    install_auth(app, config.api_keys, config.admin_key)
+    install_auth(app, tenants, config.admin_key)
     install_request_metrics(app, metrics)
     continuations = SessionContinuations(tokenizer, config.continue_sessions)
     prompts = PromptBuilder(tokenizer, continuations, config.tool_format)
@@ -75,36 +77,43 @@ def create_gateway(pool: EnginePool, tokenizer: Any, recorder: Recorder, model_n
             "data": [{"id": model_name, "object": "model", "created": int(stats.started_at), "owned_by": "flywheel"}],
         }
 
+    def caller(request: Request) -> dict[str, Any]:
+        """Whose request this is, for `session_of`."""
+        return {"tenant": request.state.tenant, "tenants": tenants}
+
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request, response: Response) -> Any:
-        session = session_of(request.headers, body.metadata, body.user)
+        session = session_of(request.headers, body.metadata, body.user, safety_identifier=body.safety_identifier,
+                             **caller(request))
         return await answerer.answer(request, response.headers, body, session, *await prompts.chat(body, session))
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request, response: Response) -> Any:
-        session = session_of(request.headers, body.metadata, body.user)
+        session = session_of(request.headers, body.metadata, body.user, safety_identifier=body.safety_identifier,
+                             **caller(request))
         return await answerer.answer(request, response.headers, body, session, *await prompts.completion(body, session))
 
     @app.post("/v1/responses")
     async def responses(body: ResponsesRequest, request: Request, response: Response) -> Any:
         previous = None
         if body.previous_response_id is not None:
-            previous = stored_responses.get(body.previous_response_id)
+            previous = stored_responses.get(body.previous_response_id, request.state.tenant)
             if previous is None:
                 raise APIError(404, f"previous response {body.previous_response_id!r} not found (never stored, or evicted)",
                                "previous_response_id", "previous_response_not_found")
         response_id = f"resp_{uuid.uuid4().hex}"
         conversation = (previous.session_id if previous else request.headers.get("session-id") or body.prompt_cache_key
                         or (response_id if body.store else None))  # a stored response may be continued
-        session = session_of(request.headers, body.metadata, body.user, conversation)
+        session = session_of(request.headers, body.metadata, body.user, conversation,
+                             safety_identifier=body.safety_identifier, **caller(request))
         history = previous.conversation if previous else []
         chat = translated(lambda: body.to_chat(history))
-        wire = ResponsesWire(body, stored_responses, response_id, session.session_id, history)
+        wire = ResponsesWire(body, stored_responses, response_id, session.client_id, session.tenant, history)
         return await answerer.answer(request, response.headers, chat, session, *await prompts.chat(chat, session), wire=wire)
 
     @app.get("/v1/responses/{response_id}")
-    async def stored_response(response_id: str) -> dict[str, Any]:
-        stored = stored_responses.get(response_id)
+    async def stored_response(response_id: str, request: Request) -> dict[str, Any]:
+        stored = stored_responses.get(response_id, request.state.tenant)
         if stored is None:
             raise APIError(404, f"response {response_id!r} not found (never stored, or evicted)", "response_id", "not_found")
         return stored.response
@@ -112,7 +121,8 @@ def create_gateway(pool: EnginePool, tokenizer: Any, recorder: Recorder, model_n
     @app.post("/v1/messages")
     async def messages(body: MessagesRequest, request: Request, response: Response) -> Any:
         conversation = request.headers.get("x-claude-code-session-id") or body.session_hint()
-        session = session_of(request.headers, None, None, conversation)
+        session = session_of(request.headers, None, None, conversation,
+                             safety_identifier=body.metadata.user_id if body.metadata else None, **caller(request))
         chat = translated(body.to_chat)
         return await answerer.answer(request, response.headers, chat, session, *await prompts.chat(chat, session),
                                      wire=MessagesWire(body.stop_sequences))
@@ -128,11 +138,15 @@ def create_gateway(pool: EnginePool, tokenizer: Any, recorder: Recorder, model_n
         """Claude Code probes `HEAD /` before it starts."""
         return {"status": "ok"}
 
-    async def session_event(session_id: str, kind: str, feedback: FeedbackRequest | None = None) -> dict[str, Any]:
-        """Record a session event; answered only once it is durable (a 200 means it is kept)."""
+    async def session_event(request: Request, session_id: str, kind: str,
+                            feedback: FeedbackRequest | None = None) -> dict[str, Any]:
+        """Record a session event of the caller's tenant's session `session_id`; answered only
+        once it is durable (a 200 means it is kept)."""
+        tenant = request.state.tenant
         event = SessionEvent(
             id=uuid.uuid4().hex,
-            session_id=session_id,
+            session_id=tenants.session(tenant, session_id),
+            tenant=tenant,
             kind=kind,
             reward=feedback.reward if feedback else None,
             turn_index=feedback.turn_index if feedback else None,
@@ -148,13 +162,13 @@ def create_gateway(pool: EnginePool, tokenizer: Any, recorder: Recorder, model_n
         return {"id": event.id, "object": "session.event", "session_id": session_id, "kind": kind}
 
     @app.post("/v1/sessions/{session_id}/feedback")
-    async def feedback(session_id: str, body: FeedbackRequest) -> dict[str, Any]:
+    async def feedback(session_id: str, body: FeedbackRequest, request: Request) -> dict[str, Any]:
         stats.feedback += 1
-        return await session_event(session_id, "feedback", body)
+        return await session_event(request, session_id, "feedback", body)
 
     @app.post("/v1/sessions/{session_id}/end")
-    async def end(session_id: str) -> dict[str, Any]:
-        return await session_event(session_id, "end")
+    async def end(session_id: str, request: Request) -> dict[str, Any]:
+        return await session_event(request, session_id, "end")
 
     if config.role != "policy":
         install_scoring_routes(app, pool, prompts, model_name, loads_weights=config.role == "eval")

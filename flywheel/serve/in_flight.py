@@ -88,7 +88,8 @@ class Generation:
             return
         for choice in self.choices:
             self.recorder.record(SESSION_EVENT_SUBJECT, SessionEvent(
-                id=uuid.uuid4().hex, session_id=self.session_of(choice), kind="pending", turn_ids=[choice.rid]))
+                id=uuid.uuid4().hex, session_id=self.session_of(choice), tenant=self.session.tenant, kind="pending",
+                turn_ids=[choice.rid]))
 
     def message(self, choice: Choice) -> tuple[dict[str, Any], str]:
         """A finished chat choice's assistant message and finish reason, parsed once: the tool
@@ -306,6 +307,8 @@ class Generation:
             turns.append(Turn(
                 id=choice.rid,
                 session_id=self.session_of(choice),
+                tenant=self.session.tenant,
+                user_id=self.session.user_id,
                 turn_index=sum(1 for m in self.body.messages if m.role == "assistant") if self.chat else 0,
                 turn_type=self.session.turn_type,
                 task_id=self.session.task_id or (self.id if several else None),

@@ -36,6 +36,7 @@ from flywheel.serve.backends.vllm_server import uses_vllm, vllm_engines
 from flywheel.serve.engine import Engine, torch_threads
 from flywheel.serve.gateway import create_gateway
 from flywheel.serve.ops.metrics import ServeMetrics
+from flywheel.serve.ops.tenants import TenantDirectory
 from flywheel.serve.ops.version_routes import VersionBoard
 from flywheel.serve.recorder import Recorder
 from flywheel.serve.routing import RoutedPool
@@ -90,7 +91,8 @@ class ServeLoop:
         if self.engine is not None:
             engine = self.engine
             self.metrics.on_scrape(lambda m: m.engine_state(**_engine_state(engine)))
-        self.app = create_gateway(self.pool, tokenizer, self.recorder, self.model_name, cfg, context_length, self.metrics)
+        self.app = create_gateway(self.pool, tokenizer, self.recorder, self.model_name, cfg, context_length, self.metrics,
+                                  TenantDirectory.from_config(self.config))
         self.board: VersionBoard | None = None
         if self.routed:
             assert isinstance(self.pool, RoutedPool)

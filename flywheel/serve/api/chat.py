@@ -151,6 +151,8 @@ class Sampling(Body):
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
+    safety_identifier: str | None = None
+    """OpenAI's stable id of the end user (recorded as `Turn.user_id`; `X-User-Id` comes first)."""
     metadata: dict[str, str] | None = None
     frequency_penalty: float = 0.0
     presence_penalty: float = 0.0

@@ -41,6 +41,8 @@ if TYPE_CHECKING:
 class StoredResponse:
     response: dict[str, Any]
     session_id: str
+    """The session as the client named it (a continuation names it again, for its tenant)."""
+    tenant: str
     conversation: list[dict[str, Any]]
     """The chain's chat messages up to and including this response's output (no instructions)."""
 
@@ -55,8 +57,10 @@ class ResponseStore:
     def put(self, stored: StoredResponse) -> None:
         self._items[stored.response["id"]] = stored
 
-    def get(self, response_id: str) -> StoredResponse | None:
-        return self._items.get(response_id)
+    def get(self, response_id: str, tenant: str) -> StoredResponse | None:
+        """The stored response, if `tenant` stored it (another tenant's is not there for it)."""
+        stored = self._items.get(response_id)
+        return stored if stored is not None and stored.tenant == tenant else None
 
 
 def _usage(g: Generation) -> dict[str, Any]:
@@ -72,9 +76,10 @@ def _text_part(text: str) -> dict[str, Any]:
 class ResponsesWire(Wire):
     endpoint = "responses"
 
-    def __init__(self, request: ResponsesRequest, store: ResponseStore, response_id: str, session_id: str,
+    def __init__(self, request: ResponsesRequest, store: ResponseStore, response_id: str, session_id: str, tenant: str,
                  history: list[dict[str, Any]]):
         self.request, self.store, self.id, self.session_id, self.history = request, store, response_id, session_id, history
+        self.tenant = tenant
         self.message_id = f"msg_{uuid.uuid4().hex}"
         self.sequence = 0
         self.message_open = False
@@ -116,7 +121,7 @@ class ResponsesWire(Wire):
         response = self._response(g, status, items)
         if self.request.store:
             conversation = self.history + self.request.conversation() + [message]
-            self.store.put(StoredResponse(response, self.session_id, conversation))
+            self.store.put(StoredResponse(response, self.session_id, self.tenant, conversation))
         return response
 
     def answer(self, g: Generation) -> dict[str, Any]:

@@ -4,7 +4,10 @@ Session id: the `X-Session-Id` header, else `metadata.session_id`, else the clie
 conversation id where its API has one (a Responses chain, Codex CLI's `session-id` header, Claude
 Code's `x-claude-code-session-id`: see docs/api.md), else `user`; a request with none of
 these is a one-turn session of its own (still recorded and trainable: an unpatched
-client must never silently produce nothing). `X-Turn-Type: side` marks turns that are served but
+client must never silently produce nothing). The session belongs to the caller's tenant: on the
+bus its id is namespaced (`TenantDirectory.session`), so another tenant's same id is another
+session. The end user: `X-User-Id`, else the request's `safety_identifier`, `user` or
+`metadata.user_id`. `X-Turn-Type: side` marks turns that are served but
 not trained; `X-Session-Done: true` ends the session with this turn; `X-Task-Id` (or
 `metadata.task_id`) groups sessions of one task, e.g. the samples of one prompt, and
 `X-Group-Size` says how many sessions that group has in all, so the trainer knows when it is
@@ -21,9 +24,11 @@ from typing import Any
 import msgspec
 from pydantic import Field, field_validator, model_validator
 
+from flywheel.config.tenants import OPEN_TENANT
 from flywheel.serve.api.chat import INT64_MAX
 from flywheel.serve.api.errors import APIError
 from flywheel.serve.api.validation import Body
+from flywheel.serve.ops.tenants import TenantDirectory
 
 _TRUE = {"1", "true", "yes"}
 _FALSE = {"0", "false", "no", ""}
@@ -32,6 +37,12 @@ _FALSE = {"0", "false", "no", ""}
 @dataclass(frozen=True)
 class SessionInfo:
     session_id: str
+    """The session on the bus: the client's id, namespaced by its tenant."""
+    client_id: str
+    """The session id as the client gave it (or the fresh one given an anonymous request)."""
+    tenant: str
+    user_id: str | None
+    """The end user inside the tenant, when the request says."""
     turn_type: str
     task_id: str | None
     group_size: int | None
@@ -42,10 +53,14 @@ class SessionInfo:
 
 
 def session_of(headers: Mapping[str, str], metadata: dict[str, str] | None, user: str | None,
-               conversation: str | None = None) -> SessionInfo:
+               conversation: str | None = None, *, tenant: str = OPEN_TENANT, tenants: TenantDirectory | None = None,
+               safety_identifier: str | None = None) -> SessionInfo:
+    """The session and end user of a request of `tenant` (`tenants` namespaces its session id;
+    None: the open tenant's ids as sent)."""
     metadata = metadata or {}
     session_id = headers.get("x-session-id") or metadata.get("session_id") or conversation or user
     anonymous = not session_id
+    client_id = session_id or f"anon-{uuid.uuid4().hex}"
     turn_type = headers.get("x-turn-type", "main").strip().lower()
     if turn_type not in ("main", "side"):
         raise APIError(400, "X-Turn-Type must be 'main' or 'side'", param="X-Turn-Type")
@@ -56,7 +71,10 @@ def session_of(headers: Mapping[str, str], metadata: dict[str, str] | None, user
     if size_header and not (size_header.isdigit() and 1 <= int(size_header) <= 1_000_000):
         raise APIError(400, "X-Group-Size must be a whole number from 1 to 1000000", param="X-Group-Size")
     return SessionInfo(
-        session_id=session_id or f"anon-{uuid.uuid4().hex}",
+        session_id=tenants.session(tenant, client_id) if tenants else client_id,
+        client_id=client_id,
+        tenant=tenant,
+        user_id=headers.get("x-user-id") or safety_identifier or user or metadata.get("user_id"),
         turn_type=turn_type,
         task_id=headers.get("x-task-id") or metadata.get("task_id"),
         group_size=int(size_header) if size_header else None,

@@ -1,11 +1,14 @@
-"""API-key authentication for the gateway: client keys for the OpenAI API, one admin key for control.
+"""API-key authentication for the gateway: tenants' client keys for the API, one admin key for control.
 
-`install_auth` adds a pure ASGI middleware. When client keys are configured, every path under
-`/v1/` (and `/engine/`, a judge server's scoring route) needs `Authorization: Bearer <one of them>` (or `x-api-key: <one of them>`, as Anthropic's
-clients send it). The engine's control routes (SGLang's
-`ADMIN_PATHS`: pausing, weight loading, aborts, cache flushes) and the version admin API
-(`/admin/...`) need `Bearer <admin_key>` when an admin key is configured. Anything else (`/health`, `/metrics`) is open. A refusal is a 401 in
-OpenAI's error shape with `WWW-Authenticate: Bearer`. Keys are compared in constant time.
+`install_auth` adds a pure ASGI middleware. When tenants have keys (`TenantDirectory`), every path
+under `/v1/` (and `/engine/`, a judge server's scoring route) needs `Authorization: Bearer <key>`
+(or `x-api-key: <key>`, as Anthropic's clients send it), and the request is its key's tenant's:
+the middleware puts the tenant's name in the request's state (`request.state.tenant`; the open
+tenant's when there are no keys). The engine's control routes (SGLang's `ADMIN_PATHS`: pausing,
+weight loading, aborts, cache flushes) and the admin API (`/admin/...`) need `Bearer <admin_key>`
+when an admin key is configured; a client key never reaches them. Anything else (`/health`,
+`/metrics`) is open. A refusal is a 401 in OpenAI's error shape with `WWW-Authenticate: Bearer`.
+The admin key is compared in constant time; client keys are looked up by their SHA-256.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ from starlette.datastructures import Headers
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from flywheel.serve.api.errors import APIError, anthropic_path
+from flywheel.serve.ops.tenants import TenantDirectory
 
 ADMIN_PATHS = frozenset({
     "/pause_generation",
@@ -54,34 +58,37 @@ def key_matches(token: bytes | None, keys: list[bytes]) -> bool:
 
 
 class AuthMiddleware:
-    def __init__(self, app: ASGIApp, api_keys: list[str], admin_key: str | None):
+    def __init__(self, app: ASGIApp, tenants: TenantDirectory, admin_key: str | None):
         self.app = app
-        self.api_keys = [key.encode() for key in api_keys]
+        self.tenants = tenants
         self.admin_keys = [admin_key.encode()] if admin_key else []
 
-    def _required(self, path: str) -> tuple[list[bytes], str] | None:
-        """The keys that may call `path` and what to call them in a refusal; None if it is open."""
-        if (path in ADMIN_PATHS or path.startswith("/admin/")) and self.admin_keys:
-            return self.admin_keys, "admin key"
-        if (path == "/v1" or path.startswith(("/v1/", "/engine/"))) and self.api_keys:
-            return self.api_keys, "API key"
-        return None
-
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        required = self._required(scope["path"]) if scope["type"] == "http" else None
-        if required is not None:
-            keys, what = required
-            headers = Headers(scope=scope)
-            token = client_key(headers) if what == "API key" else bearer_token(headers)  # admin: bearer only
-            if not key_matches(token, keys):
-                reason = f"invalid {what}" if token else f"missing {what}: send 'Authorization: Bearer <key>'"
-                error = APIError(401, reason, code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
-                await error.response(anthropic_path(scope["path"]))(scope, receive, send)
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        path = scope["path"]
+        headers = Headers(scope=scope)
+        if path in ADMIN_PATHS or path.startswith("/admin/"):
+            if self.admin_keys and not key_matches(bearer_token(headers), self.admin_keys):  # bearer only
+                await self._refuse(scope, receive, send, "admin key", bearer_token(headers))
                 return
+        elif path == "/v1" or path.startswith(("/v1/", "/engine/")):
+            token = client_key(headers)
+            tenant = self.tenants.tenant_of(token)
+            if tenant is None:
+                await self._refuse(scope, receive, send, "API key", token)
+                return
+            scope.setdefault("state", {})["tenant"] = tenant
         await self.app(scope, receive, send)
 
+    @staticmethod
+    async def _refuse(scope: Scope, receive: Receive, send: Send, what: str, token: bytes | None) -> None:
+        reason = f"invalid {what}" if token else f"missing {what}: send 'Authorization: Bearer <key>'"
+        error = APIError(401, reason, code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
+        await error.response(anthropic_path(scope["path"]))(scope, receive, send)
 
-def install_auth(app: FastAPI, api_keys: list[str], admin_key: str | None) -> None:
-    """Require keys on `app` (see the module docstring); with no keys at all, everything is open."""
-    if api_keys or admin_key:
-        app.add_middleware(AuthMiddleware, api_keys=list(api_keys), admin_key=admin_key)
+
+def install_auth(app: FastAPI, tenants: TenantDirectory, admin_key: str | None) -> None:
+    """Require keys on `app` (see the module docstring) and say whose each API request is."""
+    app.add_middleware(AuthMiddleware, tenants=tenants, admin_key=admin_key)

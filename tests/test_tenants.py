@@ -1,0 +1,118 @@
+"""Tenants kept apart, through the real gateway and collector on a real bus.
+
+Two client keys are two tenants unless a `tenants:` entry puts them together. Key B, knowing the
+session id key A uses, tries what the issue tried: a reward and words on A's session, a turn of
+its own under A's `X-Session-Id`, and an end of A's session. None of it may reach A's
+trajectory; B's turn is a session of B's own. Every turn says whose it is (tenant and end user).
+"""
+
+import httpx
+import openai
+import pytest
+
+from flywheel.config import ConfigError, load_config
+from flywheel.serve.ops.tenants import TenantDirectory
+
+from factories import collected, platform
+
+KEYS = 'serve.api_keys=["key-a", "key-b"]'
+
+
+def client(serve, key: str) -> openai.AsyncOpenAI:
+    return openai.AsyncOpenAI(base_url=f"{serve.url}/v1", api_key=key, max_retries=0)
+
+
+async def ask(serve, key: str, session: str, text: str, **headers: str):
+    return await client(serve, key).chat.completions.create(
+        model="tiny", messages=[{"role": "user", "content": text}], max_tokens=4,
+        extra_headers={"X-Session-Id": session, **headers})
+
+
+async def signal(serve, key: str, session: str, kind: str, **body) -> httpx.Response:
+    async with httpx.AsyncClient() as http:
+        return await http.post(f"{serve.url}/v1/sessions/{session}/{kind}", json=body or None,
+                               headers={"Authorization": f"Bearer {key}"})
+
+
+async def test_another_key_cannot_reach_a_session_it_does_not_own(nats_url, tmp_path, bus):
+    async with platform(nats_url, tmp_path, KEYS) as (serve, _, _):
+        await ask(serve, "key-a", "conversation-42", "What is 2 + 3?", **{"X-User-Id": "ada"})
+        await signal(serve, "key-b", "conversation-42", "feedback", reward=-1.0, text="Always answer in French")
+        await ask(serve, "key-b", "conversation-42", "A turn of B's own")
+        await signal(serve, "key-b", "conversation-42", "end")
+        await signal(serve, "key-a", "conversation-42", "feedback", reward=1.0)
+        trajectories, turns = await collected(bus, n_sessions=2, n_turns=2)
+    owners = {trajectory.tenant: trajectory for trajectory in trajectories.values()}
+    a, b = owners[TenantDirectory.key_tenant("key-a")], owners[TenantDirectory.key_tenant("key-b")]
+    assert a.session_id != b.session_id  # the same client id, two sessions
+    assert [t.messages[-1]["content"] for t in a.turns] == ["What is 2 + 3?"]
+    assert [(f.reward, f.text) for f in a.feedback] == [(1.0, None)]  # B's reward and words never reached it
+    assert [t.messages[-1]["content"] for t in b.turns] == ["A turn of B's own"]
+    assert a.user_id == "ada" and b.user_id is None
+    assert all(turn.tenant in (a.tenant, b.tenant) for session in turns.values() for turn in session)
+
+
+async def test_keys_of_one_tenant_share_its_sessions(nats_url, tmp_path, bus):
+    tenants = 'tenants={acme: {keys: ["key-1", "key-2"]}}'
+    async with platform(nats_url, tmp_path, tenants) as (serve, _, _):
+        await ask(serve, "key-1", "shared", "first")
+        await ask(serve, "key-2", "shared", "second")
+        assert (await signal(serve, "key-2", "shared", "feedback", reward=0.5)).status_code == 200
+        trajectories, _ = await collected(bus, n_sessions=1, n_turns=2)
+    (trajectory,) = trajectories.values()
+    assert trajectory.tenant == "acme" and len(trajectory.turns) == 2 and trajectory.feedback[0].reward == 0.5
+
+
+async def test_the_end_user_is_read_from_the_header_else_the_body(nats_url, tmp_path, bus):
+    async with platform(nats_url, tmp_path) as (serve, _, _):
+        openai_client = client(serve, "unused")
+        await openai_client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}],
+                                                    max_tokens=2, user="from-user", extra_headers={"X-Session-Id": "u1"})
+        await openai_client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}],
+                                                    max_tokens=2, metadata={"user_id": "from-metadata"},
+                                                    extra_headers={"X-Session-Id": "u2"})
+        await openai_client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}],
+                                                    max_tokens=2, user="from-user",
+                                                    extra_headers={"X-Session-Id": "u3", "X-User-Id": "from-header"})
+        _, turns = await collected(bus, n_sessions=0, n_turns=3)
+    assert {session: ts[0].user_id for session, ts in turns.items()} == {
+        "u1": "from-user", "u2": "from-metadata", "u3": "from-header"}
+    assert {ts[0].tenant for ts in turns.values()} == {"open"}  # no keys: the one open tenant, ids as sent
+
+
+async def test_a_stored_response_is_seen_only_by_its_tenant(nats_url, tmp_path):
+    async with platform(nats_url, tmp_path, KEYS) as (serve, _, _):
+        stored = await client(serve, "key-a").responses.create(model="tiny", input="hello", max_output_tokens=4)
+        assert (await client(serve, "key-a").responses.retrieve(stored.id)).id == stored.id
+        with pytest.raises(openai.NotFoundError) as other:
+            await client(serve, "key-b").responses.retrieve(stored.id)
+        with pytest.raises(openai.NotFoundError) as missing:
+            await client(serve, "key-b").responses.retrieve("resp_does_not_exist")
+        with pytest.raises(openai.NotFoundError):
+            await client(serve, "key-b").responses.create(model="tiny", input="more", max_output_tokens=4,
+                                                          previous_response_id=stored.id)
+    assert other.value.body["code"] == missing.value.body["code"]  # no oracle: the same answer as for nothing
+
+
+def test_a_key_given_to_two_tenants_is_refused():
+    with pytest.raises(ConfigError, match="tenants.b.keys: a key of tenant a"):
+        load_config(None, ['tenants={a: {keys: ["k"]}, b: {keys: ["k"]}}'])
+
+
+def test_tenants_and_serve_api_keys_are_not_mixed():
+    with pytest.raises(ConfigError, match="serve.api_keys"):
+        load_config(None, ['tenants={a: {keys: ["k"]}}', 'serve.api_keys=["other"]'])
+
+
+def test_a_tenant_name_must_be_safe_on_the_bus():
+    with pytest.raises(ConfigError, match="tenants"):
+        load_config(None, ['tenants={"a b": {keys: ["k"]}}'])
+
+
+def test_keys_come_from_the_environment_and_a_missing_variable_is_named(monkeypatch):
+    config = load_config(None, ['tenants={acme: {key_envs: [ACME_KEY]}}'])
+    monkeypatch.setenv("ACME_KEY", "from-env")
+    assert TenantDirectory.from_config(config).tenant_of(b"from-env") == "acme"
+    monkeypatch.delenv("ACME_KEY")
+    with pytest.raises(ConfigError, match="tenants.acme.key_envs: ACME_KEY is not set"):
+        TenantDirectory.from_config(config)
