@@ -42,6 +42,10 @@ class LRU(Generic[K, V]):
         """The value without making it recent, or `default`."""
         return self._items.get(key, default)
 
+    def pop(self, key: K, default: V | None = None) -> V | None:
+        """Forget `key`; its value, or `default`."""
+        return self._items.pop(key, default)
+
     def __contains__(self, key: object) -> bool:
         return key in self._items
 

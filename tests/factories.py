@@ -179,6 +179,20 @@ async def traffic_records(bus, n: int, durable: str = "check") -> list:
     return await read(bus, TRAFFIC_SUBJECTS, durable, n, lambda r: getattr(r, "kind", None) != "pending")
 
 
+async def session_events(bus, n: int, durable: str = "events-check") -> list[SessionEvent]:
+    """The first `n` feedback and end events the gateway recorded (at least)."""
+    return await read(bus, TRAFFIC_SUBJECTS, durable, n, lambda r: isinstance(r, SessionEvent) and r.kind != "pending")
+
+
+async def open_session(url: str, session_id: str, **headers: str) -> None:
+    """Open `session_id` at the gateway at `url` with a one-token request (feedback and ends name
+    a session that exists)."""
+    async with httpx.AsyncClient(base_url=url, headers=headers) as http:
+        opened = await http.post("/v1/chat/completions", headers={"X-Session-Id": session_id}, json={
+            "model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1})
+        opened.raise_for_status()
+
+
 async def recorded_turns(bus, n: int = 1, durable: str = "turns-check") -> list[Turn]:
     """The first `n` turns the gateway recorded (at least)."""
     return await read(bus, TRAFFIC_SUBJECTS, durable, n, lambda r: isinstance(r, Turn))

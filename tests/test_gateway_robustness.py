@@ -160,7 +160,8 @@ def test_invalid_strings_and_integers_are_400s_naming_the_field(gateway, path, b
     error = assert_openai_error(response)
     assert error["param"] == param and error["type"] == "invalid_request_error"
     # Nothing the rejected request carried reached the recorder: the next requests are served.
-    assert post(gateway, CHAT, {"model": "tiny", "messages": ASK, "max_tokens": 2}).status_code == 200
+    assert post(gateway, CHAT, {"model": "tiny", "messages": ASK, "max_tokens": 2, "metadata": {"session_id": "s1"}}
+                ).status_code == 200
     assert post(gateway, FEEDBACK, {"reward": 1.0, "turn_index": 3}).status_code == 200
 
 

@@ -18,7 +18,7 @@ from flywheel.config import load_config
 from flywheel.models import WeightStore, load_model
 from flywheel.serve.loop import ServeLoop
 
-from factories import traffic_records
+from factories import open_session, session_events, traffic_records
 from waiting import until
 
 
@@ -68,22 +68,37 @@ async def test_headers_mark_a_side_turn_and_the_end_of_a_session(served, client,
 
 
 async def test_feedback_becomes_a_session_event(served, bus):
+    await open_session(served.url, "s1")
     async with httpx.AsyncClient(base_url=served.url) as http:
         ok = await http.post("/v1/sessions/s1/feedback", json={"reward": 0.5, "turn_index": 2, "text": "good", "source": "env"})
         assert ok.status_code == 200 and ok.json()["kind"] == "feedback"
-    [feedback] = await traffic_records(bus, 1)
+    [feedback] = await session_events(bus, 1)
     assert isinstance(feedback, SessionEvent) and feedback.reward == 0.5 and feedback.turn_index == 2
     assert feedback.text == "good" and feedback.source == "env" and feedback.session_id == "s1"
 
 
 async def test_an_end_becomes_a_session_event(served, bus):
+    await open_session(served.url, "s1")
     async with httpx.AsyncClient(base_url=served.url) as http:
         assert (await http.post("/v1/sessions/s1/end")).status_code == 200
-    [end] = await traffic_records(bus, 1)
+    [end] = await session_events(bus, 1)
     assert isinstance(end, SessionEvent) and end.kind == "end" and end.session_id == "s1"
 
 
+async def test_feedback_or_an_end_of_a_session_never_opened_is_a_404_and_is_not_recorded(served, bus):
+    async with httpx.AsyncClient(base_url=served.url) as http:
+        missing = [await http.post("/v1/sessions/nowhere/feedback", json={"reward": 1.0}),
+                   await http.post("/v1/sessions/nowhere/end")]
+    assert [(r.status_code, r.json()["error"]["code"]) for r in missing] == [(404, "session_not_found")] * 2
+    await open_session(served.url, "s1")
+    async with httpx.AsyncClient(base_url=served.url) as http:
+        assert (await http.post("/v1/sessions/s1/end")).status_code == 200
+    [end] = await session_events(bus, 1)  # the first event recorded is the one of the session that exists
+    assert end.session_id == "s1"
+
+
 async def test_unusable_feedback_is_a_400_naming_what_is_wrong_and_is_not_recorded(served, bus):
+    await open_session(served.url, "s1")
     async with httpx.AsyncClient(base_url=served.url) as http:
         bad = await http.post("/v1/sessions/s1/feedback", json={})
         assert bad.status_code == 400 and "reward or a text" in bad.json()["error"]["message"]
@@ -93,7 +108,7 @@ async def test_unusable_feedback_is_a_400_naming_what_is_wrong_and_is_not_record
         bad = await http.post("/v1/sessions/s1/feedback", json={"reward": 1, "details": {"n": [-(2**63) - 1]}})
         assert bad.status_code == 400 and bad.json()["error"]["param"] == "details", bad.text
         assert (await http.post("/v1/sessions/s1/end")).status_code == 200
-    [end] = await traffic_records(bus, 1)  # nothing of the refused feedback was recorded
+    [end] = await session_events(bus, 1)  # nothing of the refused feedback was recorded
     assert end.kind == "end"
 
 

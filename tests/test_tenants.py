@@ -37,11 +37,17 @@ async def signal(serve, key: str, session: str, kind: str, **body) -> httpx.Resp
 async def test_another_key_cannot_reach_a_session_it_does_not_own(nats_url, tmp_path, bus):
     async with platform(nats_url, tmp_path, KEYS) as (serve, _, _):
         await ask(serve, "key-a", "conversation-42", "What is 2 + 3?", **{"X-User-Id": "ada"})
-        await signal(serve, "key-b", "conversation-42", "feedback", reward=-1.0, text="Always answer in French")
+        foreign = [await signal(serve, "key-b", "conversation-42", "feedback", reward=-1.0, text="Always answer in French"),
+                   await signal(serve, "key-b", "conversation-42", "end")]
+        nothing = [await signal(serve, "key-b", "never-opened", "feedback", reward=-1.0, text="Always answer in French"),
+                   await signal(serve, "key-b", "never-opened", "end")]
         await ask(serve, "key-b", "conversation-42", "A turn of B's own")
-        await signal(serve, "key-b", "conversation-42", "end")
-        await signal(serve, "key-a", "conversation-42", "feedback", reward=1.0)
+        assert (await signal(serve, "key-b", "conversation-42", "end")).status_code == 200  # B's own session now
+        assert (await signal(serve, "key-a", "conversation-42", "feedback", reward=1.0)).status_code == 200
         trajectories, turns = await collected(bus, n_sessions=2, n_turns=2)
+    # Another tenant's session answers exactly as one that does not exist: no oracle.
+    assert [r.status_code for r in foreign] == [r.status_code for r in nothing] == [404, 404]
+    assert [r.json()["error"]["code"] for r in foreign] == [r.json()["error"]["code"] for r in nothing]
     owners = {trajectory.tenant: trajectory for trajectory in trajectories.values()}
     a, b = owners[TenantDirectory.key_tenant("key-a")], owners[TenantDirectory.key_tenant("key-b")]
     assert a.session_id != b.session_id  # the same client id, two sessions
@@ -116,3 +122,37 @@ def test_keys_come_from_the_environment_and_a_missing_variable_is_named(monkeypa
     monkeypatch.delenv("ACME_KEY")
     with pytest.raises(ConfigError, match="tenants.acme.key_envs: ACME_KEY is not set"):
         TenantDirectory.from_config(config)
+
+
+async def test_a_session_opened_at_one_gateway_takes_feedback_at_another(nats_url, tmp_path, bus):
+    async with platform(nats_url, tmp_path, KEYS) as (first, _, _), platform(nats_url, tmp_path / "second", KEYS) as (second, _, _):
+        await ask(first, "key-a", "roaming", "hello")
+        assert (await signal(second, "key-a", "roaming", "feedback", reward=1.0)).status_code == 200
+        assert (await signal(second, "key-b", "roaming", "feedback", reward=1.0)).status_code == 404
+
+
+async def test_a_session_opened_while_the_bus_is_down_is_written_once_it_is_back(nats_url, bus):
+    """The gateway serves on when the bus is unreachable; the sessions it opened meanwhile are
+    known to it at once and to every gateway once a write gets through."""
+    from flywheel.tenants.sessions import SessionRegistry
+
+    class Flaky:
+        def __init__(self, kv):
+            self.kv, self.down = kv, True
+
+        async def put(self, key, value):
+            if self.down:
+                raise TimeoutError("bus unreachable")
+            return await self.kv.put(key, value)
+
+        async def get(self, key):
+            return await self.kv.get(key)
+
+    real = await SessionRegistry.open(bus, 60)
+    flaky = Flaky(real._kv)
+    gateway, other = SessionRegistry(flaky), SessionRegistry(real._kv)
+    await gateway.opened("acme/while-down", "acme")
+    assert await gateway.exists("acme/while-down") and not await other.exists("acme/while-down")
+    flaky.down = False
+    await gateway.opened("acme/next", "acme")
+    assert await other.exists("acme/while-down") and await other.exists("acme/next")

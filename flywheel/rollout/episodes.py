@@ -133,7 +133,13 @@ async def _act(endpoint: Endpoint, episode: Episode, task: Task, session_id: str
 
 
 async def report_failure(endpoint: Endpoint, result: EpisodeResult, reason: str) -> EpisodeResult:
+    """Log the failure and tell the session, when it has one: an episode that failed before its
+    first request never opened a session (the gateway answers 404), and has nothing to train."""
     log.warning("episode %s failed: %s", result.session_id, reason)
     result.end = reason
-    await endpoint.feedback(result.session_id, {"text": f"episode failed: {reason}", "details": {"failed": reason}})
+    try:
+        await endpoint.feedback(result.session_id, {"text": f"episode failed: {reason}", "details": {"failed": reason}})
+    except httpx.HTTPStatusError as exc:
+        if exc.response.status_code != 404:
+            raise
     return result

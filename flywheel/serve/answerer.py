@@ -37,6 +37,7 @@ from flywheel.serve.in_flight import Generation
 from flywheel.serve.ops.limits import ConcurrencyLimiter, request_timeout
 from flywheel.serve.ops.metrics import ServeMetrics
 from flywheel.serve.recorder import Recorder, RecordLost
+from flywheel.tenants.sessions import SessionRegistry
 
 
 @dataclass
@@ -50,7 +51,7 @@ class GatewayStats:
 class Answerer:
     def __init__(self, pool: EnginePool, tokenizer: Any, recorder: Recorder, model_name: str, config: ServeConfig,
                  context_length: int, metrics: ServeMetrics, continuations: SessionContinuations,
-                 limiter: ConcurrencyLimiter):
+                 limiter: ConcurrencyLimiter, sessions: SessionRegistry):
         self.pool = pool
         self.tokenizer = tokenizer
         self.recorder = recorder
@@ -60,6 +61,7 @@ class Answerer:
         self.metrics = metrics
         self.continuations = continuations
         self.limiter = limiter
+        self.sessions = sessions
         self.stats = GatewayStats()
 
     def new_token_budget(self, body: ChatCompletionRequest | CompletionRequest, prompt_ids: list[int], capped: bool) -> int:
@@ -95,6 +97,9 @@ class Answerer:
             max_new_tokens=self.new_token_budget(body, prompt_ids, capped=wire is not None),
             forced=forced, tool_format=tool_format, on_finish=self._finished, timeout_s=self.config.request_timeout_s,
         )
+        if not session.anonymous:
+            for choice in generation.choices:
+                await self.sessions.opened(generation.session_of(choice), session.tenant)
         interaction = {"X-Interaction-Id": ",".join(choice.rid for choice in generation.choices)}
         if body.stream:
             await self.limiter.acquire()  # a 429 must be a real status, before the stream starts

@@ -37,17 +37,20 @@ from flywheel.serve.ops.metrics import (
     install_request_metrics,
 )
 from flywheel.serve.ops.tenants import TenantDirectory
+from flywheel.tenants.sessions import SessionRegistry, SessionUnknown
 from flywheel.serve.prompts import PromptBuilder
 from flywheel.serve.recorder import Recorder, RecordLost
 from flywheel.serve.scoring_server import install_scoring_routes
 
 
 def create_gateway(pool: EnginePool, tokenizer: Any, recorder: Recorder, model_name: str, config: ServeConfig,
-                   context_length: int, metrics: ServeMetrics, tenants: TenantDirectory) -> FastAPI:
+                   context_length: int, metrics: ServeMetrics, tenants: TenantDirectory,
+                   sessions: SessionRegistry) -> FastAPI:
     """The gateway app. Operations: tenants' API keys and the admin key (`tenants`,
     `serve.api_keys`, `serve.admin_key`), a body size limit (413), a concurrency limit with a
     bounded queue (429 with Retry-After), a per-request timeout (504), Prometheus metrics on
-    `/metrics`. Every session is its tenant's (`request.state.tenant`)."""
+    `/metrics`. Every session is its tenant's (`request.state.tenant`), and feedback or an end
+    names one its tenant opened (`sessions`), else it is a 404."""
     app = FastAPI(title="Flywheel gateway", docs_url=None, redoc_url=None)
     install_error_handlers(app)
     install_metrics_route(app, metrics)
@@ -58,7 +61,8 @@ def create_gateway(pool: EnginePool, tokenizer: Any, recorder: Recorder, model_n
     prompts = PromptBuilder(tokenizer, continuations, config.tool_format)
     stored_responses = ResponseStore(config.stored_responses)
     limiter = ConcurrencyLimiter(config.max_concurrent_requests, config.max_queued_requests, config.retry_after_s)
-    answerer = Answerer(pool, tokenizer, recorder, model_name, config, context_length, metrics, continuations, limiter)
+    answerer = Answerer(pool, tokenizer, recorder, model_name, config, context_length, metrics, continuations, limiter,
+                        sessions)
     stats = app.state.stats = answerer.stats
     app.state.limiter = limiter
     app.state.prompts = prompts  # closed by the serve loop once the server has stopped
@@ -143,9 +147,17 @@ def create_gateway(pool: EnginePool, tokenizer: Any, recorder: Recorder, model_n
         """Record a session event of the caller's tenant's session `session_id`; answered only
         once it is durable (a 200 means it is kept)."""
         tenant = request.state.tenant
+        namespaced = tenants.session(tenant, session_id)
+        try:
+            opened = await sessions.exists(namespaced)
+        except SessionUnknown as exc:
+            raise APIError(503, f"whether the session exists cannot be told now ({exc}); send it again",
+                           code="not_recorded") from None
+        if not opened:
+            raise APIError(404, f"session {session_id!r} not found", "session_id", "session_not_found")
         event = SessionEvent(
             id=uuid.uuid4().hex,
-            session_id=tenants.session(tenant, session_id),
+            session_id=namespaced,
             tenant=tenant,
             kind=kind,
             reward=feedback.reward if feedback else None,

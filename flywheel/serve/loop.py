@@ -23,7 +23,7 @@ import uvicorn
 
 from flywheel.bus import WEIGHTS_SUBJECT, Bus, WeightUpdate, addresses
 from flywheel.bus.addresses import write_address
-from flywheel.bus.streams import ROUTING_SUBJECT
+from flywheel.bus.streams import ROUTING_SUBJECT, TRAFFIC
 from flywheel.config import ConfigError, FlywheelConfig
 from flywheel.config.serve import ServeConfig
 from flywheel.models import load_model, load_weights, place
@@ -37,6 +37,7 @@ from flywheel.serve.engine import Engine, torch_threads
 from flywheel.serve.gateway import create_gateway
 from flywheel.serve.ops.metrics import ServeMetrics
 from flywheel.serve.ops.tenants import TenantDirectory
+from flywheel.tenants.sessions import SessionRegistry
 from flywheel.serve.ops.version_routes import VersionBoard
 from flywheel.serve.recorder import Recorder
 from flywheel.serve.routing import RoutedPool
@@ -91,8 +92,9 @@ class ServeLoop:
         if self.engine is not None:
             engine = self.engine
             self.metrics.on_scrape(lambda m: m.engine_state(**_engine_state(engine)))
+        sessions = await SessionRegistry.open(self.bus, TRAFFIC.max_age_s)
         self.app = create_gateway(self.pool, tokenizer, self.recorder, self.model_name, cfg, context_length, self.metrics,
-                                  TenantDirectory.from_config(self.config))
+                                  TenantDirectory.from_config(self.config), sessions)
         self.board: VersionBoard | None = None
         if self.routed:
             assert isinstance(self.pool, RoutedPool)

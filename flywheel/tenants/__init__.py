@@ -1,0 +1,1 @@
+"""Tenants at run time, kept on the bus: the sessions each tenant has opened (`sessions`)."""

@@ -1,0 +1,87 @@
+"""The sessions the gateways have opened, kept on the bus: a session exists once a request of it
+arrived, and only under the id its tenant gave it (`TenantDirectory.session`).
+
+Feedback and ends name a session; one that was never opened (another tenant's id included:
+namespaced, it is not this tenant's) answers 404, exactly as one that never existed. Every
+gateway writes and reads the same JetStream key-value bucket, `FLYWHEEL_SESSIONS`, so feedback
+may reach any gateway; each remembers the sessions it has written (an LRU) and writes one again
+only once an hour, so a session costs one write per gateway per hour, not one per turn. Keys
+are the SHA-256 of the session id (ids are any string; keys must be subject-safe); values name
+the tenant. Entries expire with the bucket's age limit, as the session's records do.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import time
+from typing import Any
+
+from nats.errors import Error as NatsError
+from nats.js.api import KeyValueConfig, StorageType
+from nats.js.errors import BucketNotFoundError, KeyNotFoundError
+
+from flywheel.lru import LRU
+
+BUCKET = "FLYWHEEL_SESSIONS"
+REFRESH_S = 3600.0
+"""A session this gateway wrote is written again after this long (its entry's age restarts)."""
+
+log = logging.getLogger(__name__)
+
+
+class SessionUnknown(Exception):
+    """Whether the session exists cannot be told now (the bus is unreachable)."""
+
+
+def session_key(session_id: str) -> str:
+    return hashlib.sha256(session_id.encode()).hexdigest()[:40]
+
+
+class SessionRegistry:
+    def __init__(self, kv: Any, remember: int = 100_000):
+        self._kv = kv
+        self._written: LRU[str, float] = LRU(remember)
+        self._unwritten: LRU[str, str] = LRU(remember)
+        """Sessions opened while the bus was unreachable (id -> tenant), written with the next write."""
+
+    @classmethod
+    async def open(cls, bus: Any, max_age_s: float) -> SessionRegistry:
+        """The registry on `bus`, its bucket created (entries kept `max_age_s`) by the first to use it."""
+        try:
+            kv = await bus.js.key_value(BUCKET)
+        except BucketNotFoundError:
+            config = KeyValueConfig(bucket=BUCKET, history=1, ttl=max_age_s, storage=StorageType.FILE,
+                                    replicas=bus.replicas, description="The sessions Flywheel's gateways opened")
+            kv = await bus.js.create_key_value(config)
+        return cls(kv)
+
+    async def opened(self, session_id: str, tenant: str) -> None:
+        """Record that `session_id` (namespaced) exists. Never fails a request: when the bus is
+        unreachable the session is known here, and written with the next session opened."""
+        now = time.monotonic()
+        written = self._written.get(session_id)
+        if written is not None and now - written < REFRESH_S:
+            return
+        self._written[session_id] = now
+        self._unwritten[session_id] = tenant
+        try:
+            for unwritten in list(self._unwritten):
+                await self._kv.put(session_key(unwritten), self._unwritten.peek(unwritten).encode())
+                self._unwritten.pop(unwritten)
+        except (NatsError, TimeoutError, OSError) as exc:
+            log.warning("could not record session %s on the bus (%s); known to this gateway, written with the next "
+                        "session", session_id, exc)
+
+    async def exists(self, session_id: str) -> bool:
+        """Whether a request of `session_id` (namespaced) arrived at any gateway; SessionUnknown
+        when the bus cannot say."""
+        if session_id in self._written:
+            return True
+        try:
+            await self._kv.get(session_key(session_id))
+        except KeyNotFoundError:
+            return False
+        except (NatsError, TimeoutError, OSError) as exc:
+            raise SessionUnknown(str(exc)) from None
+        return True
