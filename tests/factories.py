@@ -80,9 +80,9 @@ ASK_FORECAST = [{"role": "user", "content": "Forecast for Paris?"}]
 
 
 def make_turn(**overrides) -> Turn:
-    """A small valid turn; `overrides` replace its fields."""
+    """A small valid turn, consented for training; `overrides` replace its fields."""
     fields = dict(
-        id="t1", session_id="s1", turn_index=0, model="tiny",
+        id="t1", session_id="s1", turn_index=0, model="tiny", consent=True,
         messages=[{"role": "user", "content": "hi"}], response={"role": "assistant", "content": "yo"},
         prompt_ids=[1, 2, 3], output_ids=[4, 5], output_logprobs=[-0.1, -0.2], output_versions=[3, 4],
         finish_reason="stop",
@@ -100,7 +100,7 @@ def conversation(tid: str, replies: list[str], task_id: str | None = None, feedb
         history += [response, {"role": "user", "content": f"user reply {i}"}]
     next_states = [[{"role": "user", "content": f"user reply {i}"}] for i in range(len(replies) - 1)] + [[]]
     return Trajectory(id=tid, session_id=tid, task_id=task_id, segments=[], turns=turns, next_states=next_states,
-                      feedback=list(feedback), close_reason="done")
+                      feedback=list(feedback), close_reason="done", consent=True)
 
 
 def fb(reward, turn_index=None, source="env") -> SessionEvent:
@@ -133,8 +133,8 @@ def sample_of(turn: Turn, reward: float, version: int | None = None) -> Sample:
     if version is not None:
         turn = msgspec.structs.replace(turn, output_versions=[version] * len(turn.output_ids))
     traj = Trajectory(id=turn.session_id, session_id=turn.session_id, task_id=turn.task_id, group_size=turn.group_size,
-                      segments=stitch([turn]), turns=[turn], close_reason="feedback")
-    return Sample(id=f"{turn.session_id}-{version}", trajectory=traj, reward=reward, judge="rule")
+                      segments=stitch([turn]), turns=[turn], close_reason="feedback", consent=True)
+    return Sample(id=f"{turn.session_id}-{version}", trajectory=traj, reward=reward, judge="rule", consent=True)
 
 
 def rows_of(samples: list[Sample], advantages: list[float]) -> list[Row]:

@@ -116,12 +116,20 @@ def test_a_tenant_name_must_be_safe_on_the_bus():
 
 
 def test_keys_come_from_the_environment_and_a_missing_variable_is_named(monkeypatch):
-    config = load_config(None, ['tenants={acme: {key_envs: [ACME_KEY]}}'])
+    config = load_config(None, ['tenants={acme: {keys: [{env: ACME_KEY, training: off}]}}'])
     monkeypatch.setenv("ACME_KEY", "from-env")
-    assert TenantDirectory.from_config(config).tenant_of(b"from-env") == "acme"
+    grant = TenantDirectory.from_config(config).grant_of(b"from-env")
+    assert (grant.tenant, grant.training, grant.store) == ("acme", "off", True)
     monkeypatch.delenv("ACME_KEY")
-    with pytest.raises(ConfigError, match="tenants.acme.key_envs: ACME_KEY is not set"):
+    with pytest.raises(ConfigError, match="tenants.acme.keys: ACME_KEY is not set"):
         TenantDirectory.from_config(config)
+
+
+def test_a_key_narrows_its_tenant_and_never_widens_it():
+    config = load_config(None, ['tenants={acme: {training: off, keys: [{value: k, training: opt_out}]}}'])
+    assert TenantDirectory.from_config(config).grant_of(b"k").training == "off"
+    with pytest.raises(ConfigError, match="by value or by env"):
+        load_config(None, ['tenants={acme: {keys: [{training: off}]}}'])
 
 
 async def test_a_session_opened_at_one_gateway_takes_feedback_at_another(nats_url, tmp_path, bus):
@@ -156,3 +164,42 @@ async def test_a_session_opened_while_the_bus_is_down_is_written_once_it_is_back
     flaky.down = False
     await gateway.opened("acme/next", "acme")
     assert await other.exists("acme/while-down") and await other.exists("acme/next")
+
+
+CONSENT = ('tenants={acme: {keys: ["opt-in-key", {value: "off-key", training: off}, {value: "unkept-key", store: false}]}, '
+           'open-co: {training: opt_out, keys: ["opt-out-key"]}}')
+
+
+async def test_consent_is_the_strictest_of_tenant_key_and_request(nats_url, tmp_path, bus):
+    async with platform(nats_url, tmp_path, CONSENT) as (serve, _, _):
+        await ask(serve, "opt-in-key", "in-silent", "hi")
+        await ask(serve, "opt-in-key", "in-asked", "hi", **{"X-Flywheel-Train": "true"})
+        await ask(serve, "opt-out-key", "out-silent", "hi")
+        await ask(serve, "opt-out-key", "out-declined", "hi", **{"X-Flywheel-Train": "false"})
+        await ask(serve, "off-key", "off-silent", "hi")
+        with pytest.raises(openai.PermissionDeniedError) as refused:  # asked where the key forbids: not a silent downgrade
+            await ask(serve, "off-key", "off-asked", "hi", **{"X-Flywheel-Train": "true"})
+        _, turns = await collected(bus, n_sessions=0, n_turns=5)
+    consent = {session.split("/", 1)[1]: ts[0].consent for session, ts in turns.items()}
+    assert consent == {"in-silent": False, "in-asked": True, "out-silent": True, "out-declined": False, "off-silent": False}
+    assert refused.value.body["code"] == "training_not_permitted"
+
+
+async def test_store_false_is_served_and_nothing_is_kept(nats_url, tmp_path, bus):
+    async with platform(nats_url, tmp_path, CONSENT) as (serve, _, _):
+        unkept = await client(serve, "opt-out-key").chat.completions.create(
+            model="tiny", messages=[{"role": "user", "content": "secret"}], max_tokens=2, store=False,
+            extra_headers={"X-Session-Id": "unkept"})
+        by_key = await ask(serve, "unkept-key", "unkept-by-key", "secret")
+        answer = await client(serve, "unkept-key").responses.create(model="tiny", input="secret", max_output_tokens=2)
+        with pytest.raises(openai.BadRequestError):  # trained but not kept: a contradiction
+            await client(serve, "opt-out-key").chat.completions.create(
+                model="tiny", messages=[{"role": "user", "content": "x"}], max_tokens=2, store=False,
+                extra_headers={"X-Session-Id": "both", "X-Flywheel-Train": "true"})
+        assert unkept.choices and by_key.choices  # served
+        with pytest.raises(openai.NotFoundError):
+            await client(serve, "unkept-key").responses.retrieve(answer.id)
+        assert (await signal(serve, "opt-out-key", "unkept", "feedback", reward=1.0)).status_code == 404
+        await ask(serve, "opt-out-key", "kept", "marker")  # recorded after the others: they would come first
+        _, turns = await collected(bus, n_sessions=0, n_turns=1)
+    assert [session.split("/", 1)[1] for session in turns] == ["kept"]

@@ -23,13 +23,14 @@ from flywheel.train.packing import micro_batches
 from flywheel.train.trainer import Trainer
 
 from factories import rows_of, sample_of, sampled_turns
+from waiting import until
 
 
 async def referring_sample(bus, turn, reward: float, version: int) -> Sample:
     """A sample as the judge publishes it: its trajectory on TRAJECTORIES, referred to by sequence."""
     trajectory = sample_of(turn, reward, version).trajectory
     ack = await bus.js.publish(TRAJECTORY_SUBJECT, encode(trajectory), headers={"Nats-Msg-Id": f"{trajectory.id}-{version}"})
-    return Sample(id=trajectory.id, trajectory_seq=ack.seq, reward=reward, judge="rule")
+    return Sample(id=trajectory.id, trajectory_seq=ack.seq, reward=reward, judge="rule", consent=True)
 
 
 async def test_a_step_raises_rewarded_and_lowers_unrewarded_sequences():
@@ -62,7 +63,7 @@ async def test_train_loop_publishes_versions_and_drops_stale_samples(bus, nats_u
     await loop.start()
     announcements = bus.follow(WEIGHTS_SUBJECT, from_last=False)
     try:
-        await bus.publish(SAMPLE_SUBJECT, Sample(id="gone", trajectory_seq=10**6, reward=1.0, judge="rule"))
+        await bus.publish(SAMPLE_SUBJECT, Sample(id="gone", trajectory_seq=10**6, reward=1.0, judge="rule", consent=True))
         await bus.publish(SAMPLE_SUBJECT, await referring_sample(bus, turns[0], 1.0, version=0))
         await bus.publish(SAMPLE_SUBJECT, sample_of(turns[1], 0.0, version=0))
         first = await asyncio.wait_for(anext(announcements), 60)
@@ -90,4 +91,28 @@ async def test_train_loop_publishes_versions_and_drops_stale_samples(bus, nats_u
         assert all(line["staleness_max"] == 0 for line in lines)
     finally:
         await announcements.aclose()
+        await loop.stop()
+
+
+async def test_the_trainer_refuses_a_sample_without_consent_put_on_the_bus_by_hand(bus, nats_url, tmp_path):
+    """A sample that does not carry consent (or whose trajectory does not) is never trained:
+    counted and terminated, while a consented one beside it is."""
+    turns = await sampled_turns(3)
+    config = load_config(None, [f"run_dir={tmp_path}", "train.batch_size=1", "rollout.max_head_offpolicyness=4"])
+    loop = TrainLoop(config, nats_url)
+    await loop.start()
+    announcements = bus.follow(WEIGHTS_SUBJECT, from_last=False)
+    try:
+        unconsented = sample_of(turns[0], 1.0, version=0)
+        unconsented.consent = False
+        trajectory_not = sample_of(turns[1], 1.0, version=0)
+        trajectory_not.trajectory.consent = False
+        await bus.publish(SAMPLE_SUBJECT, unconsented)
+        await bus.publish(SAMPLE_SUBJECT, trajectory_not)
+        await bus.publish(SAMPLE_SUBJECT, sample_of(turns[2], 1.0, version=0))
+        first = await asyncio.wait_for(anext(announcements), 60)
+        await until(lambda: loop.counts["refused_no_consent"] == 2)
+        assert first.trained_on["sample_ids"] == [sample_of(turns[2], 1.0, version=0).id]
+        assert loop.counts["samples"] == 1
+    finally:
         await loop.stop()

@@ -83,6 +83,9 @@ class Turn(Record, kw_only=True):
     user_id: str | None = None
     """The end user inside the tenant (`X-User-Id`, else `safety_identifier`, `user` or
     `metadata.user_id`), when the request says."""
+    consent: bool = False
+    """Whether this turn may be trained: its tenant's and key's `training` and its request's
+    `X-Flywheel-Train`, the strictest (false where not said: nothing is trained by default)."""
     turn_index: int
     """The number of assistant messages in the request's history: this turn's position in its
     conversation as the client counts it. Not an identity: retries, sub-agents and helper calls
@@ -195,6 +198,8 @@ class Trajectory(Record, kw_only=True):
     """The tenant that owns the session (its turns')."""
     user_id: str | None = None
     """The end user its turns name (the first that names one)."""
+    consent: bool = False
+    """Whether it may be trained: every one of its turns consented (the strictest holds)."""
     task_id: str | None = None
     group_size: int | None = None
     """The task group's size, from its turns (see `Turn.group_size`)."""
@@ -254,6 +259,12 @@ class Sample(Record, kw_only=True):
 
     trajectory: Trajectory | None = None
     trajectory_seq: int | None = None
+    tenant: str = "open"
+    """Whose traffic it is (the trajectory's tenant)."""
+    user_id: str | None = None
+    """The end user (the trajectory's)."""
+    consent: bool = False
+    """Whether it may be trained (the trajectory's): the trainer refuses a sample without it."""
     """The trajectory's sequence number in the TRAJECTORIES stream, when not carried."""
     reward: float
     """The trajectory's scalar reward (outcome)."""

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import inspect
 import json
+import types
 import typing
 from collections.abc import Iterator
 from typing import Any
@@ -27,20 +28,35 @@ what each is for: [configs/](../configs/README.md).
 
 def _section(annotation: Any) -> tuple[type[BaseModel] | None, str]:
     """The section class a field holds, if it holds one (also `Section | None`), and the suffix
-    of its key: `[]` for a list of sections."""
+    of its key: `[]` for a list of sections, `.<name>` for a mapping of names to sections."""
     if inspect.isclass(annotation) and issubclass(annotation, BaseModel):
         return annotation, ""
+    origin = typing.get_origin(annotation)
     for arg in typing.get_args(annotation):
         section, _ = _section(arg)
         if section is not None:
-            return section, "[]" if typing.get_origin(annotation) is list else ""
+            return section, {list: "[]", dict: ".<name>"}.get(origin, "")
     return None, ""
 
 
+def _name(annotation: Any) -> str:
+    """A type as a reader writes it: `int | None`, `list[str]`, `one of ['a', 'b']`."""
+    origin, args = typing.get_origin(annotation), typing.get_args(annotation)
+    if annotation is type(None):
+        return "None"
+    if origin is typing.Annotated:
+        return _name(args[0])
+    if origin is typing.Literal:
+        return f"one of {list(args)}"
+    if origin in (typing.Union, types.UnionType):
+        return " | ".join(_name(arg) for arg in args)
+    if origin is not None:
+        return f"{getattr(origin, '__name__', str(origin))}[{', '.join(_name(arg) for arg in args)}]"
+    return getattr(annotation, "__name__", str(annotation))
+
+
 def _type(annotation: Any) -> str:
-    text = getattr(annotation, "__name__", None) if inspect.isclass(annotation) else None
-    text = text or str(annotation).replace("typing.", "")
-    return _cell(text.replace("Literal", "one of ").replace("NoneType", "None"))
+    return _cell(_name(annotation))
 
 
 def _default(field: Any) -> str:

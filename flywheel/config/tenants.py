@@ -1,17 +1,25 @@
-"""Tenants: the customers of one deployment, each with its own API keys (`tenants.NAME.*`).
+"""Tenants: the customers of one deployment, each with its own API keys and consent to train
+(`tenants.NAME.*`).
 
 A tenant owns its keys, its sessions and its records. Without a `tenants:` section each key in
 `serve.api_keys` is a tenant of its own (two keys share data only when one tenant holds both),
 and with no keys at all there is one open tenant (`open`). Part of
 `flywheel.config.schema.FlywheelConfig`; the gateway's `TenantDirectory`
-(flywheel/serve/ops/tenants.py) resolves a request's key to its tenant.
+(flywheel/serve/ops/tenants.py) resolves a request's key to what it may do.
+
+Consent to train, `training`: `opt_in` (a request is trained only when it says
+`X-Flywheel-Train: true`), `opt_out` (trained unless it says `false`), `off` (never; a request
+that asks is refused). A key may narrow its tenant's setting, never widen it: the stricter holds,
+and a request's own `X-Flywheel-Train: false` or `store: false` narrows it again. `store: false`
+(the tenant's, the key's, or the request's) keeps nothing beyond the request's lifetime.
 """
 
 from __future__ import annotations
 
 import re
+from typing import Annotated, Any, Literal
 
-from pydantic import Field
+from pydantic import BeforeValidator, Field, field_validator, model_validator
 
 from flywheel.config.section import Section
 
@@ -19,16 +27,57 @@ TENANT_NAME = re.compile(r"^[a-z0-9][a-z0-9_-]{0,62}$")
 """Lowercase letters, digits, `_` and `-`, at most 63: safe in a subject on the bus and in a path."""
 OPEN_TENANT = "open"
 """The one tenant of a deployment with no keys at all."""
+def _yaml_off(value: Any) -> Any:
+    """YAML reads a bare `off` as false: it means `off` here."""
+    return "off" if value is False else value
+
+
+Training = Annotated[Literal["opt_in", "opt_out", "off"], BeforeValidator(_yaml_off)]
+STRICTNESS: dict[str, int] = {"opt_out": 0, "opt_in": 1, "off": 2}
+
+
+def stricter(a: Training, b: Training | None) -> Training:
+    """The stricter of two consent settings (`b` None: `a`)."""
+    return a if b is None or STRICTNESS[a] >= STRICTNESS[b] else b
+
+
+class KeyConfig(Section):
+    """One client key of a tenant: by value or by the environment variable that holds it (read
+    when a gateway starts), optionally narrower than its tenant. A plain string is a `value`."""
+
+    value: str | None = None
+    env: str | None = None
+    training: Training | None = None
+    """Narrows the tenant's `training` for this key's requests (the stricter of the two holds)."""
+    store: bool = True
+    """false: nothing of this key's requests is kept beyond the request."""
+
+    @model_validator(mode="after")
+    def _value_or_env(self) -> "KeyConfig":
+        if (self.value is None) == (self.env is None):
+            raise ValueError("give a key by value or by env, one of the two")
+        if self.value is not None and not self.value:
+            raise ValueError("a key cannot be empty")
+        return self
 
 
 class TenantConfig(Section):
-    """A customer: its client keys."""
+    """A customer: its client keys and its consent to train."""
 
-    keys: list[str] = Field(default_factory=list)
-    """Client keys, by value (`Authorization: Bearer <key>` or `x-api-key`)."""
-    key_envs: list[str] = Field(default_factory=list)
-    """Names of environment variables holding more of its keys, read when a gateway starts (one
-    that is not set there is an error naming it): keys out of the configuration file."""
+    keys: list[KeyConfig] = Field(default_factory=list)
+    """Client keys (`Authorization: Bearer <key>` or `x-api-key`): `sk-...`, `{env: ACME_KEY}`,
+    or `{value: sk-..., training: off}`."""
+    training: Training = "opt_in"
+    """Consent to train on this tenant's traffic. `opt_in` by default: a customer's traffic is
+    trained on only when the customer says so (a request's `X-Flywheel-Train: true`, or
+    `training: opt_out` here), as the API providers a business compares us with do."""
+    store: bool = True
+    """false: nothing of this tenant's traffic is kept beyond the request (served, never recorded)."""
+
+    @field_validator("keys", mode="before")
+    @classmethod
+    def _plain_keys_are_values(cls, keys: Any) -> Any:
+        return [{"value": key} if isinstance(key, str) else key for key in keys] if isinstance(keys, list) else keys
 
 
 def check_tenants(tenants: dict[str, TenantConfig], api_keys: list[str]) -> None:
@@ -41,8 +90,8 @@ def check_tenants(tenants: dict[str, TenantConfig], api_keys: list[str]) -> None
         if not TENANT_NAME.match(name):
             raise ValueError(f"tenants: {name!r} is not a tenant name (lowercase letters, digits, _ and -; at most 63)")
         for key in tenant.keys:
-            if not key:
-                raise ValueError(f"tenants.{name}.keys: a key cannot be empty")
-            if key in owner:
-                raise ValueError(f"tenants.{name}.keys: a key of tenant {owner[key]} too (a key belongs to one tenant)")
-            owner[key] = name
+            if key.value is None:
+                continue
+            if key.value in owner:
+                raise ValueError(f"tenants.{name}.keys: a key of tenant {owner[key.value]} too (a key belongs to one tenant)")
+            owner[key.value] = name

@@ -139,13 +139,15 @@ class JudgeLoop(ConsumerLoop):
         return Sample(
             id=trajectory.id, trajectory_seq=stream_seq, reward=verdict.reward, turn_rewards=verdict.turn_rewards,
             judge=self.judge.name, details=verdict.details, judge_model=self.judge.identity,
+            tenant=trajectory.tenant, user_id=trajectory.user_id, consent=trajectory.consent,
             **(await self._teach(trajectory, verdict)).sample_fields(),
         )
 
     async def _teach(self, trajectory: Trajectory, verdict: Verdict) -> Teaching:
         """What the teacher said of the turns that got a hint (flywheel/judge/teacher.py); nothing when
-        there is no teacher, no hint, or the teacher failed (the sample goes without)."""
-        if self.teacher is None:
+        there is no teacher, no hint, or the teacher failed (the sample goes without), and for a
+        trajectory that may not be trained (nothing would use it)."""
+        if self.teacher is None or not trajectory.consent:
             return Teaching()
         hints = hints_of(trajectory, verdict.details)
         if not hints:

@@ -97,7 +97,7 @@ class Answerer:
             max_new_tokens=self.new_token_budget(body, prompt_ids, capped=wire is not None),
             forced=forced, tool_format=tool_format, on_finish=self._finished, timeout_s=self.config.request_timeout_s,
         )
-        if not session.anonymous:
+        if not session.anonymous and session.store:
             for choice in generation.choices:
                 await self.sessions.opened(generation.session_of(choice), session.tenant)
         interaction = {"X-Interaction-Id": ",".join(choice.rid for choice in generation.choices)}
@@ -118,7 +118,7 @@ class Answerer:
     def _finished(self, generation: Generation) -> None:
         """Counts, metrics, and each main choice's exact ids kept for the session's next prompt."""
         self.stats.turns += generation.body.n
-        if generation.session.turn_type == "main" and not generation.session.anonymous:
+        if generation.session.turn_type == "main" and not generation.session.anonymous and generation.session.store:
             for choice in generation.choices:
                 self.continuations.remember(generation.session.session_id, generation.prompt_ids + choice.output_ids,
                                             generation.continued_text(choice))

@@ -37,10 +37,10 @@ from flywheel.serve.ops.metrics import (
     install_request_metrics,
 )
 from flywheel.serve.ops.tenants import TenantDirectory
-from flywheel.tenants.sessions import SessionRegistry, SessionUnknown
 from flywheel.serve.prompts import PromptBuilder
 from flywheel.serve.recorder import Recorder, RecordLost
 from flywheel.serve.scoring_server import install_scoring_routes
+from flywheel.tenants.sessions import SessionRegistry, SessionUnknown
 
 
 def create_gateway(pool: EnginePool, tokenizer: Any, recorder: Recorder, model_name: str, config: ServeConfig,
@@ -82,13 +82,13 @@ def create_gateway(pool: EnginePool, tokenizer: Any, recorder: Recorder, model_n
         }
 
     def caller(request: Request) -> dict[str, Any]:
-        """Whose request this is, for `session_of`."""
-        return {"tenant": request.state.tenant, "tenants": tenants}
+        """Whose request this is and what its key may do, for `session_of`."""
+        return {"grant": request.state.grant, "tenants": tenants}
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request, response: Response) -> Any:
         session = session_of(request.headers, body.metadata, body.user, safety_identifier=body.safety_identifier,
-                             **caller(request))
+                             store=body.store, **caller(request))
         return await answerer.answer(request, response.headers, body, session, *await prompts.chat(body, session))
 
     @app.post("/v1/completions")
@@ -109,10 +109,11 @@ def create_gateway(pool: EnginePool, tokenizer: Any, recorder: Recorder, model_n
         conversation = (previous.session_id if previous else request.headers.get("session-id") or body.prompt_cache_key
                         or (response_id if body.store else None))  # a stored response may be continued
         session = session_of(request.headers, body.metadata, body.user, conversation,
-                             safety_identifier=body.safety_identifier, **caller(request))
+                             safety_identifier=body.safety_identifier, store=body.store, **caller(request))
         history = previous.conversation if previous else []
         chat = translated(lambda: body.to_chat(history))
-        wire = ResponsesWire(body, stored_responses, response_id, session.client_id, session.tenant, history)
+        wire = ResponsesWire(body, stored_responses, response_id, session.client_id, session.tenant, session.store,
+                             history)
         return await answerer.answer(request, response.headers, chat, session, *await prompts.chat(chat, session), wire=wire)
 
     @app.get("/v1/responses/{response_id}")

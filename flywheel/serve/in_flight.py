@@ -84,7 +84,7 @@ class Generation:
     def announce(self) -> None:
         """Tell the collector that the session has a request in flight, with its turns' ids: a
         reply slower than `collect.idle_timeout_s` must not close the conversation as idle."""
-        if self.session.anonymous:
+        if self.session.anonymous or not self.session.store:
             return
         for choice in self.choices:
             self.recorder.record(SESSION_EVENT_SUBJECT, SessionEvent(
@@ -291,8 +291,9 @@ class Generation:
         await asyncio.gather(*(self.recorder.durable(TURN_SUBJECT, turn) for turn in self._turns()))
 
     def _turns(self) -> list[Turn]:
-        """The request's turns, once (later calls: none)."""
-        if self._recorded:
+        """The request's turns, once (later calls: none; none at all for a request not to be
+        kept, `store: false`)."""
+        if self._recorded or not self.session.store:
             return []
         self._recorded = True
         several = self.body.n > 1
@@ -309,6 +310,7 @@ class Generation:
                 session_id=self.session_of(choice),
                 tenant=self.session.tenant,
                 user_id=self.session.user_id,
+                consent=self.session.train,
                 turn_index=sum(1 for m in self.body.messages if m.role == "assistant") if self.chat else 0,
                 turn_type=self.session.turn_type,
                 task_id=self.session.task_id or (self.id if several else None),

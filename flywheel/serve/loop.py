@@ -37,10 +37,10 @@ from flywheel.serve.engine import Engine, torch_threads
 from flywheel.serve.gateway import create_gateway
 from flywheel.serve.ops.metrics import ServeMetrics
 from flywheel.serve.ops.tenants import TenantDirectory
-from flywheel.tenants.sessions import SessionRegistry
 from flywheel.serve.ops.version_routes import VersionBoard
 from flywheel.serve.recorder import Recorder
 from flywheel.serve.routing import RoutedPool
+from flywheel.tenants.sessions import SessionRegistry
 from flywheel.versions.records import Arm, Routing
 from flywheel.versions.registry import Registry
 

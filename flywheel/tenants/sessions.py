@@ -12,6 +12,7 @@ the tenant. Entries expire with the bucket's age limit, as the session's records
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import logging
 import time
@@ -26,6 +27,9 @@ from flywheel.lru import LRU
 BUCKET = "FLYWHEEL_SESSIONS"
 REFRESH_S = 3600.0
 """A session this gateway wrote is written again after this long (its entry's age restarts)."""
+WAIT_S = 0.5
+"""The longest a request waits for its session to be written (a bus losing a member can take
+seconds to take a write; the request goes on, and the write in the background)."""
 
 log = logging.getLogger(__name__)
 
@@ -43,7 +47,8 @@ class SessionRegistry:
         self._kv = kv
         self._written: LRU[str, float] = LRU(remember)
         self._unwritten: LRU[str, str] = LRU(remember)
-        """Sessions opened while the bus was unreachable (id -> tenant), written with the next write."""
+        """Sessions not written yet (id -> tenant): the bus was slow or unreachable."""
+        self._writing: asyncio.Task | None = None
 
     @classmethod
     async def open(cls, bus: Any, max_age_s: float) -> SessionRegistry:
@@ -57,21 +62,33 @@ class SessionRegistry:
         return cls(kv)
 
     async def opened(self, session_id: str, tenant: str) -> None:
-        """Record that `session_id` (namespaced) exists. Never fails a request: when the bus is
-        unreachable the session is known here, and written with the next session opened."""
+        """Record that `session_id` (namespaced) exists, waiting at most `WAIT_S` for the bus.
+        Never fails a request: a write the bus does not take in time goes on in the background,
+        and one that fails is retried with the next session opened; meanwhile the session is
+        known to this gateway."""
         now = time.monotonic()
         written = self._written.get(session_id)
         if written is not None and now - written < REFRESH_S:
             return
         self._written[session_id] = now
         self._unwritten[session_id] = tenant
+        if self._writing is None or self._writing.done():
+            self._writing = asyncio.create_task(self._write())
         try:
-            for unwritten in list(self._unwritten):
-                await self._kv.put(session_key(unwritten), self._unwritten.peek(unwritten).encode())
-                self._unwritten.pop(unwritten)
+            await asyncio.wait_for(asyncio.shield(self._writing), WAIT_S)
+        except TimeoutError:
+            log.warning("the bus took more than %.1fs to record session %s; writing it in the background", WAIT_S, session_id)
+
+    async def _write(self) -> None:
+        """Write every session not written yet, until none is left or the bus refuses one."""
+        try:
+            while len(self._unwritten):
+                session_id = next(iter(self._unwritten))
+                await self._kv.put(session_key(session_id), self._unwritten.peek(session_id).encode())
+                self._unwritten.pop(session_id)
         except (NatsError, TimeoutError, OSError) as exc:
-            log.warning("could not record session %s on the bus (%s); known to this gateway, written with the next "
-                        "session", session_id, exc)
+            log.warning("could not record %d session(s) on the bus (%s); known to this gateway, written with the next "
+                        "session", len(self._unwritten), exc)
 
     async def exists(self, session_id: str) -> bool:
         """Whether a request of `session_id` (namespaced) arrived at any gateway; SessionUnknown

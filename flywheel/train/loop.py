@@ -67,7 +67,8 @@ class TrainLoop(ConsumerLoop):
         super().__init__(config, bus_url, durable)
         self.run_dir = Path(config.run_dir)
         self.baseline = RunningBaseline()
-        self.counts = {"samples": 0, "stale_dropped": 0, "unresolved": 0, "duplicates_dropped": 0, "abandoned_dropped": 0}
+        self.counts = {"samples": 0, "stale_dropped": 0, "unresolved": 0, "duplicates_dropped": 0, "abandoned_dropped": 0,
+                       "refused_no_consent": 0}
         self.excluded: Counter[str] = Counter()
         """Sampled tokens left out of the loss, by reason (flywheel/train/trainable_tokens.py), all run."""
         self.staleness_seen: Counter[int] = Counter()
@@ -173,14 +174,22 @@ class TrainLoop(ConsumerLoop):
         return self.promotion.may_step(self.version)
 
     async def _fetch(self, batch_size: int) -> list[Delivery]:
-        """Up to `batch_size` samples, each with its trajectory attached. A sample whose
-        trajectory the bus no longer holds is counted (`unresolved`) and terminated; one whose
-        lookup failed (the bus away) is redelivered shortly."""
-        deliveries = await self.consumer.fetch(batch=batch_size, timeout_s=0.5)
+        """Up to `batch_size` samples, each with its trajectory attached. A sample without consent
+        to train (its own or its trajectory's) is refused: counted (`refused_no_consent`) and
+        terminated, never trained. A sample whose trajectory the bus no longer holds is counted
+        (`unresolved`) and terminated; one whose lookup failed (the bus away) is redelivered shortly."""
+        deliveries = []
+        for delivery in await self.consumer.fetch(batch=batch_size, timeout_s=0.5):
+            if delivery.record.consent:
+                deliveries.append(delivery)
+            else:
+                await self._refuse(delivery)
         found = await asyncio.gather(*(self.bus.resolve(d.record) for d in deliveries), return_exceptions=True)
         ready = []
         for delivery, outcome in zip(deliveries, found):
-            if outcome is True:
+            if outcome is True and not delivery.record.trajectory.consent:
+                await self._refuse(delivery)
+            elif outcome is True:
                 ready.append(delivery)
             elif outcome is False:
                 self.counts["unresolved"] += 1
@@ -189,6 +198,11 @@ class TrainLoop(ConsumerLoop):
                 log.warning("could not look up the trajectory of %s (%s); retrying", delivery.record.id, outcome)
                 await delivery.nak(delay_s=1.0)
         return ready
+
+    async def _refuse(self, delivery: Delivery) -> None:
+        self.counts["refused_no_consent"] += 1
+        log.warning("refused sample %s of tenant %s: no consent to train", delivery.record.id, delivery.record.tenant)
+        await delivery.term()
 
     async def _admit(self, delivery: Delivery) -> None:
         """Into the batcher, unless the sample was trained or is held already (a redelivery:

@@ -194,6 +194,9 @@ class Sampling(Body):
 
 class ChatCompletionRequest(Sampling):
     messages: list[Message] = Field(min_length=1)
+    store: bool | None = None
+    """OpenAI's `store`: `false` means nothing of the request is kept beyond it (served, never
+    recorded, never trained); absent or `true`: as the key's tenant allows."""
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)

@@ -77,9 +77,10 @@ class ResponsesWire(Wire):
     endpoint = "responses"
 
     def __init__(self, request: ResponsesRequest, store: ResponseStore, response_id: str, session_id: str, tenant: str,
-                 history: list[dict[str, Any]]):
+                 keep: bool, history: list[dict[str, Any]]):
+        """`keep`: whether anything of the request may be kept (its tenant's, key's and own `store`)."""
         self.request, self.store, self.id, self.session_id, self.history = request, store, response_id, session_id, history
-        self.tenant = tenant
+        self.tenant, self.keep = tenant, keep
         self.message_id = f"msg_{uuid.uuid4().hex}"
         self.sequence = 0
         self.message_open = False
@@ -119,7 +120,7 @@ class ResponsesWire(Wire):
     def _finished(self, g: Generation) -> dict[str, Any]:
         items, status, message = self._output(g, g.choices[0])
         response = self._response(g, status, items)
-        if self.request.store:
+        if self.request.store and self.keep:
             conversation = self.history + self.request.conversation() + [message]
             self.store.put(StoredResponse(response, self.session_id, self.tenant, conversation))
         return response

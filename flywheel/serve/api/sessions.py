@@ -6,7 +6,8 @@ Code's `x-claude-code-session-id`: see docs/api.md), else `user`; a request with
 these is a one-turn session of its own (still recorded and trainable: an unpatched
 client must never silently produce nothing). The session belongs to the caller's tenant: on the
 bus its id is namespaced (`TenantDirectory.session`), so another tenant's same id is another
-session. The end user: `X-User-Id`, else the request's `safety_identifier`, `user` or
+session. Consent: `X-Flywheel-Train: true|false` and the body's `store` narrow what the key's
+grant allows (`consent_of`); a request not to be kept is served and never recorded. The end user: `X-User-Id`, else the request's `safety_identifier`, `user` or
 `metadata.user_id`. `X-Turn-Type: side` marks turns that are served but
 not trained; `X-Session-Done: true` ends the session with this turn; `X-Task-Id` (or
 `metadata.task_id`) groups sessions of one task, e.g. the samples of one prompt, and
@@ -24,11 +25,10 @@ from typing import Any
 import msgspec
 from pydantic import Field, field_validator, model_validator
 
-from flywheel.config.tenants import OPEN_TENANT
 from flywheel.serve.api.chat import INT64_MAX
 from flywheel.serve.api.errors import APIError
 from flywheel.serve.api.validation import Body
-from flywheel.serve.ops.tenants import TenantDirectory
+from flywheel.serve.ops.tenants import OPEN, Grant, TenantDirectory
 
 _TRUE = {"1", "true", "yes"}
 _FALSE = {"0", "false", "no", ""}
@@ -43,6 +43,10 @@ class SessionInfo:
     tenant: str
     user_id: str | None
     """The end user inside the tenant, when the request says."""
+    train: bool
+    """Consent to train on this request: its key's grant and `X-Flywheel-Train`, the stricter."""
+    store: bool
+    """Whether anything of the request is kept beyond it (false: served, never recorded)."""
     turn_type: str
     task_id: str | None
     group_size: int | None
@@ -52,11 +56,32 @@ class SessionInfo:
     """No session id was given: a one-turn session of its own."""
 
 
+def consent_of(grant: Grant, headers: Mapping[str, str], store: bool | None) -> tuple[bool, bool]:
+    """(train, store) for a request of `grant` with these headers and body `store`. A request
+    that asks to be trained (`X-Flywheel-Train: true`) where it may not be is refused (403), and
+    one that asks to be trained but not kept is a contradiction (400)."""
+    asked = headers.get("x-flywheel-train", "").strip().lower()
+    if asked not in _TRUE | _FALSE:
+        raise APIError(400, "X-Flywheel-Train must be 'true' or 'false'", param="X-Flywheel-Train")
+    kept = grant.store and store is not False
+    if asked in _TRUE:
+        if grant.training == "off" or not grant.store:
+            raise APIError(403, f"training on tenant {grant.tenant}'s traffic is off for this key; send "
+                           "X-Flywheel-Train: false or no header", param="X-Flywheel-Train", code="training_not_permitted")
+        if not kept:
+            raise APIError(400, "X-Flywheel-Train: true with store: false: a request that is not kept cannot be trained",
+                           param="store")
+        return True, True
+    train = kept and grant.training == "opt_out" and asked == ""
+    return train, kept
+
+
 def session_of(headers: Mapping[str, str], metadata: dict[str, str] | None, user: str | None,
-               conversation: str | None = None, *, tenant: str = OPEN_TENANT, tenants: TenantDirectory | None = None,
-               safety_identifier: str | None = None) -> SessionInfo:
-    """The session and end user of a request of `tenant` (`tenants` namespaces its session id;
-    None: the open tenant's ids as sent)."""
+               conversation: str | None = None, *, grant: Grant = OPEN, tenants: TenantDirectory | None = None,
+               safety_identifier: str | None = None, store: bool | None = None) -> SessionInfo:
+    """The session, end user and consent of a request of `grant` (`tenants` namespaces its
+    session id; None: the open tenant's ids as sent); `store` is the body's."""
+    tenant = grant.tenant
     metadata = metadata or {}
     session_id = headers.get("x-session-id") or metadata.get("session_id") or conversation or user
     anonymous = not session_id
@@ -70,11 +95,14 @@ def session_of(headers: Mapping[str, str], metadata: dict[str, str] | None, user
     size_header = headers.get("x-group-size", "").strip()
     if size_header and not (size_header.isdigit() and 1 <= int(size_header) <= 1_000_000):
         raise APIError(400, "X-Group-Size must be a whole number from 1 to 1000000", param="X-Group-Size")
+    train, kept = consent_of(grant, headers, store)
     return SessionInfo(
         session_id=tenants.session(tenant, client_id) if tenants else client_id,
         client_id=client_id,
         tenant=tenant,
         user_id=headers.get("x-user-id") or safety_identifier or user or metadata.get("user_id"),
+        train=train,
+        store=kept,
         turn_type=turn_type,
         task_id=headers.get("x-task-id") or metadata.get("task_id"),
         group_size=int(size_header) if size_header else None,

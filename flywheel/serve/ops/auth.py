@@ -3,8 +3,8 @@
 `install_auth` adds a pure ASGI middleware. When tenants have keys (`TenantDirectory`), every path
 under `/v1/` (and `/engine/`, a judge server's scoring route) needs `Authorization: Bearer <key>`
 (or `x-api-key: <key>`, as Anthropic's clients send it), and the request is its key's tenant's:
-the middleware puts the tenant's name in the request's state (`request.state.tenant`; the open
-tenant's when there are no keys). The engine's control routes (SGLang's `ADMIN_PATHS`: pausing,
+the middleware puts the tenant's name and the key's `Grant` in the request's state
+(`request.state.tenant`, `request.state.grant`; the open tenant's when there are no keys). The engine's control routes (SGLang's `ADMIN_PATHS`: pausing,
 weight loading, aborts, cache flushes) and the admin API (`/admin/...`) need `Bearer <admin_key>`
 when an admin key is configured; a client key never reaches them. Anything else (`/health`,
 `/metrics`) is open. A refusal is a 401 in OpenAI's error shape with `WWW-Authenticate: Bearer`.
@@ -75,11 +75,11 @@ class AuthMiddleware:
                 return
         elif path == "/v1" or path.startswith(("/v1/", "/engine/")):
             token = client_key(headers)
-            tenant = self.tenants.tenant_of(token)
-            if tenant is None:
+            grant = self.tenants.grant_of(token)
+            if grant is None:
                 await self._refuse(scope, receive, send, "API key", token)
                 return
-            scope.setdefault("state", {})["tenant"] = tenant
+            scope.setdefault("state", {}).update(tenant=grant.tenant, grant=grant)
         await self.app(scope, receive, send)
 
     @staticmethod
