@@ -9,6 +9,9 @@ import httpx
 import openai
 import pytest
 
+from flywheel.config import load_config
+from flywheel.serve.loop import ServeLoop
+
 from factories import ASK_WEATHER, WEATHER, recorded_turns
 
 FUNCTION = {"type": "function", **WEATHER["function"]}
@@ -118,19 +121,26 @@ CODEX_BODY = {
 }
 
 
-async def test_codex_cli_requests_are_served_and_stitched_by_its_session_header(served, bus):
+async def test_codex_cli_requests_are_served_and_stitched_by_its_session_header(nats_url, tmp_path, bus):
+    """Codex CLI sends `store: false` on every request: recorded only where the operator says to
+    ignore a client's own `store` (`serve.client_store: ignore`)."""
     headers = {"session-id": "codex-session", "originator": "codex_exec", "accept": "text/event-stream"}
-    async with httpx.AsyncClient(base_url=served.url, timeout=60) as http:
-        async with http.stream("POST", "/v1/responses", json={**CODEX_BODY, "max_output_tokens": 6}, headers=headers) as r:
-            assert r.status_code == 200
-            lines = [line async for line in r.aiter_lines() if line]
+    served = ServeLoop(load_config(None, [f"run_dir={tmp_path}", "serve.port=0", "serve.client_store=ignore"]), nats_url)
+    await served.start()
+    try:
+        async with httpx.AsyncClient(base_url=served.url, timeout=60) as http:
+            async with http.stream("POST", "/v1/responses", json={**CODEX_BODY, "max_output_tokens": 6}, headers=headers) as r:
+                assert r.status_code == 200
+                lines = [line async for line in r.aiter_lines() if line]
+        [turn] = await recorded_turns(bus, 1)
+        prompt = served.engine.tokenizer.decode(turn.prompt_ids)
+    finally:
+        await served.stop()
     names = [line.removeprefix("event: ") for line in lines if line.startswith("event: ")]
     data = [json.loads(line.removeprefix("data: ")) for line in lines if line.startswith("data: ")]
     assert names == [d["type"] for d in data] and names[-1] in ("response.completed", "response.incomplete")
-    [turn] = await recorded_turns(bus, 1)
     assert turn.session_id == "codex-session"
-    assert "exec_command" in served.engine.tokenizer.decode(turn.prompt_ids)
-    assert "apply_patch" not in served.engine.tokenizer.decode(turn.prompt_ids)
+    assert "exec_command" in prompt and "apply_patch" not in prompt
 
 
 @pytest.mark.parametrize("change, param", [

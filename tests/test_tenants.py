@@ -9,11 +9,14 @@ trajectory; B's turn is a session of B's own. Every turn says whose it is (tenan
 import httpx
 import openai
 import pytest
+from nats.js.errors import NotFoundError
 
+from flywheel.bus.streams import TURN_SUBJECT
 from flywheel.config import ConfigError, load_config
 from flywheel.serve.ops.tenants import TenantDirectory
 
-from factories import collected, platform
+from factories import collected, delivered, platform
+from waiting import until
 
 KEYS = 'serve.api_keys=["key-a", "key-b"]'
 
@@ -203,3 +206,26 @@ async def test_store_false_is_served_and_nothing_is_kept(nats_url, tmp_path, bus
         await ask(serve, "opt-out-key", "kept", "marker")  # recorded after the others: they would come first
         _, turns = await collected(bus, n_sessions=0, n_turns=1)
     assert [session.split("/", 1)[1] for session in turns] == ["kept"]
+
+
+async def test_a_tenants_records_are_gone_past_its_retention_and_anothers_stay(nats_url, tmp_path, bus):
+    """`retention_days` puts a per-message age limit (`Nats-TTL`) on the tenant's records; here
+    two seconds, against a tenant with the streams' own limit."""
+    two_seconds = 2 / 86_400
+    tenants = (f"tenants={{brief: {{training: opt_out, retention_days: {two_seconds}, keys: [k-brief]}}, "
+               "long: {training: opt_out, keys: [k-long]}}")
+    async with platform(nats_url, tmp_path, tenants) as (serve, _, _):
+        await ask(serve, "k-brief", "short-lived", "forget me soon")
+        await ask(serve, "k-long", "long-lived", "keep me")
+        turns = await delivered(bus.consumer(TURN_SUBJECT, "retention-check"), 2)
+    seq = {delivery.record.tenant: delivery.stream_seq for delivery in turns}
+
+    async def gone(stream_seq: int) -> bool:
+        try:
+            await bus.js.get_msg("TRAFFIC", stream_seq)
+        except NotFoundError:
+            return True
+        return False
+
+    await until(lambda: gone(seq["brief"]), timeout_s=30)
+    assert not await gone(seq["long"])

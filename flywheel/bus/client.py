@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator, Iterable
+from collections.abc import AsyncIterator, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -29,7 +29,7 @@ from nats.js.errors import APIError, NotFoundError
 from flywheel.bus.acks import PublishAcks
 from flywheel.bus.large import HEADER, HEADROOM, LargeRecords, is_large, read_payload
 from flywheel.bus.pull import PullRequests
-from flywheel.bus.records import Record, Sample, Trajectory, decode, encode
+from flywheel.bus.records import Record, Sample, Trajectory, decode, encode, tenant_of
 from flywheel.bus.streams import RECORD_TYPES, STREAMS, TRAJECTORIES, StreamSpec
 
 log = logging.getLogger(__name__)
@@ -151,10 +151,12 @@ def _outcome(sent: asyncio.Future | BaseException, timeout_s: float) -> BaseExce
 class Bus:
     """A connection to NATS JetStream with the Flywheel streams in place."""
 
-    def __init__(self, nc: nats.NATS, replicas: int = 1):
+    def __init__(self, nc: nats.NATS, replicas: int = 1, retention: Mapping[str, float] | None = None):
         self.nc = nc
         self.js = nc.jetstream()
         self.replicas = replicas
+        self.retention = dict(retention or {})
+        """Tenant -> seconds its records are kept (`Nats-TTL`); a tenant not named: the streams' age."""
         self._acks = PublishAcks(nc)
         self.large = LargeRecords(self.js, replicas)
 
@@ -164,9 +166,11 @@ class Bus:
         return self._acks.outstanding
 
     @classmethod
-    async def connect(cls, url: str, name: str = "flywheel", ensure_streams: bool = True, replicas: int = 1) -> "Bus":
+    async def connect(cls, url: str, name: str = "flywheel", ensure_streams: bool = True, replicas: int = 1,
+                      retention: Mapping[str, float] | None = None) -> "Bus":
         """Connect to `url`: one server, or several of a cluster separated by commas (the client
-        picks one and fails over to the others). The streams are kept in `replicas` copies.
+        picks one and fails over to the others). The streams are kept in `replicas` copies, and a
+        tenant's records published here for `retention[tenant]` seconds (its `retention_days`).
         After a reconnect, publishes still waiting for their acknowledgement are sent again."""
         bus: Bus | None = None
 
@@ -182,7 +186,7 @@ class Bus:
             connect_timeout=5,
             reconnected_cb=reconnected,
         )
-        bus = cls(nc, replicas)
+        bus = cls(nc, replicas, retention)
         if ensure_streams:
             await bus.ensure_streams()
         return bus
@@ -196,6 +200,7 @@ class Bus:
                 max_msgs_per_subject=spec.max_msgs_per_subject,
                 duplicate_window=120.0,
                 allow_direct=True,  # `resolve` reads trajectories by sequence number
+                allow_msg_ttl=spec.tenant_records,  # a tenant's `retention_days`
                 num_replicas=self.replicas,
             )
             try:
@@ -234,6 +239,9 @@ class Bus:
     async def _send(self, subject: str, record: Record) -> asyncio.Future:
         payload = encode(record)
         headers = {"Nats-Msg-Id": record.id}
+        ttl = self.retention.get(tenant_of(record)) if self.retention else None
+        if ttl is not None:
+            headers["Nats-TTL"] = f"{max(1, int(ttl))}s"
         if len(payload) > self.nc.max_payload - HEADROOM:
             headers[HEADER] = await self.large.put(subject, record.id, payload)
             payload = b""

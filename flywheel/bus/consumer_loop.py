@@ -19,6 +19,7 @@ from typing import Any, ClassVar
 from flywheel.bus.client import Bus, Consumer, Delivery
 from flywheel.bus.keepalive import keep_alive
 from flywheel.config import FlywheelConfig
+from flywheel.config.tenants import retention_s
 from flywheel.runtime import cancel_and_wait, repeat
 
 
@@ -38,7 +39,8 @@ class ConsumerLoop:
         self._tasks: list[asyncio.Task] = []
 
     async def start(self) -> Any:
-        self.bus = await Bus.connect(self.bus_url, name=self.name, replicas=self.config.bus.replicas)
+        self.bus = await Bus.connect(self.bus_url, name=self.name, replicas=self.config.bus.replicas,
+                                  retention=retention_s(self.config.tenants))
         ack_wait = self.config.bus.ack_wait_s
         self.consumer = self.bus.consumer(self.subjects, self.durable, ack_wait_s=ack_wait)
         await self.prepare()

@@ -352,3 +352,11 @@ def decode(data: bytes, kind: type[Record], codec: Codec = "msgpack") -> Record:
             f"{kind.__name__} has schema {record.schema}; this build reads up to {SCHEMA_VERSION}"
         )
     return record
+
+
+def tenant_of(record: Record) -> str | None:
+    """Whose traffic a record holds (an unscored one: its trajectory's); None for records that
+    are nobody's (weights, versions)."""
+    if isinstance(record, Unscored):
+        return record.trajectory.tenant
+    return getattr(record, "tenant", None)

@@ -28,6 +28,8 @@ class StreamSpec:
     max_age_s: float
     """How long records are kept (for replay, `flywheel tail` and late consumers)."""
     max_msgs_per_subject: int = -1
+    tenant_records: bool = False
+    """Holds tenants' traffic: each record may carry its tenant's own age limit (`Nats-TTL`)."""
 
 
 TRAFFIC_SUBJECTS = "flywheel.traffic.>"
@@ -49,10 +51,10 @@ DIRECTIVE_SUBJECT = f"$KV.{REGISTRY_BUCKET}.trainer"
 
 DAY = 24 * 3600.0
 
-TRAFFIC = StreamSpec("TRAFFIC", (TRAFFIC_SUBJECTS,), max_age_s=7 * DAY)
-TRAJECTORIES = StreamSpec("TRAJECTORIES", (TRAJECTORY_SUBJECT,), max_age_s=7 * DAY)
-SAMPLES = StreamSpec("SAMPLES", (SAMPLE_SUBJECT,), max_age_s=7 * DAY)
-UNSCORED = StreamSpec("UNSCORED", (UNSCORED_SUBJECT,), max_age_s=30 * DAY)
+TRAFFIC = StreamSpec("TRAFFIC", (TRAFFIC_SUBJECTS,), max_age_s=7 * DAY, tenant_records=True)
+TRAJECTORIES = StreamSpec("TRAJECTORIES", (TRAJECTORY_SUBJECT,), max_age_s=7 * DAY, tenant_records=True)
+SAMPLES = StreamSpec("SAMPLES", (SAMPLE_SUBJECT,), max_age_s=7 * DAY, tenant_records=True)
+UNSCORED = StreamSpec("UNSCORED", (UNSCORED_SUBJECT,), max_age_s=30 * DAY, tenant_records=True)
 WEIGHTS = StreamSpec("WEIGHTS", (WEIGHTS_SUBJECT,), max_age_s=30 * DAY, max_msgs_per_subject=64)
 COMMANDS = StreamSpec("VERSION_COMMANDS", (COMMANDS_SUBJECT,), max_age_s=30 * DAY)
 

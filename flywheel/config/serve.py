@@ -120,6 +120,11 @@ class ServeConfig(Section):
     stored_responses: int = Field(10_000, ge=0)
     """How many Responses API answers (with `store`) the gateway keeps in memory for
     `previous_response_id` and `GET /v1/responses/{id}`; the oldest go first."""
+    client_store: Literal["honour", "ignore"] = "honour"
+    """A request's own `store: false` (chat completions, Responses API): `honour` it (nothing of
+    the request is kept or trained), or `ignore` it, for agents that send it out of habit (Codex
+    CLI sends it on every request) on a deployment whose operator wants their traffic. A
+    tenant's or key's `store: false` holds either way."""
 
     @model_validator(mode="after")
     def _someone_swaps_an_embedded_engine(self) -> "ServeConfig":

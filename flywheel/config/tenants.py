@@ -73,6 +73,9 @@ class TenantConfig(Section):
     `training: opt_out` here), as the API providers a business compares us with do."""
     store: bool = True
     """false: nothing of this tenant's traffic is kept beyond the request (served, never recorded)."""
+    retention_days: float | None = Field(None, gt=0, le=7)
+    """How long its records (turns, trajectories, samples, unscored) are kept on the bus, each
+    from when it was written; at most 7, the streams' own age limit (null: 7; unscored: 30)."""
 
     @field_validator("keys", mode="before")
     @classmethod
@@ -95,3 +98,8 @@ def check_tenants(tenants: dict[str, TenantConfig], api_keys: list[str]) -> None
             if key.value in owner:
                 raise ValueError(f"tenants.{name}.keys: a key of tenant {owner[key.value]} too (a key belongs to one tenant)")
             owner[key.value] = name
+
+
+def retention_s(tenants: dict[str, TenantConfig]) -> dict[str, float]:
+    """Tenant -> seconds its records are kept, for the tenants that set `retention_days`."""
+    return {name: tenant.retention_days * 86_400 for name, tenant in tenants.items() if tenant.retention_days is not None}

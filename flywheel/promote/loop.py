@@ -41,6 +41,7 @@ from flywheel.bus import (
 )
 from flywheel.bus.streams import COMMANDS_SUBJECT
 from flywheel.config import ConfigError, FlywheelConfig
+from flywheel.config.tenants import retention_s
 from flywheel.models import load_model
 from flywheel.promote.decisions import Decisions
 from flywheel.promote.evidence import (
@@ -91,7 +92,8 @@ class PromoteLoop:
         if not self.config.promotion.enabled or not url:
             raise ConfigError("promotion.eval_url: the promotion loop needs promotion.mode on and an evaluation server "
                               "(deploy starts one and sets it; by hand: flywheel serve serve.role=eval)")
-        self.bus = await Bus.connect(self.bus_url, name="promote", replicas=self.config.bus.replicas)
+        self.bus = await Bus.connect(self.bus_url, name="promote", replicas=self.config.bus.replicas,
+                                  retention=retention_s(self.config.tenants))
         self.registry = await Registry.open(self.bus)
         self.decisions = Decisions(self.registry, self.config)
         async with self.decisions.lock:

@@ -51,6 +51,7 @@ import httpx
 from flywheel.bus import WEIGHTS_SUBJECT, Bus
 from flywheel.bus.streams import DIRECTIVE_SUBJECT, ROUTING_SUBJECT
 from flywheel.config import ConfigError, FlywheelConfig
+from flywheel.config.tenants import retention_s
 from flywheel.envs import ENVS, Env, Task, make_env
 from flywheel.rollout.env_pool import make_runner
 from flywheel.runtime import cancel_and_wait, repeat
@@ -106,7 +107,8 @@ class RolloutDriver:
         )
 
     async def start(self) -> None:
-        self.bus = await Bus.connect(self.bus_url, name="rollout", replicas=self.config.bus.replicas)
+        self.bus = await Bus.connect(self.bus_url, name="rollout", replicas=self.config.bus.replicas,
+                                  retention=retention_s(self.config.tenants))
         self.runner = make_runner(self.config, self.env, self.endpoint, self.config.served_model)
         self._tasks = [
             asyncio.create_task(repeat(self._follow_versions, "rollout.versions"), name="versions"),

@@ -85,10 +85,14 @@ def create_gateway(pool: EnginePool, tokenizer: Any, recorder: Recorder, model_n
         """Whose request this is and what its key may do, for `session_of`."""
         return {"grant": request.state.grant, "tenants": tenants}
 
+    def client_store(store: bool | None) -> bool | None:
+        """The request's own `store`, unless the gateway is told to ignore it."""
+        return store if config.client_store == "honour" else None
+
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request, response: Response) -> Any:
         session = session_of(request.headers, body.metadata, body.user, safety_identifier=body.safety_identifier,
-                             store=body.store, **caller(request))
+                             store=client_store(body.store), **caller(request))
         return await answerer.answer(request, response.headers, body, session, *await prompts.chat(body, session))
 
     @app.post("/v1/completions")
@@ -109,7 +113,7 @@ def create_gateway(pool: EnginePool, tokenizer: Any, recorder: Recorder, model_n
         conversation = (previous.session_id if previous else request.headers.get("session-id") or body.prompt_cache_key
                         or (response_id if body.store else None))  # a stored response may be continued
         session = session_of(request.headers, body.metadata, body.user, conversation,
-                             safety_identifier=body.safety_identifier, store=body.store, **caller(request))
+                             safety_identifier=body.safety_identifier, store=client_store(body.store), **caller(request))
         history = previous.conversation if previous else []
         chat = translated(lambda: body.to_chat(history))
         wire = ResponsesWire(body, stored_responses, response_id, session.client_id, session.tenant, session.store,

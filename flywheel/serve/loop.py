@@ -26,6 +26,7 @@ from flywheel.bus.addresses import write_address
 from flywheel.bus.streams import ROUTING_SUBJECT, TRAFFIC
 from flywheel.config import ConfigError, FlywheelConfig
 from flywheel.config.serve import ServeConfig
+from flywheel.config.tenants import retention_s
 from flywheel.models import load_model, load_weights, place
 from flywheel.runtime import cancel_and_wait, repeat
 from flywheel.serve.backends.in_process import InProcessEngineClient
@@ -85,7 +86,8 @@ class ServeLoop:
             context_length = self.engine.context_length
         self.routed = cfg.role == "policy" and self.config.promotion.enabled
         self.pool = RoutedPool(engines) if self.routed else EnginePool(engines)
-        self.bus = await Bus.connect(self.bus_url, name="serve", replicas=self.config.bus.replicas)
+        self.bus = await Bus.connect(self.bus_url, name="serve", replicas=self.config.bus.replicas,
+                                  retention=retention_s(self.config.tenants))
         spill_dir = Path(cfg.spill_dir) if cfg.spill_dir else Path(self.config.run_dir) / "spill"
         self.recorder = Recorder(self.bus, cfg.publish_queue_size, spill_dir=spill_dir)
         self.metrics = ServeMetrics()
