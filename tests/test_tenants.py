@@ -229,3 +229,52 @@ async def test_a_tenants_records_are_gone_past_its_retention_and_anothers_stay(n
 
     await until(lambda: gone(seq["brief"]), timeout_s=30)
     assert not await gone(seq["long"])
+
+
+ADMIN = ["serve.admin_key=root", 'tenants={acme: {training: opt_out, keys: ["config-key"]}}']
+
+
+async def admin(serve, method: str, path: str, key: str = "root", **body) -> httpx.Response:
+    async with httpx.AsyncClient(base_url=serve.url, headers={"Authorization": f"Bearer {key}"}) as http:
+        return await http.request(method, path, json=body or None)
+
+
+async def test_tenants_and_keys_change_at_run_time_at_every_gateway_and_are_audited(nats_url, tmp_path, bus):
+    async with platform(nats_url, tmp_path, *ADMIN) as (first, _, _), \
+            platform(nats_url, tmp_path / "second", *ADMIN) as (second, _, _):
+        assert (await admin(first, "POST", "/admin/tenants", name="globex", training="opt_out")).status_code == 200
+        minted = (await admin(first, "POST", "/admin/tenants/globex/keys")).json()
+        assert (await ask(first, minted["key"], "g1", "hi")).choices  # at once where it was made
+        await until(lambda: second.app and second.tenants.grant_of(minted["key"].encode()) is not None)
+        assert (await ask(second, minted["key"], "g2", "hi")).choices  # and at the other gateway
+        config_key = next(k["id"] for t in (await admin(first, "GET", "/admin/tenants")).json()["data"]
+                          if t["name"] == "acme" for k in t["keys"])
+        assert (await admin(second, "DELETE", f"/admin/tenants/acme/keys/{config_key}")).status_code == 200
+        await until(lambda: first.tenants.grant_of(b"config-key") is None)
+        with pytest.raises(openai.AuthenticationError):
+            await ask(first, "config-key", "a1", "hi")  # a key of the configuration, revoked at run time
+        log = (await admin(first, "GET", "/admin/audit")).json()["data"]
+    assert [(e["action"], e["target"]) for e in log] == [
+        ("tenant.add", "globex"), ("key.add", f"globex/{minted['id']}"), ("key.revoke", f"acme/{config_key}")]
+    assert all(e["actor"] == "admin" and e["at"] > 0 for e in log)
+    async with platform(nats_url, tmp_path / "third", *ADMIN) as (restarted, _, _):  # persisted on the bus
+        assert (await ask(restarted, minted["key"], "g3", "hi")).choices
+        with pytest.raises(openai.AuthenticationError):
+            await ask(restarted, "config-key", "a2", "hi")
+
+
+async def test_the_admin_api_needs_the_admin_key_and_a_client_key_never_reaches_it(nats_url, tmp_path):
+    async with platform(nats_url, tmp_path, *ADMIN) as (serve, _, _):
+        assert (await admin(serve, "POST", "/admin/tenants", key="config-key", name="evil")).status_code == 401
+        assert (await admin(serve, "GET", "/admin/tenants", key="config-key")).status_code == 401
+    async with platform(nats_url, tmp_path / "open", 'tenants={acme: {keys: ["k"]}}') as (serve, _, _):
+        refused = await admin(serve, "POST", "/admin/tenants", key="k", name="evil")
+        assert refused.status_code == 403 and refused.json()["error"]["code"] == "admin_key_required"
+
+
+async def test_a_tenant_that_exists_or_does_not_is_told_so(nats_url, tmp_path):
+    async with platform(nats_url, tmp_path, *ADMIN) as (serve, _, _):
+        assert (await admin(serve, "POST", "/admin/tenants", name="acme")).status_code == 409
+        assert (await admin(serve, "POST", "/admin/tenants/nobody/keys")).status_code == 404
+        assert (await admin(serve, "DELETE", "/admin/tenants/acme/keys/000000000000")).status_code == 404
+        assert (await admin(serve, "POST", "/admin/tenants", name="Not Safe")).status_code == 400

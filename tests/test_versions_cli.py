@@ -13,6 +13,7 @@ import httpx
 
 from flywheel.bus import WEIGHTS_SUBJECT, WeightUpdate
 from flywheel.bus.addresses import BUS, write_address
+from flywheel.bus.streams import AUDIT_SUBJECT
 from flywheel.cli import command
 from flywheel.config import load_config
 from flywheel.deploy.deployment import side_server_config
@@ -21,7 +22,7 @@ from flywheel.promote.loop import PromoteLoop
 from flywheel.serve.loop import ServeLoop
 from flywheel.versions.registry import Registry
 
-from factories import is_in_state
+from factories import is_in_state, read
 from waiting import until
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -78,6 +79,11 @@ async def test_flywheel_versions_lists_shows_and_commands_the_promotion_loop(bus
         refused = await versions_cli(tmp_path, "promote", "7")
         assert refused.returncode == 1 and "no version 7" in refused.stdout
         assert (await versions_cli(tmp_path, "promote")).returncode == 2  # argparse: a version is needed
+        audited = await read(bus, AUDIT_SUBJECT, "audit-check", 2)
+    # Every operator's command is on the audit log, with who, what and how it ended.
+    assert [(e.actor, e.action, e.target, e.details["ok"]) for e in audited] == [
+        ("cli", "version.rollback", "", True), ("cli", "version.promote", "v7", False)]
+    assert audited[0].details["reason"] == "drill"
 
 
 async def test_flywheel_versions_says_so_when_no_promotion_loop_answers(bus, nats_url, tmp_path):

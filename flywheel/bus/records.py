@@ -354,6 +354,20 @@ def decode(data: bytes, kind: type[Record], codec: Codec = "msgpack") -> Record:
     return record
 
 
+
+class AuditEntry(Record, kw_only=True):
+    """One administrative action, kept on the AUDIT stream: who did what to what (its `created_at`
+    says when): tenants and keys changed, data forgotten, versions promoted, rolled back or pinned."""
+
+    actor: str
+    """Who: `admin` (the admin key), `cli`, or an operator's name."""
+    action: str
+    """What: `tenant.add`, `key.add`, `key.revoke`, `forget`, `version.promote`, ..."""
+    target: str
+    """On what: a tenant, `tenant/key-id`, a version."""
+    details: dict[str, Any] = msgspec.field(default_factory=dict)
+
+
 def tenant_of(record: Record) -> str | None:
     """Whose traffic a record holds (an unscored one: its trajectory's); None for records that
     are nobody's (weights, versions)."""

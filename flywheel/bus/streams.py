@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from flywheel.bus.records import (
+    AuditEntry,
     Record,
     Sample,
     SessionEvent,
@@ -40,6 +41,8 @@ TRAJECTORY_SUBJECT = "flywheel.trajectories"
 SAMPLE_SUBJECT = "flywheel.samples"
 UNSCORED_SUBJECT = "flywheel.unscored"
 WEIGHTS_SUBJECT = "flywheel.weights"
+AUDIT_SUBJECT = "flywheel.audit"
+"""Administrative actions, who did them and when (the admin API, `flywheel forget`, the promotion loop)."""
 COMMANDS_SUBJECT = "flywheel.versions.commands"
 """Operators' requests to the promotion loop (`flywheel versions`, the gateway's admin routes)."""
 REGISTRY_BUCKET = "FLYWHEEL_VERSIONS"
@@ -57,8 +60,9 @@ SAMPLES = StreamSpec("SAMPLES", (SAMPLE_SUBJECT,), max_age_s=7 * DAY, tenant_rec
 UNSCORED = StreamSpec("UNSCORED", (UNSCORED_SUBJECT,), max_age_s=30 * DAY, tenant_records=True)
 WEIGHTS = StreamSpec("WEIGHTS", (WEIGHTS_SUBJECT,), max_age_s=30 * DAY, max_msgs_per_subject=64)
 COMMANDS = StreamSpec("VERSION_COMMANDS", (COMMANDS_SUBJECT,), max_age_s=30 * DAY)
+AUDIT = StreamSpec("AUDIT", (AUDIT_SUBJECT,), max_age_s=400 * DAY)
 
-STREAMS: dict[str, StreamSpec] = {s.name: s for s in (TRAFFIC, TRAJECTORIES, SAMPLES, UNSCORED, WEIGHTS, COMMANDS)}
+STREAMS: dict[str, StreamSpec] = {s.name: s for s in (TRAFFIC, TRAJECTORIES, SAMPLES, UNSCORED, WEIGHTS, COMMANDS, AUDIT)}
 
 RECORD_TYPES: dict[str, type[Record]] = {
     TURN_SUBJECT: Turn,
@@ -68,6 +72,7 @@ RECORD_TYPES: dict[str, type[Record]] = {
     UNSCORED_SUBJECT: Unscored,
     WEIGHTS_SUBJECT: WeightUpdate,
     COMMANDS_SUBJECT: VersionCommand,
+    AUDIT_SUBJECT: AuditEntry,
     ROUTING_SUBJECT: Routing,  # keys of the registry's bucket (flywheel/versions/registry.py), not streams of their own
     DIRECTIVE_SUBJECT: TrainerDirective,
 }

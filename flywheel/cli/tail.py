@@ -1,7 +1,7 @@
 """`flywheel tail NAME`: print the records of a stream or subject as JSON lines.
 
 NAME is a stream (`TRAFFIC`, `SAMPLES`, ...), a subject (`flywheel.samples`) or a short alias
-(`turns`, `events`, `trajectories`, `samples`, `weights`). Prints what the stream holds and
+(`turns`, `events`, `trajectories`, `samples`, `weights`, `audit`). Prints what the stream holds and
 exits; `--follow` keeps printing new records. The bus is found as the other subcommands find it:
 `bus.url`, else the `bus.url` file a running deployment writes into its `run_dir`.
 """
@@ -21,6 +21,7 @@ from flywheel.bus.client import Bus
 from flywheel.bus.large import read_payload
 from flywheel.bus.records import decode, encode
 from flywheel.bus.streams import (
+    AUDIT_SUBJECT,
     RECORD_TYPES,
     SAMPLE_SUBJECT,
     SESSION_EVENT_SUBJECT,
@@ -37,6 +38,7 @@ ALIASES = {
     "trajectories": TRAJECTORY_SUBJECT,
     "samples": SAMPLE_SUBJECT,
     "weights": WEIGHTS_SUBJECT,
+    "audit": AUDIT_SUBJECT,
 }
 
 

@@ -39,7 +39,8 @@ from flywheel.bus import (
     Turn,
     WeightUpdate,
 )
-from flywheel.bus.streams import COMMANDS_SUBJECT
+from flywheel.bus.records import AuditEntry
+from flywheel.bus.streams import AUDIT_SUBJECT, COMMANDS_SUBJECT
 from flywheel.config import ConfigError, FlywheelConfig
 from flywheel.config.tenants import retention_s
 from flywheel.models import load_model
@@ -325,6 +326,10 @@ class PromoteLoop:
                     except (LookupError, IllegalTransition, ValueError) as exc:
                         result = CommandResult(id=command.id, ok=False, message=str(exc))
                     await self.registry.set_result(result)
+                    await self.bus.publish(AUDIT_SUBJECT, AuditEntry(
+                        id=f"command-{command.id}", actor=command.operator, action=f"version.{command.kind}",
+                        target="" if command.version is None else f"v{command.version}",
+                        details={"ok": result.ok, "message": result.message, "reason": command.reason}))
                     self.counts["commands"] += 1
             await delivery.ack()
             self._wake.set()

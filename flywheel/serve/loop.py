@@ -37,10 +37,12 @@ from flywheel.serve.backends.vllm_server import uses_vllm, vllm_engines
 from flywheel.serve.engine import Engine, torch_threads
 from flywheel.serve.gateway import create_gateway
 from flywheel.serve.ops.metrics import ServeMetrics
+from flywheel.serve.ops.tenant_routes import install_tenant_routes
 from flywheel.serve.ops.tenants import TenantDirectory
 from flywheel.serve.ops.version_routes import VersionBoard
 from flywheel.serve.recorder import Recorder
 from flywheel.serve.routing import RoutedPool
+from flywheel.tenants.registry import TenantRegistry
 from flywheel.tenants.sessions import SessionRegistry
 from flywheel.versions.records import Arm, Routing
 from flywheel.versions.registry import Registry
@@ -95,8 +97,13 @@ class ServeLoop:
             engine = self.engine
             self.metrics.on_scrape(lambda m: m.engine_state(**_engine_state(engine)))
         sessions = await SessionRegistry.open(self.bus, TRAFFIC.max_age_s)
+        self.tenants = TenantDirectory.from_config(self.config)
+        self.tenant_registry = await TenantRegistry.open(self.bus)
+        for entry in await self.tenant_registry.current():  # before the first request: a revoked key opens nothing
+            self.tenants.apply(entry)
         self.app = create_gateway(self.pool, tokenizer, self.recorder, self.model_name, cfg, context_length, self.metrics,
-                                  TenantDirectory.from_config(self.config), sessions)
+                                  self.tenants, sessions)
+        install_tenant_routes(self.app, self.tenants, self.tenant_registry, cfg.admin_key)
         self.board: VersionBoard | None = None
         if self.routed:
             assert isinstance(self.pool, RoutedPool)
@@ -111,7 +118,8 @@ class ServeLoop:
             timeout_graceful_shutdown=cfg.shutdown_grace_s, timeout_keep_alive=cfg.keep_alive_s,
         ))
         self._http = asyncio.create_task(self._server.serve(), name="http")
-        self._tasks = [asyncio.create_task(self.recorder.run(), name="recorder"), self._http]
+        self._tasks = [asyncio.create_task(self.recorder.run(), name="recorder"), self._http,
+                       asyncio.create_task(repeat(self._follow_tenants, "flywheel.serve.tenants"), name="tenants")]
         if self.board is not None:
             self._tasks.append(asyncio.create_task(repeat(self._follow_routing, "flywheel.serve.routing"), name="routing"))
             self._tasks.append(asyncio.create_task(self.board.refresh_forever(), name="versions"))
@@ -148,6 +156,11 @@ class ServeLoop:
                 self.swaps += 1
             except Exception:
                 log.exception("could not load weights v%d from %s", update.version, update.path)
+
+    async def _follow_tenants(self) -> None:
+        """Tenants and keys changed at run time, at any gateway, hold here too."""
+        async for entry in self.tenant_registry.entries():
+            self.tenants.apply(entry)
 
     async def _follow_routing(self) -> None:
         async for routing in self.bus.follow(ROUTING_SUBJECT, newest_only=True):

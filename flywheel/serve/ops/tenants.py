@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 from flywheel.config import ConfigError, FlywheelConfig
 from flywheel.config.tenants import OPEN_TENANT, Training, stricter
+from flywheel.tenants.records import TenantEntry
 
 
 def _digest(key: bytes) -> bytes:
@@ -37,9 +38,24 @@ OPEN = Grant(OPEN_TENANT, "opt_out", True)
 
 
 @dataclass(frozen=True)
+class _Key:
+    """A key's own part of its grant: its tenant, and what the key narrows."""
+
+    tenant: str
+    training: Training | None = None
+    store: bool = True
+
+
 class TenantDirectory:
-    grants: dict[bytes, Grant]
-    """SHA-256 of each client key -> its grant; empty: the one open tenant, no key needed."""
+    """The tenants and keys of the configuration, overlaid by those changed at run time
+    (`apply`, from the bus: flywheel/tenants/registry.py)."""
+
+    def __init__(self, keys: dict[bytes, _Key], settings: dict[str, tuple[Training, bool]]):
+        self._base_keys, self._base_settings = keys, settings
+        self._entries: dict[str, TenantEntry] = {}
+        self.grants: dict[bytes, Grant] = {}
+        """SHA-256 of each client key -> its grant; empty: the one open tenant, no key needed."""
+        self._rebuild()
 
     @staticmethod
     def key_tenant(key: str) -> str:
@@ -53,18 +69,50 @@ class TenantDirectory:
         ConfigError naming the variable that is not set). Keys in `serve.api_keys` are tenants of
         their own that train unless a request says not to (the operator's own clients, as before
         tenants); a `tenants:` entry's training defaults to `opt_in`."""
-        grants: dict[str, Grant] = {key: Grant(cls.key_tenant(key), "opt_out", True) for key in config.serve.api_keys}
+        keys = {_digest(key.encode()): _Key(cls.key_tenant(key)) for key in config.serve.api_keys}
+        settings: dict[str, tuple[Training, bool]] = {key.tenant: ("opt_out", True) for key in keys.values()}
         for name, tenant in config.tenants.items():
+            settings[name] = (tenant.training, tenant.store)
             for key in tenant.keys:
                 value = key.value
                 if key.env is not None:
                     value = os.environ.get(key.env)
                     if not value:
                         raise ConfigError(f"tenants.{name}.keys: {key.env} is not set")
-                grant = Grant(name, stricter(tenant.training, key.training), tenant.store and key.store)
-                if grants.setdefault(value, grant).tenant != name:
-                    raise ConfigError(f"tenants.{name}.keys: {key.env} holds a key of tenant {grants[value].tenant} too")
-        return cls({_digest(key.encode()): grant for key, grant in grants.items()})
+                if keys.setdefault(_digest(value.encode()), _Key(name, key.training, key.store)).tenant != name:
+                    raise ConfigError(f"tenants.{name}.keys: {key.env} holds a key of another tenant too")
+        return cls(keys, settings)
+
+    def apply(self, entry: TenantEntry) -> None:
+        """A tenant added or changed at run time: its settings and keys now hold, a revoked key
+        (of the configuration too) no longer opens anything."""
+        self._entries[entry.name] = entry
+        self._rebuild()
+
+    def _rebuild(self) -> None:
+        settings = dict(self._base_settings)
+        keys = dict(self._base_keys)
+        for entry in self._entries.values():
+            settings[entry.name] = (entry.training, entry.store)
+            for key in entry.keys:
+                digest = bytes.fromhex(key.digest)
+                if key.revoked:
+                    keys.pop(digest, None)
+                else:
+                    keys[digest] = _Key(entry.name, key.training, key.store)
+        self.grants = {digest: Grant(key.tenant, stricter(settings[key.tenant][0], key.training),
+                                     settings[key.tenant][1] and key.store) for digest, key in keys.items()}
+
+    def tenants(self) -> dict[str, dict]:
+        """Every tenant and its keys (by id), as the admin API shows them."""
+        out: dict[str, dict] = {}
+        for digest, grant in self.grants.items():
+            tenant = out.setdefault(grant.tenant, {"training": None, "store": None, "keys": []})
+            tenant["keys"].append({"id": digest.hex()[:12], "training": grant.training, "store": grant.store})
+        for name in out:
+            entry = self._entries.get(name)
+            out[name]["training"], out[name]["store"] = (entry.training, entry.store) if entry else self._base_settings[name]
+        return out
 
     @property
     def open(self) -> bool:

@@ -1,0 +1,131 @@
+"""The tenants, changed at run time through the admin API (admin key), with no restart.
+
+- `GET /admin/tenants`: every tenant, its consent settings and its keys (by id, never the key).
+- `POST /admin/tenants` `{"name", "training"?, "store"?}`: a new tenant (409 if it exists).
+- `PATCH /admin/tenants/{name}` `{"training"?, "store"?}`: change a tenant's settings.
+- `POST /admin/tenants/{name}/keys` `{"training"?, "store"?}`: a new key, answered once
+  (`{"id", "key"}`): only its SHA-256 is kept.
+- `DELETE /admin/tenants/{name}/keys/{id}`: revoke a key (one of the configuration's too).
+- `GET /admin/audit`: the audit log, newest last.
+
+Every change is written to the bus (`TenantRegistry`), which every gateway follows, and appended
+to the audit log. These routes need the admin key and answer 403 where none is configured:
+whoever could reach them could mint keys for any tenant.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import secrets
+from typing import Any, Literal
+
+from fastapi import FastAPI
+
+from flywheel.bus.records import AuditEntry
+from flywheel.config.tenants import TENANT_NAME
+from flywheel.serve.api.errors import APIError
+from flywheel.serve.api.validation import Body
+from flywheel.serve.ops.tenants import TenantDirectory
+from flywheel.tenants.records import KeyEntry, TenantEntry
+from flywheel.tenants.registry import TenantRegistry
+
+Training = Literal["opt_in", "opt_out", "off"]
+
+
+class NewTenant(Body):
+    name: str
+    training: Training = "opt_in"
+    store: bool = True
+
+
+class TenantChange(Body):
+    training: Training | None = None
+    store: bool | None = None
+
+
+class NewKey(Body):
+    training: Training | None = None
+    store: bool = True
+
+
+def install_tenant_routes(app: FastAPI, directory: TenantDirectory, registry: TenantRegistry,
+                          admin_key: str | None) -> None:
+    def admin() -> None:
+        """Refuse every call where no admin key guards these routes (the middleware checks the key)."""
+        if admin_key is None:
+            raise APIError(403, "the tenant admin API needs serve.admin_key to be set", code="admin_key_required")
+
+    async def entry_of(name: str) -> TenantEntry:
+        """The tenant's run-time entry, started from the configuration's settings; 404 if no such tenant."""
+        entry = await registry.get(name)
+        if entry is not None:
+            return entry
+        known = directory.tenants().get(name)
+        if known is None:
+            raise APIError(404, f"tenant {name!r} not found", "name", "tenant_not_found")
+        return TenantEntry(name=name, training=known["training"], store=known["store"])
+
+    async def save(entry: TenantEntry, action: str, target: str, details: dict[str, Any]) -> None:
+        await registry.put(entry)
+        directory.apply(entry)
+        await registry.audit(AuditEntry(id=secrets.token_hex(16), actor="admin", action=action, target=target,
+                                        details=details))
+
+    @app.get("/admin/tenants")
+    async def tenants() -> dict[str, Any]:
+        admin()
+        return {"object": "list", "data": [{"name": name, **about} for name, about in sorted(directory.tenants().items())]}
+
+    @app.post("/admin/tenants")
+    async def add_tenant(body: NewTenant) -> dict[str, Any]:
+        admin()
+        if not TENANT_NAME.match(body.name):
+            raise APIError(400, f"{body.name!r} is not a tenant name (lowercase letters, digits, _ and -)", "name")
+        if body.name in directory.tenants() or await registry.get(body.name) is not None:
+            raise APIError(409, f"tenant {body.name!r} exists", "name", "tenant_exists")
+        entry = TenantEntry(name=body.name, training=body.training, store=body.store)
+        await save(entry, "tenant.add", body.name, {"training": body.training, "store": body.store})
+        return {"name": entry.name, "training": entry.training, "store": entry.store, "keys": []}
+
+    @app.patch("/admin/tenants/{name}")
+    async def change_tenant(name: str, body: TenantChange) -> dict[str, Any]:
+        admin()
+        entry = await entry_of(name)
+        changed = body.model_dump(exclude_none=True)
+        for field, value in changed.items():
+            setattr(entry, field, value)
+        await save(entry, "tenant.change", name, changed)
+        return {"name": name, "training": entry.training, "store": entry.store}
+
+    @app.post("/admin/tenants/{name}/keys")
+    async def add_key(name: str, body: NewKey | None = None) -> dict[str, Any]:
+        admin()
+        body = body or NewKey()
+        entry = await entry_of(name)
+        key = "fw-" + secrets.token_urlsafe(32)
+        digest = hashlib.sha256(key.encode()).hexdigest()
+        entry.keys.append(KeyEntry(id=digest[:12], digest=digest, training=body.training, store=body.store))
+        await save(entry, "key.add", f"{name}/{digest[:12]}", {"training": body.training, "store": body.store})
+        return {"id": digest[:12], "key": key, "tenant": name}
+
+    @app.delete("/admin/tenants/{name}/keys/{key_id}")
+    async def revoke_key(name: str, key_id: str) -> dict[str, Any]:
+        admin()
+        entry = await entry_of(name)
+        digest = next((d for d, grant in directory.grants.items() if grant.tenant == name and d.hex()[:12] == key_id), None)
+        if digest is None:
+            raise APIError(404, f"tenant {name!r} has no key {key_id!r}", "key_id", "key_not_found")
+        entry.keys = [k for k in entry.keys if k.digest != digest.hex()]
+        entry.keys.append(KeyEntry(id=key_id, digest=digest.hex(), revoked=True))
+        await save(entry, "key.revoke", f"{name}/{key_id}", {})
+        return {"id": key_id, "tenant": name, "revoked": True}
+
+    @app.get("/admin/audit")
+    async def audit() -> dict[str, Any]:
+        admin()
+        return {"object": "list", "data": [_plain(entry) for entry in await registry.audit_log()]}
+
+
+def _plain(entry: AuditEntry) -> dict[str, Any]:
+    return {"at": entry.created_at, "actor": entry.actor, "action": entry.action, "target": entry.target,
+            "details": entry.details}
