@@ -278,3 +278,27 @@ async def test_a_tenant_that_exists_or_does_not_is_told_so(nats_url, tmp_path):
         assert (await admin(serve, "POST", "/admin/tenants/nobody/keys")).status_code == 404
         assert (await admin(serve, "DELETE", "/admin/tenants/acme/keys/000000000000")).status_code == 404
         assert (await admin(serve, "POST", "/admin/tenants", name="Not Safe")).status_code == 400
+
+
+PII = ('tenants={dropping: {training: opt_out, pii: drop, keys: [k-drop]}, '
+       'redacting: {training: opt_out, pii: redact_input, keys: [k-redact]}, '
+       'trusting: {training: opt_out, pii: "off", keys: [k-off]}}')
+
+
+async def test_personal_data_is_dropped_or_redacted_before_anything_is_kept(nats_url, tmp_path, bus):
+    async with platform(nats_url, tmp_path, PII) as (serve, _, _):
+        email = "Write to ada.lovelace@gmail.com about my card 4111 1111 1111 1111."
+        served = [await ask(serve, "k-drop", "d-pii", email), await ask(serve, "k-drop", "d-clean", "What is 2 + 3?"),
+                  await ask(serve, "k-redact", "r-pii", email), await ask(serve, "k-off", "o-pii", email)]
+        _, turns = await collected(bus, n_sessions=0, n_turns=3)
+        dropped = dict(serve.app.state.personal_data.dropped)
+    assert all(reply.choices for reply in served)  # every request was served
+    recorded = {session.split("/", 1)[1]: ts[0] for session, ts in turns.items()}
+    assert set(recorded) == {"d-clean", "r-pii", "o-pii"} and dropped == {"dropping": 1}
+    redacted = recorded["r-pii"]
+    assert redacted.messages[-1]["content"] == "Write to <EMAIL_ADDRESS> about my card <CREDIT_CARD>."
+    # The recorded tokens are the redacted prompt's: exactly what the model saw and sampled from.
+    tokenizer = serve.engine.tokenizer
+    seen = tokenizer.decode(redacted.prompt_ids)
+    assert "<EMAIL_ADDRESS>" in seen and "gmail" not in seen and "4111" not in seen
+    assert recorded["o-pii"].messages[-1]["content"] == email  # `off`: kept as sent

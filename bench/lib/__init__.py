@@ -9,6 +9,7 @@
 - `hot_swap_analysis`: what a hot-swap run's records say (stalls, gaps, versions).
 - `train_runs`: one `flywheel train` run and what it measured.
 - `gpu_train`: the trainer's half of the GPU-path benchmark.
+- `pii_requests`: seeded chat requests with personal data, for the PII-cost benchmark.
 - `scripted_anthropic`, `claude_replay`: a scripted Messages server, and replaying what Claude
   Code sent it.
 """

@@ -22,6 +22,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BeforeValidator, Field, field_validator, model_validator
 
 from flywheel.config.section import Section
+from flywheel.privacy.entities import check_entities
 
 TENANT_NAME = re.compile(r"^[a-z0-9][a-z0-9_-]{0,62}$")
 """Lowercase letters, digits, `_` and `-`, at most 63: safe in a subject on the bus and in a path."""
@@ -73,9 +74,24 @@ class TenantConfig(Section):
     `training: opt_out` here), as the API providers a business compares us with do."""
     store: bool = True
     """false: nothing of this tenant's traffic is kept beyond the request (served, never recorded)."""
+    pii: Literal["off", "drop", "redact_input"] = "drop"
+    """Personal data (flywheel/privacy/: e-mail, phone, card, IBAN, IP, national ids; not names)
+    in its traffic: `drop` a turn whose prompt or reply holds some (served, never recorded or
+    trained; counted), `redact_input` (the gateway replaces what it finds in the prompt's user,
+    system and tool texts with placeholders such as `<EMAIL_ADDRESS>` before the model sees it,
+    so the recorded tokens are exactly what the model sampled from; a reply that still holds
+    some is dropped), or `off`. `drop` by default: a customer's personal data is not kept unless
+    the operator decides so."""
+    pii_entities: list[str] | None = None
+    """The types looked for (`flywheel.privacy.SUPPORTED_ENTITIES`); null: the default set."""
     retention_days: float | None = Field(None, gt=0, le=7)
     """How long its records (turns, trajectories, samples, unscored) are kept on the bus, each
     from when it was written; at most 7, the streams' own age limit (null: 7; unscored: 30)."""
+
+    @field_validator("pii_entities")
+    @classmethod
+    def _known_entities(cls, entities: list[str] | None) -> list[str] | None:
+        return None if entities is None else list(check_entities(entities))
 
     @field_validator("keys", mode="before")
     @classmethod

@@ -36,6 +36,7 @@ from flywheel.serve.continuation import SessionContinuations
 from flywheel.serve.in_flight import Generation
 from flywheel.serve.ops.limits import ConcurrencyLimiter, request_timeout
 from flywheel.serve.ops.metrics import ServeMetrics
+from flywheel.serve.personal_data import PersonalData
 from flywheel.serve.recorder import Recorder, RecordLost
 from flywheel.tenants.sessions import SessionRegistry
 
@@ -51,7 +52,7 @@ class GatewayStats:
 class Answerer:
     def __init__(self, pool: EnginePool, tokenizer: Any, recorder: Recorder, model_name: str, config: ServeConfig,
                  context_length: int, metrics: ServeMetrics, continuations: SessionContinuations,
-                 limiter: ConcurrencyLimiter, sessions: SessionRegistry):
+                 limiter: ConcurrencyLimiter, sessions: SessionRegistry, personal_data: PersonalData):
         self.pool = pool
         self.tokenizer = tokenizer
         self.recorder = recorder
@@ -62,6 +63,7 @@ class Answerer:
         self.continuations = continuations
         self.limiter = limiter
         self.sessions = sessions
+        self.personal_data = personal_data
         self.stats = GatewayStats()
 
     def new_token_budget(self, body: ChatCompletionRequest | CompletionRequest, prompt_ids: list[int], capped: bool) -> int:
@@ -96,6 +98,7 @@ class Answerer:
             wire=wire or OpenAIWire(isinstance(body, ChatCompletionRequest)),
             max_new_tokens=self.new_token_budget(body, prompt_ids, capped=wire is not None),
             forced=forced, tool_format=tool_format, on_finish=self._finished, timeout_s=self.config.request_timeout_s,
+            personal_data=self.personal_data,
         )
         if not session.anonymous and session.store:
             for choice in generation.choices:

@@ -37,6 +37,7 @@ from flywheel.serve.ops.metrics import (
     install_request_metrics,
 )
 from flywheel.serve.ops.tenants import TenantDirectory
+from flywheel.serve.personal_data import PersonalData
 from flywheel.serve.prompts import PromptBuilder
 from flywheel.serve.recorder import Recorder, RecordLost
 from flywheel.serve.scoring_server import install_scoring_routes
@@ -61,8 +62,15 @@ def create_gateway(pool: EnginePool, tokenizer: Any, recorder: Recorder, model_n
     prompts = PromptBuilder(tokenizer, continuations, config.tool_format)
     stored_responses = ResponseStore(config.stored_responses)
     limiter = ConcurrencyLimiter(config.max_concurrent_requests, config.max_queued_requests, config.retry_after_s)
+    personal_data = app.state.personal_data = PersonalData()
     answerer = Answerer(pool, tokenizer, recorder, model_name, config, context_length, metrics, continuations, limiter,
-                        sessions)
+                        sessions, personal_data)
+
+    def guarded(body: Any, session: Any) -> Any:
+        """The request as the model may see it: its prompt redacted under `redact_input`."""
+        if session.pii != "redact_input":
+            return body
+        return personal_data.redact_request(body, session.tenant, session.pii_entities)
     stats = app.state.stats = answerer.stats
     app.state.limiter = limiter
     app.state.prompts = prompts  # closed by the serve loop once the server has stopped
@@ -93,12 +101,14 @@ def create_gateway(pool: EnginePool, tokenizer: Any, recorder: Recorder, model_n
     async def chat_completions(body: ChatCompletionRequest, request: Request, response: Response) -> Any:
         session = session_of(request.headers, body.metadata, body.user, safety_identifier=body.safety_identifier,
                              store=client_store(body.store), **caller(request))
+        body = guarded(body, session)
         return await answerer.answer(request, response.headers, body, session, *await prompts.chat(body, session))
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request, response: Response) -> Any:
         session = session_of(request.headers, body.metadata, body.user, safety_identifier=body.safety_identifier,
                              **caller(request))
+        body = guarded(body, session)
         return await answerer.answer(request, response.headers, body, session, *await prompts.completion(body, session))
 
     @app.post("/v1/responses")
@@ -115,7 +125,7 @@ def create_gateway(pool: EnginePool, tokenizer: Any, recorder: Recorder, model_n
         session = session_of(request.headers, body.metadata, body.user, conversation,
                              safety_identifier=body.safety_identifier, store=client_store(body.store), **caller(request))
         history = previous.conversation if previous else []
-        chat = translated(lambda: body.to_chat(history))
+        chat = guarded(translated(lambda: body.to_chat(history)), session)
         wire = ResponsesWire(body, stored_responses, response_id, session.client_id, session.tenant, session.store,
                              history)
         return await answerer.answer(request, response.headers, chat, session, *await prompts.chat(chat, session), wire=wire)
@@ -132,7 +142,7 @@ def create_gateway(pool: EnginePool, tokenizer: Any, recorder: Recorder, model_n
         conversation = request.headers.get("x-claude-code-session-id") or body.session_hint()
         session = session_of(request.headers, None, None, conversation,
                              safety_identifier=body.metadata.user_id if body.metadata else None, **caller(request))
-        chat = translated(body.to_chat)
+        chat = guarded(translated(body.to_chat), session)
         return await answerer.answer(request, response.headers, chat, session, *await prompts.chat(chat, session),
                                      wire=MessagesWire(body.stop_sequences))
 

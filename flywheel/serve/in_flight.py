@@ -36,6 +36,7 @@ from flywheel.serve.api.sessions import SessionInfo
 from flywheel.serve.api.wire import Wire
 from flywheel.serve.backends.base import EngineClient, EngineError
 from flywheel.serve.engine_choice import Choice
+from flywheel.serve.personal_data import PersonalData, texts_of
 from flywheel.serve.recorder import Recorder, RecordLost
 from flywheel.serve.streamed_text import StreamedText
 
@@ -59,6 +60,8 @@ class Generation:
     tool_format: ToolFormat | None = None
     """How the model writes tool calls, when the request has tools active (None: no tools)."""
     on_finish: Callable[["Generation"], None] | None = None
+    personal_data: PersonalData | None = None
+    """The tenant's personal-data policy's detectors and counts (needed unless `session.pii` is off)."""
     timeout_s: float | None = None
     """A stream running longer than this ends with an error event (its choices are aborted)."""
     id: str = field(default_factory=lambda: uuid.uuid4().hex)
@@ -83,8 +86,10 @@ class Generation:
 
     def announce(self) -> None:
         """Tell the collector that the session has a request in flight, with its turns' ids: a
-        reply slower than `collect.idle_timeout_s` must not close the conversation as idle."""
-        if self.session.anonymous or not self.session.store:
+        reply slower than `collect.idle_timeout_s` must not close the conversation as idle. Not
+        under a personal-data policy: its turns may be dropped once the reply is known, and an
+        announced turn that never comes would hold the session for `collect.reply_timeout_s`."""
+        if self.session.anonymous or not self.session.store or self.session.pii != "off":
             return
         for choice in self.choices:
             self.recorder.record(SESSION_EVENT_SUBJECT, SessionEvent(
@@ -335,5 +340,16 @@ class Generation:
             ))
         if self.on_finish is not None:
             self.on_finish(self)
+        if self.session.pii != "off" and self._holds_personal_data(turns):
+            self.personal_data.dropped[self.session.tenant] += len(turns)
+            return []
         return turns
+
+    def _holds_personal_data(self, turns: list[Turn]) -> bool:
+        """Under `drop`, whether the request's texts or a reply hold personal data; under
+        `redact_input` (the prompt is redacted already), whether a reply does."""
+        replies = [text for turn in turns for text in texts_of([turn.response])]
+        asked = [] if self.session.pii == "redact_input" else (
+            texts_of(turns[0].messages) if self.chat else [self.body.prompt] if isinstance(self.body.prompt, str) else [])
+        return self.personal_data.holds([*asked, *replies], self.session.pii_entities)
 

@@ -30,5 +30,6 @@ class TenantEntry(msgspec.Struct, kw_only=True):
     name: str
     training: Literal["opt_in", "opt_out", "off"] = "opt_in"
     store: bool = True
+    pii: Literal["off", "drop", "redact_input"] = "drop"
     keys: list[KeyEntry] = msgspec.field(default_factory=list)
     updated_at: float = msgspec.field(default_factory=time.time)

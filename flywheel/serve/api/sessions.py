@@ -47,6 +47,9 @@ class SessionInfo:
     """Consent to train on this request: its key's grant and `X-Flywheel-Train`, the stricter."""
     store: bool
     """Whether anything of the request is kept beyond it (false: served, never recorded)."""
+    pii: str
+    """The tenant's personal-data policy: `off`, `drop` or `redact_input` (flywheel/serve/personal_data.py)."""
+    pii_entities: tuple[str, ...] | None
     turn_type: str
     task_id: str | None
     group_size: int | None
@@ -103,6 +106,8 @@ def session_of(headers: Mapping[str, str], metadata: dict[str, str] | None, user
         user_id=headers.get("x-user-id") or safety_identifier or user or metadata.get("user_id"),
         train=train,
         store=kept,
+        pii=grant.pii,
+        pii_entities=grant.pii_entities,
         turn_type=turn_type,
         task_id=headers.get("x-task-id") or metadata.get("task_id"),
         group_size=int(size_header) if size_header else None,

@@ -30,17 +30,20 @@ from flywheel.tenants.records import KeyEntry, TenantEntry
 from flywheel.tenants.registry import TenantRegistry
 
 Training = Literal["opt_in", "opt_out", "off"]
+PiiPolicy = Literal["off", "drop", "redact_input"]
 
 
 class NewTenant(Body):
     name: str
     training: Training = "opt_in"
     store: bool = True
+    pii: PiiPolicy = "drop"
 
 
 class TenantChange(Body):
     training: Training | None = None
     store: bool | None = None
+    pii: PiiPolicy | None = None
 
 
 class NewKey(Body):
@@ -63,7 +66,7 @@ def install_tenant_routes(app: FastAPI, directory: TenantDirectory, registry: Te
         known = directory.tenants().get(name)
         if known is None:
             raise APIError(404, f"tenant {name!r} not found", "name", "tenant_not_found")
-        return TenantEntry(name=name, training=known["training"], store=known["store"])
+        return TenantEntry(name=name, training=known["training"], store=known["store"], pii=known["pii"])
 
     async def save(entry: TenantEntry, action: str, target: str, details: dict[str, Any]) -> None:
         await registry.put(entry)
@@ -83,9 +86,9 @@ def install_tenant_routes(app: FastAPI, directory: TenantDirectory, registry: Te
             raise APIError(400, f"{body.name!r} is not a tenant name (lowercase letters, digits, _ and -)", "name")
         if body.name in directory.tenants() or await registry.get(body.name) is not None:
             raise APIError(409, f"tenant {body.name!r} exists", "name", "tenant_exists")
-        entry = TenantEntry(name=body.name, training=body.training, store=body.store)
-        await save(entry, "tenant.add", body.name, {"training": body.training, "store": body.store})
-        return {"name": entry.name, "training": entry.training, "store": entry.store, "keys": []}
+        entry = TenantEntry(name=body.name, training=body.training, store=body.store, pii=body.pii)
+        await save(entry, "tenant.add", body.name, {"training": body.training, "store": body.store, "pii": body.pii})
+        return {"name": entry.name, "training": entry.training, "store": entry.store, "pii": entry.pii, "keys": []}
 
     @app.patch("/admin/tenants/{name}")
     async def change_tenant(name: str, body: TenantChange) -> dict[str, Any]:
@@ -95,7 +98,7 @@ def install_tenant_routes(app: FastAPI, directory: TenantDirectory, registry: Te
         for field, value in changed.items():
             setattr(entry, field, value)
         await save(entry, "tenant.change", name, changed)
-        return {"name": name, "training": entry.training, "store": entry.store}
+        return {"name": name, "training": entry.training, "store": entry.store, "pii": entry.pii}
 
     @app.post("/admin/tenants/{name}/keys")
     async def add_key(name: str, body: NewKey | None = None) -> dict[str, Any]:

@@ -31,6 +31,10 @@ class Grant:
     tenant: str
     training: Training
     store: bool
+    pii: str = "off"
+    """The tenant's personal-data policy: `off`, `drop` or `redact_input`."""
+    pii_entities: tuple[str, ...] | None = None
+    """The types its policy looks for (None: the default set)."""
 
 
 OPEN = Grant(OPEN_TENANT, "opt_out", True)
@@ -50,8 +54,10 @@ class TenantDirectory:
     """The tenants and keys of the configuration, overlaid by those changed at run time
     (`apply`, from the bus: flywheel/tenants/registry.py)."""
 
-    def __init__(self, keys: dict[bytes, _Key], settings: dict[str, tuple[Training, bool]]):
+    def __init__(self, keys: dict[bytes, _Key], settings: dict[str, tuple[Training, bool]],
+                 privacy: dict[str, tuple[str, tuple[str, ...] | None]] | None = None):
         self._base_keys, self._base_settings = keys, settings
+        self._base_privacy = privacy or {}
         self._entries: dict[str, TenantEntry] = {}
         self.grants: dict[bytes, Grant] = {}
         """SHA-256 of each client key -> its grant; empty: the one open tenant, no key needed."""
@@ -71,8 +77,10 @@ class TenantDirectory:
         tenants); a `tenants:` entry's training defaults to `opt_in`."""
         keys = {_digest(key.encode()): _Key(cls.key_tenant(key)) for key in config.serve.api_keys}
         settings: dict[str, tuple[Training, bool]] = {key.tenant: ("opt_out", True) for key in keys.values()}
+        privacy: dict[str, tuple[str, tuple[str, ...] | None]] = {}
         for name, tenant in config.tenants.items():
             settings[name] = (tenant.training, tenant.store)
+            privacy[name] = (tenant.pii, tuple(tenant.pii_entities) if tenant.pii_entities is not None else None)
             for key in tenant.keys:
                 value = key.value
                 if key.env is not None:
@@ -81,7 +89,7 @@ class TenantDirectory:
                         raise ConfigError(f"tenants.{name}.keys: {key.env} is not set")
                 if keys.setdefault(_digest(value.encode()), _Key(name, key.training, key.store)).tenant != name:
                     raise ConfigError(f"tenants.{name}.keys: {key.env} holds a key of another tenant too")
-        return cls(keys, settings)
+        return cls(keys, settings, privacy)
 
     def apply(self, entry: TenantEntry) -> None:
         """A tenant added or changed at run time: its settings and keys now hold, a revoked key
@@ -91,9 +99,11 @@ class TenantDirectory:
 
     def _rebuild(self) -> None:
         settings = dict(self._base_settings)
+        privacy = dict(self._base_privacy)
         keys = dict(self._base_keys)
         for entry in self._entries.values():
             settings[entry.name] = (entry.training, entry.store)
+            privacy[entry.name] = (entry.pii, privacy.get(entry.name, ("off", None))[1])
             for key in entry.keys:
                 digest = bytes.fromhex(key.digest)
                 if key.revoked:
@@ -101,13 +111,14 @@ class TenantDirectory:
                 else:
                     keys[digest] = _Key(entry.name, key.training, key.store)
         self.grants = {digest: Grant(key.tenant, stricter(settings[key.tenant][0], key.training),
-                                     settings[key.tenant][1] and key.store) for digest, key in keys.items()}
+                                     settings[key.tenant][1] and key.store, *privacy.get(key.tenant, ("off", None)))
+                       for digest, key in keys.items()}
 
     def tenants(self) -> dict[str, dict]:
         """Every tenant and its keys (by id), as the admin API shows them."""
         out: dict[str, dict] = {}
         for digest, grant in self.grants.items():
-            tenant = out.setdefault(grant.tenant, {"training": None, "store": None, "keys": []})
+            tenant = out.setdefault(grant.tenant, {"training": None, "store": None, "pii": grant.pii, "keys": []})
             tenant["keys"].append({"id": digest.hex()[:12], "training": grant.training, "store": grant.store})
         for name in out:
             entry = self._entries.get(name)
