@@ -15,6 +15,7 @@ from flywheel.bus import (
     Sample,
     encode,
 )
+from flywheel.bus.records import sample_digest
 from flywheel.config import load_config
 from flywheel.models import load_model
 from flywheel.train.advantages import RunningBaseline, group_advantages
@@ -78,7 +79,7 @@ async def test_train_loop_publishes_versions_and_drops_stale_samples(bus, nats_u
         # Each announcement says where it comes from: its parent, the steps and samples since, their metrics.
         assert (first.parent, second.parent) == (0, 1)
         assert second.trained_on["steps"] == [2, 2] and second.trained_on["samples"] == 2
-        assert len(set(first.trained_on["sample_ids"]) | set(second.trained_on["sample_ids"])) == 4
+        assert len(set(first.trained_on["sample_digests"]) | set(second.trained_on["sample_digests"])) == 4
         assert second.metrics["reward_mean"] == 0.75 and "entropy" in second.metrics and second.metrics["reply_tokens"] > 0
         assert second.config["train"]["batch_size"] == 2
         assert loop.stats()["stale_dropped"] == 2 and loop.stats()["samples"] == 4
@@ -112,7 +113,7 @@ async def test_the_trainer_refuses_a_sample_without_consent_put_on_the_bus_by_ha
         await bus.publish(SAMPLE_SUBJECT, sample_of(turns[2], 1.0, version=0))
         first = await asyncio.wait_for(anext(announcements), 60)
         await until(lambda: loop.counts["refused_no_consent"] == 2)
-        assert first.trained_on["sample_ids"] == [sample_of(turns[2], 1.0, version=0).id]
+        assert first.trained_on["sample_digests"] == [sample_digest(sample_of(turns[2], 1.0, version=0).id)]
         assert loop.counts["samples"] == 1
     finally:
         await loop.stop()

@@ -26,6 +26,7 @@ log-probability of `output_ids[i]` under the distribution it was sampled from, a
 
 from __future__ import annotations
 
+import hashlib
 import time
 from typing import Any, Literal
 
@@ -319,7 +320,8 @@ class WeightUpdate(Record, kw_only=True):
     """The version its training continued from: the previous one announced, or, after a
     rollback, the version the trainer was told to continue from (`flywheel/versions/records.py`)."""
     trained_on: dict[str, Any] = msgspec.field(default_factory=dict)
-    """What made it since `parent`: `samples`, `steps` ([first, last]), `sample_ids` (the newest)."""
+    """What made it since `parent`: `samples`, `steps` ([first, last]), `sample_digests` (the
+    newest samples', by `sample_digest`)."""
     metrics: dict[str, float] = msgspec.field(default_factory=dict)
     """Training metrics of the steps since `parent`, averaged: reward, KL to the reference, entropy, ..."""
     config: dict[str, Any] = msgspec.field(default_factory=dict)
@@ -374,3 +376,12 @@ def tenant_of(record: Record) -> str | None:
     if isinstance(record, Unscored):
         return record.trajectory.tenant
     return getattr(record, "tenant", None)
+
+
+def sample_digest(sample_id: str) -> str:
+    """How the lineage names a sample (`trained.jsonl`, a version's `trained_on`, the trainer's
+    checkpoint): the first 24 hex digits of the SHA-256 of its id, never the id. An id holds its
+    session's, which a client chose and which may say who they are; once a sample is forgotten
+    (flywheel/tenants/forget.py) nothing readable of it stays, and its digest still says which
+    versions it trained."""
+    return hashlib.sha256(sample_id.encode()).hexdigest()[:24]

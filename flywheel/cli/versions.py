@@ -79,7 +79,7 @@ def version_table(entries: list[VersionEntry], routing: Routing | None) -> Table
 def show(console: Console, entry: VersionEntry, routing: Routing | None) -> None:
     console.print(f"[bold]v{entry.version}[/bold]  {entry.state}  {_role(entry, routing)}")
     console.print(f"parent: {'-' if entry.parent is None else f'v{entry.parent}'}   step {entry.step}   weights: {entry.path}")
-    trained = {k: v for k, v in entry.trained_on.items() if k != "sample_ids"}
+    trained = {k: v for k, v in entry.trained_on.items() if k != "sample_digests"}
     console.print(f"trained on: {json.dumps(trained)}   metrics: {json.dumps(entry.metrics)}", highlight=False)
     table = Table(title="transitions", title_justify="left")
     for column in ("when", "state", "by", "why"):

@@ -103,7 +103,8 @@ class ServeLoop:
             self.tenants.apply(entry)
         self.app = create_gateway(self.pool, tokenizer, self.recorder, self.model_name, cfg, context_length, self.metrics,
                                   self.tenants, sessions)
-        install_tenant_routes(self.app, self.tenants, self.tenant_registry, cfg.admin_key)
+        install_tenant_routes(self.app, self.tenants, self.tenant_registry, cfg.admin_key, [spill_dir],
+                              Path(self.config.run_dir) / "trained.jsonl")
         self.board: VersionBoard | None = None
         if self.routed:
             assert isinstance(self.pool, RoutedPool)

@@ -27,7 +27,7 @@ log = logging.getLogger(__name__)
 
 class TenantRegistry:
     def __init__(self, bus: Any, kv: Any):
-        self._bus, self._kv = bus, kv
+        self.bus, self._kv = bus, kv
 
     @classmethod
     async def open(cls, bus: Any) -> TenantRegistry:
@@ -55,7 +55,7 @@ class TenantRegistry:
         it holds), not `kv.keys()`, whose watcher can say "no more keys" too soon (see
         `Registry.versions`)."""
         prefix = f"$KV.{BUCKET}."
-        info = await self._bus.js.stream_info(f"KV_{BUCKET}", subjects_filter=f"{prefix}t.>")
+        info = await self.bus.js.stream_info(f"KV_{BUCKET}", subjects_filter=f"{prefix}t.>")
         names = [subject.removeprefix(f"{prefix}t.") for subject in info.state.subjects or {}]
         return [entry for entry in [await self.get(name) for name in names] if entry is not None]
 
@@ -72,16 +72,18 @@ class TenantRegistry:
 
     async def audit(self, entry: AuditEntry) -> None:
         """Append `entry` to the audit log (durable once this returns)."""
-        await self._bus.publish(AUDIT_SUBJECT, entry)
+        await self.bus.publish(AUDIT_SUBJECT, entry)
 
     async def audit_log(self, limit: int = 1000) -> list[AuditEntry]:
         """The newest `limit` audit entries, oldest first."""
-        info = await self._bus.js.stream_info("AUDIT")
+        info = await self.bus.js.stream_info("AUDIT")
+        if not info.state.messages:
+            return []
         first = max(info.state.first_seq, info.state.last_seq - limit + 1)
         out = []
         for seq in range(first, info.state.last_seq + 1):
             try:
-                out.append(decode((await self._bus.js.get_msg("AUDIT", seq)).data, AuditEntry))
+                out.append(decode((await self.bus.js.get_msg("AUDIT", seq)).data, AuditEntry))
             except (NotFoundError, msgspec.ValidationError, msgspec.DecodeError) as exc:  # a gap, or unreadable
                 log.debug("audit #%d skipped: %s", seq, exc)
         return out

@@ -5,7 +5,8 @@ Feedback and ends name a session; one that was never opened (another tenant's id
 namespaced, it is not this tenant's) answers 404, exactly as one that never existed. Every
 gateway writes and reads the same JetStream key-value bucket, `FLYWHEEL_SESSIONS`, so feedback
 may reach any gateway; each remembers the sessions it has written (an LRU) and writes one again
-only once an hour, so a session costs one write per gateway per hour, not one per turn. Keys
+only once an hour, so a session costs one write per gateway per hour, not one per turn. Whether
+one exists is asked of the bus (feedback is rare), so a forgotten session is gone at once. Keys
 are the SHA-256 of the session id (ids are any string; keys must be subject-safe); values name
 the tenant. Entries expire with the bucket's age limit, as the session's records do.
 """
@@ -91,14 +92,15 @@ class SessionRegistry:
                         "session", len(self._unwritten), exc)
 
     async def exists(self, session_id: str) -> bool:
-        """Whether a request of `session_id` (namespaced) arrived at any gateway; SessionUnknown
-        when the bus cannot say."""
-        if session_id in self._written:
-            return True
+        """Whether a request of `session_id` (namespaced) arrived at any gateway, and it was not
+        forgotten since: the bus says, and this gateway's own memory only for a session it has
+        not written yet, or while the bus cannot answer (else SessionUnknown)."""
         try:
             await self._kv.get(session_key(session_id))
         except KeyNotFoundError:
-            return False
+            return session_id in self._unwritten
         except (NatsError, TimeoutError, OSError) as exc:
+            if session_id in self._written:
+                return True
             raise SessionUnknown(str(exc)) from None
         return True

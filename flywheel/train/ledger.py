@@ -1,6 +1,8 @@
 """Which samples made which version: `run_dir/trained.jsonl`, one line per training step.
 
-    {"step": 12, "version": 12, "samples": ["<sample id>", ...]}
+    {"step": 12, "version": 12, "samples": ["<sample digest>", ...]}
+
+Samples are named by their digests (`flywheel.bus.records.sample_digest`), never their ids.
 
 A trainer writes `{"resumed_at_step": N}` when it starts, N being the step of the checkpoint it
 continues from (0 without one): the steps after N that an earlier process wrote belong to weights

@@ -4,7 +4,7 @@ Consumes SAMPLES durably and hands the pieces to their owners:
 
 - each sample gets its trajectory (`Bus.resolve`; one the stream no longer holds is counted
   `unresolved`) and is dropped if it was trained already (`duplicates_dropped`: the bus
-  delivers at least once; the ids trained are remembered, and checkpointed);
+  delivers at least once; the samples trained are remembered by their digests, and checkpointed);
 - `GroupBatcher` (flywheel/train/grouping.py) holds samples until their task group is whole and drops
   groups older than η = `rollout.max_head_offpolicyness` versions (`stale_dropped`);
 - `flywheel/train/step_batch.py` turns a step's groups into advantages, minibatches and micro-batches;
@@ -44,6 +44,7 @@ import torch
 from flywheel.bus import SAMPLE_SUBJECT, Delivery, Sample
 from flywheel.bus.consumer_loop import ConsumerLoop
 from flywheel.bus.dedup import RecentIds
+from flywheel.bus.records import sample_digest
 from flywheel.config import ConfigError, FlywheelConfig
 from flywheel.models import WeightStore, load_model, load_weights
 from flywheel.train.advantages import RunningBaseline
@@ -209,7 +210,7 @@ class TrainLoop(ConsumerLoop):
         its delivery is kept with the first, so the message is acknowledged only when that is)."""
         sample: Sample = delivery.record  # type: ignore[assignment]
         held = self.batcher.holds(sample.id)
-        if sample.id in self.trained or held is not None:
+        if sample_digest(sample.id) in self.trained or held is not None:
             self.counts["duplicates_dropped"] += 1
             if held is not None:
                 held.deliveries.append(delivery)
@@ -244,7 +245,7 @@ class TrainLoop(ConsumerLoop):
         """One training step on `groups`, then the publish and checkpoint it calls for."""
         self._training = groups
         metrics = await asyncio.to_thread(self._train, groups)
-        ids = [s.id for g in groups for s in g.samples]
+        ids = [sample_digest(s.id) for g in groups for s in g.samples]
         self.counts["samples"] += len(ids)  # before the announcement and the checkpoint: they show this step
         self.trained.add(ids)
         self.unacknowledged.extend(d for g in groups for d in g.deliveries)

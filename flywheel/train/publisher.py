@@ -59,7 +59,7 @@ class Lineage:
         fields = {
             "parent": self.parent,
             "trained_on": {"samples": self.samples, "steps": [self.steps[0], self.steps[-1]] if self.steps else [],
-                           "sample_ids": list(self.sample_ids)},
+                           "sample_digests": list(self.sample_ids)},
             "metrics": {key: self.sums[key] / self.counts[key] for key in self.sums},
             "config": self.config,
         }

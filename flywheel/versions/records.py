@@ -60,7 +60,7 @@ class VersionEntry(Record, kw_only=True):
     """The trainer's step count when it was published."""
     trained_on: dict[str, Any] = msgspec.field(default_factory=dict)
     """What it was trained on since its parent: `samples` (how many), `steps` ([first, last]),
-    `sample_ids` (the newest ids, at most a few hundred; `run_dir/trained.jsonl` has them all)."""
+    `sample_digests` (the newest samples', by digest, at most a few hundred; `run_dir/trained.jsonl` has them all)."""
     config: dict[str, Any] = msgspec.field(default_factory=dict)
     """The training settings it was made with (learning rate, batch size, objective's weights)."""
     metrics: dict[str, float] = msgspec.field(default_factory=dict)

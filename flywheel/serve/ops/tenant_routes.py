@@ -6,6 +6,8 @@
 - `POST /admin/tenants/{name}/keys` `{"training"?, "store"?}`: a new key, answered once
   (`{"id", "key"}`): only its SHA-256 is kept.
 - `DELETE /admin/tenants/{name}/keys/{id}`: revoke a key (one of the configuration's too).
+- `POST /admin/forget` `{"tenant", "user"?}`: remove their records (`flywheel/tenants/forget.py`,
+  as `flywheel forget` does) and answer what went and which versions learned from them.
 - `GET /admin/audit`: the audit log, newest last.
 
 Every change is written to the bus (`TenantRegistry`), which every gateway follows, and appended
@@ -17,6 +19,7 @@ from __future__ import annotations
 
 import hashlib
 import secrets
+from pathlib import Path
 from typing import Any, Literal
 
 from fastapi import FastAPI
@@ -26,6 +29,7 @@ from flywheel.config.tenants import TENANT_NAME
 from flywheel.serve.api.errors import APIError
 from flywheel.serve.api.validation import Body
 from flywheel.serve.ops.tenants import TenantDirectory
+from flywheel.tenants.forget import forget
 from flywheel.tenants.records import KeyEntry, TenantEntry
 from flywheel.tenants.registry import TenantRegistry
 
@@ -46,13 +50,18 @@ class TenantChange(Body):
     pii: PiiPolicy | None = None
 
 
+class Forget(Body):
+    tenant: str
+    user: str | None = None
+
+
 class NewKey(Body):
     training: Training | None = None
     store: bool = True
 
 
 def install_tenant_routes(app: FastAPI, directory: TenantDirectory, registry: TenantRegistry,
-                          admin_key: str | None) -> None:
+                          admin_key: str | None, spill_dirs: list[Path], ledger: Path) -> None:
     def admin() -> None:
         """Refuse every call where no admin key guards these routes (the middleware checks the key)."""
         if admin_key is None:
@@ -122,6 +131,12 @@ def install_tenant_routes(app: FastAPI, directory: TenantDirectory, registry: Te
         entry.keys.append(KeyEntry(id=key_id, digest=digest.hex(), revoked=True))
         await save(entry, "key.revoke", f"{name}/{key_id}", {})
         return {"id": key_id, "tenant": name, "revoked": True}
+
+    @app.post("/admin/forget")
+    async def forget_them(body: Forget) -> dict[str, Any]:
+        admin()
+        report = await forget(registry.bus, body.tenant, body.user, spill_dirs, ledger, actor="admin")
+        return report.as_dict()
 
     @app.get("/admin/audit")
     async def audit() -> dict[str, Any]:

@@ -1,0 +1,225 @@
+"""Forgetting a tenant, or one end user of a tenant: every record of theirs removed from the bus
+and the run directory, and a report of what was removed and which versions learned from them.
+
+What goes:
+- their records on every stream that holds traffic (TRAFFIC: turns and session events;
+  TRAJECTORIES; SAMPLES; UNSCORED), each message deleted and its storage overwritten
+  (JetStream's secure erase), with the object a large record's body was kept in;
+- the sessions they opened (`FLYWHEEL_SESSIONS`), so feedback naming one is a 404 again;
+- their records waiting in the gateways' spill files (each file rewritten without them);
+- for a whole tenant, its run-time entry and keys (`FLYWHEEL_TENANTS`).
+
+A user is matched by the end-user id on their turns, trajectories and samples; a session event
+carries no user, so the events of their sessions go with their turns. What stays is the lineage:
+`trained.jsonl` and each version's `trained_on` name samples by digest (`sample_digest`), never
+by id, so nothing readable is left, and the digests of the forgotten samples say which versions
+trained on them: those weights still hold what they learned (retraining them without the
+forgotten samples is the operator's decision, not done here). An audit entry says who asked,
+when, and what was removed.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import uuid
+from collections import Counter
+from collections.abc import Iterable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import msgspec
+from nats.js.errors import KeyNotFoundError, NotFoundError
+
+from flywheel.bus.large import HEADER, read_payload
+from flywheel.bus.records import (
+    AuditEntry,
+    Record,
+    Sample,
+    SessionEvent,
+    Trajectory,
+    Turn,
+    Unscored,
+    decode,
+    sample_digest,
+    tenant_of,
+)
+from flywheel.bus.streams import (
+    AUDIT_SUBJECT,
+    RECORD_TYPES,
+    SAMPLES,
+    TRAFFIC,
+    TRAJECTORIES,
+    UNSCORED,
+)
+from flywheel.tenants.sessions import BUCKET as SESSIONS_BUCKET
+from flywheel.tenants.sessions import session_key
+
+log = logging.getLogger(__name__)
+STREAMS = (TRAFFIC.name, TRAJECTORIES.name, SAMPLES.name, UNSCORED.name)
+
+
+@dataclass
+class Forgotten:
+    """What `forget` removed, and which versions trained on what it removed."""
+
+    tenant: str
+    user: str | None
+    records: dict[str, int] = field(default_factory=dict)
+    """Messages deleted, by stream."""
+    large_objects: int = 0
+    sessions: int = 0
+    spilled: int = 0
+    """Records removed from the gateways' spill files."""
+    samples: int = 0
+    versions: list[int] = field(default_factory=list)
+    """Versions whose training steps used forgotten samples (`trained.jsonl`)."""
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def user_of(record: Record) -> str | None:
+    if isinstance(record, Unscored):
+        return record.trajectory.user_id
+    return getattr(record, "user_id", None)
+
+
+class Matcher:
+    """Whether a record is the forgotten tenant's (and user's)."""
+
+    def __init__(self, tenant: str, user: str | None):
+        self.tenant, self.user = tenant, user
+        self.sessions: set[str] = set()
+        """The sessions their turns were in: their events go too."""
+        self.sample_digests: set[str] = set()
+
+    def __call__(self, record: Record) -> bool:
+        if tenant_of(record) != self.tenant:
+            return False
+        if self.user is not None and not isinstance(record, SessionEvent) and user_of(record) != self.user:
+            return False
+        if isinstance(record, SessionEvent) and self.user is not None:
+            return record.session_id in self.sessions
+        if isinstance(record, (Turn, Trajectory)):
+            self.sessions.add(record.session_id)
+        if isinstance(record, Sample):
+            self.sample_digests.add(sample_digest(record.id))
+        return True
+
+
+async def forget(bus: Any, tenant: str, user: str | None = None, spill_dirs: Iterable[Path] = (),
+                 ledger: Path | None = None, actor: str = "cli") -> Forgotten:
+    """Remove `tenant`'s (or its `user`'s) records everywhere; see the module docstring."""
+    report = Forgotten(tenant, user)
+    matches = Matcher(tenant, user)
+    for stream in STREAMS:
+        # Turns before events within TRAFFIC (one stream, in order), so a user's sessions are known
+        # by the time their events are read; two passes make an event before its first turn go too.
+        for _ in range(2 if stream == TRAFFIC.name and user is not None else 1):
+            deleted, large = await _delete_matching(bus, stream, matches)
+            report.records[stream] = report.records.get(stream, 0) + deleted
+            report.large_objects += large
+    report.samples = len(matches.sample_digests)
+    report.sessions = await _forget_sessions(bus, matches.sessions)
+    for directory in spill_dirs:
+        report.spilled += _scrub_spill(Path(directory), matches)
+    if ledger is not None and ledger.exists():
+        report.versions = _versions_trained_on(ledger, matches.sample_digests)
+    if user is None:
+        await _forget_tenant_entry(bus, tenant)
+    await bus.publish(AUDIT_SUBJECT, AuditEntry(
+        id=uuid.uuid4().hex, actor=actor, action="forget", target=tenant if user is None else f"{tenant}/{user}",
+        details=report.as_dict()))
+    return report
+
+
+async def _delete_matching(bus: Any, stream: str, matches: Matcher) -> tuple[int, int]:
+    """Delete (and overwrite) every message of `stream` whose record matches; (deleted, large objects)."""
+    try:
+        info = await bus.js.stream_info(stream)
+    except NotFoundError:
+        return 0, 0
+    if not info.state.messages:
+        return 0, 0
+    deleted = large = 0
+    for seq in range(info.state.first_seq, info.state.last_seq + 1):
+        try:
+            message = await bus.js.get_msg(stream, seq)
+        except NotFoundError:
+            continue  # a gap: deleted already, or expired
+        kind = RECORD_TYPES.get(message.subject)
+        if kind is None:
+            continue
+        try:
+            record = decode(await read_payload(bus, message.data, message.headers), kind)
+        except (msgspec.ValidationError, msgspec.DecodeError, NotFoundError) as exc:
+            log.warning("%s #%d cannot be read (%s); left as it is", stream, seq, exc)
+            continue
+        if not matches(record):
+            continue
+        await bus.js.delete_msg(stream, seq)  # nats-py erases (overwrites) by default
+        deleted += 1
+        if message.headers and HEADER in message.headers:
+            await (await bus.large._bucket()).delete(message.headers[HEADER])
+            large += 1
+    return deleted, large
+
+
+async def _forget_sessions(bus: Any, sessions: set[str]) -> int:
+    try:
+        kv = await bus.js.key_value(SESSIONS_BUCKET)
+    except NotFoundError:
+        return 0
+    removed = 0
+    for session in sessions:
+        try:
+            await kv.purge(session_key(session))
+            removed += 1
+        except KeyNotFoundError:
+            pass
+    return removed
+
+
+async def _forget_tenant_entry(bus: Any, tenant: str) -> None:
+    from flywheel.tenants.registry import BUCKET
+
+    try:
+        kv = await bus.js.key_value(BUCKET)
+        await kv.purge(f"t.{tenant}")
+    except (NotFoundError, KeyNotFoundError):
+        pass
+
+
+def _scrub_spill(directory: Path, matches: Matcher) -> int:
+    """Rewrite each spill file in `directory` without the matching records; how many went."""
+    removed = 0
+    for path in sorted(directory.glob("spill-*.jsonl")):
+        kept: list[bytes] = []
+        lines = path.read_bytes().splitlines(keepends=True)
+        for line in lines:
+            try:
+                entry = json.loads(line)
+                record = decode(json.dumps(entry["record"]).encode(), RECORD_TYPES[entry["subject"]], "json")
+            except (ValueError, KeyError, msgspec.ValidationError, msgspec.DecodeError):
+                kept.append(line)  # not ours to judge: the recorder skips what it cannot read
+                continue
+            if matches(record):
+                removed += 1
+            else:
+                kept.append(line)
+        if len(kept) != len(lines):
+            tmp = path.with_suffix(".forget")
+            tmp.write_bytes(b"".join(kept))
+            tmp.replace(path)
+    return removed
+
+
+def _versions_trained_on(ledger: Path, digests: set[str]) -> list[int]:
+    versions: Counter[int] = Counter()
+    for line in ledger.read_text().splitlines():
+        step = json.loads(line) if line.strip() else {}
+        if digests.intersection(step.get("samples", [])):
+            versions[step["version"]] += 1
+    return sorted(versions)
