@@ -212,8 +212,8 @@ def test_metrics_count_requests_by_endpoint_and_status(gateway):
         assert http.post("/v1/chat/completions", json={"model": "tiny", "messages": [{"role": "user", "content": "x" * 30000}]}).status_code == 413
         assert http.post("/v1/chat/completions", json={"model": "tiny", "messages": [{"role": "user", "content": "hi"}]}).status_code == 200
         text = http.get("/metrics").text
-    assert 'flywheel_requests_total{endpoint="/v1/chat/completions",status="413"}' in text
-    assert 'flywheel_requests_total{endpoint="/v1/chat/completions",status="200"}' in text
+    assert 'flywheel_requests_total{endpoint="/v1/chat/completions",status="413",tenant="open"}' in text
+    assert 'flywheel_requests_total{endpoint="/v1/chat/completions",status="200",tenant="open"}' in text
     assert "flywheel_time_to_first_token_seconds_count" in text and "flywheel_weight_version 0.0" in text
 
 

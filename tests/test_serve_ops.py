@@ -253,10 +253,11 @@ async def test_metrics_expose_requests_tokens_latencies_and_state():
         recorder_totals.update(published=5, spilled=2, pending=1)
         after = scrape((await http.get("/metrics")).text)
 
-    def requests(endpoint: str, status: str) -> float:
-        return after[("flywheel_requests_total", (("endpoint", endpoint), ("status", status)))]
+    def requests(endpoint: str, status: str, tenant: str = "none") -> float:
+        return after[("flywheel_requests_total", (("endpoint", endpoint), ("status", status), ("tenant", tenant)))]
 
-    assert requests("/v1/chat/completions", "200") == 2 and requests("/v1/chat/completions", "401") == 1
+    key_tenant = TenantDirectory.key_tenant("k")  # the key's own tenant, no tenants: section
+    assert requests("/v1/chat/completions", "200", key_tenant) == 2 and requests("/v1/chat/completions", "401") == 1
     assert requests("unmatched", "404") == 1 and requests("/metrics", "200") == 1
     assert after[("flywheel_request_duration_seconds_count", (("endpoint", "/v1/chat/completions"),))] == 3
     assert after[("flywheel_prompt_tokens_total", ())] == 6 and after[("flywheel_completion_tokens_total", ())] == 4

@@ -292,6 +292,8 @@ async def test_personal_data_is_dropped_or_redacted_before_anything_is_kept(nats
                   await ask(serve, "k-redact", "r-pii", email), await ask(serve, "k-off", "o-pii", email)]
         _, turns = await collected(bus, n_sessions=0, n_turns=3)
         dropped = dict(serve.app.state.personal_data.dropped)
+        async with httpx.AsyncClient() as http:
+            metrics = (await http.get(f"{serve.url}/metrics")).text
     assert all(reply.choices for reply in served)  # every request was served
     recorded = {session.split("/", 1)[1]: ts[0] for session, ts in turns.items()}
     assert set(recorded) == {"d-clean", "r-pii", "o-pii"} and dropped == {"dropping": 1}
@@ -302,3 +304,7 @@ async def test_personal_data_is_dropped_or_redacted_before_anything_is_kept(nats
     seen = tokenizer.decode(redacted.prompt_ids)
     assert "<EMAIL_ADDRESS>" in seen and "gmail" not in seen and "4111" not in seen
     assert recorded["o-pii"].messages[-1]["content"] == email  # `off`: kept as sent
+    # What each tenant did, by its label: its requests, its turns dropped, its prompts redacted.
+    assert 'flywheel_pii_dropped_turns_total{tenant="dropping"} 1.0' in metrics
+    assert 'flywheel_pii_redacted_requests_total{tenant="redacting"} 1.0' in metrics
+    assert 'flywheel_requests_total{endpoint="/v1/chat/completions",status="200",tenant="dropping"} 2.0' in metrics

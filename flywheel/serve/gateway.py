@@ -63,6 +63,7 @@ def create_gateway(pool: EnginePool, tokenizer: Any, recorder: Recorder, model_n
     stored_responses = ResponseStore(config.stored_responses)
     limiter = ConcurrencyLimiter(config.max_concurrent_requests, config.max_queued_requests, config.retry_after_s)
     personal_data = app.state.personal_data = PersonalData()
+    metrics.on_scrape(lambda m: m.personal_data(personal_data.dropped, personal_data.redacted))
     answerer = Answerer(pool, tokenizer, recorder, model_name, config, context_length, metrics, continuations, limiter,
                         sessions, personal_data)
 

@@ -46,7 +46,13 @@ class ServeMetrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
-        self._requests = Counter("flywheel_requests", "HTTP requests answered.", ["endpoint", "status"], registry=r)
+        self._requests = Counter("flywheel_requests", "HTTP requests answered, by the tenant whose key sent them (`none`: "
+                                 "refused before a key was read, or a route that takes none).", ["endpoint", "status", "tenant"],
+                                 registry=r)
+        self._pii_dropped = Counter("flywheel_pii_dropped_turns", "Turns served but not recorded: personal data found.",
+                                    ["tenant"], registry=r)
+        self._pii_redacted = Counter("flywheel_pii_redacted_requests", "Requests whose prompt had personal data replaced.",
+                                     ["tenant"], registry=r)
         self._request_seconds = Histogram(
             "flywheel_request_duration_seconds", "Time from a request's arrival to its last byte.",
             ["endpoint"], buckets=REQUEST_BUCKETS, registry=r,
@@ -86,8 +92,8 @@ class ServeMetrics:
         self._totals: dict[Counter, float] = {}
         self._scrape_callbacks: list[Callable[[ServeMetrics], None]] = []
 
-    def request_finished(self, endpoint: str, status: int, seconds: float) -> None:
-        self._requests.labels(endpoint, str(status)).inc()
+    def request_finished(self, endpoint: str, status: int, seconds: float, tenant: str = "none") -> None:
+        self._requests.labels(endpoint, str(status), tenant).inc()
         self._request_seconds.labels(endpoint).observe(seconds)
 
     def tokens(self, prompt: int, completion: int) -> None:
@@ -123,6 +129,13 @@ class ServeMetrics:
         self._advance(self._recorder_dropped, dropped)
         self._advance(self._recorder_spilled, spilled)
         self._recorder_pending.set(pending)
+
+    def personal_data(self, dropped: dict[str, int], redacted: dict[str, int]) -> None:
+        """The personal-data policy's running totals by tenant (`PersonalData.dropped`, `.redacted`)."""
+        for tenant, total in dropped.items():
+            self._advance(self._pii_dropped.labels(tenant), total)
+        for tenant, total in redacted.items():
+            self._advance(self._pii_redacted.labels(tenant), total)
 
     def admission(self, active: int, waiting: int, rejected: int) -> None:
         """The concurrency limiter's state (`ConcurrencyLimiter.active`, `.waiting`, `.rejected`)."""
@@ -191,7 +204,8 @@ class RequestMetricsMiddleware:
         try:
             await self.app(scope, receive, observing_send)
         finally:
-            self.metrics.request_finished(self.endpoint(scope), status, time.monotonic() - arrived)
+            tenant = scope.get("state", {}).get("tenant", "none")
+            self.metrics.request_finished(self.endpoint(scope), status, time.monotonic() - arrived, tenant)
 
 
 def install_request_metrics(app: FastAPI, metrics: ServeMetrics) -> None:
