@@ -29,7 +29,7 @@ async def read_stream(bus: Any, stream: str, kind: type) -> list[Any]:
 
     info = await bus.js.stream_info(stream)
     records = []
-    for seq in range(info.state.first_seq, info.state.last_seq + 1):
+    for seq in range(max(info.state.first_seq, 1), info.state.last_seq + 1):  # an empty stream: first_seq 0
         try:
             raw = await bus.get_message(stream, seq)
         except NotFoundError:  # deleted or expired
