@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -80,7 +81,6 @@ async def agents(urls: list[str], stop: asyncio.Event, turns: int, concurrency: 
 
     http = httpx.AsyncClient(base_url=url, timeout=120, event_hooks={"response": [count]}, transport=Balancer(urls, by_session))
     client = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="drill", max_retries=10, http_client=http)
-    started = iter(range(10**9))
 
     async def session(i: int) -> None:
         sid, task = f"{tag}{i}", f"{tag}-task{i // group_size}"
@@ -105,19 +105,29 @@ async def agents(urls: list[str], stop: asyncio.Event, turns: int, concurrency: 
         except Exception as exc:
             load.failed[sid] = f"{type(exc).__name__}: {exc}"
 
+    try:
+        await sessions_until(session, stop, lambda: len(load.answered) + len(load.failed), min_sessions, round_to,
+                             concurrency)
+    finally:
+        await client.close()
+    return load
+
+
+async def sessions_until(session: Callable[[int], Awaitable[None]], stop: asyncio.Event, ended: Callable[[], int],
+                         min_sessions: int, round_to: int, concurrency: int) -> None:
+    """Run `session(0)`, `session(1)`, ... on `concurrency` workers until `stop` is set and at
+    least `min_sessions` have `ended`, then finish the round of `round_to` sessions under way (so
+    that task groups and cycles of session kinds end whole)."""
+    started = iter(range(10**9))
     limit: int | None = None
 
     async def worker() -> None:
         nonlocal limit
         for i in started:
-            if stop.is_set() and (limit is not None or len(load.answered) + len(load.failed) >= min_sessions):
+            if stop.is_set() and (limit is not None or ended() >= min_sessions):
                 limit = limit if limit is not None else -(-i // round_to) * round_to
                 if i >= limit:
                     return
             await session(i)
 
-    try:
-        await asyncio.gather(*(worker() for _ in range(concurrency)))
-    finally:
-        await client.close()
-    return load
+    await asyncio.gather(*(worker() for _ in range(concurrency)))

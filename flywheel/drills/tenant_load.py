@@ -28,7 +28,7 @@ from typing import Any
 import httpx
 import openai
 
-from flywheel.drills.agents import Balancer, Load
+from flywheel.drills.agents import Balancer, Load, sessions_until
 
 TENANTS: dict[str, dict[str, Any]] = {
     "open-co": {"keys": ["sk-drill-open-co"], "training": "opt_out", "pii": "off"},
@@ -179,7 +179,6 @@ async def tenant_agents(urls: list[str], stop: asyncio.Event, concurrency: int, 
                              transport=Balancer(urls))
     clients = {key: openai.AsyncOpenAI(base_url=f"{urls[0]}/v1", api_key=key, max_retries=10, http_client=http)
                for key in {kind.key for kind in KINDS}}
-    started = iter(range(10**9))
 
     async def session(i: int) -> None:
         s = load.sessions[f"{load.tag}s{i}"] = plan(load.tag, i)
@@ -222,19 +221,8 @@ async def tenant_agents(urls: list[str], stop: asyncio.Event, concurrency: int, 
             load.unexpected_feedback += 1
             raise RuntimeError(f"feedback answered {s.feedback_status}, expected {expected}: {json.dumps(s.sid)}")
 
-    limit: int | None = None
-
-    async def worker() -> None:
-        nonlocal limit
-        for i in started:
-            if stop.is_set() and (limit is not None or load.ended() >= min_sessions):
-                limit = limit if limit is not None else -(-i // CYCLE) * CYCLE
-                if i >= limit:
-                    return
-            await session(i)
-
     try:
-        await asyncio.gather(*(worker() for _ in range(concurrency)))
+        await sessions_until(session, stop, load.ended, min_sessions, CYCLE, concurrency)
     finally:
         await http.aclose()
     return load
