@@ -118,7 +118,8 @@ async def test_a_harmful_version_is_rejected_and_the_trainer_told_to_go_back_to_
         await until(lambda: is_in_state(g.registry, 1, "rejected"))
         one = await g.registry.get(1)
         assert not one.gate["passed"] and any("KL" in r for r in one.gate["reasons"]) and one.transitions[-1].by == "gate"
-        directive = await g.registry.directive()
+        # The directive is written after the rejection is recorded: wait for it, not for the state alone.
+        directive = await until(g.registry.directive)
         assert (directive.version, directive.abandon_after, directive.rejected) == (0, 0, 1) and "v1 rejected" in directive.reason
         assert (await g.registry.routing()).serving.version == 0
 
@@ -205,7 +206,8 @@ async def test_a_canary_whose_sessions_fare_worse_is_rolled_back_across_a_promot
         one = await p.registry.get(1)
         assert one.canary["canary_arm"]["n"] == 8 and one.canary["serving_arm"]["n"] == 10  # each sample once
         assert one.transitions[-1].by == "canary" and "worse by δ" in one.transitions[-1].reason
-        assert (await p.registry.routing()).canary is None and (await p.registry.directive()).version == 0
+        directive = await until(p.registry.directive)  # written after the rollback is recorded, as is the routing
+        assert directive.version == 0 and (await until(p.registry.routing)).canary is None
         assert one.online_reward() == (8, 0.0) and (await p.registry.get(0)).online_reward()[0] == 10
 
 
