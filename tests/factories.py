@@ -49,11 +49,13 @@ from flywheel.collect.loop import CollectLoop
 from flywheel.collect.stitch import stitch
 from flywheel.config import load_config
 from flywheel.drills.noised_weights import publish_noised
+from flywheel.judge.loop import JudgeLoop
 from flywheel.models import WeightStore, load_model, load_weights, save_model
 from flywheel.serve.engine import Engine, SamplingParams
 from flywheel.serve.loop import ServeLoop
 from flywheel.train.advantages import RunningBaseline
 from flywheel.train.grouping import Group, Member
+from flywheel.train.loop import TrainLoop
 from flywheel.train.packing import Row
 from flywheel.train.step_batch import StepBatch
 from flywheel.versions.registry import Registry
@@ -408,3 +410,61 @@ def assert_api_error(response: httpx.Response, path: str) -> dict:
     body = response.json()
     assert body.get("type") == "error" and set(body["error"]) == {"type", "message"} and body["error"]["message"], response.text
     return body["error"]
+
+
+# -- tenants' traffic ------------------------------------------------------------------------------
+
+TENANTS_SETUP = ["serve.admin_key=root", "judge.kind=rule", "train.batch_size=1", "rollout.max_head_offpolicyness=8",
+                 "tenants={acme: {training: opt_out, pii: \"off\", keys: [acme-key]}, other: {training: opt_out, keys: [other-key]}}"]
+"""Two tenants: acme (users ada and bob) and other, trained unless they opt out."""
+MARKERS = {"ada": "ZEBRA-7731", "bob": "OKAPI-4412"}
+"""What each of acme's users says: a string to look for wherever their records might be."""
+
+
+async def converse(serve, user: str, session: str) -> None:
+    """One turn of tenant acme's `user` saying their marker, rewarded, and the session ended."""
+    client = openai.AsyncOpenAI(base_url=f"{serve.url}/v1", api_key="acme-key", max_retries=0)
+    await client.chat.completions.create(
+        model="tiny", messages=[{"role": "user", "content": f"My code word is {MARKERS[user]}."}], max_tokens=4,
+        extra_headers={"X-Session-Id": session, "X-User-Id": user})
+    async with httpx.AsyncClient(base_url=serve.url, headers={"Authorization": "Bearer acme-key"}) as http:
+        (await http.post(f"/v1/sessions/{session}/feedback", json={"reward": 1.0})).raise_for_status()
+        (await http.post(f"/v1/sessions/{session}/end")).raise_for_status()
+
+
+@contextlib.asynccontextmanager
+async def learning(serve, nats_url: str) -> AsyncIterator[TrainLoop]:
+    """A judge and a trainer behind `serve`'s platform; the trainer, stopped on the way out."""
+    judge, train = JudgeLoop(serve.config, nats_url), TrainLoop(serve.config, nats_url)
+    await judge.start()
+    await train.start()
+    try:
+        yield train
+    finally:
+        await asyncio.gather(judge.stop(), train.stop())
+
+
+async def everything_on_the_bus(bus) -> bytes:
+    """Every message of every stream (key-value buckets and the object store are streams too)."""
+    blob = []
+    async for name in stream_names(bus):
+        info = await bus.js.stream_info(name)
+        for seq in range(info.state.first_seq, info.state.last_seq + 1):
+            try:
+                message = await bus.js.get_msg(name, seq)
+            except Exception:  # a gap: deleted or expired
+                continue
+            blob.append(name.encode() + b" " + message.subject.encode() + b" " + (message.data or b"")
+                        + msgspec.json.encode(message.headers or {}))
+    return b"\n".join(blob)
+
+
+async def stream_names(bus):
+    """The names of every stream on the bus."""
+    for info in await bus.js.streams_info():
+        yield info.config.name
+
+
+def everything_in(run_dir) -> bytes:
+    """Every file of the run directory, concatenated."""
+    return b"\n".join(path.read_bytes() for path in sorted(run_dir.rglob("*")) if path.is_file())

@@ -8,67 +8,22 @@ import json
 import subprocess
 
 import httpx
-import msgspec
 import openai
 
 from flywheel.cli import command
-from flywheel.judge.loop import JudgeLoop
-from flywheel.train.loop import TrainLoop
+from flywheel.models import load_model
+from flywheel.serve.continuation import SessionContinuations
 
-from factories import platform
+from factories import MARKERS, TENANTS_SETUP, converse, everything_in, everything_on_the_bus, learning, platform
 from waiting import until
-
-SETUP = ["serve.admin_key=root", "judge.kind=rule", "train.batch_size=1", "rollout.max_head_offpolicyness=8",
-         "tenants={acme: {training: opt_out, pii: \"off\", keys: [acme-key]}, other: {training: opt_out, keys: [other-key]}}"]
-MARKERS = {"ada": "ZEBRA-7731", "bob": "OKAPI-4412"}
-
-
-async def converse(serve, user: str, session: str) -> None:
-    client = openai.AsyncOpenAI(base_url=f"{serve.url}/v1", api_key="acme-key", max_retries=0)
-    await client.chat.completions.create(
-        model="tiny", messages=[{"role": "user", "content": f"My code word is {MARKERS[user]}."}], max_tokens=4,
-        extra_headers={"X-Session-Id": session, "X-User-Id": user})
-    async with httpx.AsyncClient(base_url=serve.url, headers={"Authorization": "Bearer acme-key"}) as http:
-        (await http.post(f"/v1/sessions/{session}/feedback", json={"reward": 1.0})).raise_for_status()
-        (await http.post(f"/v1/sessions/{session}/end")).raise_for_status()
-
-
-async def everything_on_the_bus(bus) -> bytes:
-    """Every message of every stream (key-value buckets and the object store are streams too)."""
-    blob = []
-    async for name in stream_names(bus):
-        info = await bus.js.stream_info(name)
-        for seq in range(info.state.first_seq, info.state.last_seq + 1):
-            try:
-                message = await bus.js.get_msg(name, seq)
-            except Exception:  # a gap: deleted or expired
-                continue
-            blob.append(name.encode() + b" " + message.subject.encode() + b" " + (message.data or b"")
-                        + msgspec.json.encode(message.headers or {}))
-    return b"\n".join(blob)
-
-
-async def stream_names(bus):
-    for info in await bus.js.streams_info():
-        yield info.config.name
-
-
-def everything_in(run_dir) -> bytes:
-    return b"\n".join(path.read_bytes() for path in sorted(run_dir.rglob("*")) if path.is_file())
 
 
 async def test_forgetting_a_user_leaves_nothing_of_theirs_and_keeps_the_others(nats_url, tmp_path, bus):
-    async with platform(nats_url, tmp_path, *SETUP) as (serve, _, _):
-        judge, train = JudgeLoop(serve.config, nats_url), TrainLoop(serve.config, nats_url)
-        await judge.start()
-        await train.start()
-        try:
+    async with platform(nats_url, tmp_path, *TENANTS_SETUP) as (serve, _, _):
+        async with learning(serve, nats_url) as train:  # stopped, it checkpoints: digests in the run directory
             await converse(serve, "ada", "ada-session")
             await converse(serve, "bob", "bob-session")
             await until(lambda: train.counts["samples"] == 2)
-            await train.finish()  # checkpoint what was trained: its digests are in the run directory
-        finally:
-            await asyncio.gather(judge.stop(), train.stop())
         before = await everything_on_the_bus(bus)
         assert MARKERS["ada"].encode() in before and b"ada-session" in before  # it was all there
         async with httpx.AsyncClient(base_url=serve.url, headers={"Authorization": "Bearer root"}) as http:
@@ -86,7 +41,7 @@ async def test_forgetting_a_user_leaves_nothing_of_theirs_and_keeps_the_others(n
 
 
 async def test_flywheel_forget_removes_a_whole_tenant(nats_url, tmp_path, bus):
-    async with platform(nats_url, tmp_path, *SETUP) as (serve, _, _):
+    async with platform(nats_url, tmp_path, *TENANTS_SETUP) as (serve, _, _):
         await converse(serve, "ada", "kept-session")
         other = openai.AsyncOpenAI(base_url=f"{serve.url}/v1", api_key="other-key", max_retries=0)
         await other.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "GNU-5150 here"}],
@@ -100,3 +55,38 @@ async def test_flywheel_forget_removes_a_whole_tenant(nats_url, tmp_path, bus):
     assert b"GNU-5150" not in after and b"other-session" not in after and b"kept-session" in after
     assert json.loads(done.stdout)["records"]["TRAFFIC"] >= 1
     assert gone.status_code == 404  # the session is forgotten too, at the gateway that opened it
+
+
+async def test_every_gateway_drops_what_it_holds_in_memory_of_a_forgotten_user(nats_url, tmp_path, bus):
+    """Forgotten through the command line, not this gateway: it hears of it on the bus, and a
+    stored response of the user is then not found; the other user's still is."""
+    async with platform(nats_url, tmp_path, *TENANTS_SETUP) as (serve, _, _):
+        client = openai.AsyncOpenAI(base_url=f"{serve.url}/v1", api_key="acme-key", max_retries=0)
+        stored = {}
+        for user in MARKERS:
+            response = await client.responses.create(model="tiny", input=f"My code word is {MARKERS[user]}.",
+                                                     max_output_tokens=4, extra_headers={"X-User-Id": user})
+            stored[user] = response.id
+        done = await asyncio.to_thread(subprocess.run, command("forget", "--tenant", "acme", "--user", "ada",
+                                                               f"run_dir={tmp_path}", f"bus.url={nats_url}"),
+                                       capture_output=True, text=True)
+        assert done.returncode == 0, done.stderr
+        async with httpx.AsyncClient(base_url=f"{serve.url}/v1", headers={"Authorization": "Bearer acme-key"}) as http:
+            async def status(user: str) -> int:
+                return (await http.get(f"/responses/{stored[user]}")).status_code
+
+            async def ada_gone() -> bool:
+                return await status("ada") == 404
+
+            await until(ada_gone)
+            assert await status("bob") == 200
+
+
+def test_continuations_are_forgotten_by_tenant():
+    continuations = SessionContinuations(load_model("tiny")[1], max_sessions=8)
+    for session in ("acme/1", "acme/2", "other/1"):
+        continuations.remember(session, [1, 2, 3], text="abc")
+    assert continuations.forget("acme/") == 2
+    assert continuations.encode("acme/1", "abcd") == continuations.tokenizer.encode("abcd", add_special_tokens=False)
+    assert continuations.encode("other/1", "abcd")[:3] == [1, 2, 3]
+    assert continuations.forget("") == 1

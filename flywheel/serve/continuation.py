@@ -69,3 +69,11 @@ class SessionContinuations:
         entries.append((text, end, ids))
         del entries[: -self.per_session]
         self._sessions[session_id] = entries
+
+    def forget(self, prefix: str) -> int:
+        """Drop the sequences of the sessions whose ids start with `prefix` (a tenant's
+        namespace; "" for all); how many sessions went."""
+        gone = [session_id for session_id in self._sessions if session_id.startswith(prefix)]
+        for session_id in gone:
+            self._sessions.pop(session_id)
+        return len(gone)

@@ -61,6 +61,14 @@ def create_gateway(pool: EnginePool, tokenizer: Any, recorder: Recorder, model_n
     continuations = SessionContinuations(tokenizer, config.continue_sessions)
     prompts = PromptBuilder(tokenizer, continuations, config.tool_format)
     stored_responses = ResponseStore(config.stored_responses)
+
+    def forget_cached(tenant: str, user: str | None) -> None:
+        """Drop what this gateway holds in memory of a forgotten tenant or user: the tenant's
+        session continuations (all of them, for one user too: they are not kept by user; the
+        cost is tokenizing whole prompts again) and their stored responses."""
+        continuations.forget(tenants.session(tenant, ""))
+        stored_responses.forget(tenant, user)
+    app.state.forget_cached = forget_cached
     limiter = ConcurrencyLimiter(config.max_concurrent_requests, config.max_queued_requests, config.retry_after_s)
     personal_data = app.state.personal_data = PersonalData()
     metrics.on_scrape(lambda m: m.personal_data(personal_data.dropped, personal_data.redacted))
@@ -127,8 +135,7 @@ def create_gateway(pool: EnginePool, tokenizer: Any, recorder: Recorder, model_n
                              safety_identifier=body.safety_identifier, store=client_store(body.store), **caller(request))
         history = previous.conversation if previous else []
         chat = guarded(translated(lambda: body.to_chat(history)), session)
-        wire = ResponsesWire(body, stored_responses, response_id, session.client_id, session.tenant, session.store,
-                             history)
+        wire = ResponsesWire(body, stored_responses, response_id, session, history)
         return await answerer.answer(request, response.headers, chat, session, *await prompts.chat(chat, session), wire=wire)
 
     @app.get("/v1/responses/{response_id}")

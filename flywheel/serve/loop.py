@@ -7,6 +7,7 @@ from the bus (starting with the newest one, so a restarted server comes back on 
 policy) and rolled across the engines (`EnginePool.swap`, in `serve.swap_mode`) while the
 gateway keeps answering. Under promotion (`promotion.mode` not off) the gateway follows the
 registry's routing instead: the version that serves, and a canary's (flywheel/serve/routing.py).
+Tenants changed at run time, and tenants or users forgotten, are followed from the bus too.
 """
 
 from __future__ import annotations
@@ -23,7 +24,8 @@ import uvicorn
 
 from flywheel.bus import WEIGHTS_SUBJECT, Bus, WeightUpdate, addresses
 from flywheel.bus.addresses import write_address
-from flywheel.bus.streams import ROUTING_SUBJECT, TRAFFIC
+from flywheel.bus.records import AuditEntry
+from flywheel.bus.streams import AUDIT_SUBJECT, ROUTING_SUBJECT, TRAFFIC
 from flywheel.config import ConfigError, FlywheelConfig
 from flywheel.config.serve import ServeConfig
 from flywheel.config.tenants import retention_s
@@ -120,7 +122,8 @@ class ServeLoop:
         ))
         self._http = asyncio.create_task(self._server.serve(), name="http")
         self._tasks = [asyncio.create_task(self.recorder.run(), name="recorder"), self._http,
-                       asyncio.create_task(repeat(self._follow_tenants, "flywheel.serve.tenants"), name="tenants")]
+                       asyncio.create_task(repeat(self._follow_tenants, "flywheel.serve.tenants"), name="tenants"),
+                       asyncio.create_task(repeat(self._follow_forgetting, "flywheel.serve.forget"), name="forget")]
         if self.board is not None:
             self._tasks.append(asyncio.create_task(repeat(self._follow_routing, "flywheel.serve.routing"), name="routing"))
             self._tasks.append(asyncio.create_task(self.board.refresh_forever(), name="versions"))
@@ -162,6 +165,14 @@ class ServeLoop:
         """Tenants and keys changed at run time, at any gateway, hold here too."""
         async for entry in self.tenant_registry.entries():
             self.tenants.apply(entry)
+
+    async def _follow_forgetting(self) -> None:
+        """A tenant or user forgotten anywhere (`flywheel forget`, any gateway's admin route) is
+        forgotten from this gateway's memory too: its session continuations, its stored responses."""
+        async for entry in self.bus.follow(AUDIT_SUBJECT, from_last=False):
+            assert isinstance(entry, AuditEntry)
+            if entry.action == "forget":
+                self.app.state.forget_cached(entry.details["tenant"], entry.details.get("user"))
 
     async def _follow_routing(self) -> None:
         async for routing in self.bus.follow(ROUTING_SUBJECT, newest_only=True):

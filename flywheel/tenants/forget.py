@@ -14,8 +14,8 @@ carries no user, so the events of their sessions go with their turns. What stays
 `trained.jsonl` and each version's `trained_on` name samples by digest (`sample_digest`), never
 by id, so nothing readable is left, and the digests of the forgotten samples say which versions
 trained on them: those weights still hold what they learned (retraining them without the
-forgotten samples is the operator's decision, not done here). An audit entry says who asked,
-when, and what was removed.
+forgotten samples is the operator's decision: `flywheel forget --retrain`,
+flywheel/train/retrain.py). An audit entry says who asked, when, and what was removed.
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ from typing import Any
 import msgspec
 from nats.js.errors import KeyNotFoundError, NotFoundError
 
-from flywheel.bus.large import HEADER, read_payload
+from flywheel.bus.large import HEADER
 from flywheel.bus.records import (
     AuditEntry,
     Record,
@@ -45,6 +45,7 @@ from flywheel.bus.records import (
     sample_digest,
     tenant_of,
 )
+from flywheel.bus.scan import stored_records
 from flywheel.bus.streams import (
     AUDIT_SUBJECT,
     RECORD_TYPES,
@@ -75,9 +76,11 @@ class Forgotten:
     samples: int = 0
     versions: list[int] = field(default_factory=list)
     """Versions whose training steps used forgotten samples (`trained.jsonl`)."""
+    sample_digests: set[str] = field(default_factory=set, repr=False)
+    """The forgotten samples, by digest (for `--retrain`; not reported)."""
 
     def as_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        return {k: v for k, v in asdict(self).items() if k != "sample_digests"}
 
 
 def user_of(record: Record) -> str | None:
@@ -121,6 +124,7 @@ async def forget(bus: Any, tenant: str, user: str | None = None, spill_dirs: Ite
             deleted, large = await _delete_matching(bus, stream, matches)
             report.records[stream] = report.records.get(stream, 0) + deleted
             report.large_objects += large
+    report.sample_digests = matches.sample_digests
     report.samples = len(matches.sample_digests)
     report.sessions = await _forget_sessions(bus, matches.sessions)
     for directory in spill_dirs:
@@ -137,32 +141,14 @@ async def forget(bus: Any, tenant: str, user: str | None = None, spill_dirs: Ite
 
 async def _delete_matching(bus: Any, stream: str, matches: Matcher) -> tuple[int, int]:
     """Delete (and overwrite) every message of `stream` whose record matches; (deleted, large objects)."""
-    try:
-        info = await bus.js.stream_info(stream)
-    except NotFoundError:
-        return 0, 0
-    if not info.state.messages:
-        return 0, 0
     deleted = large = 0
-    for seq in range(info.state.first_seq, info.state.last_seq + 1):
-        try:
-            message = await bus.js.get_msg(stream, seq)
-        except NotFoundError:
-            continue  # a gap: deleted already, or expired
-        kind = RECORD_TYPES.get(message.subject)
-        if kind is None:
+    async for stored in stored_records(bus, stream):
+        if not matches(stored.record):
             continue
-        try:
-            record = decode(await read_payload(bus, message.data, message.headers), kind)
-        except (msgspec.ValidationError, msgspec.DecodeError, NotFoundError) as exc:
-            log.warning("%s #%d cannot be read (%s); left as it is", stream, seq, exc)
-            continue
-        if not matches(record):
-            continue
-        await bus.js.delete_msg(stream, seq)  # nats-py erases (overwrites) by default
+        await bus.js.delete_msg(stream, stored.seq)  # nats-py erases (overwrites) by default
         deleted += 1
-        if message.headers and HEADER in message.headers:
-            await (await bus.large._bucket()).delete(message.headers[HEADER])
+        if stored.headers and HEADER in stored.headers:
+            await (await bus.large._bucket()).delete(stored.headers[HEADER])
             large += 1
     return deleted, large
 

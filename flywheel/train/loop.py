@@ -52,6 +52,7 @@ from flywheel.train.checkpoint import Checkpoints
 from flywheel.train.grouping import Group, GroupBatcher
 from flywheel.train.ledger import Ledger
 from flywheel.train.publisher import Lineage, WeightPublisher
+from flywheel.train.run_lock import RunLock, TrainerRunning
 from flywheel.train.step_batch import StepBatch
 from flywheel.train.trainer import Trainer
 from flywheel.train.under_promotion import UnderPromotion
@@ -100,6 +101,11 @@ class TrainLoop(ConsumerLoop):
         await super().start()
 
     async def prepare(self) -> None:
+        self.lock = RunLock(self.run_dir)
+        try:
+            self.lock.acquire()
+        except TrainerRunning as exc:
+            raise ConfigError(f"run_dir: {exc}: one trainer per run directory") from None
         self.store = WeightStore(self.run_dir / "weights", keep=self.config.train.keep_versions)
         self.publisher = WeightPublisher(self.store, self.bus)
         self.promotion: UnderPromotion | None = None
@@ -318,6 +324,7 @@ class TrainLoop(ConsumerLoop):
             await self._checkpoint()
         self.metrics_file.close()
         self.ledger.close()
+        self.lock.release()
 
     def stats(self) -> dict[str, Any]:
         return {"version": self.version, "step": self.trainer.step_count, "buffered": self.buffer, **self.counts,

@@ -19,7 +19,7 @@ gateway cannot know a call is complete before that).
 
 `ResponseStore` keeps the last `capacity` stored responses in memory (this gateway's, not
 shared across replicas): the object for `GET /v1/responses/{id}`, and the conversation and
-session a `previous_response_id` continues.
+session a `previous_response_id` continues. Forgetting a tenant or a user drops theirs.
 """
 
 from __future__ import annotations
@@ -34,6 +34,7 @@ from flywheel.serve.api.wire import Wire, sse
 from flywheel.serve.engine_choice import Choice
 
 if TYPE_CHECKING:
+    from flywheel.serve.api.sessions import SessionInfo
     from flywheel.serve.in_flight import Generation
 
 
@@ -43,6 +44,8 @@ class StoredResponse:
     session_id: str
     """The session as the client named it (a continuation names it again, for its tenant)."""
     tenant: str
+    user: str | None
+    """The end user who asked (forgetting them forgets their stored responses)."""
     conversation: list[dict[str, Any]]
     """The chain's chat messages up to and including this response's output (no instructions)."""
 
@@ -62,6 +65,14 @@ class ResponseStore:
         stored = self._items.get(response_id)
         return stored if stored is not None and stored.tenant == tenant else None
 
+    def forget(self, tenant: str, user: str | None = None) -> int:
+        """Drop the tenant's stored responses (only its `user`'s, if given); how many went."""
+        gone = [key for key in self._items if (stored := self._items.peek(key)).tenant == tenant
+                and (user is None or stored.user == user)]
+        for key in gone:
+            self._items.pop(key)
+        return len(gone)
+
 
 def _usage(g: Generation) -> dict[str, Any]:
     prompt, output = len(g.prompt_ids), g.output_tokens()
@@ -76,11 +87,10 @@ def _text_part(text: str) -> dict[str, Any]:
 class ResponsesWire(Wire):
     endpoint = "responses"
 
-    def __init__(self, request: ResponsesRequest, store: ResponseStore, response_id: str, session_id: str, tenant: str,
-                 keep: bool, history: list[dict[str, Any]]):
-        """`keep`: whether anything of the request may be kept (its tenant's, key's and own `store`)."""
-        self.request, self.store, self.id, self.session_id, self.history = request, store, response_id, session_id, history
-        self.tenant, self.keep = tenant, keep
+    def __init__(self, request: ResponsesRequest, store: ResponseStore, response_id: str, session: SessionInfo,
+                 history: list[dict[str, Any]]):
+        """`session.store`: whether anything of the request may be kept (its tenant's, key's and own `store`)."""
+        self.request, self.store, self.id, self.session, self.history = request, store, response_id, session, history
         self.message_id = f"msg_{uuid.uuid4().hex}"
         self.sequence = 0
         self.message_open = False
@@ -120,9 +130,10 @@ class ResponsesWire(Wire):
     def _finished(self, g: Generation) -> dict[str, Any]:
         items, status, message = self._output(g, g.choices[0])
         response = self._response(g, status, items)
-        if self.request.store and self.keep:
+        if self.request.store and self.session.store:
             conversation = self.history + self.request.conversation() + [message]
-            self.store.put(StoredResponse(response, self.session_id, self.tenant, conversation))
+            session = self.session
+            self.store.put(StoredResponse(response, session.client_id, session.tenant, session.user_id, conversation))
         return response
 
     def answer(self, g: Generation) -> dict[str, Any]:

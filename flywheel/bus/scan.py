@@ -1,0 +1,53 @@
+"""Reading every record a stream holds, oldest first: for the operations that must see all of it
+(`flywheel forget` removing a tenant's records, `--retrain` replaying the samples that remain).
+
+A message that cannot be read (another schema, a large record whose body is gone) is logged and
+passed over: the scan is not the place to judge it.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+import msgspec
+from nats.js.errors import NotFoundError
+
+from flywheel.bus.large import read_payload
+from flywheel.bus.records import Record, decode
+from flywheel.bus.streams import RECORD_TYPES
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Stored:
+    seq: int
+    headers: dict[str, str] | None
+    record: Record
+
+
+async def stored_records(bus: Any, stream: str) -> AsyncIterator[Stored]:
+    """Every readable record `stream` holds now, in order (nothing if the stream does not exist)."""
+    try:
+        info = await bus.js.stream_info(stream)
+    except NotFoundError:
+        return
+    if not info.state.messages:
+        return
+    for seq in range(info.state.first_seq, info.state.last_seq + 1):
+        try:
+            message = await bus.js.get_msg(stream, seq)
+        except NotFoundError:
+            continue  # a gap: deleted already, or expired
+        kind = RECORD_TYPES.get(message.subject)
+        if kind is None:
+            continue
+        try:
+            record = decode(await read_payload(bus, message.data, message.headers), kind)
+        except (msgspec.ValidationError, msgspec.DecodeError, NotFoundError) as exc:
+            log.warning("%s #%d cannot be read (%s); passed over", stream, seq, exc)
+            continue
+        yield Stored(seq, message.headers, record)
