@@ -11,11 +11,13 @@ import openai
 import pytest
 from nats.js.errors import NotFoundError
 
+from flywheel.bus import Bus
 from flywheel.bus.streams import TURN_SUBJECT
+from flywheel.collect.loop import CollectLoop
 from flywheel.config import ConfigError, load_config
 from flywheel.serve.ops.tenants import TenantDirectory
 
-from factories import collected, delivered, platform
+from factories import collected, delivered, make_turn, platform
 from waiting import until
 
 KEYS = 'serve.api_keys=["key-a", "key-b"]'
@@ -308,3 +310,37 @@ async def test_personal_data_is_dropped_or_redacted_before_anything_is_kept(nats
     assert 'flywheel_pii_dropped_turns_total{tenant="dropping"} 1.0' in metrics
     assert 'flywheel_pii_redacted_requests_total{tenant="redacting"} 1.0' in metrics
     assert 'flywheel_requests_total{endpoint="/v1/chat/completions",status="200",tenant="dropping"} 2.0' in metrics
+
+
+async def test_a_large_records_body_goes_with_its_message_past_the_tenants_retention(nats_url, tmp_path, bus):
+    """A record over the message size keeps its body in the object store, which has no
+    per-object age: it is written with the tenant's expiry and the collector deletes it."""
+    brief = await Bus.connect(nats_url, name="brief", retention={"brief": 1})
+    try:
+        large = "x" * (brief.nc.max_payload + 1)
+        await brief.publish(TURN_SUBJECT, make_turn(id="big", tenant="brief", messages=[{"role": "user", "content": large}]))
+        await brief.publish(TURN_SUBJECT, make_turn(id="kept", tenant="long", messages=[{"role": "user", "content": large}]))
+    finally:
+        await brief.close()
+    name = f"{TURN_SUBJECT}/big"
+    assert await bus.large.get(name)
+
+    async def gone() -> bool:
+        try:
+            await bus.large.get(name)
+        except NotFoundError:
+            return True
+        return False
+
+    async def expired() -> bool:  # the message went with its Nats-TTL: the body's expiry has passed too
+        return (await bus.js.stream_info("TRAFFIC")).state.messages == 1
+
+    await until(expired, timeout_s=30)
+    assert not await gone()
+    collect = CollectLoop(load_config(None, [f"run_dir={tmp_path}"]), nats_url)
+    await collect.start()  # sweeps at once, then every minute
+    try:
+        await until(gone)
+    finally:
+        await collect.stop()
+    assert await bus.large.get(f"{TURN_SUBJECT}/kept")

@@ -243,7 +243,7 @@ class Bus:
         if ttl is not None:
             headers["Nats-TTL"] = f"{max(1, int(ttl))}s"
         if len(payload) > self.nc.max_payload - HEADROOM:
-            headers[HEADER] = await self.large.put(subject, record.id, payload)
+            headers[HEADER] = await self.large.put(subject, record.id, payload, ttl)
             payload = b""
         return await self._acks.send(subject, payload, headers=headers)
 

@@ -7,11 +7,13 @@ redelivery with progress acknowledgements (`flywheel/bus/keepalive.py`), so the 
 collector that dies loses nothing: within an ack wait its records are redelivered to the next
 one, which rebuilds the open sessions in stream order before taking anything newer
 (`flywheel/collect/recovery.py`), and JetStream drops the re-publish of a trajectory already sent (same
-id, within its duplicate window).
+id, within its duplicate window). It also sweeps the large records' bodies past their
+tenant's retention (flywheel/bus/large.py).
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from typing import Any
 
@@ -20,8 +22,11 @@ from flywheel.bus.consumer_loop import ConsumerLoop
 from flywheel.collect.recovery import RestartBarrier
 from flywheel.collect.tracker import Closed, SessionTracker
 from flywheel.config import FlywheelConfig
+from flywheel.runtime import cancel_and_wait, repeat
 
 log = logging.getLogger(__name__)
+SWEEP_S = 60.0
+"""How often the collector deletes large records' bodies past their tenant's retention."""
 
 
 class CollectLoop(ConsumerLoop):
@@ -36,6 +41,15 @@ class CollectLoop(ConsumerLoop):
     async def prepare(self) -> None:
         outstanding, last_delivered = await self.consumer.unacknowledged()
         self._barrier = RestartBarrier(outstanding, last_delivered, self.config.bus.ack_wait_s) if outstanding else None
+        self._sweeper = asyncio.create_task(repeat(self._sweep_large, "collect.sweep"), name="collect.sweep")
+
+    async def _sweep_large(self) -> None:
+        """Large records' bodies past their tenant's retention go (flywheel/bus/large.py), every minute."""
+        await self.bus.large.sweep()
+        await asyncio.sleep(SWEEP_S)
+
+    async def finish(self) -> None:
+        await cancel_and_wait([self._sweeper])
 
     def held(self) -> list[Delivery]:
         barrier = self._barrier.held if self._barrier is not None else []
