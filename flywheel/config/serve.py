@@ -55,6 +55,17 @@ class ServeConfig(Section):
     """Decode steps of Llama-family models through the embedded engine's own forward
     (`flywheel/serve/engine/decoder.py`: fused, oneDNN-packed weights; 0.77x the CPU time of a float32
     step, 0.72x bfloat16; docs/experiments/engine-vs-vllm.md). False: transformers' forward."""
+    max_loras: int = Field(8, ge=0)
+    """LoRA adapters the embedded engine holds at once (slots; vLLM's `--max-loras`): rows of
+    that many adapters, and of the bare base, decode in one batch. Beyond it the least recently
+    used adapter that no request holds is evicted (read from disk again on its next use); a
+    request whose adapter finds every slot held waits. Memory: per slot, the largest adapter's
+    matrices (SmolLM2-135M, all linear layers: ~9.8 MB at rank 8, in float32). 0: no adapters
+    (`flywheel/serve/engine/adapters.py`)."""
+    lora_root: str | None = None
+    """A directory of LoRA adapters in PEFT's format, one per subdirectory named for it: a request
+    naming an adapter (SGLang's `lora_path`) that was not loaded with `/load_lora_adapter` is
+    served from `lora_root/<name>/`. None: only loaded adapters."""
     device: str = Field("cpu", pattern=r"^(cpu|cuda(:\d+)?)$")
     """Where the embedded engine runs: `cpu`, `cuda` or `cuda:N` (then its weights, KV cache and
     sampling are on that GPU; a machine without one refuses to start, naming this key)."""

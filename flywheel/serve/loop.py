@@ -253,7 +253,8 @@ def embedded_engine(model: torch.nn.Module, tokenizer: Any, cfg: ServeConfig) ->
     """A started embedded engine over `model` (already placed), as `serve` configures it."""
     return Engine(model, tokenizer, max_batch_size=cfg.max_batch_size, load_weights=load_weights,
                   chunked_prefill_size=cfg.chunked_prefill_size, schedule_policy=cfg.schedule_policy,
-                  max_stall_s=cfg.max_stall_s, own_decoder=cfg.own_decoder).start()
+                  max_stall_s=cfg.max_stall_s, own_decoder=cfg.own_decoder, max_loras=cfg.max_loras,
+                  lora_root=cfg.lora_root).start()
 
 
 def _engine_state(engine: Engine) -> dict[str, Any]:

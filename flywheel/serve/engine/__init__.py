@@ -3,6 +3,7 @@
 from flywheel.serve.engine.core import Engine
 from flywheel.serve.engine.cpu_threads import torch_threads
 from flywheel.serve.engine.native import (
+    AdapterNotFound,
     ProtocolError,
     generate,
     generate_stream,
@@ -12,6 +13,6 @@ from flywheel.serve.engine.request import GenerationResult, RequestFailed, Token
 from flywheel.serve.engine.sampling import SamplingParams
 
 __all__ = [
-    "Engine", "GenerationResult", "ProtocolError", "RequestFailed", "SamplingParams", "TokenDelta",
+    "AdapterNotFound", "Engine", "GenerationResult", "ProtocolError", "RequestFailed", "SamplingParams", "TokenDelta",
     "generate", "generate_stream", "torch_threads", "version_spans",
 ]

@@ -27,14 +27,14 @@ earlier pieces as they were computed, as an in-place swap leaves a running reque
 
 from __future__ import annotations
 
-from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import torch
 from transformers import DynamicCache
 
+from flywheel.models.lora_batch import Rows, applied
 from flywheel.serve.engine.kv_cache import Prefill, attention_kernels
 
 
@@ -45,13 +45,14 @@ class PartialPrefill:
     cache: DynamicCache = field(default_factory=DynamicCache)
     done: int = 0
 
-    def advance(self, model: torch.nn.Module, sequence: list[int], count: int) -> Prefill | None:
-        """Run the next `count` tokens of `sequence`; the finished `Prefill` once it is whole."""
+    def advance(self, model: torch.nn.Module, sequence: list[int], count: int, lora: Rows | None = None) -> Prefill | None:
+        """Run the next `count` tokens of `sequence` (with the adapter of `lora`'s one row, if
+        any); the finished `Prefill` once it is whole."""
         end = self.done + count
         device = next(model.parameters()).device
         ids = torch.tensor([sequence[self.done:end]], device=device)
         positions = torch.arange(self.done, end, device=device).unsqueeze(0)
-        with attention_kernels(device):
+        with attention_kernels(device), applied(lora):
             out = model(input_ids=ids, position_ids=positions, past_key_values=self.cache, use_cache=True, logits_to_keep=1)
         self.done = end
         if end < len(sequence):
@@ -99,11 +100,14 @@ def admission_order(waiting: Sequence[Any], policy: SchedulePolicy) -> list[Any]
     return sorted(waiting, key=key)  # stable: equal keys keep their arrival order
 
 
-def plan(waiting: Sequence[Any], room: int, budget: int, policy: SchedulePolicy) -> Plan:
+def plan(waiting: Sequence[Any], room: int, budget: int, policy: SchedulePolicy,
+         may_enter: Callable[[Any], bool] = lambda request: True) -> Plan:
     """What to prefill this round from `waiting` (requests in arrival order, each with `tokens`:
     its sequence, `partial`: its `PartialPrefill` or None, and `overtaken`: a count of rounds)
-    with `room` free rows and `budget` prompt tokens (see the module docstring). Each request
-    left waiting that a later one was admitted before counts the round in its `overtaken`."""
+    with `room` free rows and `budget` prompt tokens (see the module docstring); a request that
+    would be admitted is passed over when `may_enter(request)` says it may not enter yet (called
+    once it fits, as its last check: a request's adapter slot). Each request left waiting that a
+    later one was admitted before counts the round in its `overtaken`."""
     whole: list[Any] = []
     work = Plan(whole, None)
     full = budget
@@ -111,15 +115,18 @@ def plan(waiting: Sequence[Any], room: int, budget: int, policy: SchedulePolicy)
         if room == 0 or budget <= 0:
             break
         left = _left(request)
-        if request.partial is not None and left <= budget:  # its last piece: it joins this round
-            work.piece = (request, left)
-        elif left <= budget:
-            whole.append(request)
-        elif request.partial is not None or left > full:  # a prompt longer than a round: in pieces
+        split = left > budget and (request.partial is not None or left > full)  # a prompt longer than a round: in pieces
+        if left > budget and not split:  # it fits in a round of its own: not split, it waits for the next
+            break
+        if not may_enter(request):
+            continue
+        if split:
             work.piece = (request, budget)
             break
-        else:  # it fits in a round of its own: not split, it waits for the next
-            break
+        if request.partial is not None:  # its last piece: it joins this round
+            work.piece = (request, left)
+        else:
+            whole.append(request)
         budget -= left
         room -= 1
     admitted = {id(r) for r in work.admitted}
@@ -129,13 +136,4 @@ def plan(waiting: Sequence[Any], room: int, budget: int, policy: SchedulePolicy)
             later = True
         elif later:
             request.overtaken += 1
-    return work
-
-
-def take(waiting: deque[Any], room: int, budget: int, policy: SchedulePolicy) -> Plan:
-    """`plan` this round, and take its whole requests off `waiting` (a part-prefilled request
-    stays there until its last piece)."""
-    work = plan(waiting, room, budget, policy)
-    for request in work.whole:
-        waiting.remove(request)
     return work

@@ -16,7 +16,19 @@ queue (their KV cache is recomputed, under the weights current when they resume)
 stops stepping and keeps the cache.
 
 The version is an opaque string label, as in SGLang ("0" unless given; a weight update sets the
-label it names). A failure that belongs to one request (its prefill raises, its distribution is not
+label it names).
+
+LoRA adapters (`adapters.Adapters`): a request may name one (SGLang's `lora_path`); rows of many
+adapters and of the bare base decode in the same batch, each row's low-rank product beside the
+shared base product (`flywheel.models.lora_batch`), and a step with no adapter row does no LoRA
+work at all. A request holds its adapter's slot from its admission until it leaves; one whose
+adapter finds no slot (every slot held by requests in the engine) waits in the queue, and a
+round that can admit nobody for that reason ends with a decode step. Loading a new version of an
+adapter (`load_adapter`) replaces it between two steps, as a weight update does. Each token
+records what sampled it: a row without an adapter the engine's label, a row with one its
+adapter's `<name>@<label>` (`alice@3`: the load's label, else the count of that name's versions).
+
+A failure that belongs to one request (its prefill raises, its distribution is not
 finite, its bans or finish checks raise, its result cannot be built) fails that request alone: it
 leaves the batch, its caller gets a `RequestFailed`, and the others go on (newcomers whose joint
 prefill failed are prefilled again one by one, to find the one to blame). Only a failed decode
@@ -38,6 +50,8 @@ from typing import Any, Literal
 import torch
 
 from flywheel.formats.grammar import end_ids
+from flywheel.serve.engine.adapter_commands import AdapterCommands
+from flywheel.serve.engine.adapters import Adapters
 from flywheel.serve.engine.admission import Admission
 from flywheel.serve.engine.chunked import SchedulePolicy
 from flywheel.serve.engine.decoder import Decoder
@@ -67,7 +81,7 @@ class _Command:
     future: asyncio.Future | None
 
 
-class Engine(Admission):
+class Engine(Admission, AdapterCommands):
     """Generation over one model; safe to call from any asyncio event loop."""
 
     def __init__(
@@ -83,6 +97,8 @@ class Engine(Admission):
         schedule_policy: SchedulePolicy = "shortest-first",
         max_stall_s: float = 0.5,
         own_decoder: bool = True,
+        max_loras: int = 8,
+        lora_root: str | None = None,
     ):
         self.model = model.eval()
         self.chunked_prefill_size = chunked_prefill_size
@@ -104,6 +120,9 @@ class Engine(Admission):
         self._rows: list[Request] = []
         """The running requests; row i of the batch is `_rows[i]`."""
         self._batch = KVBatch(model, max_batch_size)
+        self.adapters = Adapters(model, max_loras, lora_root)
+        self._admission_blocked = False
+        """Whether the last round could admit no waiting request: each waits for an adapter slot."""
         self._own_decoder = own_decoder
         self._decoder: Decoder | None = None  # built on the worker thread; None: transformers' forward
         self._wake = threading.Condition()
@@ -129,16 +148,19 @@ class Engine(Admission):
 
     # ---- generation ------------------------------------------------------------------------
 
-    def _submit(self, input_ids: list[int], params: SamplingParams, rid: str | None, stream: bool) -> Request:
+    def _submit(self, input_ids: list[int], params: SamplingParams, rid: str | None, stream: bool,
+                adapter: str | None) -> Request:
         if not input_ids:
             raise ValueError("input_ids must not be empty")
         if len(input_ids) >= self.context_length:
             raise ValueError(f"prompt has {len(input_ids)} tokens; the context window is {self.context_length}")
+        if adapter is not None:
+            self.adapters.require(adapter)  # UnknownAdapter, a ValueError
         loop = asyncio.get_running_loop()
         request = Request(
             rid or uuid.uuid4().hex, list(input_ids), params, loop, loop.create_future(),
             asyncio.Queue() if stream else None, self.eos_ids, self.context_length, self.tokenizer,
-            matcher=self.grammars.matcher(params),
+            matcher=self.grammars.matcher(params), adapter=adapter,
         )
         with self._wake:
             if not self._running:
@@ -147,8 +169,10 @@ class Engine(Admission):
             self._wake.notify()
         return request
 
-    async def generate(self, input_ids: list[int], params: SamplingParams, rid: str | None = None) -> GenerationResult:
-        request = self._submit(input_ids, params, rid, stream=False)
+    async def generate(self, input_ids: list[int], params: SamplingParams, rid: str | None = None,
+                       adapter: str | None = None) -> GenerationResult:
+        """Generate after `input_ids`, with the LoRA adapter named `adapter` (None: the base)."""
+        request = self._submit(input_ids, params, rid, stream=False, adapter=adapter)
         try:
             return await asyncio.shield(request.future)
         except asyncio.CancelledError:
@@ -156,12 +180,12 @@ class Engine(Admission):
             raise
 
     async def stream(
-        self, input_ids: list[int], params: SamplingParams, rid: str | None = None
+        self, input_ids: list[int], params: SamplingParams, rid: str | None = None, adapter: str | None = None
     ) -> AsyncIterator[TokenDelta | GenerationResult]:
         """Token deltas as they are sampled, then the final `GenerationResult`. A consumer that
         falls behind gets the tokens that piled up as one delta (fewer, larger chunks, never
         fewer tokens). A consumer that stops iterating early aborts the request."""
-        request = self._submit(input_ids, params, rid, stream=True)
+        request = self._submit(input_ids, params, rid, stream=True, adapter=adapter)
         try:
             async for item in drain(request.queue):
                 yield item
@@ -209,6 +233,7 @@ class Engine(Admission):
             "cached_tokens": self._batch.cached_tokens,
             "cache_slots": self._batch.capacity_tokens,
             "weight_version": self.version,
+            "resident_adapters": self.adapters.resident(),
         }
 
     # ---- worker ----------------------------------------------------------------------------
@@ -307,20 +332,22 @@ class Engine(Admission):
 
     def _fail(self, request: Request, error: Exception) -> None:
         self.stats["failed"] += 1
+        self._leave(request)
         request.fail(error)
 
     def _decode(self) -> None:
         if not self._rows:
             return
         tokens = torch.tensor([r.output_ids[-1] for r in self._rows])
-        logits = self._batch.step(self.model, tokens, self._decoder)
+        logits = self._batch.step(self.model, tokens, self._decoder, self._lora(self._rows))
         self._tokens_at = time.monotonic()
         self.stats["steps"] += 1
         self._sample(self._rows, logits)
         self._drop_finished()
 
     def _sample(self, rows: list[Request], logits: torch.Tensor) -> None:
-        recorded, deltas = sample_rows(rows, logits, self.version)
+        versions = [r.lora.version if r.lora is not None else self.version for r in rows]
+        recorded, deltas = sample_rows(rows, logits, versions)
         self.stats["tokens"] += recorded  # counted before the callers can see the tokens
         post(deltas)
 
@@ -338,6 +365,7 @@ class Engine(Admission):
                 self._complete(request)
 
     def _complete(self, request: Request) -> None:
+        self._leave(request)
         try:
             result = request.result()
         except Exception as exc:

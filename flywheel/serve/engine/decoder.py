@@ -17,6 +17,10 @@ KV head attend as one short query sequence over it, so the cache is never repeat
 head; in bfloat16 that kernel took a decode step from 80 to 70 ms against two batched products
 (docs/experiments/engine-vs-vllm.md).
 
+Rows with LoRA adapters (`flywheel.models.lora_batch.Rows`) get their low-rank deltas added to
+each fused product's output, per layer it holds (q, k and v each their own), the rows' inputs
+gathered once per product; a step without adapter rows runs no LoRA code at all.
+
 The copy costs memory (about the model's linear weights once more) and must follow the model:
 after a weight update, `refresh()` rebuilds it (the engine does, between two steps). Models this
 file does not know (other architectures, sliding windows, query/key norms) get `None` from
@@ -34,6 +38,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from flywheel.models.lora_batch import Rows
+
 log = logging.getLogger(__name__)
 
 ARCHITECTURES = ("llama", "qwen2")
@@ -41,11 +47,26 @@ Linear = Callable[[torch.Tensor], torch.Tensor]
 
 
 @dataclass
+class _Product:
+    """One fused product of a layer, and the model's linear layers whose weights it holds, in
+    the order of its output's columns (where their adapters' deltas go)."""
+
+    linear: Linear
+    layers: tuple[torch.nn.Linear, ...]
+
+    def __call__(self, x: torch.Tensor, lora: Rows | None) -> torch.Tensor:
+        out = self.linear(x)
+        if lora is not None:
+            lora.add(out, x, self.layers)
+        return out
+
+
+@dataclass
 class _Layer:
-    qkv: Linear
-    out: Linear
-    gate_up: Linear
-    down: Linear
+    qkv: _Product
+    out: _Product
+    gate_up: _Product
+    down: _Product
     input_norm: tuple[torch.Tensor, float]
     post_norm: tuple[torch.Tensor, float]
     act: Callable[[torch.Tensor], torch.Tensor]
@@ -81,11 +102,10 @@ class Decoder:
         for layer in body.layers:
             attn, mlp = layer.self_attn, layer.mlp
             self.layers.append(_Layer(
-                qkv=pack(torch.cat([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight]),
-                         _cat_bias(attn.q_proj, attn.k_proj, attn.v_proj)),
-                out=pack(attn.o_proj.weight, attn.o_proj.bias),
-                gate_up=pack(torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]), _cat_bias(mlp.gate_proj, mlp.up_proj)),
-                down=pack(mlp.down_proj.weight, mlp.down_proj.bias),
+                qkv=_fused(pack, attn.q_proj, attn.k_proj, attn.v_proj),
+                out=_fused(pack, attn.o_proj),
+                gate_up=_fused(pack, mlp.gate_proj, mlp.up_proj),
+                down=_fused(pack, mlp.down_proj),
                 input_norm=(layer.input_layernorm.weight, layer.input_layernorm.variance_epsilon),
                 post_norm=(layer.post_attention_layernorm.weight, layer.post_attention_layernorm.variance_epsilon),
                 act=mlp.act_fn,
@@ -94,12 +114,12 @@ class Decoder:
         self.head = pack(self.model.lm_head.weight, self.model.lm_head.bias)
 
     def step(self, tokens: torch.Tensor, positions: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tensor],
-             spans: list[tuple[int, int, torch.Tensor]]) -> torch.Tensor:
+             spans: list[tuple[int, int, torch.Tensor]], lora: Rows | None = None) -> torch.Tensor:
         """One token per row: `tokens` [rows] at `positions` [rows] (each row's column in the cache);
         writes their keys and values into `keys`/`values` (per layer [slots, kv heads, columns, head
         dim]) and attends span by span: rows [start, end) over the columns where their `visible`
-        [rows in span, columns] is true (`KVBatch._spans`). Returns next-token logits [rows,
-        vocab] in float32."""
+        [rows in span, columns] is true (`KVBatch._spans`); each row with the adapter of its row in
+        `lora`, if any. Returns next-token logits [rows, vocab] in float32."""
         rows = len(tokens)
         hidden = self.model.model.embed_tokens(tokens)
         cos, sin = self.model.model.rotary_emb(hidden, positions.unsqueeze(0))
@@ -110,7 +130,7 @@ class Decoder:
         spans = [(start, end, visible[:, None, None, :]) for start, end, visible in spans]
         for layer, layer_keys, layer_values in zip(self.layers, keys, values):
             normed = _rms_norm(hidden, *layer.input_norm)
-            q, k, v = layer.qkv(normed).split([hidden_q, hidden_kv, hidden_kv], dim=-1)
+            q, k, v = layer.qkv(normed, lora).split([hidden_q, hidden_kv, hidden_kv], dim=-1)
             q = _rotate(q.view(rows, self.heads, self.head_dim), cos, sin)
             k = _rotate(k.view(rows, self.kv_heads, self.head_dim), cos, sin)
             layer_keys[slots, :, positions] = k
@@ -120,9 +140,9 @@ class Decoder:
                 F.scaled_dot_product_attention(q[start:end], layer_keys[start:end, :, :visible.shape[-1]],
                                                layer_values[start:end, :, :visible.shape[-1]], attn_mask=visible, scale=self.scale)
                 for start, end, visible in spans])
-            hidden = hidden + layer.out(context.reshape(rows, hidden_q))
-            gate, up = layer.gate_up(_rms_norm(hidden, *layer.post_norm)).chunk(2, dim=-1)
-            hidden = hidden + layer.down(layer.act(gate) * up)
+            hidden = hidden + layer.out(context.reshape(rows, hidden_q), lora)
+            gate, up = layer.gate_up(_rms_norm(hidden, *layer.post_norm), lora).chunk(2, dim=-1)
+            hidden = hidden + layer.down(layer.act(gate) * up, lora)
         return self.head(_rms_norm(hidden, *self.norm)).float()
 
 
@@ -141,6 +161,12 @@ def _unsupported(model: torch.nn.Module) -> str | None:
         if not all(hasattr(layer.mlp, p) for p in ("gate_proj", "up_proj", "down_proj", "act_fn")):
             return "an MLP unlike Llama's"
     return None
+
+
+def _fused(pack: Callable[[torch.Tensor, torch.Tensor | None], Linear], *linears: torch.nn.Linear) -> _Product:
+    """One product over `linears` (same input): their weights and biases concatenated, packed."""
+    weight = linears[0].weight if len(linears) == 1 else torch.cat([linear.weight for linear in linears])
+    return _Product(pack(weight, _cat_bias(*linears)), linears)
 
 
 def _cat_bias(*linears: torch.nn.Linear) -> torch.Tensor | None:

@@ -23,20 +23,21 @@ from typing import Any
 
 import torch
 
+from flywheel.models.lora_batch import Rows, applied
 from flywheel.serve.engine.kv_cache import attention_kernels
 
 log = logging.getLogger(__name__)
 
 
-def score_input(model: torch.nn.Module, request: Any) -> None:
-    """Fill `request.input_logprobs` if it asks for them (`logprob_start_len` >= 0); a failure
-    marks the request failed, and only it."""
+def score_input(model: torch.nn.Module, request: Any, lora: Rows | None = None) -> None:
+    """Fill `request.input_logprobs` if it asks for them (`logprob_start_len` >= 0), under its
+    adapter (`lora`'s one row), if any; a failure marks the request failed, and only it."""
     start = request.params.logprob_start_len
     if start < 0 or request.input_logprobs is not None:
         return
     try:
         request.input_logprobs, request.input_top_logprobs = input_logprobs(
-            model, request.input_ids, start, request.params.temperature, request.params.top_logprobs_num)
+            model, request.input_ids, start, request.params.temperature, request.params.top_logprobs_num, lora)
     except Exception as exc:
         log.exception("scoring the input of request %s failed", request.rid)
         request.mark_failed(f"scoring its input raised: {exc}")
@@ -45,13 +46,14 @@ def score_input(model: torch.nn.Module, request: Any) -> None:
 TopLogprobs = list[tuple[int, float]]
 
 
-def input_logprobs(model: torch.nn.Module, ids: list[int], start: int, temperature: float,
-                   top_n: int = 0) -> tuple[list[float | None], list[TopLogprobs | None] | None]:
+def input_logprobs(model: torch.nn.Module, ids: list[int], start: int, temperature: float, top_n: int = 0,
+                   lora: Rows | None = None) -> tuple[list[float | None], list[TopLogprobs | None] | None]:
     """SGLang's `input_token_logprobs` values for `ids` from position `start`, and with `top_n`
-    its `input_top_logprobs` as (id, logprob) pairs (else None); see the module."""
+    its `input_top_logprobs` as (id, logprob) pairs (else None), with the adapter of `lora`'s one
+    row, if any; see the module."""
     start = min(start, len(ids) - 1)
     inputs = torch.tensor([ids], device=next(model.parameters()).device)
-    with attention_kernels(inputs.device):
+    with attention_kernels(inputs.device), applied(lora):
         logits = model(input_ids=inputs, use_cache=False).logits[0, start:-1].float()
     if temperature > 0:
         logits = logits / temperature

@@ -32,6 +32,7 @@ import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from transformers import Cache, DynamicCache
 
+from flywheel.models.lora_batch import Rows, applied
 from flywheel.serve.engine.decoder import Decoder
 
 PREFILL_TOKENS = 4096
@@ -148,9 +149,10 @@ class KVBatch(Cache):
 
     # ---- prefill ---------------------------------------------------------------------------
 
-    def prefill(self, model: torch.nn.Module, sequences: list[list[int]], pad_id: int) -> Prefill:
-        """Run `sequences` through the model (see the module docstring). The batch is not changed,
-        so a prefill that raises leaves it as it was."""
+    def prefill(self, model: torch.nn.Module, sequences: list[list[int]], pad_id: int, lora: Rows | None = None) -> Prefill:
+        """Run `sequences` through the model (see the module docstring), sequence i with the adapter
+        of `lora`'s row i, if any. The batch is not changed, so a prefill that raises leaves it as
+        it was."""
         keys: list = [None] * len(sequences)
         values: list = [None] * len(sequences)
         logits: list = [None] * len(sequences)
@@ -163,7 +165,7 @@ class KVBatch(Cache):
                 attention[row, width - len(sequences[i]):] = 1
             positions = (attention.cumsum(-1) - 1).clamp(min=0)
             cache = DynamicCache()
-            with attention_kernels(self.device):
+            with attention_kernels(self.device), applied(lora and lora.subset(group)):
                 out = model(input_ids=input_ids.to(self.device), attention_mask=attention.to(self.device),
                             position_ids=positions.to(self.device), past_key_values=cache, use_cache=True,
                             logits_to_keep=1)
@@ -192,21 +194,24 @@ class KVBatch(Cache):
 
     # ---- decode ----------------------------------------------------------------------------
 
-    def step(self, model: torch.nn.Module, tokens: torch.Tensor, decoder: Decoder | None = None) -> torch.Tensor:
+    def step(self, model: torch.nn.Module, tokens: torch.Tensor, decoder: Decoder | None = None,
+             lora: Rows | None = None) -> torch.Tensor:
         """Feed one token per row [rows]; returns next-token logits [rows, vocab]. With a `decoder`
-        (`flywheel/serve/engine/decoder.py`) the step runs its forward, else transformers'."""
+        (`flywheel/serve/engine/decoder.py`) the step runs its forward, else transformers'; each
+        row with the adapter of its row in `lora`, if any."""
         width = int(self.lengths.max()) + 1
         self._reserve(width)
         tokens = tokens.to(self.device)
         with attention_kernels(self.device):
             if decoder is not None:
-                logits = decoder.step(tokens, self.lengths, self.keys, self.values, self._spans())
+                logits = decoder.step(tokens, self.lengths, self.keys, self.values, self._spans(), lora)
             else:
                 visible = torch.arange(width, device=self.device)[None, :] <= self.lengths[:, None]
                 self._write_rows = torch.arange(self.rows, device=self.device)  # once per step, not per layer
                 self._write_columns, self._step_width = self.lengths, width
-                out = model(input_ids=tokens.unsqueeze(1), attention_mask=visible[:, None, None, :],
-                            position_ids=self.lengths.unsqueeze(1), past_key_values=self, use_cache=True, logits_to_keep=1)
+                with applied(lora):
+                    out = model(input_ids=tokens.unsqueeze(1), attention_mask=visible[:, None, None, :],
+                                position_ids=self.lengths.unsqueeze(1), past_key_values=self, use_cache=True, logits_to_keep=1)
                 self._write_rows = self._write_columns = None
                 logits = out.logits[:, -1, :]
         self.lengths = self.lengths + 1

@@ -10,11 +10,15 @@ returns (SGLang's `python/sglang/srt/entrypoints/http_server.py` and `GenerateRe
 both go through these functions, so what the gateway reads from an embedded engine is what it
 reads from SGLang.
 
-Versions are the engine's opaque labels. With `spans` (the default, like SGLang 0.5.23) a
-response or chunk reports what sampled its tokens: once a request's tokens come from more than
-one version, `weight_versions` spans cover the chunk's tokens (positions relative to the chunk),
-and `weight_version` is the label of the chunk's last token (the engine's current label before
-any token). Without `spans` it reports only the engine's current label when the response or
+`lora_path` names each prompt's LoRA adapter, as in SGLang: one name (or null) for every prompt,
+or a list with one entry per prompt, null for the bare base. A name the engine does not know is
+SGLang's 400 (`AdapterNotFound`: "The following requested LoRA adapters are not loaded: ...").
+
+Versions are the engine's opaque labels (a token sampled with an adapter: `<name>@<label>`, see
+`core`). With `spans` (the default, like SGLang 0.5.23) a response or chunk reports what sampled
+its tokens: once a request's tokens come from more than one version, `weight_versions` spans
+cover the chunk's tokens (positions relative to the chunk), and `weight_version` is the label of
+the chunk's last token (the engine's current label before any token, adapter or not). Without `spans` it reports only the engine's current label when the response or
 chunk is produced, like a server that does not track per-token versions: a token sampled
 before a swap may then be reported under the newer label (see `flywheel/serve/engine_choice.py` for how the
 gateway copes).
@@ -27,6 +31,7 @@ import uuid
 from collections.abc import AsyncIterator
 from typing import Any
 
+from flywheel.serve.engine.adapters import UnknownAdapter
 from flywheel.serve.engine.core import Engine
 from flywheel.serve.engine.detokenizer import IncrementalText
 from flywheel.serve.engine.request import GenerationResult, TokenDelta
@@ -36,6 +41,11 @@ from flywheel.serve.text_pieces import TextPieces
 
 class ProtocolError(ValueError):
     """A malformed `/generate` request (HTTP 400 `{"error": ...}`, as SGLang answers)."""
+
+
+class AdapterNotFound(ProtocolError):
+    """A `/generate` request named a LoRA adapter the engine does not know (HTTP 400
+    `{"error": {"message": ...}}`, SGLang's shape for it)."""
 
 
 def version_spans(versions: list[str]) -> list[dict[str, Any]]:
@@ -143,7 +153,29 @@ def _sampling(engine: Engine, body: dict[str, Any], i: int) -> SamplingParams:
     return params
 
 
-def _requests(engine: Engine, body: dict[str, Any]) -> tuple[list[tuple[list[int], SamplingParams, str | None]], bool]:
+def _adapters(engine: Engine, body: dict[str, Any], count: int) -> list[str | None]:
+    """Each prompt's adapter name (None: the base), from `lora_path`."""
+    raw = body.get("lora_path")
+    names = raw if isinstance(raw, list) else [raw] * count
+    if len(names) != count:
+        raise ProtocolError("lora_path must have one entry per prompt")
+    for name in names:
+        if name is None:
+            continue
+        if not isinstance(name, str):
+            raise ProtocolError("lora_path must be an adapter name, null, or a list of them")
+        try:
+            engine.adapters.require(name)
+        except UnknownAdapter as exc:
+            raise AdapterNotFound(str(exc)) from None
+    return names
+
+
+Work = tuple[list[int], SamplingParams, str | None, str | None]
+"""One prompt's ids, sampling parameters, rid and adapter name."""
+
+
+def _requests(engine: Engine, body: dict[str, Any]) -> tuple[list[Work], bool]:
     prompts, batch = _prompts(engine, body)
     rid = body.get("rid") or uuid.uuid4().hex
     rids = rid if isinstance(rid, list) else [f"{rid}-{i}" if batch else rid for i in range(len(prompts))]
@@ -152,7 +184,8 @@ def _requests(engine: Engine, body: dict[str, Any]) -> tuple[list[tuple[list[int
     for prompt in prompts:
         if len(prompt) >= engine.context_length:
             raise ProtocolError(f"prompt has {len(prompt)} tokens; the context window is {engine.context_length}")
-    return [(p, _sampling(engine, body, i), r) for i, (p, r) in enumerate(zip(prompts, rids))], batch
+    adapters = _adapters(engine, body, len(prompts))
+    return [(p, _sampling(engine, body, i), r, a) for i, (p, r, a) in enumerate(zip(prompts, rids, adapters))], batch
 
 
 async def generate(engine: Engine, body: dict[str, Any], spans: bool = True) -> dict[str, Any] | list[dict[str, Any]]:
@@ -161,7 +194,7 @@ async def generate(engine: Engine, body: dict[str, Any], spans: bool = True) -> 
     if body.get("stream"):
         raise ProtocolError("use generate_stream for stream=true")
     requests, batch = _requests(engine, body)
-    results = await asyncio.gather(*(engine.generate(p, s, r) for p, s, r in requests))
+    results = await asyncio.gather(*(engine.generate(p, s, r, a) for p, s, r, a in requests))
     responses = [
         to_response(r, engine.version, bool(body.get("return_logprob")), bool(body.get("return_prompt_token_ids")), spans)
         for r in results
@@ -213,15 +246,15 @@ def generate_stream(engine: Engine, body: dict[str, Any], incremental: bool = Fa
     return _chunks(engine, *requests[0], bool(body.get("return_logprob")), incremental, spans)
 
 
-async def _chunks(engine: Engine, prompt: list[int], params: SamplingParams, rid: str, return_logprob: bool,
-                  incremental: bool, spans: bool) -> AsyncIterator[dict[str, Any]]:
+async def _chunks(engine: Engine, prompt: list[int], params: SamplingParams, rid: str, adapter: str | None,
+                  return_logprob: bool, incremental: bool, spans: bool) -> AsyncIterator[dict[str, Any]]:
     ids: list[int] = []
     logprobs: list[float] = []
     versions: list[str] = []
     mixed = False
     tops: list | None = [] if params.top_logprobs_num else None
     text = _TextStream(engine.tokenizer, params)
-    async for item in engine.stream(prompt, params, rid):
+    async for item in engine.stream(prompt, params, rid, adapter):
         start = len(ids)
         if isinstance(item, TokenDelta):
             ids += item.token_ids

@@ -10,7 +10,7 @@ Until `min_new_tokens` are out, stop tokens cannot be sampled.
 A request can also fail on its own (`RequestFailed`: its distribution was not finite, or its bans
 or finish checks raised); it leaves the batch and its caller gets the error, the rest go on.
 Each token records the label of the weights that sampled it (the engine's opaque version
-string, as SGLang has it).
+string, as SGLang has it, or its adapter's `<name>@<label>`).
 """
 
 from __future__ import annotations
@@ -105,6 +105,11 @@ class Request:
     input_top_logprobs: list[list[tuple[int, float]] | None] | None = None
     partial: Any = None
     """Its `chunked.PartialPrefill` while its prompt is prefilled in pieces."""
+    adapter: str | None = None
+    """The name of the LoRA adapter it is generated with; None: the base."""
+    lora: Any = None
+    """Its adapter's slot (`adapters.Resident`) while it holds one: from its admission until it
+    leaves the engine."""
 
     def __post_init__(self) -> None:
         params = self.params

@@ -4,7 +4,19 @@ Routes and reply shapes follow SGLang's HTTP server (`sglang/srt/entrypoints/htt
 server-sent events with `stream: true`), `/pause_generation`, `/continue_generation`,
 `/update_weights_from_disk`, `/update_weight_version`, `/abort_request`, `/flush_cache`,
 `/model_info` (and `/get_model_info`), `/health`, `/health_generate`, `/v1/loads`,
-`/server_info`. Control routes need the admin key when one is set.
+`/server_info`, `/load_lora_adapter`, `/unload_lora_adapter`. Control routes need the admin key
+when one is set.
+
+LoRA adapters as SGLang serves them: `/generate` takes `lora_path` (an adapter name per prompt,
+see `native`; an unknown one is a 400 `{"error": {"message": ...}}`), `/load_lora_adapter` takes
+`{"lora_name", "lora_path"}` (a PEFT directory) and `/unload_lora_adapter` `{"lora_name"}`, both
+answering SGLang's `{"success", "error_message", "loaded_adapters": {name: path}}`, 400 when
+`success` is false. Differences: loading a name already loaded is not refused but serves the new
+directory as the name's new version, from the next decode step on (rows under way included, see
+`core`), labelled with the optional `weight_version` if given (else counted); a name may not be
+the served model's (a judge or teacher asking for the base would get the adapter); `pinned`
+adapters are not supported. Names not loaded are also looked up under the engine's adapter root
+(`serve.lora_root`).
 
 The weight version is an opaque string label, as in SGLang: the engine's starting label, then
 whatever string `/update_weights_from_disk` (`weight_version`, optional: without it the label
@@ -34,10 +46,11 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from starlette.datastructures import Headers
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from flywheel.models.lora_adapter import AdapterError
 from flywheel.serve.api.sse import DONE, EventStreamResponse
 from flywheel.serve.engine import native
 from flywheel.serve.engine.core import Engine
-from flywheel.serve.engine.native import ProtocolError
+from flywheel.serve.engine.native import AdapterNotFound, ProtocolError
 from flywheel.serve.engine.request import RequestFailed
 from flywheel.serve.ops.auth import ADMIN_PATHS, bearer_token, key_matches
 
@@ -77,6 +90,12 @@ async def _body(request: Request) -> dict[str, Any]:
     if not isinstance(body, dict):
         raise ProtocolError("the request body must be a JSON object")
     return body
+
+
+def _adapters_reply(loaded: dict[str, str], error: str | None = None) -> JSONResponse:
+    """SGLang's answer to `/load_lora_adapter` and `/unload_lora_adapter` (its `LoRAUpdateOutput`)."""
+    body = {"success": error is None, "error_message": error or "", "loaded_adapters": loaded}
+    return JSONResponse(body, status_code=200 if error is None else 400)
 
 
 def _error(exc: Exception, code: int) -> dict[str, Any]:
@@ -130,6 +149,10 @@ def create_engine_app(
     @app.exception_handler(ProtocolError)
     async def protocol_error(_: Request, exc: ProtocolError) -> JSONResponse:
         return JSONResponse({"error": str(exc)}, status_code=400)
+
+    @app.exception_handler(AdapterNotFound)
+    async def adapter_not_found(_: Request, exc: AdapterNotFound) -> JSONResponse:
+        return JSONResponse({"error": {"message": str(exc)}}, status_code=400)
 
     @app.exception_handler(RequestFailed)
     async def request_failed(_: Request, exc: RequestFailed) -> JSONResponse:
@@ -185,6 +208,32 @@ def create_engine_app(
             await engine.abort(None)
         engine.version = label
         return _ok(f"Weight version updated to {label}", new_version=label)
+
+    @app.post("/load_lora_adapter")
+    async def load_lora_adapter(request: Request) -> JSONResponse:
+        body = await _body(request)
+        name, path = body.get("lora_name"), body.get("lora_path")
+        try:
+            label = _label(body, "weight_version")
+            if not isinstance(path, str) or not path:
+                raise AdapterError("lora_path must name an adapter directory")
+            if name == served_model_name:
+                raise AdapterError(f"{name!r} is the served model's name: requests for the base model would get the adapter")
+            if body.get("pinned"):
+                raise AdapterError("pinned adapters are not supported by the embedded engine")
+            loaded = await engine.load_adapter(name, path, label)
+        except ValueError as exc:  # AdapterError, or a label that is not a string
+            return _adapters_reply(engine.adapters.loaded(), f"Failed to load LoRA adapter {name}: {exc}")
+        return _adapters_reply(loaded)
+
+    @app.post("/unload_lora_adapter")
+    async def unload_lora_adapter(request: Request) -> JSONResponse:
+        name = (await _body(request)).get("lora_name")
+        try:
+            loaded = await engine.unload_adapter(name)
+        except AdapterError as exc:
+            return _adapters_reply(engine.adapters.loaded(), str(exc))
+        return _adapters_reply(loaded)
 
     @app.post("/abort_request")
     async def abort(request: Request) -> Response:

@@ -1,6 +1,6 @@
 """From one forward pass's next-token logits to the tokens its rows record: each row's bans and
 grammar applied, one batched draw (`sampling.sample`), each request's token, behaviour logprob
-and weight version appended, and the step's deltas for the streams that wait for them.
+and weight version (the engine's, or its adapter's) appended, and the step's deltas for the streams that wait for them.
 
 What goes wrong for one row (its bans, a distribution that is not finite, its finish checks)
 marks that request failed; the other rows go on.
@@ -20,9 +20,9 @@ from flywheel.serve.engine.sampling import sample
 Deltas = dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, TokenDelta]]]
 
 
-def sample_rows(rows: list[Request], logits: torch.Tensor, version: str) -> tuple[int, Deltas]:
-    """Sample each row's next token from `logits` [rows, vocab] under the weights labelled
-    `version`; returns how many tokens were recorded and the deltas to post (`post`)."""
+def sample_rows(rows: list[Request], logits: torch.Tensor, versions: list[str]) -> tuple[int, Deltas]:
+    """Sample each row's next token from `logits` [rows, vocab], row i's under the weights
+    labelled `versions[i]`; returns how many tokens were recorded and the deltas to post (`post`)."""
     for i, request in enumerate(rows):
         try:
             banned = request.banned_now()
@@ -45,7 +45,7 @@ def sample_rows(rows: list[Request], logits: torch.Tensor, version: str) -> tupl
             continue
         tops = top[i][: request.params.top_logprobs_num] if top is not None else None
         try:
-            delta = request.append(tokens[i], logprobs[i], version, tops, now)
+            delta = request.append(tokens[i], logprobs[i], versions[i], tops, now)
         except Exception as exc:
             request.mark_failed(f"its finish checks raised: {exc}")
             continue

@@ -29,6 +29,8 @@ ADMIN_PATHS = frozenset({
     "/abort_request",
     "/flush_cache",
     "/update_weight_version",
+    "/load_lora_adapter",
+    "/unload_lora_adapter",
 })
 """SGLang's control routes: whoever reaches them can stall the server or swap its weights."""
 
