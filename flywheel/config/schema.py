@@ -12,6 +12,7 @@ from typing import Any, Literal
 
 from pydantic import Field, field_validator, model_validator
 
+from flywheel.config.adapters import AdaptersConfig
 from flywheel.config.judge import JudgeConfig
 from flywheel.config.promotion import PromotionConfig
 from flywheel.config.section import Section
@@ -318,6 +319,8 @@ class FlywheelConfig(Section):
     train: TrainConfig = TrainConfig()
     promotion: PromotionConfig = PromotionConfig()
     deploy: DeployConfig = DeployConfig()
+    adapters: AdaptersConfig = AdaptersConfig()
+    """Personal LoRA adapters instead of full fine-tuning (flywheel/config/adapters.py)."""
     tenants: dict[str, TenantConfig] = Field(default_factory=dict)
     """The customers and their keys (flywheel/config/tenants.py); empty: each key in
     `serve.api_keys` is a tenant of its own, and with no keys there is one open tenant."""

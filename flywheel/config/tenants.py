@@ -84,6 +84,8 @@ class TenantConfig(Section):
     the operator decides so."""
     pii_entities: list[str] | None = None
     """The types looked for (`flywheel.privacy.SUPPORTED_ENTITIES`); null: the default set."""
+    adapter_scope: Literal["shared", "tenant", "user"] | None = None
+    """Whose adapter this tenant's requests use, when `adapters.kind` is `lora` (null: `adapters.scope`)."""
     retention_days: float | None = Field(None, gt=0, le=7)
     """How long its records (turns, trajectories, samples, unscored) are kept on the bus, each
     from when it was written; at most 7, the streams' own age limit (null: 7; unscored: 30)."""

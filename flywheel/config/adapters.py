@@ -1,0 +1,37 @@
+"""Personal adapters (`adapters.*`): what learns when the base model stays frozen.
+
+`kind: none` is full fine-tuning of the shared weights, as before. `kind: lora` freezes the base
+and trains LoRA adapters (PEFT's format, so vLLM and SGLang load the same directories), one per
+`scope`: `shared` (one for the deployment), `tenant` (one per tenant), `user` (one per end user
+of a tenant; a request without a user is its tenant's). A tenant may set its own scope
+(`tenants.NAME.adapter_scope`). Which adapter a request or sample belongs to is
+`flywheel.models.adapter_names.adapter_for`.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field
+
+from flywheel.config.section import Section
+
+Scope = Literal["shared", "tenant", "user"]
+
+
+class AdaptersConfig(Section):
+    kind: Literal["none", "lora"] = "none"
+    """`none`: the trainer fine-tunes the shared weights. `lora`: the base is frozen and each
+    `scope` gets its own LoRA adapter, trained only on its own samples and served beside the others
+    in one batch (`serve.max_loras` of them resident at once)."""
+    scope: Scope = "user"
+    """Whose adapter a request uses and its sample trains: `shared`, `tenant` or `user`."""
+    rank: int = Field(8, ge=1, le=256)
+    """LoRA rank (Thinking Machines, "LoRA Without Regret": rank 1 already matches full fine-tuning
+    for RL, with about 10x its learning rate)."""
+    alpha: float = Field(16.0, gt=0)
+    """LoRA alpha: the update is scaled by alpha / rank."""
+    dropout: float = Field(0.0, ge=0.0, lt=1.0)
+    target_modules: list[str] | Literal["all-linear"] = "all-linear"
+    """The layers adapted: every linear layer but the output head (attention and MLP, as the
+    paper above finds necessary), or a list of module names (`q_proj`, `down_proj`, ...)."""

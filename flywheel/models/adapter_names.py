@@ -1,0 +1,45 @@
+"""Which adapter a request uses and its samples train, and the adapter's name.
+
+With `adapters.kind: lora` every request belongs to one adapter, chosen by its tenant and end
+user under the scope (`adapters.scope`, or the tenant's `adapter_scope`):
+
+- `shared`: `shared`, one for the deployment;
+- `tenant`: `<tenant>`;
+- `user`: `<tenant>.u-<digest of the user id>`, or the tenant's adapter for a request without a
+  user. The user id is hashed: a name appears in paths, engine requests and logs, and a user id
+  is the caller's own string (any characters, personal perhaps).
+
+Names use only letters, digits, `.`, `_` and `-` (the engines' and the adapter store's rule).
+The gateway (routing a request) and the trainer (assigning a sample) both call `adapter_for`, so
+a sample always trains the adapter that sampled it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from flywheel.config import FlywheelConfig
+
+SHARED = "shared"
+
+
+def user_adapter(tenant: str, user: str) -> str:
+    digest = hashlib.blake2b(user.encode(), digest_size=8, person=b"flywheel-user").hexdigest()
+    return f"{tenant}.u-{digest}"
+
+
+def adapter_for(scope: str, tenant: str, user: str | None) -> str:
+    """The adapter of a request (or sample) of `tenant` and `user` under `scope`."""
+    if scope == "shared":
+        return SHARED
+    if scope == "user" and user:
+        return user_adapter(tenant, user)
+    return tenant
+
+
+def scope_of(config: FlywheelConfig, tenant: str) -> str:
+    """The scope that holds for `tenant`: its own `adapter_scope`, else `adapters.scope`."""
+    own = config.tenants[tenant].adapter_scope if tenant in config.tenants else None
+    return own or config.adapters.scope
