@@ -84,6 +84,9 @@ class Turn(Record, kw_only=True):
     user_id: str | None = None
     """The end user inside the tenant (`X-User-Id`, else `safety_identifier`, `user` or
     `metadata.user_id`), when the request says."""
+    adapter: str | None = None
+    """The LoRA adapter that sampled it (`adapters.kind: lora`; flywheel/models/adapter_names.py);
+    then `output_versions` are that adapter's versions. None: the shared weights."""
     consent: bool = False
     """Whether this turn may be trained: its tenant's and key's `training` and its request's
     `X-Flywheel-Train`, the strictest (false where not said: nothing is trained by default)."""
@@ -199,6 +202,8 @@ class Trajectory(Record, kw_only=True):
     """The tenant that owns the session (its turns')."""
     user_id: str | None = None
     """The end user its turns name (the first that names one)."""
+    adapter: str | None = None
+    """The adapter its turns were sampled with (the last turn's): the one its sample trains."""
     consent: bool = False
     """Whether it may be trained: every one of its turns consented (the strictest holds)."""
     task_id: str | None = None
@@ -326,6 +331,9 @@ class WeightUpdate(Record, kw_only=True):
     """Training metrics of the steps since `parent`, averaged: reward, KL to the reference, entropy, ..."""
     config: dict[str, Any] = msgspec.field(default_factory=dict)
     """The training settings that made it."""
+    adapter: str | None = None
+    """A version of this LoRA adapter (its directory alone, in PEFT's format, at `path`), not of
+    the shared weights; versions count per adapter."""
 
 
 Codec = Literal["msgpack", "json"]

@@ -316,6 +316,7 @@ class SessionTracker:
             session_id=session.session_id,
             tenant=ordered[0].tenant,
             user_id=next((t.user_id for t in ordered if t.user_id), None),
+            adapter=ordered[-1].adapter,
             consent=all(t.consent for t in ordered),
             task_id=next((t.task_id for t in ordered if t.task_id), None),
             group_size=next((t.group_size for t in ordered if t.group_size), None),
