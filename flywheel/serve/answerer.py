@@ -1,4 +1,5 @@
-"""Answering a request whose prompt is built: the request's own checks (the model, the context
+"""Answering a request whose prompt is built: the request's own checks (the model, or the LoRA
+adapter it names or its tenant and user route to: flywheel/serve/adapter_routing.py; the context
 window, the token limit), a `Generation` on the engine its session routes to, run whole under the
 request timeout or streamed, both inside the concurrency limit, with engine and recording
 failures mapped to API errors; and what the gateway counts and remembers when it ends.
@@ -25,6 +26,7 @@ from starlette.types import Receive
 
 from flywheel.config.schema import ServeConfig
 from flywheel.formats.tool_calls import ToolFormat
+from flywheel.serve.adapter_routing import AdapterRouting
 from flywheel.serve.api.chat import ChatCompletionRequest, CompletionRequest
 from flywheel.serve.api.errors import APIError
 from flywheel.serve.api.sessions import SessionInfo
@@ -52,7 +54,8 @@ class GatewayStats:
 class Answerer:
     def __init__(self, pool: EnginePool, tokenizer: Any, recorder: Recorder, model_name: str, config: ServeConfig,
                  context_length: int, metrics: ServeMetrics, continuations: SessionContinuations,
-                 limiter: ConcurrencyLimiter, sessions: SessionRegistry, personal_data: PersonalData):
+                 limiter: ConcurrencyLimiter, sessions: SessionRegistry, personal_data: PersonalData,
+                 adapters: AdapterRouting | None = None):
         self.pool = pool
         self.tokenizer = tokenizer
         self.recorder = recorder
@@ -64,17 +67,15 @@ class Answerer:
         self.limiter = limiter
         self.sessions = sessions
         self.personal_data = personal_data
+        self.adapters = adapters or AdapterRouting(model_name, pool)
+        """Which adapter answers a request, and whether `model` may be asked for at all."""
         self.stats = GatewayStats()
 
     def new_token_budget(self, body: ChatCompletionRequest | CompletionRequest, prompt_ids: list[int], capped: bool) -> int:
-        """How many tokens the answer may have. An unknown model is a 404, a prompt that fills the
-        context a 400; a limit above `serve.max_new_tokens` is a 400, or with `capped` (the
-        Responses and Messages APIs: agents ask for their model's maximum, Claude Code 32000)
-        lowered to it."""
+        """How many tokens the answer may have. A prompt that fills the context is a 400; a limit
+        above `serve.max_new_tokens` is a 400, or with `capped` (the Responses and Messages APIs:
+        agents ask for their model's maximum, Claude Code 32000) lowered to it."""
         config = self.config
-        if body.model != self.model_name:
-            raise APIError(404, f"model {body.model!r} does not exist; this server serves {self.model_name!r}", "model",
-                           "model_not_found")
         if len(prompt_ids) >= self.context_length:
             raise APIError(400, f"the prompt is {len(prompt_ids)} tokens; this model's context window is {self.context_length}",
                            "messages" if isinstance(body, ChatCompletionRequest) else "prompt", "context_length_exceeded")
@@ -92,13 +93,14 @@ class Answerer:
         """The answer to `request`: a whole API object (its headers go in `headers`), or an event
         stream. `wire` is the API's (OpenAI's chat or completions when None)."""
         self.stats.requests += 1
+        adapter = self.adapters.choose(body.model, session.tenant, session.user_id)  # an unknown model: 404
         generation = Generation(
             body=body, engine=self.pool.route(session.session_id), tokenizer=self.tokenizer, recorder=self.recorder,
             model_name=self.model_name, session=session, prompt_ids=prompt_ids, prompt_text=prompt_text,
             wire=wire or OpenAIWire(isinstance(body, ChatCompletionRequest)),
             max_new_tokens=self.new_token_budget(body, prompt_ids, capped=wire is not None),
             forced=forced, tool_format=tool_format, on_finish=self._finished, timeout_s=self.config.request_timeout_s,
-            personal_data=self.personal_data,
+            personal_data=self.personal_data, adapter=adapter.name, lora_path=adapter.lora_path,
         )
         if not session.anonymous and session.store:
             for choice in generation.choices:

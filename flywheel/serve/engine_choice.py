@@ -10,7 +10,15 @@ what it needs both to answer the client and to record the turn.
 and its trainer labels weights `str(N)`. One rule, `version_of`, turns a label into a version:
 a non-negative decimal integer (below 2**31, what records hold) is that version; any other
 label ("default", "heldout-7") is version 0, the weights the engine started with: the oldest
-possible, so staleness computed from it is never under-estimated.
+possible, so staleness computed from it is never under-estimated. A token sampled with a LoRA
+adapter is labelled `<adapter>@<label>` (the embedded engine's way; the gateway loads version N of
+an adapter with the label `str(N)`): its version is the label's, that adapter's own integer
+version (`alice@3` is 3; the turn names the adapter, `Turn.adapter`).
+
+**Adapters on engines that do not label them.** A server that reports its base weights' label
+for an adapter's tokens too (SGLang, vLLM) says nothing of the adapter's version: the HTTP
+clients label such tokens with the adapter version they loaded into that engine before the
+request began (`bound_versions`' `adapter`), never newer than the one that sampled them.
 
 **Which version sampled a token.** Where a chunk (or whole response) carries `weight_versions`
 spans, they say so exactly (SGLang 0.5.23 reports them once a request's weights changed in
@@ -40,8 +48,11 @@ MAX_VERSION = 2**31 - 1
 
 def version_of(label: Any) -> int:
     """Flywheel's version for an engine's weight version label: a non-negative decimal integer
-    (up to `MAX_VERSION`) is that version, any other label 0."""
+    (up to `MAX_VERSION`) is that version, any other label 0; an adapter's `<name>@<label>` is
+    its label's version."""
     text = str(label) if type(label) is int else label
+    if isinstance(text, str) and "@" in text:
+        text = text.rpartition("@")[2]
     if isinstance(text, str) and len(text) <= 10 and text.isascii() and text.isdecimal() and int(text) <= MAX_VERSION:
         return int(text)
     return 0
@@ -57,12 +68,28 @@ def token_versions(meta: dict[str, Any], n_tokens: int) -> list[int]:
     return versions
 
 
-def bound_versions(meta: dict[str, Any], n_tokens: int, known: int) -> int:
+def labels_adapter(label: Any, adapter: str) -> bool:
+    """Whether an engine's label names a version of `adapter` (`<adapter>@<label>`)."""
+    return isinstance(label, str) and label.startswith(f"{adapter}@")
+
+
+def bound_versions(meta: dict[str, Any], n_tokens: int, known: int, adapter: str | None = None) -> int:
     """For a chunk of `n_tokens` tokens without spans, the rule above: label them all
     min(`known`, the version the chunk reports), written as one span. `known` is the version
     the gateway knew for the engine when these tokens began; returns the one the next chunk's
-    tokens begin from (what this chunk reports)."""
-    reported = version_of(meta.get("weight_version"))
+    tokens begin from (what this chunk reports).
+
+    With `adapter` (the request's `lora_path`), versions are that adapter's and `known` the
+    adapter version the client had loaded into the engine: labels that do not name the adapter
+    (the engine's base label, spans of them included) say nothing of it and are dropped, and the
+    chunk's tokens are `known`."""
+    label = meta.get("weight_version")
+    if adapter is not None and not labels_adapter(label, adapter):
+        reported = known
+        if any(not labels_adapter(span.get("version"), adapter) for span in meta.get("weight_versions") or []):
+            del meta["weight_versions"]
+    else:
+        reported = version_of(label)
     if n_tokens and not meta.get("weight_versions"):
         meta["weight_versions"] = [{"version": str(min(known, reported)), "start": 0, "end": n_tokens}]
     return reported

@@ -6,7 +6,9 @@ A request's prompt is built once (`flywheel/serve/prompts.py`: the chat template
 continuing the session's exact ids); `flywheel/serve/answerer.py` checks it against the model and its
 limits and runs the `Generation` (`flywheel/serve/in_flight.py`) on the engine the session routes to,
 through SGLang's native protocol (`flywheel/serve/backends/`). The prompt ids, and the output ids,
-logprobs and weight versions the engine returns, are what each recorded `Turn` carries.
+logprobs and weight versions the engine returns, are what each recorded `Turn` carries. With
+`adapters.kind: lora` a request is answered by its tenant's or end user's LoRA adapter, or one its
+`model` names (`<served model>:<adapter>`): flywheel/serve/adapter_routing.py.
 Feedback and explicit session ends become `SessionEvent`s, answered once durable.
 """
 
@@ -19,6 +21,7 @@ from fastapi import FastAPI, Request, Response
 
 from flywheel.bus import SESSION_EVENT_SUBJECT, SessionEvent
 from flywheel.config.schema import ServeConfig
+from flywheel.serve.adapter_routing import AdapterRouting
 from flywheel.serve.answerer import Answerer
 from flywheel.serve.api.chat import ChatCompletionRequest, CompletionRequest
 from flywheel.serve.api.errors import APIError, install_error_handlers, translated
@@ -46,12 +49,13 @@ from flywheel.tenants.sessions import SessionRegistry, SessionUnknown
 
 def create_gateway(pool: EnginePool, tokenizer: Any, recorder: Recorder, model_name: str, config: ServeConfig,
                    context_length: int, metrics: ServeMetrics, tenants: TenantDirectory,
-                   sessions: SessionRegistry) -> FastAPI:
+                   sessions: SessionRegistry, adapters: AdapterRouting | None = None) -> FastAPI:
     """The gateway app. Operations: tenants' API keys and the admin key (`tenants`,
     `serve.api_keys`, `serve.admin_key`), a body size limit (413), a concurrency limit with a
     bounded queue (429 with Retry-After), a per-request timeout (504), Prometheus metrics on
     `/metrics`. Every session is its tenant's (`request.state.tenant`), and feedback or an end
-    names one its tenant opened (`sessions`), else it is a 404."""
+    names one its tenant opened (`sessions`), else it is a 404. `adapters`: which LoRA adapter
+    answers each request (`adapters.kind: lora`; None: the shared weights answer all)."""
     app = FastAPI(title="Flywheel gateway", docs_url=None, redoc_url=None)
     install_error_handlers(app)
     install_metrics_route(app, metrics)
@@ -73,7 +77,7 @@ def create_gateway(pool: EnginePool, tokenizer: Any, recorder: Recorder, model_n
     personal_data = app.state.personal_data = PersonalData()
     metrics.on_scrape(lambda m: m.personal_data(personal_data.dropped, personal_data.redacted))
     answerer = Answerer(pool, tokenizer, recorder, model_name, config, context_length, metrics, continuations, limiter,
-                        sessions, personal_data)
+                        sessions, personal_data, adapters)
 
     def guarded(body: Any, session: Any) -> Any:
         """The request as the model may see it: its prompt redacted under `redact_input`."""

@@ -64,6 +64,12 @@ class Generation:
     """The tenant's personal-data policy's detectors and counts (needed unless `session.pii` is off)."""
     timeout_s: float | None = None
     """A stream running longer than this ends with an error event (its choices are aborted)."""
+    adapter: str | None = None
+    """The LoRA adapter the request belongs to (flywheel/serve/adapter_routing.py; None: the shared
+    weights): its turns' `Turn.adapter`, and their versions are that adapter's."""
+    lora_path: str | None = None
+    """The adapter the engine is asked for: `adapter` once it has a published version; None
+    while it has none (the bare base serves it, and its tokens are recorded as version 0)."""
     id: str = field(default_factory=lambda: uuid.uuid4().hex)
     created: int = field(default_factory=lambda: int(time.time()))
     arrived: float = field(default_factory=time.monotonic)
@@ -110,6 +116,7 @@ class Generation:
             "return_logprob": True,
             "top_logprobs_num": self.top_n,
             "rid": self.choices[i].rid,
+            **({"lora_path": self.lora_path} if self.lora_path is not None else {}),
         }
 
     def _sampling(self, i: int) -> dict[str, Any]:
@@ -328,7 +335,8 @@ class Generation:
                 prompt_ids=self.prompt_ids,
                 output_ids=choice.output_ids,
                 output_logprobs=choice.logprobs,
-                output_versions=choice.versions,
+                adapter=self.adapter,
+                output_versions=self._versions(choice),
                 finish_reason=finish,
                 sampling=self._sampling(choice.index),
                 session_done=self.session.done,
@@ -344,6 +352,13 @@ class Generation:
             self.personal_data.dropped[self.session.tenant] += len(turns)
             return []
         return turns
+
+    def _versions(self, choice: Choice) -> list[int]:
+        """The versions the choice's tokens are recorded with: an adapter with no published
+        version yet was served by the bare base, and its tokens are the adapter's version 0."""
+        if self.adapter is not None and self.lora_path is None:
+            return [0] * len(choice.versions)
+        return choice.versions
 
     def _holds_personal_data(self, turns: list[Turn]) -> bool:
         """Under `drop`, whether the request's texts or a reply hold personal data; under

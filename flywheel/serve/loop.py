@@ -8,6 +8,9 @@ policy) and rolled across the engines (`EnginePool.swap`, in `serve.swap_mode`) 
 gateway keeps answering. Under promotion (`promotion.mode` not off) the gateway follows the
 registry's routing instead: the version that serves, and a canary's (flywheel/serve/routing.py).
 Tenants changed at run time, and tenants or users forgotten, are followed from the bus too.
+With `adapters.kind: lora` announcements of LoRA adapters' versions (`WeightUpdate.adapter`) are
+loaded into every engine, apart from the shared weights (`_follow_weights`), and the gateway
+routes each request to its adapter (flywheel/serve/adapter_routing.py).
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ import asyncio
 import contextlib
 import gc
 import logging
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -31,6 +35,7 @@ from flywheel.config.serve import ServeConfig
 from flywheel.config.tenants import retention_s
 from flywheel.models import load_model, load_weights, place
 from flywheel.runtime import cancel_and_wait, repeat
+from flywheel.serve.adapter_routing import AdapterRouting
 from flywheel.serve.backends.in_process import InProcessEngineClient
 from flywheel.serve.backends.pool import EnginePool
 from flywheel.serve.backends.sglang import HTTPEngineClient
@@ -104,7 +109,7 @@ class ServeLoop:
         for entry in await self.tenant_registry.current():  # before the first request: a revoked key opens nothing
             self.tenants.apply(entry)
         self.app = create_gateway(self.pool, tokenizer, self.recorder, self.model_name, cfg, context_length, self.metrics,
-                                  self.tenants, sessions)
+                                  self.tenants, sessions, self._adapter_routing())
         install_tenant_routes(self.app, self.tenants, self.tenant_registry, cfg.admin_key, [spill_dir],
                               Path(self.config.run_dir) / "trained.jsonl")
         self.board: VersionBoard | None = None
@@ -140,26 +145,68 @@ class ServeLoop:
         log.info("serving %s at %s", self.model_name, self.url)
         return self.url
 
+    def _adapter_routing(self) -> AdapterRouting:
+        """Adapters answer a policy server's requests; a judge or eval server's are the bare
+        base's (the frozen judge and teacher; the gate compares shared versions)."""
+        return AdapterRouting(self.model_name, self.pool, self.config if self.config.serve.role == "policy" else None)
+
     @property
     def model_name(self) -> str:
         return self.config.served_model
 
     async def _follow_weights(self) -> None:
-        async for update in self.bus.follow(WEIGHTS_SUBJECT, newest_only=True):
-            assert isinstance(update, WeightUpdate)
-            if update.version <= self.pool.weight_version:
-                continue
-            try:
-                if not self.config.serve.swap_weights:
-                    await self.pool.follow(update.version, self.config.serve.follow_timeout_s)
+        """Weight announcements. The shared weights' (`adapter` None) are swapped in when newer
+        than the pool's version (`EnginePool.swap`); an adapter's (`adapters.kind: lora`) is loaded
+        into every engine when newer than that adapter's own version (`EnginePool.load_adapter`)
+        and never compared with, nor taken for, the shared weights'. Under `kind: none` only the
+        newest of a backlog counts (it supersedes the rest) and adapter announcements are ignored.
+        Under `lora` every announcement the stream holds is read, from the first (a restarted
+        server must find each adapter's newest version, not only the newest announcement), and of
+        those that arrive together the newest of the shared weights' and of each adapter's count."""
+        if self.config.adapters.kind != "lora":
+            async for update in self.bus.follow(WEIGHTS_SUBJECT, newest_only=True):
+                assert isinstance(update, WeightUpdate)
+                if update.adapter is not None:
+                    log.warning("ignoring adapter %s v%d: adapters.kind is none", update.adapter, update.version)
                     continue
-                pauses = await self.pool.swap(update.path, update.version, self.config.serve.swap_mode)
-                for seconds in pauses:
-                    self.metrics.swap(seconds)
-                self.pauses += pauses
-                self.swaps += 1
-            except Exception:
-                log.exception("could not load weights v%d from %s", update.version, update.path)
+                await self._take_weights(update)
+            return
+        async with contextlib.aclosing(_batches(self.bus.follow(WEIGHTS_SUBJECT, from_first=True))) as batches:
+            async for batch in batches:
+                for update in _newest(batch):
+                    if update.adapter is None:
+                        await self._take_weights(update)
+                    else:
+                        await self._take_adapter(update)
+
+    async def _take_weights(self, update: WeightUpdate) -> None:
+        """Swap the shared weights to `update` (or follow the gateway that swaps) if it is newer."""
+        if update.version <= self.pool.weight_version:
+            return
+        try:
+            if not self.config.serve.swap_weights:
+                await self.pool.follow(update.version, self.config.serve.follow_timeout_s)
+                return
+            pauses = await self.pool.swap(update.path, update.version, self.config.serve.swap_mode)
+            for seconds in pauses:
+                self.metrics.swap(seconds)
+            self.pauses += pauses
+            self.swaps += 1
+        except Exception:
+            log.exception("could not load weights v%d from %s", update.version, update.path)
+
+    async def _take_adapter(self, update: WeightUpdate) -> None:
+        """Load adapter `update.adapter`'s version `update.version` into every engine if it is newer
+        than the one served. Every gateway loads it (also with `serve.swap_weights: false`): loading
+        a version an engine has already is harmless, and a gateway must not send a request for an
+        adapter version its engines may not have yet."""
+        assert update.adapter is not None
+        if update.version <= self.pool.adapter_versions.get(update.adapter, 0):
+            return
+        try:
+            await self.pool.load_adapter(update.adapter, update.path, update.version)
+        except Exception:
+            log.exception("could not load adapter %s v%d from %s", update.adapter, update.version, update.path)
 
     async def _follow_tenants(self) -> None:
         """Tenants and keys changed at run time, at any gateway, hold here too."""
@@ -247,6 +294,42 @@ class ServeLoop:
             "engine": dict(self.engine.stats) if self.engine else None,
             "last_pause_s": self.pauses[-1] if self.pauses else None,
         }
+
+
+def _newest(updates: list[WeightUpdate]) -> list[WeightUpdate]:
+    """Of announcements that arrived together, in order: the newest (highest version, the later
+    of equals) of the shared weights' and of each adapter's; only newer versions are taken anyway."""
+    newest: dict[str | None, WeightUpdate] = {}
+    for update in updates:
+        if update.adapter not in newest or update.version >= newest[update.adapter].version:
+            newest[update.adapter] = update
+    return [update for update in updates if newest[update.adapter] is update]
+
+
+async def _batches(records: AsyncIterator[Any], settle_s: float = 0.05) -> AsyncIterator[list[Any]]:
+    """`records` in batches: each of what arrived by `settle_s` after the first of them."""
+    queue: asyncio.Queue[Any] = asyncio.Queue()
+
+    async def pump() -> None:
+        async for record in records:
+            queue.put_nowait(record)
+
+    task = asyncio.create_task(pump(), name="weights-pump")
+    try:
+        while True:
+            get = asyncio.ensure_future(queue.get())
+            await asyncio.wait({get, task}, return_when=asyncio.FIRST_COMPLETED)
+            if not get.done():
+                get.cancel()
+                task.result()  # the reason the follow ended, if it failed
+                return
+            batch = [get.result()]
+            await asyncio.sleep(settle_s)
+            while not queue.empty():
+                batch.append(queue.get_nowait())
+            yield batch
+    finally:
+        await cancel_and_wait([task])
 
 
 def embedded_engine(model: torch.nn.Module, tokenizer: Any, cfg: ServeConfig) -> Engine:

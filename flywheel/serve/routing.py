@@ -47,6 +47,10 @@ class RoutedPool(EnginePool):
     def all_engines(self) -> list[EngineClient]:
         return [*self.engines, *(self.canary.engines if self.canary else [])]
 
+    def _adapter_engines(self) -> list[EngineClient]:
+        """Adapters go to the canary's engines too (those there when the adapter is loaded)."""
+        return self.all_engines
+
     def _canary_live(self) -> bool:
         return (self.routing is not None and self.routing.canary is not None and self.canary is not None
                 and self.canary.weight_version == self.routing.canary.version)

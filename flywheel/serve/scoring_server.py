@@ -2,7 +2,9 @@
 distillation's teacher gets its log-probabilities; and the promotion gate's evaluation server
 (`serve.role: eval`), which answers the gate's suites with the versions it compares.
 
-- `POST /engine/generate`: SGLang's native `/generate` on the server's engine, as is.
+- `POST /engine/generate`: SGLang's native `/generate` on the server's engine, as is, but on the
+  base only: a body naming a LoRA adapter (`lora_path`) is refused (400), so that no key reaches
+  a tenant's adapter through it.
 - `POST /engine/score` `{"messages", "output_ids", "temperature"}`: the chat `messages` rendered
   through the server's chat template as for a request (the teacher's prompt: the turn's context
   with its hint), followed by `output_ids` (the tokens the policy sampled), scored with one
@@ -16,7 +18,8 @@ distillation's teacher gets its log-probabilities; and the promotion gate's eval
 - `POST /engine/update_weights_from_disk` `{"model_path", "weight_version"}` (`serve.role: eval`
   only): SGLang's route, loading any version, older ones too (the gate goes back and forth).
 
-All sit under `/engine/`, which needs a client key when the server has keys (`flywheel/serve/ops/auth.py`).
+Both score and generate with the bare base, never a LoRA adapter (the base is the frozen judge and
+hint teacher). All sit under `/engine/`, which needs a client key when the server has keys (`flywheel/serve/ops/auth.py`).
 """
 
 from __future__ import annotations
@@ -75,6 +78,8 @@ def install_scoring_routes(app: FastAPI, pool: EnginePool, prompts: PromptBuilde
             body = None
         if not isinstance(body, dict):
             return JSONResponse({"error": {"message": "the body must be a JSON object"}}, status_code=400)
+        if body.get("lora_path") is not None:
+            return JSONResponse({"error": {"message": "lora_path: this route serves the base model only"}}, status_code=400)
         try:
             return await engine.generate(body)
         except EngineError as exc:

@@ -42,6 +42,11 @@ class EngineClient(Protocol):
 
     async def update_weights_from_disk(self, model_path: str, weight_version: int) -> None: ...
 
+    async def load_adapter(self, name: str, path: str, version: int) -> None:
+        """Load version `version` of LoRA adapter `name` from the PEFT directory `path` (a body's
+        `lora_path` names it); the adapter's tokens then report that version."""
+        ...
+
     async def refresh_version(self) -> int:
         """Ask the engine which weights it has (another gateway may have swapped them)."""
         ...

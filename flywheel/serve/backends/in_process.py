@@ -1,12 +1,14 @@
 """The embedded engine in the gateway's process: the same `/generate` bodies and chunks the
 engine's HTTP server takes and gives (`flywheel.serve.engine.native`), handed over without the socket, with
-the engine's exact per-token versions."""
+the engine's exact per-token versions (an adapter's tokens: `<name>@<N>`, N the adapter version
+`load_adapter` loaded)."""
 
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
 from typing import Any
 
+from flywheel.models.lora_adapter import AdapterError
 from flywheel.serve.backends.base import EngineError
 from flywheel.serve.engine import (
     Engine,
@@ -54,6 +56,14 @@ class InProcessEngineClient:
 
     async def update_weights_from_disk(self, model_path: str, weight_version: int) -> None:
         await self.engine.update_weights(model_path, str(weight_version))
+
+    async def load_adapter(self, name: str, path: str, version: int) -> None:
+        """Serve the PEFT adapter in `path` as version `version` of adapter `name` (labelled
+        `str(version)`), from the next decode step on."""
+        try:
+            await self.engine.load_adapter(name, path, str(version))
+        except AdapterError as exc:
+            raise EngineError(503, f"engine {self.name} could not load adapter {name} v{version}: {exc}") from None
 
     async def refresh_version(self) -> int:
         return self.weight_version

@@ -13,6 +13,11 @@ an engine is loaded once per version and every gateway labels its tokens right.
 Versions here are Flywheel's integers: each client turns its engine's opaque label into one
 (`flywheel.serve.engine_choice.version_of`: "12" is 12, a label such as "default" is 0) and sends a swap's
 version to the engine as the label `str(version)`.
+
+LoRA adapters (`adapters.kind: lora`) have versions of their own, apart from the shared weights':
+`load_adapter` loads one adapter's version into every engine (no pause: the engines take it
+between two steps) and only then counts it as published (`adapter_versions`), so a request sent
+with that adapter finds it on whichever engine its session routes to.
 """
 
 from __future__ import annotations
@@ -32,6 +37,8 @@ class EnginePool:
         if not engines:
             raise ValueError("an engine pool needs at least one engine")
         self.engines = engines
+        self.adapter_versions: dict[str, int] = {}
+        """Each adapter's version that every engine has loaded (absent: none published yet)."""
 
     def route(self, session_id: str) -> EngineClient:
         def score(engine: EngineClient) -> bytes:
@@ -60,6 +67,17 @@ class EnginePool:
             paused.append(time.monotonic() - started)
             log.info("engine %s now on v%d (paused %.3fs)", engine.name, version, paused[-1])
         return paused
+
+    async def load_adapter(self, name: str, path: str, version: int) -> None:
+        """Load version `version` of adapter `name` (its PEFT directory `path`) into every engine,
+        then count it as published. The shared weights' version is not touched."""
+        for engine in self._adapter_engines():
+            await engine.load_adapter(name, path, version)
+        self.adapter_versions[name] = version
+        log.info("adapter %s now on v%d", name, version)
+
+    def _adapter_engines(self) -> list[EngineClient]:
+        return self.engines
 
     async def follow(self, version: int, timeout_s: float, poll_s: float = 0.25) -> bool:
         """Wait until every engine reports `version` or newer (another gateway swaps them),

@@ -5,6 +5,15 @@ Streams come out as deltas: SGLang's default cumulative chunks are cut to what w
 A server may report one weight-version label per response or chunk, so each chunk's per-token
 versions are bounded by what this client knew of the engine (`flywheel.serve.engine_choice.bound_versions`):
 staleness is never under-estimated.
+
+LoRA adapters: a body's `lora_path` (one adapter name) passes through as SGLang takes it;
+`load_adapter` loads a version of one (`/load_lora_adapter` with `lora_name`, `lora_path` and
+`weight_version`: the embedded engine then labels the adapter's tokens `<name>@<N>`, and loads
+over an earlier version; a server that refuses a name it has "already" loaded, as SGLang does,
+has it unloaded first and loaded again, so the requests under way finish with the old version;
+if the new one then fails to load, the old one is loaded back). A server that labels an
+adapter's tokens with its base label instead has them counted as the adapter version this client
+had loaded when the request began (`bound_versions`).
 """
 
 from __future__ import annotations
@@ -28,6 +37,9 @@ class HTTPEngineClient:
         """Flywheel's version of the engine's label, as of the last `connect` or weight update."""
         self.incremental = False
         """Whether the server streams deltas (`--incremental-streaming-output`) or cumulative chunks."""
+        self.adapter_versions: dict[str, int] = {}
+        """The version of each adapter this client loaded into the engine (`load_adapter`)."""
+        self._adapter_paths: dict[str, str] = {}
         headers = {"Authorization": f"Bearer {admin_key}"} if admin_key else {}
         limits = httpx.Limits(max_connections=1024, max_keepalive_connections=256)
         self._http = httpx.AsyncClient(base_url=self.name, headers=headers, timeout=timeout_s, limits=limits)
@@ -47,15 +59,23 @@ class HTTPEngineClient:
             raise EngineError(_status(response), f"engine {self.name}: {_message(response)}")
         return response
 
+    def _known(self, body: dict[str, Any]) -> tuple[int, str | None]:
+        """The version this client knows the request's weights to have (its adapter's, with a
+        `lora_path`), and the adapter."""
+        adapter = body.get("lora_path")
+        if isinstance(adapter, str):
+            return self.adapter_versions.get(adapter, 0), adapter
+        return self.weight_version, None
+
     async def generate(self, body: dict[str, Any]) -> dict[str, Any]:
-        known = self.weight_version
+        known, adapter = self._known(body)
         response = (await self._call("POST", "/generate", body)).json()
-        bound_versions(response["meta_info"], len(response["output_ids"]), known)
+        bound_versions(response["meta_info"], len(response["output_ids"]), known, adapter)
         return response
 
     async def generate_stream(self, body: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
         text_sent, ids_sent = "", 0
-        known = self.weight_version
+        known, adapter = self._known(body)
         try:
             async with self._http.stream("POST", "/generate", json={**body, "stream": True}) as response:
                 async for chunk in events(response, self.name):
@@ -63,7 +83,7 @@ class HTTPEngineClient:
                         chunk = _delta(chunk, text_sent, ids_sent)
                     text_sent += chunk["text"]
                     ids_sent += len(chunk["output_ids"])
-                    known = bound_versions(chunk["meta_info"], len(chunk["output_ids"]), known)
+                    known = bound_versions(chunk["meta_info"], len(chunk["output_ids"]), known, adapter)
                     yield chunk
         except httpx.HTTPError as exc:
             raise EngineError(503, f"engine {self.name} stream failed: {exc}") from None
@@ -80,6 +100,31 @@ class HTTPEngineClient:
         if not reply.get("success"):
             raise EngineError(503, f"engine {self.name} could not load weights: {reply.get('message')}")
         self.weight_version = weight_version
+
+    async def load_adapter(self, name: str, path: str, version: int) -> None:
+        """Serve the PEFT adapter in `path` as version `version` of adapter `name`. A server that
+        refuses a name it has already is made to unload it and load the new version; if that
+        fails, the version it had is loaded back."""
+        try:
+            try:
+                await self._load_adapter(name, path, version)
+            except EngineError as exc:
+                previous = self._adapter_paths.get(name)
+                if exc.status != 400 or previous is None or "already" not in str(exc).lower():
+                    raise
+                await self._call("POST", "/unload_lora_adapter", {"lora_name": name})  # SGLang's way to replace one
+                try:
+                    await self._load_adapter(name, path, version)
+                except EngineError:
+                    await self._load_adapter(name, previous, self.adapter_versions[name])
+                    raise
+        except EngineError as exc:
+            raise EngineError(503, f"engine {self.name} could not load adapter {name} v{version}: {exc}") from None
+
+    async def _load_adapter(self, name: str, path: str, version: int) -> None:
+        await self._call("POST", "/load_lora_adapter", {"lora_name": name, "lora_path": path, "weight_version": str(version)})
+        self.adapter_versions[name] = version
+        self._adapter_paths[name] = path
 
     async def refresh_version(self) -> int:
         info = (await self._call("GET", "/model_info")).json()

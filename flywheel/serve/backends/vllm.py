@@ -40,7 +40,12 @@ A swap sets the label after loading the weights when the version grows, before w
 so even an engine that is not paused never labels a token newer than its weights.
 
 While this client swaps (pause to resume), new requests wait for it to finish, so a request is
-never sent under a version that is about to change. Each request's prefix-cache entries are
+never sent under a version that is about to change.
+
+LoRA adapters: a body's `lora_path` becomes the request's `model` (vLLM's way to name one);
+`load_adapter` is `/v1/load_lora_adapter` (in place). vLLM labels every token with its base
+weights' label, so an adapter's tokens count as the adapter version this client had loaded when
+the request was sent (untested here against a vLLM server with LoRA enabled). Each request's prefix-cache entries are
 salted with that version (`cache_salt`), so a prompt is never continued from KV computed by
 older weights that vLLM kept cached (in `in_place` mode the cache is not reset: the running
 requests hold their blocks, and the salt already keeps new requests off the old ones).
@@ -140,13 +145,19 @@ class VLLMEngineClient(HTTPEngineClient):
         self._floors.add(floor)
         request = {"token_ids": ids, "request_id": body.get("rid") or uuid.uuid4().hex, "sampling_params": params,
                    "output_mode": "text", "stream": stream, "cache_salt": f"flywheel-v{floor.version}"}
+        adapter = body.get("lora_path")
+        if isinstance(adapter, str):  # vLLM's way to ask for a LoRA adapter: the model is its name
+            floor.adapter = self.adapter_versions.get(adapter, 0)
+            request["model"] = adapter
+            request["cache_salt"] += f"-{adapter}@{floor.adapter}"
         return request, floor
 
     async def generate(self, body: dict[str, Any]) -> dict[str, Any]:
         request, floor = await self._request(body, stream=False)
         try:
             reply = (await self._call("POST", GENERATE, request)).json()
-            return _chunk(reply["choices"][0], _top_n(body), floor.version, len(request["token_ids"]), 0)
+            return _chunk(reply["choices"][0], _top_n(body), floor.known, len(request["token_ids"]), 0,
+                          floor.adapter is None)
         finally:
             self._floors.discard(floor)
 
@@ -158,7 +169,7 @@ class VLLMEngineClient(HTTPEngineClient):
                 response = await self._open_stream(stack, request)
                 async for event in events(response, self.name):
                     for choice in event.get("choices") or []:
-                        chunk = _chunk(choice, top_n, floor.version, len(request["token_ids"]), sent)
+                        chunk = _chunk(choice, top_n, floor.known, len(request["token_ids"]), sent, floor.adapter is None)
                         sent += len(chunk["output_ids"])
                         yield chunk
         except httpx.HTTPError as exc:
@@ -228,6 +239,17 @@ class VLLMEngineClient(HTTPEngineClient):
         await self._call("POST", "/update_weight_version", {"new_version": str(version)})
         self._learn(version)
 
+    async def load_adapter(self, name: str, path: str, version: int) -> None:
+        """Load version `version` of LoRA adapter `name` (`/v1/load_lora_adapter`, in place over an
+        earlier version; the server needs `--enable-lora` and `VLLM_ALLOW_RUNTIME_LORA_UPDATING`).
+        vLLM labels an adapter's tokens with its base label: they count as the version loaded
+        when their request was sent (`_Floor.adapter`)."""
+        try:
+            await self._call("POST", "/v1/load_lora_adapter", {"lora_name": name, "lora_path": path, "load_inplace": True})
+        except EngineError as exc:
+            raise EngineError(503, f"engine {self.name} could not load adapter {name} v{version}: {exc}") from None
+        self.adapter_versions[name] = version
+
     async def abort(self, rid: str) -> None:
         await self._call("POST", "/abort_requests", {"request_ids": [REQUEST_PREFIX + rid]})
 
@@ -239,10 +261,17 @@ _DROPPED = (httpx.RemoteProtocolError, httpx.ReadError)
 class _Floor:
     """The oldest version an engine had while one request was in flight."""
 
-    __slots__ = ("version",)
+    __slots__ = ("adapter", "version")
 
     def __init__(self, version: int):
         self.version = version
+        self.adapter: int | None = None
+        """With a LoRA adapter, the adapter's version this client had loaded when it was sent."""
+
+    @property
+    def known(self) -> int:
+        """The version the request's tokens count as: the adapter's, else the floor."""
+        return self.version if self.adapter is None else self.adapter
 
 
 def sampling(params: dict[str, Any]) -> dict[str, Any]:
@@ -273,9 +302,12 @@ def _top_n(body: dict[str, Any]) -> int:
     return int(body.get("top_logprobs_num") or 0)
 
 
-def _chunk(choice: dict[str, Any], top_n: int, known: int, prompt_tokens: int, sent: int) -> dict[str, Any]:
+def _chunk(choice: dict[str, Any], top_n: int, known: int, prompt_tokens: int, sent: int,
+           spans: bool = True) -> dict[str, Any]:
     """One vLLM choice (a whole answer, or a stream's delta after `sent` tokens) as SGLang's
-    `/generate` response or delta chunk, with versions as the module docstring says."""
+    `/generate` response or delta chunk, with versions as the module docstring says (without
+    `spans`, an adapter's request: vLLM's spans are its base weights' labels, and every token is
+    `known`, the adapter's version)."""
     if choice.get("finish_reason") == "error":
         raise EngineError(500, f"vLLM failed the request: {choice.get('stop_reason')}")
     ids = list(choice.get("token_ids") or [])
@@ -288,7 +320,7 @@ def _chunk(choice: dict[str, Any], top_n: int, known: int, prompt_tokens: int, s
         meta["output_token_logprobs"] = [[entry["logprob"], token, None] for entry, token in zip(content, ids)]
         if top_n:
             meta["output_top_logprobs"] = [_top(entry, top_n) for entry in content]
-    if choice.get("weight_versions") and ids:  # absolute spans over the whole output, this chunk's part
+    if spans and choice.get("weight_versions") and ids:  # absolute spans over the whole output, this chunk's part
         meta["weight_versions"] = [
             {"version": span["version"], "start": max(span["start"] - sent, 0), "end": span["end"] - sent}
             for span in choice["weight_versions"] if span["end"] > sent

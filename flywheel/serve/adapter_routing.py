@@ -1,0 +1,88 @@
+"""Which LoRA adapter answers a request (`adapters.kind: lora`), and whether it has a version to
+serve yet.
+
+**Routing.** A request's adapter is its tenant's and end user's,
+`adapter_for(scope_of(config, tenant), tenant, user)` (flywheel/models/adapter_names.py), when its
+`model` is the served model's name. A request may instead name an adapter in `model`:
+`<served model>:<adapter>` (e.g. `tiny:acme.u-1f2e...`), or the adapter's name alone (vLLM's way,
+e.g. `acme`). A caller may name only its own tenant's adapters, `<tenant>` and `<tenant>.<...>`
+(its users', `<tenant>.u-<digest>`), and `shared`; and of those only one that exists here: one
+with a published version, or the one its request would be routed to anyway. Any other name (an
+adapter of another tenant, published or not, one that was never published, any model this server
+does not serve) is the same 404 `model_not_found` with the same message: a tenant learns nothing
+of other tenants' adapters. With `adapters.kind: none`, `model` must be the served model's name,
+as before.
+
+**Serving.** An adapter with a published version (a `WeightUpdate` with `adapter`, loaded into
+every engine: `EnginePool.adapter_versions`) is sent to the engine as `lora_path`. One without a
+version yet is served by the bare base (no `lora_path`), and its turn is still recorded as that
+adapter's (`Turn.adapter`) with version 0 for every token: the trainer starts it from version 0.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from flywheel.models.adapter_names import SHARED, adapter_for, scope_of
+from flywheel.serve.api.errors import APIError
+from flywheel.serve.backends.pool import EnginePool
+
+if TYPE_CHECKING:
+    from flywheel.config import FlywheelConfig
+
+
+@dataclass(frozen=True)
+class AdapterChoice:
+    """The adapter a request uses: `name` (None: the shared weights, `adapters.kind: none`) and
+    whether it has a published version to serve (else the bare base serves it, as version 0)."""
+
+    name: str | None = None
+    published: bool = False
+
+    @property
+    def lora_path(self) -> str | None:
+        """What the engine request names (SGLang's `lora_path`): None for the base."""
+        return self.name if self.published else None
+
+
+BASE = AdapterChoice()
+
+
+class AdapterRouting:
+    """The adapter of each request (see the module docstring)."""
+
+    def __init__(self, model_name: str, pool: EnginePool, config: FlywheelConfig | None = None):
+        self.model_name = model_name
+        self.pool = pool
+        self.config = config
+        self.enabled = config is not None and config.adapters.kind == "lora"
+
+    def choose(self, model: str, tenant: str, user: str | None) -> AdapterChoice:
+        """The adapter of a request for `model` from `tenant`'s end user `user`; a model (or
+        adapter) the caller may not use is a 404."""
+        if model == self.model_name:
+            if not self.enabled:
+                return BASE
+            assert self.config is not None
+            return self._choice(adapter_for(scope_of(self.config, tenant), tenant, user))
+        named = model[len(self.model_name) + 1:] if model.startswith(f"{self.model_name}:") else model
+        if self.enabled and _owned(named, tenant):
+            assert self.config is not None
+            routed = adapter_for(scope_of(self.config, tenant), tenant, user)
+            if named == routed or named in self.pool.adapter_versions:
+                return self._choice(named)
+        raise self.not_found(model)
+
+    def _choice(self, name: str) -> AdapterChoice:
+        return AdapterChoice(name, name in self.pool.adapter_versions)
+
+    def not_found(self, model: str) -> APIError:
+        """The one answer to a model or adapter that is not there for this caller."""
+        return APIError(404, f"model {model!r} does not exist; this server serves {self.model_name!r}", "model",
+                        "model_not_found")
+
+
+def _owned(name: str, tenant: str) -> bool:
+    """Whether adapter `name` is `tenant`'s own (or the deployment's shared one)."""
+    return name == SHARED or name == tenant or name.startswith(f"{tenant}.")
