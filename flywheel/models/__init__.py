@@ -3,7 +3,8 @@
 Shared by every loop (with `flywheel/bus/`): the serve engine and the trainer load models through
 `load_model`; the trainer publishes weights with `WeightStore.publish`, and the server swaps them
 in with `load_weights`. LoRA adapters: `lora_adapter` reads PEFT's directory format, `lora_batch`
-serves many adapters in one batch (imported from their modules).
+serves many adapters in one batch, `adapter_store` keeps the versions the trainer publishes
+(imported from their modules).
 
 The names below are imported on first use, so that `flywheel.models.cache` (where built things are
 cached, atomically) can be used by code that must not load torch (the SWE task machinery).

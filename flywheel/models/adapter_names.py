@@ -10,14 +10,15 @@ user under the scope (`adapters.scope`, or the tenant's `adapter_scope`):
   is the caller's own string (any characters, personal perhaps).
 
 Names use only letters, digits, `.`, `_` and `-` (the engines' and the adapter store's rule).
-The gateway (routing a request) and the trainer (assigning a sample) both call `adapter_for`, so
-a sample always trains the adapter that sampled it.
+The gateway (routing a request) and the trainer (assigning a sample: `sample_adapter`) both call
+`adapter_for`, so a sample always trains the adapter that sampled it. A user's new adapter starts
+from its tenant's (`origin`), when the trainer has that one.
 """
 
 from __future__ import annotations
 
 import hashlib
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from flywheel.config import FlywheelConfig
@@ -43,3 +44,20 @@ def scope_of(config: FlywheelConfig, tenant: str) -> str:
     """The scope that holds for `tenant`: its own `adapter_scope`, else `adapters.scope`."""
     own = config.tenants[tenant].adapter_scope if tenant in config.tenants else None
     return own or config.adapters.scope
+
+
+def sample_adapter(sample: Any, config: FlywheelConfig) -> str:
+    """The adapter a sample (with its trajectory) trains: the one that sampled it, else its
+    tenant's and user's."""
+    trajectory = sample.trajectory
+    if trajectory.adapter:
+        return trajectory.adapter
+    return adapter_for(scope_of(config, trajectory.tenant), trajectory.tenant, trajectory.user_id)
+
+
+def origin(name: str, config: FlywheelConfig) -> str | None:
+    """The adapter that `name`, new, starts from: its tenant's when `name` is a user's adapter
+    (`<tenant>.u-<digest>`, under the `user` scope); else none (PEFT's initialisation: the base
+    exactly)."""
+    tenant, user, _ = name.rpartition(".u-")
+    return tenant if user and scope_of(config, tenant) == "user" else None

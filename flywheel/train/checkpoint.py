@@ -7,6 +7,10 @@ the running reward baseline) and the torch and Python RNG states. The directory 
 atomically (written aside, then renamed), so a crash mid-save leaves the previous checkpoint as
 the newest. The newest `train.keep_checkpoints` are kept.
 
+With `adapters.kind: lora` the base never changes and is not saved: `state.pt` holds every
+adapter's weights, optimizer and schedule instead (`AdapterSet.state`), and the loop's version
+of each adapter.
+
 The rollout driver keeps its own data position and RNG next to the run (`flywheel/rollout/driver.py`):
 a checkpoint holds what the trainer owns.
 """
@@ -42,22 +46,26 @@ class Checkpoints:
         steps = self.steps()
         return self.path(steps[-1]) if steps else None
 
-    def save(self, step: int, model: torch.nn.Module, state: dict[str, Any]) -> Path:
-        """Write the checkpoint of `step` (replacing one of the same step) and prune old ones."""
+    def save(self, step: int, model: torch.nn.Module | None, state: dict[str, Any]) -> Path:
+        """Write the checkpoint of `step` (replacing one of the same step) and prune old ones;
+        the model's weights unless `model` is None (the frozen base under adapters)."""
         dest = self.path(step)
         if dest.exists():
             shutil.rmtree(dest)
         state = {**state, "rng": {"torch": torch.get_rng_state(), "python": random.getstate()}}
         with atomic_directory(dest) as tmp:
-            model.save_pretrained(tmp)
+            if model is not None:
+                model.save_pretrained(tmp)
             torch.save(state, tmp / "state.pt")
         for old in self.steps()[: -self.keep]:
             shutil.rmtree(self.path(old), ignore_errors=True)
         return dest
 
-    def load(self, path: Path, model: torch.nn.Module) -> dict[str, Any]:
-        """Load the weights into `model` in place, restore the RNGs, return the rest of the state."""
-        load_weights(model, path)
+    def load(self, path: Path, model: torch.nn.Module | None) -> dict[str, Any]:
+        """Load the weights into `model` in place (unless None), restore the RNGs, return the rest
+        of the state."""
+        if model is not None:
+            load_weights(model, path)
         state = torch.load(path / "state.pt", weights_only=False)
         torch.set_rng_state(state["rng"]["torch"])
         random.setstate(state["rng"]["python"])

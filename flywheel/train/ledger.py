@@ -2,6 +2,9 @@
 
     {"step": 12, "version": 12, "samples": ["<sample digest>", ...]}
 
+With `adapters.kind: lora` a step writes one line per adapter it trained, with the adapter and
+that adapter's version: `{"step": 12, "adapter": "acme", "version": 3, "samples": [...]}`.
+
 Samples are named by their digests (`flywheel.bus.records.sample_digest`), never their ids.
 
 A trainer writes `{"resumed_at_step": N}` when it starts, N being the step of the checkpoint it
@@ -30,8 +33,8 @@ class Ledger:
     def resumed(self, step: int) -> None:
         self._write({"resumed_at_step": step})
 
-    def trained(self, step: int, version: int, sample_ids: list[str]) -> None:
-        self._write({"step": step, "version": version, "samples": sample_ids})
+    def trained(self, step: int, version: int, sample_ids: list[str], adapter: str | None = None) -> None:
+        self._write({"step": step, **({"adapter": adapter} if adapter else {}), "version": version, "samples": sample_ids})
 
     def close(self) -> None:
         self._file.close()

@@ -25,6 +25,11 @@ each step (flywheel/train/under_promotion.py): it continues from the version a d
 staleness in updates that were not abandoned, keeps pace with the serving version, and keeps the
 served versions in the weight store.
 
+With `adapters.kind: lora` the base stays frozen and each sample trains its adapter
+(flywheel/train/adapters.py): versions, staleness and publishing are per adapter
+(`AdapterVersions`, flywheel/train/adapter_versions.py), each adapter published alone to
+`run_dir/adapters/` (flywheel/models/adapter_store.py). Not yet under promotion.
+
 One JSON line per step goes to `run_dir/metrics.jsonl`.
 """
 
@@ -47,6 +52,8 @@ from flywheel.bus.dedup import RecentIds
 from flywheel.bus.records import sample_digest
 from flywheel.config import ConfigError, FlywheelConfig
 from flywheel.models import WeightStore, load_model, load_weights
+from flywheel.models.adapter_names import origin, sample_adapter
+from flywheel.models.adapter_store import AdapterStore
 from flywheel.train.advantages import RunningBaseline
 from flywheel.train.checkpoint import Checkpoints
 from flywheel.train.grouping import Group, GroupBatcher
@@ -76,6 +83,7 @@ class TrainLoop(ConsumerLoop):
         self.staleness_seen: Counter[int] = Counter()
         """How many trained samples had each staleness (versions behind the trainer), all run."""
         self.version = 0
+        self.lora = config.adapters.kind == "lora"
         self.batcher = GroupBatcher(config.train.batch_size, config.train.group_timeout_s)
         self.trained = RecentIds(config.train.remember_samples)
         self.unacknowledged: list[Delivery] = []
@@ -97,7 +105,7 @@ class TrainLoop(ConsumerLoop):
         torch.set_num_threads(self.config.train.torch_threads)
         model, self.tokenizer = await asyncio.to_thread(load_model, self.config.model)
         self.checkpoints = Checkpoints(self.run_dir / "checkpoints", keep=self.config.train.keep_checkpoints)
-        self.trainer = Trainer(model, self.config.actor, self.config.train)
+        self.trainer = Trainer(model, self.config.actor, self.config.train, self.config.adapters)
         await super().start()
 
     async def prepare(self) -> None:
@@ -106,8 +114,16 @@ class TrainLoop(ConsumerLoop):
             self.lock.acquire()
         except TrainerRunning as exc:
             raise ConfigError(f"run_dir: {exc}: one trainer per run directory") from None
-        self.store = WeightStore(self.run_dir / "weights", keep=self.config.train.keep_versions)
-        self.publisher = WeightPublisher(self.store, self.bus)
+        if self.lora:
+            if self.config.promotion.enabled:
+                raise ConfigError("promotion.mode: adapters.kind=lora is not trained under promotion yet")
+            from flywheel.train.adapter_versions import AdapterVersions  # PEFT loads only where adapters train
+
+            store = AdapterStore(self.run_dir / "adapters", keep=self.config.train.keep_versions)
+            self.adapter_versions = AdapterVersions(store, self.bus, self.config.train.weight_update_interval)
+        else:
+            self.store = WeightStore(self.run_dir / "weights", keep=self.config.train.keep_versions)
+            self.publisher = WeightPublisher(self.store, self.bus)
         self.promotion: UnderPromotion | None = None
         if self.config.promotion.enabled:
             self.promotion = UnderPromotion(await Registry.open(self.bus), self.config.rollout.max_head_offpolicyness)
@@ -126,7 +142,7 @@ class TrainLoop(ConsumerLoop):
         if path is None and self.config.train.resume:
             raise ConfigError(f"train.resume: no checkpoint in {self.checkpoints.directory}")
         if path is not None:
-            state = await asyncio.to_thread(self.checkpoints.load, path, self.trainer.model)
+            state = await asyncio.to_thread(self.checkpoints.load, path, None if self.lora else self.trainer.model)
             self.trainer.restore(state["trainer"])
             loop = state["loop"]
             self.counts = {**self.counts, **loop["counts"]}
@@ -136,10 +152,15 @@ class TrainLoop(ConsumerLoop):
             self.batcher.counts.update(loop.get("batcher", {}))
             self.version = loop.get("version", self.trainer.step_count)
             self.trained.add(loop.get("trained", []))
+            if self.lora:
+                self.adapter_versions.restore(loop.get("adapters", {}))
             if self.promotion is not None:
                 self.promotion.restore(loop.get("promotion", {}))
             log.info("resumed from %s at step %d, version %d", path, self.trainer.step_count, self.version)
         self.ledger.resumed(self.trainer.step_count)  # 0 without a checkpoint: a dead process's steps lead nowhere
+        if self.lora:
+            await self._restore_adapters()
+            return
         newest = await self.publisher.newest()
         if newest is not None and newest > self.version:
             log.info("versions up to %d were published after this state: it becomes version %d", newest, newest + 1)
@@ -150,13 +171,27 @@ class TrainLoop(ConsumerLoop):
                     "actor": self.config.actor.model_dump(mode="json")}
         self.lineage = Lineage(parent=self.version, config=settings)
 
+    async def _restore_adapters(self) -> None:
+        """Every adapter published before is the trainer's again (one a dead process made after
+        the checkpoint starts over, as its weights do), each with a version above what it published."""
+        for name in self.adapter_versions.store.names():
+            self.trainer.adapters.ensure(name, origin(name, self.config))
+        await self.adapter_versions.restored(self.trainer.adapters, self.trainer.step_count)
+
     def staleness(self, version: int) -> int:
         """Updates between the trainer's weights and those of `version`."""
         return self.promotion.distance(self.version, version) if self.promotion else self.version - version
 
+    def sample_staleness(self, sample: Sample, oldest: int) -> int:
+        """Updates between the weights `sample` trains (its adapter's, with adapters) and its
+        tokens' `oldest` version."""
+        if self.lora:
+            return self.adapter_versions.staleness(sample_adapter(sample, self.config), oldest)
+        return self.staleness(oldest)
+
     def is_stale(self, sample: Sample) -> bool:
         oldest = sample.trajectory.oldest_version
-        return oldest is not None and self.staleness(oldest) > self.config.rollout.max_head_offpolicyness
+        return oldest is not None and self.sample_staleness(sample, oldest) > self.config.rollout.max_head_offpolicyness
 
     def is_abandoned(self, sample: Sample) -> bool:
         """Whether tokens of the sample came from a version a directive abandoned."""
@@ -256,8 +291,19 @@ class TrainLoop(ConsumerLoop):
         self.trained.add(ids)
         self.unacknowledged.extend(d for g in groups for d in g.deliveries)
         self._training = []
-        self.ledger.trained(self.trainer.step_count, self.version, ids)
-        self._record(metrics)
+        if self.lora:
+            self._record(metrics)
+            await self._publish_adapters(groups)
+        else:
+            self.ledger.trained(self.trainer.step_count, self.version, ids)
+            self._record(metrics)
+            await self._publish(ids, metrics)
+        interval = self.config.train.checkpoint_interval
+        if interval and self.trainer.step_count % interval == 0:
+            await self._checkpoint()
+
+    async def _publish(self, ids: list[str], metrics: dict[str, Any]) -> None:
+        """The step in the lineage; the weights published and announced when due."""
         self.lineage.trained(self.trainer.step_count, ids, metrics)
         if self.trainer.step_count % self.config.train.weight_update_interval == 0:
             lineage = self.lineage.announced(self.version)
@@ -265,16 +311,29 @@ class TrainLoop(ConsumerLoop):
                 self.promotion.announced(self.version, lineage["parent"])
             await self.publisher.publish(self.trainer.model, self.version, self.trainer.step_count, lineage)
             log.info("published weights v%d", self.version)
-        interval = self.config.train.checkpoint_interval
-        if interval and self.trainer.step_count % interval == 0:
-            await self._checkpoint()
+
+    async def _publish_adapters(self, groups: list[Group]) -> None:
+        """Each adapter the step trained: its ledger line, and its publication when due."""
+        by_adapter: dict[str, list[str]] = {}
+        for sample in (s for g in groups for s in g.samples):
+            by_adapter.setdefault(sample_adapter(sample, self.config), []).append(sample_digest(sample.id))
+        for name, ids in by_adapter.items():
+            self.ledger.trained(self.trainer.step_count, self.adapter_versions.versions[name], ids, adapter=name)
+        await self.adapter_versions.publish_due(self.trainer.adapters, list(by_adapter), self.trainer.step_count)
 
     def _train(self, groups: list[Group]) -> dict[str, Any]:
         batch = StepBatch(groups, self.config, self.baseline, self.tokenizer.pad_token_id or 0)
-        staleness = [self.staleness(v) for v in batch.oldest_versions if v is not None]
+        samples = [s for g in groups for s in g.samples]
+        staleness = [self.sample_staleness(s, v) for s, v in zip(samples, batch.oldest_versions) if v is not None]
         self.staleness_seen.update(staleness)
         self.excluded.update(batch.excluded)
-        metrics = self.trainer.step(batch.minibatches, version=self.version)
+        if self.lora:
+            for name, start in batch.adapters.items():
+                self.trainer.adapters.ensure(name, start)
+            metrics = self.trainer.step(batch.minibatches, version=dict(self.adapter_versions.versions))
+            self.adapter_versions.trained(list(batch.adapters))
+        else:
+            metrics = self.trainer.step(batch.minibatches, version=self.version)
         self.version += 1
         return {
             "reward_mean": batch.reward_mean,
@@ -299,9 +358,11 @@ class TrainLoop(ConsumerLoop):
             "trainer": self.trainer.state(),
             "loop": {"counts": dict(self.counts), "baseline": self.baseline.value, "staleness_seen": dict(self.staleness_seen),
                      "excluded": dict(self.excluded), "batcher": dict(self.batcher.counts), "version": self.version,
-                     "trained": self.trained.to_list(), "promotion": self.promotion.state() if self.promotion else {}},
+                     "trained": self.trained.to_list(), "promotion": self.promotion.state() if self.promotion else {},
+                     "adapters": self.adapter_versions.state() if self.lora else {}},
         }
-        await asyncio.to_thread(self.checkpoints.save, self.trainer.step_count, self.trainer.model, state)
+        model = None if self.lora else self.trainer.model  # with adapters the base never changes
+        await asyncio.to_thread(self.checkpoints.save, self.trainer.step_count, model, state)
         self._checkpointed_at = self.trainer.step_count
         acknowledged, self.unacknowledged = self.unacknowledged, []
         for delivery in acknowledged:

@@ -100,6 +100,8 @@ class MicroBatch:
     teacher_top_logp: torch.Tensor  # [rows, T, k] float, their teacher log-probabilities
     real_tokens: int
     """Tokens that belong to a segment (the rest is padding)."""
+    adapter: str | None = None
+    """The LoRA adapter all its rows train (`adapters.kind: lora`); None: the shared weights."""
 
     @property
     def computed_tokens(self) -> int:

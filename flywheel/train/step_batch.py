@@ -5,7 +5,10 @@ Advantages are normalised within each group, and per-turn rewards per step of th
 become rows with per-token advantages, sampling temperatures and the loss mask without the
 tokens that cannot be trained (`flywheel/train/trainable_tokens.py`); the samples are split into
 `actor.ppo_n_minibatches` minibatches of about equal tokens, each packed (or padded) into
-micro-batches of at most `train.micro_batch_tokens`.
+micro-batches of at most `train.micro_batch_tokens`. With `adapters.kind: lora` each sample
+trains one adapter (`flywheel.models.adapter_names.sample_adapter`); each adapter's samples are
+split and packed apart, so every micro-batch is one adapter's, and minibatch i holds every
+adapter's i-th.
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ from collections import Counter
 from statistics import fmean
 
 from flywheel.config import FlywheelConfig
+from flywheel.models.adapter_names import origin, sample_adapter
 from flywheel.train.advantages import (
     RunningBaseline,
     group_advantages,
@@ -116,8 +120,30 @@ class StepBatch:
                 Row(segment, adv, s.temperatures, s.loss_mask, s.grammar, teacher, top)
                 for segment, adv, s, teacher, top in zip(segments, values, sampling, teachers, tops)
             ])
+        lora = config.adapters.kind == "lora"
+        owners = [sample_adapter(s, config) if lora else None for s in samples]
+        self.adapters: dict[str, str | None] = {}
+        """The adapters the step trains, each with the adapter it starts from if it is new (`adapter_names.origin`)."""
+        for name in owners:
+            if name is not None and name not in self.adapters:
+                self.adapters[name] = origin(name, config)
+        # An adapter's samples are its own minibatches, packed apart (one adapter per micro-batch):
+        # it takes the optimizer steps it would take alone.
+        parts = [minibatches([rows for rows, a in zip(per_sample, owners) if a == name], config, pad_id, name)
+                 for name in self.adapters] if lora else [minibatches(per_sample, config, pad_id)]
         self.minibatches: list[list[MicroBatch]] = [
-            micro_batches(rows, config.train.micro_batch_tokens, pad_id, config.train.packing)
-            for rows in split_minibatches(per_sample, config.actor.ppo_n_minibatches)
-            if rows
+            [b for part in parts if i < len(part) for b in part[i]] for i in range(max(map(len, parts)))
         ]
+
+
+def minibatches(per_sample: list[list[Row]], config: FlywheelConfig, pad_id: int,
+                adapter: str | None = None) -> list[list[MicroBatch]]:
+    """Samples' rows as `actor.ppo_n_minibatches` minibatches of micro-batches, all of `adapter`."""
+    out = []
+    for rows in split_minibatches(per_sample, config.actor.ppo_n_minibatches):
+        if rows:
+            batches = micro_batches(rows, config.train.micro_batch_tokens, pad_id, config.train.packing)
+            for batch in batches:
+                batch.adapter = adapter
+            out.append(batches)
+    return out

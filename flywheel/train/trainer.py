@@ -21,6 +21,14 @@ minibatches, each a list of micro-batches:
    so the PPO clip is a real trust region (`clip_fraction`).
 3. one learning-rate schedule step per training step.
 
+With `adapters.kind: lora` the base is frozen and the step trains LoRA adapters
+(`flywheel/train/adapters.py`): each micro-batch is one adapter's, and its forward passes (π_prox,
+π_θ) run with that adapter active; the KL reference is the base with every adapter disabled. Each
+minibatch's loss is a token mean per adapter, and each adapter the minibatch holds clips its own
+gradient and takes its own AdamW step; each adapter takes its own schedule step per training step.
+`version` is then each adapter's version (`behav_logprob_gap` compares an adapter's own tokens).
+The adapters must exist (`AdapterSet.ensure`, which the train loop calls with each new adapter's origin).
+
 On CUDA the forward passes run under bf16 autocast unless `train.autocast` is false (the weights
 and the optimizer stay fp32).
 `train.fsdp` shards the model over a process group (`flywheel/train/fsdp.py`).
@@ -28,13 +36,17 @@ and the optimizer stay fp32).
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import math
 import time
-from typing import Any, NamedTuple
+from collections import Counter
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 
+from flywheel.config.adapters import AdaptersConfig
 from flywheel.config.schema import ActorConfig, TrainConfig
 from flywheel.formats.grammar import allowed_tokens
 from flywheel.train.distill import DenseStats, DistillStats, add_distillation, topk_kl
@@ -42,6 +54,9 @@ from flywheel.train.fsdp import shard
 from flywheel.train.loss import LossStats, decoupled_ppo_loss, k3_kl
 from flywheel.train.packing import MicroBatch
 from flywheel.train.schedule import make_scheduler
+
+if TYPE_CHECKING:
+    from flywheel.train.adapters import AdapterSet
 
 
 class GapStats:
@@ -80,19 +95,27 @@ class Scored(NamedTuple):
 
 
 class Trainer:
-    def __init__(self, model: torch.nn.Module, actor: ActorConfig, train: TrainConfig):
+    def __init__(self, model: torch.nn.Module, actor: ActorConfig, train: TrainConfig, adapters: AdaptersConfig | None = None):
         self.actor = actor
         self.train = train
         self.device = torch.device(train.device)
         model.set_attn_implementation(train.attn_implementation)
         self.model = model.to(self.device)
+        self.step_count = 0
+        if adapters is not None and adapters.kind == "lora":
+            if train.fsdp:
+                raise ValueError("train.fsdp with adapters.kind=lora is not supported")
+            from flywheel.train.adapters import AdapterSet  # PEFT loads (2 s) only where adapters train
+
+            self.adapters: AdapterSet | None = AdapterSet(self.model, adapters, actor, train)
+            return  # the base is the KL reference; each adapter has its own optimizer
+        self.adapters = None
         if train.fsdp:
             self.model = shard(self.model)
         self.reference = copy.deepcopy(model).eval().requires_grad_(False) if actor.kl_coef > 0 else None
         opt = actor.optimizer
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=opt.lr, betas=opt.betas, weight_decay=opt.weight_decay)
         self.scheduler = make_scheduler(self.optimizer, opt, train.max_steps)
-        self.step_count = 0
 
     def _autocast(self) -> Any:
         return torch.autocast(device_type=self.device.type, dtype=torch.bfloat16, enabled=self.device.type == "cuda" and self.train.autocast)
@@ -102,7 +125,10 @@ class Trainer:
         """The logprob of each token given its prefix (0 at position 0); with `with_entropy` the
         summed entropy of the predictions of loss-mask tokens; with `dense` the summed top-k
         distillation divergence where the batch carries the teacher's top tokens
-        (flywheel/train/distill.py). Tokens drawn under a grammar are over the tokens it allowed."""
+        (flywheel/train/distill.py). Tokens drawn under a grammar are over the tokens it allowed.
+        On the trainer's model, with the batch's adapter active."""
+        if model is None and self.adapters is not None:
+            self.adapters.activate(batch.adapter)
         with self._autocast():
             logits = (model or self.model)(
                 input_ids=batch.input_ids, attention_mask=batch.attention_mask, position_ids=batch.position_ids,
@@ -135,12 +161,13 @@ class Trainer:
         moved = {k: v.to(self.device) if isinstance(v, torch.Tensor) else v for k, v in vars(batch).items()}
         return MicroBatch(**moved)
 
-    def step(self, minibatches: list[list[MicroBatch]], version: int | None = None) -> dict[str, Any]:
-        """One training step; `version` is the policy version of the current weights (for
-        `behav_logprob_gap`)."""
+    def step(self, minibatches: list[list[MicroBatch]], version: int | Mapping[str, int] | None = None) -> dict[str, Any]:
+        """One training step; `version` is the policy version of the current weights, or of each
+        adapter (for `behav_logprob_gap`)."""
         started = time.perf_counter()
         self.model.eval()  # dropout off, as the engine samples; gradients flow all the same
         minibatches = [[self._to_device(b) for b in minibatch] for minibatch in minibatches if minibatch]
+        names = list(dict.fromkeys(b.adapter for minibatch in minibatches for b in minibatch if b.adapter is not None))
         prox, gap = self._proximal(minibatches, version)
         distilled = DistillStats()
         for minibatch, minibatch_prox in zip(minibatches, prox):
@@ -151,9 +178,12 @@ class Trainer:
         dense = DenseStats() if self.actor.opd_topk_coef else None
         loss_sum = kl_sum = entropy_sum = grad_norm_sum = 0.0
         for minibatch, minibatch_prox in zip(minibatches, prox):
-            self.optimizer.zero_grad(set_to_none=True)
-            total = float(sum(b.loss_mask.sum() for b in minibatch))
+            totals: Counter[str | None] = Counter()
+            for b in minibatch:
+                totals[b.adapter] += float(b.loss_mask.sum())
+            self._zero_grad(list(totals))
             for batch, prox_logp in zip(minibatch, minibatch_prox):
+                total = totals[batch.adapter]
                 logp, entropy, dense_kl = self.token_logprobs(batch, with_entropy=True, dense=dense)
                 loss, part = decoupled_ppo_loss(
                     logp, batch.behav_logp if prox_logp is None else prox_logp, batch.behav_logp, batch.advantages,
@@ -162,9 +192,9 @@ class Trainer:
                 )
                 if dense_kl is not None:
                     loss = loss + self.actor.opd_topk_coef * dense_kl / max(total, 1.0)
-                if self.reference is not None:
-                    with torch.no_grad():
-                        ref_logp = self.token_logprobs(batch, self.reference).logp
+                if self.actor.kl_coef > 0:
+                    with torch.no_grad(), self._reference() as reference:
+                        ref_logp = self.token_logprobs(batch, reference).logp
                     kl = k3_kl(logp, ref_logp, batch.loss_mask, total)
                     loss = loss + self.actor.kl_coef * kl
                     kl_sum += float(kl.detach())
@@ -172,10 +202,8 @@ class Trainer:
                 loss_sum += float(loss.detach())
                 entropy_sum += entropy
                 stats = part if stats is None else stats.merge(part)
-            grad_norm_sum += float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.actor.optimizer.max_grad_norm))
-            self.optimizer.step()
-        lr = self.scheduler.get_last_lr()[0]
-        self.scheduler.step()
+            grad_norm_sum += self._optimizer_step(list(totals))
+        lr = self._schedule(names)
         self.step_count += 1
         assert stats is not None, "a training step needs at least one micro-batch"
         batches = [b for minibatch in minibatches for b in minibatch]
@@ -184,7 +212,7 @@ class Trainer:
         n = len(minibatches)
         return {
             "loss": loss_sum / n,
-            "kl": kl_sum / n if self.reference is not None else None,
+            "kl": kl_sum / n if self.actor.kl_coef > 0 else None,
             "grad_norm": grad_norm_sum / n if math.isfinite(grad_norm_sum) else None,
             "lr": lr,
             "entropy": entropy_sum / max(float(sum(b.loss_mask.sum() for b in batches)), 1.0),
@@ -205,9 +233,38 @@ class Trainer:
             "micro_batches": len(batches),
             "step_s": elapsed,
             "tokens_per_s": computed / elapsed if elapsed > 0 else None,
+            **({"adapters": names} if self.adapters is not None else {}),
         }
 
-    def _proximal(self, minibatches: list[list[MicroBatch]], version: int | None) -> tuple[list[list[torch.Tensor | None]], "GapStats"]:
+    def _reference(self) -> contextlib.AbstractContextManager[torch.nn.Module]:
+        """The frozen reference policy of the KL penalty: the base without adapters, or the copy
+        of the initial weights."""
+        return self.adapters.disabled() if self.adapters is not None else contextlib.nullcontext(self.reference)
+
+    def _zero_grad(self, adapters: list[str | None]) -> None:
+        if self.adapters is None:
+            self.optimizer.zero_grad(set_to_none=True)
+        else:
+            self.adapters.zero_grad(adapters)
+
+    def _optimizer_step(self, adapters: list[str | None]) -> float:
+        """Clip and step (the model's optimizer, or each of `adapters`'); the gradient norm (their mean)."""
+        if self.adapters is None:
+            norm = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.actor.optimizer.max_grad_norm))
+            self.optimizer.step()
+            return norm
+        return sum(self.adapters.clip_and_step(name) for name in adapters) / len(adapters)
+
+    def _schedule(self, adapters: list[str]) -> float:
+        """One learning-rate schedule step (the model's, or each of `adapters`'); the rate before it."""
+        if self.adapters is not None:
+            return self.adapters.schedule(adapters)
+        lr = self.scheduler.get_last_lr()[0]
+        self.scheduler.step()
+        return lr
+
+    def _proximal(self, minibatches: list[list[MicroBatch]],
+                  version: int | Mapping[str, int] | None) -> tuple[list[list[torch.Tensor | None]], "GapStats"]:
         """π_prox's logprobs of every micro-batch (None where the loss is not decoupled: it
         uses π_behav), and how far they are from the engine's on the current version's tokens."""
         gap = GapStats()
@@ -218,14 +275,19 @@ class Trainer:
             for minibatch in minibatches:
                 logps = [self.token_logprobs(batch).logp for batch in minibatch]
                 for batch, logp in zip(minibatch, logps):
-                    gap.add(logp, batch, version)
+                    gap.add(logp, batch, version.get(batch.adapter, 0) if isinstance(version, Mapping) else version)
                 prox.append(logps if self.actor.use_decoupled_loss else [None] * len(minibatch))
         return prox, gap
 
     def state(self) -> dict[str, Any]:
+        if self.adapters is not None:
+            return {"adapters": self.adapters.state(), "step": self.step_count}
         return {"optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict(), "step": self.step_count}
 
     def restore(self, state: dict[str, Any]) -> None:
-        self.optimizer.load_state_dict(state["optimizer"])
-        self.scheduler.load_state_dict(state["scheduler"])
+        if self.adapters is not None:
+            self.adapters.restore(state["adapters"])
+        else:
+            self.optimizer.load_state_dict(state["optimizer"])
+            self.scheduler.load_state_dict(state["scheduler"])
         self.step_count = state["step"]

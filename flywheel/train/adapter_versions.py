@@ -1,0 +1,86 @@
+"""Each adapter's versions (`adapters.kind: lora`): staleness, publishing, and restarts.
+
+Versions count per adapter, as the trainer's version counts for the shared weights: an adapter's
+initial state is version 0 and each training step of it makes the next (so with
+`train.weight_update_interval` 1 its first published version is 1). A sample's staleness is its
+adapter's version minus the oldest version among its tokens (`Turn.output_versions` of an
+adapter's turns are that adapter's versions).
+
+Every `train.weight_update_interval` steps of an adapter, that adapter alone is published to the
+adapter store (flywheel/models/adapter_store.py) and announced on WEIGHTS as a
+`WeightUpdate(adapter=name, version=N, path=...)`. Versions only grow: a trainer restarted from a
+checkpoint behind what it had published gives such an adapter a new version above its newest in
+the store, and announces it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Any
+
+from flywheel.bus import WEIGHTS_SUBJECT, Bus, WeightUpdate
+from flywheel.models.adapter_store import AdapterStore
+from flywheel.train.adapters import AdapterSet
+
+log = logging.getLogger(__name__)
+
+
+class AdapterVersions:
+    def __init__(self, store: AdapterStore, bus: Bus, interval: int):
+        self.store = store
+        self.bus = bus
+        self.interval = interval
+        self.versions: dict[str, int] = {}
+        """Each adapter's current version (0 when absent: the initial state)."""
+        self.parents: dict[str, int] = {}
+        """Each adapter's version last announced (its next version's parent)."""
+
+    def staleness(self, adapter: str, oldest: int) -> int:
+        """Updates between `adapter`'s current weights and its version `oldest`."""
+        return self.versions.get(adapter, 0) - oldest
+
+    def trained(self, adapters: list[str]) -> None:
+        """Each of `adapters` took a step: its weights are its next version."""
+        for name in adapters:
+            self.versions[name] = self.versions.get(name, 0) + 1
+
+    async def publish_due(self, adapters: AdapterSet, names: list[str], step: int) -> list[str]:
+        """Publish those of `names` that took `train.weight_update_interval` steps since their
+        last publication; the ones published."""
+        due = [name for name in names if adapters.steps[name] % self.interval == 0]
+        for name in due:
+            await self.publish(adapters, name, step)
+        return due
+
+    async def publish(self, adapters: AdapterSet, name: str, step: int) -> None:
+        """Write `name`'s current version to the store (unless it is there) and announce it (again,
+        after a restart: then with no parent)."""
+        version = self.versions.get(name, 0)
+        if version not in self.store.versions(name):
+            await asyncio.to_thread(self.store.publish, name, version, adapters.config(name), adapters.weights(name))
+        parent = self.parents.get(name, 0)
+        update = WeightUpdate(id=f"adapter-{name}-v{version}", adapter=name, version=version,
+                              path=str(self.store.path(name, version)), step=step, parent=parent if parent < version else None)
+        await self.bus.publish(WEIGHTS_SUBJECT, update)
+        self.parents[name] = version
+        log.info("published adapter %s v%d", name, version)
+
+    async def restored(self, adapters: AdapterSet, step: int) -> None:
+        """After a restart: an adapter whose store holds versions up to or past its restored one
+        gets a version above them (when past), published and announced, so serving has it."""
+        for name in adapters.names():
+            newest = self.store.latest(name)
+            if newest is None:
+                continue
+            if newest > self.versions.get(name, 0):
+                log.info("adapter %s: versions up to %d were published after this state: it becomes %d", name, newest, newest + 1)
+                self.versions[name] = newest + 1
+            await self.publish(adapters, name, step)
+
+    def state(self) -> dict[str, Any]:
+        return {"versions": dict(self.versions), "parents": dict(self.parents)}
+
+    def restore(self, state: dict[str, Any]) -> None:
+        self.versions = dict(state.get("versions", {}))
+        self.parents = dict(state.get("parents", {}))
