@@ -94,6 +94,12 @@ def test_weight_update_intervals_that_reach_the_next_announcement_are_accepted(i
          "train.weight_update_interval=2 with rollout.max_head_offpolicyness=0 can deadlock"),
         (["train.weight_update_interval=5", "rollout.max_head_offpolicyness=3"],
          "train.weight_update_interval=5 with rollout.max_head_offpolicyness=3 can deadlock"),
+        (["adapters.kind=lora", "promotion.mode=gate", "promotion.gate.suites=[{name: x, env: digits}]"],
+         "adapters.kind=lora with promotion.mode on"),
+        (["adapters.kind=lora", "train.fsdp=true"], "adapters.kind=lora with train.fsdp"),
+        (["adapters.scope=everyone"], "adapters.scope: "),
+        (["adapters.rank=0"], "adapters.rank: "),
+        (["tenants={acme: {adapter_scope: family}}"], "tenants.acme.adapter_scope: "),
     ],
 )
 def test_errors_name_the_key(overrides, message):

@@ -337,6 +337,15 @@ class FlywheelConfig(Section):
         return self
 
     @model_validator(mode="after")
+    def _adapters_train_alone(self) -> "FlywheelConfig":
+        if self.adapters.kind == "lora" and self.promotion.enabled:
+            raise ValueError("adapters.kind=lora with promotion.mode on: adapters do not go through the gate and "
+                             "canary yet; set promotion.mode=off")
+        if self.adapters.kind == "lora" and self.train.fsdp:
+            raise ValueError("adapters.kind=lora with train.fsdp: adapters are trained on one device")
+        return self
+
+    @model_validator(mode="after")
     def _a_canary_needs_traffic_that_does_not_wait(self) -> "FlywheelConfig":
         if self.promotion.mode == "canary" and self.rollout.enabled:
             raise ValueError(

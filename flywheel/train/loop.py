@@ -115,8 +115,6 @@ class TrainLoop(ConsumerLoop):
         except TrainerRunning as exc:
             raise ConfigError(f"run_dir: {exc}: one trainer per run directory") from None
         if self.lora:
-            if self.config.promotion.enabled:
-                raise ConfigError("promotion.mode: adapters.kind=lora is not trained under promotion yet")
             from flywheel.train.adapter_versions import AdapterVersions  # PEFT loads only where adapters train
 
             store = AdapterStore(self.run_dir / "adapters", keep=self.config.train.keep_versions)

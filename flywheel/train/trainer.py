@@ -103,8 +103,6 @@ class Trainer:
         self.model = model.to(self.device)
         self.step_count = 0
         if adapters is not None and adapters.kind == "lora":
-            if train.fsdp:
-                raise ValueError("train.fsdp with adapters.kind=lora is not supported")
             from flywheel.train.adapters import AdapterSet  # PEFT loads (2 s) only where adapters train
 
             self.adapters: AdapterSet | None = AdapterSet(self.model, adapters, actor, train)
