@@ -421,14 +421,14 @@ MARKERS = {"ada": "ZEBRA-7731", "bob": "OKAPI-4412"}
 """What each of acme's users says: a string to look for wherever their records might be."""
 
 
-async def converse(serve, user: str, session: str) -> None:
+async def converse(serve, user: str, session: str, reward: float = 1.0) -> None:
     """One turn of tenant acme's `user` saying their marker, rewarded, and the session ended."""
     client = openai.AsyncOpenAI(base_url=f"{serve.url}/v1", api_key="acme-key", max_retries=0)
     await client.chat.completions.create(
         model="tiny", messages=[{"role": "user", "content": f"My code word is {MARKERS[user]}."}], max_tokens=4,
         extra_headers={"X-Session-Id": session, "X-User-Id": user})
     async with httpx.AsyncClient(base_url=serve.url, headers={"Authorization": "Bearer acme-key"}) as http:
-        (await http.post(f"/v1/sessions/{session}/feedback", json={"reward": 1.0})).raise_for_status()
+        (await http.post(f"/v1/sessions/{session}/feedback", json={"reward": reward})).raise_for_status()
         (await http.post(f"/v1/sessions/{session}/end")).raise_for_status()
 
 

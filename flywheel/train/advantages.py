@@ -39,6 +39,12 @@ class RunningBaseline:
     def __init__(self, decay: float = 0.9):
         self.decay = decay
         self.value: float | None = None
+        self.adapters: dict[str, RunningBaseline] = {}
+        """Each adapter's own baseline (`adapters.kind: lora`): one user's rewards say nothing
+        of what another's mean."""
+
+    def of(self, adapter: str) -> "RunningBaseline":
+        return self.adapters.setdefault(adapter, RunningBaseline(self.decay))
 
     def update(self, reward: float) -> None:
         self.value = reward if self.value is None else self.decay * self.value + (1 - self.decay) * reward

@@ -145,6 +145,8 @@ class TrainLoop(ConsumerLoop):
             loop = state["loop"]
             self.counts = {**self.counts, **loop["counts"]}
             self.baseline.value = loop["baseline"]
+            for name, value in loop.get("adapter_baselines", {}).items():
+                self.baseline.of(name).value = value
             self.staleness_seen = Counter({int(k): v for k, v in loop["staleness_seen"].items()})
             self.excluded = Counter(loop.get("excluded", {}))
             self.batcher.counts.update(loop.get("batcher", {}))
@@ -355,6 +357,7 @@ class TrainLoop(ConsumerLoop):
         state = {
             "trainer": self.trainer.state(),
             "loop": {"counts": dict(self.counts), "baseline": self.baseline.value, "staleness_seen": dict(self.staleness_seen),
+                     "adapter_baselines": {name: b.value for name, b in self.baseline.adapters.items()},
                      "excluded": dict(self.excluded), "batcher": dict(self.batcher.counts), "version": self.version,
                      "trained": self.trained.to_list(), "promotion": self.promotion.state() if self.promotion else {},
                      "adapters": self.adapter_versions.state() if self.lora else {}},

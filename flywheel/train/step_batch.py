@@ -99,7 +99,9 @@ class StepBatch:
         self.oldest_versions = [s.trajectory.oldest_version for s in samples]
         self.excluded: Counter[str] = Counter()
         actor = config.actor
-        advantages = group_advantages(rewards, keys, baseline)
+        lora = config.adapters.kind == "lora"
+        owners = [sample_adapter(s, config) if lora else None for s in samples]
+        advantages = group_advantages(rewards, keys, baseline) if not lora else _per_adapter(rewards, keys, owners, baseline)
         turn_rewards = [s.turn_rewards for s in samples]
         if actor.turn_reward_norm == "group" and actor.turn_reward_coef:
             turn_rewards = [r for g in groups for r in (group_turn_rewards(g.samples) if len(g.samples) > 1
@@ -120,8 +122,6 @@ class StepBatch:
                 Row(segment, adv, s.temperatures, s.loss_mask, s.grammar, teacher, top)
                 for segment, adv, s, teacher, top in zip(segments, values, sampling, teachers, tops)
             ])
-        lora = config.adapters.kind == "lora"
-        owners = [sample_adapter(s, config) if lora else None for s in samples]
         self.adapters: dict[str, str | None] = {}
         """The adapters the step trains, each with the adapter it starts from if it is new (`adapter_names.origin`)."""
         for name in owners:
@@ -147,3 +147,14 @@ def minibatches(per_sample: list[list[Row]], config: FlywheelConfig, pad_id: int
                 batch.adapter = adapter
             out.append(batches)
     return out
+
+
+def _per_adapter(rewards: list[float], keys: list[str], owners: list[str | None], baseline: RunningBaseline) -> list[float]:
+    """Advantages with each adapter's own running baseline (`RunningBaseline.of`)."""
+    advantages = [0.0] * len(rewards)
+    for name in dict.fromkeys(owners):
+        mine = [i for i, owner in enumerate(owners) if owner == name]
+        values = group_advantages([rewards[i] for i in mine], [keys[i] for i in mine], baseline.of(str(name)))
+        for i, value in zip(mine, values):
+            advantages[i] = value
+    return advantages
