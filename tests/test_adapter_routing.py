@@ -11,7 +11,6 @@ the 404 of one that does not exist; `kind: none` changes nothing; the judge's sc
 
 from __future__ import annotations
 
-import asyncio
 import uuid
 
 import httpx
@@ -22,7 +21,7 @@ from peft import LoraConfig, get_peft_model
 
 from flywheel.bus import WEIGHTS_SUBJECT, WeightUpdate
 from flywheel.config import load_config
-from flywheel.models import load_model
+from flywheel.models import WeightStore, load_model
 from flywheel.models.adapter_names import user_adapter
 from flywheel.serve.backends.sglang import HTTPEngineClient
 from flywheel.serve.engine import Engine
@@ -30,7 +29,7 @@ from flywheel.serve.engine.server import create_engine_app
 from flywheel.serve.engine_choice import bound_versions, version_of
 from flywheel.serve.loop import ServeLoop, _newest
 
-from factories import RunningApp, platform, prompt, recomputed_logprobs, recorded_turns
+from factories import RunningApp, announce, platform, prompt, recomputed_logprobs, recorded_turns
 from waiting import until
 
 LINEAR = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
@@ -115,13 +114,26 @@ async def test_a_new_version_of_an_adapter_serves_new_turns(nats_url, tmp_path, 
         await until(lambda: serve.pool.adapter_versions.get(ADA) == 1)
         await publish_adapter(bus, ADA, 2, third)
         await publish_adapter(bus, ADA, 1, first)  # late and older: ignored
-        await until(lambda: serve.pool.adapter_versions.get(ADA) == 2)
-        await asyncio.sleep(0.2)
+        await publish_adapter(bus, BOB, 1, first)  # taken in order: once Bob's is in, the stale one was seen
+        await until(lambda: serve.pool.adapter_versions.get(BOB) == 1)
         assert serve.pool.adapter_versions[ADA] == 2
         await ask(serve, "key-acme", "ada")
         (turn,) = await recorded_turns(bus, 1)
     assert turn.adapter == ADA and list(turn.output_versions) == [2] * len(turn.output_ids)
     assert list(turn.output_logprobs) == pytest.approx(logprobs_of(third_peft, turn), abs=TOL)
+
+
+async def test_a_users_new_adapter_is_served_by_its_tenants_until_it_has_its_own(nats_url, tmp_path, bus, peft_adapters):
+    """The trainer starts a user's new adapter from its tenant's: until the user's own is
+    published, the tenant's serves them, and the turn is the user's adapter's version 0."""
+    tenant_dir, tenant_peft = peft_adapters["third"]
+    async with platform(nats_url, tmp_path, *LORA) as (serve, _, _):
+        await publish_adapter(bus, "acme", 4, tenant_dir)
+        await until(lambda: serve.pool.adapter_versions.get("acme") == 4)
+        await ask(serve, "key-acme", "ada")
+        (turn,) = await recorded_turns(bus, 1)
+    assert turn.adapter == ADA and list(turn.output_versions) == [0] * len(turn.output_ids)
+    assert list(turn.output_logprobs) == pytest.approx(logprobs_of(tenant_peft, turn), abs=TOL)
 
 
 async def test_a_request_names_only_its_own_tenants_adapters(nats_url, tmp_path, bus, peft_adapters):
@@ -169,8 +181,9 @@ async def test_without_adapters_nothing_changes(nats_url, tmp_path, bus, peft_ad
         with pytest.raises(openai.NotFoundError):
             await ask(serve, "key-acme", "ada", f"tiny:{ADA}")
         (turn,) = await recorded_turns(bus, 1)
-        await asyncio.sleep(0.2)
-        assert serve.pool.weight_version == 0 and serve.pool.adapter_versions == {} and serve.swaps == 0
+        await announce(bus, WeightStore(tmp_path / "weights", keep=2), 1, 0)  # after it: had v3 been taken, not this
+        await until(lambda: serve.pool.weight_version == 1)
+        assert serve.pool.adapter_versions == {}
     assert turn.adapter is None and turn.user_id == "ada"
 
 

@@ -15,8 +15,10 @@ as before.
 
 **Serving.** An adapter with a published version (a `WeightUpdate` with `adapter`, loaded into
 every engine: `EnginePool.adapter_versions`) is sent to the engine as `lora_path`. One without a
-version yet is served by the bare base (no `lora_path`), and its turn is still recorded as that
-adapter's (`Turn.adapter`) with version 0 for every token: the trainer starts it from version 0.
+version yet is served by what the trainer will start it from: a user's adapter by its tenant's
+when that one is published (`adapter_names.origin`), else the bare base (no `lora_path`); its
+turn is still recorded as its own (`Turn.adapter`) with version 0 for every token, the version
+the trainer starts it at.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from flywheel.models.adapter_names import SHARED, adapter_for, scope_of
+from flywheel.models.adapter_names import SHARED, adapter_for, origin, scope_of
 from flywheel.serve.api.errors import APIError
 from flywheel.serve.backends.pool import EnginePool
 
@@ -34,16 +36,12 @@ if TYPE_CHECKING:
 
 @dataclass(frozen=True)
 class AdapterChoice:
-    """The adapter a request uses: `name` (None: the shared weights, `adapters.kind: none`) and
-    whether it has a published version to serve (else the bare base serves it, as version 0)."""
+    """The adapter a request belongs to, `name` (None: the shared weights, `adapters.kind: none`),
+    and the one that serves it, `lora_path` (what the engine request names, SGLang's field): `name`
+    once it is published, else its origin if that is, else None (the bare base)."""
 
     name: str | None = None
-    published: bool = False
-
-    @property
-    def lora_path(self) -> str | None:
-        """What the engine request names (SGLang's `lora_path`): None for the base."""
-        return self.name if self.published else None
+    lora_path: str | None = None
 
 
 BASE = AdapterChoice()
@@ -75,7 +73,10 @@ class AdapterRouting:
         raise self.not_found(model)
 
     def _choice(self, name: str) -> AdapterChoice:
-        return AdapterChoice(name, name in self.pool.adapter_versions)
+        assert self.config is not None
+        published = self.pool.adapter_versions
+        start = origin(name, self.config)
+        return AdapterChoice(name, name if name in published else start if start in published else None)
 
     def not_found(self, model: str) -> APIError:
         """The one answer to a model or adapter that is not there for this caller."""

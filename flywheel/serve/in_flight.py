@@ -68,8 +68,8 @@ class Generation:
     """The LoRA adapter the request belongs to (flywheel/serve/adapter_routing.py; None: the shared
     weights): its turns' `Turn.adapter`, and their versions are that adapter's."""
     lora_path: str | None = None
-    """The adapter the engine is asked for: `adapter` once it has a published version; None
-    while it has none (the bare base serves it, and its tokens are recorded as version 0)."""
+    """The adapter the engine is asked for: `adapter` once it has a published version; before,
+    its origin's or None (the bare base), and its tokens are recorded as its version 0."""
     id: str = field(default_factory=lambda: uuid.uuid4().hex)
     created: int = field(default_factory=lambda: int(time.time()))
     arrived: float = field(default_factory=time.monotonic)
@@ -355,8 +355,9 @@ class Generation:
 
     def _versions(self, choice: Choice) -> list[int]:
         """The versions the choice's tokens are recorded with: an adapter with no published
-        version yet was served by the bare base, and its tokens are the adapter's version 0."""
-        if self.adapter is not None and self.lora_path is None:
+        version yet was served by what it starts from (its origin, or the bare base), and its
+        tokens are the adapter's version 0."""
+        if self.adapter is not None and self.lora_path != self.adapter:
             return [0] * len(choice.versions)
         return choice.versions
 
