@@ -11,6 +11,7 @@ the 404 of one that does not exist; `kind: none` changes nothing; the judge's sc
 
 from __future__ import annotations
 
+import shutil
 import uuid
 
 import httpx
@@ -320,3 +321,17 @@ def test_adapter_labels_and_versions():
     updates = [WeightUpdate(id=str(i), version=v, path="p", step=0, adapter=a)
                for i, (v, a) in enumerate([(1, None), (2, "a"), (2, None), (1, "b"), (1, "a")])]
     assert [(u.version, u.adapter) for u in _newest(updates)] == [(2, "a"), (2, None), (1, "b")]
+
+
+async def test_a_gateway_starts_with_every_adapter_in_the_store(nats_url, tmp_path, bus, peft_adapters):
+    """The WEIGHTS stream keeps the newest announcements only: a gateway that starts finds the
+    newest version of every adapter in the trainer's store, announced or not, before its first request."""
+    first, first_peft = peft_adapters["first"]
+    shutil.copytree(first, tmp_path / "adapters" / ADA / "v5")
+    shutil.copytree(first, tmp_path / "adapters" / ADA / "v4")
+    async with platform(nats_url, tmp_path, *LORA) as (serve, _, _):
+        assert serve.pool.adapter_versions == {ADA: 5}
+        await ask(serve, "key-acme", "ada")
+        (turn,) = await recorded_turns(bus, 1)
+    assert list(turn.output_versions) == [5] * len(turn.output_ids)
+    assert list(turn.output_logprobs) == pytest.approx(logprobs_of(first_peft, turn), abs=TOL)

@@ -34,6 +34,7 @@ from flywheel.config import ConfigError, FlywheelConfig
 from flywheel.config.serve import ServeConfig
 from flywheel.config.tenants import retention_s
 from flywheel.models import load_model, load_weights, place
+from flywheel.models.adapter_store import AdapterStore
 from flywheel.runtime import cancel_and_wait, repeat
 from flywheel.serve.adapter_routing import AdapterRouting
 from flywheel.serve.backends.in_process import InProcessEngineClient
@@ -108,6 +109,8 @@ class ServeLoop:
         self.tenant_registry = await TenantRegistry.open(self.bus)
         for entry in await self.tenant_registry.current():  # before the first request: a revoked key opens nothing
             self.tenants.apply(entry)
+        if self.config.adapters.kind == "lora":
+            await self._load_stored_adapters()
         self.app = create_gateway(self.pool, tokenizer, self.recorder, self.model_name, cfg, context_length, self.metrics,
                                   self.tenants, sessions, self._adapter_routing())
         install_tenant_routes(self.app, self.tenants, self.tenant_registry, cfg.admin_key, [spill_dir],
@@ -194,6 +197,18 @@ class ServeLoop:
             self.swaps += 1
         except Exception:
             log.exception("could not load weights v%d from %s", update.version, update.path)
+
+    async def _load_stored_adapters(self) -> None:
+        """Before the first request, the newest version of every adapter in the trainer's store
+        (`run_dir/adapters`, flywheel/models/adapter_store.py): the WEIGHTS stream keeps only the
+        newest announcements, so a gateway that starts after many adapters were published finds
+        the others there. (An engine reads an adapter's weights on its first request.)"""
+        store = AdapterStore(Path(self.config.run_dir) / "adapters")
+        for name in store.names():
+            version = store.latest(name)
+            if version is not None:
+                await self._take_adapter(WeightUpdate(id=f"{name}-v{version}", version=version,
+                                                      path=str(store.path(name, version)), step=0, adapter=name))
 
     async def _take_adapter(self, update: WeightUpdate) -> None:
         """Load adapter `update.adapter`'s version `update.version` into every engine if it is newer
