@@ -18,6 +18,7 @@ from flywheel.cli import command
 from flywheel.config import load_config
 from flywheel.deploy.deployment import side_server_config
 from flywheel.models import WeightStore, load_model
+from flywheel.models.adapter_names import user_adapter
 from flywheel.promote.loop import PromoteLoop
 from flywheel.serve.loop import ServeLoop
 from flywheel.versions.registry import Registry
@@ -124,3 +125,24 @@ async def test_the_dashboard_and_the_metrics_show_each_versions_state(bus, nats_
 
 async def _serving(serve: ServeLoop, version: int) -> bool:
     return serve.pool.weight_version == version
+
+
+def test_versions_adapters_lists_a_tenants_and_a_users_adapters(tmp_path):
+    """`flywheel versions adapters` reads the adapter store: every adapter, a tenant's own and its
+    users' (not another tenant's whose name starts the same), or one user's, newest version first."""
+    ada, bob = user_adapter("acme", "ada"), user_adapter("acme", "bob")
+    for name, versions in ((ada, (1, 2)), (bob, (1,)), ("acme", (3,)), ("acme2", (1,))):
+        for version in versions:
+            (tmp_path / "adapters" / name / f"v{version}").mkdir(parents=True)
+            (tmp_path / "adapters" / name / f"v{version}" / "adapter_model.safetensors").write_bytes(b"\0" * 1000)
+
+    def listed(*args: str) -> str:
+        done = subprocess.run([*command("versions", "adapters", f"run_dir={tmp_path}"), *args], cwd=ROOT,
+                              capture_output=True, text=True, timeout=120)
+        assert done.returncode == 0, done.stderr
+        return done.stdout
+
+    everything, acme, hers = listed(), listed("--tenant", "acme"), listed("--tenant", "acme", "--user", "ada")
+    assert all(name in everything for name in (ada, bob, "acme2"))
+    assert ada in acme and bob in acme and "acme2" not in acme
+    assert ada in hers and "v2 v1" in hers and bob not in hers

@@ -6,11 +6,14 @@
     flywheel versions rollback [N]         take back the canary, else the serving version
                                            (to N, or to the last good version)
     flywheel versions pin N | unpin        serve N and promote nothing automatically, or resume
+    flywheel versions adapters [--tenant T [--user U]]
+                                           the LoRA adapters (`adapters.kind: lora`) and their
+                                           versions in the store: all, a tenant's, or one user's
 
 It finds the deployment's bus as the other subcommands do: from `--config FILE` and `key=value`
 (`bus.url`, else the `bus.url` file in `run_dir`, default `runs/local`). Reading needs only the registry; commands are carried out by the promotion loop, in
 order, and this waits for each one's result (exit status 1 when it was refused, 2 when no
-promotion loop answered).
+promotion loop answered). `adapters` reads the adapter store in `run_dir/adapters` (no bus).
 """
 
 from __future__ import annotations
@@ -19,12 +22,15 @@ import argparse
 import asyncio
 import json
 import time
+from pathlib import Path
 
 from rich.console import Console
 from rich.table import Table
 
 from flywheel.bus import Bus
 from flywheel.cli.arguments import add_config, bus_url, load
+from flywheel.models.adapter_names import user_adapter
+from flywheel.models.adapter_store import AdapterStore
 from flywheel.versions.records import Routing, VersionEntry
 from flywheel.versions.registry import Registry, send_command
 
@@ -76,6 +82,24 @@ def version_table(entries: list[VersionEntry], routing: Routing | None) -> Table
     return table
 
 
+def adapter_table(store: AdapterStore, tenant: str | None, user: str | None) -> Table:
+    """The store's adapters (a tenant's: its own and its users'; one user's), newest version first."""
+    names = store.names()
+    if user is not None:
+        names = [n for n in names if n == user_adapter(str(tenant), user)]
+    elif tenant is not None:
+        names = [n for n in names if n == tenant or n.startswith(f"{tenant}.")]
+    table = Table(title=f"adapters in {store.root}", title_justify="left")
+    for column in ("adapter", "versions", "newest written", "size"):
+        table.add_column(column, overflow="fold")
+    for name in names:
+        versions = store.versions(name)
+        newest = store.path(name, versions[-1])
+        size = sum(f.stat().st_size for f in newest.rglob("*") if f.is_file())
+        table.add_row(name, " ".join(f"v{v}" for v in reversed(versions)), _when(newest.stat().st_mtime), f"{size / 1e6:.1f} MB")
+    return table
+
+
 def show(console: Console, entry: VersionEntry, routing: Routing | None) -> None:
     console.print(f"[bold]v{entry.version}[/bold]  {entry.state}  {_role(entry, routing)}")
     console.print(f"parent: {'-' if entry.parent is None else f'v{entry.parent}'}   step {entry.step}   weights: {entry.path}")
@@ -123,11 +147,13 @@ def configure(parser: argparse.ArgumentParser, command: str) -> None:
     parser.description = __doc__.split("\n\n")[0].split(": ", 1)[1]
     parser.formatter_class = argparse.RawDescriptionHelpFormatter
     parser.epilog = __doc__.split("\n\n", 1)[1]
-    parser.add_argument("action", choices=["list", "show", "promote", "rollback", "pin", "unpin"])
+    parser.add_argument("action", choices=["list", "show", "promote", "rollback", "pin", "unpin", "adapters"])
     parser.add_argument("version", nargs="?", type=lambda s: int(s.lstrip("v")), help="N or vN")
     parser.add_argument("--reason", default="", help="why (kept in the version's history)")
     parser.add_argument("--operator", default="cli", help="who (kept in the version's history)")
     parser.add_argument("--timeout-s", type=float, default=60.0)
+    parser.add_argument("--tenant", help="adapters: this tenant's only")
+    parser.add_argument("--user", help="adapters: this end user's (with --tenant)")
     add_config(parser)
     parser.set_defaults(run=main, parser=parser)
 
@@ -135,6 +161,12 @@ def configure(parser: argparse.ArgumentParser, command: str) -> None:
 def main(args: argparse.Namespace) -> int:
     if args.action in ("show", "promote", "pin") and args.version is None:
         args.parser.error(f"{args.action} needs a version")
-    if args.action in ("list", "unpin") and args.version is not None:
+    if args.action in ("list", "unpin", "adapters") and args.version is not None:
         args.parser.error(f"{args.action} takes no version")
-    return asyncio.run(run(args, bus_url(load(args)), Console(width=160)))
+    if args.user is not None and args.tenant is None:
+        args.parser.error("--user needs --tenant")
+    config = load(args)
+    if args.action == "adapters":
+        Console(width=160).print(adapter_table(AdapterStore(Path(config.run_dir) / "adapters"), args.tenant, args.user))
+        return 0
+    return asyncio.run(run(args, bus_url(config), Console(width=160)))
