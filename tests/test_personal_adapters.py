@@ -4,16 +4,23 @@ trainer publishes it alone, every gateway loads it, and the user's next turn is 
 (its version, its log-probs), while the other user is served by their own and the shared
 weights never change version."""
 
+import httpx
 import openai
+import pytest
 import torch
-from peft import PeftModel
+from peft import LoraConfig, PeftModel, get_peft_model
 from safetensors.torch import load_file
 
+from flywheel.bus import SAMPLE_SUBJECT, WEIGHTS_SUBJECT, WeightUpdate
+from flywheel.config import load_config
+from flywheel.deploy.deployment import needs_judge_server
+from flywheel.judge.loop import JudgeLoop
+from flywheel.judge.teacher import Teacher
 from flywheel.models import load_model
 from flywheel.models.adapter_names import user_adapter
 from flywheel.models.lora_adapter import read_adapter
 
-from factories import TENANTS_SETUP, converse, learning, platform, recorded_turns
+from factories import TENANTS_SETUP, converse, learning, platform, read, recomputed_logprobs, recorded_turns
 from waiting import until
 
 LORA = [*TENANTS_SETUP, "adapters.kind=lora", "adapters.scope=user", "actor.optimizer.lr=0.05"]
@@ -64,3 +71,47 @@ async def test_a_users_rewarded_turn_trains_their_adapter_which_then_serves_them
     with peft.disable_adapter(), torch.no_grad():
         bare = torch.log_softmax(peft(ids).logits[0, len(turn.prompt_ids) - 1:-1].float(), -1)
     assert (bare.gather(1, torch.tensor(turn.output_ids)[:, None])[:, 0] - recomputed).abs().max() > 1e-3
+
+
+async def test_the_bare_base_on_the_policys_server_is_the_teacher(nats_url, tmp_path, bus):
+    """With adapters no judge server is needed for the teacher: the base on the policy's own server
+    (a scoring request names no adapter) is the frozen starting model. A turn Ada's adapter sampled,
+    hinted, gets the base's log-probs of its tokens under the hinted request, not her adapter's."""
+    config = [*LORA, "judge.teacher.enabled=true"]
+    assert not needs_judge_server(load_config(None, config)) and needs_judge_server(load_config(None, TENANTS_SETUP[:-1] + [
+        "judge.kind=rule", "judge.teacher.enabled=true"]))
+    base, tokenizer = load_model("tiny")
+    adapter = tmp_path / "ada-adapter"
+    torch.manual_seed(1)
+    get_peft_model(load_model("tiny")[0], LoraConfig(r=4, target_modules="all-linear", init_lora_weights=False)).save_pretrained(adapter)
+    async with platform(nats_url, tmp_path, *config) as (serve, _, _):
+        await bus.publish(WEIGHTS_SUBJECT, WeightUpdate(id="ada-v1", version=1, path=str(adapter), step=1, adapter=ADA))
+        await until(lambda: serve.pool.adapter_versions.get(ADA) == 1)
+        judge = JudgeLoop(serve.config, nats_url)
+        await judge.start()
+        try:
+            client = openai.AsyncOpenAI(base_url=f"{serve.url}/v1", api_key="acme-key", max_retries=0)
+            messages = [{"role": "user", "content": "Greet me."}]
+            headers = {"X-Session-Id": "hinted", "X-User-Id": "ada"}
+            first = await client.chat.completions.with_raw_response.create(
+                model="tiny", messages=messages, max_tokens=6, temperature=1.0, extra_headers=headers)
+            async with httpx.AsyncClient(base_url=serve.url, headers={"Authorization": "Bearer acme-key"}) as http:
+                hint = {"interaction_id": first.headers["x-interaction-id"], "text": "Say my name, Ada, first."}
+                for body in (hint, {"reward": 1.0}):
+                    (await http.post("/v1/sessions/hinted/feedback", json=body)).raise_for_status()
+                (await http.post("/v1/sessions/hinted/end")).raise_for_status()
+            [sample] = await read(bus, SAMPLE_SUBJECT, "hint-check")
+            assert await bus.resolve(sample)
+        finally:
+            await judge.stop()
+    [turn], [teacher] = sample.trajectory.turns, sample.teacher_logprobs
+    (_, start, end), = sample.trajectory.segments[0].turn_spans
+    assert turn.adapter == ADA and set(sample.trajectory.segments[0].versions[start:end]) == {1}
+    told = Teacher(serve.config.judge.teacher, serve.url).told(messages, hint["text"])
+    prompt_ids = tokenizer.encode(tokenizer.apply_chat_template(told, add_generation_prompt=True, tokenize=False),
+                                  add_special_tokens=False)
+    output = list(sample.trajectory.segments[0].token_ids[start:end])
+    expected = recomputed_logprobs(base, list(prompt_ids), output)
+    assert list(teacher[start:end]) == pytest.approx(expected, abs=2e-4)
+    peft = PeftModel.from_pretrained(load_model("tiny")[0], str(adapter)).eval()
+    assert max(abs(a - b) for a, b in zip(expected, recomputed_logprobs(peft, list(prompt_ids), output))) > 1e-3

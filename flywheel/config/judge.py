@@ -249,11 +249,12 @@ class JudgeConfig(Section):
     (`model`), a frozen copy of the policy as it began."""
     teacher: TeacherConfig = TeacherConfig()
 
-    def needs_server(self) -> bool:
-        """Whether this judge needs its own server: a pinned `llm` judge, or the teacher."""
+    def needs_server(self, for_teacher: bool = True) -> bool:
+        """Whether this judge needs its own server: a pinned `llm` judge, or the teacher (unless
+        not `for_teacher`: the policy's server teaches, `FlywheelConfig.base_teaches`)."""
         llms = [self.llm] if self.kind == "llm" else [
             c.llm or self.llm for c in self.composite.components if c.kind == "llm"] if self.kind == "composite" else []
-        return self.teaches() or any(llm.base_url is None and llm.source == "pinned" for llm in llms)
+        return (for_teacher and self.teaches()) or any(llm.base_url is None and llm.source == "pinned" for llm in llms)
 
     def teaches(self) -> bool:
         """Whether the hint teacher runs: `teacher.enabled`, else whether this judge reads words."""

@@ -331,6 +331,13 @@ class FlywheelConfig(Section):
         deployment) put in `model`."""
         return self.serve.served_model_name or self.model
 
+    @property
+    def base_teaches(self) -> bool:
+        """Whether the policy's own server is the judge's teacher: with adapters the base never
+        moves, so a request with no adapter is the frozen starting model, and no second copy of
+        the weights is needed (unless `judge.weights` names other weights)."""
+        return self.adapters.kind == "lora" and self.judge.weights is None
+
     @model_validator(mode="after")
     def _tenants_keep_their_keys_apart(self) -> "FlywheelConfig":
         check_tenants(self.tenants, self.serve.api_keys)

@@ -159,11 +159,12 @@ def sharing_cores(config: FlywheelConfig) -> FlywheelConfig:
 
 def needs_judge_server(config: FlywheelConfig) -> bool:
     """Whether the judge's own server starts: the judge needs it (a pinned `llm` judge, the hint
-    teacher), or the promotion gate has a traffic suite and no `judge.llm.base_url` to ask."""
+    teacher unless the policy's base teaches), or the promotion gate has a traffic suite and no
+    `judge.llm.base_url` to ask."""
     loops = config.deploy.loops
     gate_judge = ("promote" in loops and config.promotion.enabled and config.judge.llm.base_url is None
                   and any(suite.source == "traffic" for suite in config.promotion.gate.suites))
-    return gate_judge or ("judge" in loops and config.judge.needs_server())
+    return gate_judge or ("judge" in loops and config.judge.needs_server(for_teacher=not config.base_teaches))
 
 
 def side_server_config(config: FlywheelConfig, role: str) -> FlywheelConfig:

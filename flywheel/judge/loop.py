@@ -70,17 +70,20 @@ class JudgeLoop(ConsumerLoop):
         self.teacher = self._teacher()
 
     def _teacher(self) -> Teacher | None:
-        """The hint teacher on the judge's own server (`judge.teacher`); None when it is off or
-        there is no server (then samples carry no teacher log-probs, said once in the log)."""
+        """The hint teacher (`judge.teacher`) on the judge's own server, or with adapters on the
+        policy's server, whose base (a request with no adapter) is the frozen starting model
+        (`FlywheelConfig.base_teaches`); None when it is off or there is no server (then samples
+        carry no teacher log-probs, said once in the log)."""
         if not self.config.judge.teaches():
             return None
+        address = addresses.SERVE if self.config.base_teaches else addresses.JUDGE
         try:
-            url = read_address(self.config.run_dir, addresses.JUDGE)
+            url = read_address(self.config.run_dir, address)
         except FileNotFoundError:
-            log.warning("judge.teacher is on but no judge server wrote %s: no hint distillation", addresses.JUDGE)
+            log.warning("judge.teacher is on but no server wrote %s: no hint distillation", address)
             return None
         keys = self.config.serve.api_keys
-        return Teacher(self.config.judge.teacher, url, keys[0] if keys else None)
+        return Teacher(self.config.judge.teacher, url, self.config.serve.admin_key or (keys[0] if keys else None))
 
     def held(self) -> list[Delivery]:
         return list(self._in_flight.values())

@@ -49,7 +49,7 @@ from flywheel.tenants.sessions import SessionRegistry, SessionUnknown
 
 def create_gateway(pool: EnginePool, tokenizer: Any, recorder: Recorder, model_name: str, config: ServeConfig,
                    context_length: int, metrics: ServeMetrics, tenants: TenantDirectory,
-                   sessions: SessionRegistry, adapters: AdapterRouting | None = None) -> FastAPI:
+                   sessions: SessionRegistry, adapters: AdapterRouting | None = None, teaches: bool = False) -> FastAPI:
     """The gateway app. Operations: tenants' API keys and the admin key (`tenants`,
     `serve.api_keys`, `serve.admin_key`), a body size limit (413), a concurrency limit with a
     bounded queue (429 with Retry-After), a per-request timeout (504), Prometheus metrics on
@@ -209,7 +209,8 @@ def create_gateway(pool: EnginePool, tokenizer: Any, recorder: Recorder, model_n
     async def end(session_id: str, request: Request) -> dict[str, Any]:
         return await session_event(request, session_id, "end")
 
-    if config.role != "policy":
-        install_scoring_routes(app, pool, prompts, model_name, loads_weights=config.role == "eval")
+    if config.role != "policy" or teaches:  # `teaches`: the policy's base is the judge's teacher (its score route only)
+        install_scoring_routes(app, pool, prompts, model_name, loads_weights=config.role == "eval",
+                               generates=config.role != "policy")
     return app
 

@@ -112,7 +112,7 @@ class ServeLoop:
         if self.config.adapters.kind == "lora":
             await self._load_stored_adapters()
         self.app = create_gateway(self.pool, tokenizer, self.recorder, self.model_name, cfg, context_length, self.metrics,
-                                  self.tenants, sessions, self._adapter_routing())
+                                  self.tenants, sessions, self._adapter_routing(), teaches=self.config.base_teaches)
         install_tenant_routes(self.app, self.tenants, self.tenant_registry, cfg.admin_key, [spill_dir],
                               Path(self.config.run_dir) / "trained.jsonl")
         self.board: VersionBoard | None = None

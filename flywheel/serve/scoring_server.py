@@ -18,6 +18,9 @@ distillation's teacher gets its log-probabilities; and the promotion gate's eval
 - `POST /engine/update_weights_from_disk` `{"model_path", "weight_version"}` (`serve.role: eval`
   only): SGLang's route, loading any version, older ones too (the gate goes back and forth).
 
+With adapters (`FlywheelConfig.base_teaches`) the policy's own server has `/engine/score` too: its
+base, with no adapter, is the frozen starting model, so the teacher needs no server of its own.
+
 Both score and generate with the bare base, never a LoRA adapter (the base is the frozen judge and
 hint teacher). All sit under `/engine/`, which needs a client key when the server has keys (`flywheel/serve/ops/auth.py`).
 """
@@ -52,7 +55,8 @@ class LoadRequest(Body):
 
 
 def install_scoring_routes(app: FastAPI, pool: EnginePool, prompts: PromptBuilder, model_name: str,
-                           loads_weights: bool = False) -> None:
+                           loads_weights: bool = False, generates: bool = True) -> None:
+    """The routes above; `/engine/generate` only if `generates`, the weights route only if `loads_weights`."""
     engine = pool.engines[0]
 
     if loads_weights:
@@ -70,7 +74,6 @@ def install_scoring_routes(app: FastAPI, pool: EnginePool, prompts: PromptBuilde
         except EngineError as exc:
             raise APIError(exc.status, str(exc)) from None
 
-    @app.post("/engine/generate")
     async def generate(request: Request) -> Any:
         try:
             body = await request.json()
@@ -84,6 +87,9 @@ def install_scoring_routes(app: FastAPI, pool: EnginePool, prompts: PromptBuilde
             return await engine.generate(body)
         except EngineError as exc:
             return JSONResponse({"error": {"message": str(exc)}}, status_code=exc.status)
+
+    if generates:
+        app.post("/engine/generate")(generate)
 
     @app.post("/engine/score")
     async def score(body: ScoreRequest) -> dict[str, Any]:

@@ -1,7 +1,8 @@
 """API-key authentication for the gateway: tenants' client keys for the API, one admin key for control.
 
 `install_auth` adds a pure ASGI middleware. When tenants have keys (`TenantDirectory`), every path
-under `/v1/` (and `/engine/`, a judge server's scoring route) needs `Authorization: Bearer <key>`
+under `/v1/` (and `/engine/`, the scoring routes, which the admin key also opens: the judge's
+teacher scores with it) needs `Authorization: Bearer <key>`
 (or `x-api-key: <key>`, as Anthropic's clients send it), and the request is its key's tenant's:
 the middleware puts the tenant's name and the key's `Grant` in the request's state
 (`request.state.tenant`, `request.state.grant`; the open tenant's when there are no keys). The engine's control routes (SGLang's `ADMIN_PATHS`: pausing,
@@ -75,6 +76,8 @@ class AuthMiddleware:
             if self.admin_keys and not key_matches(bearer_token(headers), self.admin_keys):  # bearer only
                 await self._refuse(scope, receive, send, "admin key", bearer_token(headers))
                 return
+        elif path.startswith("/engine/") and self.admin_keys and key_matches(bearer_token(headers), self.admin_keys):
+            pass  # the operator's own loops score (the judge's teacher on the policy's server)
         elif path == "/v1" or path.startswith(("/v1/", "/engine/")):
             token = client_key(headers)
             grant = self.tenants.grant_of(token)
