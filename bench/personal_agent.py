@@ -41,6 +41,11 @@ sessions, and the version that answered, as versions roll in).
 
     .venv/bin/python bench/personal_agent.py --arms both --prefs formal --trials 1 --cap 20   # one trial, ~3-7 min
     .venv/bin/python bench/personal_agent.py       # the full grid: 4 prefs x 3 trials of both, 2 x 3 of the others
+    .venv/bin/python bench/personal_agent.py --arms both --name personal_agent_lora adapters.kind=lora \
+        adapters.scope=tenant actor.optimizer.lr=0.0005    # the person's own adapter on a frozen base
+
+With adapters (`adapters.kind=lora`) the final policy is the base with the trial's adapter merged
+in (bench/lib/final_policy.py), for the same held-out and arithmetic evaluations.
 """
 
 from __future__ import annotations
@@ -58,6 +63,8 @@ from statistics import fmean
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # `python bench/NAME.py` as well as `-m bench.NAME`
 
 from bench.lib.common import RESULTS, ROOT, machine, quiet_logs, table, write_result  # noqa: E402
+from bench.lib.final_policy import final_policy  # noqa: E402
+from bench.lib.personal_eval import satisfaction, wait_trained  # noqa: E402
 from flywheel.drills.personal_agent import (  # noqa: E402
     ARMS,
     CONFIG,
@@ -74,32 +81,14 @@ from flywheel.drills.personal_agent import (  # noqa: E402
 from flywheel.drills.simulated_people import (  # noqa: E402
     HELD_OUT_QUESTIONS,
     NAMES,
+    PREFERENCE_ORDER,
     PREFERENCES,
     TRAIN_QUESTIONS,
     User,
-    answers,
 )
 
 DEFAULT_PREFS = {"both": ["brief", "bullets", "name", "formal"], "rl": ["brief", "name"], "opd": ["brief", "name"],
                  "none": ["brief", "name"]}
-
-
-def wait_trained(deployment, sessions: int, timeout_s: float) -> dict:
-    """Until the judge has scored `sessions` sessions, the trainer has taken every scored one and
-    serve answers with the version that came of it (or the timeout: the next session starts
-    anyway, with whatever is served). The deployment's stats at the end."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        stats = deployment.stats()
-        judge, train, serve = stats.get("judge", {}), stats.get("train"), stats.get("serve", {})
-        judged = judge.get("scored", 0) + judge.get("unscored", 0)
-        done = judged >= sessions
-        if done and train is not None:
-            taken = train.get("samples", 0) + train.get("stale_dropped", 0) + train.get("unresolved", 0)
-            done = taken >= judge.get("scored", 0) and serve.get("version", -1) >= train.get("version", 0)
-        if done or time.monotonic() > deadline:
-            return {**stats, "waited_out": not done}
-        time.sleep(0.2)
 
 
 # ---- one trial ------------------------------------------------------------------------------
@@ -113,9 +102,8 @@ def trial(arm: str, pref: str, index: int, args, progress) -> dict:
 
     from flywheel.config import load_config
     from flywheel.deploy.deployment import Deployment
-    from flywheel.models import WeightStore
 
-    seed = 1000 * index + sorted(PREFERENCES).index(pref)
+    seed = 1000 * index + PREFERENCE_ORDER.index(pref)
     user = User(NAMES[seed % len(NAMES)], PREFERENCES[pref], seed=seed)
     run_dir = trial_dir(arm, pref, index, args)
     trial_id = run_dir.name
@@ -142,52 +130,18 @@ def trial(arm: str, pref: str, index: int, args, progress) -> dict:
         deployment.stop()
     for s in sessions:
         s.update(said.get(s["id"], {}))
-    store = WeightStore(run_dir / "weights")
-    latest = store.latest()
-    weights = store.path(latest) if trains and latest else None
+    weights = final_policy(config, run_dir) if trains else None
     satisfied = [s["satisfied"] for s in sessions]
     learned = sessions_to_learn(satisfied, RUN)
     return {
         "arm": arm, "pref": pref, "trial": index, "user": user.name, "seed": seed, "learned_at": learned,
-        "cap": args.cap, "sessions": sessions, "satisfied_rate": fmean(satisfied), "final_version": latest,
+        "cap": args.cap, "sessions": sessions, "satisfied_rate": fmean(satisfied), "final_version": weights and weights.name,
         "judge_agreement": judge_agreement(sessions), "hinted": sum(bool(s.get("hint")) for s in sessions),
         "unjudged": sum(s.get("judge_score") is None for s in sessions),
         "taught": sum(bool(s.get("teacher_tokens")) for s in sessions), "trial_s": round(time.monotonic() - started, 1),
         "weights": str(weights) if weights else None, "stats": {k: v for k, v in stats.items() if k in ("serve", "judge", "train")},
         "heldout": asyncio.run(satisfaction(weights, config.model, user, HELD_OUT_QUESTIONS, args)),
     }
-
-
-async def satisfaction(weights: Path | None, model_name: str, user: User, questions: tuple[str, ...] | list[str],
-                       args, hint: str | None = None) -> dict:
-    """How often replies to `questions` satisfy the user (`--heldout-samples` seeded samples each,
-    the app's temperature and max_tokens, the same seeds for every arm). With a `hint`: the
-    teacher's view, each request told the hint exactly as the hint teacher renders it."""
-    from flywheel.config import load_config
-    from flywheel.judge.teacher import Teacher
-    from flywheel.models import load_model, load_weights
-    from flywheel.serve.engine import Engine, SamplingParams
-
-    model, tokenizer = load_model(model_name)
-    if weights is not None:
-        load_weights(model, weights)
-    asked = [q for q in questions for _ in range(args.heldout_samples)]
-    chats = [[{"role": "system", "content": user.system}, {"role": "user", "content": q}] for q in asked]
-    if hint is not None:
-        teacher = Teacher(load_config(CONFIG, args.overrides).judge.teacher, "http://unused")
-        chats = [teacher.told(chat, hint) for chat in chats]
-        await teacher.close()
-    prompts = [tokenizer.encode(tokenizer.apply_chat_template(chat, add_generation_prompt=True, tokenize=False),
-                                add_special_tokens=False) for chat in chats]
-    engine = Engine(model, tokenizer, max_batch_size=len(prompts)).start()
-    try:
-        results = await asyncio.gather(*(engine.generate(p, SamplingParams(
-            max_new_tokens=args.max_tokens, temperature=args.temperature, sampling_seed=i)) for i, p in enumerate(prompts)))
-    finally:
-        engine.stop()
-    replies = [tokenizer.decode(r.output_ids, skip_special_tokens=True) for r in results]
-    return {"rate": fmean(user.satisfied(r, q) for r, q in zip(replies, asked)),
-            "answers": fmean(answers(q, r) for r, q in zip(replies, asked)), "n": len(replies), "examples": replies[:3]}
 
 
 def probe_hints(prefs: list[str], args) -> list[list]:
@@ -326,7 +280,7 @@ def main() -> None:
                     if result["weights"] and args.arith_problems:
                         result["arith_after"] = arithmetic(result["weights"], args)
                     if not args.keep_weights:  # ~2.7 GB a trial, not needed once measured
-                        for heavy in ("weights", "checkpoints"):
+                        for heavy in ("weights", "checkpoints", "merged"):
                             shutil.rmtree(trial_dir(arm, pref, index, args) / heavy, ignore_errors=True)
                     trials.append(result)
                     print(f"== {arm} {pref} #{index}: learned at {result['learned_at'] or f'>{args.cap}'}, held-out rate "

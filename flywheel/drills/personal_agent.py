@@ -75,20 +75,22 @@ def reply_seed(user: User, session: int, reply: int) -> int:
     return draw * 2 + reply if reply < 2 else 10**9 + draw
 
 
-def converse(client, model: str, user: User, session: int, trial_id: str, args) -> dict:
+def converse(client, model: str, user: User, session: int, trial_id: str, args, user_id: str | None = None) -> dict:
     """The session's question, the first reply, the person's reaction and the reply to it; with
     `args.reactions` 2, also the person's reaction to that second reply when it answered something
     (a correction, a complaint or a new question; not thanks), and the reply to that, which nothing
     follows. Each reply samples with its own OpenAI `seed` (the user's seed, the session, which
-    reply), so a trial run again on the same code meets the same draws (docs/experiments/personal-agent-trials.md)."""
+    reply), so a trial run again on the same code meets the same draws (docs/experiments/personal-agent-trials.md).
+    `user_id`: the person as the end user (`X-User-Id`), for a deployment that tells people apart."""
     session_id = f"{trial_id}-s{session:03d}"
+    headers = {"X-Session-Id": session_id, **({"X-User-Id": user_id} if user_id else {})}
     question = user.question(session)
     messages = [{"role": "system", "content": user.system}, {"role": "user", "content": question}]
 
     def reply(index: int) -> tuple[str, object]:
         answer = client.chat.completions.create(model=model, messages=messages, max_tokens=args.max_tokens,
                                                 temperature=args.temperature, seed=reply_seed(user, session, index),
-                                                extra_headers={"X-Session-Id": session_id})
+                                                extra_headers=headers)
         text = answer.choices[0].message.content or ""
         messages.append({"role": "assistant", "content": text})
         return text, answer

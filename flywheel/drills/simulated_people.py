@@ -135,6 +135,11 @@ def brief(text: str, name: str, limit: int = 30) -> bool:
     return 0 < len(words(text)) <= limit
 
 
+def detailed(text: str, name: str, least: int = 40) -> bool:
+    """At least `least` words: a full explanation (the opposite wish of `brief`)."""
+    return len(words(text)) >= least
+
+
 def bullets(text: str, name: str) -> bool:
     """At least two list lines ("- ", "* ", "1. ", "2) ")."""
     return len(_LIST_LINE.findall(text)) >= 2
@@ -178,6 +183,11 @@ PREFERENCES: dict[str, Preference] = {p.kind: p for p in (
                specific=("Too long. Keep it under 30 words, please.", "That's too long, I only need two short sentences.",
                          "No, shorter please: one or two sentences.", "You should keep answers under 30 words."),
                vague=("That's way too much text.", "Ugh, too long to read.", "Hmm, not quite. Too verbose.")),
+    Preference("detailed", detailed,
+               specific=("Too short. Please explain it in detail, a full paragraph.",
+                         "You should give me a longer, more thorough answer.",
+                         "No, I need more detail: walk me through it properly.", "That's too brief, explain more."),
+               vague=("That's not enough for me.", "Hmm, I expected more than that.", "Not quite. Too thin.")),
     Preference("bullets", bullets,
                specific=("Please use bullet points instead of a paragraph.", "You should answer as a bulleted list.",
                          "No, give it to me as a list of short bullet points.", "I asked for bullet points, not prose."),
@@ -206,6 +216,9 @@ PREFERENCES: dict[str, Preference] = {p.kind: p for p in (
                vague=("Hmm, not quite the tone I wanted.", "Not quite. Too chatty.", "Ugh, way too casual.")),
 )}
 
+PREFERENCE_ORDER = ("answer_first", "brief", "bullets", "formal", "name", "plain", "detailed")
+"""The preferences in a fixed order, for drawing seeds by position (new ones go at the end, so a
+trial of an older one keeps its draws)."""
 
 @dataclass
 class User:

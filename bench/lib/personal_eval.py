@@ -1,0 +1,65 @@
+"""What the personal-agent benchmarks share: pacing a simulated person to the platform (the next
+session once the last one is trained and its version serves) and the held-out satisfaction of a
+policy's replies (bench/personal_agent.py, bench/two_people.py)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from pathlib import Path
+from statistics import fmean
+
+from flywheel.drills.personal_agent import CONFIG
+from flywheel.drills.simulated_people import User, answers
+
+
+def wait_trained(deployment, sessions: int, timeout_s: float) -> dict:
+    """Until the judge has scored `sessions` sessions, the trainer has taken every scored one and
+    serve answers with the version that came of it (or the timeout: the next session starts
+    anyway, with whatever is served). The deployment's stats at the end."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        stats = deployment.stats()
+        judge, train, serve = stats.get("judge", {}), stats.get("train"), stats.get("serve", {})
+        judged = judge.get("scored", 0) + judge.get("unscored", 0)
+        done = judged >= sessions
+        if done and train is not None:
+            taken = train.get("samples", 0) + train.get("stale_dropped", 0) + train.get("unresolved", 0)
+            done = taken >= judge.get("scored", 0) and serve.get("version", -1) >= train.get("version", 0)
+        if done or time.monotonic() > deadline:
+            return {**stats, "waited_out": not done}
+        time.sleep(0.2)
+
+
+async def satisfaction(weights: Path | None, model_name: str, user: User, questions: tuple[str, ...] | list[str],
+                       args, hint: str | None = None, others: tuple[User, ...] = ()) -> dict:
+    """How often replies to `questions` satisfy the user (`--heldout-samples` seeded samples each,
+    the app's temperature and max_tokens, the same seeds for every arm), and how often the same
+    replies would satisfy each of `others` (`others`: their preference's kind -> rate). With a
+    `hint`: the teacher's view, each request told the hint exactly as the hint teacher renders it."""
+    from flywheel.config import load_config
+    from flywheel.judge.teacher import Teacher
+    from flywheel.models import load_model, load_weights
+    from flywheel.serve.engine import Engine, SamplingParams
+
+    model, tokenizer = load_model(model_name)
+    if weights is not None:
+        load_weights(model, weights)
+    asked = [q for q in questions for _ in range(args.heldout_samples)]
+    chats = [[{"role": "system", "content": user.system}, {"role": "user", "content": q}] for q in asked]
+    if hint is not None:
+        teacher = Teacher(load_config(CONFIG, args.overrides).judge.teacher, "http://unused")
+        chats = [teacher.told(chat, hint) for chat in chats]
+        await teacher.close()
+    prompts = [tokenizer.encode(tokenizer.apply_chat_template(chat, add_generation_prompt=True, tokenize=False),
+                                add_special_tokens=False) for chat in chats]
+    engine = Engine(model, tokenizer, max_batch_size=len(prompts)).start()
+    try:
+        results = await asyncio.gather(*(engine.generate(p, SamplingParams(
+            max_new_tokens=args.max_tokens, temperature=args.temperature, sampling_seed=i)) for i, p in enumerate(prompts)))
+    finally:
+        engine.stop()
+    replies = [tokenizer.decode(r.output_ids, skip_special_tokens=True) for r in results]
+    return {"rate": fmean(user.satisfied(r, q) for r, q in zip(replies, asked)),
+            "others": {o.preference.kind: fmean(o.satisfied(r, q) for r, q in zip(replies, asked)) for o in others},
+            "answers": fmean(answers(q, r) for r, q in zip(replies, asked)), "n": len(replies), "examples": replies[:3]}
