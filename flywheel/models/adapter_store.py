@@ -9,7 +9,8 @@ megabytes, not the model. Versions count per adapter.
 A version appears all at once (written aside, fsynced, renamed: `atomic_directory`). The newest
 `keep` versions of each adapter are kept. `delete(name)` removes an adapter with all its
 versions (how a user's learned behaviour is forgotten); its directory is renamed away first, so
-no reader lists half of it.
+no reader lists half of it. `forget(tenant, user)` deletes the adapters of a forgotten tenant or
+user (`owned_by`: a user's own adapter; a tenant's adapter and all its users').
 """
 
 from __future__ import annotations
@@ -19,12 +20,14 @@ import os
 import re
 import shutil
 import uuid
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
 import torch
 from safetensors.torch import save_file
 
+from flywheel.models.adapter_names import user_adapter
 from flywheel.models.cache import TMP_PREFIX, atomic_directory
 from flywheel.models.lora_adapter import CONFIG_FILE, WEIGHTS_FILE
 
@@ -32,12 +35,24 @@ NAME = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9._-]*")
 """An adapter's name (flywheel/models/adapter_names.py); never starting with `.`, so that no name
 is `..` or a temporary directory's."""
 VERSION_DIR = re.compile(r"v(0|[1-9][0-9]*)")
+DROPPED = "forget.adapters"
+"""The audit action by which the trainer says it dropped a forgotten tenant's or user's adapters
+(flywheel/train/forget_adapters.py; every gateway unloads them again on it)."""
 
 
 def valid_name(name: str) -> str:
     if not NAME.fullmatch(name):
         raise ValueError(f"not an adapter name: {name!r} (letters, digits, '.', '_', '-'; not starting with '.')")
     return name
+
+
+def owned_by(names: Iterable[str], tenant: str, user: str | None) -> list[str]:
+    """Those of `names` that forgetting `tenant` (or its end user `user`) removes: the user's own
+    adapter (`user_adapter`), or the tenant's adapter and every one of its users' (`<tenant>.`...;
+    never another tenant's, such as `<tenant>2`'s). The deployment's `shared` adapter is nobody's."""
+    if user is not None:
+        return [name for name in names if name == user_adapter(tenant, user)]
+    return [name for name in names if name == tenant or name.startswith(f"{tenant}.")]
 
 
 class AdapterStore:
@@ -89,6 +104,10 @@ class AdapterStore:
     def delete(self, name: str) -> bool:
         """Remove `name` and all its versions; whether there was anything to remove."""
         return self._remove(self.root / valid_name(name), self.root)
+
+    def forget(self, tenant: str, user: str | None) -> list[str]:
+        """Delete the adapters of `tenant` (or of its end user `user`: `owned_by`); the ones deleted."""
+        return [name for name in owned_by(self.names(), tenant, user) if self.delete(name)]
 
     @staticmethod
     def _remove(directory: Path, parent: Path) -> bool:

@@ -34,7 +34,7 @@ from flywheel.config import ConfigError, FlywheelConfig
 from flywheel.config.serve import ServeConfig
 from flywheel.config.tenants import retention_s
 from flywheel.models import load_model, load_weights, place
-from flywheel.models.adapter_store import AdapterStore
+from flywheel.models.adapter_store import DROPPED, AdapterStore, owned_by
 from flywheel.runtime import cancel_and_wait, repeat
 from flywheel.serve.adapter_routing import AdapterRouting
 from flywheel.serve.backends.in_process import InProcessEngineClient
@@ -230,11 +230,23 @@ class ServeLoop:
 
     async def _follow_forgetting(self) -> None:
         """A tenant or user forgotten anywhere (`flywheel forget`, any gateway's admin route) is
-        forgotten from this gateway's memory too: its session continuations, its stored responses."""
+        forgotten from this gateway's memory too: its session continuations, its stored responses;
+        and its LoRA adapters (`adapter_store.owned_by`) from every engine, so the user's next
+        request is served as a new user's (their adapter's version 0: its origin, or the base).
+        Those adapters are unloaded again once the trainer says it dropped them (`forget.adapters`,
+        flywheel/train/forget_adapters.py): a version a step under way published meanwhile goes too."""
         async for entry in self.bus.follow(AUDIT_SUBJECT, from_last=False):
             assert isinstance(entry, AuditEntry)
+            if entry.action not in ("forget", DROPPED):
+                continue
+            tenant, user = entry.details["tenant"], entry.details.get("user")
             if entry.action == "forget":
-                self.app.state.forget_cached(entry.details["tenant"], entry.details.get("user"))
+                self.app.state.forget_cached(tenant, user)
+            for name in owned_by(list(self.pool.adapter_versions), tenant, user):
+                try:
+                    await self.pool.unload_adapter(name)
+                except Exception:  # no request is sent to it any more; only the engine's memory still holds it
+                    log.exception("could not unload the forgotten adapter %s from every engine", name)
 
     async def _follow_routing(self) -> None:
         async for routing in self.bus.follow(ROUTING_SUBJECT, newest_only=True):

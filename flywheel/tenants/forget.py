@@ -7,7 +7,12 @@ What goes:
   (JetStream's secure erase), with the object a large record's body was kept in;
 - the sessions they opened (`FLYWHEEL_SESSIONS`), so feedback naming one is a 404 again;
 - their records waiting in the gateways' spill files (each file rewritten without them);
-- for a whole tenant, its run-time entry and keys (`FLYWHEEL_TENANTS`).
+- for a whole tenant, its run-time entry and keys (`FLYWHEEL_TENANTS`);
+- their LoRA adapters (`adapters.kind: lora`) in the run directory's adapter store
+  (`run_dir/adapters`, the run directory being the ledger's): a user's own adapter, or the
+  tenant's and all its users' (`adapter_store.owned_by`). Every gateway unloads them from its
+  engines and the trainer drops them, its checkpoints rewritten without them, when they read the
+  audit entry (flywheel/serve/loop.py, flywheel/train/forget_adapters.py).
 
 A user is matched by the end-user id on their turns, trajectories and samples; a session event
 carries no user, so the events of their sessions go with their turns. What stays is the lineage:
@@ -54,6 +59,7 @@ from flywheel.bus.streams import (
     TRAJECTORIES,
     UNSCORED,
 )
+from flywheel.models.adapter_store import AdapterStore
 from flywheel.tenants.sessions import BUCKET as SESSIONS_BUCKET
 from flywheel.tenants.sessions import session_key
 
@@ -74,6 +80,8 @@ class Forgotten:
     spilled: int = 0
     """Records removed from the gateways' spill files."""
     samples: int = 0
+    adapters: int = 0
+    """Adapters deleted from the adapter store (counted: their names are digests of user ids)."""
     versions: list[int] = field(default_factory=list)
     """Versions whose training steps used forgotten samples (`trained.jsonl`)."""
     sample_digests: set[str] = field(default_factory=set, repr=False)
@@ -131,6 +139,8 @@ async def forget(bus: Any, tenant: str, user: str | None = None, spill_dirs: Ite
         report.spilled += _scrub_spill(Path(directory), matches)
     if ledger is not None and ledger.exists():
         report.versions = _versions_trained_on(ledger, matches.sample_digests)
+    if ledger is not None and (ledger.parent / "adapters").is_dir():
+        report.adapters = len(AdapterStore(ledger.parent / "adapters").forget(tenant, user))
     if user is None:
         await _forget_tenant_entry(bus, tenant)
     await bus.publish(AUDIT_SUBJECT, AuditEntry(

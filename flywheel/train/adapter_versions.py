@@ -10,18 +10,24 @@ Every `train.weight_update_interval` steps of an adapter, that adapter alone is 
 adapter store (flywheel/models/adapter_store.py) and announced on WEIGHTS as a
 `WeightUpdate(adapter=name, version=N, path=...)`. Versions only grow: a trainer restarted from a
 checkpoint behind what it had published gives such an adapter a new version above its newest in
-the store, and announces it.
+the store, and announces it. A forgotten adapter (`drop`) starts again from version 0; an
+announcement's id names the step too, so the bus does not take a new adapter's version 1 for a
+repeat of the forgotten one's (JetStream drops a message whose id it saw in its duplicate window).
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from flywheel.bus import WEIGHTS_SUBJECT, Bus, WeightUpdate
+from flywheel.models.adapter_names import origin
 from flywheel.models.adapter_store import AdapterStore
 from flywheel.train.adapters import AdapterSet
+
+if TYPE_CHECKING:
+    from flywheel.config import FlywheelConfig
 
 log = logging.getLogger(__name__)
 
@@ -60,15 +66,19 @@ class AdapterVersions:
         if version not in self.store.versions(name):
             await asyncio.to_thread(self.store.publish, name, version, adapters.config(name), adapters.weights(name))
         parent = self.parents.get(name, 0)
-        update = WeightUpdate(id=f"adapter-{name}-v{version}", adapter=name, version=version,
+        update = WeightUpdate(id=f"adapter-{name}-v{version}-s{step}", adapter=name, version=version,
                               path=str(self.store.path(name, version)), step=step, parent=parent if parent < version else None)
         await self.bus.publish(WEIGHTS_SUBJECT, update)
         self.parents[name] = version
         log.info("published adapter %s v%d", name, version)
 
-    async def restored(self, adapters: AdapterSet, step: int) -> None:
-        """After a restart: an adapter whose store holds versions up to or past its restored one
-        gets a version above them (when past), published and announced, so serving has it."""
+    async def restored(self, adapters: AdapterSet, step: int, config: FlywheelConfig) -> None:
+        """After a restart: every adapter published before is the trainer's again (one a dead
+        process made after the checkpoint starts over from its origin, as its weights do); an
+        adapter whose store holds versions up to or past its restored one gets a version above
+        them (when past), published and announced, so serving has it."""
+        for name in self.store.names():
+            adapters.ensure(name, origin(name, config))
         for name in adapters.names():
             newest = self.store.latest(name)
             if newest is None:
@@ -77,6 +87,13 @@ class AdapterVersions:
                 log.info("adapter %s: versions up to %d were published after this state: it becomes %d", name, newest, newest + 1)
                 self.versions[name] = newest + 1
             await self.publish(adapters, name, step)
+
+    def drop(self, name: str) -> None:
+        """Forget `name` (a forgotten user's adapter): its versions, and its directory in the store
+        (again: a step under way when it was forgotten may have published it since)."""
+        self.versions.pop(name, None)
+        self.parents.pop(name, None)
+        self.store.delete(name)
 
     def state(self) -> dict[str, Any]:
         return {"versions": dict(self.versions), "parents": dict(self.parents)}

@@ -80,6 +80,23 @@ class AdapterSet:
         self.schedulers[name] = make_scheduler(self.optimizers[name], opt, self.train.max_steps)
         self.steps[name] = 0
 
+    def drop(self, name: str) -> bool:
+        """Remove `name`: its weights from the model, its optimizer and schedule (a forgotten user's
+        adapter; `ensure` makes the name a new adapter again). Whether it was here."""
+        key = self.keys.pop(name, None)
+        if key is None:
+            return False
+        assert self.peft is not None
+        if self.keys:
+            self.activate(next(iter(self.keys)))  # not the one deleted (PEFT warns, and picks one itself)
+            self.peft.delete_adapter(key)
+        else:  # PEFT keeps no model without an adapter: the model as it was, until the next one
+            self.peft.unload()
+            self.peft = None
+        for held in (self.params, self.optimizers, self.schedulers, self.steps):
+            del held[name]
+        return True
+
     def activate(self, name: str) -> None:
         """Make `name` the adapter of the following forward passes, and the only one with gradients."""
         assert self.peft is not None

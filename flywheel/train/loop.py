@@ -28,7 +28,8 @@ served versions in the weight store.
 With `adapters.kind: lora` the base stays frozen and each sample trains its adapter
 (flywheel/train/adapters.py): versions, staleness and publishing are per adapter
 (`AdapterVersions`, flywheel/train/adapter_versions.py), each adapter published alone to
-`run_dir/adapters/` (flywheel/models/adapter_store.py). Not yet under promotion.
+`run_dir/adapters/` (flywheel/models/adapter_store.py); forgotten tenants' and users' adapters are
+dropped between two steps (flywheel/train/forget_adapters.py). Not yet under promotion.
 
 One JSON line per step goes to `run_dir/metrics.jsonl`.
 """
@@ -52,10 +53,12 @@ from flywheel.bus.dedup import RecentIds
 from flywheel.bus.records import sample_digest
 from flywheel.config import ConfigError, FlywheelConfig
 from flywheel.models import WeightStore, load_model, load_weights
-from flywheel.models.adapter_names import origin, sample_adapter
+from flywheel.models.adapter_names import sample_adapter
 from flywheel.models.adapter_store import AdapterStore
+from flywheel.runtime import repeat
 from flywheel.train.advantages import RunningBaseline
 from flywheel.train.checkpoint import Checkpoints
+from flywheel.train.forget_adapters import Forgetting
 from flywheel.train.grouping import Group, GroupBatcher
 from flywheel.train.ledger import Ledger
 from flywheel.train.publisher import Lineage, WeightPublisher
@@ -107,6 +110,8 @@ class TrainLoop(ConsumerLoop):
         self.checkpoints = Checkpoints(self.run_dir / "checkpoints", keep=self.config.train.keep_checkpoints)
         self.trainer = Trainer(model, self.config.actor, self.config.train, self.config.adapters)
         await super().start()
+        if self.lora:  # forgotten tenants' and users' adapters (flywheel/train/forget_adapters.py)
+            self._tasks.append(asyncio.create_task(repeat(self.forgetting.follow, "train.forget"), name="train.forget"))
 
     async def prepare(self) -> None:
         self.lock = RunLock(self.run_dir)
@@ -119,6 +124,7 @@ class TrainLoop(ConsumerLoop):
 
             store = AdapterStore(self.run_dir / "adapters", keep=self.config.train.keep_versions)
             self.adapter_versions = AdapterVersions(store, self.bus, self.config.train.weight_update_interval)
+            self.forgetting = Forgetting(self.bus, self.checkpoints)
         else:
             self.store = WeightStore(self.run_dir / "weights", keep=self.config.train.keep_versions)
             self.publisher = WeightPublisher(self.store, self.bus)
@@ -159,7 +165,7 @@ class TrainLoop(ConsumerLoop):
             log.info("resumed from %s at step %d, version %d", path, self.trainer.step_count, self.version)
         self.ledger.resumed(self.trainer.step_count)  # 0 without a checkpoint: a dead process's steps lead nowhere
         if self.lora:
-            await self._restore_adapters()
+            await self.adapter_versions.restored(self.trainer.adapters, self.trainer.step_count, self.config)
             return
         newest = await self.publisher.newest()
         if newest is not None and newest > self.version:
@@ -170,13 +176,6 @@ class TrainLoop(ConsumerLoop):
         settings = {"model": self.config.model, "train": self.config.train.model_dump(mode="json"),
                     "actor": self.config.actor.model_dump(mode="json")}
         self.lineage = Lineage(parent=self.version, config=settings)
-
-    async def _restore_adapters(self) -> None:
-        """Every adapter published before is the trainer's again (one a dead process made after
-        the checkpoint starts over, as its weights do), each with a version above what it published."""
-        for name in self.adapter_versions.store.names():
-            self.trainer.adapters.ensure(name, origin(name, self.config))
-        await self.adapter_versions.restored(self.trainer.adapters, self.trainer.step_count)
 
     def staleness(self, version: int) -> int:
         """Updates between the trainer's weights and those of `version`."""
@@ -265,6 +264,8 @@ class TrainLoop(ConsumerLoop):
     async def step(self) -> None:
         for delivery in await self._fetch(self.config.train.batch_size):
             await self._admit(delivery)
+        if self.lora and await self.forgetting.apply(self):
+            await self._checkpoint()  # at once: no checkpoint holds a forgotten adapter any more
         if self.promotion is not None and not await self._follow_registry():
             return  # too far ahead of the serving version: the samples wait
         for reason, dropped in (("abandoned_dropped", self.is_abandoned), ("stale_dropped", self.is_stale)):

@@ -2,10 +2,11 @@
 
 The gateway only builds `/generate` bodies and reads `/generate` responses and chunks, and
 drives weight swaps with `/pause_generation`, `/update_weights_from_disk` and
-`/continue_generation`. `HTTPEngineClient` does that over HTTP (a real SGLang server, or
-`flywheel engine`); `InProcessEngineClient` hands the same bodies to the same
-`flywheel.serve.engine.native` functions the engine's HTTP server uses, without the socket. Streams come
-out of both as deltas: the HTTP client turns SGLang's default cumulative chunks into deltas.
+`/continue_generation`, and LoRA adapters with `/load_lora_adapter` and `/unload_lora_adapter`.
+`HTTPEngineClient` does that over HTTP (a real SGLang server, or `flywheel engine`);
+`InProcessEngineClient` hands the same bodies to the same `flywheel.serve.engine.native`
+functions the engine's HTTP server uses, without the socket. Streams come out of both as
+deltas: the HTTP client turns SGLang's default cumulative chunks into deltas.
 
 An engine's `weight_version` here is Flywheel's integer version (`flywheel.serve.engine_choice.version_of` of
 the engine's label). The in-process client reads the embedded engine's exact per-token versions;
@@ -45,6 +46,12 @@ class EngineClient(Protocol):
     async def load_adapter(self, name: str, path: str, version: int) -> None:
         """Load version `version` of LoRA adapter `name` from the PEFT directory `path` (a body's
         `lora_path` names it); the adapter's tokens then report that version."""
+        ...
+
+    async def unload_adapter(self, name: str) -> None:
+        """Stop serving adapter `name` (SGLang's `/unload_lora_adapter`): a request naming it is
+        refused from then on; one not loaded is no error (unloading is how a forgotten user's
+        adapter leaves every engine)."""
         ...
 
     async def refresh_version(self) -> int:

@@ -5,6 +5,7 @@ the engine's exact per-token versions (an adapter's tokens: `<name>@<N>`, N the 
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -17,6 +18,7 @@ from flywheel.serve.engine import (
     generate,
     generate_stream,
 )
+from flywheel.serve.engine.adapters import UnknownAdapter
 from flywheel.serve.engine_choice import version_of
 
 
@@ -64,6 +66,11 @@ class InProcessEngineClient:
             await self.engine.load_adapter(name, path, str(version))
         except AdapterError as exc:
             raise EngineError(503, f"engine {self.name} could not load adapter {name} v{version}: {exc}") from None
+
+    async def unload_adapter(self, name: str) -> None:
+        """Stop serving adapter `name` (requests under way with it finish with it); one not loaded is no error."""
+        with contextlib.suppress(UnknownAdapter):
+            await self.engine.unload_adapter(name)
 
     async def refresh_version(self) -> int:
         return self.weight_version

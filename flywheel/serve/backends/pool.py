@@ -17,7 +17,9 @@ version to the engine as the label `str(version)`.
 LoRA adapters (`adapters.kind: lora`) have versions of their own, apart from the shared weights':
 `load_adapter` loads one adapter's version into every engine (no pause: the engines take it
 between two steps) and only then counts it as published (`adapter_versions`), so a request sent
-with that adapter finds it on whichever engine its session routes to.
+with that adapter finds it on whichever engine its session routes to. `unload_adapter` takes one
+out of that count first (new requests go to its origin or the base at once), then out of every
+engine: how a forgotten user's adapter stops serving.
 """
 
 from __future__ import annotations
@@ -75,6 +77,14 @@ class EnginePool:
             await engine.load_adapter(name, path, version)
         self.adapter_versions[name] = version
         log.info("adapter %s now on v%d", name, version)
+
+    async def unload_adapter(self, name: str) -> None:
+        """Stop serving adapter `name`: no longer published here (routing sends its requests to its
+        origin or the base, as a new adapter's), then unloaded from every engine."""
+        self.adapter_versions.pop(name, None)
+        for engine in self._adapter_engines():
+            await engine.unload_adapter(name)
+        log.info("adapter %s unloaded", name)
 
     def _adapter_engines(self) -> list[EngineClient]:
         return self.engines

@@ -13,7 +13,9 @@ over an earlier version; a server that refuses a name it has "already" loaded, a
 has it unloaded first and loaded again, so the requests under way finish with the old version;
 if the new one then fails to load, the old one is loaded back). A server that labels an
 adapter's tokens with its base label instead has them counted as the adapter version this client
-had loaded when the request began (`bound_versions`).
+had loaded when the request began (`bound_versions`). `unload_adapter` is
+`/unload_lora_adapter`; a name the server does not have (another gateway of the same engine
+unloaded it first) is no error.
 """
 
 from __future__ import annotations
@@ -125,6 +127,15 @@ class HTTPEngineClient:
         await self._call("POST", "/load_lora_adapter", {"lora_name": name, "lora_path": path, "weight_version": str(version)})
         self.adapter_versions[name] = version
         self._adapter_paths[name] = path
+
+    async def unload_adapter(self, name: str) -> None:
+        try:
+            await self._call("POST", "/unload_lora_adapter", {"lora_name": name})
+        except EngineError as exc:
+            if exc.status != 400 or "does not exist" not in str(exc):
+                raise
+        self.adapter_versions.pop(name, None)
+        self._adapter_paths.pop(name, None)
 
     async def refresh_version(self) -> int:
         info = (await self._call("GET", "/model_info")).json()

@@ -1,0 +1,127 @@
+"""The trainer's side of forgetting (`adapters.kind: lora`): a tenant or end user forgotten
+(`flywheel forget`, `POST /admin/forget`: flywheel/tenants/forget.py, which deletes their adapters
+from the store and then puts a `forget` entry on the audit log) is forgotten by the trainer too.
+
+`Forgetting.follow` reads the audit log in the background, as every gateway does (the loops
+share only the bus); between two steps `apply` drops what it heard of: the adapters they own
+(`adapter_store.owned_by`: a user's own, or the tenant's and all its users') with their PEFT
+weights, optimizer and schedule (`AdapterSet.drop`), their versions and any directory of theirs a
+step under way published meanwhile (`AdapterVersions.drop`), their reward baselines, and the
+samples of theirs held for a step (acknowledged: the stream no longer holds them). Every
+checkpoint on disk is rewritten without those adapters (`scrub`: each `state.pt` replaced), and
+the loop then saves a checkpoint at once. An audit entry (`forget.adapters`, actor `train`) says
+so, and every gateway unloads their adapters again on it: a version that a step under way
+published after the forgetting, and a gateway loaded, is not served on. A user who comes back is
+a new user: their adapter starts again from its origin, at version 0.
+
+Which entries count: those made after the checkpoint the trainer started from was saved (its
+`state.pt`'s time), or after the trainer started when it had none. So a trainer that was stopped
+when the forgetting happened drops them once it starts, from the state it restored; a forgotten
+user who came back since, and whose new adapter a later checkpoint holds, is not forgotten again.
+A replaced `state.pt` is unlinked, not overwritten: its old blocks stay on the disk until reused.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import time
+import uuid
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+
+from flywheel.bus import Bus, Sample
+from flywheel.bus.records import AuditEntry
+from flywheel.bus.streams import AUDIT_SUBJECT
+from flywheel.models.adapter_store import DROPPED, owned_by
+from flywheel.train.checkpoint import Checkpoints
+
+if TYPE_CHECKING:
+    from flywheel.train.loop import TrainLoop
+
+log = logging.getLogger(__name__)
+
+
+class Forgetting:
+    """Forgettings heard on the audit log, applied between two steps (see the module docstring)."""
+
+    def __init__(self, bus: Bus, checkpoints: Checkpoints):
+        self.bus = bus
+        latest = checkpoints.latest()
+        self.since = (latest / "state.pt").stat().st_mtime if latest is not None else time.time()
+        """Entries made until then are in the trainer's state already (or precede it)."""
+        self.pending: list[tuple[str, str | None]] = []
+        """(tenant, user or None) forgotten and not yet applied."""
+
+    async def follow(self) -> None:
+        async for entry in self.bus.follow(AUDIT_SUBJECT, from_first=True):
+            assert isinstance(entry, AuditEntry)
+            if entry.action == "forget" and entry.created_at > self.since:
+                self.pending.append((entry.details["tenant"], entry.details.get("user")))
+                self.since = entry.created_at  # a follow started again reads the log from its start
+
+    async def apply(self, loop: TrainLoop) -> bool:
+        """Drop from `loop` what was forgotten since the last call, and rewrite its checkpoints
+        without those adapters; whether anything was (the loop then checkpoints at once)."""
+        forgotten, self.pending = self.pending, []
+        if not forgotten:
+            return False
+        adapters = loop.trainer.adapters
+        assert adapters is not None
+        for group in loop.batcher.drop_stale(lambda sample: _theirs(sample, forgotten)):
+            for delivery in group.deliveries:
+                with contextlib.suppress(Exception):  # the message is gone from the stream already
+                    await delivery.ack()
+        dropped = {(tenant, user): owned_by(adapters.names(), tenant, user) for tenant, user in forgotten}
+        names = {name for owned in dropped.values() for name in owned}
+        for name in names:
+            adapters.drop(name)
+            loop.adapter_versions.drop(name)
+            loop.baseline.adapters.pop(name, None)
+        rewritten = await asyncio.to_thread(scrub, loop.checkpoints, names) if names else 0
+        for (tenant, user), owned in dropped.items():
+            await self.bus.publish(AUDIT_SUBJECT, AuditEntry(
+                id=uuid.uuid4().hex, actor="train", action=DROPPED, target=tenant if user is None else f"{tenant}/{user}",
+                details={"tenant": tenant, "user": user, "adapters": len(owned), "checkpoints": rewritten}))
+        log.info("forgot %d adapters; %d checkpoints rewritten without them", len(names), rewritten)
+        return True
+
+
+def _theirs(sample: Sample, forgotten: list[tuple[str, str | None]]) -> bool:
+    trajectory = sample.trajectory
+    return any(trajectory.tenant == tenant and user in (None, trajectory.user_id) for tenant, user in forgotten)
+
+
+def scrub(checkpoints: Checkpoints, names: set[str]) -> int:
+    """Rewrite every checkpoint that holds one of the adapters `names` without them (weights,
+    optimizer, schedule, versions, baseline); how many were rewritten."""
+    rewritten = 0
+    for step in checkpoints.steps():
+        path = checkpoints.path(step) / "state.pt"
+        state = torch.load(path, weights_only=False)
+        saved, loop = state["trainer"].get("adapters", []), state["loop"]
+        versions = loop.get("adapters", {})
+        tables = [versions.get("versions", {}), versions.get("parents", {}), loop.get("adapter_baselines", {})]
+        if not any(a["name"] in names for a in saved) and not any(names.intersection(t) for t in tables):
+            continue
+        state["trainer"]["adapters"] = [a for a in saved if a["name"] not in names]
+        for table in tables:
+            for name in names:
+                table.pop(name, None)
+        _replace(path, state)
+        rewritten += 1
+    return rewritten
+
+
+def _replace(path: Path, state: dict) -> None:
+    """Write `state` to `path` atomically (aside, fsynced, renamed over it)."""
+    aside = path.with_name(f".{path.name}.forget")
+    with aside.open("wb") as file:
+        torch.save(state, file)
+        file.flush()
+        os.fsync(file.fileno())
+    os.replace(aside, path)
