@@ -42,19 +42,29 @@ so even an engine that is not paused never labels a token newer than its weights
 While this client swaps (pause to resume), new requests wait for it to finish, so a request is
 never sent under a version that is about to change.
 
-LoRA adapters: a body's `lora_path` becomes the request's `model` (vLLM's way to name one);
-`load_adapter` is `/v1/load_lora_adapter` (in place). vLLM labels every token with its base
-weights' label, so an adapter's tokens count as the adapter version this client had loaded when
-the request was sent (untested here against a vLLM server with LoRA enabled). Each request's prefix-cache entries are
-salted with that version (`cache_salt`), so a prompt is never continued from KV computed by
-older weights that vLLM kept cached (in `in_place` mode the cache is not reset: the running
-requests hold their blocks, and the salt already keeps new requests off the old ones).
+LoRA adapters: each version of an adapter is loaded under a name of its own, `<name>@v<version>`
+(`/v1/load_lora_adapter`, not in place), and a body's `lora_path` becomes the request's `model`
+(vLLM's way to name one), the version this client loaded last. The version before stays loaded
+(another gateway's client that has not loaded the new one yet still names it) and the one
+before that is unloaded (requests still running with it keep their adapter: vLLM reads it again
+from its directory if need be); a version another client loaded already counts as loaded. Not
+vLLM's in-place load (`load_inplace`): vLLM 0.32 keeps the flag on the stored request, and its
+worker reloads the adapter whenever it sees the flag (vLLM #33791, still open;
+`WorkerLoRAManager.add_adapter`); and an in-place load from the same directory keeps
+prefix-cache blocks of the old weights (vLLM #42125). Never-reused versioned
+names are what vLLM's RFC #48312 recommends. vLLM labels every token with its base weights'
+label, so an adapter's tokens count as the adapter version this client had loaded when the
+request was sent (tests/test_vllm_lora.py). Each request's prefix-cache entries are salted with
+the base version and the adapter's (`cache_salt`), so a prompt is never continued from KV
+computed by older weights that vLLM kept cached (in `in_place` mode the cache is not reset: the
+running requests hold their blocks, and the salt already keeps new requests off the old ones).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import json
 import logging
 import uuid
@@ -98,6 +108,10 @@ class VLLMEngineClient(HTTPEngineClient):
         """The workers' method that reloads weights from a directory (`connect` finds out)."""
         self._floors: set[_Floor] = set()
         """Requests in flight, each with the oldest version the engine had since it was sent."""
+        self._served: dict[str, str] = {}
+        """Each adapter's name in vLLM: `<name>@v<version>` of the version loaded last."""
+        self._older: dict[str, str] = {}
+        """Each adapter's version before that, still loaded in vLLM."""
 
     async def connect(self) -> "VLLMEngineClient":
         await self.refresh_version()
@@ -148,8 +162,8 @@ class VLLMEngineClient(HTTPEngineClient):
         adapter = body.get("lora_path")
         if isinstance(adapter, str):  # vLLM's way to ask for a LoRA adapter: the model is its name
             floor.adapter = self.adapter_versions.get(adapter, 0)
-            request["model"] = adapter
-            request["cache_salt"] += f"-{adapter}@{floor.adapter}"
+            request["model"] = self._served.get(adapter, adapter)
+            request["cache_salt"] = _salt(request["cache_salt"], adapter, floor.adapter)
         return request, floor
 
     async def generate(self, body: dict[str, Any]) -> dict[str, Any]:
@@ -240,15 +254,42 @@ class VLLMEngineClient(HTTPEngineClient):
         self._learn(version)
 
     async def load_adapter(self, name: str, path: str, version: int) -> None:
-        """Load version `version` of LoRA adapter `name` (`/v1/load_lora_adapter`, in place over an
-        earlier version; the server needs `--enable-lora` and `VLLM_ALLOW_RUNTIME_LORA_UPDATING`).
-        vLLM labels an adapter's tokens with its base label: they count as the version loaded
-        when their request was sent (`_Floor.adapter`)."""
+        """Load version `version` of LoRA adapter `name` as `<name>@v<version>`, keep the version
+        before loaded and unload the one before that (see the module docstring; the server needs `--enable-lora` and
+        `VLLM_ALLOW_RUNTIME_LORA_UPDATING`). vLLM labels an adapter's tokens with its base label:
+        they count as the version loaded when their request was sent (`_Floor.adapter`)."""
+        served, previous = f"{name}@v{version}", self._served.get(name)
+        if served == previous:
+            return
         try:
-            await self._call("POST", "/v1/load_lora_adapter", {"lora_name": name, "lora_path": path, "load_inplace": True})
+            await self._call("POST", "/v1/load_lora_adapter", {"lora_name": served, "lora_path": path})
         except EngineError as exc:
-            raise EngineError(503, f"engine {self.name} could not load adapter {name} v{version}: {exc}") from None
+            if exc.status != 400 or "already been loaded" not in str(exc):  # else another client loaded it
+                raise EngineError(503, f"engine {self.name} could not load adapter {name} v{version}: {exc}") from None
+        self._served[name] = served
         self.adapter_versions[name] = version
+        oldest = self._older.pop(name, None)
+        if previous is not None:
+            self._older[name] = previous
+        if oldest is not None:
+            await self._unload(oldest)
+
+    async def _unload(self, served: str) -> None:
+        """Unload the adapter vLLM knows as `served`; one it does not have (another client
+        unloaded it) is no error, and one it could not unload stays loaded, unused."""
+        try:
+            await self._call("POST", "/v1/unload_lora_adapter", {"lora_name": served})
+        except EngineError as exc:
+            if "cannot be found" not in str(exc):
+                log.warning("engine %s could not unload adapter %s: %s", self.name, served, exc)
+
+    async def unload_adapter(self, name: str) -> None:
+        """Stop serving adapter `name` (its loaded version, `/v1/unload_lora_adapter`); a request
+        naming it afterwards is refused by vLLM; one not loaded is no error."""
+        self.adapter_versions.pop(name, None)
+        for served in (self._served.pop(name, None), self._older.pop(name, None)):
+            if served is not None:
+                await self._unload(served)
 
     async def abort(self, rid: str) -> None:
         await self._call("POST", "/abort_requests", {"request_ids": [REQUEST_PREFIX + rid]})
@@ -296,6 +337,15 @@ def sampling(params: dict[str, Any]) -> dict[str, Any]:
     if grammars:
         out["structured_outputs"] = grammars
     return out
+
+
+def _salt(salt: str, adapter: str, version: int) -> str:
+    """A request's prefix-cache salt with its adapter's version in it: vLLM takes at most 128
+    characters, none of them `@`, `/`, `\\` or NUL (a long name goes in as its hash)."""
+    named = f"{salt}-lora-{adapter}-v{version}"
+    if len(named) <= 128 and not any(c in named for c in "@/\\\0"):
+        return named
+    return f"{salt}-lora-{hashlib.sha256(adapter.encode()).hexdigest()[:32]}-v{version}"
 
 
 def _top_n(body: dict[str, Any]) -> int:

@@ -30,6 +30,14 @@ Environment: `FLYWHEEL_VLLM_PYTHON` names another interpreter with vLLM; `FLYWHE
 adds server flags (shell words, after ours, so they win: e.g. `--max-model-len 4096` or
 `--dtype bfloat16`); `VLLM_CPU_KVCACHE_SPACE` (GiB of KV cache on a CPU, 2 unless set) and any
 other `VLLM_*` variable pass through. Its log is `run_dir/vllm/server.log`.
+
+LoRA adapters (`adapters.kind: lora`): the server also gets `--enable-lora --max-loras N
+--max-lora-rank R` (`lora_flags`: N = `serve.max_loras`, at least 1, vLLM's adapters in one batch;
+R the smallest rank vLLM allows (`vllm/config/lora.py`, `MaxLoRARanks`) that is at least
+`adapters.rank`, its slots' rank) and `VLLM_ALLOW_RUNTIME_LORA_UPDATING=True` (the
+`/v1/load_lora_adapter` route the client loads each version with; without it vLLM does not
+attach the route). vLLM's CPU build turns torch.compile off when LoRA is on (its
+`CpuPlatform.check_and_update_config`); it runs eager here anyway.
 """
 
 from __future__ import annotations
@@ -68,6 +76,17 @@ ENV = {"VLLM_SERVER_DEV_MODE": "1", "VLLM_CPU_KVCACHE_SPACE": "2", "VLLM_CPU_OMP
        "VLLM_NO_USAGE_STATS": "1", "VLLM_DO_NOT_TRACK": "1", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
        "TOKENIZERS_PARALLELISM": "false"}
 """Set unless the environment sets them."""
+LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+"""The `--max-lora-rank` values vLLM accepts (`vllm.config.lora.MaxLoRARanks`)."""
+LORA_ENV = {"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True"}
+
+
+def lora_flags(max_loras: int, rank: int) -> list[str]:
+    """vLLM's flags to serve up to `max_loras` adapters in one batch, of rank `rank` at most."""
+    allowed = [r for r in LORA_RANKS if r >= rank]
+    if not allowed:
+        raise ConfigError(f"adapters.rank={rank}: vLLM serves LoRA ranks up to {LORA_RANKS[-1]}")
+    return ["--enable-lora", "--max-loras", str(max(1, max_loras)), "--max-lora-rank", str(allowed[0])]
 
 
 def vllm_python() -> str:
@@ -86,13 +105,15 @@ def _free_port() -> int:
 
 class VLLMServer:
     """One vLLM server process for `model` (a spec or directory), started by `start`, ended by
-    `stop` (or with this process)."""
+    `stop` (or with this process); with `lora` (max_loras, rank) it serves LoRA adapters too."""
 
-    def __init__(self, model: str, served_name: str, log_dir: Path, max_num_seqs: int = 32, extra_args: list[str] = ()):
+    def __init__(self, model: str, served_name: str, log_dir: Path, max_num_seqs: int = 32, extra_args: list[str] = (),
+                 lora: tuple[int, int] | None = None):
         self.model_dir = resolve_model(model)
         self.served_name = served_name
         self.log_path = Path(log_dir) / "server.log"
         self.max_num_seqs = max_num_seqs
+        self.lora_args = lora_flags(*lora) if lora else []
         self.extra_args = [*shlex.split(os.environ.get("FLYWHEEL_VLLM_ARGS", "")), *extra_args]
         self.url: str | None = None
         self._proc: subprocess.Popen | None = None
@@ -102,7 +123,7 @@ class VLLMServer:
         positions = json.loads((self.model_dir / "config.json").read_text()).get("max_position_embeddings", 8192)
         return [vllm_python(), "-m", "vllm.entrypoints.openai.api_server", "--model", str(self.model_dir),
                 "--served-model-name", self.served_name, "--host", "127.0.0.1", "--port", str(port),
-                "--max-num-seqs", str(self.max_num_seqs), "--max-num-batched-tokens", str(positions), *FLAGS, *self.extra_args]
+                "--max-num-seqs", str(self.max_num_seqs), "--max-num-batched-tokens", str(positions), *FLAGS, *self.lora_args, *self.extra_args]
 
     def start(self, timeout_s: float = START_TIMEOUT_S) -> str:
         """Start the server and return its URL once it answers `/health`; the log's tail is in
@@ -117,7 +138,7 @@ class VLLMServer:
     def _start(self, port: int, timeout_s: float) -> str:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         self._log_start = self.log_path.stat().st_size if self.log_path.exists() else 0
-        env = {**ENV, **os.environ}
+        env = {**ENV, **(LORA_ENV if self.lora_args else {}), **os.environ}
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(EXTENSION_DIR), os.environ.get("PYTHONPATH")]))
         with open(self.log_path, "ab") as out:
             self._proc = subprocess.Popen(
@@ -210,7 +231,8 @@ async def vllm_engines(config: FlywheelConfig) -> tuple[list[VLLMEngineClient], 
     server = None
     urls = serve.engine_urls
     if not urls:
-        server = VLLMServer(config.model, config.served_model, Path(config.run_dir) / "vllm", serve.max_batch_size)
+        lora = (serve.max_loras, config.adapters.rank) if config.adapters.kind == "lora" else None
+        server = VLLMServer(config.model, config.served_model, Path(config.run_dir) / "vllm", serve.max_batch_size, lora=lora)
         urls = [await asyncio.to_thread(server.start)]
     engines: list[VLLMEngineClient] = []
     try:
