@@ -5,7 +5,6 @@ reproduces the engine's log-probs of its tokens; staleness counts each adapter's
 a checkpoint holds every adapter and its optimizer, and a resumed trainer steps as one that
 never stopped."""
 
-import asyncio
 import json
 from pathlib import Path
 
@@ -195,11 +194,10 @@ async def test_a_published_adapter_is_small_serves_and_its_tokens_logprobs_are_t
     turns = await sampled_turns(2)
     loop = TrainLoop(loop_config(tmp_path, "train.batch_size=2", "rollout.max_head_offpolicyness=4"), nats_url)
     await loop.start()
-    announcements = bus.follow(WEIGHTS_SUBJECT, from_last=False)
     try:
         for i, turn in enumerate(turns):
             await bus.publish(SAMPLE_SUBJECT, of_adapter(turn, float(i), "alice"))
-        update = await asyncio.wait_for(anext(announcements), 60)
+        update = await until(lambda: bus.last(WEIGHTS_SUBJECT), timeout_s=60)
         assert (update.adapter, update.version, update.step, update.parent) == ("alice", 1, 1, 0)
         path = Path(update.path)
         assert path == tmp_path / "adapters" / "alice" / "v1" and not (tmp_path / "weights").exists()
@@ -227,10 +225,13 @@ async def test_a_published_adapter_is_small_serves_and_its_tokens_logprobs_are_t
                    for i, r in enumerate(results)]
         for i, turn in enumerate(sampled):
             await bus.publish(SAMPLE_SUBJECT, of_adapter(turn, float(i), "alice", version=None))
-        second = await asyncio.wait_for(anext(announcements), 60)
+        async def second_version():
+            update = await bus.last(WEIGHTS_SUBJECT)
+            return update if update.version == 2 else None
+
+        second = await until(second_version, timeout_s=60)
         assert (second.adapter, second.version, second.parent) == ("alice", 2, 1)
     finally:
-        await announcements.aclose()
         await loop.stop()
     line = [json.loads(raw) for raw in (tmp_path / "metrics.jsonl").read_text().splitlines()][1]
     assert line["gap_tokens"] == sum(len(r.output_ids) for r in results)
@@ -267,15 +268,18 @@ async def test_an_adapter_is_published_every_interval_of_its_own_steps(bus, nats
     loop = TrainLoop(loop_config(tmp_path, "train.batch_size=1", "rollout.max_head_offpolicyness=4",
                                  "train.weight_update_interval=2"), nats_url)
     await loop.start()
-    announcements = bus.follow(WEIGHTS_SUBJECT, from_last=False)
+
+    async def announced():
+        """The newest announcement (the only one, if bob was not published), once there is one."""
+        return await bus.last(WEIGHTS_SUBJECT)
+
     try:
         for i, name in enumerate(("alice", "bob", "alice")):
             await bus.publish(SAMPLE_SUBJECT, of_adapter(turns[i], 1.0, name, 0))
             await until(lambda i=i: loop.trainer.step_count == i + 1, timeout_s=30)
-        update = await asyncio.wait_for(anext(announcements), 30)
+        update = await until(announced, timeout_s=30)
         assert (update.adapter, update.version, update.step) == ("alice", 2, 3)
     finally:
-        await announcements.aclose()
         await loop.stop()
     store = AdapterStore(tmp_path / "adapters")
     assert store.names() == ["alice"] and store.versions("alice") == [2]

@@ -42,17 +42,13 @@ so even an engine that is not paused never labels a token newer than its weights
 While this client swaps (pause to resume), new requests wait for it to finish, so a request is
 never sent under a version that is about to change.
 
-LoRA adapters: each version of an adapter is loaded under a name of its own, `<name>@v<version>`
-(`/v1/load_lora_adapter`, not in place), and a body's `lora_path` becomes the request's `model`
-(vLLM's way to name one), the version this client loaded last. The version before stays loaded
-(another gateway's client that has not loaded the new one yet still names it) and the one
-before that is unloaded (requests still running with it keep their adapter: vLLM reads it again
-from its directory if need be); a version another client loaded already counts as loaded. Not
-vLLM's in-place load (`load_inplace`): vLLM 0.32 keeps the flag on the stored request, and its
-worker reloads the adapter whenever it sees the flag (vLLM #33791, still open;
-`WorkerLoRAManager.add_adapter`); and an in-place load from the same directory keeps
-prefix-cache blocks of the old weights (vLLM #42125). Never-reused versioned
-names are what vLLM's RFC #48312 recommends. vLLM labels every token with its base weights'
+LoRA adapters: each version is loaded under a name of its own, `<name>@v<version>`
+(`/v1/load_lora_adapter`), and a body's `lora_path` becomes the request's `model`, the version
+this client loaded last. The version before stays loaded (a lagging gateway's client still names
+it), the one before that is unloaded; a version another client loaded counts as loaded. Not
+vLLM's in-place load: vLLM 0.32 keeps `load_inplace` on the stored request and reloads the
+adapter whenever it sees it (#33791, open), and an in-place load keeps the old weights'
+prefix-cache blocks (#42125); never-reused names are what its RFC #48312 recommends. vLLM labels every token with its base weights'
 label, so an adapter's tokens count as the adapter version this client had loaded when the
 request was sent (tests/test_vllm_lora.py). Each request's prefix-cache entries are salted with
 the base version and the adapter's (`cache_salt`), so a prompt is never continued from KV
