@@ -25,7 +25,10 @@ def wait_trained(deployment, sessions: int, timeout_s: float) -> dict:
         done = judged >= sessions
         if done and train is not None:
             taken = train.get("samples", 0) + train.get("stale_dropped", 0) + train.get("unresolved", 0)
-            done = taken >= judge.get("scored", 0) and serve.get("version", -1) >= train.get("version", 0)
+            trained = train.get("adapters")
+            served = (all(serve.get("adapters", {}).get(name, 0) >= v for name, v in trained.items()) if trained
+                      else serve.get("version", -1) >= train.get("version", 0))  # with adapters: each adapter's version
+            done = taken >= judge.get("scored", 0) and served
         if done or time.monotonic() > deadline:
             return {**stats, "waited_out": not done}
         time.sleep(0.2)

@@ -311,6 +311,7 @@ class ServeLoop:
         return {
             "url": self.url,
             "version": self.pool.weight_version,
+            "adapters": dict(self.pool.adapter_versions),
             "requests": gateway.requests,
             "turns": gateway.turns,
             "feedback": gateway.feedback,

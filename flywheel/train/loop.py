@@ -391,5 +391,6 @@ class TrainLoop(ConsumerLoop):
 
     def stats(self) -> dict[str, Any]:
         return {"version": self.version, "step": self.trainer.step_count, "buffered": self.buffer, **self.counts,
+                "adapters": dict(self.adapter_versions.versions) if self.lora else {},
                 **self.batcher.counts, "excluded_tokens": dict(self.excluded), "staleness_seen": dict(self.staleness_seen),
                 "last": self.last_metrics}
