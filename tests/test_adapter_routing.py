@@ -17,8 +17,6 @@ import uuid
 import httpx
 import openai
 import pytest
-import torch
-from peft import LoraConfig, get_peft_model
 
 from flywheel.bus import WEIGHTS_SUBJECT, WeightUpdate
 from flywheel.config import load_config
@@ -30,10 +28,18 @@ from flywheel.serve.engine.server import create_engine_app
 from flywheel.serve.engine_choice import bound_versions, version_of
 from flywheel.serve.loop import ServeLoop, _newest
 
-from factories import RunningApp, announce, platform, prompt, recomputed_logprobs, recorded_turns
+from factories import (
+    LINEAR,
+    RunningApp,
+    announce,
+    platform,
+    prompt,
+    random_adapters,
+    recomputed_logprobs,
+    recorded_turns,
+)
 from waiting import until
 
-LINEAR = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 TOL = 2e-4
 TENANTS = 'tenants={acme: {keys: ["key-acme"]}, globex: {keys: ["key-globex"]}}'
 LORA = ["adapters.kind=lora", "adapters.scope=user", TENANTS]
@@ -42,16 +48,10 @@ ADA, BOB = user_adapter("acme", "ada"), user_adapter("acme", "bob")
 
 @pytest.fixture(scope="module")
 def peft_adapters(tmp_path_factory):
-    """{name: (directory, its PEFT model)}: three adapters of `tiny` with random (not zero) B."""
-    root = tmp_path_factory.mktemp("adapters")
-    made = {}
-    for seed, name in enumerate(("first", "second", "third"), start=1):
-        base, _ = load_model("tiny")
-        torch.manual_seed(seed)
-        peft = get_peft_model(base, LoraConfig(r=4, lora_alpha=8, target_modules=LINEAR, init_lora_weights=False)).eval()
-        peft.save_pretrained(root / name)
-        made[name] = (str(root / name), peft)
-    return made
+    """{name: (directory as a string, its PEFT model)}: three adapters of `tiny` with random (not zero) B."""
+    specs = {name: (seed, {"r": 4, "lora_alpha": 8, "target_modules": LINEAR})
+             for seed, name in enumerate(("first", "second", "third"), start=1)}
+    return {name: (str(path), peft) for name, (path, peft) in random_adapters(tmp_path_factory.mktemp("adapters"), specs).items()}
 
 
 def client(serve, key: str) -> openai.AsyncOpenAI:

@@ -24,10 +24,9 @@ from flywheel.serve.engine import Engine, RequestFailed, SamplingParams
 from flywheel.serve.engine.adapters import UnknownAdapter
 from flywheel.serve.engine.server import create_engine_app
 
-from factories import RunningApp, prompt, recomputed_logprobs
+from factories import LINEAR, RunningApp, prompt, random_adapters, recomputed_logprobs
 from waiting import until
 
-LINEAR = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 ADAPTERS = {  # name: (seed, LoraConfig arguments); ranks differ, so the table pads
     "alice": (1, dict(r=4, lora_alpha=8, target_modules=LINEAR)),
     "bob": (2, dict(r=16, lora_alpha=16, use_rslora=True, target_modules=LINEAR)),
@@ -41,17 +40,8 @@ TEXTS = ["Write some digits.", "hi", "What is 12 + 7? Answer with the number onl
 
 @pytest.fixture(scope="module")
 def adapters(tmp_path_factory):
-    """{name: (directory, its PEFT model)}: PEFT adapters of the tiny model with random (not
-    zero) B, saved under one root directory, one subdirectory each."""
-    root = tmp_path_factory.mktemp("adapters")
-    made = {}
-    for name, (seed, arguments) in ADAPTERS.items():
-        base, _ = load_model("tiny")
-        torch.manual_seed(seed)
-        peft = get_peft_model(base, LoraConfig(init_lora_weights=False, **arguments)).eval()
-        peft.save_pretrained(root / name)
-        made[name] = (root / name, peft)
-    return made
+    """{name: (directory, its PEFT model)}, under one root directory, one subdirectory each."""
+    return random_adapters(tmp_path_factory.mktemp("adapters"), ADAPTERS)
 
 
 @pytest.fixture(scope="module")

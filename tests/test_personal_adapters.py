@@ -8,7 +8,7 @@ import httpx
 import openai
 import pytest
 import torch
-from peft import LoraConfig, PeftModel, get_peft_model
+from peft import PeftModel
 from safetensors.torch import load_file
 
 from flywheel.bus import SAMPLE_SUBJECT, WEIGHTS_SUBJECT, WeightUpdate
@@ -20,7 +20,17 @@ from flywheel.models import load_model
 from flywheel.models.adapter_names import user_adapter
 from flywheel.models.lora_adapter import read_adapter
 
-from factories import TENANTS_SETUP, converse, learning, platform, read, recomputed_logprobs, recorded_turns
+from factories import (
+    LINEAR,
+    TENANTS_SETUP,
+    converse,
+    learning,
+    platform,
+    random_adapters,
+    read,
+    recomputed_logprobs,
+    recorded_turns,
+)
 from waiting import until
 
 LORA = [*TENANTS_SETUP, "adapters.kind=lora", "adapters.scope=user", "actor.optimizer.lr=0.05"]
@@ -81,9 +91,7 @@ async def test_the_bare_base_on_the_policys_server_is_the_teacher(nats_url, tmp_
     assert not needs_judge_server(load_config(None, config)) and needs_judge_server(load_config(None, TENANTS_SETUP[:-1] + [
         "judge.kind=rule", "judge.teacher.enabled=true"]))
     base, tokenizer = load_model("tiny")
-    adapter = tmp_path / "ada-adapter"
-    torch.manual_seed(1)
-    get_peft_model(load_model("tiny")[0], LoraConfig(r=4, target_modules="all-linear", init_lora_weights=False)).save_pretrained(adapter)
+    [(adapter, peft)] = random_adapters(tmp_path, {"ada-adapter": (1, {"r": 4, "target_modules": LINEAR})}).values()
     async with platform(nats_url, tmp_path, *config) as (serve, _, _):
         await bus.publish(WEIGHTS_SUBJECT, WeightUpdate(id="ada-v1", version=1, path=str(adapter), step=1, adapter=ADA))
         await until(lambda: serve.pool.adapter_versions.get(ADA) == 1)
@@ -113,5 +121,4 @@ async def test_the_bare_base_on_the_policys_server_is_the_teacher(nats_url, tmp_
     output = list(sample.trajectory.segments[0].token_ids[start:end])
     expected = recomputed_logprobs(base, list(prompt_ids), output)
     assert list(teacher[start:end]) == pytest.approx(expected, abs=2e-4)
-    peft = PeftModel.from_pretrained(load_model("tiny")[0], str(adapter)).eval()
     assert max(abs(a - b) for a, b in zip(expected, recomputed_logprobs(peft, list(prompt_ids), output))) > 1e-3

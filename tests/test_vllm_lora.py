@@ -16,18 +16,16 @@ import asyncio
 import os
 
 import pytest
-import torch
-from factories import prompt, recomputed_logprobs
-from peft import LoraConfig, get_peft_model
 
 from flywheel.models import load_model, resolve_model
 from flywheel.serve.backends import vllm_server
 from flywheel.serve.backends.base import EngineError
 from flywheel.serve.backends.vllm import VLLMEngineClient
 
+from factories import LINEAR, prompt, random_adapters, recomputed_logprobs
+
 pytestmark = pytest.mark.timeout(600)
 TOL = 5e-4  # vLLM's decode step against a full forward pass of the same float32 weights (test_vllm_engine's)
-LINEAR = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 ADAPTERS = {  # name: (seed, LoraConfig arguments)
     "alice": (1, {"r": 8, "lora_alpha": 16, "target_modules": LINEAR}),
     "bob": (2, {"r": 4, "lora_alpha": 8, "target_modules": ["q_proj", "v_proj", "down_proj"]}),
@@ -38,16 +36,8 @@ TEXTS = ["Write some digits.", "What is 12 + 7? Answer with the number only.", "
 
 @pytest.fixture(scope="module")
 def adapters(tmp_path_factory):
-    """{name: (directory, its PEFT model)}: PEFT adapters of the tiny model, random (nonzero) B."""
-    root = tmp_path_factory.mktemp("adapters")
-    made = {}
-    for name, (seed, arguments) in ADAPTERS.items():
-        base, _ = load_model("tiny")
-        torch.manual_seed(seed)
-        peft = get_peft_model(base, LoraConfig(init_lora_weights=False, **arguments)).eval()
-        peft.save_pretrained(root / name)
-        made[name] = (str(root / name), peft)
-    return made
+    """{name: (directory as a string, its PEFT model)}."""
+    return {name: (str(path), peft) for name, (path, peft) in random_adapters(tmp_path_factory.mktemp("adapters"), ADAPTERS).items()}
 
 
 @pytest.fixture(scope="module")

@@ -114,23 +114,14 @@ def scan_files(run_dir: Path) -> tuple[dict[str, set[str]], dict[str, int]]:
 
 async def read_records(bus: Any) -> dict[str, list[Any]]:
     """The typed records of the streams that hold traffic (TRAFFIC split into turns and events)."""
-    from nats.js.errors import NotFoundError
-
     from flywheel.bus import SessionEvent, Turn
-    from flywheel.bus.large import read_payload
-    from flywheel.bus.records import decode
-    from flywheel.bus.streams import RECORD_TYPES
+    from flywheel.bus.scan import stored_records
 
     out: dict[str, list[Any]] = {"turns": [], "events": [], "trajectories": [], "samples": [], "unscored": []}
     names = {"TRAJECTORIES": "trajectories", "SAMPLES": "samples", "UNSCORED": "unscored"}
     for stream in ("TRAFFIC", *names):
-        info = await bus.js.stream_info(stream)
-        for seq in range(max(info.state.first_seq, 1), info.state.last_seq + 1):
-            try:
-                raw = await bus.get_message(stream, seq)
-            except NotFoundError:
-                continue
-            record = decode(await read_payload(bus, raw.data, raw.headers), RECORD_TYPES[raw.subject])
+        async for stored in stored_records(bus, stream):
+            record = stored.record
             kind = "turns" if isinstance(record, Turn) else "events" if isinstance(record, SessionEvent) else names[stream]
             out[kind].append(record)
     return out
