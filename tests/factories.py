@@ -489,3 +489,21 @@ def random_adapters(root: Path, specs: dict[str, tuple[int, dict[str, Any]]]) ->
         peft.save_pretrained(root / name)
         made[name] = (root / name, peft)
     return made
+
+
+# -- vLLM ------------------------------------------------------------------------------------------
+
+@contextlib.asynccontextmanager
+async def one_vllm_server() -> AsyncIterator[None]:
+    """Held while a test module's vLLM server runs: the test workers take turns, since two vLLM
+    servers beside the rest of the suite overload 2 cores (a bus acknowledgement then took over
+    10 s in a full run). A lock on a file, freed when its holder's process ends."""
+    import fcntl
+    import tempfile
+
+    with open(Path(tempfile.gettempdir()) / "flywheel-tests-vllm.lock", "a") as lock:
+        await asyncio.to_thread(fcntl.flock, lock, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)

@@ -45,6 +45,7 @@ from factories import (
     assert_prompts_render_the_conversation,
     assert_segment_is_exact,
     delivered,
+    one_vllm_server,
     post_feedback,
     recomputed_logprobs,
     step_of,
@@ -104,10 +105,11 @@ class Platform:
 async def platform(tmp_path_factory):
     if not os.path.exists(os.environ.get("FLYWHEEL_VLLM_PYTHON") or vllm_server.VENV_PYTHON):
         pytest.fail("vLLM is not installed: run `make vllm-venv` (make test does)")
-    running = await Platform().start(tmp_path_factory.mktemp("vllm"))
-    print(f"\nthe gateway and its vLLM server started in {running.start_s:.1f}s")
-    yield running
-    await running.stop()
+    async with one_vllm_server():
+        running = await Platform().start(tmp_path_factory.mktemp("vllm"))
+        print(f"\nthe gateway and its vLLM server started in {running.start_s:.1f}s")
+        yield running
+        await running.stop()
 
 
 @pytest.fixture(scope="module")

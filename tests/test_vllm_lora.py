@@ -22,7 +22,8 @@ from flywheel.serve.backends import vllm_server
 from flywheel.serve.backends.base import EngineError
 from flywheel.serve.backends.vllm import VLLMEngineClient
 
-from factories import LINEAR, prompt, random_adapters, recomputed_logprobs
+from factories import LINEAR, one_vllm_server, prompt, random_adapters, recomputed_logprobs
+from waiting import until
 
 pytestmark = pytest.mark.timeout(600)
 TOL = 5e-4  # vLLM's decode step against a full forward pass of the same float32 weights (test_vllm_engine's)
@@ -46,16 +47,17 @@ async def vllm(tmp_path_factory, adapters):
     alice (v1) and bob (v1)."""
     if not os.path.exists(os.environ.get("FLYWHEEL_VLLM_PYTHON") or vllm_server.VENV_PYTHON):
         pytest.fail("vLLM is not installed: run `make vllm-venv` (make test does)")
-    server = vllm_server.VLLMServer("tiny", "tiny", tmp_path_factory.mktemp("vllm"), max_num_seqs=16, lora=(4, 16))
-    url = await asyncio.to_thread(server.start)
-    client = await VLLMEngineClient(url).connect()
-    try:
-        for name in ("alice", "bob"):
-            await client.load_adapter(name, adapters[name][0], 1)
-        yield client
-    finally:
-        await client.close()
-        await asyncio.to_thread(server.stop)
+    async with one_vllm_server():
+        server = vllm_server.VLLMServer("tiny", "tiny", tmp_path_factory.mktemp("vllm"), max_num_seqs=16, lora=(4, 16))
+        url = await asyncio.to_thread(server.start)
+        client = await VLLMEngineClient(url).connect()
+        try:
+            for name in ("alice", "bob"):
+                await client.load_adapter(name, adapters[name][0], 1)
+            yield client
+        finally:
+            await client.close()
+            await asyncio.to_thread(server.stop)
 
 
 def test_lora_flags_take_a_rank_vllm_allows():
@@ -112,16 +114,17 @@ async def test_a_new_version_loaded_under_load(vllm, adapters, tokenizer):
     ids = prompt(tokenizer, TEXTS[0])
     before = answer(await vllm.generate(body(ids, "alice", 9)))  # v1, now in the prefix cache
 
+    received: list[list[int]] = [[] for _ in range(8)]
+
     async def stream(adapter: str, seed: int) -> list[int]:
-        tokens = []
         async for chunk in vllm.generate_stream(body(prompt(tokenizer, TEXTS[seed % 3]), adapter, seed, 256)):
-            tokens += chunk["output_ids"]
-        return tokens
+            received[seed] += chunk["output_ids"]
+        return received[seed]
 
     streams = [asyncio.ensure_future(stream(a, s)) for s, a in enumerate(["alice", "bob"] * 4)]
-    await asyncio.sleep(0.3)
+    await until(lambda: all(received))  # every stream has started
+    assert not any(s.done() for s in streams)  # the load starts while they run
     await vllm.load_adapter("alice", adapters["alice-v2"][0], 2)
-    assert not any(s.done() for s in streams)  # loaded while they ran
     assert [len(tokens) for tokens in await asyncio.gather(*streams)] == [256] * 8  # nothing failed
     reply = await vllm.generate(body(ids, "alice", 9))
     tokens, logprobs = answer(reply)
