@@ -37,6 +37,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # `python bench/NAME.py` as well as `-m bench.NAME`
 
 from bench.lib.common import ROOT, table, write_result  # noqa: E402
+from flywheel.config.judge import NextStateJudgeConfig  # noqa: E402
 from flywheel.judge.evaluation import DATA, SPLITS, evaluate, load_examples  # noqa: E402
 from flywheel.judge.next_state_classes import LABELS  # noqa: E402
 
@@ -64,9 +65,11 @@ def report(result: dict) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--errors", action="store_true", help="list the dev split's misclassified examples")
+    parser.add_argument("--reader", choices=("rules", "learned"), default="rules",
+                        help="what reads user words (judge.next_state.reader); the tables docs/judges.md keeps are the rules'")
     args = parser.parse_args()
     examples = load_examples()
-    result = asyncio.run(evaluate(examples))
+    result = asyncio.run(evaluate(examples, NextStateJudgeConfig(reader=args.reader)))
     print(report(result))
     if args.errors:
         for e in examples:
@@ -74,7 +77,8 @@ def main() -> None:
                 print(f"{e['id']} gold={e['gold']} judge={result['predictions'][e['id']]}: "
                       f"{json.dumps(e.get('feedback') or e['next'][-1]['content'])[:160]}")
     summary = {split: result[split] for split in (*SPLITS, "all")}
-    print(f"wrote {write_result('judge_next_state', {'data': str(DATA.relative_to(ROOT)), **summary})}")
+    name = "judge_next_state" if args.reader == "rules" else f"judge_next_state_{args.reader}"
+    print(f"wrote {write_result(name, {'data': str(DATA.relative_to(ROOT)), 'reader': args.reader, **summary})}")
 
 
 if __name__ == "__main__":

@@ -20,7 +20,13 @@ What runs
 Arms: `none` (serve, collect and judge only: the base model), `rl` (next-state RL: the judge's
 ±1 from the person's reaction), `opd` (hint distillation only: the teacher, the pinned starting
 model told the correction, scores the tokens sampled, and gives its distribution at each of
-them), `both`.
+them), `both`, `memory` (nothing trains: the app keeps the hints the judge's reader finds and
+puts them in the system message, OpenClaw-RL's memory baseline).
+
+People: by default the drill's own (flywheel/drills/simulated_people.py, phrasings written with
+the rules); `--people bench/data/people_heldout.json` takes trial i of a preference's person
+`PREF-(i+1)` from a file written by a helper from a brief, whose words the judge's author never
+read (three people per preference: brief, bullets, name, formal).
 
 Measured
     - sessions to learn, as OpenClaw-RL counts it: the session at which the first replies have
@@ -43,6 +49,8 @@ sessions, and the version that answered, as versions roll in).
     .venv/bin/python bench/personal_agent.py       # the full grid: 4 prefs x 3 trials of both, 2 x 3 of the others
     .venv/bin/python bench/personal_agent.py --arms both --name personal_agent_lora adapters.kind=lora \
         adapters.scope=tenant actor.optimizer.lr=0.0005    # the person's own adapter on a frozen base
+    .venv/bin/python bench/personal_agent.py --arms both memory --people bench/data/people_heldout.json \
+        --name personal_agent_unscripted --cap 30 adapters.kind=lora adapters.scope=tenant actor.optimizer.lr=0.0005
 
 With adapters (`adapters.kind=lora`) the final policy is the base with the trial's adapter merged
 in (bench/lib/final_policy.py), for the same held-out and arithmetic evaluations.
@@ -73,10 +81,12 @@ from flywheel.drills.personal_agent import (  # noqa: E402
     WINDOW,
     converse,
     judge_agreement,
+    remember,
     rolling_rate,
     sessions_to_learn,
     summary_rows,
     verdicts,
+    with_memory,
 )
 from flywheel.drills.simulated_people import (  # noqa: E402
     HELD_OUT_QUESTIONS,
@@ -85,10 +95,11 @@ from flywheel.drills.simulated_people import (  # noqa: E402
     PREFERENCES,
     TRAIN_QUESTIONS,
     User,
+    people_from,
 )
 
 DEFAULT_PREFS = {"both": ["brief", "bullets", "name", "formal"], "rl": ["brief", "name"], "opd": ["brief", "name"],
-                 "none": ["brief", "name"]}
+                 "none": ["brief", "name"], "memory": ["brief", "bullets", "name", "formal"]}
 
 
 # ---- one trial ------------------------------------------------------------------------------
@@ -104,7 +115,11 @@ def trial(arm: str, pref: str, index: int, args, progress) -> dict:
     from flywheel.deploy.deployment import Deployment
 
     seed = 1000 * index + PREFERENCE_ORDER.index(pref)
-    user = User(NAMES[seed % len(NAMES)], PREFERENCES[pref], seed=seed)
+    if args.people:
+        name, preference, voice = people_from(args.people)[f"{pref}-{index + 1}"]
+        user = User(name, preference, seed=seed, voice=voice)
+    else:
+        user = User(NAMES[seed % len(NAMES)], PREFERENCES[pref], seed=seed)
     run_dir = trial_dir(arm, pref, index, args)
     trial_id = run_dir.name
     shutil.rmtree(run_dir, ignore_errors=True)  # a fresh model: nothing to resume from
@@ -113,11 +128,14 @@ def trial(arm: str, pref: str, index: int, args, progress) -> dict:
     started = time.monotonic()
     deployment = Deployment(config).start()
     sessions: list[dict] = []
+    memory: list[str] | None = [] if arm == "memory" else None
     try:
         client = OpenAI(base_url=f"{deployment.serve_url}/v1", api_key="unused")
         stats = deployment.stats()
         for s in range(args.cap):
-            sessions.append(converse(client, config.served_model, user, s, trial_id, args))
+            sessions.append(converse(client, config.served_model, user, s, trial_id, args, memory=memory))
+            if memory is not None:
+                remember(memory, sessions[-1])
             if trains and args.pace == "trained":
                 stats = wait_trained(deployment, s + 1, args.wait_s)
             learned = sessions_to_learn([x["satisfied"] for x in sessions], RUN)
@@ -140,7 +158,9 @@ def trial(arm: str, pref: str, index: int, args, progress) -> dict:
         "unjudged": sum(s.get("judge_score") is None for s in sessions),
         "taught": sum(bool(s.get("teacher_tokens")) for s in sessions), "trial_s": round(time.monotonic() - started, 1),
         "weights": str(weights) if weights else None, "stats": {k: v for k, v in stats.items() if k in ("serve", "judge", "train")},
-        "heldout": asyncio.run(satisfaction(weights, config.model, user, HELD_OUT_QUESTIONS, args)),
+        "memory": memory,
+        "heldout": asyncio.run(satisfaction(weights, config.model, user, HELD_OUT_QUESTIONS, args,
+                                            system=with_memory(user.system, user.name, memory or []))),
     }
 
 
@@ -190,7 +210,7 @@ def plot(trials: list[dict], path: Path) -> None:
 
     prefs = sorted({t["pref"] for t in trials})
     fig, axes = plt.subplots(2, len(prefs), figsize=(max(6.0, 4.2 * len(prefs)), 6), squeeze=False, sharex=True)
-    colors = {"none": "tab:gray", "rl": "tab:blue", "opd": "tab:orange", "both": "tab:green"}
+    colors = {"none": "tab:gray", "rl": "tab:blue", "opd": "tab:orange", "both": "tab:green", "memory": "tab:purple"}
     for col, pref in enumerate(prefs):
         rate, version = axes[0][col], axes[1][col]
         for arm in (arm for arm in colors if any(t["arm"] == arm and t["pref"] == pref for t in trials)):
@@ -227,6 +247,7 @@ def main() -> None:
     parser.add_argument("--wait-s", type=float, default=180.0, help="longest wait for a session to be trained")
     parser.add_argument("--reactions", type=int, choices=(1, 2), default=1,
                         help="2: the person also reacts to the second reply (unless they had said thanks)")
+    parser.add_argument("--people", help="a people file (JSON); default: the drill's own people")
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--temperature", type=float, default=0.7)
     parser.add_argument("--heldout-samples", type=int, default=2)

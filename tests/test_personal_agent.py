@@ -37,7 +37,6 @@ from flywheel.drills.simulated_people import (
     answers,
 )
 from flywheel.judge.loop import JudgeLoop
-from flywheel.judge.next_state import hint_for
 from flywheel.serve.loop import ServeLoop
 from flywheel.train.loop import TrainLoop
 
@@ -87,7 +86,7 @@ async def test_a_persons_correction_is_judged_taught_and_trained(nats_url, tmp_p
         for turn, correction in enumerate(corrections):
             assert trajectory.next_states[turn] == [{"role": "user", "content": correction}]  # the person's words, as said
             verdict = sample.details["turns"][turn]
-            assert verdict["class"] == "correction" and verdict["source"] == "next_state" and verdict["hint"] == hint_for(correction)
+            assert verdict["class"] == "correction" and verdict["source"] == "next_state" and verdict["hint"] == correction  # whole
             assert sample.turn_rewards[turn] == -1.0
         assert sample.details["unjudged_turns"] == [judged]
         [segment], [teacher] = trajectory.segments, sample.teacher_logprobs

@@ -35,11 +35,12 @@ def wait_trained(deployment, sessions: int, timeout_s: float) -> dict:
 
 
 async def satisfaction(weights: Path | None, model_name: str, user: User, questions: tuple[str, ...] | list[str],
-                       args, hint: str | None = None, others: tuple[User, ...] = ()) -> dict:
+                       args, hint: str | None = None, others: tuple[User, ...] = (), system: str | None = None) -> dict:
     """How often replies to `questions` satisfy the user (`--heldout-samples` seeded samples each,
     the app's temperature and max_tokens, the same seeds for every arm), and how often the same
     replies would satisfy each of `others` (`others`: their preference's kind -> rate). With a
-    `hint`: the teacher's view, each request told the hint exactly as the hint teacher renders it."""
+    `hint`: the teacher's view, each request told the hint exactly as the hint teacher renders it;
+    `system`: another system message than the user's (the memory baseline's)."""
     from flywheel.config import load_config
     from flywheel.judge.teacher import Teacher
     from flywheel.models import load_model, load_weights
@@ -49,7 +50,7 @@ async def satisfaction(weights: Path | None, model_name: str, user: User, questi
     if weights is not None:
         load_weights(model, weights)
     asked = [q for q in questions for _ in range(args.heldout_samples)]
-    chats = [[{"role": "system", "content": user.system}, {"role": "user", "content": q}] for q in asked]
+    chats = [[{"role": "system", "content": system or user.system}, {"role": "user", "content": q}] for q in asked]
     if hint is not None:
         teacher = Teacher(load_config(CONFIG, args.overrides).judge.teacher, "http://unused")
         chats = [teacher.told(chat, hint) for chat in chats]

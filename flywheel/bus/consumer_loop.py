@@ -43,8 +43,8 @@ class ConsumerLoop:
                                   retention=retention_s(self.config.tenants))
         ack_wait = self.config.bus.ack_wait_s
         self.consumer = self.bus.consumer(self.subjects, self.durable, ack_wait_s=ack_wait)
-        await self.prepare()
-        self._tasks = [
+        await self.prepare()  # may start tasks of its own (in `_tasks`, stopped with the others)
+        self._tasks += [
             asyncio.create_task(repeat(self.step, self.name), name=self.name),
             asyncio.create_task(repeat(lambda: keep_alive(self.held, ack_wait), f"{self.name}.keepalive"),
                                 name=f"{self.name}.keepalive"),

@@ -182,7 +182,13 @@ class RewardModelJudgeConfig(TurnJudgeConfig):
 
 
 class NextStateJudgeConfig(Section):
-    """The `next_state` rule judge: each turn classified from what followed it (no judge model)."""
+    """The `next_state` judge: each turn classified from what followed it (no judge model)."""
+
+    reader: Literal["learned", "rules"] = "learned"
+    """What reads a user's words: `learned`, a classifier trained on many people's reactions
+    (flywheel/judge/reaction_reader.py), the whole of a negative reaction being the hint; `rules`,
+    the phrasing rules of flywheel/judge/next_state_rules.py, the hint trimmed to the instruction.
+    Pasted tool output and test results are read by rules either way."""
 
     retry_overlap: float = Field(0.6, gt=0.0, le=1.0)
     """A user message restating the turn's own request is a retry: it shares at least this share
@@ -231,6 +237,11 @@ class TeacherConfig(Section):
     """Also send, for each token it scores, the teacher's k likeliest tokens and their
     log-probabilities (SGLang's `input_top_logprobs`): dense distillation toward its whole
     distribution (`actor.opd_topk_coef`), not only the sampled token's. 0: the sampled token's alone."""
+    memory: int = Field(0, ge=0, le=32)
+    """Hints the judge remembers per learner (the adapter a turn trains, else its end user), told
+    to the teacher on every later turn of theirs as well as the turn they were about
+    (flywheel/judge/hint_memory.py): one correction teaches every later reply. 0: a hint teaches
+    its own turn only."""
 
 
 class JudgeConfig(Section):

@@ -10,7 +10,9 @@ learned their hidden preference.
 - `sessions_to_learn`, `rolling_rate`, `judge_agreement`, `summary_rows`: the measures.
 
 `ARMS` are the configurations compared (on `CONFIG`): the base model, next-state RL, hint
-distillation, both. `bench/personal_agent.py` runs trials of them; tests/test_personal_agent.py
+distillation, both, and OpenClaw-RL's memory baseline (nothing trains; the app keeps the hints
+the judge's reader finds in the person's reactions and puts them in the system message:
+`with_memory`). `bench/personal_agent.py` runs trials of them; tests/test_personal_agent.py
 runs one small session pair on live loops.
 """
 
@@ -30,9 +32,12 @@ ARMS = {
     "rl": ["actor.rl_coef=1.0", "actor.opd_coef=0.0", "actor.opd_topk_coef=0.0", "judge.teacher.enabled=false"],
     "opd": ["actor.rl_coef=0.0"],
     "both": ["actor.rl_coef=1.0"],
+    "memory": ["deploy.loops=[serve,collect,judge]", "judge.teacher.enabled=false"],
 }
 """Each arm's overrides; hint distillation's form and weights (`actor.opd_coef`, `opd_topk_coef`,
 `judge.teacher.top_k`) are the config's."""
+MEMORY = 5
+"""Hints the memory baseline keeps (the newest)."""
 RUN = 3
 """Consecutive satisfied sessions that count as learned."""
 WINDOW = 5
@@ -68,6 +73,23 @@ def sessions_to_learn(satisfied: list[bool], run: int = RUN) -> int | None:
     return None
 
 
+def with_memory(system: str, name: str, hints: list[str]) -> str:
+    """The system message with the newest `MEMORY` hints the person gave, as the app remembers them."""
+    if not hints:
+        return system
+    return f"{system} What {name} has told you about how they like replies: " + " ".join(
+        f'"{hint}"' for hint in hints[-MEMORY:])
+
+
+def remember(hints: list[str], record: dict) -> None:
+    """Keep the hint the judge's reader finds in the person's reaction to the first reply."""
+    from flywheel.judge.next_state import classify_next_state, hint_of
+
+    call, words = classify_next_state([{"role": "user", "content": record["said"]}], record["question"], record["reply"])
+    if words and (hint := hint_of(call, words)):
+        hints.append(hint)
+
+
 def reply_seed(user: User, session: int, reply: int) -> int:
     """The sampling seed of a session's first (0), second (1) or third (2) reply: distinct per user,
     session, reply (the first two as in the cap-of-60 trials, docs/experiments/personal-agent-trials.md)."""
@@ -75,17 +97,20 @@ def reply_seed(user: User, session: int, reply: int) -> int:
     return draw * 2 + reply if reply < 2 else 10**9 + draw
 
 
-def converse(client, model: str, user: User, session: int, trial_id: str, args, user_id: str | None = None) -> dict:
+def converse(client, model: str, user: User, session: int, trial_id: str, args, user_id: str | None = None,
+             memory: list[str] | None = None) -> dict:
     """The session's question, the first reply, the person's reaction and the reply to it; with
     `args.reactions` 2, also the person's reaction to that second reply when it answered something
     (a correction, a complaint or a new question; not thanks), and the reply to that, which nothing
     follows. Each reply samples with its own OpenAI `seed` (the user's seed, the session, which
     reply), so a trial run again on the same code meets the same draws (docs/experiments/personal-agent-trials.md).
-    `user_id`: the person as the end user (`X-User-Id`), for a deployment that tells people apart."""
+    `user_id`: the person as the end user (`X-User-Id`), for a deployment that tells people apart;
+    `memory`: the hints the app remembers (`with_memory`)."""
     session_id = f"{trial_id}-s{session:03d}"
     headers = {"X-Session-Id": session_id, **({"X-User-Id": user_id} if user_id else {})}
     question = user.question(session)
-    messages = [{"role": "system", "content": user.system}, {"role": "user", "content": question}]
+    system = with_memory(user.system, user.name, memory or [])
+    messages = [{"role": "system", "content": system}, {"role": "user", "content": question}]
 
     def reply(index: int) -> tuple[str, object]:
         answer = client.chat.completions.create(model=model, messages=messages, max_tokens=args.max_tokens,

@@ -11,16 +11,22 @@ phrasings (some specific: they say what they want; some vague: they only show th
 unhappy), or, when it satisfies both, thanks the assistant or asks something new. Nothing else
 reaches the platform: no rewards, no headers beyond the session id.
 
+People written elsewhere (`people_from`: a JSON list, e.g. bench/data/people_heldout.json, written
+by a helper from a brief and never read by whoever tunes the judge) keep the preference's rule
+and speak in their own `Voice`: their corrections, complaints, thanks and ways of moving on.
+
 Questions: `TRAIN_QUESTIONS` are asked during a trial; `HELD_OUT_QUESTIONS` are never asked
 there and measure, after training, whether the preference carries over to new questions.
 """
 
 from __future__ import annotations
 
+import json
 import random
 import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 
 TRAIN_QUESTIONS = (
     "How do I keep basil alive on a windowsill?",
@@ -216,6 +222,30 @@ PREFERENCES: dict[str, Preference] = {p.kind: p for p in (
                vague=("Hmm, not quite the tone I wanted.", "Not quite. Too chatty.", "Ugh, way too casual.")),
 )}
 
+@dataclass(frozen=True)
+class Voice:
+    """How one person speaks: what they say to a reply that answers but misses their preference,
+    to one that answers nothing, to one they like, and how they move on (`{question}` is the new
+    question)."""
+
+    corrections: tuple[str, ...]
+    off_topic: tuple[str, ...]
+    thanks: tuple[str, ...]
+    new_question: tuple[str, ...]
+    temperament: str = ""
+
+
+def people_from(path: str | Path) -> dict[str, tuple[str, Preference, Voice]]:
+    """{id: (name, preference, voice)} of a people file: a JSON list of objects with `id`, `name`,
+    `preference` (a `PREFERENCES` kind), `temperament`, and the `Voice`'s lists."""
+    people = {}
+    for spec in json.loads(Path(path).read_text()):
+        voice = Voice(*(tuple(spec[key]) for key in ("corrections", "off_topic", "thanks", "new_question")),
+                      temperament=spec.get("temperament", ""))
+        people[spec["id"]] = (spec["name"], PREFERENCES[spec["preference"]], voice)
+    return people
+
+
 PREFERENCE_ORDER = ("answer_first", "brief", "bullets", "formal", "name", "plain", "detailed")
 """The preferences in a fixed order, for drawing seeds by position (new ones go at the end, so a
 trial of an older one keeps its draws)."""
@@ -232,6 +262,8 @@ class User:
     wants_answers: bool = True
     """Whether a reply must answer the question (`answers`) before its form counts; off only where
     the model cannot answer anything (the untrained `tiny` of the tests)."""
+    voice: Voice | None = None
+    """Their own words; None: the preference's phrasings and the module's."""
     rng: random.Random = field(init=False)
 
     def __post_init__(self) -> None:
@@ -258,15 +290,20 @@ class User:
         question); else thanks (nothing more to answer) or, when `ask` and half the time, a new
         question: one this user asks in a session only much later, so its first reply there is a
         fresh one."""
-        question = question or self.question(session)
+        question, voice = question or self.question(session), self.voice
         if self.wants_answers and not answers(question, reply):
-            return self.rng.choice(OFF_TOPIC), question
+            return self.rng.choice(voice.off_topic if voice else OFF_TOPIC), question
         if not self.satisfied(reply, question):
+            if voice:
+                return self.rng.choice(voice.corrections), question
             vague = self.rng.random() < self.vague_share
             return self.rng.choice(self.preference.vague if vague else self.preference.specific).format(name=self.name), question
         if not ask or self.rng.random() < 0.5:
-            return self.rng.choice(THANKS), None
-        opener, new = self.rng.choice(NEW_QUESTION_OPENERS), self.question(session + len(self._order) // 2)
+            return self.rng.choice(voice.thanks if voice else THANKS), None
+        new = self.question(session + len(self._order) // 2)
+        if voice:
+            return self.rng.choice(voice.new_question).format(question=new), new
+        opener = self.rng.choice(NEW_QUESTION_OPENERS)
         return opener + (new[0].lower() + new[1:] if opener.endswith(", ") else new), new
 
 

@@ -9,7 +9,8 @@ may be trusted, docs/judges.md). It becomes a one-turn `Trajectory` (the next st
 `next_states[0]`, the feedback text as a `SessionEvent` naming the turn's interaction id), scored
 by `NextStateJudge`; its class is `details["turns"][0]["class"]`. The baseline reads the same text
 for keywords, first match wins (`KEYWORDS`), else `clean_tool_result` for a tool result and
-`unclear` for words. `bench/judge_next_state.py` prints and keeps the tables.
+`unclear` for words. `bench/judge_next_state.py` prints and keeps the tables. (The learned reader
+against the rules on words their author did not write: `bench/judge_reactions.py`.)
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import re
 from pathlib import Path
 
 from flywheel.bus import SessionEvent, Trajectory, Turn
+from flywheel.config.judge import NextStateJudgeConfig
 from flywheel.judge.next_state import NextStateJudge
 from flywheel.judge.next_state_classes import LABELS, polarity
 
@@ -37,6 +39,14 @@ def load_examples(path: Path = DATA) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
+def unseen(examples: list[dict], seen: list[dict]) -> list[dict]:
+    """The examples whose user message is not, word for word (case aside), one of `seen`'s (an
+    evaluation set's messages its classifier was trained on: two writers may both write
+    "Appreciate it!")."""
+    known = {e["next"][0]["content"].strip().lower() for e in seen}
+    return [e for e in examples if e["next"][0]["content"].strip().lower() not in known]
+
+
 def trajectory_of(example: dict) -> Trajectory:
     """A one-turn trajectory: the request, the reply, what followed, and the feedback about the turn."""
     turn = Turn(id=f"{example['id']}-0", session_id=example["id"], turn_index=0, model="m",
@@ -49,8 +59,8 @@ def trajectory_of(example: dict) -> Trajectory:
                       feedback=feedback, close_reason="done")
 
 
-async def judge_labels(examples: list[dict]) -> list[str]:
-    judge = NextStateJudge()
+async def judge_labels(examples: list[dict], config: NextStateJudgeConfig | None = None) -> list[str]:
+    judge = NextStateJudge(config)
     return [(await judge.score(trajectory_of(e))).details["turns"][0]["class"] for e in examples]
 
 
@@ -80,10 +90,11 @@ def metrics(gold: list[str], predicted: list[str]) -> dict:
     }
 
 
-async def evaluate(examples: list[dict] | None = None) -> dict:
-    """Per split (dev, heldout, fresh, all): the judge's and the baseline's metrics, and the predictions."""
+async def evaluate(examples: list[dict] | None = None, config: NextStateJudgeConfig | None = None) -> dict:
+    """Per split (dev, heldout, fresh, all): the judge's (with `config`) and the baseline's
+    metrics, and the predictions."""
     examples = examples if examples is not None else load_examples()
-    judged = dict(zip((e["id"] for e in examples), await judge_labels(examples)))
+    judged = dict(zip((e["id"] for e in examples), await judge_labels(examples, config)))
     out = {}
     for split in (*SPLITS, "all"):
         chosen = [e for e in examples if split == "all" or e["split"] == split]

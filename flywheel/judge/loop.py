@@ -11,6 +11,9 @@ the trajectory acknowledged:
   ran past the deadline, or failed unexpectedly (`judge error`, logged with its traceback).
   Never a silent zero.
 
+With `judge.teacher.memory`, the loop keeps each learner's newest hints for the teacher
+(flywheel/judge/hint_memory.py) and follows the audit log to drop a forgotten tenant's or user's.
+
 Both records carry the trajectory's id, so a re-publish after a crash is dropped as a
 duplicate. If publishing fails (the bus is away), the trajectory is negatively acknowledged and
 judged again on redelivery: nothing is lost, and one judgement failing never stops the loop.
@@ -39,11 +42,14 @@ from flywheel.bus import (
 )
 from flywheel.bus.addresses import read_address
 from flywheel.bus.consumer_loop import ConsumerLoop
+from flywheel.bus.records import AuditEntry
+from flywheel.bus.streams import AUDIT_SUBJECT
 from flywheel.config import FlywheelConfig
 from flywheel.judge.base import Unscorable, Verdict
 from flywheel.judge.build import build_judge
+from flywheel.judge.hint_memory import HintMemory
 from flywheel.judge.teacher import Teacher, Teaching, hints_of
-from flywheel.runtime import cancel_and_wait
+from flywheel.runtime import cancel_and_wait, repeat
 
 log = logging.getLogger(__name__)
 
@@ -64,10 +70,20 @@ class JudgeLoop(ConsumerLoop):
         self.publish_failures = 0
         self._in_flight: dict[asyncio.Task, Delivery] = {}
         self.teacher: Teacher | None = None
+        self.memory = HintMemory(config.judge.teacher.memory) if config.judge.teacher.memory else None
 
     async def prepare(self) -> None:
         await self.judge.start()
         self.teacher = self._teacher()
+        if self.memory is not None:
+            self._tasks.append(asyncio.create_task(repeat(self._follow_forgetting, "judge.forget"), name="judge.forget"))
+
+    async def _follow_forgetting(self) -> None:
+        """A forgotten tenant's or user's hints leave the teacher's memory."""
+        async for entry in self.bus.follow(AUDIT_SUBJECT, from_last=False):
+            assert isinstance(entry, AuditEntry) and self.memory is not None
+            if entry.action == "forget":
+                self.memory.forget(entry.details["tenant"], entry.details.get("user"))
 
     def _teacher(self) -> Teacher | None:
         """The hint teacher (`judge.teacher`) on the judge's own server, or with adapters on the
@@ -153,6 +169,8 @@ class JudgeLoop(ConsumerLoop):
         if self.teacher is None or not trajectory.consent:
             return Teaching()
         hints = hints_of(trajectory, verdict.details)
+        if self.memory is not None:
+            hints = self.memory.teach(trajectory, hints)
         if not hints:
             return Teaching()
         try:

@@ -1,7 +1,8 @@
 """The `next_state` judge: per-turn rewards from what followed each assistant reply, no judge model.
 
-Each turn k is classified (flywheel/judge/next_state_rules.py, next_state_tool_output.py) from the
-evidence about it, the first that decides:
+Each turn k is classified from the evidence about it, the first that decides (a user's words are
+read by `judge.next_state.reader`: the learned reader, flywheel/judge/reaction_reader.py, or the
+phrasing rules, next_state_rules.py; tool output by next_state_tool_output.py):
 1. feedback about the turn with a `reward` (by `interaction_id`, or by `turn_index` for thread-0
    turns: `flywheel.judge.rule.turn_positions`): its sign decides, the class comes from its text when
    the text agrees, else it is `rated`;
@@ -21,7 +22,7 @@ The outcome (`reward`) is the mean of the session-level feedback (neither `inter
 `turn_index`): its rewards, or, when it has none, the polarity of its texts; without any, the
 mean of the judged turns. With no judged turn and no session feedback: `Unscorable("nothing
 followed")`. `details["turns"]` holds each turn's class, score, source and the cue that decided,
-and for a correction in the user's words the `hint` (`hint_for`), for hint distillation.
+and for a negative reaction in the user's words the `hint` (`hint_of`), for hint distillation.
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ from flywheel.judge.base import Judge, Unscorable, Verdict
 from flywheel.judge.next_state_classes import Call
 from flywheel.judge.next_state_rules import classify_user_text, contrast_split
 from flywheel.judge.next_state_tool_output import classify_tool_output
+from flywheel.judge.reaction_reader import reader
 from flywheel.judge.rule import turn_positions
 from flywheel.judge.transcript import (
     Message,
@@ -70,6 +72,29 @@ def hint_for(text: str) -> str | None:
     return text.strip()
 
 
+_TOOLISH = ("tests_failing", "tests_passing", "error")
+"""What the rules read in user words under either reader: pasted tool output and test results."""
+
+
+def read_user_text(text: str, request: str = "", reply: str = "", config: NextStateJudgeConfig | None = None) -> Call:
+    """The class of a user's words after a reply to `request` (see `NextStateJudgeConfig.reader`)."""
+    config = config or NextStateJudgeConfig()
+    rules = classify_user_text(text, request, reply, config.retry_overlap, config.retry_min_shared)
+    if config.reader == "rules" or rules.label in _TOOLISH or not text.strip():
+        return rules
+    reading = reader().read(text, request, reply)
+    return Call(reading.label, f"reader: {reading.label} ({reading.probability:.2f})")
+
+
+def hint_of(call: Call, words: str, config: NextStateJudgeConfig | None = None) -> str | None:
+    """The hint in user words read as `call`: with the learned reader, the whole of a correction
+    or a complaint (a complaint says what displeased, which the teacher reads as well as an
+    instruction); with the rules, a correction trimmed to its instruction (`hint_for`)."""
+    if (config or NextStateJudgeConfig()).reader == "rules":
+        return hint_for(words) if call.label == "correction" else None
+    return words.strip() or None if call.label in ("correction", "complaint") else None
+
+
 def request_text(turn: Turn) -> str:
     """What the turn's conversation last asked for: its last user message (or the text prompt)."""
     users = [m for m in turn.messages if m.get("role") == "user"]
@@ -85,7 +110,7 @@ def classify_next_state(messages: list[Message], request: str = "", reply: str =
     users = [body_text(m) for m in messages if m.get("role") == "user"]
     tools = [classify_tool_output(body_text(m)) for m in messages if m.get("role") in TOOL_ROLES]
     if users:
-        call = classify_user_text(users[-1], request, reply, config.retry_overlap, config.retry_min_shared)
+        call = read_user_text(users[-1], request, reply, config)
         if call.label != "unclear" or not tools:
             return call, users[-1]
     if tools:
@@ -131,7 +156,7 @@ class NextStateJudge(Judge):
         rewards = [e.reward for e in events if e.reward is not None]
         if rewards:
             return fmean(rewards)
-        calls = [classify_user_text(e.text) for e in events if e.text]
+        calls = [read_user_text(e.text, config=self.config) for e in events if e.text]
         signs = [c.polarity for c in calls if c.label != "unclear"]
         return fmean(signs) if signs else None
 
@@ -162,9 +187,9 @@ class NextStateJudge(Judge):
             return {"position": k, "class": None, "score": 0.0, "source": None, "cue": "nothing followed: unjudged"}
         score = call.polarity if score is None else score
         entry = {"position": k, "class": call.label, "score": score, "source": source, "cue": call.cue}
-        if call.label == "correction" and words and (hint := hint_for(words)):
+        if words and (hint := hint_of(call, words, self.config)):
             entry["hint"] = hint
         return entry
 
     def _words(self, text: str, request: str, reply: str) -> Call:
-        return classify_user_text(text, request, reply, self.config.retry_overlap, self.config.retry_min_shared)
+        return read_user_text(text, request, reply, self.config)

@@ -1,0 +1,89 @@
+"""The learned reader of people's words after a reply (flywheel/judge/reaction_reader.py), as the
+`next_state` judge uses it by default: reactions in words nobody listed are read, and the whole
+reaction is the hint; new requests and approval are not hints; the rules stay one setting away.
+How well it reads on words its author never saw: bench/judge_reactions.py."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from flywheel.bus import Trajectory, Turn
+from flywheel.config.judge import NextStateJudgeConfig
+from flywheel.judge.evaluation import unseen
+from flywheel.judge.next_state import NextStateJudge
+from flywheel.judge.reaction_reader import (
+    READ_LABELS,
+    ReactionReader,
+    reader,
+    training_set,
+)
+
+QUESTION = "How do I keep basil alive on a windowsill?"
+REPLY = ("Basil loves light! Water it often, pinch the tops, and keep it warm. It's a great herb for beginners and "
+         "grows fast in summer, so enjoy it in pasta, salads and pesto all year.")
+
+
+def reacted(said: str) -> Trajectory:
+    turn = Turn(id="t0", session_id="s", turn_index=0, model="m", messages=[{"role": "user", "content": QUESTION}],
+                response={"role": "assistant", "content": REPLY}, prompt_ids=[], output_ids=[], output_logprobs=[],
+                output_versions=[], finish_reason="stop")
+    return Trajectory(id="s", session_id="s", segments=[], turns=[turn], next_states=[[{"role": "user", "content": said}]],
+                      close_reason="done")
+
+
+@pytest.mark.parametrize("said", [
+    "You didn't use my name, I'm Maya.",
+    "I was kind of hoping for a list I could skim.",
+    "next time just the short version pls",
+    "Bit much for my phone screen, honestly.",
+])
+async def test_a_reaction_in_words_no_rule_lists_is_read_and_is_the_hint_whole(said):
+    """The rules read each of these as a complaint without a hint, as unclear, or as moving on."""
+    [entry] = (await NextStateJudge().score(reacted(said))).details["turns"]
+    assert entry["class"] in ("correction", "complaint") and entry["score"] == -1 and entry["hint"] == said
+    [ruled] = (await NextStateJudge(NextStateJudgeConfig(reader="rules")).score(reacted(said))).details["turns"]
+    assert "hint" not in ruled
+
+
+@pytest.mark.parametrize("said, label", [
+    ("Could you also tell me how to descale a kettle?", "moving_on"),
+    ("Great, and what about mint?", "moving_on"),
+    ("Lovely, that is exactly it.", "acceptance"),
+    ("thank you so much!!", "thanks"),
+])
+async def test_new_requests_and_approval_score_plus_one_without_a_hint(said, label):
+    [entry] = (await NextStateJudge().score(reacted(said))).details["turns"]
+    assert (entry["class"], entry["score"]) == (label, 1) and "hint" not in entry
+
+
+async def test_the_rules_are_one_setting_away_with_their_trimmed_hint():
+    judge = NextStateJudge(NextStateJudgeConfig(reader="rules"))
+    [entry] = (await judge.score(reacted("No, shorter please: two sentences."))).details["turns"]
+    assert (entry["class"], entry["hint"]) == ("correction", "shorter please: two sentences.")
+
+
+def test_every_process_trains_the_same_reader():
+    """Judges on several machines must read alike: training is deterministic."""
+    again = ReactionReader(training_set())
+    for said in ("too long", "thanks, and how do I prune it?", "que?"):
+        assert again.probabilities(said, QUESTION, REPLY) == reader().probabilities(said, QUESTION, REPLY)
+
+
+def test_the_training_set_is_well_formed():
+    examples = training_set()
+    assert len(examples) >= 1500 and len({e["id"] for e in examples}) == len(examples)
+    for e in examples:
+        said = e["next"][0]["content"]
+        assert e["gold"] in READ_LABELS and e["next"][0]["role"] == "user" and said.strip(), e["id"]
+        assert (e["hint"] is not None and e["hint"] in said) if e["gold"] == "correction" else e["hint"] is None, e["id"]
+
+
+def test_the_held_out_set_is_there_and_well_formed():
+    """bench/data/reactions_heldout.jsonl: read by the bench only (its items are never printed)."""
+    heldout = Path(__file__).resolve().parent.parent / "bench" / "data" / "reactions_heldout.jsonl"
+    examples = [json.loads(line) for line in heldout.read_text().splitlines() if line.strip()]
+    assert {e["gold"] for e in examples} == set(READ_LABELS)
+    assert len(unseen(examples, training_set())) >= 300  # what the bench measures: messages the reader never saw
