@@ -159,6 +159,7 @@ def trial(arm: str, pref: str, index: int, args, progress) -> dict:
         "taught": sum(bool(s.get("teacher_tokens")) for s in sessions), "trial_s": round(time.monotonic() - started, 1),
         "weights": str(weights) if weights else None, "stats": {k: v for k, v in stats.items() if k in ("serve", "judge", "train")},
         "memory": memory,
+        "heldout_before": asyncio.run(satisfaction(None, config.model, user, HELD_OUT_QUESTIONS, args)),
         "heldout": asyncio.run(satisfaction(weights, config.model, user, HELD_OUT_QUESTIONS, args,
                                             system=with_memory(user.system, user.name, memory or []))),
     }
@@ -199,7 +200,7 @@ def progress(arm: str, pref: str, index: int, user: User, sessions: list[dict], 
           f"{rolling_rate([s['satisfied'] for s in sessions])[-1]:.2f} streak={streak}"
           f"{f'  LEARNED at {learned}' if learned else ''}  | trained={train.get('samples', '-')} "
           f"taught={metrics.get('opd_topk_tokens') or metrics.get('opd_tokens', '-')} loss={metrics.get('loss') or 0:.3f}  "
-          f"said: {last['said'][:48]!r}", flush=True)
+          + ("" if user.voice else f"said: {last['said'][:48]!r}"), flush=True)  # a file's people's words stay unread
 
 
 def plot(trials: list[dict], path: Path) -> None:

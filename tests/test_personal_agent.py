@@ -131,10 +131,13 @@ def test_the_summary_table_has_a_row_per_arm_with_its_trials_numbers():
     rows = summary_rows([trial("both", 7, 0.5, 0.6, 0.3), trial("both", 11, 0.4, 0.5, 0.2), trial("none", None, 0.1, 0.1),
                          trial("both", 9, 0.3, 0.4, 0.1), trial("none", 20, 0.2, 0.1)], arith_before=0.25)
     none, both = rows  # arms in their fixed order: none, rl, opd, both
-    assert none[:6] == ["none", "brief", 2, ">30 20", None, "1/2"]  # a median only when every trial learned
+    assert none[:6] == ["none", "brief", 2, ">30 20", ">30", "1/2"]  # a trial that never learned counts as more than the cap
     assert both[:6] == ["both", "brief", 3, "7 11 9", 9, "3/3"]
-    assert both[6:] == pytest.approx([0.4, 0.5, 1.0, 1.0, 0.25, 0.2])
-    assert none[10:] == [0.25, None]
+    assert both[6:] == pytest.approx([0.4, None, 0.5, None, 1.0, 1.0, 0.25, 0.2])  # no held-out "before" measured here
+    assert none[12:] == [0.25, None]
+    two = summary_rows([trial("both", 7, 0.5, 0.6), {**trial("both", None, 0.2, 0.1), "pref": "name"}], arith_before=None)
+    assert [row[:6] for row in two] == [["both", "brief", 1, "7", 7, "1/1"], ["both", "name", 1, ">30", ">30", "0/1"],
+                                        ["both", "all", 2, "7 >30", ">30", "1/2"]]  # the median of 7 and more than 30
 
 
 @pytest.mark.parametrize("kind, meets, misses", [

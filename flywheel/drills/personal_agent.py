@@ -160,22 +160,36 @@ async def verdicts(bus_url: str) -> dict[str, dict]:
         await bus.close()
 
 
-HEADERS = ["arm", "preference", "trials", "sessions to learn", "median", "learned", "rate in trial", "held-out rate",
-           "held-out answers", "judge agrees", "arith before", "arith after"]
+HEADERS = ["arm", "preference", "trials", "sessions to learn", "median", "learned", "rate in trial", "held-out before",
+           "held-out rate", "answers before", "held-out answers", "judge agrees", "arith before", "arith after"]
+
+
+def median_sessions(learned: list[int | None], cap: int) -> float | str | None:
+    """The median of sessions to learn, a trial that never learned counting as more than `cap`
+    (then a median among those is `">cap"`); None for no trials."""
+    if not learned:
+        return None
+    ordered = sorted(math.inf if x is None else x for x in learned)
+    middle = ordered[(len(ordered) - 1) // 2], ordered[len(ordered) // 2]
+    return f">{cap}" if math.inf in middle else fmean(middle)
 
 
 def summary_rows(trials: list[dict], arith_before: float | None) -> list[list]:
-    """The results table (`HEADERS`): a row per arm and preference over its trials, with the base
-    model's held-out arithmetic accuracy `arith_before`."""
+    """The results table (`HEADERS`): a row per arm and preference over its trials, and one per
+    arm over all its preferences (`all`), with the base model's held-out arithmetic accuracy
+    `arith_before`."""
     rows = []
     for arm in ARMS:
-        for pref in sorted({t["pref"] for t in trials if t["arm"] == arm}):
-            mine = [t for t in trials if t["arm"] == arm and t["pref"] == pref]
+        prefs = sorted({t["pref"] for t in trials if t["arm"] == arm})
+        for pref in [*prefs, "all"] if len(prefs) > 1 else prefs:
+            mine = [t for t in trials if t["arm"] == arm and pref in (t["pref"], "all")]
             learned = [t["learned_at"] for t in mine]
-            got = [x for x in learned if x is not None]
             rows.append([arm, pref, len(mine), " ".join(str(x) if x else f">{t['cap']}" for x, t in zip(learned, mine)),
-                         median(got) if len(got) == len(mine) else None, f"{len(got)}/{len(mine)}",
-                         mean_of(t["satisfied_rate"] for t in mine), mean_of(t["heldout"]["rate"] for t in mine),
+                         median_sessions(learned, max(t["cap"] for t in mine)),
+                         f"{sum(x is not None for x in learned)}/{len(mine)}",
+                         mean_of(t["satisfied_rate"] for t in mine), mean_of(t.get("heldout_before", {}).get("rate") for t in mine),
+                         mean_of(t["heldout"]["rate"] for t in mine),
+                         mean_of(t.get("heldout_before", {}).get("answers") for t in mine),
                          mean_of(t["heldout"].get("answers") for t in mine), mean_of(t["judge_agreement"] for t in mine),
                          arith_before, mean_of(t.get("arith_after") for t in mine)])
     return rows
