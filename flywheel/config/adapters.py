@@ -35,3 +35,8 @@ class AdaptersConfig(Section):
     target_modules: list[str] | Literal["all-linear"] = "all-linear"
     """The layers adapted: every linear layer but the output head (attention and MLP, as the
     paper above finds necessary), or a list of module names (`q_proj`, `down_proj`, ...)."""
+    guard_drop: float | None = Field(1.0, gt=0)
+    """The most an adapter's version may lower the mean log-probability (nats a token) of the
+    base's own answers to general prompts before it is held back, unpublished, and the adapter
+    returned to its last published version (flywheel/train/adapter_guard.py): what protects a
+    person from a harmful version of their own adapter. None: no check."""

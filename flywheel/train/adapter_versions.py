@@ -13,17 +13,27 @@ checkpoint behind what it had published gives such an adapter a new version abov
 the store, and announces it. A forgotten adapter (`drop`) starts again from version 0; an
 announcement's id names the step too, so the bus does not take a new adapter's version 1 for a
 repeat of the forgotten one's (JetStream drops a message whose id it saw in its duplicate window).
+
+With a guard (`adapters.guard_drop`, flywheel/train/adapter_guard.py) a version that forgot too
+much general skill is held back instead: not published, and the adapter back to its last
+published version (`hold_back`).
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Callable
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
+
+from safetensors.torch import load_file
 
 from flywheel.bus import WEIGHTS_SUBJECT, Bus, WeightUpdate
 from flywheel.models.adapter_names import origin
 from flywheel.models.adapter_store import AdapterStore
+from flywheel.models.lora_adapter import WEIGHTS_FILE
+from flywheel.train.adapter_guard import AdapterGuard
 from flywheel.train.adapters import AdapterSet
 
 if TYPE_CHECKING:
@@ -33,14 +43,29 @@ log = logging.getLogger(__name__)
 
 
 class AdapterVersions:
-    def __init__(self, store: AdapterStore, bus: Bus, interval: int):
+    def __init__(self, store: AdapterStore, bus: Bus, interval: int, guard: AdapterGuard | None = None,
+                 origin_of: Callable[[str], str | None] = lambda name: None):
         self.store = store
         self.bus = bus
         self.interval = interval
+        self.guard = guard
+        self.origin_of = origin_of
         self.versions: dict[str, int] = {}
         """Each adapter's current version (0 when absent: the initial state)."""
         self.parents: dict[str, int] = {}
         """Each adapter's version last announced (its next version's parent)."""
+
+    @classmethod
+    def of(cls, config: FlywheelConfig, run_dir: Path, bus: Bus, adapters: AdapterSet, tokenizer: Any) -> AdapterVersions:
+        """A run's: its store (`run_dir/adapters`), its guard (`adapters.guard_drop`), its adapters' origins."""
+        store = AdapterStore(run_dir / "adapters", keep=config.train.keep_versions)
+        drop = config.adapters.guard_drop
+        guard = AdapterGuard(adapters, tokenizer, drop) if drop is not None else None
+        return cls(store, bus, config.train.weight_update_interval, guard, lambda name: origin(name, config))
+
+    def held_back(self) -> dict[str, int]:
+        """Versions the guard held back, by adapter."""
+        return dict(self.guard.held_back) if self.guard is not None else {}
 
     def staleness(self, adapter: str, oldest: int) -> int:
         """Updates between `adapter`'s current weights and its version `oldest`."""
@@ -53,11 +78,26 @@ class AdapterVersions:
 
     async def publish_due(self, adapters: AdapterSet, names: list[str], step: int) -> list[str]:
         """Publish those of `names` that took `train.weight_update_interval` steps since their
-        last publication; the ones published."""
-        due = [name for name in names if adapters.steps[name] % self.interval == 0]
-        for name in due:
+        last publication, unless the guard holds one back; the ones published."""
+        published = []
+        for name in (name for name in names if adapters.steps[name] % self.interval == 0):
+            if self.guard is not None and not await asyncio.to_thread(self.guard.allows, name):
+                await asyncio.to_thread(self.hold_back, adapters, name)
+                continue
             await self.publish(adapters, name, step)
-        return due
+            published.append(name)
+        return published
+
+    def hold_back(self, adapters: AdapterSet, name: str) -> None:
+        """`name` back to its last published version (before any: its origin's weights, or the
+        base), which its version becomes again."""
+        version = self.parents.get(name)
+        if version is not None and version in self.store.versions(name):
+            adapters.restart(name, load_file(self.store.path(name, version) / WEIGHTS_FILE))
+        else:
+            version = 0
+            adapters.restart(name, origin=self.origin_of(name))
+        self.versions[name] = version
 
     async def publish(self, adapters: AdapterSet, name: str, step: int) -> None:
         """Write `name`'s current version to the store (unless it is there) and announce it (again,

@@ -28,7 +28,13 @@ from collections.abc import Iterator
 from typing import Any
 
 import torch
-from peft import LoraConfig, PeftModel, get_peft_model, get_peft_model_state_dict, set_peft_model_state_dict
+from peft import (
+    LoraConfig,
+    PeftModel,
+    get_peft_model,
+    get_peft_model_state_dict,
+    set_peft_model_state_dict,
+)
 
 from flywheel.config.adapters import AdaptersConfig
 from flywheel.config.schema import ActorConfig, TrainConfig
@@ -122,6 +128,21 @@ class AdapterSet:
         unexpected = getattr(result, "unexpected_keys", [])
         if unexpected:
             raise ValueError(f"adapter {name}: tensors that do not fit the model: {unexpected[:5]}")
+
+    def restart(self, name: str, tensors: dict[str, torch.Tensor] | None = None, origin: str | None = None) -> None:
+        """`name` back to `tensors` (a published version's, keyed as `weights` gives them), else
+        to `origin`'s weights when that adapter is here, else to the base (LoRA's B at zero); its
+        optimizer's moments cleared (its schedule goes on)."""
+        if tensors is not None:
+            self.load(name, tensors)
+        elif origin is not None and origin in self.keys and origin != name:
+            self.load(name, self.weights(origin))
+        else:
+            with torch.no_grad():
+                for param_name, param in self.model.named_parameters():
+                    if param_name.endswith(f"lora_B.{self.keys[name]}.weight"):
+                        param.zero_()
+        self.optimizers[name].state.clear()
 
     def config(self, name: str) -> dict[str, Any]:
         """`name`'s `adapter_config.json`, as PEFT's `save_pretrained` writes it."""

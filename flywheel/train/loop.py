@@ -54,7 +54,6 @@ from flywheel.bus.records import sample_digest
 from flywheel.config import ConfigError, FlywheelConfig
 from flywheel.models import WeightStore, load_model, load_weights
 from flywheel.models.adapter_names import sample_adapter
-from flywheel.models.adapter_store import AdapterStore
 from flywheel.runtime import repeat
 from flywheel.train.advantages import RunningBaseline
 from flywheel.train.checkpoint import Checkpoints
@@ -122,8 +121,7 @@ class TrainLoop(ConsumerLoop):
         if self.lora:
             from flywheel.train.adapter_versions import AdapterVersions  # PEFT loads only where adapters train
 
-            store = AdapterStore(self.run_dir / "adapters", keep=self.config.train.keep_versions)
-            self.adapter_versions = AdapterVersions(store, self.bus, self.config.train.weight_update_interval)
+            self.adapter_versions = AdapterVersions.of(self.config, self.run_dir, self.bus, self.trainer.adapters, self.tokenizer)
             self.forgetting = Forgetting(self.bus, self.checkpoints)
         else:
             self.store = WeightStore(self.run_dir / "weights", keep=self.config.train.keep_versions)
@@ -392,5 +390,6 @@ class TrainLoop(ConsumerLoop):
     def stats(self) -> dict[str, Any]:
         return {"version": self.version, "step": self.trainer.step_count, "buffered": self.buffer, **self.counts,
                 "adapters": dict(self.adapter_versions.versions) if self.lora else {},
+                "held_back": self.adapter_versions.held_back() if self.lora else {},
                 **self.batcher.counts, "excluded_tokens": dict(self.excluded), "staleness_seen": dict(self.staleness_seen),
                 "last": self.last_metrics}

@@ -1,0 +1,89 @@
+"""Calibrating the adapter guard (flywheel/train/adapter_guard.py, `adapters.guard_drop`): how far
+its measure of forgetting (the drop in log-probability of the base's own general answers) moves
+as an adapter grows from what training made it to far past that, against general skill measured
+directly (greedy held-out arithmetic, bench/learn_arith.py's evaluation) and the share of replies
+that still answer an everyday question (flywheel/drills/simulated_people.py `answers`).
+
+Each adapter given (a directory of the adapter store, `run_dir/adapters/NAME`: its newest
+version) is scaled: its LoRA B matrices times s, the update times s (s = 1 is the adapter as
+trained; larger s stands for training pushed further in the same direction). For each s: the
+guard's drop, arithmetic accuracy and answer share of the base with that update merged in.
+
+    .venv/bin/python bench/adapter_guard.py runs/bench_unscripted/both-*-0/adapters/*   # bench/results/adapter_guard.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import sys
+import tempfile
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # `python bench/NAME.py` as well as `-m bench.NAME`
+
+from bench.lib.common import table, write_result  # noqa: E402
+
+SCALES = (1.0, 3.0, 10.0, 30.0)
+
+
+def newest(adapter_dir: Path) -> Path:
+    return max(adapter_dir.glob("v*"), key=lambda p: int(p.name[1:]))
+
+
+def measure(version_dir: Path, scale: float, args) -> dict:
+    from peft import PeftModel
+    from safetensors.torch import load_file, save_file
+
+    from bench.lib.personal_eval import satisfaction
+    from bench.personal_agent import arithmetic
+    from flywheel.config import load_config
+    from flywheel.drills.simulated_people import HELD_OUT_QUESTIONS, PREFERENCES, User
+    from flywheel.models import load_model
+    from flywheel.models.lora_adapter import CONFIG_FILE, WEIGHTS_FILE
+    from flywheel.train.adapter_guard import AdapterGuard
+    from flywheel.train.trainer import Trainer
+
+    tensors = {k: v * scale if "lora_B" in k else v for k, v in load_file(version_dir / WEIGHTS_FILE).items()}
+    config = load_config(None, ["adapters.kind=lora", f"model={args.model}"])
+    model, tokenizer = load_model(args.model)
+    adapters = Trainer(model, config.actor, config.train, config.adapters).adapters
+    adapters.ensure("probe")
+    adapters.load("probe", tensors)
+    drop = AdapterGuard(adapters, tokenizer, max_drop=1.0).drop("probe")
+    with tempfile.TemporaryDirectory() as tmp:
+        scaled, merged = Path(tmp) / "adapter", Path(tmp) / "merged"
+        scaled.mkdir()
+        (scaled / CONFIG_FILE).write_text((version_dir / CONFIG_FILE).read_text())
+        save_file({k: v.contiguous() for k, v in tensors.items()}, scaled / WEIGHTS_FILE)
+        base, _ = load_model(args.model)
+        PeftModel.from_pretrained(base, str(scaled)).merge_and_unload().save_pretrained(merged)
+        arith = arithmetic(str(merged), args)
+        person = User("Maya", PREFERENCES["brief"], seed=0)
+        replies = asyncio.run(satisfaction(merged, args.model, person, HELD_OUT_QUESTIONS, args))
+    return {"adapter": str(version_dir), "scale": scale, "drop": drop, "arithmetic": arith, "answers": replies["answers"]}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("adapters", nargs="+", type=Path, help="adapter store directories (run_dir/adapters/NAME)")
+    parser.add_argument("--model", default="smollm2-135m")
+    parser.add_argument("--arith-problems", type=int, default=30)
+    parser.add_argument("--heldout-samples", type=int, default=1)
+    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--temperature", type=float, default=0.7)
+    parser.add_argument("--overrides", nargs="*", default=[])
+    args = parser.parse_args()
+    rows = []
+    for adapter in args.adapters:
+        for scale in SCALES:
+            rows.append(measure(newest(adapter), scale, args))
+            print(rows[-1], flush=True)
+    print(table(["adapter", "scale", "guard drop (nats/token)", "arithmetic", "answers"],
+                [[Path(r["adapter"]).parent.parent.parent.name, r["scale"], r["drop"], r["arithmetic"], r["answers"]]
+                 for r in rows]))
+    write_result("adapter_guard", {"args": {k: str(v) for k, v in vars(args).items()}, "rows": rows})
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,72 @@
+"""What protects a person from a harmful version of their own adapter (flywheel/train/adapter_guard.py,
+`adapters.guard_drop`): a version that makes the base's general answers much less likely is held
+back, unpublished, and the adapter returns to its last published version."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from safetensors.torch import load_file
+
+from flywheel.bus import SAMPLE_SUBJECT, WEIGHTS_SUBJECT
+from flywheel.config import load_config
+from flywheel.models import load_model
+from flywheel.models.adapter_store import AdapterStore
+from flywheel.models.lora_adapter import WEIGHTS_FILE
+from flywheel.train.adapter_guard import AdapterGuard
+from flywheel.train.loop import TrainLoop
+from flywheel.train.trainer import Trainer
+
+from factories import sample_of, sampled_turns
+from waiting import until
+
+LORA = ["adapters.kind=lora", "adapters.rank=4", "adapters.alpha=8", "actor.optimizer.lr=0.01"]
+
+
+def test_an_untrained_adapter_costs_nothing_and_a_wrecked_one_is_held_back():
+    config = load_config(None, LORA)
+    model, tokenizer = load_model("tiny")
+    adapters = Trainer(model, config.actor, config.train, config.adapters).adapters
+    guard = AdapterGuard(adapters, tokenizer, max_drop=0.5)  # the untrained tiny is near uniform: drops are small
+    adapters.ensure("fresh")
+    adapters.ensure("wrecked")
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for param in adapters.params["wrecked"]:
+            param.normal_(0.0, 5.0)  # A and B at random and large: every layer wrecked
+    assert abs(guard.drop("fresh")) < 1e-5 and guard.allows("fresh")
+    assert guard.drop("wrecked") > 0.5 and not guard.allows("wrecked")
+    assert guard.held_back == {"wrecked": 1} and math.isfinite(guard.base_logprob)
+
+
+async def test_a_held_back_version_is_not_published_and_the_adapter_returns_to_the_last_one(bus, nats_url, tmp_path):
+    """alice's first step passes the guard and is published as v1; her second is held back: no
+    announcement, no v2 in the store, her weights v1's again, her version 1, her optimizer afresh."""
+    turns = await sampled_turns(2)
+    config = load_config(None, [f"run_dir={tmp_path}", *LORA, "train.batch_size=1", "rollout.max_head_offpolicyness=4"])
+    loop = TrainLoop(config, nats_url)
+    await loop.start()
+    versions, adapters = loop.adapter_versions, loop.trainer.adapters
+    try:
+        versions.guard.max_drop = math.inf
+        sample = sample_of(turns[0], 1.0, 0)
+        sample.trajectory.adapter = "alice"
+        await bus.publish(SAMPLE_SUBJECT, sample)
+        first = await until(lambda: bus.last(WEIGHTS_SUBJECT), timeout_s=30)
+        versions.guard.max_drop = 1e-9  # any change now forgets too much
+        sample = sample_of(turns[1], -1.0, 1)
+        sample.trajectory.adapter = "alice"
+        await bus.publish(SAMPLE_SUBJECT, sample)
+        await until(lambda: loop.stats()["held_back"] == {"alice": 1}, timeout_s=30)
+        last = await bus.last(WEIGHTS_SUBJECT)
+        weights = adapters.weights("alice")
+        moments = [adapters.optimizers["alice"].state.get(p) for p in adapters.params["alice"]]
+    finally:
+        await loop.stop()
+    assert (first.adapter, first.version) == ("alice", 1) and last.id == first.id
+    store = AdapterStore(tmp_path / "adapters")
+    assert store.versions("alice") == [1] and loop.stats()["adapters"] == {"alice": 1}
+    published = load_file(store.path("alice", 1) / WEIGHTS_FILE)
+    assert weights.keys() == published.keys() and all(torch.equal(weights[k], published[k]) for k in weights)
+    assert not any(moments)
