@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import sys
 import tempfile
 from pathlib import Path
@@ -45,7 +46,10 @@ def measure(version_dir: Path, scale: float, args) -> dict:
     from flywheel.train.trainer import Trainer
 
     tensors = {k: v * scale if "lora_B" in k else v for k, v in load_file(version_dir / WEIGHTS_FILE).items()}
-    config = load_config(None, ["adapters.kind=lora", f"model={args.model}"])
+    stored = json.loads((version_dir / CONFIG_FILE).read_text())  # the adapter's own rank, alpha and layers
+    config = load_config(None, ["adapters.kind=lora", f"model={args.model}", f"adapters.rank={stored['r']}",
+                                f"adapters.alpha={stored['lora_alpha']}",
+                                f"adapters.target_modules={json.dumps(stored['target_modules'])}"])
     model, tokenizer = load_model(args.model)
     adapters = Trainer(model, config.actor, config.train, config.adapters).adapters
     adapters.ensure("probe")
@@ -72,7 +76,7 @@ def main() -> None:
     parser.add_argument("--heldout-samples", type=int, default=1)
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--temperature", type=float, default=0.7)
-    parser.add_argument("--overrides", nargs="*", default=[])
+    parser.add_argument("--overrides", nargs="*", default=[], help="(satisfaction's: unused without a hint)")
     args = parser.parse_args()
     rows = []
     for adapter in args.adapters:

@@ -48,8 +48,6 @@ from flywheel.judge.reaction_reader import (  # noqa: E402
 )
 
 HELDOUT = ROOT / "bench" / "data" / "reactions_heldout.jsonl"
-POLARITY = {"retry": -1}
-"""A retry is negative in the judge (next_state_classes) as in the sets."""
 
 
 def user_words(examples: list[dict]) -> list[dict]:
@@ -92,7 +90,7 @@ def scores(examples: list[dict], reads: list[tuple[str, bool]]) -> dict:
                           "recall": hits / gold.count(label) if gold.count(label) else None}
     corrections = [r for e, r in zip(examples, reads) if e["gold"] == "correction"]
     new = [r for e, r in zip(examples, reads) if e["gold"] == "moving_on"]
-    sign = [POLARITY.get(x, polarity(x)) for x in gold], [POLARITY.get(x, polarity(x)) for x in said]
+    sign = [polarity(x) for x in gold], [polarity(x) for x in said]
     return {"n": len(examples), "classes": classes,
             "accuracy": sum(g == s for g, s in zip(gold, said)) / len(gold),
             "polarity_accuracy": sum(a == b for a, b in zip(*sign)) / len(gold),

@@ -135,7 +135,7 @@ def trial(arm: str, pref: str, index: int, args, progress) -> dict:
         for s in range(args.cap):
             sessions.append(converse(client, config.served_model, user, s, trial_id, args, memory=memory))
             if memory is not None:
-                remember(memory, sessions[-1])
+                remember(memory, sessions[-1], config.judge.next_state)
             if trains and args.pace == "trained":
                 stats = wait_trained(deployment, s + 1, args.wait_s)
             learned = sessions_to_learn([x["satisfied"] for x in sessions], RUN)
@@ -163,6 +163,18 @@ def trial(arm: str, pref: str, index: int, args, progress) -> dict:
         "heldout": asyncio.run(satisfaction(weights, config.model, user, HELD_OUT_QUESTIONS, args,
                                             system=with_memory(user.system, user.name, memory or []))),
     }
+
+
+UNREAD = ("said", "said_again", "hint", "second_hint")
+"""A session's fields that hold a file's people's words (their reactions, the hints read in them)."""
+
+
+def scrubbed(result: dict) -> dict:
+    """A trial of a file's people without their words (kept unread: bench/data/people_heldout.json
+    measures a reader its author must not tune to them): whether each was a hint, how long each was."""
+    sessions = [{k: v for k, v in s.items() if k not in UNREAD}
+                | {f"{k}_chars": len(s[k]) for k in UNREAD if isinstance(s.get(k), str)} for s in result["sessions"]]
+    return {**result, "sessions": sessions, "memory": None if result.get("memory") is None else len(result["memory"])}
 
 
 def probe_hints(prefs: list[str], args) -> list[list]:
@@ -304,7 +316,7 @@ def main() -> None:
                     if not args.keep_weights:  # ~2.7 GB a trial, not needed once measured
                         for heavy in ("weights", "checkpoints", "merged"):
                             shutil.rmtree(trial_dir(arm, pref, index, args) / heavy, ignore_errors=True)
-                    trials.append(result)
+                    trials.append(scrubbed(result) if args.people else result)
                     print(f"== {arm} {pref} #{index}: learned at {result['learned_at'] or f'>{args.cap}'}, held-out rate "
                           f"{result['heldout']['rate']:.2f}, arithmetic {result.get('arith_after')}, first replies not judged "
                           f"{result['unjudged']}, {result['trial_s']:.0f} s",

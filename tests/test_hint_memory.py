@@ -20,9 +20,10 @@ from factories import collected, make_turn, platform, read
 from waiting import until
 
 
-def trajectory(user: str | None, turns: int = 1, tenant: str = "open", adapter: str | None = None) -> Trajectory:
+def trajectory(user: str | None, turns: int = 1, tenant: str = "open", adapter: str | None = None,
+               created_at: float = 1000.0) -> Trajectory:
     return Trajectory(id=f"t-{user}-{turns}", session_id="s", segments=[], turns=[make_turn(id=f"t{i}", turn_index=i) for i in range(turns)],
-                      next_states=[[] for _ in range(turns)], close_reason="done", tenant=tenant, user_id=user, adapter=adapter)
+                      next_states=[[] for _ in range(turns)], close_reason="done", tenant=tenant, created_at=created_at, user_id=user, adapter=adapter)
 
 
 def test_a_hint_teaches_the_same_persons_later_turns_own_hint_first():
@@ -33,28 +34,45 @@ def test_a_hint_teaches_the_same_persons_later_turns_own_hint_first():
     assert memory.teach(trajectory("bob"), {}) == {}  # nobody else's
     memory.teach(trajectory("ada"), {0: "Use bullets."})
     assert memory.recall(trajectory("ada")) == ["Use bullets.", "Call me Ada."]  # the newest `size`
+    memory.teach(trajectory("ada"), {0: "Call me Ada."})
+    assert memory.recall(trajectory("ada")) == ["Call me Ada.", "Use bullets."]  # said again: newest again
 
 
-def test_the_learner_is_the_adapter_a_turn_trains_else_the_end_user():
+def test_a_person_is_an_end_user_on_their_adapter_and_unnamed_traffic_is_one_person():
     memory = HintMemory(size=4)
     memory.teach(trajectory("ada", adapter="acme"), {0: "Be formal."})
-    assert memory.recall(trajectory("bob", adapter="acme")) == ["Be formal."]  # one tenant adapter, one memory
+    assert memory.recall(trajectory("ada", adapter="acme")) == ["Be formal."]
+    assert memory.recall(trajectory("bob", adapter="acme")) == []  # a tenant adapter's other users: not told Ada's words
     assert memory.recall(trajectory("ada")) == [] and memory.recall(trajectory("ada", tenant="other", adapter="acme")) == []
+    memory.teach(trajectory(None), {0: "Use bullets."})
+    assert memory.recall(trajectory(None)) == ["Use bullets."]
 
 
-def test_forgetting_drops_a_users_hints_or_a_tenants():
+def test_only_the_hints_of_turns_judged_below_zero_are_remembered():
     memory = HintMemory(size=4)
-    memory.teach(trajectory("ada", adapter="acme"), {0: "Be formal."})
-    memory.teach(trajectory("bob", adapter="acme"), {0: "Use bullets."})
+    assert memory.teach(trajectory("ada", 2), {0: "Perfect!", 1: "Shorter."}, remember={1}) == {0: "Perfect!", 1: "Shorter. Perfect!"}
+    assert memory.recall(trajectory("ada")) == ["Shorter."]
+
+
+def test_forgetting_drops_a_users_hints_or_a_tenants_and_older_trajectories_stay_forgotten():
+    memory = HintMemory(size=4)
+    old = trajectory("ada", created_at=1000.0)
+    memory.teach(trajectory("ada"), {0: "Be formal."})
+    memory.teach(trajectory("bob"), {0: "Use bullets."})
     memory.teach(trajectory("cy", tenant="other"), {0: "Be brief."})
-    memory.forget("open", "ada")
-    assert memory.recall(trajectory("bob", adapter="acme")) == ["Use bullets."]
-    memory.forget("open")
-    assert memory.recall(trajectory("bob", adapter="acme")) == [] and memory.recall(trajectory("cy", tenant="other"))
+    memory.forget("open", "ada", at=1001.0)
+    assert memory.recall(trajectory("ada")) == [] and memory.recall(trajectory("bob")) == ["Use bullets."]
+    memory.teach(old, {0: "Call me Ada."})  # judged after the forget, collected before it
+    assert memory.recall(trajectory("ada")) == []
+    memory.teach(trajectory("ada", created_at=1002.0), {0: "Call me Ada."})  # collected after: a new start
+    assert memory.recall(trajectory("ada")) == ["Call me Ada."]
+    memory.forget("open", None, at=1003.0)
+    assert memory.recall(trajectory("bob")) == [] and memory.recall(trajectory("ada")) == []
+    assert memory.recall(trajectory("cy", tenant="other")) == ["Be brief."]
 
 
-def test_learners_are_bounded_least_recently_taught_first():
-    memory = HintMemory(size=1, max_learners=2)
+def test_people_are_bounded_those_given_a_hint_least_recently_first():
+    memory = HintMemory(size=1, max_people=2)
     for user in ("a", "b", "c"):
         memory.teach(trajectory(user), {0: f"hint {user}"})
     assert [memory.recall(trajectory(u)) for u in "abc"] == [[], ["hint b"], ["hint c"]]

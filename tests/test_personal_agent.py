@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import json
 import math
+from pathlib import Path
 from types import SimpleNamespace
 
 import openai
@@ -34,7 +35,9 @@ from flywheel.drills.simulated_people import (
     PREFERENCES,
     TRAIN_QUESTIONS,
     User,
+    Voice,
     answers,
+    people_from,
 )
 from flywheel.judge.loop import JudgeLoop
 from flywheel.serve.loop import ServeLoop
@@ -131,13 +134,13 @@ def test_the_summary_table_has_a_row_per_arm_with_its_trials_numbers():
     rows = summary_rows([trial("both", 7, 0.5, 0.6, 0.3), trial("both", 11, 0.4, 0.5, 0.2), trial("none", None, 0.1, 0.1),
                          trial("both", 9, 0.3, 0.4, 0.1), trial("none", 20, 0.2, 0.1)], arith_before=0.25)
     none, both = rows  # arms in their fixed order: none, rl, opd, both
-    assert none[:6] == ["none", "brief", 2, ">30 20", ">30", "1/2"]  # a trial that never learned counts as more than the cap
+    assert none[:6] == ["none", "brief", 2, ">30 20", ">25", "1/2"]  # one that never learned: more than the cap, so the median more than 25
     assert both[:6] == ["both", "brief", 3, "7 11 9", 9, "3/3"]
     assert both[6:] == pytest.approx([0.4, None, 0.5, None, 1.0, 1.0, 0.25, 0.2])  # no held-out "before" measured here
     assert none[12:] == [0.25, None]
     two = summary_rows([trial("both", 7, 0.5, 0.6), {**trial("both", None, 0.2, 0.1), "pref": "name"}], arith_before=None)
     assert [row[:6] for row in two] == [["both", "brief", 1, "7", 7, "1/1"], ["both", "name", 1, ">30", ">30", "0/1"],
-                                        ["both", "all", 2, "7 >30", ">30", "1/2"]]  # the median of 7 and more than 30
+                                        ["both", "all", 2, "7 >30", ">18.5", "1/2"]]  # the median of 7 and more than 30
 
 
 @pytest.mark.parametrize("kind, meets, misses", [
@@ -178,3 +181,29 @@ def test_an_answer_speaks_of_the_question_and_is_not_one_word_over_and_over():
     assert answers("How can I remember people's names better?", "Repeat each name when you hear it.")
     assert not answers("How do I remove a splinter?", "You are Pre-cut Your Hair.")
     assert not answers("How do I fix a squeaky door?", "door " * 10)
+
+
+def test_a_person_written_elsewhere_speaks_only_in_their_own_words():
+    voice = Voice(corrections=("Too long for me.", "Shorter, please."), off_topic=("That is not what I asked.",),
+                  thanks=("Lovely.",), new_question=("Another one: {question}",))
+    user = User("Ada", PREFERENCES["brief"], seed=1, voice=voice)
+    question = user.question(0)
+    assert {user.react(" ".join([question] * 5), 0)[0] for _ in range(20)} <= set(voice.corrections)
+    assert {user.react("You are Ada's personal assistant.", 0)[0] for _ in range(5)} == {"That is not what I asked."}
+    said = {user.react(f"{user.question(s)} Daily.", s)[0] for s in range(20)}
+    assert "Lovely." in said and any(line.startswith("Another one: ") for line in said) and len(said) > 2
+
+
+def test_the_blind_people_file_is_well_formed():
+    """bench/data/people_heldout.json: three people for each of four preferences, every list long
+    enough, every new-question line with one place for the question. Checked without showing a
+    line of theirs (the judge's author does not read them)."""
+    path = Path(__file__).resolve().parent.parent / "bench" / "data" / "people_heldout.json"
+    people = people_from(path)
+    assert sorted(people) == sorted(f"{pref}-{i}" for pref in ("brief", "bullets", "name", "formal") for i in (1, 2, 3))
+    for key, (name, preference, voice) in people.items():
+        fits = (key.startswith(preference.kind) and bool(name) and len(voice.corrections) >= 14 and len(voice.off_topic) >= 4
+                and len(voice.thanks) >= 6 and len(voice.new_question) >= 6
+                and all(line.count("{question}") == 1 and line.format(question="Q?").count("Q?") == 1
+                        for line in voice.new_question))
+        assert fits, key

@@ -22,7 +22,7 @@ import math
 import os
 import re
 import time
-from statistics import fmean, median
+from statistics import fmean
 
 from flywheel.drills.simulated_people import User
 
@@ -81,12 +81,14 @@ def with_memory(system: str, name: str, hints: list[str]) -> str:
         f'"{hint}"' for hint in hints[-MEMORY:])
 
 
-def remember(hints: list[str], record: dict) -> None:
-    """Keep the hint the judge's reader finds in the person's reaction to the first reply."""
+def remember(hints: list[str], record: dict, config=None) -> None:
+    """Keep the hint the judge (`config`: its `judge.next_state`) finds in the person's reaction
+    to the first reply."""
     from flywheel.judge.next_state import classify_next_state, hint_of
 
-    call, words = classify_next_state([{"role": "user", "content": record["said"]}], record["question"], record["reply"])
-    if words and (hint := hint_of(call, words)):
+    said = [{"role": "user", "content": record["said"]}]
+    call, words = classify_next_state(said, record["question"], record["reply"], config)
+    if words and (hint := hint_of(call, words, config)):
         hints.append(hint)
 
 
@@ -166,12 +168,15 @@ HEADERS = ["arm", "preference", "trials", "sessions to learn", "median", "learne
 
 def median_sessions(learned: list[int | None], cap: int) -> float | str | None:
     """The median of sessions to learn, a trial that never learned counting as more than `cap`
-    (then a median among those is `">cap"`); None for no trials."""
+    (a median that takes one is a bound: `">cap"`, or `">x"` between a learned trial and one
+    that never learned); None for no trials."""
     if not learned:
         return None
     ordered = sorted(math.inf if x is None else x for x in learned)
-    middle = ordered[(len(ordered) - 1) // 2], ordered[len(ordered) // 2]
-    return f">{cap}" if math.inf in middle else fmean(middle)
+    lower, upper = ordered[(len(ordered) - 1) // 2], ordered[len(ordered) // 2]
+    if lower == math.inf:
+        return f">{cap}"
+    return f">{fmean((lower, cap)):g}" if upper == math.inf else fmean((lower, upper))
 
 
 def summary_rows(trials: list[dict], arith_before: float | None) -> list[list]:

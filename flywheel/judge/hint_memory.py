@@ -2,19 +2,21 @@
 teaches every later reply, not only the one it was about.
 
 Without it a hint reaches one turn: the teacher, told the correction, scores the reply it was
-about, and that is one sample's worth of distillation. With it the judge keeps each learner's
-newest hints (a learner: the adapter the turn trains, else the end user, else the tenant), and
-every later turn of theirs (in the same conversation and after) is scored by the teacher told
-those hints too, its own hint first:
+about, and that is one sample's worth of distillation. With it the judge keeps each person's
+newest hints (a person: the end user of a tenant, on the adapter their turns train; a tenant's
+traffic that names no user is one person), and every later turn of theirs (in the same
+conversation and after) is scored by the teacher told those hints too, its own hint first:
 replies the person approved and replies to new questions included, until the hints fall out of
 the memory. Distillation toward "the base model told what this person wants" then runs on every
 reply of theirs, the memory's counterpart in the weights of the hints an app would put in the
-prompt.
+prompt. Only hints about turns the judge scored below zero are remembered (a correction, a
+complaint; feedback text such as "Perfect!" teaches its own turn only).
 
 Held in the judge's memory only (lost when it restarts: the verdicts do not depend on it, only
-how much the teacher says), bounded (`memory` hints a learner, `MAX_LEARNERS` learners, least
-recently judged dropped first), and forgotten with the person: `forget` drops a tenant's or one
-user's hints (the judge loop follows the audit log).
+how much the teacher says), bounded (`memory` hints a person, `MAX_PEOPLE` people, those given a
+hint least recently dropped first), and forgotten with the person: `forget` drops a tenant's or
+one user's hints, and a trajectory collected before that is not remembered again (the judge loop
+follows the audit log).
 """
 
 from __future__ import annotations
@@ -23,40 +25,45 @@ from collections import OrderedDict, deque
 
 from flywheel.bus import Trajectory
 
-MAX_LEARNERS = 10_000
+MAX_PEOPLE = 10_000
 
 
 class HintMemory:
-    def __init__(self, size: int, max_learners: int = MAX_LEARNERS):
-        self.size, self.max_learners = size, max_learners
-        self._hints: OrderedDict[tuple[str, str], deque[tuple[str | None, str]]] = OrderedDict()
+    def __init__(self, size: int, max_people: int = MAX_PEOPLE):
+        self.size, self.max_people = size, max_people
+        self._hints: OrderedDict[tuple[str, str, str], deque[str]] = OrderedDict()
+        self._forgotten: dict[tuple[str, str | None], float] = {}
+        """(tenant, user or None for the whole tenant): when they were forgotten."""
 
     @staticmethod
-    def learner(trajectory: Trajectory) -> tuple[str, str]:
-        """Whose hints these are: (tenant, the adapter the sample trains, else the end user, else "")."""
-        return trajectory.tenant, trajectory.adapter or (f"user:{trajectory.user_id}" if trajectory.user_id else "")
+    def person(trajectory: Trajectory) -> tuple[str, str, str]:
+        """Whose hints these are: (tenant, the adapter the turns train, the end user)."""
+        return trajectory.tenant, trajectory.adapter or "", trajectory.user_id or ""
 
     def recall(self, trajectory: Trajectory) -> list[str]:
-        """The learner's remembered hints, newest first."""
-        return [hint for _, hint in reversed(self._hints.get(self.learner(trajectory), ()))]
+        """The person's remembered hints, newest first."""
+        return list(reversed(self._hints.get(self.person(trajectory), ())))
 
     def keep(self, trajectory: Trajectory, hints: list[str]) -> None:
-        """Remember a trajectory's hints (in turn order) for its learner's later turns."""
-        if not hints:
+        """Remember a trajectory's hints (in turn order) for its person's later turns; nothing of
+        a trajectory collected before its person was forgotten."""
+        tenant, _, user = key = self.person(trajectory)
+        forgotten = max(self._forgotten.get((tenant, None), 0.0), self._forgotten.get((tenant, user or None), 0.0))
+        if not hints or trajectory.created_at <= forgotten:
             return
-        key = self.learner(trajectory)
         kept = self._hints.pop(key, None) or deque(maxlen=self.size)
         for hint in hints:
-            if all(hint != old for _, old in kept):
-                kept.append((trajectory.user_id, hint))
+            if hint in kept:
+                kept.remove(hint)
+            kept.append(hint)
         self._hints[key] = kept
-        while len(self._hints) > self.max_learners:
+        while len(self._hints) > self.max_people:
             self._hints.popitem(last=False)
 
-    def teach(self, trajectory: Trajectory, hints: dict[int, str]) -> dict[int, str]:
+    def teach(self, trajectory: Trajectory, hints: dict[int, str], remember: set[int] | None = None) -> dict[int, str]:
         """Each turn's hint for the teacher: its own (when it has one), then the hints of the
-        trajectory's earlier turns and what the learner asked for before, newest first; the
-        trajectory's hints are remembered afterwards."""
+        trajectory's earlier turns and what the person asked for before, newest first. The hints
+        of the turns in `remember` (default: all) are remembered afterwards."""
         earlier = self.recall(trajectory)
         out = {}
         for k in range(len(trajectory.turns)):
@@ -66,17 +73,12 @@ class HintMemory:
                 out[k] = " ".join(told)
             if k in hints and hints[k] not in earlier:
                 earlier.insert(0, hints[k])
-        self.keep(trajectory, [hints[k] for k in sorted(hints)])
+        self.keep(trajectory, [hints[k] for k in sorted(hints) if remember is None or k in remember])
         return out
 
-    def forget(self, tenant: str, user: str | None = None) -> None:
-        """Drop a tenant's hints, or one end user's."""
-        for key in [key for key in self._hints if key[0] == tenant]:
-            if user is None:
-                del self._hints[key]
-                continue
-            kept = deque(((who, hint) for who, hint in self._hints[key] if who != user), maxlen=self.size)
-            if kept:
-                self._hints[key] = kept
-            else:
-                del self._hints[key]
+    def forget(self, tenant: str, user: str | None, at: float) -> None:
+        """Drop a tenant's hints, or one end user's; forgotten at time `at` (a trajectory
+        collected until then is not remembered again)."""
+        self._forgotten[tenant, user] = max(at, self._forgotten.get((tenant, user), 0.0))
+        for key in [key for key in self._hints if key[0] == tenant and (user is None or key[2] == user)]:
+            del self._hints[key]

@@ -80,10 +80,10 @@ class JudgeLoop(ConsumerLoop):
 
     async def _follow_forgetting(self) -> None:
         """A forgotten tenant's or user's hints leave the teacher's memory."""
-        async for entry in self.bus.follow(AUDIT_SUBJECT, from_last=False):
+        async for entry in self.bus.follow(AUDIT_SUBJECT, from_first=True):  # again after a fault: none missed
             assert isinstance(entry, AuditEntry) and self.memory is not None
             if entry.action == "forget":
-                self.memory.forget(entry.details["tenant"], entry.details.get("user"))
+                self.memory.forget(entry.details["tenant"], entry.details.get("user"), entry.created_at)
 
     def _teacher(self) -> Teacher | None:
         """The hint teacher (`judge.teacher`) on the judge's own server, or with adapters on the
@@ -169,8 +169,8 @@ class JudgeLoop(ConsumerLoop):
         if self.teacher is None or not trajectory.consent:
             return Teaching()
         hints = hints_of(trajectory, verdict.details)
-        if self.memory is not None:
-            hints = self.memory.teach(trajectory, hints)
+        if self.memory is not None:  # remembered: the hints of turns judged below zero
+            hints = self.memory.teach(trajectory, hints, {k for k, r in enumerate(verdict.turn_rewards) if r < 0})
         if not hints:
             return Teaching()
         try:

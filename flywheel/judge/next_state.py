@@ -27,6 +27,7 @@ and for a negative reaction in the user's words the `hint` (`hint_of`), for hint
 
 from __future__ import annotations
 
+import asyncio
 import re
 from collections import Counter
 from statistics import fmean
@@ -82,7 +83,7 @@ def read_user_text(text: str, request: str = "", reply: str = "", config: NextSt
     rules = classify_user_text(text, request, reply, config.retry_overlap, config.retry_min_shared)
     if config.reader == "rules" or rules.label in _TOOLISH or not text.strip():
         return rules
-    reading = reader().read(text, request, reply)
+    reading = reader().read(text, request, reply, rules.label)
     return Call(reading.label, f"reader: {reading.label} ({reading.probability:.2f})")
 
 
@@ -125,6 +126,12 @@ class NextStateJudge(Judge):
 
     def __init__(self, config: NextStateJudgeConfig | None = None):
         self.config = config or NextStateJudgeConfig()
+
+    async def start(self) -> None:
+        """Train the learned reader now, off the event loop (it takes seconds; the first
+        judgement would otherwise hold the loop that long)."""
+        if self.config.reader == "learned":
+            await asyncio.to_thread(reader)
 
     async def score(self, trajectory: Trajectory) -> Verdict:
         position = turn_positions(trajectory)

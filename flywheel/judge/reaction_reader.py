@@ -13,7 +13,8 @@ written by a helper from a brief (the people who wrote the evaluation sets never
 the author of the reader never read those: `bench/judge_reactions.py`).
 
 `ReactionReader.read` gives the label and its probability; `reader()` is the process's one reader,
-trained from the shipped examples on first use.
+trained from the shipped examples on first use (the `next_state` judge trains it when it starts,
+off its event loop), on one thread, so that every process reads alike.
 """
 
 from __future__ import annotations
@@ -55,8 +56,8 @@ def _bucket(fraction: float) -> int:
     return 0 if fraction == 0 else 1 if fraction < 0.34 else 2 if fraction < 0.67 else 3
 
 
-def features(message: str, request: str = "", reply: str = "") -> list[str]:
-    """The message's features, as strings to hash."""
+def features(message: str, request: str = "", reply: str = "", rule: str | None = None) -> list[str]:
+    """The message's features, as strings to hash (`rule`: the rules' class of it, when known)."""
     tokens = _TOKEN.findall(message.lower().replace("\u2019", "'"))
     words = [t for t in tokens if t[0].isalnum() or t[0] == "_"]
     out = [f"w:{w}" for w in words]
@@ -68,7 +69,7 @@ def features(message: str, request: str = "", reply: str = "") -> list[str]:
     out += [f"p:{t}" for t in tokens if not t[0].isalnum() and t[0] != "_"]
     out.append(f"end:{message.strip()[-1:]}")
     out.append(f"len:{min(len(words), 40) // 4}")
-    out.append(f"rule:{classify_user_text(message, request, reply).label}")
+    out.append(f"rule:{rule or classify_user_text(message, request, reply).label}")
     said = _content(message)
     if said:
         out.append(f"req:{_bucket(len(said & _content(request)) / len(said))}")
@@ -86,35 +87,42 @@ class ReactionReader:
     `request`, `reply`, `next` (the user's message first) and `gold`, one of `READ_LABELS`)."""
 
     def __init__(self, examples: list[dict], steps: int = 100, lr: float = 0.3, weight_decay: float = 1e-5):
-        self.weights = torch.nn.EmbeddingBag(BUCKETS, len(READ_LABELS), mode="sum")
-        torch.nn.init.zeros_(self.weights.weight)
-        self.bias = torch.nn.Parameter(torch.zeros(len(READ_LABELS)))
         ids, offsets, scale = _pack([_hashed(features(_said(e), e.get("request", ""), e.get("reply", "")))
                                      for e in examples])
         gold = torch.tensor([READ_LABELS.index(e["gold"]) for e in examples])
         counts = torch.bincount(gold, minlength=len(READ_LABELS)).clamp(min=1).float()
         loss_fn = torch.nn.CrossEntropyLoss(weight=(counts.sum() / counts) ** 0.5)  # rarer classes count more
+        # Zeros, not a random draw (the process's RNG stays where it was); one thread, so that every
+        # process sums in the same order and every judge reads alike.
+        self.weights = torch.nn.EmbeddingBag.from_pretrained(torch.zeros(BUCKETS, len(READ_LABELS)), freeze=False,
+                                                             mode="sum")
+        self.bias = torch.nn.Parameter(torch.zeros(len(READ_LABELS)))
         optimizer = torch.optim.Adam([self.weights.weight, self.bias], lr=lr)
-        for _ in range(steps):  # full batch: deterministic, and a step is a few milliseconds
-            logits = self.weights(ids, offsets, per_sample_weights=scale) + self.bias
-            loss = loss_fn(logits, gold) + weight_decay * self.weights.weight.pow(2).sum()
-            optimizer.zero_grad()
-            loss.backward()
-            optimizer.step()
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1)
+        try:
+            for _ in range(steps):  # full batch: deterministic, and a step is a few milliseconds
+                logits = self.weights(ids, offsets, per_sample_weights=scale) + self.bias
+                loss = loss_fn(logits, gold) + weight_decay * self.weights.weight.pow(2).sum()
+                optimizer.zero_grad()
+                loss.backward()
+                optimizer.step()
+        finally:
+            torch.set_num_threads(threads)
         self.weights.requires_grad_(False)
         self.bias.requires_grad_(False)
 
-    def probabilities(self, message: str, request: str = "", reply: str = "") -> dict[str, float]:
-        ids, offsets, scale = _pack([_hashed(features(message, request, reply))])
+    def probabilities(self, message: str, request: str = "", reply: str = "", rule: str | None = None) -> dict[str, float]:
+        ids, offsets, scale = _pack([_hashed(features(message, request, reply, rule))])
         with torch.no_grad():
             p = torch.softmax(self.weights(ids, offsets, per_sample_weights=scale)[0] + self.bias, -1)
         return dict(zip(READ_LABELS, p.tolist()))
 
-    def read(self, message: str, request: str = "", reply: str = "") -> Reading:
+    def read(self, message: str, request: str = "", reply: str = "", rule: str | None = None) -> Reading:
         """The most likely label of a message after a reply to `request`; a correction or a
         complaint only when the two together are at least `NEGATIVE_AT` likely (a new request
         read as one teaches the wrong thing, so the reader leans the other way)."""
-        probabilities = self.probabilities(message, request, reply)
+        probabilities = self.probabilities(message, request, reply, rule)
         negative = probabilities["correction"] + probabilities["complaint"]
         allowed = [label for label in READ_LABELS if negative >= NEGATIVE_AT or label not in NEGATIVE]
         label = max(allowed, key=probabilities.__getitem__)

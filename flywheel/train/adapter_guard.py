@@ -7,7 +7,8 @@ answer nothing (issue 45's full fine-tuning run, word salad by version 20), and 
 do the same to its one user. So before an adapter's version is published the trainer measures
 forgetting: the base's own greedy answers to `GENERAL_PROMPTS` (arithmetic, facts, code, plain
 instructions: nothing a personal preference should change much), and the mean log-probability
-per token the adapter gives those answers, against the base's. A drop above `guard_drop` nats a
+per token the adapter gives those answers, against the base's (against its origin's, for a
+user's adapter that started from its tenant's). A drop above `guard_drop` nats a
 token holds the version back: it is not published, the adapter's weights go back to its last
 published version (its origin's, or the base's, before any) and its optimizer starts afresh,
 and the loop's stats count it (`held_back`). The person keeps being served what they had.
@@ -50,15 +51,21 @@ class AdapterGuard:
         self.base_logprob: float | None = None
         self.held_back: dict[str, int] = {}
 
-    def drop(self, name: str) -> float:
-        """How much less likely (nats a token, mean) `name` makes the base's answers than the base."""
+    def drop(self, name: str, origin: str | None = None) -> float:
+        """How much less likely (nats a token, mean) `name` makes the base's answers than the base
+        does, or than `origin` does when that adapter is here (what `name` started from: a user's
+        adapter is measured against its tenant's, not held back for what that one changed)."""
         ids, attention, answer = self._reference()
+        reference = self.base_logprob
+        if origin is not None and origin != name and origin in self.adapters.keys:
+            self.adapters.activate(origin)
+            reference = _mean_logprob(self.adapters.model, ids, attention, answer)
         self.adapters.activate(name)
-        return self.base_logprob - _mean_logprob(self.adapters.model, ids, attention, answer)
+        return reference - _mean_logprob(self.adapters.model, ids, attention, answer)
 
-    def allows(self, name: str) -> bool:
+    def allows(self, name: str, origin: str | None = None) -> bool:
         """Whether `name`'s current weights may be published (and count it when not)."""
-        drop = self.drop(name)
+        drop = self.drop(name, origin)
         if drop <= self.max_drop:
             return True
         self.held_back[name] = self.held_back.get(name, 0) + 1
@@ -73,11 +80,13 @@ class AdapterGuard:
             return self._batch
         rows, answers = [], []
         with torch.no_grad(), self.adapters.disabled() as base:
+            device = next(base.parameters()).device
             for prompt in self.prompts:
                 text = self.tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
                                                           tokenize=False)
                 prompt_ids = self.tokenizer.encode(text, add_special_tokens=False)
-                out = base.generate(torch.tensor([prompt_ids]), attention_mask=torch.ones(1, len(prompt_ids), dtype=torch.long),
+                out = base.generate(torch.tensor([prompt_ids], device=device),
+                                    attention_mask=torch.ones(1, len(prompt_ids), dtype=torch.long, device=device),
                                     max_new_tokens=ANSWER_TOKENS, do_sample=False, pad_token_id=self.tokenizer.eos_token_id)
                 rows.append(out[0].tolist())
                 answers.append(len(out[0]) - len(prompt_ids))
@@ -87,8 +96,8 @@ class AdapterGuard:
             answer = torch.zeros_like(ids, dtype=torch.bool)
             for r, (row, n) in enumerate(zip(rows, answers)):
                 answer[r, len(row) - n:len(row)] = True
-            self._batch = ids, attention, answer
-            self.base_logprob = _mean_logprob(base, ids, attention, answer)
+            self._batch = ids.to(device), attention.to(device), answer.to(device)
+            self.base_logprob = _mean_logprob(base, *self._batch)
         return self._batch
 
 

@@ -81,7 +81,7 @@ class AdapterVersions:
         last publication, unless the guard holds one back; the ones published."""
         published = []
         for name in (name for name in names if adapters.steps[name] % self.interval == 0):
-            if self.guard is not None and not await asyncio.to_thread(self.guard.allows, name):
+            if self.guard is not None and not await asyncio.to_thread(self.guard.allows, name, self.origin_of(name)):
                 await asyncio.to_thread(self.hold_back, adapters, name)
                 continue
             await self.publish(adapters, name, step)
