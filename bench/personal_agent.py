@@ -50,7 +50,10 @@ sessions, and the version that answered, as versions roll in).
     .venv/bin/python bench/personal_agent.py --arms both --name personal_agent_lora adapters.kind=lora \
         adapters.scope=tenant actor.optimizer.lr=0.0005    # the person's own adapter on a frozen base
     .venv/bin/python bench/personal_agent.py --arms both memory --people bench/data/people_heldout.json \
-        --name personal_agent_unscripted --cap 30 adapters.kind=lora adapters.scope=tenant actor.optimizer.lr=0.0005
+        --name personal_agent_unscripted --cap 15 adapters.kind=lora adapters.scope=tenant actor.optimizer.lr=0.0005 \
+        judge.teacher.memory=8                             # issue 45: people nobody here wrote, with adapters
+    .venv/bin/python bench/personal_agent.py --probe-hints --people bench/data/people_heldout.json \
+        --prefs brief bullets name formal --name personal_agent_unscripted   # the teacher told each person's words
 
 With adapters (`adapters.kind=lora`) the final policy is the base with the trial's adapter merged
 in (bench/lib/final_policy.py), for the same held-out and arithmetic evaluations.
@@ -179,14 +182,31 @@ def scrubbed(result: dict) -> dict:
 
 def probe_hints(prefs: list[str], args) -> list[list]:
     """Whether the hint can teach at all: per preference, the base model's satisfaction rate on the
-    training questions, and the teacher's (the same model told a specific correction as its hint)."""
+    training questions, and the teacher's (the same model told a specific correction as its hint).
+    With `--people`: per person of the file (trial i's person of each preference), the teacher told
+    each of `--probe-corrections` of the person's own corrections in turn (their words stay unread:
+    only rates are shown)."""
     rows = []
     for pref in prefs:
-        user = User(NAMES[0], PREFERENCES[pref], seed=0)
-        hint = PREFERENCES[pref].specific[0].format(name=user.name)
-        base, told = (asyncio.run(satisfaction(None, args.model, user, TRAIN_QUESTIONS[:16], args, h)) for h in (None, hint))
-        rows.append([pref, hint, base["rate"], told["rate"], told["answers"]])
-        print(f"{pref}: base {base['rate']:.2f}, told {told['rate']:.2f} ({hint})", flush=True)
+        if not args.people:
+            user = User(NAMES[0], PREFERENCES[pref], seed=0)
+            hints = [PREFERENCES[pref].specific[0].format(name=user.name)]
+            people = [(pref, user, hints, hints[0])]
+        else:
+            file = people_from(args.people)
+            people = []
+            for index in range(args.trials):
+                name, preference, voice = file[f"{pref}-{index + 1}"]
+                user = User(name, preference, seed=index, voice=voice)
+                hints = user.rng.sample(voice.corrections, min(args.probe_corrections, len(voice.corrections)))
+                people.append((f"{pref}-{index + 1}", user, hints, f"{len(hints)} of their corrections"))
+        for who, user, hints, shown in people:
+            questions = TRAIN_QUESTIONS[:args.probe_questions]
+            base = asyncio.run(satisfaction(None, args.model, user, questions, args))
+            told = [asyncio.run(satisfaction(None, args.model, user, questions, args, hint)) for hint in hints]
+            rate, answered = fmean(t["rate"] for t in told), fmean(t["answers"] for t in told)
+            rows.append([who, shown, base["rate"], rate, answered])
+            print(f"{who}: base {base['rate']:.2f}, told {rate:.2f} ({shown})", flush=True)
     return rows
 
 
@@ -276,13 +296,15 @@ def main() -> None:
                         help="only measure, per preference, the base model's and the hint teacher's satisfaction rates "
                              "(the teacher as configured, overrides included: e.g. judge.teacher.hint_template)")
     parser.add_argument("--model", default="smollm2-135m", help="the model --probe-hints measures")
+    parser.add_argument("--probe-questions", type=int, default=16, help="training questions --probe-hints asks")
+    parser.add_argument("--probe-corrections", type=int, default=3, help="with --people: corrections told per person")
     parser.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides for every deployment")
     args = parser.parse_args()
     quiet_logs()
     if args.probe_hints:
         prefs = args.prefs or sorted(PREFERENCES)
         rows = probe_hints(prefs, args)
-        print(table(["preference", "hint", "base rate", "told the hint", "told: answers"], rows))
+        print(table(["person" if args.people else "preference", "hint", "base rate", "told the hint", "told: answers"], rows))
         write_result(f"{args.name}_hints", {"args": vars(args), "rows": rows})
         return
     os.environ.setdefault("RAY_DEDUP_LOGS", "0")
