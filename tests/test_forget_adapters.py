@@ -28,7 +28,7 @@ from factories import TENANTS_SETUP, RunningApp, converse, learning, platform, r
 from waiting import until
 
 LORA = [*TENANTS_SETUP, "adapters.kind=lora", "adapters.scope=user", "actor.optimizer.lr=0.05",
-        "train.checkpoint_interval=1"]
+        "train.checkpoint_interval=1", "adapters.guard_drop=null"]  # the guard is test_adapter_guard.py's
 ADA, BOB = user_adapter("acme", "ada"), user_adapter("acme", "bob")
 
 
