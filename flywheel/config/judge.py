@@ -238,8 +238,9 @@ class TeacherConfig(Section):
     log-probabilities (SGLang's `input_top_logprobs`): dense distillation toward its whole
     distribution (`actor.opd_topk_coef`), not only the sampled token's. 0: the sampled token's alone."""
     memory: int = Field(0, ge=0, le=32)
-    """Hints the judge remembers per learner (the adapter a turn trains, else its end user), told
-    to the teacher on every later turn of theirs as well as the turn they were about
+    """Hints the judge remembers per person (an end user on the adapter their turns train; a
+    tenant's unnamed traffic is one person), told to the teacher on every later turn of theirs as
+    well as the turn they were about
     (flywheel/judge/hint_memory.py): one correction teaches every later reply. 0: a hint teaches
     its own turn only."""
 

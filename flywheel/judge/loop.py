@@ -11,7 +11,7 @@ the trajectory acknowledged:
   ran past the deadline, or failed unexpectedly (`judge error`, logged with its traceback).
   Never a silent zero.
 
-With `judge.teacher.memory`, the loop keeps each learner's newest hints for the teacher
+With `judge.teacher.memory`, the loop keeps each person's newest hints for the teacher
 (flywheel/judge/hint_memory.py) and follows the audit log to drop a forgotten tenant's or user's.
 
 Both records carry the trajectory's id, so a re-publish after a crash is dropped as a

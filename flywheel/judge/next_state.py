@@ -93,7 +93,9 @@ def hint_of(call: Call, words: str, config: NextStateJudgeConfig | None = None) 
     instruction); with the rules, a correction trimmed to its instruction (`hint_for`)."""
     if (config or NextStateJudgeConfig()).reader == "rules":
         return hint_for(words) if call.label == "correction" else None
-    return words.strip() or None if call.label in ("correction", "complaint") else None
+    if call.label not in ("correction", "complaint"):
+        return None
+    return words.strip() or None
 
 
 def request_text(turn: Turn) -> str:

@@ -13,8 +13,8 @@ token holds the version back: it is not published, the adapter's weights go back
 published version (its origin's, or the base's, before any) and its optimizer starts afresh,
 and the loop's stats count it (`held_back`). The person keeps being served what they had.
 
-The base's answers are computed once, at the first check (a few seconds); a check is one
-batched forward pass over them with the adapter on.
+The base's answers are computed once, at the first check (27 s for SmolLM2 on 2 CPU cores); a
+check is one batched forward pass over them with the adapter on (2.0 s there).
 """
 
 from __future__ import annotations
