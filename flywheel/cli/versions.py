@@ -1,7 +1,8 @@
 """`flywheel versions`: the policy versions of a running Flywheel, and an operator's say.
 
     flywheel versions list                 every version: state, lineage, gate, online reward
-    flywheel versions show N               one version: its transitions, gate report, canary
+                                           (then each shared or tenant adapter's, under promotion)
+    flywheel versions show N [--adapter A] one version (of adapter A): transitions, gate report, canary
     flywheel versions promote N            serve N to everyone (an operator's decision)
     flywheel versions rollback [N]         take back the canary, else the serving version
                                            (to N, or to the last good version)
@@ -42,6 +43,9 @@ def _when(at: float) -> str:
 def _role(entry: VersionEntry, routing: Routing | None) -> str:
     if routing is None:
         return ""
+    if entry.adapter is not None:
+        serving = routing.adapters.get(entry.adapter)
+        return f"serves {entry.adapter}'s requests" if serving is not None and serving.version == entry.version else ""
     if routing.serving.version == entry.version:
         return "serves everyone" + (" (pinned)" if routing.pinned else "")
     if routing.canary is not None and routing.canary.version == entry.version:
@@ -64,8 +68,8 @@ def _gate(entry: VersionEntry) -> str:
     return f"{'passed' if entry.gate['passed'] else 'failed'}: {suites}; KL {entry.gate['guards'].get('kl', 0):.3f}"
 
 
-def version_table(entries: list[VersionEntry], routing: Routing | None) -> Table:
-    table = Table(title="policy versions", title_justify="left")
+def version_table(entries: list[VersionEntry], routing: Routing | None, adapter: str | None = None) -> Table:
+    table = Table(title="policy versions" if adapter is None else f"versions of adapter {adapter}", title_justify="left")
     for column in ("version", "state", "parent", "step", "trained on", "train reward", "gate", "online reward", "since", "why"):
         table.add_column(column, overflow="fold")
     for entry in entries:
@@ -101,7 +105,7 @@ def adapter_table(store: AdapterStore, tenant: str | None, user: str | None) -> 
 
 
 def show(console: Console, entry: VersionEntry, routing: Routing | None) -> None:
-    console.print(f"[bold]v{entry.version}[/bold]  {entry.state}  {_role(entry, routing)}")
+    console.print(f"[bold]{entry.id}[/bold]  {entry.state}  {_role(entry, routing)}")
     console.print(f"parent: {'-' if entry.parent is None else f'v{entry.parent}'}   step {entry.step}   weights: {entry.path}")
     trained = {k: v for k, v in entry.trained_on.items() if k != "sample_digests"}
     console.print(f"trained on: {json.dumps(trained)}   metrics: {json.dumps(entry.metrics)}", highlight=False)
@@ -124,11 +128,13 @@ async def run(args: argparse.Namespace, url: str, console: Console) -> int:
         routing = await registry.routing()
         if args.action == "list":
             console.print(version_table(await registry.versions(), routing))
+            for adapter in await registry.adapters():
+                console.print(version_table(await registry.versions(adapter=adapter), routing, adapter))
             return 0
         if args.action == "show":
-            entry = await registry.get(args.version)
+            entry = await registry.get(args.version, args.adapter)
             if entry is None:
-                console.print(f"no version {args.version} in the registry")
+                console.print(f"no version {args.version} {'of ' + args.adapter + ' ' if args.adapter else ''}in the registry")
                 return 1
             show(console, entry, routing)
             return 0
@@ -152,6 +158,7 @@ def configure(parser: argparse.ArgumentParser, command: str) -> None:
     parser.add_argument("--reason", default="", help="why (kept in the version's history)")
     parser.add_argument("--operator", default="cli", help="who (kept in the version's history)")
     parser.add_argument("--timeout-s", type=float, default=60.0)
+    parser.add_argument("--adapter", help="show: a version of this shared or tenant adapter")
     parser.add_argument("--tenant", help="adapters: this tenant's only")
     parser.add_argument("--user", help="adapters: this end user's (with --tenant)")
     add_config(parser)
@@ -165,6 +172,8 @@ def main(args: argparse.Namespace) -> int:
         args.parser.error(f"{args.action} takes no version")
     if args.user is not None and args.tenant is None:
         args.parser.error("--user needs --tenant")
+    if args.adapter is not None and args.action != "show":
+        args.parser.error("--adapter goes with show (an adapter's versions are decided by the gate)")
     config = load(args)
     if args.action == "adapters":
         Console(width=160).print(adapter_table(AdapterStore(Path(config.run_dir) / "adapters"), args.tenant, args.user))

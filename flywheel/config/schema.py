@@ -345,9 +345,9 @@ class FlywheelConfig(Section):
 
     @model_validator(mode="after")
     def _adapters_train_alone(self) -> "FlywheelConfig":
-        if self.adapters.kind == "lora" and self.promotion.enabled:
-            raise ValueError("adapters.kind=lora with promotion.mode on: adapters do not go through the gate and "
-                             "canary yet; set promotion.mode=off")
+        if self.adapters.kind == "lora" and self.promotion.mode == "canary":
+            raise ValueError("adapters.kind=lora with promotion.mode=canary: the shared and tenant adapters go through "
+                             "the gate only (no canary of an adapter); set promotion.mode=gate")
         if self.adapters.kind == "lora" and self.train.fsdp:
             raise ValueError("adapters.kind=lora with train.fsdp: adapters are trained on one device")
         return self

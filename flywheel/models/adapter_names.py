@@ -31,6 +31,13 @@ def user_adapter(tenant: str, user: str) -> str:
     return f"{tenant}.u-{digest}"
 
 
+def is_personal(name: str) -> bool:
+    """Whether `name` is an end user's own adapter (`<tenant>.u-<digest>`; tenant names have no
+    `.`), not the deployment's or a tenant's. Under `promotion.mode` only the others go through the
+    gate: a user's own adapter is its user's alone, guarded by `adapters.guard_drop`."""
+    return "." in name
+
+
 def adapter_for(scope: str, tenant: str, user: str | None) -> str:
     """The adapter of a request (or sample) of `tenant` and `user` under `scope`."""
     if scope == "shared":

@@ -7,7 +7,8 @@ holding an adapter in PEFT's directory format (flywheel/models/lora_adapter.py):
 megabytes, not the model. Versions count per adapter.
 
 A version appears all at once (written aside, fsynced, renamed: `atomic_directory`). The newest
-`keep` versions of each adapter are kept. `delete(name)` removes an adapter with all its
+`keep` versions of each adapter are kept, and those `protected` (what serves under promotion).
+`delete(name)` removes an adapter with all its
 versions (how a user's learned behaviour is forgotten); its directory is renamed away first, so
 no reader lists half of it. `forget(tenant, user)` deletes the adapters of a forgotten tenant or
 user (`owned_by`: a user's own adapter; a tenant's adapter and all its users').
@@ -63,6 +64,8 @@ class AdapterStore:
             raise ValueError(f"keep must be at least 1, got {keep}")
         self.root = Path(root)
         self.keep = keep
+        self.protected: dict[str, set[int]] = {}
+        """Versions never pruned, by adapter: those that serve, under promotion."""
         self.root.mkdir(parents=True, exist_ok=True)
 
     def names(self) -> list[str]:
@@ -97,7 +100,7 @@ class AdapterStore:
         with atomic_directory(dest) as tmp:
             (tmp / CONFIG_FILE).write_text(json.dumps(config, indent=2, sort_keys=True))
             save_file({k: t.detach().contiguous().cpu() for k, t in tensors.items()}, tmp / WEIGHTS_FILE, metadata={"format": "pt"})
-        for old in self.versions(name)[: -self.keep]:
+        for old in sorted(set(self.versions(name)[: -self.keep]) - self.protected.get(name, set())):
             self._remove(self.root / name / f"v{old}", self.root / name)
         return dest
 

@@ -6,6 +6,10 @@ through `flywheel.promote.states.move`, so each change is recorded with its reas
 Routing is written after the versions' states, so a gateway never follows a routing whose
 versions the registry does not show in those states for long (a crash in between is repaired
 at the next start: `repair`).
+
+A shared or tenant adapter's versions (`VersionEntry.adapter`) are a line of their own: one of
+them serves (`Routing.adapters`; before any has, the adapter's start, version 0: the bare base),
+and a rejected one sends the trainer back to it (a `TrainerDirective` about that adapter).
 """
 
 from __future__ import annotations
@@ -31,6 +35,11 @@ def arm(entry: VersionEntry) -> Arm:
     return Arm(version=entry.version, path=entry.path)
 
 
+def adapter_start(adapter: str) -> VersionEntry:
+    """Version 0 of `adapter`, what serves before any of its versions has: the bare base."""
+    return VersionEntry(id=f"{adapter}@v0", version=0, path=None, adapter=adapter, state="serving")
+
+
 class Decisions:
     def __init__(self, registry: Registry, config: FlywheelConfig):
         self.registry = registry
@@ -42,23 +51,37 @@ class Decisions:
         assert routing is not None, "the promoter writes a routing at its first start"
         return routing
 
-    async def entry(self, version: int) -> VersionEntry:
-        entry = await self.registry.get(version)
+    async def entry(self, version: int, adapter: str | None = None) -> VersionEntry:
+        entry = await self.registry.get(version, adapter)
+        if entry is None and adapter is not None and version == 0:
+            return adapter_start(adapter)
         if entry is None:
-            raise LookupError(f"no version {version} in the registry")
+            raise LookupError(f"no version {version} {'of ' + adapter + ' ' if adapter else ''}in the registry")
         return entry
+
+    async def serving_adapter(self, adapter: str) -> VersionEntry:
+        """The version of `adapter` that serves (its start before any has)."""
+        serving = (await self.routing()).adapters.get(adapter)
+        return await self.entry(serving.version if serving else 0, adapter)
 
     async def set_routing(self, routing: Routing, reason: str, **changes) -> None:
         fields = {"serving": routing.serving, "canary": routing.canary, "canary_share": routing.canary_share,
-                  "pinned": routing.pinned, **changes}
+                  "pinned": routing.pinned, "adapters": routing.adapters, **changes}
         if fields["canary"] is None:
             fields["canary_share"] = 0.0
         await self.registry.set_routing(Routing(id=f"routing-{uuid.uuid4().hex[:12]}", reason=reason, **fields))
 
     async def serve(self, entry: VersionEntry, reason: str, by: str) -> None:
         """`entry` serves everyone; the version serving before retires (a canary other than
-        `entry` retires too: it was not chosen)."""
+        `entry` retires too: it was not chosen). An adapter's version serves its adapter's requests."""
         routing = await self.routing()
+        if entry.adapter is not None:
+            previous = await self.serving_adapter(entry.adapter)
+            if previous.version not in (0, entry.version):
+                await self.registry.put(move(previous, "retired", f"{entry.id} serves instead", by))
+            await self.registry.put(move(entry, "serving", reason, by))
+            await self.set_routing(routing, f"{entry.id}: {reason}", adapters={**routing.adapters, entry.adapter: arm(entry)})
+            return
         for old in {routing.serving.version, *([routing.canary.version] if routing.canary else [])} - {entry.version}:
             previous = await self.entry(old)
             if previous.state in ("serving", "canary"):
@@ -79,7 +102,13 @@ class Decisions:
 
     async def reject(self, entry: VersionEntry, state: str, reason: str, by: str) -> None:
         """`entry` is rejected (never served) or rolled back; serving goes back to the last good
-        version if it was `entry`, and the trainer is told what to continue from."""
+        version if it was `entry`, and the trainer is told what to continue from (an adapter's
+        version never served: `Routing.adapters` is unchanged)."""
+        if entry.adapter is not None:
+            await self.registry.put(move(entry, state, reason, by))  # type: ignore[arg-type]
+            await self.direct_trainer(await self.serving_adapter(entry.adapter), entry.version,
+                                      f"{entry.id} {state.replace('_', ' ')}: {reason}")
+            return
         routing = await self.routing()
         await self.registry.put(move(entry, state, reason, by))  # type: ignore[arg-type]
         serving = await self.entry(routing.serving.version)
@@ -99,12 +128,15 @@ class Decisions:
             return
         await self.registry.set_directive(TrainerDirective(
             id=f"directive-{uuid.uuid4().hex[:12]}", version=good.version, path=good.path, abandon_after=good.version,
-            reason=reason, rejected=rejected))
+            reason=reason, rejected=rejected, adapter=good.adapter))
 
     async def repair(self) -> None:
         """After a restart: an evaluation cut short goes back to candidate; the routing names the
         versions the registry has serving and on canary."""
         routing = await self.routing()
+        lines = [await self.registry.versions(adapter=adapter) for adapter in await self.registry.adapters()]
+        for entry in [e for line in lines for e in line if e.state == "evaluating"]:
+            await self.registry.put(move(entry, "candidate", "the promoter restarted during its evaluation", "promoter"))
         for entry in await self.registry.versions():
             if entry.state == "evaluating":
                 await self.registry.put(move(entry, "candidate", "the promoter restarted during its evaluation", "promoter"))

@@ -52,14 +52,15 @@ def add_online(entry: VersionEntry, rewards: list[float], now: float | None = No
     del entry.online[:-ONLINE_ROWS]
 
 
-def by_version(deliveries: list[Delivery]) -> dict[int, list[tuple[int, float]]]:
-    """(stream sequence, reward) of each judged sample, by the version that sampled it."""
-    out: dict[int, list[tuple[int, float]]] = defaultdict(list)
+def by_version(deliveries: list[Delivery]) -> dict[tuple[str | None, int], list[tuple[int, float]]]:
+    """(stream sequence, reward) of each judged sample, by the version that sampled it: (its
+    adapter, None for the shared weights; the version)."""
+    out: dict[tuple[str | None, int], list[tuple[int, float]]] = defaultdict(list)
     for delivery in deliveries:
         sample: Sample = delivery.record  # type: ignore[assignment]
         version = sampling_version(sample)
         if version is not None and sample.reward is not None:
-            out[version].append((delivery.stream_seq, float(sample.reward)))
+            out[sample.trajectory.adapter, version].append((delivery.stream_seq, float(sample.reward)))
     return out
 
 

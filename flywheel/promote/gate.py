@@ -9,6 +9,10 @@ so an item's score measures the versions, not the draw. Before an evaluation the
 wait). One evaluation loads two versions: the candidate first (its suite answers, and one sample
 per probe prompt at temperature 1 with its log-probabilities), then the serving version (its
 suite answers, and the candidate's samples scored under it in one prefill-only request each).
+A version of a LoRA adapter (`VersionEntry.adapter`) is loaded as an adapter instead, the
+candidate's and the serving one's under names of their own (`gate.candidate`, `gate.serving`),
+and every request names its side's (SGLang's `lora_path`); the adapter's start, version 0, is
+the bare base.
 
 - **Suites** (`flywheel/promote/suites.py`): an environment's held-out tasks graded by it (`EnvSuite`), or
   recorded traffic compared pairwise by the pinned judge (`flywheel/promote/traffic_suite.py`). Each item
@@ -50,17 +54,21 @@ class EvalServer:
     async def load(self, path: str, version: int) -> None:
         await self._post("/engine/update_weights_from_disk", {"model_path": path, "weight_version": version})
 
+    async def load_adapter(self, name: str, path: str) -> None:
+        await self._post("/engine/load_lora_adapter", {"lora_name": name, "lora_path": path})
+
     async def generate(self, input_ids: list[int], max_new_tokens: int, temperature: float,
-                       logprobs: bool = False, seed: int | None = None) -> dict[str, Any]:
+                       logprobs: bool = False, seed: int | None = None, lora: str | None = None) -> dict[str, Any]:
         params: dict[str, Any] = {"max_new_tokens": max_new_tokens, "temperature": temperature}
         if seed is not None:
             params["sampling_seed"] = seed
-        return await self._post("/engine/generate", {"input_ids": input_ids, "return_logprob": logprobs, "sampling_params": params})
+        return await self._post("/engine/generate", {"input_ids": input_ids, "return_logprob": logprobs,
+                                                     "sampling_params": params, "lora_path": lora})
 
-    async def prefill_logprobs(self, prompt: list[int], output: list[int]) -> list[float]:
+    async def prefill_logprobs(self, prompt: list[int], output: list[int], lora: str | None = None) -> list[float]:
         scored = await self._post("/engine/generate", {
             "input_ids": prompt + output, "return_logprob": True, "logprob_start_len": len(prompt) - 1,
-            "sampling_params": {"max_new_tokens": 0, "temperature": 1.0},
+            "sampling_params": {"max_new_tokens": 0, "temperature": 1.0}, "lora_path": lora,
         })
         return [entry[0] for entry in scored["meta_info"]["input_token_logprobs"][1:]]
 
@@ -94,27 +102,32 @@ class Gate:
         waiting = [f"{suite.config.name}: {why}" for suite in self.suites if (why := await suite.prepare())]
         return "; ".join(waiting) or None
 
-    async def _answers(self, suite: Suite) -> list[Answer]:
+    async def _answers(self, suite: Suite, lora: str | None) -> list[Answer]:
         limit = suite.config.max_new_tokens
-        replies = await asyncio.gather(*(self.server.generate(p, limit, self.gate.temperature, seed=i)
+        replies = await asyncio.gather(*(self.server.generate(p, limit, self.gate.temperature, seed=i, lora=lora)
                                          for i, p in enumerate(suite.prompts)))
         return [Answer(r["text"], len(r["output_ids"]), (r["meta_info"].get("finish_reason") or {}).get("type") == "length")
                 for r in replies]
 
-    async def _side(self, entry: VersionEntry) -> list[list[Answer]]:
-        """Load a version and answer every suite with it."""
-        await self.server.load(entry.path or self.config.model, entry.version)
-        return [await self._answers(suite) for suite in self.suites]
+    async def _side(self, entry: VersionEntry, side: str) -> tuple[str | None, list[list[Answer]]]:
+        """Load a version and answer every suite with it; the adapter name its requests give."""
+        lora = None
+        if entry.adapter is None:
+            await self.server.load(entry.path or self.config.model, entry.version)
+        elif entry.path is not None:
+            lora = f"gate.{side}"
+            await self.server.load_adapter(lora, entry.path)
+        return lora, [await self._answers(suite, lora) for suite in self.suites]
 
     async def evaluate(self, candidate: VersionEntry, serving: VersionEntry) -> dict[str, Any]:
         """The report of `candidate` against `serving` on the items `prepare` got ready;
         `report["passed"]` is the verdict."""
         limit = self.gate.guards.max_new_tokens
         probes = [prompt for suite in self.suites for prompt in suite.prompts][: self.gate.guards.probe_prompts]
-        cand = await self._side(candidate)
-        samples = await asyncio.gather(*(self.server.generate(p, limit, 1.0, logprobs=True) for p in probes))
-        serv = await self._side(serving)
-        scored = await asyncio.gather(*(self.server.prefill_logprobs(p, s["output_ids"]) for p, s in zip(probes, samples)
+        lora, cand = await self._side(candidate, "candidate")
+        samples = await asyncio.gather(*(self.server.generate(p, limit, 1.0, logprobs=True, lora=lora) for p in probes))
+        lora, serv = await self._side(serving, "serving")
+        scored = await asyncio.gather(*(self.server.prefill_logprobs(p, s["output_ids"], lora) for p, s in zip(probes, samples)
                                         if s["output_ids"]))
         own = [[e[0] for e in s["meta_info"]["output_token_logprobs"]] for s in samples if s["output_ids"]]
         report: dict[str, Any] = {"candidate": candidate.version, "serving": serving.version, "suites": {}, "guards": {}}

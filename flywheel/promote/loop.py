@@ -7,10 +7,15 @@ its directive; the four loops run as before.
 
 - Each announced version is registered as a candidate, with its lineage; one that descends from
   a rejected or rolled-back version (trained before the trainer heard) is rejected (`lineage`).
-- The newest candidate is evaluated (`flywheel/promote/gate.py`) against the serving version; older
-  candidates retire unevaluated (superseded). Nothing is evaluated while a canary runs or while
-  an operator has pinned the serving version, nor while a traffic suite has too few recorded
-  prompts (the candidate's entry says why: `waiting`; looked at again as turns are recorded).
+  With `adapters.kind: lora` the versions are those of the shared and tenant adapters, each
+  adapter a line of its own (an end user's own adapter is published straight to its user,
+  guarded by the trainer: `flywheel/train/adapter_guard.py`).
+- The newest candidate of a line is evaluated (`flywheel/promote/gate.py`) against the line's
+  serving version; older candidates retire unevaluated (superseded); of several lines, the one
+  evaluated longest ago goes first. Nothing of the shared weights is evaluated while a canary
+  runs or while an operator has pinned the serving version, nor anything while a traffic suite
+  has too few recorded prompts (the candidate's entry says why: `waiting`; looked at again as
+  turns are recorded).
 - Passed: mode `gate` serves it; mode `canary` gives it `promotion.canary.share` of new sessions
   until the sequential test (`flywheel/promote/sequential.py`) on the arms' judged sessions promotes it
   or rolls it back (`promotion.canary.max_minutes`: rolled back if still undecided then).
@@ -44,6 +49,7 @@ from flywheel.bus.streams import AUDIT_SUBJECT, COMMANDS_SUBJECT
 from flywheel.config import ConfigError, FlywheelConfig
 from flywheel.config.tenants import retention_s
 from flywheel.models import load_model
+from flywheel.models.adapter_names import is_personal
 from flywheel.promote.decisions import Decisions
 from flywheel.promote.evidence import (
     add_online,
@@ -84,6 +90,8 @@ class PromoteLoop:
         self._waiting_since: float | None = None
         """When the gate last found a traffic suite short of recorded prompts (None: not waiting)."""
         self._turns_since = 0
+        self._evaluated_at: dict[str | None, float] = {}
+        """When each line (None: the shared weights; else an adapter) last had a version evaluated."""
         self._tasks: list[asyncio.Task] = []
         p = config.promotion.canary
         self.test = SequentialTest(p.delta, p.alpha, p.beta, p.min_sessions, p.max_sessions, p.variance_floor)
@@ -101,8 +109,8 @@ class PromoteLoop:
             await self._first_start()
             await self.decisions.repair()
         _, tokenizer = await asyncio.to_thread(load_model, self.config.model)
-        self.gate = Gate(self.config, tokenizer, EvalServer(url, next(iter(self.config.serve.api_keys), None),
-                                                            self.config.promotion.gate.timeout_s), self.bus)
+        key = self.config.serve.admin_key or next(iter(self.config.serve.api_keys), None)  # tenants' keys: the admin's
+        self.gate = Gate(self.config, tokenizer, EvalServer(url, key, self.config.promotion.gate.timeout_s), self.bus)
         self.samples = self.bus.consumer(SAMPLE_SUBJECT, "promote", ack_wait_s=self.config.bus.ack_wait_s)
         self.turns = self.bus.consumer(TURN_SUBJECT, "promote-turns", ack_wait_s=self.config.bus.ack_wait_s)
         self.commands = self.bus.consumer(COMMANDS_SUBJECT, "promote-commands")
@@ -128,9 +136,12 @@ class PromoteLoop:
             self._wake.set()
 
     async def _register(self, update: WeightUpdate) -> None:
-        if await self.registry.get(update.version) is not None:
+        if update.adapter is not None and is_personal(update.adapter):
+            return  # an end user's own adapter: its user's alone
+        if await self.registry.get(update.version, update.adapter) is not None:
             return  # announced again (a restarted trainer), or seen before this promoter restarted
-        entry = VersionEntry(id=f"v{update.version}", version=update.version, path=update.path, parent=update.parent,
+        name = f"v{update.version}" if update.adapter is None else f"{update.adapter}@v{update.version}"
+        entry = VersionEntry(id=name, version=update.version, path=update.path, parent=update.parent, adapter=update.adapter,
                              step=update.step, trained_on=update.trained_on, config=update.config, metrics=update.metrics,
                              transitions=[Transition(state="candidate", reason="announced by the trainer", by="trainer")])
         self.counts["registered"] += 1
@@ -141,46 +152,50 @@ class PromoteLoop:
         back. Checked when it is announced, and again before and after its evaluation: its parent
         may be rejected after it was announced (the trainer trains on while a candidate is
         evaluated), and a version that served from such a line was one the trainer abandoned."""
-        parent = await self.registry.get(entry.parent) if entry.parent is not None else None
+        parent = await self.registry.get(entry.parent, entry.adapter) if entry.parent is not None else None
         while parent is not None and not parent.served and parent.state == "retired" and parent.parent is not None:
-            parent = await self.registry.get(parent.parent)  # superseded ancestors say nothing; look further up
+            parent = await self.registry.get(parent.parent, parent.adapter)  # superseded ancestors say nothing; look further up
         if parent is None or parent.state not in FOUND_WORSE:
             return entry
         self.counts["rejected"] += 1
-        return move(entry, "rejected", f"descends from v{parent.version}, which was {parent.state.replace('_', ' ')}", "lineage")
+        return move(entry, "rejected", f"descends from {parent.id}, which was {parent.state.replace('_', ' ')}", "lineage")
 
     async def _newest_candidate(self) -> VersionEntry | None:
-        """Under the lock: the newest candidate (older ones retire), unless nothing may be evaluated now."""
+        """Under the lock: the newest candidate of the line evaluated longest ago that has one (its
+        older ones retire), unless nothing may be evaluated now."""
         routing = await self.decisions.routing()
-        if routing.pinned or routing.canary is not None:
-            return None
-        candidates = sorted((e for e in await self.registry.versions() if e.state == "candidate"), key=lambda e: e.version)
-        if not candidates:
-            return None
-        newest = candidates[-1]
-        for older in candidates[:-1]:
-            await self.registry.put(move(older, "retired", f"superseded by v{newest.version} before evaluation", "promoter"))
-        return newest
+        lines = [*([] if routing.pinned or routing.canary is not None else [None]), *await self.registry.adapters()]
+        for line in sorted(lines, key=lambda line: self._evaluated_at.get(line, 0.0)):
+            candidates = [e for e in await self.registry.versions(adapter=line) if e.state == "candidate"]
+            if candidates:
+                newest = candidates[-1]
+                for older in candidates[:-1]:
+                    await self.registry.put(move(older, "retired", f"superseded by {newest.id} before evaluation", "promoter"))
+                return newest
+        return None
 
-    async def _begin(self, version: int, waiting: str | None) -> tuple[VersionEntry, VersionEntry] | None:
-        """Under the lock: the candidate moved to evaluating, and the serving version; None when it
-        is no longer to be evaluated, or when the gate is `waiting` (the reason kept in its entry's
-        `waiting`)."""
-        entry, routing = await self.decisions.entry(version), await self.decisions.routing()
-        if entry.state != "candidate" or routing.pinned or routing.canary is not None:
+    async def _begin(self, candidate: VersionEntry, waiting: str | None) -> tuple[VersionEntry, VersionEntry] | None:
+        """Under the lock: the candidate moved to evaluating, and its line's serving version; None
+        when it is no longer to be evaluated, or when the gate is `waiting` (the reason kept in
+        its entry's `waiting`)."""
+        entry, routing = await self.decisions.entry(candidate.version, candidate.adapter), await self.decisions.routing()
+        if entry.state != "candidate" or (entry.adapter is None and (routing.pinned or routing.canary is not None)):
             return None
         if (entry := await self._lineage_checked(entry)).state == "rejected":
             await self.registry.put(entry)
             return None
         if waiting is not None:
             if entry.waiting != waiting:
-                log.info("v%d waits: %s", version, waiting)
+                log.info("%s waits: %s", entry.id, waiting)
                 entry.waiting = waiting
                 await self.registry.put(entry)
             return None
-        entry = move(entry, "evaluating", f"compared with the serving v{routing.serving.version}", "promoter")
+        serving = (await self.decisions.serving_adapter(entry.adapter) if entry.adapter is not None
+                   else await self.decisions.entry(routing.serving.version))
+        entry = move(entry, "evaluating", f"compared with the serving {serving.id}", "promoter")
         await self.registry.put(entry)
-        return entry, await self.decisions.entry(routing.serving.version)
+        self._evaluated_at[entry.adapter] = time.monotonic()
+        return entry, serving
 
     async def _evaluate_forever(self) -> None:
         while True:
@@ -193,7 +208,7 @@ class PromoteLoop:
                     break
                 waiting = await self.gate.prepare()  # reads recorded traffic: outside the lock
                 async with self.decisions.lock:
-                    work = await self._begin(newest.version, waiting)
+                    work = await self._begin(newest, waiting)
                 if waiting is not None:  # a traffic suite short of recorded prompts: `_operations` wakes it when turns come
                     self._waiting_since, self._turns_since = time.monotonic(), 0
                 if work is None:
@@ -204,9 +219,9 @@ class PromoteLoop:
         try:
             report = await asyncio.wait_for(self.gate.evaluate(candidate, serving), self.config.promotion.gate.timeout_s)
         except Exception as exc:  # the evaluation server away, a timeout: try again later
-            log.warning("evaluation of v%d failed (%s); retrying in %.0f s", candidate.version, exc, RETRY_S)
+            log.warning("evaluation of %s failed (%s); retrying in %.0f s", candidate.id, exc, RETRY_S)
             async with self.decisions.lock:
-                entry = await self.decisions.entry(candidate.version)
+                entry = await self.decisions.entry(candidate.version, candidate.adapter)
                 if entry.state == "evaluating":
                     await self.registry.put(move(entry, "candidate", f"evaluation failed: {exc}", "promoter"))
             await asyncio.sleep(RETRY_S)
@@ -214,14 +229,14 @@ class PromoteLoop:
             return
         self.counts["evaluated"] += 1
         async with self.decisions.lock:
-            entry = await self.decisions.entry(candidate.version)
+            entry = await self.decisions.entry(candidate.version, candidate.adapter)
             if entry.state != "evaluating":
                 return  # an operator decided meanwhile
             entry.gate = report
             if (entry := await self._lineage_checked(entry)).state == "rejected":
                 await self.registry.put(entry)
                 return
-            said = f"gate against v{serving.version}"
+            said = f"gate against {serving.id}"
             if not report["passed"]:
                 self.counts["rejected"] += 1
                 await self.decisions.reject(entry, "rejected", f"{said}: " + "; ".join(report["reasons"]), "gate")
@@ -244,13 +259,14 @@ class PromoteLoop:
         async with self.decisions.lock:
             await self._decide_canary()
 
-    async def _apply(self, rewards: dict[int, list[tuple[int, float]]]) -> None:
+    async def _apply(self, rewards: dict[tuple[str | None, int], list[tuple[int, float]]]) -> None:
         routing = await self.decisions.routing()
-        for version, seen in rewards.items():
-            entry = await self.registry.get(version)
+        for (adapter, version), seen in rewards.items():
+            entry = await self.registry.get(version, adapter)
             if entry is None:
                 continue
-            arms = {routing.canary.version: "canary_arm", routing.serving.version: "serving_arm"} if routing.canary else {}
+            canary = routing.canary is not None and adapter is None  # an adapter's versions have none
+            arms = {routing.canary.version: "canary_arm", routing.serving.version: "serving_arm"} if canary else {}
             if version in arms:  # while a canary runs, both arms' state lives in the canary's entry
                 holder = entry if version == routing.canary.version else await self.decisions.entry(routing.canary.version)
                 state = holder.canary

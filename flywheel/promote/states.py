@@ -43,5 +43,5 @@ def move(entry: VersionEntry, state: State, reason: str, by: str) -> VersionEntr
     """Put `entry` in `state`, recording why and who decided; refuses a change not allowed."""
     allowed = OPERATOR if by == "operator" else AUTOMATIC
     if state not in allowed[entry.state]:
-        raise IllegalTransition(f"v{entry.version} cannot go from {entry.state} to {state} ({by}: {reason})")
+        raise IllegalTransition(f"{entry.id} cannot go from {entry.state} to {state} ({by}: {reason})")
     return entry.moved(state, reason, by)

@@ -10,7 +10,9 @@ registry's routing instead: the version that serves, and a canary's (flywheel/se
 Tenants changed at run time, and tenants or users forgotten, are followed from the bus too.
 With `adapters.kind: lora` announcements of LoRA adapters' versions (`WeightUpdate.adapter`) are
 loaded into every engine, apart from the shared weights (`_follow_weights`), and the gateway
-routes each request to its adapter (flywheel/serve/adapter_routing.py).
+routes each request to its adapter (flywheel/serve/adapter_routing.py); under promotion too, the
+shared and tenant adapters' versions come from the routing instead, once they passed the gate
+(`Routing.adapters`), and only end users' own adapters from the announcements.
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ from flywheel.config import ConfigError, FlywheelConfig
 from flywheel.config.serve import ServeConfig
 from flywheel.config.tenants import retention_s
 from flywheel.models import load_model, load_weights, place
+from flywheel.models.adapter_names import is_personal
 from flywheel.models.adapter_store import DROPPED, AdapterStore, owned_by
 from flywheel.runtime import cancel_and_wait, repeat
 from flywheel.serve.adapter_routing import AdapterRouting
@@ -66,6 +69,8 @@ class ServeLoop:
         self.url: str | None = None
         self.swaps = 0
         self.pauses: list[float] = []
+        self._routed_adapters: dict[str, int] = {}
+        """The version of each shared or tenant adapter the routing last had this gateway load."""
         self._tasks: list[asyncio.Task] = []
 
     async def start(self) -> str:
@@ -135,7 +140,8 @@ class ServeLoop:
         if self.board is not None:
             self._tasks.append(asyncio.create_task(repeat(self._follow_routing, "flywheel.serve.routing"), name="routing"))
             self._tasks.append(asyncio.create_task(self.board.refresh_forever(), name="versions"))
-        elif cfg.role == "policy":  # a judge's weights do not move; the gate's move when it says
+        if cfg.role == "policy" and (self.board is None or self.config.adapters.kind == "lora"):
+            # a judge's weights do not move; the gate's move when it says; users' own adapters as announced
             self._tasks.append(asyncio.create_task(repeat(self._follow_weights, "serve.weights"), name="weights"))
         while not self._server.started:
             if self._http.done():
@@ -165,7 +171,8 @@ class ServeLoop:
         newest of a backlog counts (it supersedes the rest) and adapter announcements are ignored.
         Under `lora` every announcement the stream holds is read, from the first (a restarted
         server must find each adapter's newest version, not only the newest announcement), and of
-        those that arrive together the newest of the shared weights' and of each adapter's count."""
+        those that arrive together the newest of the shared weights' and of each adapter's count.
+        Under promotion only end users' own adapters are taken from here (`_announced`)."""
         if self.config.adapters.kind != "lora":
             async for update in self.bus.follow(WEIGHTS_SUBJECT, newest_only=True):
                 assert isinstance(update, WeightUpdate)
@@ -178,7 +185,8 @@ class ServeLoop:
             async for batch in batches:
                 for update in _newest(batch):
                     if update.adapter is None:
-                        await self._take_weights(update)
+                        if not self.routed:
+                            await self._take_weights(update)
                     else:
                         await self._take_adapter(update)
 
@@ -204,7 +212,7 @@ class ServeLoop:
         newest announcements, so a gateway that starts after many adapters were published finds
         the others there. (An engine reads an adapter's weights on its first request.)"""
         store = AdapterStore(Path(self.config.run_dir) / "adapters")
-        for name in store.names():
+        for name in filter(self._announced, store.names()):
             version = store.latest(name)
             if version is not None:
                 await self._take_adapter(WeightUpdate(id=f"{name}-v{version}", version=version,
@@ -216,12 +224,17 @@ class ServeLoop:
         a version an engine has already is harmless, and a gateway must not send a request for an
         adapter version its engines may not have yet."""
         assert update.adapter is not None
-        if update.version <= self.pool.adapter_versions.get(update.adapter, 0):
+        if not self._announced(update.adapter) or update.version <= self.pool.adapter_versions.get(update.adapter, 0):
             return
         try:
             await self.pool.load_adapter(update.adapter, update.path, update.version)
         except Exception:
             log.exception("could not load adapter %s v%d from %s", update.adapter, update.version, update.path)
+
+    def _announced(self, adapter: str) -> bool:
+        """Whether `adapter`'s versions serve as they are announced: all do, but a shared or tenant
+        adapter's under promotion (those serve once they passed the gate, from the routing)."""
+        return not self.routed or is_personal(adapter)
 
     async def _follow_tenants(self) -> None:
         """Tenants and keys changed at run time, at any gateway, hold here too."""
@@ -262,6 +275,13 @@ class ServeLoop:
                     await self._load(self.pool.canary, routing.canary)
             except Exception:
                 log.exception("could not follow the routing %s (%s)", routing.id, routing.reason)
+            for name, arm in routing.adapters.items():
+                if arm.path is not None and self._routed_adapters.get(name) != arm.version:
+                    try:  # only a version the routing changed to: a forgotten tenant's adapter is not loaded again
+                        await self.pool.load_adapter(name, arm.path, arm.version)
+                        self._routed_adapters[name] = arm.version
+                    except Exception:
+                        log.exception("could not load adapter %s v%d from %s", name, arm.version, arm.path)
 
     async def _load(self, pool: EnginePool, arm: Arm) -> None:
         """Swap `pool` to the arm's version, older or newer (`None` path: the starting weights)."""

@@ -4,7 +4,7 @@ distillation's teacher gets its log-probabilities; and the promotion gate's eval
 
 - `POST /engine/generate`: SGLang's native `/generate` on the server's engine, as is, but on the
   base only: a body naming a LoRA adapter (`lora_path`) is refused (400), so that no key reaches
-  a tenant's adapter through it.
+  a tenant's adapter through it; on the evaluation server, but for the adapters the gate loaded.
 - `POST /engine/score` `{"messages", "output_ids", "temperature"}`: the chat `messages` rendered
   through the server's chat template as for a request (the teacher's prompt: the turn's context
   with its hint), followed by `output_ids` (the tokens the policy sampled), scored with one
@@ -17,6 +17,9 @@ distillation's teacher gets its log-probabilities; and the promotion gate's eval
 
 - `POST /engine/update_weights_from_disk` `{"model_path", "weight_version"}` (`serve.role: eval`
   only): SGLang's route, loading any version, older ones too (the gate goes back and forth).
+- `POST /engine/load_lora_adapter` `{"lora_name", "lora_path"}` (`serve.role: eval` only):
+  SGLang's route; the gate loads the two versions of an adapter it compares under names of its
+  own, and `/engine/generate` then serves those names (and no adapter it was not given).
 
 With adapters (`FlywheelConfig.base_teaches`) the policy's own server has `/engine/score` too: its
 base, with no adapter, is the frozen starting model, so the teacher needs no server of its own.
@@ -54,6 +57,11 @@ class LoadRequest(Body):
     weight_version: int = Field(ge=0)
 
 
+class AdapterLoadRequest(Body):
+    lora_name: str = Field(min_length=1)
+    lora_path: str = Field(min_length=1)
+
+
 def install_scoring_routes(app: FastAPI, pool: EnginePool, prompts: PromptBuilder, model_name: str,
                            loads_weights: bool = False, generates: bool = True) -> None:
     """The routes above; `/engine/generate` only if `generates`, the weights route only if `loads_weights`."""
@@ -68,6 +76,14 @@ def install_scoring_routes(app: FastAPI, pool: EnginePool, prompts: PromptBuilde
                 raise APIError(400, f"could not load {body.model_path}: {exc}") from None
             return {"success": True, "weight_version": pool.weight_version}
 
+        @app.post("/engine/load_lora_adapter")
+        async def load_adapter(body: AdapterLoadRequest) -> dict[str, Any]:
+            try:
+                await pool.load_adapter(body.lora_name, body.lora_path, pool.adapter_versions.get(body.lora_name, 0) + 1)
+            except (OSError, ValueError, EngineError) as exc:
+                raise APIError(400, f"could not load adapter {body.lora_name} from {body.lora_path}: {exc}") from None
+            return {"success": True, "loaded_adapters": sorted(pool.adapter_versions)}
+
     async def generate_on_engine(body: dict[str, Any]) -> dict[str, Any]:
         try:
             return await engine.generate(body)
@@ -81,8 +97,11 @@ def install_scoring_routes(app: FastAPI, pool: EnginePool, prompts: PromptBuilde
             body = None
         if not isinstance(body, dict):
             return JSONResponse({"error": {"message": "the body must be a JSON object"}}, status_code=400)
-        if body.get("lora_path") is not None:
-            return JSONResponse({"error": {"message": "lora_path: this route serves the base model only"}}, status_code=400)
+        named = body.get("lora_path")
+        named = [n for n in (named if isinstance(named, list) else [named]) if n is not None]
+        if named and not (loads_weights and all(isinstance(n, str) and n in pool.adapter_versions for n in named)):
+            return JSONResponse({"error": {"message": "lora_path: this route serves the base model only"
+                                           + (", and the adapters the gate loaded" if loads_weights else "")}}, status_code=400)
         try:
             return await engine.generate(body)
         except EngineError as exc:

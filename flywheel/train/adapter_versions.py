@@ -17,6 +17,15 @@ repeat of the forgotten one's (JetStream drops a message whose id it saw in its 
 With a guard (`adapters.guard_drop`, flywheel/train/adapter_guard.py) a version that forgot too
 much general skill is held back instead: not published, and the adapter back to its last
 published version (`hold_back`).
+
+Under promotion (`promotion.mode: gate`) each shared or tenant adapter is a line of the version
+registry (`UnderPromotion`, flywheel/train/under_promotion.py): before each step
+`follow_registry` carries out its directives (a rejected version: the adapter back to the one
+that serves, fresh moments, its versions since abandoned; its versions keep counting up, so no
+number names two weights), its staleness is counted in updates on its line, and it takes a step
+only while at most max(η, 1) updates ahead of its serving version (`may_train`); its serving
+version is never pruned from the store. An end user's own adapter is published to its user as
+it is made.
 """
 
 from __future__ import annotations
@@ -30,38 +39,78 @@ from typing import TYPE_CHECKING, Any
 from safetensors.torch import load_file
 
 from flywheel.bus import WEIGHTS_SUBJECT, Bus, WeightUpdate
-from flywheel.models.adapter_names import origin
+from flywheel.models.adapter_names import is_personal, origin, sample_adapter
 from flywheel.models.adapter_store import AdapterStore
 from flywheel.models.lora_adapter import WEIGHTS_FILE
 from flywheel.train.adapter_guard import AdapterGuard
 from flywheel.train.adapters import AdapterSet
+from flywheel.train.under_promotion import UnderPromotion
 
 if TYPE_CHECKING:
     from flywheel.config import FlywheelConfig
+    from flywheel.versions.registry import Registry
 
 log = logging.getLogger(__name__)
 
 
 class AdapterVersions:
     def __init__(self, store: AdapterStore, bus: Bus, interval: int, guard: AdapterGuard | None = None,
-                 origin_of: Callable[[str], str | None] = lambda name: None):
+                 origin_of: Callable[[str], str | None] = lambda name: None, registry: Registry | None = None,
+                 max_ahead: int = 1):
         self.store = store
         self.bus = bus
         self.interval = interval
         self.guard = guard
         self.origin_of = origin_of
+        self.registry = registry
+        self.max_ahead = max_ahead
+        self.lines: dict[str, UnderPromotion] = {}
+        """The registry line of each shared or tenant adapter, under promotion."""
         self.versions: dict[str, int] = {}
         """Each adapter's current version (0 when absent: the initial state)."""
         self.parents: dict[str, int] = {}
         """Each adapter's version last announced (its next version's parent)."""
 
     @classmethod
-    def of(cls, config: FlywheelConfig, run_dir: Path, bus: Bus, adapters: AdapterSet, tokenizer: Any) -> AdapterVersions:
-        """A run's: its store (`run_dir/adapters`), its guard (`adapters.guard_drop`), its adapters' origins."""
+    def of(cls, config: FlywheelConfig, run_dir: Path, bus: Bus, adapters: AdapterSet, tokenizer: Any,
+           registry: Registry | None = None) -> AdapterVersions:
+        """A run's: its store (`run_dir/adapters`), its guard (`adapters.guard_drop`), its adapters'
+        origins, and the version registry when versions must earn their traffic."""
         store = AdapterStore(run_dir / "adapters", keep=config.train.keep_versions)
         drop = config.adapters.guard_drop
         guard = AdapterGuard(adapters, tokenizer, drop) if drop is not None else None
-        return cls(store, bus, config.train.weight_update_interval, guard, lambda name: origin(name, config))
+        return cls(store, bus, config.train.weight_update_interval, guard, lambda name: origin(name, config),
+                   registry, config.rollout.max_head_offpolicyness)
+
+    def _line(self, name: str) -> UnderPromotion | None:
+        if self.registry is None or is_personal(name):
+            return None
+        if name not in self.lines:
+            self.lines[name] = UnderPromotion(self.registry, self.max_ahead, adapter=name)
+        return self.lines[name]
+
+    async def follow_registry(self, adapters: AdapterSet) -> None:
+        """Under promotion, before a step: each shared or tenant adapter's serving version read,
+        and a new directive about it carried out (see the module docstring)."""
+        for name in adapters.names():
+            if (line := self._line(name)) is None:
+                continue
+            directive = await line.refresh()
+            self.store.protected[name] = line.protected
+            if directive is None:
+                continue
+            if not line.concerns(directive, self.parents.get(name, 0)):
+                line.pass_over(directive)
+                continue
+            await asyncio.to_thread(self._back_to, adapters, name, directive.version)
+            line.abandon(directive, self.versions.get(name, 0))
+            self.parents[name] = directive.version
+
+    def may_train(self, samples: list[Any], config: FlywheelConfig) -> bool:
+        """Whether the adapters of `samples` may take a step now: under promotion, none is too far
+        ahead of its serving version (else the samples wait)."""
+        lines = [(name, self.lines.get(name)) for name in {sample_adapter(s, config) for s in samples}]
+        return all(line.may_step(self.versions.get(name, 0)) for name, line in lines if line is not None)
 
     def held_back(self) -> dict[str, int]:
         """Versions the guard held back, by adapter."""
@@ -69,7 +118,9 @@ class AdapterVersions:
 
     def staleness(self, adapter: str, oldest: int) -> int:
         """Updates between `adapter`'s current weights and its version `oldest`."""
-        return self.versions.get(adapter, 0) - oldest
+        line = self.lines.get(adapter)
+        current = self.versions.get(adapter, 0)
+        return line.distance(current, oldest) if line is not None else current - oldest
 
     def trained(self, adapters: list[str]) -> None:
         """Each of `adapters` took a step: its weights are its next version."""
@@ -90,14 +141,22 @@ class AdapterVersions:
 
     def hold_back(self, adapters: AdapterSet, name: str) -> None:
         """`name` back to its last published version (before any: its origin's weights, or the
-        base), which its version becomes again."""
-        version = self.parents.get(name)
-        if version is not None and version in self.store.versions(name):
-            adapters.restart(name, load_file(self.store.path(name, version) / WEIGHTS_FILE))
+        base), which its version becomes again; on a registry line (under promotion) its number
+        stays, and the held-back one is skipped: a line's numbers only grow."""
+        back = self._back_to(adapters, name, self.parents.get(name))
+        if (line := self.lines.get(name)) is not None:
+            line.skip(self.versions.get(name, 0))
         else:
-            version = 0
-            adapters.restart(name, origin=self.origin_of(name))
-        self.versions[name] = version
+            self.versions[name] = back
+
+    def _back_to(self, adapters: AdapterSet, name: str, version: int | None) -> int:
+        """`name`'s weights those of its published `version` (None, 0, or one no longer stored: its
+        origin's, or the base), with fresh optimizer moments; the version they are."""
+        if version and version in self.store.versions(name):
+            adapters.restart(name, load_file(self.store.path(name, version) / WEIGHTS_FILE))
+            return version
+        adapters.restart(name, origin=self.origin_of(name))
+        return 0
 
     async def publish(self, adapters: AdapterSet, name: str, step: int) -> None:
         """Write `name`'s current version to the store (unless it is there) and announce it (again,
@@ -109,6 +168,8 @@ class AdapterVersions:
         update = WeightUpdate(id=f"adapter-{name}-v{version}-s{step}", adapter=name, version=version,
                               path=str(self.store.path(name, version)), step=step, parent=parent if parent < version else None)
         await self.bus.publish(WEIGHTS_SUBJECT, update)
+        if (line := self.lines.get(name)) is not None:
+            line.announced(version, parent)
         self.parents[name] = version
         log.info("published adapter %s v%d", name, version)
 
@@ -133,11 +194,17 @@ class AdapterVersions:
         (again: a step under way when it was forgotten may have published it since)."""
         self.versions.pop(name, None)
         self.parents.pop(name, None)
+        self.lines.pop(name, None)
+        self.store.protected.pop(name, None)
         self.store.delete(name)
 
     def state(self) -> dict[str, Any]:
-        return {"versions": dict(self.versions), "parents": dict(self.parents)}
+        return {"versions": dict(self.versions), "parents": dict(self.parents),
+                "lines": {name: line.state() for name, line in self.lines.items()}}
 
     def restore(self, state: dict[str, Any]) -> None:
         self.versions = dict(state.get("versions", {}))
         self.parents = dict(state.get("parents", {}))
+        for name, line_state in state.get("lines", {}).items():
+            if (line := self._line(name)) is not None:
+                line.restore(line_state)

@@ -114,10 +114,10 @@ class GroupBatcher:
     def _complete(self, group: Group, now: float) -> bool:
         return self._full(group) or now - group.last_at >= self.group_timeout_s
 
-    def take(self) -> list[Group] | None:
-        """The next step's groups, or None while complete groups hold fewer than a batch."""
+    def take(self, ready: Callable[[Group], bool] = lambda group: True) -> list[Group] | None:
+        """The next step's groups (of those `ready`), or None while complete ones hold fewer than a batch."""
         now = self._clock()
-        complete = sorted((g for g in self._groups.values() if self._complete(g, now)), key=lambda g: g.first_at)
+        complete = sorted((g for g in self._groups.values() if self._complete(g, now) and ready(g)), key=lambda g: g.first_at)
         if sum(len(g.members) for g in complete) < self.batch_size:
             return None
         taken: list[Group] = []

@@ -29,7 +29,7 @@ With `adapters.kind: lora` the base stays frozen and each sample trains its adap
 (flywheel/train/adapters.py): versions, staleness and publishing are per adapter
 (`AdapterVersions`, flywheel/train/adapter_versions.py), each adapter published alone to
 `run_dir/adapters/` (flywheel/models/adapter_store.py); forgotten tenants' and users' adapters are
-dropped between two steps (flywheel/train/forget_adapters.py). Not yet under promotion.
+dropped between two steps (flywheel/train/forget_adapters.py). Promotion holds per adapter too.
 
 One JSON line per step goes to `run_dir/metrics.jsonl`.
 """
@@ -118,17 +118,19 @@ class TrainLoop(ConsumerLoop):
             self.lock.acquire()
         except TrainerRunning as exc:
             raise ConfigError(f"run_dir: {exc}: one trainer per run directory") from None
+        registry = await Registry.open(self.bus) if self.config.promotion.enabled else None
         if self.lora:
             from flywheel.train.adapter_versions import AdapterVersions  # PEFT loads only where adapters train
 
-            self.adapter_versions = AdapterVersions.of(self.config, self.run_dir, self.bus, self.trainer.adapters, self.tokenizer)
+            self.adapter_versions = AdapterVersions.of(self.config, self.run_dir, self.bus, self.trainer.adapters,
+                                                       self.tokenizer, registry)
             self.forgetting = Forgetting(self.bus, self.checkpoints)
         else:
             self.store = WeightStore(self.run_dir / "weights", keep=self.config.train.keep_versions)
             self.publisher = WeightPublisher(self.store, self.bus)
         self.promotion: UnderPromotion | None = None
-        if self.config.promotion.enabled:
-            self.promotion = UnderPromotion(await Registry.open(self.bus), self.config.rollout.max_head_offpolicyness)
+        if registry is not None and not self.lora:
+            self.promotion = UnderPromotion(registry, self.config.rollout.max_head_offpolicyness)
         self.ledger = Ledger(self.run_dir / "trained.jsonl")
         await self._restore()
         self._checkpointed_at = self.trainer.step_count
@@ -266,6 +268,8 @@ class TrainLoop(ConsumerLoop):
             await self._checkpoint()  # at once: no checkpoint holds a forgotten adapter any more
         if self.promotion is not None and not await self._follow_registry():
             return  # too far ahead of the serving version: the samples wait
+        if self.lora:
+            await self.adapter_versions.follow_registry(self.trainer.adapters)
         for reason, dropped in (("abandoned_dropped", self.is_abandoned), ("stale_dropped", self.is_stale)):
             for group in self.batcher.drop_stale(dropped):  # re-checked each step: a waiting sample ages too
                 self.counts[reason] += len(group.members)
@@ -274,7 +278,7 @@ class TrainLoop(ConsumerLoop):
         max_steps = self.config.train.max_steps
         if max_steps is not None and self.trainer.step_count >= max_steps:
             return
-        groups = self.batcher.take()
+        groups = self.batcher.take(lambda g: not self.lora or self.adapter_versions.may_train(g.samples, self.config))
         if groups is None:
             return
         # A step runs to its end even if the loop is stopped meanwhile: `stop` waits for it.

@@ -18,6 +18,11 @@ from the version registry (`flywheel/versions/registry.py`) before each step.
   makes one candidate and waits for it to be decided. Samples keep arriving meanwhile and wait.
 - **Protection.** The weight store never prunes the versions that serve (serving, canary) or the
   last good one (what a rollback returns to).
+
+A shared or tenant LoRA adapter (`adapters.kind: lora`) is a line of its own, with one
+`UnderPromotion` each (`adapter`; flywheel/train/adapter_versions.py holds them): its serving
+version is the routing's (`Routing.adapters`; 0, its start, until one passed the gate), its
+directives its own, and its pace counted in its own versions.
 """
 
 from __future__ import annotations
@@ -33,9 +38,10 @@ log = logging.getLogger(__name__)
 
 
 class UnderPromotion:
-    def __init__(self, registry: Registry, max_ahead: int):
+    def __init__(self, registry: Registry, max_ahead: int, adapter: str | None = None):
         self.registry = registry
         self.max_ahead = max_ahead
+        self.adapter = adapter
         self.abandoned: list[int] = []
         """Versions abandoned by directives, sorted."""
         self.applied: set[str] = set()
@@ -57,12 +63,16 @@ class UnderPromotion:
     async def refresh(self) -> TrainerDirective | None:
         """Read the routing and the directive; the directive if it is new (not yet applied)."""
         routing = await self.registry.routing()
-        if routing is not None:
+        if routing is not None and self.adapter is not None:
+            arm = routing.adapters.get(self.adapter)
+            self.serving = arm.version if arm is not None else 0
+            self.protected = {self.serving}
+        elif routing is not None:
             self.serving = routing.serving.version
             good = last_good(await self.registry.versions())
             self.protected = {routing.serving.version, *([good.version] if good else []),
                               *([routing.canary.version] if routing.canary else [])}
-        directive = await self.registry.directive()
+        directive = await self.registry.directive(self.adapter)
         if directive is None or directive.id in self.applied:
             return None
         return directive
@@ -89,11 +99,15 @@ class UnderPromotion:
     def abandon(self, directive: TrainerDirective, current: int) -> None:
         """Mark the versions the directive abandons: (abandon_after, current]."""
         for version in range(directive.abandon_after + 1, current + 1):
-            if not self.is_abandoned(version):
-                insort(self.abandoned, version)
+            self.skip(version)
         self.applied.add(directive.id)
         log.info("continuing from v%d (%s); versions %d..%d abandoned", directive.version, directive.reason,
                  directive.abandon_after + 1, current)
+
+    def skip(self, version: int) -> None:
+        """`version` is not on the line (abandoned, or never published: an adapter's held back)."""
+        if not self.is_abandoned(version):
+            insort(self.abandoned, version)
 
     def may_step(self, version: int) -> bool:
         """Whether the trainer at `version` may take a step (it is not too far ahead of serving)."""

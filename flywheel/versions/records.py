@@ -1,6 +1,7 @@
 """The version registry's records: every policy version, its state, and why it is in it.
 
-The registry (`flywheel/versions/registry.py`) keeps one `VersionEntry` per version the trainer announced, the
+The registry (`flywheel/versions/registry.py`) keeps one `VersionEntry` per version the trainer announced (of
+the shared weights, or of a shared or tenant LoRA adapter: each adapter is a line of its own), the
 `Routing` that serving follows (which version serves, which one a share of new sessions tries),
 the `TrainerDirective` that tells the trainer what to continue from after a rollback, and the
 operators' `VersionCommand`s. The promotion loop (`flywheel/promote/`) is their only writer; the CLI
@@ -49,11 +50,15 @@ class Transition(msgspec.Struct, kw_only=True):
 
 class VersionEntry(Record, kw_only=True):
     """One policy version: where its weights are, what made it, what was decided about it.
-    Its `id` is `v<version>`."""
+    Its `id` is `v<version>`, or `<adapter>@v<version>` for a version of a LoRA adapter."""
 
     version: int
     path: str | None
-    """Its checkpoint in the weight store; None for version 0, the weights serving started with."""
+    """Its checkpoint in the weight store (the adapter store for an adapter's); None for version 0,
+    the weights serving started with (an adapter's start: the bare base)."""
+    adapter: str | None = None
+    """The shared or tenant LoRA adapter this is a version of (`adapters.kind: lora`); versions
+    count per adapter, and each adapter's line is promoted on its own. None: the shared weights."""
     parent: int | None = None
     """The version its training continued from (after a rollback: the version rolled back to)."""
     step: int = 0
@@ -146,6 +151,9 @@ class Routing(Record, kw_only=True):
     canary_share: float = 0.0
     pinned: bool = False
     """An operator pinned `serving`: nothing is promoted automatically until it is unpinned."""
+    adapters: dict[str, Arm] = msgspec.field(default_factory=dict)
+    """The version of each shared or tenant adapter that passed the gate and serves (one absent:
+    none has yet; it serves its start, the bare base)."""
     reason: str = ""
 
 
@@ -166,6 +174,8 @@ class TrainerDirective(Record, kw_only=True):
     abandon_after: int
     reason: str
     rejected: int | None = None
+    adapter: str | None = None
+    """The adapter whose line this is about (its versions); None: the shared weights'."""
 
 
 CommandKind = Literal["promote", "rollback", "pin", "unpin"]
@@ -188,7 +198,10 @@ class CommandResult(Record, kw_only=True):
     message: str
 
 
-def registry_json(entries: list[VersionEntry], routing: Routing | None) -> dict[str, Any]:
-    """The registry as plain JSON (the gateway's `/admin/versions` and `/dashboard.json`)."""
+def registry_json(entries: list[VersionEntry], routing: Routing | None,
+                  adapters: dict[str, list[VersionEntry]] | None = None) -> dict[str, Any]:
+    """The registry as plain JSON (the gateway's `/admin/versions` and `/dashboard.json`): the
+    shared weights' versions, and each shared or tenant adapter's."""
     return {"routing": msgspec.to_builtins(routing) if routing else None,
-            "versions": [msgspec.to_builtins(e) for e in entries]}
+            "versions": [msgspec.to_builtins(e) for e in entries],
+            "adapters": {name: [msgspec.to_builtins(e) for e in line] for name, line in (adapters or {}).items()}}

@@ -3,8 +3,10 @@
 Keys of the bucket `FLYWHEEL_VERSIONS` (records in `flywheel/versions/records.py`, MessagePack):
 
     v.<N>      the `VersionEntry` of version N
-    routing    the `Routing` gateways follow (which version serves, which one is canary)
+    a.<A>.v.<N>  the `VersionEntry` of version N of the shared or tenant adapter A
+    routing    the `Routing` gateways follow (which version serves, which one is canary, each adapter's)
     trainer    the latest `TrainerDirective` (what to continue from after a rollback)
+    trainer.a.<A>  the latest `TrainerDirective` about adapter A's line
     result.<id>  the `CommandResult` of an operator's command (what `flywheel versions` waits for)
 
 The bucket is a stream like the others (replicated as `bus.replicas` says, kept on disk), so the
@@ -42,8 +44,12 @@ TRAINER_KEY = "trainer"
 HISTORY = 16
 
 
-def version_key(version: int) -> str:
-    return f"v.{version}"
+def version_key(version: int, adapter: str | None = None) -> str:
+    return f"v.{version}" if adapter is None else f"a.{adapter}.v.{version}"
+
+
+def directive_key(adapter: str | None = None) -> str:
+    return TRAINER_KEY if adapter is None else f"{TRAINER_KEY}.a.{adapter}"
 
 
 class Registry:
@@ -73,22 +79,31 @@ class Registry:
         except (msgspec.ValidationError, msgspec.DecodeError):
             return None
 
-    async def get(self, version: int) -> VersionEntry | None:
-        return await self._get(version_key(version), VersionEntry)
+    async def get(self, version: int, adapter: str | None = None) -> VersionEntry | None:
+        return await self._get(version_key(version, adapter), VersionEntry)
 
     async def put(self, entry: VersionEntry) -> None:
-        await self._kv.put(version_key(entry.version), encode(entry))
+        await self._kv.put(version_key(entry.version, entry.adapter), encode(entry))
 
-    async def versions(self, above: int = -1) -> list[VersionEntry]:
-        """Every version the registry holds (those newer than `above`), oldest first. The keys come
-        from the bucket's stream (the subjects it holds), not `kv.keys()`: nats-py's key watcher
-        can signal "no more keys" before it has counted entries already delivered to it, and
-        under load `keys()` then returned none (tests/test_promotion.py failed so in a full suite)."""
+    async def _keys(self, pattern: str) -> list[str]:
+        """The keys matching `pattern` (NATS wildcards). They come from the bucket's stream (the
+        subjects it holds), not `kv.keys()`: nats-py's key watcher can signal "no more keys"
+        before it has counted entries already delivered to it, and under load `keys()` then
+        returned none (tests/test_promotion.py failed so in a full suite)."""
         prefix = f"$KV.{BUCKET}."
-        info = await self._js.stream_info(f"KV_{BUCKET}", subjects_filter=f"{prefix}v.>")
-        keys = [subject.removeprefix(prefix) for subject in info.state.subjects or {}]
-        entries = [await self._get(key, VersionEntry) for key in keys if int(key[2:]) > above]
+        info = await self._js.stream_info(f"KV_{BUCKET}", subjects_filter=f"{prefix}{pattern}")
+        return [subject.removeprefix(prefix) for subject in info.state.subjects or {}]
+
+    async def versions(self, above: int = -1, adapter: str | None = None) -> list[VersionEntry]:
+        """Every version of the shared weights (or of `adapter`) the registry holds, those newer
+        than `above`, oldest first."""
+        keys = await self._keys(version_key(0, adapter).removesuffix("0") + "*")
+        entries = [await self._get(key, VersionEntry) for key in keys if int(key.rpartition(".")[2]) > above]
         return sorted((e for e in entries if e is not None), key=lambda e: e.version)
+
+    async def adapters(self) -> list[str]:
+        """The adapters with versions in the registry."""
+        return sorted({key[2:].rpartition(".v.")[0] for key in await self._keys("a.>")})
 
     async def routing(self) -> Routing | None:
         return await self._get(ROUTING_KEY, Routing)
@@ -96,11 +111,11 @@ class Registry:
     async def set_routing(self, routing: Routing) -> None:
         await self._kv.put(ROUTING_KEY, encode(routing))
 
-    async def directive(self) -> TrainerDirective | None:
-        return await self._get(TRAINER_KEY, TrainerDirective)
+    async def directive(self, adapter: str | None = None) -> TrainerDirective | None:
+        return await self._get(directive_key(adapter), TrainerDirective)
 
     async def set_directive(self, directive: TrainerDirective) -> None:
-        await self._kv.put(TRAINER_KEY, encode(directive))
+        await self._kv.put(directive_key(directive.adapter), encode(directive))
 
     async def result(self, command_id: str) -> CommandResult | None:
         return await self._get(f"result.{command_id}", CommandResult)

@@ -2,8 +2,8 @@
 
 - `GET /dashboard`: one static page (flywheel/serve/ops/dashboard.html, no build step) that polls
   `GET /dashboard.json` (the registry as JSON: every version, its state and transitions, its
-  gate report and online reward per 15 s, and the routing) and draws the versions' online
-  reward over time.
+  gate report and online reward per 15 s, and the routing; with adapters, each shared or tenant
+  adapter's versions too, under `adapters`) and draws the versions' online reward over time.
 - Admin API (admin key when `serve.admin_key` is set, like the engines' control routes):
   `GET /admin/versions`, `GET /admin/versions/{N}`, `POST /admin/versions/{N}/promote`,
   `POST /admin/versions/{N}/pin`, `POST /admin/versions/unpin`, `POST /admin/versions/rollback`
@@ -49,6 +49,7 @@ class VersionBoard:
         self.bus = bus
         self.registry = registry
         self.entries: list[VersionEntry] = []
+        self.adapters: dict[str, list[VersionEntry]] = {}
         self.routing: Routing | None = None
         r = metrics.registry
         self._state = Gauge("flywheel_version_state", "1 for each version's registry state.", ["version", "state"], registry=r)
@@ -62,6 +63,7 @@ class VersionBoard:
 
     async def refresh(self) -> None:
         self.entries = await self.registry.versions()
+        self.adapters = {name: await self.registry.versions(adapter=name) for name in await self.registry.adapters()}
         self.routing = await self.registry.routing()
 
     async def refresh_forever(self) -> None:
@@ -91,12 +93,12 @@ class VersionBoard:
 
         @app.get("/dashboard.json")
         async def dashboard_json() -> dict[str, Any]:
-            return registry_json(self.entries, self.routing)
+            return registry_json(self.entries, self.routing, self.adapters)
 
         @app.get("/admin/versions")
         async def versions() -> dict[str, Any]:
             await self.refresh()
-            return registry_json(self.entries, self.routing)
+            return registry_json(self.entries, self.routing, self.adapters)
 
         @app.get("/admin/versions/{version}")
         async def version(version: int) -> dict[str, Any]:

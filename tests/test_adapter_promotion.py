@@ -1,0 +1,209 @@
+"""Shared and tenant LoRA adapters earn their traffic (`adapters.kind: lora`, `promotion.mode: gate`):
+each adapter is a line of the version registry of its own. Against a real bus, a real evaluation
+server (`tiny`) and real adapters: a version that answers like the serving one passes the gate and
+serves (the routing names it), a wrecked one is rejected and the trainer told to go back, and an
+end user's own adapter never enters the registry; a gateway serves a tenant's adapter only once
+the routing names it, a user's as announced; the trainer goes back on a directive with its
+versions still counting up, keeps pace with the adapter's serving version, counts staleness on the
+line and never prunes what serves. The evaluation server generates with the adapters the gate
+loaded and no other."""
+
+from __future__ import annotations
+
+import httpx
+import torch
+
+from flywheel.bus import WEIGHTS_SUBJECT, WeightUpdate
+from flywheel.config import load_config
+from flywheel.deploy.deployment import side_server_config
+from flywheel.models import load_model
+from flywheel.models.adapter_names import user_adapter
+from flywheel.models.adapter_store import AdapterStore
+from flywheel.promote.loop import PromoteLoop
+from flywheel.serve.loop import ServeLoop
+from flywheel.train.adapter_versions import AdapterVersions
+from flywheel.train.trainer import Trainer
+from flywheel.versions.records import Arm, Routing, TrainerDirective
+from flywheel.versions.registry import Registry
+
+from factories import (
+    TENANTS_SETUP,
+    converse,
+    learning,
+    platform,
+    recorded_turns,
+    sample_of,
+    sampled_turns,
+)
+from waiting import until
+
+LORA = ["adapters.kind=lora", "adapters.rank=4", "adapters.alpha=8", "rollout.enabled=false"]
+GATE = ["promotion.mode=gate", "promotion.gate.suites=[{name: digits, env: digits, items: 6, max_new_tokens: 12}]",
+        "promotion.gate.guards.probe_prompts=4", "promotion.gate.temperature=1.0",
+        "promotion.gate.guards.max_kl=0.01"]  # the untrained tiny is near uniform: a wrecked adapter moves it ~0.04
+USER = user_adapter("acme", "ada")
+
+
+def adapter_set(config):
+    model, _ = load_model("tiny")
+    return Trainer(model, config.actor, config.train, config.adapters).adapters
+
+
+def wreck(adapters, name: str) -> None:
+    """A and B at random and large: every layer of `name` wrecked."""
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for param in adapters.params[name]:
+            param.normal_(0.0, 5.0)
+
+
+async def announce(bus, store: AdapterStore, adapters, name: str, version: int, parent: int) -> None:
+    path = store.publish(name, version, adapters.config(name), adapters.weights(name))
+    await bus.publish(WEIGHTS_SUBJECT, WeightUpdate(id=f"{name}-v{version}", adapter=name, version=version,
+                                                    path=str(path), step=version, parent=parent))
+
+
+async def test_a_tenants_adapter_passes_the_gate_or_is_rejected_and_a_users_own_never_enters(bus, nats_url, tmp_path):
+    config = load_config(None, [f"run_dir={tmp_path}", *LORA, *GATE])
+    server = ServeLoop(side_server_config(config, "eval"), nats_url)
+    await server.start()
+    config.promotion.eval_url = server.url
+    promoter = PromoteLoop(config, nats_url)
+    await promoter.start()
+    registry, store, adapters = await Registry.open(bus), AdapterStore(tmp_path / "adapters"), adapter_set(config)
+    try:
+        adapters.ensure("acme")  # untrained: B at zero, the base exactly
+        await announce(bus, store, adapters, "acme", 1, parent=0)
+        one = await until(lambda: _in(registry, 1, "acme", "serving"), timeout_s=60)
+        assert one.gate["passed"] and abs(one.gate["guards"]["kl"]) < 1e-6 and one.gate["suites"]["digits"]["difference"] == 0
+        assert [t.state for t in one.transitions] == ["candidate", "evaluating", "serving"]
+        routed = await until(lambda: _routed(registry, "acme"))  # written after the entry
+        assert routed == Arm(version=1, path=str(store.path("acme", 1)))
+
+        adapters.ensure(USER)
+        await announce(bus, store, adapters, USER, 1, parent=0)  # a user's own: published to its user alone
+        wreck(adapters, "acme")
+        await announce(bus, store, adapters, "acme", 2, parent=1)
+        two = await until(lambda: _decided(registry, 2, "acme"), timeout_s=60)
+        assert two.state == "rejected" and two.gate["serving"] == 1 and two.gate["guards"]["kl"] > 0.01
+        directive = await until(lambda: registry.directive("acme"))  # written after the entry
+        assert (directive.adapter, directive.version, directive.rejected) == ("acme", 1, 2)
+        assert directive.path == str(store.path("acme", 1)) and await registry.directive() is None
+        assert (await registry.routing()).adapters["acme"].version == 1 and await _in(registry, 1, "acme", "serving")
+        assert await registry.adapters() == ["acme"] and [e.version for e in await registry.versions()] == [0]
+        async with httpx.AsyncClient(base_url=server.url) as http:  # the evaluation server serves the gate's adapters only
+            body = {"input_ids": [1, 2, 3], "sampling_params": {"max_new_tokens": 1}}
+            assert (await http.post("/engine/generate", json={**body, "lora_path": "gate.candidate"})).status_code == 200
+            refused = await http.post("/engine/generate", json={**body, "lora_path": ["gate.serving", "acme"]})
+        assert refused.status_code == 400 and "the adapters the gate loaded" in refused.text
+    finally:
+        await promoter.stop()
+        await server.stop()
+
+
+async def _routed(registry: Registry, adapter: str) -> Arm | None:
+    return (await registry.routing()).adapters.get(adapter)
+
+
+async def _decided(registry: Registry, version: int, adapter: str):
+    entry = await registry.get(version, adapter)
+    return entry if entry is not None and entry.state not in ("candidate", "evaluating") else None
+
+
+async def _in(registry: Registry, version: int, adapter: str, state: str):
+    entry = await registry.get(version, adapter)
+    return entry if entry is not None and entry.state == state else None
+
+
+async def test_a_gateway_serves_a_tenants_adapter_once_routed_and_a_users_as_announced(bus, nats_url, tmp_path):
+    config = load_config(None, [f"run_dir={tmp_path}", *LORA, *GATE])
+    store, adapters = AdapterStore(tmp_path / "adapters"), adapter_set(config)
+    adapters.ensure("acme")
+    adapters.ensure(USER)
+    gateway = ServeLoop(config, nats_url)
+    await gateway.start()
+    try:
+        registry = await Registry.open(bus)
+        await registry.set_routing(Routing(id="r1", serving=Arm(version=0, path=None)))
+        await announce(bus, store, adapters, "acme", 1, parent=0)
+        await announce(bus, store, adapters, USER, 1, parent=0)
+        await until(lambda: gateway.pool.adapter_versions.get(USER) == 1)
+        assert "acme" not in gateway.pool.adapter_versions  # announced before the user's, and not taken
+        path = str(store.path("acme", 1))
+        await registry.set_routing(Routing(id="r2", serving=Arm(version=0, path=None), adapters={"acme": Arm(version=1, path=path)}))
+        await until(lambda: gateway.pool.adapter_versions.get("acme") == 1)
+    finally:
+        await gateway.stop()
+
+
+async def test_the_trainer_goes_back_on_a_directive_keeps_pace_and_keeps_what_serves(bus, tmp_path):
+    config = load_config(None, [f"run_dir={tmp_path}", *LORA, *GATE, "rollout.max_head_offpolicyness=1"])
+    registry, adapters = await Registry.open(bus), adapter_set(config)
+    store = AdapterStore(tmp_path / "adapters", keep=1)
+    versions = AdapterVersions(store, bus, interval=1, registry=registry, max_ahead=1)
+    sample = sample_of((await sampled_turns(1))[0], 1.0, 0)
+    sample.trajectory.adapter = "acme"
+    await registry.set_routing(Routing(id="r1", serving=Arm(version=0, path=None)))
+    adapters.ensure("acme")
+
+    async def step(version: int) -> None:
+        """A training step of acme (its weights moved, its moments filled), published."""
+        with torch.no_grad():
+            for param in adapters.params["acme"]:
+                param.add_(0.01 * version)
+                adapters.optimizers["acme"].state[param] = {"step": torch.tensor(1.0)}
+        versions.trained(["acme"])
+        await versions.publish(adapters, "acme", step=version)
+
+    await versions.follow_registry(adapters)
+    assert versions.may_train([sample], config)
+    await step(1)
+    await versions.follow_registry(adapters)
+    assert not versions.may_train([sample], config)  # v1 is a candidate; at η = 1 acme waits for it
+    await registry.set_routing(Routing(id="r2", serving=Arm(version=0, path=None),
+                                       adapters={"acme": Arm(version=1, path=str(store.path("acme", 1)))}))
+    await versions.follow_registry(adapters)
+    assert versions.may_train([sample], config)
+    one = adapters.weights("acme")
+    await step(2)
+    assert store.versions("acme") == [1, 2]  # keep=1, but v1 serves
+
+    await registry.set_directive(TrainerDirective(id="d1", version=1, path=str(store.path("acme", 1)), abandon_after=1,
+                                                  reason="acme@v2 rejected", rejected=2, adapter="acme"))
+    await versions.follow_registry(adapters)
+    back = adapters.weights("acme")
+    assert all(torch.equal(back[k], one[k]) for k in one) and not adapters.optimizers["acme"].state
+    assert versions.versions["acme"] == 2 and versions.staleness("acme", 1) == 0  # v2 abandoned: v1's weights again
+    await step(3)
+    assert versions.staleness("acme", 1) == 1 and versions.parents["acme"] == 3
+    assert store.versions("acme") == [1, 3]  # the rejected v2 pruned, the serving v1 kept
+    await versions.follow_registry(adapters)  # the same directive again: carried out once
+    assert versions.versions["acme"] == 3
+
+
+async def test_a_tenants_conversations_reach_its_adapter_through_the_gate(nats_url, tmp_path, bus):
+    """End to end, `adapters.scope: tenant`: acme's rewarded conversation trains acme's adapter,
+    whose v1 the gate passes; the gateway serves it from the routing, and acme's next turn is
+    sampled by it."""
+    overrides = [*TENANTS_SETUP, "adapters.kind=lora", "adapters.scope=tenant", "adapters.guard_drop=null", *GATE[:4]]
+    async with platform(nats_url, tmp_path, *overrides) as (serve, _, _):
+        config = side_server_config(serve.config, "eval")
+        server = ServeLoop(config, nats_url)
+        await server.start()
+        config.promotion.eval_url = server.url
+        promoter = PromoteLoop(config, nats_url)
+        await promoter.start()
+        try:
+            async with learning(serve, nats_url):
+                await converse(serve, "ada", "first", reward=1.0)
+                await until(lambda: serve.pool.adapter_versions.get("acme") == 1, timeout_s=60)
+                await converse(serve, "bob", "second", reward=1.0)
+        finally:
+            await promoter.stop()
+            await server.stop()
+        turns = {t.session_id.split("/", 1)[1]: t for t in await recorded_turns(bus, 2)}
+    registry = await Registry.open(bus)
+    one = await registry.get(1, "acme")
+    assert one.state == "serving" and one.gate["passed"] and one.path.endswith("acme/v1")
+    assert turns["first"].adapter == "acme" and set(turns["first"].output_versions) == {0}
+    assert turns["second"].adapter == "acme" and set(turns["second"].output_versions) == {1}
