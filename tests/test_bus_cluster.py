@@ -13,9 +13,10 @@ from flywheel.bus import (
     Sample,
     Trajectory,
 )
-from flywheel.bus.cluster import LocalNatsCluster, free_port
+from flywheel.bus.cluster import LocalNatsCluster
 from flywheel.bus.large import BUCKET
 from flywheel.bus.pull import PullRefused
+from flywheel.ports import free_port
 
 from factories import freeze, make_turn
 from waiting import until

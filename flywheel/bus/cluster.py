@@ -13,20 +13,13 @@ JetStream again and has caught up (what a Kubernetes probe on a NATS pod asks to
 
 from __future__ import annotations
 
-import socket
 import time
 from pathlib import Path
 
 import httpx
 
 from flywheel.bus.embedded import EmbeddedNats
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    """A port nothing listens on now (the OS's choice)."""
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
+from flywheel.ports import free_port
 
 
 class LocalNatsCluster:

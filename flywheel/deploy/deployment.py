@@ -76,39 +76,45 @@ class Deployment:
             )
             self._owns_ray = self.config.deploy.ray_address is None
         loops = self.config.deploy.loops
-        if "serve" in loops:
-            self.serve_url = self._launch("serve", self.config)
-        gateway = self.serve_url or self.config.rollout.endpoint  # gateways hosted elsewhere
-        judge = self.config.model_copy(deep=True)
+        promoting = "promote" in loops and self.config.promotion.enabled
+        first = {kind: self.config for kind in ("serve", "collect", "train") if kind in loops}
         if needs_judge_server(self.config):
-            self.judge_url = self._launch("judge_serve", side_server_config(self.config, "judge"))
-        if "promote" in loops and self.config.promotion.enabled:
-            self.eval_url = self._launch("eval_serve", side_server_config(self.config, "eval"))
-            promote = self.config.model_copy(deep=True)
+            first["judge_serve"] = side_server_config(self.config, "judge")
+        if promoting:
+            first["eval_serve"] = side_server_config(self.config, "eval")
+        started = self._launch(first)  # none of these needs another's address: they start side by side
+        self.serve_url, self.judge_url, self.eval_url = (started.get(k) for k in ("serve", "judge_serve", "eval_serve"))
+        gateway = self.serve_url or self.config.rollout.endpoint  # gateways hosted elsewhere
+        then: dict[str, FlywheelConfig] = {}
+        if promoting:
+            then["promote"] = promote = self.config.model_copy(deep=True)
             promote.promotion.eval_url = self.eval_url
             if promote.judge.llm.base_url is None and self.judge_url is not None:  # a traffic suite's pinned judge
                 promote.judge.llm.base_url = f"{self.judge_url}/v1"
-            self._launch("promote", promote)
-        if judge.judge.llm.base_url is None:  # the judge reads its URL here, on whatever node it runs
-            source = self.judge_url if judge.judge.llm.source == "pinned" else gateway
-            judge.judge.llm.base_url = source and f"{source}/v1"
-        for kind in ("collect", "judge", "train"):
-            if kind in loops:
-                self._launch(kind, judge if kind == "judge" else self.config)
+        if "judge" in loops:
+            then["judge"] = judge = self.config.model_copy(deep=True)
+            if judge.judge.llm.base_url is None:  # the judge reads its URL here, on whatever node it runs
+                source = self.judge_url if judge.judge.llm.source == "pinned" else gateway
+                judge.judge.llm.base_url = source and f"{source}/v1"
         if self.config.rollout.enabled:
-            rollout = self.config.model_copy(deep=True)
+            then["rollout"] = rollout = self.config.model_copy(deep=True)
             rollout.rollout.endpoint = gateway
-            self._launch("rollout", rollout)
+        self._launch(then)
 
-    def _launch(self, kind: str, config: FlywheelConfig) -> Any:
-        """Start a loop's actor where `deploy.resources` places it; its `start` result."""
-        placement = self.config.deploy.resources.get(kind)
-        options = ray_options(placement) if placement is not None else {}
-        actor = LoopActor.options(name=f"flywheel-{kind}-{os.getpid()}", **options).remote(
-            kind, config.model_dump(mode="json"), self.bus_url
-        )
-        self.actors[kind] = actor
-        return ray.get(actor.address.remote(), timeout=CALL_TIMEOUT_S)
+    def _launch(self, configs: dict[str, FlywheelConfig]) -> dict[str, Any]:
+        """Start each loop's actor where `deploy.resources` places it, all at once (a loop's
+        process spends seconds importing torch and its model: on two cores, two at a time);
+        each one's `start` result."""
+        refs = {}
+        for kind, config in configs.items():
+            placement = self.config.deploy.resources.get(kind)
+            options = ray_options(placement) if placement is not None else {}
+            actor = LoopActor.options(name=f"flywheel-{kind}-{os.getpid()}", **options).remote(
+                kind, config.model_dump(mode="json"), self.bus_url
+            )
+            self.actors[kind] = actor
+            refs[kind] = actor.address.remote()
+        return dict(zip(refs, ray.get(list(refs.values()), timeout=CALL_TIMEOUT_S)))
 
     def stats(self, timeout_s: float = 10.0) -> dict[str, dict[str, Any]]:
         """Each loop's counters; a loop that does not answer reports its error."""

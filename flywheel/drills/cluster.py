@@ -18,9 +18,10 @@ from pathlib import Path
 
 import httpx
 
-from flywheel.bus.cluster import LocalNatsCluster, free_port
+from flywheel.bus.cluster import LocalNatsCluster
 from flywheel.bus.embedded import EmbeddedNats
 from flywheel.cli import command
+from flywheel.ports import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 """Where the processes start: the directory that holds the `flywheel` package."""

@@ -48,7 +48,6 @@ import logging
 import os
 import shlex
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -59,6 +58,7 @@ import httpx
 from flywheel.bus.embedded import _die_with_parent
 from flywheel.config import ConfigError, FlywheelConfig
 from flywheel.models import resolve_model
+from flywheel.ports import free_port
 from flywheel.serve.backends.vllm import VLLMEngineClient
 
 log = logging.getLogger(__name__)
@@ -97,12 +97,6 @@ def vllm_python() -> str:
     return python
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 class VLLMServer:
     """One vLLM server process for `model` (a spec or directory), started by `start`, ended by
     `stop` (or with this process); with `lora` (max_loras, rank) it serves LoRA adapters too."""
@@ -130,7 +124,7 @@ class VLLMServer:
         the error if it exits first or does not answer within `timeout_s`."""
         for attempt in range(3):  # another process may take the free port before vLLM binds it
             try:
-                return self._start(_free_port(), timeout_s)
+                return self._start(free_port(), timeout_s)
             except _PortTaken:
                 log.warning("vLLM's port was taken before it bound it (attempt %d)", attempt + 1)
         raise RuntimeError("vLLM could not bind a free port in 3 attempts")
