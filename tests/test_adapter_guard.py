@@ -1,6 +1,7 @@
 """What protects a person from a harmful version of their own adapter (flywheel/train/adapter_guard.py,
 `adapters.guard_drop`): a version that makes the base's general answers much less likely is held
-back, unpublished, and the adapter returns to its last published version."""
+back, unpublished, and the adapter returns to its last published version; so are weights a
+restarted trainer never published."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from flywheel.models import load_model
 from flywheel.models.adapter_store import AdapterStore
 from flywheel.models.lora_adapter import WEIGHTS_FILE
 from flywheel.train.adapter_guard import AdapterGuard
+from flywheel.train.adapter_versions import AdapterVersions
 from flywheel.train.loop import TrainLoop
 from flywheel.train.trainer import Trainer
 
@@ -72,3 +74,30 @@ async def test_a_held_back_version_is_not_published_and_the_adapter_returns_to_t
     published = load_file(store.path("alice", 1) / WEIGHTS_FILE)
     assert weights.keys() == published.keys() and all(torch.equal(weights[k], published[k]) for k in weights)
     assert not any(moments)
+
+
+async def test_weights_a_restarted_trainer_never_published_pass_the_guard_first(bus, tmp_path):
+    """A trainer restarts from a checkpoint taken after a step it had not published (with
+    `train.weight_update_interval` above 1, or killed before the publication): those weights
+    pass the guard before they are published; wrecked, alice goes back to her newest published
+    version, which is announced again."""
+    config = load_config(None, LORA)
+    model, tokenizer = load_model("tiny")
+    adapters = Trainer(model, config.actor, config.train, config.adapters).adapters
+    store = AdapterStore(tmp_path / "adapters")
+    versions = AdapterVersions(store, bus, interval=1, guard=AdapterGuard(adapters, tokenizer, max_drop=0.5))
+    adapters.ensure("alice")
+    versions.trained(["alice"])
+    await versions.publish(adapters, "alice", step=1)  # v1: untrained, the base
+    published = adapters.weights("alice")
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for param in adapters.params["alice"]:
+            param.normal_(0.0, 5.0)
+    versions.trained(["alice"])  # v2: checkpointed, not published
+    await versions.restored(adapters, step=2, config=config)
+    weights = adapters.weights("alice")
+    assert store.versions("alice") == [1] and versions.versions["alice"] == 1 and versions.held_back() == {"alice": 1}
+    assert all(torch.equal(weights[k], published[k]) for k in published)
+    last = await bus.last(WEIGHTS_SUBJECT)
+    assert (last.adapter, last.version) == ("alice", 1)

@@ -132,12 +132,16 @@ class AdapterVersions:
         last publication, unless the guard holds one back; the ones published."""
         published = []
         for name in (name for name in names if adapters.steps[name] % self.interval == 0):
-            if self.guard is not None and not await asyncio.to_thread(self.guard.allows, name, self.origin_of(name)):
+            if not await self._guarded(name):
                 await asyncio.to_thread(self.hold_back, adapters, name)
                 continue
             await self.publish(adapters, name, step)
             published.append(name)
         return published
+
+    async def _guarded(self, name: str) -> bool:
+        """Whether `name`'s current weights pass the guard (there is none: they do)."""
+        return self.guard is None or await asyncio.to_thread(self.guard.allows, name, self.origin_of(name))
 
     def hold_back(self, adapters: AdapterSet, name: str) -> None:
         """`name` back to its last published version (before any: its origin's weights, or the
@@ -177,7 +181,9 @@ class AdapterVersions:
         """After a restart: every adapter published before is the trainer's again (one a dead
         process made after the checkpoint starts over from its origin, as its weights do); an
         adapter whose store holds versions up to or past its restored one gets a version above
-        them (when past), published and announced, so serving has it."""
+        them (when past), published and announced, so serving has it. Weights not published
+        before (trained after the last publication) pass the guard first; failing it, the adapter
+        goes back to its newest published version, announced again."""
         for name in self.store.names():
             adapters.ensure(name, origin(name, config))
         for name in adapters.names():
@@ -187,6 +193,9 @@ class AdapterVersions:
             if newest > self.versions.get(name, 0):
                 log.info("adapter %s: versions up to %d were published after this state: it becomes %d", name, newest, newest + 1)
                 self.versions[name] = newest + 1
+            if self.versions[name] not in self.store.versions(name) and not await self._guarded(name):
+                await asyncio.to_thread(self._back_to, adapters, name, newest)
+                self.versions[name] = self.parents[name] = newest
             await self.publish(adapters, name, step)
 
     def drop(self, name: str) -> None:
