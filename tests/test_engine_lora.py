@@ -17,7 +17,7 @@ import torch
 from peft import LoraConfig, get_peft_model
 from safetensors.torch import load_file, save_file
 
-from flywheel.models import load_model
+from flywheel.models import load_model, lora_batch
 from flywheel.models.lora_adapter import AdapterError, read_adapter
 from flywheel.models.lora_batch import AdapterTable, Rows
 from flywheel.serve.engine import Engine, RequestFailed, SamplingParams
@@ -99,11 +99,15 @@ async def test_an_adapters_logprobs_are_peft_s(options, adapters, base):
     assert plain.logprobs == pytest.approx(recomputed_logprobs(model, ids, plain.output_ids), abs=TOL)
 
 
+@pytest.mark.parametrize("dense_columns", [lora_batch.DENSE_COLUMNS, 0], ids=["dense", "grouped"])
 @pytest.mark.parametrize("options", [{}, {"own_decoder": False}], ids=["decoder", "transformers-forward"])
-async def test_rows_of_many_adapters_and_the_base_decode_together_as_alone(options, adapters, base):
+async def test_rows_of_many_adapters_and_the_base_decode_together_as_alone(options, dense_columns, adapters, base,
+                                                                          monkeypatch):
     """Three adapters (ranks 4, 16 and 3) and base rows, prompts of different lengths, greedy and
     seeded: each row of the mixed batch gets the tokens and log-probs it gets alone, with its
-    adapter's version; the base rows are the model's without adapters."""
+    adapter's version; the base rows are the model's without adapters. Both ways of computing
+    several adapters' deltas (`lora_batch.DENSE_COLUMNS`)."""
+    monkeypatch.setattr(lora_batch, "DENSE_COLUMNS", dense_columns)
     model, tokenizer = base
     engine = fresh_engine(root_of(adapters), **options)
     seeded = SamplingParams(max_new_tokens=16, temperature=1.0, sampling_seed=11, ignore_eos=True)
