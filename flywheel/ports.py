@@ -35,7 +35,7 @@ def free_port(host: str = "127.0.0.1", tries: int = 200) -> int:
     low, high = ephemeral_range()
     candidates = range(LOWEST, low) if low - LOWEST >= 1000 else range(high + 1, 65536)
     draw = random.SystemRandom()
-    for _ in range(tries):
+    for _ in range(tries if candidates else 0):  # none when the range covers every port (a tuned host)
         port = draw.choice(candidates)
         with socket.socket() as sock:
             try:

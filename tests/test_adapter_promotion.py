@@ -6,7 +6,7 @@ end user's own adapter never enters the registry; a gateway serves a tenant's ad
 the routing names it, a user's as announced; the trainer goes back on a directive with its
 versions still counting up, keeps pace with the adapter's serving version, counts staleness on the
 line and never prunes what serves. The evaluation server generates with the adapters the gate
-loaded and no other."""
+loaded, for the operator's key only."""
 
 from __future__ import annotations
 
@@ -19,11 +19,12 @@ from flywheel.deploy.deployment import side_server_config
 from flywheel.models import load_model
 from flywheel.models.adapter_names import user_adapter
 from flywheel.models.adapter_store import AdapterStore
+from flywheel.promote.decisions import Decisions
 from flywheel.promote.loop import PromoteLoop
 from flywheel.serve.loop import ServeLoop
 from flywheel.train.adapter_versions import AdapterVersions
 from flywheel.train.trainer import Trainer
-from flywheel.versions.records import Arm, Routing, TrainerDirective
+from flywheel.versions.records import Arm, Routing, TrainerDirective, VersionEntry
 from flywheel.versions.registry import Registry
 
 from factories import (
@@ -95,7 +96,7 @@ async def test_a_tenants_adapter_passes_the_gate_or_is_rejected_and_a_users_own_
             body = {"input_ids": [1, 2, 3], "sampling_params": {"max_new_tokens": 1}}
             assert (await http.post("/engine/generate", json={**body, "lora_path": "gate.candidate"})).status_code == 200
             refused = await http.post("/engine/generate", json={**body, "lora_path": ["gate.serving", "acme"]})
-        assert refused.status_code == 400 and "the adapters the gate loaded" in refused.text
+        assert refused.status_code == 400 and "base model only" in refused.text
     finally:
         await promoter.stop()
         await server.stop()
@@ -116,7 +117,7 @@ async def _in(registry: Registry, version: int, adapter: str, state: str):
 
 
 async def test_a_gateway_serves_a_tenants_adapter_once_routed_and_a_users_as_announced(bus, nats_url, tmp_path):
-    config = load_config(None, [f"run_dir={tmp_path}", *LORA, *GATE])
+    config = load_config(None, [f"run_dir={tmp_path}", "serve.port=0", *LORA, *GATE])
     store, adapters = AdapterStore(tmp_path / "adapters"), adapter_set(config)
     adapters.ensure("acme")
     adapters.ensure(USER)
@@ -177,15 +178,22 @@ async def test_the_trainer_goes_back_on_a_directive_keeps_pace_and_keeps_what_se
     await step(3)
     assert versions.staleness("acme", 1) == 1 and versions.parents["acme"] == 3
     assert store.versions("acme") == [1, 3]  # the rejected v2 pruned, the serving v1 kept
-    await versions.follow_registry(adapters)  # the same directive again: carried out once
+    assert not await versions.follow_registry(adapters)  # the same directive again: carried out once
     assert versions.versions["acme"] == 3
+
+    store = AdapterStore(tmp_path / "adapters", keep=1)  # a new process: nothing protected yet
+    restarted = AdapterVersions(store, bus, interval=1, registry=registry, max_ahead=1)
+    restarted.restore({"versions": {"acme": 1}, "parents": {"acme": 1}})  # a checkpoint from before v2
+    await restarted.restored(adapters, step=4, config=config)
+    assert store.versions("acme") == [1, 4]  # published above v3, and the serving v1 kept (keep=1)
 
 
 async def test_a_tenants_conversations_reach_its_adapter_through_the_gate(nats_url, tmp_path, bus):
     """End to end, `adapters.scope: tenant`: acme's rewarded conversation trains acme's adapter,
     whose v1 the gate passes; the gateway serves it from the routing, and acme's next turn is
     sampled by it."""
-    overrides = [*TENANTS_SETUP, "adapters.kind=lora", "adapters.scope=tenant", "adapters.guard_drop=null", *GATE[:4]]
+    overrides = [*TENANTS_SETUP, "adapters.kind=lora", "adapters.scope=tenant", "adapters.guard_drop=null",
+                 "rollout.enabled=false", *GATE[:4]]
     async with platform(nats_url, tmp_path, *overrides) as (serve, _, _):
         config = side_server_config(serve.config, "eval")
         server = ServeLoop(config, nats_url)
@@ -198,12 +206,36 @@ async def test_a_tenants_conversations_reach_its_adapter_through_the_gate(nats_u
                 await converse(serve, "ada", "first", reward=1.0)
                 await until(lambda: serve.pool.adapter_versions.get("acme") == 1, timeout_s=60)
                 await converse(serve, "bob", "second", reward=1.0)
+            body = {"input_ids": [1, 2, 3], "sampling_params": {"max_new_tokens": 1}}
+            async with httpx.AsyncClient(base_url=server.url, headers={"Authorization": "Bearer other-key"}) as http:
+                sampled = await http.post("/engine/generate", json={**body, "lora_path": "gate.candidate"})
+                loaded = await http.post("/engine/load_lora_adapter", json={"lora_name": "gate.candidate",
+                                                                           "lora_path": str(tmp_path / "adapters" / "acme" / "v1")})
+                plain = await http.post("/engine/generate", json=body)
+            async with httpx.AsyncClient(base_url=server.url, headers={"Authorization": "Bearer root"}) as http:
+                gated = await http.post("/engine/generate", json={**body, "lora_path": "gate.candidate"})
         finally:
             await promoter.stop()
             await server.stop()
         turns = {t.session_id.split("/", 1)[1]: t for t in await recorded_turns(bus, 2)}
+    # Another tenant's key reaches no adapter on the evaluation server, nor its control routes; the
+    # operator's (the gate's) does; the server never loaded the stored adapters themselves.
+    assert sampled.status_code == 400 and loaded.status_code == 401 and plain.status_code == 200
+    assert gated.status_code == 200 and set(server.pool.adapter_versions) <= {"gate.candidate", "gate.serving"}
     registry = await Registry.open(bus)
     one = await registry.get(1, "acme")
     assert one.state == "serving" and one.gate["passed"] and one.path.endswith("acme/v1")
     assert turns["first"].adapter == "acme" and set(turns["first"].output_versions) == {0}
     assert turns["second"].adapter == "acme" and set(turns["second"].output_versions) == {1}
+
+
+async def test_a_promoter_that_died_between_an_adapters_entry_and_its_routing_repairs_the_routing(bus):
+    """The entry says acme@v2 serves, the routing (written after it) still names v1: a restarted
+    promoter's `repair` makes the routing name v2, which gateways then load."""
+    config = load_config(None, [*LORA, *GATE])
+    registry = await Registry.open(bus)
+    await registry.set_routing(Routing(id="r1", serving=Arm(version=0, path=None), adapters={"acme": Arm(version=1, path="/a/1")}))
+    for version, state in ((1, "retired"), (2, "serving")):
+        await registry.put(VersionEntry(id=f"acme@v{version}", version=version, path=f"/a/{version}", adapter="acme", state=state))
+    await Decisions(registry, config).repair()
+    assert (await registry.routing()).adapters == {"acme": Arm(version=2, path="/a/2")}

@@ -96,6 +96,8 @@ def test_weight_update_intervals_that_reach_the_next_announcement_are_accepted(i
          "train.weight_update_interval=5 with rollout.max_head_offpolicyness=3 can deadlock"),
         (["adapters.kind=lora", "promotion.mode=canary", "promotion.gate.suites=[{name: x, env: digits}]",
           "rollout.enabled=false"], "adapters.kind=lora with promotion.mode=canary"),
+        (["adapters.kind=lora", "promotion.mode=gate", "promotion.gate.suites=[{name: x, env: digits}]"],
+         "adapters.kind=lora with promotion.mode on and rollout.enabled=true"),
         (["adapters.kind=lora", "train.fsdp=true"], "adapters.kind=lora with train.fsdp"),
         (["adapters.scope=everyone"], "adapters.scope: "),
         (["adapters.rank=0"], "adapters.rank: "),

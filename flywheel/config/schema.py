@@ -345,6 +345,10 @@ class FlywheelConfig(Section):
 
     @model_validator(mode="after")
     def _adapters_train_alone(self) -> "FlywheelConfig":
+        if self.adapters.kind == "lora" and self.promotion.enabled and self.rollout.enabled:
+            raise ValueError("adapters.kind=lora with promotion.mode on and rollout.enabled=true: the rollout driver's "
+                             "admission follows the shared weights' versions, which adapters never move; set "
+                             "rollout.enabled=false (live traffic trains the adapters)")
         if self.adapters.kind == "lora" and self.promotion.mode == "canary":
             raise ValueError("adapters.kind=lora with promotion.mode=canary: the shared and tenant adapters go through "
                              "the gate only (no canary of an adapter); set promotion.mode=gate")

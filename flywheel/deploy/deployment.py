@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from pathlib import Path
 from typing import Any
 
@@ -82,7 +83,10 @@ class Deployment:
             first["judge_serve"] = side_server_config(self.config, "judge")
         if promoting:
             first["eval_serve"] = side_server_config(self.config, "eval")
-        started = self._launch(first)  # none of these needs another's address: they start side by side
+        started: dict[str, Any] = {}
+        if "serve" in first and self.config.serve.engine_kind == "vllm":  # vLLM sizes itself by the memory free as it starts
+            started = self._launch({"serve": first.pop("serve")})
+        started |= self._launch(first)  # none of these needs another's address: they start side by side
         self.serve_url, self.judge_url, self.eval_url = (started.get(k) for k in ("serve", "judge_serve", "eval_serve"))
         gateway = self.serve_url or self.config.rollout.endpoint  # gateways hosted elsewhere
         then: dict[str, FlywheelConfig] = {}
@@ -104,7 +108,7 @@ class Deployment:
     def _launch(self, configs: dict[str, FlywheelConfig]) -> dict[str, Any]:
         """Start each loop's actor where `deploy.resources` places it, all at once (a loop's
         process spends seconds importing torch and its model: on two cores, two at a time);
-        each one's `start` result."""
+        each one's `start` result. The first to fail raises at once; `CALL_TIMEOUT_S` bounds them all."""
         refs = {}
         for kind, config in configs.items():
             placement = self.config.deploy.resources.get(kind)
@@ -114,7 +118,14 @@ class Deployment:
             )
             self.actors[kind] = actor
             refs[kind] = actor.address.remote()
-        return dict(zip(refs, ray.get(list(refs.values()), timeout=CALL_TIMEOUT_S)))
+        pending, deadline = list(refs.values()), time.monotonic() + CALL_TIMEOUT_S
+        while pending:
+            ready, pending = ray.wait(pending, num_returns=1, timeout=max(0.0, deadline - time.monotonic()))
+            if not ready:
+                late = [kind for kind, ref in refs.items() if ref in pending]
+                raise TimeoutError(f"{', '.join(late)} did not start within {CALL_TIMEOUT_S:.0f} s")
+            ray.get(ready)  # a loop that failed to start raises here, as soon as it fails
+        return {kind: ray.get(ref) for kind, ref in refs.items()}
 
     def stats(self, timeout_s: float = 10.0) -> dict[str, dict[str, Any]]:
         """Each loop's counters; a loop that does not answer reports its error."""

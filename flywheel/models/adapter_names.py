@@ -24,6 +24,9 @@ if TYPE_CHECKING:
     from flywheel.config import FlywheelConfig
 
 SHARED = "shared"
+GATE_SIDES = ("gate.candidate", "gate.serving")
+"""The names under which the promotion gate loads the two versions of an adapter it compares, on
+the evaluation server (no tenant's or user's adapter is named so: a user's is `<tenant>.u-...`)."""
 
 
 def user_adapter(tenant: str, user: str) -> str:

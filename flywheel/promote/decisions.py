@@ -77,7 +77,7 @@ class Decisions:
         routing = await self.routing()
         if entry.adapter is not None:
             previous = await self.serving_adapter(entry.adapter)
-            if previous.version not in (0, entry.version):
+            if previous.version not in (0, entry.version) and previous.state == "serving":
                 await self.registry.put(move(previous, "retired", f"{entry.id} serves instead", by))
             await self.registry.put(move(entry, "serving", reason, by))
             await self.set_routing(routing, f"{entry.id}: {reason}", adapters={**routing.adapters, entry.adapter: arm(entry)})
@@ -104,10 +104,10 @@ class Decisions:
         """`entry` is rejected (never served) or rolled back; serving goes back to the last good
         version if it was `entry`, and the trainer is told what to continue from (an adapter's
         version never served: `Routing.adapters` is unchanged)."""
-        if entry.adapter is not None:
-            await self.registry.put(move(entry, state, reason, by))  # type: ignore[arg-type]
+        if entry.adapter is not None:  # the directive first: a promoter that dies between them evaluates it again
             await self.direct_trainer(await self.serving_adapter(entry.adapter), entry.version,
                                       f"{entry.id} {state.replace('_', ' ')}: {reason}")
+            await self.registry.put(move(entry, state, reason, by))  # type: ignore[arg-type]
             return
         routing = await self.routing()
         await self.registry.put(move(entry, state, reason, by))  # type: ignore[arg-type]
@@ -132,11 +132,15 @@ class Decisions:
 
     async def repair(self) -> None:
         """After a restart: an evaluation cut short goes back to candidate; the routing names the
-        versions the registry has serving and on canary."""
+        versions the registry has serving and on canary, and each adapter's serving one."""
         routing = await self.routing()
         lines = [await self.registry.versions(adapter=adapter) for adapter in await self.registry.adapters()]
         for entry in [e for line in lines for e in line if e.state == "evaluating"]:
             await self.registry.put(move(entry, "candidate", "the promoter restarted during its evaluation", "promoter"))
+        serving = {e.adapter: arm(e) for line in lines for e in line if e.state == "serving" and e.adapter}  # each line's newest
+        if any(routing.adapters.get(name) != served for name, served in serving.items()):
+            await self.set_routing(routing, "adapters restored after a restart", adapters={**routing.adapters, **serving})
+            routing = await self.routing()
         for entry in await self.registry.versions():
             if entry.state == "evaluating":
                 await self.registry.put(move(entry, "candidate", "the promoter restarted during its evaluation", "promoter"))

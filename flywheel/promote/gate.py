@@ -39,6 +39,7 @@ from flywheel.bus import Bus
 from flywheel.config import FlywheelConfig
 from flywheel.config.promotion import SuiteConfig
 from flywheel.formats.tool_calls import detect
+from flywheel.models.adapter_names import GATE_SIDES
 from flywheel.promote.suites import Answer, EnvSuite, Suite
 from flywheel.promote.traffic_suite import TrafficSuite, pinned_judge
 from flywheel.versions.records import VersionEntry
@@ -109,13 +110,14 @@ class Gate:
         return [Answer(r["text"], len(r["output_ids"]), (r["meta_info"].get("finish_reason") or {}).get("type") == "length")
                 for r in replies]
 
-    async def _side(self, entry: VersionEntry, side: str) -> tuple[str | None, list[list[Answer]]]:
-        """Load a version and answer every suite with it; the adapter name its requests give."""
-        lora = None
-        if entry.adapter is None:
-            await self.server.load(entry.path or self.config.model, entry.version)
-        elif entry.path is not None:
-            lora = f"gate.{side}"
+    async def _side(self, entry: VersionEntry, lora: str) -> tuple[str | None, list[list[Answer]]]:
+        """Load a version (an adapter's under the name `lora`) and answer every suite with it; the
+        adapter name its requests give (None: the shared weights, or an adapter's start, the base)."""
+        if entry.adapter is None or entry.path is None:
+            lora = None
+            if entry.adapter is None:
+                await self.server.load(entry.path or self.config.model, entry.version)
+        else:
             await self.server.load_adapter(lora, entry.path)
         return lora, [await self._answers(suite, lora) for suite in self.suites]
 
@@ -124,9 +126,10 @@ class Gate:
         `report["passed"]` is the verdict."""
         limit = self.gate.guards.max_new_tokens
         probes = [prompt for suite in self.suites for prompt in suite.prompts][: self.gate.guards.probe_prompts]
-        lora, cand = await self._side(candidate, "candidate")
+        candidate_side, serving_side = GATE_SIDES
+        lora, cand = await self._side(candidate, candidate_side)
         samples = await asyncio.gather(*(self.server.generate(p, limit, 1.0, logprobs=True, lora=lora) for p in probes))
-        lora, serv = await self._side(serving, "serving")
+        lora, serv = await self._side(serving, serving_side)
         scored = await asyncio.gather(*(self.server.prefill_logprobs(p, s["output_ids"], lora) for p, s in zip(probes, samples)
                                         if s["output_ids"]))
         own = [[e[0] for e in s["meta_info"]["output_token_logprobs"]] for s in samples if s["output_ids"]]

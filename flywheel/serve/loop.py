@@ -36,9 +36,9 @@ from flywheel.config import ConfigError, FlywheelConfig
 from flywheel.config.serve import ServeConfig
 from flywheel.config.tenants import retention_s
 from flywheel.models import load_model, load_weights, place
-from flywheel.models.adapter_names import is_personal
-from flywheel.models.adapter_store import DROPPED, AdapterStore, owned_by
+from flywheel.models.adapter_store import DROPPED, owned_by
 from flywheel.runtime import cancel_and_wait, repeat
+from flywheel.serve.adapter_loading import AdapterLoading
 from flywheel.serve.adapter_routing import AdapterRouting
 from flywheel.serve.backends.in_process import InProcessEngineClient
 from flywheel.serve.backends.pool import EnginePool
@@ -69,8 +69,6 @@ class ServeLoop:
         self.url: str | None = None
         self.swaps = 0
         self.pauses: list[float] = []
-        self._routed_adapters: dict[str, int] = {}
-        """The version of each shared or tenant adapter the routing last had this gateway load."""
         self._tasks: list[asyncio.Task] = []
 
     async def start(self) -> str:
@@ -114,8 +112,12 @@ class ServeLoop:
         self.tenant_registry = await TenantRegistry.open(self.bus)
         for entry in await self.tenant_registry.current():  # before the first request: a revoked key opens nothing
             self.tenants.apply(entry)
-        if self.config.adapters.kind == "lora":
-            await self._load_stored_adapters()
+        self.adapters = AdapterLoading(self.pool, self.config.run_dir, self.routed)
+        if self.config.adapters.kind == "lora" and cfg.role == "policy":  # a judge's or the gate's serve the base
+            await self.adapters.load_stored()
+            routing = await (await Registry.open(self.bus)).routing() if self.routed else None
+            if routing is not None:  # before the first request, as the stored ones
+                await self.adapters.take_routed(routing)
         self.app = create_gateway(self.pool, tokenizer, self.recorder, self.model_name, cfg, context_length, self.metrics,
                                   self.tenants, sessions, self._adapter_routing(), teaches=self.config.base_teaches)
         install_tenant_routes(self.app, self.tenants, self.tenant_registry, cfg.admin_key, [spill_dir],
@@ -172,7 +174,8 @@ class ServeLoop:
         Under `lora` every announcement the stream holds is read, from the first (a restarted
         server must find each adapter's newest version, not only the newest announcement), and of
         those that arrive together the newest of the shared weights' and of each adapter's count.
-        Under promotion only end users' own adapters are taken from here (`_announced`)."""
+        Under promotion only end users' own adapters are taken from here
+        (flywheel/serve/adapter_loading.py)."""
         if self.config.adapters.kind != "lora":
             async for update in self.bus.follow(WEIGHTS_SUBJECT, newest_only=True):
                 assert isinstance(update, WeightUpdate)
@@ -188,7 +191,7 @@ class ServeLoop:
                         if not self.routed:
                             await self._take_weights(update)
                     else:
-                        await self._take_adapter(update)
+                        await self.adapters.take(update)
 
     async def _take_weights(self, update: WeightUpdate) -> None:
         """Swap the shared weights to `update` (or follow the gateway that swaps) if it is newer."""
@@ -205,36 +208,6 @@ class ServeLoop:
             self.swaps += 1
         except Exception:
             log.exception("could not load weights v%d from %s", update.version, update.path)
-
-    async def _load_stored_adapters(self) -> None:
-        """Before the first request, the newest version of every adapter in the trainer's store
-        (`run_dir/adapters`, flywheel/models/adapter_store.py): the WEIGHTS stream keeps only the
-        newest announcements, so a gateway that starts after many adapters were published finds
-        the others there. (An engine reads an adapter's weights on its first request.)"""
-        store = AdapterStore(Path(self.config.run_dir) / "adapters")
-        for name in filter(self._announced, store.names()):
-            version = store.latest(name)
-            if version is not None:
-                await self._take_adapter(WeightUpdate(id=f"{name}-v{version}", version=version,
-                                                      path=str(store.path(name, version)), step=0, adapter=name))
-
-    async def _take_adapter(self, update: WeightUpdate) -> None:
-        """Load adapter `update.adapter`'s version `update.version` into every engine if it is newer
-        than the one served. Every gateway loads it (also with `serve.swap_weights: false`): loading
-        a version an engine has already is harmless, and a gateway must not send a request for an
-        adapter version its engines may not have yet."""
-        assert update.adapter is not None
-        if not self._announced(update.adapter) or update.version <= self.pool.adapter_versions.get(update.adapter, 0):
-            return
-        try:
-            await self.pool.load_adapter(update.adapter, update.path, update.version)
-        except Exception:
-            log.exception("could not load adapter %s v%d from %s", update.adapter, update.version, update.path)
-
-    def _announced(self, adapter: str) -> bool:
-        """Whether `adapter`'s versions serve as they are announced: all do, but a shared or tenant
-        adapter's under promotion (those serve once they passed the gate, from the routing)."""
-        return not self.routed or is_personal(adapter)
 
     async def _follow_tenants(self) -> None:
         """Tenants and keys changed at run time, at any gateway, hold here too."""
@@ -275,13 +248,7 @@ class ServeLoop:
                     await self._load(self.pool.canary, routing.canary)
             except Exception:
                 log.exception("could not follow the routing %s (%s)", routing.id, routing.reason)
-            for name, arm in routing.adapters.items():
-                if arm.path is not None and self._routed_adapters.get(name) != arm.version:
-                    try:  # only a version the routing changed to: a forgotten tenant's adapter is not loaded again
-                        await self.pool.load_adapter(name, arm.path, arm.version)
-                        self._routed_adapters[name] = arm.version
-                    except Exception:
-                        log.exception("could not load adapter %s v%d from %s", name, arm.version, arm.path)
+            await self.adapters.take_routed(routing)
 
     async def _load(self, pool: EnginePool, arm: Arm) -> None:
         """Swap `pool` to the arm's version, older or newer (`None` path: the starting weights)."""

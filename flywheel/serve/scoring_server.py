@@ -4,7 +4,8 @@ distillation's teacher gets its log-probabilities; and the promotion gate's eval
 
 - `POST /engine/generate`: SGLang's native `/generate` on the server's engine, as is, but on the
   base only: a body naming a LoRA adapter (`lora_path`) is refused (400), so that no key reaches
-  a tenant's adapter through it; on the evaluation server, but for the adapters the gate loaded.
+  a tenant's adapter through it; on the evaluation server the operator's requests (the gate's)
+  may name the two adapters the gate loads (`adapter_names.GATE_SIDES`), and nothing else may.
 - `POST /engine/score` `{"messages", "output_ids", "temperature"}`: the chat `messages` rendered
   through the server's chat template as for a request (the teacher's prompt: the turn's context
   with its hint), followed by `output_ids` (the tokens the policy sampled), scored with one
@@ -18,8 +19,8 @@ distillation's teacher gets its log-probabilities; and the promotion gate's eval
 - `POST /engine/update_weights_from_disk` `{"model_path", "weight_version"}` (`serve.role: eval`
   only): SGLang's route, loading any version, older ones too (the gate goes back and forth).
 - `POST /engine/load_lora_adapter` `{"lora_name", "lora_path"}` (`serve.role: eval` only):
-  SGLang's route; the gate loads the two versions of an adapter it compares under names of its
-  own, and `/engine/generate` then serves those names (and no adapter it was not given).
+  SGLang's route; the gate loads the two versions of an adapter it compares under those names.
+  This and the weights route are control routes: the admin key opens them, no client key does.
 
 With adapters (`FlywheelConfig.base_teaches`) the policy's own server has `/engine/score` too: its
 base, with no adapter, is the frozen starting model, so the teacher needs no server of its own.
@@ -36,6 +37,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 from pydantic import Field
 
+from flywheel.models.adapter_names import GATE_SIDES
 from flywheel.serve.api.chat import ChatCompletionRequest, Message
 from flywheel.serve.api.errors import APIError, translated
 from flywheel.serve.api.sessions import session_of
@@ -78,6 +80,8 @@ def install_scoring_routes(app: FastAPI, pool: EnginePool, prompts: PromptBuilde
 
         @app.post("/engine/load_lora_adapter")
         async def load_adapter(body: AdapterLoadRequest) -> dict[str, Any]:
+            if body.lora_name not in GATE_SIDES:
+                raise APIError(400, f"lora_name: this server loads adapters as {' or '.join(GATE_SIDES)} only")
             try:
                 await pool.load_adapter(body.lora_name, body.lora_path, pool.adapter_versions.get(body.lora_name, 0) + 1)
             except (OSError, ValueError, EngineError) as exc:
@@ -99,9 +103,9 @@ def install_scoring_routes(app: FastAPI, pool: EnginePool, prompts: PromptBuilde
             return JSONResponse({"error": {"message": "the body must be a JSON object"}}, status_code=400)
         named = body.get("lora_path")
         named = [n for n in (named if isinstance(named, list) else [named]) if n is not None]
-        if named and not (loads_weights and all(isinstance(n, str) and n in pool.adapter_versions for n in named)):
-            return JSONResponse({"error": {"message": "lora_path: this route serves the base model only"
-                                           + (", and the adapters the gate loaded" if loads_weights else "")}}, status_code=400)
+        gate = loads_weights and getattr(request.state, "operator", False)
+        if named and not (gate and all(n in GATE_SIDES and n in pool.adapter_versions for n in named)):
+            return JSONResponse({"error": {"message": "lora_path: this route serves the base model only"}}, status_code=400)
         try:
             return await engine.generate(body)
         except EngineError as exc:

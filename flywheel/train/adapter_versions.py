@@ -89,9 +89,12 @@ class AdapterVersions:
             self.lines[name] = UnderPromotion(self.registry, self.max_ahead, adapter=name)
         return self.lines[name]
 
-    async def follow_registry(self, adapters: AdapterSet) -> None:
-        """Under promotion, before a step: each shared or tenant adapter's serving version read,
-        and a new directive about it carried out (see the module docstring)."""
+    async def follow_registry(self, adapters: AdapterSet) -> bool:
+        """Under promotion, before a step (and before a restarted trainer publishes anything):
+        each shared or tenant adapter's serving version read and kept from pruning, and a new
+        directive about it carried out (see the module docstring); whether one was (carried out
+        or passed over: the trainer checkpoints, so that it is not carried out again)."""
+        directed = False
         for name in adapters.names():
             if (line := self._line(name)) is None:
                 continue
@@ -99,12 +102,14 @@ class AdapterVersions:
             self.store.protected[name] = line.protected
             if directive is None:
                 continue
+            directed = True
             if not line.concerns(directive, self.parents.get(name, 0)):
                 line.pass_over(directive)
                 continue
             await asyncio.to_thread(self._back_to, adapters, name, directive.version)
             line.abandon(directive, self.versions.get(name, 0))
             self.parents[name] = directive.version
+        return directed
 
     def may_train(self, samples: list[Any], config: FlywheelConfig) -> bool:
         """Whether the adapters of `samples` may take a step now: under promotion, none is too far
@@ -186,6 +191,7 @@ class AdapterVersions:
         goes back to its newest published version, announced again."""
         for name in self.store.names():
             adapters.ensure(name, origin(name, config))
+        await self.follow_registry(adapters)  # what serves is protected before anything is published
         for name in adapters.names():
             newest = self.store.latest(name)
             if newest is None:

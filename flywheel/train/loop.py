@@ -268,8 +268,8 @@ class TrainLoop(ConsumerLoop):
             await self._checkpoint()  # at once: no checkpoint holds a forgotten adapter any more
         if self.promotion is not None and not await self._follow_registry():
             return  # too far ahead of the serving version: the samples wait
-        if self.lora:
-            await self.adapter_versions.follow_registry(self.trainer.adapters)
+        if self.lora and await self.adapter_versions.follow_registry(self.trainer.adapters):
+            await self._checkpoint()  # a directive carried out or passed over: not again after a restart
         for reason, dropped in (("abandoned_dropped", self.is_abandoned), ("stale_dropped", self.is_stale)):
             for group in self.batcher.drop_stale(dropped):  # re-checked each step: a waiting sample ages too
                 self.counts[reason] += len(group.members)

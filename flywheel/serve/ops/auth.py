@@ -5,7 +5,9 @@ under `/v1/` (and `/engine/`, the scoring routes, which the admin key also opens
 teacher scores with it) needs `Authorization: Bearer <key>`
 (or `x-api-key: <key>`, as Anthropic's clients send it), and the request is its key's tenant's:
 the middleware puts the tenant's name and the key's `Grant` in the request's state
-(`request.state.tenant`, `request.state.grant`; the open tenant's when there are no keys). The engine's control routes (SGLang's `ADMIN_PATHS`: pausing,
+(`request.state.tenant`, `request.state.grant`; the open tenant's when there are no keys), and
+whether it is the operator's (`request.state.operator`: the admin key, or no admin key is
+configured). The engine's control routes (SGLang's `ADMIN_PATHS`: pausing,
 weight loading, aborts, cache flushes) and the admin API (`/admin/...`) need `Bearer <admin_key>`
 when an admin key is configured; a client key never reaches them. Anything else (`/health`,
 `/metrics`) is open. A refusal is a 401 in OpenAI's error shape with `WWW-Authenticate: Bearer`.
@@ -32,8 +34,11 @@ ADMIN_PATHS = frozenset({
     "/update_weight_version",
     "/load_lora_adapter",
     "/unload_lora_adapter",
+    "/engine/update_weights_from_disk",
+    "/engine/load_lora_adapter",
 })
-"""SGLang's control routes: whoever reaches them can stall the server or swap its weights."""
+"""SGLang's control routes, and the evaluation server's (`flywheel/serve/scoring_server.py`):
+whoever reaches them can stall the server or swap its weights."""
 
 
 def bearer_token(headers: Headers) -> bytes | None:
@@ -72,12 +77,14 @@ class AuthMiddleware:
             return
         path = scope["path"]
         headers = Headers(scope=scope)
+        operator = not self.admin_keys or key_matches(bearer_token(headers), self.admin_keys)  # bearer only
+        scope.setdefault("state", {})["operator"] = operator
         if path in ADMIN_PATHS or path.startswith("/admin/"):
-            if self.admin_keys and not key_matches(bearer_token(headers), self.admin_keys):  # bearer only
+            if not operator:
                 await self._refuse(scope, receive, send, "admin key", bearer_token(headers))
                 return
-        elif path.startswith("/engine/") and self.admin_keys and key_matches(bearer_token(headers), self.admin_keys):
-            pass  # the operator's own loops score (the judge's teacher on the policy's server)
+        elif path.startswith("/engine/") and self.admin_keys and operator:
+            pass  # the operator's own loops score (the judge's teacher on the policy's server), or the gate evaluates
         elif path == "/v1" or path.startswith(("/v1/", "/engine/")):
             token = client_key(headers)
             grant = self.tenants.grant_of(token)

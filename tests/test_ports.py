@@ -1,0 +1,25 @@
+"""Ports for the servers a process starts (flywheel/ports.py): drawn outside the kernel's range for
+outgoing connections' own ports, free when drawn, and still found on a host whose range covers
+every port."""
+
+import socket
+
+from flywheel import ports
+
+
+def test_a_port_is_drawn_free_and_outside_the_range_for_outgoing_connections():
+    low, high = ports.ephemeral_range()
+    drawn = {ports.free_port() for _ in range(20)}
+    if low - ports.LOWEST >= 1000:
+        assert all(ports.LOWEST <= port < low for port in drawn)
+    assert len(drawn) > 1  # drawn at random, not the same one each time
+    for port in drawn:
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", port))
+
+
+def test_a_host_whose_range_covers_every_port_still_gets_one(monkeypatch):
+    monkeypatch.setattr(ports, "ephemeral_range", lambda: (1024, 65535))
+    port = ports.free_port()
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", port))
