@@ -24,7 +24,13 @@ from flywheel.promote.loop import PromoteLoop
 from flywheel.serve.loop import ServeLoop
 from flywheel.train.adapter_versions import AdapterVersions
 from flywheel.train.trainer import Trainer
-from flywheel.versions.records import Arm, Routing, TrainerDirective, VersionEntry
+from flywheel.versions.records import (
+    Arm,
+    Routing,
+    TrainerDirective,
+    Transition,
+    VersionEntry,
+)
 from flywheel.versions.registry import Registry
 
 from factories import (
@@ -239,3 +245,26 @@ async def test_a_promoter_that_died_between_an_adapters_entry_and_its_routing_re
         await registry.put(VersionEntry(id=f"acme@v{version}", version=version, path=f"/a/{version}", adapter="acme", state=state))
     await Decisions(registry, config).repair()
     assert (await registry.routing()).adapters == {"acme": Arm(version=2, path="/a/2")}
+
+
+async def test_a_forgotten_tenants_adapter_leaves_the_registry_and_the_routing(bus):
+    """Forgetting acme removes its adapter's versions announced before the forget, the routing's
+    entry and the trainer's directive about it (a tenant made again under the name starts a line
+    the gate sees afresh); another tenant's line, and versions announced after, stay."""
+    config = load_config(None, [*LORA, *GATE])
+    registry = await Registry.open(bus)
+    await registry.set_routing(Routing(id="r1", serving=Arm(version=0, path=None),
+                                       adapters={"acme": Arm(version=1, path="/a/1"), "other": Arm(version=1, path="/o/1")}))
+    for name in ("acme", "other"):
+        await registry.put(VersionEntry(id=f"{name}@v1", version=1, path=f"/{name[0]}/1", adapter=name, state="serving",
+                                        transitions=[Transition(state="serving", reason="passed", by="gate", at=100.0)]))
+    await registry.set_directive(TrainerDirective(id="d1", version=1, path="/a/1", abandon_after=1, reason="r",
+                                                  rejected=2, adapter="acme"))
+    decisions = Decisions(registry, config)
+    await decisions.forget("acme", at=200.0)
+    assert await registry.adapters() == ["other"] and await registry.directive("acme") is None
+    assert set((await registry.routing()).adapters) == {"other"}
+    await registry.put(VersionEntry(id="acme@v1", version=1, path="/a/1", adapter="acme",
+                                    transitions=[Transition(state="candidate", reason="new", by="trainer", at=300.0)]))
+    await decisions.forget("acme", at=200.0)  # the same forget read again after a restart: the new line stays
+    assert await registry.adapters() == ["acme", "other"]

@@ -19,6 +19,7 @@ import time
 import uuid
 
 from flywheel.config import FlywheelConfig
+from flywheel.models.adapter_store import owned_by
 from flywheel.promote.evidence import new_operations
 from flywheel.promote.states import move
 from flywheel.versions.records import (
@@ -129,6 +130,26 @@ class Decisions:
         await self.registry.set_directive(TrainerDirective(
             id=f"directive-{uuid.uuid4().hex[:12]}", version=good.version, path=good.path, abandon_after=good.version,
             reason=reason, rejected=rejected, adapter=good.adapter))
+
+    async def forget(self, tenant: str, at: float) -> None:
+        """`tenant` was forgotten at `at`: its adapter's versions announced before then leave the
+        registry, and the routing, and so does the trainer's directive about a line that is all
+        gone: a tenant made again under that name starts a new line (its numbers from 1 again)
+        that the gate sees afresh. Versions announced after `at` stay (the forget read again
+        after a restart of the promoter)."""
+        routing = await self.routing()
+        for name in owned_by(await self.registry.adapters(), tenant, None):
+            line = await self.registry.versions(adapter=name)
+            gone = [e for e in line if e.transitions and e.transitions[0].at < at]
+            for entry in gone:
+                await self.registry.purge(entry)
+            if len(gone) == len(line):
+                await self.registry.purge_directive(name)
+            routed = routing.adapters.get(name)
+            if routed is not None and any(e.version == routed.version for e in gone):
+                await self.set_routing(routing, f"tenant {tenant} forgotten", adapters={
+                    k: v for k, v in routing.adapters.items() if k != name})
+                routing = await self.routing()
 
     async def repair(self) -> None:
         """After a restart: an evaluation cut short goes back to candidate; the routing names the

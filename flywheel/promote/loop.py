@@ -23,6 +23,8 @@ its directive; the four loops run as before.
   (`promotion.continue_from`).
 - Operators' commands (`flywheel versions`, the gateway's admin routes) are carried out
   in order, and each one's result is written back (`CommandResult`).
+- A forgotten tenant's adapter leaves the registry and the routing (`Decisions.forget`, from
+  the AUDIT stream).
 
 Everything it decides is in the registry before the bus messages that caused it are
 acknowledged, so a promoter killed at any point comes back to the same registry and decision.
@@ -116,7 +118,7 @@ class PromoteLoop:
         self.commands = self.bus.consumer(COMMANDS_SUBJECT, "promote-commands")
         self._tasks = [asyncio.create_task(repeat(fn, f"promote.{name}"), name=name) for name, fn in (
             ("weights", self._follow_weights), ("evaluate", self._evaluate_forever), ("evidence", self._evidence),
-            ("operations", self._operations), ("commands", self._commands))]
+            ("operations", self._operations), ("commands", self._commands), ("forget", self._follow_forgetting))]
         self._wake.set()
 
     async def _first_start(self) -> None:
@@ -330,6 +332,13 @@ class PromoteLoop:
             self._wake.set()
         else:
             await self.registry.put(entry)
+
+    async def _follow_forgetting(self) -> None:
+        """A forgotten tenant's adapter leaves the registry (`Decisions.forget`)."""
+        async for entry in self.bus.follow(AUDIT_SUBJECT, from_first=True):  # again after a restart: none missed
+            if isinstance(entry, AuditEntry) and entry.action == "forget" and entry.details.get("user") is None:
+                async with self.decisions.lock:
+                    await self.decisions.forget(entry.details["tenant"], entry.created_at)
 
     async def _commands(self) -> None:
         for delivery in await self.commands.fetch(batch=16, timeout_s=1.0):

@@ -85,6 +85,13 @@ class Registry:
     async def put(self, entry: VersionEntry) -> None:
         await self._kv.put(version_key(entry.version, entry.adapter), encode(entry))
 
+    async def purge(self, entry: VersionEntry) -> None:
+        """Remove `entry` and its history (a forgotten tenant's adapter's versions)."""
+        await self._kv.purge(version_key(entry.version, entry.adapter))
+
+    async def purge_directive(self, adapter: str) -> None:
+        await self._kv.purge(directive_key(adapter))
+
     async def _keys(self, pattern: str) -> list[str]:
         """The keys matching `pattern` (NATS wildcards). They come from the bucket's stream (the
         subjects it holds), not `kv.keys()`: nats-py's key watcher can signal "no more keys"
@@ -102,8 +109,10 @@ class Registry:
         return sorted((e for e in entries if e is not None), key=lambda e: e.version)
 
     async def adapters(self) -> list[str]:
-        """The adapters with versions in the registry."""
-        return sorted({key[2:].rpartition(".v.")[0] for key in await self._keys("a.>")})
+        """The adapters with versions in the registry (a purged key keeps its subject, with a
+        marker and no value: those count for none)."""
+        names = sorted({key[2:].rpartition(".v.")[0] for key in await self._keys("a.>")})
+        return [name for name in names if await self.versions(adapter=name)]
 
     async def routing(self) -> Routing | None:
         return await self._get(ROUTING_KEY, Routing)
