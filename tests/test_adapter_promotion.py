@@ -268,3 +268,27 @@ async def test_a_forgotten_tenants_adapter_leaves_the_registry_and_the_routing(b
                                     transitions=[Transition(state="candidate", reason="new", by="trainer", at=300.0)]))
     await decisions.forget("acme", at=200.0)  # the same forget read again after a restart: the new line stays
     assert await registry.adapters() == ["acme", "other"]
+
+
+async def test_a_new_users_adapter_starts_from_what_its_tenants_adapter_serves(bus, tmp_path):
+    """Under the gate, a user's new adapter starts from the version of its tenant's adapter that
+    serves (what the gateway served the user until now), not from the trainer's newer candidate."""
+    config = load_config(None, [f"run_dir={tmp_path}", *LORA, *GATE, "adapters.scope=user"])
+    registry, adapters = await Registry.open(bus), adapter_set(config)
+    store = AdapterStore(tmp_path / "adapters")
+    versions = AdapterVersions(store, bus, interval=1, registry=registry, max_ahead=4)
+    adapters.ensure("acme")
+    wreck(adapters, "acme")
+    versions.trained(["acme"])
+    await versions.publish(adapters, "acme", step=1)  # acme@v1, which will serve
+    served = adapters.weights("acme")
+    await registry.set_routing(Routing(id="r1", serving=Arm(version=0, path=None),
+                                       adapters={"acme": Arm(version=1, path=str(store.path("acme", 1)))}))
+    await versions.follow_registry(adapters)
+    with torch.no_grad():
+        for param in adapters.params["acme"]:
+            param.mul_(2.0)  # a candidate the gate has not passed
+    versions.start(adapters, USER, "acme")
+    mine = adapters.weights(USER)
+    assert all(torch.equal(mine[k], served[k]) for k in served)
+    assert not all(torch.equal(mine[k], adapters.weights("acme")[k]) for k in served)

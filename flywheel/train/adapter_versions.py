@@ -111,6 +111,20 @@ class AdapterVersions:
             self.parents[name] = directive.version
         return directed
 
+    def start(self, adapters: AdapterSet, name: str, origin: str | None) -> None:
+        """Add `name` unless it is here, from `origin` (a user's adapter from its tenant's): the
+        origin's weights as the trainer has them, or under promotion the origin's version that
+        serves (what the gateway serves the user before their adapter has a version), not a
+        candidate of it that may never pass the gate."""
+        if name in adapters.keys:
+            return
+        adapters.ensure(name, origin)
+        line = self.lines.get(origin) if origin is not None else None
+        if line is not None and line.serving is not None:
+            serving = line.serving
+            stored = serving and serving in self.store.versions(str(origin))
+            adapters.restart(name, load_file(self.store.path(str(origin), serving) / WEIGHTS_FILE) if stored else None)
+
     def may_train(self, samples: list[Any], config: FlywheelConfig) -> bool:
         """Whether the adapters of `samples` may take a step now: under promotion, none is too far
         ahead of its serving version (else the samples wait)."""

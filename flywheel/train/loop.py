@@ -332,7 +332,7 @@ class TrainLoop(ConsumerLoop):
         self.excluded.update(batch.excluded)
         if self.lora:
             for name, start in batch.adapters.items():
-                self.trainer.adapters.ensure(name, start)
+                self.adapter_versions.start(self.trainer.adapters, name, start)
             metrics = self.trainer.step(batch.minibatches, version=dict(self.adapter_versions.versions))
             self.adapter_versions.trained(list(batch.adapters))
         else:
