@@ -226,7 +226,7 @@ async def test_a_tenants_conversations_reach_its_adapter_through_the_gate(nats_u
         turns = {t.session_id.split("/", 1)[1]: t for t in await recorded_turns(bus, 2)}
     # Another tenant's key reaches no adapter on the evaluation server, nor its control routes; the
     # operator's (the gate's) does; the server never loaded the stored adapters themselves.
-    assert sampled.status_code == 400 and loaded.status_code == 401 and plain.status_code == 200
+    assert sampled.status_code == 400 and loaded.status_code == 403 and plain.status_code == 200
     assert gated.status_code == 200 and set(server.pool.adapter_versions) <= {"gate.candidate", "gate.serving"}
     registry = await Registry.open(bus)
     one = await registry.get(1, "acme")
@@ -236,15 +236,20 @@ async def test_a_tenants_conversations_reach_its_adapter_through_the_gate(nats_u
 
 
 async def test_a_promoter_that_died_between_an_adapters_entry_and_its_routing_repairs_the_routing(bus):
-    """The entry says acme@v2 serves, the routing (written after it) still names v1: a restarted
-    promoter's `repair` makes the routing name v2, which gateways then load."""
+    """The entry says acme@v2 serves, the routing (written after it) still names v1, and v3's
+    rejection has no directive yet: a restarted promoter's `repair` makes the routing name v2,
+    which gateways then load, and tells the trainer to go back to v2."""
     config = load_config(None, [*LORA, *GATE])
     registry = await Registry.open(bus)
     await registry.set_routing(Routing(id="r1", serving=Arm(version=0, path=None), adapters={"acme": Arm(version=1, path="/a/1")}))
     for version, state in ((1, "retired"), (2, "serving")):
         await registry.put(VersionEntry(id=f"acme@v{version}", version=version, path=f"/a/{version}", adapter="acme", state=state))
+    await registry.put(VersionEntry(id="acme@v3", version=3, path="/a/3", adapter="acme", state="rejected",
+                                    transitions=[Transition(state="rejected", reason="worse", by="gate")]))
     await Decisions(registry, config).repair()
     assert (await registry.routing()).adapters == {"acme": Arm(version=2, path="/a/2")}
+    directive = await registry.directive("acme")  # the rejection's directive, which the dead promoter had not written
+    assert (directive.rejected, directive.version, directive.path) == (3, 2, "/a/2")
 
 
 async def test_a_forgotten_tenants_adapter_leaves_the_registry_and_the_routing(bus):

@@ -98,6 +98,8 @@ def test_weight_update_intervals_that_reach_the_next_announcement_are_accepted(i
           "rollout.enabled=false"], "adapters.kind=lora with promotion.mode=canary"),
         (["adapters.kind=lora", "promotion.mode=gate", "promotion.gate.suites=[{name: x, env: digits}]"],
          "adapters.kind=lora with promotion.mode on and rollout.enabled=true"),
+        (["promotion.mode=gate", "promotion.gate.suites=[{name: x, env: digits}]", "tenants={acme: {keys: [k]}}"],
+         "promotion.mode on with tenants' keys needs serve.admin_key"),
         (["adapters.kind=lora", "train.fsdp=true"], "adapters.kind=lora with train.fsdp"),
         (["adapters.scope=everyone"], "adapters.scope: "),
         (["adapters.rank=0"], "adapters.rank: "),

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import shutil
+from pathlib import Path
 
 import httpx
 import pytest
@@ -18,7 +19,7 @@ from peft import LoraConfig, get_peft_model
 from safetensors.torch import load_file, save_file
 
 from flywheel.models import load_model, lora_batch
-from flywheel.models.lora_adapter import AdapterError, read_adapter
+from flywheel.models.lora_adapter import AdapterError, LoraAdapter, read_adapter
 from flywheel.models.lora_batch import AdapterTable, Rows
 from flywheel.serve.engine import Engine, RequestFailed, SamplingParams
 from flywheel.serve.engine.adapters import UnknownAdapter
@@ -363,3 +364,25 @@ async def test_sglang_lora_protocol_over_http(adapters, base):
             assert again.status_code == 400 and "does not exist" in again.json()["error_message"]
     finally:
         engine.stop()
+
+
+@pytest.mark.parametrize("dense_columns", [lora_batch.DENSE_COLUMNS, 0], ids=["dense", "grouped"])
+def test_an_adapter_with_inf_or_nan_reaches_no_other_row(base, monkeypatch, dense_columns):
+    """One resident adapter's non-finite weights stay in its own rows: the base's rows and another
+    adapter's rows of the same batch get exactly their deltas (none for the base)."""
+    monkeypatch.setattr(lora_batch, "DENSE_COLUMNS", dense_columns)
+    model, _ = base
+    table = AdapterTable(model, slots=3)
+    layer = "model.layers.0.self_attn.q_proj"
+    width = table.layers[layer].in_features, table.layers[layer].out_features
+    torch.manual_seed(0)
+    good = LoraAdapter(Path("good"), {layer: (torch.randn(4, width[0]), torch.randn(width[1], 4))})
+    bad = LoraAdapter(Path("bad"), {layer: (torch.full((4, width[0]), float("nan")), torch.randn(width[1], 4))})
+    table.write(1, good)
+    table.write(2, bad)
+    x = torch.randn(3, width[0])
+    out = torch.zeros(3, width[1])
+    table.rows([0, 1, 2]).add(out, x, [table.layers[layer]])
+    a, b = good.layers[layer]
+    assert torch.equal(out[0], torch.zeros(width[1])) and out[2].isnan().all()
+    torch.testing.assert_close(out[1], (x[1] @ a.T) @ b.T, rtol=1e-4, atol=1e-4)

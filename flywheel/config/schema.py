@@ -345,6 +345,9 @@ class FlywheelConfig(Section):
 
     @model_validator(mode="after")
     def _adapters_train_alone(self) -> "FlywheelConfig":
+        if self.promotion.enabled and self.serve.admin_key is None and any(t.keys for t in self.tenants.values()):
+            raise ValueError("promotion.mode on with tenants' keys needs serve.admin_key: the gate loads versions on "
+                             "the evaluation server with it, and no tenant's key may")
         if self.adapters.kind == "lora" and self.promotion.enabled and self.rollout.enabled:
             raise ValueError("adapters.kind=lora with promotion.mode on and rollout.enabled=true: the rollout driver's "
                              "admission follows the shared weights' versions, which adapters never move; set "

@@ -55,6 +55,9 @@ DENSE_COLUMNS = 512
 """Up to this many slot columns ((slots + 1) x rank), several adapters' deltas are two dense
 products over every token (see the module docstring); above, grouped products (`bench/adapter_profile.py`,
 32 slots, rank 32: 1,056 columns, dense 245 / 194 ms a step against grouped 91 / 178 ms with 8 / 32 adapters)."""
+DENSE_TOKENS = 64
+"""And for forwards of at most this many tokens (decode steps: measured there; a long prefill
+would pay every slot's A product on every token)."""
 
 
 @dataclass
@@ -212,14 +215,16 @@ class _Plan:
         distinct = torch.unique(slots[self.order])
         self.single = int(distinct[0]) if len(distinct) == 1 else None
         """The slot, when all adapted tokens use one."""
-        self.mask: torch.Tensor | None = None
-        """With several adapters and at most `DENSE_COLUMNS` slot columns: [tokens, (slots + 1) *
-        rank], 1 where a token's own slot's columns are (slot 0, the base's, is zero anyway)."""
-        if self.single is None and (table.slots + 1) * table.rank <= DENSE_COLUMNS:
-            mask = torch.zeros(len(slots), table.slots + 1, table.rank, dtype=table.dtype, device=table.device)
-            mask[torch.arange(len(slots), device=slots.device), slots] = 1
-            self.mask = mask.view(len(slots), -1)
-        self.identity = self.mask is not None or (adapted == len(slots) and self.single is not None)
+        self.foreign: torch.Tensor | None = None
+        """With several adapters, at most `DENSE_COLUMNS` slot columns and `DENSE_TOKENS` tokens:
+        [tokens, (slots + 1) * rank], True but where a token's own slot's columns are (slot 0, the
+        base's, is zero anyway); those are cleared, not multiplied by 0, so that no slot's inf or
+        NaN reaches another's rows."""
+        if self.single is None and (table.slots + 1) * table.rank <= DENSE_COLUMNS and len(slots) <= DENSE_TOKENS:
+            mask = torch.zeros(len(slots), table.slots + 1, table.rank, dtype=torch.bool, device=table.device)
+            mask[torch.arange(len(slots), device=slots.device), slots] = True
+            self.foreign = ~mask.view(len(slots), -1)
+        self.identity = self.foreign is not None or (adapted == len(slots) and self.single is not None)
         """Whether every token is computed in place (no gathering, no scattering): all use one
         slot, or the dense products run on every token."""
         counts = torch.bincount(slots[self.order], minlength=table.slots + 1)
@@ -230,7 +235,7 @@ class _Plan:
         """(x A[slot]) B[slot] for the adapted tokens `x` [adapted tokens, in], in `order`."""
         if self.single is not None:
             return x @ stacks.a[self.single] @ stacks.b[self.single]
-        if self.mask is not None:
+        if self.foreign is not None:
             every = x @ stacks.flat.view(stacks.flat.shape[0], -1)
-            return (every * self.mask) @ stacks.b.view(-1, stacks.b.shape[2])
+            return every.masked_fill_(self.foreign, 0) @ stacks.b.view(-1, stacks.b.shape[2])
         return torch._grouped_mm(torch._grouped_mm(x, stacks.a, offs=self.ends), stacks.b, offs=self.ends)

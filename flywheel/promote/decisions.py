@@ -105,10 +105,10 @@ class Decisions:
         """`entry` is rejected (never served) or rolled back; serving goes back to the last good
         version if it was `entry`, and the trainer is told what to continue from (an adapter's
         version never served: `Routing.adapters` is unchanged)."""
-        if entry.adapter is not None:  # the directive first: a promoter that dies between them evaluates it again
+        if entry.adapter is not None:  # a promoter that dies between the two: `repair` writes the directive
+            await self.registry.put(move(entry, state, reason, by))  # type: ignore[arg-type]
             await self.direct_trainer(await self.serving_adapter(entry.adapter), entry.version,
                                       f"{entry.id} {state.replace('_', ' ')}: {reason}")
-            await self.registry.put(move(entry, state, reason, by))  # type: ignore[arg-type]
             return
         routing = await self.routing()
         await self.registry.put(move(entry, state, reason, by))  # type: ignore[arg-type]
@@ -141,19 +141,20 @@ class Decisions:
         for name in owned_by(await self.registry.adapters(), tenant, None):
             line = await self.registry.versions(adapter=name)
             gone = [e for e in line if e.transitions and e.transitions[0].at < at]
-            for entry in gone:
-                await self.registry.purge(entry)
-            if len(gone) == len(line):
-                await self.registry.purge_directive(name)
             routed = routing.adapters.get(name)
-            if routed is not None and any(e.version == routed.version for e in gone):
+            if routed is not None and any(e.version == routed.version for e in gone):  # first: a purged line is not listed again
                 await self.set_routing(routing, f"tenant {tenant} forgotten", adapters={
                     k: v for k, v in routing.adapters.items() if k != name})
                 routing = await self.routing()
+            if len(gone) == len(line):
+                await self.registry.purge_directive(name)
+            for entry in gone:
+                await self.registry.purge(entry)
 
     async def repair(self) -> None:
         """After a restart: an evaluation cut short goes back to candidate; the routing names the
-        versions the registry has serving and on canary, and each adapter's serving one."""
+        versions the registry has serving and on canary, and each adapter's serving one; an adapter's
+        rejection whose directive was not written gets it."""
         routing = await self.routing()
         lines = [await self.registry.versions(adapter=adapter) for adapter in await self.registry.adapters()]
         for entry in [e for line in lines for e in line if e.state == "evaluating"]:
@@ -162,6 +163,12 @@ class Decisions:
         if any(routing.adapters.get(name) != served for name, served in serving.items()):
             await self.set_routing(routing, "adapters restored after a restart", adapters={**routing.adapters, **serving})
             routing = await self.routing()
+        for line in lines:  # a rejection whose directive a dead promoter did not write
+            rejected = [e for e in line if e.state == "rejected" and e.transitions[-1].by == "gate"]
+            directive = await self.registry.directive(line[0].adapter) if rejected else None
+            if rejected and (directive is None or (directive.rejected or 0) < rejected[-1].version):
+                await self.direct_trainer(await self.serving_adapter(str(line[0].adapter)), rejected[-1].version,
+                                          f"{rejected[-1].id} rejected: {rejected[-1].transitions[-1].reason}")
         for entry in await self.registry.versions():
             if entry.state == "evaluating":
                 await self.registry.put(move(entry, "candidate", "the promoter restarted during its evaluation", "promoter"))

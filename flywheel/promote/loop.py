@@ -23,8 +23,7 @@ its directive; the four loops run as before.
   (`promotion.continue_from`).
 - Operators' commands (`flywheel versions`, the gateway's admin routes) are carried out
   in order, and each one's result is written back (`CommandResult`).
-- A forgotten tenant's adapter leaves the registry and the routing (`Decisions.forget`, from
-  the AUDIT stream).
+- A forgotten tenant's adapter leaves the registry and the routing (`Decisions.forget`).
 
 Everything it decides is in the registry before the bus messages that caused it are
 acknowledged, so a promoter killed at any point comes back to the same registry and decision.
@@ -92,6 +91,7 @@ class PromoteLoop:
         self._waiting_since: float | None = None
         """When the gate last found a traffic suite short of recorded prompts (None: not waiting)."""
         self._turns_since = 0
+        self._forgotten: dict[str, float] = {}  # when each tenant was last forgotten (older announcements: not registered)
         self._evaluated_at: dict[str | None, float] = {}
         """When each line (None: the shared weights; else an adapter) last had a version evaluated."""
         self._tasks: list[asyncio.Task] = []
@@ -138,14 +138,15 @@ class PromoteLoop:
             self._wake.set()
 
     async def _register(self, update: WeightUpdate) -> None:
-        if update.adapter is not None and is_personal(update.adapter):
-            return  # an end user's own adapter: its user's alone
+        if update.adapter is not None and (is_personal(update.adapter) or update.created_at < self._forgotten.get(update.adapter, 0)):
+            return  # an end user's own adapter (its user's alone), or a tenant's forgotten since
         if await self.registry.get(update.version, update.adapter) is not None:
             return  # announced again (a restarted trainer), or seen before this promoter restarted
         name = f"v{update.version}" if update.adapter is None else f"{update.adapter}@v{update.version}"
         entry = VersionEntry(id=name, version=update.version, path=update.path, parent=update.parent, adapter=update.adapter,
                              step=update.step, trained_on=update.trained_on, config=update.config, metrics=update.metrics,
-                             transitions=[Transition(state="candidate", reason="announced by the trainer", by="trainer")])
+                             transitions=[Transition(state="candidate", reason="announced by the trainer", by="trainer",
+                                                     at=update.created_at)])
         self.counts["registered"] += 1
         await self.registry.put(await self._lineage_checked(entry))
 
@@ -333,12 +334,13 @@ class PromoteLoop:
         else:
             await self.registry.put(entry)
 
-    async def _follow_forgetting(self) -> None:
-        """A forgotten tenant's adapter leaves the registry (`Decisions.forget`)."""
+    async def _follow_forgetting(self) -> None:  # a forgotten tenant's adapter leaves the registry (`Decisions.forget`)
         async for entry in self.bus.follow(AUDIT_SUBJECT, from_first=True):  # again after a restart: none missed
             if isinstance(entry, AuditEntry) and entry.action == "forget" and entry.details.get("user") is None:
+                self._forgotten[entry.details["tenant"]] = entry.created_at
                 async with self.decisions.lock:
                     await self.decisions.forget(entry.details["tenant"], entry.created_at)
+                self._wake.set()  # an evaluation it cut short looks again
 
     async def _commands(self) -> None:
         for delivery in await self.commands.fetch(batch=16, timeout_s=1.0):

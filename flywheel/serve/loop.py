@@ -229,6 +229,7 @@ class ServeLoop:
             if entry.action == "forget":
                 self.app.state.forget_cached(tenant, user)
             for name in owned_by(list(self.pool.adapter_versions), tenant, user):
+                self.adapters.routed_versions.pop(name, None)  # a tenant made again loads its line's versions afresh
                 try:
                     await self.pool.unload_adapter(name)
                 except Exception:  # no request is sent to it any more; only the engine's memory still holds it

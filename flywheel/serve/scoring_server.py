@@ -20,7 +20,9 @@ distillation's teacher gets its log-probabilities; and the promotion gate's eval
   only): SGLang's route, loading any version, older ones too (the gate goes back and forth).
 - `POST /engine/load_lora_adapter` `{"lora_name", "lora_path"}` (`serve.role: eval` only):
   SGLang's route; the gate loads the two versions of an adapter it compares under those names.
-  This and the weights route are control routes: the admin key opens them, no client key does.
+  This and the weights route are the operator's (`request.state.operator`, flywheel/serve/ops/auth.py):
+  with an admin key, it alone opens them; a tenant's key gets 403. (Promotion with tenants' keys
+  needs `serve.admin_key`: the configuration says so.)
 
 With adapters (`FlywheelConfig.base_teaches`) the policy's own server has `/engine/score` too: its
 base, with no adapter, is the frozen starting model, so the teacher needs no server of its own.
@@ -64,6 +66,11 @@ class AdapterLoadRequest(Body):
     lora_path: str = Field(min_length=1)
 
 
+def operator_only(request: Request) -> None:
+    if not getattr(request.state, "operator", False):
+        raise APIError(403, "this route is the operator's: send the admin key", code="permission_denied")
+
+
 def install_scoring_routes(app: FastAPI, pool: EnginePool, prompts: PromptBuilder, model_name: str,
                            loads_weights: bool = False, generates: bool = True) -> None:
     """The routes above; `/engine/generate` only if `generates`, the weights route only if `loads_weights`."""
@@ -71,7 +78,8 @@ def install_scoring_routes(app: FastAPI, pool: EnginePool, prompts: PromptBuilde
 
     if loads_weights:
         @app.post("/engine/update_weights_from_disk")
-        async def load(body: LoadRequest) -> dict[str, Any]:
+        async def load(body: LoadRequest, request: Request) -> dict[str, Any]:
+            operator_only(request)
             try:
                 await pool.swap(body.model_path, body.weight_version, only_newer=False)
             except (OSError, ValueError) as exc:
@@ -79,7 +87,8 @@ def install_scoring_routes(app: FastAPI, pool: EnginePool, prompts: PromptBuilde
             return {"success": True, "weight_version": pool.weight_version}
 
         @app.post("/engine/load_lora_adapter")
-        async def load_adapter(body: AdapterLoadRequest) -> dict[str, Any]:
+        async def load_adapter(body: AdapterLoadRequest, request: Request) -> dict[str, Any]:
+            operator_only(request)
             if body.lora_name not in GATE_SIDES:
                 raise APIError(400, f"lora_name: this server loads adapters as {' or '.join(GATE_SIDES)} only")
             try:

@@ -119,11 +119,8 @@ class AdapterVersions:
         if name in adapters.keys:
             return
         adapters.ensure(name, origin)
-        line = self.lines.get(origin) if origin is not None else None
-        if line is not None and line.serving is not None:
-            serving = line.serving
-            stored = serving and serving in self.store.versions(str(origin))
-            adapters.restart(name, load_file(self.store.path(str(origin), serving) / WEIGHTS_FILE) if stored else None)
+        if origin is not None and origin in self.lines:
+            self._from_origin(adapters, name, origin)
 
     def may_train(self, samples: list[Any], config: FlywheelConfig) -> bool:
         """Whether the adapters of `samples` may take a step now: under promotion, none is too far
@@ -178,8 +175,18 @@ class AdapterVersions:
         if version and version in self.store.versions(name):
             adapters.restart(name, load_file(self.store.path(name, version) / WEIGHTS_FILE))
             return version
-        adapters.restart(name, origin=self.origin_of(name))
+        self._from_origin(adapters, name, self.origin_of(name))
         return 0
+
+    def _from_origin(self, adapters: AdapterSet, name: str, origin: str | None) -> None:
+        """`name` back to its start, fresh moments: its `origin`'s weights (under promotion the
+        origin's version that serves, as `start`), else the base."""
+        line = self.lines.get(origin) if origin is not None else None
+        if origin is None or line is None or line.serving is None:
+            adapters.restart(name, origin=origin)
+            return
+        stored = line.serving and line.serving in self.store.versions(origin)
+        adapters.restart(name, load_file(self.store.path(origin, line.serving) / WEIGHTS_FILE) if stored else None)
 
     async def publish(self, adapters: AdapterSet, name: str, step: int) -> None:
         """Write `name`'s current version to the store (unless it is there) and announce it (again,

@@ -7,7 +7,7 @@ teacher scores with it) needs `Authorization: Bearer <key>`
 the middleware puts the tenant's name and the key's `Grant` in the request's state
 (`request.state.tenant`, `request.state.grant`; the open tenant's when there are no keys), and
 whether it is the operator's (`request.state.operator`: the admin key, or no admin key is
-configured). The engine's control routes (SGLang's `ADMIN_PATHS`: pausing,
+configured; `/engine/` still needs a client key then, when there are any). The engine's control routes (SGLang's `ADMIN_PATHS`: pausing,
 weight loading, aborts, cache flushes) and the admin API (`/admin/...`) need `Bearer <admin_key>`
 when an admin key is configured; a client key never reaches them. Anything else (`/health`,
 `/metrics`) is open. A refusal is a 401 in OpenAI's error shape with `WWW-Authenticate: Bearer`.
@@ -34,11 +34,8 @@ ADMIN_PATHS = frozenset({
     "/update_weight_version",
     "/load_lora_adapter",
     "/unload_lora_adapter",
-    "/engine/update_weights_from_disk",
-    "/engine/load_lora_adapter",
 })
-"""SGLang's control routes, and the evaluation server's (`flywheel/serve/scoring_server.py`):
-whoever reaches them can stall the server or swap its weights."""
+"""SGLang's control routes: whoever reaches them can stall the server or swap its weights."""
 
 
 def bearer_token(headers: Headers) -> bytes | None:
@@ -83,7 +80,7 @@ class AuthMiddleware:
             if not operator:
                 await self._refuse(scope, receive, send, "admin key", bearer_token(headers))
                 return
-        elif path.startswith("/engine/") and self.admin_keys and operator:
+        elif path.startswith("/engine/") and self.admin_keys and operator:  # not without keys: a client key below
             pass  # the operator's own loops score (the judge's teacher on the policy's server), or the gate evaluates
         elif path == "/v1" or path.startswith(("/v1/", "/engine/")):
             token = client_key(headers)
