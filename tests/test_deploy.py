@@ -15,11 +15,14 @@ from statistics import fmean
 import httpx
 import openai
 import psutil
+import pytest
+import ray
 
 from flywheel.bus import TRAFFIC_SUBJECTS, Bus, Turn
 from flywheel.cli import command
 from flywheel.config import load_config
 from flywheel.deploy.deployment import Deployment
+from flywheel.train.run_lock import RunLock
 from flywheel.versions.registry import Registry
 
 from waiting import until, until_sync
@@ -217,3 +220,19 @@ def test_a_signal_that_lands_inside_a_stats_call_still_stops_the_deployment():
                               done=lambda stats: deployment.calls > 50)
     assert deployment.stopped and deployment.calls <= 3, deployment.calls
     assert stats["train"] in ({"error": "interrupted"}, {"version": 2}, {"version": 3})
+
+
+def test_a_loop_that_cannot_start_fails_the_start_with_its_reason_and_stops_the_rest(ray_session, tmp_path):
+    """The loops start side by side; the trainer refuses (another trainer holds the run
+    directory): starting raises the trainer's own reason, and every loop started is stopped."""
+    config = load_config("configs/local.yaml", [f"run_dir={tmp_path}", "serve.port=0"])
+    lock = RunLock(tmp_path)
+    lock.acquire()
+    deployment = Deployment(config)
+    try:
+        with pytest.raises(Exception, match="one trainer per run directory"):
+            deployment.start()
+    finally:
+        lock.release()
+    assert deployment.actors == {}
+    until_sync(lambda: not [a for a in ray.util.list_named_actors() if a.startswith("flywheel-")])

@@ -222,3 +222,13 @@ async def test_a_canary_whose_sessions_fare_no_worse_is_promoted(bus, nats_url, 
         routing = await p.registry.routing()
         assert routing.serving.version == 1 and routing.canary is None and await state_of(p.registry, 0) == "retired"
         assert "no worse" in (await p.registry.get(1)).transitions[-1].reason
+
+
+async def test_with_tenants_keys_the_gate_reaches_its_evaluation_server(bus, nats_url, tmp_path):
+    """Tenants with keys (none in `serve.api_keys`) and an admin key: the gate loads and asks its
+    versions with the admin key, so a version that answers like the serving one serves (it used
+    to send the first of `serve.api_keys`, none here: every evaluation was a 401)."""
+    keys = ("serve.admin_key=root", "tenants={acme: {keys: [acme-key]}}")
+    async with promoting(bus, nats_url, tmp_path, *GATE, *keys) as g:
+        await announce(bus, g.store, 1, parent=0)
+        await until(lambda: is_in_state(g.registry, 1, "serving"))

@@ -156,8 +156,9 @@ class Decisions:
         versions the registry has serving and on canary, and each adapter's serving one; an adapter's
         rejection whose directive was not written gets it."""
         routing = await self.routing()
+        shared = await self.registry.versions()
         lines = [await self.registry.versions(adapter=adapter) for adapter in await self.registry.adapters()]
-        for entry in [e for line in lines for e in line if e.state == "evaluating"]:
+        for entry in [e for line in (shared, *lines) for e in line if e.state == "evaluating"]:
             await self.registry.put(move(entry, "candidate", "the promoter restarted during its evaluation", "promoter"))
         serving = {e.adapter: arm(e) for line in lines for e in line if e.state == "serving" and e.adapter}  # each line's newest
         if any(routing.adapters.get(name) != served for name, served in serving.items()):
@@ -169,9 +170,7 @@ class Decisions:
             if rejected and (directive is None or (directive.rejected or 0) < rejected[-1].version):
                 await self.direct_trainer(await self.serving_adapter(str(line[0].adapter)), rejected[-1].version,
                                           f"{rejected[-1].id} rejected: {rejected[-1].transitions[-1].reason}")
-        for entry in await self.registry.versions():
-            if entry.state == "evaluating":
-                await self.registry.put(move(entry, "candidate", "the promoter restarted during its evaluation", "promoter"))
+        for entry in shared:
             if entry.state == "canary" and (routing.canary is None or routing.canary.version != entry.version):
                 await self.set_routing(routing, "restored after a restart", canary=arm(entry),
                                        canary_share=(entry.canary or {}).get("share", self.config.promotion.canary.share))
