@@ -1,8 +1,8 @@
 """Choosing a TCP port for a server this process starts and tells others about (a cluster
 member's fixed client, route and monitoring ports; a vLLM server's).
 
-The port is drawn outside the range the kernel hands out as the local port of outgoing
-connections (`/proc/sys/net/ipv4/ip_local_port_range`). A port the kernel chose (binding to port
+The port is drawn above Ray's worker ports and outside the range the kernel hands out as the
+local port of outgoing connections (`/proc/sys/net/ipv4/ip_local_port_range`). A port the kernel chose (binding to port
 0) comes from that range, and between choosing it and the server binding it any connection
 this machine opens may be given it: a three-server bus in the test suite once failed to start
 so, a member's port taken while two test workers opened hundreds of connections. Outside the
@@ -16,8 +16,10 @@ import random
 import socket
 from pathlib import Path
 
-LOWEST = 10_000
-"""Below it sit the well-known and registered services' usual ports."""
+LOWEST = 20_000
+"""Below it sit the well-known and registered services' usual ports, and the range Ray's workers
+bind (10002-19999 by default): a Ray head refuses a port there, and a worker starting after the
+draw could take it."""
 EPHEMERAL = Path("/proc/sys/net/ipv4/ip_local_port_range")
 
 

@@ -1,6 +1,6 @@
 """Ports for the servers a process starts (flywheel/ports.py): drawn outside the kernel's range for
-outgoing connections' own ports, free when drawn, and still found on a host whose range covers
-every port."""
+outgoing connections' own ports and Ray's workers' ports, free when drawn, and still found on a
+host whose range covers every port."""
 
 import socket
 
@@ -23,3 +23,15 @@ def test_a_host_whose_range_covers_every_port_still_gets_one(monkeypatch):
     port = ports.free_port()
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", port))
+
+
+def test_a_port_is_never_one_that_rays_workers_bind():
+    """Ray's workers bind ports in `ray start`'s worker range (10002-19999): a Ray head given a port
+    drawn there refused to start (the Ray node drill then waited forever for its GCS), and a
+    gateway's or vLLM's port there could be taken by a Ray worker starting after the draw."""
+    from ray.scripts.scripts import start
+
+    defaults = {param.name: param.default for param in start.params}
+    workers = range(defaults["min_worker_port"], defaults["max_worker_port"] + 1)
+    drawn = {ports.free_port() for _ in range(200)}
+    assert not drawn & set(workers), sorted(drawn & set(workers))[:5]

@@ -12,7 +12,8 @@ truncated, duplicated or trained twice, and the 5xx the agents saw.
     python -m flywheel.drills.ray_node --out REPORT.json [--every-s 5]
 
 A program of its own, so that it owns its Ray connection (bench/ray_node_drill.py and
-tests/test_ray_cluster.py run it).
+tests/test_ray_cluster.py run it). It says on stderr what it has reached and when, so a drill
+stopped from outside still says where it stood.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import asyncio
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -37,6 +39,8 @@ from flywheel.drills.fault import BATCH, DRILL_CONFIG
 PLACEMENT = {"serve": {"head": 1}, "collect": {"head": 1}, "judge": {"head": 1}, "train": {"trainer": 1}}
 NODE_RESOURCES = {"head": {"head": 100}, "trainer": {"trainer": 100}}
 """A node advertises many units of its kind's resource, so every loop placed there (1 each) fits."""
+STOP_TIMEOUT_S = 20.0
+"""A loop that has not stopped within this is killed with its node: the drill's measuring is done."""
 FAST_FAILURE_DETECTION = {  # a dead node is declared dead in ~5-8 s instead of ~30 s; a busy one is not
     "RAY_health_check_period_ms": "1000",
     "RAY_health_check_timeout_ms": "3000",
@@ -66,9 +70,20 @@ class RayNodes:
         self.nodes.append(proc)
         return proc
 
-    def start_head(self, resources: dict[str, float]) -> None:
+    def start_head(self, resources: dict[str, float], timeout_s: float = 60.0) -> None:
+        """Start the head and return once its GCS takes connections; a head that exits first (a
+        port Ray refuses) raises with its log, where `ray.init` would wait for it forever."""
         port = self.address.rsplit(":", 1)[1]
-        self._start(["--head", "--port", port, "--temp-dir", self.temp_dir, "--include-dashboard=false"], resources, 2)
+        head = self._start(["--head", "--port", port, "--temp-dir", self.temp_dir, "--include-dashboard=false"], resources, 2)
+        deadline = time.monotonic() + timeout_s
+        while head.poll() is None and time.monotonic() < deadline:
+            try:
+                socket.create_connection(("127.0.0.1", int(port)), timeout=1).close()
+                return
+            except OSError:
+                time.sleep(0.2)
+        log = (Path(self.temp_dir) / "node0.log").read_text()[-2000:]
+        raise RuntimeError(f"the Ray head did not start (exit code {head.poll()}):\n{log}")
 
     def start_worker(self, resources: dict[str, float]) -> subprocess.Popen:
         return self._start(["--address", self.address], resources, 1)
@@ -90,6 +105,14 @@ class RayNodes:
                 node.wait(timeout=30)
             except subprocess.TimeoutExpired:
                 os.killpg(node.pid, signal.SIGKILL)
+
+
+STARTED = time.monotonic()
+
+
+def reached(what: str) -> None:
+    """Say on stderr what the drill has reached, and when (seconds since it started)."""
+    print(f"[ray node drill +{time.monotonic() - STARTED:.1f}s] {what}", file=sys.stderr, flush=True)
 
 
 async def wait_for(condition, timeout_s: float, what: str) -> Any:
@@ -124,11 +147,13 @@ async def drill(run_dir: Path, temp_dir: str, every_s: float = 5.0, concurrency:
             return sum(n["Alive"] for n in ray.nodes()) == 2
 
         await wait_for(both_nodes_up, 60, "the two nodes did not join")
+        reached("both nodes up")
         config = load_config(None, [
             f"run_dir={run_dir}", f"deploy.ray_address={nodes.address}", f"deploy.resources={json.dumps(PLACEMENT)}",
             "rollout.enabled=false", f"serve.port={free_port()}", *DRILL_CONFIG,
         ])
         deployment = Deployment(config).start()
+        reached("deployment started")
         resources_of = {n["NodeID"]: sorted(k for k in n["Resources"] if k in ("head", "trainer")) for n in ray.nodes()}
 
         async def placement() -> dict[str, list[str]]:
@@ -144,6 +169,7 @@ async def drill(run_dir: Path, temp_dir: str, every_s: float = 5.0, concurrency:
         nodes.kill(worker)
         killed_at = time.monotonic()
         nodes.start_worker(NODE_RESOURCES["trainer"])
+        reached("the trainer's node killed, a new one started")
 
         async def trainer_moved() -> bool:
             node = await trainer.node_id.remote()
@@ -153,24 +179,28 @@ async def drill(run_dir: Path, temp_dir: str, every_s: float = 5.0, concurrency:
 
         await wait_for(trainer_moved, 120, "the trainer did not come back on the new node")
         trainer_back_s = time.monotonic() - killed_at
+        reached("the trainer back on the new node")
         await asyncio.sleep(every_s)
         stop.set()
         load = await load_task
         load_s = time.monotonic() - started
+        reached(f"load ended: {len(load.answered)} sessions answered")
         deadline = time.monotonic() + settle_s
         while True:
             report = await audit(deployment.bus_url, run_dir, load, turns)
             if report["trained"] >= len(load.answered) or time.monotonic() > deadline:
                 break
             await asyncio.sleep(1.0)
+        reached(f"audited: {report['trained']} trained")
         return {"placement": placed, "placement_after": await placement(), "trainer_back_s": round(trainer_back_s, 1),
                 "load_s": round(load_s, 1), "trainer_version": deployment.stats()["train"].get("version"), **report}
     finally:
         if deployment is not None:
-            deployment.stop()
+            deployment.stop(timeout_s=STOP_TIMEOUT_S)
         if ray.is_initialized():
             ray.shutdown()
         nodes.stop()
+        reached("stopped")
 
 
 def main(default_out: Path | None = None) -> int:
