@@ -28,7 +28,7 @@ PROBE = """
 import json, sys, time, ray
 from flywheel.config import load_config
 from flywheel.deploy.deployment import Deployment
-ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
 config = load_config("configs/local.yaml", [f"run_dir={sys.argv[1]}", "serve.port=0"])
 started = time.monotonic()
 with Deployment(config):

@@ -164,7 +164,7 @@ def main() -> None:
         env_args["tasks"] = os.path.abspath(args.tasks)
     if args.instances:
         env_args["instances"] = Path(args.instances).read_text().split()
-    ray.init(num_cpus=os.cpu_count(), include_dashboard=False, log_to_driver=False)
+    ray.init(address="local", num_cpus=os.cpu_count(), include_dashboard=False, log_to_driver=False)
     levels = [int(p) for p in args.parallel.split(",")]
     runs: dict[str, dict[int, dict[str, Any]]] = {"scripted": {}, "model": {}}
     modes = args.modes.split(",")

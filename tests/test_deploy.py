@@ -4,6 +4,7 @@ and the reward of the random tiny model climbs; `flywheel up` stops cleanly on C
 import asyncio
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -139,8 +140,13 @@ def start_up(run_dir, *overrides: str, env=None) -> subprocess.Popen:
     return proc
 
 
-def test_up_shows_progress_and_ctrl_c_leaves_no_process(tmp_path):
-    proc = start_up(tmp_path)
+def test_up_starts_its_own_ray_shows_progress_and_ctrl_c_leaves_no_process(tmp_path):
+    # The address a `ray start` wrote down for later `ray.init()` calls on this machine, its
+    # cluster gone: with no `deploy.ray_address`, `flywheel up` starts a Ray of its own all the same.
+    ray_tmp = Path(tempfile.mkdtemp(prefix="rt", dir="/tmp"))  # short: Ray's socket paths live under it
+    (ray_tmp / "ray").mkdir()
+    (ray_tmp / "ray" / "ray_current_cluster").write_text("127.0.0.1:9")
+    proc = start_up(tmp_path, env={**os.environ, "RAY_TMPDIR": str(ray_tmp), "RAY_ADDRESS": ""})
     try:
         family = psutil.Process(proc.pid).children(recursive=True)
         names = {p.name() for p in family if p.is_running()}
@@ -154,6 +160,7 @@ def test_up_shows_progress_and_ctrl_c_leaves_no_process(tmp_path):
     finally:
         if proc.poll() is None:
             proc.kill()
+        shutil.rmtree(ray_tmp, ignore_errors=True)
 
 
 def test_up_joins_an_existing_cluster_and_leaves_it_running(tmp_path):

@@ -273,7 +273,7 @@ LOOP_NAMES = ("serve", "collect", "judge", "train", "rollout", "promote", "eval_
 
 class DeployConfig(Section):
     ray_address: str | None = None
-    """None starts a local Ray; otherwise the address of an existing cluster (`auto`, `ray://…`)."""
+    """None starts a Ray of its own (`auto` joins the one a `ray start` here last wrote down), else a cluster's address."""
     num_cpus: int | None = Field(None, ge=1)
     """CPUs for a local Ray (default: all)."""
     loops: list[Literal["serve", "collect", "judge", "train", "promote"]] = ["serve", "collect", "judge", "train", "promote"]

@@ -69,8 +69,8 @@ class Deployment:
             local = self.config.deploy.ray_address is None
             for key, value in {**RAY_ENV, **(LOCAL_RAY_ENV if local else {})}.items():
                 os.environ.setdefault(key, value)
-            ray.init(
-                address=self.config.deploy.ray_address,
+            ray.init(  # "local": never the cluster a `ray start` on this machine last wrote down
+                address=self.config.deploy.ray_address or "local",
                 num_cpus=self.config.deploy.num_cpus,
                 include_dashboard=False,
                 log_to_driver=False,
@@ -138,14 +138,15 @@ class Deployment:
                 out[kind] = {"error": f"{type(exc).__name__}: {exc}"}
         return out
 
-    def stop(self) -> None:
-        # Traffic sources first, then the loops downstream of them.
+    def stop(self, timeout_s: float = CALL_TIMEOUT_S) -> None:
+        """Stop each loop (within `timeout_s`, else it is killed): traffic sources first, then the
+        loops downstream of them."""
         for kind in ("rollout", "serve", "collect", "judge", "judge_serve", "promote", "eval_serve", "train"):
             actor = self.actors.pop(kind, None)
             if actor is None:
                 continue
             try:
-                ray.get(actor.stop.remote(), timeout=CALL_TIMEOUT_S)  # train finishes its step and checkpoints
+                ray.get(actor.stop.remote(), timeout=timeout_s)  # train finishes its step and checkpoints
             except Exception as exc:
                 log.warning("%s did not stop cleanly: %s", kind, exc)
             ray.kill(actor)
