@@ -10,6 +10,8 @@ loaded, for the operator's key only."""
 
 from __future__ import annotations
 
+import contextlib
+
 import httpx
 import torch
 
@@ -31,7 +33,7 @@ from flywheel.versions.records import (
     Transition,
     VersionEntry,
 )
-from flywheel.versions.registry import Registry
+from flywheel.versions.registry import Registry, send_command
 
 from factories import (
     TENANTS_SETUP,
@@ -70,15 +72,25 @@ async def announce(bus, store: AdapterStore, adapters, name: str, version: int, 
                                                     path=str(path), step=version, parent=parent))
 
 
-async def test_a_tenants_adapter_passes_the_gate_or_is_rejected_and_a_users_own_never_enters(bus, nats_url, tmp_path):
+@contextlib.asynccontextmanager
+async def promoting(nats_url: str, tmp_path):
+    """A promotion loop on its evaluation server: (the loop, the server)."""
     config = load_config(None, [f"run_dir={tmp_path}", *LORA, *GATE])
     server = ServeLoop(side_server_config(config, "eval"), nats_url)
     await server.start()
     config.promotion.eval_url = server.url
     promoter = PromoteLoop(config, nats_url)
     await promoter.start()
-    registry, store, adapters = await Registry.open(bus), AdapterStore(tmp_path / "adapters"), adapter_set(config)
     try:
+        yield promoter, server
+    finally:
+        await promoter.stop()
+        await server.stop()
+
+
+async def test_a_tenants_adapter_passes_the_gate_or_is_rejected_and_a_users_own_never_enters(bus, nats_url, tmp_path):
+    async with promoting(nats_url, tmp_path) as (promoter, server):
+        registry, store, adapters = await Registry.open(bus), AdapterStore(tmp_path / "adapters"), adapter_set(promoter.config)
         adapters.ensure("acme")  # untrained: B at zero, the base exactly
         await announce(bus, store, adapters, "acme", 1, parent=0)
         one = await until(lambda: _in(registry, 1, "acme", "serving"), timeout_s=60)
@@ -103,9 +115,42 @@ async def test_a_tenants_adapter_passes_the_gate_or_is_rejected_and_a_users_own_
             assert (await http.post("/engine/generate", json={**body, "lora_path": "gate.candidate"})).status_code == 200
             refused = await http.post("/engine/generate", json={**body, "lora_path": ["gate.serving", "acme"]})
         assert refused.status_code == 400 and "base model only" in refused.text
-    finally:
-        await promoter.stop()
-        await server.stop()
+
+
+async def test_an_operator_pins_rolls_back_and_promotes_on_an_adapters_line(bus, nats_url, tmp_path):
+    """Commands name an adapter's line: pinned, its candidates wait (the shared weights' line is not
+    held); a rollback serves the version that served before, else the adapter's start (the bare
+    base: the routing names none), and sends the trainer back there; an adapter not in the registry
+    is refused as a version that is not."""
+    async with promoting(nats_url, tmp_path) as (promoter, _):
+        registry, store, adapters = await Registry.open(bus), AdapterStore(tmp_path / "adapters"), adapter_set(promoter.config)
+        adapters.ensure("acme")
+        await announce(bus, store, adapters, "acme", 1, parent=0)
+        await until(lambda: _routed(registry, "acme"), timeout_s=60)
+
+        pinned = await send_command(bus, registry, "pin", 1, adapter="acme")
+        assert pinned.ok and pinned.message == "acme@v1 serves, pinned"
+        assert (await registry.routing()).pinned_adapters == ["acme"] and not (await registry.routing()).pinned
+        await announce(bus, store, adapters, "acme", 2, parent=1)
+        await until(lambda: _in(registry, 2, "acme", "candidate"))
+        assert (await send_command(bus, registry, "promote", 0)).ok  # a round trip through the promoter
+        assert await _in(registry, 2, "acme", "candidate") and promoter.counts["evaluated"] == 1  # held while pinned
+        assert (await send_command(bus, registry, "unpin", adapter="acme")).ok
+        await until(lambda: _in(registry, 2, "acme", "serving"), timeout_s=60)
+
+        rolled = await send_command(bus, registry, "rollback", adapter="acme")
+        assert rolled.ok and rolled.message == "acme@v2 rolled back; acme@v1 serves", rolled.message
+        assert (await registry.routing()).adapters["acme"].version == 1 and await _in(registry, 2, "acme", "rolled_back")
+        assert ((await registry.directive("acme")).version, (await registry.directive("acme")).rejected) == (1, 2)
+        rolled = await send_command(bus, registry, "rollback", adapter="acme")
+        assert rolled.ok and rolled.message == "acme@v1 rolled back; acme@v0 serves", rolled.message
+        assert "acme" not in (await registry.routing()).adapters and (await registry.directive("acme")).version == 0
+        again = await send_command(bus, registry, "rollback", adapter="acme")
+        assert not again.ok and "serves its start" in again.message
+        assert (await send_command(bus, registry, "promote", 1, adapter="acme")).ok
+        assert (await registry.routing()).adapters["acme"].version == 1
+        unknown = await send_command(bus, registry, "promote", 1, adapter="other")
+        assert not unknown.ok and unknown.message == "no adapter other in the registry"
 
 
 async def _routed(registry: Registry, adapter: str) -> Arm | None:

@@ -79,11 +79,14 @@ async def test_flywheel_versions_lists_shows_and_commands_the_promotion_loop(bus
         assert rolled.returncode == 0 and "v1 rolled back; v0 serves" in rolled.stdout
         refused = await versions_cli(tmp_path, "promote", "7")
         assert refused.returncode == 1 and "no version 7" in refused.stdout
+        no_adapter = await versions_cli(tmp_path, "pin", "1", "--adapter", "acme")  # a line the registry lacks
+        assert no_adapter.returncode == 1 and "no adapter acme in the registry" in no_adapter.stdout
         assert (await versions_cli(tmp_path, "promote")).returncode == 2  # argparse: a version is needed
-        audited = await read(bus, AUDIT_SUBJECT, "audit-check", 2)
+        audited = await read(bus, AUDIT_SUBJECT, "audit-check", 3)
     # Every operator's command is on the audit log, with who, what and how it ended.
     assert [(e.actor, e.action, e.target, e.details["ok"]) for e in audited] == [
-        ("cli", "version.rollback", "", True), ("cli", "version.promote", "v7", False)]
+        ("cli", "version.rollback", "", True), ("cli", "version.promote", "v7", False),
+        ("cli", "version.pin", "v1 of acme", False)]
     assert audited[0].details["reason"] == "drill"
 
 
@@ -105,6 +108,8 @@ async def test_the_admin_api_carries_out_commands_for_the_admin_key_only(bus, na
         assert promoted.status_code == 200 and promoted.json()["message"] == "v1 serves"
         missing = await http.post("/admin/versions/9/pin", headers=ADMIN)
         assert missing.status_code == 409 and "no version 9" in missing.json()["error"]["message"]
+        no_adapter = await http.post("/admin/versions/rollback", json={"adapter": "acme"}, headers=ADMIN)
+        assert no_adapter.status_code == 409 and "no adapter acme" in no_adapter.json()["error"]["message"]
         await until(lambda: _serving(serve, 1))
         one = next(v for v in (await http.get("/admin/versions", headers=ADMIN)).json()["versions"] if v["version"] == 1)
         assert [t["by"] for t in one["transitions"]][-2:] == ["operator", "operator"]

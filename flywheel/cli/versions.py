@@ -7,6 +7,9 @@
     flywheel versions rollback [N]         take back the canary, else the serving version
                                            (to N, or to the last good version)
     flywheel versions pin N | unpin        serve N and promote nothing automatically, or resume
+    ... promote | rollback | pin | unpin --adapter A
+                                           the same on a shared or tenant adapter's line
+                                           (its version 0: its start, the bare base)
     flywheel versions adapters [--tenant T [--user U]]
                                            the LoRA adapters (`adapters.kind: lora`) and their
                                            versions in the store: all, a tenant's, or one user's
@@ -139,7 +142,7 @@ async def run(args: argparse.Namespace, url: str, console: Console) -> int:
             show(console, entry, routing)
             return 0
         result = await send_command(bus, registry, args.action, args.version, reason=args.reason, operator=args.operator,
-                                    timeout_s=args.timeout_s)
+                                    timeout_s=args.timeout_s, adapter=args.adapter)
         console.print(("done: " if result.ok else "refused: ") + result.message, highlight=False)
         return 0 if result.ok else 1
     except TimeoutError as exc:
@@ -158,7 +161,7 @@ def configure(parser: argparse.ArgumentParser, command: str) -> None:
     parser.add_argument("--reason", default="", help="why (kept in the version's history)")
     parser.add_argument("--operator", default="cli", help="who (kept in the version's history)")
     parser.add_argument("--timeout-s", type=float, default=60.0)
-    parser.add_argument("--adapter", help="show: a version of this shared or tenant adapter")
+    parser.add_argument("--adapter", help="show, promote, rollback, pin, unpin: on this shared or tenant adapter's line")
     parser.add_argument("--tenant", help="adapters: this tenant's only")
     parser.add_argument("--user", help="adapters: this end user's (with --tenant)")
     add_config(parser)
@@ -172,8 +175,8 @@ def main(args: argparse.Namespace) -> int:
         args.parser.error(f"{args.action} takes no version")
     if args.user is not None and args.tenant is None:
         args.parser.error("--user needs --tenant")
-    if args.adapter is not None and args.action != "show":
-        args.parser.error("--adapter goes with show (an adapter's versions are decided by the gate)")
+    if args.adapter is not None and args.action in ("list", "adapters"):
+        args.parser.error(f"{args.action} takes no --adapter (list shows every line)")
     config = load(args)
     if args.action == "adapters":
         Console(width=160).print(adapter_table(AdapterStore(Path(config.run_dir) / "adapters"), args.tenant, args.user))

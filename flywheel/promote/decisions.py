@@ -67,7 +67,8 @@ class Decisions:
 
     async def set_routing(self, routing: Routing, reason: str, **changes) -> None:
         fields = {"serving": routing.serving, "canary": routing.canary, "canary_share": routing.canary_share,
-                  "pinned": routing.pinned, "adapters": routing.adapters, **changes}
+                  "pinned": routing.pinned, "adapters": routing.adapters, "pinned_adapters": routing.pinned_adapters,
+                  **changes}
         if fields["canary"] is None:
             fields["canary_share"] = 0.0
         await self.registry.set_routing(Routing(id=f"routing-{uuid.uuid4().hex[:12]}", reason=reason, **fields))
@@ -80,8 +81,11 @@ class Decisions:
             previous = await self.serving_adapter(entry.adapter)
             if previous.version not in (0, entry.version) and previous.state == "serving":
                 await self.registry.put(move(previous, "retired", f"{entry.id} serves instead", by))
-            await self.registry.put(move(entry, "serving", reason, by))
-            await self.set_routing(routing, f"{entry.id}: {reason}", adapters={**routing.adapters, entry.adapter: arm(entry)})
+            adapters = {name: routed for name, routed in routing.adapters.items() if name != entry.adapter}
+            if entry.version != 0:  # the start (the bare base) is no entry: it serves where the routing names none
+                await self.registry.put(move(entry, "serving", reason, by))
+                adapters[entry.adapter] = arm(entry)
+            await self.set_routing(routing, f"{entry.id}: {reason}", adapters=adapters)
             return
         for old in {routing.serving.version, *([routing.canary.version] if routing.canary else [])} - {entry.version}:
             previous = await self.entry(old)
@@ -148,6 +152,10 @@ class Decisions:
                 routing = await self.routing()
             if len(gone) == len(line):
                 await self.registry.purge_directive(name)
+                if name in routing.pinned_adapters:
+                    await self.set_routing(routing, f"tenant {tenant} forgotten",
+                                           pinned_adapters=[a for a in routing.pinned_adapters if a != name])
+                    routing = await self.routing()
             for entry in gone:
                 await self.registry.purge(entry)
 

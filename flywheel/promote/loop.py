@@ -13,16 +13,16 @@ its directive; the four loops run as before.
 - The newest candidate of a line is evaluated (`flywheel/promote/gate.py`) against the line's
   serving version; older candidates retire unevaluated (superseded); of several lines, the one
   evaluated longest ago goes first. Nothing of the shared weights is evaluated while a canary
-  runs or while an operator has pinned the serving version, nor anything while a traffic suite
-  has too few recorded prompts (the candidate's entry says why: `waiting`; looked at again as
-  turns are recorded).
+  runs or while an operator has pinned the serving version, nothing of an adapter an operator
+  pinned, nor anything while a traffic suite has too few recorded prompts (the candidate's entry
+  says why: `waiting`; looked at again as turns are recorded).
 - Passed: mode `gate` serves it; mode `canary` gives it `promotion.canary.share` of new sessions
   until the sequential test (`flywheel/promote/sequential.py`) on the arms' judged sessions promotes it
   or rolls it back (`promotion.canary.max_minutes`: rolled back if still undecided then).
 - Rejected or rolled back: the trainer is told to continue from the serving version
   (`promotion.continue_from`).
-- Operators' commands (`flywheel versions`, the gateway's admin routes) are carried out
-  in order, and each one's result is written back (`CommandResult`).
+- Operators' commands (`flywheel versions`, the gateway's admin routes), on any line, are carried
+  out in order, and each one's result is written back (`flywheel/promote/commands.py`).
 - A forgotten tenant's adapter leaves the registry and the routing (`Decisions.forget`).
 
 Everything it decides is in the registry before the bus messages that caused it are
@@ -51,6 +51,7 @@ from flywheel.config import ConfigError, FlywheelConfig
 from flywheel.config.tenants import retention_s
 from flywheel.models import load_model
 from flywheel.models.adapter_names import is_personal
+from flywheel.promote.commands import carry_out
 from flywheel.promote.decisions import Decisions
 from flywheel.promote.evidence import (
     add_online,
@@ -72,7 +73,6 @@ from flywheel.versions.records import (
     Transition,
     VersionCommand,
     VersionEntry,
-    last_good,
 )
 from flywheel.versions.registry import Registry
 
@@ -167,7 +167,8 @@ class PromoteLoop:
         """Under the lock: the newest candidate of the line evaluated longest ago that has one (its
         older ones retire), unless nothing may be evaluated now."""
         routing = await self.decisions.routing()
-        lines = [*([] if routing.pinned or routing.canary is not None else [None]), *await self.registry.adapters()]
+        adapters = [a for a in await self.registry.adapters() if a not in routing.pinned_adapters]
+        lines = [*([] if routing.pinned or routing.canary is not None else [None]), *adapters]
         for line in sorted(lines, key=lambda line: self._evaluated_at.get(line, 0.0)):
             candidates = [e for e in await self.registry.versions(adapter=line) if e.state == "candidate"]
             if candidates:
@@ -182,7 +183,8 @@ class PromoteLoop:
         when it is no longer to be evaluated, or when the gate is `waiting` (the reason kept in
         its entry's `waiting`)."""
         entry, routing = await self.decisions.entry(candidate.version, candidate.adapter), await self.decisions.routing()
-        if entry.state != "candidate" or (entry.adapter is None and (routing.pinned or routing.canary is not None)):
+        held = entry.adapter in routing.pinned_adapters if entry.adapter else routing.pinned or routing.canary is not None
+        if entry.state != "candidate" or held:
             return None
         if (entry := await self._lineage_checked(entry)).state == "rejected":
             await self.registry.put(entry)
@@ -348,47 +350,18 @@ class PromoteLoop:
             async with self.decisions.lock:
                 if await self.registry.result(command.id) is None:  # not carried out before a restart
                     try:
-                        message = await self._carry_out(command)
+                        message = await carry_out(self.decisions, command)
                         result = CommandResult(id=command.id, ok=True, message=message)
                     except (LookupError, IllegalTransition, ValueError) as exc:
                         result = CommandResult(id=command.id, ok=False, message=str(exc))
                     await self.registry.set_result(result)
                     await self.bus.publish(AUDIT_SUBJECT, AuditEntry(
                         id=f"command-{command.id}", actor=command.operator, action=f"version.{command.kind}",
-                        target="" if command.version is None else f"v{command.version}",
+                        target=("" if command.version is None else f"v{command.version}") + (f" of {command.adapter}" if command.adapter else ""),
                         details={"ok": result.ok, "message": result.message, "reason": command.reason}))
                     self.counts["commands"] += 1
             await delivery.ack()
             self._wake.set()
-
-    async def _carry_out(self, command: VersionCommand) -> str:
-        routing = await self.decisions.routing()
-        said = f"{command.operator}: {command.reason or command.kind}"
-        if command.kind == "unpin":
-            await self.decisions.set_routing(routing, said, pinned=False)
-            return "unpinned: candidates are evaluated again"
-        if command.kind == "rollback":
-            if command.version is None and routing.canary is not None:
-                await self.decisions.reject(await self.decisions.entry(routing.canary.version), "rolled_back", said, "operator")
-                return f"canary v{routing.canary.version} rolled back"
-            current = await self.decisions.entry(routing.serving.version)
-            target = (await self.decisions.entry(command.version) if command.version is not None
-                      else last_good(await self.registry.versions(), besides=current.version))
-            if target is None:
-                raise LookupError(f"no version served before v{current.version}: nothing to roll back to")
-            await self.registry.put(move(current, "rolled_back", said, "operator"))
-            await self.decisions.serve(await self.decisions.entry(target.version), said, "operator")
-            await self.decisions.direct_trainer(target, current.version, f"v{current.version} rolled back by {command.operator}")
-            return f"v{current.version} rolled back; v{target.version} serves"
-        if command.version is None:
-            raise ValueError(f"{command.kind} needs a version")
-        entry = await self.decisions.entry(command.version)
-        if entry.state != "serving":
-            await self.decisions.serve(entry, said, "operator")
-        if command.kind == "pin":
-            await self.decisions.set_routing(await self.decisions.routing(), said, pinned=True)
-            return f"v{entry.version} serves, pinned"
-        return f"v{entry.version} serves"
 
     async def stop(self) -> None:
         await cancel_and_wait(self._tasks)

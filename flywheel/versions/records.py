@@ -154,6 +154,8 @@ class Routing(Record, kw_only=True):
     adapters: dict[str, Arm] = msgspec.field(default_factory=dict)
     """The version of each shared or tenant adapter that passed the gate and serves (one absent:
     none has yet; it serves its start, the bare base)."""
+    pinned_adapters: list[str] = msgspec.field(default_factory=list)
+    """Adapters an operator pinned: none of their candidates is evaluated until unpinned."""
     reason: str = ""
 
 
@@ -187,6 +189,8 @@ class VersionCommand(Record, kw_only=True):
     kind: CommandKind
     version: int | None = None
     """`promote` and `pin`: which version; `rollback`: to which (None: the last good one)."""
+    adapter: str | None = None
+    """The shared or tenant adapter whose line it is about (None: the shared weights')."""
     reason: str = ""
     operator: str = "cli"
 

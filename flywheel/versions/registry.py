@@ -134,10 +134,12 @@ class Registry:
 
 
 async def send_command(bus: Any, registry: Registry, kind: CommandKind, version: int | None = None, reason: str = "",
-                       operator: str = "cli", timeout_s: float = 60.0) -> CommandResult:
-    """Send an operator's command to the promotion loop and wait for its result; TimeoutError
-    when no promotion loop carried it out in time (is `promotion.mode` on?)."""
-    command = VersionCommand(id=f"command-{uuid.uuid4().hex[:12]}", kind=kind, version=version, reason=reason, operator=operator)
+                       operator: str = "cli", timeout_s: float = 60.0, adapter: str | None = None) -> CommandResult:
+    """Send an operator's command (on `adapter`'s line, else the shared weights') to the promotion
+    loop and wait for its result; TimeoutError when no promotion loop carried it out in time (is
+    `promotion.mode` on?)."""
+    command = VersionCommand(id=f"command-{uuid.uuid4().hex[:12]}", kind=kind, version=version, reason=reason,
+                             operator=operator, adapter=adapter)
     await bus.publish(COMMANDS_SUBJECT, command)
     deadline = time.monotonic() + timeout_s
     while (result := await registry.result(command.id)) is None:

@@ -42,6 +42,7 @@ PAGE = Path(__file__).with_name("dashboard.html")
 class RollbackRequest(BaseModel):
     version: int | None = None
     reason: str = ""
+    adapter: str | None = None
 
 
 class VersionBoard:
@@ -101,15 +102,17 @@ class VersionBoard:
             return registry_json(self.entries, self.routing, self.adapters)
 
         @app.get("/admin/versions/{version}")
-        async def version(version: int) -> dict[str, Any]:
-            entry = await self.registry.get(version)
+        async def version(version: int, adapter: str | None = None) -> dict[str, Any]:
+            entry = await self.registry.get(version, adapter)
             if entry is None:
-                raise APIError(404, f"no version {version} in the registry", code="not_found")
+                raise APIError(404, f"no version {version} {'of ' + adapter + ' ' if adapter else ''}in the registry",
+                               code="not_found")
             return registry_json([entry], None)["versions"][0]
 
-        async def command(kind: str, version: int | None = None, reason: str = "") -> dict[str, Any]:
+        async def command(kind: str, version: int | None = None, reason: str = "", adapter: str | None = None) -> dict[str, Any]:
             try:
-                result = await send_command(self.bus, self.registry, kind, version, reason=reason, operator="admin-api")
+                result = await send_command(self.bus, self.registry, kind, version, reason=reason, operator="admin-api",
+                                            adapter=adapter)
             except TimeoutError as exc:
                 raise APIError(504, str(exc), code="no_promotion_loop") from None
             if not result.ok:
@@ -118,17 +121,17 @@ class VersionBoard:
             return {"ok": True, "message": result.message}
 
         @app.post("/admin/versions/{version}/promote")
-        async def promote(version: int) -> dict[str, Any]:
-            return await command("promote", version)
+        async def promote(version: int, adapter: str | None = None) -> dict[str, Any]:
+            return await command("promote", version, adapter=adapter)
 
         @app.post("/admin/versions/{version}/pin")
-        async def pin(version: int) -> dict[str, Any]:
-            return await command("pin", version)
+        async def pin(version: int, adapter: str | None = None) -> dict[str, Any]:
+            return await command("pin", version, adapter=adapter)
 
         @app.post("/admin/versions/unpin")
-        async def unpin() -> dict[str, Any]:
-            return await command("unpin")
+        async def unpin(adapter: str | None = None) -> dict[str, Any]:
+            return await command("unpin", adapter=adapter)
 
         @app.post("/admin/versions/rollback")
         async def rollback(body: RollbackRequest) -> dict[str, Any]:
-            return await command("rollback", body.version, body.reason)
+            return await command("rollback", body.version, body.reason, body.adapter)
