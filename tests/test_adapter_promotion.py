@@ -299,11 +299,11 @@ async def test_a_promoter_that_died_between_an_adapters_entry_and_its_routing_re
 
 async def test_a_forgotten_tenants_adapter_leaves_the_registry_and_the_routing(bus):
     """Forgetting acme removes its adapter's versions announced before the forget, the routing's
-    entry and the trainer's directive about it (a tenant made again under the name starts a line
+    entry, an operator's pin and the trainer's directive about it (a tenant made again under the name starts a line
     the gate sees afresh); another tenant's line, and versions announced after, stay."""
     config = load_config(None, [*LORA, *GATE])
     registry = await Registry.open(bus)
-    await registry.set_routing(Routing(id="r1", serving=Arm(version=0, path=None),
+    await registry.set_routing(Routing(id="r1", serving=Arm(version=0, path=None), pinned_adapters=["acme", "other"],
                                        adapters={"acme": Arm(version=1, path="/a/1"), "other": Arm(version=1, path="/o/1")}))
     for name in ("acme", "other"):
         await registry.put(VersionEntry(id=f"{name}@v1", version=1, path=f"/{name[0]}/1", adapter=name, state="serving",
@@ -313,7 +313,7 @@ async def test_a_forgotten_tenants_adapter_leaves_the_registry_and_the_routing(b
     decisions = Decisions(registry, config)
     await decisions.forget("acme", at=200.0)
     assert await registry.adapters() == ["other"] and await registry.directive("acme") is None
-    assert set((await registry.routing()).adapters) == {"other"}
+    assert set((await registry.routing()).adapters) == {"other"} and (await registry.routing()).pinned_adapters == ["other"]
     await registry.put(VersionEntry(id="acme@v1", version=1, path="/a/1", adapter="acme",
                                     transitions=[Transition(state="candidate", reason="new", by="trainer", at=300.0)]))
     await decisions.forget("acme", at=200.0)  # the same forget read again after a restart: the new line stays
