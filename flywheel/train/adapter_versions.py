@@ -95,10 +95,11 @@ class AdapterVersions:
         directive about it carried out (see the module docstring); whether one was (carried out
         or passed over: the trainer checkpoints, so that it is not carried out again)."""
         directed = False
+        routing = await self.registry.routing() if self.registry is not None else None
         for name in adapters.names():
             if (line := self._line(name)) is None:
                 continue
-            directive = await line.refresh()
+            directive = await line.refresh(routing)
             self.store.protected[name] = line.protected
             if directive is None:
                 continue

@@ -201,7 +201,7 @@ class TrainLoop(ConsumerLoop):
     async def _follow_registry(self) -> bool:
         """Carry out a new directive; whether the trainer may take a step now."""
         assert self.promotion is not None
-        directive = await self.promotion.refresh()
+        directive = await self.promotion.refresh(await self.promotion.registry.routing())
         self.store.protected = self.promotion.protected
         if directive is not None and not self.promotion.concerns(directive, self.lineage.parent):
             self.promotion.pass_over(directive)

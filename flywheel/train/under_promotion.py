@@ -31,7 +31,7 @@ import logging
 from bisect import bisect_right, insort
 from typing import Any
 
-from flywheel.versions.records import TrainerDirective, last_good
+from flywheel.versions.records import Routing, TrainerDirective, last_good
 from flywheel.versions.registry import Registry
 
 log = logging.getLogger(__name__)
@@ -60,9 +60,9 @@ class UnderPromotion:
         i = bisect_right(self.abandoned, version)
         return i > 0 and self.abandoned[i - 1] == version
 
-    async def refresh(self) -> TrainerDirective | None:
-        """Read the routing and the directive; the directive if it is new (not yet applied)."""
-        routing = await self.registry.routing()
+    async def refresh(self, routing: Routing | None) -> TrainerDirective | None:
+        """Take the serving version from `routing` (read once a step for every line) and read
+        this line's directive; the directive if it is new (not yet applied)."""
         if routing is not None and self.adapter is not None:
             arm = routing.adapters.get(self.adapter)
             self.serving = arm.version if arm is not None else 0
