@@ -39,6 +39,14 @@ instead, x [A_0 ... A_slots] masked to each token's own slot's columns, then tim
 B: no gathering, sorting or scattering, and no loop over slots (on the CPU `torch._grouped_mm`
 is one small product per slot, empty ones included). Measured the same way at 32 slots: rank 8,
 32 adapters 111 -> 53 ms, 8 adapters 52 -> 52 ms; at rank 32 (1,056 columns) dense was slower.
+
+Either way a product reads the slots from 0 up to the highest its forward uses, as views of the
+stacks (no copies), and the engine fills the lowest free slot first: 8 adapters resident in a
+table of 32 slots cost what they cost in a table of 8. Measured the same way (`bench/adapter_profile.py`,
+two runs each, alternating): 8 adapters at rank 8 41-47 -> 17-18 ms, at rank 32 70-80 -> 53-62
+ms (dense now: 9 slots of rank 32 are 288 columns). Gathering just the forward's slots for each
+product (`index_select`, every layer, every step) was tried first: no faster at rank 8 (41-43
+ms), slower at rank 32.
 """
 
 from __future__ import annotations
@@ -215,19 +223,22 @@ class _Plan:
         distinct = torch.unique(slots[self.order])
         self.single = int(distinct[0]) if len(distinct) == 1 else None
         """The slot, when all adapted tokens use one."""
+        self.width = int(distinct[-1]) + 1
+        """The slots a product reads: 0 up to the highest this forward uses (views, no copies: a
+        forward of 8 adapters in a table of 32 slots that holds them in its first 8 reads 9)."""
         self.foreign: torch.Tensor | None = None
         """With several adapters, at most `DENSE_COLUMNS` slot columns and `DENSE_TOKENS` tokens:
         [tokens, (slots + 1) * rank], True but where a token's own slot's columns are (slot 0, the
         base's, is zero anyway); those are cleared, not multiplied by 0, so that no slot's inf or
         NaN reaches another's rows."""
-        if self.single is None and (table.slots + 1) * table.rank <= DENSE_COLUMNS and len(slots) <= DENSE_TOKENS:
-            mask = torch.zeros(len(slots), table.slots + 1, table.rank, dtype=torch.bool, device=table.device)
+        if self.single is None and self.width * table.rank <= DENSE_COLUMNS and len(slots) <= DENSE_TOKENS:
+            mask = torch.zeros(len(slots), self.width, table.rank, dtype=torch.bool, device=table.device)
             mask[torch.arange(len(slots), device=slots.device), slots] = True
             self.foreign = ~mask.view(len(slots), -1)
         self.identity = self.foreign is not None or (adapted == len(slots) and self.single is not None)
         """Whether every token is computed in place (no gathering, no scattering): all use one
         slot, or the dense products run on every token."""
-        counts = torch.bincount(slots[self.order], minlength=table.slots + 1)
+        counts = torch.bincount(slots[self.order], minlength=self.width)
         self.ends = counts.cumsum(0).to(torch.int32)
         """Per slot, where its tokens end in `order` (`torch._grouped_mm`'s offsets)."""
 
@@ -235,7 +246,8 @@ class _Plan:
         """(x A[slot]) B[slot] for the adapted tokens `x` [adapted tokens, in], in `order`."""
         if self.single is not None:
             return x @ stacks.a[self.single] @ stacks.b[self.single]
+        b = stacks.b[:self.width]
         if self.foreign is not None:
-            every = x @ stacks.flat.view(stacks.flat.shape[0], -1)
-            return every.masked_fill_(self.foreign, 0) @ stacks.b.view(-1, stacks.b.shape[2])
-        return torch._grouped_mm(torch._grouped_mm(x, stacks.a, offs=self.ends), stacks.b, offs=self.ends)
+            every = x @ stacks.flat[:, :self.width].flatten(1)  # a view: each row of A strided by the table's width
+            return every.masked_fill_(self.foreign, 0) @ b.flatten(0, 1)
+        return torch._grouped_mm(torch._grouped_mm(x, stacks.a[:self.width], offs=self.ends), b, offs=self.ends)

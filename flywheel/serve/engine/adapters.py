@@ -35,6 +35,7 @@ between steps.
 
 from __future__ import annotations
 
+import heapq
 import re
 from collections import Counter, OrderedDict
 from dataclasses import dataclass
@@ -90,7 +91,10 @@ class Adapters:
         self._sources: dict[str, Source] = {}
         self._versions: Counter[str] = Counter()
         self._resident: OrderedDict[str, Resident] = OrderedDict()
-        self._free = list(range(slots, 0, -1))
+        self._free = list(range(1, slots + 1))
+        """Free slots, a heap: the lowest is taken first, so that a table holding fewer adapters
+        than it has slots keeps them in its first ones (a batch's products read the slots up to the
+        highest it uses: `lora_batch`)."""
 
     def valid_name(self, name: object) -> None:
         """Raise `AdapterError` unless `name` may name an adapter here."""
@@ -139,7 +143,7 @@ class Adapters:
             raise UnknownAdapter(f"LoRA with name {name} does not exist. Loaded LoRAs: {self._names()}")
         entry = self._resident.pop(name, None)
         if entry is not None and not entry.holders:
-            self._free.append(entry.slot)
+            heapq.heappush(self._free, entry.slot)
 
     def acquire(self, name: str) -> Resident | None:
         """Hold `name`'s slot for a request, reading the adapter into one if it is not resident;
@@ -154,7 +158,7 @@ class Adapters:
                 adapter = read_adapter(source.path)
                 self.table.check(adapter)
             except AdapterError:
-                self._free.append(slot)
+                heapq.heappush(self._free, slot)
                 raise
             files = _files(source.path)
             if source.label is None or files != source.files:  # first read, or changed since: a new version
@@ -171,7 +175,7 @@ class Adapters:
         with its last holder."""
         entry.holders -= 1
         if not entry.holders and self._resident.get(entry.name) is not entry:
-            self._free.append(entry.slot)
+            heapq.heappush(self._free, entry.slot)
 
     # ---- helpers -------------------------------------------------------------------------------
 
@@ -186,11 +190,11 @@ class Adapters:
             if idle is None:
                 return None
             self._evict(idle)
-        return self._free.pop()
+        return heapq.heappop(self._free)
 
     def _evict(self, entry: Resident) -> None:
         del self._resident[entry.name]
-        self._free.append(entry.slot)
+        heapq.heappush(self._free, entry.slot)
 
     def _root_path(self, name: str) -> Path:
         path = self._under_root(name)
