@@ -149,6 +149,9 @@ async def test_an_operator_pins_rolls_back_and_promotes_on_an_adapters_line(bus,
         assert not again.ok and "serves its start" in again.message
         assert (await send_command(bus, registry, "promote", 1, adapter="acme")).ok
         assert (await registry.routing()).adapters["acme"].version == 1
+        start = await send_command(bus, registry, "promote", 0, adapter="acme")
+        assert start.ok and start.message == "acme@v0 serves" and "acme" not in (await registry.routing()).adapters
+        assert await _in(registry, 1, "acme", "retired")
         unknown = await send_command(bus, registry, "promote", 1, adapter="other")
         assert not unknown.ok and unknown.message == "no adapter other in the registry"
 

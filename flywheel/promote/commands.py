@@ -61,12 +61,14 @@ async def _on_adapter(decisions: Decisions, command: VersionCommand, adapter: st
         target = (await decisions.entry(command.version, adapter) if command.version is not None
                   else last_good(await decisions.registry.versions(adapter=adapter), besides=current.version)
                   or await decisions.entry(0, adapter))
+        if target.version == current.version:
+            raise ValueError(f"{current.id} serves: roll back to another version")
         await decisions.registry.put(move(current, "rolled_back", said, "operator"))
         await decisions.serve(target, said, "operator")
         await decisions.direct_trainer(target, current.version, f"{current.id} rolled back by {command.operator}")
         return f"{current.id} rolled back; {target.id} serves"
     entry = await decisions.entry(_version(command), adapter)
-    if entry.state != "serving":
+    if entry.version != (await decisions.serving_adapter(adapter)).version:  # the start's entry always says serving
         await decisions.serve(entry, said, "operator")
     if command.kind == "pin":
         await decisions.set_routing(await decisions.routing(), said, pinned_adapters=sorted({*pinned, adapter}))
