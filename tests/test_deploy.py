@@ -2,6 +2,7 @@
 and the reward of the random tiny model climbs; `flywheel up` stops cleanly on Ctrl-C."""
 
 import asyncio
+import contextlib
 import json
 import os
 import shutil
@@ -9,6 +10,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 from statistics import fmean
@@ -120,23 +122,33 @@ async def registered(bus_url: str) -> list:
         await bus.close()
 
 
-def start_up(run_dir, *overrides: str, env=None) -> subprocess.Popen:
-    """`flywheel up` on the local config, returned once it is up and has trained a step.
-    Without the promotion gate (its evaluation server and loop only lengthen the start; the
-    learning test above runs make run's configuration whole)."""
+def start_up(run_dir, *overrides: str, env=None, timeout_s: float = 180.0) -> subprocess.Popen:
+    """`flywheel up` on the local config, returned once it is up and has trained a step (within
+    `timeout_s`, else it is stopped with everything it started, and the test fails with what it
+    printed). Without the promotion gate (its evaluation server and loop only lengthen the start;
+    the learning test above runs make run's configuration whole)."""
     proc = subprocess.Popen(
         [*command("up"), "--config", "configs/local.yaml", f"run_dir={run_dir}",
          "serve.port=0", "promotion.mode=off", *overrides, "--refresh-s", "0.5"],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
     )
-    lines = []
-    for line in proc.stdout:
-        lines.append(line)
-        if line.startswith("version=") and int(line.split()[0].removeprefix("version=")) >= 1:
-            break
-    if not any("Flywheel is up" in line for line in lines):
-        proc.kill()
-        raise AssertionError("deploy.up did not come up:\n" + "".join(lines))
+    lines: list[str] = []
+
+    def trained_a_step() -> None:
+        for line in proc.stdout:
+            lines.append(line)
+            if line.startswith("version=") and int(line.split()[0].removeprefix("version=")) >= 1:
+                return
+
+    reader = threading.Thread(target=trained_a_step, daemon=True)
+    reader.start()
+    reader.join(timeout_s)
+    if reader.is_alive() or not any("Flywheel is up" in line for line in lines):
+        with contextlib.suppress(psutil.NoSuchProcess):
+            for process in [*psutil.Process(proc.pid).children(recursive=True), psutil.Process(proc.pid)]:
+                with contextlib.suppress(psutil.NoSuchProcess):
+                    process.kill()
+        raise AssertionError(f"flywheel up did not come up and train a step within {timeout_s:g} s:\n" + "".join(lines))
     return proc
 
 
