@@ -2,12 +2,12 @@
 member's fixed client, route and monitoring ports; a vLLM server's).
 
 The port is drawn above Ray's worker ports and outside the range the kernel hands out as the
-local port of outgoing connections (`/proc/sys/net/ipv4/ip_local_port_range`). A port the kernel chose (binding to port
-0) comes from that range, and between choosing it and the server binding it any connection
-this machine opens may be given it: a three-server bus in the test suite once failed to start
-so, a member's port taken while two test workers opened hundreds of connections. Outside the
-range only another explicit bind can take it. Still checked free, and still a race with those:
-callers that can, retry.
+local port of outgoing connections (`/proc/sys/net/ipv4/ip_local_port_range`). A port the
+kernel chose (binding to port 0) comes from that range, and between choosing it and the server
+binding it any connection this machine opens may be given it: a three-server bus in the test
+suite once failed to start so, a member's port taken while two test workers opened hundreds of
+connections. Outside the range only another explicit bind can take it. Still checked free, and
+still a race with those: callers that can, retry.
 """
 
 from __future__ import annotations
