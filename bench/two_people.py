@@ -20,9 +20,9 @@ Measured, per scope and person
       rate of their own wish and of the other's.
 
 How to run (from the repository root; about 20-40 min on 2 cores)
-    .venv/bin/python bench/two_people.py [--sessions 16] [--scopes user shared] [key=value ...]
+    .venv/bin/python bench/two_people.py [--wishes brief detailed] [--sessions 16] [--scopes user shared] [key=value ...]
 
-Writes bench/results/two_people.json.
+Writes bench/results/two_people.json (another pair of wishes: two_people_<wish>_<wish>.json).
 """
 
 from __future__ import annotations
@@ -50,12 +50,14 @@ from flywheel.drills.simulated_people import (  # noqa: E402
 )
 
 WISHES = ("brief", "detailed")
+"""The default pair; `--wishes` names another: two of `simulated_people.PREFERENCES` that no reply
+meets together, such as `bullets` (at least two list lines) and `plain` (no markdown at all)."""
 LORA = ["adapters.kind=lora", "actor.optimizer.lr=0.0005"]
 """About 10x the configuration's full fine-tuning rate ("LoRA Without Regret")."""
 
 
-def people() -> list[User]:
-    return [User(NAMES[i], PREFERENCES[wish], seed=100 + i) for i, wish in enumerate(WISHES)]
+def people(wishes: tuple[str, str]) -> list[User]:
+    return [User(NAMES[i], PREFERENCES[wish], seed=100 + i) for i, wish in enumerate(wishes)]
 
 
 def run_scope(scope: str, args) -> dict:
@@ -68,7 +70,7 @@ def run_scope(scope: str, args) -> dict:
     run_dir = ROOT / args.run_root / scope
     shutil.rmtree(run_dir, ignore_errors=True)
     config = load_config(CONFIG, [f"run_dir={run_dir}", *ARMS["both"], *LORA, f"adapters.scope={scope}", *args.overrides])
-    pair = people()
+    pair = people(args.wishes)
     sessions: dict[str, list[dict]] = {p.name: [] for p in pair}
     started = time.monotonic()
     deployment = Deployment(config).start()
@@ -106,6 +108,7 @@ def run_scope(scope: str, args) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--scopes", nargs="+", default=["user", "shared"], choices=["user", "tenant", "shared"])
+    parser.add_argument("--wishes", nargs=2, default=WISHES, choices=sorted(PREFERENCES), help="the two people's wishes")
     parser.add_argument("--sessions", type=int, default=16, help="sessions per person")
     parser.add_argument("--window", type=int, default=5, help="sessions in the first and last rates")
     parser.add_argument("--wait-s", type=float, default=180.0)
@@ -124,7 +127,8 @@ def main() -> None:
     print(table(["scope", "person", "wish", "own, first", "own, last", "other's, first", "other's, last",
                  "held-out own", "held-out other's", "answers"], rows))
     RESULTS.mkdir(parents=True, exist_ok=True)
-    (RESULTS / "two_people.json").write_text(json.dumps({"commit": START_COMMIT, "args": vars(args), "results": results},
+    name = "two_people" if tuple(args.wishes) == WISHES else f"two_people_{'_'.join(args.wishes)}"
+    (RESULTS / f"{name}.json").write_text(json.dumps({"commit": START_COMMIT, "args": vars(args), "results": results},
                                                         indent=2))
 
 
