@@ -227,8 +227,8 @@ class _Plan:
         """The slots a product reads: 0 up to the highest this forward uses (views, no copies: a
         forward of 8 adapters in a table of 32 slots that holds them in its first 8 reads 9)."""
         self.foreign: torch.Tensor | None = None
-        """With several adapters, at most `DENSE_COLUMNS` slot columns and `DENSE_TOKENS` tokens:
-        [tokens, (slots + 1) * rank], True but where a token's own slot's columns are (slot 0, the
+        """With several adapters, at most `DENSE_COLUMNS` columns read and `DENSE_TOKENS` tokens:
+        [tokens, width * rank], True but where a token's own slot's columns are (slot 0, the
         base's, is zero anyway); those are cleared, not multiplied by 0, so that no slot's inf or
         NaN reaches another's rows."""
         if self.single is None and self.width * table.rank <= DENSE_COLUMNS and len(slots) <= DENSE_TOKENS:

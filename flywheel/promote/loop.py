@@ -357,7 +357,8 @@ class PromoteLoop:
                     await self.registry.set_result(result)
                     await self.bus.publish(AUDIT_SUBJECT, AuditEntry(
                         id=f"command-{command.id}", actor=command.operator, action=f"version.{command.kind}",
-                        target=("" if command.version is None else f"v{command.version}") + (f" of {command.adapter}" if command.adapter else ""),
+                        target=("" if command.version is None else f"v{command.version}")
+                        + (f" of {command.adapter}" if command.adapter else ""),
                         details={"ok": result.ok, "message": result.message, "reason": command.reason}))
                     self.counts["commands"] += 1
             await delivery.ack()
