@@ -146,7 +146,7 @@ async def test_an_operator_pins_rolls_back_and_promotes_on_an_adapters_line(bus,
         assert rolled.ok and rolled.message == "acme@v1 rolled back; acme@v0 serves", rolled.message
         assert "acme" not in (await registry.routing()).adapters and (await registry.directive("acme")).version == 0
         again = await send_command(bus, registry, "rollback", adapter="acme")
-        assert not again.ok and "serves its start" in again.message
+        assert not again.ok and again.message == "no version served before acme@v0: nothing to roll back to"
         assert (await send_command(bus, registry, "promote", 1, adapter="acme")).ok
         assert (await registry.routing()).adapters["acme"].version == 1
         start = await send_command(bus, registry, "promote", 0, adapter="acme")

@@ -11,72 +11,53 @@ A command names a line: the shared weights' (no `adapter`), or a shared or tenan
 
 from __future__ import annotations
 
+from typing import Any
+
 from flywheel.promote.decisions import Decisions
 from flywheel.promote.states import move
-from flywheel.versions.records import VersionCommand, last_good
+from flywheel.versions.records import Routing, VersionCommand, last_good
 
 
 async def carry_out(decisions: Decisions, command: VersionCommand) -> str:
     """Carry out `command`; what was done. LookupError, ValueError or IllegalTransition: refused."""
-    said = f"{command.operator}: {command.reason or command.kind}"
-    if command.adapter is not None:
-        return await _on_adapter(decisions, command, command.adapter, said)
+    adapter, said = command.adapter, f"{command.operator}: {command.reason or command.kind}"
+    if adapter is not None and adapter not in await decisions.registry.adapters():
+        raise LookupError(f"no adapter {adapter} in the registry")
     routing = await decisions.routing()
     if command.kind == "unpin":
-        await decisions.set_routing(routing, said, pinned=False)
-        return "unpinned: candidates are evaluated again"
+        await decisions.set_routing(routing, said, **_pinned(routing, adapter, False))
+        return ("" if adapter is None else f"{adapter} ") + "unpinned: candidates are evaluated again"
     if command.kind == "rollback":
-        if command.version is None and routing.canary is not None:
+        if adapter is None and command.version is None and routing.canary is not None:
             await decisions.reject(await decisions.entry(routing.canary.version), "rolled_back", said, "operator")
             return f"canary v{routing.canary.version} rolled back"
-        current = await decisions.entry(routing.serving.version)
-        target = (await decisions.entry(command.version) if command.version is not None
-                  else last_good(await decisions.registry.versions(), besides=current.version))
-        if target is None:
-            raise LookupError(f"no version served before v{current.version}: nothing to roll back to")
-        await decisions.registry.put(move(current, "rolled_back", said, "operator"))
-        await decisions.serve(await decisions.entry(target.version), said, "operator")
-        await decisions.direct_trainer(target, current.version, f"v{current.version} rolled back by {command.operator}")
-        return f"v{current.version} rolled back; v{target.version} serves"
-    entry = await decisions.entry(_version(command))
-    if entry.state != "serving":
-        await decisions.serve(entry, said, "operator")
-    if command.kind == "pin":
-        await decisions.set_routing(await decisions.routing(), said, pinned=True)
-        return f"v{entry.version} serves, pinned"
-    return f"v{entry.version} serves"
-
-
-async def _on_adapter(decisions: Decisions, command: VersionCommand, adapter: str, said: str) -> str:
-    if adapter not in await decisions.registry.adapters():
-        raise LookupError(f"no adapter {adapter} in the registry")
-    pinned = (await decisions.routing()).pinned_adapters
-    if command.kind == "unpin":
-        await decisions.set_routing(await decisions.routing(), said, pinned_adapters=[a for a in pinned if a != adapter])
-        return f"{adapter} unpinned: its candidates are evaluated again"
-    if command.kind == "rollback":
-        current = await decisions.serving_adapter(adapter)
-        if current.version == 0:
-            raise LookupError(f"{adapter} serves its start: nothing to roll back")
+        current = await decisions.serving(adapter)
         target = (await decisions.entry(command.version, adapter) if command.version is not None
                   else last_good(await decisions.registry.versions(adapter=adapter), besides=current.version)
-                  or await decisions.entry(0, adapter))
+                  or (await decisions.entry(0, adapter) if adapter is not None and current.version != 0 else None))
+        if target is None:
+            raise LookupError(f"no version served before {current.id}: nothing to roll back to")
         if target.version == current.version:
             raise ValueError(f"{current.id} serves: roll back to another version")
         await decisions.registry.put(move(current, "rolled_back", said, "operator"))
         await decisions.serve(target, said, "operator")
         await decisions.direct_trainer(target, current.version, f"{current.id} rolled back by {command.operator}")
         return f"{current.id} rolled back; {target.id} serves"
-    entry = await decisions.entry(_version(command), adapter)
-    if entry.version != (await decisions.serving_adapter(adapter)).version:  # the start's entry always says serving
+    if command.version is None:
+        raise ValueError(f"{command.kind} needs a version")
+    entry = await decisions.entry(command.version, adapter)
+    if entry.version != (await decisions.serving(adapter)).version:  # an adapter's start always says serving
         await decisions.serve(entry, said, "operator")
     if command.kind == "pin":
-        await decisions.set_routing(await decisions.routing(), said, pinned_adapters=sorted({*pinned, adapter}))
+        routing = await decisions.routing()
+        await decisions.set_routing(routing, said, **_pinned(routing, adapter, True))
         return f"{entry.id} serves, pinned"
     return f"{entry.id} serves"
 
 
-def _version(command: VersionCommand) -> int:
-    if command.version is None:
-        raise ValueError(f"{command.kind} needs a version")
-    return command.version
+def _pinned(routing: Routing, adapter: str | None, pinned: bool) -> dict[str, Any]:
+    """The routing's change that pins or unpins the line."""
+    if adapter is None:
+        return {"pinned": pinned}
+    others = [a for a in routing.pinned_adapters if a != adapter]
+    return {"pinned_adapters": sorted([*others, adapter]) if pinned else others}

@@ -60,9 +60,13 @@ class Decisions:
             raise LookupError(f"no version {version} {'of ' + adapter + ' ' if adapter else ''}in the registry")
         return entry
 
-    async def serving_adapter(self, adapter: str) -> VersionEntry:
-        """The version of `adapter` that serves (its start before any has)."""
-        serving = (await self.routing()).adapters.get(adapter)
+    async def serving(self, adapter: str | None = None) -> VersionEntry:
+        """The version that serves the line: the shared weights', or `adapter`'s (its start before
+        any of its versions has)."""
+        routing = await self.routing()
+        if adapter is None:
+            return await self.entry(routing.serving.version)
+        serving = routing.adapters.get(adapter)
         return await self.entry(serving.version if serving else 0, adapter)
 
     async def set_routing(self, routing: Routing, reason: str, **changes) -> None:
@@ -78,7 +82,7 @@ class Decisions:
         `entry` retires too: it was not chosen). An adapter's version serves its adapter's requests."""
         routing = await self.routing()
         if entry.adapter is not None:
-            previous = await self.serving_adapter(entry.adapter)
+            previous = await self.serving(entry.adapter)
             if previous.version not in (0, entry.version) and previous.state == "serving":
                 await self.registry.put(move(previous, "retired", f"{entry.id} serves instead", by))
             adapters = {name: routed for name, routed in routing.adapters.items() if name != entry.adapter}
@@ -111,7 +115,7 @@ class Decisions:
         version never served: `Routing.adapters` is unchanged)."""
         if entry.adapter is not None:  # a promoter that dies between the two: `repair` writes the directive
             await self.registry.put(move(entry, state, reason, by))  # type: ignore[arg-type]
-            await self.direct_trainer(await self.serving_adapter(entry.adapter), entry.version,
+            await self.direct_trainer(await self.serving(entry.adapter), entry.version,
                                       f"{entry.id} {state.replace('_', ' ')}: {reason}")
             return
         routing = await self.routing()
@@ -176,7 +180,7 @@ class Decisions:
             rejected = [e for e in line if e.state == "rejected" and e.transitions[-1].by == "gate"]
             directive = await self.registry.directive(line[0].adapter) if rejected else None
             if rejected and (directive is None or (directive.rejected or 0) < rejected[-1].version):
-                await self.direct_trainer(await self.serving_adapter(str(line[0].adapter)), rejected[-1].version,
+                await self.direct_trainer(await self.serving(str(line[0].adapter)), rejected[-1].version,
                                           f"{rejected[-1].id} rejected: {rejected[-1].transitions[-1].reason}")
         for entry in shared:
             if entry.state == "canary" and (routing.canary is None or routing.canary.version != entry.version):

@@ -195,8 +195,7 @@ class PromoteLoop:
                 entry.waiting = waiting
                 await self.registry.put(entry)
             return None
-        serving = (await self.decisions.serving_adapter(entry.adapter) if entry.adapter is not None
-                   else await self.decisions.entry(routing.serving.version))
+        serving = await self.decisions.serving(entry.adapter)
         entry = move(entry, "evaluating", f"compared with the serving {serving.id}", "promoter")
         await self.registry.put(entry)
         self._evaluated_at[entry.adapter] = time.monotonic()

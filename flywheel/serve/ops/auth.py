@@ -7,9 +7,10 @@ teacher scores with it) needs `Authorization: Bearer <key>`
 the middleware puts the tenant's name and the key's `Grant` in the request's state
 (`request.state.tenant`, `request.state.grant`; the open tenant's when there are no keys), and
 whether it is the operator's (`request.state.operator`: the admin key, or no admin key is
-configured; `/engine/` still needs a client key then, when there are any). The engine's control routes (SGLang's `ADMIN_PATHS`: pausing,
-weight loading, aborts, cache flushes) and the admin API (`/admin/...`) need `Bearer <admin_key>`
-when an admin key is configured; a client key never reaches them. Anything else (`/health`,
+configured; `/engine/` still needs a client key then, when there are any). The engine's control
+routes (SGLang's `ADMIN_PATHS`: pausing, weight loading, aborts, cache flushes) and the admin
+API (`/admin/...`) need `Bearer <admin_key>` when an admin key is configured; a client key never
+reaches them. Anything else (`/health`,
 `/metrics`) is open. A refusal is a 401 in OpenAI's error shape with `WWW-Authenticate: Bearer`.
 The admin key is compared in constant time; client keys are looked up by their SHA-256.
 """
