@@ -18,9 +18,13 @@ EVAL = "eval.url"
 
 
 def write_address(run_dir: str | Path, name: str, url: str) -> None:
+    """Written whole, then renamed into place: a reader never finds the file empty (one did, and
+    called a URL of nothing)."""
     run_dir = Path(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / name).write_text(url + "\n")
+    partial = run_dir / f".{name}.partial"
+    partial.write_text(url + "\n")
+    partial.replace(run_dir / name)
 
 
 def read_address(run_dir: str | Path, name: str) -> str:
