@@ -20,7 +20,7 @@ from typing import Any
 import torch
 from safetensors.torch import save_file
 
-from bench.lib.common import CpuWatch, wait_quiet_async
+from bench.lib.common import CpuWatch, bench_model, wait_quiet_async
 
 LINEAR = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
@@ -54,12 +54,13 @@ def write_adapters(root: Path, model: torch.nn.Module, names: list[str], rank: i
     return {name: write_adapter(root / name, layers, rank, seed + i) for i, name in enumerate(names)}
 
 
-def embedded_engine(model_spec: str, max_batch_size: int, max_loras: int, lora_root: Path | None = None):
-    """A started embedded engine (its own decoder, float32) on its own copy of the model."""
-    from flywheel.models import load_model
+def embedded_engine(model_spec: str, max_batch_size: int, max_loras: int, lora_root: Path | None = None,
+                    dtype: str = "float32", device: str = "cpu", random_weights: bool = False):
+    """A started embedded engine (its own decoder) on its own copy of the model, in `dtype` on
+    `device` (`bench_model`: real or seeded random weights)."""
     from flywheel.serve.engine import Engine
 
-    model, tokenizer = load_model(model_spec)
+    model, tokenizer = bench_model(model_spec, dtype, device, random_weights)
     return Engine(model, tokenizer, max_batch_size=max_batch_size, max_loras=max_loras,
                   lora_root=str(lora_root) if lora_root else None).start()
 

@@ -22,7 +22,10 @@ What it measures
     (weights 32:16:8:4:2:1, `mixed_requests`), submitted at once, 32 decoding at a time, on both
     engines (vLLM without `--enable-lora`), alternating `--repeats` times; useful tok/s.
 
-    With `--profile` (and whenever the embedded engine misses 0.8x), the adapter path
+    On a GPU (`--device cuda --engines embedded --no-long`, with `--dtype` and, for a model
+    directory holding only a config and tokenizer, `--random-weights`) the embedded side alone.
+
+    With `--profile` (and whenever the embedded engine misses 0.8x on the CPU), the adapter path
     (`flywheel.models.lora_batch.Rows.add`) is profiled alone with torch's profiler on one
     decode step's worth of products (every adapted layer, 32 rows over 1, 8, 32 adapters),
     against the base products of the same layers.
@@ -31,8 +34,10 @@ How to run (from the repository root)
     .venv/bin/python bench/adapter_throughput.py                    # SmolLM2-135M, float32
     options: --model M --ranks 8,32 --adapters 1,8,32 --rows R --tokens T --repeats K
              --long-requests N --engines embedded,vllm --profile --no-long
+             --device cuda --dtype bfloat16 --random-weights --name NAME
+    python3 bench/adapter_throughput.py --model DIR --random-weights --device cuda --engines embedded --no-long
 
-    Writes bench/results/adapter_throughput_<model>.json.
+    Writes bench/results/adapter_throughput_<model>[_<device>_<dtype>].json (or `--name`).
 """
 
 from __future__ import annotations
@@ -53,7 +58,14 @@ from bench.adapter_common import (
     write_adapters,
 )
 from bench.adapter_profile import profile_adapter_path
-from bench.lib.common import machine, median, quiet_logs, table, write_result
+from bench.lib.common import (
+    bench_model,
+    machine,
+    median,
+    quiet_logs,
+    table,
+    write_result,
+)
 from bench.lib.workload import (
     TRAINING_OUTPUT_LENGTHS,
     TRAINING_OUTPUT_WEIGHTS,
@@ -73,7 +85,13 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--engines", default="embedded,vllm")
     p.add_argument("--profile", action="store_true")
     p.add_argument("--no-long", action="store_true")
+    p.add_argument("--device", default="cpu", help="the embedded engine's device")
+    p.add_argument("--dtype", default="float32", help="the embedded engine's weights, adapters and KV cache")
+    p.add_argument("--random-weights", action="store_true", help="seeded random weights of the model's shape")
+    p.add_argument("--name", help="the result file's name (default from the model, device and dtype)")
     args = p.parse_args()
+    args.name = args.name or "_".join(["adapter_throughput", Path(args.model).name]
+                                      + ([args.device, args.dtype] if args.device != "cpu" else []))
     args.ranks = [int(r) for r in args.ranks.split(",")]
     args.adapters = [int(n) for n in args.adapters.split(",")]
     args.engines = args.engines.split(",")
@@ -90,8 +108,9 @@ class Side:
     async def __aenter__(self):
         slots = max(self.args.adapters) if self.rank else 0
         if self.kind == "embedded":
-            self.engine = await asyncio.to_thread(embedded_engine, self.args.model, self.args.rows, slots,
-                                                  next(iter(self.names.values())).parent if self.names else None)
+            root = next(iter(self.names.values())).parent if self.names else None
+            self.engine = await asyncio.to_thread(embedded_engine, self.args.model, self.args.rows, slots, root,
+                                                  self.args.dtype, self.args.device, self.args.random_weights)
             return self
         from flywheel.serve.backends.vllm import VLLMEngineClient
 
@@ -153,11 +172,13 @@ def ratio(a: float | None, b: float | None) -> float | None:
 async def main() -> None:
     args = parse_args()
     quiet_logs()
-    from flywheel.models import load_model
-
-    model, tokenizer = load_model(args.model)
+    model, tokenizer = bench_model(args.model, random_weights=args.random_weights)  # the shapes and the prompts
     prompts = [r["prompt_ids"] for r in mixed_requests(tokenizer, args.rows, [args.tokens], [1], seed=0)]
     result: dict = {"machine": machine(None), "args": vars(args), "ranks": {}}
+    if args.device != "cpu":
+        import torch
+
+        result["gpu"] = torch.cuda.get_device_name(args.device)
     rows_out = []
     with tempfile.TemporaryDirectory(prefix="adapters-") as tmp:
         workdir = Path(tmp)
@@ -178,13 +199,13 @@ async def main() -> None:
                                       "embedded_over_vllm": ratio(long_medians.get("embedded"), long_medians.get("vllm"))}
     result["table"] = rows_out
     missed = any(r[3] is not None and r[3] < 0.8 for r in rows_out)
-    if args.profile or missed:
+    if args.profile or (missed and args.device == "cpu"):
         result["profile"] = profile_adapter_path(model, args.ranks, args.adapters, args.rows)
     print(table(["rank", "rows over", "embedded tok/s", "x base", "vLLM tok/s", "x base", "embedded/vLLM"], rows_out))
     if "long_outputs" in result:
         print("long outputs, adapters off:", result["long_outputs"]["median_tok_s"], "embedded/vLLM",
               result["long_outputs"]["embedded_over_vllm"])
-    print("wrote", write_result(f"adapter_throughput_{args.model}", result))
+    print("wrote", write_result(args.name, result))
 
 
 if __name__ == "__main__":

@@ -61,6 +61,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # `python bench/NAME.py` as well as `-m bench.NAME`
 
 from bench.lib.common import (  # noqa: E402
+    bench_model,
     machine,
     median,
     percentile,
@@ -132,21 +133,8 @@ def peak_gib(device: str) -> float | None:
 
 
 def build(args: argparse.Namespace, dtype: str):
-    """(model on args.device in `dtype`, tokenizer): as `flywheel/serve/loop.py` builds the engine's model
-    (`load_model(spec, dtype)` then `place`), or with seeded random weights of the same shape."""
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
-
-    from flywheel.models import load_model, place, resolve_model
-
-    path = resolve_model(args.model)
-    if args.random_weights:
-        tokenizer = AutoTokenizer.from_pretrained(path)
-        torch.manual_seed(args.seed)  # the same weights at every dtype, and for the trainer
-        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path), dtype=torch.float32)
-        model = model.to(getattr(torch, dtype)).eval()
-    else:
-        model, tokenizer = load_model(path, getattr(torch, dtype))
-    return place(model, args.device), tokenizer
+    """(model on args.device in `dtype`, tokenizer): `bench_model` with this run's options."""
+    return bench_model(args.model, dtype, args.device, args.random_weights, args.seed)
 
 
 # ---- engine against static batches -------------------------------------------------------------

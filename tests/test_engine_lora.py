@@ -4,7 +4,8 @@ and transformers' forward), chunked prefill and input scoring are PEFT's; rows o
 adapters and of the bare base decode in one batch exactly as each does alone, the base rows as
 the model without adapters; a bounded set of slots evicts and reloads, and a request waits for a
 slot rather than failing; a new version replaces an adapter between two steps, the tokens
-reporting which version sampled them; and SGLang's protocol for all of it over HTTP."""
+reporting which version sampled them; and SGLang's protocol for all of it over HTTP. The log-prob
+and mixed-batch tests also run with the engine on CUDA where a GPU exists."""
 
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ import torch
 from peft import LoraConfig, get_peft_model
 from safetensors.torch import load_file, save_file
 
-from flywheel.models import load_model, lora_batch
+from flywheel.models import load_model, lora_batch, place
 from flywheel.models.lora_adapter import AdapterError, LoraAdapter, read_adapter
 from flywheel.models.lora_batch import AdapterTable, Rows
 from flywheel.serve.engine import Engine, RequestFailed, SamplingParams
@@ -37,6 +38,8 @@ ADAPTERS = {  # name: (seed, LoraConfig arguments); ranks differ, so the table p
 TOL = 2e-4  # a batched decode step's log-prob against one full forward pass, in float32
 GREEDY = SamplingParams(max_new_tokens=16, temperature=0.0, ignore_eos=True)
 TEXTS = ["Write some digits.", "hi", "What is 12 + 7? Answer with the number only.", "Name a colour, please, any one."]
+DEVICES = pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a CUDA device; none here"))])
 
 
 @pytest.fixture(scope="module")
@@ -55,10 +58,11 @@ def root_of(adapters):
     return adapters["alice"][0].parent
 
 
-def fresh_engine(root=None, **options) -> Engine:
-    """A started engine on a tiny model of its own (adapters found under `root`, if given)."""
-    model, tokenizer = load_model("tiny")
-    return Engine(model, tokenizer, lora_root=str(root) if root else None, **{"max_batch_size": 8, **options}).start()
+def fresh_engine(root=None, device="cpu", dtype=torch.float32, **options) -> Engine:
+    """A started engine on a tiny model of its own on `device` (adapters found under `root`, if given)."""
+    model, tokenizer = load_model("tiny", dtype)
+    return Engine(place(model, device), tokenizer, lora_root=str(root) if root else None,
+                  **{"max_batch_size": 8, **options}).start()
 
 
 async def alone_and_together(engine: Engine, work: list[tuple[list[int], SamplingParams, str | None]]):
@@ -78,11 +82,12 @@ async def alone_and_together(engine: Engine, work: list[tuple[list[int], Samplin
 
 @pytest.mark.parametrize("options", [{}, {"own_decoder": False}, {"chunked_prefill_size": 7}],
                          ids=["decoder", "transformers-forward", "chunked-prefill"])
-async def test_an_adapters_logprobs_are_peft_s(options, adapters, base):
+@DEVICES
+async def test_an_adapters_logprobs_are_peft_s(options, device, adapters, base):
     """Prefill (the first token), decode steps (the rest) and input scoring of each adapter give
     the log-probs of a PEFT model with that adapter; the adapters change them."""
     model, tokenizer = base
-    engine = fresh_engine(root_of(adapters), **options)
+    engine = fresh_engine(root_of(adapters), device, **options)
     ids = prompt(tokenizer, TEXTS[2])
     try:
         plain = await engine.generate(ids, SamplingParams(max_new_tokens=16, temperature=1.0, sampling_seed=5))
@@ -102,15 +107,16 @@ async def test_an_adapters_logprobs_are_peft_s(options, adapters, base):
 
 @pytest.mark.parametrize("dense_columns", [lora_batch.DENSE_COLUMNS, 0], ids=["dense", "grouped"])
 @pytest.mark.parametrize("options", [{}, {"own_decoder": False}], ids=["decoder", "transformers-forward"])
-async def test_rows_of_many_adapters_and_the_base_decode_together_as_alone(options, dense_columns, adapters, base,
-                                                                          monkeypatch):
+@DEVICES
+async def test_rows_of_many_adapters_and_the_base_decode_together_as_alone(options, dense_columns, device, adapters,
+                                                                          base, monkeypatch):
     """Three adapters (ranks 4, 16 and 3) and base rows, prompts of different lengths, greedy and
     seeded: each row of the mixed batch gets the tokens and log-probs it gets alone, with its
     adapter's version; the base rows are the model's without adapters. Both ways of computing
     several adapters' deltas (`lora_batch.DENSE_COLUMNS`)."""
     monkeypatch.setattr(lora_batch, "DENSE_COLUMNS", dense_columns)
     model, tokenizer = base
-    engine = fresh_engine(root_of(adapters), **options)
+    engine = fresh_engine(root_of(adapters), device, **options)
     seeded = SamplingParams(max_new_tokens=16, temperature=1.0, sampling_seed=11, ignore_eos=True)
     names = ["alice", None, "bob", "carol", None, "alice", "bob", "carol"]
     work = [(prompt(tokenizer, TEXTS[i % len(TEXTS)]), GREEDY if i % 2 else seeded, name) for i, name in enumerate(names)]
@@ -126,12 +132,14 @@ async def test_rows_of_many_adapters_and_the_base_decode_together_as_alone(optio
         assert b.logprobs == pytest.approx(recomputed_logprobs(reference, ids, b.output_ids), abs=TOL)
 
 
-async def test_bfloat16_rows_of_many_adapters_stay_near_peft(adapters, base):
-    """In bfloat16 (ranks padded to 8 for the grouped products): a mixed batch's log-probs stay
-    within bfloat16 rounding of PEFT's float32 ones."""
-    model, _ = base
-    bf16, tokenizer = load_model("tiny", torch.bfloat16)
-    engine = Engine(bf16, tokenizer, max_batch_size=8, lora_root=str(root_of(adapters))).start()
+@pytest.mark.parametrize("dense_columns", [lora_batch.DENSE_COLUMNS, 0], ids=["dense", "grouped"])
+@DEVICES
+async def test_bfloat16_rows_of_many_adapters_stay_near_peft(dense_columns, device, adapters, base, monkeypatch):
+    """In bfloat16 (ranks padded to 8 for the grouped products; on CUDA those are CUTLASS's
+    kernels): a mixed batch's log-probs stay within bfloat16 rounding of PEFT's float32 ones."""
+    monkeypatch.setattr(lora_batch, "DENSE_COLUMNS", dense_columns)
+    model, tokenizer = base
+    engine = fresh_engine(root_of(adapters), device, torch.bfloat16)
     names = ["alice", "bob", "carol", None]
     work = [(prompt(tokenizer, TEXTS[i]), GREEDY, name) for i, name in enumerate(names)]
     try:

@@ -1,7 +1,8 @@
 """Helpers shared by the benchmark scripts in `bench/`: machine description, a record of how
-much CPU other processes used while a benchmark ran (the machine is shared), percentiles, the
-TPOT and TTFT of streamed requests, a plain-text table, and writing the JSON result file under
-`bench/results/` (`<benchmark>[_<variant>].json`, bench/README.md).
+much CPU other processes used while a benchmark ran (the machine is shared), the model a benchmark
+runs (real or seeded random weights, on a device), percentiles, the TPOT and TTFT of streamed
+requests, a plain-text table, and writing the JSON result file under `bench/results/`
+(`<benchmark>[_<variant>].json`, bench/README.md).
 """
 
 from __future__ import annotations
@@ -57,6 +58,27 @@ def machine(torch_threads: int | None) -> dict[str, Any]:
         "platform": platform.platform(),
         "loadavg_at_start": os.getloadavg(),
     }
+
+
+def bench_model(spec: str, dtype: str = "float32", device: str = "cpu", random_weights: bool = False, seed: int = 0):
+    """(model on `device` in `dtype`, tokenizer): as `flywheel/serve/loop.py` builds the engine's
+    model (`load_model(spec, dtype)` then `place`), or with seeded random weights of the shape of
+    `spec` (a spec or a directory holding a config and tokenizer: `from_config`; timings with
+    `ignore_eos` do not depend on the weights, log-probs do)."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    from flywheel.models import load_model, place, resolve_model
+
+    path = resolve_model(spec)
+    if random_weights:
+        tokenizer = AutoTokenizer.from_pretrained(path)
+        torch.manual_seed(seed)  # the same weights at every dtype
+        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path), dtype=torch.float32)
+        model = model.to(getattr(torch, dtype)).eval()
+    else:
+        model, tokenizer = load_model(path, getattr(torch, dtype))
+    return place(model, device), tokenizer
 
 
 # ---- CPU used by other processes ---------------------------------------------------------
