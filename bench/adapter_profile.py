@@ -3,9 +3,12 @@
 products (every decoder layer's q/k/v, o, gate/up and down, grouped as the engine's decoder
 fuses them) for R rows spread over 1, 8 or 32 adapters, against the base products of the same
 layers, then torch's profiler on the adapter products (the ops taking the most time, per step).
+On the model's device: on a GPU the step times are synced wall times (the host's launches
+included) and the profile also counts each op's kernels' GPU time.
 Used by `bench/adapter_throughput.py` (`--profile`, or when the engine misses 0.8x); alone:
 
     .venv/bin/python bench/adapter_profile.py [--model smollm2-135m] [--ranks 8,32]
+    python3 bench/adapter_profile.py --model DIR --random-weights --device cuda --dtype bfloat16
 """
 
 from __future__ import annotations
@@ -20,7 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import torch
 
 from bench.adapter_common import adapted_layers, spread
-from bench.lib.common import median
+from bench.lib.common import bench_model, median
 
 GROUPS = (("q_proj", "k_proj", "v_proj"), ("o_proj",), ("gate_proj", "up_proj"), ("down_proj",))
 """The products the engine's decoder fuses (their deltas added to one output, `Rows.add`)."""
@@ -50,12 +53,19 @@ def _table(model: torch.nn.Module, rank: int, n_adapters: int):
     return table
 
 
+def _sync() -> None:
+    if torch.cuda.is_initialized():
+        torch.cuda.synchronize()
+
+
 def _step_ms(fn, repeats: int = 7) -> float:
     fn()
     times = []
     for _ in range(repeats):
+        _sync()
         started = time.perf_counter()
         fn()
+        _sync()
         times.append(time.perf_counter() - started)
     return round(median(times) * 1000, 2)
 
@@ -64,8 +74,9 @@ def _step_ms(fn, repeats: int = 7) -> float:
 def profile_adapter_path(model: torch.nn.Module, ranks: list[int], counts: list[int], n_rows: int = 32) -> dict:
     """{"step_ms": rows of (rank, adapters, base ms, adapter ms), "top_ops": {rank/adapters: ops}}."""
     groups = step_groups(model)
-    inputs = [torch.randn(n_rows, group[0].in_features) for group in groups]
-    outputs = [torch.zeros(n_rows, sum(layer.out_features for layer in group)) for group in groups]
+    like = {"dtype": next(model.parameters()).dtype, "device": next(model.parameters()).device}
+    inputs = [torch.randn(n_rows, group[0].in_features, **like) for group in groups]
+    outputs = [torch.zeros(n_rows, sum(layer.out_features for layer in group), **like) for group in groups]
 
     def base() -> None:
         for x, out, group in zip(inputs, outputs, groups):
@@ -93,23 +104,26 @@ def _top_ops(fn, steps: int = 3, limit: int = 10) -> list[dict]:
     from torch.profiler import ProfilerActivity, profile
 
     fn()
-    with profile(activities=[ProfilerActivity.CPU]) as prof:
+    gpu = torch.cuda.is_initialized()
+    with profile(activities=[ProfilerActivity.CPU] + [ProfilerActivity.CUDA] * gpu) as prof:
         for _ in range(steps):
             fn()
+        _sync()
     events = sorted(prof.key_averages(), key=lambda e: -e.self_cpu_time_total)[:limit]
     return [{"op": e.key, "self_ms_per_step": round(e.self_cpu_time_total / 1000 / steps, 2), "calls_per_step": e.count // steps}
-            for e in events]
+            | ({"gpu_ms_per_step": round(e.self_device_time_total / 1000 / steps, 3)} if gpu else {}) for e in events]
 
 
 def main() -> None:
-    from flywheel.models import load_model
-
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="smollm2-135m")
     p.add_argument("--ranks", default="8,32")
     p.add_argument("--adapters", default="1,8,32")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--dtype", default="float32")
+    p.add_argument("--random-weights", action="store_true", help="seeded random weights of the model's shape")
     args = p.parse_args()
-    model, _ = load_model(args.model)
+    model, _ = bench_model(args.model, args.dtype, args.device, args.random_weights)
     result = profile_adapter_path(model, [int(r) for r in args.ranks.split(",")], [int(n) for n in args.adapters.split(",")])
     for row in result["step_ms"]:
         print(row)

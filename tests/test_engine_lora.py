@@ -105,7 +105,7 @@ async def test_an_adapters_logprobs_are_peft_s(options, device, adapters, base):
     assert plain.logprobs == pytest.approx(recomputed_logprobs(model, ids, plain.output_ids), abs=TOL)
 
 
-@pytest.mark.parametrize("dense_columns", [lora_batch.DENSE_COLUMNS, 0], ids=["dense", "grouped"])
+@pytest.mark.parametrize("dense_columns", [lora_batch.DENSE_COLUMNS, {}], ids=["dense", "grouped"])
 @pytest.mark.parametrize("options", [{}, {"own_decoder": False}], ids=["decoder", "transformers-forward"])
 @DEVICES
 async def test_rows_of_many_adapters_and_the_base_decode_together_as_alone(options, dense_columns, device, adapters,
@@ -132,7 +132,7 @@ async def test_rows_of_many_adapters_and_the_base_decode_together_as_alone(optio
         assert b.logprobs == pytest.approx(recomputed_logprobs(reference, ids, b.output_ids), abs=TOL)
 
 
-@pytest.mark.parametrize("dense_columns", [lora_batch.DENSE_COLUMNS, 0], ids=["dense", "grouped"])
+@pytest.mark.parametrize("dense_columns", [lora_batch.DENSE_COLUMNS, {}], ids=["dense", "grouped"])
 @DEVICES
 async def test_bfloat16_rows_of_many_adapters_stay_near_peft(dense_columns, device, adapters, base, monkeypatch):
     """In bfloat16 (ranks padded to 8 for the grouped products; on CUDA those are CUTLASS's
@@ -374,7 +374,7 @@ async def test_sglang_lora_protocol_over_http(adapters, base):
         engine.stop()
 
 
-@pytest.mark.parametrize("dense_columns", [lora_batch.DENSE_COLUMNS, 0], ids=["dense", "grouped"])
+@pytest.mark.parametrize("dense_columns", [lora_batch.DENSE_COLUMNS, {}], ids=["dense", "grouped"])
 def test_an_adapter_with_inf_or_nan_reaches_no_other_row(base, monkeypatch, dense_columns):
     """One resident adapter's non-finite weights stay in its own rows: the base's rows and another
     adapter's rows of the same batch get exactly their deltas (none for the base)."""

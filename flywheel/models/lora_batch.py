@@ -59,10 +59,14 @@ import torch
 
 from flywheel.models.lora_adapter import AdapterError, LoraAdapter
 
-DENSE_COLUMNS = 512
-"""Up to this many slot columns ((slots + 1) x rank), several adapters' deltas are two dense
-products over every token (see the module docstring); above, grouped products (`bench/adapter_profile.py`,
-32 slots, rank 32: 1,056 columns, dense 245 / 194 ms a step against grouped 91 / 178 ms with 8 / 32 adapters)."""
+DENSE_COLUMNS = {"cpu": 512, "cuda": 8192}
+"""By the table's device type: up to this many slot columns ((slots + 1) x rank), several
+adapters' deltas are two dense products over every token (see the module docstring); above (and
+on other devices), grouped products. CPU: `bench/adapter_profile.py`, 32 slots, rank 32: 1,056
+columns, dense 245 / 194 ms a step against grouped 91 / 178 ms with 8 / 32 adapters. CUDA: a decode
+step is launch-bound and the dense products are a few small kernels, while `torch._grouped_mm` in
+float32 (CUTLASS's kernels are bfloat16's) loops over the slots on the host after a device sync
+(benchmarks, adapters on a GPU: 32 adapters of rank 32 at 0.11x of base-only)."""
 DENSE_TOKENS = 64
 """And for forwards of at most this many tokens (decode steps: measured there; a long prefill
 would pay every slot's A product on every token)."""
@@ -177,12 +181,11 @@ class Rows:
             stacks = self.table.low_rank.get(layer)
             width = layer.out_features
             if stacks is not None:
-                delta = plan.product(picked, stacks)
                 target = out[:, column:column + width]
                 if plan.identity:
-                    target += delta
+                    plan.accumulate(target, picked, stacks)
                 else:
-                    target.index_add_(0, plan.order, delta)
+                    target.index_add_(0, plan.order, plan.product(picked, stacks))
             column += width
 
     @contextlib.contextmanager
@@ -231,7 +234,8 @@ class _Plan:
         [tokens, width * rank], True but where a token's own slot's columns are (slot 0, the
         base's, is zero anyway); those are cleared, not multiplied by 0, so that no slot's inf or
         NaN reaches another's rows."""
-        if self.single is None and self.width * table.rank <= DENSE_COLUMNS and len(slots) <= DENSE_TOKENS:
+        dense = DENSE_COLUMNS.get(table.device.type, 0)
+        if self.single is None and self.width * table.rank <= dense and len(slots) <= DENSE_TOKENS:
             mask = torch.zeros(len(slots), self.width, table.rank, dtype=torch.bool, device=table.device)
             mask[torch.arange(len(slots), device=slots.device), slots] = True
             self.foreign = ~mask.view(len(slots), -1)
@@ -247,7 +251,13 @@ class _Plan:
         if self.single is not None:
             return x @ stacks.a[self.single] @ stacks.b[self.single]
         b = stacks.b[:self.width]
-        if self.foreign is not None:
-            every = x @ stacks.flat[:, :self.width].flatten(1)  # a view: each row of A strided by the table's width
-            return every.masked_fill_(self.foreign, 0) @ b.flatten(0, 1)
         return torch._grouped_mm(torch._grouped_mm(x, stacks.a[:self.width], offs=self.ends), b, offs=self.ends)
+
+    def accumulate(self, out: torch.Tensor, x: torch.Tensor, stacks: LowRank) -> None:
+        """out += (x A[slot]) B[slot] for every token (an `identity` plan), the second product
+        accumulating in place (`addmm_`, no delta tensor and no separate add)."""
+        if self.single is not None:
+            out.addmm_(x @ stacks.a[self.single], stacks.b[self.single])
+            return
+        every = x @ stacks.flat[:, :self.width].flatten(1)  # a view: each row of A strided by the table's width
+        out.addmm_(every.masked_fill_(self.foreign, 0), stacks.b[:self.width].flatten(0, 1))
