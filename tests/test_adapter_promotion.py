@@ -6,16 +6,18 @@ end user's own adapter never enters the registry; a gateway serves a tenant's ad
 the routing names it, a user's as announced; the trainer goes back on a directive with its
 versions still counting up, keeps pace with the adapter's serving version, counts staleness on the
 line and never prunes what serves. The evaluation server generates with the adapters the gate
-loaded, for the operator's key only."""
+loaded, for the operator's key only. Under `promotion.mode: canary` an adapter's version goes
+through a canary of its own line."""
 
 from __future__ import annotations
 
 import contextlib
 
 import httpx
+import msgspec
 import torch
 
-from flywheel.bus import WEIGHTS_SUBJECT, WeightUpdate
+from flywheel.bus import SAMPLE_SUBJECT, WEIGHTS_SUBJECT, WeightUpdate
 from flywheel.config import load_config
 from flywheel.deploy.deployment import side_server_config
 from flywheel.models import load_model
@@ -73,9 +75,9 @@ async def announce(bus, store: AdapterStore, adapters, name: str, version: int, 
 
 
 @contextlib.asynccontextmanager
-async def promoting(nats_url: str, tmp_path):
+async def promoting(nats_url: str, tmp_path, *overrides: str):
     """A promotion loop on its evaluation server: (the loop, the server)."""
-    config = load_config(None, [f"run_dir={tmp_path}", *LORA, *GATE])
+    config = load_config(None, [f"run_dir={tmp_path}", *LORA, *GATE, *overrides])
     server = ServeLoop(side_server_config(config, "eval"), nats_url)
     await server.start()
     config.promotion.eval_url = server.url
@@ -154,6 +156,51 @@ async def test_an_operator_pins_rolls_back_and_promotes_on_an_adapters_line(bus,
         assert await _in(registry, 1, "acme", "retired")
         unknown = await send_command(bus, registry, "promote", 1, adapter="other")
         assert not unknown.ok and unknown.message == "no adapter other in the registry"
+
+
+async def judged(bus, turns, adapter: str, version: int, reward: float, tag: str) -> None:
+    """A judged sample of each turn, sampled by `adapter`'s `version`."""
+    for turn in turns:
+        sample = sample_of(turn, reward, version=version)
+        sample.trajectory.adapter = adapter
+        await bus.publish(SAMPLE_SUBJECT, msgspec.structs.replace(sample, id=f"{sample.id}-{adapter}-{tag}"))
+
+
+async def test_a_tenants_adapter_goes_through_a_canary_of_its_own(bus, nats_url, tmp_path):
+    """`promotion.mode: canary`: acme@v1 passes the gate and gets the canary's share of acme's new
+    sessions, its next candidate waiting meanwhile; judged sessions of acme's versions decide:
+    v1 fares as well as acme's start and serves, v2 fares worse than v1 and is rolled back, the
+    trainer sent back to v1. The shared weights' line has no canary throughout."""
+    turns = await sampled_turns(16)
+    async with promoting(nats_url, tmp_path, "promotion.mode=canary", "promotion.canary.min_sessions=8") as (promoter, _):
+        registry, store, adapters = await Registry.open(bus), AdapterStore(tmp_path / "adapters"), adapter_set(promoter.config)
+        adapters.ensure("acme")
+        await announce(bus, store, adapters, "acme", 1, parent=0)
+        await until(lambda: _in(registry, 1, "acme", "canary"), timeout_s=60)
+        routing = await until(lambda: _canary_routed(registry, "acme"))  # written after the entry
+        assert routing.adapter_canaries == {"acme": Arm(version=1, path=str(store.path("acme", 1)))}
+        assert routing.canary_share == 0.1 and routing.canary is None and "acme" not in routing.adapters
+        await announce(bus, store, adapters, "acme", 2, parent=1)
+        await until(lambda: _in(registry, 2, "acme", "candidate"))  # its line's canary runs: it waits
+        await judged(bus, turns, "acme", 1, 1.0, "a")
+        await judged(bus, turns, "acme", 0, 1.0, "a")
+        one = await until(lambda: _in(registry, 1, "acme", "serving"))
+        assert one.canary["canary_arm"]["n"] == 16 and one.canary["serving_arm"]["n"] == 16 and one.online_reward() == (16, 1.0)
+
+        await until(lambda: _in(registry, 2, "acme", "canary"), timeout_s=60)  # evaluated once v1's canary ended
+        await judged(bus, turns[:8], "acme", 2, 0.0, "b")
+        await judged(bus, turns[:10], "acme", 1, 1.0, "b")
+        two = await until(lambda: _in(registry, 2, "acme", "rolled_back"))
+        assert two.transitions[-1].by == "canary" and "worse" in two.transitions[-1].reason
+        directive = await until(lambda: registry.directive("acme"))
+        assert (directive.version, directive.rejected) == (1, 2) and await registry.directive() is None
+        routing = await registry.routing()
+        assert routing.adapters["acme"].version == 1 and not routing.adapter_canaries and routing.canary_share == 0.0
+
+
+async def _canary_routed(registry: Registry, adapter: str) -> Routing | None:
+    routing = await registry.routing()
+    return routing if adapter in routing.adapter_canaries else None
 
 
 async def _routed(registry: Registry, adapter: str) -> Arm | None:

@@ -94,8 +94,6 @@ def test_weight_update_intervals_that_reach_the_next_announcement_are_accepted(i
          "train.weight_update_interval=2 with rollout.max_head_offpolicyness=0 can deadlock"),
         (["train.weight_update_interval=5", "rollout.max_head_offpolicyness=3"],
          "train.weight_update_interval=5 with rollout.max_head_offpolicyness=3 can deadlock"),
-        (["adapters.kind=lora", "promotion.mode=canary", "promotion.gate.suites=[{name: x, env: digits}]",
-          "rollout.enabled=false"], "adapters.kind=lora with promotion.mode=canary"),
         (["adapters.kind=lora", "promotion.mode=gate", "promotion.gate.suites=[{name: x, env: digits}]"],
          "adapters.kind=lora with promotion.mode on and rollout.enabled=true"),
         (["promotion.mode=gate", "promotion.gate.suites=[{name: x, env: digits}]", "tenants={acme: {keys: [k]}}"],

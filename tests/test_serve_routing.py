@@ -1,21 +1,24 @@
 """Serving under promotion: the gateway follows the registry's routing, a canary's share of new
 sessions goes to a second embedded engine on the canary version, sessions stay on the version
-they started with, a promotion moves everyone to it, and a rollback loads an older version.
+they started with, a promotion moves everyone to it, and a rollback loads an older version; a
+tenant's adapter has a canary of its own on the same engines.
 Real gateway, real engines, the official `openai` client; versions read from the recorded turns."""
 
 from collections import defaultdict
 from contextlib import asynccontextmanager
 
 import openai
+import pytest
 
 from flywheel.config import load_config
 from flywheel.models import WeightStore, load_model
+from flywheel.models.adapter_names import canary_name
 from flywheel.serve.loop import ServeLoop
 from flywheel.serve.routing import canary_draw
 from flywheel.versions.records import Arm, Routing
 from flywheel.versions.registry import Registry
 
-from factories import recorded_turns
+from factories import LINEAR, random_adapters, recorded_turns
 from waiting import until
 
 SUITE = "promotion.gate.suites=[{name: digits, env: digits, items: 4}]"
@@ -96,3 +99,48 @@ async def test_a_rollback_loads_the_older_version_again(bus, nats_url, tmp_path)
         await until(lambda: serve.pool.weight_version == 0)  # an older version loaded
         await ask("after-rollback")
         assert serve.pool.sessions.peek("after-rollback") == 0
+
+
+async def test_an_adapters_canary_answers_its_share_of_the_adapters_sessions(bus, nats_url, tmp_path):
+    """acme's adapter serves v1 with v2 on canary for half of acme's new sessions: each session is
+    answered by one version of acme's adapter, the canary's drawn as the shared weights' canary
+    is, and the canary's engine name is no model a caller may ask for. When the canary ends its
+    engine name is unloaded and every session goes on with the serving version."""
+    made = random_adapters(tmp_path / "made", {f"v{i}": (i, dict(r=4, lora_alpha=8, target_modules=LINEAR)) for i in (1, 2)})
+    paths = {i: str(made[f"v{i}"][0]) for i in (1, 2)}
+    config = load_config(None, [f"run_dir={tmp_path}", "serve.port=0", "serve.max_new_tokens=4", "promotion.mode=canary", SUITE,
+                                "rollout.enabled=false", "adapters.kind=lora", "adapters.scope=tenant", "serve.admin_key=root",
+                                "tenants={acme: {keys: [acme-key]}}"])
+    serve = ServeLoop(config, nats_url)
+    await serve.start()
+    client = openai.AsyncOpenAI(base_url=f"{serve.url}/v1", api_key="acme-key", max_retries=0)
+
+    async def ask(session: str, model: str = config.served_model) -> None:
+        await client.chat.completions.create(model=model, messages=[{"role": "user", "content": f"hi {session}"}],
+                                             max_tokens=4, extra_headers={"X-Session-Id": session})
+
+    try:
+        registry = await Registry.open(bus)
+        await registry.set_routing(Routing(id="r1", serving=Arm(version=0, path=None), adapters={"acme": Arm(version=1, path=paths[1])},
+                                           adapter_canaries={"acme": Arm(version=2, path=paths[2])}, canary_share=0.5))
+        await until(lambda: serve.pool.adapter_versions == {"acme": 1, canary_name("acme"): 2})
+        for session in [*SESSIONS, *SESSIONS[:8]]:
+            await ask(session)
+        with pytest.raises(openai.NotFoundError, match="does not exist"):
+            await ask("s0", canary_name("acme"))
+        await registry.set_routing(Routing(id="r2", serving=Arm(version=0, path=None), adapters={"acme": Arm(version=2, path=paths[2])}))
+        await until(lambda: serve.pool.adapter_versions == {"acme": 2})  # promoted: the canary's name unloaded
+        for session in SESSIONS[:8]:
+            await ask(session)
+        turns = await recorded_turns(bus, 40)
+    finally:
+        await client.close()
+        await serve.stop()
+    versions: dict[str, set[int]] = defaultdict(set)
+    for turn in turns[:32]:
+        assert turn.adapter == "acme"
+        versions[turn.session_id] |= set(turn.output_versions)
+    on_canary = {s for s, v in versions.items() if v == {2}}
+    assert all(len(v) == 1 for v in versions.values()) and len(versions) == len(SESSIONS)  # sticky
+    assert on_canary == {s for s in versions if canary_draw(s, 2) < 0.5} and 0 < len(on_canary) < len(SESSIONS)
+    assert all(set(t.output_versions) == {2} for t in turns[32:40])

@@ -46,13 +46,14 @@ def _when(at: float) -> str:
 def _role(entry: VersionEntry, routing: Routing | None) -> str:
     if routing is None:
         return ""
+    canary = routing.canary_of(entry.adapter)
+    if canary is not None and canary.version == entry.version:
+        return f"canary, {routing.canary_share:.0%} of new sessions" + (f" of {entry.adapter}" if entry.adapter else "")
     if entry.adapter is not None:
         serving = routing.adapters.get(entry.adapter)
         return f"serves {entry.adapter}'s requests" if serving is not None and serving.version == entry.version else ""
     if routing.serving.version == entry.version:
         return "serves everyone" + (" (pinned)" if routing.pinned else "")
-    if routing.canary is not None and routing.canary.version == entry.version:
-        return f"canary, {routing.canary_share:.0%} of new sessions"
     return ""
 
 

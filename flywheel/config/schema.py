@@ -352,9 +352,6 @@ class FlywheelConfig(Section):
             raise ValueError("adapters.kind=lora with promotion.mode on and rollout.enabled=true: the rollout driver's "
                              "admission follows the shared weights' versions, which adapters never move; set "
                              "rollout.enabled=false (live traffic trains the adapters)")
-        if self.adapters.kind == "lora" and self.promotion.mode == "canary":
-            raise ValueError("adapters.kind=lora with promotion.mode=canary: the shared and tenant adapters go through "
-                             "the gate only (no canary of an adapter); set promotion.mode=gate")
         if self.adapters.kind == "lora" and self.train.fsdp:
             raise ValueError("adapters.kind=lora with train.fsdp: adapters are trained on one device")
         return self

@@ -29,6 +29,13 @@ GATE_SIDES = ("gate.candidate", "gate.serving")
 the evaluation server (no tenant's or user's adapter is named so: a user's is `<tenant>.u-...`)."""
 
 
+def canary_name(adapter: str) -> str:
+    """The engine name under which a shared or tenant adapter's version on canary is loaded, beside
+    its serving version (`Canary.<adapter>`: no adapter's name and no tenant's has a capital, so
+    no request's `model` names it as one it may use)."""
+    return f"Canary.{adapter}"
+
+
 def user_adapter(tenant: str, user: str) -> str:
     digest = hashlib.blake2b(user.encode(), digest_size=8, person=b"flywheel-user").hexdigest()
     return f"{tenant}.u-{digest}"

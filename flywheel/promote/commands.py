@@ -28,9 +28,11 @@ async def carry_out(decisions: Decisions, command: VersionCommand) -> str:
         await decisions.set_routing(routing, said, **_pinned(routing, adapter, False))
         return ("" if adapter is None else f"{adapter} ") + "unpinned: candidates are evaluated again"
     if command.kind == "rollback":
-        if adapter is None and command.version is None and routing.canary is not None:
-            await decisions.reject(await decisions.entry(routing.canary.version), "rolled_back", said, "operator")
-            return f"canary v{routing.canary.version} rolled back"
+        canary = routing.canary_of(adapter)
+        if command.version is None and canary is not None:
+            entry = await decisions.entry(canary.version, adapter)
+            await decisions.reject(entry, "rolled_back", said, "operator")
+            return f"canary {entry.id} rolled back"
         current = await decisions.serving(adapter)
         target = (await decisions.entry(command.version, adapter) if command.version is not None
                   else last_good(await decisions.registry.versions(adapter=adapter), besides=current.version)

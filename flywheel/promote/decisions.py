@@ -9,7 +9,8 @@ at the next start: `repair`).
 
 A shared or tenant adapter's versions (`VersionEntry.adapter`) are a line of their own: one of
 them serves (`Routing.adapters`; before any has, the adapter's start, version 0: the bare base),
-and a rejected one sends the trainer back to it (a `TrainerDirective` about that adapter).
+one may be on canary (`Routing.adapter_canaries`), and a rejected or rolled-back one sends the
+trainer back to the one serving (a `TrainerDirective` about that adapter).
 """
 
 from __future__ import annotations
@@ -72,8 +73,8 @@ class Decisions:
     async def set_routing(self, routing: Routing, reason: str, **changes) -> None:
         fields = {"serving": routing.serving, "canary": routing.canary, "canary_share": routing.canary_share,
                   "pinned": routing.pinned, "adapters": routing.adapters, "pinned_adapters": routing.pinned_adapters,
-                  **changes}
-        if fields["canary"] is None:
+                  "adapter_canaries": routing.adapter_canaries, **changes}
+        if fields["canary"] is None and not fields["adapter_canaries"]:
             fields["canary_share"] = 0.0
         await self.registry.set_routing(Routing(id=f"routing-{uuid.uuid4().hex[:12]}", reason=reason, **fields))
 
@@ -82,14 +83,17 @@ class Decisions:
         `entry` retires too: it was not chosen). An adapter's version serves its adapter's requests."""
         routing = await self.routing()
         if entry.adapter is not None:
-            previous = await self.serving(entry.adapter)
-            if previous.version not in (0, entry.version) and previous.state == "serving":
-                await self.registry.put(move(previous, "retired", f"{entry.id} serves instead", by))
-            adapters = {name: routed for name, routed in routing.adapters.items() if name != entry.adapter}
+            name, canary = entry.adapter, routing.adapter_canaries.get(entry.adapter)
+            for old in {routing.serving_version(name), *([canary.version] if canary else [])} - {0, entry.version}:
+                previous = await self.entry(old, name)
+                if previous.state in ("serving", "canary"):
+                    await self.registry.put(move(previous, "retired", f"{entry.id} serves instead", by))
+            adapters = {other: routed for other, routed in routing.adapters.items() if other != name}
             if entry.version != 0:  # the start (the bare base) is no entry: it serves where the routing names none
                 await self.registry.put(move(entry, "serving", reason, by))
-                adapters[entry.adapter] = arm(entry)
-            await self.set_routing(routing, f"{entry.id}: {reason}", adapters=adapters)
+                adapters[name] = arm(entry)
+            await self.set_routing(routing, f"{entry.id}: {reason}", adapters=adapters,
+                                   adapter_canaries=_without(routing.adapter_canaries, name))
             return
         for old in {routing.serving.version, *([routing.canary.version] if routing.canary else [])} - {entry.version}:
             previous = await self.entry(old)
@@ -99,22 +103,30 @@ class Decisions:
         await self.set_routing(routing, reason, serving=arm(entry), canary=None)
 
     async def start_canary(self, entry: VersionEntry, reason: str) -> None:
+        """`entry` gets `promotion.canary.share` of its line's new sessions; the evidence of both
+        arms is kept in its entry (`canary`) until the test decides."""
         routing = await self.routing()
         share = self.config.promotion.canary.share
-        entry.canary = {"started": time.time(), "share": share, "serving": routing.serving.version,
+        entry.canary = {"started": time.time(), "share": share, "serving": routing.serving_version(entry.adapter),
                         "canary_arm": {"n": 0, "mean": 0.0, "m2": 0.0}, "serving_arm": {"n": 0, "mean": 0.0, "m2": 0.0},
                         "applied_seq": 0, "canary_ops": new_operations(), "serving_ops": new_operations(),
                         "applied_turn_seq": 0, "decision": None}
         await self.registry.put(move(entry, "canary", reason, "gate"))
-        await self.set_routing(routing, f"v{entry.version} is canary for {share:.0%} of new sessions",
-                               canary=arm(entry), canary_share=share)
+        line = {"canary": arm(entry)} if entry.adapter is None else {
+            "adapter_canaries": {**routing.adapter_canaries, entry.adapter: arm(entry)}}
+        await self.set_routing(routing, f"{entry.id} is canary for {share:.0%} of new sessions", canary_share=share, **line)
 
     async def reject(self, entry: VersionEntry, state: str, reason: str, by: str) -> None:
         """`entry` is rejected (never served) or rolled back; serving goes back to the last good
         version if it was `entry`, and the trainer is told what to continue from (an adapter's
-        version never served: `Routing.adapters` is unchanged)."""
+        version never served: `Routing.adapters` is unchanged, its canary ends)."""
         if entry.adapter is not None:  # a promoter that dies between the two: `repair` writes the directive
             await self.registry.put(move(entry, state, reason, by))  # type: ignore[arg-type]
+            routing = await self.routing()
+            canary = routing.adapter_canaries.get(entry.adapter)
+            if canary is not None and canary.version == entry.version:
+                await self.set_routing(routing, f"{entry.id}: {reason}",
+                                       adapter_canaries=_without(routing.adapter_canaries, entry.adapter))
             await self.direct_trainer(await self.serving(entry.adapter), entry.version,
                                       f"{entry.id} {state.replace('_', ' ')}: {reason}")
             return
@@ -149,10 +161,10 @@ class Decisions:
         for name in owned_by(await self.registry.adapters(), tenant, None):
             line = await self.registry.versions(adapter=name)
             gone = [e for e in line if e.transitions and e.transitions[0].at < at]
-            routed = routing.adapters.get(name)
-            if routed is not None and any(e.version == routed.version for e in gone):  # first: a purged line is not listed again
-                await self.set_routing(routing, f"tenant {tenant} forgotten", adapters={
-                    k: v for k, v in routing.adapters.items() if k != name})
+            routed = [arm for arm in (routing.adapters.get(name), routing.adapter_canaries.get(name)) if arm]
+            if any(e.version == arm.version for e in gone for arm in routed):  # first: a purged line is not listed again
+                await self.set_routing(routing, f"tenant {tenant} forgotten", adapters=_without(routing.adapters, name),
+                                       adapter_canaries=_without(routing.adapter_canaries, name))
                 routing = await self.routing()
             if len(gone) == len(line):
                 await self.registry.purge_directive(name)
@@ -165,7 +177,7 @@ class Decisions:
 
     async def repair(self) -> None:
         """After a restart: an evaluation cut short goes back to candidate; the routing names the
-        versions the registry has serving and on canary, and each adapter's serving one; an adapter's
+        versions the registry has serving and on canary, each adapter's too; an adapter's
         rejection whose directive was not written gets it."""
         routing = await self.routing()
         shared = await self.registry.versions()
@@ -173,8 +185,12 @@ class Decisions:
         for entry in [e for line in (shared, *lines) for e in line if e.state == "evaluating"]:
             await self.registry.put(move(entry, "candidate", "the promoter restarted during its evaluation", "promoter"))
         serving = {e.adapter: arm(e) for line in lines for e in line if e.state == "serving" and e.adapter}  # each line's newest
-        if any(routing.adapters.get(name) != served for name, served in serving.items()):
-            await self.set_routing(routing, "adapters restored after a restart", adapters={**routing.adapters, **serving})
+        canaries = {e.adapter: arm(e) for line in lines for e in line if e.state == "canary" and e.adapter}
+        if any(routing.adapters.get(name) != served for name, served in serving.items()) or any(
+                routing.adapter_canaries.get(name) != canary for name, canary in canaries.items()):
+            await self.set_routing(routing, "adapters restored after a restart", adapters={**routing.adapters, **serving},
+                                   adapter_canaries={**routing.adapter_canaries, **canaries},
+                                   canary_share=self.config.promotion.canary.share if canaries else routing.canary_share)
             routing = await self.routing()
         for line in lines:  # a rejection whose directive a dead promoter did not write
             rejected = [e for e in line if e.state == "rejected" and e.transitions[-1].by == "gate"]
@@ -187,3 +203,7 @@ class Decisions:
                 await self.set_routing(routing, "restored after a restart", canary=arm(entry),
                                        canary_share=(entry.canary or {}).get("share", self.config.promotion.canary.share))
                 routing = await self.routing()
+
+
+def _without(arms: dict[str, Arm], name: str) -> dict[str, Arm]:
+    return {other: routed for other, routed in arms.items() if other != name}

@@ -12,13 +12,13 @@ its directive; the four loops run as before.
   guarded by the trainer: `flywheel/train/adapter_guard.py`).
 - The newest candidate of a line is evaluated (`flywheel/promote/gate.py`) against the line's
   serving version; older candidates retire unevaluated (superseded); of several lines, the one
-  evaluated longest ago goes first. Nothing of the shared weights is evaluated while a canary
-  runs or while an operator has pinned the serving version, nothing of an adapter an operator
-  pinned, nor anything while a traffic suite has too few recorded prompts (the candidate's entry
-  says why: `waiting`; looked at again as turns are recorded).
-- Passed: mode `gate` serves it; mode `canary` gives it `promotion.canary.share` of new sessions
-  until the sequential test (`flywheel/promote/sequential.py`) on the arms' judged sessions promotes it
-  or rolls it back (`promotion.canary.max_minutes`: rolled back if still undecided then).
+  evaluated longest ago goes first. Nothing of a line is evaluated while its canary runs or while
+  an operator has pinned it, nor anything while a traffic suite has too few recorded prompts (the
+  candidate's entry says why: `waiting`; looked at again as turns are recorded).
+- Passed: mode `gate` serves it; mode `canary` gives it `promotion.canary.share` of its line's new
+  sessions until the sequential test (`flywheel/promote/sequential.py`) on the arms' judged
+  sessions promotes it or rolls it back (`promotion.canary.max_minutes`: rolled back if still
+  undecided then); each line's canary on its own.
 - Rejected or rolled back: the trainer is told to continue from the serving version
   (`promotion.continue_from`).
 - Operators' commands (`flywheel versions`, the gateway's admin routes), on any line, are carried
@@ -167,8 +167,7 @@ class PromoteLoop:
         """Under the lock: the newest candidate of the line evaluated longest ago that has one (its
         older ones retire), unless nothing may be evaluated now."""
         routing = await self.decisions.routing()
-        adapters = [a for a in await self.registry.adapters() if a not in routing.pinned_adapters]
-        lines = [*([] if routing.pinned or routing.canary is not None else [None]), *adapters]
+        lines = [line for line in [None, *await self.registry.adapters()] if not _held(routing, line)]
         for line in sorted(lines, key=lambda line: self._evaluated_at.get(line, 0.0)):
             candidates = [e for e in await self.registry.versions(adapter=line) if e.state == "candidate"]
             if candidates:
@@ -183,8 +182,7 @@ class PromoteLoop:
         when it is no longer to be evaluated, or when the gate is `waiting` (the reason kept in
         its entry's `waiting`)."""
         entry, routing = await self.decisions.entry(candidate.version, candidate.adapter), await self.decisions.routing()
-        held = entry.adapter in routing.pinned_adapters if entry.adapter else routing.pinned or routing.canary is not None
-        if entry.state != "candidate" or held:
+        if entry.state != "candidate" or _held(routing, entry.adapter):
             return None
         if (entry := await self._lineage_checked(entry)).state == "rejected":
             await self.registry.put(entry)
@@ -266,13 +264,10 @@ class PromoteLoop:
     async def _apply(self, rewards: dict[tuple[str | None, int], list[tuple[int, float]]]) -> None:
         routing = await self.decisions.routing()
         for (adapter, version), seen in rewards.items():
-            entry = await self.registry.get(version, adapter)
-            if entry is None:
-                continue
-            canary = routing.canary is not None and adapter is None  # an adapter's versions have none
-            arms = {routing.canary.version: "canary_arm", routing.serving.version: "serving_arm"} if canary else {}
+            canary = routing.canary_of(adapter)
+            arms = {canary.version: "canary_arm", routing.serving_version(adapter): "serving_arm"} if canary else {}
             if version in arms:  # while a canary runs, both arms' state lives in the canary's entry
-                holder = entry if version == routing.canary.version else await self.decisions.entry(routing.canary.version)
+                holder = await self.decisions.entry(canary.version, adapter)
                 state = holder.canary
                 stats = RunningStats.from_dict(state[arms[version]])
                 fresh = [(seq, r) for seq, r in seen if seq > state["applied_seq"]]
@@ -280,11 +275,11 @@ class PromoteLoop:
                     stats.add(reward)
                 state[arms[version]] = stats.as_dict()
                 state["applied_seq"] = max([state["applied_seq"], *(seq for seq, _ in fresh)])
-                if holder is not entry:
-                    await self.registry.put(holder)
-                    entry = await self.decisions.entry(version)
-            add_online(entry, [r for _, r in seen])
-            await self.registry.put(entry)
+                await self.registry.put(holder)
+            entry = await self.registry.get(version, adapter)  # an adapter's start (version 0) has none
+            if entry is not None:
+                add_online(entry, [r for _, r in seen])
+                await self.registry.put(entry)
 
     async def _operations(self) -> None:
         deliveries = await self.turns.fetch(batch=256, timeout_s=1.0)
@@ -294,25 +289,33 @@ class PromoteLoop:
             self._wake.set()
         async with self.decisions.lock:
             routing = await self.decisions.routing()
-            if routing.canary is not None and deliveries:
-                entry = await self.decisions.entry(routing.canary.version)
-                state = entry.canary
-                arms = {routing.canary.version: "canary_ops", routing.serving.version: "serving_ops"}
-                for delivery in deliveries:
-                    turn = delivery.record
-                    if isinstance(turn, Turn) and turn_version(turn) in arms and delivery.stream_seq > state["applied_turn_seq"]:
-                        add_turn(state[arms[turn_version(turn)]], turn)
-                        state["applied_turn_seq"] = delivery.stream_seq
-                await self.registry.put(entry)
+            holders: dict[str | None, VersionEntry] = {}
+            for delivery in deliveries:
+                turn = delivery.record
+                canary = routing.canary_of(turn.adapter) if isinstance(turn, Turn) else None
+                if canary is None:
+                    continue
+                if turn.adapter not in holders:
+                    holders[turn.adapter] = await self.decisions.entry(canary.version, turn.adapter)
+                state = holders[turn.adapter].canary
+                arms = {canary.version: "canary_ops", routing.serving_version(turn.adapter): "serving_ops"}
+                if turn_version(turn) in arms and delivery.stream_seq > state["applied_turn_seq"]:
+                    add_turn(state[arms[turn_version(turn)]], turn)
+                    state["applied_turn_seq"] = delivery.stream_seq
+            for holder in holders.values():
+                await self.registry.put(holder)
         for delivery in deliveries:
             with contextlib.suppress(Exception):
                 await delivery.ack()
 
     async def _decide_canary(self) -> None:
         routing = await self.decisions.routing()
-        if routing.canary is None:
-            return
-        entry = await self.decisions.entry(routing.canary.version)
+        for adapter in [None, *routing.adapter_canaries]:
+            if (canary := routing.canary_of(adapter)) is not None:
+                await self._decide(await self.decisions.entry(canary.version, adapter))
+
+    async def _decide(self, entry: VersionEntry) -> None:
+        """Promote the canary `entry`, roll it back, or keep it on (its state updated)."""
         state = entry.canary or {}
         decision = self.test.decide(RunningStats.from_dict(state["canary_arm"]), RunningStats.from_dict(state["serving_arm"]))
         state["decision"] = decision.reason
@@ -371,3 +374,10 @@ class PromoteLoop:
 
     def stats(self) -> dict[str, Any]:
         return dict(self.counts)
+
+
+def _held(routing: Routing, line: str | None) -> bool:
+    """Whether nothing of `line` (None: the shared weights) may be evaluated now: an operator
+    pinned it, or its canary runs."""
+    pinned = routing.pinned if line is None else line in routing.pinned_adapters
+    return pinned or routing.canary_of(line) is not None

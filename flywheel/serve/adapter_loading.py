@@ -13,7 +13,11 @@
   passed the gate, the version the registry's routing names (`Routing.adapters`), and only end
   users' own adapters as announced or stored (`announced`). A routed version is loaded when the
   routing changes it (only then: a forgotten tenant's adapter, unloaded, is not loaded again
-  from a routing that still names it).
+  from a routing that still names it). An adapter's version on canary (`Routing.adapter_canaries`)
+  is loaded beside the serving one under its own engine name (`canary_name`), and unloaded when
+  its canary ends.
+- **Forgotten** (`unload`): a forgotten tenant's or user's adapters leave every engine, their
+  canaries too.
 """
 
 from __future__ import annotations
@@ -22,7 +26,7 @@ import logging
 from pathlib import Path
 
 from flywheel.bus import WeightUpdate
-from flywheel.models.adapter_names import is_personal
+from flywheel.models.adapter_names import canary_name, is_personal
 from flywheel.models.adapter_store import AdapterStore
 from flywheel.serve.backends.pool import EnginePool
 from flywheel.versions.records import Routing
@@ -37,7 +41,8 @@ class AdapterLoading:
         self.routed = routed
         """Whether versions must earn their traffic (`promotion.mode` on, a policy gateway)."""
         self.routed_versions: dict[str, int] = {}
-        """The version of each shared or tenant adapter the routing last had this gateway load."""
+        """The version of each shared or tenant adapter the routing last had this gateway load, and
+        of each canary (by its engine name)."""
 
     def announced(self, adapter: str) -> bool:
         """Whether `adapter`'s versions serve as they are announced: all do, but a shared or tenant
@@ -61,10 +66,22 @@ class AdapterLoading:
             log.exception("could not load adapter %s v%d from %s", update.adapter, update.version, update.path)
 
     async def take_routed(self, routing: Routing) -> None:
-        for name, arm in routing.adapters.items():
+        canaries = {canary_name(name): arm for name, arm in routing.adapter_canaries.items()}
+        for name, arm in [*routing.adapters.items(), *canaries.items()]:
             if arm.path is not None and self.routed_versions.get(name) != arm.version:
                 try:
                     await self.pool.load_adapter(name, arm.path, arm.version)
                     self.routed_versions[name] = arm.version
                 except Exception:
                     log.exception("could not load adapter %s v%d from %s", name, arm.version, arm.path)
+        ended = [name for name in self.pool.adapter_versions if name.startswith(canary_name("")) and name not in canaries]
+        await self.unload(ended)
+
+    async def unload(self, names: list[str]) -> None:
+        """`names` (and their canaries) served no more by any engine."""
+        for name in [*names, *(canary_name(n) for n in names if canary_name(n) in self.pool.adapter_versions)]:
+            self.routed_versions.pop(name, None)  # loaded afresh should a routing name it again
+            try:
+                await self.pool.unload_adapter(name)
+            except Exception:  # no request is sent to it any more; only the engine's memory still holds it
+                log.exception("could not unload adapter %s from every engine", name)

@@ -19,6 +19,12 @@ version yet is served by what the trainer will start it from: a user's adapter b
 when that one is published (`adapter_names.origin`), else the bare base (no `lora_path`); its
 turn is still recorded as its own (`Turn.adapter`) with version 0 for every token, the version
 the trainer starts it at.
+
+**Canary.** Under `promotion.mode: canary` a shared or tenant adapter's version on canary
+(`Routing.adapter_canaries`, loaded as `canary_name(adapter)`) answers `canary_share` of its
+adapter's sessions: a session is drawn by its id and the canary's version (`canary_draw`, as the
+shared weights' canary), so it stays on the version it started with until the canary ends; its
+turns are the adapter's, with the canary's version.
 """
 
 from __future__ import annotations
@@ -26,9 +32,16 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from flywheel.models.adapter_names import SHARED, adapter_for, origin, scope_of
+from flywheel.models.adapter_names import (
+    SHARED,
+    adapter_for,
+    canary_name,
+    origin,
+    scope_of,
+)
 from flywheel.serve.api.errors import APIError
 from flywheel.serve.backends.pool import EnginePool
+from flywheel.serve.routing import RoutedPool, canary_draw
 
 if TYPE_CHECKING:
     from flywheel.config import FlywheelConfig
@@ -56,27 +69,37 @@ class AdapterRouting:
         self.config = config
         self.enabled = config is not None and config.adapters.kind == "lora"
 
-    def choose(self, model: str, tenant: str, user: str | None) -> AdapterChoice:
-        """The adapter of a request for `model` from `tenant`'s end user `user`; a model (or
-        adapter) the caller may not use is a 404."""
+    def choose(self, model: str, tenant: str, user: str | None, session_id: str) -> AdapterChoice:
+        """The adapter of a request for `model` from `tenant`'s end user `user` in session
+        `session_id`; a model (or adapter) the caller may not use is a 404."""
         if model == self.model_name:
             if not self.enabled:
                 return BASE
             assert self.config is not None
-            return self._choice(adapter_for(scope_of(self.config, tenant), tenant, user))
+            return self._choice(adapter_for(scope_of(self.config, tenant), tenant, user), session_id)
         named = model[len(self.model_name) + 1:] if model.startswith(f"{self.model_name}:") else model
         if self.enabled and _owned(named, tenant):
             assert self.config is not None
             routed = adapter_for(scope_of(self.config, tenant), tenant, user)
             if named == routed or named in self.pool.adapter_versions:
-                return self._choice(named)
+                return self._choice(named, session_id)
         raise self.not_found(model)
 
-    def _choice(self, name: str) -> AdapterChoice:
+    def _choice(self, name: str, session_id: str) -> AdapterChoice:
         assert self.config is not None
+        if (canary := self._canary(name, session_id)) is not None:
+            return AdapterChoice(name, canary)
         published = self.pool.adapter_versions
         start = origin(name, self.config)
         return AdapterChoice(name, name if name in published else start if start in published else None)
+
+    def _canary(self, name: str, session_id: str) -> str | None:
+        """The engine name of `name`'s canary when it is loaded and this session is of its share."""
+        routing = self.pool.routing if isinstance(self.pool, RoutedPool) else None
+        arm = routing.adapter_canaries.get(name) if routing is not None else None
+        if arm is None or self.pool.adapter_versions.get(canary_name(name)) != arm.version:
+            return None
+        return canary_name(name) if canary_draw(session_id, arm.version) < routing.canary_share else None
 
     def not_found(self, model: str) -> APIError:
         """The one answer to a model or adapter that is not there for this caller."""

@@ -93,7 +93,7 @@ class Answerer:
         """The answer to `request`: a whole API object (its headers go in `headers`), or an event
         stream. `wire` is the API's (OpenAI's chat or completions when None)."""
         self.stats.requests += 1
-        adapter = self.adapters.choose(body.model, session.tenant, session.user_id)  # an unknown model: 404
+        adapter = self.adapters.choose(body.model, session.tenant, session.user_id, session.session_id)  # unknown: 404
         generation = Generation(
             body=body, engine=self.pool.route(session.session_id), tokenizer=self.tokenizer, recorder=self.recorder,
             model_name=self.model_name, session=session, prompt_ids=prompt_ids, prompt_text=prompt_text,

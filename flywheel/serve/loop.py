@@ -228,12 +228,7 @@ class ServeLoop:
             tenant, user = entry.details["tenant"], entry.details.get("user")
             if entry.action == "forget":
                 self.app.state.forget_cached(tenant, user)
-            for name in owned_by(list(self.pool.adapter_versions), tenant, user):
-                self.adapters.routed_versions.pop(name, None)  # a tenant made again loads its line's versions afresh
-                try:
-                    await self.pool.unload_adapter(name)
-                except Exception:  # no request is sent to it any more; only the engine's memory still holds it
-                    log.exception("could not unload the forgotten adapter %s from every engine", name)
+            await self.adapters.unload(owned_by(list(self.pool.adapter_versions), tenant, user))
 
     async def _follow_routing(self) -> None:
         async for routing in self.bus.follow(ROUTING_SUBJECT, newest_only=True):

@@ -64,9 +64,9 @@ class UnderPromotion:
         """Take the serving version from `routing` (read once a step for every line) and read
         this line's directive; the directive if it is new (not yet applied)."""
         if routing is not None and self.adapter is not None:
-            arm = routing.adapters.get(self.adapter)
-            self.serving = arm.version if arm is not None else 0
-            self.protected = {self.serving}
+            canary = routing.adapter_canaries.get(self.adapter)
+            self.serving = routing.serving_version(self.adapter)
+            self.protected = {self.serving, *([canary.version] if canary else [])}
         elif routing is not None:
             self.serving = routing.serving.version
             good = last_good(await self.registry.versions())

@@ -143,8 +143,9 @@ class Arm(msgspec.Struct, kw_only=True):
 
 class Routing(Record, kw_only=True):
     """Which versions serve: `serving` gets every session except the `canary_share` of new ones
-    that go to `canary` (sticky: a session stays on the version it started with). Gateways follow
-    the newest one (`flywheel/serve/routing.py`)."""
+    that go to `canary` (sticky: a session stays on the version it started with); likewise each
+    shared or tenant adapter's line, `adapters` and `adapter_canaries`. Gateways follow the newest
+    one (`flywheel/serve/routing.py`, `flywheel/serve/adapter_loading.py`)."""
 
     serving: Arm
     canary: Arm | None = None
@@ -156,7 +157,21 @@ class Routing(Record, kw_only=True):
     none has yet; it serves its start, the bare base)."""
     pinned_adapters: list[str] = msgspec.field(default_factory=list)
     """Adapters an operator pinned: none of their candidates is evaluated until unpinned."""
+    adapter_canaries: dict[str, Arm] = msgspec.field(default_factory=dict)
+    """The version of a shared or tenant adapter on canary: `canary_share` of the new sessions of
+    that adapter go to it."""
     reason: str = ""
+
+    def canary_of(self, adapter: str | None) -> Arm | None:
+        """The canary of a line: the shared weights' (None) or `adapter`'s."""
+        return self.canary if adapter is None else self.adapter_canaries.get(adapter)
+
+    def serving_version(self, adapter: str | None) -> int:
+        """The version that serves a line (an adapter none of whose versions has: 0, its start)."""
+        if adapter is None:
+            return self.serving.version
+        routed = self.adapters.get(adapter)
+        return routed.version if routed else 0
 
 
 class TrainerDirective(Record, kw_only=True):
