@@ -333,16 +333,21 @@ async def test_a_tenants_conversations_reach_its_adapter_through_the_gate(nats_u
 async def test_a_promoter_that_died_between_an_adapters_entry_and_its_routing_repairs_the_routing(bus):
     """The entry says acme@v2 serves, the routing (written after it) still names v1, and v3's
     rejection has no directive yet: a restarted promoter's `repair` makes the routing name v2,
-    which gateways then load, and tells the trainer to go back to v2."""
+    which gateways then load, and tells the trainer to go back to v2. Likewise canaries: the
+    routing's acme@v3 (decided) ends, beta@v1's (written to the entry only) begins."""
     config = load_config(None, [*LORA, *GATE])
     registry = await Registry.open(bus)
-    await registry.set_routing(Routing(id="r1", serving=Arm(version=0, path=None), adapters={"acme": Arm(version=1, path="/a/1")}))
+    await registry.set_routing(Routing(id="r1", serving=Arm(version=0, path=None), adapters={"acme": Arm(version=1, path="/a/1")},
+                                       adapter_canaries={"acme": Arm(version=3, path="/a/3")}, canary_share=0.1))
     for version, state in ((1, "retired"), (2, "serving")):
         await registry.put(VersionEntry(id=f"acme@v{version}", version=version, path=f"/a/{version}", adapter="acme", state=state))
     await registry.put(VersionEntry(id="acme@v3", version=3, path="/a/3", adapter="acme", state="rejected",
                                     transitions=[Transition(state="rejected", reason="worse", by="gate")]))
+    await registry.put(VersionEntry(id="beta@v1", version=1, path="/b/1", adapter="beta", state="canary"))
     await Decisions(registry, config).repair()
-    assert (await registry.routing()).adapters == {"acme": Arm(version=2, path="/a/2")}
+    routing = await registry.routing()
+    assert routing.adapters == {"acme": Arm(version=2, path="/a/2")} and routing.canary_share == 0.1
+    assert routing.adapter_canaries == {"beta": Arm(version=1, path="/b/1")}
     directive = await registry.directive("acme")  # the rejection's directive, which the dead promoter had not written
     assert (directive.rejected, directive.version, directive.path) == (3, 2, "/a/2")
 

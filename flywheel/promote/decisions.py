@@ -177,8 +177,8 @@ class Decisions:
 
     async def repair(self) -> None:
         """After a restart: an evaluation cut short goes back to candidate; the routing names the
-        versions the registry has serving and on canary, each adapter's too; an adapter's
-        rejection whose directive was not written gets it."""
+        versions the registry has serving and on canary, each adapter's too, and no canary the
+        registry shows decided; an adapter's rejection whose directive was not written gets it."""
         routing = await self.routing()
         shared = await self.registry.versions()
         lines = [await self.registry.versions(adapter=adapter) for adapter in await self.registry.adapters()]
@@ -203,6 +203,12 @@ class Decisions:
                 await self.set_routing(routing, "restored after a restart", canary=arm(entry),
                                        canary_share=(entry.canary or {}).get("share", self.config.promotion.canary.share))
                 routing = await self.routing()
+        ended = [line for line in [None, *routing.adapter_canaries] if (canary := routing.canary_of(line)) is not None
+                 and getattr(await self.registry.get(canary.version, line), "state", None) != "canary"]
+        if ended:  # decided (or forgotten) before the routing was written
+            await self.set_routing(routing, "ended canaries removed after a restart",
+                                   canary=None if None in ended else routing.canary,
+                                   adapter_canaries={k: v for k, v in routing.adapter_canaries.items() if k not in ended})
 
 
 def _without(arms: dict[str, Arm], name: str) -> dict[str, Arm]:
