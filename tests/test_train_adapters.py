@@ -3,7 +3,8 @@ only its samples' adapters, never the base, each with an optimizer of its own; a
 trainer publishes is a small PEFT directory that the embedded engine serves, and the trainer
 reproduces the engine's log-probs of its tokens; staleness counts each adapter's own versions;
 a checkpoint holds every adapter and its optimizer, and a resumed trainer steps as one that
-never stopped."""
+never stopped; beyond `adapters.train_resident` the least recently trained adapters wait on disk
+and come back exactly as they left, named by file in a checkpoint and deleted when forgotten."""
 
 import json
 from pathlib import Path
@@ -21,6 +22,7 @@ from flywheel.models.adapter_store import AdapterStore
 from flywheel.serve.engine import Engine, SamplingParams
 from flywheel.train.advantages import RunningBaseline
 from flywheel.train.checkpoint import Checkpoints
+from flywheel.train.forget_adapters import scrub
 from flywheel.train.grouping import Group, Member
 from flywheel.train.loop import TrainLoop
 from flywheel.train.step_batch import StepBatch
@@ -46,9 +48,9 @@ def step_of_groups(groups: dict[str, list[Sample]], config) -> StepBatch:
                       for key, samples in groups.items()], config, RunningBaseline(), pad_id=0)
 
 
-def lora_trainer(config, seed: int = 0) -> Trainer:
+def lora_trainer(config, seed: int = 0, adapter_dir: Path | None = None) -> Trainer:
     torch.manual_seed(seed)
-    return Trainer(load_model("tiny")[0], config.actor, config.train, config.adapters)
+    return Trainer(load_model("tiny")[0], config.actor, config.train, config.adapters, adapter_dir)
 
 
 def take_step(trainer: Trainer, batch: StepBatch, versions: dict[str, int] | None = None) -> dict:
@@ -286,16 +288,21 @@ async def test_an_adapter_is_published_every_interval_of_its_own_steps(bus, nats
     assert store.names() == ["alice"] and store.versions("alice") == [2]
 
 
-async def test_a_restarted_train_loop_has_every_adapter_its_optimizer_and_versions(bus, nats_url, tmp_path):
+@pytest.mark.parametrize("resident", [64, 1])
+async def test_a_restarted_train_loop_has_every_adapter_its_optimizer_and_versions(bus, nats_url, tmp_path, resident):
+    """Also with one adapter in memory (alice waits on disk, and its checkpoint names her file)."""
     turns = await sampled_turns(3)
-    overrides = ["train.batch_size=1", "rollout.max_head_offpolicyness=4", "train.checkpoint_interval=1"]
+    overrides = ["train.batch_size=1", "rollout.max_head_offpolicyness=4", "train.checkpoint_interval=1",
+                 f"adapters.train_resident={resident}"]
     first = TrainLoop(loop_config(tmp_path, *overrides), nats_url)
     await first.start()
     for i, name in enumerate(("alice", "bob")):
         await bus.publish(SAMPLE_SUBJECT, of_adapter(turns[i], 1.0, name, 0))
         await until(lambda i=i: first.trainer.step_count == i + 1, timeout_s=30)
-    saved = {name: (first.trainer.adapters.weights(name), optimizer_state(first.trainer, name)) for name in ("alice", "bob")}
     await first.stop()
+    held = torch.load(first.checkpoints.latest() / "state.pt", weights_only=False)["trainer"]["adapters"]
+    assert ["file" in a for a in held] == [resident == 1, False]
+    saved = {name: (first.trainer.adapters.weights(name), optimizer_state(first.trainer, name)) for name in ("alice", "bob")}
 
     second = TrainLoop(loop_config(tmp_path, *overrides, "train.resume=true"), nats_url)
     await second.start()
@@ -330,3 +337,55 @@ async def test_a_trainer_that_died_after_publishing_gives_the_adapter_a_newer_ve
         assert all(not t.any() for k, t in weights.items() if "lora_B" in k)  # the initial state: B = 0
     finally:
         await loop.stop()
+
+
+def one_adapters_step(turns, i: int, name: str, config) -> StepBatch:
+    return step_of_groups({name: [of_adapter(turns[2 * i], 1.0, name), of_adapter(turns[2 * i + 1], 0.0, name)]}, config)
+
+
+async def test_beyond_train_resident_adapters_wait_on_disk_and_come_back_exactly(tmp_path):
+    """`train_resident: 1`: after each step only its adapter is in memory, the others in files;
+    six steps over three adapters leave every adapter's weights, moments and schedule exactly as
+    an unbounded trainer's."""
+    turns = await sampled_turns(12)
+    config = load_config(None, [*LORA, "adapters.train_resident=1"])
+    bounded, unbounded = lora_trainer(config, adapter_dir=tmp_path / "resident"), lora_trainer(config)
+    for i, name in enumerate(["alice", "bob", "carol"] * 2):
+        for trainer in (bounded, unbounded):
+            torch.manual_seed(i)  # a new adapter's initialisation the same in both (they share the RNG)
+            take_step(trainer, one_adapters_step(turns, i, name, config), {name: 0})
+        assert list(bounded.adapters.keys) == [name] and set(bounded.adapters.spilled) == set(bounded.adapters.names()) - {name}
+        assert sorted(bounded.adapters.spilled.values()) == sorted((tmp_path / "resident").iterdir())
+    assert len(unbounded.adapters.keys) == 3
+    for name in ("alice", "bob", "carol"):
+        assert same(bounded.adapters.weights(name), unbounded.adapters.weights(name))
+        assert bounded.adapters.steps[name] == unbounded.adapters.steps[name] == 2
+        for ours, theirs in zip(optimizer_state(bounded, name), optimizer_state(unbounded, name)):
+            assert same(ours, theirs)
+
+
+async def test_a_checkpoint_names_adapters_on_disk_by_file_and_forgetting_deletes_the_files(tmp_path):
+    turns = await sampled_turns(4)
+    config = load_config(None, [*LORA, "adapters.train_resident=1"])
+    trainer = lora_trainer(config, adapter_dir=tmp_path / "a")
+    for i, name in enumerate(["alice", "bob"]):
+        take_step(trainer, one_adapters_step(turns, i, name, config), {name: 0})
+    checkpoints = Checkpoints(tmp_path / "checkpoints", keep=2)
+    path = checkpoints.save(2, None, {"trainer": trainer.state(), "loop": {}})
+    saved = torch.load(path / "state.pt", weights_only=False)["trainer"]["adapters"]
+    assert [a["name"] for a in saved] == ["alice", "bob"] and "file" in saved[0] and "weights" in saved[1]
+    kept = path / saved[0]["file"].path
+    assert kept.is_file() and kept.stat().st_nlink == 2  # linked, not copied, from the trainer's own file
+
+    again = lora_trainer(config, adapter_dir=tmp_path / "b")
+    again.restore(checkpoints.load(path, None)["trainer"])
+    for name in ("alice", "bob"):  # restored exactly, alice read from its file as it comes back
+        assert same(again.adapters.weights(name), trainer.adapters.weights(name))
+
+    restored = lora_trainer(config, adapter_dir=tmp_path / "c")
+    restored.restore(checkpoints.load(path, None)["trainer"])
+    assert set(restored.adapters.spilled) == {"alice"} and list(restored.adapters.keys) == ["bob"]
+    on_disk = restored.adapters.spilled["alice"]
+    restored.adapters.drop("alice")  # forgotten: its file goes, in the trainer's directory and the checkpoint's
+    assert not on_disk.exists() and "alice" not in restored.adapters
+    assert scrub(checkpoints, {"alice"}) == 1 and not kept.exists()

@@ -35,6 +35,10 @@ class AdaptersConfig(Section):
     target_modules: list[str] | Literal["all-linear"] = "all-linear"
     """The layers adapted: every linear layer but the output head (attention and MLP, as the
     paper above finds necessary), or a list of module names (`q_proj`, `down_proj`, ...)."""
+    train_resident: int | None = Field(64, ge=1)
+    """The most adapters the trainer holds in memory after a step (weights, gradients, optimizer:
+    ~40 MB each for SmolLM2-135M at rank 8); the least recently trained others wait on disk
+    (`run_dir/trainer_adapters`) until their next sample. None: every adapter stays in memory."""
     guard_drop: float | None = Field(1.0, gt=0)
     """The most an adapter's version may lower the mean log-probability (nats a token) of the
     base's own answers to general prompts before it is held back, unpublished, and the adapter

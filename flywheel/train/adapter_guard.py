@@ -57,7 +57,7 @@ class AdapterGuard:
         adapter is measured against its tenant's, not held back for what that one changed)."""
         ids, attention, answer = self._reference()
         reference = self.base_logprob
-        if origin is not None and origin != name and origin in self.adapters.keys:
+        if origin is not None and origin != name and origin in self.adapters:
             self.adapters.activate(origin)
             reference = _mean_logprob(self.adapters.model, ids, attention, answer)
         self.adapters.activate(name)

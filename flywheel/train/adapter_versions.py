@@ -117,7 +117,7 @@ class AdapterVersions:
         origin's weights as the trainer has them, or under promotion the origin's version that
         serves (what the gateway serves the user before their adapter has a version), not a
         candidate of it that may never pass the gate."""
-        if name in adapters.keys:
+        if name in adapters:
             return
         adapters.ensure(name, origin)
         if origin is not None and origin in self.lines:
@@ -225,6 +225,7 @@ class AdapterVersions:
                 await asyncio.to_thread(self._back_to, adapters, name, newest)
                 self.versions[name] = self.parents[name] = newest
             await self.publish(adapters, name, step)
+            adapters.trim()  # each one read to be published: memory stays bounded
 
     def drop(self, name: str) -> None:
         """Forget `name` (a forgotten user's adapter): its versions, and its directory in the store

@@ -9,7 +9,9 @@ the newest. The newest `train.keep_checkpoints` are kept.
 
 With `adapters.kind: lora` the base never changes and is not saved: `state.pt` holds every
 adapter's weights, optimizer and schedule instead (`AdapterSet.state`), and the loop's version
-of each adapter.
+of each adapter. An adapter the trainer keeps on disk (beyond `adapters.train_resident`) is a
+`CheckpointFile` in the state: its file is hard-linked into the checkpoint's `files/`, so the
+checkpoint holds it as it was, without reading it into memory.
 
 The rollout driver keeps its own data position and RNG next to the run (`flywheel/rollout/driver.py`):
 a checkpoint holds what the trainer owns.
@@ -17,8 +19,10 @@ a checkpoint holds what the trainer owns.
 
 from __future__ import annotations
 
+import os
 import random
 import shutil
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +31,15 @@ import torch
 from flywheel.models import atomic_directory, load_weights
 
 PREFIX = "step-"
+FILES = "files"
+
+
+@dataclass(frozen=True)
+class CheckpointFile:
+    """A file the state names instead of holding: saved into the checkpoint (`Checkpoints.save`
+    links it into its `files/`), and named there when the checkpoint is loaded."""
+
+    path: Path
 
 
 class Checkpoints:
@@ -56,7 +69,7 @@ class Checkpoints:
         with atomic_directory(dest) as tmp:
             if model is not None:
                 model.save_pretrained(tmp)
-            torch.save(state, tmp / "state.pt")
+            torch.save(_files(state, lambda f: _link(f.path, tmp / FILES)), tmp / "state.pt")
         for old in self.steps()[: -self.keep]:
             shutil.rmtree(self.path(old), ignore_errors=True)
         return dest
@@ -66,7 +79,33 @@ class Checkpoints:
         of the state."""
         if model is not None:
             load_weights(model, path)
-        state = torch.load(path / "state.pt", weights_only=False)
+        state = _files(torch.load(path / "state.pt", weights_only=False), lambda f: CheckpointFile(path / f.path))
         torch.set_rng_state(state["rng"]["torch"])
         random.setstate(state["rng"]["python"])
         return state
+
+
+def _files(value: Any, change) -> Any:
+    """`value` with each `CheckpointFile` in its dicts and lists replaced by `change(file)`."""
+    if isinstance(value, CheckpointFile):
+        return change(value)
+    if isinstance(value, dict):
+        return {k: _files(v, change) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_files(v, change) for v in value]
+    return value
+
+
+def _link(source: Path, directory: Path) -> CheckpointFile:
+    """`source` into `directory`; its path there, relative to the checkpoint."""
+    directory.mkdir(exist_ok=True)
+    link_or_copy(source, directory / source.name)
+    return CheckpointFile(Path(FILES) / source.name)
+
+
+def link_or_copy(source: Path, target: Path) -> None:
+    """`target` a hard link to `source` (a copy across file systems): for files never changed."""
+    try:
+        os.link(source, target)
+    except OSError:
+        shutil.copyfile(source, target)

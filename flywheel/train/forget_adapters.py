@@ -113,6 +113,8 @@ def scrub(checkpoints: Checkpoints, names: set[str]) -> int:
             for name in names:
                 table.pop(name, None)
         _replace(path, state)
+        for gone in (a for a in saved if a["name"] in names and "file" in a):  # one the trainer kept on disk
+            (path.parent / gone["file"].path).unlink(missing_ok=True)
         rewritten += 1
     return rewritten
 

@@ -107,7 +107,7 @@ class TrainLoop(ConsumerLoop):
         torch.set_num_threads(self.config.train.torch_threads)
         model, self.tokenizer = await asyncio.to_thread(load_model, self.config.model)
         self.checkpoints = Checkpoints(self.run_dir / "checkpoints", keep=self.config.train.keep_checkpoints)
-        self.trainer = Trainer(model, self.config.actor, self.config.train, self.config.adapters)
+        self.trainer = Trainer(model, self.config.actor, self.config.train, self.config.adapters, self.run_dir / "trainer_adapters")
         await super().start()
         if self.lora:  # forgotten tenants' and users' adapters (flywheel/train/forget_adapters.py)
             self._tasks.append(asyncio.create_task(repeat(self.forgetting.follow, "train.forget"), name="train.forget"))

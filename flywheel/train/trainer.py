@@ -42,6 +42,7 @@ import math
 import time
 from collections import Counter
 from collections.abc import Mapping
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
@@ -95,7 +96,8 @@ class Scored(NamedTuple):
 
 
 class Trainer:
-    def __init__(self, model: torch.nn.Module, actor: ActorConfig, train: TrainConfig, adapters: AdaptersConfig | None = None):
+    def __init__(self, model: torch.nn.Module, actor: ActorConfig, train: TrainConfig, adapters: AdaptersConfig | None = None,
+                 adapter_dir: Path | None = None):
         self.actor = actor
         self.train = train
         self.device = torch.device(train.device)
@@ -105,7 +107,7 @@ class Trainer:
         if adapters is not None and adapters.kind == "lora":
             from flywheel.train.adapters import AdapterSet  # PEFT loads (2 s) only where adapters train
 
-            self.adapters: AdapterSet | None = AdapterSet(self.model, adapters, actor, train)
+            self.adapters: AdapterSet | None = AdapterSet(self.model, adapters, actor, train, adapter_dir)
             return  # the base is the KL reference; each adapter has its own optimizer
         self.adapters = None
         if train.fsdp:
@@ -256,7 +258,9 @@ class Trainer:
     def _schedule(self, adapters: list[str]) -> float:
         """One learning-rate schedule step (the model's, or each of `adapters`'); the rate before it."""
         if self.adapters is not None:
-            return self.adapters.schedule(adapters)
+            lr = self.adapters.schedule(adapters)
+            self.adapters.trim()  # the step's adapters are the most recently used: the others leave memory first
+            return lr
         lr = self.scheduler.get_last_lr()[0]
         self.scheduler.step()
         return lr
