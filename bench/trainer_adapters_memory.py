@@ -41,7 +41,9 @@ def one_configuration(n: int, resident: int | None, again: int) -> dict:
     model, tokenizer = load_model("smollm2-135m")
     process = psutil.Process()
     with tempfile.TemporaryDirectory() as spill:
-        trainer = Trainer(model, config.actor, config.train, config.adapters, Path(spill) if resident else None)
+        trainer = Trainer(model, config.actor, config.train, config.adapters)
+        if resident:
+            trainer.adapters.keep_on_disk(Path(spill) / "adapters")
         rows = training_rows(1, tokenizer.vocab_size, seed=0)
         batch = micro_batches(rows, 4096, tokenizer.pad_token_id or 0)
         rss, times = [], {"new": [], "in memory": [], "from disk": []}

@@ -7,9 +7,12 @@ Real gateway, real engines, the official `openai` client; versions read from the
 from collections import defaultdict
 from contextlib import asynccontextmanager
 
+import msgspec
 import openai
 import pytest
 
+from flywheel.bus.records import AuditEntry
+from flywheel.bus.streams import AUDIT_SUBJECT
 from flywheel.config import load_config
 from flywheel.models import WeightStore, load_model
 from flywheel.models.adapter_names import canary_name
@@ -105,7 +108,8 @@ async def test_an_adapters_canary_answers_its_share_of_the_adapters_sessions(bus
     """acme's adapter serves v1 with v2 on canary for half of acme's new sessions: each session is
     answered by one version of acme's adapter, the canary's drawn as the shared weights' canary
     is, and the canary's engine name is no model a caller may ask for. When the canary ends its
-    engine name is unloaded and every session goes on with the serving version."""
+    engine name is unloaded and every session goes on with the serving version; a line back at its
+    start unloads the version it served; forgetting the tenant unloads its canary too."""
     made = random_adapters(tmp_path / "made", {f"v{i}": (i, dict(r=4, lora_alpha=8, target_modules=LINEAR)) for i in (1, 2)})
     paths = {i: str(made[f"v{i}"][0]) for i in (1, 2)}
     config = load_config(None, [f"run_dir={tmp_path}", "serve.port=0", "serve.max_new_tokens=4", "promotion.mode=canary", SUITE,
@@ -121,10 +125,15 @@ async def test_an_adapters_canary_answers_its_share_of_the_adapters_sessions(bus
 
     try:
         registry = await Registry.open(bus)
-        await registry.set_routing(Routing(id="r1", serving=Arm(version=0, path=None), adapters={"acme": Arm(version=1, path=paths[1])},
-                                           adapter_canaries={"acme": Arm(version=2, path=paths[2])}, canary_share=0.5))
+        serving = Routing(id="r0", serving=Arm(version=0, path=None), adapters={"acme": Arm(version=1, path=paths[1])})
+        await registry.set_routing(serving)
+        await until(lambda: serve.pool.adapter_versions == {"acme": 1})
+        for session in SESSIONS[:8]:  # sessions begun before the canary
+            await ask(session)
+        await registry.set_routing(msgspec.structs.replace(serving, id="r1", adapter_canaries={"acme": Arm(version=2, path=paths[2])},
+                                                           canary_share=0.5))
         await until(lambda: serve.pool.adapter_versions == {"acme": 1, canary_name("acme"): 2})
-        for session in [*SESSIONS, *SESSIONS[:8]]:
+        for session in SESSIONS:
             await ask(session)
         with pytest.raises(openai.NotFoundError, match="does not exist"):
             await ask("s0", canary_name("acme"))
@@ -133,6 +142,12 @@ async def test_an_adapters_canary_answers_its_share_of_the_adapters_sessions(bus
         for session in SESSIONS[:8]:
             await ask(session)
         turns = await recorded_turns(bus, 40)
+        await registry.set_routing(Routing(id="r3", serving=Arm(version=0, path=None),  # acme back at its start, a canary
+                                           adapter_canaries={"acme": Arm(version=1, path=paths[1])}, canary_share=0.5))
+        await until(lambda: serve.pool.adapter_versions == {canary_name("acme"): 1})  # the bare base serves acme's line
+        await bus.publish(AUDIT_SUBJECT, AuditEntry(id="forget-acme", actor="test", action="forget", target="acme",
+                                                    details={"tenant": "acme"}))
+        await until(lambda: serve.pool.adapter_versions == {})  # forgotten: its canary goes too
     finally:
         await client.close()
         await serve.stop()
@@ -140,7 +155,9 @@ async def test_an_adapters_canary_answers_its_share_of_the_adapters_sessions(bus
     for turn in turns[:32]:
         assert turn.adapter == "acme"
         versions[turn.session_id] |= set(turn.output_versions)
-    on_canary = {s for s, v in versions.items() if v == {2}}
     assert all(len(v) == 1 for v in versions.values()) and len(versions) == len(SESSIONS)  # sticky
-    assert on_canary == {s for s in versions if canary_draw(s, 2) < 0.5} and 0 < len(on_canary) < len(SESSIONS)
+    before = {t.session_id for t in turns[:8]}
+    assert all(versions[s] == {1} for s in before)  # begun before the canary: on the serving version throughout
+    on_canary = {s for s, v in versions.items() if v == {2}}
+    assert on_canary == {s for s in set(versions) - before if canary_draw(s, 2) < 0.5} and 0 < len(on_canary) < len(SESSIONS) - 8
     assert all(set(t.output_versions) == {2} for t in turns[32:40])

@@ -50,7 +50,10 @@ def step_of_groups(groups: dict[str, list[Sample]], config) -> StepBatch:
 
 def lora_trainer(config, seed: int = 0, adapter_dir: Path | None = None) -> Trainer:
     torch.manual_seed(seed)
-    return Trainer(load_model("tiny")[0], config.actor, config.train, config.adapters, adapter_dir)
+    trainer = Trainer(load_model("tiny")[0], config.actor, config.train, config.adapters)
+    if adapter_dir is not None:
+        trainer.adapters.keep_on_disk(adapter_dir)
+    return trainer
 
 
 def take_step(trainer: Trainer, batch: StepBatch, versions: dict[str, int] | None = None) -> dict:
@@ -389,3 +392,23 @@ async def test_a_checkpoint_names_adapters_on_disk_by_file_and_forgetting_delete
     restored.adapters.drop("alice")  # forgotten: its file goes, in the trainer's directory and the checkpoint's
     assert not on_disk.exists() and "alice" not in restored.adapters
     assert scrub(checkpoints, {"alice"}) == 1 and not kept.exists()
+
+
+async def test_an_adapter_that_cannot_be_read_back_stays_on_disk_and_a_checkpoint_keeps_recency(tmp_path):
+    turns = await sampled_turns(6)
+    config = load_config(None, [*LORA, "adapters.train_resident=2"])
+    trainer = lora_trainer(config, adapter_dir=tmp_path / "a")
+    for i, name in enumerate(["alice", "bob", "carol"]):
+        take_step(trainer, one_adapters_step(turns, i, name, config), {name: 0})
+    trainer.adapters.activate("bob")  # used after carol
+    trainer.adapters.state()  # a checkpoint reads every adapter: the order of use stays as it was
+    assert list(trainer.adapters.keys) == ["carol", "bob"] and list(trainer.adapters.spilled) == ["alice"]
+    path = trainer.adapters.spilled["alice"]
+    saved = path.read_bytes()
+    path.write_bytes(b"not a checkpoint")
+    with pytest.raises(Exception):
+        trainer.adapters.activate("alice")
+    assert list(trainer.adapters.spilled) == ["alice"] and "alice" not in trainer.adapters.keys  # not reset to zero
+    path.write_bytes(saved)
+    trainer.adapters.activate("alice")
+    assert list(trainer.adapters.keys) == ["carol", "bob", "alice"] and not path.exists()

@@ -29,11 +29,19 @@ GATE_SIDES = ("gate.candidate", "gate.serving")
 the evaluation server (no tenant's or user's adapter is named so: a user's is `<tenant>.u-...`)."""
 
 
+CANARY = "Canary."
+
+
 def canary_name(adapter: str) -> str:
     """The engine name under which a shared or tenant adapter's version on canary is loaded, beside
     its serving version (`Canary.<adapter>`: no adapter's name and no tenant's has a capital, so
     no request's `model` names it as one it may use)."""
-    return f"Canary.{adapter}"
+    return CANARY + adapter
+
+
+def canary_adapter(name: str) -> str | None:
+    """The adapter whose canary engine `name` names (None: no canary's)."""
+    return name.removeprefix(CANARY) if name.startswith(CANARY) else None
 
 
 def user_adapter(tenant: str, user: str) -> str:

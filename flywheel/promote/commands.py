@@ -4,8 +4,8 @@ out by the promotion loop in order, each one's result written back (`CommandResu
 A command names a line: the shared weights' (no `adapter`), or a shared or tenant adapter's.
 - `promote N`: version N serves its line (an adapter's version 0 is its start, the bare base).
 - `rollback [N]`: what serves is rolled back, and N serves instead (default: the line's last
-  version that served before it; for an adapter, its start when none did). A canary of the shared
-  weights is rolled back first, if one runs. The trainer is told to continue from what serves now.
+  version that served before it; for an adapter, its start when none did). The line's canary is
+  rolled back first, if one runs. The trainer is told to continue from what serves now.
 - `pin N`: N serves, and no candidate of the line is evaluated until `unpin`.
 """
 
@@ -41,7 +41,8 @@ async def carry_out(decisions: Decisions, command: VersionCommand) -> str:
             raise LookupError(f"no version served before {current.id}: nothing to roll back to")
         if target.version == current.version:
             raise ValueError(f"{current.id} serves: roll back to another version")
-        await decisions.registry.put(move(current, "rolled_back", said, "operator"))
+        if not (adapter is not None and current.version == 0):  # an adapter's start is no entry of the registry
+            await decisions.registry.put(move(current, "rolled_back", said, "operator"))
         await decisions.serve(target, said, "operator")
         await decisions.direct_trainer(target, current.version, f"{current.id} rolled back by {command.operator}")
         return f"{current.id} rolled back; {target.id} serves"

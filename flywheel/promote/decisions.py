@@ -24,6 +24,7 @@ from flywheel.models.adapter_store import owned_by
 from flywheel.promote.evidence import new_operations
 from flywheel.promote.states import move
 from flywheel.versions.records import (
+    FOUND_WORSE,
     Arm,
     Routing,
     TrainerDirective,
@@ -178,7 +179,8 @@ class Decisions:
     async def repair(self) -> None:
         """After a restart: an evaluation cut short goes back to candidate; the routing names the
         versions the registry has serving and on canary, each adapter's too, and no canary the
-        registry shows decided; an adapter's rejection whose directive was not written gets it."""
+        registry shows decided; an adapter's rejection or rollback whose directive was not written
+        gets it."""
         routing = await self.routing()
         shared = await self.registry.versions()
         lines = [await self.registry.versions(adapter=adapter) for adapter in await self.registry.adapters()]
@@ -193,11 +195,11 @@ class Decisions:
                                    canary_share=self.config.promotion.canary.share if canaries else routing.canary_share)
             routing = await self.routing()
         for line in lines:  # a rejection whose directive a dead promoter did not write
-            rejected = [e for e in line if e.state == "rejected" and e.transitions[-1].by == "gate"]
-            directive = await self.registry.directive(line[0].adapter) if rejected else None
-            if rejected and (directive is None or (directive.rejected or 0) < rejected[-1].version):
-                await self.direct_trainer(await self.serving(str(line[0].adapter)), rejected[-1].version,
-                                          f"{rejected[-1].id} rejected: {rejected[-1].transitions[-1].reason}")
+            worse = [e for e in line if e.state in FOUND_WORSE and e.transitions and e.transitions[-1].by != "lineage"]
+            directive = await self.registry.directive(line[0].adapter) if worse else None
+            if worse and (directive is None or (directive.rejected or 0) < worse[-1].version):
+                await self.direct_trainer(await self.serving(str(line[0].adapter)), worse[-1].version,
+                                          f"{worse[-1].id} {worse[-1].state.replace('_', ' ')}: {worse[-1].transitions[-1].reason}")
         for entry in shared:
             if entry.state == "canary" and (routing.canary is None or routing.canary.version != entry.version):
                 await self.set_routing(routing, "restored after a restart", canary=arm(entry),

@@ -263,6 +263,7 @@ class PromoteLoop:
 
     async def _apply(self, rewards: dict[tuple[str | None, int], list[tuple[int, float]]]) -> None:
         routing = await self.decisions.routing()
+        applied: dict[str | None, int] = {}  # each canary's watermark before this fetch: both arms' groups are read against it
         for (adapter, version), seen in rewards.items():
             canary = routing.canary_of(adapter)
             arms = {canary.version: "canary_arm", routing.serving_version(adapter): "serving_arm"} if canary else {}
@@ -270,7 +271,8 @@ class PromoteLoop:
                 holder = await self.decisions.entry(canary.version, adapter)
                 state = holder.canary
                 stats = RunningStats.from_dict(state[arms[version]])
-                fresh = [(seq, r) for seq, r in seen if seq > state["applied_seq"]]
+                start = applied.setdefault(adapter, state["applied_seq"])
+                fresh = [(seq, r) for seq, r in seen if seq > start]
                 for _, reward in fresh:
                     stats.add(reward)
                 state[arms[version]] = stats.as_dict()

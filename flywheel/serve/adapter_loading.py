@@ -16,8 +16,9 @@
   from a routing that still names it). An adapter's version on canary (`Routing.adapter_canaries`)
   is loaded beside the serving one under its own engine name (`canary_name`), and unloaded when
   its canary ends.
-- **Forgotten** (`unload`): a forgotten tenant's or user's adapters leave every engine, their
-  canaries too.
+- **Forgotten** (`forget`): a forgotten tenant's or user's adapters leave every engine, their
+  canaries too. A routed adapter the routing names no more (a line rolled back to its start,
+  whose bare base then serves; an ended canary) leaves them as well.
 """
 
 from __future__ import annotations
@@ -26,8 +27,8 @@ import logging
 from pathlib import Path
 
 from flywheel.bus import WeightUpdate
-from flywheel.models.adapter_names import canary_name, is_personal
-from flywheel.models.adapter_store import AdapterStore
+from flywheel.models.adapter_names import canary_adapter, canary_name, is_personal
+from flywheel.models.adapter_store import AdapterStore, owned_by
 from flywheel.serve.backends.pool import EnginePool
 from flywheel.versions.records import Routing
 
@@ -66,20 +67,24 @@ class AdapterLoading:
             log.exception("could not load adapter %s v%d from %s", update.adapter, update.version, update.path)
 
     async def take_routed(self, routing: Routing) -> None:
-        canaries = {canary_name(name): arm for name, arm in routing.adapter_canaries.items()}
-        for name, arm in [*routing.adapters.items(), *canaries.items()]:
+        routed = {**routing.adapters, **{canary_name(name): arm for name, arm in routing.adapter_canaries.items()}}
+        for name, arm in routed.items():
             if arm.path is not None and self.routed_versions.get(name) != arm.version:
                 try:
                     await self.pool.load_adapter(name, arm.path, arm.version)
                     self.routed_versions[name] = arm.version
                 except Exception:
                     log.exception("could not load adapter %s v%d from %s", name, arm.version, arm.path)
-        ended = [name for name in self.pool.adapter_versions if name.startswith(canary_name("")) and name not in canaries]
-        await self.unload(ended)
+        await self._unload([name for name in self.routed_versions if name not in routed])  # an ended canary; a line back
+        # at its start (rolled back to it, or forgotten), which the bare base serves
 
-    async def unload(self, names: list[str]) -> None:
-        """`names` (and their canaries) served no more by any engine."""
-        for name in [*names, *(canary_name(n) for n in names if canary_name(n) in self.pool.adapter_versions)]:
+    async def forget(self, tenant: str, user: str | None) -> None:
+        """A forgotten tenant's or end user's adapters, and their canaries, served no more by any engine."""
+        owned = set(owned_by([canary_adapter(n) or n for n in self.pool.adapter_versions], tenant, user))
+        await self._unload([name for name in self.pool.adapter_versions if (canary_adapter(name) or name) in owned])
+
+    async def _unload(self, names: list[str]) -> None:
+        for name in names:
             self.routed_versions.pop(name, None)  # loaded afresh should a routing name it again
             try:
                 await self.pool.unload_adapter(name)

@@ -36,7 +36,7 @@ from flywheel.config import ConfigError, FlywheelConfig
 from flywheel.config.serve import ServeConfig
 from flywheel.config.tenants import retention_s
 from flywheel.models import load_model, load_weights, place
-from flywheel.models.adapter_store import DROPPED, owned_by
+from flywheel.models.adapter_store import DROPPED
 from flywheel.runtime import cancel_and_wait, repeat
 from flywheel.serve.adapter_loading import AdapterLoading
 from flywheel.serve.adapter_routing import AdapterRouting
@@ -228,7 +228,7 @@ class ServeLoop:
             tenant, user = entry.details["tenant"], entry.details.get("user")
             if entry.action == "forget":
                 self.app.state.forget_cached(tenant, user)
-            await self.adapters.unload(owned_by(list(self.pool.adapter_versions), tenant, user))
+            await self.adapters.forget(tenant, user)
 
     async def _follow_routing(self) -> None:
         async for routing in self.bus.follow(ROUTING_SUBJECT, newest_only=True):

@@ -17,12 +17,13 @@ Inside PEFT an adapter is a slot key (`slot<n>`): PEFT keeps adapters in module 
 whose keys cannot hold the `.` that user adapters' names have. Keys never leave this file: the
 published directories and the checkpoint name adapters by their names.
 
-**Memory.** With a directory to keep them in (the train loop's `run_dir/trainer_adapters`), at
-most `adapters.train_resident` adapters stay in the model after a step (`trim`); the least recently
-used others are written there whole (weights, optimizer, schedule) and leave the model, and come
-back when next used, exactly as they left. A checkpoint names their files instead of holding them
-(`CheckpointFile`). The directory is emptied when the trainer starts (what a dead process left
-there is restored from its checkpoint or gone), and a dropped adapter's file goes with it.
+**Memory.** Given a directory (`keep_on_disk`: the train loop's `run_dir/trainer_adapters`, once
+it holds the run directory's lock), at most `adapters.train_resident` adapters stay in the model
+after a step (`trim`); the least recently used others are written there whole (weights,
+optimizer, schedule) and leave the model, and come back when next used, exactly as they left. A
+checkpoint names their files instead of holding them (`CheckpointFile`). The directory is emptied
+when it is given (what a dead process left there is restored from its checkpoint or gone), and a
+dropped adapter's file goes with it.
 
 LoRA dropout (`adapters.dropout`) is inert here: the trainer runs every forward in eval mode, as
 the engine samples (flywheel/train/trainer.py).
@@ -56,8 +57,7 @@ from flywheel.train.schedule import make_scheduler
 class AdapterSet:
     """Adapters by name on one frozen base model (see the module docstring)."""
 
-    def __init__(self, model: torch.nn.Module, config: AdaptersConfig, actor: ActorConfig, train: TrainConfig,
-                 spill_dir: Path | None = None):
+    def __init__(self, model: torch.nn.Module, config: AdaptersConfig, actor: ActorConfig, train: TrainConfig):
         model.requires_grad_(False)
         self.model = model
         self.actor = actor
@@ -79,11 +79,17 @@ class AdapterSet:
         self.steps: dict[str, int] = {}
         """Optimizer steps each adapter took (its learning-rate schedule's position)."""
         self._next_key = 0
-        self.spill_dir = spill_dir
-        self.resident = config.train_resident if spill_dir is not None else None
-        if spill_dir is not None:
-            shutil.rmtree(spill_dir, ignore_errors=True)
-            spill_dir.mkdir(parents=True)
+        self._bound = config.train_resident
+        self.spill_dir: Path | None = None
+        self.resident: int | None = None
+        """The bound `trim` keeps to: None until `keep_on_disk`, or with `train_resident: null`."""
+
+    def keep_on_disk(self, directory: Path) -> None:
+        """Keep the adapters beyond `adapters.train_resident` in `directory`, emptied first: call it
+        holding the run directory's lock (what is there is a dead trainer's)."""
+        shutil.rmtree(directory, ignore_errors=True)
+        directory.mkdir(parents=True)
+        self.spill_dir, self.resident = directory, self._bound
 
     def names(self) -> list[str]:
         return list(self.known)
@@ -156,10 +162,12 @@ class AdapterSet:
         """`name`'s PEFT key, the adapter brought back into the model if it was on disk; now its
         most recently used."""
         if name in self.spilled:
-            path = self.spilled.pop(name)
+            path = self.spilled[name]
+            saved = torch.load(path, weights_only=False)  # first: an adapter that cannot be read stays where it was
+            del self.spilled[name]
             with torch.random.fork_rng(devices=[]):  # as `restore`: coming back draws no random numbers
                 self._create(name)
-            self._restore(name, torch.load(path, weights_only=False))
+            self._restore(name, saved)
             path.unlink()
         self.keys[name] = self.keys.pop(name)
         return self.keys[name]
@@ -181,7 +189,10 @@ class AdapterSet:
 
     def weights(self, name: str) -> dict[str, torch.Tensor]:
         """`name`'s tensors, keyed as PEFT's `save_pretrained` keys them (copies)."""
-        state = get_peft_model_state_dict(self.peft, adapter_name=self._here(name))
+        return self._weights(self._here(name))
+
+    def _weights(self, key: str) -> dict[str, torch.Tensor]:
+        state = get_peft_model_state_dict(self.peft, adapter_name=key)
         return {k: v.detach().cpu().clone() for k, v in state.items()}
 
     def load(self, name: str, tensors: dict[str, torch.Tensor]) -> None:
@@ -244,7 +255,7 @@ class AdapterSet:
                 if name in self.spilled else self._saved(name) for name in self.known]
 
     def _saved(self, name: str) -> dict[str, Any]:
-        return {"name": name, "weights": self.weights(name), "optimizer": self.optimizers[name].state_dict(),
+        return {"name": name, "weights": self._weights(self.keys[name]), "optimizer": self.optimizers[name].state_dict(),
                 "scheduler": self.schedulers[name].state_dict(), "steps": self.steps[name]}
 
     def restore(self, state: list[dict[str, Any]]) -> None:

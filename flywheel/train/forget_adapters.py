@@ -38,7 +38,7 @@ from flywheel.bus import Bus, Sample
 from flywheel.bus.records import AuditEntry
 from flywheel.bus.streams import AUDIT_SUBJECT
 from flywheel.models.adapter_store import DROPPED, owned_by
-from flywheel.train.checkpoint import Checkpoints
+from flywheel.train.checkpoint import FILES, Checkpoints
 
 if TYPE_CHECKING:
     from flywheel.train.loop import TrainLoop
@@ -113,8 +113,10 @@ def scrub(checkpoints: Checkpoints, names: set[str]) -> int:
             for name in names:
                 table.pop(name, None)
         _replace(path, state)
-        for gone in (a for a in saved if a["name"] in names and "file" in a):  # one the trainer kept on disk
-            (path.parent / gone["file"].path).unlink(missing_ok=True)
+        kept = {a["file"].path.name for a in state["trainer"]["adapters"] if "file" in a}
+        for stray in (path.parent / FILES).glob("*"):  # the forgotten ones the trainer kept on disk (and any a crash left)
+            if stray.name not in kept:
+                stray.unlink()
         rewritten += 1
     return rewritten
 

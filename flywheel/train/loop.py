@@ -107,7 +107,7 @@ class TrainLoop(ConsumerLoop):
         torch.set_num_threads(self.config.train.torch_threads)
         model, self.tokenizer = await asyncio.to_thread(load_model, self.config.model)
         self.checkpoints = Checkpoints(self.run_dir / "checkpoints", keep=self.config.train.keep_checkpoints)
-        self.trainer = Trainer(model, self.config.actor, self.config.train, self.config.adapters, self.run_dir / "trainer_adapters")
+        self.trainer = Trainer(model, self.config.actor, self.config.train, self.config.adapters)
         await super().start()
         if self.lora:  # forgotten tenants' and users' adapters (flywheel/train/forget_adapters.py)
             self._tasks.append(asyncio.create_task(repeat(self.forgetting.follow, "train.forget"), name="train.forget"))
@@ -125,6 +125,7 @@ class TrainLoop(ConsumerLoop):
             self.adapter_versions = AdapterVersions.of(self.config, self.run_dir, self.bus, self.trainer.adapters,
                                                        self.tokenizer, registry)
             self.forgetting = Forgetting(self.bus, self.checkpoints)
+            self.trainer.adapters.keep_on_disk(self.run_dir / "trainer_adapters")  # under the lock: a live trainer's are not ours
         else:
             self.store = WeightStore(self.run_dir / "weights", keep=self.config.train.keep_versions)
             self.publisher = WeightPublisher(self.store, self.bus)
@@ -193,10 +194,11 @@ class TrainLoop(ConsumerLoop):
         return oldest is not None and self.sample_staleness(sample, oldest) > self.config.rollout.max_head_offpolicyness
 
     def is_abandoned(self, sample: Sample) -> bool:
-        """Whether tokens of the sample came from a version a directive abandoned."""
-        if self.promotion is None or not self.promotion.abandoned:
+        """Whether tokens of the sample came from a version a directive abandoned (its adapter's line's, with adapters)."""
+        line = self.adapter_versions.lines.get(sample_adapter(sample, self.config)) if self.lora else self.promotion
+        if line is None or not line.abandoned:
             return False
-        return any(self.promotion.is_abandoned(v) for seg in sample.trajectory.segments for v in set(seg.versions))
+        return any(line.is_abandoned(v) for seg in sample.trajectory.segments for v in set(seg.versions))
 
     async def _follow_registry(self) -> bool:
         """Carry out a new directive; whether the trainer may take a step now."""
@@ -294,12 +296,11 @@ class TrainLoop(ConsumerLoop):
         self.trained.add(ids)
         self.unacknowledged.extend(d for g in groups for d in g.deliveries)
         self._training = []
+        self._record(metrics)
         if self.lora:
-            self._record(metrics)
             await self._publish_adapters(groups)
         else:
             self.ledger.trained(self.trainer.step_count, self.version, ids)
-            self._record(metrics)
             await self._publish(ids, metrics)
         interval = self.config.train.checkpoint_interval
         if interval and self.trainer.step_count % interval == 0:

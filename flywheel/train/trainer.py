@@ -42,7 +42,6 @@ import math
 import time
 from collections import Counter
 from collections.abc import Mapping
-from pathlib import Path
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
@@ -96,8 +95,7 @@ class Scored(NamedTuple):
 
 
 class Trainer:
-    def __init__(self, model: torch.nn.Module, actor: ActorConfig, train: TrainConfig, adapters: AdaptersConfig | None = None,
-                 adapter_dir: Path | None = None):
+    def __init__(self, model: torch.nn.Module, actor: ActorConfig, train: TrainConfig, adapters: AdaptersConfig | None = None):
         self.actor = actor
         self.train = train
         self.device = torch.device(train.device)
@@ -107,7 +105,7 @@ class Trainer:
         if adapters is not None and adapters.kind == "lora":
             from flywheel.train.adapters import AdapterSet  # PEFT loads (2 s) only where adapters train
 
-            self.adapters: AdapterSet | None = AdapterSet(self.model, adapters, actor, train, adapter_dir)
+            self.adapters: AdapterSet | None = AdapterSet(self.model, adapters, actor, train)
             return  # the base is the KL reference; each adapter has its own optimizer
         self.adapters = None
         if train.fsdp:
