@@ -7,9 +7,11 @@ Real gateway, real engines, the official `openai` client; versions read from the
 from collections import defaultdict
 from contextlib import asynccontextmanager
 
+import httpx
 import msgspec
 import openai
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from flywheel.bus.records import AuditEntry
 from flywheel.bus.streams import AUDIT_SUBJECT
@@ -17,7 +19,7 @@ from flywheel.config import load_config
 from flywheel.models import WeightStore, load_model
 from flywheel.models.adapter_names import canary_name
 from flywheel.serve.loop import ServeLoop
-from flywheel.serve.routing import canary_draw
+from flywheel.serve.routing import WEIGHTS, SessionArms, canary_draw
 from flywheel.versions.records import Arm, Routing
 from flywheel.versions.registry import Registry
 
@@ -31,6 +33,19 @@ def test_the_canary_draw_is_uniform_and_fixed_by_session_and_version():
     draws = [canary_draw(f"session-{i}", 3) for i in range(4000)]
     assert 0.08 < sum(d < 0.1 for d in draws) / len(draws) < 0.12
     assert canary_draw("a", 3) == canary_draw("a", 3) != canary_draw("a", 4)
+
+
+def test_session_arms_keep_each_lines_draw_apart_and_sticky():
+    arms = SessionArms(100)
+    drawn = [s for s in SESSIONS if canary_draw(s, 2) < 0.5]
+    assert not arms.on_canary("acme", "early", None, 0.5)  # begun before acme's canary
+    assert [s for s in ["early", *SESSIONS] if arms.on_canary("acme", s, 2, 0.5)] == drawn  # "early" never drawn
+    assert [s for s in SESSIONS if arms.on_canary("acme", s, 2, 0.5)] == drawn  # the same arm on every later turn
+    assert not any(arms.on_canary("acme", s, 3, 0.5) for s in SESSIONS)  # a later canary takes new sessions only
+    assert not any(arms.on_canary("acme", s, None, 0.5) for s in drawn)  # the canary ended: the serving arm
+    assert [s for s in SESSIONS if arms.on_canary(WEIGHTS, s, 2, 0.5)] == drawn  # another line draws for itself
+    assert arms.counts == {("acme", "canary"): len(drawn), ("acme", "serving"): len(SESSIONS) - len(drawn),
+                           (WEIGHTS, "canary"): len(drawn), (WEIGHTS, "serving"): len(SESSIONS) - len(drawn)}
 
 
 @asynccontextmanager
@@ -77,7 +92,7 @@ async def test_canary_sessions_stay_on_the_version_they_started_with(bus, nats_u
         assert all(len(v) == 1 for v in versions.values())  # sticky: each session on one version
         on_canary = {s for s in SESSIONS if versions[s] == {1}}
         assert on_canary == {s for s in SESSIONS if canary_draw(s, 1) < 0.5} and 0 < len(on_canary) < len(SESSIONS)
-        assert serve.pool.counts == {"canary": len(on_canary), "serving": len(SESSIONS) - len(on_canary)}
+        assert serve.pool.arms.counts == {(WEIGHTS, "canary"): len(on_canary), (WEIGHTS, "serving"): len(SESSIONS) - len(on_canary)}
 
 
 async def test_a_promotion_moves_every_session_to_the_promoted_version(bus, nats_url, tmp_path):
@@ -89,19 +104,17 @@ async def test_a_promotion_moves_every_session_to_the_promoted_version(bus, nats
             await ask(session)
         moved = [t for t in (await recorded_turns(bus, 40))[32:] if t.session_id in SESSIONS[:8]]
         assert len(moved) == 8 and all(set(t.output_versions) == {1} for t in moved)  # the serving ones too
-        assert all(serve.pool.sessions.peek(s) == 1 for s in SESSIONS[:8])
 
 
 async def test_a_rollback_loads_the_older_version_again(bus, nats_url, tmp_path):
     async with canary_gateway(bus, nats_url, tmp_path) as (serve, registry, path, ask):
         await registry.set_routing(Routing(id="r2", serving=Arm(version=1, path=path)))
         await until(lambda: serve.pool.weight_version == 1)
-        await ask("before-rollback")
-        assert serve.pool.sessions.peek("before-rollback") == 1
+        await ask("rolled-back")
         await registry.set_routing(Routing(id="r3", serving=Arm(version=0, path=None), reason="rolled back"))
         await until(lambda: serve.pool.weight_version == 0)  # an older version loaded
-        await ask("after-rollback")
-        assert serve.pool.sessions.peek("after-rollback") == 0
+        await ask("rolled-back")
+        assert [set(t.output_versions) for t in await recorded_turns(bus, 2)] == [{1}, {0}]
 
 
 async def test_an_adapters_canary_answers_its_share_of_the_adapters_sessions(bus, nats_url, tmp_path):
@@ -137,6 +150,8 @@ async def test_an_adapters_canary_answers_its_share_of_the_adapters_sessions(bus
             await ask(session)
         with pytest.raises(openai.NotFoundError, match="does not exist"):
             await ask("s0", canary_name("acme"))
+        async with httpx.AsyncClient(base_url=serve.url) as http:
+            metrics = await until(lambda: _metrics(http, "acme"), timeout_s=30)
         await registry.set_routing(Routing(id="r2", serving=Arm(version=0, path=None), adapters={"acme": Arm(version=2, path=paths[2])}))
         await until(lambda: serve.pool.adapter_versions == {"acme": 2})  # promoted: the canary's name unloaded
         for session in SESSIONS[:8]:
@@ -161,3 +176,15 @@ async def test_an_adapters_canary_answers_its_share_of_the_adapters_sessions(bus
     on_canary = {s for s, v in versions.items() if v == {2}}
     assert on_canary == {s for s in set(versions) - before if canary_draw(s, 2) < 0.5} and 0 < len(on_canary) < len(SESSIONS) - 8
     assert all(set(t.output_versions) == {2} for t in turns[32:40])
+    assert metrics == {"flywheel_canary_share": 0.5, "canary": len(on_canary), "serving": len(SESSIONS) - 8 - len(on_canary)}
+
+
+async def _metrics(http, line: str) -> dict[str, float] | None:
+    """`line`'s canary share and new sessions by arm, as Prometheus reads them; None until its
+    canary's share shows."""
+    found = {}
+    for family in text_string_to_metric_families((await http.get("/metrics")).text):
+        for sample in family.samples:
+            if sample.labels.get("line") == line:
+                found[sample.labels.get("arm", sample.name)] = sample.value
+    return found if "flywheel_canary_share" in found else None

@@ -22,8 +22,8 @@ the trainer starts it at.
 
 **Canary.** Under `promotion.mode: canary` a shared or tenant adapter's version on canary
 (`Routing.adapter_canaries`, loaded as `canary_name(adapter)`) answers `canary_share` of its
-adapter's new sessions, drawn by the session's id and the canary's version (`canary_draw`, as the
-shared weights' canary). A session stays on the version it started with: one that began before
+adapter's new sessions, drawn as the shared weights' canary draws (`SessionArms`, one per
+gateway for every line). A session stays on the version it started with: one that began before
 the canary, or was not drawn, stays with the serving version; one drawn stays on the canary until
 it ends. Its turns are the adapter's, with the canary's version.
 """
@@ -33,7 +33,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from flywheel.lru import LRU
 from flywheel.models.adapter_names import (
     SHARED,
     adapter_for,
@@ -43,7 +42,7 @@ from flywheel.models.adapter_names import (
 )
 from flywheel.serve.api.errors import APIError
 from flywheel.serve.backends.pool import EnginePool
-from flywheel.serve.routing import RoutedPool, canary_draw
+from flywheel.serve.routing import RoutedPool
 
 if TYPE_CHECKING:
     from flywheel.config import FlywheelConfig
@@ -65,13 +64,11 @@ BASE = AdapterChoice()
 class AdapterRouting:
     """The adapter of each request (see the module docstring)."""
 
-    def __init__(self, model_name: str, pool: EnginePool, config: FlywheelConfig | None = None, sessions: int = 100_000):
+    def __init__(self, model_name: str, pool: EnginePool, config: FlywheelConfig | None = None):
         self.model_name = model_name
         self.pool = pool
         self.config = config
         self.enabled = config is not None and config.adapters.kind == "lora"
-        self.sessions: LRU[str, int] = LRU(sessions)
-        """Under promotion, the canary version each recent session started on (-1: the serving one)."""
 
     def choose(self, model: str, tenant: str, user: str | None, session_id: str) -> AdapterChoice:
         """The adapter of a request for `model` from `tenant`'s end user `user` in session
@@ -99,16 +96,12 @@ class AdapterRouting:
 
     def _canary(self, name: str, session_id: str) -> str | None:
         """The engine name of `name`'s canary when it is loaded and this session started on it."""
-        routing = self.pool.routing if isinstance(self.pool, RoutedPool) else None
-        if routing is None:
+        if not isinstance(self.pool, RoutedPool) or (routing := self.pool.routing) is None:
             return None
         arm = routing.adapter_canaries.get(name)
         live = arm is not None and self.pool.adapter_versions.get(canary_name(name)) == arm.version
-        started = self.sessions.get(session_id)
-        if started is None:  # a new session: drawn while a canary runs
-            started = arm.version if live and canary_draw(session_id, arm.version) < routing.canary_share else -1
-            self.sessions[session_id] = started
-        return canary_name(name) if live and started == arm.version else None
+        canary = arm.version if live and arm is not None else None
+        return canary_name(name) if self.pool.arms.on_canary(name, session_id, canary, routing.canary_share) else None
 
     def not_found(self, model: str) -> APIError:
         """The one answer to a model or adapter that is not there for this caller."""

@@ -125,7 +125,7 @@ class ServeLoop:
         self.board: VersionBoard | None = None
         if self.routed:
             assert isinstance(self.pool, RoutedPool)
-            self.board = VersionBoard(self.bus, await Registry.open(self.bus), self.metrics, self.pool.counts)
+            self.board = VersionBoard(self.bus, await Registry.open(self.bus), self.metrics, self.pool.arms.counts)
             self.board.install(self.app)
         # The model, tokenizer and libraries live as long as the server: take them out of the
         # collector's generations, or every full collection walks them all (~0.2 s for tiny).

@@ -11,7 +11,9 @@
   loop's result, 409 when the loop refused it, 504 when no promotion loop answered.
 - Prometheus: `flywheel_version_state{version,state}` (1 for each version's state),
   `flywheel_version_online_reward{version}` and `flywheel_version_online_sessions{version}`,
-  `flywheel_canary_share`, and `flywheel_routed_sessions{arm}` (new sessions sent to each arm).
+  `flywheel_canary_share{line}` (each line with a canary: "" the shared weights', else the adapter's
+  name; the shared line always, 0 without one) and `flywheel_routed_sessions{line,arm}` (new sessions
+  this gateway sent to each arm while the line's canary ran).
 
 The snapshot the page and metrics show is refreshed whenever the routing changes and every
 `REFRESH_S` seconds.
@@ -31,6 +33,7 @@ from pydantic import BaseModel
 
 from flywheel.serve.api.errors import APIError
 from flywheel.serve.ops.metrics import ServeMetrics
+from flywheel.serve.routing import WEIGHTS
 from flywheel.versions.records import Routing, VersionEntry, registry_json
 from flywheel.versions.registry import Registry, send_command
 
@@ -46,7 +49,7 @@ class RollbackRequest(BaseModel):
 
 
 class VersionBoard:
-    def __init__(self, bus: Any, registry: Registry, metrics: ServeMetrics, routed: dict[str, int]):
+    def __init__(self, bus: Any, registry: Registry, metrics: ServeMetrics, routed: dict[tuple[str, str], int]):
         self.bus = bus
         self.registry = registry
         self.entries: list[VersionEntry] = []
@@ -57,8 +60,10 @@ class VersionBoard:
         self._reward = Gauge("flywheel_version_online_reward", "Mean judged reward of a version's sessions.", ["version"],
                              registry=r)
         self._sessions = Gauge("flywheel_version_online_sessions", "Judged sessions a version sampled.", ["version"], registry=r)
-        self._share = Gauge("flywheel_canary_share", "Share of new sessions sent to the canary (0: none).", registry=r)
-        self._routed = Gauge("flywheel_routed_sessions", "New sessions this gateway sent to each arm.", ["arm"], registry=r)
+        self._share = Gauge("flywheel_canary_share", "Share of a line's new sessions sent to its canary (0: none).",
+                            ["line"], registry=r)
+        self._routed = Gauge("flywheel_routed_sessions", "New sessions this gateway sent to each arm of a line.",
+                             ["line", "arm"], registry=r)
         self.routed_counts = routed
         metrics.on_scrape(lambda _: self._report())
 
@@ -83,9 +88,13 @@ class VersionBoard:
             self._sessions.labels(str(entry.version)).set(sessions)
             if reward is not None:
                 self._reward.labels(str(entry.version)).set(reward)
-        self._share.set(self.routing.canary_share if self.routing and self.routing.canary else 0.0)
-        for arm, count in self.routed_counts.items():
-            self._routed.labels(arm).set(count)
+        self._share.clear()
+        routing = self.routing
+        self._share.labels(WEIGHTS).set(routing.canary_share if routing and routing.canary else 0.0)
+        for adapter in routing.adapter_canaries if routing else ():
+            self._share.labels(adapter).set(routing.canary_share)
+        for (line, arm), count in self.routed_counts.items():
+            self._routed.labels(line, arm).set(count)
 
     def install(self, app: FastAPI) -> None:
         @app.get("/dashboard", include_in_schema=False)
