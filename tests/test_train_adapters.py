@@ -3,8 +3,7 @@ only its samples' adapters, never the base, each with an optimizer of its own; a
 trainer publishes is a small PEFT directory that the embedded engine serves, and the trainer
 reproduces the engine's log-probs of its tokens; staleness counts each adapter's own versions;
 a checkpoint holds every adapter and its optimizer, and a resumed trainer steps as one that
-never stopped; beyond `adapters.train_resident` the least recently trained adapters wait on disk
-and come back exactly as they left, named by file in a checkpoint and deleted when forgotten."""
+never stopped (adapters kept on disk: test_train_adapters_on_disk.py)."""
 
 import json
 from pathlib import Path
@@ -14,66 +13,32 @@ import torch
 from peft import PeftModel, get_peft_model_state_dict
 from safetensors.torch import load_file
 
-from flywheel.bus import SAMPLE_SUBJECT, WEIGHTS_SUBJECT, Sample
+from flywheel.bus import SAMPLE_SUBJECT, WEIGHTS_SUBJECT
 from flywheel.config import load_config
 from flywheel.models import load_model, resolve_model
 from flywheel.models.adapter_names import adapter_for, origin
 from flywheel.models.adapter_store import AdapterStore
 from flywheel.serve.engine import Engine, SamplingParams
-from flywheel.train.advantages import RunningBaseline
 from flywheel.train.checkpoint import Checkpoints
-from flywheel.train.forget_adapters import scrub
-from flywheel.train.grouping import Group, Member
 from flywheel.train.loop import TrainLoop
 from flywheel.train.step_batch import StepBatch
-from flywheel.train.trainer import Trainer
 
+from adapter_training import (
+    LORA,
+    lora_trainer,
+    of_adapter,
+    optimizer_state,
+    same,
+    step_of_groups,
+    take_step,
+)
 from factories import make_turn, prompt, recomputed_logprobs, sample_of, sampled_turns
 from waiting import until
-
-LORA = ["adapters.kind=lora", "adapters.rank=4", "adapters.alpha=8", "actor.optimizer.lr=0.01",
-        "adapters.guard_drop=null"]  # the guard is test_adapter_guard.py's: tiny at this rate can pass its default bound
-
-
-def of_adapter(turn, reward: float, adapter: str, version: int | None = 0) -> Sample:
-    """The sample of a one-turn trajectory that `adapter` sampled (its tokens its `version`)."""
-    sample = sample_of(turn, reward, version)
-    sample.trajectory.adapter = adapter
-    return sample
-
-
-def step_of_groups(groups: dict[str, list[Sample]], config) -> StepBatch:
-    """One step's batch of task groups (key: its samples)."""
-    return StepBatch([Group(key, len(samples), 0.0, 0.0, {s.id: Member(s, []) for s in samples})
-                      for key, samples in groups.items()], config, RunningBaseline(), pad_id=0)
-
-
-def lora_trainer(config, seed: int = 0, adapter_dir: Path | None = None) -> Trainer:
-    torch.manual_seed(seed)
-    trainer = Trainer(load_model("tiny")[0], config.actor, config.train, config.adapters)
-    if adapter_dir is not None:
-        trainer.adapters.keep_on_disk(adapter_dir)
-    return trainer
-
-
-def take_step(trainer: Trainer, batch: StepBatch, versions: dict[str, int] | None = None) -> dict:
-    for name, start in batch.adapters.items():
-        trainer.adapters.ensure(name, start)
-    return trainer.step(batch.minibatches, version=versions or {})
 
 
 def base_weights(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """The base model's weights by their names without PEFT (LoRA layers left out)."""
     return {n.replace(".base_layer", ""): p.detach().clone() for n, p in model.named_parameters() if "lora_" not in n}
-
-
-def same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
-    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
-
-
-def optimizer_state(trainer: Trainer, name: str) -> list[dict[str, torch.Tensor]]:
-    optimizer = trainer.adapters.optimizers[name]
-    return [optimizer.state[p] for p in trainer.adapters.params[name]]
 
 
 async def test_a_step_trains_only_its_samples_adapters_each_with_its_own_optimizer():
@@ -340,75 +305,3 @@ async def test_a_trainer_that_died_after_publishing_gives_the_adapter_a_newer_ve
         assert all(not t.any() for k, t in weights.items() if "lora_B" in k)  # the initial state: B = 0
     finally:
         await loop.stop()
-
-
-def one_adapters_step(turns, i: int, name: str, config) -> StepBatch:
-    return step_of_groups({name: [of_adapter(turns[2 * i], 1.0, name), of_adapter(turns[2 * i + 1], 0.0, name)]}, config)
-
-
-async def test_beyond_train_resident_adapters_wait_on_disk_and_come_back_exactly(tmp_path):
-    """`train_resident: 1`: after each step only its adapter is in memory, the others in files;
-    six steps over three adapters leave every adapter's weights, moments and schedule exactly as
-    an unbounded trainer's."""
-    turns = await sampled_turns(12)
-    config = load_config(None, [*LORA, "adapters.train_resident=1"])
-    bounded, unbounded = lora_trainer(config, adapter_dir=tmp_path / "resident"), lora_trainer(config)
-    for i, name in enumerate(["alice", "bob", "carol"] * 2):
-        for trainer in (bounded, unbounded):
-            torch.manual_seed(i)  # a new adapter's initialisation the same in both (they share the RNG)
-            take_step(trainer, one_adapters_step(turns, i, name, config), {name: 0})
-        assert list(bounded.adapters.keys) == [name] and set(bounded.adapters.spilled) == set(bounded.adapters.names()) - {name}
-        assert sorted(bounded.adapters.spilled.values()) == sorted((tmp_path / "resident").iterdir())
-    assert len(unbounded.adapters.keys) == 3
-    for name in ("alice", "bob", "carol"):
-        assert same(bounded.adapters.weights(name), unbounded.adapters.weights(name))
-        assert bounded.adapters.steps[name] == unbounded.adapters.steps[name] == 2
-        for ours, theirs in zip(optimizer_state(bounded, name), optimizer_state(unbounded, name)):
-            assert same(ours, theirs)
-
-
-async def test_a_checkpoint_names_adapters_on_disk_by_file_and_forgetting_deletes_the_files(tmp_path):
-    turns = await sampled_turns(4)
-    config = load_config(None, [*LORA, "adapters.train_resident=1"])
-    trainer = lora_trainer(config, adapter_dir=tmp_path / "a")
-    for i, name in enumerate(["alice", "bob"]):
-        take_step(trainer, one_adapters_step(turns, i, name, config), {name: 0})
-    checkpoints = Checkpoints(tmp_path / "checkpoints", keep=2)
-    path = checkpoints.save(2, None, {"trainer": trainer.state(), "loop": {}})
-    saved = torch.load(path / "state.pt", weights_only=False)["trainer"]["adapters"]
-    assert [a["name"] for a in saved] == ["alice", "bob"] and "file" in saved[0] and "weights" in saved[1]
-    kept = path / saved[0]["file"].path
-    assert kept.is_file() and kept.stat().st_nlink == 2  # linked, not copied, from the trainer's own file
-
-    again = lora_trainer(config, adapter_dir=tmp_path / "b")
-    again.restore(checkpoints.load(path, None)["trainer"])
-    for name in ("alice", "bob"):  # restored exactly, alice read from its file as it comes back
-        assert same(again.adapters.weights(name), trainer.adapters.weights(name))
-
-    restored = lora_trainer(config, adapter_dir=tmp_path / "c")
-    restored.restore(checkpoints.load(path, None)["trainer"])
-    assert set(restored.adapters.spilled) == {"alice"} and list(restored.adapters.keys) == ["bob"]
-    on_disk = restored.adapters.spilled["alice"]
-    restored.adapters.drop("alice")  # forgotten: its file goes, in the trainer's directory and the checkpoint's
-    assert not on_disk.exists() and "alice" not in restored.adapters
-    assert scrub(checkpoints, {"alice"}) == 1 and not kept.exists()
-
-
-async def test_an_adapter_that_cannot_be_read_back_stays_on_disk_and_a_checkpoint_keeps_recency(tmp_path):
-    turns = await sampled_turns(6)
-    config = load_config(None, [*LORA, "adapters.train_resident=2"])
-    trainer = lora_trainer(config, adapter_dir=tmp_path / "a")
-    for i, name in enumerate(["alice", "bob", "carol"]):
-        take_step(trainer, one_adapters_step(turns, i, name, config), {name: 0})
-    trainer.adapters.activate("bob")  # used after carol
-    trainer.adapters.state()  # a checkpoint reads every adapter: the order of use stays as it was
-    assert list(trainer.adapters.keys) == ["carol", "bob"] and list(trainer.adapters.spilled) == ["alice"]
-    path = trainer.adapters.spilled["alice"]
-    saved = path.read_bytes()
-    path.write_bytes(b"not a checkpoint")
-    with pytest.raises(Exception):
-        trainer.adapters.activate("alice")
-    assert list(trainer.adapters.spilled) == ["alice"] and "alice" not in trainer.adapters.keys  # not reset to zero
-    path.write_bytes(saved)
-    trainer.adapters.activate("alice")
-    assert list(trainer.adapters.keys) == ["carol", "bob", "alice"] and not path.exists()
