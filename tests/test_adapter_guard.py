@@ -17,6 +17,7 @@ from flywheel.models.adapter_store import AdapterStore
 from flywheel.models.lora_adapter import WEIGHTS_FILE
 from flywheel.train.adapter_guard import AdapterGuard
 from flywheel.train.adapter_versions import AdapterVersions
+from flywheel.train.ledger import lineage
 from flywheel.train.loop import TrainLoop
 from flywheel.train.trainer import Trainer
 
@@ -74,6 +75,7 @@ async def test_a_held_back_version_is_not_published_and_the_adapter_returns_to_t
     published = load_file(store.path("alice", 1) / WEIGHTS_FILE)
     assert weights.keys() == published.keys() and all(torch.equal(weights[k], published[k]) for k in weights)
     assert not any(moments)
+    assert [(s["adapter"], s["version"]) for s in lineage(tmp_path / "trained.jsonl")] == [("alice", 1)]  # not the held-back v2
 
 
 async def test_weights_a_restarted_trainer_never_published_pass_the_guard_first(bus, tmp_path):

@@ -1,8 +1,8 @@
 """The trainer under promotion, against a real registry on a real bus: it keeps pace with the
 version serving everyone, continues from the version a directive names (its weights, a fresh
 optimizer), drops samples from the versions it abandons, counts staleness in updates that were
-not abandoned, passes over a directive about a line it already left, and keeps the served
-versions in the weight store."""
+not abandoned, passes over a directive about a line it already left, keeps the served
+versions in the weight store, and its ledger's lineage leaves out the abandoned versions' steps."""
 
 import asyncio
 
@@ -11,6 +11,7 @@ import torch
 from flywheel.bus import SAMPLE_SUBJECT, WEIGHTS_SUBJECT
 from flywheel.config import load_config
 from flywheel.models import load_model
+from flywheel.train.ledger import lineage
 from flywheel.train.loop import TrainLoop
 from flywheel.versions.records import Arm, Routing, TrainerDirective
 from flywheel.versions.registry import Registry
@@ -72,6 +73,7 @@ async def test_pace_directives_abandoned_versions_and_protection(bus, nats_url, 
         await bus.publish(SAMPLE_SUBJECT, sample_of(turns[7], 1.0, version=4))
         fifth = await asyncio.wait_for(anext(announcements), 60)
         assert (fifth.version, fifth.parent) == (5, 4) and loop.stats()["abandoned_dropped"] == 1
+        assert [step["version"] for step in lineage(tmp_path / "trained.jsonl")] == [4, 5]  # v1..v3's steps lead nowhere
     finally:
         await announcements.aclose()
         await loop.stop()

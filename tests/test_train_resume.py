@@ -84,3 +84,14 @@ async def test_a_trainer_that_died_before_its_first_checkpoint_leaves_no_steps_i
         await loop.stop()
     [step] = lineage(tmp_path / "trained.jsonl")
     assert step["step"] == 1 and len(step["samples"]) == 2
+
+
+def test_weights_back_at_an_earlier_version_leave_the_later_steps_out_of_the_lineage(tmp_path):
+    """An adapter's way back leaves the other adapters' steps, and its own steps after, alone."""
+    ledger = Ledger(tmp_path / "trained.jsonl")
+    for step, adapter, version in [(1, "alice", 1), (1, "bob", 1), (2, "alice", 2), (3, "alice", 3)]:
+        ledger.trained(step, version, [f"{adapter}-{version}"], adapter=adapter)
+    ledger.back_to(1, adapter="alice")  # v2 and v3 rejected
+    ledger.trained(4, 4, ["alice-4"], adapter="alice")
+    ledger.close()
+    assert [s["samples"] for s in lineage(tmp_path / "trained.jsonl")] == [["alice-1"], ["bob-1"], ["alice-4"]]

@@ -16,7 +16,7 @@ repeat of the forgotten one's (JetStream drops a message whose id it saw in its 
 
 With a guard (`adapters.guard_drop`, flywheel/train/adapter_guard.py) a version that forgot too
 much general skill is held back instead: not published, and the adapter back to its last
-published version (`hold_back`).
+published version (`hold_back`). Each way back is written in the ledger (`Ledger.back_to`).
 
 Under promotion (`promotion.mode: gate`) each shared or tenant adapter is a line of the version
 registry (`UnderPromotion`, flywheel/train/under_promotion.py): before each step
@@ -44,6 +44,7 @@ from flywheel.models.adapter_store import AdapterStore
 from flywheel.models.lora_adapter import WEIGHTS_FILE
 from flywheel.train.adapter_guard import AdapterGuard
 from flywheel.train.adapters import AdapterSet
+from flywheel.train.ledger import Ledger
 from flywheel.train.under_promotion import UnderPromotion
 
 if TYPE_CHECKING:
@@ -56,7 +57,7 @@ log = logging.getLogger(__name__)
 class AdapterVersions:
     def __init__(self, store: AdapterStore, bus: Bus, interval: int, guard: AdapterGuard | None = None,
                  origin_of: Callable[[str], str | None] = lambda name: None, registry: Registry | None = None,
-                 max_ahead: int = 1):
+                 max_ahead: int = 1, ledger: Ledger | None = None):
         self.store = store
         self.bus = bus
         self.interval = interval
@@ -64,6 +65,7 @@ class AdapterVersions:
         self.origin_of = origin_of
         self.registry = registry
         self.max_ahead = max_ahead
+        self.ledger = ledger
         self.lines: dict[str, UnderPromotion] = {}
         """The registry line of each shared or tenant adapter, under promotion."""
         self.versions: dict[str, int] = {}
@@ -73,14 +75,14 @@ class AdapterVersions:
 
     @classmethod
     def of(cls, config: FlywheelConfig, run_dir: Path, bus: Bus, adapters: AdapterSet, tokenizer: Any,
-           registry: Registry | None = None) -> AdapterVersions:
+           registry: Registry | None = None, ledger: Ledger | None = None) -> AdapterVersions:
         """A run's: its store (`run_dir/adapters`), its guard (`adapters.guard_drop`), its adapters'
-        origins, and the version registry when versions must earn their traffic."""
+        origins, the version registry when versions must earn their traffic, and its ledger."""
         store = AdapterStore(run_dir / "adapters", keep=config.train.keep_versions)
         drop = config.adapters.guard_drop
         guard = AdapterGuard(adapters, tokenizer, drop) if drop is not None else None
         return cls(store, bus, config.train.weight_update_interval, guard, lambda name: origin(name, config),
-                   registry, config.rollout.max_head_offpolicyness)
+                   registry, config.rollout.max_head_offpolicyness, ledger)
 
     def _line(self, name: str) -> UnderPromotion | None:
         if self.registry is None or is_personal(name):
@@ -175,9 +177,12 @@ class AdapterVersions:
         origin's, or the base), with fresh optimizer moments; the version they are."""
         if version and version in self.store.versions(name):
             adapters.restart(name, load_file(self.store.path(name, version) / WEIGHTS_FILE))
-            return version
-        self._from_origin(adapters, name, self.origin_of(name))
-        return 0
+        else:
+            self._from_origin(adapters, name, self.origin_of(name))
+            version = 0
+        if self.ledger is not None:
+            self.ledger.back_to(version, adapter=name)
+        return version
 
     def _from_origin(self, adapters: AdapterSet, name: str, origin: str | None) -> None:
         """`name` back to its start, fresh moments: its `origin`'s weights (under promotion the

@@ -119,20 +119,19 @@ class TrainLoop(ConsumerLoop):
         except TrainerRunning as exc:
             raise ConfigError(f"run_dir: {exc}: one trainer per run directory") from None
         registry = await Registry.open(self.bus) if self.config.promotion.enabled else None
+        self.ledger = Ledger(self.run_dir / "trained.jsonl")
         if self.lora:
             from flywheel.train.adapter_versions import AdapterVersions  # PEFT loads only where adapters train
 
             self.adapter_versions = AdapterVersions.of(self.config, self.run_dir, self.bus, self.trainer.adapters,
-                                                       self.tokenizer, registry)
+                                                       self.tokenizer, registry, self.ledger)
             self.forgetting = Forgetting(self.bus, self.checkpoints)
             self.trainer.adapters.keep_on_disk(self.run_dir / "trainer_adapters")  # under the lock: a live trainer's are not ours
         else:
             self.store = WeightStore(self.run_dir / "weights", keep=self.config.train.keep_versions)
             self.publisher = WeightPublisher(self.store, self.bus)
-        self.promotion: UnderPromotion | None = None
-        if registry is not None and not self.lora:
-            self.promotion = UnderPromotion(registry, self.config.rollout.max_head_offpolicyness)
-        self.ledger = Ledger(self.run_dir / "trained.jsonl")
+        self.promotion = (UnderPromotion(registry, self.config.rollout.max_head_offpolicyness)
+                          if registry is not None and not self.lora else None)
         await self._restore()
         self._checkpointed_at = self.trainer.step_count
         self.metrics_file = (self.run_dir / "metrics.jsonl").open("a")
@@ -212,6 +211,7 @@ class TrainLoop(ConsumerLoop):
             await asyncio.to_thread(load_weights, self.trainer.model, directive.path or self.config.model)
             self.trainer.optimizer.state.clear()
             self.promotion.abandon(directive, self.version)
+            self.ledger.back_to(directive.version)
             self.lineage.parent = directive.version
             await self._checkpoint()
         return self.promotion.may_step(self.version)
