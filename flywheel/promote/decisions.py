@@ -80,28 +80,22 @@ class Decisions:
         await self.registry.set_routing(Routing(id=f"routing-{uuid.uuid4().hex[:12]}", reason=reason, **fields))
 
     async def serve(self, entry: VersionEntry, reason: str, by: str) -> None:
-        """`entry` serves everyone; the version serving before retires (a canary other than
-        `entry` retires too: it was not chosen). An adapter's version serves its adapter's requests."""
+        """`entry` serves its line (the shared weights', or its adapter's requests); the version
+        serving before retires (a canary other than `entry` retires too: it was not chosen)."""
         routing = await self.routing()
-        if entry.adapter is not None:
-            name, canary = entry.adapter, routing.adapter_canaries.get(entry.adapter)
-            for old in {routing.serving_version(name), *([canary.version] if canary else [])} - {0, entry.version}:
-                previous = await self.entry(old, name)
-                if previous.state in ("serving", "canary"):
-                    await self.registry.put(move(previous, "retired", f"{entry.id} serves instead", by))
-            adapters = {other: routed for other, routed in routing.adapters.items() if other != name}
-            if entry.version != 0:  # the start (the bare base) is no entry: it serves where the routing names none
-                await self.registry.put(move(entry, "serving", reason, by))
-                adapters[name] = arm(entry)
-            await self.set_routing(routing, f"{entry.id}: {reason}", adapters=adapters,
-                                   adapter_canaries=_without(routing.adapter_canaries, name))
+        line, canary = entry.adapter, routing.canary_of(entry.adapter)
+        for old in {routing.serving_version(line), *([canary.version] if canary else [])} - {entry.version}:
+            previous = await self.entry(old, line)
+            if previous.state in ("serving", "canary") and not _is_start(previous):
+                await self.registry.put(move(previous, "retired", f"{entry.id} serves instead", by))
+        if not _is_start(entry):  # an adapter's start (the bare base) is no entry: it serves where the routing names none
+            await self.registry.put(move(entry, "serving", reason, by))
+        if line is None:
+            await self.set_routing(routing, f"{entry.id}: {reason}", serving=arm(entry), canary=None)
             return
-        for old in {routing.serving.version, *([routing.canary.version] if routing.canary else [])} - {entry.version}:
-            previous = await self.entry(old)
-            if previous.state in ("serving", "canary"):
-                await self.registry.put(move(previous, "retired", f"v{entry.version} serves instead", by))
-        await self.registry.put(move(entry, "serving", reason, by))
-        await self.set_routing(routing, reason, serving=arm(entry), canary=None)
+        adapters = _without(routing.adapters, line) | ({} if _is_start(entry) else {line: arm(entry)})
+        await self.set_routing(routing, f"{entry.id}: {reason}", adapters=adapters,
+                               adapter_canaries=_without(routing.adapter_canaries, line))
 
     async def start_canary(self, entry: VersionEntry, reason: str) -> None:
         """`entry` gets `promotion.canary.share` of its line's new sessions; the evidence of both
@@ -118,30 +112,21 @@ class Decisions:
         await self.set_routing(routing, f"{entry.id} is canary for {share:.0%} of new sessions", canary_share=share, **line)
 
     async def reject(self, entry: VersionEntry, state: str, reason: str, by: str) -> None:
-        """`entry` is rejected (never served) or rolled back; serving goes back to the last good
-        version if it was `entry`, and the trainer is told what to continue from (an adapter's
-        version never served: `Routing.adapters` is unchanged, its canary ends)."""
-        if entry.adapter is not None:  # a promoter that dies between the two: `repair` writes the directive
-            await self.registry.put(move(entry, state, reason, by))  # type: ignore[arg-type]
-            routing = await self.routing()
-            canary = routing.adapter_canaries.get(entry.adapter)
-            if canary is not None and canary.version == entry.version:
-                await self.set_routing(routing, f"{entry.id}: {reason}",
-                                       adapter_canaries=_without(routing.adapter_canaries, entry.adapter))
-            await self.direct_trainer(await self.serving(entry.adapter), entry.version,
-                                      f"{entry.id} {state.replace('_', ' ')}: {reason}")
-            return
-        routing = await self.routing()
+        """`entry` is rejected (never served) or rolled back: if it served its line, the line's last
+        good version serves again (an adapter's start when none is); if it was the line's canary,
+        the canary ends. The trainer is told what to continue from (a promoter that dies before
+        that: `repair` writes the directive)."""
+        line, said = entry.adapter, state.replace("_", " ")
         await self.registry.put(move(entry, state, reason, by))  # type: ignore[arg-type]
-        serving = await self.entry(routing.serving.version)
-        if routing.serving.version == entry.version:
-            back = last_good(await self.registry.versions(), besides=entry.version) or await self.entry(0)
-            await self.registry.put(move(back, "serving", f"v{entry.version} was {state.replace('_', ' ')}", by))
-            serving = back
-            await self.set_routing(routing, reason, serving=arm(back), canary=None)
-        elif routing.canary is not None and routing.canary.version == entry.version:
-            await self.set_routing(routing, reason, canary=None)
-        await self.direct_trainer(serving, entry.version, f"v{entry.version} {state.replace('_', ' ')}: {reason}")
+        routing = await self.routing()
+        canary = routing.canary_of(line)
+        if routing.serving_version(line) == entry.version:
+            back = last_good(await self.registry.versions(adapter=line), besides=entry.version) or await self.entry(0, line)
+            await self.serve(back, f"{entry.id} was {said}", by)
+        elif canary is not None and canary.version == entry.version:
+            ended = {"canary": None} if line is None else {"adapter_canaries": _without(routing.adapter_canaries, line)}
+            await self.set_routing(routing, f"{entry.id}: {reason}", **ended)
+        await self.direct_trainer(await self.serving(line), entry.version, f"{entry.id} {said}: {reason}")
 
     async def direct_trainer(self, good: VersionEntry, rejected: int, reason: str) -> None:
         """Tell the trainer to continue from `good`, `rejected` having been found worse
@@ -211,6 +196,11 @@ class Decisions:
             await self.set_routing(routing, "ended canaries removed after a restart",
                                    canary=None if None in ended else routing.canary,
                                    adapter_canaries={k: v for k, v in routing.adapter_canaries.items() if k not in ended})
+
+
+def _is_start(entry: VersionEntry) -> bool:
+    """Whether `entry` is an adapter's start (`adapter_start`), which the registry does not hold."""
+    return entry.adapter is not None and entry.version == 0
 
 
 def _without(arms: dict[str, Arm], name: str) -> dict[str, Arm]:
