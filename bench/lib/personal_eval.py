@@ -41,10 +41,7 @@ async def satisfaction(weights: Path | None, model_name: str, user: User, questi
     replies would satisfy each of `others` (`others`: their preference's kind -> rate). With a
     `hint`: the teacher's view, each request told the hint exactly as the hint teacher renders it;
     `system`: another system message than the user's (the memory baseline's)."""
-    from flywheel.config import load_config
-    from flywheel.judge.teacher import Teacher
     from flywheel.models import load_model, load_weights
-    from flywheel.serve.engine import Engine, SamplingParams
 
     model, tokenizer = load_model(model_name)
     if weights is not None:
@@ -52,18 +49,36 @@ async def satisfaction(weights: Path | None, model_name: str, user: User, questi
     asked = [q for q in questions for _ in range(args.heldout_samples)]
     chats = [[{"role": "system", "content": system or user.system}, {"role": "user", "content": q}] for q in asked]
     if hint is not None:
-        teacher = Teacher(load_config(CONFIG, args.overrides).judge.teacher, "http://unused")
-        chats = [teacher.told(chat, hint) for chat in chats]
-        await teacher.close()
-    prompts = [tokenizer.encode(tokenizer.apply_chat_template(chat, add_generation_prompt=True, tokenize=False),
-                                add_special_tokens=False) for chat in chats]
+        chats = [told(chat, hint, args) for chat in chats]
+    replies = [tokenizer.decode(ids, skip_special_tokens=True) for ids in await sample(model, tokenizer, chats, args)]
+    return {"rate": fmean(user.satisfied(r, q) for r, q in zip(replies, asked)),
+            "others": {o.preference.kind: fmean(o.satisfied(r, q) for r, q in zip(replies, asked)) for o in others},
+            "answers": fmean(answers(q, r) for r, q in zip(replies, asked)), "n": len(replies), "examples": replies[:3]}
+
+
+def told(chat: list[dict], hint: str, args) -> list[dict]:
+    """`chat` told `hint` exactly as the hint teacher renders it (the bench's configuration)."""
+    from flywheel.config import load_config
+    from flywheel.judge import teacher
+
+    return teacher.told(chat, hint, load_config(CONFIG, args.overrides).judge.teacher)
+
+
+def prompt_ids(tokenizer, chat: list[dict]) -> list[int]:
+    return tokenizer.encode(tokenizer.apply_chat_template(chat, add_generation_prompt=True, tokenize=False),
+                            add_special_tokens=False)
+
+
+async def sample(model, tokenizer, chats: list[list[dict]], args) -> list[list[int]]:
+    """One reply's tokens to each chat, all in one batch of the embedded engine (`args.max_tokens`,
+    `args.temperature`; request i seeded i)."""
+    from flywheel.serve.engine import Engine, SamplingParams
+
+    prompts = [prompt_ids(tokenizer, chat) for chat in chats]
     engine = Engine(model, tokenizer, max_batch_size=len(prompts)).start()
     try:
         results = await asyncio.gather(*(engine.generate(p, SamplingParams(
             max_new_tokens=args.max_tokens, temperature=args.temperature, sampling_seed=i)) for i, p in enumerate(prompts)))
     finally:
         engine.stop()
-    replies = [tokenizer.decode(r.output_ids, skip_special_tokens=True) for r in results]
-    return {"rate": fmean(user.satisfied(r, q) for r, q in zip(replies, asked)),
-            "others": {o.preference.kind: fmean(o.satisfied(r, q) for r, q in zip(replies, asked)) for o in others},
-            "answers": fmean(answers(q, r) for r, q in zip(replies, asked)), "n": len(replies), "examples": replies[:3]}
+    return [list(r.output_ids) for r in results]

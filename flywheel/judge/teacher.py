@@ -153,19 +153,23 @@ class Teacher:
         return scored
 
     def told(self, messages: list[dict[str, Any]], hint: str) -> list[dict[str, Any]]:
-        """The turn's request with the hint appended to its last user message (a user message of
-        its own when there is none)."""
-        addition = Template(self.config.hint_template).safe_substitute(hint=hint[: self.config.max_hint_chars])
-        messages = [dict(m) for m in messages]
-        for message in reversed(messages):
-            if message.get("role") == "user":
-                content = message.get("content")
-                if isinstance(content, list):
-                    message["content"] = [*content, {"type": "text", "text": addition}]
-                else:
-                    message["content"] = f"{content or ''}{addition}"
-                return messages
-        return [*messages, {"role": "user", "content": addition.strip()}]
+        return told(messages, hint, self.config)
 
     async def close(self) -> None:
         await self.http.aclose()
+
+
+def told(messages: list[dict[str, Any]], hint: str, config: TeacherConfig) -> list[dict[str, Any]]:
+    """A turn's request told `hint`: appended to its last user message (a user message of its own
+    when there is none), by `config.hint_template`."""
+    addition = Template(config.hint_template).safe_substitute(hint=hint[: config.max_hint_chars])
+    messages = [dict(m) for m in messages]
+    for message in reversed(messages):
+        if message.get("role") == "user":
+            content = message.get("content")
+            if isinstance(content, list):
+                message["content"] = [*content, {"type": "text", "text": addition}]
+            else:
+                message["content"] = f"{content or ''}{addition}"
+            return messages
+    return [*messages, {"role": "user", "content": addition.strip()}]
