@@ -8,16 +8,18 @@ policy writes, the teacher finds the ones that meet the preference likelier. Thi
 For each person: `--questions` training questions x `--samples` replies sampled from the base
 (the app's system message, temperature and max_tokens, seeded; with `--mixed`, half of them
 told the drill's own correction of that preference, so that replies which meet a preference the
-base rarely meets are there to be ranked), each labelled by the person's own rule (meets the preference and answers the question); each reply scored by the teacher told
+base rarely meets are there to be ranked: pairs are compared only between replies of the same
+writer, so a teacher that merely prefers one writer's style scores nothing for it), each
+labelled by the person's own rule (meets the preference and answers the question); each reply scored by the teacher told
 one of the person's corrections against the base untold: the summed log-ratio over the reply's
 tokens, log p(reply | request + hint) - log p(reply | request), the signal distillation adds to
 the advantage (unclipped), and that sum over the reply's length (`mean`: a short reply's sum is
 small whatever the teacher thinks of it). Reported per person (means over the corrections told):
 
-- `pairs`: of the (meets, misses) pairs of replies to the same question, the share where the
+- `pairs`: of the (meets, misses) pairs of replies to the same question (by the same writer), the share where the
   reply that meets it scores higher (ties count half; 0.5 is chance): what a practice group's
   advantage would get right; by the sum and by the mean;
-- `auc`: the same over all replies pooled, by the sum;
+- `auc`: the same over all replies of a writer pooled, by the sum;
 - `rate` and `meets`: the share and number of the replies ranked that meet the preference.
 
 People: the drill's own (each preference's first specific correction) and, with `--people`, a
@@ -62,16 +64,14 @@ def reply_logprobs(model, prompts: list[list[int]], replies: list[list[int]], ba
     return sums
 
 
-def ranking(scores: list[float], meets: list[bool], questions: list[str]) -> tuple[float | None, float | None]:
-    """(within-question pair accuracy, pooled AUC); None where no pair exists."""
-    def accuracy(pairs: list[tuple[float, float]]) -> float | None:
+def ranking(scores: list[float], meets: list[bool], groups: list[tuple], writers: list[int]) -> tuple[float | None, float | None]:
+    """(pair accuracy within each group, pooled AUC within each writer); None where no pair exists."""
+    def accuracy(within: list) -> float | None:
+        pairs = [(a, b) for key in set(within) for a, m, k in zip(scores, meets, within) if k == key and m
+                 for b, n, j in zip(scores, meets, within) if j == key and not n]
         return fmean(1.0 if a > b else 0.5 if a == b else 0.0 for a, b in pairs) if pairs else None
 
-    same = [(a, b) for q in set(questions)
-            for a, m, qa in zip(scores, meets, questions) if qa == q and m
-            for b, n, qb in zip(scores, meets, questions) if qb == q and not n]
-    pooled = [(a, b) for a, m in zip(scores, meets) if m for b, n in zip(scores, meets) if not n]
-    return accuracy(same), accuracy(pooled)
+    return accuracy(groups), accuracy(writers)
 
 
 def people(args) -> list[tuple[str, User, list[str]]]:
@@ -92,8 +92,8 @@ def measure(model, tokenizer, who: str, user: User, hints: list[str], args) -> d
     questions = [q for q in TRAIN_QUESTIONS[:args.questions] for _ in range(args.samples)]
     chats = [[{"role": "system", "content": user.system}, {"role": "user", "content": q}] for q in questions]
     drill = user.preference.specific[0].format(name=user.name)
-    writers = [told(c, drill, args) if args.mixed and i % 2 else c for i, c in enumerate(chats)]
-    replies = asyncio.run(sample(model, tokenizer, writers, args))
+    writers = [int(args.mixed and i % 2 == 1) for i in range(len(chats))]  # 1: told the drill's correction
+    replies = asyncio.run(sample(model, tokenizer, [told(c, drill, args) if w else c for c, w in zip(chats, writers)], args))
     texts = [tokenizer.decode(r, skip_special_tokens=True) for r in replies]
     meets = [user.satisfied(t, q) for t, q in zip(texts, questions)]
     base = reply_logprobs(model, [prompt_ids(tokenizer, c) for c in chats], replies)
@@ -101,8 +101,9 @@ def measure(model, tokenizer, who: str, user: User, hints: list[str], args) -> d
     for hint in hints:
         teacher = reply_logprobs(model, [prompt_ids(tokenizer, told(c, hint, args)) for c in chats], replies)
         ratios = [t - b for t, b in zip(teacher, base)]
-        (same, pooled), (same_mean, _) = (ranking(ratios, meets, questions),
-                                          ranking([r / max(len(y), 1) for r, y in zip(ratios, replies)], meets, questions))
+        groups = list(zip(questions, writers))
+        (same, pooled), (same_mean, _) = (ranking(ratios, meets, groups, writers),
+                                          ranking([r / max(len(y), 1) for r, y in zip(ratios, replies)], meets, groups, writers))
         for key, value in (("pairs", same), ("pairs_mean", same_mean), ("auc", pooled)):
             if value is not None:
                 found[key].append(value)
