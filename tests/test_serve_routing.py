@@ -20,7 +20,7 @@ from flywheel.models import WeightStore, load_model
 from flywheel.models.adapter_names import canary_name
 from flywheel.serve.loop import ServeLoop
 from flywheel.serve.routing import WEIGHTS, SessionArms, canary_draw
-from flywheel.versions.records import Arm, Routing
+from flywheel.versions.records import Arm, Routing, VersionEntry
 from flywheel.versions.registry import Registry
 
 from factories import LINEAR, random_adapters, recorded_turns
@@ -143,6 +143,7 @@ async def test_an_adapters_canary_answers_its_share_of_the_adapters_sessions(bus
         await until(lambda: serve.pool.adapter_versions == {"acme": 1})
         for session in SESSIONS[:8]:  # sessions begun before the canary
             await ask(session)
+        await registry.put(VersionEntry(id="acme@v2", version=2, path=paths[2], adapter="acme", state="canary"))
         await registry.set_routing(msgspec.structs.replace(serving, id="r1", adapter_canaries={"acme": Arm(version=2, path=paths[2])},
                                                            canary_share=0.5))
         await until(lambda: serve.pool.adapter_versions == {"acme": 1, canary_name("acme"): 2})
@@ -176,15 +177,16 @@ async def test_an_adapters_canary_answers_its_share_of_the_adapters_sessions(bus
     on_canary = {s for s, v in versions.items() if v == {2}}
     assert on_canary == {s for s in set(versions) - before if canary_draw(s, 2) < 0.5} and 0 < len(on_canary) < len(SESSIONS) - 8
     assert all(set(t.output_versions) == {2} for t in turns[32:40])
-    assert metrics == {"flywheel_canary_share": 0.5, "canary": len(on_canary), "serving": len(SESSIONS) - 8 - len(on_canary)}
+    assert metrics == {"flywheel_canary_share": 0.5, "canary": len(on_canary), "serving": len(SESSIONS) - 8 - len(on_canary),
+                       "flywheel_version_state": 1.0, "flywheel_version_online_sessions": 0.0}  # acme's line, apart
 
 
 async def _metrics(http, line: str) -> dict[str, float] | None:
-    """`line`'s canary share and new sessions by arm, as Prometheus reads them; None until its
-    canary's share shows."""
+    """`line`'s canary share, new sessions by arm and version gauges, as Prometheus reads them;
+    None until its canary's share and its canary's state show."""
     found = {}
     for family in text_string_to_metric_families((await http.get("/metrics")).text):
         for sample in family.samples:
             if sample.labels.get("line") == line:
                 found[sample.labels.get("arm", sample.name)] = sample.value
-    return found if "flywheel_canary_share" in found else None
+    return found if {"flywheel_canary_share", "flywheel_version_state"} <= found.keys() else None

@@ -124,8 +124,8 @@ async def test_the_dashboard_and_the_metrics_show_each_versions_state(bus, nats_
         assert one["state"] == "serving" and one["transitions"][-1]["by"] == "gate"
         assert "Flywheel policy versions" in (await http.get("/dashboard")).text
         metrics = (await http.get("/metrics")).text
-        assert 'flywheel_version_state{state="serving",version="1"} 1.0' in metrics
-        assert 'flywheel_version_state{state="retired",version="0"} 1.0' in metrics
+        assert 'flywheel_version_state{line="",state="serving",version="1"} 1.0' in metrics
+        assert 'flywheel_version_state{line="",state="retired",version="0"} 1.0' in metrics
 
 
 async def _serving(serve: ServeLoop, version: int) -> bool:

@@ -9,11 +9,12 @@
   `POST /admin/versions/{N}/pin`, `POST /admin/versions/unpin`, `POST /admin/versions/rollback`
   (`{"version": N}` or `{}`; optional `"reason"`). A command answers 200 with the promotion
   loop's result, 409 when the loop refused it, 504 when no promotion loop answered.
-- Prometheus: `flywheel_version_state{version,state}` (1 for each version's state),
-  `flywheel_version_online_reward{version}` and `flywheel_version_online_sessions{version}`,
-  `flywheel_canary_share{line}` (each line with a canary: "" the shared weights', else the adapter's
-  name; the shared line always, 0 without one) and `flywheel_routed_sessions{line,arm}` (new sessions
-  this gateway sent to each arm while the line's canary ran).
+- Prometheus, per line of versions (`line`: "" for the shared weights, else a shared or tenant
+  adapter's name): `flywheel_version_state{line,version,state}` (1 for each version's state),
+  `flywheel_version_online_reward{line,version}` and `flywheel_version_online_sessions{line,version}`,
+  `flywheel_canary_share{line}` (each line with a canary; the shared line always, 0 without one)
+  and `flywheel_routed_sessions{line,arm}` (new sessions this gateway sent to each arm while the
+  line's canary ran).
 
 The snapshot the page and metrics show is refreshed whenever the routing changes and every
 `REFRESH_S` seconds.
@@ -56,10 +57,11 @@ class VersionBoard:
         self.adapters: dict[str, list[VersionEntry]] = {}
         self.routing: Routing | None = None
         r = metrics.registry
-        self._state = Gauge("flywheel_version_state", "1 for each version's registry state.", ["version", "state"], registry=r)
-        self._reward = Gauge("flywheel_version_online_reward", "Mean judged reward of a version's sessions.", ["version"],
+        line = ["line", "version"]
+        self._state = Gauge("flywheel_version_state", "1 for each version's registry state.", [*line, "state"], registry=r)
+        self._reward = Gauge("flywheel_version_online_reward", "Mean judged reward of a version's sessions.", line,
                              registry=r)
-        self._sessions = Gauge("flywheel_version_online_sessions", "Judged sessions a version sampled.", ["version"], registry=r)
+        self._sessions = Gauge("flywheel_version_online_sessions", "Judged sessions a version sampled.", line, registry=r)
         self._share = Gauge("flywheel_canary_share", "Share of a line's new sessions sent to its canary (0: none).",
                             ["line"], registry=r)
         self._routed = Gauge("flywheel_routed_sessions", "New sessions this gateway sent to each arm of a line.",
@@ -81,13 +83,15 @@ class VersionBoard:
             await asyncio.sleep(REFRESH_S)
 
     def _report(self) -> None:
-        self._state.clear()
-        for entry in self.entries:
-            self._state.labels(str(entry.version), entry.state).set(1)
-            sessions, reward = entry.online_reward()
-            self._sessions.labels(str(entry.version)).set(sessions)
-            if reward is not None:
-                self._reward.labels(str(entry.version)).set(reward)
+        for gauge in (self._state, self._reward, self._sessions):
+            gauge.clear()
+        for line, entries in ((WEIGHTS, self.entries), *self.adapters.items()):
+            for entry in entries:
+                self._state.labels(line, str(entry.version), entry.state).set(1)
+                sessions, reward = entry.online_reward()
+                self._sessions.labels(line, str(entry.version)).set(sessions)
+                if reward is not None:
+                    self._reward.labels(line, str(entry.version)).set(reward)
         self._share.clear()
         routing = self.routing
         self._share.labels(WEIGHTS).set(routing.canary_share if routing and routing.canary else 0.0)
