@@ -6,7 +6,7 @@
   them by name. Every import counts, also one inside a function.
 - The project installs one top-level package, `flywheel`.
 - No file of the package or the benchmarks runs past 400 lines.
-- No test module imports another: what tests share is in `tests/factories.py` or `conftest.py`.
+- No test module imports another: what tests share is in `tests/factories.py`, `tests/adapter_training.py` (the adapter tests') or `conftest.py`.
 """
 
 from __future__ import annotations
