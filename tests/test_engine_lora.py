@@ -376,7 +376,8 @@ async def test_sglang_lora_protocol_over_http(adapters, base):
 
 @pytest.mark.parametrize("dense_columns", [lora_batch.DENSE_COLUMNS, {}], ids=["dense", "grouped"])
 def test_an_adapter_with_inf_or_nan_reaches_no_other_row(base, monkeypatch, dense_columns):
-    """One resident adapter's non-finite weights stay in its own rows: the base's rows and another
+    """One resident adapter's non-finite weights (written into the table directly: reading one
+    refuses it) stay in its own rows: the base's rows and another
     adapter's rows of the same batch get exactly their deltas (none for the base)."""
     monkeypatch.setattr(lora_batch, "DENSE_COLUMNS", dense_columns)
     model, _ = base
@@ -394,3 +395,15 @@ def test_an_adapter_with_inf_or_nan_reaches_no_other_row(base, monkeypatch, dens
     a, b = good.layers[layer]
     assert torch.equal(out[0], torch.zeros(width[1])) and out[2].isnan().all()
     torch.testing.assert_close(out[1], (x[1] @ a.T) @ b.T, rtol=1e-4, atol=1e-4)
+
+
+def test_an_adapter_whose_weights_are_not_finite_is_refused(adapters, tmp_path):
+    """A diverged adapter (inf or NaN in A or B) is refused when read: in a batch's dense products
+    a slot's infinite B would reach every other row, the base's too (0 x inf)."""
+    for matrix, value in (("lora_A", float("nan")), ("lora_B", float("inf"))):
+        shutil.copytree(adapters["alice"][0], tmp_path / matrix)
+        tensors = load_file(tmp_path / matrix / "adapter_model.safetensors")
+        tensors[f"base_model.model.model.layers.1.mlp.up_proj.{matrix}.weight"][0, 0] = value
+        save_file(tensors, tmp_path / matrix / "adapter_model.safetensors")
+        with pytest.raises(AdapterError, match="up_proj's weights are not all finite"):
+            read_adapter(tmp_path / matrix)

@@ -149,6 +149,7 @@ async def test_an_adapters_canary_answers_its_share_of_the_adapters_sessions(bus
         await until(lambda: serve.pool.adapter_versions == {"acme": 1, canary_name("acme"): 2})
         for session in SESSIONS:
             await ask(session)
+        kept = len(serve.pool.arms)
         with pytest.raises(openai.NotFoundError, match="does not exist"):
             await ask("s0", canary_name("acme"))
         async with httpx.AsyncClient(base_url=serve.url) as http:
@@ -177,6 +178,7 @@ async def test_an_adapters_canary_answers_its_share_of_the_adapters_sessions(bus
     on_canary = {s for s, v in versions.items() if v == {2}}
     assert on_canary == {s for s in set(versions) - before if canary_draw(s, 2) < 0.5} and 0 < len(on_canary) < len(SESSIONS) - 8
     assert all(set(t.output_versions) == {2} for t in turns[32:40])
+    assert kept == len(SESSIONS)  # acme's line alone: the frozen shared weights keep no sessions
     assert metrics == {"flywheel_canary_share": 0.5, "canary": len(on_canary), "serving": len(SESSIONS) - 8 - len(on_canary),
                        "flywheel_version_state": 1.0, "flywheel_version_online_sessions": 0.0}  # acme's line, apart
 

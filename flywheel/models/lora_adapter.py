@@ -18,7 +18,8 @@ nothing more).
 What a plain low-rank product cannot serve is refused with an `AdapterError` naming it, never
 served wrong: DoRA, LoRA biases, per-layer `alpha_pattern`, activated LoRA, layer replication,
 and any tensor other than `lora_A`/`lora_B` weights (adapted embeddings, `modules_to_save`,
-trainable tokens). Which layers an engine can adapt is the engine's business
+trainable tokens); so are weights that are not finite (a diverged training run's), which a batched
+product would spread to other adapters' rows (0 x inf). Which layers an engine can adapt is the engine's business
 (`flywheel.models.lora_batch.AdapterTable.check`).
 """
 
@@ -95,6 +96,8 @@ def _layers(path: Path, tensors: dict[str, torch.Tensor], alpha: float,
         a, b = tensors.get(KEY_PREFIX + name + A_SUFFIX), tensors.get(KEY_PREFIX + name + B_SUFFIX)
         if a is None or b is None or a.dim() != 2 or b.dim() != 2 or a.shape[0] != b.shape[1]:
             raise AdapterError(f"{path}: {name} needs lora_A [r, in] and lora_B [out, r] weights")
+        if not (a.isfinite().all() and b.isfinite().all()):  # 0 x inf in a batched product would reach other rows
+            raise AdapterError(f"{path}: {name}'s weights are not all finite (inf or NaN)")
         rank = a.shape[0]
         scaling = alpha / (math.sqrt(rank) if rslora else rank)
         layers[name] = (a, b * scaling)

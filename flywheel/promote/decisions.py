@@ -29,7 +29,6 @@ from flywheel.versions.records import (
     Routing,
     TrainerDirective,
     VersionEntry,
-    last_good,
 )
 from flywheel.versions.registry import Registry
 
@@ -112,18 +111,15 @@ class Decisions:
         await self.set_routing(routing, f"{entry.id} is canary for {share:.0%} of new sessions", canary_share=share, **line)
 
     async def reject(self, entry: VersionEntry, state: str, reason: str, by: str) -> None:
-        """`entry` is rejected (never served) or rolled back: if it served its line, the line's last
-        good version serves again (an adapter's start when none is); if it was the line's canary,
-        the canary ends. The trainer is told what to continue from (a promoter that dies before
-        that: `repair` writes the directive)."""
+        """`entry`, a candidate the gate turned down or its line's canary, is rejected (never served)
+        or rolled back; a canary ends. The trainer is told to continue from what serves (a promoter
+        that dies before that: `repair` writes the directive). Rolling back the version that serves
+        is an operator's command (`flywheel.promote.commands`)."""
         line, said = entry.adapter, state.replace("_", " ")
         await self.registry.put(move(entry, state, reason, by))  # type: ignore[arg-type]
         routing = await self.routing()
         canary = routing.canary_of(line)
-        if routing.serving_version(line) == entry.version:
-            back = last_good(await self.registry.versions(adapter=line), besides=entry.version) or await self.entry(0, line)
-            await self.serve(back, f"{entry.id} was {said}", by)
-        elif canary is not None and canary.version == entry.version:
+        if canary is not None and canary.version == entry.version:
             ended = {"canary": None} if line is None else {"adapter_canaries": _without(routing.adapter_canaries, line)}
             await self.set_routing(routing, f"{entry.id}: {reason}", **ended)
         await self.direct_trainer(await self.serving(line), entry.version, f"{entry.id} {said}: {reason}")

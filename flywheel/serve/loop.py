@@ -98,7 +98,7 @@ class ServeLoop:
             engines = [InProcessEngineClient(self.engine)]
             context_length = self.engine.context_length
         self.routed = cfg.role == "policy" and self.config.promotion.enabled
-        self.pool = RoutedPool(engines) if self.routed else EnginePool(engines)
+        self.pool = RoutedPool(engines, frozen=self.config.adapters.kind == "lora") if self.routed else EnginePool(engines)
         self.bus = await Bus.connect(self.bus_url, name="serve", replicas=self.config.bus.replicas,
                                   retention=retention_s(self.config.tenants))
         spill_dir = Path(cfg.spill_dir) if cfg.spill_dir else Path(self.config.run_dir) / "spill"

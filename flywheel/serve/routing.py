@@ -57,13 +57,20 @@ class SessionArms:
                 self.counts[arm] = self.counts.get(arm, 0) + 1
         return canary is not None and started == canary
 
+    def __len__(self) -> int:
+        """(line, session) entries kept."""
+        return len(self._started)
+
 
 class RoutedPool(EnginePool):
     """The serving engines, plus the canary's when there is one; `route` picks the session's arm.
     Everything else an `EnginePool` does (swaps, versions, health) is about the serving engines."""
 
-    def __init__(self, serving: list[EngineClient], sessions: int = 100_000):
+    def __init__(self, serving: list[EngineClient], sessions: int = 100_000, frozen: bool = False):
         super().__init__(serving)
+        self.frozen = frozen
+        """The shared weights never change (adapters train instead): no canary of theirs runs, so
+        `route` keeps no session for their line (`arms` holds the adapters' lines alone)."""
         self.canary: EnginePool | None = None
         self.routing: Routing | None = None
         self.arms = SessionArms(sessions)
@@ -85,6 +92,8 @@ class RoutedPool(EnginePool):
         return canary.version
 
     def route(self, session_id: str) -> EngineClient:
+        if self.frozen:
+            return super().route(session_id)
         share = self.routing.canary_share if self.routing is not None else 0.0
         if self.arms.on_canary(WEIGHTS, session_id, self._live_canary(), share):
             assert self.canary is not None
