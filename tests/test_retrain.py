@@ -102,8 +102,10 @@ async def test_retrain_refuses_while_a_trainer_runs_and_removes_nothing(nats_url
             assert holder.stdout.readline() == "held\n"  # another process's trainer holds the run directory
             done = await asyncio.to_thread(subprocess.run, forget_command(tmp_path, nats_url), capture_output=True,
                                            text=True)
+            refused = TrainLoop(serve.config, nats_url)
             with pytest.raises(ConfigError, match="one trainer per run directory"):
-                await TrainLoop(serve.config, nats_url).start()
+                await refused.start()
+            assert refused.bus.nc.is_closed
         finally:
             holder.kill()
             holder.wait()

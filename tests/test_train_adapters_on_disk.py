@@ -127,9 +127,11 @@ async def test_a_second_trainer_on_a_live_run_directory_leaves_its_adapter_files
                               stdout=subprocess.PIPE, text=True)
     try:
         assert holder.stdout.readline() == "held\n"
+        refused = TrainLoop(load_config(None, [f"run_dir={tmp_path}", *LORA]), nats_url)
         with pytest.raises(ConfigError, match="one trainer per run directory"):
-            await TrainLoop(load_config(None, [f"run_dir={tmp_path}", *LORA]), nats_url).start()
+            await refused.start()
     finally:
         holder.kill()
         holder.wait()
     assert kept.read_bytes() == b"the live trainer's adapter"
+    assert refused.bus.nc.is_closed  # no connection left behind to reconnect forever once the server goes

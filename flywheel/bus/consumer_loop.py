@@ -4,8 +4,8 @@ durable consumer, keep what it holds alive, repeat its step forever, stop cleanl
 A loop says what it consumes (`subjects`), what one step does (`step`: fetch, work, publish,
 acknowledge), which deliveries it holds unacknowledged (`held`: kept from redelivery with
 progress acknowledgements, `flywheel/bus/keepalive.py`, so the ack wait can stay short), and optionally
-what to do once connected (`prepare`) and once its tasks have stopped, before the bus closes
-(`finish`). A step that raises is logged and retried (`flywheel.runtime.repeat`): a passing fault
+what to do once connected (`prepare`; a start it refuses closes the connection again) and once its
+tasks have stopped, before the bus closes (`finish`). A step that raises is logged and retried (`flywheel.runtime.repeat`): a passing fault
 never ends a loop. Acknowledging stays the loop's own business, since only it knows when what it
 made from a record is durable.
 """
@@ -43,7 +43,13 @@ class ConsumerLoop:
                                   retention=retention_s(self.config.tenants))
         ack_wait = self.config.bus.ack_wait_s
         self.consumer = self.bus.consumer(self.subjects, self.durable, ack_wait_s=ack_wait)
-        await self.prepare()  # may start tasks of its own (in `_tasks`, stopped with the others)
+        try:
+            await self.prepare()  # may start tasks of its own (in `_tasks`, stopped with the others)
+        except BaseException:  # refused (a config error, another trainer's run lock): nothing stays behind
+            await cancel_and_wait(self._tasks)
+            self._tasks = []
+            await self.bus.close()
+            raise
         self._tasks += [
             asyncio.create_task(repeat(self.step, self.name), name=self.name),
             asyncio.create_task(repeat(lambda: keep_alive(self.held, ack_wait), f"{self.name}.keepalive"),

@@ -19,8 +19,8 @@ What a plain low-rank product cannot serve is refused with an `AdapterError` nam
 served wrong: DoRA, LoRA biases, per-layer `alpha_pattern`, activated LoRA, layer replication,
 and any tensor other than `lora_A`/`lora_B` weights (adapted embeddings, `modules_to_save`,
 trainable tokens); so are weights that are not finite (a diverged training run's), which a batched
-product would spread to other adapters' rows (0 x inf). Which layers an engine can adapt is the engine's business
-(`flywheel.models.lora_batch.AdapterTable.check`).
+product would spread to other adapters' rows (0 x inf). Which layers an engine can adapt is the
+engine's business (`flywheel.models.lora_batch.AdapterTable.check`).
 """
 
 from __future__ import annotations
