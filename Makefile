@@ -79,7 +79,7 @@ run: install $(if $(filter vllm,$(ENGINE)),vllm-venv)
 # runs: 3:13 against 4:57 one after another, from a fresh clone here (docs/experiments/odd-things.md).
 test:
 	$(MAKE) --no-print-directory --output-sync=target -j3 install msa-venv vllm-venv
-	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
+	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile
 
 clean:
 	rm -rf $(VENV) $(MSA_VENV) $(VLLM_VENV) runs .pytest_cache

@@ -37,21 +37,6 @@ if _worker:  # each worker's sandbox slots get uids of their own (closing a sand
     os.environ.setdefault("FLYWHEEL_SANDBOX_UID_BASE", str(10000 * (1 + int(_worker.removeprefix("gw")))))
 
 
-LONGEST_FIRST = ("test_deploy.py", "test_fault_drills.py", "test_vllm_engine.py", "test_vllm_lora.py", "test_train_run.py",
-                 "test_models.py", "test_messages_api.py", "test_tenant_drill.py", "test_tool_formats.py",
-                 "test_versions_cli.py", "test_swe_env.py", "test_ray_cluster.py", "test_cli.py")
-"""The files whose tests took longest (summed, `make test` from a fresh clone, 2026-11-30), longest
-first. `make test` hands whole files to its workers in collection order (`--no-loadscope-reorder`),
-and these are collected first, so that no worker is left running one of them alone at the end:
-pytest-xdist's own order (files with the most tests first) started test_fault_drills.py (100 s),
-test_train_run.py and test_tenant_drill.py among the last."""
-
-
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    first = {name: i for i, name in enumerate(LONGEST_FIRST)}
-    items.sort(key=lambda item: first.get(item.path.name, len(first)))  # stable: the rest keep their order
-
-
 @pytest.fixture
 def nats_server(tmp_path):
     """A fresh embedded nats-server with JetStream (a new one per test: no shared state)."""
