@@ -283,7 +283,7 @@ async def test_a_restarted_train_loop_has_every_adapter_its_optimizer_and_versio
                 assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
         await bus.publish(SAMPLE_SUBJECT, of_adapter(turns[2], 1.0, "bob", 1))
         await until(lambda: second.trainer.step_count == 3, timeout_s=30)
-        assert second.adapter_versions.versions == {"alice": 1, "bob": 2}
+        await until(lambda: second.adapter_versions.versions == {"alice": 1, "bob": 2}, timeout_s=30)  # published after the step
     finally:
         await second.stop()
     assert AdapterStore(tmp_path / "adapters").versions("bob") == [1, 2]
