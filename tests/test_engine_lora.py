@@ -377,8 +377,8 @@ async def test_sglang_lora_protocol_over_http(adapters, base):
 @pytest.mark.parametrize("dense_columns", [lora_batch.DENSE_COLUMNS, {}], ids=["dense", "grouped"])
 def test_an_adapter_with_inf_or_nan_reaches_no_other_row(base, monkeypatch, dense_columns):
     """One resident adapter's non-finite weights (written into the table directly: reading one
-    refuses it) stay in its own rows: the base's rows and another
-    adapter's rows of the same batch get exactly their deltas (none for the base)."""
+    refuses it) stay in its own rows: the base's rows and another adapter's rows of the same batch
+    get exactly their deltas (none for the base)."""
     monkeypatch.setattr(lora_batch, "DENSE_COLUMNS", dense_columns)
     model, _ = base
     table = AdapterTable(model, slots=3)

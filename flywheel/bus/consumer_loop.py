@@ -3,11 +3,11 @@ durable consumer, keep what it holds alive, repeat its step forever, stop cleanl
 
 A loop says what it consumes (`subjects`), what one step does (`step`: fetch, work, publish,
 acknowledge), which deliveries it holds unacknowledged (`held`: kept from redelivery with
-progress acknowledgements, `flywheel/bus/keepalive.py`, so the ack wait can stay short), and optionally
-what to do once connected (`prepare`; a start it refuses closes the connection again) and once its
-tasks have stopped, before the bus closes (`finish`). A step that raises is logged and retried (`flywheel.runtime.repeat`): a passing fault
-never ends a loop. Acknowledging stays the loop's own business, since only it knows when what it
-made from a record is durable.
+progress acknowledgements, `flywheel/bus/keepalive.py`, so the ack wait can stay short), and
+optionally what to do once connected (`prepare`; a start it refuses closes the connection again)
+and once its tasks have stopped, before the bus closes (`finish`). A step that raises is logged
+and retried (`flywheel.runtime.repeat`): a passing fault never ends a loop. Acknowledging stays
+the loop's own business, since only it knows when what it made from a record is durable.
 """
 
 from __future__ import annotations
