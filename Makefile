@@ -16,8 +16,9 @@ CONFIG ?= configs/local.yaml
 ENGINE ?=
 # `make test` runs the suite in this many pytest-xdist workers, each test file whole in one of
 # them (a file's shared fixtures, such as its one vLLM server, stay shared); on 2 cores, 2 took
-# 8.3 minutes against 16.6 in one process, and now 3 take 13:26 against 17:44 for 2: many tests
-# wait on servers and processes (docs/experiments/odd-things.md, 11). 0: in this process.
+# 8.3 minutes against 16.6 in one process; from fresh clones now, 3 took 13:34 and 14:55 against
+# 17:44 for 2: many tests wait on servers and processes (docs/experiments/odd-things.md, 11).
+# 0: in this process.
 TEST_WORKERS ?= 3
 
 .PHONY: run test install clean sandbox-tools msa-venv vllm-venv
