@@ -51,13 +51,20 @@ from flywheel.drills.simulated_people import (  # noqa: E402
 
 WISHES = ("brief", "detailed")
 """The default pair; `--wishes` names another: two of `simulated_people.PREFERENCES` that no reply
-meets together, such as `bullets` (at least two list lines) and `plain` (no markdown at all)."""
+meets together, such as `bullets` (at least two list lines) and `plain` (no markdown at all), or
+`name` and `no_name` (the person's own name used, or never)."""
 LORA = ["adapters.kind=lora", "actor.optimizer.lr=0.0005"]
 """About 10x the configuration's full fine-tuning rate ("LoRA Without Regret")."""
 
 
 def people(wishes: tuple[str, str]) -> list[User]:
     return [User(NAMES[i], PREFERENCES[wish], seed=100 + i) for i, wish in enumerate(wishes)]
+
+
+def in_their_place(person: User, other: User) -> User:
+    """The other's wish as it would apply to `person` (their own name, for `name` and `no_name`):
+    what a reply to `person` that drifted toward the other's wish would meet."""
+    return User(person.name, other.preference, seed=0)
 
 
 def run_scope(scope: str, args) -> dict:
@@ -79,7 +86,7 @@ def run_scope(scope: str, args) -> dict:
         for s in range(args.sessions):
             for person, other in (pair, pair[::-1]):
                 record = converse(client, config.served_model, person, s, f"{scope}-{person.name}", args, user_id=person.name)
-                record["other_satisfied"] = other.satisfied(record["reply"], record["question"])
+                record["other_satisfied"] = in_their_place(person, other).satisfied(record["reply"], record["question"])
                 sessions[person.name].append(record)
                 wait_trained(deployment, sum(map(len, sessions.values())), args.wait_s)
             print(f"{scope} session {s}: " + "; ".join(
@@ -92,7 +99,8 @@ def run_scope(scope: str, args) -> dict:
         adapter = SHARED if scope == "shared" else adapter_for(scope, "open", person.name)
         weights = final_policy(config, run_dir, adapter)
         mine = sessions[person.name]
-        heldout = asyncio.run(satisfaction(weights, config.model, person, HELD_OUT_QUESTIONS, args, others=(other,)))
+        heldout = asyncio.run(satisfaction(weights, config.model, person, HELD_OUT_QUESTIONS, args,
+                                           others=(in_their_place(person, other),)))
         result["people"][person.name] = {
             "wish": person.preference.kind, "adapter": adapter,
             "own_first": fmean(r["satisfied"] for r in mine[:args.window]),

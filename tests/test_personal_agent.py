@@ -151,6 +151,7 @@ def test_the_summary_table_has_a_row_per_arm_with_its_trials_numbers():
     ("plain", "Water it lightly and keep it in the sun.", "**Water** it lightly.\n# Light"),
     ("formal", "It is advisable to water the plant weekly.", "Hey, don't worry, it's super easy!"),
     ("detailed", " ".join(["word"] * 40), "Water it when the top inch is dry, and give it bright light."),
+    ("no_name", "Water it every other day.", "Maya, water it every other day."),
 ])
 def test_each_preference_rule_on_known_replies(kind, meets, misses):
     rule = PREFERENCES[kind].rule

@@ -156,6 +156,11 @@ def by_name(text: str, name: str) -> bool:
     return re.search(rf"\b{re.escape(name)}\b", text) is not None
 
 
+def without_name(text: str, name: str) -> bool:
+    """A reply that does not use the user's name (the opposite wish of `by_name`)."""
+    return bool(text.strip()) and not by_name(text, name)
+
+
 def answer_first(text: str, name: str) -> bool:
     """The first sentence is the answer: at most 15 words, no preamble ("Sure!", "Great
     question", "I", "There are many ways", "When it comes to ...")."""
@@ -204,6 +209,11 @@ PREFERENCES: dict[str, Preference] = {p.kind: p for p in (
                          "No, use my name, {name}, when you answer.", "You forgot my name. I'm {name}."),
                vague=("Not quite. That felt impersonal.", "Hmm, that's not what I wanted, it's too generic.",
                       "You forgot something. A personal touch.")),
+    Preference("no_name", without_name,
+               specific=("Please don't use my name.", "You don't need to call me {name}, just answer.",
+                         "No names, please. Just the answer.", "Stop addressing me by my name."),
+               vague=("Hmm, that felt a bit too familiar.", "Not quite. Too chummy.",
+                      "That's not how I like to be spoken to.")),
     Preference("answer_first", answer_first,
                specific=("No, give me the answer first, then explain.", "You should start with the answer itself, no intro.",
                          "No, put the short answer in the first sentence.", "Too much preamble. Lead with the answer."),
@@ -246,7 +256,7 @@ def people_from(path: str | Path) -> dict[str, tuple[str, Preference, Voice]]:
     return people
 
 
-PREFERENCE_ORDER = ("answer_first", "brief", "bullets", "formal", "name", "plain", "detailed")
+PREFERENCE_ORDER = ("answer_first", "brief", "bullets", "formal", "name", "plain", "detailed", "no_name")
 """The preferences in a fixed order, for drawing seeds by position (new ones go at the end, so a
 trial of an older one keeps its draws)."""
 
