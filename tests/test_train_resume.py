@@ -3,6 +3,8 @@ baseline and RNG come back; training goes on from there; a trainer that starts a
 checkpoint marks the dead process's steps as leading nowhere."""
 
 import json
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -62,7 +64,9 @@ async def test_resume_without_a_checkpoint_is_a_config_error(nats_url, tmp_path)
     loop = TrainLoop(load_config(None, [f"run_dir={tmp_path}", "train.resume=true"]), nats_url)
     with pytest.raises(ConfigError, match="train.resume: no checkpoint"):
         await loop.start()
-    await loop.bus.close()
+    # The refused trainer let go of the run directory: another process takes its lock at once.
+    take = "import fcntl, sys; fcntl.lockf(open(sys.argv[1], 'a'), fcntl.LOCK_EX | fcntl.LOCK_NB)"
+    assert subprocess.run([sys.executable, "-c", take, str(tmp_path / "train.lock")]).returncode == 0
 
 
 async def test_a_trainer_that_died_before_its_first_checkpoint_leaves_no_steps_in_the_lineage(bus, nats_url, tmp_path):

@@ -1,6 +1,7 @@
 """The train loop: scored samples in, new policy versions out, each sample trained once.
 
-Consumes SAMPLES durably and hands the pieces to their owners:
+Consumes SAMPLES durably and hands the pieces to their owners (one JSON line per step goes to
+`run_dir/metrics.jsonl`):
 
 - each sample gets its trajectory (`Bus.resolve`; one the stream no longer holds is counted
   `unresolved`) and is dropped if it was trained already (`duplicates_dropped`: the bus
@@ -13,25 +14,23 @@ Consumes SAMPLES durably and hands the pieces to their owners:
   `train.weight_update_interval` steps; `Checkpoints` saves every `train.checkpoint_interval`.
 
 Exactly once. A sample is acknowledged only when a checkpoint that holds it (its effect on the
-weights and its id) is saved; until then it is kept from redelivery with progress
-acknowledgements. A trainer that dies restarts from its newest checkpoint (always, whether or
-not `train.resume` is set), the bus sends it again what it trained since, and it trains that
-once more from the same state; redeliveries of what the checkpoint holds are dropped by id.
-The steps of the abandoned weights are marked in `run_dir/trained.jsonl` (flywheel/train/ledger.py).
-Versions only grow: restarting behind published versions gives the weights a new one.
+weights and its id) is saved; until then it is kept from redelivery with progress acknowledgements.
+A trainer that dies restarts from its newest checkpoint (always, whether or not `train.resume` is
+set), the bus sends it again what it trained since, and it trains that once more from the same
+state; redeliveries of what the checkpoint holds are dropped by id. The steps of the abandoned
+weights are marked in `run_dir/trained.jsonl` (flywheel/train/ledger.py). Versions only grow:
+restarting behind published versions gives the weights a new one.
 
-Under promotion (`promotion.mode` not off) the loop also follows the version registry before
-each step (flywheel/train/under_promotion.py): it continues from the version a directive names, measures
+Under promotion (`promotion.mode` not off) the loop also follows the version registry before each
+step (flywheel/train/under_promotion.py): it continues from the version a directive names, measures
 staleness in updates that were not abandoned, keeps pace with the serving version, and keeps the
 served versions in the weight store.
 
 With `adapters.kind: lora` the base stays frozen and each sample trains its adapter
-(flywheel/train/adapters.py): versions, staleness and publishing are per adapter
-(`AdapterVersions`, flywheel/train/adapter_versions.py), each adapter published alone to
-`run_dir/adapters/` (flywheel/models/adapter_store.py); forgotten tenants' and users' adapters are
-dropped between two steps (flywheel/train/forget_adapters.py). Promotion holds per adapter too.
-
-One JSON line per step goes to `run_dir/metrics.jsonl`.
+(flywheel/train/adapters.py): versions, staleness and publishing are per adapter (`AdapterVersions`,
+flywheel/train/adapter_versions.py), each adapter published alone to `run_dir/adapters/`
+(flywheel/models/adapter_store.py); forgotten tenants' and users' adapters are dropped between two
+steps (flywheel/train/forget_adapters.py). Promotion holds per adapter too.
 """
 
 from __future__ import annotations
@@ -118,30 +117,33 @@ class TrainLoop(ConsumerLoop):
             self.lock.acquire()
         except TrainerRunning as exc:
             raise ConfigError(f"run_dir: {exc}: one trainer per run directory") from None
-        registry = await Registry.open(self.bus) if self.config.promotion.enabled else None
-        self.ledger = Ledger(self.run_dir / "trained.jsonl")
-        if self.lora:
-            from flywheel.train.adapter_versions import AdapterVersions  # PEFT loads only where adapters train
+        try:
+            registry = await Registry.open(self.bus) if self.config.promotion.enabled else None
+            self.ledger = Ledger(self.run_dir / "trained.jsonl")
+            if self.lora:
+                from flywheel.train.adapter_versions import AdapterVersions  # PEFT loads only where adapters train
 
-            self.adapter_versions = AdapterVersions.of(self.config, self.run_dir, self.bus, self.trainer.adapters,
-                                                       self.tokenizer, registry, self.ledger)
-            self.forgetting = Forgetting(self.bus, self.checkpoints)
-            self.trainer.adapters.keep_on_disk(self.run_dir / "trainer_adapters")  # under the lock: a live trainer's are not ours
-        else:
-            self.store = WeightStore(self.run_dir / "weights", keep=self.config.train.keep_versions)
-            self.publisher = WeightPublisher(self.store, self.bus)
-        self.promotion = (UnderPromotion(registry, self.config.rollout.max_head_offpolicyness)
-                          if registry is not None and not self.lora else None)
-        await self._restore()
-        self._checkpointed_at = self.trainer.step_count
-        self.metrics_file = (self.run_dir / "metrics.jsonl").open("a")
+                self.adapter_versions = AdapterVersions.of(self.config, self.run_dir, self.bus, self.trainer.adapters,
+                                                           self.tokenizer, registry, self.ledger)
+                self.forgetting = Forgetting(self.bus, self.checkpoints)
+                self.trainer.adapters.keep_on_disk(self.run_dir / "trainer_adapters")  # under the lock: a live trainer's are not ours
+            else:
+                self.store = WeightStore(self.run_dir / "weights", keep=self.config.train.keep_versions)
+                self.publisher = WeightPublisher(self.store, self.bus)
+            self.promotion = (UnderPromotion(registry, self.config.rollout.max_head_offpolicyness)
+                              if registry is not None and not self.lora else None)
+            await self._restore()
+            self._checkpointed_at = self.trainer.step_count
+            self.metrics_file = (self.run_dir / "metrics.jsonl").open("a")
+        except BaseException:  # refused after all (train.resume without a checkpoint): the run directory is free again
+            self.lock.release()
+            raise
 
     def held(self) -> list[Delivery]:
         return [*self.batcher.deliveries(), *(d for g in self._training for d in g.deliveries), *self.unacknowledged]
 
     async def _restore(self) -> None:
-        """Continue from the newest checkpoint, if any; then make sure the version is newer than
-        anything published before (a trainer that died after publishing)."""
+        """Continue from the newest checkpoint, if any, at a version newer than any published before."""
         path = self.checkpoints.latest()
         if path is None and self.config.train.resume:
             raise ConfigError(f"train.resume: no checkpoint in {self.checkpoints.directory}")
@@ -182,8 +184,7 @@ class TrainLoop(ConsumerLoop):
         return self.promotion.distance(self.version, version) if self.promotion else self.version - version
 
     def sample_staleness(self, sample: Sample, oldest: int) -> int:
-        """Updates between the weights `sample` trains (its adapter's, with adapters) and its
-        tokens' `oldest` version."""
+        """Updates between the weights `sample` trains (its adapter's, with adapters) and `oldest`."""
         if self.lora:
             return self.adapter_versions.staleness(sample_adapter(sample, self.config), oldest)
         return self.staleness(oldest)
@@ -381,8 +382,7 @@ class TrainLoop(ConsumerLoop):
         self.metrics_file.flush()
 
     async def finish(self) -> None:
-        """Let a step under way end, then checkpoint what was trained since the last checkpoint
-        (which acknowledges its samples)."""
+        """Let a step under way end, checkpoint what was trained since the last one (acknowledging it)."""
         if self._inflight is not None:
             with contextlib.suppress(Exception):
                 await self._inflight
