@@ -38,6 +38,16 @@ ADAPTERS = {  # name: (seed, LoraConfig arguments); ranks differ, so the table p
 TOL = 2e-4  # a batched decode step's log-prob against one full forward pass, in float32
 GREEDY = SamplingParams(max_new_tokens=16, temperature=0.0, ignore_eos=True)
 TEXTS = ["Write some digits.", "hi", "What is 12 + 7? Answer with the number only.", "Name a colour, please, any one."]
+PRODUCTS = ["dense", "padded", "grouped"]
+"""The ways `lora_batch` computes several adapters' deltas, each forced in turn."""
+
+
+def use_products(monkeypatch: pytest.MonkeyPatch, products: str) -> None:
+    """Several adapters' deltas by `products` on every device, in tables and engines made after."""
+    monkeypatch.setattr(lora_batch, "DENSE_COLUMNS", {"cpu": 512, "cuda": 8192} if products == "dense" else {})
+    monkeypatch.setattr(lora_batch, "DECODE_TOKENS", 0 if products == "grouped" else lora_batch.DECODE_TOKENS)
+
+
 DEVICES = pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
     not torch.cuda.is_available(), reason="needs a CUDA device; none here"))])
 
@@ -105,16 +115,16 @@ async def test_an_adapters_logprobs_are_peft_s(options, device, adapters, base):
     assert plain.logprobs == pytest.approx(recomputed_logprobs(model, ids, plain.output_ids), abs=TOL)
 
 
-@pytest.mark.parametrize("dense_columns", [lora_batch.DENSE_COLUMNS, {}], ids=["dense", "grouped"])
+@pytest.mark.parametrize("products", PRODUCTS)
 @pytest.mark.parametrize("options", [{}, {"own_decoder": False}], ids=["decoder", "transformers-forward"])
 @DEVICES
-async def test_rows_of_many_adapters_and_the_base_decode_together_as_alone(options, dense_columns, device, adapters,
+async def test_rows_of_many_adapters_and_the_base_decode_together_as_alone(options, products, device, adapters,
                                                                           base, monkeypatch):
     """Three adapters (ranks 4, 16 and 3) and base rows, prompts of different lengths, greedy and
     seeded: each row of the mixed batch gets the tokens and log-probs it gets alone, with its
     adapter's version; the base rows are the model's without adapters. Both ways of computing
-    several adapters' deltas (`lora_batch.DENSE_COLUMNS`)."""
-    monkeypatch.setattr(lora_batch, "DENSE_COLUMNS", dense_columns)
+    several adapters' deltas (`lora_batch`: dense, padded, grouped)."""
+    use_products(monkeypatch, products)
     model, tokenizer = base
     engine = fresh_engine(root_of(adapters), device, **options)
     seeded = SamplingParams(max_new_tokens=16, temperature=1.0, sampling_seed=11, ignore_eos=True)
@@ -132,12 +142,12 @@ async def test_rows_of_many_adapters_and_the_base_decode_together_as_alone(optio
         assert b.logprobs == pytest.approx(recomputed_logprobs(reference, ids, b.output_ids), abs=TOL)
 
 
-@pytest.mark.parametrize("dense_columns", [lora_batch.DENSE_COLUMNS, {}], ids=["dense", "grouped"])
+@pytest.mark.parametrize("products", PRODUCTS)
 @DEVICES
-async def test_bfloat16_rows_of_many_adapters_stay_near_peft(dense_columns, device, adapters, base, monkeypatch):
+async def test_bfloat16_rows_of_many_adapters_stay_near_peft(products, device, adapters, base, monkeypatch):
     """In bfloat16 (ranks padded to 8 for the grouped products; on CUDA those are CUTLASS's
     kernels): a mixed batch's log-probs stay within bfloat16 rounding of PEFT's float32 ones."""
-    monkeypatch.setattr(lora_batch, "DENSE_COLUMNS", dense_columns)
+    use_products(monkeypatch, products)
     model, tokenizer = base
     engine = fresh_engine(root_of(adapters), device, torch.bfloat16)
     names = ["alice", "bob", "carol", None]
@@ -374,12 +384,12 @@ async def test_sglang_lora_protocol_over_http(adapters, base):
         engine.stop()
 
 
-@pytest.mark.parametrize("dense_columns", [lora_batch.DENSE_COLUMNS, {}], ids=["dense", "grouped"])
-def test_an_adapter_with_inf_or_nan_reaches_no_other_row(base, monkeypatch, dense_columns):
+@pytest.mark.parametrize("products", PRODUCTS)
+def test_an_adapter_with_inf_or_nan_reaches_no_other_row(base, monkeypatch, products):
     """One resident adapter's non-finite weights (written into the table directly: reading one
     refuses it) stay in its own rows: the base's rows and another adapter's rows of the same batch
     get exactly their deltas (none for the base)."""
-    monkeypatch.setattr(lora_batch, "DENSE_COLUMNS", dense_columns)
+    use_products(monkeypatch, products)
     model, _ = base
     table = AdapterTable(model, slots=3)
     layer = "model.layers.0.self_attn.q_proj"
@@ -395,6 +405,31 @@ def test_an_adapter_with_inf_or_nan_reaches_no_other_row(base, monkeypatch, dens
     a, b = good.layers[layer]
     assert torch.equal(out[0], torch.zeros(width[1])) and out[2].isnan().all()
     torch.testing.assert_close(out[1], (x[1] @ a.T) @ b.T, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("products", PRODUCTS)
+def test_uneven_rows_over_slots_with_a_gap_get_each_their_own_deltas(base, monkeypatch, products):
+    """Adapters of ranks 4, 2 and 8 in slots 1, 2 and 4 (3 empty), rows over them unevenly and in
+    no order, with a base row and without, two layers that share their input (q and k, as the
+    decoder fuses them): each row gets exactly its own adapter's delta in each layer's columns,
+    the base row none."""
+    use_products(monkeypatch, products)
+    model, _ = base
+    table = AdapterTable(model, slots=4)
+    names = ["model.layers.1.self_attn.q_proj", "model.layers.1.self_attn.k_proj"]
+    layers = [table.layers[name] for name in names]
+    torch.manual_seed(1)
+    written = {slot: {name: (torch.randn(rank, layer.in_features), torch.randn(layer.out_features, rank))
+                      for name, layer in zip(names, layers)} for slot, rank in ((1, 4), (2, 2), (4, 8))}
+    for slot, matrices in written.items():
+        table.write(slot, LoraAdapter(Path(f"slot{slot}"), matrices))
+    for slots in ([2, 0, 4, 2, 2, 1, 4], [4, 2, 2, 1, 4, 2]):  # with a base row; every row adapted
+        x = torch.randn(len(slots), layers[0].in_features)
+        out = torch.zeros(len(slots), sum(layer.out_features for layer in layers))
+        table.rows(slots).add(out, x, layers)
+        for row, slot in enumerate(slots):
+            expected = [x[row] @ a.T @ b.T for a, b in written[slot].values()] if slot else [torch.zeros(out.shape[1])]
+            torch.testing.assert_close(out[row], torch.cat(expected), rtol=1e-4, atol=1e-4)
 
 
 def test_an_adapter_whose_weights_are_not_finite_is_refused(adapters, tmp_path):

@@ -21,11 +21,19 @@ the base: then nothing here runs at all) as `Rows`, which adds the rows' deltas
   models the decoder does not implement), forward hooks on the adapted layers, registered for
   the forward and removed after it; a row of a forward may hold many tokens (x [rows, seq, in]).
 
-The rows that have an adapter are sorted by slot once per forward; with one adapter the deltas
-are two plain products, with several one grouped product per matrix (`torch._grouped_mm`: each
-slot's rows against its own A and B, slots without rows skipped). Measured once, per decode step
-of SmolLM2-135M's 210 projections (float32, 32 rows spread evenly over 1, 8 or 32 adapters, 2
-cores; the base products alone took ~51 ms unfused), at rank 8 / rank 32:
+The rows that have an adapter are sorted by slot once per forward. With one adapter the deltas
+are two plain products. With several, in a forward of at most `DECODE_TOKENS` tokens (a decode
+step), two batched products over the slots (`torch.bmm`, the padded products): each slot's
+tokens padded to the most any slot has, so that every product is a slot's own A or B against its
+own tokens, the stacks read in place; on CUDA, while the slot columns ((slots + 1) x rank) are at
+most `DENSE_COLUMNS`, two dense products over every token instead (below). In a longer forward
+(a prefill, whose padding could be most of its work) one grouped product per matrix
+(`torch._grouped_mm`: each slot's rows against its own A and B; on the CPU a loop of one small
+product per slot, empty slots included).
+
+Measured per decode step of SmolLM2-135M's 210 projections (float32, 32 rows spread evenly over
+1, 8 or 32 adapters, 2 cores; the base products alone took ~51 ms unfused), at rank 8 / rank 32,
+before the padded products:
 
 | deltas by | 1 adapter | 8 adapters | 32 adapters |
 |---|---|---|---|
@@ -33,20 +41,25 @@ cores; the base products alone took ~51 ms unfused), at rank 8 / rank 32:
 | a loop over the adapters, plain products | 3 / 6 ms | 45 / 69 ms | 160 / 192 ms |
 | grouped products (`torch._grouped_mm`) | 7 / 9 ms | 19 / 41 ms | 74 / 121 ms |
 
-Hence plain products for one adapter, grouped products for more; and, while the table's slot
-columns ((slots + 1) x rank) are at most `DENSE_COLUMNS`, two dense products over every token
-instead, x [A_0 ... A_slots] masked to each token's own slot's columns, then times the stacked
-B: no gathering, sorting or scattering, and no loop over slots (on the CPU `torch._grouped_mm`
-is one small product per slot, empty ones included). Measured the same way at 32 slots: rank 8,
-32 adapters 111 -> 53 ms, 8 adapters 52 -> 52 ms; at rank 32 (1,056 columns) dense was slower.
+The dense products followed (x [A_0 ... A_slots] masked to each token's own slot's columns,
+then times the stacked B: no gathering, sorting or scattering): rank 8, 32 adapters 111 -> 53
+ms, but their arithmetic grows with every slot's columns on every token (slower than grouped at
+rank 32). On a GPU, where a decode step is launch-bound, they are a few small kernels, and they
+stay there. The padded products do each token's arithmetic once and read each slot once, with
+A kept as [slots + 1, in, r] (each slot's A one contiguous matrix; the dense products want it as
+[in, slots + 1, r], so a table keeps the layout its device's products read). `bench/adapter_profile.py`, 32 slots, two runs each way alternating (base
+products 60-67 ms): rank 8, 1 / 8 / 32 adapters 11-12 / 23-24 / 47-52 -> 6-8 / 21 / 35-38 ms;
+rank 32 14 / 66 / 147-151 -> 10 / 36-40 / 83-99 ms. Adding the deltas in place where every token
+has an adapter (a gather in the forward's order, not a scatter): rank 8, 8 / 32 adapters 18-21 /
+32-33 -> 15-16 / 27 ms. Through the engine (`bench/adapter_throughput.py`), 32 adapters of rank 32
+went from 0.12x of base-only to 0.45-0.48x; at rank 8 the ratios stayed within the runs' spread
+(docs/experiments/adapters.md).
 
-Either way a product reads the slots from 0 up to the highest its forward uses, as views of the
-stacks (no copies), and the engine fills the lowest free slot first: 8 adapters resident in a
-table of 32 slots cost what they cost in a table of 8. Measured the same way (`bench/adapter_profile.py`,
-two runs each, alternating): 8 adapters at rank 8 41-47 -> 17-18 ms, at rank 32 70-80 -> 53-62
-ms (dense now: 9 slots of rank 32 are 288 columns). Gathering just the forward's slots for each
-product (`index_select`, every layer, every step) was tried first: no faster at rank 8 (41-43
-ms), slower at rank 32.
+A product reads the slots from 0 (or 1) up to the highest its forward uses, as views of the
+stacks, and the engine fills the lowest free slot first: 8 adapters resident in a table of 32
+slots cost what they cost in a table of 8 (measured with the grouped and dense products: 8
+adapters at rank 8 41-47 -> 17-18 ms). Gathering just the forward's slots for each product
+(`index_select`, every layer, every step) was tried: no faster at rank 8, slower at rank 32.
 """
 
 from __future__ import annotations
@@ -59,32 +72,36 @@ import torch
 
 from flywheel.models.lora_adapter import AdapterError, LoraAdapter
 
-DENSE_COLUMNS = {"cpu": 512, "cuda": 8192}
-"""By the table's device type: up to this many slot columns ((slots + 1) x rank), several
-adapters' deltas are two dense products over every token (see the module docstring); above (and
-on other devices), grouped products. CPU: `bench/adapter_profile.py`, 32 slots, rank 32: 1,056
-columns, dense 245 / 194 ms a step against grouped 91 / 178 ms with 8 / 32 adapters. CUDA: a decode
-step is launch-bound and the dense products are a few small kernels, while `torch._grouped_mm` in
-float32 (CUTLASS's kernels are bfloat16's) loops over the slots on the host after a device sync
-(benchmarks, adapters on a GPU: 32 adapters of rank 32 at 0.11x of base-only)."""
-DENSE_TOKENS = 64
-"""And for forwards of at most this many tokens (decode steps: measured there; a long prefill
-would pay every slot's A product on every token)."""
+DECODE_TOKENS = 64
+"""Several adapters' deltas in a forward of at most this many tokens (a decode step) are dense
+or padded products; in longer forwards (a prefill, where every slot's columns or the padding
+could be most of the work) grouped products."""
+PADDED_SPREAD = 2
+"""The padded products read every slot from 1 to the highest a forward uses; where those are more
+than this many times the slots it uses (idle adapters resident between them), grouped products
+(which read the used slots alone) instead. `bench/adapter_profile.py`'s step, 32 rows over 8
+adapters in slots 4, 8, ..., 32: padded 89 ms, grouped 62-64 at rank 32 (37 and 38 at rank 8); in
+slots 1-8, padded 32 and grouped 48-50."""
+DENSE_COLUMNS = {"cuda": 8192}
+"""By the table's device type: up to this many slot columns ((slots + 1) x rank), a decode step's
+several adapters take the dense products; elsewhere the padded ones. CUDA: a decode step is
+launch-bound, and the dense products are 3 kernels a layer (the padded 4, and one a fused
+product); `torch._grouped_mm` in float32 loops over the slots on the host after a device sync
+(adapters on a GPU: 32 adapters of rank 32 at 0.11x of base-only with it, 0.60x dense). The
+padded products were not measured on a GPU. CPU: the padded products (module docstring)."""
 
 
 @dataclass
 class LowRank:
     """One linear layer's stacked adapter matrices."""
 
-    flat: torch.Tensor
-    """A as [in, slots + 1, rank]: `x @ flat.view(in, -1)` is every slot's x A at once."""
+    a: torch.Tensor
+    """[slots + 1, in, rank]: each slot's A one contiguous matrix, or a view of `flat`."""
     b: torch.Tensor
     """[slots + 1, rank, out]"""
-
-    @property
-    def a(self) -> torch.Tensor:
-        """A as [slots + 1, in, rank] (a view of `flat`)."""
-        return self.flat.permute(1, 0, 2)
+    flat: torch.Tensor | None = None
+    """Where the dense products run: A kept as [in, slots + 1, rank], so that `x @ flat.view(in,
+    -1)` is every slot's x A at once."""
 
 
 class AdapterTable:
@@ -101,6 +118,8 @@ class AdapterTable:
         self.dtype, self.device = parameter.dtype, parameter.device
         self._align = max(1, 16 // parameter.element_size())
         """Elements in 16 bytes: ranks are rounded up to it, features must be multiples of it."""
+        self.dense_columns = DENSE_COLUMNS.get(self.device.type, 0)
+        """Up to how many slot columns a decode step takes the dense products (0: never)."""
         self.rank = 0
         self.low_rank: dict[torch.nn.Module, LowRank] = {}
         """The adapted layers' stacks, by layer."""
@@ -126,12 +145,12 @@ class AdapterTable:
             raise ValueError(f"slot {slot} is not in 1..{self.slots}")
         self._fit(adapter.rank)
         for stacks in self.low_rank.values():
-            stacks.flat[:, slot] = 0
+            stacks.a[slot] = 0
             stacks.b[slot] = 0
         for name, (a, b) in adapter.layers.items():
             stacks = self.low_rank.get(self.layers[name]) or self._allocate(self.layers[name])
             rank = a.shape[0]
-            stacks.flat[:, slot, :rank] = a.T.to(self.dtype)
+            stacks.a[slot, :, :rank] = a.T.to(self.dtype)
             stacks.b[slot, :rank] = b.T.to(self.dtype)
 
     def rows(self, slots: Sequence[int]) -> Rows | None:
@@ -143,20 +162,23 @@ class AdapterTable:
         rank = -(-rank // self._align) * self._align
         if rank <= self.rank:
             return
-        for stacks in self.low_rank.values():
-            flat, b = stacks.flat, stacks.b
-            stacks.flat = flat.new_zeros(flat.shape[0], flat.shape[1], rank)
-            stacks.flat[:, :, :self.rank] = flat
-            stacks.b = b.new_zeros(b.shape[0], rank, b.shape[2])
-            stacks.b[:, :self.rank] = b
+        for layer, old in self.low_rank.items():
+            new = self.low_rank[layer] = self._zeros(layer, rank)
+            new.a[:, :, :self.rank] = old.a
+            new.b[:, :self.rank] = old.b
         self.rank = rank
 
     def _allocate(self, layer: torch.nn.Linear) -> LowRank:
-        zeros = dict(dtype=self.dtype, device=self.device)
-        stacks = LowRank(torch.zeros(layer.in_features, self.slots + 1, self.rank, **zeros),
-                         torch.zeros(self.slots + 1, self.rank, layer.out_features, **zeros))
-        self.low_rank[layer] = stacks
+        stacks = self.low_rank[layer] = self._zeros(layer, self.rank)
         return stacks
+
+    def _zeros(self, layer: torch.nn.Linear, rank: int) -> LowRank:
+        like = dict(dtype=self.dtype, device=self.device)
+        b = torch.zeros(self.slots + 1, rank, layer.out_features, **like)
+        if not self.dense_columns:
+            return LowRank(torch.zeros(self.slots + 1, layer.in_features, rank, **like), b)
+        flat = torch.zeros(layer.in_features, self.slots + 1, rank, **like)
+        return LowRank(flat.permute(1, 0, 2), b, flat)
 
 
 class Rows:
@@ -175,18 +197,13 @@ class Rows:
         """Add to `out` [tokens, sum of the layers' out features] the rows' deltas of `layers`
         (whose inputs are all `x` [tokens, in]), each layer's to its own range of columns."""
         plan = self._plan(len(x))
-        picked = x if plan.identity else x[plan.order]
+        picked = plan.pick(x)
         column = 0
         for layer in layers:
             stacks = self.table.low_rank.get(layer)
-            width = layer.out_features
             if stacks is not None:
-                target = out[:, column:column + width]
-                if plan.identity:
-                    plan.accumulate(target, picked, stacks)
-                else:
-                    target.index_add_(0, plan.order, plan.product(picked, stacks))
-            column += width
+                plan.add(out[:, column:column + layer.out_features], picked, stacks)
+            column += layer.out_features
 
     @contextlib.contextmanager
     def applied(self) -> Iterator[None]:
@@ -230,12 +247,11 @@ class _Plan:
         """The slots a product reads: 0 up to the highest this forward uses (views, no copies: a
         forward of 8 adapters in a table of 32 slots that holds them in its first 8 reads 9)."""
         self.foreign: torch.Tensor | None = None
-        """With several adapters, at most `DENSE_COLUMNS` columns read and `DENSE_TOKENS` tokens:
-        [tokens, width * rank], True but where a token's own slot's columns are (slot 0, the
-        base's, is zero anyway); those are cleared, not multiplied by 0, so that no slot's inf or
-        NaN reaches another's rows."""
-        dense = DENSE_COLUMNS.get(table.device.type, 0)
-        if self.single is None and self.width * table.rank <= dense and len(slots) <= DENSE_TOKENS:
+        """For the dense products: [tokens, width * rank], True but where a token's own slot's
+        columns are (slot 0, the base's, is zero anyway); those are cleared, not multiplied by 0,
+        so that no slot's inf or NaN reaches another's rows."""
+        decode = self.single is None and len(slots) <= DECODE_TOKENS
+        if decode and self.width * table.rank <= table.dense_columns:
             mask = torch.zeros(len(slots), self.width, table.rank, dtype=torch.bool, device=table.device)
             mask[torch.arange(len(slots), device=slots.device), slots] = True
             self.foreign = ~mask.view(len(slots), -1)
@@ -245,19 +261,53 @@ class _Plan:
         counts = torch.bincount(slots[self.order], minlength=self.width)
         self.ends = counts.cumsum(0).to(torch.int32)
         """Per slot, where its tokens end in `order` (`torch._grouped_mm`'s offsets)."""
+        self.padded: torch.Tensor | None = None
+        """For the padded products (a decode step's several adapters, where not dense and the slots
+        used are not spread out, `PADDED_SPREAD`): for slots 1 .. width - 1, `most` places each (the
+        most tokens any slot has), holding that slot's tokens' indices into the forward; the places
+        left over hold the first adapted token's, computed and dropped (no slot's inf or NaN
+        reaches another's rows)."""
+        self.kept: torch.Tensor | None = None
+        """Where each of `order`'s tokens sits among the padded products' places."""
+        self.placed: torch.Tensor | None = None
+        """When every token has an adapter: where each token, in the forward's order, sits among the
+        padded products' places (the deltas then added in place, not scattered)."""
+        if decode and self.foreign is None and self.width - 1 <= PADDED_SPREAD * len(distinct):
+            most, by_slot = int(counts.max()), slots[self.order]
+            self.kept = (by_slot - 1) * most + torch.arange(adapted, device=slots.device) - (self.ends - counts)[by_slot]
+            self.padded = self.order[:1].repeat((self.width - 1) * most)
+            self.padded[self.kept] = self.order
+            if adapted == len(slots):
+                self.placed = torch.empty_like(self.kept)
+                self.placed[self.order] = self.kept
 
-    def product(self, x: torch.Tensor, stacks: LowRank) -> torch.Tensor:
-        """(x A[slot]) B[slot] for the adapted tokens `x` [adapted tokens, in], in `order`."""
-        if self.single is not None:
-            return x @ stacks.a[self.single] @ stacks.b[self.single]
-        b = stacks.b[:self.width]
-        return torch._grouped_mm(torch._grouped_mm(x, stacks.a[:self.width], offs=self.ends), b, offs=self.ends)
+    def pick(self, x: torch.Tensor) -> torch.Tensor:
+        """The forward's tokens `x` [tokens, in] as the products take them: all of them (`identity`),
+        padded by slot, or the adapted ones in `order`."""
+        if self.identity:
+            return x
+        if self.padded is not None:
+            return x[self.padded].view(self.width - 1, -1, x.shape[1])
+        return x[self.order]
 
-    def accumulate(self, out: torch.Tensor, x: torch.Tensor, stacks: LowRank) -> None:
-        """out += (x A[slot]) B[slot] for every token (an `identity` plan), the second product
-        accumulating in place (`addmm_`, no delta tensor and no separate add)."""
-        if self.single is not None:
+    def add(self, out: torch.Tensor, x: torch.Tensor, stacks: LowRank) -> None:
+        """out [tokens, out] += (x A[slot]) B[slot] for each adapted token, `x` as `pick` gave it;
+        in place where every token is computed in place (`identity`, the second product
+        accumulating: `addmm_`, no delta tensor) or the padded deltas land in the forward's order,
+        else scattered to the adapted tokens' rows."""
+        if self.identity and self.single is not None:
             out.addmm_(x @ stacks.a[self.single], stacks.b[self.single])
-            return
-        every = x @ stacks.flat[:, :self.width].flatten(1)  # a view: each row of A strided by the table's width
-        out.addmm_(every.masked_fill_(self.foreign, 0), stacks.b[:self.width].flatten(0, 1))
+        elif self.identity:
+            every = x @ stacks.flat[:, :self.width].flatten(1)  # a view: each row of A strided by the table's width
+            out.addmm_(every.masked_fill_(self.foreign, 0), stacks.b[:self.width].flatten(0, 1))
+        elif self.padded is not None:
+            deltas = torch.bmm(torch.bmm(x, stacks.a[1:self.width]), stacks.b[1:self.width]).flatten(0, 1)
+            if self.placed is not None:
+                out.add_(deltas[self.placed])
+            else:
+                out.index_add_(0, self.order, deltas[self.kept])
+        elif self.single is not None:
+            out.index_add_(0, self.order, x @ stacks.a[self.single] @ stacks.b[self.single])
+        else:
+            out.index_add_(0, self.order, torch._grouped_mm(torch._grouped_mm(x, stacks.a[:self.width], offs=self.ends),
+                                                            stacks.b[:self.width], offs=self.ends))
