@@ -287,8 +287,8 @@ class _Plan:
         if self.identity:
             return x
         if self.padded is not None:
-            return x[self.padded].view(self.width - 1, -1, x.shape[1])
-        return x[self.order]
+            return x.index_select(0, self.padded).view(self.width - 1, -1, x.shape[1])
+        return x.index_select(0, self.order)
 
     def add(self, out: torch.Tensor, x: torch.Tensor, stacks: LowRank) -> None:
         """out [tokens, out] += (x A[slot]) B[slot] for each adapted token, `x` as `pick` gave it;
@@ -303,9 +303,9 @@ class _Plan:
         elif self.padded is not None:
             deltas = torch.bmm(torch.bmm(x, stacks.a[1:self.width]), stacks.b[1:self.width]).flatten(0, 1)
             if self.placed is not None:
-                out.add_(deltas[self.placed])
+                out.add_(deltas.index_select(0, self.placed))
             else:
-                out.index_add_(0, self.order, deltas[self.kept])
+                out.index_add_(0, self.order, deltas.index_select(0, self.kept))
         elif self.single is not None:
             out.index_add_(0, self.order, x @ stacks.a[self.single] @ stacks.b[self.single])
         else:
