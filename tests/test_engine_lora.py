@@ -38,14 +38,16 @@ ADAPTERS = {  # name: (seed, LoraConfig arguments); ranks differ, so the table p
 TOL = 2e-4  # a batched decode step's log-prob against one full forward pass, in float32
 GREEDY = SamplingParams(max_new_tokens=16, temperature=0.0, ignore_eos=True)
 TEXTS = ["Write some digits.", "hi", "What is 12 + 7? Answer with the number only.", "Name a colour, please, any one."]
-PRODUCTS = ["dense", "padded", "grouped"]
+PRODUCTS = ["dense", "padded", "gathered", "grouped"]
 """The ways `lora_batch` computes several adapters' deltas, each forced in turn."""
 
 
 def use_products(monkeypatch: pytest.MonkeyPatch, products: str) -> None:
-    """Several adapters' deltas by `products` on every device, in tables and engines made after."""
+    """Several adapters' deltas by `products` on every device, in tables and engines made after:
+    dense, padded over the slots' range or over the used slots gathered, or grouped."""
     monkeypatch.setattr(lora_batch, "DENSE_COLUMNS", {"cpu": 512, "cuda": 8192} if products == "dense" else {})
-    monkeypatch.setattr(lora_batch, "DECODE_TOKENS", 0 if products == "grouped" else lora_batch.DECODE_TOKENS)
+    monkeypatch.setattr(lora_batch, "PADDED_SPREAD", 0 if products == "gathered" else lora_batch.PADDED_SPREAD)
+    monkeypatch.setattr(lora_batch, "PADDED_WASTE", {"grouped": 0, "gathered": 1e9}.get(products, lora_batch.PADDED_WASTE))
 
 
 DEVICES = pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(

@@ -22,14 +22,14 @@ the base: then nothing here runs at all) as `Rows`, which adds the rows' deltas
   the forward and removed after it; a row of a forward may hold many tokens (x [rows, seq, in]).
 
 The rows that have an adapter are sorted by slot once per forward. With one adapter the deltas
-are two plain products. With several, in a forward of at most `DECODE_TOKENS` tokens (a decode
-step), two batched products over the slots (`torch.bmm`, the padded products): each slot's
-tokens padded to the most any slot has, so that every product is a slot's own A or B against its
-own tokens, the stacks read in place; on CUDA, while the slot columns ((slots + 1) x rank) are at
-most `DENSE_COLUMNS`, two dense products over every token instead (below). In a longer forward
-(a prefill, whose padding could be most of its work) one grouped product per matrix
-(`torch._grouped_mm`: each slot's rows against its own A and B; on the CPU a loop of one small
-product per slot, empty slots included).
+are two plain products. With several, two batched products over the slots (`torch.bmm`, the
+padded products): each slot's tokens padded to the most any slot has, so that every product is
+a slot's own A or B against its own tokens; the slots read in place, or gathered where the used
+ones are spread out (`PADDED_SPREAD`). Where padding would be most of the work (uneven prefills,
+`PADDED_WASTE`), one grouped product per matrix instead (`torch._grouped_mm`: each slot's rows
+against its own A and B; on the CPU a loop of one small product per slot, empty slots
+included). On CUDA, in a decode step, while the slot columns ((slots + 1) x rank) are at most
+`DENSE_COLUMNS`, two dense products over every token (below).
 
 Measured per decode step of SmolLM2-135M's 210 projections (float32, 32 rows spread evenly over
 1, 8 or 32 adapters, 2 cores; the base products alone took ~51 ms unfused), at rank 8 / rank 32,
@@ -72,23 +72,25 @@ import torch
 
 from flywheel.models.lora_adapter import AdapterError, LoraAdapter
 
-DECODE_TOKENS = 64
-"""Several adapters' deltas in a forward of at most this many tokens (a decode step) are dense
-or padded products; in longer forwards (a prefill, where every slot's columns or the padding
-could be most of the work) grouped products."""
 PADDED_SPREAD = 2
-"""The padded products read every slot from 1 to the highest a forward uses; where those are more
-than this many times the slots it uses (idle adapters resident between them), grouped products
-(which read the used slots alone) instead. `bench/adapter_profile.py`'s step, 32 rows over 8
-adapters in slots 4, 8, ..., 32: padded 89 ms, grouped 62-64 at rank 32 (37 and 38 at rank 8); in
-slots 1-8, padded 32 and grouped 48-50."""
+"""The padded products read the slots from 1 to the highest a forward uses, as views; where those
+are more than this many times the slots it uses (idle adapters resident between them), the used
+slots' matrices gathered instead. `bench/adapter_profile.py`'s step, 32 rows over 8 adapters in
+slots 4, 8, ..., 32, rank 32: the range 89 ms, grouped products 62-64, gathered 36-38 (rank 8:
+37, 38, 17); the engine had put 8 of 32 loaded adapters in slots 1-3, 15, 21, 22, 28 and 29."""
+PADDED_WASTE = 2
+"""The padded products' places (slots read x the most tokens a slot has) at most this many
+times the adapted tokens; else (uneven prefills) grouped products."""
 DENSE_COLUMNS = {"cuda": 8192}
 """By the table's device type: up to this many slot columns ((slots + 1) x rank), a decode step's
-several adapters take the dense products; elsewhere the padded ones. CUDA: a decode step is
-launch-bound, and the dense products are 3 kernels a layer (the padded 4, and one a fused
+(`DENSE_TOKENS`) several adapters take the dense products; elsewhere the padded ones. CUDA: a
+decode step is launch-bound, and the dense products are 3 kernels a layer (the padded 4, and one a fused
 product); `torch._grouped_mm` in float32 loops over the slots on the host after a device sync
 (adapters on a GPU: 32 adapters of rank 32 at 0.11x of base-only with it, 0.60x dense). The
 padded products were not measured on a GPU. CPU: the padded products (module docstring)."""
+DENSE_TOKENS = 64
+"""The dense products only in forwards of at most this many tokens (decode steps): in a prefill
+every token would pay every slot's columns."""
 
 
 @dataclass
@@ -250,8 +252,8 @@ class _Plan:
         """For the dense products: [tokens, width * rank], True but where a token's own slot's
         columns are (slot 0, the base's, is zero anyway); those are cleared, not multiplied by 0,
         so that no slot's inf or NaN reaches another's rows."""
-        decode = self.single is None and len(slots) <= DECODE_TOKENS
-        if decode and self.width * table.rank <= table.dense_columns:
+        dense = self.single is None and len(slots) <= DENSE_TOKENS and self.width * table.rank <= table.dense_columns
+        if dense:
             mask = torch.zeros(len(slots), self.width, table.rank, dtype=torch.bool, device=table.device)
             mask[torch.arange(len(slots), device=slots.device), slots] = True
             self.foreign = ~mask.view(len(slots), -1)
@@ -262,24 +264,43 @@ class _Plan:
         self.ends = counts.cumsum(0).to(torch.int32)
         """Per slot, where its tokens end in `order` (`torch._grouped_mm`'s offsets)."""
         self.padded: torch.Tensor | None = None
-        """For the padded products (a decode step's several adapters, where not dense and the slots
-        used are not spread out, `PADDED_SPREAD`): for slots 1 .. width - 1, `most` places each (the
-        most tokens any slot has), holding that slot's tokens' indices into the forward; the places
-        left over hold the first adapted token's, computed and dropped (no slot's inf or NaN
-        reaches another's rows)."""
+        """For the padded products (several adapters, not dense, `PADDED_WASTE`): for each slot read,
+        `most` places (the most tokens any slot has), holding that slot's tokens' indices into the
+        forward; the places left over hold the first adapted token's, computed and dropped (no
+        slot's inf or NaN reaches another's rows)."""
         self.kept: torch.Tensor | None = None
         """Where each of `order`'s tokens sits among the padded products' places."""
         self.placed: torch.Tensor | None = None
         """When every token has an adapter: where each token, in the forward's order, sits among the
         padded products' places (the deltas then added in place, not scattered)."""
-        if decode and self.foreign is None and self.width - 1 <= PADDED_SPREAD * len(distinct):
-            most, by_slot = int(counts.max()), slots[self.order]
-            self.kept = (by_slot - 1) * most + torch.arange(adapted, device=slots.device) - (self.ends - counts)[by_slot]
-            self.padded = self.order[:1].repeat((self.width - 1) * most)
-            self.padded[self.kept] = self.order
-            if adapted == len(slots):
-                self.placed = torch.empty_like(self.kept)
-                self.placed[self.order] = self.kept
+        self.gathered: torch.Tensor | None = None
+        """The slots the padded products read, gathered from the stacks, when those from 1 to the
+        highest used would be more than `PADDED_SPREAD` times those used; None: that range, as views."""
+        if self.single is None and self.foreign is None:
+            self._pad(slots[self.order], distinct, counts, len(slots))
+
+    def _pad(self, by_slot: torch.Tensor, distinct: torch.Tensor, counts: torch.Tensor, tokens: int) -> None:
+        """Lay the adapted tokens (`by_slot`: their slots, in `order`; of `tokens`) out for the
+        padded products, unless the padding would be most of the work (`PADDED_WASTE`: grouped
+        products then)."""
+        gather = self.width - 1 > PADDED_SPREAD * len(distinct)
+        blocks, block = (len(distinct), torch.searchsorted(distinct, by_slot)) if gather else (self.width - 1, by_slot - 1)
+        most, adapted = int(counts.max()), len(by_slot)
+        if blocks * most > PADDED_WASTE * adapted:
+            return
+        self.blocks = blocks
+        """How many slots the padded products read."""
+        self.gathered = distinct if gather else None
+        self.kept = block * most + torch.arange(adapted, device=by_slot.device) - (self.ends - counts)[by_slot]
+        self.padded = self.order[:1].repeat(blocks * most)
+        self.padded[self.kept] = self.order
+        if adapted == tokens:
+            self.placed = torch.empty_like(self.kept)
+            self.placed[self.order] = self.kept
+
+    def _read(self, stack: torch.Tensor) -> torch.Tensor:
+        """The padded products' slots of `stack` (A's or B's)."""
+        return stack[1:self.width] if self.gathered is None else stack.index_select(0, self.gathered)
 
     def pick(self, x: torch.Tensor) -> torch.Tensor:
         """The forward's tokens `x` [tokens, in] as the products take them: all of them (`identity`),
@@ -287,7 +308,7 @@ class _Plan:
         if self.identity:
             return x
         if self.padded is not None:
-            return x.index_select(0, self.padded).view(self.width - 1, -1, x.shape[1])
+            return x.index_select(0, self.padded).view(self.blocks, -1, x.shape[1])
         return x.index_select(0, self.order)
 
     def add(self, out: torch.Tensor, x: torch.Tensor, stacks: LowRank) -> None:
@@ -301,7 +322,7 @@ class _Plan:
             every = x @ stacks.flat[:, :self.width].flatten(1)  # a view: each row of A strided by the table's width
             out.addmm_(every.masked_fill_(self.foreign, 0), stacks.b[:self.width].flatten(0, 1))
         elif self.padded is not None:
-            deltas = torch.bmm(torch.bmm(x, stacks.a[1:self.width]), stacks.b[1:self.width]).flatten(0, 1)
+            deltas = torch.bmm(torch.bmm(x, self._read(stacks.a)), self._read(stacks.b)).flatten(0, 1)
             if self.placed is not None:
                 out.add_(deltas.index_select(0, self.placed))
             else:
