@@ -58,8 +58,10 @@ went from 0.12x of base-only to 0.45-0.48x; at rank 8 the ratios stayed within t
 A product reads the slots from 0 (or 1) up to the highest its forward uses, as views of the
 stacks, and the engine fills the lowest free slot first: 8 adapters resident in a table of 32
 slots cost what they cost in a table of 8 (measured with the grouped and dense products: 8
-adapters at rank 8 41-47 -> 17-18 ms). Gathering just the forward's slots for each product
-(`index_select`, every layer, every step) was tried: no faster at rank 8, slower at rank 32.
+adapters at rank 8 41-47 -> 17-18 ms). Gathering just the forward's slots for every product
+(`index_select`, every layer, every step) was no faster then, at rank 8, and slower at rank 32;
+the padded products gather them only where the used slots are spread out (`PADDED_SPREAD`), as
+they are once idle adapters sit between them.
 """
 
 from __future__ import annotations
