@@ -41,19 +41,19 @@ before the padded products:
 | a loop over the adapters, plain products | 3 / 6 ms | 45 / 69 ms | 160 / 192 ms |
 | grouped products (`torch._grouped_mm`) | 7 / 9 ms | 19 / 41 ms | 74 / 121 ms |
 
-The dense products followed (x [A_0 ... A_slots] masked to each token's own slot's columns,
-then times the stacked B: no gathering, sorting or scattering): rank 8, 32 adapters 111 -> 53
-ms, but their arithmetic grows with every slot's columns on every token (slower than grouped at
-rank 32). On a GPU, where a decode step is launch-bound, they are a few small kernels, and they
-stay there. The padded products do each token's arithmetic once and read each slot once, with
-A kept as [slots + 1, in, r] (each slot's A one contiguous matrix; the dense products want it as
-[in, slots + 1, r], so a table keeps the layout its device's products read). `bench/adapter_profile.py`, 32 slots, two runs each way alternating (base
-products 60-67 ms): rank 8, 1 / 8 / 32 adapters 11-12 / 23-24 / 47-52 -> 6-8 / 21 / 35-38 ms;
-rank 32 14 / 66 / 147-151 -> 10 / 36-40 / 83-99 ms. Adding the deltas in place where every token
-has an adapter (a gather in the forward's order, not a scatter): rank 8, 8 / 32 adapters 18-21 /
-32-33 -> 15-16 / 27 ms. Through the engine (`bench/adapter_throughput.py`), 32 adapters of rank 32
-went from 0.12x of base-only to 0.45-0.48x; at rank 8 the ratios stayed within the runs' spread
-(docs/experiments/adapters.md).
+The dense products followed (x [A_0 ... A_slots] masked to each token's own slot's columns, then
+times the stacked B: no gathering, sorting or scattering): rank 8, 32 adapters 111 -> 53 ms, but
+their arithmetic grows with every slot's columns on every token (slower than grouped at rank 32).
+On a GPU, where a decode step is launch-bound, they are a few small kernels, and they stay there.
+The padded products do each token's arithmetic once and read each slot once, with A kept as [slots
++ 1, in, r] (each slot's A one contiguous matrix; the dense products want it as [in, slots + 1,
+r], so a table keeps the layout its device's products read). `bench/adapter_profile.py`, 32 slots,
+two runs each way alternating (base products 60-67 ms): rank 8, 1 / 8 / 32 adapters 11-12 / 23-24
+/ 47-52 -> 6-8 / 21 / 35-38 ms; rank 32 14 / 66 / 147-151 -> 10 / 36-40 / 83-99 ms. Adding the
+deltas in place where every token has an adapter (a gather in the forward's order, not a scatter):
+rank 8, 8 / 32 adapters 18-21 / 32-33 -> 15-16 / 27 ms. Through the engine
+(`bench/adapter_throughput.py`), 32 adapters of rank 32 went from 0.12x of base-only to
+0.45-0.59x; 32 of rank 8 from 0.71-0.73x to 0.74-0.81x (docs/experiments/adapters.md).
 
 A product reads the slots from 0 (or 1) up to the highest its forward uses, as views of the
 stacks, and the engine fills the lowest free slot first: 8 adapters resident in a table of 32
@@ -79,15 +79,15 @@ PADDED_SPREAD = 2
 are more than this many times the slots it uses (idle adapters resident between them), the used
 slots' matrices gathered instead. `bench/adapter_profile.py`'s step, 32 rows over 8 adapters in
 slots 4, 8, ..., 32, rank 32: the range 89 ms, grouped products 62-64, gathered 36-38 (rank 8:
-37, 38, 17); the engine had put 8 of 32 loaded adapters in slots 1-3, 15, 21, 22, 28 and 29."""
+37, 38 and 17 ms); the engine had put 8 of 32 loaded adapters in slots 1-3, 15, 21, 22, 28, 29."""
 PADDED_WASTE = 2
 """The padded products' places (slots read x the most tokens a slot has) at most this many
 times the adapted tokens; else (uneven prefills) grouped products."""
 DENSE_COLUMNS = {"cuda": 8192}
 """By the table's device type: up to this many slot columns ((slots + 1) x rank), a decode step's
 (`DENSE_TOKENS`) several adapters take the dense products; elsewhere the padded ones. CUDA: a
-decode step is launch-bound, and the dense products are 3 kernels a layer (the padded 4, and one a fused
-product); `torch._grouped_mm` in float32 loops over the slots on the host after a device sync
+decode step is launch-bound, and the dense products are 3 kernels a layer (the padded 4, and one
+more a fused product); `torch._grouped_mm` in float32 loops over the slots on the host after a device sync
 (adapters on a GPU: 32 adapters of rank 32 at 0.11x of base-only with it, 0.60x dense). The
 padded products were not measured on a GPU. CPU: the padded products (module docstring)."""
 DENSE_TOKENS = 64
