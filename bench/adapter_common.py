@@ -21,6 +21,7 @@ import torch
 from safetensors.torch import save_file
 
 from bench.lib.common import CpuWatch, bench_model, wait_quiet_async
+from flywheel.torch_threads import one_thread
 
 LINEAR = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
@@ -32,7 +33,8 @@ def adapted_layers(model: torch.nn.Module) -> list[tuple[str, int, int]]:
 
 
 def write_adapter(path: Path, layers: list[tuple[str, int, int]], rank: int, seed: int) -> Path:
-    """A random rank-`rank` PEFT adapter over `layers` in directory `path`."""
+    """A random rank-`rank` PEFT adapter over `layers` in directory `path`, drawn on one thread: the
+    benchmark's engine decodes on another thread of this process (`flywheel.torch_threads`)."""
     from peft import LoraConfig
 
     path.mkdir(parents=True, exist_ok=True)
@@ -40,10 +42,11 @@ def write_adapter(path: Path, layers: list[tuple[str, int, int]], rank: int, see
     (path / "adapter_config.json").write_text(json.dumps(config, default=lambda v: sorted(v) if isinstance(v, set) else str(v)))
     generator = torch.Generator().manual_seed(seed)
     tensors = {}
-    for name, fan_in, fan_out in layers:
-        key = f"base_model.model.{name}"
-        tensors[f"{key}.lora_A.weight"] = torch.randn(rank, fan_in, generator=generator) / fan_in ** 0.5
-        tensors[f"{key}.lora_B.weight"] = torch.randn(fan_out, rank, generator=generator) * 0.02
+    with one_thread():
+        for name, fan_in, fan_out in layers:
+            key = f"base_model.model.{name}"
+            tensors[f"{key}.lora_A.weight"] = torch.randn(rank, fan_in, generator=generator) / fan_in ** 0.5
+            tensors[f"{key}.lora_B.weight"] = torch.randn(fan_out, rank, generator=generator) * 0.02
     save_file(tensors, str(path / "adapter_model.safetensors"))
     return path
 

@@ -31,6 +31,7 @@ from pathlib import Path
 import torch
 
 from flywheel.judge.next_state_rules import classify_user_text
+from flywheel.torch_threads import one_thread
 
 READ_LABELS = ("correction", "complaint", "retry", "acceptance", "thanks", "moving_on", "unclear")
 TRAIN_DATA = Path(__file__).resolve().parent / "data"
@@ -98,17 +99,13 @@ class ReactionReader:
                                                              mode="sum")
         self.bias = torch.nn.Parameter(torch.zeros(len(READ_LABELS)))
         optimizer = torch.optim.Adam([self.weights.weight, self.bias], lr=lr)
-        threads = torch.get_num_threads()
-        torch.set_num_threads(1)
-        try:
+        with one_thread():
             for _ in range(steps):  # full batch: deterministic, and a step is a few milliseconds
                 logits = self.weights(ids, offsets, per_sample_weights=scale) + self.bias
                 loss = loss_fn(logits, gold) + weight_decay * self.weights.weight.pow(2).sum()
                 optimizer.zero_grad()
                 loss.backward()
                 optimizer.step()
-        finally:
-            torch.set_num_threads(threads)
         self.weights.requires_grad_(False)
         self.bias.requires_grad_(False)
 

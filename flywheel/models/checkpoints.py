@@ -23,6 +23,7 @@ from transformers import (
 from flywheel.models.cache import atomic_directory
 from flywheel.models.smollm2 import import_smollm2
 from flywheel.models.tiny import build_tiny
+from flywheel.torch_threads import one_thread
 
 TINY_SPEC = re.compile(r"tiny(?::(\d+))?")
 SMOLLM2_SPEC = "smollm2-135m"
@@ -64,16 +65,10 @@ def load_model(
     # The loaded parameters are copy-on-write pages of the mapped checkpoint; the first write
     # into them (a hot swap, an optimizer step) would fault every page in (seconds for
     # SmolLM2). Own the memory now, at start-up, instead. Tied parameters stay tied. The copy is
-    # single-threaded: a multi-threaded torch op on this thread would start a second OpenMP team,
-    # and an engine decoding on another thread of the process runs ~2x slower for good after that.
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        with torch.no_grad():
-            for param in model.parameters():
-                param.data = param.data.clone()
-    finally:
-        torch.set_num_threads(threads)
+    # single-threaded: an engine may decode on another thread of this process (`one_thread`).
+    with one_thread(), torch.no_grad():
+        for param in model.parameters():
+            param.data = param.data.clone()
     model.eval()
     return model, tokenizer
 

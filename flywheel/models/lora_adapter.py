@@ -33,6 +33,8 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
+from flywheel.torch_threads import one_thread
+
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
 KEY_PREFIX = "base_model.model."
@@ -79,7 +81,8 @@ def read_adapter(path: str | Path) -> LoraAdapter:
     if unsupported:
         raise AdapterError(f"{path}: adapters with {', '.join(unsupported)} are not supported")
     alpha, rslora = config.get("lora_alpha", 8), bool(config.get("use_rslora"))
-    return LoraAdapter(path, _layers(path, tensors, alpha, rslora))
+    with one_thread():  # read beside a decoding engine (`flywheel.torch_threads`)
+        return LoraAdapter(path, _layers(path, tensors, alpha, rslora))
 
 
 def _layers(path: Path, tensors: dict[str, torch.Tensor], alpha: float,

@@ -1,0 +1,76 @@
+"""Torch work beside a decoding engine starts no OpenMP thread team of its own
+(`flywheel.torch_threads`): while one lives on another thread of the process, the engine's decode
+steps on its own thread run slower (docs/experiments/adapters.md)."""
+
+from __future__ import annotations
+
+import json
+import os
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from flywheel.models.lora_adapter import read_adapter
+from flywheel.torch_threads import one_thread
+
+pytestmark = pytest.mark.skipif(torch.get_num_threads() < 2 or not Path("/proc/self/task").is_dir(),
+                                reason="needs torch on two or more threads and Linux's /proc")
+
+LAYER = "model.layers.0.mlp.up_proj"
+BIG = (1024, 64)
+"""B's shape: more elements than torch's grain for one thread (32,768), so its ops run in parallel."""
+
+
+def os_threads() -> int:
+    return len(os.listdir("/proc/self/task"))
+
+
+def write_wide_adapter(path: Path) -> Path:
+    path.mkdir()
+    (path / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "r": BIG[1], "lora_alpha": 2 * BIG[1]}))
+    key = f"base_model.model.{LAYER}"
+    save_file({f"{key}.lora_A.weight": torch.ones(BIG[1], 256), f"{key}.lora_B.weight": torch.ones(BIG)},
+              str(path / "adapter_model.safetensors"))
+    return path
+
+
+def threads_added_by(work) -> int:
+    """How many OS threads `work` adds to this process, run on a thread of a pool that stays alive."""
+    with ThreadPoolExecutor(1) as pool:
+        pool.submit(lambda: None).result()
+        before = os_threads()
+        pool.submit(work).result()
+        return os_threads() - before
+
+
+def test_a_parallel_op_on_another_thread_starts_a_team_of_its_own():
+    """The hazard itself, so that the tests below can fail: the same op outside `one_thread`."""
+    wide = torch.ones(BIG)
+    assert threads_added_by(lambda: wide * 2.0) >= 1
+
+
+def test_work_in_one_thread_starts_no_team_and_leaves_the_thread_count_as_it_was():
+    wide = torch.ones(BIG)
+
+    def doubled() -> int:
+        with one_thread():
+            assert torch.get_num_threads() == 1
+            wide.mul(2.0)
+        return torch.get_num_threads()
+
+    after = []
+    assert threads_added_by(lambda: after.append(doubled())) == 0
+    assert after == [torch.get_num_threads()]
+
+
+def test_reading_an_adapter_beside_an_engine_starts_no_team(tmp_path):
+    """The engine reads a newly loaded adapter on a worker thread (`AdapterCommands.load_adapter`);
+    a rank-32 adapter of SmolLM2 has B matrices this wide."""
+    path = write_wide_adapter(tmp_path / "wide")
+    read = []
+    assert threads_added_by(lambda: read.append(read_adapter(path))) == 0
+    a, b = read[0].layers[LAYER]
+    assert a.shape == (BIG[1], 256) and torch.equal(b, torch.full(BIG, 2.0))  # read, the scaling folded in
