@@ -3,6 +3,7 @@ baseline and RNG come back; training goes on from there; a trainer that starts a
 checkpoint marks the dead process's steps as leading nowhere."""
 
 import json
+import os
 import subprocess
 import sys
 
@@ -67,6 +68,9 @@ async def test_resume_without_a_checkpoint_is_a_config_error(nats_url, tmp_path)
     # The refused trainer let go of the run directory: another process takes its lock at once.
     take = "import fcntl, sys; fcntl.lockf(open(sys.argv[1], 'a'), fcntl.LOCK_EX | fcntl.LOCK_NB)"
     assert subprocess.run([sys.executable, "-c", take, str(tmp_path / "train.lock")]).returncode == 0
+    # ... and holds none of its files open (the ledger was), while the loop object lives on.
+    open_here = {os.path.realpath(f"/proc/self/fd/{fd}") for fd in os.listdir("/proc/self/fd")}
+    assert {str(path.resolve()) for path in tmp_path.rglob("*")} & open_here == set(), loop
 
 
 async def test_a_trainer_that_died_before_its_first_checkpoint_leaves_no_steps_in_the_lineage(bus, nats_url, tmp_path):

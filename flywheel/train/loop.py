@@ -117,9 +117,11 @@ class TrainLoop(ConsumerLoop):
             self.lock.acquire()
         except TrainerRunning as exc:
             raise ConfigError(f"run_dir: {exc}: one trainer per run directory") from None
-        try:
+        with contextlib.ExitStack() as refused:  # refused after all (train.resume without a checkpoint): all let go
+            refused.callback(self.lock.release)
             registry = await Registry.open(self.bus) if self.config.promotion.enabled else None
             self.ledger = Ledger(self.run_dir / "trained.jsonl")
+            refused.callback(self.ledger.close)
             if self.lora:
                 from flywheel.train.adapter_versions import AdapterVersions  # PEFT loads only where adapters train
 
@@ -135,9 +137,7 @@ class TrainLoop(ConsumerLoop):
             await self._restore()
             self._checkpointed_at = self.trainer.step_count
             self.metrics_file = (self.run_dir / "metrics.jsonl").open("a")
-        except BaseException:  # refused after all (train.resume without a checkpoint): the run directory is free again
-            self.lock.release()
-            raise
+            refused.pop_all()  # prepared: `finish` lets go of them
 
     def held(self) -> list[Delivery]:
         return [*self.batcher.deliveries(), *(d for g in self._training for d in g.deliveries), *self.unacknowledged]
