@@ -428,7 +428,12 @@ def test_uneven_rows_over_slots_with_a_gap_get_each_their_own_deltas(base, monke
     for slots in ([2, 0, 4, 2, 2, 1, 4], [4, 2, 2, 1, 4, 2]):  # with a base row; every row adapted
         x = torch.randn(len(slots), layers[0].in_features)
         out = torch.zeros(len(slots), sum(layer.out_features for layer in layers))
-        table.rows(slots).add(out, x, layers)
+        rows = table.rows(slots)
+        rows.add(out, x, layers)
+        plan = rows._plan(len(slots))  # the products forced are the ones that ran
+        assert (plan.foreign is not None, plan.padded is not None, plan.gathered is not None) == {
+            "dense": (True, False, False), "padded": (False, True, False), "gathered": (False, True, True),
+            "grouped": (False, False, False)}[products]
         for row, slot in enumerate(slots):
             expected = [x[row] @ a.T @ b.T for a, b in written[slot].values()] if slot else [torch.zeros(out.shape[1])]
             torch.testing.assert_close(out[row], torch.cat(expected), rtol=1e-4, atol=1e-4)

@@ -53,8 +53,8 @@ two runs each way alternating (base products 60-67 ms): rank 8, 1 / 8 / 32 adapt
 deltas in place where every token has an adapter (a gather in the forward's order, not a scatter):
 rank 8, 8 / 32 adapters 18-21 / 32-33 -> 15-16 / 27 ms. Through the engine
 (`bench/adapter_throughput.py`), 32 adapters of rank 32 went from 0.12x of base-only to
-0.45-0.63x; 32 of rank 8 from 0.71-0.73x to 0.74-0.81x (docs/experiments/adapters.md), where the
-adapters' bytes alone (313 MB a step at rank 8) bound them at ~0.87x on two cores.
+0.45-0.63x; 32 of rank 8 from 0.71-0.73x to 0.74-0.81x (docs/experiments/adapters.md), which their
+bytes alone (313 MB read a step) bound at ~0.87x on two cores.
 
 A product reads the slots from 0 (or 1) up to the highest its forward uses, as views of the
 stacks, and the engine fills the lowest free slot first: 8 adapters resident in a table of 32
