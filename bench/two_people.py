@@ -52,7 +52,9 @@ from flywheel.drills.simulated_people import (  # noqa: E402
 WISHES = ("brief", "detailed")
 """The default pair; `--wishes` names another: two of `simulated_people.PREFERENCES` that no reply
 meets together, such as `bullets` (at least two list lines) and `plain` (no markdown at all), or
-`name` and `no_name` (the person's own name used, or never)."""
+`name` and `no_name` (the person's own name used, or never); or two wishes that do not exclude each
+other but that a reply to the other person should not show, such as `nickname` (called "Captain")
+and `steps` (laid out from "Step 1")."""
 LORA = ["adapters.kind=lora", "actor.optimizer.lr=0.0005"]
 """About 10x the configuration's full fine-tuning rate ("LoRA Without Regret")."""
 

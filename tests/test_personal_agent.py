@@ -152,6 +152,8 @@ def test_the_summary_table_has_a_row_per_arm_with_its_trials_numbers():
     ("formal", "It is advisable to water the plant weekly.", "Hey, don't worry, it's super easy!"),
     ("detailed", " ".join(["word"] * 40), "Water it when the top inch is dry, and give it bright light."),
     ("no_name", "Water it every other day.", "Maya, water it every other day."),
+    ("nickname", "Sure thing, Captain: water it every other day.", "Water it every other day, Maya; captains' logs aside."),
+    ("steps", "\nStep 1: Fill the pot.\nStep 2: Water it.", "Fill the pot.\nStep 1: water it."),
 ])
 def test_each_preference_rule_on_known_replies(kind, meets, misses):
     rule = PREFERENCES[kind].rule

@@ -99,6 +99,8 @@ _CONTRACTION = re.compile(
 _CASUAL = re.compile(r"\b(?:hey|hi|hiya|awesome|cool|gonna|wanna|gotta|stuff|guys|yeah|yep|okay|ok|lol|super|"
                      r"totally|kinda|pretty much|tons)\b", re.I)
 _EMOJI = re.compile("[\U0001F300-\U0001FAFF\u2600-\u27BF]")
+_NICKNAME = re.compile(r"\bcaptain\b", re.I)
+_STEP_ONE = re.compile(r"\bstep 1\b", re.I)
 _SENTENCE = re.compile(r"[^.!?\n]+[.!?]*")
 _FILLER_OPENERS = re.compile(
     r"^\W*(?:sure|certainly|of course|absolutely|great question|good question|what a|that's a|that is a|"
@@ -173,6 +175,17 @@ def plain_text(text: str, name: str) -> bool:
     return bool(text.strip()) and not _MARKDOWN.search(text)
 
 
+def nickname(text: str, name: str) -> bool:
+    """The reply calls the person by the nickname they go by, "Captain" (whatever their name)."""
+    return _NICKNAME.search(text) is not None
+
+
+def steps(text: str, name: str) -> bool:
+    """Laid out as steps from the start: the first line that has words names "Step 1"."""
+    first = next((line for line in text.splitlines() if words(line)), "")
+    return _STEP_ONE.search(first) is not None
+
+
 def formal(text: str, name: str) -> bool:
     """A formal register: no contractions, exclamation marks, casual words or emoji."""
     return bool(text.strip()) and not (_CONTRACTION.search(text) or "!" in text or _CASUAL.search(text)
@@ -230,6 +243,16 @@ PREFERENCES: dict[str, Preference] = {p.kind: p for p in (
                          "You should write more formally.", "Too casual. You should write in a formal register.",
                          "No, keep it formal and professional."),
                vague=("Hmm, not quite the tone I wanted.", "Not quite. Too chatty.", "Ugh, way too casual.")),
+    Preference("nickname", nickname,
+               specific=("Please call me Captain.", "You should address me as Captain.",
+                         "No, call me Captain when you answer.", "You forgot: I go by Captain."),
+               vague=("Not quite. You forgot what to call me.", "Hmm, that's not how I like to be addressed.",
+                      "That felt a bit off, you know what I go by.")),
+    Preference("steps", steps,
+               specific=("Please walk me through it step by step, starting with 'Step 1:'.",
+                         "You should answer in numbered steps: Step 1, Step 2, and so on.",
+                         "No, start with Step 1 and go step by step.", "I like answers as steps. Begin with 'Step 1:'."),
+               vague=("Hmm, hard to follow.", "Not quite, I can't follow that.", "That's not how I like it laid out.")),
 )}
 
 @dataclass(frozen=True)
@@ -256,7 +279,8 @@ def people_from(path: str | Path) -> dict[str, tuple[str, Preference, Voice]]:
     return people
 
 
-PREFERENCE_ORDER = ("answer_first", "brief", "bullets", "formal", "name", "plain", "detailed", "no_name")
+PREFERENCE_ORDER = ("answer_first", "brief", "bullets", "formal", "name", "plain", "detailed", "no_name", "nickname",
+                    "steps")
 """The preferences in a fixed order, for drawing seeds by position (new ones go at the end, so a
 trial of an older one keeps its draws)."""
 
