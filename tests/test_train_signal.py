@@ -93,6 +93,21 @@ async def test_several_minibatches_make_the_clip_fire():
     assert clip[1] == 0.0 and clip[4] > 0.0  # one step: π_θ = π_prox throughout; then it moves away
 
 
+async def test_each_epoch_passes_over_the_minibatches_again_against_the_same_proximal_policy():
+    turns = await sampled_turns(8)
+    samples = [sample_of(t, float(i % 2)) for i, t in enumerate(turns)]
+    rows = [[Row(seg, [1.0 - 2 * (i % 2)] * len(seg.token_ids))] for i, s in enumerate(samples) for seg in s.trajectory.segments]
+    metrics = {}
+    for epochs in (1, 3):
+        config = load_config(None, ["actor.optimizer.lr=0.05", "actor.ppo_n_minibatches=2", f"actor.ppo_epochs={epochs}"])
+        trainer = Trainer(load_model("tiny")[0], config.actor, config.train)
+        minibatches = [micro_batches(rs, 10_000, 0) for rs in split_minibatches(rows, 2)]
+        metrics[epochs] = trainer.step(minibatches, version=0)
+    assert [metrics[e]["optimizer_steps"] for e in (1, 3)] == [2, 6]
+    assert metrics[1]["minibatches"] == metrics[3]["minibatches"] == 2
+    assert metrics[3]["clip_fraction"] > metrics[1]["clip_fraction"]  # later passes move further from π_prox
+
+
 async def test_a_step_takes_whole_groups(bus, nats_url, tmp_path):
     turns = await sampled_turns(8)
     a = [grouped(t, "a", 4) for t in turns[:4]]

@@ -174,6 +174,9 @@ class ActorConfig(Section):
     """Optimizer steps per training step: the batch is split into this many minibatches (whole
     samples, about equal tokens), all weighed against the π_prox of the step's start. More than
     one makes the PPO clip a real trust region; 1 is a single policy-gradient step."""
+    ppo_epochs: int = Field(1, ge=1)
+    """Passes over the minibatches in a training step (PPO's epochs), every pass against the same
+    π_prox: more updates from each sample, each token's move bounded by the clip."""
 
     turn_reward_coef: float = Field(0.0, ge=0.0)
     """β: how much a judge's per-turn rewards add to a turn's advantage (see flywheel/train/advantages.py);

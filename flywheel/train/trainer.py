@@ -18,7 +18,8 @@ minibatches, each a list of micro-batches:
    minibatch's count of loss tokens (one token mean per minibatch); with `actor.kl_coef`, the k3
    KL penalty to the frozen reference policy (`flywheel/train/loss.py`); then gradient clipping to
    `actor.optimizer.max_grad_norm` and one AdamW step. From the second minibatch on π_θ ≠ π_prox,
-   so the PPO clip is a real trust region (`clip_fraction`).
+   so the PPO clip is a real trust region (`clip_fraction`). With `actor.ppo_epochs` n, the
+   minibatches n times over, every pass against the same π_prox.
 3. one learning-rate schedule step per training step.
 
 With `adapters.kind: lora` the base is frozen and the step trains LoRA adapters
@@ -175,7 +176,8 @@ class Trainer:
         stats: LossStats | None = None
         dense = DenseStats() if self.actor.opd_topk_coef else None
         loss_sum = kl_sum = entropy_sum = grad_norm_sum = 0.0
-        for minibatch, minibatch_prox in zip(minibatches, prox):
+        passes = [pair for _ in range(self.actor.ppo_epochs) for pair in zip(minibatches, prox)]
+        for minibatch, minibatch_prox in passes:
             totals: Counter[str | None] = Counter()
             for b in minibatch:
                 totals[b.adapter] += float(b.loss_mask.sum())
@@ -207,7 +209,7 @@ class Trainer:
         batches = [b for minibatch in minibatches for b in minibatch]
         computed = sum(b.computed_tokens for b in batches)
         elapsed = time.perf_counter() - started
-        n = len(minibatches)
+        n = len(passes)
         return {
             "loss": loss_sum / n,
             "kl": kl_sum / n if self.actor.kl_coef > 0 else None,
@@ -224,7 +226,8 @@ class Trainer:
             **(dense or DenseStats()).metrics(),
             "gap_tokens": gap.tokens,
             "grammar_tokens": sum(int(b.grammar_at.shape[0]) for b in batches),
-            "minibatches": n,
+            "minibatches": len(minibatches),
+            "optimizer_steps": n,
             "tokens": stats.tokens,
             "real_tokens": sum(b.real_tokens for b in batches),
             "computed_tokens": computed,
