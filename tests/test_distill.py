@@ -168,6 +168,28 @@ def test_the_dense_term_counts_only_taught_loss_tokens():
     assert stats.tokens == 1 and float(kl) == pytest.approx(float((student.exp() * (student - teacher)).sum()), abs=1e-5)
 
 
+@pytest.mark.parametrize("forward", [False, True])
+def test_the_forward_divergence_pulls_up_a_word_the_policy_never_writes(forward):
+    """The teacher's likeliest token has 1e-4 of the policy's mass: the reverse KL's gradient on
+    its logit is about that small, the forward one's about the teacher's probability."""
+    turn = make_turn(prompt_ids=[1, 2], output_ids=[3], output_logprobs=[-1.0], output_versions=[0])
+    [segment] = stitch([turn])
+    top = TeacherTop(2, array.array("i", [-1, -1, -1, -1, 3, 4]), array.array("d", [NAN] * 4 + [math.log(0.5), math.log(0.3)]))
+    [batch] = micro_batches([Row(segment, [0.0] * 3, loss_mask=[0, 0, 1], teacher_top=top)], budget=64, pad_id=0)
+    logits = torch.zeros((1, 2, 8))
+    logits[0, 1, 3] = -9.0  # token 3: ~1e-4 of the policy's mass
+    logits.requires_grad_(True)
+    kl = topk_kl(torch.log_softmax(logits, dim=-1), batch, DenseStats(), forward=forward)
+    kl.backward()
+    pull = -float(logits.grad[0, 1, 3])  # how hard a descent step raises token 3
+    student = torch.log_softmax(logits.detach()[0, 1], dim=-1)
+    teacher = torch.tensor([0.5, 0.3, 0.2]).log()
+    bins = torch.cat([student[[3, 4]], torch.log(1 - student[[3, 4]].exp().sum()).view(1)])
+    expected = (teacher.exp() * (teacher - bins) if forward else bins.exp() * (bins - teacher)).sum()
+    assert float(kl) == pytest.approx(float(expected), rel=1e-5)
+    assert (pull > 0.45) if forward else (0 < pull < 1e-2)
+
+
 def test_the_combined_advantage_is_the_rl_term_plus_the_clipped_teacher_gap():
     turn = make_turn(prompt_ids=[1, 2], output_ids=[3, 4, 5], output_logprobs=[-1.0, -1.0, -1.0], output_versions=[0, 0, 0])
     [segment] = stitch([turn])

@@ -193,9 +193,12 @@ class ActorConfig(Section):
     opd_clip: float = Field(2.0, gt=0.0)
     """c: the teacher − student log-probability difference is clipped to [−c, c] (nats)."""
     opd_topk_coef: float = Field(0.0, ge=0.0)
-    """β: dense hint distillation, the weight of the reverse KL from the policy to the teacher
+    """β: dense hint distillation, the weight of a KL divergence between the policy and the teacher
     over the teacher's top-k tokens (`judge.teacher.top_k`) on the tokens it scored
     (flywheel/train/distill.py); 0 turns it off."""
+    opd_topk_divergence: Literal["reverse", "forward"] = "reverse"
+    """`reverse`: KL(π_θ ‖ π_teacher), mode-seeking; `forward`: KL(π_teacher ‖ π_θ), which also raises
+    what the teacher would write where the policy all but never does."""
     turn_reward_norm: Literal["group", "none"] = "group"
     """`group`: a task group's per-turn rewards are normalised among the members' rewards for the
     same step, (r − mean) / std, like outcomes (OpenClaw-RL v2's per (task, step) normalisation;

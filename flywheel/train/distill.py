@@ -18,13 +18,19 @@ dominating the step (OpenClaw-RL v2 clips the difference too).
 **Dense** (`actor.opd_topk_coef` β > 0, with `judge.teacher.top_k` k): the sampled token says
 only how the teacher rates what was written; the teacher's distribution at the same position also
 says what it would have written instead ("Maya," where the policy began "To ..."). Where the
-sample carries the teacher's k likeliest tokens, the loss adds β times the reverse KL divergence
-from the policy to the teacher over k + 1 bins, those k tokens and the rest of the vocabulary
-(OpenClaw-RL's top-K distillation, after SDFT/SDPO):
+sample carries the teacher's k likeliest tokens, the loss adds β times a KL divergence between
+the policy and the teacher over k + 1 bins, those k tokens and the rest of the vocabulary,
+averaged like the loss over the step's loss tokens (`actor.opd_topk_divergence`):
 
-    KL_t = Σ_b π_θ(b) · (log π_θ(b) − log π_teacher(b)),  b ∈ {top-k tokens, the tail},
+    reverse  KL_t = Σ_b π_θ(b) · (log π_θ(b) − log π_teacher(b)),  b ∈ {top-k tokens, the tail}
+    forward  KL_t = Σ_b π_teacher(b) · (log π_teacher(b) − log π_θ(b))
 
-averaged like the loss over the step's loss tokens. It is a divergence at the states the policy
+The reverse divergence is OpenClaw-RL's top-K distillation (after SDFT/SDPO): mode-seeking, it
+pushes down what the teacher would not write, but its pull on a token the policy all but never
+writes is that token's own probability (∂KL/∂z_b = π_θ(b) · (log π_θ(b)/π_teacher(b) − KL)): a
+word the hint brings in, 0.15 for the teacher and 1e-4 for the policy, is pulled ~1e-3. The
+forward one pulls every token by π_θ(b) − π_teacher(b) (as supervised distillation does; GKD's
+other end), that word by 0.15. Either is a divergence at the states the policy
 visited, not a policy-gradient estimate, so it needs no importance weight.
 """
 
@@ -90,10 +96,11 @@ def _with_tail(top: torch.Tensor) -> torch.Tensor:
     return torch.cat([top, torch.log(-torch.expm1(mass))], dim=-1)
 
 
-def topk_kl(logp_all: torch.Tensor, batch: MicroBatch, stats: DenseStats) -> torch.Tensor:
-    """Σ over the loss tokens that carry the teacher's top-k of KL(π_θ ‖ π_teacher) over k + 1
-    bins (see the module); `logp_all` [rows, T − 1, vocab] is the policy's log-distribution of
-    each next token (position t predicts token t + 1). A zero with no such token."""
+def topk_kl(logp_all: torch.Tensor, batch: MicroBatch, stats: DenseStats, forward: bool = False) -> torch.Tensor:
+    """Σ over the loss tokens that carry the teacher's top-k of KL(π_θ ‖ π_teacher) (`forward`:
+    KL(π_teacher ‖ π_θ)) over k + 1 bins (see the module); `logp_all` [rows, T − 1, vocab] is the
+    policy's log-distribution of each next token (position t predicts token t + 1). A zero with no
+    such token."""
     ids = batch.teacher_top_ids[:, 1:]
     if not ids.shape[-1]:
         return logp_all.new_zeros(())
@@ -102,7 +109,7 @@ def topk_kl(logp_all: torch.Tensor, batch: MicroBatch, stats: DenseStats) -> tor
         return logp_all.new_zeros(())
     student = _with_tail(logp_all[taught].gather(1, ids[taught]))
     teacher = _with_tail(batch.teacher_top_logp[:, 1:][taught].to(student.dtype))
-    kl = (student.exp() * (student - teacher)).sum(-1)
+    kl = (teacher.exp() * (teacher - student) if forward else student.exp() * (student - teacher)).sum(-1)
     stats.tokens += int(taught.sum())
     stats.kl_sum += float(kl.detach().sum())
     return kl.sum()

@@ -152,7 +152,8 @@ class Trainer:
                     entropy = _entropy(masked.masked_fill(forbidden, 0.0))
                 entropy += _entropy(logp_all[counted])
         pad = torch.zeros((logp.shape[0], 1), dtype=logp.dtype, device=logp.device)
-        return Scored(torch.cat([pad, logp], dim=1), entropy, None if dense is None else topk_kl(logp_all, batch, dense))
+        return Scored(torch.cat([pad, logp], dim=1), entropy, None if dense is None else topk_kl(
+            logp_all, batch, dense, forward=self.actor.opd_topk_divergence == "forward"))
 
     def _to_device(self, batch: MicroBatch) -> MicroBatch:
         if self.device.type == "cpu":
