@@ -29,8 +29,8 @@ The reverse divergence is OpenClaw-RL's top-K distillation (after SDFT/SDPO): mo
 pushes down what the teacher would not write, but its pull on a token the policy all but never
 writes is that token's own probability (∂KL/∂z_b = π_θ(b) · (log π_θ(b)/π_teacher(b) − KL)): a
 word the hint brings in, 0.15 for the teacher and 1e-4 for the policy, is pulled ~1e-3. The
-forward one pulls every token by π_θ(b) − π_teacher(b) (as supervised distillation does; GKD's
-other end), that word by 0.15. Either is a divergence at the states the policy
+forward one pulls a token up by about π_teacher(b) − π_θ(b) (as supervised distillation does;
+GKD's other end), that word by ~0.15. Either is a divergence at the states the policy
 visited, not a policy-gradient estimate, so it needs no importance weight.
 """
 
