@@ -175,9 +175,7 @@ class ActorConfig(Section):
     samples, about equal tokens), all weighed against the π_prox of the step's start. More than
     one makes the PPO clip a real trust region; 1 is a single policy-gradient step."""
     ppo_epochs: int = Field(1, ge=1)
-    """Passes over the minibatches in a training step (PPO's epochs), every pass against the same
-    π_prox: more updates from each sample, each token's move bounded by the clip."""
-
+    """Passes over the minibatches per step (PPO's epochs), each against the step's π_prox."""
     turn_reward_coef: float = Field(0.0, ge=0.0)
     """β: how much a judge's per-turn rewards add to a turn's advantage (see flywheel/train/advantages.py);
     0: the outcome alone. Per-turn rewards should be centred: in groups `turn_reward_norm` does it;
@@ -197,8 +195,7 @@ class ActorConfig(Section):
     over the teacher's top-k tokens (`judge.teacher.top_k`) on the tokens it scored
     (flywheel/train/distill.py); 0 turns it off."""
     opd_topk_divergence: Literal["reverse", "forward"] = "reverse"
-    """`reverse`: KL(π_θ ‖ π_teacher), mode-seeking; `forward`: KL(π_teacher ‖ π_θ), which also raises
-    what the teacher would write where the policy all but never does."""
+    """KL(π_θ ‖ π_teacher), or KL(π_teacher ‖ π_θ): it raises words the policy never writes."""
     turn_reward_norm: Literal["group", "none"] = "group"
     """`group`: a task group's per-turn rewards are normalised among the members' rewards for the
     same step, (r − mean) / std, like outcomes (OpenClaw-RL v2's per (task, step) normalisation;
