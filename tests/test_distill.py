@@ -11,6 +11,7 @@ from __future__ import annotations
 import array
 import math
 
+import msgspec
 import pytest
 import torch
 
@@ -202,6 +203,28 @@ def test_the_combined_advantage_is_the_rl_term_plus_the_clipped_teacher_gap():
     assert batch.advantages[0].tolist() == pytest.approx([0.0, 0.0, 1.5, -3.5, 0.5])
     assert stats.metrics()["opd_tokens"] == 2 and stats.metrics()["opd_gap_mean"] == pytest.approx((0.5 - 3.0) / 2)
     assert stats.metrics()["opd_clip_fraction"] == 0.5
+
+
+@pytest.mark.parametrize("hinted_coef", [None, 0.0, 0.5])
+def test_a_hinted_turn_takes_the_rl_term_at_its_own_weight(hinted_coef):
+    """Two corrected turns (-1 each), a teacher on the first only: with `rl_coef_hinted` the first
+    turn's RL advantages are weighed by it (0: the teacher's alone), the second's by `rl_coef`."""
+    first = make_turn(id="a", prompt_ids=[1, 2], output_ids=[3, 4], output_logprobs=[-1.0] * 2, output_versions=[0] * 2)
+    second = make_turn(id="b", turn_index=1, prompt_ids=[1, 2, 3, 4, 9], output_ids=[5, 6, 7],
+                       output_logprobs=[-1.0] * 3, output_versions=[0] * 3)
+    sample = sample_of(first, -1.0)
+    sample.trajectory = msgspec.structs.replace(sample.trajectory, turns=[first, second], segments=stitch([first, second]))
+    sample.turn_rewards = [-1.0, -1.0]
+    [segment] = sample.trajectory.segments
+    teacher = [NAN] * len(segment.token_ids)
+    teacher[2:4] = [-0.5, -0.5]
+    sample.teacher_logprobs = [Float64s(teacher)]
+    overrides = ["actor.rl_coef=0.8", "actor.opd_coef=0.0", "actor.turn_reward_coef=1.0", "actor.turn_reward_norm=none",
+                 "actor.turn_discount=0.0", "train.packing=false",
+                 *([] if hinted_coef is None else [f"actor.rl_coef_hinted={hinted_coef}"])]
+    [[batch]] = StepBatch([group_of(sample)], load_config("configs/local.yaml", overrides), RunningBaseline(), 0).minibatches
+    first_turn = 0.8 if hinted_coef is None else hinted_coef
+    assert batch.advantages[0, :8].tolist() == pytest.approx([0, 0, -first_turn, -first_turn, 0, -0.8, -0.8, -0.8])
 
 
 async def test_a_teacher_told_a_hint_moves_the_policy_toward_what_it_prefers(turns):

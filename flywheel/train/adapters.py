@@ -48,8 +48,9 @@ from peft import (
     set_peft_model_state_dict,
 )
 
+from flywheel.config.actor import ActorConfig
 from flywheel.config.adapters import AdaptersConfig
-from flywheel.config.schema import ActorConfig, TrainConfig
+from flywheel.config.schema import TrainConfig
 from flywheel.train.checkpoint import CheckpointFile, link_or_copy
 from flywheel.train.schedule import make_scheduler
 

@@ -12,7 +12,7 @@ import math
 import torch
 
 from flywheel.config import ConfigError
-from flywheel.config.schema import OptimizerConfig
+from flywheel.config.actor import OptimizerConfig
 
 
 def lr_factor(step: int, optimizer: OptimizerConfig, total_steps: int | None) -> float:

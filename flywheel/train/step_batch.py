@@ -48,13 +48,28 @@ def attribution(samples: list) -> dict[str, int]:
     return dict(counts)
 
 
+def hinted_spans(sample) -> list[tuple[int, int, int]]:
+    """(segment, start, end) of each of a sample's turns that a teacher scored (a hint reached them)."""
+    return [(k, start, end) for k, (segment, teacher) in enumerate(zip(sample.trajectory.segments, sample.teacher_logprobs))
+            for _, start, end in segment.turn_spans if any(not math.isnan(v) for v in teacher[start:end])]
+
+
 def hinted_turns(sample) -> int:
-    """How many of a sample's turns a teacher scored (a hint reached them)."""
-    if not sample.teacher_logprobs:
-        return 0
-    return sum(any(not math.isnan(v) for v in teacher[start:end])
-               for segment, teacher in zip(sample.trajectory.segments, sample.teacher_logprobs)
-               for _, start, end in segment.turn_spans)
+    """How many of a sample's turns a teacher scored."""
+    return len(hinted_spans(sample))
+
+
+def weigh_rl(values: list[list[float]], sample, actor) -> list[list[float]]:
+    """The RL advantages of a sample's tokens times `actor.rl_coef`, on hinted turns times
+    `actor.rl_coef_hinted` (when set)."""
+    hinted = actor.rl_coef if actor.rl_coef_hinted is None else actor.rl_coef_hinted
+    spans = hinted_spans(sample) if hinted != actor.rl_coef else []
+    if actor.rl_coef == 1.0 and not spans:
+        return values
+    weights = [[actor.rl_coef] * len(segment) for segment in values]
+    for k, start, end in spans:
+        weights[k][start:end] = [hinted] * (end - start)
+    return [[w * v for w, v in zip(ws, segment)] for ws, segment in zip(weights, values)]
 
 
 def unjudged_positions(details: dict) -> set[int]:
@@ -109,8 +124,7 @@ class StepBatch:
         per_sample: list[list[Row]] = []
         for sample, advantage, rewards_of_turns in zip(samples, advantages, turn_rewards):
             values = token_advantages(sample, advantage, actor.turn_reward_coef, actor.turn_discount, rewards_of_turns)
-            if actor.rl_coef != 1.0:
-                values = [[actor.rl_coef * v for v in segment] for segment in values]
+            values = weigh_rl(values, sample, actor)
             sampling = segment_sampling(sample.trajectory, self.excluded, config.model)
             exclude_unjudged(sample, sampling, self.excluded)
             segments = sample.trajectory.segments

@@ -47,8 +47,9 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 
+from flywheel.config.actor import ActorConfig
 from flywheel.config.adapters import AdaptersConfig
-from flywheel.config.schema import ActorConfig, TrainConfig
+from flywheel.config.schema import TrainConfig
 from flywheel.formats.grammar import allowed_tokens
 from flywheel.train.distill import DenseStats, DistillStats, add_distillation, topk_kl
 from flywheel.train.fsdp import shard
