@@ -60,8 +60,8 @@ class ActorConfig(Section):
     """w_rl: the weight of the RL advantage in each token's advantage (flywheel/train/distill.py)."""
     rl_coef_hinted: float | None = Field(None, ge=0.0)
     """w_rl on the turns a teacher scored (a hint reached them); None: `rl_coef`. 0: a corrected
-    turn learns from the teacher alone, whose pull toward what the hint asks its -1 on every
-    sampled token otherwise drowns (bench/hint_update.py); approved turns keep their reward."""
+    turn learns from the teacher alone (its -1 on every sampled token otherwise drowns the
+    teacher's pull toward what the hint asks: bench/hint_update.py); other turns keep `rl_coef`."""
     opd_coef: float = Field(1.0, ge=0.0)
     """w_opd: the weight of hint distillation, clip(log π_teacher − log π_student, ±opd_clip), on
     tokens a teacher scored (`Sample.teacher_logprobs`); 0 turns it off."""

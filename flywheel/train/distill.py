@@ -9,7 +9,8 @@ corrections as the RL advantage Â:
     A_t = w_rl · Â_t + w_opd · clip(log π_teacher(a_t) − log π_student(a_t), −c, c)
 
 (`actor.rl_coef`, `actor.opd_coef`, `actor.opd_clip`); tokens with no teacher log-probability get
-the RL term alone. The student is π_prox under the decoupled objective (the weights this step
+the RL term alone. On a turn a teacher scored, w_rl is `actor.rl_coef_hinted` when set
+(flywheel/train/step_batch.py): 0 leaves it to the teacher. The student is π_prox under the decoupled objective (the weights this step
 starts from: the policy the update moves, whatever version sampled the tokens, so the OPD term
 and the objective's ratio speak of the same weights), else the engine's π_behav (standard PPO,
 where π_prox is π_behav). The clip keeps a token the teacher all but forbids from
