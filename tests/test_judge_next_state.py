@@ -136,6 +136,17 @@ async def test_a_turn_with_nothing_after_it_and_no_feedback_is_not_judged():
     assert verdict.turn_rewards == [1.0, 0.0] and verdict.details["unjudged_turns"] == [1]
 
 
+async def test_a_reaction_the_judge_cannot_read_leaves_its_turn_unjudged():
+    """'hmm' is unclear: its turn is kept out of the loss and of the outcome (as a 0 it would be
+    a positive advantage against a baseline of corrections); alone it leaves nothing to score."""
+    verdict = await NextStateJudge().score(session([(user("What's 2+2?"), said("4")), (user("hmm"), said("It is 4.")),
+                                                    (user("perfect"), said("Glad to help."))]))
+    assert [t["class"] for t in verdict.details["turns"]] == ["unclear", "acceptance", None]
+    assert verdict.details["unjudged_turns"] == [0, 2] and verdict.reward == 1.0
+    with pytest.raises(Unscorable):
+        await NextStateJudge().score(session([(user("What's 2+2?"), said("4")), (user("hmm"), said("It is 4."))]))
+
+
 async def test_session_feedback_gives_the_outcome_and_the_turns_nothing_followed():
     exchanges = [(user("Write a haiku"), said("Leaves fall...")), (user("Now one about winter."), said("Snow..."))]
     verdict = await NextStateJudge().score(session(exchanges, [feedback(reward=0.5)]))

@@ -21,6 +21,7 @@ from pathlib import Path
 
 from flywheel.bus import SessionEvent, Trajectory, Turn
 from flywheel.config.judge import NextStateJudgeConfig
+from flywheel.judge.base import Unscorable
 from flywheel.judge.next_state import NextStateJudge
 from flywheel.judge.next_state_classes import LABELS, polarity
 
@@ -60,8 +61,16 @@ def trajectory_of(example: dict) -> Trajectory:
 
 
 async def judge_labels(examples: list[dict], config: NextStateJudgeConfig | None = None) -> list[str]:
+    """The judge's class of each example's turn (`unclear` where it read nothing it could score)."""
     judge = NextStateJudge(config)
-    return [(await judge.score(trajectory_of(e))).details["turns"][0]["class"] for e in examples]
+    return [await _label(judge, e) for e in examples]
+
+
+async def _label(judge: NextStateJudge, example: dict) -> str:
+    try:
+        return (await judge.score(trajectory_of(example))).details["turns"][0]["class"]
+    except Unscorable:  # an example always has something after its turn: what followed was unreadable
+        return "unclear"
 
 
 def keyword_label(example: dict) -> str:

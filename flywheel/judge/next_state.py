@@ -17,6 +17,10 @@ A turn with nothing after it (its conversation's last, or an empty next state) a
 about it is not judged from nothing: it gets the session-level feedback's reward when there is
 some, else 0.0 with its position in `details["unjudged_turns"]`, so that the trainer keeps it
 out of the loss (a Verdict needs one reward per turn; the 0.0 is a placeholder, not a score).
+Nor is a turn whose evidence the judge cannot read (`unclear`): its 0.0 is unjudged too, and not
+part of the outcome, since a 0 is not neutral to a trainer that takes a lone conversation's
+outcome against a running baseline (after a run of corrections it would be a push up for the
+reply the person could not be understood about).
 
 The outcome (`reward`) is the mean of the session-level feedback (neither `interaction_id` nor
 `turn_index`): its rewards, or, when it has none, the polarity of its texts; without any, the
@@ -148,13 +152,13 @@ class NextStateJudge(Judge):
                 about.setdefault(position[key], []).append(event)
         session_reward = self._session_reward(session)
         entries = [self._turn(trajectory, k, about.get(k, []), session_reward) for k in range(len(trajectory.turns))]
-        judged = [e["score"] for e in entries if e["source"] in ("feedback", "next_state")]
+        judged = [e["score"] for e in entries if e["source"] in ("feedback", "next_state") and e["class"] != "unclear"]
         if session_reward is None and not judged:
             raise Unscorable("nothing followed", f"{len(trajectory.turns)} turn(s), none with a next state or "
-                             "feedback about it, and no session feedback")
+                             "feedback about it that could be read, and no session feedback")
         details: dict[str, Any] = {
             "turns": entries,
-            "unjudged_turns": [e["position"] for e in entries if e["source"] is None],
+            "unjudged_turns": [e["position"] for e in entries if e["source"] is None or e["class"] == "unclear"],
             "classes": dict(Counter(e["class"] for e in entries if e["class"])),
             "outcome_from": "session feedback" if session_reward is not None else "judged turns",
         }
