@@ -15,8 +15,9 @@ What runs
     corrected question.
 
 Measured after every correction, on `--questions` held-out questions (never trained)
-    the probability that the adapter's reply starts with the wish's first token ("Captain",
-    "Step"; the teacher's is 0.07-0.09 and 0.35-0.37), its mean over the questions; and at the
+    the adapter's next-token probability (temperature 1) at the reply's start of the wish's first
+    token ("Captain", "Step"; the teacher's is 0.07-0.09 and 0.35-0.37), its mean over the
+    questions; and at the
     start and the end, sampled replies that meet the wish and that answer the question.
 
 How to run (about 2-4 min a variant on 2 cores)
@@ -28,7 +29,6 @@ Writes bench/results/hint_update_<wish>.json, one entry per run appended (the va
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import math
 import sys
@@ -88,15 +88,13 @@ class Probe:
         return [{"role": "system", "content": self.user.system}, {"role": "user", "content": question}]
 
     @torch.no_grad()
-    def reply(self, prompt: list[int], seed: int, base: bool = False) -> tuple[list[int], list[float]]:
-        """The adapter's (`base`: the base's) sampled reply: its ids, and their log-probabilities at
-        the sampling temperature."""
+    def reply(self, prompt: list[int], seed: int) -> tuple[list[int], list[float]]:
+        """The adapter's sampled reply: its ids, and their log-probabilities at the sampling temperature."""
         self.trainer.adapters.activate(ADAPTER)
         torch.manual_seed(seed)
-        with self.trainer.adapters.disabled() if base else contextlib.nullcontext():
-            out = self.model.generate(torch.tensor([prompt]), do_sample=True, temperature=TEMPERATURE, top_k=0, top_p=1.0,
-                                      max_new_tokens=64, output_scores=True, return_dict_in_generate=True,
-                                      pad_token_id=self.tokenizer.eos_token_id)
+        out = self.model.generate(torch.tensor([prompt]), do_sample=True, temperature=TEMPERATURE, top_k=0, top_p=1.0,
+                                  max_new_tokens=64, output_scores=True, return_dict_in_generate=True,
+                                  pad_token_id=self.tokenizer.eos_token_id)
         ids = out.sequences[0, len(prompt):].tolist()
         logps = [float(torch.log_softmax(score[0].float(), -1)[t]) for score, t in zip(out.scores, ids)]
         return ids, logps
@@ -132,10 +130,8 @@ class Probe:
             sample.teacher_top_logprobs = [Float64s.coerce([math.nan] * (n_prompt * TOP_K) + top_logps)]
         return sample
 
-    def correct(self, i: int, replies: int, teacher_writes: bool) -> dict:
-        """Correction `i`: `replies` first replies to the person's question `i`, their reactions, one
-        step (`teacher_writes`: the replies trained on are the teacher's, told the first reaction,
-        each judged 0: the distillation term alone)."""
+    def correct(self, i: int, replies: int) -> dict:
+        """Correction `i`: `replies` first replies to the person's question `i`, their reactions, one step."""
         question = self.user.question(i)
         prompt = self.ids(self.messages(question))
         samples, met = [], []
@@ -145,27 +141,12 @@ class Probe:
             ok = self.user.satisfied(text, question)
             said, _ = self.user.react(text, i)
             met.append(ok)
-            if teacher_writes:
-                if j == 0:
-                    hint = said
-                    told = self.messages(question)
-                    told[-1]["content"] += self.template.substitute(hint=hint)
-                ids, _ = self.reply(self.ids(told), seed=1000 * i + j, base=True)
-                logps = self.student_logprobs(prompt, ids)
-                samples.append(self.sample(100 * i + j, question, ids, logps, hint, 0.0))
-                continue
             samples.append(self.sample(100 * i + j, question, ids, logps, None if ok else said, 1.0 if ok else -1.0))
         group = Group(f"q{i}", len(samples), 0.0, 0.0, {s.id: Member(s, []) for s in samples})
         batch = StepBatch([group], self.config, self.baseline, pad_id=self.tokenizer.pad_token_id or 0)
         metrics = self.trainer.step(batch.minibatches, version={ADAPTER: self.version})
         self.version += 1
         return {"met": met, "kl_to_teacher": metrics.get("opd_topk_kl"), "grad_norm": metrics.get("grad_norm")}
-
-    @torch.no_grad()
-    def student_logprobs(self, prompt: list[int], reply: list[int]) -> list[float]:
-        self.trainer.adapters.activate(ADAPTER)
-        logits = self.model(input_ids=torch.tensor([prompt + reply]), use_cache=False).logits[0, len(prompt) - 1:-1]
-        return torch.log_softmax(logits.float() / TEMPERATURE, -1).gather(1, torch.tensor(reply).unsqueeze(1)).squeeze(1).tolist()
 
     @torch.no_grad()
     def first_token(self, questions: list[str]) -> float:
@@ -193,7 +174,6 @@ def main() -> None:
     parser.add_argument("--wish", choices=sorted(FIRST_TOKEN), default="steps")
     parser.add_argument("--corrections", type=int, default=12)
     parser.add_argument("--replies", type=int, default=1, help="first replies to each corrected question, one step")
-    parser.add_argument("--teacher-writes", action="store_true", help="train on the teacher's replies, told the hint")
     parser.add_argument("--questions", type=int, default=8, help="held-out questions measured")
     parser.add_argument("--per-question", type=int, default=2, help="sampled replies per held-out question, start and end")
     parser.add_argument("--seed", type=int, default=0)
@@ -206,7 +186,7 @@ def main() -> None:
     before = probe.replies_meet(held_out, args.per_question)
     steps = []
     for i in range(args.corrections):
-        steps.append(probe.correct(i, args.replies, args.teacher_writes))
+        steps.append(probe.correct(i, args.replies))
         curve.append(probe.first_token(held_out))
         print(f"correction {i + 1}: met {sum(steps[-1]['met'])}/{args.replies}, P(first token {FIRST_TOKEN[args.wish]!r}) "
               f"{curve[-1]:.4f} ({time.monotonic() - started:.0f} s)", flush=True)
