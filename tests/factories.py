@@ -432,6 +432,19 @@ async def converse(serve, user: str, session: str, reward: float = 1.0) -> None:
         (await http.post(f"/v1/sessions/{session}/end")).raise_for_status()
 
 
+async def hinted_session(serve, session: str, messages: list[dict[str, Any]], hint: str, reward: float) -> None:
+    """One turn of tenant acme's user ada (temperature 1, 6 tokens), `hint` aimed at it, the
+    session's `reward`, and the session ended."""
+    client = openai.AsyncOpenAI(base_url=f"{serve.url}/v1", api_key="acme-key", max_retries=0)
+    first = await client.chat.completions.with_raw_response.create(
+        model="tiny", messages=messages, max_tokens=6, temperature=1.0,
+        extra_headers={"X-Session-Id": session, "X-User-Id": "ada"})
+    async with httpx.AsyncClient(base_url=serve.url, headers={"Authorization": "Bearer acme-key"}) as http:
+        for body in ({"interaction_id": first.headers["x-interaction-id"], "text": hint}, {"reward": reward}):
+            (await http.post(f"/v1/sessions/{session}/feedback", json=body)).raise_for_status()
+        (await http.post(f"/v1/sessions/{session}/end")).raise_for_status()
+
+
 @contextlib.asynccontextmanager
 async def learning(serve, nats_url: str) -> AsyncIterator[TrainLoop]:
     """A judge and a trainer behind `serve`'s platform; the trainer, stopped on the way out."""

@@ -4,7 +4,6 @@ trainer publishes it alone, every gateway loads it, and the user's next turn is 
 (its version, its log-probs), while the other user is served by their own and the shared
 weights never change version."""
 
-import httpx
 import openai
 import pytest
 import torch
@@ -24,6 +23,7 @@ from factories import (
     LINEAR,
     TENANTS_SETUP,
     converse,
+    hinted_session,
     learning,
     platform,
     random_adapters,
@@ -99,16 +99,8 @@ async def test_the_bare_base_on_the_policys_server_is_the_teacher(nats_url, tmp_
         judge = JudgeLoop(serve.config, nats_url)
         await judge.start()
         try:
-            client = openai.AsyncOpenAI(base_url=f"{serve.url}/v1", api_key="acme-key", max_retries=0)
-            messages = [{"role": "user", "content": "Greet me."}]
-            headers = {"X-Session-Id": "hinted", "X-User-Id": "ada"}
-            first = await client.chat.completions.with_raw_response.create(
-                model="tiny", messages=messages, max_tokens=6, temperature=1.0, extra_headers=headers)
-            async with httpx.AsyncClient(base_url=serve.url, headers={"Authorization": "Bearer acme-key"}) as http:
-                hint = {"interaction_id": first.headers["x-interaction-id"], "text": "Say my name, Ada, first."}
-                for body in (hint, {"reward": 1.0}):
-                    (await http.post("/v1/sessions/hinted/feedback", json=body)).raise_for_status()
-                (await http.post("/v1/sessions/hinted/end")).raise_for_status()
+            messages, hint = [{"role": "user", "content": "Greet me."}], "Say my name, Ada, first."
+            await hinted_session(serve, "hinted", messages, hint, reward=1.0)
             [sample] = await read(bus, SAMPLE_SUBJECT, "hint-check")
             assert await bus.resolve(sample)
         finally:
@@ -116,7 +108,7 @@ async def test_the_bare_base_on_the_policys_server_is_the_teacher(nats_url, tmp_
     [turn], [teacher] = sample.trajectory.turns, sample.teacher_logprobs
     (_, start, end), = sample.trajectory.segments[0].turn_spans
     assert turn.adapter == ADA and set(sample.trajectory.segments[0].versions[start:end]) == {1}
-    told = Teacher(serve.config.judge.teacher, serve.url).told(messages, hint["text"])
+    told = Teacher(serve.config.judge.teacher, serve.url).told(messages, hint)
     prompt_ids = tokenizer.encode(tokenizer.apply_chat_template(told, add_generation_prompt=True, tokenize=False),
                                   add_special_tokens=False)
     output = list(sample.trajectory.segments[0].token_ids[start:end])

@@ -243,6 +243,20 @@ class TeacherConfig(Section):
     well as the turn they were about
     (flywheel/judge/hint_memory.py): one correction teaches every later reply. 0: a hint teaches
     its own turn only."""
+    practice: int = Field(0, ge=0, le=16)
+    """Replies to practise on, per corrected turn (a turn judged below zero that got a hint): the
+    judge has the person's adapter answer that turn's request this many times more, on the
+    policy's server, and the teacher, told the same hint, scores each (flywheel/judge/practice.py);
+    they train as one group of equal rewards, so the teacher's term alone moves them. Needs
+    adapters (`adapters.kind: lora`). 0: off; else at least 2 (a group of one would be judged
+    against the running baseline)."""
+
+    @field_validator("practice")
+    @classmethod
+    def _a_group_of_several(cls, value: int) -> int:
+        if value == 1:
+            raise ValueError("0 (off) or at least 2 replies (they train as one group)")
+        return value
 
 
 class JudgeConfig(Section):

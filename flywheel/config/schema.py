@@ -285,6 +285,16 @@ class FlywheelConfig(Section):
         return self
 
     @model_validator(mode="after")
+    def _practice_needs_adapters(self) -> "FlywheelConfig":
+        if self.judge.teacher.practice and self.adapters.kind != "lora":
+            raise ValueError("judge.teacher.practice needs adapters.kind=lora: the practice replies are the person's "
+                             "adapter's, on the policy's server")
+        if self.judge.teacher.practice and self.serve.admin_key is None and any(t.keys for t in self.tenants.values()):
+            raise ValueError("judge.teacher.practice with tenants' keys needs serve.admin_key: the judge samples every "
+                             "tenant's adapters with it, and no tenant's key may")
+        return self
+
+    @model_validator(mode="after")
     def _a_canary_needs_traffic_that_does_not_wait(self) -> "FlywheelConfig":
         if self.promotion.mode == "canary" and self.rollout.enabled:
             raise ValueError(

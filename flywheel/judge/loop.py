@@ -13,6 +13,8 @@ the trajectory acknowledged:
 
 With `judge.teacher.memory`, the loop keeps each person's newest hints for the teacher
 (flywheel/judge/hint_memory.py) and follows the audit log to drop a forgotten tenant's or user's.
+With `judge.teacher.practice`, a sample's corrected turns are practised once it is published
+(flywheel/judge/practice.py): more samples on SAMPLES, before the trajectory is acknowledged.
 
 Both records carry the trajectory's id, so a re-publish after a crash is dropped as a
 duplicate. If publishing fails (the bus is away), the trajectory is negatively acknowledged and
@@ -48,6 +50,7 @@ from flywheel.config import FlywheelConfig
 from flywheel.judge.base import Unscorable, Verdict
 from flywheel.judge.build import build_judge
 from flywheel.judge.hint_memory import HintMemory
+from flywheel.judge.practice import Practice, corrected_turns
 from flywheel.judge.teacher import Teacher, Teaching, hints_of
 from flywheel.runtime import cancel_and_wait, repeat
 
@@ -70,11 +73,13 @@ class JudgeLoop(ConsumerLoop):
         self.publish_failures = 0
         self._in_flight: dict[asyncio.Task, Delivery] = {}
         self.teacher: Teacher | None = None
+        self.practice: Practice | None = None
         self.memory = HintMemory(config.judge.teacher.memory) if config.judge.teacher.memory else None
 
     async def prepare(self) -> None:
         await self.judge.start()
         self.teacher = self._teacher()
+        self.practice = self._practice()
         if self.memory is not None:
             self._tasks.append(asyncio.create_task(repeat(self._follow_forgetting, "judge.forget"), name="judge.forget"))
 
@@ -98,8 +103,24 @@ class JudgeLoop(ConsumerLoop):
         except FileNotFoundError:
             log.warning("judge.teacher is on but no server wrote %s: no hint distillation", address)
             return None
+        return Teacher(self.config.judge.teacher, url, self._key())
+
+    def _practice(self) -> Practice | None:
+        """Practice (`judge.teacher.practice`) on the policy's server, with the teacher; None when
+        it is off, there is no teacher, or no policy server wrote its address."""
+        if not self.config.judge.teacher.practice or self.teacher is None:
+            return None
+        try:
+            url = read_address(self.config.run_dir, addresses.SERVE)
+        except FileNotFoundError:
+            log.warning("judge.teacher.practice is on but no policy server wrote %s: no practice", addresses.SERVE)
+            return None
+        return Practice(self.config.judge.teacher.practice, url, self.teacher, self._key())
+
+    def _key(self) -> str | None:
+        """The key the judge's own calls carry: the admin key, else the first client key."""
         keys = self.config.serve.api_keys
-        return Teacher(self.config.judge.teacher, url, self.config.serve.admin_key or (keys[0] if keys else None))
+        return self.config.serve.admin_key or (keys[0] if keys else None)
 
     def held(self) -> list[Delivery]:
         return list(self._in_flight.values())
@@ -118,13 +139,18 @@ class JudgeLoop(ConsumerLoop):
         trajectory = delivery.record
         assert isinstance(trajectory, Trajectory)
         unscorable: Unscorable | None = None
+        hints: dict[int, str] = {}
         try:
-            record: Sample | Unscored = await self._score(trajectory, delivery.stream_seq)
+            record: Sample | Unscored
+            record, hints = await self._score(trajectory, delivery.stream_seq)
         except Unscorable as error:
             unscorable = error
             record = Unscored(id=trajectory.id, trajectory=trajectory, judge=self.judge.name, reason=error.reason)
         try:
             await self.bus.publish(UNSCORED_SUBJECT if unscorable else SAMPLE_SUBJECT, record)
+            if isinstance(record, Sample):
+                for sample in await self._practise(trajectory, record, hints):
+                    await self.bus.publish(SAMPLE_SUBJECT, sample)
             await delivery.ack()
         except Exception:
             self.publish_failures += 1
@@ -138,9 +164,10 @@ class JudgeLoop(ConsumerLoop):
             self.unscored[unscorable.category] += 1
             log.warning("trajectory %s unscored by the %s judge: %s", trajectory.id, self.judge.name, unscorable.reason)
 
-    async def _score(self, trajectory: Trajectory, stream_seq: int) -> Sample:
+    async def _score(self, trajectory: Trajectory, stream_seq: int) -> tuple[Sample, dict[int, str]]:
         """The sample for `trajectory` (referring to it by its sequence in the TRAJECTORIES
-        stream); `Unscorable` for whatever keeps it from being scored."""
+        stream) and the hints its turns were taught with; `Unscorable` for whatever keeps it from
+        being scored."""
         deadline_s = self.config.judge.deadline_s
         try:
             async with asyncio.timeout(deadline_s) as deadline:
@@ -155,29 +182,41 @@ class JudgeLoop(ConsumerLoop):
         except Exception as error:
             log.exception("the %s judge failed on %s", self.judge.name, trajectory.id)
             raise Unscorable("judge error", f"{type(error).__name__}: {error}") from error
+        teaching, hints = await self._teach(trajectory, verdict)
         return Sample(
             id=trajectory.id, trajectory_seq=stream_seq, reward=verdict.reward, turn_rewards=verdict.turn_rewards,
             judge=self.judge.name, details=verdict.details, judge_model=self.judge.identity,
             tenant=trajectory.tenant, user_id=trajectory.user_id, consent=trajectory.consent,
-            **(await self._teach(trajectory, verdict)).sample_fields(),
-        )
+            **teaching.sample_fields(),
+        ), hints
 
-    async def _teach(self, trajectory: Trajectory, verdict: Verdict) -> Teaching:
-        """What the teacher said of the turns that got a hint (flywheel/judge/teacher.py); nothing when
-        there is no teacher, no hint, or the teacher failed (the sample goes without), and for a
-        trajectory that may not be trained (nothing would use it)."""
+    async def _teach(self, trajectory: Trajectory, verdict: Verdict) -> tuple[Teaching, dict[int, str]]:
+        """What the teacher said of the turns that got a hint (flywheel/judge/teacher.py), and those
+        hints; nothing when there is no teacher, no hint, or the teacher failed (the sample goes
+        without), and for a trajectory that may not be trained (nothing would use it)."""
         if self.teacher is None or not trajectory.consent:
-            return Teaching()
+            return Teaching(), {}
         hints = hints_of(trajectory, verdict.details)
         if self.memory is not None:  # remembered: the hints of turns judged below zero
             hints = self.memory.teach(trajectory, hints, {k for k, r in enumerate(verdict.turn_rewards) if r < 0})
         if not hints:
-            return Teaching()
+            return Teaching(), {}
         try:
-            return await self.teacher.teach(trajectory, hints)
+            return await self.teacher.teach(trajectory, hints), hints
         except Exception:
             log.exception("the teacher failed on %s; the sample goes without it", trajectory.id)
-            return Teaching()
+            return Teaching(), hints
+
+    async def _practise(self, trajectory: Trajectory, sample: Sample, hints: dict[int, str]) -> list[Sample]:
+        """The practice samples of the trajectory's corrected turns (flywheel/judge/practice.py);
+        none without practice, or when it failed (the sample itself is published already)."""
+        if self.practice is None:
+            return []
+        try:
+            return await self.practice.samples(trajectory, hints, corrected_turns(sample, trajectory))
+        except Exception:
+            log.exception("practice failed on %s; its sample goes on without it", trajectory.id)
+            return []
 
     async def finish(self) -> None:
         """Abandon judgements in flight (unacknowledged: `stop` hands them back for redelivery)."""
@@ -185,6 +224,8 @@ class JudgeLoop(ConsumerLoop):
         await self.judge.close()
         if self.teacher is not None:
             await self.teacher.close()
+        if self.practice is not None:
+            await self.practice.close()
 
     def stats(self) -> dict[str, Any]:
         return {
@@ -196,4 +237,5 @@ class JudgeLoop(ConsumerLoop):
             "malformed": self.consumer.malformed,
             "judge": self.judge.stats(),
             "teacher": self.teacher.counts if self.teacher else None,
+            "practice": self.practice.counts if self.practice else None,
         }

@@ -79,7 +79,7 @@ class AdapterRouting:
             assert self.config is not None
             return self._choice(adapter_for(scope_of(self.config, tenant), tenant, user), session_id)
         named = model[len(self.model_name) + 1:] if model.startswith(f"{self.model_name}:") else model
-        if self.enabled and _owned(named, tenant):
+        if self.enabled and owned(named, tenant):
             assert self.config is not None
             routed = adapter_for(scope_of(self.config, tenant), tenant, user)
             if named == routed or named in self.pool.adapter_versions:
@@ -87,9 +87,13 @@ class AdapterRouting:
         raise self.not_found(model)
 
     def _choice(self, name: str, session_id: str) -> AdapterChoice:
-        assert self.config is not None
         if (canary := self._canary(name, session_id)) is not None:
             return AdapterChoice(name, canary)
+        return self.serving(name)
+
+    def serving(self, name: str) -> AdapterChoice:
+        """What serves adapter `name` outside a canary: its published version, else its origin's, else the bare base."""
+        assert self.config is not None
         published = self.pool.adapter_versions
         start = origin(name, self.config)
         return AdapterChoice(name, name if name in published else start if start in published else None)
@@ -109,6 +113,6 @@ class AdapterRouting:
                         "model_not_found")
 
 
-def _owned(name: str, tenant: str) -> bool:
+def owned(name: str, tenant: str) -> bool:
     """Whether adapter `name` is `tenant`'s own (or the deployment's shared one)."""
     return name == SHARED or name == tenant or name.startswith(f"{tenant}.")

@@ -51,6 +51,7 @@ from flywheel.serve.ops.metrics import ServeMetrics
 from flywheel.serve.ops.tenant_routes import install_tenant_routes
 from flywheel.serve.ops.tenants import TenantDirectory
 from flywheel.serve.ops.version_routes import VersionBoard
+from flywheel.serve.practice import install_practice_route
 from flywheel.serve.recorder import Recorder
 from flywheel.serve.routing import RoutedPool
 from flywheel.tenants.registry import TenantRegistry
@@ -120,6 +121,8 @@ class ServeLoop:
                 await self.adapters.take_routed(routing)
         self.app = create_gateway(self.pool, tokenizer, self.recorder, self.model_name, cfg, context_length, self.metrics,
                                   self.tenants, sessions, self._adapter_routing(), teaches=self.config.base_teaches)
+        if self.config.judge.teacher.practice and cfg.role == "policy":
+            install_practice_route(self.app, self.pool, self._adapter_routing())
         install_tenant_routes(self.app, self.tenants, self.tenant_registry, cfg.admin_key, [spill_dir],
                               Path(self.config.run_dir) / "trained.jsonl")
         self.board: VersionBoard | None = None

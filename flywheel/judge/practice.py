@@ -1,0 +1,131 @@
+"""Practice (`judge.teacher.practice` K): more learning from each correction than the one reply it
+was about.
+
+For each turn judged below zero that got a hint (a correction: by the turn's own reward, or by
+the outcome where the turn has none of its own: `corrected_turns`), the judge asks the policy's server
+(`/engine/practice`, flywheel/serve/practice.py) for K replies by the same adapter to the turn's
+exact context (the tokens before its reply in its segment), sampled as the turn was (its
+`sampling`). The teacher, told the turn's hint, scores each (flywheel/judge/teacher.py), and each
+becomes a sample of its own: a one-turn trajectory of the same tenant, user, adapter and consent,
+with the engine's tokens, log-probabilities and versions. The replies form one task group
+(`practice:<trajectory>:<turn>`) of equal rewards (0), so their RL advantage is 0 and the
+teacher's term alone moves the adapter: no judge of the replies is needed, the hint teaches every
+one of them as it teaches the first. (`bench/hint_update.py` measured the update alone: four
+replies to each corrected question, each taught, raised the wanted first token further than one.)
+
+Not practised: a turn sampled greedily (its replies would all be one) or under a grammar (the
+teacher does not score those), a turn of the shared weights (no adapter), a trajectory that may
+not be trained. Ids are fixed by the trajectory, turn and reply, so a trajectory judged again
+after a crash practises again and the bus drops the repeats. A failure (the server, the engine,
+the teacher) costs the practice, logged and counted, never the trajectory's own sample.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import httpx
+
+from flywheel.bus import Sample, Segment, Trajectory, Turn
+from flywheel.judge.teacher import GRAMMAR_KEYS, Teacher
+
+log = logging.getLogger(__name__)
+
+JUDGE = "practice"
+"""The `judge` of a practice sample."""
+
+
+def corrected_turns(sample: Sample, trajectory: Trajectory) -> set[int]:
+    """The turns of `sample`'s trajectory judged below zero: by their own reward, or by the
+    outcome (owed to every turn) where their own is 0 (none: a rule judge's turn without
+    feedback, a next-state judge's unjudged turn) or not given."""
+    own = list(sample.turn_rewards) + [0.0] * (len(trajectory.turns) - len(sample.turn_rewards))
+    return {k for k, reward in enumerate(own) if reward < 0 or (reward == 0 and sample.reward < 0)}
+
+
+def practisable(turn: Turn) -> bool:
+    return (turn.adapter is not None and float(turn.sampling.get("temperature", 1.0)) > 0
+            and not any(turn.sampling.get(key) for key in GRAMMAR_KEYS))
+
+
+class Practice:
+    def __init__(self, replies: int, server_url: str, teacher: Teacher, api_key: str | None = None,
+                 timeout_s: float = 300.0):
+        self.replies, self.teacher = replies, teacher
+        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self.http = httpx.AsyncClient(base_url=server_url, headers=headers, timeout=timeout_s)
+        self.counts = {"turns": 0, "samples": 0, "failures": 0}
+
+    async def samples(self, trajectory: Trajectory, hints: dict[int, str], corrected: set[int]) -> list[Sample]:
+        """The practice samples of `trajectory`'s corrected turns that have a hint (see the module)."""
+        if not trajectory.consent:
+            return []
+        out: list[Sample] = []
+        position = 0
+        for segment in trajectory.segments:
+            for _, start, _ in segment.turn_spans:
+                k, turn = position, trajectory.turns[position]
+                position += 1
+                if k in corrected and k in hints and practisable(turn):
+                    out += await self._practise(trajectory, k, list(segment.token_ids[:start]), hints[k])
+        return out
+
+    async def _practise(self, trajectory: Trajectory, k: int, prompt: list[int], hint: str) -> list[Sample]:
+        turn = trajectory.turns[k]
+        try:
+            response = await self.http.post("/engine/practice", json={
+                "adapter": turn.adapter, "input_ids": prompt, "n": self.replies, "sampling_params": turn.sampling})
+            response.raise_for_status()
+            replies = [r for r in response.json()["replies"] if r["output_ids"]]
+            taught = []
+            for j, reply in enumerate(replies):
+                practice = _trajectory(trajectory, k, j, prompt, reply)
+                teaching = await self.teacher.teach(practice, {0: hint})
+                if teaching.logprobs:
+                    taught.append((practice, teaching))
+        except (httpx.HTTPError, KeyError, TypeError, ValueError) as exc:
+            self.counts["failures"] += 1
+            log.warning("no practice for turn %d of %s: %s", k, trajectory.id, exc)
+            return []
+        if len(taught) < 2:  # a group of one would be judged against the running baseline
+            return []
+        self.counts["turns"] += 1
+        self.counts["samples"] += len(taught)
+        samples = []
+        for practice, teaching in taught:
+            practice.group_size = len(taught)
+            samples.append(Sample(
+                id=practice.id, trajectory=practice, reward=0.0, turn_rewards=[0.0], judge=JUDGE,
+                details={"practice_of": trajectory.id, "turn": k}, tenant=trajectory.tenant,
+                user_id=trajectory.user_id, consent=trajectory.consent, **teaching.sample_fields()))
+        return samples
+
+    async def close(self) -> None:
+        await self.http.aclose()
+
+
+def _trajectory(trajectory: Trajectory, k: int, j: int, prompt: list[int], reply: dict[str, Any]) -> Trajectory:
+    """Reply `j` to turn `k`'s context, as a one-turn trajectory (its tokens in its segment)."""
+    turn = trajectory.turns[k]
+    output, n = list(reply["output_ids"]), len(reply["output_ids"])
+    if len(reply["logprobs"]) != n or len(reply["versions"]) != n:
+        raise ValueError(f"practice reply {j}: {n} tokens, {len(reply['logprobs'])} log-probs, "
+                         f"{len(reply['versions'])} versions")
+    segment = Segment(token_ids=prompt + output, loss_mask=[0] * len(prompt) + [1] * n,
+                      logprobs=[0.0] * len(prompt) + list(reply["logprobs"]),
+                      versions=[-1] * len(prompt) + list(reply["versions"]), turn_spans=[(0, len(prompt), len(prompt) + n)])
+    practice_turn = Turn(
+        id=f"{turn.id}:practice:{j}", session_id=trajectory.session_id, tenant=trajectory.tenant, user_id=trajectory.user_id,
+        adapter=turn.adapter, consent=trajectory.consent, turn_index=turn.turn_index, model=turn.model,
+        endpoint=turn.endpoint, messages=turn.messages, prompt=turn.prompt, response=_response(turn, reply["text"]),
+        prompt_ids=[], output_ids=[], output_logprobs=[], output_versions=[], finish_reason=reply["finish_reason"],
+        sampling=turn.sampling)
+    return Trajectory(
+        id=f"{trajectory.id}:practice:{k}:{j}", session_id=trajectory.session_id, tenant=trajectory.tenant,
+        user_id=trajectory.user_id, adapter=turn.adapter, consent=trajectory.consent, task_id=f"practice:{trajectory.id}:{k}",
+        segments=[segment], turns=[practice_turn], close_reason="done")
+
+
+def _response(turn: Turn, text: str) -> dict[str, Any]:
+    return {"role": "assistant", "content": text} if turn.endpoint != "completions" else {"text": text}

@@ -1,0 +1,67 @@
+"""Practice replies on the policy's server (`judge.teacher.practice`): a corrected turn's request
+answered again by the same person's adapter, for the judge (flywheel/judge/practice.py).
+
+- `POST /engine/practice` `{"adapter", "input_ids", "n", "sampling_params"}`: `n` replies to
+  the prompt `input_ids` (the corrected turn's exact context), each sampled as a request of that
+  adapter would be now (`AdapterRouting.serving`: its published version, else what it starts
+  from, else the bare base) with SGLang's `sampling_params` (a seed is dropped: the replies are
+  to differ). Answers `{"replies": [{"output_ids", "logprobs", "versions", "text",
+  "finish_reason"}, ...]}`, recorded as a turn records them: the engine's log-probabilities of
+  the tokens it sampled, and the adapter's versions (0 for every token while it has none of its
+  own, the version the trainer starts it at).
+
+The operator's route (`serve.admin_key`: the judge's own calls). Without an admin key a client
+key may name its own tenant's adapters alone, and another tenant's is the 404 of an adapter that
+does not exist, as on `/v1` (flywheel/serve/adapter_routing.py).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+from fastapi import FastAPI, Request
+from pydantic import Field
+
+from flywheel.serve.adapter_routing import AdapterRouting, owned
+from flywheel.serve.api.errors import APIError
+from flywheel.serve.api.validation import Body
+from flywheel.serve.backends.base import EngineError
+from flywheel.serve.backends.pool import EnginePool
+from flywheel.serve.engine_choice import Choice
+from flywheel.serve.scoring_server import operator_only
+
+MAX_REPLIES = 16
+
+
+class PracticeRequest(Body):
+    adapter: str = Field(min_length=1)
+    input_ids: list[int] = Field(min_length=1)
+    n: int = Field(ge=1, le=MAX_REPLIES)
+    sampling_params: dict[str, Any] = Field(default_factory=dict)
+
+
+def install_practice_route(app: FastAPI, pool: EnginePool, routing: AdapterRouting) -> None:
+    @app.post("/engine/practice")
+    async def practice(body: PracticeRequest, request: Request) -> dict[str, Any]:
+        operator_only(request)
+        tenant = getattr(request.state, "tenant", None)
+        if tenant is not None and not owned(body.adapter, tenant):
+            raise routing.not_found(body.adapter)
+        choice = routing.serving(body.adapter)
+        params = {key: value for key, value in body.sampling_params.items() if key != "sampling_seed"}
+        engine_body = {"input_ids": body.input_ids, "sampling_params": params, "return_logprob": True,
+                       **({"lora_path": choice.lora_path} if choice.lora_path is not None else {})}
+        engine = pool.route(body.adapter)
+        try:
+            responses = await asyncio.gather(*(engine.generate(dict(engine_body)) for _ in range(body.n)))
+        except EngineError as exc:
+            raise APIError(exc.status, str(exc)) from None
+        replies = []
+        for index, response in enumerate(responses):
+            reply = Choice.from_response(index, f"practice-{index}", response)
+            own = choice.lora_path == body.adapter
+            replies.append({"output_ids": reply.output_ids, "logprobs": reply.logprobs, "text": reply.text,
+                            "versions": reply.versions if own else [0] * len(reply.output_ids),
+                            "finish_reason": reply.finish_reason})
+        return {"replies": replies}

@@ -1,0 +1,105 @@
+"""Practice (`judge.teacher.practice`): a corrected turn's request answered again by the person's
+own adapter on the policy's server, each reply taught by the teacher told the correction, and
+published as one group of samples with the engine's exact tokens, log-probs and versions."""
+
+import httpx
+import pytest
+
+from flywheel.bus import (
+    SAMPLE_SUBJECT,
+    WEIGHTS_SUBJECT,
+    Sample,
+    Trajectory,
+    WeightUpdate,
+)
+from flywheel.config import load_config
+from flywheel.config.loader import ConfigError
+from flywheel.judge.loop import JudgeLoop
+from flywheel.judge.practice import corrected_turns
+from flywheel.judge.teacher import Teacher
+from flywheel.models import load_model
+from flywheel.models.adapter_names import user_adapter
+from flywheel.train.advantages import RunningBaseline, group_advantages
+
+from factories import (
+    LINEAR,
+    TENANTS_SETUP,
+    hinted_session,
+    platform,
+    random_adapters,
+    read,
+    recomputed_logprobs,
+)
+from waiting import until
+
+ADA = user_adapter("acme", "ada")
+PRACTICE = [*TENANTS_SETUP, "adapters.kind=lora", "adapters.scope=user", "judge.teacher.enabled=true",
+            "judge.teacher.practice=3"]
+HINT = "Say my name, Ada, first."
+
+
+async def test_a_corrected_turn_is_practised_by_the_persons_adapter_and_taught_by_the_hint(nats_url, tmp_path, bus):
+    base, tokenizer = load_model("tiny")
+    [(adapter, peft)] = random_adapters(tmp_path, {"ada-adapter": (1, {"r": 4, "target_modules": LINEAR})}).values()
+    async with platform(nats_url, tmp_path, *PRACTICE) as (serve, _, _):
+        await bus.publish(WEIGHTS_SUBJECT, WeightUpdate(id="ada-v1", version=1, path=str(adapter), step=1, adapter=ADA))
+        await until(lambda: serve.pool.adapter_versions.get(ADA) == 1)
+        async with httpx.AsyncClient(base_url=serve.url, headers={"Authorization": "Bearer acme-key"}) as http:
+            refused = await http.post("/engine/practice", json={"adapter": ADA, "input_ids": [1, 2], "n": 2})
+        assert refused.status_code == 403  # the operator's route: a tenant's key samples no adapter through it
+        judge = JudgeLoop(serve.config, nats_url)
+        await judge.start()
+        try:
+            messages = [{"role": "user", "content": "Greet me."}]
+            await hinted_session(serve, "corrected", messages, HINT, reward=-1.0)
+            samples = await read(bus, SAMPLE_SUBJECT, "practice-check", 4)
+            assert judge.practice.counts == {"turns": 1, "samples": 3, "failures": 0}
+        finally:
+            await judge.stop()
+    [own] = [s for s in samples if s.judge != "practice"]
+    practice = [s for s in samples if s.judge == "practice"]
+    assert len(samples) == 4 and own.reward == -1.0
+    own_segment = (await bus.resolve(own)) and own.trajectory.segments[0]
+    (_, start, _), = own_segment.turn_spans
+    context = list(own_segment.token_ids[:start])
+    told = Teacher(serve.config.judge.teacher, serve.url).told(messages, HINT)
+    told_ids = tokenizer.encode(tokenizer.apply_chat_template(told, add_generation_prompt=True, tokenize=False),
+                                add_special_tokens=False)
+    assert {s.trajectory.task_id for s in practice} == {f"practice:{own.id}:0"}
+    for sample in practice:
+        trajectory = sample.trajectory
+        [segment], [turn] = trajectory.segments, trajectory.turns
+        (_, begin, end), = segment.turn_spans
+        output = list(segment.token_ids[begin:end])
+        assert (sample.tenant, sample.user_id, sample.consent, trajectory.adapter, turn.adapter) == ("acme", "ada", True, ADA, ADA)
+        assert trajectory.group_size == 3 and sample.reward == 0.0 and sample.details["practice_of"] == own.id
+        assert list(segment.token_ids[:begin]) == context and output and list(segment.loss_mask[begin:end]) == [1] * len(output)
+        assert set(segment.versions[begin:end]) == {1}  # Ada's adapter's version, as a turn of hers records it
+        assert list(segment.logprobs[begin:end]) == pytest.approx(recomputed_logprobs(peft, context, output), abs=2e-4)
+        [teacher] = sample.teacher_logprobs
+        assert list(teacher[begin:end]) == pytest.approx(recomputed_logprobs(base, list(told_ids), output), abs=2e-4)
+        assert turn.messages == messages and turn.response["content"] == tokenizer.decode(output, skip_special_tokens=True)
+    # One group of equal rewards: the RL term gives them nothing, the teacher's term is what moves them.
+    assert group_advantages([s.reward for s in practice], [s.trajectory.task_id for s in practice], RunningBaseline()) == [0.0] * 3
+
+
+@pytest.mark.parametrize("overrides, key", [
+    (["adapters.kind=lora", "judge.teacher.practice=1"], "judge.teacher.practice"),
+    (["judge.teacher.practice=4"], "adapters.kind=lora"),
+    ([*TENANTS_SETUP[1:], "adapters.kind=lora", "judge.teacher.practice=4"], "serve.admin_key"),
+])
+def test_practice_settings_that_cannot_work_are_refused_by_name(overrides, key):
+    with pytest.raises(ConfigError, match=key):
+        load_config(None, overrides)
+
+
+@pytest.mark.parametrize("reward, turn_rewards, corrected", [
+    (-1.0, [], {0, 1, 2}),  # the outcome alone: owed to every turn
+    (-1.0, [0.0, 1.0, -1.0], {0, 2}),  # an approved turn is not corrected by a bad outcome; one with no reward is
+    (1.0, [-1.0, 0.0, 1.0], {0}),  # a corrected turn in a session that ended well
+    (0.5, [], set()),
+])
+def test_the_turns_practised_are_those_judged_below_zero(reward, turn_rewards, corrected):
+    trajectory = Trajectory(id="s", session_id="s", segments=[], turns=[object()] * 3, close_reason="end")
+    sample = Sample(id="s", trajectory_seq=1, reward=reward, turn_rewards=turn_rewards, judge="rule")
+    assert corrected_turns(sample, trajectory) == corrected
