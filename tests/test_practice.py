@@ -29,6 +29,7 @@ from factories import (
     random_adapters,
     read,
     recomputed_logprobs,
+    teach_tiny,
 )
 from waiting import until
 
@@ -45,7 +46,7 @@ async def test_a_corrected_turn_is_practised_by_the_persons_adapter_and_taught_b
         await bus.publish(WEIGHTS_SUBJECT, WeightUpdate(id="ada-v1", version=1, path=str(adapter), step=1, adapter=ADA))
         await until(lambda: serve.pool.adapter_versions.get(ADA) == 1)
         async with httpx.AsyncClient(base_url=serve.url, headers={"Authorization": "Bearer acme-key"}) as http:
-            refused = await http.post("/engine/practice", json={"adapter": ADA, "input_ids": [1, 2], "n": 2})
+            refused = await http.post("/engine/practice", json={"adapter": ADA, "tenant": "acme", "input_ids": [1, 2], "n": 2})
         assert refused.status_code == 403  # the operator's route: a tenant's key samples no adapter through it
         judge = JudgeLoop(serve.config, nats_url)
         await judge.start()
@@ -103,3 +104,23 @@ def test_the_turns_practised_are_those_judged_below_zero(reward, turn_rewards, c
     trajectory = Trajectory(id="s", session_id="s", segments=[], turns=[object()] * 3, close_reason="end")
     sample = Sample(id="s", trajectory_seq=1, reward=reward, turn_rewards=turn_rewards, judge="rule")
     assert corrected_turns(sample, trajectory) == corrected
+
+
+async def test_practice_replies_holding_personal_data_are_left_out_under_the_tenants_policy(nats_url, tmp_path):
+    """A reply the tenant's `pii: drop` would never record is no practice either; under `off` it is."""
+    asked = [{"role": "user", "content": "Where can I write to you?"}]
+    taught = teach_tiny(asked, None, "Write to ada.lovelace@example.com today.", tmp_path)
+    _, tokenizer = load_model(taught)
+    prompt = tokenizer.encode(tokenizer.apply_chat_template(asked, add_generation_prompt=True, tokenize=False),
+                              add_special_tokens=False)
+    async with platform(nats_url, tmp_path, *PRACTICE, f"model={taught}") as (serve, _, _):
+        async with httpx.AsyncClient(base_url=serve.url, headers={"Authorization": "Bearer root"}) as http:
+            kept = {}
+            for tenant in ("acme", "other"):  # acme: pii off; other: the default, drop
+                response = await http.post("/engine/practice", json={
+                    "adapter": tenant, "tenant": tenant, "input_ids": prompt, "n": 3,
+                    "sampling_params": {"temperature": 0.0, "max_new_tokens": 32}})
+                response.raise_for_status()
+                kept[tenant] = [reply["text"] for reply in response.json()["replies"]]
+    assert len(kept["acme"]) == 3 and all("ada.lovelace@example.com" in text for text in kept["acme"])
+    assert kept["other"] == []

@@ -15,7 +15,7 @@ replies to each corrected question, each taught, raised the wanted first token f
 
 Not practised: a turn sampled greedily (its replies would all be one) or under a grammar (the
 teacher does not score those), a turn of the shared weights (no adapter), a trajectory that may
-not be trained. Ids are fixed by the trajectory, turn and reply, so a trajectory judged again
+not be trained; the server leaves out a reply that holds personal data under the tenant's policy. Ids are fixed by the trajectory, turn and reply, so a trajectory judged again
 after a crash practises again and the bus drops the repeats. A failure (the server, the engine,
 the teacher) costs the practice, logged and counted, never the trajectory's own sample.
 """
@@ -75,7 +75,8 @@ class Practice:
         turn = trajectory.turns[k]
         try:
             response = await self.http.post("/engine/practice", json={
-                "adapter": turn.adapter, "input_ids": prompt, "n": self.replies, "sampling_params": turn.sampling})
+                "adapter": turn.adapter, "tenant": trajectory.tenant, "input_ids": prompt, "n": self.replies,
+                "sampling_params": turn.sampling})
             response.raise_for_status()
             replies = [r for r in response.json()["replies"] if r["output_ids"]]
             taught = []

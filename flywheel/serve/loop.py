@@ -122,7 +122,7 @@ class ServeLoop:
         self.app = create_gateway(self.pool, tokenizer, self.recorder, self.model_name, cfg, context_length, self.metrics,
                                   self.tenants, sessions, self._adapter_routing(), teaches=self.config.base_teaches)
         if self.config.judge.teacher.practice and cfg.role == "policy":
-            install_practice_route(self.app, self.pool, self._adapter_routing())
+            install_practice_route(self.app, self.pool, self._adapter_routing(), self.tenants)
         install_tenant_routes(self.app, self.tenants, self.tenant_registry, cfg.admin_key, [spill_dir],
                               Path(self.config.run_dir) / "trained.jsonl")
         self.board: VersionBoard | None = None

@@ -1,14 +1,16 @@
 """Practice replies on the policy's server (`judge.teacher.practice`): a corrected turn's request
 answered again by the same person's adapter, for the judge (flywheel/judge/practice.py).
 
-- `POST /engine/practice` `{"adapter", "input_ids", "n", "sampling_params"}`: `n` replies to
+- `POST /engine/practice` `{"adapter", "tenant", "input_ids", "n", "sampling_params"}`: `n` replies to
   the prompt `input_ids` (the corrected turn's exact context), each sampled as a request of that
   adapter would be now (`AdapterRouting.serving`: its published version, else what it starts
   from, else the bare base) with SGLang's `sampling_params` (a seed is dropped: the replies are
   to differ). Answers `{"replies": [{"output_ids", "logprobs", "versions", "text",
   "finish_reason"}, ...]}`, recorded as a turn records them: the engine's log-probabilities of
   the tokens it sampled, and the adapter's versions (0 for every token while it has none of its
-  own, the version the trainer starts it at).
+  own, the version the trainer starts it at). Under the tenant's personal-data policy
+  (`tenants.NAME.pii` other than `off`) a reply that holds personal data is left out, as a turn
+  holding it is never recorded (flywheel/serve/personal_data.py).
 
 The operator's route (`serve.admin_key`: the judge's own calls). Without an admin key a client
 key may name its own tenant's adapters alone, and another tenant's is the 404 of an adapter that
@@ -29,6 +31,8 @@ from flywheel.serve.api.validation import Body
 from flywheel.serve.backends.base import EngineError
 from flywheel.serve.backends.pool import EnginePool
 from flywheel.serve.engine_choice import Choice
+from flywheel.serve.ops.tenants import TenantDirectory
+from flywheel.serve.personal_data import PersonalData
 from flywheel.serve.scoring_server import operator_only
 
 MAX_REPLIES = 16
@@ -36,17 +40,20 @@ MAX_REPLIES = 16
 
 class PracticeRequest(Body):
     adapter: str = Field(min_length=1)
+    tenant: str = Field(min_length=1)
     input_ids: list[int] = Field(min_length=1)
     n: int = Field(ge=1, le=MAX_REPLIES)
     sampling_params: dict[str, Any] = Field(default_factory=dict)
 
 
-def install_practice_route(app: FastAPI, pool: EnginePool, routing: AdapterRouting) -> None:
+def install_practice_route(app: FastAPI, pool: EnginePool, routing: AdapterRouting, tenants: TenantDirectory) -> None:
+    personal_data: PersonalData = app.state.personal_data
+
     @app.post("/engine/practice")
     async def practice(body: PracticeRequest, request: Request) -> dict[str, Any]:
         operator_only(request)
-        tenant = getattr(request.state, "tenant", None)
-        if tenant is not None and not owned(body.adapter, tenant):
+        caller = getattr(request.state, "tenant", None)
+        if caller is not None and (caller != body.tenant or not owned(body.adapter, caller)):
             raise routing.not_found(body.adapter)
         choice = routing.serving(body.adapter)
         params = {key: value for key, value in body.sampling_params.items() if key != "sampling_seed"}
@@ -57,11 +64,12 @@ def install_practice_route(app: FastAPI, pool: EnginePool, routing: AdapterRouti
             responses = await asyncio.gather(*(engine.generate(dict(engine_body)) for _ in range(body.n)))
         except EngineError as exc:
             raise APIError(exc.status, str(exc)) from None
-        replies = []
-        for index, response in enumerate(responses):
-            reply = Choice.from_response(index, f"practice-{index}", response)
-            own = choice.lora_path == body.adapter
-            replies.append({"output_ids": reply.output_ids, "logprobs": reply.logprobs, "text": reply.text,
-                            "versions": reply.versions if own else [0] * len(reply.output_ids),
-                            "finish_reason": reply.finish_reason})
-        return {"replies": replies}
+        replies = [Choice.from_response(index, f"practice-{index}", response) for index, response in enumerate(responses)]
+        pii, entities = tenants.privacy_of(body.tenant)
+        if pii != "off":
+            held = await asyncio.to_thread(lambda: [personal_data.holds([r.text], entities) for r in replies])
+            replies = [reply for reply, holds in zip(replies, held) if not holds]
+        own = choice.lora_path == body.adapter
+        return {"replies": [{"output_ids": r.output_ids, "logprobs": r.logprobs, "text": r.text,
+                             "versions": r.versions if own else [0] * len(r.output_ids), "finish_reason": r.finish_reason}
+                            for r in replies]}

@@ -113,6 +113,11 @@ class TenantDirectory:
         self.grants = {digest: Grant(key.tenant, stricter(settings[key.tenant][0], key.training),
                                      settings[key.tenant][1] and key.store, *privacy.get(key.tenant, ("off", None)))
                        for digest, key in keys.items()}
+        self._privacy = privacy
+
+    def privacy_of(self, tenant: str) -> tuple[str, tuple[str, ...] | None]:
+        """A tenant's personal-data policy and the types it looks for (`Grant.pii`, `pii_entities`)."""
+        return self._privacy.get(tenant, ("off", None))
 
     def tenants(self) -> dict[str, dict]:
         """Every tenant and its keys (by id), as the admin API shows them."""
