@@ -55,15 +55,19 @@ def test_a_parallel_op_on_another_thread_starts_a_team_of_its_own():
 def test_work_in_one_thread_starts_no_team_and_leaves_the_thread_count_as_it_was():
     wide = torch.ones(BIG)
 
-    def doubled() -> int:
+    def doubled() -> tuple[int, int]:
+        before = torch.get_num_threads()  # this thread's own count: a thread keeps its own
         with one_thread():
             assert torch.get_num_threads() == 1
             wide.mul(2.0)
-        return torch.get_num_threads()
+        return before, torch.get_num_threads()
 
-    after = []
-    assert threads_added_by(lambda: after.append(doubled())) == 0
-    assert after == [torch.get_num_threads()]
+    counts = []
+    assert threads_added_by(lambda: counts.append(doubled())) == 0
+    [(before, after)] = counts
+    if before < 2:
+        pytest.skip("a new thread of this process starts at one intra-op thread: nothing to restore")
+    assert after == before
 
 
 def test_reading_an_adapter_beside_an_engine_starts_no_team(tmp_path):
