@@ -16,7 +16,7 @@ from types import SimpleNamespace
 import openai
 import pytest
 
-from flywheel.bus import SAMPLE_SUBJECT, Sample
+from flywheel.bus import SAMPLE_SUBJECT, Sample, Trajectory
 from flywheel.collect.loop import CollectLoop
 from flywheel.config import load_config
 from flywheel.deploy.deployment import sharing_cores, side_server_config
@@ -210,3 +210,16 @@ def test_the_blind_people_file_is_well_formed():
                 and all(line.count("{question}") == 1 and line.format(question="Q?").count("Q?") == 1
                         for line in voice.new_question))
         assert fits, key
+
+
+async def test_a_sessions_verdict_is_its_own_samples_not_its_practices(nats_url, bus):
+    """Practice samples share their session's id (flywheel/judge/practice.py) and carry no verdict:
+    the bench's record of what the judge said of a session is its own sample's, whichever comes last."""
+    def sample(id: str, judge: str, details: dict) -> Sample:
+        trajectory = Trajectory(id=id, session_id="s1", segments=[], turns=[], close_reason="end")
+        return Sample(id=id, trajectory=trajectory, reward=-1.0, judge=judge, details=details)
+
+    await bus.publish(SAMPLE_SUBJECT, sample("s1", "next_state", {"turns": [{"class": "correction", "score": -1.0}]}))
+    await bus.publish(SAMPLE_SUBJECT, sample("s1:practice:0:0", "practice", {"practice_of": "s1", "turn": 0}))
+    said = await verdicts(nats_url)
+    assert said["s1"]["judge_class"] == "correction" and said["s1"]["judge_score"] == -1.0

@@ -140,6 +140,7 @@ async def verdicts(bus_url: str) -> dict[str, dict]:
     """{session id: what the judge said of its first reply (and of the second, when the person
     reacted to it), and how many tokens the teacher scored}."""
     from flywheel.bus import SAMPLE_SUBJECT, Bus
+    from flywheel.judge.practice import JUDGE as PRACTICE
 
     bus = await Bus.connect(bus_url, name="personal-agent-drill")
     try:
@@ -147,7 +148,8 @@ async def verdicts(bus_url: str) -> dict[str, dict]:
         while deliveries := await consumer.fetch(batch=256, timeout_s=2):
             for delivery in deliveries:
                 sample = delivery.record
-                if not await bus.resolve(sample):
+                if sample.judge == PRACTICE or not await bus.resolve(sample):  # practice: not the session's verdict
+                    await delivery.ack()
                     continue
                 turns = sample.details.get("turns") or [{}]
                 taught = sum(not math.isnan(v) for values in sample.teacher_logprobs for v in values)
