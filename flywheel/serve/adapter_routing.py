@@ -57,6 +57,14 @@ class AdapterChoice:
     name: str | None = None
     lora_path: str | None = None
 
+    def recorded_versions(self, versions: list[int]) -> list[int]:
+        """The versions a reply's tokens are recorded with: the engine's when the adapter (or its
+        canary) served it; 0 for each token while it has no version of its own (its origin or the
+        bare base served it, and the trainer starts it at version 0)."""
+        if self.name is not None and self.lora_path not in (self.name, canary_name(self.name)):
+            return [0] * len(versions)
+        return versions
+
 
 BASE = AdapterChoice()
 

@@ -26,7 +26,7 @@ from flywheel.bus import (
     Turn,
 )
 from flywheel.formats.tool_calls import ToolFormat
-from flywheel.models.adapter_names import canary_name
+from flywheel.serve.adapter_routing import AdapterChoice
 from flywheel.serve.api.chat import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -358,9 +358,7 @@ class Generation:
         """The versions the choice's tokens are recorded with: the engine's for the adapter or its
         canary; an adapter with no published version yet was served by what it starts from (its
         origin, or the bare base), and its tokens are the adapter's version 0."""
-        if self.adapter is not None and self.lora_path not in (self.adapter, canary_name(self.adapter)):
-            return [0] * len(choice.versions)
-        return choice.versions
+        return AdapterChoice(self.adapter, self.lora_path).recorded_versions(choice.versions)
 
     def _holds_personal_data(self, turns: list[Turn]) -> bool:
         """Under `drop`, whether the request's texts or a reply hold personal data; under

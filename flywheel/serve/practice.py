@@ -69,7 +69,6 @@ def install_practice_route(app: FastAPI, pool: EnginePool, routing: AdapterRouti
         if pii != "off":
             held = await asyncio.to_thread(lambda: [personal_data.holds([r.text], entities) for r in replies])
             replies = [reply for reply, holds in zip(replies, held) if not holds]
-        own = choice.lora_path == body.adapter
         return {"replies": [{"output_ids": r.output_ids, "logprobs": r.logprobs, "text": r.text,
-                             "versions": r.versions if own else [0] * len(r.output_ids), "finish_reason": r.finish_reason}
+                             "versions": choice.recorded_versions(r.versions), "finish_reason": r.finish_reason}
                             for r in replies]}
