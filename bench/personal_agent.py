@@ -73,7 +73,7 @@ from statistics import fmean
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # `python bench/NAME.py` as well as `-m bench.NAME`
 
-from bench.lib.common import RESULTS, ROOT, machine, quiet_logs, table, write_result  # noqa: E402
+from bench.lib.common import RESULTS, ROOT, START_COMMIT, machine, quiet_logs, table, write_result  # noqa: E402
 from bench.lib.final_policy import final_policy  # noqa: E402
 from bench.lib.personal_eval import satisfaction, wait_trained  # noqa: E402
 from flywheel.drills.personal_agent import (  # noqa: E402
@@ -311,6 +311,8 @@ def main() -> None:
     path = RESULTS / f"{args.name}.json"
     previous = json.loads(path.read_text()) if (args.keep or args.report) and path.exists() else {}
     trials: list[dict] = previous.get("trials", [])
+    for kept in trials:  # a continued file mixes commits: each trial says its own
+        kept.setdefault("commit", previous.get("commit"))
     arith_before = previous.get("arith_before")
     if args.report:
         args.arms = []  # nothing to run
@@ -338,7 +340,7 @@ def main() -> None:
                     if not args.keep_weights:  # ~2.7 GB a trial, not needed once measured
                         for heavy in ("weights", "checkpoints", "merged"):
                             shutil.rmtree(trial_dir(arm, pref, index, args) / heavy, ignore_errors=True)
-                    trials.append(scrubbed(result) if args.people else result)
+                    trials.append({**(scrubbed(result) if args.people else result), "commit": START_COMMIT})
                     print(f"== {arm} {pref} #{index}: learned at {result['learned_at'] or f'>{args.cap}'}, held-out rate "
                           f"{result['heldout']['rate']:.2f}, arithmetic {result.get('arith_after')}, first replies not judged "
                           f"{result['unjudged']}, {result['trial_s']:.0f} s",
