@@ -1,7 +1,8 @@
 """What protects a person from a harmful version of their own adapter (flywheel/train/adapter_guard.py,
-`adapters.guard_drop`): a version that makes the base's general answers much less likely is held
-back, unpublished, and the adapter returns to its last published version; so are weights a
-restarted trainer never published."""
+`adapters.guard_drop`, `adapters.guard_relevance`): a version that makes the base's general
+answers much less likely, or whose replies no longer answer the question, is held back,
+unpublished, and the adapter returns to its last published version; so are weights a restarted
+trainer never published."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ from flywheel.config import load_config
 from flywheel.models import load_model
 from flywheel.models.adapter_store import AdapterStore
 from flywheel.models.lora_adapter import WEIGHTS_FILE
-from flywheel.train.adapter_guard import AdapterGuard
+from flywheel.train.adapter_guard import GENERAL_PROMPTS, AdapterGuard, _right_padded, _token_logprobs
 from flywheel.train.adapter_versions import AdapterVersions
 from flywheel.train.ledger import lineage
 from flywheel.train.loop import TrainLoop
@@ -43,6 +44,36 @@ def test_an_untrained_adapter_costs_nothing_and_a_wrecked_one_is_held_back():
     assert guard.held_back == {"wrecked": 1} and math.isfinite(guard.base_logprob)
     adapters.ensure("user", "wrecked")  # a user's adapter starts from its tenant's: measured against that
     assert abs(guard.drop("user", origin="wrecked")) < 1e-5 and guard.allows("user", origin="wrecked")
+
+
+def test_replies_that_stop_answering_are_held_back_while_the_base_answers_stay_likely():
+    """SmolLM2: the relevance of its own replies is high, and the same replies shuffled among the
+    questions score below zero. An adapter taken three steps toward one canned line for every
+    question still leaves the base's general answers likely (main's only check lets it through),
+    but its replies no longer answer the question: held back."""
+    config = load_config(None, ["model=smollm2-135m", "adapters.kind=lora", "adapters.rank=4", "adapters.alpha=8"])
+    model, tokenizer = load_model("smollm2-135m")
+    adapters = Trainer(model, config.actor, config.train, config.adapters).adapters
+    guard = AdapterGuard(adapters, tokenizer, max_drop=1.0, min_relevance=0.5, prompts=GENERAL_PROMPTS[:4])
+    replies = guard.replies(None)
+    assert guard.relevance(None) > 1.0 and guard.relevance_of(replies[1:] + replies[:1]) < 0
+    adapters.ensure("canned")
+    assert guard.allows("canned")  # untrained, the adapter is the base: it keeps all of its relevance
+
+    canned = tokenizer.encode("My favourite colour is green, and I like to walk my dog.<|im_end|>", add_special_tokens=False)
+    questions = ["How do I keep basil alive?", "What should I pack for a hike?", "How do I clean a cast iron pan?",
+                 "How can I save money on groceries?"]
+    rows = [guard._chat(q) + canned for q in questions]
+    ids, attention, marks = _right_padded(rows, [len(canned)] * len(rows))
+    adapters.activate("canned")
+    optimizer = torch.optim.Adam(adapters.params["canned"], lr=2e-3)
+    for _ in range(3):
+        loss = -_token_logprobs(adapters.model, ids, attention)[marks[:, 1:]].mean()
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    assert guard.drop("canned") < 1.0 and not guard.allows("canned")  # held back by its replies alone
+    assert guard.held_back == {"canned": 1}
 
 
 async def test_a_held_back_version_is_not_published_and_the_adapter_returns_to_the_last_one(bus, nats_url, tmp_path):

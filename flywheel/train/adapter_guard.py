@@ -1,24 +1,33 @@
-"""What protects a person from a harmful version of their own adapter (`adapters.guard_drop`): a
-version is published only if the adapter still answers general prompts as the base does.
+"""What protects a person from a harmful version of their own adapter: a version is published only
+if the adapter still answers general prompts as the base does (`adapters.guard_drop`) and its
+replies still answer the question asked (`adapters.guard_relevance`).
 
 A user's adapter is theirs alone and no gate compares it with anything: the versions their own
 corrections make go straight to them. One-sample steps can erode a model into replies that
 answer nothing (issue 45's full fine-tuning run, word salad by version 20), and an adapter can
-do the same to its one user. So before an adapter's version is published the trainer measures
-forgetting: the base's own greedy answers to `GENERAL_PROMPTS` (arithmetic, facts, code, plain
-instructions: nothing a personal preference should change much), and the mean log-probability
-per token the adapter gives those answers, against the base's (against its origin's, for a
-user's adapter that started from its tenant's). A drop above `guard_drop` nats a
-token holds the version back: it is not published, the adapter's weights go back to its last
-published version (its origin's, or the base's, before any) and its optimizer starts afresh,
-and the loop's stats count it (`held_back`). The person keeps being served what they had.
+do the same to its one user. So before an adapter's version is published the trainer measures:
+- forgetting: the base's own greedy answers to `GENERAL_PROMPTS` (arithmetic, facts, code, plain
+  instructions: nothing a personal preference should change much), and the mean log-probability
+  per token the adapter gives those answers, against the base's;
+- relevance: the adapter's own greedy replies to `RELEVANCE_PROMPTS`, and how much better each
+  fits its own question than the next one as the base reads it (the pointwise mutual
+  information of reply and question, nats a token): an answer scores well above 0, a reply
+  that would do for any question near it. Erosion shows here first: replies that speak of
+  something else, a canned line, a list of nothing, while the base's answers stay likely.
+Each against its origin's (a user's adapter that started from its tenant's is not held back
+for what that one changed). A drop above `guard_drop`, or relevance below `guard_relevance` of
+the origin's, holds the version back: it is not published, the adapter's weights go back to its
+last published version (its origin's, or the base's, before any) and its optimizer starts
+afresh, and the loop's stats count it (`held_back`). The person keeps being served what they had.
 
-The base's answers are computed once, at the first check (27 s for SmolLM2 on 2 CPU cores); a
-check is one batched forward pass over them with the adapter on (2.0 s there).
+The base's answers and relevance are computed once, at the first check (27 s and 11 s for
+SmolLM2 on 2 CPU cores); a check is a batched forward pass over the answers (2.0 s there) and the
+adapter's 32-token replies to eight questions with their scoring (~6 s quiet).
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 
 import torch
@@ -42,13 +51,31 @@ GENERAL_PROMPTS = (
     "Spell the word 'garden' backwards.",
 )
 ANSWER_TOKENS = 24
+RELEVANCE_PROMPTS = (
+    "How do I unclog a slow bathroom sink?",
+    "What should I look for when buying a used car?",
+    "How can I get better at speaking in public?",
+    "What is a simple way to organise a messy closet?",
+    "How do I ask my manager for more time on a deadline?",
+    "What are some tips for running my first 5k race?",
+    "How do I keep bread from going stale so fast?",
+    "How can I start saving a little money each month?",
+)
+"""Everyday questions that ask for a few sentences (none of them the personal-agent bench's): what
+one-sample steps toward a person's wish erode first is whether replies answer them at all."""
+REPLY_TOKENS = 32
+RELEVANT = 0.5
+"""Relevance (nats a token) below which a reference's replies are taken not to answer at all."""
 
 
 class AdapterGuard:
-    def __init__(self, adapters: AdapterSet, tokenizer, max_drop: float, prompts: tuple[str, ...] = GENERAL_PROMPTS):
-        self.adapters, self.tokenizer, self.max_drop, self.prompts = adapters, tokenizer, max_drop, prompts
+    def __init__(self, adapters: AdapterSet, tokenizer, max_drop: float | None, min_relevance: float | None = None,
+                 prompts: tuple[str, ...] = GENERAL_PROMPTS):
+        self.adapters, self.tokenizer, self.prompts = adapters, tokenizer, prompts
+        self.max_drop, self.min_relevance = max_drop, min_relevance
         self._batch: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
         self.base_logprob: float | None = None
+        self.base_relevance: float | None = None
         self.held_back: dict[str, int] = {}
 
     def drop(self, name: str, origin: str | None = None) -> float:
@@ -57,21 +84,92 @@ class AdapterGuard:
         adapter is measured against its tenant's, not held back for what that one changed)."""
         ids, attention, answer = self._reference()
         reference = self.base_logprob
-        if origin is not None and origin != name and origin in self.adapters:
+        if self._here(name, origin):
             self.adapters.activate(origin)
             reference = _mean_logprob(self.adapters.model, ids, attention, answer)
         self.adapters.activate(name)
         return reference - _mean_logprob(self.adapters.model, ids, attention, answer)
 
+    def relevance_kept(self, name: str, origin: str | None = None) -> float:
+        """The share `name` keeps of `origin`'s relevance when that adapter is here, else of the
+        base's; 1.0 where that reference does not answer these questions at all (below
+        `RELEVANT`: the random test model), as there is nothing to keep."""
+        reference = self.relevance(origin) if self._here(name, origin) else self.relevance(None)
+        return self.relevance(name) / reference if reference >= RELEVANT else 1.0
+
     def allows(self, name: str, origin: str | None = None) -> bool:
         """Whether `name`'s current weights may be published (and count it when not)."""
-        drop = self.drop(name, origin)
-        if drop <= self.max_drop:
-            return True
+        if self.max_drop is not None and (drop := self.drop(name, origin)) > self.max_drop:
+            return self._held(name, "it makes the base's general answers %.2f nats a token less likely "
+                              "(adapters.guard_drop %.2f)", drop, self.max_drop)
+        if self.min_relevance is not None and (kept := self.relevance_kept(name, origin)) < self.min_relevance:
+            return self._held(name, "its replies keep %.2f of the answer relevance they started from "
+                              "(adapters.guard_relevance %.2f)", kept, self.min_relevance)
+        return True
+
+    def _held(self, name: str, why: str, *values: float) -> bool:
         self.held_back[name] = self.held_back.get(name, 0) + 1
-        log.warning("adapter %s held back: it makes the base's general answers %.2f nats a token less likely "
-                    "(adapters.guard_drop %.2f)", name, drop, self.max_drop)
+        log.warning("adapter %s held back: " + why, name, *values)
         return False
+
+    def _here(self, name: str, origin: str | None) -> bool:
+        return origin is not None and origin != name and origin in self.adapters
+
+    def relevance(self, name: str | None) -> float:
+        """How much better the replies `name` writes (greedy; None: the base, computed once) to
+        `RELEVANCE_PROMPTS` fit their own question than the next one, as the base reads them
+        (nats a token, mean)."""
+        if name is not None:
+            return self.relevance_of(self.replies(name))
+        if self.base_relevance is None:
+            self.base_relevance = self.relevance_of(self.replies(None))
+        return self.base_relevance
+
+    def relevance_of(self, replies: list[list[int]]) -> float:
+        """The mean over `replies` (token ids, one for each of `RELEVANCE_PROMPTS`, in order) of
+        log p_base(reply | its question) - log p_base(reply | the next question), per token: the
+        pointwise mutual information of reply and question. An answer to the question scores
+        well above 0; a reply that would do for any question (word salad, a canned line, a reply
+        to something else) near or below it."""
+        questions = self._questions()
+        n = len(questions)
+        own = [q + r for q, r in zip(questions, replies)]
+        other = [questions[(i + 1) % n] + r for i, r in enumerate(replies)]
+        ids, attention, marks = _right_padded(own + other, [len(r) for r in replies] * 2)
+        with torch.no_grad(), self.adapters.disabled() as base:
+            device = next(base.parameters()).device
+            logp = _token_logprobs(base, ids.to(device), attention.to(device))
+        marks = marks[:, 1:].to(device)
+        per_reply = (logp * marks).sum(-1) / marks.sum(-1)
+        return float((per_reply[:n] - per_reply[n:]).mean())
+
+    def _questions(self) -> list[list[int]]:
+        return [self._chat(q) for q in RELEVANCE_PROMPTS]
+
+    def _chat(self, prompt: str) -> list[int]:
+        text = self.tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
+                                                  tokenize=False)
+        return self.tokenizer.encode(text, add_special_tokens=False)
+
+    def replies(self, name: str | None) -> list[list[int]]:
+        """`name`'s greedy replies to `RELEVANCE_PROMPTS`, each cut after its end-of-sequence token."""
+        questions = self._questions()
+        width = max(map(len, questions))
+        pad, eos = self.tokenizer.pad_token_id, self.tokenizer.eos_token_id
+        pad = eos if pad is None else pad
+        ids = torch.tensor([[pad] * (width - len(q)) + q for q in questions])
+        attention = torch.tensor([[0] * (width - len(q)) + [1] * len(q) for q in questions])
+        if name is not None:
+            self.adapters.activate(name)
+        context = self.adapters.disabled() if name is None else contextlib.nullcontext(self.adapters.model)
+        with torch.no_grad(), context as model:
+            device = next(model.parameters()).device
+            out = model.generate(ids.to(device), attention_mask=attention.to(device), max_new_tokens=REPLY_TOKENS,
+                                 do_sample=False, pad_token_id=pad)
+        replies = []
+        for row in out[:, width:].tolist():
+            replies.append(row[:row.index(eos) + 1] if eos in row else row)
+        return replies
 
     def _reference(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The prompts with the base's greedy answers, right-padded: ids, attention mask, and the
@@ -82,28 +180,36 @@ class AdapterGuard:
         with torch.no_grad(), self.adapters.disabled() as base:
             device = next(base.parameters()).device
             for prompt in self.prompts:
-                text = self.tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
-                                                          tokenize=False)
-                prompt_ids = self.tokenizer.encode(text, add_special_tokens=False)
+                prompt_ids = self._chat(prompt)
                 out = base.generate(torch.tensor([prompt_ids], device=device),
                                     attention_mask=torch.ones(1, len(prompt_ids), dtype=torch.long, device=device),
                                     max_new_tokens=ANSWER_TOKENS, do_sample=False, pad_token_id=self.tokenizer.eos_token_id)
                 rows.append(out[0].tolist())
                 answers.append(len(out[0]) - len(prompt_ids))
-            width = max(map(len, rows))
-            ids = torch.tensor([row + [0] * (width - len(row)) for row in rows])
-            attention = torch.tensor([[1] * len(row) + [0] * (width - len(row)) for row in rows])
-            answer = torch.zeros_like(ids, dtype=torch.bool)
-            for r, (row, n) in enumerate(zip(rows, answers)):
-                answer[r, len(row) - n:len(row)] = True
-            self._batch = ids.to(device), attention.to(device), answer.to(device)
+            self._batch = tuple(t.to(device) for t in _right_padded(rows, answers))
             self.base_logprob = _mean_logprob(base, *self._batch)
         return self._batch
+
+
+def _right_padded(rows: list[list[int]], tails: list[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`rows` right-padded: ids, attention mask, and the mask of each row's last `tails` tokens."""
+    width = max(map(len, rows))
+    ids = torch.tensor([row + [0] * (width - len(row)) for row in rows])
+    attention = torch.tensor([[1] * len(row) + [0] * (width - len(row)) for row in rows])
+    marks = torch.zeros_like(ids, dtype=torch.bool)
+    for r, (row, n) in enumerate(zip(rows, tails)):
+        marks[r, len(row) - n:len(row)] = True
+    return ids, attention, marks
+
+
+def _token_logprobs(model: torch.nn.Module, ids: torch.Tensor, attention: torch.Tensor) -> torch.Tensor:
+    """Each token's log-probability given the ones before it (one column fewer than `ids`)."""
+    logits = model(input_ids=ids, attention_mask=attention).logits[:, :-1].float()
+    return torch.log_softmax(logits, -1).gather(-1, ids[:, 1:, None])[..., 0]
 
 
 def _mean_logprob(model: torch.nn.Module, ids: torch.Tensor, attention: torch.Tensor, answer: torch.Tensor) -> float:
     """Mean log-probability of the tokens `answer` marks, each given the ones before it."""
     with torch.no_grad():
-        logits = model(input_ids=ids, attention_mask=attention).logits[:, :-1].float()
-        logp = torch.log_softmax(logits, -1).gather(-1, ids[:, 1:, None])[..., 0]
+        logp = _token_logprobs(model, ids, attention)
     return float(logp[answer[:, 1:]].mean())

@@ -76,11 +76,11 @@ class AdapterVersions:
     @classmethod
     def of(cls, config: FlywheelConfig, run_dir: Path, bus: Bus, adapters: AdapterSet, tokenizer: Any,
            registry: Registry | None = None, ledger: Ledger | None = None) -> AdapterVersions:
-        """A run's: its store (`run_dir/adapters`), its guard (`adapters.guard_drop`), its adapters'
+        """A run's: its store (`run_dir/adapters`), its guard (`adapters.guard_drop`, `guard_relevance`), its adapters'
         origins, the version registry when versions must earn their traffic, and its ledger."""
         store = AdapterStore(run_dir / "adapters", keep=config.train.keep_versions)
-        drop = config.adapters.guard_drop
-        guard = AdapterGuard(adapters, tokenizer, drop) if drop is not None else None
+        drop, relevance = config.adapters.guard_drop, config.adapters.guard_relevance
+        guard = AdapterGuard(adapters, tokenizer, drop, relevance) if (drop, relevance) != (None, None) else None
         return cls(store, bus, config.train.weight_update_interval, guard, lambda name: origin(name, config),
                    registry, config.rollout.max_head_offpolicyness, ledger)
 
