@@ -1,8 +1,10 @@
-"""Calibrating the adapter guard (flywheel/train/adapter_guard.py, `adapters.guard_drop`): how far
-its measure of forgetting (the drop in log-probability of the base's own general answers) moves
-as an adapter grows from what training made it to far past that, against general skill measured
+"""Calibrating the adapter guard (flywheel/train/adapter_guard.py, `adapters.guard_drop` and
+`guard_relevance`): how far its two measures (the drop in log-probability of the base's own
+general answers; the share of the base's answer relevance the adapter's replies keep) move as an
+adapter grows from what training made it to far past that, against general skill measured
 directly (greedy held-out arithmetic, bench/learn_arith.py's evaluation) and the share of replies
-that still answer an everyday question (flywheel/drills/simulated_people.py `answers`).
+that still answer an everyday question as the simulated person sees it (its own rule,
+flywheel/drills/simulated_people.py `answers`, on the bench's held-out questions).
 
 Each adapter given (a directory of the adapter store, `run_dir/adapters/NAME`: its newest
 version) is scaled: its LoRA B matrices times s, the update times s (s = 1 is the adapter as
@@ -54,7 +56,8 @@ def measure(version_dir: Path, scale: float, args) -> dict:
     adapters = Trainer(model, config.actor, config.train, config.adapters).adapters
     adapters.ensure("probe")
     adapters.load("probe", tensors)
-    drop = AdapterGuard(adapters, tokenizer, max_drop=1.0).drop("probe")
+    guard = AdapterGuard(adapters, tokenizer, max_drop=1.0, min_relevance=0.6)
+    drop, kept = guard.drop("probe"), guard.relevance_kept("probe")
     with tempfile.TemporaryDirectory() as tmp:
         scaled, merged = Path(tmp) / "adapter", Path(tmp) / "merged"
         scaled.mkdir()
@@ -65,7 +68,8 @@ def measure(version_dir: Path, scale: float, args) -> dict:
         arith = arithmetic(str(merged), args)
         person = User("Maya", PREFERENCES["brief"], seed=0)
         replies = asyncio.run(satisfaction(merged, args.model, person, HELD_OUT_QUESTIONS, args))
-    return {"adapter": str(version_dir), "scale": scale, "drop": drop, "arithmetic": arith, "answers": replies["answers"]}
+    return {"adapter": str(version_dir), "scale": scale, "drop": drop, "relevance_kept": kept, "arithmetic": arith,
+            "answers": replies["answers"]}
 
 
 def main() -> None:
@@ -83,9 +87,9 @@ def main() -> None:
         for scale in SCALES:
             rows.append(measure(newest(adapter), scale, args))
             print(rows[-1], flush=True)
-    print(table(["adapter", "scale", "guard drop (nats/token)", "arithmetic", "answers"],
-                [[Path(r["adapter"]).parent.parent.parent.name, r["scale"], r["drop"], r["arithmetic"], r["answers"]]
-                 for r in rows]))
+    print(table(["adapter", "scale", "guard drop (nats/token)", "relevance kept", "arithmetic", "answers"],
+                [[Path(r["adapter"]).parent.parent.parent.name, r["scale"], r["drop"], r["relevance_kept"], r["arithmetic"],
+                  r["answers"]] for r in rows]))
     write_result("adapter_guard", {"args": {k: str(v) for k, v in vars(args).items()}, "rows": rows})
 
 

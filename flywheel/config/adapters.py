@@ -44,7 +44,7 @@ class AdaptersConfig(Section):
     base's own answers to general prompts before it is held back, unpublished, and the adapter
     returned to its last published version (flywheel/train/adapter_guard.py): what protects a
     person from a harmful version of their own adapter. None: no check."""
-    guard_relevance: float | None = Field(0.5, gt=0, le=1)
+    guard_relevance: float | None = Field(0.6, gt=0, le=1)
     """The least share an adapter's version keeps of its origin's (else the base's) answer
     relevance: how much better its greedy replies to everyday questions fit their own question
     than another, as the base reads them (flywheel/train/adapter_guard.py). Below it the version
