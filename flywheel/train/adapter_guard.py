@@ -107,14 +107,6 @@ class AdapterGuard:
                               "(adapters.guard_relevance %.2f)", kept, self.min_relevance)
         return True
 
-    def _held(self, name: str, why: str, *values: float) -> bool:
-        self.held_back[name] = self.held_back.get(name, 0) + 1
-        log.warning("adapter %s held back: " + why, name, *values)
-        return False
-
-    def _here(self, name: str, origin: str | None) -> bool:
-        return origin is not None and origin != name and origin in self.adapters
-
     def relevance(self, name: str | None) -> float:
         """How much better the replies `name` writes (greedy; None: the base, computed once) to
         `RELEVANCE_PROMPTS` fit their own question than the next one, as the base reads them
@@ -143,14 +135,6 @@ class AdapterGuard:
         per_reply = (logp * marks).sum(-1) / marks.sum(-1)
         return float((per_reply[:n] - per_reply[n:]).mean())
 
-    def _questions(self) -> list[list[int]]:
-        return [self._chat(q) for q in RELEVANCE_PROMPTS]
-
-    def _chat(self, prompt: str) -> list[int]:
-        text = self.tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
-                                                  tokenize=False)
-        return self.tokenizer.encode(text, add_special_tokens=False)
-
     def replies(self, name: str | None) -> list[list[int]]:
         """`name`'s greedy replies to `RELEVANCE_PROMPTS`, each cut after its end-of-sequence token."""
         questions = self._questions()
@@ -170,6 +154,22 @@ class AdapterGuard:
         for row in out[:, width:].tolist():
             replies.append(row[:row.index(eos) + 1] if eos in row else row)
         return replies
+
+    def _held(self, name: str, why: str, *values: float) -> bool:
+        self.held_back[name] = self.held_back.get(name, 0) + 1
+        log.warning("adapter %s held back: " + why, name, *values)
+        return False
+
+    def _here(self, name: str, origin: str | None) -> bool:
+        return origin is not None and origin != name and origin in self.adapters
+
+    def _questions(self) -> list[list[int]]:
+        return [self._chat(q) for q in RELEVANCE_PROMPTS]
+
+    def _chat(self, prompt: str) -> list[int]:
+        text = self.tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
+                                                  tokenize=False)
+        return self.tokenizer.encode(text, add_special_tokens=False)
 
     def _reference(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The prompts with the base's greedy answers, right-padded: ids, attention mask, and the
