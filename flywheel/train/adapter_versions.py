@@ -14,9 +14,9 @@ the store, and announces it. A forgotten adapter (`drop`) starts again from vers
 announcement's id names the step too, so the bus does not take a new adapter's version 1 for a
 repeat of the forgotten one's (JetStream drops a message whose id it saw in its duplicate window).
 
-With a guard (`adapters.guard_drop`, flywheel/train/adapter_guard.py) a version that forgot too
-much general skill is held back instead: not published, and the adapter back to its last
-published version (`hold_back`). Each way back is written in the ledger (`Ledger.back_to`).
+With a guard (`adapters.guard_drop`, `guard_relevance`, flywheel/train/adapter_guard.py) a
+version that forgot too much general skill, or whose replies stopped answering the question, is
+held back instead: not published, and the adapter back to its last published version (`hold_back`). Each way back is written in the ledger (`Ledger.back_to`).
 
 Under promotion (`promotion.mode: gate`) each shared or tenant adapter is a line of the version
 registry (`UnderPromotion`, flywheel/train/under_promotion.py): before each step
