@@ -1,6 +1,7 @@
 """Calibrating the adapter guard (flywheel/train/adapter_guard.py, `adapters.guard_drop` and
-`guard_relevance`): how far its two measures (the drop in log-probability of the base's own
-general answers; the share of the base's answer relevance the adapter's replies keep) move as an
+`guard_answers`): how far its two measures (the drop in log-probability of the base's own
+general answers; the share of the everyday questions the base answers that the adapter's
+greedy replies still answer) move as an
 adapter grows from what training made it to far past that, against general skill measured
 directly (greedy held-out arithmetic, bench/learn_arith.py's evaluation) and the share of replies
 that still answer an everyday question as the simulated person sees it (its own rule,
@@ -56,8 +57,11 @@ def measure(version_dir: Path, scale: float, args) -> dict:
     adapters = Trainer(model, config.actor, config.train, config.adapters).adapters
     adapters.ensure("probe")
     adapters.load("probe", tensors)
-    guard = AdapterGuard(adapters, tokenizer, max_drop=1.0, min_relevance=0.6)
-    drop, kept = guard.drop("probe"), guard.relevance_kept("probe")
+    guard = AdapterGuard(adapters, tokenizer, max_drop=1.0, min_answers=0.8)
+    checks = {"adapter": str(version_dir), "scale": scale, "drop": guard.drop("probe"),
+              "answers_kept": guard.answers_kept("probe"), "relevance": guard.relevance("probe")}
+    if not args.skill:
+        return checks
     with tempfile.TemporaryDirectory() as tmp:
         scaled, merged = Path(tmp) / "adapter", Path(tmp) / "merged"
         scaled.mkdir()
@@ -68,8 +72,7 @@ def measure(version_dir: Path, scale: float, args) -> dict:
         arith = arithmetic(str(merged), args)
         person = User("Maya", PREFERENCES["brief"], seed=0)
         replies = asyncio.run(satisfaction(merged, args.model, person, HELD_OUT_QUESTIONS, args))
-    return {"adapter": str(version_dir), "scale": scale, "drop": drop, "relevance_kept": kept, "arithmetic": arith,
-            "answers": replies["answers"]}
+    return {**checks, "arithmetic": arith, "answers": replies["answers"]}
 
 
 def main() -> None:
@@ -81,16 +84,19 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--temperature", type=float, default=0.7)
     parser.add_argument("--overrides", nargs="*", default=[], help="(satisfaction's: unused without a hint)")
+    parser.add_argument("--no-skill", dest="skill", action="store_false",
+                        help="the guard's measures alone (seconds a row), not arithmetic and answers (minutes)")
+    parser.add_argument("--name", default="adapter_guard", help="bench/results/NAME.json")
     args = parser.parse_args()
     rows = []
     for adapter in args.adapters:
         for scale in SCALES:
             rows.append(measure(newest(adapter), scale, args))
             print(rows[-1], flush=True)
-    print(table(["adapter", "scale", "guard drop (nats/token)", "relevance kept", "arithmetic", "answers"],
-                [[Path(r["adapter"]).parent.parent.parent.name, r["scale"], r["drop"], r["relevance_kept"], r["arithmetic"],
-                  r["answers"]] for r in rows]))
-    write_result("adapter_guard", {"args": {k: str(v) for k, v in vars(args).items()}, "rows": rows})
+    print(table(["adapter", "scale", "guard drop (nats/token)", "answers kept", "arithmetic", "answers"],
+                [[Path(r["adapter"]).parent.parent.parent.name, r["scale"], r["drop"], r["answers_kept"],
+                  r.get("arithmetic"), r.get("answers")] for r in rows]))
+    write_result(args.name, {"args": {k: str(v) for k, v in vars(args).items()}, "rows": rows})
 
 
 if __name__ == "__main__":

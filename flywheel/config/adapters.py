@@ -44,9 +44,10 @@ class AdaptersConfig(Section):
     base's own answers to general prompts before it is held back, unpublished, and the adapter
     returned to its last published version (flywheel/train/adapter_guard.py): what protects a
     person from a harmful version of their own adapter. None: no check."""
-    guard_relevance: float | None = Field(0.6, gt=0, le=1)
-    """The least share an adapter's version keeps of its origin's (else the base's) answer
-    relevance: how much better its greedy replies to everyday questions fit their own question
-    than another, as the base reads them (flywheel/train/adapter_guard.py). Below it the version
-    is held back as `guard_drop` holds one back: one-sample steps erode whether replies answer
-    the question long before they erode the base's general answers. None: no check."""
+    guard_answers: float | None = Field(0.8, gt=0, le=1)
+    """The least share an adapter's version still answers of the everyday questions its origin
+    (else the base) answers, by its greedy replies: a reply answers when it fits its own question,
+    against another, at least half as well as the origin's replies do on average, as the base
+    reads them (flywheel/train/adapter_guard.py). Below it the version is held back as `guard_drop`
+    holds one back: one-sample steps erode whether replies answer the question long before they
+    erode the base's general answers. 0.8 of eight questions: one may be lost. None: no check."""

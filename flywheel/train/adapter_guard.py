@@ -1,6 +1,6 @@
 """What protects a person from a harmful version of their own adapter: a version is published only
 if the adapter still answers general prompts as the base does (`adapters.guard_drop`) and its
-replies still answer the question asked (`adapters.guard_relevance`).
+replies still answer the question asked (`adapters.guard_answers`).
 
 A user's adapter is theirs alone and no gate compares it with anything: the versions their own
 corrections make go straight to them. One-sample steps can erode a model into replies that
@@ -9,16 +9,18 @@ do the same to its one user. So before an adapter's version is published the tra
 - forgetting: the base's own greedy answers to `GENERAL_PROMPTS` (arithmetic, facts, code, plain
   instructions: nothing a personal preference should change much), and the mean log-probability
   per token the adapter gives those answers, against the base's;
-- relevance: the adapter's own greedy replies to `RELEVANCE_PROMPTS`, and how much better each
-  fits its own question than the next one as the base reads it (the pointwise mutual
-  information of reply and question, nats a token): an answer scores well above 0, a reply
-  that would do for any question near it. Erosion shows here first: replies that speak of
-  something else, a canned line, a list of nothing, while the base's answers stay likely.
+- answering: the adapter's own greedy replies to `RELEVANCE_PROMPTS`, and how much better each
+  fits its own question than the next one as the base reads it (its relevance: the pointwise
+  mutual information of reply and question, nats a token); a reply answers when that is at
+  least half the mean of its reference's replies. Erosion shows here first: replies that speak
+  of something else, a canned line, "as a chatbot I cannot...", a list of nothing, while the
+  base's answers stay likely.
 Each against its origin's (a user's adapter that started from its tenant's is not held back
-for what that one changed). A drop above `guard_drop`, or relevance below `guard_relevance` of
-the origin's, holds the version back: it is not published, the adapter's weights go back to its
-last published version (its origin's, or the base's, before any) and its optimizer starts
-afresh, and the loop's stats count it (`held_back`). The person keeps being served what they had.
+for what that one changed). A drop above `guard_drop`, or fewer than `guard_answers` of the
+questions the origin answers, holds the version back: it is not published, the adapter's weights
+go back to its last published version (its origin's, or the base's, before any) and its
+optimizer starts afresh, and the loop's stats count it (`held_back`). The person keeps being
+served what they had.
 
 The base's answers and relevance are computed once, at the first check (27 s and 11 s for
 SmolLM2 on 2 CPU cores); a check is a batched forward pass over the answers (2.0 s there) and the
@@ -29,6 +31,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+from statistics import mean
 
 import torch
 
@@ -65,17 +68,17 @@ RELEVANCE_PROMPTS = (
 one-sample steps toward a person's wish erode first is whether replies answer them at all."""
 REPLY_TOKENS = 32
 RELEVANT = 0.5
-"""Relevance (nats a token) below which a reference's replies are taken not to answer at all."""
+"""Mean relevance (nats a token) below which a reference's replies are taken not to answer at all."""
 
 
 class AdapterGuard:
-    def __init__(self, adapters: AdapterSet, tokenizer, max_drop: float | None, min_relevance: float | None = None,
+    def __init__(self, adapters: AdapterSet, tokenizer, max_drop: float | None, min_answers: float | None = None,
                  prompts: tuple[str, ...] = GENERAL_PROMPTS):
         self.adapters, self.tokenizer, self.prompts = adapters, tokenizer, prompts
-        self.max_drop, self.min_relevance = max_drop, min_relevance
+        self.max_drop, self.min_answers = max_drop, min_answers
         self._batch: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
         self.base_logprob: float | None = None
-        self.base_relevance: float | None = None
+        self.base_relevance: list[float] | None = None
         self.held_back: dict[str, int] = {}
 
     def drop(self, name: str, origin: str | None = None) -> float:
@@ -90,39 +93,46 @@ class AdapterGuard:
         self.adapters.activate(name)
         return reference - _mean_logprob(self.adapters.model, ids, attention, answer)
 
-    def relevance_kept(self, name: str, origin: str | None = None) -> float:
-        """The share `name` keeps of `origin`'s relevance when that adapter is here, else of the
-        base's; 1.0 where that reference does not answer these questions at all (below
-        `RELEVANT`: the random test model), as there is nothing to keep."""
+    def answers_kept(self, name: str, origin: str | None = None) -> float:
+        """The share of the questions its reference answers that `name` still answers: the
+        reference is `origin` when that adapter is here, else the base. A reply answers when it
+        fits its question at least half as well as the reference's replies fit theirs on average
+        (`relevance`); 1.0 where the reference does not answer these questions at all (mean
+        relevance below `RELEVANT`: the random test model), as there is nothing to keep."""
         reference = self.relevance(origin) if self._here(name, origin) else self.relevance(None)
-        return self.relevance(name) / reference if reference >= RELEVANT else 1.0
+        if mean(reference) < RELEVANT:
+            return 1.0
+        bar = mean(reference) / 2
+        answered = sum(r >= bar for r in self.relevance(name))
+        return answered / sum(r >= bar for r in reference)
 
     def allows(self, name: str, origin: str | None = None) -> bool:
         """Whether `name`'s current weights may be published (and count it when not)."""
         if self.max_drop is not None and (drop := self.drop(name, origin)) > self.max_drop:
             return self._held(name, "it makes the base's general answers %.2f nats a token less likely "
                               "(adapters.guard_drop %.2f)", drop, self.max_drop)
-        if self.min_relevance is not None and (kept := self.relevance_kept(name, origin)) < self.min_relevance:
-            return self._held(name, "its replies keep %.2f of the answer relevance they started from "
-                              "(adapters.guard_relevance %.2f)", kept, self.min_relevance)
+        if self.min_answers is not None and (kept := self.answers_kept(name, origin)) < self.min_answers:
+            return self._held(name, "its replies answer %.2f of the everyday questions they answered "
+                              "(adapters.guard_answers %.2f)", kept, self.min_answers)
         return True
 
-    def relevance(self, name: str | None) -> float:
-        """How much better the replies `name` writes (greedy; None: the base, computed once) to
-        `RELEVANCE_PROMPTS` fit their own question than the next one, as the base reads them
-        (nats a token, mean)."""
+    def relevance(self, name: str | None) -> list[float]:
+        """How much better each reply `name` writes (greedy; None: the base, computed once) to
+        `RELEVANCE_PROMPTS` fits its own question than the next one, as the base reads it (nats a
+        token)."""
         if name is not None:
             return self.relevance_of(self.replies(name))
         if self.base_relevance is None:
             self.base_relevance = self.relevance_of(self.replies(None))
         return self.base_relevance
 
-    def relevance_of(self, replies: list[list[int]]) -> float:
-        """The mean over `replies` (token ids, one for each of `RELEVANCE_PROMPTS`, in order) of
+    def relevance_of(self, replies: list[list[int]]) -> list[float]:
+        """For each of `replies` (token ids, one for each of `RELEVANCE_PROMPTS`, in order),
         log p_base(reply | its question) - log p_base(reply | the next question), per token: the
         pointwise mutual information of reply and question. An answer to the question scores
-        well above 0; a reply that would do for any question (word salad, a canned line, a reply
-        to something else) near or below it."""
+        well above 0 (SmolLM2's own: 1.3-2.0); a reply that would do for any question (word
+        salad, a canned line, "as a chatbot I cannot...", a reply to something else) near or
+        below it."""
         questions = self._questions()
         n = len(questions)
         own = [q + r for q, r in zip(questions, replies)]
@@ -133,7 +143,7 @@ class AdapterGuard:
             logp = _token_logprobs(base, ids.to(device), attention.to(device))
         marks = marks[:, 1:].to(device)
         per_reply = (logp * marks).sum(-1) / marks.sum(-1)
-        return float((per_reply[:n] - per_reply[n:]).mean())
+        return (per_reply[:n] - per_reply[n:]).tolist()
 
     def replies(self, name: str | None) -> list[list[int]]:
         """`name`'s greedy replies to `RELEVANCE_PROMPTS`, each cut after its end-of-sequence token."""

@@ -14,7 +14,7 @@ the store, and announces it. A forgotten adapter (`drop`) starts again from vers
 announcement's id names the step too, so the bus does not take a new adapter's version 1 for a
 repeat of the forgotten one's (JetStream drops a message whose id it saw in its duplicate window).
 
-With a guard (`adapters.guard_drop`, `guard_relevance`, flywheel/train/adapter_guard.py) a
+With a guard (`adapters.guard_drop`, `guard_answers`, flywheel/train/adapter_guard.py) a
 version that forgot too much general skill, or whose replies stopped answering the question, is
 held back instead: not published, and the adapter back to its last published version (`hold_back`). Each way back is written in the ledger (`Ledger.back_to`).
 
@@ -76,11 +76,11 @@ class AdapterVersions:
     @classmethod
     def of(cls, config: FlywheelConfig, run_dir: Path, bus: Bus, adapters: AdapterSet, tokenizer: Any,
            registry: Registry | None = None, ledger: Ledger | None = None) -> AdapterVersions:
-        """A run's: its store (`run_dir/adapters`), its guard (`adapters.guard_drop`, `guard_relevance`), its adapters'
+        """A run's: its store (`run_dir/adapters`), its guard (`adapters.guard_drop`, `guard_answers`), its adapters'
         origins, the version registry when versions must earn their traffic, and its ledger."""
         store = AdapterStore(run_dir / "adapters", keep=config.train.keep_versions)
-        drop, relevance = config.adapters.guard_drop, config.adapters.guard_relevance
-        guard = AdapterGuard(adapters, tokenizer, drop, relevance) if (drop, relevance) != (None, None) else None
+        drop, answers = config.adapters.guard_drop, config.adapters.guard_answers
+        guard = AdapterGuard(adapters, tokenizer, drop, answers) if (drop, answers) != (None, None) else None
         return cls(store, bus, config.train.weight_update_interval, guard, lambda name: origin(name, config),
                    registry, config.rollout.max_head_offpolicyness, ledger)
 
