@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import json
 import sys
 import tempfile
@@ -35,29 +36,39 @@ def newest(adapter_dir: Path) -> Path:
     return max(adapter_dir.glob("v*"), key=lambda p: int(p.name[1:]))
 
 
+@functools.cache
+def guard_for(stored: str, model_name: str):
+    """A trainer's adapters and a guard for adapters of the stored configuration, made once: the
+    base's answers and relevance are computed at its first check and kept."""
+    from flywheel.config import load_config
+    from flywheel.models import load_model
+    from flywheel.train.adapter_guard import AdapterGuard
+    from flywheel.train.trainer import Trainer
+
+    lora = json.loads(stored)
+    config = load_config(None, ["adapters.kind=lora", f"model={model_name}", f"adapters.rank={lora['r']}",
+                                f"adapters.alpha={lora['lora_alpha']}",
+                                f"adapters.target_modules={json.dumps(lora['target_modules'])}"])
+    model, tokenizer = load_model(model_name)
+    adapters = Trainer(model, config.actor, config.train, config.adapters).adapters
+    return adapters, AdapterGuard(adapters, tokenizer, max_drop=1.0, min_answers=0.8)
+
+
 def measure(version_dir: Path, scale: float, args) -> dict:
     from peft import PeftModel
     from safetensors.torch import load_file, save_file
 
     from bench.lib.personal_eval import satisfaction
     from bench.personal_agent import arithmetic
-    from flywheel.config import load_config
     from flywheel.drills.simulated_people import HELD_OUT_QUESTIONS, PREFERENCES, User
     from flywheel.models import load_model
     from flywheel.models.lora_adapter import CONFIG_FILE, WEIGHTS_FILE
-    from flywheel.train.adapter_guard import AdapterGuard
-    from flywheel.train.trainer import Trainer
 
     tensors = {k: v * scale if "lora_B" in k else v for k, v in load_file(version_dir / WEIGHTS_FILE).items()}
-    stored = json.loads((version_dir / CONFIG_FILE).read_text())  # the adapter's own rank, alpha and layers
-    config = load_config(None, ["adapters.kind=lora", f"model={args.model}", f"adapters.rank={stored['r']}",
-                                f"adapters.alpha={stored['lora_alpha']}",
-                                f"adapters.target_modules={json.dumps(stored['target_modules'])}"])
-    model, tokenizer = load_model(args.model)
-    adapters = Trainer(model, config.actor, config.train, config.adapters).adapters
+    stored = (version_dir / CONFIG_FILE).read_text()  # the adapter's own rank, alpha and layers
+    adapters, guard = guard_for(stored, args.model)
     adapters.ensure("probe")
     adapters.load("probe", tensors)
-    guard = AdapterGuard(adapters, tokenizer, max_drop=1.0, min_answers=0.8)
     checks = {"adapter": str(version_dir), "scale": scale, "drop": guard.drop("probe"),
               "answers_kept": guard.answers_kept("probe"), "relevance": guard.relevance("probe")}
     if not args.skill:
