@@ -16,7 +16,8 @@ repeat of the forgotten one's (JetStream drops a message whose id it saw in its 
 
 With a guard (`adapters.guard_drop`, `guard_answers`, flywheel/train/adapter_guard.py) a
 version that forgot too much general skill, or whose replies stopped answering the question, is
-held back instead: not published, and the adapter back to its last published version (`hold_back`). Each way back is written in the ledger (`Ledger.back_to`).
+held back instead: not published, and the adapter back to its last published version
+(`hold_back`). Each way back is written in the ledger (`Ledger.back_to`).
 
 Under promotion (`promotion.mode: gate`) each shared or tenant adapter is a line of the version
 registry (`UnderPromotion`, flywheel/train/under_promotion.py): before each step
@@ -76,8 +77,8 @@ class AdapterVersions:
     @classmethod
     def of(cls, config: FlywheelConfig, run_dir: Path, bus: Bus, adapters: AdapterSet, tokenizer: Any,
            registry: Registry | None = None, ledger: Ledger | None = None) -> AdapterVersions:
-        """A run's: its store (`run_dir/adapters`), its guard (`adapters.guard_drop`, `guard_answers`), its adapters'
-        origins, the version registry when versions must earn their traffic, and its ledger."""
+        """A run's: its store (`run_dir/adapters`), its guard (`adapters.guard_drop`, `guard_answers`),
+        its adapters' origins, the version registry when versions must earn their traffic, and its ledger."""
         store = AdapterStore(run_dir / "adapters", keep=config.train.keep_versions)
         drop, answers = config.adapters.guard_drop, config.adapters.guard_answers
         guard = AdapterGuard(adapters, tokenizer, drop, answers) if (drop, answers) != (None, None) else None
