@@ -17,7 +17,13 @@ from flywheel.config import load_config
 from flywheel.models import load_model
 from flywheel.models.adapter_store import AdapterStore
 from flywheel.models.lora_adapter import WEIGHTS_FILE
-from flywheel.train.adapter_guard import GENERAL_PROMPTS, AdapterGuard, _right_padded, _token_logprobs
+from flywheel.train.adapter_guard import (
+    GENERAL_PROMPTS,
+    RELEVANCE_PROMPTS,
+    AdapterGuard,
+    _right_padded,
+    _token_logprobs,
+)
 from flywheel.train.adapter_versions import AdapterVersions
 from flywheel.train.ledger import lineage
 from flywheel.train.loop import TrainLoop
@@ -75,7 +81,8 @@ def test_replies_that_stop_answering_are_held_back_while_the_base_answers_stay_l
     config = load_config(None, ["model=smollm2-135m", "adapters.kind=lora", "adapters.rank=4", "adapters.alpha=8"])
     model, tokenizer = load_model("smollm2-135m")
     adapters = Trainer(model, config.actor, config.train, config.adapters).adapters
-    guard = AdapterGuard(adapters, tokenizer, max_drop=1.0, min_answers=0.8, prompts=GENERAL_PROMPTS[:4])
+    guard = AdapterGuard(adapters, tokenizer, max_drop=1.0, min_answers=0.8, prompts=GENERAL_PROMPTS[:4],
+                         questions=RELEVANCE_PROMPTS[:4])
     replies = guard.replies(None)
     assert min(guard.relevance(None)) > 1.0 and mean(guard.relevance_of(replies[1:] + replies[:1])) < 0
     adapters.ensure("canned")

@@ -73,8 +73,8 @@ RELEVANT = 0.5
 
 class AdapterGuard:
     def __init__(self, adapters: AdapterSet, tokenizer, max_drop: float | None, min_answers: float | None = None,
-                 prompts: tuple[str, ...] = GENERAL_PROMPTS):
-        self.adapters, self.tokenizer, self.prompts = adapters, tokenizer, prompts
+                 prompts: tuple[str, ...] = GENERAL_PROMPTS, questions: tuple[str, ...] = RELEVANCE_PROMPTS):
+        self.adapters, self.tokenizer, self.prompts, self.questions = adapters, tokenizer, prompts, questions
         self.max_drop, self.min_answers = max_drop, min_answers
         self._batch: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
         self.base_logprob: float | None = None
@@ -118,8 +118,8 @@ class AdapterGuard:
 
     def relevance(self, name: str | None) -> list[float]:
         """How much better each reply `name` writes (greedy; None: the base, computed once) to
-        `RELEVANCE_PROMPTS` fits its own question than the next one, as the base reads it (nats a
-        token)."""
+        `questions` (`RELEVANCE_PROMPTS`) fits its own question than the next one, as the base
+        reads it (nats a token)."""
         if name is not None:
             return self.relevance_of(self.replies(name))
         if self.base_relevance is None:
@@ -127,7 +127,7 @@ class AdapterGuard:
         return self.base_relevance
 
     def relevance_of(self, replies: list[list[int]]) -> list[float]:
-        """For each of `replies` (token ids, one for each of `RELEVANCE_PROMPTS`, in order),
+        """For each of `replies` (token ids, one for each of `questions`, in order),
         log p_base(reply | its question) - log p_base(reply | the next question), per token: the
         pointwise mutual information of reply and question. An answer to the question scores
         well above 0 (SmolLM2's own: 1.3-2.0); a reply that would do for any question (word
@@ -146,7 +146,7 @@ class AdapterGuard:
         return (per_reply[:n] - per_reply[n:]).tolist()
 
     def replies(self, name: str | None) -> list[list[int]]:
-        """`name`'s greedy replies to `RELEVANCE_PROMPTS`, each cut after its end-of-sequence token."""
+        """`name`'s greedy replies to `questions`, each cut after its end-of-sequence token."""
         questions = self._questions()
         width = max(map(len, questions))
         pad, eos = self.tokenizer.pad_token_id, self.tokenizer.eos_token_id
@@ -174,7 +174,7 @@ class AdapterGuard:
         return origin is not None and origin != name and origin in self.adapters
 
     def _questions(self) -> list[list[int]]:
-        return [self._chat(q) for q in RELEVANCE_PROMPTS]
+        return [self._chat(q) for q in self.questions]
 
     def _chat(self, prompt: str) -> list[int]:
         text = self.tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
