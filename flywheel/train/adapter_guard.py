@@ -22,9 +22,10 @@ go back to its last published version (its origin's, or the base's, before any) 
 optimizer starts afresh, and the loop's stats count it (`held_back`). The person keeps being
 served what they had.
 
-The base's answers and relevance are computed once, at the first check (27 s and 11 s for
-SmolLM2 on 2 CPU cores); a check is a batched forward pass over the answers (2.0 s there) and the
-adapter's 32-token replies to eight questions with their scoring (~6 s quiet).
+The base's answers and relevance are computed once, at the first check (27 s and 4.8 s for
+SmolLM2 on 2 quiet CPU cores); a check is a batched forward pass over the answers (2.0 s there)
+and the adapter's 32-token replies to eight questions with their scoring (5.3 s there); a user's
+adapter whose tenant's adapter is in memory also has that one's replies made, each check.
 """
 
 from __future__ import annotations
