@@ -73,6 +73,30 @@ def test_a_version_may_lose_one_answer_in_eight_not_two_and_is_measured_against_
     assert guard.held_back == {"two": 1, "user": 1}
 
 
+def test_a_tenants_adapter_is_measured_once_for_its_users_checks_until_its_weights_change(monkeypatch):
+    """A user's adapter is checked against its tenant's at each of its versions: the tenant's
+    answers' log-probability and replies are measured again only when its weights have changed
+    (main made them at every check of every user)."""
+    config = load_config(None, LORA)
+    model, tokenizer = load_model("tiny")
+    adapters = Trainer(model, config.actor, config.train, config.adapters).adapters
+    guard = AdapterGuard(adapters, tokenizer, max_drop=0.5, min_answers=0.8, questions=RELEVANCE_PROMPTS[:2])
+    active = []
+    activate = adapters.activate
+    monkeypatch.setattr(adapters, "activate", lambda name: active.append(name) or activate(name))
+    adapters.ensure("tenant")
+    for user in ("ada", "bo"):
+        adapters.ensure(user, "tenant")
+    for user in ("ada", "bo", "ada"):
+        assert guard.allows(user, origin="tenant")
+    assert active.count("tenant") == 2 and active.count("ada") == 2  # the tenant: its log-probability, its replies
+    for param in adapters.params["tenant"]:
+        param.grad = torch.randn_like(param)
+    adapters.clip_and_step("tenant")
+    assert guard.allows("bo", origin="tenant")
+    assert active.count("tenant") == 4
+
+
 def test_replies_that_stop_answering_are_held_back_while_the_base_answers_stay_likely():
     """SmolLM2: the relevance of its own replies is high, and the same replies shuffled among the
     questions score below zero. An adapter taken three steps toward one canned line for every

@@ -25,14 +25,17 @@ served what they had.
 The base's answers and relevance are computed once, at the first check (27 s and 4.8 s for
 SmolLM2 on 2 quiet CPU cores); a check is a batched forward pass over the answers (2.0 s there)
 and the adapter's 32-token replies to eight questions with their scoring (5.3 s there); a user's
-adapter whose tenant's adapter is in memory also has that one's replies made, each check.
+adapter whose tenant's adapter is in memory has that one's measured too, once for each of its
+revisions (`AdapterSet.revision`).
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
+from collections.abc import Callable
 from statistics import mean
+from typing import Any
 
 import torch
 
@@ -81,6 +84,8 @@ class AdapterGuard:
         self.base_logprob: float | None = None
         self.base_relevance: list[float] | None = None
         self.held_back: dict[str, int] = {}
+        self._origins: dict[tuple[str, str], tuple[int, Any]] = {}
+        """(what, origin) -> the origin's revision and what was measured of it then."""
 
     def drop(self, name: str, origin: str | None = None) -> float:
         """How much less likely (nats a token, mean) `name` makes the base's answers than the base
@@ -89,8 +94,10 @@ class AdapterGuard:
         ids, attention, answer = self._reference()
         reference = self.base_logprob
         if self._here(name, origin):
-            self.adapters.activate(origin)
-            reference = _mean_logprob(self.adapters.model, ids, attention, answer)
+            def measure() -> float:
+                self.adapters.activate(origin)
+                return _mean_logprob(self.adapters.model, ids, attention, answer)
+            reference = self._of_origin("logprob", origin, measure)
         self.adapters.activate(name)
         return reference - _mean_logprob(self.adapters.model, ids, attention, answer)
 
@@ -100,7 +107,10 @@ class AdapterGuard:
         fits its question at least half as well as the reference's replies fit theirs on average
         (`relevance`); 1.0 where the reference does not answer these questions at all (mean
         relevance below `RELEVANT`: the random test model), as there is nothing to keep."""
-        reference = self.relevance(origin) if self._here(name, origin) else self.relevance(None)
+        if self._here(name, origin):
+            reference = self._of_origin("relevance", origin, lambda: self.relevance(origin))
+        else:
+            reference = self.relevance(None)
         if mean(reference) < RELEVANT:
             return 1.0
         bar = mean(reference) / 2
@@ -165,6 +175,16 @@ class AdapterGuard:
         for row in out[:, width:].tolist():
             replies.append(row[:row.index(eos) + 1] if eos in row else row)
         return replies
+
+    def _of_origin(self, what: str, origin: str, measure: Callable[[], Any]) -> Any:
+        """`measure()` of the adapter `origin` (its reference log-probability or relevance), made
+        again only when its weights have changed since (a tenant's adapter is the origin of each
+        of its users' checks)."""
+        known = self._origins.get((what, origin))
+        if known is None or known[0] != self.adapters.revision(origin):
+            value = measure()
+            known = self._origins[(what, origin)] = (self.adapters.revision(origin), value)  # after: measuring may read it from disk
+        return known[1]
 
     def _held(self, name: str, why: str, *values: float) -> bool:
         self.held_back[name] = self.held_back.get(name, 0) + 1

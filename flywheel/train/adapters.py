@@ -79,6 +79,9 @@ class AdapterSet:
         self.schedulers: dict[str, torch.optim.lr_scheduler.LambdaLR] = {}
         self.steps: dict[str, int] = {}
         """Optimizer steps each adapter took (its learning-rate schedule's position)."""
+        self.revisions: dict[str, int] = {}
+        """Each adapter's weights' revision: a number no other weights in this set had (`revision`)."""
+        self._next_revision = 0
         self._next_key = 0
         self._bound = config.train_resident
         self.spill_dir: Path | None = None
@@ -98,6 +101,15 @@ class AdapterSet:
     def __contains__(self, name: str) -> bool:
         return name in self.known
 
+    def revision(self, name: str) -> int:
+        """Which weights `name` has: the number changes with every step, load or restart, and is
+        never given twice (what is measured of an adapter holds while its revision does)."""
+        return self.revisions[name]
+
+    def _changed(self, name: str) -> None:
+        self.revisions[name] = self._next_revision
+        self._next_revision += 1
+
     def ensure(self, name: str, origin: str | None = None) -> None:
         """Add `name`, unless it is here: a copy of `origin`'s weights when that adapter is here,
         else PEFT's initialisation; with a fresh optimizer."""
@@ -105,6 +117,7 @@ class AdapterSet:
             return
         self._create(name)
         self.known[name], self.steps[name] = None, 0
+        self._changed(name)
         if origin is not None and origin in self.known and origin != name:
             self.load(name, self.weights(origin))
 
@@ -127,7 +140,7 @@ class AdapterSet:
         forgotten user's adapter; `ensure` makes the name a new adapter again). Whether it was here."""
         if name not in self.known:
             return False
-        del self.known[name], self.steps[name]
+        del self.known[name], self.steps[name], self.revisions[name]
         if name in self.spilled:
             self.spilled.pop(name).unlink(missing_ok=True)
         else:
@@ -202,6 +215,7 @@ class AdapterSet:
         unexpected = getattr(result, "unexpected_keys", [])
         if unexpected:
             raise ValueError(f"adapter {name}: tensors that do not fit the model: {unexpected[:5]}")
+        self._changed(name)
 
     def restart(self, name: str, tensors: dict[str, torch.Tensor] | None = None, origin: str | None = None) -> None:
         """`name` back to `tensors` (a published version's, keyed as `weights` gives them), else
@@ -217,6 +231,7 @@ class AdapterSet:
                 for param_name, param in self.model.named_parameters():
                     if param_name.endswith(f"lora_B.{key}.weight"):
                         param.zero_()
+            self._changed(name)
         self.optimizers[name].state.clear()
 
     def config(self, name: str) -> dict[str, Any]:
@@ -237,6 +252,7 @@ class AdapterSet:
         self._here(name)
         norm = torch.nn.utils.clip_grad_norm_(self.params[name], self.actor.optimizer.max_grad_norm)
         self.optimizers[name].step()
+        self._changed(name)
         return float(norm)
 
     def schedule(self, names: list[str]) -> float:
@@ -267,6 +283,7 @@ class AdapterSet:
             for saved in state:
                 name = saved["name"]
                 self.known[name], self.steps[name] = None, saved["steps"]
+                self._changed(name)
                 if "file" in saved and self.spill_dir is not None:
                     self.spilled[name] = self.spill_dir / saved["file"].path.name
                     link_or_copy(saved["file"].path, self.spilled[name])
