@@ -44,7 +44,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # `python bench
 from bench.lib.common import RESULTS, START_COMMIT  # noqa: E402
 from flywheel.bus import Sample, Trajectory, Turn  # noqa: E402
 from flywheel.bus.arrays import Float64s, Int32s  # noqa: E402
-from flywheel.collect.stitch import stitch  # noqa: E402
+from flywheel.bus.stitch import stitch  # noqa: E402
 from flywheel.config import load_config  # noqa: E402
 from flywheel.drills.personal_agent import CONFIG  # noqa: E402
 from flywheel.drills.simulated_people import (  # noqa: E402

@@ -45,8 +45,8 @@ from flywheel.bus import (
     Turn,
     WeightUpdate,
 )
+from flywheel.bus.stitch import stitch
 from flywheel.collect.loop import CollectLoop
-from flywheel.collect.stitch import stitch
 from flywheel.config import load_config
 from flywheel.drills.noised_weights import publish_noised
 from flywheel.judge.loop import JudgeLoop

@@ -7,8 +7,8 @@ from flywheel.bus import (
     TURN_SUBJECT,
     SessionEvent,
 )
+from flywheel.bus.stitch import stitch
 from flywheel.collect.loop import CollectLoop
-from flywheel.collect.stitch import stitch
 from flywheel.collect.tracker import SessionTracker
 from flywheel.config import load_config
 from flywheel.config.schema import CollectConfig

@@ -17,7 +17,7 @@ import torch
 
 from flywheel.bus import Sample
 from flywheel.bus.arrays import Float64s, Int32s
-from flywheel.collect.stitch import stitch
+from flywheel.bus.stitch import stitch
 from flywheel.config import load_config
 from flywheel.models import load_model
 from flywheel.serve.engine import Engine, SamplingParams

@@ -20,7 +20,7 @@ from flywheel.bus import (
     Trajectory,
     WeightUpdate,
 )
-from flywheel.collect.stitch import stitch
+from flywheel.bus.stitch import stitch
 from flywheel.config import load_config
 from flywheel.deploy.deployment import side_server_config
 from flywheel.judge.loop import JudgeLoop

@@ -194,7 +194,7 @@ class Segment(msgspec.Struct, kw_only=True):
 
 class Trajectory(Record, kw_only=True):
     """A closed session's main turns, arranged into its conversations (threads) and stitched into
-    token segments (flywheel/collect/lineage.py, flywheel/collect/stitch.py). A session split at `collect.max_turns`
+    token segments (flywheel/collect/lineage.py, flywheel/bus/stitch.py). A session split at `collect.max_turns`
     or `collect.max_tokens` is several trajectories, each with all of the session's feedback."""
 
     session_id: str

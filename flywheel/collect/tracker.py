@@ -55,13 +55,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-import msgspec
-
 from flywheel.bus import SessionEvent, Trajectory, Turn
-from flywheel.bus.arrays import Float64s, Int32s
 from flywheel.bus.dedup import RecentIds
+from flywheel.bus.stitch import stitch, without_tokens
 from flywheel.collect.lineage import Arrangement, arrange
-from flywheel.collect.stitch import stitch
 from flywheel.config.schema import CollectConfig
 
 log = logging.getLogger(__name__)
@@ -321,7 +318,7 @@ class SessionTracker:
             task_id=next((t.task_id for t in ordered if t.task_id), None),
             group_size=next((t.group_size for t in ordered if t.group_size), None),
             segments=segments,
-            turns=[_without_tokens(t) for t in ordered],
+            turns=[without_tokens(t) for t in ordered],
             threads=[n for n, thread in enumerate(arranged.threads) for _ in thread],
             next_states=[state for thread in arranged.threads for state in _next_states(thread)],
             feedback=session.feedback,
@@ -346,8 +343,3 @@ def _next_states(thread: list[Turn]) -> list[list[dict[str, Any]]]:
     assistant message (nothing after the last)."""
     return [next_state(t) for t in thread[1:]] + [[]]
 
-
-def _without_tokens(turn: Turn) -> Turn:
-    return msgspec.structs.replace(
-        turn, prompt_ids=Int32s(), output_ids=Int32s(), output_logprobs=Float64s(), output_versions=Int32s()
-    )

@@ -27,7 +27,8 @@ from typing import Any
 
 import httpx
 
-from flywheel.bus import Sample, Segment, Trajectory, Turn
+from flywheel.bus import Sample, Trajectory, Turn
+from flywheel.bus.stitch import stitch, without_tokens
 from flywheel.judge.teacher import GRAMMAR_KEYS, Teacher
 
 log = logging.getLogger(__name__)
@@ -109,23 +110,20 @@ class Practice:
 def _trajectory(trajectory: Trajectory, k: int, j: int, prompt: list[int], reply: dict[str, Any]) -> Trajectory:
     """Reply `j` to turn `k`'s context, as a one-turn trajectory (its tokens in its segment)."""
     turn = trajectory.turns[k]
-    output, n = list(reply["output_ids"]), len(reply["output_ids"])
+    n = len(reply["output_ids"])
     if len(reply["logprobs"]) != n or len(reply["versions"]) != n:
         raise ValueError(f"practice reply {j}: {n} tokens, {len(reply['logprobs'])} log-probs, "
                          f"{len(reply['versions'])} versions")
-    segment = Segment(token_ids=prompt + output, loss_mask=[0] * len(prompt) + [1] * n,
-                      logprobs=[0.0] * len(prompt) + list(reply["logprobs"]),
-                      versions=[-1] * len(prompt) + list(reply["versions"]), turn_spans=[(0, len(prompt), len(prompt) + n)])
     practice_turn = Turn(
         id=f"{turn.id}:practice:{j}", session_id=trajectory.session_id, tenant=trajectory.tenant, user_id=trajectory.user_id,
         adapter=turn.adapter, consent=trajectory.consent, turn_index=turn.turn_index, model=turn.model,
         endpoint=turn.endpoint, messages=turn.messages, prompt=turn.prompt, response=_response(turn, reply["text"]),
-        prompt_ids=[], output_ids=[], output_logprobs=[], output_versions=[], finish_reason=reply["finish_reason"],
-        sampling=turn.sampling)
+        prompt_ids=prompt, output_ids=reply["output_ids"], output_logprobs=reply["logprobs"],
+        output_versions=reply["versions"], finish_reason=reply["finish_reason"], sampling=turn.sampling)
     return Trajectory(
         id=f"{trajectory.id}:practice:{k}:{j}", session_id=trajectory.session_id, tenant=trajectory.tenant,
         user_id=trajectory.user_id, adapter=turn.adapter, consent=trajectory.consent, task_id=f"practice:{trajectory.id}:{k}",
-        segments=[segment], turns=[practice_turn], close_reason="done")
+        segments=stitch([practice_turn]), turns=[without_tokens(practice_turn)], close_reason="done")
 
 
 def _response(turn: Turn, text: str) -> dict[str, Any]:

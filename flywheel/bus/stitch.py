@@ -7,13 +7,16 @@ join with mask 0, the sampled tokens with mask 1. Otherwise (a chat template tha
 history, or a client that edited it) the turn starts a new segment. No text is ever
 re-tokenized. A turn named in `untrained` (one the client did not finish, a turn cut at
 max_tokens under `collect.truncated_turns: mask`) is context: its sampled tokens join with mask
-0, logprob 0 and version -1, and `masked` counts them by reason.
+0, logprob 0 and version -1, and `masked` counts them by reason. A trajectory's turns then go
+without their token lists (`without_tokens`): their tokens are in its segments.
 """
 
 from __future__ import annotations
 
-from flywheel.bus import Segment, Turn
+import msgspec
+
 from flywheel.bus.arrays import Float64s, Int8s, Int32s
+from flywheel.bus.records import Segment, Turn
 
 _ZERO_MASK, _SAMPLED_MASK, _ZERO_LOGPROB, _NO_VERSION = Int8s([0]), Int8s([1]), Float64s([0.0]), Int32s([-1])
 
@@ -52,3 +55,10 @@ def stitch(turns: list[Turn], first_position: int = 0, untrained: dict[str, str]
                 masked[reason] = masked.get(reason, 0) + len(turn.output_ids)
         current.turn_spans.append((position, start, len(current.token_ids)))
     return segments
+
+
+def without_tokens(turn: Turn) -> Turn:
+    """`turn` without its token lists, as a trajectory holds it (its tokens are in the segments)."""
+    return msgspec.structs.replace(
+        turn, prompt_ids=Int32s(), output_ids=Int32s(), output_logprobs=Float64s(), output_versions=Int32s()
+    )
