@@ -6,14 +6,16 @@ trainer never published."""
 
 from __future__ import annotations
 
+import json
 import math
 from statistics import mean
 
+import pytest
 import torch
 from safetensors.torch import load_file
 
 from flywheel.bus import SAMPLE_SUBJECT, WEIGHTS_SUBJECT
-from flywheel.config import load_config
+from flywheel.config import ConfigError, load_config
 from flywheel.models import load_model
 from flywheel.models.adapter_store import AdapterStore
 from flywheel.models.lora_adapter import WEIGHTS_FILE
@@ -95,6 +97,23 @@ def test_a_tenants_adapter_is_measured_once_for_its_users_checks_until_its_weigh
     adapters.clip_and_step("tenant")
     assert guard.allows("bo", origin="tenant")
     assert active.count("tenant") == 4
+
+
+def test_a_deployment_sets_the_checks_prompts_and_questions(tmp_path):
+    """People who write in another language get a check in theirs (`adapters.guard_prompts`,
+    `adapters.guard_questions`); without them, the module's; a single question is a config error
+    naming the key (each reply is also read against the next question)."""
+    questions = ["¿Cómo puedo dormir mejor?", "¿Qué cocino para cenar hoy?"]
+    config = load_config(None, LORA + [f"adapters.guard_questions={json.dumps(questions)}",
+                                       'adapters.guard_prompts=["¿Cuánto es 7 por 6?"]'])
+    model, tokenizer = load_model("tiny")
+    adapters = Trainer(model, config.actor, config.train, config.adapters).adapters
+    guard = AdapterVersions.of(config, tmp_path, None, adapters, tokenizer).guard
+    assert guard.questions == tuple(questions) and guard.prompts == ("¿Cuánto es 7 por 6?",)
+    plain = AdapterVersions.of(load_config(None, LORA), tmp_path, None, adapters, tokenizer).guard
+    assert plain.questions == RELEVANCE_PROMPTS and plain.prompts == GENERAL_PROMPTS
+    with pytest.raises(ConfigError, match="adapters.guard_questions"):
+        load_config(None, LORA + ['adapters.guard_questions=["only one?"]'])
 
 
 def test_replies_that_stop_answering_are_held_back_while_the_base_answers_stay_likely():

@@ -10,7 +10,7 @@ of a tenant; a request without a user is its tenant's). A tenant may set its own
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Literal
 
 from pydantic import Field
 
@@ -51,3 +51,13 @@ class AdaptersConfig(Section):
     reads them (flywheel/train/adapter_guard.py). Below it the version is held back as `guard_drop`
     holds one back: one-sample steps erode whether replies answer the question long before they
     erode the base's general answers. 0.8 of eight questions: one may be lost. None: no check."""
+    guard_prompts: list[Annotated[str, Field(min_length=1)]] | None = Field(None, min_length=1)
+    """The general prompts whose base answers the forgetting check (`guard_drop`) measures. None:
+    twelve in English (arithmetic, facts, code, plain instructions: `GENERAL_PROMPTS` in
+    flywheel/train/adapter_guard.py); a deployment whose people write in another language, or
+    whose agent must keep another skill, sets its own."""
+    guard_questions: list[Annotated[str, Field(min_length=1)]] | None = Field(None, min_length=2)
+    """The everyday questions the answering check (`guard_answers`) asks. None: eight in English
+    that ask for a few sentences (`RELEVANCE_PROMPTS` there). At least two: each reply is also
+    read against the next question. The base must answer them (those it does not answer count
+    for nothing)."""

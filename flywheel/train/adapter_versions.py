@@ -43,7 +43,7 @@ from flywheel.bus import WEIGHTS_SUBJECT, Bus, WeightUpdate
 from flywheel.models.adapter_names import is_personal, origin, sample_adapter
 from flywheel.models.adapter_store import AdapterStore
 from flywheel.models.lora_adapter import WEIGHTS_FILE
-from flywheel.train.adapter_guard import AdapterGuard
+from flywheel.train.adapter_guard import GENERAL_PROMPTS, RELEVANCE_PROMPTS, AdapterGuard
 from flywheel.train.adapters import AdapterSet
 from flywheel.train.ledger import Ledger
 from flywheel.train.under_promotion import UnderPromotion
@@ -77,11 +77,16 @@ class AdapterVersions:
     @classmethod
     def of(cls, config: FlywheelConfig, run_dir: Path, bus: Bus, adapters: AdapterSet, tokenizer: Any,
            registry: Registry | None = None, ledger: Ledger | None = None) -> AdapterVersions:
-        """A run's: its store (`run_dir/adapters`), its guard (`adapters.guard_drop`, `guard_answers`),
-        its adapters' origins, the version registry when versions must earn their traffic, and its ledger."""
+        """A run's: its store (`run_dir/adapters`), its guard (`adapters.guard_drop`, `guard_answers`
+        and their prompts), its adapters' origins, the version registry when versions must earn
+        their traffic, and its ledger."""
         store = AdapterStore(run_dir / "adapters", keep=config.train.keep_versions)
-        drop, answers = config.adapters.guard_drop, config.adapters.guard_answers
-        guard = AdapterGuard(adapters, tokenizer, drop, answers) if (drop, answers) != (None, None) else None
+        checks = config.adapters
+        guard = None
+        if (checks.guard_drop, checks.guard_answers) != (None, None):
+            guard = AdapterGuard(adapters, tokenizer, checks.guard_drop, checks.guard_answers,
+                                 prompts=tuple(checks.guard_prompts or GENERAL_PROMPTS),
+                                 questions=tuple(checks.guard_questions or RELEVANCE_PROMPTS))
         return cls(store, bus, config.train.weight_update_interval, guard, lambda name: origin(name, config),
                    registry, config.rollout.max_head_offpolicyness, ledger)
 
