@@ -1,7 +1,7 @@
 """Shared fixtures: a private NATS server per test, one Ray session, the tiny model, serve loops
 (one per test in the test's event loop, or one per module on a thread of its own), an engine
 behind HTTP, and a `tiny` taught to call a tool. What they are built from, and every other helper
-tests share, is in `factories.py`.
+tests share, is in `factories.py` (reading the bus: `bus_reading.py`).
 
 Property-based tests (the fuzzers) draw the same examples on every run (hypothesis's
 `derandomize`), so the suite passes or fails the same way each time. To search for new failures,

@@ -38,15 +38,8 @@ from flywheel.versions.records import (
 )
 from flywheel.versions.registry import Registry, send_command
 
-from factories import (
-    TENANTS_SETUP,
-    converse,
-    learning,
-    platform,
-    recorded_turns,
-    sample_of,
-    sampled_turns,
-)
+from bus_reading import recorded_turns
+from factories import TENANTS_SETUP, converse, learning, platform, sample_of, sampled_turns
 from waiting import until
 
 LORA = ["adapters.kind=lora", "adapters.rank=4", "adapters.alpha=8", "rollout.enabled=false"]

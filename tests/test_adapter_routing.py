@@ -28,16 +28,8 @@ from flywheel.serve.engine.server import create_engine_app
 from flywheel.serve.engine_choice import bound_versions, version_of
 from flywheel.serve.loop import ServeLoop, _newest
 
-from factories import (
-    LINEAR,
-    RunningApp,
-    announce,
-    platform,
-    prompt,
-    random_adapters,
-    recomputed_logprobs,
-    recorded_turns,
-)
+from bus_reading import recorded_turns
+from factories import LINEAR, RunningApp, announce, platform, prompt, random_adapters, recomputed_logprobs
 from waiting import until
 
 TOL = 2e-4

@@ -20,7 +20,7 @@ from agents import (
 )
 from pydantic import BaseModel
 
-from factories import recorded_turns
+from bus_reading import recorded_turns
 
 set_tracing_disabled(True)  # no export of traces to OpenAI from a test
 

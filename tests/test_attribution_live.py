@@ -25,7 +25,8 @@ from pydantic import BaseModel
 
 from flywheel.judge.rule import RuleJudge
 
-from factories import collected, platform, recorded_turns
+from bus_reading import collected, recorded_turns
+from factories import platform
 from waiting import until
 
 set_tracing_disabled(True)

@@ -25,7 +25,7 @@ from openai.types.chat.chat_completion_message import (
     FunctionCall,
 )
 
-from factories import traffic_records
+from bus_reading import traffic_records
 
 ASK = {"role": "user", "content": "Write some digits."}
 AGAIN = {"role": "user", "content": "And again."}

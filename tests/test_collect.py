@@ -13,7 +13,8 @@ from flywheel.collect.tracker import SessionTracker
 from flywheel.config import load_config
 from flywheel.config.schema import CollectConfig
 
-from factories import make_turn, read
+from bus_reading import read
+from factories import make_turn
 from waiting import until
 
 

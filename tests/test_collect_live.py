@@ -10,10 +10,10 @@ import pytest
 from flywheel.bus import TRAFFIC_SUBJECTS, SessionEvent, Turn
 from flywheel.models.tiny import CHAT_TEMPLATE
 
+from bus_reading import collected
 from factories import (
     assert_prompts_render_the_conversation,
     assert_segment_is_exact,
-    collected,
     platform,
     post_feedback,
     teach_tiny,

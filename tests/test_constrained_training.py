@@ -20,17 +20,8 @@ from flywheel.serve.engine.sampling import SamplingParams
 from flywheel.train.packing import Row, micro_batches
 from flywheel.train.trainer import GapStats, Trainer
 
-from factories import (
-    ASK_FORECAST,
-    FORECAST,
-    FORECAST_TOOLS,
-    make_turn,
-    platform,
-    post_feedback,
-    read,
-    sample_of,
-    step_of,
-)
+from bus_reading import read
+from factories import ASK_FORECAST, FORECAST, FORECAST_TOOLS, make_turn, platform, post_feedback, sample_of, step_of
 
 AGENTS = {  # every turn of each session is drawn under a grammar
     "named": {"tools": FORECAST_TOOLS, "tool_choice": {"type": "function", "function": {"name": "forecast"}}},

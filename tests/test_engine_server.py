@@ -17,7 +17,8 @@ from flywheel.serve.backends.sglang import HTTPEngineClient
 from flywheel.serve.engine.server import create_engine_app
 from flywheel.serve.loop import ServeLoop
 
-from factories import RunningApp, make_engine, recorded_turns
+from bus_reading import recorded_turns
+from factories import RunningApp, make_engine
 from waiting import until
 
 

@@ -23,7 +23,8 @@ from flywheel.serve.engine import Engine
 from flywheel.serve.engine.server import create_engine_app
 from flywheel.serve.loop import ServeLoop
 
-from factories import RunningApp, recomputed_logprobs, recorded_turns
+from bus_reading import recorded_turns
+from factories import RunningApp, recomputed_logprobs
 from waiting import until
 
 TOL = 5e-4  # a decode step's logprob against a full forward pass of the same weights

@@ -11,13 +11,8 @@ from flywheel.envs import make_env
 from flywheel.envs.base import RETRY
 from flywheel.rollout.env_pool import LocalRunner, RayEnvPool
 
-from factories import (
-    assert_segment_is_exact,
-    collected,
-    freeze,
-    platform,
-    recorded_turns,
-)
+from bus_reading import collected, recorded_turns
+from factories import assert_segment_is_exact, freeze, platform
 from waiting import until
 
 ARITHMETIC = ["rollout.env=arithmetic", "rollout.env_args={max_operand: 20, attempts: 3}", "rollout.sampling.max_new_tokens=8"]

@@ -14,7 +14,8 @@ from flywheel.cli import command
 from flywheel.models import load_model
 from flywheel.serve.continuation import SessionContinuations
 
-from factories import MARKERS, TENANTS_SETUP, converse, everything_in, everything_on_the_bus, learning, platform
+from bus_reading import everything_on_the_bus
+from factories import MARKERS, TENANTS_SETUP, converse, everything_in, learning, platform
 from waiting import until
 
 

@@ -24,7 +24,8 @@ from flywheel.serve.engine import Engine
 from flywheel.serve.engine.server import create_engine_app
 from flywheel.train.adapters import AdapterSet
 
-from factories import TENANTS_SETUP, RunningApp, converse, learning, platform, read, recomputed_logprobs
+from bus_reading import read
+from factories import TENANTS_SETUP, RunningApp, converse, learning, platform, recomputed_logprobs
 from waiting import until
 
 LORA = [*TENANTS_SETUP, "adapters.kind=lora", "adapters.scope=user", "actor.optimizer.lr=0.05",

@@ -16,7 +16,8 @@ from flywheel.judge.hint_memory import HintMemory
 from flywheel.judge.loop import JudgeLoop
 from flywheel.serve.loop import ServeLoop
 
-from factories import collected, make_turn, platform, read
+from bus_reading import collected, read
+from factories import make_turn, platform
 from waiting import until
 
 

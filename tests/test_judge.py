@@ -11,7 +11,8 @@ from flywheel.judge.base import Judge, Unscorable, Verdict, outcome_of
 from flywheel.judge.loop import JudgeLoop
 from flywheel.judge.rule import RuleJudge
 
-from factories import conversation, counted, fb, judged
+from bus_reading import counted, judged
+from factories import conversation, fb
 from waiting import until
 
 

@@ -24,7 +24,8 @@ from flywheel.judge.loop import JudgeLoop
 from flywheel.judge.parse import parse_score
 from flywheel.judge.prompt import PromptBuilder
 
-from factories import RunningApp, conversation, counted, fb, judged, recorded_turns
+from bus_reading import counted, judged, recorded_turns
+from factories import RunningApp, conversation, fb
 from waiting import until
 
 INJECTION = (

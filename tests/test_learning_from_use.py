@@ -31,7 +31,8 @@ from flywheel.train.advantages import RunningBaseline
 from flywheel.train.grouping import Group, Member
 from flywheel.train.step_batch import StepBatch
 
-from factories import collected, make_turn, platform, read, recorded_turns
+from bus_reading import collected, read, recorded_turns
+from factories import make_turn, platform
 from waiting import until
 
 

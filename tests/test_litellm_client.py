@@ -12,7 +12,7 @@ import pytest
 from flywheel.bus import Turn
 from flywheel.envs.swe.mini_swe_agent_venv import MSA_VENV, msa_available
 
-from factories import traffic_records
+from bus_reading import traffic_records
 
 SCRIPT = Path(__file__).parent / "clients" / "litellm_calls.py"
 

@@ -8,7 +8,8 @@ import anthropic
 import httpx
 import pytest
 
-from factories import ASK_WEATHER, WEATHER, recorded_turns, serving
+from bus_reading import recorded_turns
+from factories import ASK_WEATHER, WEATHER, serving
 
 TOOL = {"name": "get_weather", "description": WEATHER["function"]["description"], "input_schema": WEATHER["function"]["parameters"]}
 """The weather tool in Anthropic's shape."""

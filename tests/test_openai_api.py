@@ -7,7 +7,7 @@ import httpx
 import openai
 import pytest
 
-from factories import recorded_turns
+from bus_reading import recorded_turns
 from waiting import until
 
 CHAT = dict(model="tiny", messages=[{"role": "user", "content": "Write some digits."}])

@@ -19,6 +19,7 @@ from flywheel.models import load_model
 from flywheel.models.adapter_names import user_adapter
 from flywheel.models.lora_adapter import read_adapter
 
+from bus_reading import read, recorded_turns
 from factories import (
     LINEAR,
     TENANTS_SETUP,
@@ -27,9 +28,7 @@ from factories import (
     learning,
     platform,
     random_adapters,
-    read,
     recomputed_logprobs,
-    recorded_turns,
 )
 from waiting import until
 

@@ -43,7 +43,7 @@ from flywheel.judge.loop import JudgeLoop
 from flywheel.serve.loop import ServeLoop
 from flywheel.train.loop import TrainLoop
 
-from factories import read
+from bus_reading import read
 from waiting import until
 
 

@@ -20,16 +20,8 @@ from flywheel.judge.teacher import Teacher
 from flywheel.models import load_model
 from flywheel.models.adapter_names import user_adapter
 
-from factories import (
-    LINEAR,
-    TENANTS_SETUP,
-    hinted_session,
-    platform,
-    random_adapters,
-    read,
-    recomputed_logprobs,
-    teach_tiny,
-)
+from bus_reading import read
+from factories import LINEAR, TENANTS_SETUP, hinted_session, platform, random_adapters, recomputed_logprobs, teach_tiny
 from waiting import until
 
 ADA = user_adapter("acme", "ada")

@@ -10,7 +10,8 @@ import pytest
 from flywheel.bus import TRAFFIC_SUBJECTS, TURN_SUBJECT, Bus, EmbeddedNats
 from flywheel.serve.recorder import Recorder, RecordLost
 
-from factories import delivered, make_turn
+from bus_reading import delivered
+from factories import make_turn
 from waiting import until
 
 

@@ -12,7 +12,8 @@ import pytest
 from flywheel.config import load_config
 from flywheel.serve.loop import ServeLoop
 
-from factories import ASK_WEATHER, WEATHER, recorded_turns
+from bus_reading import recorded_turns
+from factories import ASK_WEATHER, WEATHER
 
 FUNCTION = {"type": "function", **WEATHER["function"]}
 """The weather tool in the Responses API's flat shape."""

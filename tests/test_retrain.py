@@ -26,7 +26,8 @@ from flywheel.train.loop import TrainLoop
 from flywheel.train.step_batch import StepBatch
 from flywheel.train.trainer import Trainer
 
-from factories import TENANTS_SETUP, converse, everything_on_the_bus, learning, platform
+from bus_reading import everything_on_the_bus
+from factories import TENANTS_SETUP, converse, learning, platform
 from waiting import until
 
 RETRAIN = [*TENANTS_SETUP, "train.checkpoint_interval=1", "train.keep_checkpoints=10"]

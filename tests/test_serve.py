@@ -18,7 +18,8 @@ from flywheel.config import load_config
 from flywheel.models import WeightStore, load_model
 from flywheel.serve.loop import ServeLoop
 
-from factories import open_session, session_events, traffic_records
+from bus_reading import session_events, traffic_records
+from factories import open_session
 from waiting import until
 
 

@@ -23,7 +23,8 @@ from flywheel.serve.routing import WEIGHTS, SessionArms, canary_draw
 from flywheel.versions.records import Arm, Routing, VersionEntry
 from flywheel.versions.registry import Registry
 
-from factories import LINEAR, random_adapters, recorded_turns
+from bus_reading import recorded_turns
+from factories import LINEAR, random_adapters
 from waiting import until
 
 SUITE = "promotion.gate.suites=[{name: digits, env: digits, items: 4}]"

@@ -10,7 +10,8 @@ import jsonschema
 import openai
 import pytest
 
-from factories import ASK_FORECAST, FORECAST, FORECAST_TOOLS, recorded_turns
+from bus_reading import recorded_turns
+from factories import ASK_FORECAST, FORECAST, FORECAST_TOOLS
 
 
 async def test_the_engine_takes_sglangs_grammar_parameters(engine_url):

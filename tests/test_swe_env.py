@@ -15,7 +15,8 @@ from flywheel.envs.sandbox.bubblewrap import default_uid_base
 from flywheel.envs.swe.agent import SUBMIT_MARKER, parse_action
 from flywheel.rollout.env_pool import LocalRunner
 
-from factories import assert_segment_is_exact, collected, platform
+from bus_reading import collected
+from factories import assert_segment_is_exact, platform
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -17,7 +17,8 @@ from flywheel.collect.loop import CollectLoop
 from flywheel.config import ConfigError, load_config
 from flywheel.serve.ops.tenants import TenantDirectory
 
-from factories import collected, delivered, make_turn, platform
+from bus_reading import collected, delivered
+from factories import make_turn, platform
 from waiting import until
 
 KEYS = 'serve.api_keys=["key-a", "key-b"]'

@@ -14,7 +14,8 @@ import pytest
 
 from flywheel.formats.tool_calls import FORMATS, HERMES, detect
 
-from factories import ASK_WEATHER, WEATHER, recorded_turns, serving, teach_tiny
+from bus_reading import recorded_turns
+from factories import ASK_WEATHER, WEATHER, serving, teach_tiny
 
 TEMPLATES = Path(__file__).parent / "data" / "templates"
 FAMILIES = {

@@ -10,7 +10,8 @@ from flywheel.formats.tool_calls import HERMES
 from flywheel.models import resolve_model
 from flywheel.serve.tools.template import adapt_messages, template_support
 
-from factories import ASK_WEATHER, WEATHER, WEATHER_CALL, recorded_turns
+from bus_reading import recorded_turns
+from factories import ASK_WEATHER, WEATHER, WEATHER_CALL
 
 
 async def test_a_generated_call_comes_back_as_tool_calls(served_tools, bus):

@@ -23,7 +23,8 @@ from flywheel.promote.loop import PromoteLoop
 from flywheel.serve.loop import ServeLoop
 from flywheel.versions.registry import Registry
 
-from factories import is_in_state, read
+from bus_reading import read
+from factories import is_in_state
 from waiting import until
 
 ROOT = Path(__file__).resolve().parent.parent

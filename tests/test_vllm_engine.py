@@ -40,11 +40,11 @@ from flywheel.serve.backends.vllm import VLLMEngineClient
 from flywheel.serve.loop import ServeLoop
 from flywheel.train.trainer import Trainer
 
+from bus_reading import delivered
 from factories import (
     FORECAST,
     assert_prompts_render_the_conversation,
     assert_segment_is_exact,
-    delivered,
     one_vllm_server,
     post_feedback,
     recomputed_logprobs,
