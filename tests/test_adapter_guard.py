@@ -34,6 +34,7 @@ from flywheel.train.trainer import Trainer
 from factories import sample_of, sampled_turns
 from waiting import until
 
+ARTHUR = "You are Arthur's personal assistant."
 LORA = ["adapters.kind=lora", "adapters.rank=4", "adapters.alpha=8", "actor.optimizer.lr=0.01"]
 
 
@@ -65,7 +66,7 @@ def test_a_version_may_lose_one_answer_in_eight_not_two_and_is_measured_against_
     guard = AdapterGuard(adapters, tokenizer, max_drop=None, min_answers=0.8)
     scores = {None: [1.6] * 8, "one": [1.6] * 7 + [0.1], "two": [1.6] * 6 + [0.79, -0.2],
               "tenant": [1.6] * 4 + [0.1] * 4, "user": [1.5] * 4 + [0.2] * 4}
-    monkeypatch.setattr(guard, "relevance", lambda name: scores[name])
+    monkeypatch.setattr(guard, "relevance", lambda name, context=(): scores[name])
     for name in scores.keys() - {None}:
         adapters.ensure(name)
     assert guard.answers_kept("one") == 7 / 8 and guard.allows("one")
@@ -116,11 +117,13 @@ def test_a_deployment_sets_the_checks_prompts_and_questions(tmp_path):
         load_config(None, LORA + ['adapters.guard_questions=["only one?"]'])
 
 
-def test_replies_that_stop_answering_are_held_back_while_the_base_answers_stay_likely():
+def test_replies_that_stop_answering_where_the_adapter_is_used_are_held_back():
     """SmolLM2: the relevance of its own replies is high, and the same replies shuffled among the
     questions score below zero. An adapter taken three steps toward one canned line for every
-    question still leaves the base's general answers likely (main's only check lets it through),
-    but its replies no longer answer the question: held back."""
+    question asked after its user's system message (and toward the base's own replies to
+    questions asked bare) still leaves the base's general answers likely (the forgetting check
+    lets it through) and answers questions asked bare (so did main's answering check, which
+    asked only bare), but after that system message its replies no longer answer: held back."""
     config = load_config(None, ["model=smollm2-135m", "adapters.kind=lora", "adapters.rank=4", "adapters.alpha=8"])
     model, tokenizer = load_model("smollm2-135m")
     adapters = Trainer(model, config.actor, config.train, config.adapters).adapters
@@ -129,13 +132,15 @@ def test_replies_that_stop_answering_are_held_back_while_the_base_answers_stay_l
     replies = guard.replies(None)
     assert min(guard.relevance(None)) > 1.0 and mean(guard.relevance_of(replies[1:] + replies[:1])) < 0
     adapters.ensure("canned")
-    assert guard.allows("canned")  # untrained, the adapter is the base: it keeps all of its relevance
+    assert guard.allows("canned", context=(ARTHUR,))  # untrained, the adapter is the base: it keeps all of its relevance
 
     canned = tokenizer.encode("My favourite colour is green, and I like to walk my dog.<|im_end|>", add_special_tokens=False)
-    questions = ["How do I keep basil alive?", "What should I pack for a hike?", "How do I clean a cast iron pan?",
-                 "How can I save money on groceries?"]
-    rows = [guard._chat(q) + canned for q in questions]
-    ids, attention, marks = _right_padded(rows, [len(canned)] * len(rows))
+    questions = ("How do I keep basil alive?", "What should I pack for a hike?", "How do I clean a cast iron pan?",
+                 "How can I save money on groceries?")
+    own = AdapterGuard(adapters, tokenizer, None, questions=questions)
+    bare = own.replies(None)
+    rows = [own._chat(q, (ARTHUR,)) + canned for q in questions] + [q + r for q, r in zip(own._questions(), bare)]
+    ids, attention, marks = _right_padded(rows, [len(canned)] * len(questions) + [len(r) for r in bare])
     adapters.activate("canned")
     optimizer = torch.optim.Adam(adapters.params["canned"], lr=2e-3)
     for _ in range(3):
@@ -143,18 +148,27 @@ def test_replies_that_stop_answering_are_held_back_while_the_base_answers_stay_l
         optimizer.zero_grad()
         loss.backward()
         optimizer.step()
-    assert guard.drop("canned") < 1.0 and not guard.allows("canned")  # held back by its replies alone
+    assert guard.drop("canned") < 1.0 and guard.allows("canned")  # asked bare, it passes both checks
+    assert not guard.allows("canned", context=(ARTHUR,))  # where it is used, its replies answer nothing
     assert guard.held_back == {"canned": 1}
 
 
-async def test_a_held_back_version_is_not_published_and_the_adapter_returns_to_the_last_one(bus, nats_url, tmp_path):
+async def test_a_held_back_version_is_not_published_and_the_adapter_returns_to_the_last_one(bus, nats_url, tmp_path,
+                                                                                         monkeypatch):
     """alice's first step passes the guard and is published as v1; her second is held back: no
-    announcement, no v2 in the store, her weights v1's again, her version 1, her optimizer afresh."""
+    announcement, no v2 in the store, her weights v1's again, her version 1, her optimizer afresh.
+    Each check asks after the system message of her conversation."""
     turns = await sampled_turns(2)
+    for turn in turns:
+        turn.messages = [{"role": "system", "content": [{"type": "text", "text": "You are Alice's assistant."}]},
+                         *turn.messages]
     config = load_config(None, [f"run_dir={tmp_path}", *LORA, "train.batch_size=1", "rollout.max_head_offpolicyness=4"])
     loop = TrainLoop(config, nats_url)
     await loop.start()
     versions, adapters = loop.adapter_versions, loop.trainer.adapters
+    asked = []
+    allows = versions.guard.allows
+    monkeypatch.setattr(versions.guard, "allows", lambda *args: asked.append(args) or allows(*args))
     try:
         versions.guard.max_drop = math.inf
         sample = sample_of(turns[0], 1.0, 0)
@@ -178,6 +192,7 @@ async def test_a_held_back_version_is_not_published_and_the_adapter_returns_to_t
     assert weights.keys() == published.keys() and all(torch.equal(weights[k], published[k]) for k in weights)
     assert not any(moments)
     assert [(s["adapter"], s["version"]) for s in lineage(tmp_path / "trained.jsonl")] == [("alice", 1)]  # not the held-back v2
+    assert asked == [("alice", None, ("You are Alice's assistant.",))] * 2
 
 
 async def test_weights_a_restarted_trainer_never_published_pass_the_guard_first(bus, tmp_path):

@@ -14,7 +14,12 @@ do the same to its one user. So before an adapter's version is published the tra
   mutual information of reply and question, nats a token); a reply answers when that is at
   least half the mean of its reference's replies. Erosion shows here first: replies that speak
   of something else, a canned line, "as a chatbot I cannot...", a list of nothing, while the
-  base's answers stay likely.
+  base's answers stay likely. The questions are asked where the adapter is used: after the
+  system messages its newest trained conversation began with (`context_of`; the trainer keeps
+  them per adapter, in memory only: a restarted trainer asks bare until the next one). What an
+  adapter learns under its user's system message it erodes there first: an unscripted person's
+  adapter (personal-agent bench, `name` trial 2) answered 7 of 8 questions asked bare and 5 of 8
+  after "You are Arthur's personal assistant.", the person's rule on held-out questions 0.67.
 Each against its origin's (a user's adapter that started from its tenant's is not held back
 for what that one changed). A drop above `guard_drop`, or fewer than `guard_answers` of the
 questions the origin answers, holds the version back: it is not published, the adapter's weights
@@ -22,11 +27,12 @@ go back to its last published version (its origin's, or the base's, before any) 
 optimizer starts afresh, and the loop's stats count it (`held_back`). The person keeps being
 served what they had.
 
-The base's answers and relevance are computed once, at the first check (27 s and 4.8 s for
-SmolLM2 on 2 quiet CPU cores); a check is a batched forward pass over the answers (2.0 s there)
-and the adapter's 32-token replies to eight questions with their scoring (5.3 s there); a user's
-adapter whose tenant's adapter is in memory has that one's measured too, once for each of its
-revisions (`AdapterSet.revision`).
+The base's answers are computed once, at the first check (27 s for SmolLM2 on 2 quiet CPU
+cores), and its replies' relevance once per context (4.8 s there; the `CONTEXTS` most recent
+kept); a check is a batched forward pass over the answers (2.0 s there) and the adapter's
+32-token replies to eight questions with their scoring (5.3 s there); a user's adapter whose
+tenant's adapter is in memory has that one's measured too, once for each of its revisions
+(`AdapterSet.revision`) and context.
 """
 
 from __future__ import annotations
@@ -39,6 +45,7 @@ from typing import Any
 
 import torch
 
+from flywheel.lru import LRU
 from flywheel.train.adapters import AdapterSet
 
 log = logging.getLogger(__name__)
@@ -73,6 +80,11 @@ one-sample steps toward a person's wish erode first is whether replies answer th
 REPLY_TOKENS = 32
 RELEVANT = 0.5
 """Mean relevance (nats a token) below which a reference's replies are taken not to answer at all."""
+CONTEXTS = 64
+"""The most contexts whose base replies' relevance is kept (a deployment of many system prompts
+measures the others again when they come back)."""
+Context = tuple[str, ...]
+"""The system messages an adapter's conversations begin with (its user's or agent's), in order."""
 
 
 class AdapterGuard:
@@ -82,10 +94,10 @@ class AdapterGuard:
         self.max_drop, self.min_answers = max_drop, min_answers
         self._batch: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
         self.base_logprob: float | None = None
-        self.base_relevance: list[float] | None = None
+        self._base_relevance: LRU[Context, list[float]] = LRU(CONTEXTS)
         self.held_back: dict[str, int] = {}
-        self._origins: dict[tuple[str, str], tuple[int, Any]] = {}
-        """(what, origin) -> the origin's revision and what was measured of it then."""
+        self._origins: LRU[tuple[str, str, Context], tuple[int, Any]] = LRU(2 * CONTEXTS)
+        """(what, origin, context) -> the origin's revision and what was measured of it then."""
 
     def drop(self, name: str, origin: str | None = None) -> float:
         """How much less likely (nats a token, mean) `name` makes the base's answers than the base
@@ -97,54 +109,60 @@ class AdapterGuard:
             def measure() -> float:
                 self.adapters.activate(origin)
                 return _mean_logprob(self.adapters.model, ids, attention, answer)
-            reference = self._of_origin("logprob", origin, measure)
+            reference = self._of_origin(("logprob", origin, ()), measure)
         self.adapters.activate(name)
         return reference - _mean_logprob(self.adapters.model, ids, attention, answer)
 
-    def answers_kept(self, name: str, origin: str | None = None) -> float:
-        """The share of the questions its reference answers that `name` still answers: the
-        reference is `origin` when that adapter is here, else the base. A reply answers when it
-        fits its question at least half as well as the reference's replies fit theirs on average
-        (`relevance`); 1.0 where the reference does not answer these questions at all (mean
-        relevance below `RELEVANT`: the random test model), as there is nothing to keep."""
+    def answers_kept(self, name: str, origin: str | None = None, context: Context = ()) -> float:
+        """The share of the questions its reference answers that `name` still answers, each asked
+        after the system messages `context`: the reference is `origin` when that adapter is here,
+        else the base. A reply answers when it fits its question at least half as well as the
+        reference's replies fit theirs on average (`relevance`); 1.0 where the reference does not
+        answer these questions at all (mean relevance below `RELEVANT`: the random test model), as
+        there is nothing to keep."""
         if self._here(name, origin):
-            reference = self._of_origin("relevance", origin, lambda: self.relevance(origin))
+            reference = self._of_origin(("relevance", origin, context), lambda: self.relevance(origin, context))
         else:
-            reference = self.relevance(None)
+            reference = self.relevance(None, context)
         if mean(reference) < RELEVANT:
             return 1.0
         bar = mean(reference) / 2
-        answered = sum(r >= bar for r in self.relevance(name))
+        answered = sum(r >= bar for r in self.relevance(name, context))
         return answered / sum(r >= bar for r in reference)
 
-    def allows(self, name: str, origin: str | None = None) -> bool:
-        """Whether `name`'s current weights may be published (and count it when not)."""
+    def allows(self, name: str, origin: str | None = None, context: Context = ()) -> bool:
+        """Whether `name`'s current weights may be published (and count it when not); its replies
+        are asked for in `context`, the system messages its conversations begin with (an adapter
+        is used there, and what it learned there is what it may have eroded: an adapter trained
+        under "You are Arthur's personal assistant." answered 7 of 8 questions asked bare, and 5
+        of 8 after that line)."""
         if self.max_drop is not None and (drop := self.drop(name, origin)) > self.max_drop:
             return self._held(name, "it makes the base's general answers %.2f nats a token less likely "
                               "(adapters.guard_drop %.2f)", drop, self.max_drop)
-        if self.min_answers is not None and (kept := self.answers_kept(name, origin)) < self.min_answers:
+        if self.min_answers is not None and (kept := self.answers_kept(name, origin, context)) < self.min_answers:
             return self._held(name, "its replies answer %.2f of the everyday questions they answered "
                               "(adapters.guard_answers %.2f)", kept, self.min_answers)
         return True
 
-    def relevance(self, name: str | None) -> list[float]:
-        """How much better each reply `name` writes (greedy; None: the base, computed once) to
-        `questions` (`RELEVANCE_PROMPTS`) fits its own question than the next one, as the base
-        reads it (nats a token)."""
+    def relevance(self, name: str | None, context: Context = ()) -> list[float]:
+        """How much better each reply `name` writes (greedy; None: the base, computed once for
+        each context) to `questions` (`RELEVANCE_PROMPTS`), asked after the system messages
+        `context`, fits its own question than the next one, as the base reads it (nats a token)."""
         if name is not None:
-            return self.relevance_of(self.replies(name))
-        if self.base_relevance is None:
-            self.base_relevance = self.relevance_of(self.replies(None))
-        return self.base_relevance
+            return self.relevance_of(self.replies(name, context), context)
+        known = self._base_relevance.get(context)
+        if known is None:
+            known = self._base_relevance[context] = self.relevance_of(self.replies(None, context), context)
+        return known
 
-    def relevance_of(self, replies: list[list[int]]) -> list[float]:
+    def relevance_of(self, replies: list[list[int]], context: Context = ()) -> list[float]:
         """For each of `replies` (token ids, one for each of `questions`, in order),
         log p_base(reply | its question) - log p_base(reply | the next question), per token: the
         pointwise mutual information of reply and question. An answer to the question scores
         well above 0 (SmolLM2's own: 1.3-2.0); a reply that would do for any question (word
         salad, a canned line, "as a chatbot I cannot...", a reply to something else) near or
-        below it."""
-        questions = self._questions()
+        below it. Each question asked after the system messages `context`."""
+        questions = self._questions(context)
         n = len(questions)
         own = [q + r for q, r in zip(questions, replies)]
         other = [questions[(i + 1) % n] + r for i, r in enumerate(replies)]
@@ -156,9 +174,10 @@ class AdapterGuard:
         per_reply = (logp * marks).sum(-1) / marks.sum(-1)
         return (per_reply[:n] - per_reply[n:]).tolist()
 
-    def replies(self, name: str | None) -> list[list[int]]:
-        """`name`'s greedy replies to `questions`, each cut after its end-of-sequence token."""
-        questions = self._questions()
+    def replies(self, name: str | None, context: Context = ()) -> list[list[int]]:
+        """`name`'s greedy replies to `questions` asked after the system messages `context`, each
+        cut after its end-of-sequence token."""
+        questions = self._questions(context)
         width = max(map(len, questions))
         pad, eos = self.tokenizer.pad_token_id, self.tokenizer.eos_token_id
         pad = eos if pad is None else pad
@@ -176,14 +195,15 @@ class AdapterGuard:
             replies.append(row[:row.index(eos) + 1] if eos in row else row)
         return replies
 
-    def _of_origin(self, what: str, origin: str, measure: Callable[[], Any]) -> Any:
-        """`measure()` of the adapter `origin` (its reference log-probability or relevance), made
-        again only when its weights have changed since (a tenant's adapter is the origin of each
-        of its users' checks)."""
-        known = self._origins.get((what, origin))
+    def _of_origin(self, key: tuple[str, str, Context], measure: Callable[[], Any]) -> Any:
+        """`measure()` of the adapter `key` names (what: its reference log-probability or relevance;
+        the origin; the context), made again only when its weights have changed since (a tenant's
+        adapter is the origin of each of its users' checks)."""
+        origin = key[1]
+        known = self._origins.get(key)
         if known is None or known[0] != self.adapters.revision(origin):
             value = measure()
-            known = self._origins[(what, origin)] = (self.adapters.revision(origin), value)  # after: measuring may read it from disk
+            known = self._origins[key] = (self.adapters.revision(origin), value)  # after: measuring may read it from disk
         return known[1]
 
     def _held(self, name: str, why: str, *values: float) -> bool:
@@ -194,12 +214,12 @@ class AdapterGuard:
     def _here(self, name: str, origin: str | None) -> bool:
         return origin is not None and origin != name and origin in self.adapters
 
-    def _questions(self) -> list[list[int]]:
-        return [self._chat(q) for q in self.questions]
+    def _questions(self, context: Context = ()) -> list[list[int]]:
+        return [self._chat(q, context) for q in self.questions]
 
-    def _chat(self, prompt: str) -> list[int]:
-        text = self.tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
-                                                  tokenize=False)
+    def _chat(self, prompt: str, context: Context = ()) -> list[int]:
+        messages = [*({"role": "system", "content": line} for line in context), {"role": "user", "content": prompt}]
+        text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
         return self.tokenizer.encode(text, add_special_tokens=False)
 
     def _reference(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -220,6 +240,18 @@ class AdapterGuard:
             self._batch = tuple(t.to(device) for t in _right_padded(rows, answers))
             self.base_logprob = _mean_logprob(base, *self._batch)
         return self._batch
+
+
+def context_of(messages: list[dict[str, Any]]) -> Context:
+    """The system (or developer) messages a chat request's `messages` begin with, as text."""
+    lines = []
+    for message in messages:
+        if message.get("role") not in ("system", "developer"):
+            break
+        content = message.get("content")
+        parts = [content] if isinstance(content, str) else [p.get("text", "") for p in content or [] if isinstance(p, dict)]
+        lines.append("".join(parts))
+    return tuple(lines)
 
 
 def _right_padded(rows: list[list[int]], tails: list[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -17,7 +17,8 @@ repeat of the forgotten one's (JetStream drops a message whose id it saw in its 
 With a guard (`adapters.guard_drop`, `guard_answers`, flywheel/train/adapter_guard.py) a
 version that forgot too much general skill, or whose replies stopped answering the question, is
 held back instead: not published, and the adapter back to its last published version
-(`hold_back`). Each way back is written in the ledger (`Ledger.back_to`).
+(`hold_back`). Each way back is written in the ledger (`Ledger.back_to`). The guard asks its
+questions after the system messages of the adapter's newest trained conversation (`stepped`).
 
 Under promotion (`promotion.mode: gate`) each shared or tenant adapter is a line of the version
 registry (`UnderPromotion`, flywheel/train/under_promotion.py): before each step
@@ -39,11 +40,12 @@ from typing import TYPE_CHECKING, Any
 
 from safetensors.torch import load_file
 
-from flywheel.bus import WEIGHTS_SUBJECT, Bus, WeightUpdate
+from flywheel.bus import WEIGHTS_SUBJECT, Bus, Sample, WeightUpdate
+from flywheel.bus.records import sample_digest
 from flywheel.models.adapter_names import is_personal, origin, sample_adapter
 from flywheel.models.adapter_store import AdapterStore
 from flywheel.models.lora_adapter import WEIGHTS_FILE
-from flywheel.train.adapter_guard import GENERAL_PROMPTS, RELEVANCE_PROMPTS, AdapterGuard
+from flywheel.train.adapter_guard import GENERAL_PROMPTS, RELEVANCE_PROMPTS, AdapterGuard, Context, context_of
 from flywheel.train.adapters import AdapterSet
 from flywheel.train.ledger import Ledger
 from flywheel.train.under_promotion import UnderPromotion
@@ -73,6 +75,9 @@ class AdapterVersions:
         """Each adapter's current version (0 when absent: the initial state)."""
         self.parents: dict[str, int] = {}
         """Each adapter's version last announced (its next version's parent)."""
+        self.contexts: dict[str, Context] = {}
+        """The system messages each adapter's newest trained conversation began with: where the
+        guard asks its questions (in memory only)."""
 
     @classmethod
     def of(cls, config: FlywheelConfig, run_dir: Path, bus: Bus, adapters: AdapterSet, tokenizer: Any,
@@ -147,6 +152,20 @@ class AdapterVersions:
         current = self.versions.get(adapter, 0)
         return line.distance(current, oldest) if line is not None else current - oldest
 
+    async def stepped(self, adapters: AdapterSet, samples: list[Sample], step: int, config: FlywheelConfig) -> None:
+        """A step trained `samples`: each of their adapters' ledger line, the system messages its
+        newest conversation began with (where its guard asks), and its publication when due."""
+        by_adapter: dict[str, list[str]] = {}
+        for sample in samples:
+            name = sample_adapter(sample, config)
+            by_adapter.setdefault(name, []).append(sample_digest(sample.id))
+            if sample.trajectory is not None and sample.trajectory.turns:
+                self.contexts[name] = context_of(sample.trajectory.turns[-1].messages)
+        if self.ledger is not None:
+            for name, ids in by_adapter.items():
+                self.ledger.trained(step, self.versions[name], ids, adapter=name)
+        await self.publish_due(adapters, list(by_adapter), step)
+
     def trained(self, adapters: list[str]) -> None:
         """Each of `adapters` took a step: its weights are its next version."""
         for name in adapters:
@@ -166,7 +185,9 @@ class AdapterVersions:
 
     async def _guarded(self, name: str) -> bool:
         """Whether `name`'s current weights pass the guard (there is none: they do)."""
-        return self.guard is None or await asyncio.to_thread(self.guard.allows, name, self.origin_of(name))
+        if self.guard is None:
+            return True
+        return await asyncio.to_thread(self.guard.allows, name, self.origin_of(name), self.contexts.get(name, ()))
 
     def hold_back(self, adapters: AdapterSet, name: str) -> None:
         """`name` back to its last published version (before any: its origin's weights, or the
@@ -243,6 +264,7 @@ class AdapterVersions:
         (again: a step under way when it was forgotten may have published it since)."""
         self.versions.pop(name, None)
         self.parents.pop(name, None)
+        self.contexts.pop(name, None)
         self.lines.pop(name, None)
         self.store.protected.pop(name, None)
         self.store.delete(name)

@@ -298,8 +298,9 @@ class TrainLoop(ConsumerLoop):
         self.unacknowledged.extend(d for g in groups for d in g.deliveries)
         self._training = []
         self._record(metrics)
-        if self.lora:
-            await self._publish_adapters(groups)
+        if self.lora:  # each adapter's ledger line, and its publication when due
+            await self.adapter_versions.stepped(self.trainer.adapters, [s for g in groups for s in g.samples],
+                                                self.trainer.step_count, self.config)
         else:
             self.ledger.trained(self.trainer.step_count, self.version, ids)
             await self._publish(ids, metrics)
@@ -316,15 +317,6 @@ class TrainLoop(ConsumerLoop):
                 self.promotion.announced(self.version, lineage["parent"])
             await self.publisher.publish(self.trainer.model, self.version, self.trainer.step_count, lineage)
             log.info("published weights v%d", self.version)
-
-    async def _publish_adapters(self, groups: list[Group]) -> None:
-        """Each adapter the step trained: its ledger line, and its publication when due."""
-        by_adapter: dict[str, list[str]] = {}
-        for sample in (s for g in groups for s in g.samples):
-            by_adapter.setdefault(sample_adapter(sample, self.config), []).append(sample_digest(sample.id))
-        for name, ids in by_adapter.items():
-            self.ledger.trained(self.trainer.step_count, self.adapter_versions.versions[name], ids, adapter=name)
-        await self.adapter_versions.publish_due(self.trainer.adapters, list(by_adapter), self.trainer.step_count)
 
     def _train(self, groups: list[Group]) -> dict[str, Any]:
         batch = StepBatch(groups, self.config, self.baseline, self.tokenizer.pad_token_id or 0)
