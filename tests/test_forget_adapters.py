@@ -22,6 +22,7 @@ from flywheel.models.adapter_store import DROPPED, AdapterStore, owned_by
 from flywheel.serve.backends.sglang import HTTPEngineClient
 from flywheel.serve.engine import Engine
 from flywheel.serve.engine.server import create_engine_app
+from flywheel.train.adapter_versions import AdapterVersions
 from flywheel.train.adapters import AdapterSet
 
 from bus_reading import read
@@ -77,6 +78,7 @@ async def test_forgetting_a_user_deletes_their_adapter_everywhere_and_keeps_the_
             await until(lambda: ADA not in serve.pool.adapter_versions and ADA not in train.trainer.adapters.names())
             assert ADA not in serve.engine.adapters.loaded() and serve.pool.adapter_versions[BOB] == 1
             assert ADA not in train.adapter_versions.versions and ADA not in train.baseline.adapters
+            assert ADA not in train.adapter_versions.contexts and BOB in train.adapter_versions.contexts
             assert BOB in train.trainer.adapters.names() and train.adapter_versions.versions[BOB] == 1
             await until(lambda: bobs_not_adas(tmp_path))
             assert weights.numpy().tobytes() not in checkpoint_files(tmp_path)
@@ -171,3 +173,16 @@ def test_a_tenants_adapters_are_its_own_and_its_users():
     assert owned_by(names, "acme", None) == ["acme", ADA]
     assert owned_by(names, "acme", "ada") == [ADA]
     assert owned_by(names, "acme", "bob") == []
+
+
+def test_the_system_messages_a_forgotten_user_gave_the_guard_go_with_them(tmp_path):
+    """A tenant's adapter keeps the system messages of its newest trained conversation for the
+    guard: forgetting the user whose conversation it was drops them, a tenant forgotten drops its
+    adapters' all, and other tenants keep theirs."""
+    versions = AdapterVersions(AdapterStore(tmp_path), None, interval=1)
+    versions.contexts = {"acme": ("acme", "ada", ("You are Ada's assistant.",)), BOB: ("acme", "bob", ("Hi Bob.",)),
+                         "umbrella": ("umbrella", "ada", ("You are Ada's other assistant.",))}
+    versions.forget("acme", "ada")
+    assert list(versions.contexts) == [BOB, "umbrella"]
+    versions.forget("acme", None)
+    assert list(versions.contexts) == ["umbrella"]

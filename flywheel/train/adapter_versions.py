@@ -75,9 +75,9 @@ class AdapterVersions:
         """Each adapter's current version (0 when absent: the initial state)."""
         self.parents: dict[str, int] = {}
         """Each adapter's version last announced (its next version's parent)."""
-        self.contexts: dict[str, Context] = {}
-        """The system messages each adapter's newest trained conversation began with: where the
-        guard asks its questions (in memory only)."""
+        self.contexts: dict[str, tuple[str, str | None, Context]] = {}
+        """The system messages each adapter's newest trained conversation began with, and whose it
+        was (tenant, user): where the guard asks its questions (in memory only; `forget`)."""
 
     @classmethod
     def of(cls, config: FlywheelConfig, run_dir: Path, bus: Bus, adapters: AdapterSet, tokenizer: Any,
@@ -159,8 +159,8 @@ class AdapterVersions:
         for sample in samples:
             name = sample_adapter(sample, config)
             by_adapter.setdefault(name, []).append(sample_digest(sample.id))
-            if sample.trajectory is not None and sample.trajectory.turns:
-                self.contexts[name] = context_of(sample.trajectory.turns[-1].messages)
+            if (trajectory := sample.trajectory) is not None and trajectory.turns:
+                self.contexts[name] = (trajectory.tenant, trajectory.user_id, context_of(trajectory.turns[-1].messages))
         if self.ledger is not None:
             for name, ids in by_adapter.items():
                 self.ledger.trained(step, self.versions[name], ids, adapter=name)
@@ -187,7 +187,8 @@ class AdapterVersions:
         """Whether `name`'s current weights pass the guard (there is none: they do)."""
         if self.guard is None:
             return True
-        return await asyncio.to_thread(self.guard.allows, name, self.origin_of(name), self.contexts.get(name, ()))
+        context = self.contexts[name][2] if name in self.contexts else ()
+        return await asyncio.to_thread(self.guard.allows, name, self.origin_of(name), context)
 
     def hold_back(self, adapters: AdapterSet, name: str) -> None:
         """`name` back to its last published version (before any: its origin's weights, or the
@@ -268,6 +269,12 @@ class AdapterVersions:
         self.lines.pop(name, None)
         self.store.protected.pop(name, None)
         self.store.delete(name)
+
+    def forget(self, tenant: str, user: str | None) -> None:
+        """Drop the system messages a forgotten tenant's (user None) or user's conversations gave
+        (a tenant's adapter keeps its own, from its other users)."""
+        self.contexts = {name: held for name, held in self.contexts.items()
+                         if not (held[0] == tenant and user in (None, held[1]))}
 
     def state(self) -> dict[str, Any]:
         return {"versions": dict(self.versions), "parents": dict(self.parents),

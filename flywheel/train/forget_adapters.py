@@ -6,7 +6,8 @@ from the store and then puts a `forget` entry on the audit log) is forgotten by 
 share only the bus); between two steps `apply` drops what it heard of: the adapters they own
 (`adapter_store.owned_by`: a user's own, or the tenant's and all its users') with their PEFT
 weights, optimizer and schedule (`AdapterSet.drop`), their versions and any directory of theirs a
-step under way published meanwhile (`AdapterVersions.drop`), their reward baselines, and the
+step under way published meanwhile (`AdapterVersions.drop`), the system messages of their
+conversations kept for the guard (`AdapterVersions.forget`), their reward baselines, and the
 samples of theirs held for a step (acknowledged: the stream no longer holds them). Every
 checkpoint on disk is rewritten without those adapters (`scrub`: each `state.pt` replaced), and
 the loop then saves a checkpoint at once. An audit entry (`forget.adapters`, actor `train`) says
@@ -82,6 +83,8 @@ class Forgetting:
             adapters.drop(name)
             loop.adapter_versions.drop(name)
             loop.baseline.adapters.pop(name, None)
+        for tenant, user in forgotten:
+            loop.adapter_versions.forget(tenant, user)  # the system messages their conversations gave the guard
         rewritten = await asyncio.to_thread(scrub, loop.checkpoints, names) if names else 0
         for (tenant, user), owned in dropped.items():
             await self.bus.publish(AUDIT_SUBJECT, AuditEntry(
