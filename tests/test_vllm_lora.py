@@ -154,15 +154,17 @@ async def test_versions_are_names_of_their_own_shared_by_clients(vllm, adapters,
     """A second client (another gateway) loading the version the first loaded is no error and
     serves it; a third version keeps the second loaded (clients that have not loaded the third
     still name it) and unloads the first."""
+    await vllm.load_adapter("dora", adapters["alice"][0], 1)  # her own name: what other tests loaded does not count
+    await vllm.load_adapter("dora", adapters["alice-v2"][0], 2)
     other = await VLLMEngineClient(vllm.name).connect()
     try:
-        await other.load_adapter("alice", adapters["alice-v2"][0], 2)
+        await other.load_adapter("dora", adapters["alice-v2"][0], 2)
         ids = prompt(tokenizer, TEXTS[2])
-        tokens, logprobs = answer(await other.generate(body(ids, "alice", 4)))
+        tokens, logprobs = answer(await other.generate(body(ids, "dora", 4)))
         assert logprobs == pytest.approx(recomputed_logprobs(adapters["alice-v2"][1], ids, tokens), abs=TOL)
-        await vllm.load_adapter("alice", adapters["alice"][0], 3)
+        await vllm.load_adapter("dora", adapters["alice"][0], 3)
         served = {model["id"] for model in (await vllm._call("GET", "/v1/models")).json()["data"]}
-        assert {"alice@v2", "alice@v3"} <= served and "alice@v1" not in served
-        assert len((await other.generate(body(ids, "alice", 4)))["output_ids"]) == 12  # still names v2
+        assert {"dora@v2", "dora@v3"} <= served and "dora@v1" not in served
+        assert len((await other.generate(body(ids, "dora", 4)))["output_ids"]) == 12  # still names v2
     finally:
         await other.close()
