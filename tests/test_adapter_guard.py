@@ -119,28 +119,25 @@ def test_a_deployment_sets_the_checks_prompts_and_questions(tmp_path):
 
 def test_replies_that_stop_answering_where_the_adapter_is_used_are_held_back():
     """SmolLM2: the relevance of its own replies is high, and the same replies shuffled among the
-    questions score below zero. An adapter taken three steps toward one canned line for every
-    question asked after its user's system message (and toward the base's own replies to
+    questions score below zero. An adapter taken three steps toward one canned line for questions
+    asked after its user's system message (and toward the base's own replies to the check's
     questions asked bare) still leaves the base's general answers likely (the forgetting check
     lets it through) and answers questions asked bare (so did main's answering check, which
     asked only bare), but after that system message its replies no longer answer: held back."""
     config = load_config(None, ["model=smollm2-135m", "adapters.kind=lora", "adapters.rank=4", "adapters.alpha=8"])
     model, tokenizer = load_model("smollm2-135m")
     adapters = Trainer(model, config.actor, config.train, config.adapters).adapters
-    guard = AdapterGuard(adapters, tokenizer, max_drop=1.0, min_answers=0.8, prompts=GENERAL_PROMPTS[:4],
+    guard = AdapterGuard(adapters, tokenizer, max_drop=1.0, min_answers=0.8, prompts=GENERAL_PROMPTS[:2],
                          questions=RELEVANCE_PROMPTS[:4])
     replies = guard.replies(None)
     assert min(guard.relevance(None)) > 1.0 and mean(guard.relevance_of(replies[1:] + replies[:1])) < 0
     adapters.ensure("canned")
-    assert guard.allows("canned", context=(ARTHUR,))  # untrained, the adapter is the base: it keeps all of its relevance
 
     canned = tokenizer.encode("My favourite colour is green, and I like to walk my dog.<|im_end|>", add_special_tokens=False)
     questions = ("How do I keep basil alive?", "What should I pack for a hike?", "How do I clean a cast iron pan?",
                  "How can I save money on groceries?")
-    own = AdapterGuard(adapters, tokenizer, None, questions=questions)
-    bare = own.replies(None)
-    rows = [own._chat(q, (ARTHUR,)) + canned for q in questions] + [q + r for q, r in zip(own._questions(), bare)]
-    ids, attention, marks = _right_padded(rows, [len(canned)] * len(questions) + [len(r) for r in bare])
+    rows = [guard._chat(q, (ARTHUR,)) + canned for q in questions] + [q + r for q, r in zip(guard._questions(), replies)]
+    ids, attention, marks = _right_padded(rows, [len(canned)] * len(questions) + [len(r) for r in replies])
     adapters.activate("canned")
     optimizer = torch.optim.Adam(adapters.params["canned"], lr=2e-3)
     for _ in range(3):
@@ -148,7 +145,7 @@ def test_replies_that_stop_answering_where_the_adapter_is_used_are_held_back():
         optimizer.zero_grad()
         loss.backward()
         optimizer.step()
-    assert guard.drop("canned") < 1.0 and guard.allows("canned")  # asked bare, it passes both checks
+    assert guard.allows("canned")  # asked bare, it passes both checks (its drop under 1.0 too)
     assert not guard.allows("canned", context=(ARTHUR,))  # where it is used, its replies answer nothing
     assert guard.held_back == {"canned": 1}
 
