@@ -20,11 +20,13 @@ from flywheel.models import load_model
 from flywheel.models.adapter_store import AdapterStore
 from flywheel.models.lora_adapter import WEIGHTS_FILE
 from flywheel.train.adapter_guard import (
+    CONTEXT_CHARS,
     GENERAL_PROMPTS,
     RELEVANCE_PROMPTS,
     AdapterGuard,
     _right_padded,
     _token_logprobs,
+    context_of,
 )
 from flywheel.train.adapter_versions import AdapterVersions
 from flywheel.train.ledger import lineage
@@ -76,7 +78,7 @@ def test_a_version_may_lose_one_answer_in_eight_not_two_and_is_measured_against_
     assert guard.held_back == {"two": 1, "user": 1}
 
 
-def test_a_tenants_adapter_is_measured_once_for_its_users_checks_until_its_weights_change(monkeypatch):
+def test_a_tenants_adapter_is_measured_once_for_its_users_checks_until_its_weights_change(monkeypatch, tmp_path):
     """A user's adapter is checked against its tenant's at each of its versions: the tenant's
     answers' log-probability and replies are measured again only when its weights have changed
     (main made them at every check of every user)."""
@@ -98,6 +100,30 @@ def test_a_tenants_adapter_is_measured_once_for_its_users_checks_until_its_weigh
     adapters.clip_and_step("tenant")
     assert guard.allows("bo", origin="tenant")
     assert active.count("tenant") == 4
+    adapters.keep_on_disk(tmp_path / "spilled")
+    adapters.activate("ada")
+    adapters.activate("bo")
+    adapters.resident = 2
+    adapters.trim()  # the tenant's goes to disk, and comes back as it left: no new measuring
+    assert "tenant" in adapters.spilled and adapters.weights("tenant")
+    assert guard.allows("ada", origin="tenant") and active.count("tenant") == 4
+
+
+def test_a_context_is_the_first_system_messages_as_one_and_bounded():
+    """What a check asks after: the system and developer messages a request begins with (text
+    parts too), rendered as one system message (every chat template takes one), and at most
+    `CONTEXT_CHARS` of them."""
+    messages = [{"role": "system", "content": "You are Ada's assistant."},
+                {"role": "developer", "content": [{"type": "text", "text": "Be kind."}, {"type": "image_url"}]},
+                {"role": "user", "content": "hi"}, {"role": "system", "content": "not a context"}]
+    assert context_of(messages) == ("You are Ada's assistant.", "Be kind.")
+    assert context_of([{"role": "user", "content": "hi"}]) == ()
+    long = context_of([{"role": "system", "content": "x" * CONTEXT_CHARS}, {"role": "system", "content": "more"}])
+    assert long == ("x" * CONTEXT_CHARS,)
+    _, tokenizer = load_model("tiny")
+    guard = AdapterGuard(None, tokenizer, None)
+    text = tokenizer.decode(guard._chat("How?", context_of(messages)))
+    assert text.count("system") == 1 and "You are Ada's assistant.\n\nBe kind." in text
 
 
 def test_a_deployment_sets_the_checks_prompts_and_questions(tmp_path):

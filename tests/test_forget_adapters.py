@@ -22,8 +22,10 @@ from flywheel.models.adapter_store import DROPPED, AdapterStore, owned_by
 from flywheel.serve.backends.sglang import HTTPEngineClient
 from flywheel.serve.engine import Engine
 from flywheel.serve.engine.server import create_engine_app
+from flywheel.train.adapter_guard import RELEVANCE_PROMPTS, AdapterGuard
 from flywheel.train.adapter_versions import AdapterVersions
 from flywheel.train.adapters import AdapterSet
+from flywheel.train.trainer import Trainer
 
 from bus_reading import read
 from factories import TENANTS_SETUP, RunningApp, converse, learning, platform, recomputed_logprobs
@@ -179,10 +181,15 @@ def test_the_system_messages_a_forgotten_user_gave_the_guard_go_with_them(tmp_pa
     """A tenant's adapter keeps the system messages of its newest trained conversation for the
     guard: forgetting the user whose conversation it was drops them, a tenant forgotten drops its
     adapters' all, and other tenants keep theirs."""
-    versions = AdapterVersions(AdapterStore(tmp_path), None, interval=1)
+    config = load_config(None, ["adapters.kind=lora"])
+    model, tokenizer = load_model("tiny")
+    guard = AdapterGuard(Trainer(model, config.actor, config.train, config.adapters).adapters, tokenizer, None, 0.8,
+                         questions=RELEVANCE_PROMPTS[:2])
+    versions = AdapterVersions(AdapterStore(tmp_path), None, interval=1, guard=guard)
     versions.contexts = {"acme": ("acme", "ada", ("You are Ada's assistant.",)), BOB: ("acme", "bob", ("Hi Bob.",)),
                          "umbrella": ("umbrella", "ada", ("You are Ada's other assistant.",))}
+    guard.relevance(None, ("You are Ada's assistant.",))  # measured in her words: kept by them
     versions.forget("acme", "ada")
-    assert list(versions.contexts) == [BOB, "umbrella"]
+    assert list(versions.contexts) == [BOB, "umbrella"] and ("You are Ada's assistant.",) not in guard.base_relevance
     versions.forget("acme", None)
     assert list(versions.contexts) == ["umbrella"]

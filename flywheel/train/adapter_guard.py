@@ -15,8 +15,8 @@ do the same to its one user. So before an adapter's version is published the tra
   least half the mean of its reference's replies. Erosion shows here first: replies that speak
   of something else, a canned line, "as a chatbot I cannot...", a list of nothing, while the
   base's answers stay likely. The questions are asked where the adapter is used: after the
-  system messages its newest trained conversation began with (`context_of`; the trainer keeps
-  them per adapter, in memory only: a restarted trainer asks bare until the next one). What an
+  system messages the last conversation it trained on began with (`context_of`; the trainer
+  keeps them per adapter, in memory only: a restarted trainer asks bare until its next step). What an
   adapter learns under its user's system message it erodes there first: an unscripted person's
   adapter (personal-agent bench, `name` trial 2) answered 7 of 8 questions asked bare and 5 of 8
   after "You are Arthur's personal assistant.", the person's rule on held-out questions 0.67.
@@ -83,6 +83,8 @@ RELEVANT = 0.5
 CONTEXTS = 64
 """The most contexts whose base replies' relevance is kept (a deployment of many system prompts
 measures the others again when they come back)."""
+CONTEXT_CHARS = 2000
+"""The most characters of an adapter's system messages its check asks after (the first ones)."""
 Context = tuple[str, ...]
 """The system messages an adapter's conversations begin with (its user's or agent's), in order."""
 
@@ -94,7 +96,8 @@ class AdapterGuard:
         self.max_drop, self.min_answers = max_drop, min_answers
         self._batch: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
         self.base_logprob: float | None = None
-        self._base_relevance: LRU[Context, list[float]] = LRU(CONTEXTS)
+        self.base_relevance: LRU[Context, list[float]] = LRU(CONTEXTS)
+        """The base's replies' relevance, by context."""
         self.held_back: dict[str, int] = {}
         self._origins: LRU[tuple[str, str, Context], tuple[int, Any]] = LRU(2 * CONTEXTS)
         """(what, origin, context) -> the origin's revision and what was measured of it then."""
@@ -150,9 +153,9 @@ class AdapterGuard:
         `context`, fits its own question than the next one, as the base reads it (nats a token)."""
         if name is not None:
             return self.relevance_of(self.replies(name, context), context)
-        known = self._base_relevance.get(context)
+        known = self.base_relevance.get(context)
         if known is None:
-            known = self._base_relevance[context] = self.relevance_of(self.replies(None, context), context)
+            known = self.base_relevance[context] = self.relevance_of(self.replies(None, context), context)
         return known
 
     def relevance_of(self, replies: list[list[int]], context: Context = ()) -> list[float]:
@@ -195,6 +198,12 @@ class AdapterGuard:
             replies.append(row[:row.index(eos) + 1] if eos in row else row)
         return replies
 
+    def forget_contexts(self) -> None:
+        """Drop everything measured in a context (a forgotten person's system messages are its keys;
+        what is needed again is measured again)."""
+        self.base_relevance = LRU(CONTEXTS)
+        self._origins = LRU(2 * CONTEXTS)
+
     def _of_origin(self, key: tuple[str, str, Context], measure: Callable[[], Any]) -> Any:
         """`measure()` of the adapter `key` names (what: its reference log-probability or relevance;
         the origin; the context), made again only when its weights have changed since (a tenant's
@@ -203,7 +212,7 @@ class AdapterGuard:
         known = self._origins.get(key)
         if known is None or known[0] != self.adapters.revision(origin):
             value = measure()
-            known = self._origins[key] = (self.adapters.revision(origin), value)  # after: measuring may read it from disk
+            known = self._origins[key] = (self.adapters.revision(origin), value)
         return known[1]
 
     def _held(self, name: str, why: str, *values: float) -> bool:
@@ -218,7 +227,8 @@ class AdapterGuard:
         return [self._chat(q, context) for q in self.questions]
 
     def _chat(self, prompt: str, context: Context = ()) -> list[int]:
-        messages = [*({"role": "system", "content": line} for line in context), {"role": "user", "content": prompt}]
+        system = [{"role": "system", "content": "\n\n".join(context)}] if context else []  # one: every template takes it
+        messages = [*system, {"role": "user", "content": prompt}]
         text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
         return self.tokenizer.encode(text, add_special_tokens=False)
 
@@ -243,14 +253,17 @@ class AdapterGuard:
 
 
 def context_of(messages: list[dict[str, Any]]) -> Context:
-    """The system (or developer) messages a chat request's `messages` begin with, as text."""
-    lines = []
+    """The system (or developer) messages a chat request's `messages` begin with, as text, at most
+    `CONTEXT_CHARS` of it all (a check asks 24 rows after it: an agent's long system prompt would
+    multiply its cost)."""
+    lines, left = [], CONTEXT_CHARS
     for message in messages:
-        if message.get("role") not in ("system", "developer"):
+        if message.get("role") not in ("system", "developer") or left <= 0:
             break
         content = message.get("content")
         parts = [content] if isinstance(content, str) else [p.get("text", "") for p in content or [] if isinstance(p, dict)]
-        lines.append("".join(parts))
+        lines.append("".join(parts)[:left])
+        left -= len(lines[-1])
     return tuple(lines)
 
 

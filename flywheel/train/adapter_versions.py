@@ -18,7 +18,7 @@ With a guard (`adapters.guard_drop`, `guard_answers`, flywheel/train/adapter_gua
 version that forgot too much general skill, or whose replies stopped answering the question, is
 held back instead: not published, and the adapter back to its last published version
 (`hold_back`). Each way back is written in the ledger (`Ledger.back_to`). The guard asks its
-questions after the system messages of the adapter's newest trained conversation (`stepped`).
+questions after the system messages of the last conversation the adapter trained on (`stepped`).
 
 Under promotion (`promotion.mode: gate`) each shared or tenant adapter is a line of the version
 registry (`UnderPromotion`, flywheel/train/under_promotion.py): before each step
@@ -76,7 +76,7 @@ class AdapterVersions:
         self.parents: dict[str, int] = {}
         """Each adapter's version last announced (its next version's parent)."""
         self.contexts: dict[str, tuple[str, str | None, Context]] = {}
-        """The system messages each adapter's newest trained conversation began with, and whose it
+        """The system messages the last conversation each adapter trained on began with, and whose it
         was (tenant, user): where the guard asks its questions (in memory only; `forget`)."""
 
     @classmethod
@@ -153,8 +153,9 @@ class AdapterVersions:
         return line.distance(current, oldest) if line is not None else current - oldest
 
     async def stepped(self, adapters: AdapterSet, samples: list[Sample], step: int, config: FlywheelConfig) -> None:
-        """A step trained `samples`: each of their adapters' ledger line, the system messages its
-        newest conversation began with (where its guard asks), and its publication when due."""
+        """A step trained `samples`: each of their adapters' ledger line, the system messages the
+        last of its samples' conversations began with (where its guard asks), and its publication
+        when due."""
         by_adapter: dict[str, list[str]] = {}
         for sample in samples:
             name = sample_adapter(sample, config)
@@ -265,7 +266,10 @@ class AdapterVersions:
         (again: a step under way when it was forgotten may have published it since)."""
         self.versions.pop(name, None)
         self.parents.pop(name, None)
-        self.contexts.pop(name, None)
+        if self.contexts.pop(name, None) is not None and self.guard is not None:
+            self.guard.forget_contexts()
+        if self.guard is not None:
+            self.guard.held_back.pop(name, None)
         self.lines.pop(name, None)
         self.store.protected.pop(name, None)
         self.store.delete(name)
@@ -273,8 +277,10 @@ class AdapterVersions:
     def forget(self, tenant: str, user: str | None) -> None:
         """Drop the system messages a forgotten tenant's (user None) or user's conversations gave
         (a tenant's adapter keeps its own, from its other users)."""
-        self.contexts = {name: held for name, held in self.contexts.items()
-                         if not (held[0] == tenant and user in (None, held[1]))}
+        kept = {name: held for name, held in self.contexts.items() if not (held[0] == tenant and user in (None, held[1]))}
+        if len(kept) < len(self.contexts) and self.guard is not None:
+            self.guard.forget_contexts()  # what it measured in theirs is keyed by their words
+        self.contexts = kept
 
     def state(self) -> dict[str, Any]:
         return {"versions": dict(self.versions), "parents": dict(self.parents),

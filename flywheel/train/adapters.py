@@ -102,8 +102,9 @@ class AdapterSet:
         return name in self.known
 
     def revision(self, name: str) -> int:
-        """Which weights `name` has: the number changes with every step, load or restart, and is
-        never given twice (what is measured of an adapter holds while its revision does)."""
+        """Which weights `name` has: the number changes with every step, load, restart or restore
+        from a checkpoint (not when the adapter comes back from disk as it left), and is never
+        given twice (what is measured of an adapter holds while its revision does)."""
         return self.revisions[name]
 
     def _changed(self, name: str) -> None:
@@ -181,7 +182,9 @@ class AdapterSet:
             del self.spilled[name]
             with torch.random.fork_rng(devices=[]):  # as `restore`: coming back draws no random numbers
                 self._create(name)
+            revision = self.revisions[name]
             self._restore(name, saved)
+            self.revisions[name] = revision  # the same weights, back from disk
             path.unlink()
         self.keys[name] = self.keys.pop(name)
         return self.keys[name]
