@@ -40,6 +40,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from flywheel.bus import Turn
+from flywheel.bus.messages import content_text
 
 TruncatedTurns = Literal["train", "mask"]
 
@@ -155,10 +156,7 @@ def _same(recorded: dict[str, Any], echoed: dict[str, Any]) -> bool:
 
 
 def _text(message: dict[str, Any]) -> str:
-    content = message.get("content")
-    if isinstance(content, list):
-        content = "".join(part.get("text", "") for part in content if isinstance(part, dict))
-    return (content or "").strip()
+    return content_text(message.get("content")).strip()
 
 
 def _same_call(recorded: dict[str, Any], echoed: dict[str, Any]) -> bool:

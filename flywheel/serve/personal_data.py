@@ -20,6 +20,7 @@ from collections import Counter
 from collections.abc import Iterable
 from typing import Any
 
+from flywheel.bus.messages import content_text
 from flywheel.privacy import DEFAULT_ENTITIES, Detector, redact
 from flywheel.serve.api.chat import ChatCompletionRequest, CompletionRequest
 
@@ -80,11 +81,7 @@ def texts_of(messages: list[dict[str, Any]], roles: Iterable[str] | None = None)
     for message in messages:
         if roles is not None and message.get("role") not in roles:
             continue
-        content = message.get("content")
-        if isinstance(content, str):
-            out.append(content)
-        elif isinstance(content, list):
-            out.extend(part.get("text") or "" for part in content if isinstance(part, dict))
+        out.append(content_text(message.get("content")))
         for call in message.get("tool_calls") or []:
             out.append((call.get("function") or {}).get("arguments") or "")
     return out

@@ -45,6 +45,7 @@ from typing import Any
 
 import torch
 
+from flywheel.bus.messages import content_text
 from flywheel.lru import LRU
 from flywheel.train.adapters import AdapterSet
 
@@ -260,9 +261,7 @@ def context_of(messages: list[dict[str, Any]]) -> Context:
     for message in messages:
         if message.get("role") not in ("system", "developer") or left <= 0:
             break
-        content = message.get("content")
-        parts = [content] if isinstance(content, str) else [p.get("text", "") for p in content or [] if isinstance(p, dict)]
-        lines.append("".join(parts)[:left])
+        lines.append(content_text(message.get("content"))[:left])
         left -= len(lines[-1])
     return tuple(lines)
 

@@ -266,8 +266,7 @@ class AdapterVersions:
         (again: a step under way when it was forgotten may have published it since)."""
         self.versions.pop(name, None)
         self.parents.pop(name, None)
-        if self.contexts.pop(name, None) is not None and self.guard is not None:
-            self.guard.forget_contexts()
+        self.contexts.pop(name, None)
         if self.guard is not None:
             self.guard.held_back.pop(name, None)
         self.lines.pop(name, None)
@@ -276,11 +275,12 @@ class AdapterVersions:
 
     def forget(self, tenant: str, user: str | None) -> None:
         """Drop the system messages a forgotten tenant's (user None) or user's conversations gave
-        (a tenant's adapter keeps its own, from its other users)."""
-        kept = {name: held for name, held in self.contexts.items() if not (held[0] == tenant and user in (None, held[1]))}
-        if len(kept) < len(self.contexts) and self.guard is not None:
-            self.guard.forget_contexts()  # what it measured in theirs is keyed by their words
-        self.contexts = kept
+        (a tenant's adapter keeps its own, from its other users), and all the guard measured in
+        any context (keyed by their words; what is needed again is measured again)."""
+        self.contexts = {name: held for name, held in self.contexts.items()
+                         if not (held[0] == tenant and user in (None, held[1]))}
+        if self.guard is not None:
+            self.guard.forget_contexts()
 
     def state(self) -> dict[str, Any]:
         return {"versions": dict(self.versions), "parents": dict(self.parents),
