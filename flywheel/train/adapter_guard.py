@@ -18,8 +18,9 @@ do the same to its one user. So before an adapter's version is published the tra
   system messages the last conversation it trained on began with (`context_of`; the trainer
   keeps them per adapter, in memory only: a restarted trainer asks bare until its next step). What an
   adapter learns under its user's system message it erodes there first: an unscripted person's
-  adapter (personal-agent bench, `name` trial 2) answered 7 of 8 questions asked bare and 5 of 8
-  after "You are Arthur's personal assistant.", the person's rule on held-out questions 0.67.
+  adapter (personal-agent bench, `name` trial 2) answered 7 of 8 questions asked bare and, after
+  "You are Arthur's personal assistant.", 5 of the 7 the base answers there (the person's rule
+  on held-out questions: 0.67).
 Each against its origin's (a user's adapter that started from its tenant's is not held back
 for what that one changed). A drop above `guard_drop`, or fewer than `guard_answers` of the
 questions the origin answers, holds the version back: it is not published, the adapter's weights
@@ -139,7 +140,7 @@ class AdapterGuard:
         are asked for in `context`, the system messages its conversations begin with (an adapter
         is used there, and what it learned there is what it may have eroded: an adapter trained
         under "You are Arthur's personal assistant." answered 7 of 8 questions asked bare, and 5
-        of 8 after that line)."""
+        of the 7 the base answers after that line)."""
         if self.max_drop is not None and (drop := self.drop(name, origin)) > self.max_drop:
             return self._held(name, "it makes the base's general answers %.2f nats a token less likely "
                               "(adapters.guard_drop %.2f)", drop, self.max_drop)
