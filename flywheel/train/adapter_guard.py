@@ -229,7 +229,8 @@ class AdapterGuard:
         return [self._chat(q, context) for q in self.questions]
 
     def _chat(self, prompt: str, context: Context = ()) -> list[int]:
-        system = [{"role": "system", "content": "\n\n".join(context)}] if context else []  # one: every template takes it
+        # one system message: every chat template takes one
+        system = [{"role": "system", "content": "\n\n".join(context)}] if context else []
         messages = [*system, {"role": "user", "content": prompt}]
         text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
         return self.tokenizer.encode(text, add_special_tokens=False)
