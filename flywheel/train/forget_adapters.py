@@ -35,10 +35,10 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from flywheel.bus import Bus, Sample
+from flywheel.bus import Bus
 from flywheel.bus.records import AuditEntry
 from flywheel.bus.streams import AUDIT_SUBJECT
-from flywheel.models.adapter_store import DROPPED, owned_by
+from flywheel.models.adapter_store import DROPPED, forgets, owned_by
 from flywheel.train.checkpoint import FILES, Checkpoints
 
 if TYPE_CHECKING:
@@ -73,7 +73,8 @@ class Forgetting:
             return False
         adapters = loop.trainer.adapters
         assert adapters is not None
-        for group in loop.batcher.drop_stale(lambda sample: _theirs(sample, forgotten)):
+        for group in loop.batcher.drop_stale(lambda sample: any(
+                forgets(each, sample.trajectory.tenant, sample.trajectory.user_id) for each in forgotten)):
             for delivery in group.deliveries:
                 with contextlib.suppress(Exception):  # the message is gone from the stream already
                     await delivery.ack()
@@ -92,11 +93,6 @@ class Forgetting:
                 details={"tenant": tenant, "user": user, "adapters": len(owned), "checkpoints": rewritten}))
         log.info("forgot %d adapters; %d checkpoints rewritten without them", len(names), rewritten)
         return True
-
-
-def _theirs(sample: Sample, forgotten: list[tuple[str, str | None]]) -> bool:
-    trajectory = sample.trajectory
-    return any(trajectory.tenant == tenant and user in (None, trajectory.user_id) for tenant, user in forgotten)
 
 
 def scrub(checkpoints: Checkpoints, names: set[str]) -> int:
