@@ -29,7 +29,8 @@ from flywheel.serve.engine_choice import bound_versions, version_of
 from flywheel.serve.loop import ServeLoop, _newest
 
 from bus_reading import recorded_turns
-from factories import LINEAR, RunningApp, announce, platform, prompt, random_adapters, recomputed_logprobs
+from factories import RunningApp, announce, platform, prompt, recomputed_logprobs
+from peft_adapters import LINEAR, random_adapters
 from waiting import until
 
 TOL = 2e-4

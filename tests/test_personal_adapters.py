@@ -20,16 +20,8 @@ from flywheel.models.adapter_names import user_adapter
 from flywheel.models.lora_adapter import read_adapter
 
 from bus_reading import read, recorded_turns
-from factories import (
-    LINEAR,
-    TENANTS_SETUP,
-    converse,
-    hinted_session,
-    learning,
-    platform,
-    random_adapters,
-    recomputed_logprobs,
-)
+from factories import TENANTS_SETUP, converse, hinted_session, learning, platform, recomputed_logprobs
+from peft_adapters import LINEAR, random_adapters
 from waiting import until
 
 LORA = [*TENANTS_SETUP, "adapters.kind=lora", "adapters.scope=user", "actor.optimizer.lr=0.05",

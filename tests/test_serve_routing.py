@@ -24,7 +24,7 @@ from flywheel.versions.records import Arm, Routing, VersionEntry
 from flywheel.versions.registry import Registry
 
 from bus_reading import recorded_turns
-from factories import LINEAR, random_adapters
+from peft_adapters import LINEAR, random_adapters
 from waiting import until
 
 SUITE = "promotion.gate.suites=[{name: digits, env: digits, items: 4}]"

@@ -22,7 +22,8 @@ from flywheel.serve.backends import vllm_server
 from flywheel.serve.backends.base import EngineError
 from flywheel.serve.backends.vllm import VLLMEngineClient
 
-from factories import LINEAR, one_vllm_server, prompt, random_adapters, recomputed_logprobs
+from factories import one_vllm_server, prompt, recomputed_logprobs
+from peft_adapters import LINEAR, random_adapters
 from waiting import until
 
 pytestmark = pytest.mark.timeout(600)
