@@ -1,7 +1,8 @@
-"""Shared fixtures: a private NATS server per test, one Ray session, the tiny model, serve loops
-(one per test in the test's event loop, or one per module on a thread of its own), an engine
-behind HTTP, and a `tiny` taught to call a tool. What they are built from, and every other helper
-tests share, is in `factories.py` (reading the bus: `bus_reading.py`).
+"""Shared fixtures: a private NATS server per test, one Ray session, the tiny model and the engine
+tests' PEFT adapters of it, serve loops (one per test in the test's event loop, or one per module
+on a thread of its own), an engine behind HTTP, and a `tiny` taught to call a tool. What they are
+built from, and every other helper tests share, is in `factories.py` (reading the bus:
+`bus_reading.py`; PEFT adapters: `peft_adapters.py`).
 
 Property-based tests (the fuzzers) draw the same examples on every run (hypothesis's
 `derandomize`), so the suite passes or fails the same way each time. To search for new failures,
@@ -73,6 +74,15 @@ def model_and_tokenizer(tiny_path):
     from flywheel.models import load_model
 
     return load_model(tiny_path)
+
+
+@pytest.fixture(scope="module")
+def engine_adapters(tmp_path_factory):
+    """The engine tests' four PEFT adapters (`peft_adapters.ADAPTERS`): {name: (directory, its PEFT
+    model)}, under one root directory, one subdirectory each."""
+    from peft_adapters import ADAPTERS, random_adapters
+
+    return random_adapters(tmp_path_factory.mktemp("adapters"), ADAPTERS)
 
 
 @pytest.fixture(scope="session")

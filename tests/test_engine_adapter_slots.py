@@ -14,29 +14,18 @@ from flywheel.serve.engine import RequestFailed, SamplingParams
 from flywheel.serve.engine.adapters import UnknownAdapter
 
 from factories import prompt, recomputed_logprobs
-from peft_adapters import ADAPTERS, GREEDY, TEXTS, TOL, fresh_engine, random_adapters, root_of
+from peft_adapters import GREEDY, TEXTS, TOL, fresh_engine, root_of
 from waiting import until
 
 
-@pytest.fixture(scope="module")
-def adapters(tmp_path_factory):
-    """{name: (directory, its PEFT model)}, under one root directory, one subdirectory each."""
-    return random_adapters(tmp_path_factory.mktemp("adapters"), ADAPTERS)
-
-
-@pytest.fixture(scope="module")
-def base(model_and_tokenizer):
-    return model_and_tokenizer
-
-
-async def test_a_bounded_set_of_slots_evicts_and_reloads(adapters, base, tmp_path):
+async def test_a_bounded_set_of_slots_evicts_and_reloads(engine_adapters, model_and_tokenizer, tmp_path):
     """With two slots, three adapters asked for in turn are all served right: the least recently
     used one no request holds is evicted and read again on its next use, as the same version while
     its files are unchanged, as a new one once they changed."""
-    _, tokenizer = base
+    _, tokenizer = model_and_tokenizer
     root = tmp_path / "root"
     for name in ("alice", "bob", "carol"):
-        shutil.copytree(adapters[name][0], root / name)
+        shutil.copytree(engine_adapters[name][0], root / name)
     engine = fresh_engine(root, max_loras=2)
     ids = prompt(tokenizer, TEXTS[0])
     served = []
@@ -45,23 +34,23 @@ async def test_a_bounded_set_of_slots_evicts_and_reloads(adapters, base, tmp_pat
             result = await engine.generate(ids, GREEDY, adapter=name)
             served.append((name, result, engine.load()["resident_adapters"]))
         shutil.rmtree(root / "bob")
-        shutil.copytree(adapters["alice-v2"][0], root / "bob")  # bob's files change while it is evicted
+        shutil.copytree(engine_adapters["alice-v2"][0], root / "bob")  # bob's files change while it is evicted
         changed = await engine.generate(ids, GREEDY, adapter="bob")
     finally:
         engine.stop()
     assert [resident for _, _, resident in served] == [["alice"], ["alice", "bob"], ["bob", "carol"], ["carol", "alice"]]
     for name, result, _ in served:
         assert result.versions == [f"{name}@1"] * 16
-        assert result.logprobs == pytest.approx(recomputed_logprobs(adapters[name][1], ids, result.output_ids), abs=TOL)
+        assert result.logprobs == pytest.approx(recomputed_logprobs(engine_adapters[name][1], ids, result.output_ids), abs=TOL)
     assert changed.versions == ["bob@2"] * 16
-    assert changed.logprobs == pytest.approx(recomputed_logprobs(adapters["alice-v2"][1], ids, changed.output_ids), abs=TOL)
+    assert changed.logprobs == pytest.approx(recomputed_logprobs(engine_adapters["alice-v2"][1], ids, changed.output_ids), abs=TOL)
 
 
-async def test_a_request_whose_adapter_finds_every_slot_held_waits(adapters, base):
+async def test_a_request_whose_adapter_finds_every_slot_held_waits(engine_adapters, model_and_tokenizer):
     """One slot, held by a running request: a request for another adapter waits in the queue (it
     does not fail) and is served right once the slot is free, while base rows go on decoding."""
-    _, tokenizer = base
-    engine = fresh_engine(root_of(adapters), max_loras=1)
+    _, tokenizer = model_and_tokenizer
+    engine = fresh_engine(root_of(engine_adapters), max_loras=1)
     ids = prompt(tokenizer, TEXTS[0])
     long = SamplingParams(max_new_tokens=40, temperature=0.0, ignore_eos=True)
     try:
@@ -75,19 +64,19 @@ async def test_a_request_whose_adapter_finds_every_slot_held_waits(adapters, bas
         engine.stop()
     assert plain.versions == ["0"] * 16
     for name, result in (("alice", alice), ("bob", bob)):
-        assert result.logprobs == pytest.approx(recomputed_logprobs(adapters[name][1], ids, result.output_ids), abs=TOL)
+        assert result.logprobs == pytest.approx(recomputed_logprobs(engine_adapters[name][1], ids, result.output_ids), abs=TOL)
 
 
-async def test_a_new_version_replaces_an_adapter_between_steps(adapters, base):
+async def test_a_new_version_replaces_an_adapter_between_steps(engine_adapters, model_and_tokenizer):
     """While a long request decodes with alice, alice's next version is loaded: nothing fails, the
     request's tokens report alice@1 up to the swap and alice@2 after it, a base row beside it keeps
     the engine's version, and requests started after the swap use only the new weights."""
-    _, tokenizer = base
+    _, tokenizer = model_and_tokenizer
     engine = fresh_engine()
     ids = prompt(tokenizer, TEXTS[0])
     long = SamplingParams(max_new_tokens=200, temperature=0.0, ignore_eos=True)  # far longer than a load takes
     try:
-        assert await engine.load_adapter("alice", str(adapters["alice"][0])) == {"alice": str(adapters["alice"][0])}
+        assert await engine.load_adapter("alice", str(engine_adapters["alice"][0])) == {"alice": str(engine_adapters["alice"][0])}
         deltas = []
 
         async def read(stream):
@@ -98,7 +87,7 @@ async def test_a_new_version_replaces_an_adapter_between_steps(adapters, base):
         running = asyncio.ensure_future(read(engine.stream(ids, long, adapter="alice")))
         plain = asyncio.ensure_future(engine.generate(ids, long))
         await until(lambda: len(deltas) >= 3)
-        await engine.load_adapter("alice", str(adapters["alice-v2"][0]))
+        await engine.load_adapter("alice", str(engine_adapters["alice-v2"][0]))
         assert not running.done()
         after = await engine.generate(ids, GREEDY, adapter="alice")
         swapped, plain = await running, await plain
@@ -109,18 +98,18 @@ async def test_a_new_version_replaces_an_adapter_between_steps(adapters, base):
     assert 0 < switch < len(versions) == 200 and versions == ["alice@1"] * switch + ["alice@2"] * (200 - switch)
     assert plain.versions == ["0"] * 200
     assert after.versions == ["alice@2"] * 16
-    assert after.logprobs == pytest.approx(recomputed_logprobs(adapters["alice-v2"][1], ids, after.output_ids), abs=TOL)
+    assert after.logprobs == pytest.approx(recomputed_logprobs(engine_adapters["alice-v2"][1], ids, after.output_ids), abs=TOL)
 
 
-async def test_unloading_lets_the_requests_that_hold_an_adapter_finish(adapters, base):
+async def test_unloading_lets_the_requests_that_hold_an_adapter_finish(engine_adapters, model_and_tokenizer):
     """Unloading refuses the name to new requests at once; a request under way finishes with the
     version it had, and loading the name again serves the new directory beside it."""
-    _, tokenizer = base
+    _, tokenizer = model_and_tokenizer
     engine = fresh_engine()
     ids = prompt(tokenizer, TEXTS[0])
     long = SamplingParams(max_new_tokens=60, temperature=0.0, ignore_eos=True)
     try:
-        await engine.load_adapter("alice", str(adapters["alice"][0]), label="7")
+        await engine.load_adapter("alice", str(engine_adapters["alice"][0]), label="7")
         running = asyncio.ensure_future(engine.generate(ids, long, adapter="alice"))
         await until(lambda: engine.load()["num_running_reqs"] == 1)
         assert await engine.unload_adapter("alice") == {}
@@ -128,26 +117,26 @@ async def test_unloading_lets_the_requests_that_hold_an_adapter_finish(adapters,
             await engine.generate(ids, GREEDY, adapter="alice")
         with pytest.raises(UnknownAdapter, match="does not exist"):
             await engine.unload_adapter("alice")
-        await engine.load_adapter("alice", str(adapters["alice-v2"][0]), label="8")
+        await engine.load_adapter("alice", str(engine_adapters["alice-v2"][0]), label="8")
         beside = await engine.generate(ids, GREEDY, adapter="alice")
         finished = await running
     finally:
         engine.stop()
     assert finished.versions == ["alice@7"] * 60
-    assert finished.logprobs == pytest.approx(recomputed_logprobs(adapters["alice"][1], ids, finished.output_ids), abs=TOL)
+    assert finished.logprobs == pytest.approx(recomputed_logprobs(engine_adapters["alice"][1], ids, finished.output_ids), abs=TOL)
     assert beside.versions == ["alice@8"] * 16
-    assert beside.logprobs == pytest.approx(recomputed_logprobs(adapters["alice-v2"][1], ids, beside.output_ids), abs=TOL)
+    assert beside.logprobs == pytest.approx(recomputed_logprobs(engine_adapters["alice-v2"][1], ids, beside.output_ids), abs=TOL)
 
 
-async def test_a_request_waiting_for_an_adapter_that_is_unloaded_fails_alone(adapters, base):
+async def test_a_request_waiting_for_an_adapter_that_is_unloaded_fails_alone(engine_adapters, model_and_tokenizer):
     """A request waits for the only slot; its adapter is unloaded meanwhile: once admitted it
     fails with the reason, and the request that held the slot finishes."""
-    _, tokenizer = base
+    _, tokenizer = model_and_tokenizer
     engine = fresh_engine(max_loras=1)
     ids = prompt(tokenizer, TEXTS[0])
     try:
         for name in ("alice", "bob"):
-            await engine.load_adapter(name, str(adapters[name][0]))
+            await engine.load_adapter(name, str(engine_adapters[name][0]))
         running = asyncio.ensure_future(engine.generate(ids, SamplingParams(max_new_tokens=40, ignore_eos=True), adapter="alice"))
         await until(lambda: engine.load()["num_running_reqs"] == 1)
         waiting = asyncio.ensure_future(engine.generate(ids, GREEDY, adapter="bob"))

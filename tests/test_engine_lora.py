@@ -26,7 +26,7 @@ from flywheel.serve.engine import Engine, SamplingParams
 from flywheel.serve.engine.server import create_engine_app
 
 from factories import RunningApp, prompt, recomputed_logprobs
-from peft_adapters import ADAPTERS, GREEDY, TEXTS, TOL, fresh_engine, random_adapters, root_of
+from peft_adapters import GREEDY, TEXTS, TOL, fresh_engine, root_of
 from waiting import until
 
 PRODUCTS = ["dense", "padded", "gathered", "grouped"]
@@ -43,17 +43,6 @@ def use_products(monkeypatch: pytest.MonkeyPatch, products: str) -> None:
 
 DEVICES = pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
     not torch.cuda.is_available(), reason="needs a CUDA device; none here"))])
-
-
-@pytest.fixture(scope="module")
-def adapters(tmp_path_factory):
-    """{name: (directory, its PEFT model)}, under one root directory, one subdirectory each."""
-    return random_adapters(tmp_path_factory.mktemp("adapters"), ADAPTERS)
-
-
-@pytest.fixture(scope="module")
-def base(model_and_tokenizer):
-    return model_and_tokenizer
 
 
 async def alone_and_together(engine: Engine, work: list[tuple[list[int], SamplingParams, str | None]]):
@@ -74,18 +63,18 @@ async def alone_and_together(engine: Engine, work: list[tuple[list[int], Samplin
 @pytest.mark.parametrize("options", [{}, {"own_decoder": False}, {"chunked_prefill_size": 7}],
                          ids=["decoder", "transformers-forward", "chunked-prefill"])
 @DEVICES
-async def test_an_adapters_logprobs_are_peft_s(options, device, adapters, base):
+async def test_an_adapters_logprobs_are_peft_s(options, device, engine_adapters, model_and_tokenizer):
     """Prefill (the first token), decode steps (the rest) and input scoring of each adapter give
     the log-probs of a PEFT model with that adapter; the adapters change them."""
-    model, tokenizer = base
-    engine = fresh_engine(root_of(adapters), device, **options)
+    model, tokenizer = model_and_tokenizer
+    engine = fresh_engine(root_of(engine_adapters), device, **options)
     ids = prompt(tokenizer, TEXTS[2])
     try:
         plain = await engine.generate(ids, SamplingParams(max_new_tokens=16, temperature=1.0, sampling_seed=5))
         for name in ("alice", "bob", "carol"):
             params = SamplingParams(max_new_tokens=16, temperature=1.0, sampling_seed=5, logprob_start_len=0)
             result = await engine.generate(ids, params, adapter=name)
-            peft = adapters[name][1]
+            peft = engine_adapters[name][1]
             assert result.logprobs == pytest.approx(recomputed_logprobs(peft, ids, result.output_ids), abs=TOL)
             assert result.input_logprobs[1:] == pytest.approx(recomputed_logprobs(peft, ids[:1], ids[1:]), abs=TOL)
             assert result.versions == [f"{name}@1"] * len(result.output_ids)
@@ -99,15 +88,15 @@ async def test_an_adapters_logprobs_are_peft_s(options, device, adapters, base):
 @pytest.mark.parametrize("products", PRODUCTS)
 @pytest.mark.parametrize("options", [{}, {"own_decoder": False}], ids=["decoder", "transformers-forward"])
 @DEVICES
-async def test_rows_of_many_adapters_and_the_base_decode_together_as_alone(options, products, device, adapters,
-                                                                          base, monkeypatch):
+async def test_rows_of_many_adapters_and_the_base_decode_together_as_alone(options, products, device, engine_adapters,
+                                                                          model_and_tokenizer, monkeypatch):
     """Three adapters (ranks 4, 16 and 3) and base rows, prompts of different lengths, greedy and
     seeded: each row of the mixed batch gets the tokens and log-probs it gets alone, with its
     adapter's version; the base rows are the model's without adapters. Both ways of computing
     several adapters' deltas (`lora_batch`: dense, padded, grouped)."""
     use_products(monkeypatch, products)
-    model, tokenizer = base
-    engine = fresh_engine(root_of(adapters), device, **options)
+    model, tokenizer = model_and_tokenizer
+    engine = fresh_engine(root_of(engine_adapters), device, **options)
     seeded = SamplingParams(max_new_tokens=16, temperature=1.0, sampling_seed=11, ignore_eos=True)
     names = ["alice", None, "bob", "carol", None, "alice", "bob", "carol"]
     work = [(prompt(tokenizer, TEXTS[i % len(TEXTS)]), GREEDY if i % 2 else seeded, name) for i, name in enumerate(names)]
@@ -119,18 +108,18 @@ async def test_rows_of_many_adapters_and_the_base_decode_together_as_alone(optio
         assert a.output_ids == b.output_ids and len(b.output_ids) == 16
         assert b.logprobs == pytest.approx(a.logprobs, abs=1e-4)
         assert b.versions == [f"{name}@1" if name else "0"] * 16
-        reference = adapters[name][1] if name else model
+        reference = engine_adapters[name][1] if name else model
         assert b.logprobs == pytest.approx(recomputed_logprobs(reference, ids, b.output_ids), abs=TOL)
 
 
 @pytest.mark.parametrize("products", PRODUCTS)
 @DEVICES
-async def test_bfloat16_rows_of_many_adapters_stay_near_peft(products, device, adapters, base, monkeypatch):
+async def test_bfloat16_rows_of_many_adapters_stay_near_peft(products, device, engine_adapters, model_and_tokenizer, monkeypatch):
     """In bfloat16 (ranks padded to 8 for the grouped products; on CUDA those are CUTLASS's
     kernels): a mixed batch's log-probs stay within bfloat16 rounding of PEFT's float32 ones."""
     use_products(monkeypatch, products)
-    model, tokenizer = base
-    engine = fresh_engine(root_of(adapters), device, torch.bfloat16)
+    model, tokenizer = model_and_tokenizer
+    engine = fresh_engine(root_of(engine_adapters), device, torch.bfloat16)
     names = ["alice", "bob", "carol", None]
     work = [(prompt(tokenizer, TEXTS[i]), GREEDY, name) for i, name in enumerate(names)]
     try:
@@ -138,19 +127,19 @@ async def test_bfloat16_rows_of_many_adapters_stay_near_peft(products, device, a
     finally:
         engine.stop()
     for (ids, _, name), result in zip(work, together):
-        reference = adapters[name][1] if name else model
+        reference = engine_adapters[name][1] if name else model
         assert result.logprobs == pytest.approx(recomputed_logprobs(reference, ids, result.output_ids), abs=0.1)
 
 
-async def test_a_step_without_adapter_rows_does_no_lora_work(adapters, base, monkeypatch):
+async def test_a_step_without_adapter_rows_does_no_lora_work(engine_adapters, model_and_tokenizer, monkeypatch):
     """With an adapter resident, base-only requests (decode, prefill, input scoring) never reach
     the batched products nor the hooks; a request with the adapter does."""
-    _, tokenizer = base
+    _, tokenizer = model_and_tokenizer
     calls = []
     for method in ("add", "applied"):
         original = getattr(Rows, method)
         monkeypatch.setattr(Rows, method, lambda self, *a, _original=original, _name=method: calls.append(_name) or _original(self, *a))
-    engine = fresh_engine(root_of(adapters), own_decoder=True)
+    engine = fresh_engine(root_of(engine_adapters), own_decoder=True)
     ids = prompt(tokenizer, TEXTS[2])
     scored = SamplingParams(max_new_tokens=16, temperature=0.0, logprob_start_len=0)
     try:
@@ -163,12 +152,12 @@ async def test_a_step_without_adapter_rows_does_no_lora_work(adapters, base, mon
         engine.stop()
 
 
-def test_what_an_adapter_directory_cannot_serve_is_refused(adapters, base, tmp_path):
+def test_what_an_adapter_directory_cannot_serve_is_refused(engine_adapters, model_and_tokenizer, tmp_path):
     """DoRA, trained whole modules (`modules_to_save`), an adapted output head, a layer of other
     shapes, a directory without an adapter: each refused with a reason, never served wrong."""
-    model, _ = base
+    model, _ = model_and_tokenizer
     table = AdapterTable(model, 2)
-    table.check(read_adapter(adapters["bob"][0]))
+    table.check(read_adapter(engine_adapters["bob"][0]))
     for name, arguments in {"dora": dict(use_dora=True), "saved": dict(modules_to_save=["lm_head"])}.items():
         copy, _ = load_model("tiny")
         get_peft_model(copy, LoraConfig(r=4, target_modules=["q_proj"], **arguments)).save_pretrained(tmp_path / name)
@@ -177,7 +166,7 @@ def test_what_an_adapter_directory_cannot_serve_is_refused(adapters, base, tmp_p
     with pytest.raises(AdapterError, match="modules_to_save"):
         read_adapter(tmp_path / "saved")
     for name, layer, shape in (("head", "lm_head", (4, 128)), ("wide", "model.layers.0.mlp.down_proj", (4, 128))):
-        shutil.copytree(adapters["alice"][0], tmp_path / name)
+        shutil.copytree(engine_adapters["alice"][0], tmp_path / name)
         tensors = load_file(tmp_path / name / "adapter_model.safetensors")
         tensors[f"base_model.model.{layer}.lora_A.weight"] = torch.zeros(shape)
         tensors[f"base_model.model.{layer}.lora_B.weight"] = torch.zeros(128, 4)
@@ -190,14 +179,14 @@ def test_what_an_adapter_directory_cannot_serve_is_refused(adapters, base, tmp_p
         read_adapter(tmp_path / "nothing")
 
 
-async def test_sglang_lora_protocol_over_http(adapters, base):
+async def test_sglang_lora_protocol_over_http(engine_adapters, model_and_tokenizer):
     """`/load_lora_adapter` and `/unload_lora_adapter` (admin routes) with SGLang's fields and
     replies, `/generate` with `lora_path` (one name, a list with nulls, streaming, a name found
     under the adapter root), and SGLang's 400 for an adapter the engine does not know."""
-    _, tokenizer = base
-    engine = fresh_engine(root_of(adapters))
+    _, tokenizer = model_and_tokenizer
+    engine = fresh_engine(root_of(engine_adapters))
     admin = {"Authorization": "Bearer adm"}
-    alice = str(adapters["alice"][0])
+    alice = str(engine_adapters["alice"][0])
     ids = prompt(tokenizer, TEXTS[0])
     body = {"input_ids": ids, "sampling_params": {"max_new_tokens": 4, "temperature": 0, "ignore_eos": True}, "return_logprob": True}
     try:
@@ -225,7 +214,7 @@ async def test_sglang_lora_protocol_over_http(adapters, base):
             shadow = await http.post("/load_lora_adapter", json={"lora_name": "tiny", "lora_path": alice}, headers=admin)
             assert shadow.status_code == 400 and "served model" in shadow.json()["error_message"]
             unloaded = await http.post("/unload_lora_adapter", json={"lora_name": "first"}, headers=admin)
-            found = {name: str(adapters[name][0]) for name in ("alice", "bob")}  # found under the root when asked for
+            found = {name: str(engine_adapters[name][0]) for name in ("alice", "bob")}  # found under the root when asked for
             assert unloaded.status_code == 200 and unloaded.json() == {"success": True, "error_message": "", "loaded_adapters": found}
             assert (await http.post("/generate", json={**body, "lora_path": "first"})).status_code == 400
             again = await http.post("/unload_lora_adapter", json={"lora_name": "first"}, headers=admin)
@@ -235,12 +224,12 @@ async def test_sglang_lora_protocol_over_http(adapters, base):
 
 
 @pytest.mark.parametrize("products", PRODUCTS)
-def test_an_adapter_with_inf_or_nan_reaches_no_other_row(base, monkeypatch, products):
+def test_an_adapter_with_inf_or_nan_reaches_no_other_row(model_and_tokenizer, monkeypatch, products):
     """One resident adapter's non-finite weights (written into the table directly: reading one
     refuses it) stay in its own rows: the base's rows and another adapter's rows of the same batch
     get exactly their deltas (none for the base)."""
     use_products(monkeypatch, products)
-    model, _ = base
+    model, _ = model_and_tokenizer
     table = AdapterTable(model, slots=3)
     layer = "model.layers.0.self_attn.q_proj"
     width = table.layers[layer].in_features, table.layers[layer].out_features
@@ -258,13 +247,13 @@ def test_an_adapter_with_inf_or_nan_reaches_no_other_row(base, monkeypatch, prod
 
 
 @pytest.mark.parametrize("products", PRODUCTS)
-def test_uneven_rows_over_slots_with_a_gap_get_each_their_own_deltas(base, monkeypatch, products):
+def test_uneven_rows_over_slots_with_a_gap_get_each_their_own_deltas(model_and_tokenizer, monkeypatch, products):
     """Adapters of ranks 4, 2 and 8 in slots 1, 2 and 4 (3 empty), rows over them unevenly and in
     no order, with a base row and without, two layers that share their input (q and k, as the
     decoder fuses them): each row gets exactly its own adapter's delta in each layer's columns,
     the base row none."""
     use_products(monkeypatch, products)
-    model, _ = base
+    model, _ = model_and_tokenizer
     table = AdapterTable(model, slots=4)
     names = ["model.layers.1.self_attn.q_proj", "model.layers.1.self_attn.k_proj"]
     layers = [table.layers[name] for name in names]
@@ -287,11 +276,11 @@ def test_uneven_rows_over_slots_with_a_gap_get_each_their_own_deltas(base, monke
             torch.testing.assert_close(out[row], torch.cat(expected), rtol=1e-4, atol=1e-4)
 
 
-def test_an_adapter_whose_weights_are_not_finite_is_refused(adapters, tmp_path):
+def test_an_adapter_whose_weights_are_not_finite_is_refused(engine_adapters, tmp_path):
     """A diverged adapter (inf or NaN in A or B) is refused when read: in a batch's dense products
     a slot's infinite B would reach every other row, the base's too (0 x inf)."""
     for matrix, value in (("lora_A", float("nan")), ("lora_B", float("inf"))):
-        shutil.copytree(adapters["alice"][0], tmp_path / matrix)
+        shutil.copytree(engine_adapters["alice"][0], tmp_path / matrix)
         tensors = load_file(tmp_path / matrix / "adapter_model.safetensors")
         tensors[f"base_model.model.model.layers.1.mlp.up_proj.{matrix}.weight"][0, 0] = value
         save_file(tensors, tmp_path / matrix / "adapter_model.safetensors")
