@@ -108,30 +108,41 @@ async def test_two_adapters_and_the_base_in_one_batch_as_alone(vllm, tokenizer):
         assert tokens == tokens_alone and logprobs == pytest.approx(logprobs_alone, abs=TOL)
 
 
-STREAMED = 1024
-"""Tokens per stream under load: the tiny model decodes 256 in a fraction of a second, and on a
-loaded machine a first stream could end before the last had started (the full suite failed so)."""
+ENDLESS = 16384
+"""Tokens a stream under load may run to: far more than the test lets it (its streams are closed
+once they have decoded past the load). Streams of 256 and then 1,024 tokens that had to run to
+their end made the test depend on timing: on a loaded machine a first stream could end before the
+last had started (the full suite failed so, and a run beside a benchmark did with 1,024)."""
 
 
 async def test_a_new_version_loaded_under_load(vllm, adapters, tokenizer):
-    """Streams on alice and bob run while alice's v2 is loaded: none fails; then the prompt alice
-    v1 answered before (its KV in vLLM's prefix cache) is answered with v2's weights from its first
-    token on, and bob is untouched."""
+    """Streams on alice and bob run while alice's v2 is loaded: none fails, each goes on decoding
+    after the load; then the prompt alice v1 answered before (its KV in vLLM's prefix cache) is
+    answered with v2's weights from its first token on, and bob is untouched."""
     ids = prompt(tokenizer, TEXTS[0])
     before = answer(await vllm.generate(body(ids, "alice", 9)))  # v1, now in the prefix cache
 
     received: list[list[int]] = [[] for _ in range(8)]
 
-    async def stream(adapter: str, seed: int) -> list[int]:
-        async for chunk in vllm.generate_stream(body(prompt(tokenizer, TEXTS[seed % 3]), adapter, seed, STREAMED)):
+    async def stream(adapter: str, seed: int) -> None:
+        async for chunk in vllm.generate_stream(body(prompt(tokenizer, TEXTS[seed % 3]), adapter, seed, ENDLESS)):
             received[seed] += chunk["output_ids"]
-        return received[seed]
+
+    def ended() -> list[BaseException | str]:
+        """What stopped a stream that stopped: its exception, or its end."""
+        return [s.exception() or "ended" for s in streams if s.done()]
 
     streams = [asyncio.ensure_future(stream(a, s)) for s, a in enumerate(["alice", "bob"] * 4)]
-    await until(lambda: all(received))  # every stream has started
-    assert not any(s.done() for s in streams)  # the load starts while they run
-    await vllm.load_adapter("alice", adapters["alice-v2"][0], 2)
-    assert [len(tokens) for tokens in await asyncio.gather(*streams)] == [STREAMED] * 8  # nothing failed
+    try:
+        await until(lambda: ended() or all(received))  # every stream has started
+        await vllm.load_adapter("alice", adapters["alice-v2"][0], 2)
+        loaded = [len(tokens) for tokens in received]
+        await until(lambda: ended() or all(len(tokens) > at for tokens, at in zip(received, loaded)))  # all go on after it
+        assert not ended()  # none failed, none ended (they are closed below)
+    finally:
+        for s in streams:
+            s.cancel()
+        await asyncio.gather(*streams, return_exceptions=True)
     reply = await vllm.generate(body(ids, "alice", 9))
     tokens, logprobs = answer(reply)
     assert reply["meta_info"]["weight_version"] == "2"
