@@ -2,7 +2,8 @@
 tests' PEFT adapters of it, serve loops (one per test in the test's event loop, or one per module
 on a thread of its own), an engine behind HTTP, and a `tiny` taught to call a tool. What they are
 built from, and every other helper tests share, is in `factories.py` (reading the bus:
-`bus_reading.py`; PEFT adapters: `peft_adapters.py`).
+`bus_reading.py`; PEFT adapters: `peft_adapters.py`; the engine's adapter tests:
+`engine_adapters.py`).
 
 Property-based tests (the fuzzers) draw the same examples on every run (hypothesis's
 `derandomize`), so the suite passes or fails the same way each time. To search for new failures,
@@ -78,9 +79,10 @@ def model_and_tokenizer(tiny_path):
 
 @pytest.fixture(scope="module")
 def engine_adapters(tmp_path_factory):
-    """The engine tests' four PEFT adapters (`peft_adapters.ADAPTERS`): {name: (directory, its PEFT
+    """The engine tests' four PEFT adapters (`engine_adapters.ADAPTERS`): {name: (directory, its PEFT
     model)}, under one root directory, one subdirectory each."""
-    from peft_adapters import ADAPTERS, random_adapters
+    from engine_adapters import ADAPTERS
+    from peft_adapters import random_adapters
 
     return random_adapters(tmp_path_factory.mktemp("adapters"), ADAPTERS)
 

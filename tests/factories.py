@@ -5,7 +5,7 @@
   real engine samples (`sampled_turns`) and what the trainer takes of them (`sample_of`,
   `rows_of`, `step_of`).
 - Reading the bus: in `bus_reading.py`.
-- Running parts: `platform` (a serve loop and a collector), `teach_tiny` and `serving` (a `tiny`
+- Running parts: `open_session`, `platform` (a serve loop and a collector), `teach_tiny` and `serving` (a `tiny`
   taught one answer, served), `post_feedback`, `make_engine`, `RunningApp` (an ASGI app on a free
   port), `freeze` (SIGSTOP a process).
 - Engines: `prompt`, `recomputed_logprobs`.
@@ -14,6 +14,9 @@
   `assert_openai_error`, `assert_api_error`.
 - Request shapes several tests send: the weather tool (`WEATHER`, `ASK_WEATHER`, `WEATHER_CALL`)
   and the bounded forecast schema (`FORECAST`, `FORECAST_TOOLS`, `ASK_FORECAST`).
+- vLLM: `one_vllm_server` (the test workers take turns running one).
+Elsewhere: PEFT adapters in `peft_adapters.py`, the engine's adapter tests' in
+`engine_adapters.py`, tenants' traffic in `tenant_traffic.py`.
 """
 
 from __future__ import annotations
@@ -45,13 +48,11 @@ from flywheel.bus.stitch import stitch
 from flywheel.collect.loop import CollectLoop
 from flywheel.config import load_config
 from flywheel.drills.noised_weights import publish_noised
-from flywheel.judge.loop import JudgeLoop
 from flywheel.models import WeightStore, load_model, load_weights, save_model
 from flywheel.serve.engine import Engine, SamplingParams
 from flywheel.serve.loop import ServeLoop
 from flywheel.train.advantages import RunningBaseline
 from flywheel.train.grouping import Group, Member
-from flywheel.train.loop import TrainLoop
 from flywheel.train.packing import Row
 from flywheel.train.step_batch import StepBatch
 from flywheel.versions.registry import Registry
@@ -282,18 +283,18 @@ async def announce(bus, store: WeightStore, version: int, parent: int, noise: fl
 
 
 async def state_of(registry: Registry, version: int) -> str | None:
-    """The version's state in the registry, None if it has no entry."""
-    entry = await registry.get(version)
+    """The version's state in the registry; None if it has no entry, or if JetStream did not answer
+    the read in its 5 s (a poll asks again: a suite run beside a benchmark on 2 cores failed so)."""
+    try:
+        entry = await registry.get(version)
+    except nats.errors.TimeoutError:
+        return None
     return entry and entry.state
 
 
 async def is_in_state(registry: Registry, version: int, *states: str) -> bool:
-    """Whether the version's state is one of `states`; a poll's condition, so a read JetStream did
-    not answer in its 5 s is "not yet" (a suite run beside a benchmark on 2 cores failed so)."""
-    try:
-        return await state_of(registry, version) in states
-    except nats.errors.TimeoutError:
-        return False
+    """Whether the version's state is one of `states`."""
+    return await state_of(registry, version) in states
 
 
 # -- checks ----------------------------------------------------------------------------------------
@@ -334,56 +335,6 @@ def assert_api_error(response: httpx.Response, path: str) -> dict:
     body = response.json()
     assert body.get("type") == "error" and set(body["error"]) == {"type", "message"} and body["error"]["message"], response.text
     return body["error"]
-
-
-# -- tenants' traffic ------------------------------------------------------------------------------
-
-TENANTS_SETUP = ["serve.admin_key=root", "judge.kind=rule", "train.batch_size=1", "rollout.max_head_offpolicyness=8",
-                 "tenants={acme: {training: opt_out, pii: \"off\", keys: [acme-key]}, other: {training: opt_out, keys: [other-key]}}"]
-"""Two tenants: acme (users ada and bob) and other, trained unless they opt out."""
-MARKERS = {"ada": "ZEBRA-7731", "bob": "OKAPI-4412"}
-"""What each of acme's users says: a string to look for wherever their records might be."""
-
-
-async def converse(serve, user: str, session: str, reward: float = 1.0) -> None:
-    """One turn of tenant acme's `user` saying their marker, rewarded, and the session ended."""
-    client = openai.AsyncOpenAI(base_url=f"{serve.url}/v1", api_key="acme-key", max_retries=0)
-    await client.chat.completions.create(
-        model="tiny", messages=[{"role": "user", "content": f"My code word is {MARKERS[user]}."}], max_tokens=4,
-        extra_headers={"X-Session-Id": session, "X-User-Id": user})
-    async with httpx.AsyncClient(base_url=serve.url, headers={"Authorization": "Bearer acme-key"}) as http:
-        (await http.post(f"/v1/sessions/{session}/feedback", json={"reward": reward})).raise_for_status()
-        (await http.post(f"/v1/sessions/{session}/end")).raise_for_status()
-
-
-async def hinted_session(serve, session: str, messages: list[dict[str, Any]], hint: str, reward: float) -> None:
-    """One turn of tenant acme's user ada (temperature 1, 6 tokens), `hint` aimed at it, the
-    session's `reward`, and the session ended."""
-    client = openai.AsyncOpenAI(base_url=f"{serve.url}/v1", api_key="acme-key", max_retries=0)
-    first = await client.chat.completions.with_raw_response.create(
-        model="tiny", messages=messages, max_tokens=6, temperature=1.0,
-        extra_headers={"X-Session-Id": session, "X-User-Id": "ada"})
-    async with httpx.AsyncClient(base_url=serve.url, headers={"Authorization": "Bearer acme-key"}) as http:
-        for body in ({"interaction_id": first.headers["x-interaction-id"], "text": hint}, {"reward": reward}):
-            (await http.post(f"/v1/sessions/{session}/feedback", json=body)).raise_for_status()
-        (await http.post(f"/v1/sessions/{session}/end")).raise_for_status()
-
-
-@contextlib.asynccontextmanager
-async def learning(serve, nats_url: str) -> AsyncIterator[TrainLoop]:
-    """A judge and a trainer behind `serve`'s platform; the trainer, stopped on the way out."""
-    judge, train = JudgeLoop(serve.config, nats_url), TrainLoop(serve.config, nats_url)
-    await judge.start()
-    await train.start()
-    try:
-        yield train
-    finally:
-        await asyncio.gather(judge.stop(), train.stop())
-
-
-def everything_in(run_dir) -> bytes:
-    """Every file of the run directory, concatenated."""
-    return b"\n".join(path.read_bytes() for path in sorted(run_dir.rglob("*")) if path.is_file())
 
 
 # -- vLLM ------------------------------------------------------------------------------------------

@@ -39,7 +39,8 @@ from flywheel.versions.records import (
 from flywheel.versions.registry import Registry, send_command
 
 from bus_reading import recorded_turns
-from factories import TENANTS_SETUP, converse, learning, platform, sample_of, sampled_turns
+from factories import platform, sample_of, sampled_turns
+from tenant_traffic import TENANTS_SETUP, converse, learning
 from waiting import until
 
 LORA = ["adapters.kind=lora", "adapters.rank=4", "adapters.alpha=8", "rollout.enabled=false"]

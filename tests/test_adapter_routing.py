@@ -40,7 +40,7 @@ ADA, BOB = user_adapter("acme", "ada"), user_adapter("acme", "bob")
 
 
 @pytest.fixture(scope="module")
-def peft_adapters(tmp_path_factory):
+def routed_adapters(tmp_path_factory):
     """{name: (directory as a string, its PEFT model)}: three adapters of `tiny` with random (not zero) B."""
     specs = {name: (seed, {"r": 4, "lora_alpha": 8, "target_modules": LINEAR})
              for seed, name in enumerate(("first", "second", "third"), start=1)}
@@ -69,13 +69,13 @@ def logprobs_of(model, turn) -> list[float]:
     return recomputed_logprobs(model, list(turn.prompt_ids), list(turn.output_ids))
 
 
-async def test_each_user_gets_its_own_adapter_and_its_versions(nats_url, tmp_path, bus, peft_adapters, model_and_tokenizer):
+async def test_each_user_gets_its_own_adapter_and_its_versions(nats_url, tmp_path, bus, routed_adapters, model_and_tokenizer):
     """Bob's adapter was published before the gateway started (found when it starts), Ada's is
     published while it runs: before it, Ada's turns are the bare base's, recorded as her adapter's
     version 0; after it, her adapter's version 1 with its log-probs. Bob's turns are his own
     adapter's (streamed). The shared weights stay on version 0: an adapter's version is never taken for theirs."""
     base, _ = model_and_tokenizer
-    (first, first_peft), (second, second_peft) = peft_adapters["first"], peft_adapters["second"]
+    (first, first_peft), (second, second_peft) = routed_adapters["first"], routed_adapters["second"]
     await publish_adapter(bus, BOB, 1, second)
     async with platform(nats_url, tmp_path, *LORA) as (serve, _, _):
         await until(lambda: serve.pool.adapter_versions == {BOB: 1})
@@ -99,10 +99,10 @@ async def test_each_user_gets_its_own_adapter_and_its_versions(nats_url, tmp_pat
     assert after["ada"].adapter != after["bob"].adapter
 
 
-async def test_a_new_version_of_an_adapter_serves_new_turns(nats_url, tmp_path, bus, peft_adapters):
+async def test_a_new_version_of_an_adapter_serves_new_turns(nats_url, tmp_path, bus, routed_adapters):
     """Version 2 of Ada's adapter, announced in the same breath as a stale version 1 of it: the
     newest is loaded, and her new turns record version 2 with its log-probs."""
-    (first, _), (third, third_peft) = peft_adapters["first"], peft_adapters["third"]
+    (first, _), (third, third_peft) = routed_adapters["first"], routed_adapters["third"]
     async with platform(nats_url, tmp_path, *LORA) as (serve, _, _):
         await publish_adapter(bus, ADA, 1, first)
         await until(lambda: serve.pool.adapter_versions.get(ADA) == 1)
@@ -117,10 +117,10 @@ async def test_a_new_version_of_an_adapter_serves_new_turns(nats_url, tmp_path, 
     assert list(turn.output_logprobs) == pytest.approx(logprobs_of(third_peft, turn), abs=TOL)
 
 
-async def test_a_users_new_adapter_is_served_by_its_tenants_until_it_has_its_own(nats_url, tmp_path, bus, peft_adapters):
+async def test_a_users_new_adapter_is_served_by_its_tenants_until_it_has_its_own(nats_url, tmp_path, bus, routed_adapters):
     """The trainer starts a user's new adapter from its tenant's: until the user's own is
     published, the tenant's serves them, and the turn is the user's adapter's version 0."""
-    tenant_dir, tenant_peft = peft_adapters["third"]
+    tenant_dir, tenant_peft = routed_adapters["third"]
     async with platform(nats_url, tmp_path, *LORA) as (serve, _, _):
         await publish_adapter(bus, "acme", 4, tenant_dir)
         await until(lambda: serve.pool.adapter_versions.get("acme") == 4)
@@ -130,11 +130,11 @@ async def test_a_users_new_adapter_is_served_by_its_tenants_until_it_has_its_own
     assert list(turn.output_logprobs) == pytest.approx(logprobs_of(tenant_peft, turn), abs=TOL)
 
 
-async def test_a_request_names_only_its_own_tenants_adapters(nats_url, tmp_path, bus, peft_adapters):
+async def test_a_request_names_only_its_own_tenants_adapters(nats_url, tmp_path, bus, routed_adapters):
     """acme may name its user's adapter (`tiny:<adapter>` or the name alone), and its own adapter
     that a request without a user is routed to anyway; globex naming either, or acme naming one
     never published, gets exactly the 404 of a model that does not exist."""
-    first, _ = peft_adapters["first"]
+    first, _ = routed_adapters["first"]
     async with platform(nats_url, tmp_path, *LORA) as (serve, _, _):
         await publish_adapter(bus, ADA, 1, first)
         await until(lambda: serve.pool.adapter_versions.get(ADA) == 1)
@@ -165,10 +165,10 @@ async def test_a_request_names_only_its_own_tenants_adapters(nats_url, tmp_path,
             assert shape(model, answer) == nothing, (key, model)
 
 
-async def test_without_adapters_nothing_changes(nats_url, tmp_path, bus, peft_adapters):
+async def test_without_adapters_nothing_changes(nats_url, tmp_path, bus, routed_adapters):
     """`adapters.kind: none`: turns name no adapter, an adapter name is an unknown model, and an
     adapter's announcement is neither loaded nor taken for the shared weights."""
-    first, _ = peft_adapters["first"]
+    first, _ = routed_adapters["first"]
     async with platform(nats_url, tmp_path, TENANTS) as (serve, _, _):
         await publish_adapter(bus, ADA, 3, first)
         await ask(serve, "key-acme", "ada")
@@ -181,7 +181,7 @@ async def test_without_adapters_nothing_changes(nats_url, tmp_path, bus, peft_ad
     assert turn.adapter is None and turn.user_id == "ada"
 
 
-async def test_the_judges_scoring_uses_the_bare_base(nats_url, tmp_path, peft_adapters, model_and_tokenizer, monkeypatch):
+async def test_the_judges_scoring_uses_the_bare_base(nats_url, tmp_path, routed_adapters, model_and_tokenizer, monkeypatch):
     """A judge server of a deployment with adapters: `/engine/score` sends the engine no adapter
     and gives the base's log-probs, `/engine/generate` refuses one, and its own chat turns name none."""
     base, tokenizer = model_and_tokenizer
@@ -216,12 +216,12 @@ async def test_the_judges_scoring_uses_the_bare_base(nats_url, tmp_path, peft_ad
     assert scored["logprobs"] == pytest.approx(recomputed_logprobs(base, prompt_ids, output), abs=TOL)
 
 
-async def test_the_sglang_client_loads_adapters_and_reads_their_versions(peft_adapters, model_and_tokenizer):
+async def test_the_sglang_client_loads_adapters_and_reads_their_versions(routed_adapters, model_and_tokenizer):
     """Over HTTP (the path to a real SGLang): `load_adapter` is `/load_lora_adapter` with the
     version as its label; a request's `lora_path` gets that adapter's tokens, counted as its
     versions; loading again moves new requests to the new version."""
     _, tokenizer = model_and_tokenizer
-    (first, first_peft), (third, third_peft) = peft_adapters["first"], peft_adapters["third"]
+    (first, first_peft), (third, third_peft) = routed_adapters["first"], routed_adapters["third"]
     model, _ = load_model("tiny")
     engine = Engine(model, tokenizer, max_batch_size=4).start()
     ids = prompt(tokenizer, "Write some digits.")
@@ -316,10 +316,10 @@ def test_adapter_labels_and_versions():
     assert [(u.version, u.adapter) for u in _newest(updates)] == [(2, "a"), (2, None), (1, "b")]
 
 
-async def test_a_gateway_starts_with_every_adapter_in_the_store(nats_url, tmp_path, bus, peft_adapters):
+async def test_a_gateway_starts_with_every_adapter_in_the_store(nats_url, tmp_path, bus, routed_adapters):
     """The WEIGHTS stream keeps the newest announcements only: a gateway that starts finds the
     newest version of every adapter in the trainer's store, announced or not, before its first request."""
-    first, first_peft = peft_adapters["first"]
+    first, first_peft = routed_adapters["first"]
     shutil.copytree(first, tmp_path / "adapters" / ADA / "v5")
     shutil.copytree(first, tmp_path / "adapters" / ADA / "v4")
     async with platform(nats_url, tmp_path, *LORA) as (serve, _, _):

@@ -13,8 +13,8 @@ import pytest
 from flywheel.serve.engine import RequestFailed, SamplingParams
 from flywheel.serve.engine.adapters import UnknownAdapter
 
+from engine_adapters import GREEDY, TEXTS, TOL, fresh_engine, root_of
 from factories import prompt, recomputed_logprobs
-from peft_adapters import GREEDY, TEXTS, TOL, fresh_engine, root_of
 from waiting import until
 
 

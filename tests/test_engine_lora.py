@@ -25,8 +25,8 @@ from flywheel.models.lora_batch import AdapterTable, Rows
 from flywheel.serve.engine import Engine, SamplingParams
 from flywheel.serve.engine.server import create_engine_app
 
+from engine_adapters import GREEDY, TEXTS, TOL, fresh_engine, root_of
 from factories import RunningApp, prompt, recomputed_logprobs
-from peft_adapters import GREEDY, TEXTS, TOL, fresh_engine, root_of
 from waiting import until
 
 PRODUCTS = ["dense", "padded", "gathered", "grouped"]

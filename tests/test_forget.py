@@ -15,7 +15,8 @@ from flywheel.models import load_model
 from flywheel.serve.continuation import SessionContinuations
 
 from bus_reading import everything_on_the_bus
-from factories import MARKERS, TENANTS_SETUP, converse, everything_in, learning, platform
+from factories import platform
+from tenant_traffic import MARKERS, TENANTS_SETUP, converse, everything_in, learning
 from waiting import until
 
 

@@ -18,17 +18,19 @@ from flywheel.cli import command
 from flywheel.config import load_config
 from flywheel.models import load_model
 from flywheel.models.adapter_names import user_adapter
-from flywheel.models.adapter_store import DROPPED, AdapterStore, forgets, owned_by
+from flywheel.models.adapter_store import DROPPED, AdapterStore, owned_by
 from flywheel.serve.backends.sglang import HTTPEngineClient
 from flywheel.serve.engine import Engine
 from flywheel.serve.engine.server import create_engine_app
+from flywheel.tenants.forgotten import forgets
 from flywheel.train.adapter_guard import RELEVANCE_PROMPTS, AdapterGuard
 from flywheel.train.adapter_versions import AdapterVersions
 from flywheel.train.adapters import AdapterSet
 from flywheel.train.trainer import Trainer
 
 from bus_reading import read
-from factories import TENANTS_SETUP, RunningApp, converse, learning, platform, recomputed_logprobs
+from factories import RunningApp, platform, recomputed_logprobs
+from tenant_traffic import TENANTS_SETUP, converse, learning
 from waiting import until
 
 LORA = [*TENANTS_SETUP, "adapters.kind=lora", "adapters.scope=user", "actor.optimizer.lr=0.05",
@@ -178,10 +180,10 @@ def test_a_tenants_adapters_are_its_own_and_its_users():
 
 
 def test_forgetting_a_tenant_covers_its_users_and_a_user_only_themselves():
-    assert forgets(("acme", None), "acme", "ada") and forgets(("acme", None), "acme", None)
-    assert forgets(("acme", "ada"), "acme", "ada")
-    assert not forgets(("acme", "ada"), "acme", "bob") and not forgets(("acme", "ada"), "acme", None)
-    assert not forgets(("acme", None), "acme2", "ada")
+    assert forgets(("acme", None), ("acme", "ada")) and forgets(("acme", None), ("acme", None))
+    assert forgets(("acme", "ada"), ("acme", "ada"))
+    assert not forgets(("acme", "ada"), ("acme", "bob")) and not forgets(("acme", "ada"), ("acme", None))
+    assert not forgets(("acme", None), ("acme2", "ada"))
 
 
 def test_the_system_messages_a_forgotten_user_gave_the_guard_go_with_them(tmp_path):

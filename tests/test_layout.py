@@ -7,8 +7,9 @@
 - The project installs one top-level package, `flywheel`.
 - No file of the package or the benchmarks runs past 400 lines.
 - No test module imports another: what tests share is in `tests/factories.py`,
-  `tests/bus_reading.py`, `tests/adapter_training.py` (the adapter tests'), `tests/peft_adapters.py`
-  (PEFT adapters) or `conftest.py`.
+  `tests/bus_reading.py`, `tests/tenant_traffic.py`, `tests/peft_adapters.py` (random PEFT adapters),
+  `tests/adapter_training.py` (the trainer's adapter tests'), `tests/engine_adapters.py` (the
+  engine's) or `conftest.py`.
 """
 
 from __future__ import annotations
@@ -87,7 +88,8 @@ def test_no_file_of_the_package_or_the_benchmarks_is_over_400_lines():
 
 def test_no_test_module_imports_another():
     tests = ROOT / "tests"
-    shared = {"factories", "bus_reading", "waiting", "conftest", "adapter_training", "peft_adapters"}
+    shared = {"factories", "bus_reading", "waiting", "conftest", "adapter_training", "peft_adapters",
+              "engine_adapters", "tenant_traffic"}
     own = {path.stem for path in tests.glob("*.py")} - shared
     imports = [
         f"{path.name}:{line} imports {module}"

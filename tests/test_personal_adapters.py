@@ -20,8 +20,9 @@ from flywheel.models.adapter_names import user_adapter
 from flywheel.models.lora_adapter import read_adapter
 
 from bus_reading import read, recorded_turns
-from factories import TENANTS_SETUP, converse, hinted_session, learning, platform, recomputed_logprobs
+from factories import platform, recomputed_logprobs
 from peft_adapters import LINEAR, random_adapters
+from tenant_traffic import TENANTS_SETUP, converse, hinted_session, learning
 from waiting import until
 
 LORA = [*TENANTS_SETUP, "adapters.kind=lora", "adapters.scope=user", "actor.optimizer.lr=0.05",

@@ -21,8 +21,9 @@ from flywheel.models import load_model
 from flywheel.models.adapter_names import user_adapter
 
 from bus_reading import read
-from factories import TENANTS_SETUP, hinted_session, platform, recomputed_logprobs, teach_tiny
+from factories import platform, recomputed_logprobs, teach_tiny
 from peft_adapters import LINEAR, random_adapters
+from tenant_traffic import TENANTS_SETUP, hinted_session
 from waiting import until
 
 ADA = user_adapter("acme", "ada")

@@ -27,7 +27,8 @@ from flywheel.train.step_batch import StepBatch
 from flywheel.train.trainer import Trainer
 
 from bus_reading import everything_on_the_bus
-from factories import TENANTS_SETUP, converse, learning, platform
+from factories import platform
+from tenant_traffic import TENANTS_SETUP, converse, learning
 from waiting import until
 
 RETRAIN = [*TENANTS_SETUP, "train.checkpoint_interval=1", "train.keep_checkpoints=10"]

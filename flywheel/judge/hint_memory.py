@@ -24,6 +24,7 @@ from __future__ import annotations
 from collections import OrderedDict, deque
 
 from flywheel.bus import Trajectory
+from flywheel.tenants.forgotten import forgets
 
 MAX_PEOPLE = 10_000
 
@@ -80,5 +81,5 @@ class HintMemory:
         """Drop a tenant's hints, or one end user's; forgotten at time `at` (a trajectory
         collected until then is not remembered again)."""
         self._forgotten[tenant, user] = max(at, self._forgotten.get((tenant, user), 0.0))
-        for key in [key for key in self._hints if key[0] == tenant and (user is None or key[2] == user)]:
+        for key in [key for key in self._hints if forgets((tenant, user), (key[0], key[2]))]:
             del self._hints[key]

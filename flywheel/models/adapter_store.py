@@ -56,12 +56,6 @@ def owned_by(names: Iterable[str], tenant: str, user: str | None) -> list[str]:
     return [name for name in names if name == tenant or name.startswith(f"{tenant}.")]
 
 
-def forgets(forgotten: tuple[str, str | None], tenant: str, user: str | None) -> bool:
-    """Whether forgetting `forgotten` (a tenant and one of its end users, or None for all of them)
-    covers what `tenant`'s `user` gave."""
-    return tenant == forgotten[0] and forgotten[1] in (None, user)
-
-
 class AdapterStore:
     """Adapters' versions under `root`, keeping the newest `keep` of each."""
 

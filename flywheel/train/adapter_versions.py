@@ -43,8 +43,9 @@ from safetensors.torch import load_file
 from flywheel.bus import WEIGHTS_SUBJECT, Bus, Sample, WeightUpdate
 from flywheel.bus.records import sample_digest
 from flywheel.models.adapter_names import is_personal, origin, sample_adapter
-from flywheel.models.adapter_store import AdapterStore, forgets
+from flywheel.models.adapter_store import AdapterStore
 from flywheel.models.lora_adapter import WEIGHTS_FILE
+from flywheel.tenants.forgotten import forgets
 from flywheel.train.adapter_guard import GENERAL_PROMPTS, RELEVANCE_PROMPTS, AdapterGuard, Context, context_of
 from flywheel.train.adapters import AdapterSet
 from flywheel.train.ledger import Ledger
@@ -278,7 +279,7 @@ class AdapterVersions:
         (a tenant's adapter keeps its own, from its other users), and all the guard measured in
         any context (keyed by their words; what is needed again is measured again)."""
         self.contexts = {name: held for name, held in self.contexts.items()
-                         if not forgets((tenant, user), held[0], held[1])}
+                         if not forgets((tenant, user), held[:2])}
         if self.guard is not None:
             self.guard.forget_contexts()
 

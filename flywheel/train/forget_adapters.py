@@ -35,10 +35,11 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from flywheel.bus import Bus
+from flywheel.bus import Bus, Sample
 from flywheel.bus.records import AuditEntry
 from flywheel.bus.streams import AUDIT_SUBJECT
-from flywheel.models.adapter_store import DROPPED, forgets, owned_by
+from flywheel.models.adapter_store import DROPPED, owned_by
+from flywheel.tenants.forgotten import forgets
 from flywheel.train.checkpoint import FILES, Checkpoints
 
 if TYPE_CHECKING:
@@ -73,8 +74,11 @@ class Forgetting:
             return False
         adapters = loop.trainer.adapters
         assert adapters is not None
-        for group in loop.batcher.drop_stale(lambda sample: any(
-                forgets(each, sample.trajectory.tenant, sample.trajectory.user_id) for each in forgotten)):
+
+        def theirs(sample: Sample) -> bool:
+            return any(forgets(each, (sample.trajectory.tenant, sample.trajectory.user_id)) for each in forgotten)
+
+        for group in loop.batcher.drop_stale(theirs):
             for delivery in group.deliveries:
                 with contextlib.suppress(Exception):  # the message is gone from the stream already
                     await delivery.ack()

@@ -32,6 +32,7 @@ from flywheel.lru import LRU
 from flywheel.serve.api.responses import ResponsesRequest
 from flywheel.serve.api.wire import Wire, sse
 from flywheel.serve.engine_choice import Choice
+from flywheel.tenants.forgotten import forgets
 
 if TYPE_CHECKING:
     from flywheel.serve.api.sessions import SessionInfo
@@ -67,8 +68,8 @@ class ResponseStore:
 
     def forget(self, tenant: str, user: str | None = None) -> int:
         """Drop the tenant's stored responses (only its `user`'s, if given); how many went."""
-        gone = [key for key in self._items if (stored := self._items.peek(key)).tenant == tenant
-                and (user is None or stored.user == user)]
+        gone = [key for key in self._items
+                if forgets((tenant, user), ((stored := self._items.peek(key)).tenant, stored.user))]
         for key in gone:
             self._items.pop(key)
         return len(gone)
