@@ -274,6 +274,8 @@ def main() -> None:
     parser.add_argument("--arms", nargs="+", default=list(ARMS), choices=list(ARMS))
     parser.add_argument("--prefs", nargs="+", choices=sorted(PREFERENCES), help="default: 4 for both, 2 for the others")
     parser.add_argument("--trials", type=int, default=3, help="trials per (arm, preference)")
+    parser.add_argument("--only", nargs="+", default=None, metavar="PREF:TRIAL",
+                        help="run only these trials (e.g. formal:2), each with its own person and seed")
     parser.add_argument("--cap", type=int, default=60, help="sessions at most per trial")
     parser.add_argument("--after", type=int, default=0, help="sessions to go on once learned (for the curve)")
     parser.add_argument("--pace", choices=("trained", "free"), default="trained")
@@ -333,6 +335,8 @@ def main() -> None:
             for pref in args.prefs or DEFAULT_PREFS[arm]:
                 for index in range(args.trials):
                     if any((t["arm"], t["pref"], t["trial"]) == (arm, pref, index) for t in trials):
+                        continue
+                    if args.only is not None and f"{pref}:{index}" not in args.only:
                         continue
                     result = trial(arm, pref, index, args, progress)
                     if result["weights"] and args.arith_problems:
