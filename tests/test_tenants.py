@@ -313,6 +313,19 @@ async def test_personal_data_is_dropped_or_redacted_before_anything_is_kept(nats
     assert 'flywheel_requests_total{endpoint="/v1/chat/completions",status="200",tenant="dropping"} 2.0' in metrics
 
 
+async def test_personal_data_split_across_content_parts_is_found_in_its_part(nats_url, tmp_path, bus):
+    """Each text part is read on its own: joined, a card number's part and a next part that begins
+    with a digit ("...1111" + "2 ...") read as no card at all, and `drop` kept the turn."""
+    parts = [{"type": "text", "text": "My card is 4111 1111 1111 1111"}, {"type": "text", "text": "2 thanks"}]
+    async with platform(nats_url, tmp_path, PII) as (serve, _, _):
+        await client(serve, "k-drop").chat.completions.create(
+            model="tiny", messages=[{"role": "user", "content": parts}], max_tokens=4, extra_headers={"X-Session-Id": "parts"})
+        await ask(serve, "k-drop", "clean", "What is 2 + 3?")
+        _, turns = await collected(bus, n_sessions=0, n_turns=1)
+        assert dict(serve.app.state.personal_data.dropped) == {"dropping": 1}
+    assert [session.split("/", 1)[1] for session in turns] == ["clean"]
+
+
 async def test_a_large_records_body_goes_with_its_message_past_the_tenants_retention(nats_url, tmp_path, bus):
     """A record over the message size keeps its body in the object store, which has no
     per-object age: it is written with the tenant's expiry and the collector deletes it."""

@@ -20,7 +20,7 @@ from collections import Counter
 from collections.abc import Iterable
 from typing import Any
 
-from flywheel.bus.messages import content_text
+from flywheel.bus.messages import content_parts
 from flywheel.privacy import DEFAULT_ENTITIES, Detector, redact
 from flywheel.serve.api.chat import ChatCompletionRequest, CompletionRequest
 
@@ -76,12 +76,12 @@ class PersonalData:
 
 
 def texts_of(messages: list[dict[str, Any]], roles: Iterable[str] | None = None) -> list[str]:
-    """The texts of recorded chat messages (of `roles`, or all), content parts included."""
+    """The texts of recorded chat messages (of `roles`, or all), each content part on its own."""
     out = []
     for message in messages:
         if roles is not None and message.get("role") not in roles:
             continue
-        out.append(content_text(message.get("content")))
+        out.extend(content_parts(message.get("content")))
         for call in message.get("tool_calls") or []:
             out.append((call.get("function") or {}).get("arguments") or "")
     return out
