@@ -2,7 +2,7 @@
 the gateway and the NATS server, one after another, each restarted, while agents run multi-turn
 sessions with feedback. Every session the agents were told was recorded yields exactly one
 complete trajectory; nothing is duplicated or trained twice; the agents never see a 5xx; the
-announced versions only grow (bench/drill.py; bench/fault_drill.py runs larger drills). The same
+announced versions only grow (flywheel/drills/fault.py; bench/fault_drill.py runs larger drills). The same
 holds on a bus of three nats-servers (`bus.replicas=3`) losing one member, then another once the
 first is back, and behind a balancer that knows nothing of sessions when one of two gateways is
 lost (clients retry on the other)."""

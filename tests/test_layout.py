@@ -26,15 +26,25 @@ PROCESSES = ("serve", "collect", "judge", "train", "rollout", "promote")
 MAX_LINES = 400
 
 
-def imported_modules(path: Path) -> set[tuple[str, int]]:
-    """(module, line) of every absolute import in a file."""
+def imported_modules(path: Path, package: str) -> set[tuple[str, int]]:
+    """(module, line) of every import in a file of the dotted `package`: relative ones resolved
+    against it, and each name a `from` import takes (`from flywheel import judge` imports
+    `flywheel.judge`)."""
     found = set()
     for node in ast.walk(ast.parse(path.read_text(), str(path))):
         if isinstance(node, ast.Import):
             found.update((alias.name, node.lineno) for alias in node.names)
-        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
-            found.add((node.module, node.lineno))
+        elif isinstance(node, ast.ImportFrom):
+            parts = package.split(".")[:len(package.split(".")) - node.level + 1] if node.level else []
+            base = ".".join(parts + ([node.module] if node.module else []))
+            found.add((base, node.lineno))
+            found.update((f"{base}.{alias.name}", node.lineno) for alias in node.names)
     return found
+
+
+def package_of(path: Path) -> str:
+    """flywheel/serve/api/chat.py -> flywheel.serve.api"""
+    return ".".join(path.relative_to(ROOT).parent.parts)
 
 
 def flywheel_package(module: str) -> str | None:
@@ -48,7 +58,7 @@ def crossings(package: str) -> list[str]:
     return [
         f"{path.relative_to(ROOT)}:{line} imports {module}"
         for path in sorted((PACKAGE / package).rglob("*.py"))
-        for module, line in sorted(imported_modules(path))
+        for module, line in sorted(imported_modules(path, package_of(path)))
         if flywheel_package(module) in others
     ]
 
@@ -63,7 +73,16 @@ def test_the_rule_sees_imports_inside_functions(tmp_path):
     """The check itself: a lazy import of another loop is found."""
     source = tmp_path / "lazy.py"
     source.write_text("def f():\n    from flywheel.judge.build import build_judge\n    import flywheel.train.loop\n")
-    assert {flywheel_package(module) for module, _ in imported_modules(source)} == {"judge", "train"}
+    assert {flywheel_package(module) for module, _ in imported_modules(source, "flywheel.serve")} == {"judge", "train"}
+
+
+def test_the_rule_sees_relative_imports_and_imported_packages(tmp_path):
+    """`from ..judge import build` in flywheel/serve/api/, and `from flywheel import train`."""
+    source = tmp_path / "sly.py"
+    source.write_text("from ...judge import build\nfrom .. import gateway\nfrom flywheel import train\n")
+    found = {flywheel_package(module) for module, _ in imported_modules(source, "flywheel.serve.api")}
+    assert found == {"judge", "serve", "train", None}
+    assert package_of(PACKAGE / "serve" / "api" / "chat.py") == "flywheel.serve.api"
 
 
 def test_one_top_level_package_is_installed():
@@ -94,7 +113,7 @@ def test_no_test_module_imports_another():
     imports = [
         f"{path.name}:{line} imports {module}"
         for path in sorted(tests.glob("*.py"))
-        for module, line in sorted(imported_modules(path))
+        for module, line in sorted(imported_modules(path, "tests"))
         if module.split(".")[0] in own or module.startswith("tests.") or module.split(".")[0] == "bench"
     ]
     assert imports == []

@@ -3,7 +3,7 @@ logprobs and the weight version of every sampled token.
 
 A worker thread owns the model. Between two decode steps it runs control commands (pause, continue,
 abort, weight updates), admits waiting requests (`admission.Admission`: prefilled together, then
-merged into the running batch, see `batch.KVBatch`), and removes finished ones; each decode step
+merged into the running batch, see `kv_cache.KVBatch`), and removes finished ones; each decode step
 advances every running request by one token (Llama-family models through the engine's own
 forward, `decoder.Decoder`, with fused and packed weights; others through transformers'). A round prefills at most
 `chunked_prefill_size` prompt tokens, shortest prompt first (`schedule_policy`), a longer prompt in
