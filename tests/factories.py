@@ -11,7 +11,7 @@
 - Engines: `prompt`, `recomputed_logprobs`.
 - Promotion: `announce` (a version, noised or not), `state_of`, `is_in_state`.
 - Checks: `assert_segment_is_exact`, `assert_prompts_render_the_conversation`,
-  `assert_openai_error`, `assert_api_error`.
+  `assert_openai_error`, `assert_api_error`, `assert_same_parameters`.
 - Request shapes several tests send: the weather tool (`WEATHER`, `ASK_WEATHER`, `WEATHER_CALL`)
   and the bounded forecast schema (`FORECAST`, `FORECAST_TOOLS`, `ASK_FORECAST`).
 - vLLM: `one_vllm_server` (the test workers take turns running one).
@@ -319,6 +319,14 @@ def assert_prompts_render_the_conversation(tokenizer, turns: list[Turn], **templ
     for turn in turns:
         rendered = tokenizer.apply_chat_template(turn.messages, add_generation_prompt=True, tokenize=False, **template_kw)
         assert tokenizer.decode(turn.prompt_ids, skip_special_tokens=False) == rendered
+
+
+def assert_same_parameters(a: torch.nn.Module, b: torch.nn.Module) -> None:
+    """The two models have the same parameters, name by name, bit for bit."""
+    pa, pb = dict(a.named_parameters()), dict(b.named_parameters())
+    assert pa.keys() == pb.keys()
+    for name in pa:
+        assert torch.equal(pa[name], pb[name]), name
 
 
 def assert_openai_error(response: httpx.Response) -> dict:
