@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import random
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
 import pytest
 
@@ -25,8 +24,6 @@ from flywheel.privacy import (
     redact,
     replace,
 )
-
-ROOT = Path(__file__).resolve().parent.parent
 
 # (entity type, text, the value in it) — the value's span is where it first occurs in the text
 EXAMPLES = [
