@@ -102,12 +102,20 @@ def test_weight_update_intervals_that_reach_the_next_announcement_are_accepted(i
         (["adapters.scope=everyone"], "adapters.scope: "),
         (["adapters.rank=0"], "adapters.rank: "),
         (["tenants={acme: {adapter_scope: family}}"], "tenants.acme.adapter_scope: "),
+        (["tenants={shared: {keys: [k]}}"], "tenants: 'shared' is reserved"),
     ],
 )
 def test_errors_name_the_key(overrides, message):
     with pytest.raises(ConfigError) as err:
         load_config(None, overrides)
     assert message in str(err.value)
+
+
+def test_no_tenant_may_take_the_shared_adapters_name():
+    from flywheel.config.tenants import RESERVED_NAMES
+    from flywheel.models.adapter_names import SHARED
+
+    assert SHARED in RESERVED_NAMES
 
 
 def test_file_errors_are_config_errors(tmp_path):

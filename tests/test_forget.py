@@ -4,6 +4,7 @@ bus's own storage files included: deleted messages are overwritten), the other u
 stay, the report says which versions trained on them, and the audit log says who asked."""
 
 import asyncio
+import hashlib
 import json
 import subprocess
 
@@ -92,3 +93,31 @@ def test_continuations_are_forgotten_by_tenant():
     assert continuations.encode("acme/1", "abcd") == continuations.tokenizer.encode("abcd", add_special_tokens=False)
     assert continuations.encode("other/1", "abcd")[:3] == [1, 2, 3]
     assert continuations.forget("") == 1
+
+
+async def test_a_forgotten_tenants_keys_open_nothing_at_any_gateway(nats_url, tmp_path):
+    """A tenant made at run time and forgotten: its key is refused at once by the gateway that
+    forgot it and, once they read the change, by the others; the tenant is no longer listed. A key
+    of the configuration revoked at run time stays revoked."""
+    setup = ["serve.admin_key=root", "tenants={acme: {keys: [acme-key, spare-key]}}"]
+    async with platform(nats_url, tmp_path, *setup) as (first, _, _), \
+            platform(nats_url, tmp_path / "second", *setup) as (second, _, _):
+        async with httpx.AsyncClient(base_url=first.url, headers={"Authorization": "Bearer root"}) as admin:
+            assert (await admin.post("/admin/tenants", json={"name": "gone"})).status_code == 200
+            key = (await admin.post("/admin/tenants/gone/keys", json={})).json()["key"]
+            spare = next(k["id"] for t in (await admin.get("/admin/tenants")).json()["data"] if t["name"] == "acme"
+                         for k in t["keys"] if k["id"] != hashlib.sha256(b"acme-key").hexdigest()[:12])
+            assert (await admin.delete(f"/admin/tenants/acme/keys/{spare}")).status_code == 200
+            await until(lambda: second.tenants.grant_of(key.encode()) is not None)
+            await until(lambda: second.tenants.grant_of(b"spare-key") is None)
+            for tenant in ("gone", "acme"):
+                assert (await admin.post("/admin/forget", json={"tenant": tenant})).status_code == 200
+            listed = [t["name"] for t in (await admin.get("/admin/tenants")).json()["data"]]
+        assert first.tenants.grant_of(key.encode()) is None and "gone" not in listed
+        chat = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+        async with httpx.AsyncClient(base_url=first.url, headers={"Authorization": f"Bearer {key}"}) as client:
+            assert (await client.post("/v1/chat/completions", json=chat)).status_code == 401
+        await until(lambda: second.tenants.grant_of(key.encode()) is None)
+        for serve in (first, second):
+            assert serve.tenants.grant_of(b"spare-key") is None  # revoked before the forget: still
+            assert serve.tenants.grant_of(b"acme-key") is not None  # the configuration's own

@@ -281,6 +281,9 @@ async def test_a_tenant_that_exists_or_does_not_is_told_so(nats_url, tmp_path):
         assert (await admin(serve, "POST", "/admin/tenants/nobody/keys")).status_code == 404
         assert (await admin(serve, "DELETE", "/admin/tenants/acme/keys/000000000000")).status_code == 404
         assert (await admin(serve, "POST", "/admin/tenants", name="Not Safe")).status_code == 400
+        # `shared` is the deployment's own adapter: a tenant so named would train and delete it
+        reserved = await admin(serve, "POST", "/admin/tenants", name="shared")
+        assert reserved.status_code == 400 and "reserved" in reserved.json()["error"]["message"]
 
 
 PII = ('tenants={dropping: {training: opt_out, pii: drop, keys: [k-drop]}, '

@@ -26,6 +26,19 @@ from flywheel.privacy.entities import check_entities
 
 TENANT_NAME = re.compile(r"^[a-z0-9][a-z0-9_-]{0,62}$")
 """Lowercase letters, digits, `_` and `-`, at most 63: safe in a subject on the bus and in a path."""
+RESERVED_NAMES = frozenset({"shared"})
+"""Names no tenant may take: `shared` is the deployment's own adapter (`flywheel/models/adapter_names.py`),
+which a tenant so named would train, be served, and delete when forgotten."""
+
+
+def tenant_name_error(name: str) -> str | None:
+    """Why `name` cannot be a tenant's (None: it can)."""
+    if name in RESERVED_NAMES:
+        return f"{name!r} is reserved (the deployment's shared adapter is named so)"
+    if not TENANT_NAME.match(name):
+        return f"{name!r} is not a tenant name (lowercase letters, digits, _ and -; at most 63)"
+    return None
+
 OPEN_TENANT = "open"
 """The one tenant of a deployment with no keys at all."""
 def _yaml_off(value: Any) -> Any:
@@ -108,8 +121,8 @@ def check_tenants(tenants: dict[str, TenantConfig], api_keys: list[str]) -> None
         raise ValueError("serve.api_keys: with a tenants section, give each key to its tenant (tenants.NAME.keys)")
     owner: dict[str, str] = {}
     for name, tenant in tenants.items():
-        if not TENANT_NAME.match(name):
-            raise ValueError(f"tenants: {name!r} is not a tenant name (lowercase letters, digits, _ and -; at most 63)")
+        if (error := tenant_name_error(name)) is not None:
+            raise ValueError(f"tenants: {error}")
         for key in tenant.keys:
             if key.value is None:
                 continue

@@ -7,7 +7,7 @@ What goes:
   (JetStream's secure erase), with the object a large record's body was kept in;
 - the sessions they opened (`FLYWHEEL_SESSIONS`), so feedback naming one is a 404 again;
 - their records waiting in the gateways' spill files (each file rewritten without them);
-- for a whole tenant, its run-time entry and keys (`FLYWHEEL_TENANTS`);
+- for a whole tenant, its run-time entry (`FLYWHEEL_TENANTS`), its keys kept only as revoked;
 - their LoRA adapters (`adapters.kind: lora`) in the run directory's adapter store
   (`run_dir/adapters`, the run directory being the ledger's): a user's own adapter, or the
   tenant's and all its users' (`adapter_store.owned_by`). Every gateway unloads them from its
@@ -60,6 +60,7 @@ from flywheel.bus.streams import (
     UNSCORED,
 )
 from flywheel.models.adapter_store import AdapterStore
+from flywheel.tenants.records import KeyEntry, TenantEntry
 from flywheel.tenants.sessions import BUCKET as SESSIONS_BUCKET
 from flywheel.tenants.sessions import session_key
 
@@ -179,13 +180,21 @@ async def _forget_sessions(bus: Any, sessions: set[str]) -> int:
 
 
 async def _forget_tenant_entry(bus: Any, tenant: str) -> None:
-    from flywheel.tenants.registry import BUCKET
+    """The tenant's run-time entry purged (its history with it). Its keys stay revoked: one made
+    at run time opens nothing after, and one of the configuration revoked at run time does not
+    open again (a key is only its digest: nothing of the tenant's people). So where the entry held
+    keys it is written again, holding them revoked, with the tenant's settings."""
+    from flywheel.tenants.registry import TenantRegistry
 
-    try:
-        kv = await bus.js.key_value(BUCKET)
-        await kv.purge(f"t.{tenant}")
-    except (NotFoundError, KeyNotFoundError):
-        pass
+    registry = await TenantRegistry.open(bus)
+    entry = await registry.get(tenant)
+    if entry is None:
+        return
+    await registry.purge(tenant)
+    if entry.keys:
+        revoked = [KeyEntry(id=key.id, digest=key.digest, revoked=True) for key in entry.keys]
+        await registry.put(TenantEntry(name=tenant, training=entry.training, store=entry.store, pii=entry.pii,
+                                       keys=revoked))
 
 
 def _scrub_spill(directory: Path, matches: Matcher) -> int:

@@ -25,7 +25,7 @@ from typing import Any, Literal
 from fastapi import FastAPI
 
 from flywheel.bus.records import AuditEntry
-from flywheel.config.tenants import TENANT_NAME
+from flywheel.config.tenants import tenant_name_error
 from flywheel.serve.api.errors import APIError
 from flywheel.serve.api.validation import Body
 from flywheel.serve.ops.tenants import TenantDirectory
@@ -91,8 +91,8 @@ def install_tenant_routes(app: FastAPI, directory: TenantDirectory, registry: Te
     @app.post("/admin/tenants")
     async def add_tenant(body: NewTenant) -> dict[str, Any]:
         admin()
-        if not TENANT_NAME.match(body.name):
-            raise APIError(400, f"{body.name!r} is not a tenant name (lowercase letters, digits, _ and -)", "name")
+        if (error := tenant_name_error(body.name)) is not None:
+            raise APIError(400, error, "name")
         if body.name in directory.tenants() or await registry.get(body.name) is not None:
             raise APIError(409, f"tenant {body.name!r} exists", "name", "tenant_exists")
         entry = TenantEntry(name=body.name, training=body.training, store=body.store, pii=body.pii)
@@ -136,6 +136,12 @@ def install_tenant_routes(app: FastAPI, directory: TenantDirectory, registry: Te
     async def forget_them(body: Forget) -> dict[str, Any]:
         admin()
         report = await forget(registry.bus, body.tenant, body.user, spill_dirs, ledger, actor="admin")
+        if body.user is None:  # here at once; every other gateway when it reads the change
+            entry = await registry.get(body.tenant)
+            if entry is None:
+                directory.remove(body.tenant)
+            else:
+                directory.apply(entry)
         return report.as_dict()
 
     @app.get("/admin/audit")
