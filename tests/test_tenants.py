@@ -17,7 +17,7 @@ from flywheel.collect.loop import CollectLoop
 from flywheel.config import ConfigError, load_config
 from flywheel.serve.ops.tenants import TenantDirectory
 
-from bus_reading import collected, delivered
+from bus_reading import collected, delivered, recorded_turns
 from factories import make_turn, platform
 from waiting import until
 
@@ -232,6 +232,23 @@ async def test_a_tenants_records_are_gone_past_its_retention_and_anothers_stay(n
 
     await until(lambda: gone(seq["brief"]), timeout_s=30)
     assert not await gone(seq["long"])
+
+
+async def test_a_user_named_in_a_header_is_the_same_user_as_named_in_the_body(nats_url, tmp_path, bus):
+    """Clients send header values in UTF-8 (HTTP servers read them as Latin-1): `X-User-Id: José`
+    must be José, as `"user": "José"` is, one user with one adapter, forgotten under one name;
+    the session header likewise."""
+    async with platform(nats_url, tmp_path, KEYS) as (serve, _, _):
+        async with httpx.AsyncClient(base_url=serve.url, headers={"Authorization": "Bearer key-a"}) as http:
+            chat = {"model": "tiny", "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}]}
+            by_header = await http.post("/v1/chat/completions", json=chat,
+                                        headers={"X-Session-Id": "café".encode(), "X-User-Id": "José".encode()})
+            by_body = await http.post("/v1/chat/completions", json={**chat, "user": "José", "metadata": {"session_id": "thé"}})
+            assert by_header.status_code == by_body.status_code == 200
+            assert (await http.post("/v1/sessions/café/end")).status_code == 200
+        turns = await recorded_turns(bus, 2)
+    assert sorted(turn.user_id for turn in turns) == ["José", "José"]
+    assert sorted(turn.session_id.split("/")[1] for turn in turns) == ["café", "thé"]
 
 
 ADMIN = ["serve.admin_key=root", 'tenants={acme: {training: opt_out, keys: ["config-key"]}}']

@@ -79,6 +79,20 @@ def consent_of(grant: Grant, headers: Mapping[str, str], store: bool | None) -> 
     return train, kept
 
 
+def header_text(headers: Mapping[str, str], name: str) -> str | None:
+    """A header's value as the text its client sent: HTTP servers read header bytes as Latin-1, and
+    clients send UTF-8 (`X-User-Id: José` would otherwise be another user, `JosÃ©`, than the same
+    name in the body, with an adapter of its own, and not forgotten under their name). Bytes that
+    are not UTF-8 stay as Latin-1 read them."""
+    value = headers.get(name)
+    if value is None:
+        return None
+    try:
+        return value.encode("latin-1").decode("utf-8")
+    except UnicodeError:
+        return value
+
+
 def session_of(headers: Mapping[str, str], metadata: dict[str, str] | None, user: str | None,
                conversation: str | None = None, *, grant: Grant = OPEN, tenants: TenantDirectory | None = None,
                safety_identifier: str | None = None, store: bool | None = None) -> SessionInfo:
@@ -86,7 +100,7 @@ def session_of(headers: Mapping[str, str], metadata: dict[str, str] | None, user
     session id; None: the open tenant's ids as sent); `store` is the body's."""
     tenant = grant.tenant
     metadata = metadata or {}
-    session_id = headers.get("x-session-id") or metadata.get("session_id") or conversation or user
+    session_id = header_text(headers, "x-session-id") or metadata.get("session_id") or conversation or user
     anonymous = not session_id
     client_id = session_id or f"anon-{uuid.uuid4().hex}"
     turn_type = headers.get("x-turn-type", "main").strip().lower()
@@ -103,13 +117,13 @@ def session_of(headers: Mapping[str, str], metadata: dict[str, str] | None, user
         session_id=tenants.session(tenant, client_id) if tenants else client_id,
         client_id=client_id,
         tenant=tenant,
-        user_id=headers.get("x-user-id") or safety_identifier or user or metadata.get("user_id"),
+        user_id=header_text(headers, "x-user-id") or safety_identifier or user or metadata.get("user_id"),
         train=train,
         store=kept,
         pii=grant.pii,
         pii_entities=grant.pii_entities,
         turn_type=turn_type,
-        task_id=headers.get("x-task-id") or metadata.get("task_id"),
+        task_id=header_text(headers, "x-task-id") or metadata.get("task_id"),
         group_size=int(size_header) if size_header else None,
         done=anonymous or done_header in _TRUE,
         anonymous=anonymous,
