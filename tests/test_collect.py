@@ -213,6 +213,20 @@ def test_turn_limit_cuts_and_later_turns_form_the_next_trajectory_emitted_togeth
     assert tracker.counts["limit"] == 1 and sorted(closed.handles) == [1, 2, 3]
 
 
+def test_a_session_two_people_share_is_a_trajectory_for_each_stretch_of_one_persons_turns():
+    """ada, then bob, then ada again in one session: three trajectories, each naming its one user
+    and training the adapter its turns were sampled with (not the last turn's for all of them)."""
+    tracker = SessionTracker(CollectConfig(feedback_grace_s=0))
+    said = [("a", "ada", "acme.u-ada"), ("b", "bob", "acme.u-bob"), ("c", "bob", "acme.u-bob"), ("d", "ada", "acme.u-ada")]
+    for i, (tid, user, adapter) in enumerate(said):
+        assert tracker.add(turn(tid, index=i, prompt=list(range(1, 2 * i + 2)), output=[2 * i + 2],
+                                user_id=user, adapter=adapter), i) == []
+    [closed] = tracker.add(SessionEvent(id="e", session_id="s", kind="end"), 9)
+    assert [(t.user_id, t.adapter, [u.id for u in t.turns], t.close_reason) for t in closed.trajectories] == [
+        ("ada", "acme.u-ada", ["a"], "user"), ("bob", "acme.u-bob", ["b", "c"], "user"), ("ada", "acme.u-ada", ["d"], "end")]
+    assert len({t.id for t in closed.trajectories}) == 3 and tracker.counts["user_splits"] == 2
+
+
 def test_token_limit_counts_stitched_tokens_not_the_sum_of_prompts():
     tracker = SessionTracker(CollectConfig(max_tokens=8, feedback_grace_s=0))
     assert tracker.add(turn("a", index=0, prompt=[1, 2], output=[3, 4]), 1) == []  # 4 tokens

@@ -11,11 +11,12 @@ import subprocess
 import httpx
 import openai
 
+from flywheel.bus import TRAJECTORY_SUBJECT, Trajectory
 from flywheel.cli import command
 from flywheel.models import load_model
 from flywheel.serve.continuation import SessionContinuations
 
-from bus_reading import everything_on_the_bus
+from bus_reading import everything_on_the_bus, read
 from factories import platform
 from tenant_traffic import MARKERS, TENANTS_SETUP, converse, everything_in, learning
 from waiting import until
@@ -121,3 +122,69 @@ async def test_a_forgotten_tenants_keys_open_nothing_at_any_gateway(nats_url, tm
         for serve in (first, second):
             assert serve.tenants.grant_of(b"spare-key") is None  # revoked before the forget: still
             assert serve.tenants.grant_of(b"acme-key") is not None  # the configuration's own
+
+
+async def test_forgetting_a_user_removes_a_session_they_shared_whole(nats_url, tmp_path, bus):
+    """ada asks, bob goes on in the same session: two trajectories, each one person's. Forgetting
+    bob removes that session whole (ada's turn in it too: his words are in what followed, hers in
+    his prompt) and leaves ada's other session."""
+    async with platform(nats_url, tmp_path, *TENANTS_SETUP) as (serve, _, _):
+        await converse(serve, "ada", "kept-session")
+        client = openai.AsyncOpenAI(base_url=f"{serve.url}/v1", api_key="acme-key", max_retries=0)
+        asked = [{"role": "user", "content": "ada says GIRAFFE-2718"}]
+        first = await client.chat.completions.create(model="tiny", messages=asked, max_tokens=3,
+                                                     extra_headers={"X-Session-Id": "family", "X-User-Id": "ada"})
+        went_on = [*asked, {"role": "assistant", "content": first.choices[0].message.content},
+                   {"role": "user", "content": f"bob says {MARKERS['bob']}"}]
+        await client.chat.completions.create(model="tiny", messages=went_on, max_tokens=3,
+                                             extra_headers={"X-Session-Id": "family", "X-User-Id": "bob"})
+        async with httpx.AsyncClient(base_url=serve.url, headers={"Authorization": "Bearer acme-key"}) as http:
+            (await http.post("/v1/sessions/family/end")).raise_for_status()
+        trajectories = await read(bus, TRAJECTORY_SUBJECT, "trajectories", 3, lambda r: isinstance(r, Trajectory))
+        shared = sorted((t.user_id, len(t.turns)) for t in trajectories if t.session_id == "acme/family")
+        assert shared == [("ada", 1), ("bob", 1)]
+        async with httpx.AsyncClient(base_url=serve.url, headers={"Authorization": "Bearer root"}) as admin:
+            report = (await admin.post("/admin/forget", json={"tenant": "acme", "user": "bob"})).json()
+    after = await everything_on_the_bus(bus)
+    assert MARKERS["bob"].encode() not in after and b"GIRAFFE-2718" not in after and b"acme/family" not in after
+    assert MARKERS["ada"].encode() in after and report["records"]["TRAJECTORIES"] == 2
+
+
+async def test_a_stored_response_goes_with_anyone_who_asked_in_its_chain(nats_url, tmp_path):
+    """bob continues ada's stored response: his holds her words. Forgetting ada forgets it too;
+    bob's own chain stays."""
+    async with platform(nats_url, tmp_path, *TENANTS_SETUP) as (serve, _, _):
+        client = openai.AsyncOpenAI(base_url=f"{serve.url}/v1", api_key="acme-key", max_retries=0)
+
+        async def respond(user: str, text: str, previous: str | None = None) -> str:
+            response = await client.responses.create(model="tiny", input=text, max_output_tokens=4,
+                                                     previous_response_id=previous, extra_headers={"X-User-Id": user})
+            return response.id
+
+        hers = await respond("ada", f"My code word is {MARKERS['ada']}.")
+        continued = await respond("bob", "And mine?", hers)
+        his = await respond("bob", f"My code word is {MARKERS['bob']}.")
+        async with httpx.AsyncClient(base_url=serve.url, headers={"Authorization": "Bearer root"}) as admin:
+            assert (await admin.post("/admin/forget", json={"tenant": "acme", "user": "ada"})).status_code == 200
+        async with httpx.AsyncClient(base_url=f"{serve.url}/v1", headers={"Authorization": "Bearer acme-key"}) as http:
+            assert [(await http.get(f"/responses/{r}")).status_code for r in (hers, continued, his)] == [404, 404, 200]
+
+
+async def test_a_request_under_way_when_its_user_is_forgotten_is_not_recorded(nats_url, tmp_path, bus):
+    """ada's answer is streaming when she is forgotten: it ends as usual (its end waits on what is
+    recorded), and nothing of it is on the bus after; bob's request after it is recorded."""
+    async with platform(nats_url, tmp_path, *TENANTS_SETUP) as (serve, _, _):
+        client = openai.AsyncOpenAI(base_url=f"{serve.url}/v1", api_key="acme-key", max_retries=0)
+        stream = await client.chat.completions.create(
+            model="tiny", messages=[{"role": "user", "content": f"ada says {MARKERS['ada']}"}], max_tokens=48,
+            temperature=1.0, stream=True, extra_headers={"X-Session-Id": "ada-s", "X-User-Id": "ada"})
+        chunks = aiter(stream)
+        await anext(chunks)  # under way, and held there until she is forgotten
+        await serve.engine.pause("in_place")
+        async with httpx.AsyncClient(base_url=serve.url, headers={"Authorization": "Bearer root"}) as admin:
+            assert (await admin.post("/admin/forget", json={"tenant": "acme", "user": "ada"})).status_code == 200
+        await serve.engine.resume()
+        assert [chunk async for chunk in chunks][-1].choices[0].finish_reason is not None
+        await converse(serve, "bob", "bob-session")
+        after = await everything_on_the_bus(bus)
+    assert MARKERS["ada"].encode() not in after and MARKERS["bob"].encode() in after

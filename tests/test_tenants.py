@@ -251,6 +251,15 @@ async def test_a_user_named_in_a_header_is_the_same_user_as_named_in_the_body(na
     assert sorted(turn.session_id.split("/")[1] for turn in turns) == ["café", "thé"]
 
 
+async def test_one_tenants_stored_responses_never_evict_anothers(nats_url, tmp_path):
+    async with platform(nats_url, tmp_path, KEYS, "serve.stored_responses=2") as (serve, _, _):
+        kept = await client(serve, "key-a").responses.create(model="tiny", input="hi", max_output_tokens=2)
+        for _ in range(3):
+            await client(serve, "key-b").responses.create(model="tiny", input="flood", max_output_tokens=2)
+        async with httpx.AsyncClient(base_url=f"{serve.url}/v1", headers={"Authorization": "Bearer key-a"}) as http:
+            assert (await http.get(f"/responses/{kept.id}")).status_code == 200
+
+
 ADMIN = ["serve.admin_key=root", 'tenants={acme: {training: opt_out, keys: ["config-key"]}}']
 
 

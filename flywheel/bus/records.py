@@ -201,7 +201,8 @@ class Trajectory(Record, kw_only=True):
     tenant: str = "open"
     """The tenant that owns the session (its turns')."""
     user_id: str | None = None
-    """The end user its turns name (the first that names one)."""
+    """The end user its turns name (all of them: a session two people share is a trajectory for
+    each stretch of one person's turns, flywheel/collect/tracker.py)."""
     adapter: str | None = None
     """The adapter its turns were sampled with (the last turn's): the one its sample trains."""
     consent: bool = False
@@ -223,7 +224,7 @@ class Trajectory(Record, kw_only=True):
     (the user's reply, tool results - parallel ones together), taken from that thread's next
     turn's request. Empty for a thread's last turn (its consequence, if any, is in `feedback`)."""
     feedback: list[SessionEvent] = msgspec.field(default_factory=list)
-    close_reason: Literal["done", "end", "feedback", "idle", "limit"]
+    close_reason: Literal["done", "end", "feedback", "idle", "limit", "user"]
     retry_orphans: int = 0
     """Answers to a request the client sent again (a retry) that no later turn continued from:
     left out of `turns` and of training."""

@@ -14,7 +14,10 @@ A session closes when:
 - it reaches `max_turns` main turns or `max_tokens` stitched tokens: the turns so far become one
   piece (close reason `limit`) and its later turns the next; the pieces are held until the
   session closes, then emitted together, each with all of the session's feedback (a reward that
-  follows must reach every piece; the records stay unacknowledged meanwhile).
+  follows must reach every piece; the records stay unacknowledged meanwhile);
+- another end user's turn arrives (a session two people share): likewise a piece ends (close
+  reason `user`). A trajectory is one person's: the end user it names, the adapter it trains
+  (each turn was sampled with its own user's) and what forgetting them removes (`user_splits`).
 
 Feedback and its timing:
 - A session ended by `done` or `end` with no session-level reward yet waits `feedback_grace_s`
@@ -78,8 +81,9 @@ class _Session:
     """Turns announced but not recorded yet (requests in flight): id -> when to stop waiting."""
     tokens_bound: int = 0
     """Sum of the main turns' prompt + output lengths: an upper bound of the stitched length."""
-    pieces: list[dict[str, Turn]] = field(default_factory=list)
-    """Turns of earlier pieces of a session cut at a limit, held until the session closes."""
+    pieces: list[tuple[dict[str, Turn], str]] = field(default_factory=list)
+    """Turns of earlier pieces of a session cut at a limit or a change of end user (and which),
+    held until the session closes."""
 
     @property
     def has_session_reward(self) -> bool:
@@ -87,7 +91,7 @@ class _Session:
 
     @property
     def last_turn_index(self) -> int:
-        return max(t.turn_index for turns in (*self.pieces, self.turns) for t in turns.values())
+        return max(t.turn_index for turns in (*(piece for piece, _ in self.pieces), self.turns) for t in turns.values())
 
     @property
     def has_turns(self) -> bool:
@@ -128,7 +132,7 @@ class SessionTracker:
         self._emitted_sessions = RecentIds(config.remember_closed)
         self.counts = {
             "turns": 0, "duplicates": 0, "side_turns": 0, "events": 0, "trajectories": 0, "empty": 0,
-            "splits": 0, "limit": 0, "late_feedback": 0, "threads": 0, "retry_orphans": 0, "unused_turns": 0,
+            "splits": 0, "limit": 0, "user_splits": 0, "late_feedback": 0, "threads": 0, "retry_orphans": 0, "unused_turns": 0,
             "truncated_turns": 0, "aborted_tokens": 0, "truncated_tokens": 0,
         }
         """`threads`: conversations in the emitted trajectories (a session of one has 1);
@@ -207,6 +211,11 @@ class SessionTracker:
             self.counts["side_turns"] += 1
             return []
         self.counts["turns"] += 1
+        if session.turns and session is self._open.get(turn.session_id) \
+                and next(iter(session.turns.values())).user_id != turn.user_id:
+            self.counts["user_splits"] += 1
+            session.pieces.append((session.turns, "user"))
+            session.turns, session.tokens_bound = {}, 0
         session.turns[turn.id] = turn
         session.tokens_bound += len(turn.prompt_ids) + len(turn.output_ids)
         if session is not self._open.get(turn.session_id):
@@ -215,7 +224,7 @@ class SessionTracker:
             session.close_reason = session.close_reason or "done"
         if session.close_reason is None and self._over_limit(session):
             self.counts["limit"] += 1
-            session.pieces.append(session.turns)
+            session.pieces.append((session.turns, "limit"))
             session.turns, session.tokens_bound = {}, 0
             return []
         return self._end_if_signalled(session)
@@ -284,7 +293,7 @@ class SessionTracker:
 
     def _emit(self, session: _Session, reason: str) -> Closed:
         self._emitted_records.add(session.seen)
-        pieces = [*((piece, "limit") for piece in session.pieces), *([(session.turns, reason)] if session.turns else [])]
+        pieces = [*session.pieces, *([(session.turns, reason)] if session.turns else [])]
         trajectories = [t for turns, why in pieces if (t := self._trajectory(session, turns, why)) is not None]
         if trajectories:
             self._emitted_sessions.add([session.session_id])
@@ -312,7 +321,7 @@ class SessionTracker:
             id=f"{session.session_id}#{digest}",
             session_id=session.session_id,
             tenant=ordered[0].tenant,
-            user_id=next((t.user_id for t in ordered if t.user_id), None),
+            user_id=ordered[0].user_id,
             adapter=ordered[-1].adapter,
             consent=all(t.consent for t in ordered),
             task_id=next((t.task_id for t in ordered if t.task_id), None),

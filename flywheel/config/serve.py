@@ -129,8 +129,8 @@ class ServeConfig(Section):
     """How the model writes tool calls (`flywheel/formats/tool_calls.py`); `auto` reads it from the chat
     template. A template that renders no tools always gets the gateway's Hermes prompt."""
     stored_responses: int = Field(10_000, ge=0)
-    """How many Responses API answers (with `store`) the gateway keeps in memory for
-    `previous_response_id` and `GET /v1/responses/{id}`; the oldest go first."""
+    """How many Responses API answers (with `store`) the gateway keeps in memory for each tenant, for
+    `previous_response_id` and `GET /v1/responses/{id}`; the least recently used go first."""
     client_store: Literal["honour", "ignore"] = "honour"
     """A request's own `store: false` (chat completions, Responses API): `honour` it (nothing of
     the request is kept or trained), or `ignore` it, for agents that send it out of habit (Codex

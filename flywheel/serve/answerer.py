@@ -40,6 +40,7 @@ from flywheel.serve.ops.limits import ConcurrencyLimiter, request_timeout
 from flywheel.serve.ops.metrics import ServeMetrics
 from flywheel.serve.personal_data import PersonalData
 from flywheel.serve.recorder import Recorder, RecordLost
+from flywheel.tenants.forgotten import Forgettings
 from flywheel.tenants.sessions import SessionRegistry
 
 
@@ -55,7 +56,7 @@ class Answerer:
     def __init__(self, pool: EnginePool, tokenizer: Any, recorder: Recorder, model_name: str, config: ServeConfig,
                  context_length: int, metrics: ServeMetrics, continuations: SessionContinuations,
                  limiter: ConcurrencyLimiter, sessions: SessionRegistry, personal_data: PersonalData,
-                 adapters: AdapterRouting | None = None):
+                 adapters: AdapterRouting | None = None, forgettings: Forgettings | None = None):
         self.pool = pool
         self.tokenizer = tokenizer
         self.recorder = recorder
@@ -67,6 +68,8 @@ class Answerer:
         self.limiter = limiter
         self.sessions = sessions
         self.personal_data = personal_data
+        self.forgettings = forgettings
+        """Forgets heard of: a request under way at one is not recorded."""
         self.adapters = adapters or AdapterRouting(model_name, pool)
         """Which adapter answers a request, and whether `model` may be asked for at all."""
         self.stats = GatewayStats()
@@ -101,6 +104,7 @@ class Answerer:
             max_new_tokens=self.new_token_budget(body, prompt_ids, capped=wire is not None),
             forced=forced, tool_format=tool_format, on_finish=self._finished, timeout_s=self.config.request_timeout_s,
             personal_data=self.personal_data, adapter=adapter.name, lora_path=adapter.lora_path,
+            forgettings=self.forgettings,
         )
         if not session.anonymous and session.store:
             for choice in generation.choices:

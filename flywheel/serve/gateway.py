@@ -44,6 +44,7 @@ from flywheel.serve.personal_data import PersonalData
 from flywheel.serve.prompts import PromptBuilder
 from flywheel.serve.recorder import Recorder, RecordLost
 from flywheel.serve.scoring_server import install_scoring_routes
+from flywheel.tenants.forgotten import Forgettings
 from flywheel.tenants.sessions import SessionRegistry, SessionUnknown
 
 
@@ -65,6 +66,7 @@ def create_gateway(pool: EnginePool, tokenizer: Any, recorder: Recorder, model_n
     continuations = SessionContinuations(tokenizer, config.continue_sessions)
     prompts = PromptBuilder(tokenizer, continuations, config.tool_format)
     stored_responses = ResponseStore(config.stored_responses)
+    forgettings = Forgettings()
 
     def forget_cached(tenant: str, user: str | None) -> None:
         """Drop what this gateway holds in memory of a forgotten tenant or user: the tenant's
@@ -72,12 +74,13 @@ def create_gateway(pool: EnginePool, tokenizer: Any, recorder: Recorder, model_n
         cost is tokenizing whole prompts again) and their stored responses."""
         continuations.forget(tenants.session(tenant, ""))
         stored_responses.forget(tenant, user)
+        forgettings.add(tenant, user)
     app.state.forget_cached = forget_cached
     limiter = ConcurrencyLimiter(config.max_concurrent_requests, config.max_queued_requests, config.retry_after_s)
     personal_data = app.state.personal_data = PersonalData()
     metrics.on_scrape(lambda m: m.personal_data(personal_data.dropped, personal_data.redacted))
     answerer = Answerer(pool, tokenizer, recorder, model_name, config, context_length, metrics, continuations, limiter,
-                        sessions, personal_data, adapters)
+                        sessions, personal_data, adapters, forgettings)
 
     def guarded(body: Any, session: Any) -> Any:
         """The request as the model may see it: its prompt redacted under `redact_input`."""
@@ -137,9 +140,8 @@ def create_gateway(pool: EnginePool, tokenizer: Any, recorder: Recorder, model_n
                         or (response_id if body.store else None))  # a stored response may be continued
         session = session_of(request.headers, body.metadata, body.user, conversation,
                              safety_identifier=body.safety_identifier, store=client_store(body.store), **caller(request))
-        history = previous.conversation if previous else []
-        chat = guarded(translated(lambda: body.to_chat(history)), session)
-        wire = ResponsesWire(body, stored_responses, response_id, session, history)
+        chat = guarded(translated(lambda: body.to_chat(previous.conversation if previous else [])), session)
+        wire = ResponsesWire(body, stored_responses, response_id, session, previous)
         return await answerer.answer(request, response.headers, chat, session, *await prompts.chat(chat, session), wire=wire)
 
     @app.get("/v1/responses/{response_id}")

@@ -40,6 +40,7 @@ from flywheel.serve.engine_choice import Choice
 from flywheel.serve.personal_data import PersonalData, texts_of
 from flywheel.serve.recorder import Recorder, RecordLost
 from flywheel.serve.streamed_text import StreamedText
+from flywheel.tenants.forgotten import Forgettings
 
 
 @dataclass
@@ -71,6 +72,8 @@ class Generation:
     lora_path: str | None = None
     """The adapter the engine is asked for: `adapter` once it has a published version; before,
     its origin's or None (the bare base), and its tokens are recorded as its version 0."""
+    forgettings: Forgettings | None = None
+    """Forgets this gateway heard of: a turn of someone forgotten while it ran is not recorded."""
     id: str = field(default_factory=lambda: uuid.uuid4().hex)
     created: int = field(default_factory=lambda: int(time.time()))
     arrived: float = field(default_factory=time.monotonic)
@@ -305,8 +308,10 @@ class Generation:
 
     def _turns(self) -> list[Turn]:
         """The request's turns, once (later calls: none; none at all for a request not to be
-        kept, `store: false`)."""
+        kept, `store: false`, or of someone forgotten while it ran)."""
         if self._recorded or not self.session.store:
+            return []
+        if self.forgettings is not None and self.forgettings.since(self.session.tenant, self.session.user_id, self.arrived):
             return []
         self._recorded = True
         several = self.body.n > 1

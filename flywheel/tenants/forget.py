@@ -14,8 +14,9 @@ What goes:
   engines and the trainer drops them, its checkpoints rewritten without them, when they read the
   audit entry (flywheel/serve/loop.py, flywheel/train/forget_adapters.py).
 
-A user is matched by the end-user id on their turns, trajectories and samples; a session event
-carries no user, so the events of their sessions go with their turns. What stays is the lineage:
+A user is matched by the end-user id on their turns, trajectories and samples, and their
+sessions go whole: a session event carries no user, and another person's turns in a session they
+shared hold their words in its prompts. What stays is the lineage:
 `trained.jsonl` and each version's `trained_on` name samples by digest (`sample_digest`), never
 by id, so nothing readable is left, and the digests of the forgotten samples say which versions
 trained on them: those weights still hold what they learned (retraining them without the
@@ -98,23 +99,34 @@ def user_of(record: Record) -> str | None:
     return getattr(record, "user_id", None)
 
 
+def session_of(record: Record) -> str | None:
+    """The session a record is of (a sample that refers to its trajectory: by its id,
+    `<session>#<digest>`)."""
+    if isinstance(record, (Unscored, Sample)) and record.trajectory is not None:
+        return record.trajectory.session_id
+    if isinstance(record, Sample):
+        return record.id.rpartition("#")[0]
+    return getattr(record, "session_id", None)
+
+
 class Matcher:
-    """Whether a record is the forgotten tenant's (and user's)."""
+    """Whether a record is the forgotten tenant's (and user's). A user's sessions go whole: their
+    events, and the turns and trajectories another person had in a session they shared, whose
+    prompts hold the forgotten user's words."""
 
     def __init__(self, tenant: str, user: str | None):
         self.tenant, self.user = tenant, user
         self.sessions: set[str] = set()
-        """The sessions their turns were in: their events go too."""
+        """The sessions their turns were in: everything of those goes too."""
         self.sample_digests: set[str] = set()
 
     def __call__(self, record: Record) -> bool:
         if tenant_of(record) != self.tenant:
             return False
-        if self.user is not None and not isinstance(record, SessionEvent) and user_of(record) != self.user:
-            return False
-        if isinstance(record, SessionEvent) and self.user is not None:
-            return record.session_id in self.sessions
-        if isinstance(record, (Turn, Trajectory)):
+        if self.user is not None and (isinstance(record, SessionEvent) or user_of(record) != self.user):
+            if session_of(record) not in self.sessions:
+                return False
+        elif isinstance(record, (Turn, Trajectory)):
             self.sessions.add(record.session_id)
         if isinstance(record, Sample):
             self.sample_digests.add(sample_digest(record.id))
@@ -126,13 +138,12 @@ async def forget(bus: Any, tenant: str, user: str | None = None, spill_dirs: Ite
     """Remove `tenant`'s (or its `user`'s) records everywhere; see the module docstring."""
     report = Forgotten(tenant, user)
     matches = Matcher(tenant, user)
-    for stream in STREAMS:
-        # Turns before events within TRAFFIC (one stream, in order), so a user's sessions are known
-        # by the time their events are read; two passes make an event before its first turn go too.
-        for _ in range(2 if stream == TRAFFIC.name and user is not None else 1):
-            deleted, large = await _delete_matching(bus, stream, matches)
-            report.records[stream] = report.records.get(stream, 0) + deleted
-            report.large_objects += large
+    # A user's sessions are known from their records as the streams are read; a second pass takes
+    # what came before (an event before their first turn, another's turn or trajectory before theirs).
+    for stream in STREAMS * (2 if user is not None else 1):
+        deleted, large = await _delete_matching(bus, stream, matches)
+        report.records[stream] = report.records.get(stream, 0) + deleted
+        report.large_objects += large
     report.sample_digests = matches.sample_digests
     report.samples = len(matches.sample_digests)
     report.sessions = await _forget_sessions(bus, matches.sessions)

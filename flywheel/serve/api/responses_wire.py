@@ -17,9 +17,11 @@ sequence the official SDKs and Codex CLI read, every event named (`event:`) and 
 Text streams as the model writes it; a tool call is sent whole when the answer ends (the
 gateway cannot know a call is complete before that).
 
-`ResponseStore` keeps the last `capacity` stored responses in memory (this gateway's, not
-shared across replicas): the object for `GET /v1/responses/{id}`, and the conversation and
-session a `previous_response_id` continues. Forgetting a tenant or a user drops theirs.
+`ResponseStore` keeps each tenant's last `capacity` stored responses in memory (this gateway's,
+not shared across replicas; one tenant's traffic never evicts another's): the object for
+`GET /v1/responses/{id}`, and the conversation and session a `previous_response_id` continues.
+Forgetting a tenant or a user drops theirs, and every response whose chain one of theirs began or
+went through (its conversation holds their words).
 """
 
 from __future__ import annotations
@@ -45,33 +47,37 @@ class StoredResponse:
     session_id: str
     """The session as the client named it (a continuation names it again, for its tenant)."""
     tenant: str
-    user: str | None
-    """The end user who asked (forgetting them forgets their stored responses)."""
+    users: frozenset[str | None]
+    """The end users who asked in its chain (forgetting one of them forgets it)."""
     conversation: list[dict[str, Any]]
     """The chain's chat messages up to and including this response's output (no instructions)."""
 
 
 class ResponseStore:
-    """The stored responses (`serve.stored_responses` of them, least recently used forgotten
-    first; 0 stores none)."""
+    """The stored responses, by tenant (`serve.stored_responses` of each tenant's, least recently
+    used forgotten first; 0 stores none)."""
 
     def __init__(self, capacity: int):
-        self._items: LRU[str, StoredResponse] = LRU(capacity)
+        self.capacity = capacity
+        self._tenants: dict[str, LRU[str, StoredResponse]] = {}
 
     def put(self, stored: StoredResponse) -> None:
-        self._items[stored.response["id"]] = stored
+        self._tenants.setdefault(stored.tenant, LRU(self.capacity))[stored.response["id"]] = stored
 
     def get(self, response_id: str, tenant: str) -> StoredResponse | None:
         """The stored response, if `tenant` stored it (another tenant's is not there for it)."""
-        stored = self._items.get(response_id)
-        return stored if stored is not None and stored.tenant == tenant else None
+        items = self._tenants.get(tenant)
+        return items.get(response_id) if items is not None else None
 
     def forget(self, tenant: str, user: str | None = None) -> int:
-        """Drop the tenant's stored responses (only its `user`'s, if given); how many went."""
-        gone = [key for key in self._items
-                if forgets((tenant, user), ((stored := self._items.peek(key)).tenant, stored.user))]
+        """Drop the tenant's stored responses (only those `user` asked in the chain of, if given);
+        how many went."""
+        items = self._tenants.get(tenant)
+        if items is None:
+            return 0
+        gone = [key for key in items if any(forgets((tenant, user), (tenant, u)) for u in items.peek(key).users)]
         for key in gone:
-            self._items.pop(key)
+            items.pop(key)
         return len(gone)
 
 
@@ -89,9 +95,11 @@ class ResponsesWire(Wire):
     endpoint = "responses"
 
     def __init__(self, request: ResponsesRequest, store: ResponseStore, response_id: str, session: SessionInfo,
-                 history: list[dict[str, Any]]):
-        """`session.store`: whether anything of the request may be kept (its tenant's, key's and own `store`)."""
-        self.request, self.store, self.id, self.session, self.history = request, store, response_id, session, history
+                 previous: StoredResponse | None):
+        """`session.store`: whether anything of the request may be kept (its tenant's, key's and own
+        `store`); `previous`: the stored response it continues."""
+        self.request, self.store, self.id, self.session, self.previous = request, store, response_id, session, previous
+        self.history = previous.conversation if previous else []
         self.message_id = f"msg_{uuid.uuid4().hex}"
         self.sequence = 0
         self.message_open = False
@@ -134,7 +142,8 @@ class ResponsesWire(Wire):
         if self.request.store and self.session.store:
             conversation = self.history + self.request.conversation() + [message]
             session = self.session
-            self.store.put(StoredResponse(response, session.client_id, session.tenant, session.user_id, conversation))
+            users = (self.previous.users if self.previous else frozenset()) | {session.user_id}
+            self.store.put(StoredResponse(response, session.client_id, session.tenant, users, conversation))
         return response
 
     def answer(self, g: Generation) -> dict[str, Any]:

@@ -135,6 +135,7 @@ def install_tenant_routes(app: FastAPI, directory: TenantDirectory, registry: Te
     @app.post("/admin/forget")
     async def forget_them(body: Forget) -> dict[str, Any]:
         admin()
+        app.state.forget_cached(body.tenant, body.user)  # first: a request of theirs ending meanwhile is not recorded
         report = await forget(registry.bus, body.tenant, body.user, spill_dirs, ledger, actor="admin")
         if body.user is None:  # here at once; every other gateway when it reads the change
             entry = await registry.get(body.tenant)
