@@ -41,7 +41,7 @@ class StandIn(BaseModel):
 class Gateway:
     """A small app wired like the gateway: a generation stand-in behind every operational piece."""
 
-    def __init__(self, api_keys=(), admin_key=None, max_body_bytes=1024, max_concurrent=2, max_queue=1):
+    def __init__(self, api_keys=(), admin_key=None, max_body_bytes=1024, max_concurrent=2, max_queue=1, metrics_key=None):
         self.gate = asyncio.Event()
         self.limiter = ConcurrencyLimiter(max_concurrent, max_queue, retry_after_s=1.5)
         self.metrics = ServeMetrics()
@@ -75,7 +75,7 @@ class Gateway:
         install_metrics_route(app, self.metrics)
         install_body_limit(app, max_body_bytes)
         install_auth(app, TenantDirectory.from_config(load_config(None, [f"serve.api_keys={json.dumps(list(api_keys))}"])),
-                     admin_key)
+                     admin_key, metrics_key)
         install_request_metrics(app, self.metrics)
 
     @asynccontextmanager
@@ -115,7 +115,8 @@ async def test_api_keys_guard_the_api_but_not_health_and_metrics():
         assert reply.choices[0].message.content == "42"
         admin_is_no_client = await http.get("/v1/models", headers={"Authorization": "Bearer root"})
         assert admin_is_no_client.status_code == 401
-        assert (await http.get("/health")).status_code == 200 and (await http.get("/metrics")).status_code == 200
+        assert (await http.get("/health")).status_code == 200
+        assert (await http.get("/metrics", headers={"Authorization": "Bearer root"})).status_code == 200
 
 
 async def test_the_admin_key_guards_control_routes():
@@ -126,6 +127,19 @@ async def test_the_admin_key_guards_control_routes():
         assert as_client.status_code == 401 and "invalid admin key" in error_of(as_client)["message"]
         as_admin = await http.post("/pause_generation", headers={"Authorization": "bearer root"})
         assert as_admin.status_code == 200 and as_admin.json() == {"paused": True}
+
+
+async def test_metrics_need_the_admin_or_the_metrics_key_where_an_admin_key_is_set():
+    """`/metrics` names every tenant and counts its requests: not a client's to read."""
+    gateway = Gateway(api_keys=["k1"], admin_key="root", metrics_key="scraper")
+    async with gateway.serving() as url, httpx.AsyncClient(base_url=url) as http:
+        def as_(key: str | None) -> dict:
+            return {"Authorization": f"Bearer {key}"} if key else {}
+
+        assert [(await http.get("/metrics", headers=as_(key))).status_code for key in (None, "k1", "root", "scraper")] == [
+            401, 401, 200, 200]
+        assert (await http.post("/pause_generation", headers=as_("scraper"))).status_code == 401  # nothing else
+        assert (await http.get("/v1/models", headers=as_("scraper"))).status_code == 401
 
 
 async def test_without_keys_everything_is_open():

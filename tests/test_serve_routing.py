@@ -153,7 +153,7 @@ async def test_an_adapters_canary_answers_its_share_of_the_adapters_sessions(bus
         kept = len(serve.pool.arms)
         with pytest.raises(openai.NotFoundError, match="does not exist"):
             await ask("s0", canary_name("acme"))
-        async with httpx.AsyncClient(base_url=serve.url) as http:
+        async with httpx.AsyncClient(base_url=serve.url, headers={"Authorization": "Bearer root"}) as http:
             metrics = await until(lambda: _metrics(http, "acme"), timeout_s=30)
         await registry.set_routing(Routing(id="r2", serving=Arm(version=0, path=None), adapters={"acme": Arm(version=2, path=paths[2])}))
         await until(lambda: serve.pool.adapter_versions == {"acme": 2})  # promoted: the canary's name unloaded

@@ -120,11 +120,12 @@ async def test_the_dashboard_and_the_metrics_show_each_versions_state(bus, nats_
     async with operated(bus, nats_url, tmp_path) as (serve, _, _, http):
         await until(lambda: _serving(serve, 1))
         assert (await http.get("/admin/versions", headers=ADMIN)).status_code == 200  # the board reads the registry now
-        board = (await http.get("/dashboard.json")).json()
+        assert (await http.get("/dashboard.json")).status_code == 401  # it names every tenant's adapters
+        board = (await http.get("/dashboard.json", headers=ADMIN)).json()
         one = next(v for v in board["versions"] if v["version"] == 1)
         assert one["state"] == "serving" and one["transitions"][-1]["by"] == "gate"
         assert "Flywheel policy versions" in (await http.get("/dashboard")).text
-        metrics = (await http.get("/metrics")).text
+        metrics = (await http.get("/metrics", headers=ADMIN)).text
         assert 'flywheel_version_state{line="",state="serving",version="1"} 1.0' in metrics
         assert 'flywheel_version_state{line="",state="retired",version="0"} 1.0' in metrics
 

@@ -61,7 +61,7 @@ def create_gateway(pool: EnginePool, tokenizer: Any, recorder: Recorder, model_n
     install_error_handlers(app)
     install_metrics_route(app, metrics)
     install_body_limit(app, config.max_body_bytes)
-    install_auth(app, tenants, config.admin_key)
+    install_auth(app, tenants, config.admin_key, config.metrics_key)
     install_request_metrics(app, metrics)
     continuations = SessionContinuations(tokenizer, config.continue_sessions)
     prompts = PromptBuilder(tokenizer, continuations, config.tool_format)

@@ -10,8 +10,9 @@ whether it is the operator's (`request.state.operator`: the admin key, or no adm
 configured; `/engine/` still needs a client key then, when there are any). The engine's control
 routes (SGLang's `ADMIN_PATHS`: pausing, weight loading, aborts, cache flushes) and the admin
 API (`/admin/...`) need `Bearer <admin_key>` when an admin key is configured; a client key never
-reaches them. Anything else (`/health`,
-`/metrics`) is open. A refusal is a 401 in OpenAI's error shape with `WWW-Authenticate: Bearer`.
+reaches them. So do `/metrics` and `/dashboard.json` (`OBSERVED`), which name every tenant, or
+`Bearer <metrics_key>` (a scraper's key, which opens nothing else). Anything else (`/health`, the
+`/dashboard` page itself) is open. A refusal is a 401 in OpenAI's error shape with `WWW-Authenticate: Bearer`.
 The admin key is compared in constant time; client keys are looked up by their SHA-256.
 """
 
@@ -37,6 +38,8 @@ ADMIN_PATHS = frozenset({
     "/unload_lora_adapter",
 })
 """SGLang's control routes: whoever reaches them can stall the server or swap its weights."""
+OBSERVED = frozenset({"/metrics", "/dashboard.json"})
+"""What an operator watches: every tenant's requests and adapters' versions, by the tenant's name."""
 
 
 def bearer_token(headers: Headers) -> bytes | None:
@@ -64,10 +67,11 @@ def key_matches(token: bytes | None, keys: list[bytes]) -> bool:
 
 
 class AuthMiddleware:
-    def __init__(self, app: ASGIApp, tenants: TenantDirectory, admin_key: str | None):
+    def __init__(self, app: ASGIApp, tenants: TenantDirectory, admin_key: str | None, metrics_key: str | None = None):
         self.app = app
         self.tenants = tenants
         self.admin_keys = [admin_key.encode()] if admin_key else []
+        self.metrics_keys = [metrics_key.encode()] if metrics_key else []
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -77,7 +81,11 @@ class AuthMiddleware:
         headers = Headers(scope=scope)
         operator = not self.admin_keys or key_matches(bearer_token(headers), self.admin_keys)  # bearer only
         scope.setdefault("state", {})["operator"] = operator
-        if path in ADMIN_PATHS or path.startswith("/admin/"):
+        if path in OBSERVED:
+            if not operator and not key_matches(bearer_token(headers), self.metrics_keys):
+                await self._refuse(scope, receive, send, "admin or metrics key", bearer_token(headers))
+                return
+        elif path in ADMIN_PATHS or path.startswith("/admin/"):
             if not operator:
                 await self._refuse(scope, receive, send, "admin key", bearer_token(headers))
                 return
@@ -99,6 +107,6 @@ class AuthMiddleware:
         await error.response(anthropic_path(scope["path"]))(scope, receive, send)
 
 
-def install_auth(app: FastAPI, tenants: TenantDirectory, admin_key: str | None) -> None:
+def install_auth(app: FastAPI, tenants: TenantDirectory, admin_key: str | None, metrics_key: str | None = None) -> None:
     """Require keys on `app` (see the module docstring) and say whose each API request is."""
-    app.add_middleware(AuthMiddleware, tenants=tenants, admin_key=admin_key)
+    app.add_middleware(AuthMiddleware, tenants=tenants, admin_key=admin_key, metrics_key=metrics_key)
