@@ -227,6 +227,18 @@ def test_a_session_two_people_share_is_a_trajectory_for_each_stretch_of_one_pers
     assert len({t.id for t in closed.trajectories}) == 3 and tracker.counts["user_splits"] == 2
 
 
+def test_a_late_turn_of_another_person_does_not_join_the_stretch_it_arrives_after():
+    """bob's turn closes the session (done, waiting for a reward); ada's earlier turn arrives late:
+    it is a stretch of its own, not bob's. A turn naming no user goes on the stretch before it."""
+    tracker = SessionTracker(CollectConfig(feedback_grace_s=30))
+    assert tracker.add(turn("b", index=1, prompt=[1, 2, 3], output=[4], user_id="bob", adapter="B", session_done=True), 1) == []
+    assert tracker.add(turn("a", index=0, prompt=[1], output=[2], user_id="ada", adapter="A"), 2) == []
+    assert tracker.add(turn("c", index=1, prompt=[1, 2, 5], output=[7], adapter="A"), 3) == []  # no user: ada's stretch
+    [closed] = tracker.add(feedback(reward=1.0), 4)
+    assert [(t.user_id, t.adapter, sorted(u.id for u in t.turns)) for t in closed.trajectories] == [
+        ("bob", "B", ["b"]), ("ada", "A", ["a", "c"])]
+
+
 def test_token_limit_counts_stitched_tokens_not_the_sum_of_prompts():
     tracker = SessionTracker(CollectConfig(max_tokens=8, feedback_grace_s=0))
     assert tracker.add(turn("a", index=0, prompt=[1, 2], output=[3, 4]), 1) == []  # 4 tokens

@@ -98,9 +98,10 @@ def test_continuations_are_forgotten_by_tenant():
 
 async def test_a_forgotten_tenants_keys_open_nothing_at_any_gateway(nats_url, tmp_path):
     """A tenant made at run time and forgotten: its key is refused at once by the gateway that
-    forgot it and, once they read the change, by the others; the tenant is no longer listed. A key
-    of the configuration revoked at run time stays revoked."""
-    setup = ["serve.admin_key=root", "tenants={acme: {keys: [acme-key, spare-key]}}"]
+    forgot it and, once they read the change, by the others; the tenant is no longer listed, and
+    its name may be taken again (the old key still refused). A tenant of the configuration keeps
+    what was changed at run time: a key revoked stays revoked, training stopped stays stopped."""
+    setup = ["serve.admin_key=root", "tenants={acme: {training: opt_out, keys: [acme-key, spare-key]}}"]
     async with platform(nats_url, tmp_path, *setup) as (first, _, _), \
             platform(nats_url, tmp_path / "second", *setup) as (second, _, _):
         async with httpx.AsyncClient(base_url=first.url, headers={"Authorization": "Bearer root"}) as admin:
@@ -109,19 +110,23 @@ async def test_a_forgotten_tenants_keys_open_nothing_at_any_gateway(nats_url, tm
             spare = next(k["id"] for t in (await admin.get("/admin/tenants")).json()["data"] if t["name"] == "acme"
                          for k in t["keys"] if k["id"] != hashlib.sha256(b"acme-key").hexdigest()[:12])
             assert (await admin.delete(f"/admin/tenants/acme/keys/{spare}")).status_code == 200
+            assert (await admin.patch("/admin/tenants/acme", json={"training": "off"})).status_code == 200
             await until(lambda: second.tenants.grant_of(key.encode()) is not None)
             await until(lambda: second.tenants.grant_of(b"spare-key") is None)
             for tenant in ("gone", "acme"):
                 assert (await admin.post("/admin/forget", json={"tenant": tenant})).status_code == 200
             listed = [t["name"] for t in (await admin.get("/admin/tenants")).json()["data"]]
-        assert first.tenants.grant_of(key.encode()) is None and "gone" not in listed
-        chat = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
-        async with httpx.AsyncClient(base_url=first.url, headers={"Authorization": f"Bearer {key}"}) as client:
-            assert (await client.post("/v1/chat/completions", json=chat)).status_code == 401
-        await until(lambda: second.tenants.grant_of(key.encode()) is None)
-        for serve in (first, second):
-            assert serve.tenants.grant_of(b"spare-key") is None  # revoked before the forget: still
-            assert serve.tenants.grant_of(b"acme-key") is not None  # the configuration's own
+            assert first.tenants.grant_of(key.encode()) is None and "gone" not in listed
+            chat = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+            async with httpx.AsyncClient(base_url=first.url, headers={"Authorization": f"Bearer {key}"}) as client:
+                assert (await client.post("/v1/chat/completions", json=chat)).status_code == 401
+            await until(lambda: second.tenants.grant_of(key.encode()) is None)
+            for serve in (first, second):
+                assert serve.tenants.grant_of(b"spare-key") is None  # revoked before the forget: still
+                assert serve.tenants.grant_of(b"acme-key").training == "off"  # the configuration's key, as changed
+            assert (await admin.post("/admin/tenants/gone/keys", json={})).status_code == 404  # as never made
+            assert (await admin.post("/admin/tenants", json={"name": "gone"})).status_code == 200  # the name is free
+            assert first.tenants.grant_of(key.encode()) is None
 
 
 async def test_forgetting_a_user_removes_a_session_they_shared_whole(nats_url, tmp_path, bus):
@@ -171,20 +176,51 @@ async def test_a_stored_response_goes_with_anyone_who_asked_in_its_chain(nats_ur
 
 
 async def test_a_request_under_way_when_its_user_is_forgotten_is_not_recorded(nats_url, tmp_path, bus):
-    """ada's answer is streaming when she is forgotten: it ends as usual (its end waits on what is
-    recorded), and nothing of it is on the bus after; bob's request after it is recorded."""
+    """ada's answers are streaming when she is forgotten: they end as usual (an end waits on what
+    is recorded), and nothing of them is kept after, on the bus or as a stored response; bob's
+    request after them is recorded."""
     async with platform(nats_url, tmp_path, *TENANTS_SETUP) as (serve, _, _):
         client = openai.AsyncOpenAI(base_url=f"{serve.url}/v1", api_key="acme-key", max_retries=0)
-        stream = await client.chat.completions.create(
+        ada = {"X-Session-Id": "ada-s", "X-User-Id": "ada"}
+        chat = await client.chat.completions.create(
             model="tiny", messages=[{"role": "user", "content": f"ada says {MARKERS['ada']}"}], max_tokens=48,
-            temperature=1.0, stream=True, extra_headers={"X-Session-Id": "ada-s", "X-User-Id": "ada"})
-        chunks = aiter(stream)
-        await anext(chunks)  # under way, and held there until she is forgotten
+            temperature=1.0, stream=True, extra_headers=ada)
+        response = await client.responses.create(model="tiny", input=f"ada again: {MARKERS['ada']}", max_output_tokens=48,
+                                                 temperature=1.0, stream=True, extra_headers={"X-User-Id": "ada"})
+        streams = [aiter(chat), aiter(response)]
+        for stream in streams:
+            await anext(stream)  # under way, and held there until she is forgotten
         await serve.engine.pause("in_place")
         async with httpx.AsyncClient(base_url=serve.url, headers={"Authorization": "Bearer root"}) as admin:
             assert (await admin.post("/admin/forget", json={"tenant": "acme", "user": "ada"})).status_code == 200
         await serve.engine.resume()
-        assert [chunk async for chunk in chunks][-1].choices[0].finish_reason is not None
+        rest = [[event async for event in stream] for stream in streams]
+        assert rest[0][-1].choices[0].finish_reason is not None and rest[1][-1].type in ("response.completed", "response.incomplete")
+        async with httpx.AsyncClient(base_url=f"{serve.url}/v1", headers={"Authorization": "Bearer acme-key"}) as http:
+            assert (await http.get(f"/responses/{rest[1][-1].response.id}")).status_code == 404
         await converse(serve, "bob", "bob-session")
         after = await everything_on_the_bus(bus)
     assert MARKERS["ada"].encode() not in after and MARKERS["bob"].encode() in after
+
+
+async def test_a_session_still_open_when_its_user_is_forgotten_never_becomes_a_trajectory(nats_url, tmp_path, bus):
+    """The collector holds ada's turn in her open session when she is forgotten: it drops the
+    session, so her next turn there (after the forget: hers to keep) closes a trajectory of that
+    turn alone."""
+    async with platform(nats_url, tmp_path, *TENANTS_SETUP) as (serve, collect, _):
+        client = openai.AsyncOpenAI(base_url=f"{serve.url}/v1", api_key="acme-key", max_retries=0)
+
+        async def say(text: str, **headers: str) -> None:
+            await client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": text}], max_tokens=3,
+                                                 extra_headers={"X-Session-Id": "open-s", "X-User-Id": "ada", **headers})
+
+        await say(MARKERS["ada"])
+        await until(lambda: collect.tracker.open_sessions == 1)
+        async with httpx.AsyncClient(base_url=serve.url, headers={"Authorization": "Bearer root"}) as admin:
+            assert (await admin.post("/admin/forget", json={"tenant": "acme", "user": "ada"})).status_code == 200
+        await until(lambda: collect.tracker.counts.get("forgotten") == 1)
+        await say("Starting over.", **{"X-Session-Done": "true"})
+        [trajectory] = await read(bus, TRAJECTORY_SUBJECT, "trajectories", 1, lambda r: isinstance(r, Trajectory))
+        after = await everything_on_the_bus(bus)
+    assert [t.messages[-1]["content"] for t in trajectory.turns] == ["Starting over."]
+    assert MARKERS["ada"].encode() not in after

@@ -177,6 +177,7 @@ def test_a_tenants_adapters_are_its_own_and_its_users():
     assert owned_by(names, "acme", None) == ["acme", ADA]
     assert owned_by(names, "acme", "ada") == [ADA]
     assert owned_by(names, "acme", "bob") == []
+    assert owned_by(names, "shared", None) == []  # a tenant so named (made before the name was reserved)
 
 
 def test_forgetting_a_tenant_covers_its_users_and_a_user_only_themselves():

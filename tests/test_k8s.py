@@ -183,8 +183,11 @@ def test_the_gateway_is_probed_scraped_and_keyed(rendered):
     container = gateway["spec"]["containers"][0]
     for probe in ("readinessProbe", "livenessProbe", "startupProbe"):
         assert container[probe]["httpGet"]["path"] == "/health"
-    assert "serve.metrics_key=$(FLYWHEEL_METRICS_KEY)" in container["args"]  # /metrics is not open: a scraper's key
-    assert "metrics-key" in [e["valueFrom"]["secretKeyRef"]["key"] for e in container["env"] if "valueFrom" in e]
+    for deployment in by_kind(docs, "Deployment").values():  # every gateway: /metrics is not open, a scraper's key
+        for served in deployment["spec"]["template"]["spec"]["containers"]:
+            if served["command"][:2] == ["flywheel", "serve"]:
+                assert "serve.metrics_key=$(FLYWHEEL_METRICS_KEY)" in served["args"]
+                assert "metrics-key" in [e["valueFrom"]["secretKeyRef"]["key"] for e in served["env"] if "valueFrom" in e]
     assert "serve.api_keys=[$(FLYWHEEL_API_KEY)]" in container["args"]
     nats = by_kind(docs, "StatefulSet")["nats"]
     assert nats["spec"]["volumeClaimTemplates"][0]["spec"]["accessModes"] == ["ReadWriteOnce"]

@@ -8,7 +8,9 @@ collector that dies loses nothing: within an ack wait its records are redelivere
 one, which rebuilds the open sessions in stream order before taking anything newer
 (`flywheel/collect/recovery.py`), and JetStream drops the re-publish of a trajectory already sent (same
 id, within its duplicate window). It also sweeps the large records' bodies past their
-tenant's retention (flywheel/bus/large.py).
+tenant's retention (flywheel/bus/large.py), and follows the audit log: a tenant or user forgotten
+(`flywheel forget`) leaves nothing of theirs held in the sessions still open (`SessionTracker.forget`),
+whose turns would otherwise come back in a trajectory once the session closed.
 """
 
 from __future__ import annotations
@@ -19,6 +21,8 @@ from typing import Any
 
 from flywheel.bus import TRAFFIC_SUBJECTS, TRAJECTORY_SUBJECT, Delivery
 from flywheel.bus.consumer_loop import ConsumerLoop
+from flywheel.bus.records import AuditEntry
+from flywheel.bus.streams import AUDIT_SUBJECT
 from flywheel.collect.recovery import RestartBarrier
 from flywheel.collect.tracker import Closed, SessionTracker
 from flywheel.config import FlywheelConfig
@@ -37,11 +41,20 @@ class CollectLoop(ConsumerLoop):
         super().__init__(config, bus_url, durable)
         self.tracker = SessionTracker(config.collect)
         self._closed: list[Closed] = []
+        self._forgotten: list[tuple[str, str | None]] = []
+        """Forgets heard on the audit log, applied to the tracker at the next step."""
 
     async def prepare(self) -> None:
         outstanding, last_delivered = await self.consumer.unacknowledged()
         self._barrier = RestartBarrier(outstanding, last_delivered, self.config.bus.ack_wait_s) if outstanding else None
         self._sweeper = asyncio.create_task(repeat(self._sweep_large, "collect.sweep"), name="collect.sweep")
+        self._forgetting = asyncio.create_task(repeat(self._follow_forgetting, "collect.forget"), name="collect.forget")
+
+    async def _follow_forgetting(self) -> None:
+        async for entry in self.bus.follow(AUDIT_SUBJECT, from_last=False):
+            assert isinstance(entry, AuditEntry)
+            if entry.action == "forget":
+                self._forgotten.append((entry.details["tenant"], entry.details.get("user")))
 
     async def _sweep_large(self) -> None:
         """Large records' bodies past their tenant's retention go (flywheel/bus/large.py), every minute."""
@@ -49,7 +62,7 @@ class CollectLoop(ConsumerLoop):
         await asyncio.sleep(SWEEP_S)
 
     async def finish(self) -> None:
-        await cancel_and_wait([self._sweeper])
+        await cancel_and_wait([self._sweeper, self._forgetting])
 
     def held(self) -> list[Delivery]:
         barrier = self._barrier.held if self._barrier is not None else []
@@ -64,6 +77,8 @@ class CollectLoop(ConsumerLoop):
             self._barrier = None
         for delivery in deliveries:
             self._closed.extend(self.tracker.add(delivery.record, delivery))
+        while self._forgotten:
+            self._closed.extend(self.tracker.forget(*self._forgotten.pop(0)))
         self._closed.extend(self.tracker.expire())
         if self._closed:  # what fails to publish stays here and is retried next step
             closed, self._closed = self._closed, []

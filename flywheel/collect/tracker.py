@@ -15,9 +15,11 @@ A session closes when:
   piece (close reason `limit`) and its later turns the next; the pieces are held until the
   session closes, then emitted together, each with all of the session's feedback (a reward that
   follows must reach every piece; the records stay unacknowledged meanwhile);
-- another end user's turn arrives (a session two people share): likewise a piece ends (close
-  reason `user`). A trajectory is one person's: the end user it names, the adapter it trains
-  (each turn was sampled with its own user's) and what forgetting them removes (`user_splits`).
+- another person's turn arrives (a session two people share: another end user named, or another
+  adapter sampled it), also one that joins a session waiting for its reward: likewise a piece
+  ends (close reason `user`). A trajectory is one person's: the end user it names, the adapter it
+  trains (each turn was sampled with its own user's) and the hints the judge remembers for them
+  (`user_splits`). A turn that names no user goes on the stretch it follows.
 
 Feedback and its timing:
 - A session ended by `done` or `end` with no session-level reward yet waits `feedback_grace_s`
@@ -54,7 +56,7 @@ import hashlib
 import logging
 import time
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -63,6 +65,7 @@ from flywheel.bus.dedup import RecentIds
 from flywheel.bus.stitch import stitch, without_tokens
 from flywheel.collect.lineage import Arrangement, arrange
 from flywheel.config.schema import CollectConfig
+from flywheel.tenants.forgotten import forgets
 
 log = logging.getLogger(__name__)
 
@@ -108,7 +111,7 @@ class Closed:
 
     @property
     def trajectory(self) -> Trajectory | None:
-        """The session's last trajectory: its only one, unless it was cut at a limit."""
+        """The session's last trajectory: its only one, unless it was cut (a limit, another person)."""
         return self.trajectories[-1] if self.trajectories else None
 
 
@@ -132,7 +135,7 @@ class SessionTracker:
         self._emitted_sessions = RecentIds(config.remember_closed)
         self.counts = {
             "turns": 0, "duplicates": 0, "side_turns": 0, "events": 0, "trajectories": 0, "empty": 0,
-            "splits": 0, "limit": 0, "user_splits": 0, "late_feedback": 0, "threads": 0, "retry_orphans": 0, "unused_turns": 0,
+            "splits": 0, "limit": 0, "user_splits": 0, "forgotten": 0, "late_feedback": 0, "threads": 0, "retry_orphans": 0, "unused_turns": 0,
             "truncated_turns": 0, "aborted_tokens": 0, "truncated_tokens": 0,
         }
         """`threads`: conversations in the emitted trajectories (a session of one has 1);
@@ -189,6 +192,17 @@ class SessionTracker:
             closed.append(self._emit(session, session.close_reason))
         return closed
 
+    def forget(self, tenant: str, user: str | None) -> list[Closed]:
+        """Drop the open and waiting sessions `tenant`'s `user` (every user, for None) took part in,
+        whole: nothing of them is emitted; their records are to be acknowledged (a forget deletes
+        them from the bus)."""
+        closed = []
+        for sessions, of in ((self._open, lambda held: held), (self._waiting, lambda held: held[1])):
+            for sid in [sid for sid, held in sessions.items() if _took_part(of(held), tenant, user)]:
+                closed.append(Closed([], of(sessions.pop(sid)).handles))
+                self.counts["forgotten"] += 1
+        return closed
+
     def _touch(self, session_id: str) -> _Session:
         session = self._open.get(session_id)
         if session is None:
@@ -211,8 +225,7 @@ class SessionTracker:
             self.counts["side_turns"] += 1
             return []
         self.counts["turns"] += 1
-        if session.turns and session is self._open.get(turn.session_id) \
-                and next(iter(session.turns.values())).user_id != turn.user_id:
+        if session.turns and not _same_person(session.turns.values(), turn):
             self.counts["user_splits"] += 1
             session.pieces.append((session.turns, "user"))
             session.turns, session.tokens_bound = {}, 0
@@ -321,7 +334,7 @@ class SessionTracker:
             id=f"{session.session_id}#{digest}",
             session_id=session.session_id,
             tenant=ordered[0].tenant,
-            user_id=ordered[0].user_id,
+            user_id=next((t.user_id for t in ordered if t.user_id), None),
             adapter=ordered[-1].adapter,
             consent=all(t.consent for t in ordered),
             task_id=next((t.task_id for t in ordered if t.task_id), None),
@@ -345,6 +358,20 @@ class SessionTracker:
             segments += stitch(thread, position, arranged.untrained, masked)
             position += len(thread)
         return segments
+
+
+def _took_part(session: _Session, tenant: str, user: str | None) -> bool:
+    turns = [t for piece, _ in session.pieces for t in piece.values()] + list(session.turns.values())
+    return any(forgets((tenant, user), (t.tenant, t.user_id)) for t in turns)
+
+
+def _same_person(turns: Iterable[Turn], turn: Turn) -> bool:
+    """Whether `turn` goes on the same person's stretch as `turns`: sampled with the same adapter,
+    and naming the same end user where both name one (a client that names its user on some
+    requests only is still one person)."""
+    turns = list(turns)
+    user = next((t.user_id for t in turns if t.user_id), None)
+    return turns[-1].adapter == turn.adapter and (user is None or turn.user_id is None or user == turn.user_id)
 
 
 def _next_states(thread: list[Turn]) -> list[list[dict[str, Any]]]:

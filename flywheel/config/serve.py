@@ -106,9 +106,9 @@ class ServeConfig(Section):
     """Key for engines' control routes (pause, weight loading, aborts): the gateway sends it to
     the engines in `engine_urls` (SGLang's `--admin-api-key`); None: not required."""
     metrics_key: str | None = None
-    """A key that opens `GET /metrics` and nothing else (a Prometheus scraper's: `authorization:
-    {credentials: ...}` in its scrape config). Where `admin_key` is set, `/metrics` needs one of
-    the two: it counts every tenant's requests by the tenant's name."""
+    """A key that opens `GET /metrics` and `/dashboard.json` and nothing else (a Prometheus
+    scraper's: `authorization: {credentials: ...}` in its scrape config). Where `admin_key` is set,
+    those need one of the two: they name every tenant."""
     max_concurrent_requests: int = Field(256, ge=1)
     """Generations in flight at once; more wait in line."""
     max_queued_requests: int = Field(1024, ge=0)

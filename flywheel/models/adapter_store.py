@@ -28,7 +28,7 @@ from typing import Any
 import torch
 from safetensors.torch import save_file
 
-from flywheel.models.adapter_names import user_adapter
+from flywheel.models.adapter_names import SHARED, user_adapter
 from flywheel.models.cache import TMP_PREFIX, atomic_directory
 from flywheel.models.lora_adapter import CONFIG_FILE, WEIGHTS_FILE
 
@@ -50,10 +50,11 @@ def valid_name(name: str) -> str:
 def owned_by(names: Iterable[str], tenant: str, user: str | None) -> list[str]:
     """Those of `names` that forgetting `tenant` (or its end user `user`) removes: the user's own
     adapter (`user_adapter`), or the tenant's adapter and every one of its users' (`<tenant>.`...;
-    never another tenant's, such as `<tenant>2`'s). The deployment's `shared` adapter is nobody's."""
+    never another tenant's, such as `<tenant>2`'s). The deployment's `shared` adapter is nobody's,
+    also not a tenant's named so before that name was reserved."""
     if user is not None:
         return [name for name in names if name == user_adapter(tenant, user)]
-    return [name for name in names if name == tenant or name.startswith(f"{tenant}.")]
+    return [name for name in names if name != SHARED and (name == tenant or name.startswith(f"{tenant}."))]
 
 
 class AdapterStore:

@@ -127,7 +127,8 @@ class Answerer:
     def _finished(self, generation: Generation) -> None:
         """Counts, metrics, and each main choice's exact ids kept for the session's next prompt."""
         self.stats.turns += generation.body.n
-        if generation.session.turn_type == "main" and not generation.session.anonymous and generation.session.store:
+        if generation.session.turn_type == "main" and not generation.session.anonymous and generation.session.store \
+                and not generation.forgotten():
             for choice in generation.choices:
                 self.continuations.remember(generation.session.session_id, generation.prompt_ids + choice.output_ids,
                                             generation.continued_text(choice))

@@ -29,7 +29,7 @@ from flywheel.serve.api.messages import CountTokensRequest, MessagesRequest
 from flywheel.serve.api.messages_wire import MessagesWire
 from flywheel.serve.api.responses import ResponsesRequest
 from flywheel.serve.api.responses_wire import ResponseStore, ResponsesWire
-from flywheel.serve.api.sessions import FeedbackRequest, session_of
+from flywheel.serve.api.sessions import FeedbackRequest, header_text, session_of
 from flywheel.serve.backends.pool import EnginePool
 from flywheel.serve.continuation import SessionContinuations
 from flywheel.serve.ops.auth import install_auth
@@ -153,7 +153,7 @@ def create_gateway(pool: EnginePool, tokenizer: Any, recorder: Recorder, model_n
 
     @app.post("/v1/messages")
     async def messages(body: MessagesRequest, request: Request, response: Response) -> Any:
-        conversation = request.headers.get("x-claude-code-session-id") or body.session_hint()
+        conversation = header_text(request.headers, "x-claude-code-session-id") or body.session_hint()
         session = session_of(request.headers, None, None, conversation,
                              safety_identifier=body.metadata.user_id if body.metadata else None, **caller(request))
         chat = guarded(translated(body.to_chat), session)

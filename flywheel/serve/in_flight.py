@@ -94,6 +94,12 @@ class Generation:
         """The session the choice's turn is recorded in: with n > 1 each choice continues its own."""
         return f"{self.session.session_id}/{choice.index}" if self.body.n > 1 else self.session.session_id
 
+    def forgotten(self) -> bool:
+        """Whether its tenant or user was forgotten while it ran: nothing of it is kept then (its
+        turns, its stored response, its tokens for the session's next prompt)."""
+        return self.forgettings is not None and self.forgettings.since(self.session.tenant, self.session.user_id,
+                                                                       self.arrived)
+
     def announce(self) -> None:
         """Tell the collector that the session has a request in flight, with its turns' ids: a
         reply slower than `collect.idle_timeout_s` must not close the conversation as idle. Not
@@ -309,9 +315,7 @@ class Generation:
     def _turns(self) -> list[Turn]:
         """The request's turns, once (later calls: none; none at all for a request not to be
         kept, `store: false`, or of someone forgotten while it ran)."""
-        if self._recorded or not self.session.store:
-            return []
-        if self.forgettings is not None and self.forgettings.since(self.session.tenant, self.session.user_id, self.arrived):
+        if self._recorded or not self.session.store or self.forgotten():
             return []
         self._recorded = True
         several = self.body.n > 1

@@ -214,11 +214,8 @@ class ServeLoop:
 
     async def _follow_tenants(self) -> None:
         """Tenants and keys changed at run time, at any gateway, hold here too."""
-        async for name, entry in self.tenant_registry.entries():
-            if entry is None:
-                self.tenants.remove(name)
-            else:
-                self.tenants.apply(entry)
+        async for entry in self.tenant_registry.entries():
+            self.tenants.apply(entry)
 
     async def _follow_forgetting(self) -> None:
         """A tenant or user forgotten anywhere (`flywheel forget`, any gateway's admin route) is

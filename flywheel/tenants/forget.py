@@ -7,7 +7,7 @@ What goes:
   (JetStream's secure erase), with the object a large record's body was kept in;
 - the sessions they opened (`FLYWHEEL_SESSIONS`), so feedback naming one is a 404 again;
 - their records waiting in the gateways' spill files (each file rewritten without them);
-- for a whole tenant, its run-time entry (`FLYWHEEL_TENANTS`), its keys kept only as revoked;
+- for a whole tenant, its keys made or changed at run time (`FLYWHEEL_TENANTS`): revoked, first;
 - their LoRA adapters (`adapters.kind: lora`) in the run directory's adapter store
   (`run_dir/adapters`, the run directory being the ledger's): a user's own adapter, or the
   tenant's and all its users' (`adapter_store.owned_by`). Every gateway unloads them from its
@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import json
 import logging
+import time
 import uuid
 from collections import Counter
 from collections.abc import Iterable
@@ -61,7 +62,7 @@ from flywheel.bus.streams import (
     UNSCORED,
 )
 from flywheel.models.adapter_store import AdapterStore
-from flywheel.tenants.records import KeyEntry, TenantEntry
+from flywheel.tenants.records import KeyEntry
 from flywheel.tenants.sessions import BUCKET as SESSIONS_BUCKET
 from flywheel.tenants.sessions import session_key
 
@@ -137,6 +138,8 @@ async def forget(bus: Any, tenant: str, user: str | None = None, spill_dirs: Ite
                  ledger: Path | None = None, actor: str = "cli") -> Forgotten:
     """Remove `tenant`'s (or its `user`'s) records everywhere; see the module docstring."""
     report = Forgotten(tenant, user)
+    if user is None:
+        await _forget_tenant_entry(bus, tenant)
     matches = Matcher(tenant, user)
     # A user's sessions are known from their records as the streams are read; a second pass takes
     # what came before (an event before their first turn, another's turn or trajectory before theirs).
@@ -153,8 +156,6 @@ async def forget(bus: Any, tenant: str, user: str | None = None, spill_dirs: Ite
         report.versions = _versions_trained_on(ledger, matches.sample_digests)
     if ledger is not None and (ledger.parent / "adapters").is_dir():
         report.adapters = len(AdapterStore(ledger.parent / "adapters").forget(tenant, user))
-    if user is None:
-        await _forget_tenant_entry(bus, tenant)
     await bus.publish(AUDIT_SUBJECT, AuditEntry(
         id=uuid.uuid4().hex, actor=actor, action="forget", target=tenant if user is None else f"{tenant}/{user}",
         details=report.as_dict()))
@@ -191,21 +192,17 @@ async def _forget_sessions(bus: Any, sessions: set[str]) -> int:
 
 
 async def _forget_tenant_entry(bus: Any, tenant: str) -> None:
-    """The tenant's run-time entry purged (its history with it). Its keys stay revoked: one made
-    at run time opens nothing after, and one of the configuration revoked at run time does not
-    open again (a key is only its digest: nothing of the tenant's people). So where the entry held
-    keys it is written again, holding them revoked, with the tenant's settings."""
+    """The tenant's run-time entry, if it has one, written again with every key revoked and the
+    time it was forgotten, its settings as they were (a tenant of the configuration that stopped
+    training or keeping must not start again; a key is only its digest, nothing of its people).
+    Done first, so that no key of theirs opens anything while their records are deleted."""
     from flywheel.tenants.registry import TenantRegistry
 
     registry = await TenantRegistry.open(bus)
     entry = await registry.get(tenant)
-    if entry is None:
-        return
-    await registry.purge(tenant)
-    if entry.keys:
+    if entry is not None:
         revoked = [KeyEntry(id=key.id, digest=key.digest, revoked=True) for key in entry.keys]
-        await registry.put(TenantEntry(name=tenant, training=entry.training, store=entry.store, pii=entry.pii,
-                                       keys=revoked))
+        await registry.put(msgspec.structs.replace(entry, keys=revoked, updated_at=time.time(), forgotten_at=time.time()))
 
 
 def _scrub_spill(directory: Path, matches: Matcher) -> int:

@@ -28,5 +28,6 @@ class Forgettings:
 
     def since(self, tenant: str, user: str | None, arrived: float) -> bool:
         """Whether a request of `tenant`'s `user` that arrived at `arrived` (monotonic) was under way
-        when a forget covering them was heard of."""
-        return any(self._at.peek(who) >= arrived and forgets(who, (tenant, user)) for who in self._at)
+        when a forget covering them was heard of (of the whole tenant, or of that user)."""
+        return any((at := self._at.peek(who)) is not None and at >= arrived
+                   for who in {(tenant, None), (tenant, user)})

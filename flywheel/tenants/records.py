@@ -33,3 +33,7 @@ class TenantEntry(msgspec.Struct, kw_only=True):
     pii: Literal["off", "drop", "redact_input"] = "drop"
     keys: list[KeyEntry] = msgspec.field(default_factory=list)
     updated_at: float = msgspec.field(default_factory=time.time)
+    forgotten_at: float | None = None
+    """When the tenant was forgotten: its keys are all revoked, its settings stay (the
+    configuration's tenant must not start training or keeping again), and its name is free for a
+    new tenant of that name, who starts with those keys revoked."""

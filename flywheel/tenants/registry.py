@@ -50,10 +50,6 @@ class TenantRegistry:
     async def put(self, entry: TenantEntry) -> None:
         await self._kv.put(f"t.{entry.name}", msgspec.msgpack.encode(entry))
 
-    async def purge(self, name: str) -> None:
-        """The tenant's entry deleted with its history (followers read a deletion)."""
-        await self._kv.purge(f"t.{name}")
-
     async def current(self) -> list[TenantEntry]:
         """Every tenant entry there is now. The keys come from the bucket's stream (the subjects
         it holds), not `kv.keys()`, whose watcher can say "no more keys" too soon (see
@@ -63,19 +59,14 @@ class TenantRegistry:
         names = [subject.removeprefix(f"{prefix}t.") for subject in info.state.subjects or {}]
         return [entry for entry in [await self.get(name) for name in names] if entry is not None]
 
-    async def entries(self) -> AsyncIterator[tuple[str, TenantEntry | None]]:
-        """Every tenant entry there is, then every change as it is written (for ever), by tenant
-        name: None when the entry is deleted (its tenant forgotten)."""
+    async def entries(self) -> AsyncIterator[TenantEntry]:
+        """Every tenant entry there is, then every change as it is written (for ever)."""
         watcher = await self._kv.watchall()
         async for entry in watcher:
-            if entry is None:
-                continue  # the end of what the bucket held
-            name = entry.key.removeprefix("t.")
-            if not entry.value:
-                yield name, None
-                continue
+            if entry is None or not entry.value:
+                continue  # the end of what the bucket held, or a deletion
             try:
-                yield name, msgspec.msgpack.decode(entry.value, type=TenantEntry)
+                yield msgspec.msgpack.decode(entry.value, type=TenantEntry)
             except (msgspec.ValidationError, msgspec.DecodeError) as exc:
                 log.error("ignoring a malformed tenant entry %s: %s", entry.key, exc)
 

@@ -75,6 +75,8 @@ class ResponseStore:
         items = self._tenants.get(tenant)
         if items is None:
             return 0
+        if user is None:
+            return len(self._tenants.pop(tenant))
         gone = [key for key in items if any(forgets((tenant, user), (tenant, u)) for u in items.peek(key).users)]
         for key in gone:
             items.pop(key)
@@ -139,7 +141,7 @@ class ResponsesWire(Wire):
     def _finished(self, g: Generation) -> dict[str, Any]:
         items, status, message = self._output(g, g.choices[0])
         response = self._response(g, status, items)
-        if self.request.store and self.session.store:
+        if self.request.store and self.session.store and not g.forgotten():
             conversation = self.history + self.request.conversation() + [message]
             session = self.session
             users = (self.previous.users if self.previous else frozenset()) | {session.user_id}

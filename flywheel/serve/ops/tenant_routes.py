@@ -70,10 +70,10 @@ def install_tenant_routes(app: FastAPI, directory: TenantDirectory, registry: Te
     async def entry_of(name: str) -> TenantEntry:
         """The tenant's run-time entry, started from the configuration's settings; 404 if no such tenant."""
         entry = await registry.get(name)
-        if entry is not None:
-            return entry
         known = directory.tenants().get(name)
-        if known is None:
+        if entry is not None and (entry.forgotten_at is None or known is not None):
+            return entry
+        if known is None:  # also a forgotten tenant that only keys made at run time had
             raise APIError(404, f"tenant {name!r} not found", "name", "tenant_not_found")
         return TenantEntry(name=name, training=known["training"], store=known["store"], pii=known["pii"])
 
@@ -93,9 +93,11 @@ def install_tenant_routes(app: FastAPI, directory: TenantDirectory, registry: Te
         admin()
         if (error := tenant_name_error(body.name)) is not None:
             raise APIError(400, error, "name")
-        if body.name in directory.tenants() or await registry.get(body.name) is not None:
+        before = await registry.get(body.name)
+        if body.name in directory.tenants() or (before is not None and before.forgotten_at is None):
             raise APIError(409, f"tenant {body.name!r} exists", "name", "tenant_exists")
-        entry = TenantEntry(name=body.name, training=body.training, store=body.store, pii=body.pii)
+        entry = TenantEntry(name=body.name, training=body.training, store=body.store, pii=body.pii,
+                            keys=before.keys if before is not None else [])  # a forgotten one's: revoked
         await save(entry, "tenant.add", body.name, {"training": body.training, "store": body.store, "pii": body.pii})
         return {"name": entry.name, "training": entry.training, "store": entry.store, "pii": entry.pii, "keys": []}
 
@@ -137,12 +139,8 @@ def install_tenant_routes(app: FastAPI, directory: TenantDirectory, registry: Te
         admin()
         app.state.forget_cached(body.tenant, body.user)  # first: a request of theirs ending meanwhile is not recorded
         report = await forget(registry.bus, body.tenant, body.user, spill_dirs, ledger, actor="admin")
-        if body.user is None:  # here at once; every other gateway when it reads the change
-            entry = await registry.get(body.tenant)
-            if entry is None:
-                directory.remove(body.tenant)
-            else:
-                directory.apply(entry)
+        if body.user is None and (entry := await registry.get(body.tenant)) is not None:
+            directory.apply(entry)  # here at once (the watcher may be a moment behind)
         return report.as_dict()
 
     @app.get("/admin/audit")

@@ -97,12 +97,6 @@ class TenantDirectory:
         self._entries[entry.name] = entry
         self._rebuild()
 
-    def remove(self, name: str) -> None:
-        """A tenant forgotten: what was changed at run time is gone, its keys made then open
-        nothing, and a tenant of the configuration is as the configuration says."""
-        if self._entries.pop(name, None) is not None:
-            self._rebuild()
-
     def _rebuild(self) -> None:
         settings = dict(self._base_settings)
         privacy = dict(self._base_privacy)
