@@ -9,7 +9,7 @@ from flywheel.bus import (
 )
 from flywheel.bus.stitch import stitch
 from flywheel.collect.loop import CollectLoop
-from flywheel.collect.tracker import SessionTracker
+from flywheel.collect.tracker import Closed, SessionTracker
 from flywheel.config import load_config
 from flywheel.config.schema import CollectConfig
 
@@ -237,6 +237,26 @@ def test_a_late_turn_of_another_person_does_not_join_the_stretch_it_arrives_afte
     [closed] = tracker.add(feedback(reward=1.0), 4)
     assert [(t.user_id, t.adapter, sorted(u.id for u in t.turns)) for t in closed.trajectories] == [
         ("bob", "B", ["b"]), ("ada", "A", ["a", "c"])]
+
+
+def test_what_was_made_before_a_forget_never_comes_back():
+    """ada is forgotten at t=10: her open session (bob's turn in it too) is dropped whole; a late
+    turn of hers made before then, or of that session, is dropped as it arrives, and so is a
+    trajectory of hers waiting to be published; what she says after t=10 is new, and kept."""
+    tracker = SessionTracker(CollectConfig(feedback_grace_s=0))
+    assert tracker.add(turn("a", session="s", user_id="ada", created_at=5.0), "h-a") == []
+    assert tracker.add(turn("b", session="s", index=1, prompt=[1, 2, 3], user_id="bob", created_at=6.0), "h-b") == []
+    waiting = turn("w", session="w", user_id="ada", created_at=4.0, session_done=True)
+    [held] = SessionTracker(CollectConfig(feedback_grace_s=0)).add(waiting, "h-w")  # closed, not yet published
+    [dropped] = tracker.forget("open", "ada", at=10.0)
+    assert dropped.trajectories == [] and sorted(dropped.handles) == ["h-a", "h-b"] and tracker.open_sessions == 0
+    assert tracker.forgotten.in_trajectory(held.trajectory)
+    for late in (turn("c", session="s", index=2, prompt=[1, 2, 3, 4, 5], user_id="bob", created_at=9.0),
+                 turn("d", session="t", user_id="ada", created_at=8.0, session_done=True)):
+        assert tracker.add(late, late.id) == [Closed([], [late.id])]
+    [kept] = tracker.add(turn("e", session="s", user_id="ada", created_at=11.0, session_done=True), "h-e")
+    assert [t.id for t in kept.trajectory.turns] == ["e"]
+    assert tracker.counts["forgotten_sessions"] == 1 and tracker.counts["forgotten_records"] == 2
 
 
 def test_token_limit_counts_stitched_tokens_not_the_sum_of_prompts():

@@ -126,6 +126,8 @@ async def test_a_forgotten_tenants_keys_open_nothing_at_any_gateway(nats_url, tm
                 assert serve.tenants.grant_of(b"acme-key").training == "off"  # the configuration's key, as changed
             assert (await admin.post("/admin/tenants/gone/keys", json={})).status_code == 404  # as never made
             assert (await admin.post("/admin/tenants", json={"name": "gone"})).status_code == 200  # the name is free
+            assert (await admin.post("/admin/tenants", json={"name": "acme"})).status_code == 409  # the configuration's
+            assert (await admin.patch("/admin/tenants/acme", json={"store": False})).status_code == 200  # still managed
             assert first.tenants.grant_of(key.encode()) is None
 
 
@@ -218,7 +220,7 @@ async def test_a_session_still_open_when_its_user_is_forgotten_never_becomes_a_t
         await until(lambda: collect.tracker.open_sessions == 1)
         async with httpx.AsyncClient(base_url=serve.url, headers={"Authorization": "Bearer root"}) as admin:
             assert (await admin.post("/admin/forget", json={"tenant": "acme", "user": "ada"})).status_code == 200
-        await until(lambda: collect.tracker.counts.get("forgotten") == 1)
+        await until(lambda: collect.tracker.counts.get("forgotten_sessions") == 1)
         await say("Starting over.", **{"X-Session-Done": "true"})
         [trajectory] = await read(bus, TRAJECTORY_SUBJECT, "trajectories", 1, lambda r: isinstance(r, Trajectory))
         after = await everything_on_the_bus(bus)

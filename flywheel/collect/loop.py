@@ -8,9 +8,10 @@ collector that dies loses nothing: within an ack wait its records are redelivere
 one, which rebuilds the open sessions in stream order before taking anything newer
 (`flywheel/collect/recovery.py`), and JetStream drops the re-publish of a trajectory already sent (same
 id, within its duplicate window). It also sweeps the large records' bodies past their
-tenant's retention (flywheel/bus/large.py), and follows the audit log: a tenant or user forgotten
-(`flywheel forget`) leaves nothing of theirs held in the sessions still open (`SessionTracker.forget`),
-whose turns would otherwise come back in a trajectory once the session closed.
+tenant's retention (flywheel/bus/large.py), and reads the audit log, all of it: a tenant or user
+forgotten (`flywheel forget`, from when it begins) leaves nothing of theirs made before it in what
+the collector holds or is sent later, nor in a trajectory waiting to be published
+(`SessionTracker.forget`, flywheel/collect/forgotten_people.py).
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from flywheel.collect.recovery import RestartBarrier
 from flywheel.collect.tracker import Closed, SessionTracker
 from flywheel.config import FlywheelConfig
 from flywheel.runtime import cancel_and_wait, repeat
+from flywheel.tenants.forgotten import FORGETTING
 
 log = logging.getLogger(__name__)
 SWEEP_S = 60.0
@@ -41,8 +43,8 @@ class CollectLoop(ConsumerLoop):
         super().__init__(config, bus_url, durable)
         self.tracker = SessionTracker(config.collect)
         self._closed: list[Closed] = []
-        self._forgotten: list[tuple[str, str | None]] = []
-        """Forgets heard on the audit log, applied to the tracker at the next step."""
+        self._forgotten: list[tuple[str, str | None, float]] = []
+        """Forgets read on the audit log (who, when), applied at the next step."""
 
     async def prepare(self) -> None:
         outstanding, last_delivered = await self.consumer.unacknowledged()
@@ -51,10 +53,11 @@ class CollectLoop(ConsumerLoop):
         self._forgetting = asyncio.create_task(repeat(self._follow_forgetting, "collect.forget"), name="collect.forget")
 
     async def _follow_forgetting(self) -> None:
-        async for entry in self.bus.follow(AUDIT_SUBJECT, from_last=False):
+        """Every forget, from the first (a restarted collector, or this follower, must miss none)."""
+        async for entry in self.bus.follow(AUDIT_SUBJECT, from_last=False, from_first=True):
             assert isinstance(entry, AuditEntry)
-            if entry.action == "forget":
-                self._forgotten.append((entry.details["tenant"], entry.details.get("user")))
+            if entry.action in FORGETTING:
+                self._forgotten.append((entry.details["tenant"], entry.details.get("user"), entry.created_at))
 
     async def _sweep_large(self) -> None:
         """Large records' bodies past their tenant's retention go (flywheel/bus/large.py), every minute."""
@@ -79,6 +82,8 @@ class CollectLoop(ConsumerLoop):
             self._closed.extend(self.tracker.add(delivery.record, delivery))
         while self._forgotten:
             self._closed.extend(self.tracker.forget(*self._forgotten.pop(0)))
+            self._closed = [Closed([], item.handles) if any(map(self.tracker.forgotten.in_trajectory, item.trajectories))
+                            else item for item in self._closed]
         self._closed.extend(self.tracker.expire())
         if self._closed:  # what fails to publish stays here and is retried next step
             closed, self._closed = self._closed, []

@@ -63,9 +63,9 @@ from typing import Any
 from flywheel.bus import SessionEvent, Trajectory, Turn
 from flywheel.bus.dedup import RecentIds
 from flywheel.bus.stitch import stitch, without_tokens
+from flywheel.collect.forgotten_people import ForgottenPeople
 from flywheel.collect.lineage import Arrangement, arrange
 from flywheel.config.schema import CollectConfig
-from flywheel.tenants.forgotten import forgets
 
 log = logging.getLogger(__name__)
 
@@ -100,6 +100,9 @@ class _Session:
     def has_turns(self) -> bool:
         return bool(self.turns or self.pieces)
 
+    def all_turns(self) -> list[Turn]:
+        return [t for piece, _ in self.pieces for t in piece.values()] + list(self.turns.values())
+
 
 @dataclass
 class Closed:
@@ -133,9 +136,12 @@ class SessionTracker:
         """Ended sessions waiting for a reward, with their deadline, earliest first."""
         self._emitted_records = RecentIds(config.remember_closed)
         self._emitted_sessions = RecentIds(config.remember_closed)
+        self.forgotten = ForgottenPeople(config.remember_closed)
+        """The forgets read on the audit log, and the sessions dropped for them."""
         self.counts = {
             "turns": 0, "duplicates": 0, "side_turns": 0, "events": 0, "trajectories": 0, "empty": 0,
-            "splits": 0, "limit": 0, "user_splits": 0, "forgotten": 0, "late_feedback": 0, "threads": 0, "retry_orphans": 0, "unused_turns": 0,
+            "splits": 0, "limit": 0, "user_splits": 0, "forgotten_sessions": 0, "forgotten_records": 0,
+            "late_feedback": 0, "threads": 0, "retry_orphans": 0, "unused_turns": 0,
             "truncated_turns": 0, "aborted_tokens": 0, "truncated_tokens": 0,
         }
         """`threads`: conversations in the emitted trajectories (a session of one has 1);
@@ -150,6 +156,9 @@ class SessionTracker:
         repeat = self._repeat(record, handle)
         if repeat is not None:
             return repeat
+        if self.forgotten.before(record):
+            self.counts["forgotten_records"] += 1
+            return [Closed([], [handle])]
         if isinstance(record, Turn):
             return self._add_turn(record, handle)
         return self._add_event(record, handle)
@@ -192,15 +201,19 @@ class SessionTracker:
             closed.append(self._emit(session, session.close_reason))
         return closed
 
-    def forget(self, tenant: str, user: str | None) -> list[Closed]:
-        """Drop the open and waiting sessions `tenant`'s `user` (every user, for None) took part in,
-        whole: nothing of them is emitted; their records are to be acknowledged (a forget deletes
-        them from the bus)."""
+    def forget(self, tenant: str, user: str | None, at: float) -> list[Closed]:
+        """`tenant`'s `user` (every user, for None) forgotten at `at`: the open and waiting sessions
+        they took part in by then are dropped whole, nothing of them emitted, their records to be
+        acknowledged (the forget deletes them from the bus); what of theirs made before `at` comes
+        later is dropped as it arrives (flywheel/collect/forgotten_people.py)."""
+        self.forgotten.add(tenant, user, at)
         closed = []
         for sessions, of in ((self._open, lambda held: held), (self._waiting, lambda held: held[1])):
-            for sid in [sid for sid, held in sessions.items() if _took_part(of(held), tenant, user)]:
+            for sid in [sid for sid, held in sessions.items()
+                        if self.forgotten.took_part(of(held).all_turns(), tenant, user, at)]:
+                self.forgotten.drop_session(sid, at)
                 closed.append(Closed([], of(sessions.pop(sid)).handles))
-                self.counts["forgotten"] += 1
+                self.counts["forgotten_sessions"] += 1
         return closed
 
     def _touch(self, session_id: str) -> _Session:
@@ -358,11 +371,6 @@ class SessionTracker:
             segments += stitch(thread, position, arranged.untrained, masked)
             position += len(thread)
         return segments
-
-
-def _took_part(session: _Session, tenant: str, user: str | None) -> bool:
-    turns = [t for piece, _ in session.pieces for t in piece.values()] + list(session.turns.values())
-    return any(forgets((tenant, user), (t.tenant, t.user_id)) for t in turns)
 
 
 def _same_person(turns: Iterable[Turn], turn: Turn) -> bool:

@@ -54,6 +54,7 @@ from flywheel.serve.ops.version_routes import VersionBoard
 from flywheel.serve.practice import install_practice_route
 from flywheel.serve.recorder import Recorder
 from flywheel.serve.routing import RoutedPool
+from flywheel.tenants.forgotten import BEGUN, FORGETTING
 from flywheel.tenants.registry import TenantRegistry
 from flywheel.tenants.sessions import SessionRegistry
 from flywheel.versions.records import Arm, Routing
@@ -226,12 +227,13 @@ class ServeLoop:
         flywheel/train/forget_adapters.py): a version a step under way published meanwhile goes too."""
         async for entry in self.bus.follow(AUDIT_SUBJECT, from_last=False):
             assert isinstance(entry, AuditEntry)
-            if entry.action not in ("forget", DROPPED):
+            if entry.action not in (*FORGETTING, DROPPED):
                 continue
             tenant, user = entry.details["tenant"], entry.details.get("user")
-            if entry.action == "forget":
+            if entry.action in FORGETTING:  # from when it begins: their requests under way are not recorded
                 self.app.state.forget_cached(tenant, user)
-            await self.adapters.forget(tenant, user)
+            if entry.action != BEGUN:
+                await self.adapters.forget(tenant, user)
 
     async def _follow_routing(self) -> None:
         async for routing in self.bus.follow(ROUTING_SUBJECT, newest_only=True):

@@ -21,7 +21,9 @@ shared hold their words in its prompts. What stays is the lineage:
 by id, so nothing readable is left, and the digests of the forgotten samples say which versions
 trained on them: those weights still hold what they learned (retraining them without the
 forgotten samples is the operator's decision: `flywheel forget --retrain`,
-flywheel/train/retrain.py). An audit entry says who asked, when, and what was removed.
+flywheel/train/retrain.py). Two audit entries say who asked and when: `forget.begin` before
+anything is deleted (the gateways and the collector stop keeping what of theirs is under way or
+held), and `forget`, with what was removed, once it is done (the judge and the trainer forget then).
 """
 
 from __future__ import annotations
@@ -62,6 +64,7 @@ from flywheel.bus.streams import (
     UNSCORED,
 )
 from flywheel.models.adapter_store import AdapterStore
+from flywheel.tenants.forgotten import BEGUN
 from flywheel.tenants.records import KeyEntry
 from flywheel.tenants.sessions import BUCKET as SESSIONS_BUCKET
 from flywheel.tenants.sessions import session_key
@@ -138,6 +141,8 @@ async def forget(bus: Any, tenant: str, user: str | None = None, spill_dirs: Ite
                  ledger: Path | None = None, actor: str = "cli") -> Forgotten:
     """Remove `tenant`'s (or its `user`'s) records everywhere; see the module docstring."""
     report = Forgotten(tenant, user)
+    await bus.publish(AUDIT_SUBJECT, AuditEntry(id=uuid.uuid4().hex, actor=actor, action=BEGUN, target=_target(tenant, user),
+                                                details={"tenant": tenant, "user": user}))
     if user is None:
         await _forget_tenant_entry(bus, tenant)
     matches = Matcher(tenant, user)
@@ -157,7 +162,7 @@ async def forget(bus: Any, tenant: str, user: str | None = None, spill_dirs: Ite
     if ledger is not None and (ledger.parent / "adapters").is_dir():
         report.adapters = len(AdapterStore(ledger.parent / "adapters").forget(tenant, user))
     await bus.publish(AUDIT_SUBJECT, AuditEntry(
-        id=uuid.uuid4().hex, actor=actor, action="forget", target=tenant if user is None else f"{tenant}/{user}",
+        id=uuid.uuid4().hex, actor=actor, action="forget", target=_target(tenant, user),
         details=report.as_dict()))
     return report
 
@@ -189,6 +194,10 @@ async def _forget_sessions(bus: Any, sessions: set[str]) -> int:
         except KeyNotFoundError:
             pass
     return removed
+
+
+def _target(tenant: str, user: str | None) -> str:
+    return tenant if user is None else f"{tenant}/{user}"
 
 
 async def _forget_tenant_entry(bus: Any, tenant: str) -> None:

@@ -9,6 +9,11 @@ import time
 
 from flywheel.lru import LRU
 
+BEGUN = "forget.begin"
+"""The audit entry a forget puts on the log before it deletes anything (`forget`, with its report,
+when it is done): whoever holds traffic stops keeping theirs at once."""
+FORGETTING = frozenset({BEGUN, "forget"})
+
 
 def forgets(forgotten: tuple[str, str | None], holder: tuple[str, str | None]) -> bool:
     """Whether forgetting `forgotten` (a tenant and one of its end users, or None for all of them)

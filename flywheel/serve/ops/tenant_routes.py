@@ -70,10 +70,10 @@ def install_tenant_routes(app: FastAPI, directory: TenantDirectory, registry: Te
     async def entry_of(name: str) -> TenantEntry:
         """The tenant's run-time entry, started from the configuration's settings; 404 if no such tenant."""
         entry = await registry.get(name)
-        known = directory.tenants().get(name)
-        if entry is not None and (entry.forgotten_at is None or known is not None):
-            return entry
-        if known is None:  # also a forgotten tenant that only keys made at run time had
+        if entry is not None and (entry.forgotten_at is None or directory.configured(name)):
+            return entry  # a forgotten tenant of the configuration keeps its changed settings
+        known = directory.tenants().get(name) if entry is None else None
+        if known is None:  # also a forgotten tenant made at run time: as if never made
             raise APIError(404, f"tenant {name!r} not found", "name", "tenant_not_found")
         return TenantEntry(name=name, training=known["training"], store=known["store"], pii=known["pii"])
 
@@ -94,7 +94,8 @@ def install_tenant_routes(app: FastAPI, directory: TenantDirectory, registry: Te
         if (error := tenant_name_error(body.name)) is not None:
             raise APIError(400, error, "name")
         before = await registry.get(body.name)
-        if body.name in directory.tenants() or (before is not None and before.forgotten_at is None):
+        if body.name in directory.tenants() or directory.configured(body.name) \
+                or (before is not None and before.forgotten_at is None):
             raise APIError(409, f"tenant {body.name!r} exists", "name", "tenant_exists")
         entry = TenantEntry(name=body.name, training=body.training, store=body.store, pii=body.pii,
                             keys=before.keys if before is not None else [])  # a forgotten one's: revoked

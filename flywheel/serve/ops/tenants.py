@@ -115,6 +115,10 @@ class TenantDirectory:
                        for digest, key in keys.items()}
         self._privacy = privacy
 
+    def configured(self, name: str) -> bool:
+        """Whether `name` is a tenant of the configuration (whatever became of its keys since)."""
+        return name in self._base_settings
+
     def privacy_of(self, tenant: str) -> tuple[str, tuple[str, ...] | None]:
         """A tenant's personal-data policy and the types it looks for (`Grant.pii`, `pii_entities`)."""
         return self._privacy.get(tenant, ("off", None))
