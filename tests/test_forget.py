@@ -9,12 +9,16 @@ import json
 import subprocess
 
 import httpx
+import msgspec
 import openai
+import pytest
 
 from flywheel.bus import TRAJECTORY_SUBJECT, Trajectory
 from flywheel.cli import command
 from flywheel.models import load_model
 from flywheel.serve.continuation import SessionContinuations
+from flywheel.tenants.forget import forget
+from flywheel.tenants.registry import Changed, TenantRegistry
 
 from bus_reading import everything_on_the_bus, read
 from factories import platform
@@ -226,3 +230,19 @@ async def test_a_session_still_open_when_its_user_is_forgotten_never_becomes_a_t
         after = await everything_on_the_bus(bus)
     assert [t.messages[-1]["content"] for t in trajectory.turns] == ["Starting over."]
     assert MARKERS["ada"].encode() not in after
+
+
+async def test_an_admin_change_read_before_a_forget_cannot_write_the_tenants_keys_back(nats_url, tmp_path, bus):
+    """A PATCH that read the tenant's entry, then a forget, then the PATCH's write: refused (409 at
+    the API), so the keys the forget revoked stay revoked."""
+    async with platform(nats_url, tmp_path, "serve.admin_key=root", "tenants={acme: {keys: [acme-key]}}") as (serve, _, _):
+        async with httpx.AsyncClient(base_url=serve.url, headers={"Authorization": "Bearer root"}) as admin:
+            assert (await admin.post("/admin/tenants", json={"name": "gone"})).status_code == 200
+            key = (await admin.post("/admin/tenants/gone/keys", json={})).json()["key"]
+        registry = await TenantRegistry.open(bus)
+        stale, revision = await registry.read("gone")
+        await forget(bus, "gone")
+        with pytest.raises(Changed):
+            await registry.write(msgspec.structs.replace(stale, training="opt_out"), revision)
+        assert all(k.revoked for k in (await registry.get("gone")).keys)
+        await until(lambda: serve.tenants.grant_of(key.encode()) is None)

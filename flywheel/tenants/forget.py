@@ -141,8 +141,8 @@ async def forget(bus: Any, tenant: str, user: str | None = None, spill_dirs: Ite
                  ledger: Path | None = None, actor: str = "cli") -> Forgotten:
     """Remove `tenant`'s (or its `user`'s) records everywhere; see the module docstring."""
     report = Forgotten(tenant, user)
-    await bus.publish(AUDIT_SUBJECT, AuditEntry(id=uuid.uuid4().hex, actor=actor, action=BEGUN, target=_target(tenant, user),
-                                                details={"tenant": tenant, "user": user}))
+    await bus.publish(AUDIT_SUBJECT, AuditEntry(id=uuid.uuid4().hex, actor=actor, action=BEGUN,
+                                                target=_target(tenant, user), details={"tenant": tenant, "user": user}))
     if user is None:
         await _forget_tenant_entry(bus, tenant)
     matches = Matcher(tenant, user)
@@ -205,13 +205,19 @@ async def _forget_tenant_entry(bus: Any, tenant: str) -> None:
     time it was forgotten, its settings as they were (a tenant of the configuration that stopped
     training or keeping must not start again; a key is only its digest, nothing of its people).
     Done first, so that no key of theirs opens anything while their records are deleted."""
-    from flywheel.tenants.registry import TenantRegistry
+    from flywheel.tenants.registry import Changed, TenantRegistry
 
     registry = await TenantRegistry.open(bus)
-    entry = await registry.get(tenant)
-    if entry is not None:
+    while True:
+        entry, revision = await registry.read(tenant)
+        if entry is None:
+            return
         revoked = [KeyEntry(id=key.id, digest=key.digest, revoked=True) for key in entry.keys]
-        await registry.put(msgspec.structs.replace(entry, keys=revoked, updated_at=time.time(), forgotten_at=time.time()))
+        try:  # over exactly what was read: a key made meanwhile is read again, and revoked
+            return await registry.write(msgspec.structs.replace(entry, keys=revoked, updated_at=time.time(),
+                                                                forgotten_at=time.time()), revision)
+        except Changed:
+            continue
 
 
 def _scrub_spill(directory: Path, matches: Matcher) -> int:

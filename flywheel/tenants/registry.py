@@ -15,7 +15,7 @@ from typing import Any
 
 import msgspec
 from nats.js.api import KeyValueConfig, StorageType
-from nats.js.errors import BucketNotFoundError, KeyNotFoundError, NotFoundError
+from nats.js.errors import BucketNotFoundError, KeyNotFoundError, KeyWrongLastSequenceError, NotFoundError
 
 from flywheel.bus.records import AuditEntry, decode
 from flywheel.bus.streams import AUDIT_SUBJECT
@@ -23,6 +23,10 @@ from flywheel.tenants.records import TenantEntry
 
 BUCKET = "FLYWHEEL_TENANTS"
 log = logging.getLogger(__name__)
+
+
+class Changed(Exception):
+    """A tenant's entry changed between reading and writing it."""
 
 
 class TenantRegistry:
@@ -41,14 +45,24 @@ class TenantRegistry:
         return cls(bus, kv)
 
     async def get(self, name: str) -> TenantEntry | None:
+        return (await self.read(name))[0]
+
+    async def read(self, name: str) -> tuple[TenantEntry | None, int]:
+        """The tenant's entry and its revision (0: none), to `write` back changed."""
         try:
             entry = await self._kv.get(f"t.{name}")
         except KeyNotFoundError:
-            return None
-        return msgspec.msgpack.decode(entry.value, type=TenantEntry) if entry.value else None
+            return None, 0
+        return (msgspec.msgpack.decode(entry.value, type=TenantEntry) if entry.value else None), entry.revision or 0
 
-    async def put(self, entry: TenantEntry) -> None:
-        await self._kv.put(f"t.{entry.name}", msgspec.msgpack.encode(entry))
+    async def write(self, entry: TenantEntry, revision: int) -> None:
+        """Write `entry` over the one read at `revision` (0: there was none); `Changed` if it was
+        changed since (two admin calls, or an admin call and a forget, must not undo each other)."""
+        key, value = f"t.{entry.name}", msgspec.msgpack.encode(entry)
+        try:
+            await (self._kv.update(key, value, last=revision) if revision else self._kv.create(key, value))
+        except KeyWrongLastSequenceError:
+            raise Changed(entry.name) from None
 
     async def current(self) -> list[TenantEntry]:
         """Every tenant entry there is now. The keys come from the bucket's stream (the subjects

@@ -31,7 +31,7 @@ from flywheel.serve.api.validation import Body
 from flywheel.serve.ops.tenants import TenantDirectory
 from flywheel.tenants.forget import forget
 from flywheel.tenants.records import KeyEntry, TenantEntry
-from flywheel.tenants.registry import TenantRegistry
+from flywheel.tenants.registry import Changed, TenantRegistry
 
 Training = Literal["opt_in", "opt_out", "off"]
 PiiPolicy = Literal["off", "drop", "redact_input"]
@@ -67,18 +67,25 @@ def install_tenant_routes(app: FastAPI, directory: TenantDirectory, registry: Te
         if admin_key is None:
             raise APIError(403, "the tenant admin API needs serve.admin_key to be set", code="admin_key_required")
 
-    async def entry_of(name: str) -> TenantEntry:
-        """The tenant's run-time entry, started from the configuration's settings; 404 if no such tenant."""
-        entry = await registry.get(name)
+    async def entry_of(name: str) -> tuple[TenantEntry, int]:
+        """The tenant's run-time entry, started from the configuration's settings, and the revision
+        it was read at (0: none yet); 404 if no such tenant."""
+        entry, revision = await registry.read(name)
         if entry is not None and (entry.forgotten_at is None or directory.configured(name)):
-            return entry  # a forgotten tenant of the configuration keeps its changed settings
+            return entry, revision  # a forgotten tenant of the configuration keeps its changed settings
         known = directory.tenants().get(name) if entry is None else None
         if known is None:  # also a forgotten tenant made at run time: as if never made
             raise APIError(404, f"tenant {name!r} not found", "name", "tenant_not_found")
-        return TenantEntry(name=name, training=known["training"], store=known["store"], pii=known["pii"])
+        return TenantEntry(name=name, training=known["training"], store=known["store"], pii=known["pii"]), revision
 
-    async def save(entry: TenantEntry, action: str, target: str, details: dict[str, Any]) -> None:
-        await registry.put(entry)
+    async def save(entry: TenantEntry, revision: int, action: str, target: str, details: dict[str, Any]) -> None:
+        """Write `entry` over the one read at `revision`: 409 if it changed meanwhile (another admin
+        call, or a forget that revoked its keys), for the caller to send again."""
+        try:
+            await registry.write(entry, revision)
+        except Changed:
+            raise APIError(409, f"tenant {entry.name!r} changed meanwhile; send it again", "name",
+                           "tenant_changed") from None
         directory.apply(entry)
         await registry.audit(AuditEntry(id=secrets.token_hex(16), actor="admin", action=action, target=target,
                                         details=details))
@@ -93,46 +100,48 @@ def install_tenant_routes(app: FastAPI, directory: TenantDirectory, registry: Te
         admin()
         if (error := tenant_name_error(body.name)) is not None:
             raise APIError(400, error, "name")
-        before = await registry.get(body.name)
+        before, revision = await registry.read(body.name)
         if body.name in directory.tenants() or directory.configured(body.name) \
                 or (before is not None and before.forgotten_at is None):
             raise APIError(409, f"tenant {body.name!r} exists", "name", "tenant_exists")
         entry = TenantEntry(name=body.name, training=body.training, store=body.store, pii=body.pii,
                             keys=before.keys if before is not None else [])  # a forgotten one's: revoked
-        await save(entry, "tenant.add", body.name, {"training": body.training, "store": body.store, "pii": body.pii})
+        await save(entry, revision, "tenant.add", body.name,
+                   {"training": body.training, "store": body.store, "pii": body.pii})
         return {"name": entry.name, "training": entry.training, "store": entry.store, "pii": entry.pii, "keys": []}
 
     @app.patch("/admin/tenants/{name}")
     async def change_tenant(name: str, body: TenantChange) -> dict[str, Any]:
         admin()
-        entry = await entry_of(name)
+        entry, revision = await entry_of(name)
         changed = body.model_dump(exclude_none=True)
         for field, value in changed.items():
             setattr(entry, field, value)
-        await save(entry, "tenant.change", name, changed)
+        await save(entry, revision, "tenant.change", name, changed)
         return {"name": name, "training": entry.training, "store": entry.store, "pii": entry.pii}
 
     @app.post("/admin/tenants/{name}/keys")
     async def add_key(name: str, body: NewKey | None = None) -> dict[str, Any]:
         admin()
         body = body or NewKey()
-        entry = await entry_of(name)
+        entry, revision = await entry_of(name)
         key = "fw-" + secrets.token_urlsafe(32)
         digest = hashlib.sha256(key.encode()).hexdigest()
         entry.keys.append(KeyEntry(id=digest[:12], digest=digest, training=body.training, store=body.store))
-        await save(entry, "key.add", f"{name}/{digest[:12]}", {"training": body.training, "store": body.store})
+        await save(entry, revision, "key.add", f"{name}/{digest[:12]}",
+                   {"training": body.training, "store": body.store})
         return {"id": digest[:12], "key": key, "tenant": name}
 
     @app.delete("/admin/tenants/{name}/keys/{key_id}")
     async def revoke_key(name: str, key_id: str) -> dict[str, Any]:
         admin()
-        entry = await entry_of(name)
+        entry, revision = await entry_of(name)
         digest = next((d for d, grant in directory.grants.items() if grant.tenant == name and d.hex()[:12] == key_id), None)
         if digest is None:
             raise APIError(404, f"tenant {name!r} has no key {key_id!r}", "key_id", "key_not_found")
         entry.keys = [k for k in entry.keys if k.digest != digest.hex()]
         entry.keys.append(KeyEntry(id=key_id, digest=digest.hex(), revoked=True))
-        await save(entry, "key.revoke", f"{name}/{key_id}", {})
+        await save(entry, revision, "key.revoke", f"{name}/{key_id}", {})
         return {"id": key_id, "tenant": name, "revoked": True}
 
     @app.post("/admin/forget")
