@@ -201,8 +201,8 @@ class Trajectory(Record, kw_only=True):
     tenant: str = "open"
     """The tenant that owns the session (its turns')."""
     user_id: str | None = None
-    """The end user its turns name (all of them: a session two people share is a trajectory for
-    each stretch of one person's turns, flywheel/collect/tracker.py)."""
+    """The end user its turns name (the one: a session two people share is a trajectory for each
+    stretch of one person's turns, flywheel/collect/tracker.py; a turn may name none)."""
     adapter: str | None = None
     """The adapter its turns were sampled with (the last turn's): the one its sample trains."""
     consent: bool = False

@@ -16,21 +16,18 @@ from collections.abc import Iterable
 
 from flywheel.bus import SessionEvent, Trajectory, Turn
 from flywheel.lru import LRU
-from flywheel.tenants.forgotten import forgets
-
-PEOPLE = 4096
-"""The most forgets remembered (the newest)."""
+from flywheel.tenants.forgotten import Forgettings, forgets
 
 
 class ForgottenPeople:
     def __init__(self, sessions: int):
-        self._people: LRU[tuple[str, str | None], float] = LRU(PEOPLE)
-        """(tenant, user or None for all of it) -> when it was last forgotten (Unix time)."""
+        self._people = Forgettings()
+        """Who was forgotten, and when (Unix time)."""
         self._sessions: LRU[str, float] = LRU(sessions)
         """Sessions dropped for a forget -> when."""
 
     def add(self, tenant: str, user: str | None, at: float) -> None:
-        self._people[(tenant, user)] = max(at, self._people.peek((tenant, user)) or at)
+        self._people.add(tenant, user, at)
 
     def took_part(self, turns: Iterable[Turn], tenant: str, user: str | None, at: float) -> bool:
         """Whether one of `turns`, made by then, is `tenant`'s `user`'s."""
@@ -48,12 +45,7 @@ class ForgottenPeople:
 
     def covers(self, turns: Iterable[Turn]) -> bool:
         """Whether a forget covers one of `turns` made before it."""
-        for turn in turns:
-            for who in {(turn.tenant, None), (turn.tenant, turn.user_id)}:
-                at = self._people.peek(who)
-                if at is not None and turn.created_at <= at:
-                    return True
-        return False
+        return any(self._people.since(turn.tenant, turn.user_id, turn.created_at) for turn in turns)
 
     def in_trajectory(self, trajectory: Trajectory) -> bool:
         return self.covers(trajectory.turns) or (

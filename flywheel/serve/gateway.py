@@ -14,6 +14,7 @@ Feedback and explicit session ends become `SessionEvent`s, answered once durable
 
 from __future__ import annotations
 
+import time
 import uuid
 from typing import Any
 
@@ -74,7 +75,7 @@ def create_gateway(pool: EnginePool, tokenizer: Any, recorder: Recorder, model_n
         cost is tokenizing whole prompts again) and their stored responses."""
         continuations.forget(tenants.session(tenant, ""))
         stored_responses.forget(tenant, user)
-        forgettings.add(tenant, user)
+        forgettings.add(tenant, user, time.monotonic())  # a request's `arrived` is on that clock
     app.state.forget_cached = forget_cached
     limiter = ConcurrencyLimiter(config.max_concurrent_requests, config.max_queued_requests, config.retry_after_s)
     personal_data = app.state.personal_data = PersonalData()

@@ -1,11 +1,9 @@
 """What a forget covers: a tenant with all its end users, or one end user of a tenant. The one rule
 each holder of tenants' data applies when it forgets (the trainer's queued samples and its
-guard's contexts, the judge's hint memory, the gateway's stored responses), and the forgets a
-gateway has heard of, for the requests under way then (`Forgettings`)."""
+guard's contexts, the judge's hint memory, the gateway's stored responses), and the forgets heard
+of, for what of theirs comes later (`Forgettings`)."""
 
 from __future__ import annotations
-
-import time
 
 from flywheel.lru import LRU
 
@@ -22,17 +20,18 @@ def forgets(forgotten: tuple[str, str | None], holder: tuple[str, str | None]) -
 
 
 class Forgettings:
-    """When each tenant or end user was last forgotten (as this process heard of it), so that a
-    request under way then is not recorded when it ends: its turn would put their words back."""
+    """When each tenant or end user was last forgotten, so that what of theirs was made before then
+    is not kept: a gateway's requests under way (on its monotonic clock), the records the collector
+    holds or is sent late (on the records' and the audit entries' Unix times)."""
 
     def __init__(self, size: int = 4096):
         self._at: LRU[tuple[str, str | None], float] = LRU(size)
 
-    def add(self, tenant: str, user: str | None) -> None:
-        self._at[(tenant, user)] = time.monotonic()
+    def add(self, tenant: str, user: str | None, at: float) -> None:
+        self._at[(tenant, user)] = at
 
-    def since(self, tenant: str, user: str | None, arrived: float) -> bool:
-        """Whether a request of `tenant`'s `user` that arrived at `arrived` (monotonic) was under way
-        when a forget covering them was heard of (of the whole tenant, or of that user)."""
-        return any((at := self._at.peek(who)) is not None and at >= arrived
+    def since(self, tenant: str, user: str | None, made: float) -> bool:
+        """Whether something of `tenant`'s `user` made at `made` came before a forget covering them
+        (of the whole tenant, or of that user), on the clock `add` was given."""
+        return any((at := self._at.peek(who)) is not None and at >= made
                    for who in {(tenant, None), (tenant, user)})
