@@ -203,10 +203,14 @@ def probe_hints(prefs: list[str], args) -> list[list]:
         for who, user, hints, shown in people:
             questions = TRAIN_QUESTIONS[:args.probe_questions]
             base = asyncio.run(satisfaction(None, args.model, user, questions, args))
-            told = [asyncio.run(satisfaction(None, args.model, user, questions, args, hint)) for hint in hints]
-            rate, answered = fmean(t["rate"] for t in told), fmean(t["answers"] for t in told)
-            rows.append([who, shown, base["rate"], rate, answered])
-            print(f"{who}: base {base['rate']:.2f}, told {rate:.2f} ({shown})", flush=True)
+            row = [who, shown, base["rate"]]
+            for mode in args.probe_wishes:  # what the teacher is told of each hint (judge.teacher.wishes)
+                told_as = argparse.Namespace(**{**vars(args), "overrides": [*args.overrides, f"judge.teacher.wishes={mode}"]})
+                told = [asyncio.run(satisfaction(None, args.model, user, questions, told_as, hint)) for hint in hints]
+                row += [fmean(t["rate"] for t in told), fmean(t["answers"] for t in told)]
+            rows.append(row)
+            print(f"{who}: base {base['rate']:.2f}, told " + ", ".join(
+                f"{mode} {rate:.2f}" for mode, rate in zip(args.probe_wishes, row[3::2])) + f" ({shown})", flush=True)
     return rows
 
 
@@ -300,13 +304,16 @@ def main() -> None:
     parser.add_argument("--model", default="smollm2-135m", help="the model --probe-hints measures")
     parser.add_argument("--probe-questions", type=int, default=16, help="training questions --probe-hints asks")
     parser.add_argument("--probe-corrections", type=int, default=3, help="with --people: corrections told per person")
+    parser.add_argument("--probe-wishes", nargs="+", default=["words"], choices=("words", "beside", "instead"),
+                        help="what --probe-hints tells the teacher of each hint (judge.teacher.wishes), each in turn")
     parser.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides for every deployment")
     args = parser.parse_args()
     quiet_logs()
     if args.probe_hints:
         prefs = args.prefs or sorted(PREFERENCES)
         rows = probe_hints(prefs, args)
-        print(table(["person" if args.people else "preference", "hint", "base rate", "told the hint", "told: answers"], rows))
+        print(table(["person" if args.people else "preference", "hint", "base rate",
+                     *(f"{what} ({mode})" for mode in args.probe_wishes for what in ("told", "answers"))], rows))
         write_result(f"{args.name}_hints", {"args": vars(args), "rows": rows})
         return
     os.environ.setdefault("RAY_DEDUP_LOGS", "0")

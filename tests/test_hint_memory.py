@@ -29,9 +29,9 @@ def trajectory(user: str | None, turns: int = 1, tenant: str = "open", adapter: 
 
 def test_a_hint_teaches_the_same_persons_later_turns_own_hint_first():
     memory = HintMemory(size=2)
-    assert memory.teach(trajectory("ada", 2), {1: "Be brief."}) == {1: "Be brief."}
+    assert memory.teach(trajectory("ada", 2), {1: "Be brief."}) == {1: ["Be brief."]}
     later = memory.teach(trajectory("ada", 2), {0: "Call me Ada."})
-    assert later == {0: "Call me Ada. Be brief.", 1: "Call me Ada. Be brief."}
+    assert later == {0: ["Call me Ada.", "Be brief."], 1: ["Call me Ada.", "Be brief."]}
     assert memory.teach(trajectory("bob"), {}) == {}  # nobody else's
     memory.teach(trajectory("ada"), {0: "Use bullets."})
     assert memory.recall(trajectory("ada")) == ["Use bullets.", "Call me Ada."]  # the newest `size`
@@ -51,7 +51,7 @@ def test_a_person_is_an_end_user_on_their_adapter_and_unnamed_traffic_is_one_per
 
 def test_only_the_hints_of_turns_judged_below_zero_are_remembered():
     memory = HintMemory(size=4)
-    assert memory.teach(trajectory("ada", 2), {0: "Perfect!", 1: "Shorter."}, remember={1}) == {0: "Perfect!", 1: "Shorter. Perfect!"}
+    assert memory.teach(trajectory("ada", 2), {0: "Perfect!", 1: "Shorter."}, remember={1}) == {0: ["Perfect!"], 1: ["Shorter.", "Perfect!"]}
     assert memory.recall(trajectory("ada")) == ["Shorter."]
 
 

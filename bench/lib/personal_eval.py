@@ -57,11 +57,13 @@ async def satisfaction(weights: Path | None, model_name: str, user: User, questi
 
 
 def told(chat: list[dict], hint: str, args) -> list[dict]:
-    """`chat` told `hint` exactly as the hint teacher renders it (the bench's configuration)."""
+    """`chat` told `hint` exactly as the hint teacher renders it (the bench's configuration,
+    `judge.teacher.wishes` included)."""
     from flywheel.config import load_config
-    from flywheel.judge import teacher
+    from flywheel.judge import teacher, wishes
 
-    return teacher.told(chat, hint, load_config(CONFIG, args.overrides).judge.teacher)
+    config = load_config(CONFIG, args.overrides).judge.teacher
+    return teacher.told(chat, wishes.told([hint], config.wishes), config)
 
 
 def prompt_ids(tokenizer, chat: list[dict]) -> list[int]:

@@ -243,6 +243,12 @@ class TeacherConfig(Section):
     well as the turn they were about
     (flywheel/judge/hint_memory.py): one correction teaches every later reply. 0: a hint teaches
     its own turn only."""
+    wishes: Literal["words", "beside", "instead"] = "words"
+    """What the teacher is told of a correction: `words`, the person's own; `beside`, the
+    instruction for the aspect of the reply it asks to change (its length, lists, being named,
+    register, ...), read by a learned classifier, then the words; `instead`, the instruction
+    alone where one is read (flywheel/judge/wishes.py). A small teacher follows a plain
+    instruction more often than a person's words."""
     practice: int = Field(0, ge=0, le=16)
     """Replies to practise on, per corrected turn (a turn judged below zero that got a hint): the
     judge has the person's adapter answer that turn's request this many times more, on the

@@ -61,8 +61,9 @@ class HintMemory:
         while len(self._hints) > self.max_people:
             self._hints.popitem(last=False)
 
-    def teach(self, trajectory: Trajectory, hints: dict[int, str], remember: set[int] | None = None) -> dict[int, str]:
-        """Each turn's hint for the teacher: its own (when it has one), then the hints of the
+    def teach(self, trajectory: Trajectory, hints: dict[int, str],
+              remember: set[int] | None = None) -> dict[int, list[str]]:
+        """Each turn's hints for the teacher: its own (when it has one), then the hints of the
         trajectory's earlier turns and what the person asked for before, newest first. The hints
         of the turns in `remember` (default: all) are remembered afterwards."""
         earlier = self.recall(trajectory)
@@ -71,7 +72,7 @@ class HintMemory:
             told = [hints[k]] if k in hints else []
             told += [hint for hint in earlier if hint not in told]
             if told:
-                out[k] = " ".join(told)
+                out[k] = told
             if k in hints and hints[k] not in earlier:
                 earlier.insert(0, hints[k])
         self.keep(trajectory, [hints[k] for k in sorted(hints) if remember is None or k in remember])

@@ -13,7 +13,8 @@ the trajectory acknowledged:
 
 With `judge.teacher.memory`, the loop keeps each person's newest hints for the teacher
 (flywheel/judge/hint_memory.py) and follows the audit log to drop a forgotten tenant's or user's.
-With `judge.teacher.practice`, a sample's corrected turns are practised once it is published
+With `judge.teacher.wishes`, the teacher is told what a correction asks for as an instruction
+(flywheel/judge/wishes.py). With `judge.teacher.practice`, a sample's corrected turns are practised once it is published
 (flywheel/judge/practice.py): more samples on SAMPLES, before the trajectory is acknowledged.
 
 Both records carry the trajectory's id, so a re-publish after a crash is dropped as a
@@ -52,6 +53,7 @@ from flywheel.judge.build import build_judge
 from flywheel.judge.hint_memory import HintMemory
 from flywheel.judge.practice import Practice, corrected_turns
 from flywheel.judge.teacher import Teacher, Teaching, hints_of
+from flywheel.judge.wishes import told, wish_reader
 from flywheel.runtime import cancel_and_wait, repeat
 
 log = logging.getLogger(__name__)
@@ -78,6 +80,8 @@ class JudgeLoop(ConsumerLoop):
 
     async def prepare(self) -> None:
         await self.judge.start()
+        if self.config.judge.teacher.wishes != "words":
+            await asyncio.to_thread(wish_reader)  # trained now, off the event loop
         self.teacher = self._teacher()
         self.practice = self._practice()
         if self.memory is not None:
@@ -196,9 +200,10 @@ class JudgeLoop(ConsumerLoop):
         without), and for a trajectory that may not be trained (nothing would use it)."""
         if self.teacher is None or not trajectory.consent:
             return Teaching(), {}
-        hints = hints_of(trajectory, verdict.details)
-        if self.memory is not None:  # remembered: the hints of turns judged below zero
-            hints = self.memory.teach(trajectory, hints, {k for k, r in enumerate(verdict.turn_rewards) if r < 0})
+        own = hints_of(trajectory, verdict.details)
+        said = ({k: [hint] for k, hint in own.items()} if self.memory is None  # remembered: those of turns judged below zero
+                else self.memory.teach(trajectory, own, {k for k, r in enumerate(verdict.turn_rewards) if r < 0}))
+        hints = {k: told(corrections, self.config.judge.teacher.wishes) for k, corrections in said.items()}
         if not hints:
             return Teaching(), {}
         try:

@@ -3,9 +3,9 @@ is (a correction, a complaint, a retry, approval, thanks, moving on to something
 with no list of phrasings.
 
 The model is a linear classifier over hashed features of the message and of how it relates to
-the turn (fastText's recipe, trained at first use: about 11 s on one thread of a small CPU): the message's words, word pairs
-and character n-grams (typos and inflections share most of theirs, and so do many languages'
-words), its first words, its punctuation, its length, and how much of its content the request
+the turn (flywheel/judge/hashed_classifier.py; trained at first use: about 11 s on one thread of
+a small CPU): the message's own (words, word pairs, character n-grams, first words, punctuation,
+length), the rules' class of it, and how much of its content the request
 and the reply already hold (a restated request is a retry; a message that speaks of the reply's
 words reacts to it; one that names new things asks something new). It learns from
 `flywheel/judge/data/reactions_train*.jsonl`, reactions of many people's styles and languages
@@ -21,32 +21,18 @@ from __future__ import annotations
 
 import functools
 import json
-import math
 import re
-import zlib
-from dataclasses import dataclass
-from itertools import accumulate
 from pathlib import Path
 
-import torch
-
+from flywheel.judge.hashed_classifier import HashedLinear, Reading, text_features
 from flywheel.judge.next_state_rules import classify_user_text
-from flywheel.torch_threads import one_thread
 
 READ_LABELS = ("correction", "complaint", "retry", "acceptance", "thanks", "moving_on", "unclear")
 TRAIN_DATA = Path(__file__).resolve().parent / "data"
 TRAIN_FILES = "reactions_train*.jsonl"
-BUCKETS = 1 << 16
 NEGATIVE = ("correction", "complaint")
 NEGATIVE_AT = 0.6
 """Chosen on the training set's 5-fold cross-validation (bench/judge_reactions.py)."""
-_TOKEN = re.compile(r"\w+|[^\w\s]", re.UNICODE)
-
-
-@dataclass(frozen=True)
-class Reading:
-    label: str
-    probability: float
 
 
 def _content(text: str) -> set[str]:
@@ -59,17 +45,7 @@ def _bucket(fraction: float) -> int:
 
 def features(message: str, request: str = "", reply: str = "", rule: str | None = None) -> list[str]:
     """The message's features, as strings to hash (`rule`: the rules' class of it, when known)."""
-    tokens = _TOKEN.findall(message.lower().replace("\u2019", "'"))
-    words = [t for t in tokens if t[0].isalnum() or t[0] == "_"]
-    out = [f"w:{w}" for w in words]
-    out += [f"b:{a} {b}" for a, b in zip(tokens, tokens[1:])]
-    for w in words:
-        padded = f"<{w}>"
-        out += [f"c:{padded[i:i + n]}" for n in (3, 4, 5) for i in range(len(padded) - n + 1)]
-    out += [f"f:{' '.join(words[:k])}" for k in (1, 2) if len(words) >= k]
-    out += [f"p:{t}" for t in tokens if not t[0].isalnum() and t[0] != "_"]
-    out.append(f"end:{message.strip()[-1:]}")
-    out.append(f"len:{min(len(words), 40) // 4}")
+    out = text_features(message)
     out.append(f"rule:{rule or classify_user_text(message, request, reply).label}")
     said, asked, replied = _content(message), _content(request), _content(reply)
     if said:
@@ -79,41 +55,16 @@ def features(message: str, request: str = "", reply: str = "", rule: str | None 
     return out
 
 
-def _hashed(items: list[str]) -> list[int]:
-    return [zlib.crc32(item.encode()) % BUCKETS for item in items] or [0]
-
-
 class ReactionReader:
     """A linear classifier over hashed features, trained on labelled reactions (dicts with
     `request`, `reply`, `next` (the user's message first) and `gold`, one of `READ_LABELS`)."""
 
-    def __init__(self, examples: list[dict], steps: int = 100, lr: float = 0.3, weight_decay: float = 1e-5):
-        ids, offsets, scale = _pack([_hashed(features(_said(e), e.get("request", ""), e.get("reply", "")))
-                                     for e in examples])
-        gold = torch.tensor([READ_LABELS.index(e["gold"]) for e in examples])
-        counts = torch.bincount(gold, minlength=len(READ_LABELS)).clamp(min=1).float()
-        loss_fn = torch.nn.CrossEntropyLoss(weight=(counts.sum() / counts) ** 0.5)  # rarer classes count more
-        # Zeros, not a random draw (the process's RNG stays where it was); one thread, so that every
-        # process sums in the same order and every judge reads alike.
-        self.weights = torch.nn.EmbeddingBag.from_pretrained(torch.zeros(BUCKETS, len(READ_LABELS)), freeze=False,
-                                                             mode="sum")
-        self.bias = torch.nn.Parameter(torch.zeros(len(READ_LABELS)))
-        optimizer = torch.optim.Adam([self.weights.weight, self.bias], lr=lr)
-        with one_thread():
-            for _ in range(steps):  # full batch: deterministic, and a step is a few milliseconds
-                logits = self.weights(ids, offsets, per_sample_weights=scale) + self.bias
-                loss = loss_fn(logits, gold) + weight_decay * self.weights.weight.pow(2).sum()
-                optimizer.zero_grad()
-                loss.backward()
-                optimizer.step()
-        self.weights.requires_grad_(False)
-        self.bias.requires_grad_(False)
+    def __init__(self, examples: list[dict]):
+        self.model = HashedLinear(READ_LABELS, [features(_said(e), e.get("request", ""), e.get("reply", ""))
+                                                for e in examples], [e["gold"] for e in examples])
 
     def probabilities(self, message: str, request: str = "", reply: str = "", rule: str | None = None) -> dict[str, float]:
-        ids, offsets, scale = _pack([_hashed(features(message, request, reply, rule))])
-        with torch.no_grad():
-            p = torch.softmax(self.weights(ids, offsets, per_sample_weights=scale)[0] + self.bias, -1)
-        return dict(zip(READ_LABELS, p.tolist()))
+        return self.model.probabilities(features(message, request, reply, rule))
 
     def read(self, message: str, request: str = "", reply: str = "", rule: str | None = None) -> Reading:
         """The most likely label of a message after a reply to `request`; a correction or a
@@ -128,14 +79,6 @@ class ReactionReader:
 
 def _said(example: dict) -> str:
     return next((m["content"] for m in example["next"] if m.get("role") == "user"), "")
-
-
-def _pack(batch: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """EmbeddingBag's flat ids, offsets and per-id weights (1/sqrt of each bag's size)."""
-    ids = torch.tensor([i for bag in batch for i in bag])
-    offsets = torch.tensor([0, *accumulate(len(bag) for bag in batch)][:-1])
-    scale = torch.tensor([1 / math.sqrt(len(bag)) for bag in batch for _ in bag])
-    return ids, offsets, scale
 
 
 def load(path: Path) -> list[dict]:

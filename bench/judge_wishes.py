@@ -1,0 +1,132 @@
+"""How well the judge reads what a correction asks to change (flywheel/judge/wishes.py), on words
+its author did not write, and which instructions it would tell the teacher.
+
+Sets
+    - `heldout`: bench/data/correction_aspects_heldout.jsonl, written by a helper from a brief
+      (/work/notes/aspect_brief.md, quoted in docs/experiments/learning-from-use.md) without
+      opening any file of the project; the reader's author never read it (this bench prints no
+      item). Texts the training set also holds word for word are left out;
+    - `train (5-fold)`: the reader's own training set (another helper, the same brief), each fifth
+      read by a reader trained on the other four;
+    - `reactions`: the corrections of the reaction sets (bench/data/reactions_heldout.jsonl and
+      the reaction reader's training files) have no aspect labels: only how often an instruction
+      would be told, and which, is counted there.
+
+Numbers
+    - per aspect precision and recall, and accuracy;
+    - **told**: of the corrections, the share whose aspect is read at `WISH_AT` or more and is one
+      with an instruction (what the teacher is told), and of those the share that is right
+      (**told right**): a wrong instruction teaches the wrong thing, a missing one only keeps the
+      person's words;
+    - the same for the probability bars `--bars` (how `WISH_AT` was chosen, on the 5-fold set).
+
+    .venv/bin/python bench/judge_wishes.py                # bench/results/judge_wishes.json
+    .venv/bin/python bench/judge_wishes.py --no-heldout   # while changing the reader
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import sys
+from collections import Counter
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # `python bench/NAME.py` as well as `-m bench.NAME`
+
+from bench.lib.common import ROOT, table, write_result  # noqa: E402
+from flywheel.judge import reaction_reader  # noqa: E402
+from flywheel.judge.hashed_classifier import Reading  # noqa: E402
+from flywheel.judge.wishes import ASPECTS, LABELS, WISH_AT, WishReader, training_set, wish_reader  # noqa: E402
+
+HELDOUT = ROOT / "bench" / "data" / "correction_aspects_heldout.jsonl"
+REACTIONS_HELDOUT = ROOT / "bench" / "data" / "reactions_heldout.jsonl"
+
+
+def cross_validated(examples: list[dict], folds: int = 5) -> list[Reading]:
+    """Each fold read by a reader trained on the others (seeded folds)."""
+    order = list(range(len(examples)))
+    random.Random(0).shuffle(order)
+    out: list[Reading | None] = [None] * len(examples)
+    for k in range(folds):
+        held = set(order[k::folds])
+        model = WishReader([e for i, e in enumerate(examples) if i not in held])
+        for i in held:
+            out[i] = model.read(examples[i]["text"])
+    return out  # type: ignore[return-value]
+
+
+def told(readings: list[Reading], bar: float) -> list[bool]:
+    return [r.probability >= bar and ASPECTS[r.label] is not None for r in readings]
+
+
+def scores(examples: list[dict], readings: list[Reading], bars: list[float]) -> dict:
+    gold, said = [e["aspect"] for e in examples], [r.label for r in readings]
+    classes = {}
+    for label in LABELS:
+        hits = sum(g == s == label for g, s in zip(gold, said))
+        classes[label] = {"n": gold.count(label), "precision": hits / said.count(label) if said.count(label) else None,
+                          "recall": hits / gold.count(label) if gold.count(label) else None}
+    at = {}
+    for bar in sorted({*bars, WISH_AT}):
+        telling = told(readings, bar)
+        right = [g == s for g, s, t in zip(gold, said, telling) if t]
+        formed = [t for g, t in zip(gold, telling) if ASPECTS[g] is not None]
+        at[f"{bar:.2f}"] = {"told": sum(telling) / len(telling), "told_right": sum(right) / len(right) if right else None,
+                            "form_told": sum(formed) / len(formed) if formed else None,
+                            "other_told": (sum(t for g, t in zip(gold, telling) if ASPECTS[g] is None)
+                                           / max(1, gold.count("other")))}
+    return {"n": len(examples), "accuracy": sum(g == s for g, s in zip(gold, said)) / len(gold), "classes": classes,
+            "at": at}
+
+
+def reaction_corrections() -> list[str]:
+    """The hints of every correction in the reaction sets (no aspect labels)."""
+    examples = [*reaction_reader.load(REACTIONS_HELDOUT), *reaction_reader.training_set()]
+    return [e["next"][0]["content"] for e in examples if e["gold"] == "correction"]
+
+
+def _pct(value: float | None) -> str:
+    return "-" if value is None else f"{100 * value:.0f} %"
+
+
+def report(result: dict) -> str:
+    parts = []
+    for name, s in result["sets"].items():
+        parts.append(f"## {name} ({s['n']} corrections), accuracy {_pct(s['accuracy'])}\n")
+        parts.append(table(["aspect", "n", "precision", "recall"],
+                           [[label, c["n"], _pct(c["precision"]), _pct(c["recall"])] for label, c in s["classes"].items()]))
+        parts.append("\n" + table(["bar", "told", "told right", "form wishes told", "`other` told"],
+                                  [[bar, _pct(a["told"]), _pct(a["told_right"]), _pct(a["form_told"]), _pct(a["other_told"])]
+                                   for bar, a in s["at"].items()]) + "\n")
+    r = result["reactions"]
+    parts.append(f"## the reaction sets' corrections ({r['n']}): an instruction told for {_pct(r['told'])}; "
+                 + ", ".join(f"{k} {v}" for k, v in r["aspects"].items()))
+    return "\n".join(parts)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--name", default="judge_wishes")
+    parser.add_argument("--no-heldout", action="store_true", help="leave the held-out set unread (while the reader changes)")
+    parser.add_argument("--bars", type=float, nargs="+", default=[0.3, 0.4, 0.5, 0.6, 0.7])
+    args = parser.parse_args()
+    train = training_set()
+    sets = {}
+    if not args.no_heldout:
+        known = {e["text"].strip().lower() for e in train}
+        heldout = [e for e in reaction_reader.load(HELDOUT) if e["text"].strip().lower() not in known]
+        sets["heldout"] = scores(heldout, [wish_reader().read(e["text"]) for e in heldout], args.bars)
+    sets["train (5-fold)"] = scores(train, cross_validated(train), args.bars)
+    corrections = reaction_corrections()
+    readings = [wish_reader().read(text) for text in corrections]
+    telling = told(readings, WISH_AT)
+    result = {"sets": sets, "reactions": {"n": len(corrections), "told": sum(telling) / len(telling),
+                                           "aspects": dict(Counter(r.label for r, t in zip(readings, telling) if t)
+                                                           .most_common())}}
+    print(report(result))
+    write_result(args.name, result)
+
+
+if __name__ == "__main__":
+    main()

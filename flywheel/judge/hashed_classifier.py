@@ -1,0 +1,92 @@
+"""A linear classifier over hashed features of text (fastText's recipe), what the judge's learned
+readers of people's words are made of (flywheel/judge/reaction_reader.py, flywheel/judge/wishes.py).
+
+`text_features` are a message's own: its words, word pairs and character 3-5-grams (typos and
+inflections share most of theirs, and so do many languages' words), its first words, its
+punctuation and its length; a reader adds what else it knows. `HashedLinear` hashes them into
+`BUCKETS` rows of one embedding bag and trains it full batch from zeros on one thread, so that
+every process that trains it from the same examples reads exactly alike.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+import zlib
+from dataclasses import dataclass
+from itertools import accumulate
+
+import torch
+
+from flywheel.torch_threads import one_thread
+
+BUCKETS = 1 << 16
+_TOKEN = re.compile(r"\w+|[^\w\s]", re.UNICODE)
+
+
+@dataclass(frozen=True)
+class Reading:
+    label: str
+    probability: float
+
+
+def text_features(message: str) -> list[str]:
+    """The message's own features, as strings to hash."""
+    tokens = _TOKEN.findall(message.lower().replace("\u2019", "'"))
+    words = [t for t in tokens if t[0].isalnum() or t[0] == "_"]
+    out = [f"w:{w}" for w in words]
+    out += [f"b:{a} {b}" for a, b in zip(tokens, tokens[1:])]
+    for w in words:
+        padded = f"<{w}>"
+        out += [f"c:{padded[i:i + n]}" for n in (3, 4, 5) for i in range(len(padded) - n + 1)]
+    out += [f"f:{' '.join(words[:k])}" for k in (1, 2) if len(words) >= k]
+    out += [f"p:{t}" for t in tokens if not t[0].isalnum() and t[0] != "_"]
+    out.append(f"end:{message.strip()[-1:]}")
+    out.append(f"len:{min(len(words), 40) // 4}")
+    return out
+
+
+class HashedLinear:
+    """Softmax regression over `labels`, from bags of feature strings; rarer labels weigh more in
+    training (by the square root of how much rarer)."""
+
+    def __init__(self, labels: tuple[str, ...], bags: list[list[str]], gold: list[str], steps: int = 100,
+                 lr: float = 0.3, weight_decay: float = 1e-5):
+        self.labels = labels
+        ids, offsets, scale = _pack([_hashed(bag) for bag in bags])
+        target = torch.tensor([labels.index(label) for label in gold])
+        counts = torch.bincount(target, minlength=len(labels)).clamp(min=1).float()
+        loss_fn = torch.nn.CrossEntropyLoss(weight=(counts.sum() / counts) ** 0.5)
+        # Zeros, not a random draw (the process's RNG stays where it was); one thread, so that every
+        # process sums in the same order.
+        self.weights = torch.nn.EmbeddingBag.from_pretrained(torch.zeros(BUCKETS, len(labels)), freeze=False,
+                                                             mode="sum")
+        self.bias = torch.nn.Parameter(torch.zeros(len(labels)))
+        optimizer = torch.optim.Adam([self.weights.weight, self.bias], lr=lr)
+        with one_thread():
+            for _ in range(steps):  # full batch: deterministic, and a step is a few milliseconds
+                logits = self.weights(ids, offsets, per_sample_weights=scale) + self.bias
+                loss = loss_fn(logits, target) + weight_decay * self.weights.weight.pow(2).sum()
+                optimizer.zero_grad()
+                loss.backward()
+                optimizer.step()
+        self.weights.requires_grad_(False)
+        self.bias.requires_grad_(False)
+
+    def probabilities(self, bag: list[str]) -> dict[str, float]:
+        ids, offsets, scale = _pack([_hashed(bag)])
+        with torch.no_grad():
+            p = torch.softmax(self.weights(ids, offsets, per_sample_weights=scale)[0] + self.bias, -1)
+        return dict(zip(self.labels, p.tolist()))
+
+
+def _hashed(items: list[str]) -> list[int]:
+    return [zlib.crc32(item.encode()) % BUCKETS for item in items] or [0]
+
+
+def _pack(batch: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """EmbeddingBag's flat ids, offsets and per-id weights (1/sqrt of each bag's size)."""
+    ids = torch.tensor([i for bag in batch for i in bag])
+    offsets = torch.tensor([0, *accumulate(len(bag) for bag in batch)][:-1])
+    scale = torch.tensor([1 / math.sqrt(len(bag)) for bag in batch for _ in bag])
+    return ids, offsets, scale

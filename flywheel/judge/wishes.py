@@ -1,0 +1,92 @@
+"""What a person's correction asks to change, said as an instruction a small teacher follows
+(`judge.teacher.wishes`).
+
+Told a person's own words ("I can't read all that on my phone", "you never even say my name"),
+SmolLM2-135M writes what they want no more often than untold; told a plain instruction, it
+follows some (docs/experiments/learning-from-use.md). The teacher is what distillation moves the
+person's adapter toward, so the judge reads which aspect of the reply a correction is about
+(`ASPECTS`: its length, lists or prose, being named, register, language, code alone, a preamble,
+plain words, examples; or anything else) and tells the teacher that aspect's instruction, with
+the person's words after it (`beside`) or alone (`instead`). A correction about anything else
+(`other`: a wrong fact, a missed requirement), or one whose aspect is read with less than
+`WISH_AT` confidence, stays the person's words alone.
+
+The reader is a linear classifier over hashed features of the words (flywheel/judge/hashed_classifier.py),
+trained at first use on `flywheel/judge/data/correction_aspects_train*.jsonl`: corrections of
+many people's styles and languages written by a helper from a brief; another helper wrote the
+set it is measured on, unread by its author (bench/judge_wishes.py).
+"""
+
+from __future__ import annotations
+
+import functools
+from pathlib import Path
+
+from flywheel.judge.hashed_classifier import HashedLinear, Reading, text_features
+from flywheel.judge.reaction_reader import load
+
+ASPECTS: dict[str, str | None] = {
+    "shorter": "Keep the answer short: one or two sentences.",
+    "longer": "Give a detailed answer that explains each point.",
+    "list": "Write the answer as a list: each point on its own line, starting with \"- \".",
+    "prose": "Write the answer as plain sentences: no lists, headings or markdown.",
+    "name": "Address the user by their name in the answer.",
+    "formal": "Write formally: complete words (no contractions), no exclamation marks, no slang, no emoji.",
+    "casual": "Write in a warm, relaxed, friendly tone.",
+    "language": "Answer in the language the user asks for.",
+    "code_only": "Reply with the code or command alone, without explanation.",
+    "no_preamble": "Start with the answer itself: no introduction, no restating the question, no filler.",
+    "simpler": "Explain it in plain words a beginner understands, without jargon.",
+    "example": "Include a concrete example.",
+    "other": None,
+}
+"""Each aspect's instruction to the teacher (None: the person's words are the instruction)."""
+LABELS = tuple(ASPECTS)
+TRAIN_DATA = Path(__file__).resolve().parent / "data"
+TRAIN_FILES = "correction_aspects_train*.jsonl"
+WISH_AT = 0.4
+"""The least probability of an aspect for its instruction to be told: on the training set's 5-fold
+cross-validation, 85 % of the form wishes are told and 93 % of what is told is right (bench/judge_wishes.py)."""
+
+
+class WishReader:
+    """Which of `ASPECTS` a correction is about, from labelled corrections (dicts with `text` and
+    `aspect`)."""
+
+    def __init__(self, examples: list[dict]):
+        self.model = HashedLinear(LABELS, [text_features(e["text"]) for e in examples], [e["aspect"] for e in examples])
+
+    def read(self, correction: str) -> Reading:
+        probabilities = self.model.probabilities(text_features(correction))
+        label = max(probabilities, key=probabilities.__getitem__)
+        return Reading(label, probabilities[label])
+
+    def instruction(self, correction: str) -> str | None:
+        """The instruction for the aspect the correction is about; None for another aspect or a
+        reading below `WISH_AT`."""
+        reading = self.read(correction)
+        return ASPECTS[reading.label] if reading.probability >= WISH_AT else None
+
+
+def told(corrections: list[str], mode: str) -> str:
+    """What the teacher is told of a turn's corrections (its own first, then the person's earlier
+    ones) under `judge.teacher.wishes` `mode`: `words`, the corrections; `beside`, the instructions
+    read in them (each once), then the corrections; `instead`, the instructions, then only the
+    corrections in which none was read."""
+    if mode == "words":
+        return " ".join(corrections)
+    read = [(correction, wish_reader().instruction(correction)) for correction in corrections]
+    instructions = list(dict.fromkeys(instruction for _, instruction in read if instruction))
+    words = [correction for correction, instruction in read if mode == "beside" or instruction is None]
+    return " ".join(instructions + words)
+
+
+def training_set() -> list[dict]:
+    """The shipped labelled corrections, in a fixed order."""
+    return [e for path in sorted(TRAIN_DATA.glob(TRAIN_FILES)) for e in load(path)]
+
+
+@functools.cache
+def wish_reader() -> WishReader:
+    """The process's reader, trained on the shipped corrections at first use."""
+    return WishReader(training_set())

@@ -1,0 +1,88 @@
+"""What a correction asks to change, told to the teacher as an instruction (flywheel/judge/wishes.py,
+`judge.teacher.wishes`): corrections in words no list holds are read as their aspect, the teacher
+is told each instruction once beside or instead of the words, corrections about anything else
+stay words, and the judge loop tells its teacher so. How well it reads on words its author never
+saw: bench/judge_wishes.py."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from flywheel.bus import SessionEvent, Trajectory
+from flywheel.config import load_config
+from flywheel.judge.base import Verdict
+from flywheel.judge.loop import JudgeLoop
+from flywheel.judge.reaction_reader import load
+from flywheel.judge.teacher import Teaching
+from flywheel.judge.wishes import ASPECTS, WishReader, told, training_set, wish_reader
+
+from factories import make_turn
+
+SHORT = ASPECTS["shorter"]
+
+
+@pytest.mark.parametrize("said, aspect", [
+    ("honestly I can't read all that on my phone", "shorter"),
+    ("could you break it into points I can tick off?", "list"),
+    ("you never say my name... it's Maya btw", "name"),
+    ("bit too chummy for something my manager will read", "formal"),
+    ("je ne comprends pas l'anglais, en français svp", "language"),
+])
+def test_a_correction_in_words_no_list_holds_is_read_as_its_aspect(said, aspect):
+    reading = wish_reader().read(said)
+    assert reading.label == aspect and wish_reader().instruction(said) == ASPECTS[aspect]
+
+
+def test_the_teacher_is_told_each_instruction_once_beside_or_instead_of_the_words():
+    corrections = ["way too long for my phone", "shorter!! I said shorter", "Canberra is the capital, not Sydney."]
+    assert told(corrections, "words") == " ".join(corrections)
+    assert told(corrections, "beside") == " ".join([SHORT, *corrections])
+    assert told(corrections, "instead") == f"{SHORT} {corrections[2]}"  # a wrong fact has no instruction: its words stay
+
+
+def test_every_process_trains_the_same_reader():
+    again = WishReader(training_set())
+    for said in ("too long", "use my name", "que?"):
+        assert again.read(said) == wish_reader().read(said)
+
+
+def test_the_training_set_is_well_formed():
+    examples = training_set()
+    assert len(examples) >= 600 and len({e["id"] for e in examples}) == len(examples)
+    assert {e["aspect"] for e in examples} == set(ASPECTS)
+    assert all(e["text"].strip() for e in examples) and len({e["text"] for e in examples}) == len(examples)
+
+
+def test_the_held_out_set_is_there_and_well_formed():
+    """bench/data/correction_aspects_heldout.jsonl: read by the bench only (its items are never printed)."""
+    heldout = load(Path(__file__).resolve().parent.parent / "bench" / "data" / "correction_aspects_heldout.jsonl")
+    known = {e["text"].strip().lower() for e in training_set()}
+    assert {e["aspect"] for e in heldout} == set(ASPECTS)
+    assert len([e for e in heldout if e["text"].strip().lower() not in known]) >= 300
+
+
+class Recorder:
+    """A teacher that keeps what it was told."""
+
+    def __init__(self):
+        self.told: list[dict[int, str]] = []
+
+    async def teach(self, trajectory: Trajectory, hints: dict[int, str]) -> Teaching:
+        self.told.append(hints)
+        return Teaching()
+
+
+@pytest.mark.parametrize("mode", ["words", "instead"])
+async def test_the_judge_loop_tells_its_teacher_the_instruction(mode, tmp_path):
+    config = load_config(None, [f"run_dir={tmp_path}", "judge.kind=next_state", "judge.teacher.enabled=true",
+                                f"judge.teacher.wishes={mode}"])
+    loop = JudgeLoop(config, "nats://unused")
+    loop.teacher = Recorder()
+    turn = make_turn(id="t0", turn_index=0)
+    said = "way too long for my phone"
+    trajectory = Trajectory(id="s", session_id="s", segments=[], turns=[turn], next_states=[[]], close_reason="done", consent=True,
+                            feedback=[SessionEvent(id="f", session_id="s", kind="feedback", text=said, interaction_id="t0")])
+    _, hints = await loop._teach(trajectory, Verdict(-1.0, [-1.0]))
+    assert loop.teacher.told == [hints] == [{0: said if mode == "words" else SHORT}]
