@@ -8,9 +8,11 @@ Sets
       item). Texts the training set also holds word for word are left out;
     - `train (5-fold)`: the reader's own training set (another helper, the same brief), each fifth
       read by a reader trained on the other four;
-    - `reactions`: the corrections of the reaction sets (bench/data/reactions_heldout.jsonl and
-      the reaction reader's training files) have no aspect labels: only how often an instruction
-      would be told, and which, is counted there.
+    - `reactions`: the corrections and complaints of the reaction sets (bench/data/reactions_heldout.jsonl,
+      and the reaction reader's training corrections) have no aspect labels: only how often an
+      instruction would be told, and which, is counted there (a complaint says a reply is wrong,
+      not how to change its form: an instruction told for one is a mistake; the training set's
+      complaints are the reader's `other` examples).
 
 Numbers
     - per aspect precision and recall, and accuracy;
@@ -80,10 +82,10 @@ def scores(examples: list[dict], readings: list[Reading], bars: list[float]) -> 
             "at": at}
 
 
-def reaction_corrections() -> list[str]:
-    """The hints of every correction in the reaction sets (no aspect labels)."""
-    examples = [*reaction_reader.load(REACTIONS_HELDOUT), *reaction_reader.training_set()]
-    return [e["next"][0]["content"] for e in examples if e["gold"] == "correction"]
+def reactions(gold: str, heldout: bool) -> list[str]:
+    """The messages of class `gold` in the reaction reader's held-out set or its training set."""
+    examples = reaction_reader.load(REACTIONS_HELDOUT) if heldout else reaction_reader.training_set()
+    return [e["next"][0]["content"] for e in examples if e["gold"] == gold]
 
 
 def _pct(value: float | None) -> str:
@@ -99,9 +101,9 @@ def report(result: dict) -> str:
         parts.append("\n" + table(["bar", "told", "told right", "form wishes told", "`other` told"],
                                   [[bar, _pct(a["told"]), _pct(a["told_right"]), _pct(a["form_told"]), _pct(a["other_told"])]
                                    for bar, a in s["at"].items()]) + "\n")
-    r = result["reactions"]
-    parts.append(f"## the reaction sets' corrections ({r['n']}): an instruction told for {_pct(r['told'])}; "
-                 + ", ".join(f"{k} {v}" for k, v in r["aspects"].items()))
+    for name, r in result["reactions"].items():
+        parts.append(f"## {name} ({r['n']}): an instruction told for {_pct(r['told'])}; "
+                     + ", ".join(f"{k} {v}" for k, v in r["aspects"].items()))
     return "\n".join(parts)
 
 
@@ -118,12 +120,15 @@ def main() -> None:
         heldout = [e for e in reaction_reader.load(HELDOUT) if e["text"].strip().lower() not in known]
         sets["heldout"] = scores(heldout, [wish_reader().read(e["text"]) for e in heldout], args.bars)
     sets["train (5-fold)"] = scores(train, cross_validated(train), args.bars)
-    corrections = reaction_corrections()
-    readings = [wish_reader().read(text) for text in corrections]
-    telling = told(readings, WISH_AT)
-    result = {"sets": sets, "reactions": {"n": len(corrections), "told": sum(telling) / len(telling),
-                                           "aspects": dict(Counter(r.label for r, t in zip(readings, telling) if t)
-                                                           .most_common())}}
+    result = {"sets": sets, "reactions": {}}
+    for gold, heldout in (("correction", True), ("complaint", True), ("correction", False)):
+        if heldout and args.no_heldout:
+            continue
+        readings = [wish_reader().read(text) for text in reactions(gold, heldout)]
+        telling = told(readings, WISH_AT)
+        result["reactions"][f"the reaction {'held-out' if heldout else 'training'} set's {gold}s"] = {
+            "n": len(readings), "told": sum(telling) / len(telling),
+            "aspects": dict(Counter(r.label for r, t in zip(readings, telling) if t).most_common())}
     print(report(result))
     write_result(args.name, result)
 

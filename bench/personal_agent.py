@@ -184,8 +184,8 @@ def probe_hints(prefs: list[str], args) -> list[list]:
     """Whether the hint can teach at all: per preference, the base model's satisfaction rate on the
     training questions, and the teacher's (the same model told a specific correction as its hint).
     With `--people`: per person of the file (trial i's person of each preference), the teacher told
-    each of `--probe-corrections` of the person's own corrections in turn (their words stay unread:
-    only rates are shown)."""
+    each of `--probe-corrections` of the person's own corrections in turn, or all of them at once
+    with `--probe-together` (their words stay unread: only rates are shown)."""
     rows = []
     for pref in prefs:
         if not args.people:
@@ -199,14 +199,16 @@ def probe_hints(prefs: list[str], args) -> list[list]:
                 name, preference, voice = file[f"{pref}-{index + 1}"]
                 user = User(name, preference, seed=index, voice=voice)
                 hints = user.rng.sample(voice.corrections, min(args.probe_corrections, len(voice.corrections)))
-                people.append((f"{pref}-{index + 1}", user, hints, f"{len(hints)} of their corrections"))
+                people.append((f"{pref}-{index + 1}", user, hints,
+                               f"{len(hints)} of their corrections{' together' if args.probe_together else ''}"))
         for who, user, hints, shown in people:
             questions = TRAIN_QUESTIONS[:args.probe_questions]
             base = asyncio.run(satisfaction(None, args.model, user, questions, args))
             row = [who, shown, base["rate"]]
             for mode in args.probe_wishes:  # what the teacher is told of each hint (judge.teacher.wishes)
                 told_as = argparse.Namespace(**{**vars(args), "overrides": [*args.overrides, f"judge.teacher.wishes={mode}"]})
-                told = [asyncio.run(satisfaction(None, args.model, user, questions, told_as, hint)) for hint in hints]
+                told = [asyncio.run(satisfaction(None, args.model, user, questions, told_as, hint))
+                        for hint in ([hints] if args.probe_together else hints)]
                 row += [fmean(t["rate"] for t in told), fmean(t["answers"] for t in told)]
             rows.append(row)
             print(f"{who}: base {base['rate']:.2f}, told " + ", ".join(
@@ -304,6 +306,8 @@ def main() -> None:
     parser.add_argument("--model", default="smollm2-135m", help="the model --probe-hints measures")
     parser.add_argument("--probe-questions", type=int, default=16, help="training questions --probe-hints asks")
     parser.add_argument("--probe-corrections", type=int, default=3, help="with --people: corrections told per person")
+    parser.add_argument("--probe-together", action="store_true",
+                        help="tell the teacher the person's corrections all at once, as its memory does, not each in turn")
     parser.add_argument("--probe-wishes", nargs="+", default=["words"], choices=("words", "beside", "instead"),
                         help="what --probe-hints tells the teacher of each hint (judge.teacher.wishes), each in turn")
     parser.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides for every deployment")

@@ -31,15 +31,26 @@ SHORT = ASPECTS["shorter"]
     ("je ne comprends pas l'anglais, en français svp", "language"),
 ])
 def test_a_correction_in_words_no_list_holds_is_read_as_its_aspect(said, aspect):
-    reading = wish_reader().read(said)
-    assert reading.label == aspect and wish_reader().instruction(said) == ASPECTS[aspect]
+    assert wish_reader().read(said).label == aspect and wish_reader().wanted([said]) == [ASPECTS[aspect]]
 
 
-def test_the_teacher_is_told_each_instruction_once_beside_or_instead_of_the_words():
-    corrections = ["way too long for my phone", "shorter!! I said shorter", "Canberra is the capital, not Sydney."]
+def test_the_teacher_is_told_what_the_corrections_ask_beside_or_instead_of_the_words():
+    corrections = ["way too long for my phone", "shorter!! I said shorter"]
     assert told(corrections, "words") == " ".join(corrections)
     assert told(corrections, "beside") == " ".join([SHORT, *corrections])
-    assert told(corrections, "instead") == f"{SHORT} {corrections[2]}"  # a wrong fact has no instruction: its words stay
+    assert told(corrections, "instead") == SHORT  # once, however many asked
+
+
+def test_a_correction_about_anything_else_and_a_bare_complaint_stay_words():
+    for said in ("Canberra is the capital, not Sydney.", "bad answer"):
+        assert told([said], "instead") == said
+
+
+def test_a_persons_corrections_are_read_together():
+    """A vague correction alone is below the bar; with the person's clearer ones it is told."""
+    vague = "my thumb hurts from scrolling"
+    assert told([vague], "instead") == vague
+    assert told([vague, "way too long for my phone"], "instead") == SHORT
 
 
 def test_every_process_trains_the_same_reader():
@@ -50,9 +61,10 @@ def test_every_process_trains_the_same_reader():
 
 def test_the_training_set_is_well_formed():
     examples = training_set()
-    assert len(examples) >= 600 and len({e["id"] for e in examples}) == len(examples)
+    assert len(examples) >= 3000 and len({e["id"] for e in examples}) == len(examples)
     assert {e["aspect"] for e in examples} == set(ASPECTS)
-    assert all(e["text"].strip() for e in examples) and len({e["text"] for e in examples}) == len(examples)
+    assert all(e["text"].strip() for e in examples)
+    assert len({e["text"] for e in examples}) == len({(e["text"], e["aspect"]) for e in examples})  # no text has two aspects
 
 
 def test_the_held_out_set_is_there_and_well_formed():

@@ -35,7 +35,7 @@ def wait_trained(deployment, sessions: int, timeout_s: float) -> dict:
 
 
 async def satisfaction(weights: Path | None, model_name: str, user: User, questions: tuple[str, ...] | list[str],
-                       args, hint: str | None = None, others: tuple[User, ...] = (), system: str | None = None) -> dict:
+                       args, hint: str | list[str] | None = None, others: tuple[User, ...] = (), system: str | None = None) -> dict:
     """How often replies to `questions` satisfy the user (`--heldout-samples` seeded samples each,
     the app's temperature and max_tokens, the same seeds for every arm), and how often the same
     replies would satisfy each of `others` (`others`: their preference's kind -> rate). With a
@@ -56,14 +56,15 @@ async def satisfaction(weights: Path | None, model_name: str, user: User, questi
             "answers": fmean(answers(q, r) for r, q in zip(replies, asked)), "n": len(replies), "examples": replies[:3]}
 
 
-def told(chat: list[dict], hint: str, args) -> list[dict]:
-    """`chat` told `hint` exactly as the hint teacher renders it (the bench's configuration,
-    `judge.teacher.wishes` included)."""
+def told(chat: list[dict], hint: str | list[str], args) -> list[dict]:
+    """`chat` told `hint` (a person's corrections, read together, as the teacher's memory tells
+    them) exactly as the hint teacher renders it (the bench's configuration, `judge.teacher.wishes`
+    included)."""
     from flywheel.config import load_config
     from flywheel.judge import teacher, wishes
 
     config = load_config(CONFIG, args.overrides).judge.teacher
-    return teacher.told(chat, wishes.told([hint], config.wishes), config)
+    return teacher.told(chat, wishes.told([hint] if isinstance(hint, str) else hint, config.wishes), config)
 
 
 def prompt_ids(tokenizer, chat: list[dict]) -> list[int]:

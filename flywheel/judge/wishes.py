@@ -7,14 +7,16 @@ follows some (docs/experiments/learning-from-use.md). The teacher is what distil
 person's adapter toward, so the judge reads which aspect of the reply a correction is about
 (`ASPECTS`: its length, lists or prose, being named, register, language, code alone, a preamble,
 plain words, examples; or anything else) and tells the teacher that aspect's instruction, with
-the person's words after it (`beside`) or alone (`instead`). A correction about anything else
-(`other`: a wrong fact, a missed requirement), or one whose aspect is read with less than
-`WISH_AT` confidence, stays the person's words alone.
+the person's words after it (`beside`) or alone (`instead`). The person's remembered corrections
+(`judge.teacher.memory`) are read together: an aspect is told when its mean probability over
+them is at least `WISH_AT`. Where none is (corrections about anything else, `other`: a wrong
+fact, a missed requirement; or too vague to read), the teacher is told the person's words.
 
 The reader is a linear classifier over hashed features of the words (flywheel/judge/hashed_classifier.py),
-trained at first use on `flywheel/judge/data/correction_aspects_train*.jsonl`: corrections of
-many people's styles and languages written by a helper from a brief; another helper wrote the
-set it is measured on, unread by its author (bench/judge_wishes.py).
+trained at first use on `flywheel/judge/data/correction_aspects_train*.jsonl` (corrections of
+many people's styles and languages four helpers wrote from a brief) and the reaction reader's
+complaints as `other`; another helper wrote the set it is measured on, unread by its author
+(bench/judge_wishes.py).
 """
 
 from __future__ import annotations
@@ -24,14 +26,15 @@ from pathlib import Path
 
 from flywheel.judge.hashed_classifier import HashedLinear, Reading, text_features
 from flywheel.judge.reaction_reader import load
+from flywheel.judge.reaction_reader import training_set as reaction_training_set
 
 ASPECTS: dict[str, str | None] = {
-    "shorter": "Keep the answer short: one or two sentences.",
+    "shorter": "Answer in one short sentence.",
     "longer": "Give a detailed answer that explains each point.",
-    "list": "Write the answer as a list: each point on its own line, starting with \"- \".",
+    "list": "Format your answer as a list of 3 bullet points, one per line, each starting with \"- \".",
     "prose": "Write the answer as plain sentences: no lists, headings or markdown.",
-    "name": "Address the user by their name in the answer.",
-    "formal": "Write formally: complete words (no contractions), no exclamation marks, no slang, no emoji.",
+    "name": "Start your reply with the user's name followed by a comma.",
+    "formal": "Write in formal English: do not use contractions, exclamation marks or casual words.",
     "casual": "Write in a warm, relaxed, friendly tone.",
     "language": "Answer in the language the user asks for.",
     "code_only": "Reply with the code or command alone, without explanation.",
@@ -61,29 +64,35 @@ class WishReader:
         label = max(probabilities, key=probabilities.__getitem__)
         return Reading(label, probabilities[label])
 
-    def instruction(self, correction: str) -> str | None:
-        """The instruction for the aspect the correction is about; None for another aspect or a
-        reading below `WISH_AT`."""
-        reading = self.read(correction)
-        return ASPECTS[reading.label] if reading.probability >= WISH_AT else None
+    def wanted(self, corrections: list[str]) -> list[str]:
+        """The instructions for what a person's corrections, taken together, ask for: each aspect's
+        mean probability over them, the aspects with an instruction at `WISH_AT` or more, likeliest
+        first. One correction is often vague ("hmm, that's a lot"); a person's several point the
+        same way."""
+        mean = dict.fromkeys(LABELS, 0.0)
+        for correction in corrections:
+            for label, p in self.model.probabilities(text_features(correction)).items():
+                mean[label] += p / len(corrections)
+        return [ASPECTS[a] for a in sorted(LABELS, key=mean.__getitem__, reverse=True)  # type: ignore[misc]
+                if ASPECTS[a] is not None and mean[a] >= WISH_AT]
 
 
 def told(corrections: list[str], mode: str) -> str:
     """What the teacher is told of a turn's corrections (its own first, then the person's earlier
     ones) under `judge.teacher.wishes` `mode`: `words`, the corrections; `beside`, the instructions
-    read in them (each once), then the corrections; `instead`, the instructions, then only the
-    corrections in which none was read."""
-    if mode == "words":
-        return " ".join(corrections)
-    read = [(correction, wish_reader().instruction(correction)) for correction in corrections]
-    instructions = list(dict.fromkeys(instruction for _, instruction in read if instruction))
-    words = [correction for correction, instruction in read if mode == "beside" or instruction is None]
-    return " ".join(instructions + words)
+    they ask for taken together (`WishReader.wanted`), then the corrections; `instead`, the
+    instructions alone. The corrections wherever no instruction is read."""
+    wanted = [] if mode == "words" else wish_reader().wanted(corrections)
+    return " ".join(wanted + corrections if mode == "beside" or not wanted else wanted)
 
 
 def training_set() -> list[dict]:
-    """The shipped labelled corrections, in a fixed order."""
-    return [e for path in sorted(TRAIN_DATA.glob(TRAIN_FILES)) for e in load(path)]
+    """The shipped labelled corrections, then the reaction reader's complaints as `other` (they
+    say a reply is wrong, not how its form should change: "bad answer", "ugh this again"), in a
+    fixed order."""
+    complaints = [{"id": e["id"], "text": e["next"][0]["content"], "aspect": "other"}
+                  for e in reaction_training_set() if e["gold"] == "complaint"]
+    return [*(e for path in sorted(TRAIN_DATA.glob(TRAIN_FILES)) for e in load(path)), *complaints]
 
 
 @functools.cache
