@@ -47,10 +47,13 @@ def test_a_correction_about_anything_else_and_a_bare_complaint_stay_words():
 
 
 def test_a_persons_corrections_are_read_together():
-    """A vague correction alone is below the bar; with the person's clearer ones it is told."""
+    """A vague correction alone is below the bar; with the person's clearer ones, what most of
+    them ask for is told."""
     vague = "my thumb hurts from scrolling"
     assert told([vague], "instead") == vague
     assert told([vague, "way too long for my phone"], "instead") == SHORT
+    listed = ["could you break it into points I can tick off?", "bullets please, I skim", "way too long for my phone"]
+    assert told(listed, "instead") == ASPECTS["list"]  # what most of them ask for
 
 
 def test_every_process_trains_the_same_reader():

@@ -8,9 +8,9 @@ person's adapter toward, so the judge reads which aspect of the reply a correcti
 (`ASPECTS`: its length, lists or prose, being named, register, language, code alone, a preamble,
 plain words, examples; or anything else) and tells the teacher that aspect's instruction, with
 the person's words after it (`beside`) or alone (`instead`). The person's remembered corrections
-(`judge.teacher.memory`) are read together: an aspect is told when its mean probability over
-them is at least `WISH_AT`. Where none is (corrections about anything else, `other`: a wrong
-fact, a missed requirement; or too vague to read), the teacher is told the person's words.
+(`judge.teacher.memory`) are read together: the teacher is told what most of them ask for, each
+read alone with at least `WISH_AT` confidence. Where none is (corrections about anything else,
+`other`: a wrong fact, a missed requirement; or too vague to read), it is told the words.
 
 The reader is a linear classifier over hashed features of the words (flywheel/judge/hashed_classifier.py),
 trained at first use on `flywheel/judge/data/correction_aspects_train*.jsonl` (corrections of
@@ -22,6 +22,7 @@ complaints as `other`; another helper wrote the set it is measured on, unread by
 from __future__ import annotations
 
 import functools
+from collections import Counter
 from pathlib import Path
 
 from flywheel.judge.hashed_classifier import HashedLinear, Reading, text_features
@@ -65,22 +66,23 @@ class WishReader:
         return Reading(label, probabilities[label])
 
     def wanted(self, corrections: list[str]) -> list[str]:
-        """The instructions for what a person's corrections, taken together, ask for: each aspect's
-        mean probability over them, the aspects with an instruction at `WISH_AT` or more, likeliest
-        first. One correction is often vague ("hmm, that's a lot"); a person's several point the
-        same way."""
-        mean = dict.fromkeys(LABELS, 0.0)
-        for correction in corrections:
-            for label, p in self.model.probabilities(text_features(correction)).items():
-                mean[label] += p / len(corrections)
-        return [ASPECTS[a] for a in sorted(LABELS, key=mean.__getitem__, reverse=True)  # type: ignore[misc]
-                if ASPECTS[a] is not None and mean[a] >= WISH_AT]
+        """The instructions for what a person's corrections ask for most often: each correction
+        read alone (`instruction`), the aspects the most of them ask for (ties: each). One
+        correction is often vague ("hmm, that's a lot"); a person's several point the same way."""
+        votes = Counter(instruction for instruction in map(self.instruction, corrections) if instruction)
+        return [instruction for instruction, n in votes.most_common() if n == max(votes.values())]
+
+    def instruction(self, correction: str) -> str | None:
+        """The instruction for the aspect a correction is about; None for one without an
+        instruction (`other`) or read below `WISH_AT`."""
+        reading = self.read(correction)
+        return ASPECTS[reading.label] if reading.probability >= WISH_AT else None
 
 
 def told(corrections: list[str], mode: str) -> str:
     """What the teacher is told of a turn's corrections (its own first, then the person's earlier
     ones) under `judge.teacher.wishes` `mode`: `words`, the corrections; `beside`, the instructions
-    they ask for taken together (`WishReader.wanted`), then the corrections; `instead`, the
+    they ask for most often (`WishReader.wanted`), then the corrections; `instead`, the
     instructions alone. The corrections wherever no instruction is read."""
     wanted = [] if mode == "words" else wish_reader().wanted(corrections)
     return " ".join(wanted + corrections if mode == "beside" or not wanted else wanted)
