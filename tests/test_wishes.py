@@ -57,9 +57,12 @@ def test_a_persons_corrections_are_read_together():
 
 
 def test_every_process_trains_the_same_reader():
-    again = WishReader(training_set())
+    """Judges on several machines must read alike: training is deterministic (a fifth of the set:
+    the same code path in a second)."""
+    some = training_set()[::5]
+    first, again = WishReader(some), WishReader(some)
     for said in ("too long", "use my name", "que?"):
-        assert again.read(said) == wish_reader().read(said)
+        assert again.read(said) == first.read(said)
 
 
 def test_the_training_set_is_well_formed():
