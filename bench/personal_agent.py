@@ -21,7 +21,8 @@ Arms: `none` (serve, collect and judge only: the base model), `rl` (next-state R
 ±1 from the person's reaction), `opd` (hint distillation only: the teacher, the pinned starting
 model told the correction, scores the tokens sampled, and gives its distribution at each of
 them), `both`, `memory` (nothing trains: the app keeps the hints the judge's reader finds and
-puts them in the system message, OpenClaw-RL's memory baseline).
+puts them in the system message, OpenClaw-RL's memory baseline; with `judge.teacher.wishes`
+`instead`, what they ask for, as the teacher would be told it).
 
 People: by default the drill's own (flywheel/drills/simulated_people.py, phrasings written with
 the rules); `--people bench/data/people_heldout.json` takes trial i of a preference's person
@@ -136,7 +137,8 @@ def trial(arm: str, pref: str, index: int, args, progress) -> dict:
         client = OpenAI(base_url=f"{deployment.serve_url}/v1", api_key="unused")
         stats = deployment.stats()
         for s in range(args.cap):
-            sessions.append(converse(client, config.served_model, user, s, trial_id, args, memory=memory))
+            sessions.append(converse(client, config.served_model, user, s, trial_id, args, memory=memory,
+                                     wishes=config.judge.teacher.wishes))
             if memory is not None:
                 remember(memory, sessions[-1], config.judge.next_state)
             if trains and args.pace == "trained":
@@ -164,7 +166,8 @@ def trial(arm: str, pref: str, index: int, args, progress) -> dict:
         "memory": memory,
         "heldout_before": asyncio.run(satisfaction(None, config.model, user, HELD_OUT_QUESTIONS, args)),
         "heldout": asyncio.run(satisfaction(weights, config.model, user, HELD_OUT_QUESTIONS, args,
-                                            system=with_memory(user.system, user.name, memory or []))),
+                                            system=with_memory(user.system, user.name, memory or [],
+                                                               config.judge.teacher.wishes))),
     }
 
 

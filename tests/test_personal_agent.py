@@ -29,6 +29,7 @@ from flywheel.drills.personal_agent import (
     summary_rows,
     verdicts,
     version_of,
+    with_memory,
 )
 from flywheel.drills.simulated_people import (
     OFF_TOPIC,
@@ -40,6 +41,7 @@ from flywheel.drills.simulated_people import (
     people_from,
 )
 from flywheel.judge.loop import JudgeLoop
+from flywheel.judge.wishes import ASPECTS
 from flywheel.serve.loop import ServeLoop
 from flywheel.train.loop import TrainLoop
 
@@ -197,12 +199,12 @@ def test_a_person_written_elsewhere_speaks_only_in_their_own_words():
     assert "Lovely." in said and any(line.startswith("Another one: ") for line in said) and len(said) > 2
 
 
-def test_the_blind_people_file_is_well_formed():
-    """bench/data/people_heldout.json: three people for each of four preferences, every list long
+@pytest.mark.parametrize("file", ["people_heldout.json", "people_heldout_2.json"])
+def test_the_blind_people_files_are_well_formed(file):
+    """bench/data/people_heldout*.json: three people for each of four preferences, every list long
     enough, every new-question line with one place for the question. Checked without showing a
     line of theirs (the judge's author does not read them)."""
-    path = Path(__file__).resolve().parent.parent / "bench" / "data" / "people_heldout.json"
-    people = people_from(path)
+    people = people_from(Path(__file__).resolve().parent.parent / "bench" / "data" / file)
     assert sorted(people) == sorted(f"{pref}-{i}" for pref in ("brief", "bullets", "name", "formal") for i in (1, 2, 3))
     for key, (name, preference, voice) in people.items():
         fits = (key.startswith(preference.kind) and bool(name) and len(voice.corrections) >= 14 and len(voice.off_topic) >= 4
@@ -210,6 +212,14 @@ def test_the_blind_people_file_is_well_formed():
                 and all(line.count("{question}") == 1 and line.format(question="Q?").count("Q?") == 1
                         for line in voice.new_question))
         assert fits, key
+
+
+def test_the_memory_baseline_keeps_the_words_or_what_they_ask_for():
+    hints = ["way too long for my phone", "Canberra is the capital, not Sydney.", "shorter!! I said shorter"]
+    worded = with_memory("You are Ada's personal assistant.", "Ada", hints)
+    assert worded.endswith(" ".join(f'"{hint}"' for hint in hints))
+    assert with_memory("S.", "Ada", hints, "instead") == f"S. What Ada has told you about how they like replies: {ASPECTS['shorter']}"
+    assert with_memory("S.", "Ada", [], "instead") == "S."
 
 
 async def test_a_sessions_verdict_is_its_own_samples_not_its_practices(nats_url, bus):

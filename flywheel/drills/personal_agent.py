@@ -73,12 +73,17 @@ def sessions_to_learn(satisfied: list[bool], run: int = RUN) -> int | None:
     return None
 
 
-def with_memory(system: str, name: str, hints: list[str]) -> str:
-    """The system message with the newest `MEMORY` hints the person gave, as the app remembers them."""
+def with_memory(system: str, name: str, hints: list[str], wishes: str = "words") -> str:
+    """The system message with the newest `MEMORY` hints the person gave, as the app remembers them:
+    their words, or with `wishes` `beside` / `instead` what they ask for, as the judge's teacher is
+    told it (flywheel/judge/wishes.py)."""
+    from flywheel.judge.wishes import told
+
     if not hints:
         return system
-    return f"{system} What {name} has told you about how they like replies: " + " ".join(
-        f'"{hint}"' for hint in hints[-MEMORY:])
+    kept = hints[-MEMORY:]
+    said = " ".join(f'"{hint}"' for hint in kept) if wishes == "words" else told(kept[::-1], wishes)  # newest first
+    return f"{system} What {name} has told you about how they like replies: {said}"
 
 
 def remember(hints: list[str], record: dict, config=None) -> None:
@@ -100,18 +105,18 @@ def reply_seed(user: User, session: int, reply: int) -> int:
 
 
 def converse(client, model: str, user: User, session: int, trial_id: str, args, user_id: str | None = None,
-             memory: list[str] | None = None) -> dict:
+             memory: list[str] | None = None, wishes: str = "words") -> dict:
     """The session's question, the first reply, the person's reaction and the reply to it; with
     `args.reactions` 2, also the person's reaction to that second reply when it answered something
     (a correction, a complaint or a new question; not thanks), and the reply to that, which nothing
     follows. Each reply samples with its own OpenAI `seed` (the user's seed, the session, which
     reply), so a trial run again on the same code meets the same draws (docs/experiments/personal-agent-trials.md).
     `user_id`: the person as the end user (`X-User-Id`), for a deployment that tells people apart;
-    `memory`: the hints the app remembers (`with_memory`)."""
+    `memory`: the hints the app remembers (`with_memory`, with `wishes`)."""
     session_id = f"{trial_id}-s{session:03d}"
     headers = {"X-Session-Id": session_id, **({"X-User-Id": user_id} if user_id else {})}
     question = user.question(session)
-    system = with_memory(user.system, user.name, memory or [])
+    system = with_memory(user.system, user.name, memory or [], wishes)
     messages = [{"role": "system", "content": system}, {"role": "user", "content": question}]
 
     def reply(index: int) -> tuple[str, object]:
