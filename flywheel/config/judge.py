@@ -248,7 +248,8 @@ class TeacherConfig(Section):
     instruction for the aspect of the reply it asks to change (its length, lists, being named,
     register, ...), read by a learned classifier, then the words; `instead`, the instruction
     alone where one is read (flywheel/judge/wishes.py). A small teacher follows a plain
-    instruction more often than a person's words."""
+    instruction more often than a person's words; `instead` drops what the words say beyond the
+    aspect (a nickname they want, an exact layout), which `beside` keeps."""
     practice: int = Field(0, ge=0, le=16)
     """Replies to practise on, per corrected turn (a turn judged below zero that got a hint): the
     judge has the person's adapter answer that turn's request this many times more, on the
