@@ -44,13 +44,15 @@ ASPECTS: dict[str, str | None] = {
     "example": "Include a concrete example.",
     "other": None,
 }
-"""Each aspect's instruction to the teacher (None: the person's words are the instruction)."""
+"""Each aspect's instruction to the teacher (None: the person's words are the instruction). For
+`shorter`, `list`, `name` and `formal`, the phrasing SmolLM2-135M followed best of those tried
+(docs/experiments/learning-from-use.md, section 4); the others are written, not measured."""
 LABELS = tuple(ASPECTS)
 TRAIN_DATA = Path(__file__).resolve().parent / "data"
 TRAIN_FILES = "correction_aspects_train*.jsonl"
 WISH_AT = 0.4
 """The least probability of an aspect for its instruction to be told: on the training set's 5-fold
-cross-validation, 85 % of the form wishes are told and 93 % of what is told is right (bench/judge_wishes.py)."""
+cross-validation, 85 % of the form wishes are told and 92 % of what is told is right (bench/judge_wishes.py)."""
 
 
 class WishReader:
