@@ -47,9 +47,20 @@ def threads_added_by(work) -> int:
 
 
 def test_a_parallel_op_on_another_thread_starts_a_team_of_its_own():
-    """The hazard itself, so that the tests below can fail: the same op outside `one_thread`."""
+    """The hazard itself, so that the tests below can fail: the same op outside `one_thread`, on a
+    thread computing on two (a new thread starts at the count the process was last set to: an
+    in-process serve loop of an earlier test, on cores it shares, leaves it at one)."""
     wide = torch.ones(BIG)
-    assert threads_added_by(lambda: wide * 2.0) >= 1
+
+    def doubled() -> None:
+        threads = torch.get_num_threads()
+        torch.set_num_threads(2)
+        try:
+            wide.mul(2.0)
+        finally:
+            torch.set_num_threads(threads)
+
+    assert threads_added_by(doubled) >= 1
 
 
 def test_work_in_one_thread_starts_no_team_and_leaves_the_thread_count_as_it_was():
