@@ -20,10 +20,13 @@ Numbers
       with an instruction (what the teacher is told), and of those the share that is right
       (**told right**): a wrong instruction teaches the wrong thing, a missing one only keeps the
       person's words;
-    - the same for the probability bars `--bars` (how `WISH_AT` was chosen, on the 5-fold set).
+    - the same for the probability bars `--bars` (how `WISH_AT` was chosen, on the 5-fold set);
+    - with `--people`: for each person of a people file, by labels alone, what the teacher is
+      told of the probe's draw of their corrections and of all of them.
 
     .venv/bin/python bench/judge_wishes.py                # bench/results/judge_wishes.json
     .venv/bin/python bench/judge_wishes.py --no-heldout   # while changing the reader
+    .venv/bin/python bench/judge_wishes.py --people bench/data/people_heldout.json bench/data/people_heldout_2.json
 """
 
 from __future__ import annotations
@@ -88,6 +91,30 @@ def reactions(gold: str, heldout: bool) -> list[str]:
     return [e["next"][0]["content"] for e in examples if e["gold"] == gold]
 
 
+WANTED = {"brief": "shorter", "bullets": "list", "name": "name", "formal": "formal"}
+"""The aspect each preference of a people file is about."""
+
+
+def people(path: str, draw: int) -> dict:
+    """Per person of a people file (bench/data/people_heldout*.json), by aspect labels only (their
+    words stay unread): the share of their corrections read alone as their wish, and what the
+    teacher is told of `draw` of them at once (the same draw as `personal_agent.py --probe-hints
+    --probe-together`) and of all of them."""
+    from flywheel.drills.simulated_people import User, people_from
+
+    aspect_of = {instruction: aspect for aspect, instruction in ASPECTS.items() if instruction}
+    out = {}
+    for key, (name, preference, voice) in sorted(people_from(path).items()):
+        wish = WANTED[preference.kind]
+        drawn = User(name, preference, seed=int(key.split("-")[1]) - 1, voice=voice).rng.sample(
+            voice.corrections, min(draw, len(voice.corrections)))
+        out[key] = {"alone_right": sum(wish_reader().instruction(c) == ASPECTS[wish] for c in voice.corrections)
+                    / len(voice.corrections),
+                    "drawn": [aspect_of[i] for i in wish_reader().wanted(drawn)],
+                    "all": [aspect_of[i] for i in wish_reader().wanted(voice.corrections)]}
+    return out
+
+
 def _pct(value: float | None) -> str:
     return "-" if value is None else f"{100 * value:.0f} %"
 
@@ -101,6 +128,13 @@ def report(result: dict) -> str:
         parts.append("\n" + table(["bar", "told", "told right", "form wishes told", "`other` told"],
                                   [[bar, _pct(a["told"]), _pct(a["told_right"]), _pct(a["form_told"]), _pct(a["other_told"])]
                                    for bar, a in s["at"].items()]) + "\n")
+    for file, by_person in result.get("people", {}).items():
+        parts.append(f"\n## {file}: what the teacher is told (aspects; their wish alone: "
+                     f"{sum(p['drawn'] == [WANTED[k.split('-')[0]]] for k, p in by_person.items())} of {len(by_person)} "
+                     f"drawn, {sum(p['all'] == [WANTED[k.split('-')[0]]] for k, p in by_person.items())} of {len(by_person)} all)\n")
+        parts.append(table(["person", "corrections read alone as the wish", "told of the probe's draw", "told of all"],
+                           [[k, _pct(p["alone_right"]), " ".join(p["drawn"]) or "(words)", " ".join(p["all"]) or "(words)"]
+                            for k, p in by_person.items()]))
     for name, r in result["reactions"].items():
         parts.append(f"## {name} ({r['n']}): an instruction told for {_pct(r['told'])}; "
                      + ", ".join(f"{k} {v}" for k, v in r["aspects"].items()))
@@ -112,6 +146,8 @@ def main() -> None:
     parser.add_argument("--name", default="judge_wishes")
     parser.add_argument("--no-heldout", action="store_true", help="leave the held-out set unread (while the reader changes)")
     parser.add_argument("--bars", type=float, nargs="+", default=[0.3, 0.4, 0.5, 0.6, 0.7])
+    parser.add_argument("--people", nargs="*", default=[], help="people files: what the teacher is told of each person")
+    parser.add_argument("--draw", type=int, default=5, help="with --people: corrections told at once (the probe's)")
     args = parser.parse_args()
     train = training_set()
     sets = {}
@@ -120,7 +156,7 @@ def main() -> None:
         heldout = [e for e in reaction_reader.load(HELDOUT) if e["text"].strip().lower() not in known]
         sets["heldout"] = scores(heldout, [wish_reader().read(e["text"]) for e in heldout], args.bars)
     sets["train (5-fold)"] = scores(train, cross_validated(train), args.bars)
-    result = {"sets": sets, "reactions": {}}
+    result = {"sets": sets, "reactions": {}, "people": {file: people(file, args.draw) for file in args.people}}
     for gold, heldout in (("correction", True), ("complaint", True), ("correction", False)):
         if heldout and args.no_heldout:
             continue
