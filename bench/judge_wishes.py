@@ -61,7 +61,8 @@ def cross_validated(examples: list[dict], folds: int = 5) -> list[Reading]:
     return out  # type: ignore[return-value]
 
 
-def told(readings: list[Reading], bar: float) -> list[bool]:
+def is_told(readings: list[Reading], bar: float) -> list[bool]:
+    """Whether each reading gets an instruction at probability `bar`."""
     return [r.probability >= bar and ASPECTS[r.label] is not None for r in readings]
 
 
@@ -74,7 +75,7 @@ def scores(examples: list[dict], readings: list[Reading], bars: list[float]) -> 
                           "recall": hits / gold.count(label) if gold.count(label) else None}
     at = {}
     for bar in sorted({*bars, WISH_AT}):
-        telling = told(readings, bar)
+        telling = is_told(readings, bar)
         right = [g == s for g, s, t in zip(gold, said, telling) if t]
         formed = [t for g, t in zip(gold, telling) if ASPECTS[g] is not None]
         at[f"{bar:.2f}"] = {"told": sum(telling) / len(telling), "told_right": sum(right) / len(right) if right else None,
@@ -161,7 +162,7 @@ def main() -> None:
         if heldout and args.no_heldout:
             continue
         readings = [wish_reader().read(text) for text in reactions(gold, heldout)]
-        telling = told(readings, WISH_AT)
+        telling = is_told(readings, WISH_AT)
         result["reactions"][f"the reaction {'held-out' if heldout else 'training'} set's {gold}s"] = {
             "n": len(readings), "told": sum(telling) / len(telling),
             "aspects": dict(Counter(r.label for r, t in zip(readings, telling) if t).most_common())}

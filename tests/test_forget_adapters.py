@@ -22,7 +22,7 @@ from flywheel.models.adapter_store import DROPPED, AdapterStore, owned_by
 from flywheel.serve.backends.sglang import HTTPEngineClient
 from flywheel.serve.engine import Engine
 from flywheel.serve.engine.server import create_engine_app
-from flywheel.tenants.forgotten import forgets
+from flywheel.tenants.forgotten import Forgettings, forgets
 from flywheel.train.adapter_guard import RELEVANCE_PROMPTS, AdapterGuard
 from flywheel.train.adapter_versions import AdapterVersions
 from flywheel.train.adapters import AdapterSet
@@ -185,6 +185,15 @@ def test_forgetting_a_tenant_covers_its_users_and_a_user_only_themselves():
     assert forgets(("acme", "ada"), ("acme", "ada"))
     assert not forgets(("acme", "ada"), ("acme", "bob")) and not forgets(("acme", "ada"), ("acme", None))
     assert not forgets(("acme", None), ("acme2", "ada"))
+
+
+def test_a_forget_heard_again_with_an_earlier_time_does_not_move_it_back():
+    """The collector and the judge read the audit log from its start again after a fault."""
+    forgotten = Forgettings()
+    forgotten.add("acme", "ada", 200.0)
+    forgotten.add("acme", "ada", 100.0)
+    assert forgotten.since("acme", "ada", 150.0) and not forgotten.since("acme", "ada", 250.0)
+    assert forgotten.since("acme", "ada", 50.0) and not forgotten.since("acme", "bob", 50.0)
 
 
 def test_the_system_messages_a_forgotten_user_gave_the_guard_go_with_them(tmp_path):

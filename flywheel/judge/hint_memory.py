@@ -24,7 +24,7 @@ from __future__ import annotations
 from collections import OrderedDict, deque
 
 from flywheel.bus import Trajectory
-from flywheel.tenants.forgotten import forgets
+from flywheel.tenants.forgotten import Forgettings, forgets
 
 MAX_PEOPLE = 10_000
 
@@ -33,8 +33,8 @@ class HintMemory:
     def __init__(self, size: int, max_people: int = MAX_PEOPLE):
         self.size, self.max_people = size, max_people
         self._hints: OrderedDict[tuple[str, str, str], deque[str]] = OrderedDict()
-        self._forgotten: dict[tuple[str, str | None], float] = {}
-        """(tenant, user or None for the whole tenant): when they were forgotten."""
+        self._forgotten = Forgettings()
+        """Who was forgotten, and when (Unix time)."""
 
     @staticmethod
     def person(trajectory: Trajectory) -> tuple[str, str, str]:
@@ -49,8 +49,7 @@ class HintMemory:
         """Remember a trajectory's hints (in turn order) for its person's later turns; nothing of
         a trajectory collected before its person was forgotten."""
         tenant, _, user = key = self.person(trajectory)
-        forgotten = max(self._forgotten.get((tenant, None), 0.0), self._forgotten.get((tenant, user or None), 0.0))
-        if not hints or trajectory.created_at <= forgotten:
+        if not hints or self._forgotten.since(tenant, user or None, trajectory.created_at):
             return
         kept = self._hints.pop(key, None) or deque(maxlen=self.size)
         for hint in hints:
@@ -81,6 +80,6 @@ class HintMemory:
     def forget(self, tenant: str, user: str | None, at: float) -> None:
         """Drop a tenant's hints, or one end user's; forgotten at time `at` (a trajectory
         collected until then is not remembered again)."""
-        self._forgotten[tenant, user] = max(at, self._forgotten.get((tenant, user), 0.0))
+        self._forgotten.add(tenant, user, at)
         for key in [key for key in self._hints if forgets((tenant, user), (key[0], key[2]))]:
             del self._hints[key]

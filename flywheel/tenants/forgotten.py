@@ -22,13 +22,16 @@ def forgets(forgotten: tuple[str, str | None], holder: tuple[str, str | None]) -
 class Forgettings:
     """When each tenant or end user was last forgotten, so that what of theirs was made before then
     is not kept: a gateway's requests under way (on its monotonic clock), the records the collector
-    holds or is sent late (on the records' and the audit entries' Unix times)."""
+    holds or is sent late, the hints the judge would remember (on the records' and the audit
+    entries' Unix times)."""
 
     def __init__(self, size: int = 4096):
         self._at: LRU[tuple[str, str | None], float] = LRU(size)
 
     def add(self, tenant: str, user: str | None, at: float) -> None:
-        self._at[(tenant, user)] = at
+        """`tenant`'s `user` (None: all of it) forgotten at `at`; an earlier time heard later (an
+        audit log read again) does not move it back."""
+        self._at[(tenant, user)] = max(at, self._at.peek((tenant, user)) or at)
 
     def since(self, tenant: str, user: str | None, made: float) -> bool:
         """Whether something of `tenant`'s `user` made at `made` came before a forget covering them
