@@ -16,6 +16,7 @@ from types import SimpleNamespace
 import openai
 import pytest
 
+from bench.lib.personal_eval import wait_trained
 from flywheel.bus import SAMPLE_SUBJECT, Sample, Trajectory
 from flywheel.collect.loop import CollectLoop
 from flywheel.config import load_config
@@ -233,3 +234,19 @@ async def test_a_sessions_verdict_is_its_own_samples_not_its_practices(nats_url,
     await bus.publish(SAMPLE_SUBJECT, sample("s1:practice:0:0", "practice", {"practice_of": "s1", "turn": 0}))
     said = await verdicts(nats_url)
     assert said["s1"]["judge_class"] == "correction" and said["s1"]["judge_score"] == -1.0
+
+
+def test_the_next_session_waits_for_its_practice_samples_to_be_trained():
+    """With practice the judge publishes a session's own sample and its practice samples: the bench
+    starts the next session once the trainer has taken all of them (trained or dropped), not as many
+    samples as sessions (the next first reply would come of a version that has not learned from the
+    last correction, and the practice samples still waiting go stale)."""
+    judged = {"scored": 2, "unscored": 0, "practice": {"turns": 2, "samples": 8, "failures": 0}}
+    served = {"adapters": {"open": 5}}
+
+    def deployment(taken: int) -> SimpleNamespace:
+        train = {"samples": taken, "stale_dropped": 0, "unresolved": 0, "adapters": {"open": 5}}
+        return SimpleNamespace(stats=lambda: {"judge": judged, "train": train, "serve": served})
+
+    assert wait_trained(deployment(10), 2, timeout_s=5)["waited_out"] is False
+    assert wait_trained(deployment(9), 2, timeout_s=0.5)["waited_out"] is True

@@ -14,9 +14,10 @@ from flywheel.drills.simulated_people import User, answers
 
 
 def wait_trained(deployment, sessions: int, timeout_s: float) -> dict:
-    """Until the judge has scored `sessions` sessions, the trainer has taken every scored one and
-    serve answers with the version that came of it (or the timeout: the next session starts
-    anyway, with whatever is served). The deployment's stats at the end."""
+    """Until the judge has scored `sessions` sessions, the trainer has taken (trained or dropped)
+    every sample the judge published, a session's own and its practice samples, and serve answers
+    with the version that came of it (or the timeout: the next session starts anyway, with
+    whatever is served). The deployment's stats at the end."""
     deadline = time.monotonic() + timeout_s
     while True:
         stats = deployment.stats()
@@ -24,11 +25,12 @@ def wait_trained(deployment, sessions: int, timeout_s: float) -> dict:
         judged = judge.get("scored", 0) + judge.get("unscored", 0)
         done = judged >= sessions
         if done and train is not None:
-            taken = train.get("samples", 0) + train.get("stale_dropped", 0) + train.get("unresolved", 0)
+            taken = sum(train.get(k, 0) for k in ("samples", "stale_dropped", "abandoned_dropped", "unresolved"))
             trained = train.get("adapters")
             served = (all(serve.get("adapters", {}).get(name, 0) >= v for name, v in trained.items()) if trained
                       else serve.get("version", -1) >= train.get("version", 0))  # with adapters: each adapter's version
-            done = taken >= judge.get("scored", 0) and served
+            published = judge.get("scored", 0) + (judge.get("practice") or {}).get("samples", 0)  # practice: more a session
+            done = taken >= published and served
         if done or time.monotonic() > deadline:
             return {**stats, "waited_out": not done}
         time.sleep(0.2)
