@@ -28,8 +28,8 @@ go back to its last published version (its origin's, or the base's, before any) 
 optimizer starts afresh, and the loop's stats count it (`held_back`). The person keeps being
 served what they had.
 
-The base's answers are computed once, at the first check (27 s for SmolLM2 on 2 quiet CPU
-cores), and its replies' relevance once per context (4.8 s there; the `CONTEXTS` most recent
+The base's answers are computed once, at the first check, as one batch (SmolLM2 on 2 CPU
+cores: 9.2-9.7 s; one prompt at a time it took 31 s), and its replies' relevance once per context (4.8 s there; the `CONTEXTS` most recent
 kept); a check is a batched forward pass over the answers (2.0 s there) and the adapter's
 32-token replies to eight questions with their scoring (5.3 s there); a user's adapter whose
 tenant's adapter is in memory has that one's measured too, once for each of its revisions
@@ -182,23 +182,25 @@ class AdapterGuard:
     def replies(self, name: str | None, context: Context = ()) -> list[list[int]]:
         """`name`'s greedy replies to `questions` asked after the system messages `context`, each
         cut after its end-of-sequence token."""
-        questions = self._questions(context)
-        width = max(map(len, questions))
-        pad, eos = self.tokenizer.pad_token_id, self.tokenizer.eos_token_id
-        pad = eos if pad is None else pad
-        ids = torch.tensor([[pad] * (width - len(q)) + q for q in questions])
-        attention = torch.tensor([[0] * (width - len(q)) + [1] * len(q) for q in questions])
         if name is not None:
             self.adapters.activate(name)
-        context = self.adapters.disabled() if name is None else contextlib.nullcontext(self.adapters.model)
-        with torch.no_grad(), context as model:
+        context_manager = self.adapters.disabled() if name is None else contextlib.nullcontext(self.adapters.model)
+        with context_manager as model:
+            return self._greedy(model, self._questions(context), REPLY_TOKENS)
+
+    def _greedy(self, model: torch.nn.Module, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
+        """`model`'s greedy continuations of `prompts`, generated as one left-padded batch, each cut
+        after its end-of-sequence token."""
+        width = max(map(len, prompts))
+        pad, eos = self.tokenizer.pad_token_id, self.tokenizer.eos_token_id
+        pad = eos if pad is None else pad
+        ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts])
+        attention = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+        with torch.no_grad():
             device = next(model.parameters()).device
-            out = model.generate(ids.to(device), attention_mask=attention.to(device), max_new_tokens=REPLY_TOKENS,
+            out = model.generate(ids.to(device), attention_mask=attention.to(device), max_new_tokens=max_new_tokens,
                                  do_sample=False, pad_token_id=pad)
-        replies = []
-        for row in out[:, width:].tolist():
-            replies.append(row[:row.index(eos) + 1] if eos in row else row)
-        return replies
+        return [row[:row.index(eos) + 1] if eos in row else row for row in out[:, width:].tolist()]
 
     def forget_contexts(self) -> None:
         """Drop everything measured in a context (a forgotten person's system messages are its keys;
@@ -240,17 +242,12 @@ class AdapterGuard:
         answer tokens' mask (the base's mean log-probability of them is `base_logprob`)."""
         if self._batch is not None:
             return self._batch
-        rows, answers = [], []
-        with torch.no_grad(), self.adapters.disabled() as base:
+        prompts = [self._chat(prompt) for prompt in self.prompts]
+        with self.adapters.disabled() as base:
+            answers = self._greedy(base, prompts, ANSWER_TOKENS)
+            rows = [prompt + answer for prompt, answer in zip(prompts, answers)]
             device = next(base.parameters()).device
-            for prompt in self.prompts:
-                prompt_ids = self._chat(prompt)
-                out = base.generate(torch.tensor([prompt_ids], device=device),
-                                    attention_mask=torch.ones(1, len(prompt_ids), dtype=torch.long, device=device),
-                                    max_new_tokens=ANSWER_TOKENS, do_sample=False, pad_token_id=self.tokenizer.eos_token_id)
-                rows.append(out[0].tolist())
-                answers.append(len(out[0]) - len(prompt_ids))
-            self._batch = tuple(t.to(device) for t in _right_padded(rows, answers))
+            self._batch = tuple(t.to(device) for t in _right_padded(rows, list(map(len, answers))))
             self.base_logprob = _mean_logprob(base, *self._batch)
         return self._batch
 
