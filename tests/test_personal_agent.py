@@ -241,12 +241,13 @@ def test_the_next_session_waits_for_its_practice_samples_to_be_trained():
     starts the next session once the trainer has taken all of them (trained or dropped), not as many
     samples as sessions (the next first reply would come of a version that has not learned from the
     last correction, and the practice samples still waiting go stale)."""
-    judged = {"scored": 2, "unscored": 0, "practice": {"turns": 2, "samples": 8, "failures": 0}}
-    served = {"adapters": {"open": 5}}
+    practice = {"turns": 2, "samples": 8, "failures": 0}
 
-    def deployment(taken: int) -> SimpleNamespace:
+    def deployment(taken: int, practice: dict | None) -> SimpleNamespace:
+        judged = {"scored": 2, "unscored": 0, "practice": practice}
         train = {"samples": taken, "stale_dropped": 0, "unresolved": 0, "adapters": {"open": 5}}
-        return SimpleNamespace(stats=lambda: {"judge": judged, "train": train, "serve": served})
+        return SimpleNamespace(stats=lambda: {"judge": judged, "train": train, "serve": {"adapters": {"open": 5}}})
 
-    assert wait_trained(deployment(10), 2, timeout_s=5)["waited_out"] is False
-    assert wait_trained(deployment(9), 2, timeout_s=0.5)["waited_out"] is True
+    assert wait_trained(deployment(10, practice), 2, timeout_s=5)["waited_out"] is False
+    assert wait_trained(deployment(9, practice), 2, timeout_s=0.5)["waited_out"] is True
+    assert wait_trained(deployment(2, None), 2, timeout_s=5)["waited_out"] is False  # no practice: the sessions' own

@@ -29,8 +29,8 @@ optimizer starts afresh, and the loop's stats count it (`held_back`). The person
 served what they had.
 
 The base's answers are computed once, at the first check, as one batch (SmolLM2 on 2 CPU
-cores: 9.2-9.7 s; one prompt at a time it took 31 s), and its replies' relevance once per context (4.8 s there; the `CONTEXTS` most recent
-kept); a check is a batched forward pass over the answers (2.0 s there) and the adapter's
+cores: 9.2-9.7 s; one prompt at a time it took 31 s), and its replies' relevance once per context
+(4.8 s there; the `CONTEXTS` most recent kept); a check is a batched forward pass over the answers (2.0 s there) and the adapter's
 32-token replies to eight questions with their scoring (5.3 s there); a user's adapter whose
 tenant's adapter is in memory has that one's measured too, once for each of its revisions
 (`AdapterSet.revision`) and context.
