@@ -16,13 +16,13 @@ from types import SimpleNamespace
 import openai
 import pytest
 
-from bench.lib.personal_eval import wait_trained
 from flywheel.bus import SAMPLE_SUBJECT, Sample, Trajectory
 from flywheel.collect.loop import CollectLoop
 from flywheel.config import load_config
 from flywheel.deploy.deployment import sharing_cores, side_server_config
 from flywheel.drills.personal_agent import (
     CONFIG,
+    all_taken,
     converse,
     judge_agreement,
     rolling_rate,
@@ -242,12 +242,7 @@ def test_the_next_session_waits_for_its_practice_samples_to_be_trained():
     samples as sessions (the next first reply would come of a version that has not learned from the
     last correction, and the practice samples still waiting go stale)."""
     practice = {"turns": 2, "samples": 8, "failures": 0}
-
-    def deployment(taken: int, practice: dict | None) -> SimpleNamespace:
-        judged = {"scored": 2, "unscored": 0, "practice": practice}
-        train = {"samples": taken, "stale_dropped": 0, "unresolved": 0, "adapters": {"open": 5}}
-        return SimpleNamespace(stats=lambda: {"judge": judged, "train": train, "serve": {"adapters": {"open": 5}}})
-
-    assert wait_trained(deployment(10, practice), 2, timeout_s=5)["waited_out"] is False
-    assert wait_trained(deployment(9, practice), 2, timeout_s=0.5)["waited_out"] is True
-    assert wait_trained(deployment(2, None), 2, timeout_s=5)["waited_out"] is False  # no practice: the sessions' own
+    judged = {"scored": 2, "unscored": 0, "practice": practice}
+    assert all_taken(judged, {"samples": 9, "stale_dropped": 1})
+    assert not all_taken(judged, {"samples": 9})
+    assert all_taken({**judged, "practice": None}, {"samples": 2})  # no practice: the sessions' own

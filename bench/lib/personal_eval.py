@@ -9,7 +9,7 @@ import time
 from pathlib import Path
 from statistics import fmean
 
-from flywheel.drills.personal_agent import CONFIG
+from flywheel.drills.personal_agent import CONFIG, all_taken
 from flywheel.drills.simulated_people import User, answers
 
 
@@ -25,12 +25,10 @@ def wait_trained(deployment, sessions: int, timeout_s: float) -> dict:
         judged = judge.get("scored", 0) + judge.get("unscored", 0)
         done = judged >= sessions
         if done and train is not None:
-            taken = sum(train.get(k, 0) for k in ("samples", "stale_dropped", "abandoned_dropped", "unresolved"))
             trained = train.get("adapters")
             served = (all(serve.get("adapters", {}).get(name, 0) >= v for name, v in trained.items()) if trained
                       else serve.get("version", -1) >= train.get("version", 0))  # with adapters: each adapter's version
-            published = judge.get("scored", 0) + (judge.get("practice") or {}).get("samples", 0)  # practice: more a session
-            done = taken >= published and served
+            done = all_taken(judge, train) and served
         if done or time.monotonic() > deadline:
             return {**stats, "waited_out": not done}
         time.sleep(0.2)

@@ -55,6 +55,13 @@ def rolling_rate(satisfied: list[bool], window: int = WINDOW) -> list[float]:
     return [fmean(satisfied[max(0, i + 1 - window):i + 1]) for i in range(len(satisfied))]
 
 
+def all_taken(judge: dict, train: dict) -> bool:
+    """Whether the trainer has taken (trained or dropped) every sample the judge published: each
+    session's own and, with practice, its practice samples (`judge`, `train`: the loops' stats)."""
+    taken = sum(train.get(k, 0) for k in ("samples", "stale_dropped", "abandoned_dropped", "unresolved"))
+    return taken >= judge.get("scored", 0) + (judge.get("practice") or {}).get("samples", 0)
+
+
 def judge_agreement(sessions: list[dict]) -> float | None:
     """Share of judged sessions where the judge's sign of the first reply is the truth (+1 when it
     satisfied the preference, -1 when the person corrected it)."""
