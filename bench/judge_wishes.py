@@ -103,16 +103,15 @@ def people(path: str, draw: int) -> dict:
     --probe-together`) and of all of them."""
     from flywheel.drills.simulated_people import User, people_from
 
-    aspect_of = {instruction: aspect for aspect, instruction in ASPECTS.items() if instruction}
     out = {}
     for key, (name, preference, voice) in sorted(people_from(path).items()):
         wish = WANTED[preference.kind]
         drawn = User(name, preference, seed=int(key.split("-")[1]) - 1, voice=voice).rng.sample(
             voice.corrections, min(draw, len(voice.corrections)))
-        out[key] = {"alone_right": sum(wish_reader().instruction(c) == ASPECTS[wish] for c in voice.corrections)
+        out[key] = {"alone_right": sum(wish_reader().aspect(c) == wish for c in voice.corrections)
                     / len(voice.corrections),
-                    "drawn": [aspect_of[i] for i in wish_reader().wanted(drawn)],
-                    "all": [aspect_of[i] for i in wish_reader().wanted(voice.corrections)]}
+                    "drawn": wish_reader().aspects(drawn),
+                    "all": wish_reader().aspects(voice.corrections)}
     return out
 
 

@@ -208,7 +208,8 @@ def test_the_combined_advantage_is_the_rl_term_plus_the_clipped_teacher_gap():
 @pytest.mark.parametrize("hinted_coef", [None, 0.0, 0.5])
 def test_a_hinted_turn_takes_the_rl_term_at_its_own_weight(hinted_coef):
     """Two corrected turns (-1 each), a teacher on the first only: with `rl_coef_hinted` the first
-    turn's RL advantages are weighed by it (0: the teacher's alone), the second's by `rl_coef`."""
+    turn's RL advantages are weighed by it (0: the teacher's alone), the second's by `rl_coef`;
+    where the reward checked the reply against the wish (practice), both by `rl_coef`."""
     first = make_turn(id="a", prompt_ids=[1, 2], output_ids=[3, 4], output_logprobs=[-1.0] * 2, output_versions=[0] * 2)
     second = make_turn(id="b", turn_index=1, prompt_ids=[1, 2, 3, 4, 9], output_ids=[5, 6, 7],
                        output_logprobs=[-1.0] * 3, output_versions=[0] * 3)
@@ -225,6 +226,9 @@ def test_a_hinted_turn_takes_the_rl_term_at_its_own_weight(hinted_coef):
     [[batch]] = StepBatch([group_of(sample)], load_config("configs/local.yaml", overrides), RunningBaseline(), 0).minibatches
     first_turn = 0.8 if hinted_coef is None else hinted_coef
     assert batch.advantages[0, :8].tolist() == pytest.approx([0, 0, -first_turn, -first_turn, 0, -0.8, -0.8, -0.8])
+    sample.details = {"checked": ["shorter"]}  # a practice reply rewarded by a check of the wish: not the hint's -1
+    [[batch]] = StepBatch([group_of(sample)], load_config("configs/local.yaml", overrides), RunningBaseline(), 0).minibatches
+    assert batch.advantages[0, :8].tolist() == pytest.approx([0, 0, -0.8, -0.8, 0, -0.8, -0.8, -0.8])
 
 
 async def test_a_teacher_told_a_hint_moves_the_policy_toward_what_it_prefers(turns):

@@ -17,6 +17,7 @@ from flywheel.config.loader import ConfigError
 from flywheel.judge.loop import JudgeLoop
 from flywheel.judge.practice import corrected_turns
 from flywheel.judge.teacher import Teacher
+from flywheel.judge.wish_checks import score
 from flywheel.models import load_model
 from flywheel.models.adapter_names import user_adapter
 
@@ -32,10 +33,15 @@ PRACTICE = [*TENANTS_SETUP, "adapters.kind=lora", "adapters.scope=user", "judge.
 HINT = "Say my name, Ada, first."
 
 
-async def test_a_corrected_turn_is_practised_by_the_persons_adapter_and_taught_by_the_hint(nats_url, tmp_path, bus):
+@pytest.mark.parametrize("reward, hint, checked", [
+    ("equal", HINT, None),  # equal rewards: the teacher's term alone moves them
+    ("checks", "Too long. Keep it much shorter next time.", ["shorter"]),  # each reply's length, checked
+])
+async def test_a_corrected_turn_is_practised_by_the_persons_adapter_and_taught_by_the_hint(reward, hint, checked, nats_url,
+                                                                                          tmp_path, bus):
     base, tokenizer = load_model("tiny")
     [(adapter, peft)] = random_adapters(tmp_path, {"ada-adapter": (1, {"r": 4, "target_modules": LINEAR})}).values()
-    async with platform(nats_url, tmp_path, *PRACTICE) as (serve, _, _):
+    async with platform(nats_url, tmp_path, *PRACTICE, f"judge.teacher.practice_reward={reward}") as (serve, _, _):
         await bus.publish(WEIGHTS_SUBJECT, WeightUpdate(id="ada-v1", version=1, path=str(adapter), step=1, adapter=ADA))
         await until(lambda: serve.pool.adapter_versions.get(ADA) == 1)
         async with httpx.AsyncClient(base_url=serve.url, headers={"Authorization": "Bearer acme-key"}) as http:
@@ -45,9 +51,9 @@ async def test_a_corrected_turn_is_practised_by_the_persons_adapter_and_taught_b
         await judge.start()
         try:
             messages = [{"role": "user", "content": "Greet me."}]
-            await hinted_session(serve, "corrected", messages, HINT, reward=-1.0)
+            await hinted_session(serve, "corrected", messages, hint, reward=-1.0)
             samples = await read(bus, SAMPLE_SUBJECT, "practice-check", 4)
-            assert judge.practice.counts == {"turns": 1, "samples": 3, "failures": 0}
+            assert judge.practice.counts == {"turns": 1, "samples": 3, "failures": 0, "checked_turns": int(bool(checked))}
         finally:
             await judge.stop()
     [own] = [s for s in samples if s.judge != "practice"]
@@ -56,7 +62,7 @@ async def test_a_corrected_turn_is_practised_by_the_persons_adapter_and_taught_b
     own_segment = (await bus.resolve(own)) and own.trajectory.segments[0]
     (_, start, _), = own_segment.turn_spans
     context = list(own_segment.token_ids[:start])
-    told = Teacher(serve.config.judge.teacher, serve.url).told(messages, HINT)
+    told = Teacher(serve.config.judge.teacher, serve.url).told(messages, hint)
     told_ids = tokenizer.encode(tokenizer.apply_chat_template(told, add_generation_prompt=True, tokenize=False),
                                 add_special_tokens=False)
     assert {s.trajectory.task_id for s in practice} == {f"practice:{own.id}:0"}
@@ -66,7 +72,9 @@ async def test_a_corrected_turn_is_practised_by_the_persons_adapter_and_taught_b
         (_, begin, end), = segment.turn_spans
         output = list(segment.token_ids[begin:end])
         assert (sample.tenant, sample.user_id, sample.consent, trajectory.adapter, turn.adapter) == ("acme", "ada", True, ADA, ADA)
-        assert trajectory.group_size == 3 and sample.reward == 0.0 and sample.details["practice_of"] == own.id
+        assert trajectory.group_size == 3 and sample.details["practice_of"] == own.id
+        assert sample.details.get("checked") == checked
+        assert sample.reward == (score(checked, turn.response["content"], messages) if checked else 0.0)
         assert list(segment.token_ids[:begin]) == context and output and list(segment.loss_mask[begin:end]) == [1] * len(output)
         assert set(segment.versions[begin:end]) == {1}  # Ada's adapter's version, as a turn of hers records it
         assert list(segment.logprobs[begin:end]) == pytest.approx(recomputed_logprobs(peft, context, output), abs=2e-4)

@@ -102,5 +102,5 @@ async def test_the_judge_loop_tells_its_teacher_the_instruction(mode, tmp_path):
     said = "way too long for my phone"
     trajectory = Trajectory(id="s", session_id="s", segments=[], turns=[turn], next_states=[[]], close_reason="done", consent=True,
                             feedback=[SessionEvent(id="f", session_id="s", kind="feedback", text=said, interaction_id="t0")])
-    _, hints = await loop._teach(trajectory, Verdict(-1.0, [-1.0]))
-    assert loop.teacher.told == [hints] == [{0: said if mode == "words" else SHORT}]
+    _, corrections = await loop._teach(trajectory, Verdict(-1.0, [-1.0]))
+    assert loop.teacher.told == [{0: said if mode == "words" else SHORT}] and corrections == {0: [said]}

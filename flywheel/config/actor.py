@@ -61,7 +61,8 @@ class ActorConfig(Section):
     rl_coef_hinted: float | None = Field(None, ge=0.0)
     """w_rl on the turns a teacher scored (a hint reached them); None: `rl_coef`. 0: a corrected
     turn learns from the teacher alone (its -1 on every sampled token otherwise drowns the
-    teacher's pull toward what the hint asks: bench/hint_update.py); other turns keep `rl_coef`."""
+    teacher's pull toward what the hint asks: bench/hint_update.py); other turns keep `rl_coef`, and
+    so do practice replies rewarded by a check of the wish (`judge.teacher.practice_reward: checks`)."""
     opd_coef: float = Field(1.0, ge=0.0)
     """w_opd: the weight of hint distillation, clip(log π_teacher − log π_student, ±opd_clip), on
     tokens a teacher scored (`Sample.teacher_logprobs`); 0 turns it off."""

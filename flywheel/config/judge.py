@@ -254,9 +254,15 @@ class TeacherConfig(Section):
     """Replies to practise on, per corrected turn (a turn judged below zero that got a hint): the
     judge has the person's adapter answer that turn's request this many times more, on the
     policy's server, and the teacher, told the same hint, scores each (flywheel/judge/practice.py);
-    they train as one group of equal rewards, so the teacher's term alone moves them. Needs
+    they train as one group, rewarded by `practice_reward`. Needs
     adapters (`adapters.kind: lora`). 0: off; else at least 2 (a group of one would be judged
     against the running baseline)."""
+    practice_reward: Literal["equal", "checks"] = "equal"
+    """The rewards of a practice group: `equal`, the teacher's term alone moves its replies;
+    `checks`, where what the person's corrections ask for is an aspect a rule can check (a reply's
+    length, lists or prose, register, being named: flywheel/judge/wish_checks.py), each reply's
+    reward is its score for it, so the replies that do more of it are learned past what the
+    teacher would write (their RL term at full weight, `actor.rl_coef_hinted` notwithstanding)."""
 
     @field_validator("practice")
     @classmethod

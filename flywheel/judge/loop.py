@@ -119,7 +119,9 @@ class JudgeLoop(ConsumerLoop):
         except FileNotFoundError:
             log.warning("judge.teacher.practice is on but no policy server wrote %s: no practice", addresses.SERVE)
             return None
-        return Practice(self.config.judge.teacher.practice, url, self.teacher, self._key())
+        teacher = self.config.judge.teacher
+        return Practice(teacher.practice, url, self.teacher, self._key(), wishes=teacher.wishes,
+                        checks=teacher.practice_reward == "checks")
 
     def _key(self) -> str | None:
         """The key the judge's own calls carry: the admin key, else the first client key."""
@@ -143,17 +145,17 @@ class JudgeLoop(ConsumerLoop):
         trajectory = delivery.record
         assert isinstance(trajectory, Trajectory)
         unscorable: Unscorable | None = None
-        hints: dict[int, str] = {}
+        corrections: dict[int, list[str]] = {}
         try:
             record: Sample | Unscored
-            record, hints = await self._score(trajectory, delivery.stream_seq)
+            record, corrections = await self._score(trajectory, delivery.stream_seq)
         except Unscorable as error:
             unscorable = error
             record = Unscored(id=trajectory.id, trajectory=trajectory, judge=self.judge.name, reason=error.reason)
         try:
             await self.bus.publish(UNSCORED_SUBJECT if unscorable else SAMPLE_SUBJECT, record)
             if isinstance(record, Sample):
-                for sample in await self._practise(trajectory, record, hints):
+                for sample in await self._practise(trajectory, record, corrections):
                     await self.bus.publish(SAMPLE_SUBJECT, sample)
             await delivery.ack()
         except Exception:
@@ -168,10 +170,10 @@ class JudgeLoop(ConsumerLoop):
             self.unscored[unscorable.category] += 1
             log.warning("trajectory %s unscored by the %s judge: %s", trajectory.id, self.judge.name, unscorable.reason)
 
-    async def _score(self, trajectory: Trajectory, stream_seq: int) -> tuple[Sample, dict[int, str]]:
+    async def _score(self, trajectory: Trajectory, stream_seq: int) -> tuple[Sample, dict[int, list[str]]]:
         """The sample for `trajectory` (referring to it by its sequence in the TRAJECTORIES
-        stream) and the hints its turns were taught with; `Unscorable` for whatever keeps it from
-        being scored."""
+        stream) and the corrections its turns were taught with; `Unscorable` for whatever keeps it
+        from being scored."""
         deadline_s = self.config.judge.deadline_s
         try:
             async with asyncio.timeout(deadline_s) as deadline:
@@ -186,18 +188,19 @@ class JudgeLoop(ConsumerLoop):
         except Exception as error:
             log.exception("the %s judge failed on %s", self.judge.name, trajectory.id)
             raise Unscorable("judge error", f"{type(error).__name__}: {error}") from error
-        teaching, hints = await self._teach(trajectory, verdict)
+        teaching, corrections = await self._teach(trajectory, verdict)
         return Sample(
             id=trajectory.id, trajectory_seq=stream_seq, reward=verdict.reward, turn_rewards=verdict.turn_rewards,
             judge=self.judge.name, details=verdict.details, judge_model=self.judge.identity,
             tenant=trajectory.tenant, user_id=trajectory.user_id, consent=trajectory.consent,
             **teaching.sample_fields(),
-        ), hints
+        ), corrections
 
-    async def _teach(self, trajectory: Trajectory, verdict: Verdict) -> tuple[Teaching, dict[int, str]]:
-        """What the teacher said of the turns that got a hint (flywheel/judge/teacher.py), and those
-        hints; nothing when there is no teacher, no hint, or the teacher failed (the sample goes
-        without), and for a trajectory that may not be trained (nothing would use it)."""
+    async def _teach(self, trajectory: Trajectory, verdict: Verdict) -> tuple[Teaching, dict[int, list[str]]]:
+        """What the teacher said of the turns that got a hint (flywheel/judge/teacher.py), and each
+        turn's corrections it was told (with the memory, the person's earlier ones after its own);
+        nothing when there is no teacher, no hint, or the teacher failed (the sample goes without),
+        and for a trajectory that may not be trained (nothing would use it)."""
         if self.teacher is None or not trajectory.consent:
             return Teaching(), {}
         own = hints_of(trajectory, verdict.details)
@@ -207,18 +210,18 @@ class JudgeLoop(ConsumerLoop):
         if not hints:
             return Teaching(), {}
         try:
-            return await self.teacher.teach(trajectory, hints), hints
+            return await self.teacher.teach(trajectory, hints), said
         except Exception:
             log.exception("the teacher failed on %s; the sample goes without it", trajectory.id)
-            return Teaching(), hints
+            return Teaching(), said
 
-    async def _practise(self, trajectory: Trajectory, sample: Sample, hints: dict[int, str]) -> list[Sample]:
+    async def _practise(self, trajectory: Trajectory, sample: Sample, corrections: dict[int, list[str]]) -> list[Sample]:
         """The practice samples of the trajectory's corrected turns (flywheel/judge/practice.py);
         none without practice, or when it failed (the sample itself is published already)."""
         if self.practice is None:
             return []
         try:
-            return await self.practice.samples(trajectory, hints, corrected_turns(sample, trajectory))
+            return await self.practice.samples(trajectory, corrections, corrected_turns(sample, trajectory))
         except Exception:
             log.exception("practice failed on %s; its sample goes on without it", trajectory.id)
             return []

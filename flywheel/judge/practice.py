@@ -8,10 +8,15 @@ exact context (the tokens before its reply in its segment), sampled as the turn 
 `sampling`). The teacher, told the turn's hint, scores each (flywheel/judge/teacher.py), and each
 becomes a sample of its own: a one-turn trajectory of the same tenant, user, adapter and consent,
 with the engine's tokens, log-probabilities and versions. The replies form one task group
-(`practice:<trajectory>:<turn>`) of equal rewards (0), so their RL advantage is 0 and the
-teacher's term alone moves the adapter: no judge of the replies is needed, the hint teaches every
-one of them as it teaches the first. (`bench/hint_update.py` measured the update alone: four
-replies to each corrected question, each taught, raised the wanted first token further than one.)
+(`practice:<trajectory>:<turn>`). By default its rewards are equal (0), so their RL advantage is
+0 and the teacher's term alone moves the adapter: no judge of the replies is needed, the hint
+teaches every one of them as it teaches the first. (`bench/hint_update.py` measured the update
+alone: four replies to each corrected question, each taught, raised the wanted first token
+further than one.) With `judge.teacher.practice_reward: checks`, a reply's reward is its score
+for what the person's corrections ask (flywheel/judge/wish_checks.py) where a rule can check
+that aspect: the group then also learns which of its replies did more of it, past what the
+teacher would write (`details["checked"]` names the aspects; the trainer gives such a sample's
+RL term its full weight, `actor.rl_coef_hinted` notwithstanding).
 
 Not practised: a turn sampled greedily (its replies would all be one) or under a grammar (the
 teacher does not score those), a turn of the shared weights (no adapter), a trajectory that may
@@ -30,6 +35,8 @@ import httpx
 from flywheel.bus import Sample, Trajectory, Turn
 from flywheel.bus.stitch import stitch, without_tokens
 from flywheel.judge.teacher import GRAMMAR_KEYS, Teacher
+from flywheel.judge.wish_checks import score
+from flywheel.judge.wishes import told, wish_reader
 
 log = logging.getLogger(__name__)
 
@@ -52,14 +59,15 @@ def practisable(turn: Turn) -> bool:
 
 class Practice:
     def __init__(self, replies: int, server_url: str, teacher: Teacher, api_key: str | None = None,
-                 timeout_s: float = 300.0):
-        self.replies, self.teacher = replies, teacher
+                 timeout_s: float = 300.0, wishes: str = "words", checks: bool = False):
+        self.replies, self.teacher, self.wishes, self.checks = replies, teacher, wishes, checks
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self.http = httpx.AsyncClient(base_url=server_url, headers=headers, timeout=timeout_s)
-        self.counts = {"turns": 0, "samples": 0, "failures": 0}
+        self.counts = {"turns": 0, "samples": 0, "failures": 0, "checked_turns": 0}
 
-    async def samples(self, trajectory: Trajectory, hints: dict[int, str], corrected: set[int]) -> list[Sample]:
-        """The practice samples of `trajectory`'s corrected turns that have a hint (see the module)."""
+    async def samples(self, trajectory: Trajectory, corrections: dict[int, list[str]], corrected: set[int]) -> list[Sample]:
+        """The practice samples of `trajectory`'s corrected turns that have hints (`corrections`:
+        each turn's, as the teacher was told them: flywheel/judge/hint_memory.py); see the module."""
         if not trajectory.consent:
             return []
         out: list[Sample] = []
@@ -68,11 +76,14 @@ class Practice:
             for _, start, _ in segment.turn_spans:
                 k, turn = position, trajectory.turns[position]
                 position += 1
-                if k in corrected and k in hints and practisable(turn):
-                    out += await self._practise(trajectory, k, list(segment.token_ids[:start]), hints[k])
+                if k in corrected and k in corrections and practisable(turn):
+                    aspects = wish_reader().aspects(corrections[k]) if self.checks else []
+                    out += await self._practise(trajectory, k, list(segment.token_ids[:start]),
+                                                told(corrections[k], self.wishes), aspects)
         return out
 
-    async def _practise(self, trajectory: Trajectory, k: int, prompt: list[int], hint: str) -> list[Sample]:
+    async def _practise(self, trajectory: Trajectory, k: int, prompt: list[int], hint: str,
+                        aspects: list[str]) -> list[Sample]:
         turn = trajectory.turns[k]
         try:
             response = await self.http.post("/engine/practice", json={
@@ -85,22 +96,25 @@ class Practice:
                 practice = _trajectory(trajectory, k, j, prompt, reply)
                 teaching = await self.teacher.teach(practice, {0: hint})
                 if teaching.logprobs:
-                    taught.append((practice, teaching))
+                    taught.append((practice, teaching, reply["text"]))
         except (httpx.HTTPError, KeyError, TypeError, ValueError) as exc:
             self.counts["failures"] += 1
             log.warning("no practice for turn %d of %s: %s", k, trajectory.id, exc)
             return []
         if len(taught) < 2:  # a group of one would be judged against the running baseline
             return []
+        scores = [score(aspects, text, turn.messages or []) if self.checks else None for _, _, text in taught]
+        checked = None not in scores
         self.counts["turns"] += 1
         self.counts["samples"] += len(taught)
+        self.counts["checked_turns"] += checked
         samples = []
-        for practice, teaching in taught:
+        for (practice, teaching, _), reward in zip(taught, scores):
             practice.group_size = len(taught)
             samples.append(Sample(
-                id=practice.id, trajectory=practice, reward=0.0, turn_rewards=[0.0], judge=JUDGE,
-                details={"practice_of": trajectory.id, "turn": k}, tenant=trajectory.tenant,
-                user_id=trajectory.user_id, consent=trajectory.consent, **teaching.sample_fields()))
+                id=practice.id, trajectory=practice, reward=reward if checked else 0.0, turn_rewards=[0.0], judge=JUDGE,
+                details={"practice_of": trajectory.id, "turn": k, **({"checked": aspects} if checked else {})},
+                tenant=trajectory.tenant, user_id=trajectory.user_id, consent=trajectory.consent, **teaching.sample_fields()))
         return samples
 
     async def close(self) -> None:

@@ -68,17 +68,21 @@ class WishReader:
         return Reading(label, probabilities[label])
 
     def wanted(self, corrections: list[str]) -> list[str]:
-        """The instructions for what a person's corrections ask for most often: each correction
-        read alone (`instruction`), the aspects the most of them ask for (ties: each). One
-        correction is often vague ("hmm, that's a lot"); a person's several point the same way."""
-        votes = Counter(instruction for instruction in map(self.instruction, corrections) if instruction)
-        return [instruction for instruction, n in votes.most_common() if n == max(votes.values())]
+        """The instructions for what a person's corrections ask for most often (`aspects`)."""
+        return [ASPECTS[aspect] for aspect in self.aspects(corrections)]
 
-    def instruction(self, correction: str) -> str | None:
-        """The instruction for the aspect a correction is about; None for one without an
-        instruction (`other`) or read below `WISH_AT`."""
+    def aspects(self, corrections: list[str]) -> list[str]:
+        """The aspects a person's corrections ask for most often, each correction read alone
+        (ties: each); those read as `other` or below `WISH_AT` do not vote. One correction is
+        often vague ("hmm, that's a lot"); a person's several point the same way."""
+        votes = Counter(aspect for aspect in map(self.aspect, corrections) if aspect)
+        return [aspect for aspect, n in votes.most_common() if n == max(votes.values())]
+
+    def aspect(self, correction: str) -> str | None:
+        """The aspect a correction is about, where it has an instruction and is read at `WISH_AT`
+        or more; else None."""
         reading = self.read(correction)
-        return ASPECTS[reading.label] if reading.probability >= WISH_AT else None
+        return reading.label if reading.probability >= WISH_AT and ASPECTS[reading.label] else None
 
 
 def told(corrections: list[str], mode: str) -> str:

@@ -10,9 +10,11 @@ corrections as the RL advantage Â:
 
 (`actor.rl_coef`, `actor.opd_coef`, `actor.opd_clip`); tokens with no teacher log-probability get
 the RL term alone. On a turn a teacher scored, w_rl is `actor.rl_coef_hinted` when set
-(flywheel/train/step_batch.py): 0 leaves it to the teacher. The student is π_prox under the decoupled objective (the weights this step
-starts from: the policy the update moves, whatever version sampled the tokens, so the OPD term
-and the objective's ratio speak of the same weights), else the engine's π_behav (standard PPO,
+(flywheel/train/step_batch.py): 0 leaves it to the teacher; a practice reply rewarded by a check
+of what the person asked keeps `rl_coef` (its reward is not the hint's -1). The student is π_prox
+under the decoupled objective (the weights this step starts from: the policy the update moves,
+whatever version sampled the tokens, so the OPD term and the objective's ratio speak of the same
+weights), else the engine's π_behav (standard PPO,
 where π_prox is π_behav). The clip keeps a token the teacher all but forbids from
 dominating the step (OpenClaw-RL v2 clips the difference too).
 

@@ -61,9 +61,11 @@ def hinted_turns(sample) -> int:
 
 def weigh_rl(values: list[list[float]], sample, actor) -> list[list[float]]:
     """The RL advantages of a sample's tokens times `actor.rl_coef`, on hinted turns times
-    `actor.rl_coef_hinted` (when set)."""
+    `actor.rl_coef_hinted` (when set), except on a practice reply whose reward checked it against
+    the wish (`details["checked"]`, flywheel/judge/practice.py): that reward says what the hint's
+    -1 does not, which of the group's replies did what was asked."""
     hinted = actor.rl_coef if actor.rl_coef_hinted is None else actor.rl_coef_hinted
-    spans = hinted_spans(sample) if hinted != actor.rl_coef else []
+    spans = hinted_spans(sample) if hinted != actor.rl_coef and not sample.details.get("checked") else []
     if actor.rl_coef == 1.0 and not spans:
         return values
     weights = [[actor.rl_coef] * len(segment) for segment in values]
