@@ -17,7 +17,6 @@ from flywheel.config.loader import ConfigError
 from flywheel.judge.loop import JudgeLoop
 from flywheel.judge.practice import corrected_turns
 from flywheel.judge.teacher import Teacher
-from flywheel.judge.wish_checks import score
 from flywheel.models import load_model
 from flywheel.models.adapter_names import user_adapter
 
@@ -53,7 +52,7 @@ async def test_a_corrected_turn_is_practised_by_the_persons_adapter_and_taught_b
             messages = [{"role": "user", "content": "Greet me."}]
             await hinted_session(serve, "corrected", messages, hint, reward=-1.0)
             samples = await read(bus, SAMPLE_SUBJECT, "practice-check", 4)
-            assert judge.practice.counts == {"turns": 1, "samples": 3, "failures": 0, "checked_turns": int(bool(checked))}
+            counts = dict(judge.practice.counts)
         finally:
             await judge.stop()
     [own] = [s for s in samples if s.judge != "practice"]
@@ -73,14 +72,21 @@ async def test_a_corrected_turn_is_practised_by_the_persons_adapter_and_taught_b
         output = list(segment.token_ids[begin:end])
         assert (sample.tenant, sample.user_id, sample.consent, trajectory.adapter, turn.adapter) == ("acme", "ada", True, ADA, ADA)
         assert trajectory.group_size == 3 and sample.details["practice_of"] == own.id
-        assert sample.details.get("checked") == checked
-        assert sample.reward == (score(checked, turn.response["content"], messages) if checked else 0.0)
         assert list(segment.token_ids[:begin]) == context and output and list(segment.loss_mask[begin:end]) == [1] * len(output)
         assert set(segment.versions[begin:end]) == {1}  # Ada's adapter's version, as a turn of hers records it
         assert list(segment.logprobs[begin:end]) == pytest.approx(recomputed_logprobs(peft, context, output), abs=2e-4)
         [teacher] = sample.teacher_logprobs
         assert list(teacher[begin:end]) == pytest.approx(recomputed_logprobs(base, list(told_ids), output), abs=2e-4)
         assert turn.messages == messages and turn.response["content"] == tokenizer.decode(output, skip_special_tokens=True)
+    # Rewarded by the check: the shorter of two replies (characters other than spaces) the higher, centred;
+    # where the three are alike in length the check cannot tell them apart and the rewards stay equal.
+    lengths = [sum(not c.isspace() for c in s.trajectory.turns[0].response["content"]) for s in practice]
+    told_apart = bool(checked) and len(set(lengths)) > 1
+    assert counts == {"turns": 1, "samples": 3, "failures": 0, "checked_turns": int(told_apart)}
+    assert all(s.details.get("checked") == (checked if told_apart else None) for s in practice)
+    assert sum(s.reward for s in practice) == pytest.approx(0.0, abs=1e-9)
+    for a, b in [(a, b) for a in range(3) for b in range(3)]:
+        assert (practice[a].reward > practice[b].reward) == (told_apart and lengths[a] < lengths[b])
 
 
 @pytest.mark.parametrize("overrides, key", [

@@ -1,36 +1,57 @@
-"""The checks of a reply against what a person's corrections ask (`judge.teacher.practice_reward:
-checks`): they rank replies to one request by how much of the aspect each does."""
+"""The checks of practice replies against what a person's corrections ask
+(`judge.teacher.practice_reward: checks`): they rank a group's replies by how much of the aspect
+each does, and say nothing where they cannot."""
 
 import pytest
 
-from flywheel.judge.wish_checks import names_in, score
+from flywheel.judge.wish_checks import names_in, rewards
 
 ASKED = [{"role": "system", "content": "You are Maya's personal assistant."},
          {"role": "user", "content": "How do I keep a sourdough starter alive?"}]
+LONG = "Feed it equal weights of flour and water every day, keep it somewhere warm, and discard half before feeding."
 
 
 @pytest.mark.parametrize("aspect, more, less", [
-    ("shorter", "Feed it flour and water daily.",
-     "Feed it equal weights of flour and water every day, keep it somewhere warm, and discard half before feeding."),
+    ("shorter", "Feed it flour and water daily.", LONG),
+    ("shorter", "每天喂它面粉和水。", "每天喂它等量的面粉和水，放在温暖的地方，喂之前先倒掉一半。"),  # no spaces: measured alike
     ("longer", "Feed it flour and water every day, and keep it warm.", "Feed it daily."),
     ("list", "- Feed it daily.\n- Keep it warm.\n- Discard half first.", "Feed it daily and keep it warm."),
     ("prose", "Feed it daily and keep it warm.", "## Care\n- **Feed** it daily.\n- Keep it warm."),
-    ("formal", "Feed it daily and keep it warm.", "Don't forget to feed it! It's hungry!"),
+    ("formal", "Feed Maya's starter daily; it is hungry.", "Don't forget to feed it! It's hungry!"),  # a possessive is formal
     ("name", "Maya, feed it daily.", "Feed it daily, Maya."),
     ("name", "Feed it daily, Maya.", "Feed it daily."),
 ])
-def test_a_reply_that_does_more_of_what_was_asked_scores_higher(aspect, more, less):
-    assert score([aspect], more, ASKED) > score([aspect], less, ASKED)
+def test_the_reply_that_does_more_of_what_was_asked_gets_the_higher_reward(aspect, more, less):
+    high, low = rewards([aspect], [more, less], ASKED)
+    assert high > 0 > low and high + low == pytest.approx(0.0)
 
 
-def test_aspects_without_a_check_score_nothing_and_several_add_up():
-    assert score(["simpler"], "Feed it.", ASKED) is None and score(["other", "example"], "Feed it.", ASKED) is None
-    reply = "Maya, feed it daily!"
-    assert score(["name", "formal", "simpler"], reply, ASKED) == score(["name"], reply, ASKED) + score(["formal"], reply, ASKED)
+def test_rewards_are_standardised_per_aspect_and_a_reply_without_words_ranks_last():
+    replies = ["Maya, you can't skip a feeding!", "Feed it daily, Maya.", "Maya, feed it daily.", "..."]
+    both = rewards(["name", "formal"], replies, ASKED)
+    name, formal = rewards(["name"], replies, ASKED), rewards(["formal"], replies, ASKED)
+    assert both[3] == min(both) and name[3] == min(name) and sum(both) == pytest.approx(0.0)
+    assert max(name[:3]) - min(name[:3]) > 0 and max(formal[:3]) - min(formal[:3]) > 0
+    assert both.index(max(both)) == 2  # named first and formal: the most of both
 
 
-def test_the_names_a_conversation_gives_are_its_capitalised_words_inside_a_sentence():
+@pytest.mark.parametrize("aspects", [
+    [],
+    ["simpler"],  # no rule for it
+    ["shorter", "example"],  # half checkable: a reward would be for dropping the example
+    ["shorter", "longer"],  # opposites
+    ["list", "prose"],
+])
+def test_no_rewards_where_the_rules_cannot_say_what_was_asked(aspects):
+    assert rewards(aspects, ["Feed it.", LONG], ASKED) is None
+
+
+def test_no_rewards_where_the_replies_do_not_differ_in_what_was_asked():
+    assert rewards(["name"], ["Feed it daily.", "Keep it warm and fed."], ASKED) is None
+
+
+def test_the_names_a_person_goes_by_are_those_the_conversation_gives_them():
     said = [{"role": "system", "content": "You are Maya's personal assistant."},
-            {"role": "user", "content": "Hi! I'm Tom. Where is Lisbon?\nThanks"},
-            {"role": "assistant", "content": "Dear Sir, Lisbon is in Portugal."}]
-    assert names_in(said) == {"Maya", "Tom", "Lisbon"}  # not a line's or sentence's first word, not "I'm", not the assistant's
+            {"role": "user", "content": [{"type": "text", "text": "Hi! Call me Tom. Where is Lisbon?"}]},
+            {"role": "assistant", "content": "My name is Sage, I am Sage."}]
+    assert names_in(said) == {"Maya", "Tom"}  # not a place, nor the assistant's own words

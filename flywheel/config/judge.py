@@ -259,10 +259,11 @@ class TeacherConfig(Section):
     against the running baseline)."""
     practice_reward: Literal["equal", "checks"] = "equal"
     """The rewards of a practice group: `equal`, the teacher's term alone moves its replies;
-    `checks`, where what the person's corrections ask for is an aspect a rule can check (a reply's
-    length, lists or prose, register, being named: flywheel/judge/wish_checks.py), each reply's
-    reward is its score for it, so the replies that do more of it are learned past what the
-    teacher would write (their RL term at full weight, `actor.rl_coef_hinted` notwithstanding)."""
+    `checks`, where every aspect the person's corrections ask for is one a rule can check (a
+    reply's length, lists or prose, register, being named: flywheel/judge/wish_checks.py), the
+    rewards rank the replies by how much of it each does, so those that do more are learned past
+    what the teacher would write (their RL term at full weight, `actor.rl_coef_hinted`
+    notwithstanding); elsewhere equal."""
 
     @field_validator("practice")
     @classmethod

@@ -80,7 +80,8 @@ class JudgeLoop(ConsumerLoop):
 
     async def prepare(self) -> None:
         await self.judge.start()
-        if self.config.judge.teacher.wishes != "words":
+        teacher = self.config.judge.teacher
+        if teacher.wishes != "words" or (teacher.practice and teacher.practice_reward == "checks"):
             await asyncio.to_thread(wish_reader)  # trained now, off the event loop
         self.teacher = self._teacher()
         self.practice = self._practice()

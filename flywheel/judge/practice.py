@@ -12,11 +12,11 @@ with the engine's tokens, log-probabilities and versions. The replies form one t
 0 and the teacher's term alone moves the adapter: no judge of the replies is needed, the hint
 teaches every one of them as it teaches the first. (`bench/hint_update.py` measured the update
 alone: four replies to each corrected question, each taught, raised the wanted first token
-further than one.) With `judge.teacher.practice_reward: checks`, a reply's reward is its score
-for what the person's corrections ask (flywheel/judge/wish_checks.py) where a rule can check
-that aspect: the group then also learns which of its replies did more of it, past what the
-teacher would write (`details["checked"]` names the aspects; the trainer gives such a sample's
-RL term its full weight, `actor.rl_coef_hinted` notwithstanding).
+further than one.) With `judge.teacher.practice_reward: checks`, where a rule can check every
+aspect the person's corrections ask (flywheel/judge/wish_checks.py), the group's rewards rank
+its replies by how much of it each does: it then also learns which of them did what was asked,
+past what the teacher would write (`details["checked"]` names the aspects; the trainer gives
+such a sample's RL term its full weight, `actor.rl_coef_hinted` notwithstanding).
 
 Not practised: a turn sampled greedily (its replies would all be one) or under a grammar (the
 teacher does not score those), a turn of the shared weights (no adapter), a trajectory that may
@@ -35,7 +35,7 @@ import httpx
 from flywheel.bus import Sample, Trajectory, Turn
 from flywheel.bus.stitch import stitch, without_tokens
 from flywheel.judge.teacher import GRAMMAR_KEYS, Teacher
-from flywheel.judge.wish_checks import score
+from flywheel.judge.wish_checks import rewards
 from flywheel.judge.wishes import told, wish_reader
 
 log = logging.getLogger(__name__)
@@ -103,17 +103,16 @@ class Practice:
             return []
         if len(taught) < 2:  # a group of one would be judged against the running baseline
             return []
-        scores = [score(aspects, text, turn.messages or []) if self.checks else None for _, _, text in taught]
-        checked = None not in scores
+        checked = rewards(aspects, [text for _, _, text in taught], turn.messages or []) if self.checks else None
         self.counts["turns"] += 1
         self.counts["samples"] += len(taught)
-        self.counts["checked_turns"] += checked
+        self.counts["checked_turns"] += checked is not None
         samples = []
-        for (practice, teaching, _), reward in zip(taught, scores):
+        for (practice, teaching, _), reward in zip(taught, checked or [0.0] * len(taught)):
             practice.group_size = len(taught)
             samples.append(Sample(
-                id=practice.id, trajectory=practice, reward=reward if checked else 0.0, turn_rewards=[0.0], judge=JUDGE,
-                details={"practice_of": trajectory.id, "turn": k, **({"checked": aspects} if checked else {})},
+                id=practice.id, trajectory=practice, reward=reward, turn_rewards=[0.0], judge=JUDGE,
+                details={"practice_of": trajectory.id, "turn": k, **({"checked": aspects} if checked is not None else {})},
                 tenant=trajectory.tenant, user_id=trajectory.user_id, consent=trajectory.consent, **teaching.sample_fields()))
         return samples
 

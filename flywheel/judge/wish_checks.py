@@ -1,20 +1,24 @@
-"""How far a practice reply does what a person's corrections ask, for the aspects a rule can
-check (`judge.teacher.practice_reward: checks`).
+"""How far each of a group of practice replies does what a person's corrections ask, for the
+aspects a rule can check (`judge.teacher.practice_reward: checks`).
 
 Practice (flywheel/judge/practice.py) samples several replies to a corrected request; told the
 hint, the teacher moves each toward what it would write, so the adapter learns at most what the
 teacher does (docs/experiments/learning-from-use.md, section 4). Some aspects the wish reader
 finds (flywheel/judge/wishes.py) are properties of the reply's form that a rule sees without
 a model: how long it is, whether it lists, how formal it is, whether it names the person.
-For those, each reply gets a score, and the group's rewards are those scores: normalised within
-the group, the replies that do more of what was asked get a positive advantage and the others
-a negative one, whether or not the teacher would have written them (the verifiable-constraint
-rewards of RLVR, Tülu 3's instruction-following checks, applied to what the person asked for).
+For those, the group's rewards rank its replies by how much of the aspect each does, and the
+replies that do more get a positive advantage whether or not the teacher would have written
+them (the verifiable-constraint rewards of RLVR, Tülu 3's instruction-following checks,
+applied to what the person asked for).
 
-A score ranks replies to one request against each other; it is not a pass mark. Lengths are
-compared as log word counts, so halving a reply counts the same whether it was 80 words or 40.
-An aspect without a rule (a plain-words, an example, a language wish, `other`) scores nothing,
-and a turn whose wishes have none leaves the group's rewards equal: the teacher alone teaches it.
+A score ranks replies to one request against each other; it is not a pass mark. Length is the
+log of the reply's characters other than spaces (halving a reply counts the same at 400 or 40,
+and a language written without spaces is measured as well as one with them). Each aspect's
+scores are standardised within the group and summed, so no aspect outweighs another by its
+scale, and the rewards are centred. A reply without a word ranks last. No rewards (the group
+stays equal, the teacher alone teaching it) where an aspect asked has no rule (plain words, an
+example, a language, `other`: a wish half checked would reward dropping the other half), where
+two asked are opposites, or where the replies do not differ in what is asked.
 """
 
 from __future__ import annotations
@@ -22,65 +26,79 @@ from __future__ import annotations
 import math
 import re
 from collections.abc import Callable
+from statistics import fmean, pstdev
 from typing import Any
 
 _WORD = re.compile(r"[^\W_]+(?:['’][^\W_]+)*")
 _LIST_LINE = re.compile(r"^\s*(?:[-*•+]|\d{1,2}[.)])\s+\S", re.MULTILINE)
 _MARKUP = re.compile(r"^\s*#{1,6}\s|\*\*|__|`|^\s*>", re.MULTILINE)
-_CONTRACTION = re.compile(r"\b\w+['’](?:s|t|re|ve|ll|d|m)\b", re.IGNORECASE)
-_SENTENCE_BREAK = re.compile(r"(?<=[.!?:])\s+|\n+")
-_POSSESSIVE = re.compile(r"['’]s$")
-
-
-def _bare(word: str) -> str:
-    return _POSSESSIVE.sub("", word)
+_CONTRACTION = re.compile(r"\w(?:n['’]t|['’](?:re|ve|ll|d|m))\b|\b(?:it|that|there|here|what|who|where|he|she|let)['’]s\b",
+                          re.IGNORECASE)
+_NAMED = re.compile(r"\b(?:[Mm]y name is|I['’]m|I am|[Cc]all me|[Tt]his is)\s+([A-Z][a-z]+)\b|\b([A-Z][a-z]+)['’]s (?:\w+ )?assistant\b")
 
 
 def _length(text: str) -> float:
-    return math.log1p(len(_WORD.findall(text)))
+    return math.log1p(sum(not c.isspace() for c in text))
 
 
 def _list_lines(text: str) -> int:
     return len(_LIST_LINE.findall(text))
 
 
-def _informality(text: str) -> int:
-    return len(_CONTRACTION.findall(text)) + text.count("!")
-
-
-def names_in(messages: list[dict[str, Any]]) -> set[str]:
-    """Proper names the conversation gives: capitalised words its system and user messages use
-    inside a sentence ("You are Maya's personal assistant.", "I'm Maya, by the way")."""
-    found = set()
-    for message in messages:
-        if message.get("role") in ("system", "user") and isinstance(message.get("content"), str):
-            for sentence in _SENTENCE_BREAK.split(message["content"]):
-                for word in map(_bare, _WORD.findall(sentence)[1:]):
-                    if word.isalpha() and word[0].isupper() and word[1:].islower():
-                        found.add(word)
-    return found
-
-
-def _named(text: str, messages: list[dict[str, Any]]) -> float:
-    """1 for a reply that opens with a name the conversation gives, 0.5 for one that uses it later."""
-    said = [_bare(w) for w in _WORD.findall(text)]
-    names = names_in(messages)
+def _named(text: str, names: set[str]) -> float:
+    """1 for a reply that opens with one of the person's names, 0.5 for one that uses it later."""
+    said = _WORD.findall(text)
     return 1.0 if said[:1] and said[0] in names else 0.5 if names & set(said) else 0.0
 
 
-CHECKS: dict[str, Callable[[str, list[dict[str, Any]]], float]] = {
+CHECKS: dict[str, Callable[[str, set[str]], float]] = {
     "shorter": lambda text, _: -_length(text),
     "longer": lambda text, _: _length(text),
     "list": lambda text, _: min(_list_lines(text), 3),
     "prose": lambda text, _: -(_list_lines(text) + len(_MARKUP.findall(text))),
-    "formal": lambda text, _: -_informality(text),
+    "formal": lambda text, _: -(len(_CONTRACTION.findall(text)) + text.count("!")),
     "name": _named,
 }
-"""Each checkable aspect's score of a reply (its text, the conversation before it): higher is more
-of what the aspect asks."""
+"""Each checkable aspect's score of a reply (its text, the names the person goes by): higher is
+more of what the aspect asks."""
+OPPOSITES = ({"shorter", "longer"}, {"list", "prose"}, {"formal", "casual"})
 
 
-def score(aspects: list[str], text: str, messages: list[dict[str, Any]]) -> float | None:
-    """The reply's score for the aspects asked (their sum); None when none of them has a check."""
-    checked = [CHECKS[aspect](text, messages) for aspect in aspects if aspect in CHECKS]
-    return float(sum(checked)) if checked else None
+def names_in(messages: list[dict[str, Any]]) -> set[str]:
+    """The names the person goes by, as the conversation says them: "my name is Maya", "I'm
+    Maya", "call me Maya", a system message's "You are Maya's personal assistant"."""
+    said = [_text(m.get("content")) for m in messages if m.get("role") in ("system", "user")]
+    return {name for text in said for match in _NAMED.finditer(text) for name in match.groups() if name}
+
+
+def _text(content: Any) -> str:
+    if isinstance(content, list):
+        return " ".join(part.get("text", "") for part in content if isinstance(part, dict))
+    return content if isinstance(content, str) else ""
+
+
+def checkable(aspects: list[str]) -> bool:
+    """Whether a rule checks every aspect asked, and none asks the opposite of another."""
+    return bool(aspects) and all(a in CHECKS for a in aspects) and not any(pair <= set(aspects) for pair in OPPOSITES)
+
+
+def rewards(aspects: list[str], replies: list[str], messages: list[dict[str, Any]]) -> list[float] | None:
+    """The rewards of a group of replies to one request for what `aspects` ask (see the module);
+    None where they cannot say or do not differ."""
+    if not checkable(aspects):
+        return None
+    names = names_in(messages)
+    total = [0.0] * len(replies)
+    for aspect in aspects:
+        scores = [CHECKS[aspect](text, names) for text in replies]
+        mean, spread = fmean(scores), pstdev(scores)
+        if spread > 0:
+            total = [t + (s - mean) / spread for t, s in zip(total, scores)]
+    worded = [bool(_WORD.search(text)) for text in replies]
+    if not all(worded):
+        last = min([t for t, w in zip(total, worded) if w], default=0.0) - 1.0
+        total = [t if w else last for t, w in zip(total, worded)]
+    if max(total) - min(total) < 1e-9:
+        return None
+    mean = fmean(total)
+    return [t - mean for t in total]
