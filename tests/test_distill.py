@@ -231,6 +231,16 @@ def test_a_hinted_turn_takes_the_rl_term_at_its_own_weight(hinted_coef):
     assert batch.advantages[0, :8].tolist() == pytest.approx([0, 0, -0.8, -0.8, 0, -0.8, -0.8, -0.8])
 
 
+@pytest.mark.parametrize("rewards, told_apart", [([0.0, 0.0, 0.0], 0.0), ([1.0, -1.0, 0.0], math.sqrt(1.5) * 2 / 3)])
+def test_a_step_says_how_much_its_rewards_tell_its_samples_apart(rewards, told_apart):
+    """`advantage_abs_mean`: 0 for a practice group of equal rewards, the mean |z| of checked ones."""
+    samples = [sample_of(make_turn(id=f"r{i}", session_id=f"s{i}", prompt_ids=[1, 2], output_ids=[3], output_logprobs=[-1.0],
+                                   output_versions=[0]), reward) for i, reward in enumerate(rewards)]
+    group = Group("practice:s:0", 3, 0.0, 0.0, {s.id: Member(s, []) for s in samples})
+    batch = StepBatch([group], load_config("configs/local.yaml", []), RunningBaseline(), 0)
+    assert batch.advantage_abs_mean == pytest.approx(told_apart, rel=1e-4)
+
+
 async def test_a_teacher_told_a_hint_moves_the_policy_toward_what_it_prefers(turns):
     """The real engine scores the policy's sampled tokens under a prompt with a hint appended
     (a prefill-only request); one step with the RL term off raises the log-probability of the

@@ -334,6 +334,7 @@ class TrainLoop(ConsumerLoop):
         self.version += 1
         return {
             "reward_mean": batch.reward_mean,
+            "advantage_abs_mean": batch.advantage_abs_mean,
             "staleness_max": max(staleness, default=0),
             "staleness_mean": sum(staleness) / len(staleness) if staleness else 0.0,
             "staleness_hist": {str(k): v for k, v in sorted(Counter(staleness).items())},

@@ -119,6 +119,8 @@ class StepBatch:
         lora = config.adapters.kind == "lora"
         owners = [sample_adapter(s, config) if lora else None for s in samples]
         advantages = group_advantages(rewards, keys, baseline) if not lora else _per_adapter(rewards, keys, owners, baseline)
+        self.advantage_abs_mean = fmean(map(abs, advantages))
+        """How much the samples' rewards tell apart (0 for groups of equal rewards, as practice's by default)."""
         turn_rewards = [s.turn_rewards for s in samples]
         if actor.turn_reward_norm == "group" and actor.turn_reward_coef:
             turn_rewards = [r for g in groups for r in (group_turn_rewards(g.samples) if len(g.samples) > 1
