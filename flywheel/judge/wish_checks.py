@@ -61,7 +61,7 @@ CHECKS: dict[str, Callable[[str, set[str]], float]] = {
 }
 """Each checkable aspect's score of a reply (its text, the names the person goes by): higher is
 more of what the aspect asks."""
-OPPOSITES = ({"shorter", "longer"}, {"list", "prose"}, {"formal", "casual"})
+OPPOSITES = ({"shorter", "longer"}, {"list", "prose"})
 
 
 def names_in(messages: list[dict[str, Any]]) -> set[str]:
