@@ -16,6 +16,7 @@ from flywheel.config import load_config
 from flywheel.config.loader import ConfigError
 from flywheel.judge.loop import JudgeLoop
 from flywheel.judge.practice import corrected_turns
+from flywheel.judge.relevance import without_request
 from flywheel.judge.teacher import Teacher
 from flywheel.models import load_model
 from flywheel.models.adapter_names import user_adapter
@@ -34,7 +35,7 @@ HINT = "Say my name, Ada, first."
 
 @pytest.mark.parametrize("reward, hint, checked", [
     ("equal", HINT, None),  # equal rewards: the teacher's term alone moves them
-    ("checks", "Too long. Keep it much shorter next time.", ["shorter"]),  # each reply's length, checked
+    ("checks", "Too long. Keep it much shorter next time.", ["shorter", "answers"]),  # length and answering, checked
 ])
 async def test_a_corrected_turn_is_practised_by_the_persons_adapter_and_taught_by_the_hint(reward, hint, checked, nats_url,
                                                                                           tmp_path, bus):
@@ -61,9 +62,7 @@ async def test_a_corrected_turn_is_practised_by_the_persons_adapter_and_taught_b
     own_segment = (await bus.resolve(own)) and own.trajectory.segments[0]
     (_, start, _), = own_segment.turn_spans
     context = list(own_segment.token_ids[:start])
-    told = Teacher(serve.config.judge.teacher, serve.url).told(messages, hint)
-    told_ids = tokenizer.encode(tokenizer.apply_chat_template(told, add_generation_prompt=True, tokenize=False),
-                                add_special_tokens=False)
+    told_ids = chat_ids(tokenizer, Teacher(serve.config.judge.teacher, serve.url).told(messages, hint))
     assert {s.trajectory.task_id for s in practice} == {f"practice:{own.id}:0"}
     for sample in practice:
         trajectory = sample.trajectory
@@ -76,17 +75,31 @@ async def test_a_corrected_turn_is_practised_by_the_persons_adapter_and_taught_b
         assert set(segment.versions[begin:end]) == {1}  # Ada's adapter's version, as a turn of hers records it
         assert list(segment.logprobs[begin:end]) == pytest.approx(recomputed_logprobs(peft, context, output), abs=2e-4)
         [teacher] = sample.teacher_logprobs
-        assert list(teacher[begin:end]) == pytest.approx(recomputed_logprobs(base, list(told_ids), output), abs=2e-4)
+        assert list(teacher[begin:end]) == pytest.approx(recomputed_logprobs(base, told_ids, output), abs=2e-4)
         assert turn.messages == messages and turn.response["content"] == tokenizer.decode(output, skip_special_tokens=True)
-    # Rewarded by the check: the shorter of two replies (characters other than spaces) the higher, centred;
-    # where the three are alike in length the check cannot tell them apart and the rewards stay equal.
+    # Rewarded by the checks: a reply the request makes likelier under the base model (it answers) above one it
+    # does not, and among those that answer the shorter (characters other than spaces) the higher, centred;
+    # where they are alike in both the checks cannot tell them apart and the rewards stay equal.
     lengths = [sum(not c.isspace() for c in s.trajectory.turns[0].response["content"]) for s in practice]
-    told_apart = bool(checked) and len(set(lengths)) > 1
+    def gain(sample: Sample) -> float:  # how much likelier the request makes the reply, by a forward pass
+        [segment], (_, begin, end) = sample.trajectory.segments, sample.trajectory.segments[0].turn_spans[0]
+        output = list(segment.token_ids[begin:end])
+        return sum(sum(recomputed_logprobs(base, chat_ids(tokenizer, asked), output)) * sign
+                   for asked, sign in ((messages, 1), (without_request(messages), -1)))
+    answering = [gain(sample) > 0 for sample in practice]
+    told_apart = bool(checked) and any(answering) and (
+        not all(answering) or len({n for n, a in zip(lengths, answering) if a}) > 1)
     assert counts == {"turns": 1, "samples": 3, "failures": 0, "checked_turns": int(told_apart)}
     assert all(s.details.get("checked") == (checked if told_apart else None) for s in practice)
     assert sum(s.reward for s in practice) == pytest.approx(0.0, abs=1e-9)
     for a, b in [(a, b) for a in range(3) for b in range(3)]:
-        assert (practice[a].reward > practice[b].reward) == (told_apart and lengths[a] < lengths[b])
+        better = answering[a] and (not answering[b] or lengths[a] < lengths[b])
+        assert (practice[a].reward > practice[b].reward) == (told_apart and better)
+
+
+def chat_ids(tokenizer, messages: list[dict]) -> list[int]:
+    return tokenizer.encode(tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False),
+                            add_special_tokens=False)
 
 
 @pytest.mark.parametrize("overrides, key", [

@@ -50,6 +50,19 @@ def test_no_rewards_where_the_replies_do_not_differ_in_what_was_asked():
     assert rewards(["name"], ["Feed it daily.", "Keep it warm and fed."], ASKED) is None
 
 
+def test_a_reply_that_does_not_answer_ranks_last_whatever_its_form():
+    replies = ["Sure, happy to help!", "Feed it flour and water daily.", LONG]
+    short, answer, long = rewards(["shorter"], replies, ASKED, answered=[False, True, True])
+    assert answer > long > short  # the shortest reply says nothing: below the long answer
+    alone = rewards(["simpler"], replies, ASKED, answered=[False, True, True])  # no rule for the wish: the answers alone
+    assert alone[0] < alone[1] == alone[2]
+
+
+def test_no_rewards_where_no_reply_answers_or_all_answer_a_wish_no_rule_checks():
+    assert rewards(["shorter"], ["Sure!", "Happy to help with that."], ASKED, answered=[False, False]) is None
+    assert rewards(["simpler"], ["Feed it.", LONG], ASKED, answered=[True, True]) is None
+
+
 def test_the_names_a_person_goes_by_are_those_the_conversation_gives_them():
     said = [{"role": "system", "content": "You are Maya's personal assistant."},
             {"role": "user", "content": [{"type": "text", "text": "Hi! Call me Tom. Where is Lisbon?"}]},

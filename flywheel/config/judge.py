@@ -263,7 +263,9 @@ class TeacherConfig(Section):
     reply's length, lists or prose, register, being named: flywheel/judge/wish_checks.py), the
     rewards rank the replies by how much of it each does, so those that do more are learned past
     what the teacher would write (their RL term at full weight, `actor.rl_coef_hinted`
-    notwithstanding); elsewhere equal."""
+    notwithstanding), and a reply that does not answer the request (the base model finds it no
+    likelier told the request: flywheel/judge/relevance.py) ranks below every one that does,
+    whatever the wish; equal where neither tells the replies apart."""
 
     @field_validator("practice")
     @classmethod

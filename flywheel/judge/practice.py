@@ -15,8 +15,11 @@ alone: four replies to each corrected question, each taught, raised the wanted f
 further than one.) With `judge.teacher.practice_reward: checks`, where a rule can check every
 aspect the person's corrections ask (flywheel/judge/wish_checks.py), the group's rewards rank
 its replies by how much of it each does: it then also learns which of them did what was asked,
-past what the teacher would write (`details["checked"]` names the aspects; the trainer gives
-such a sample's RL term its full weight, `actor.rl_coef_hinted` notwithstanding).
+past what the teacher would write. A reply that does not answer the request (the base model
+finds it no likelier told the request than not: flywheel/judge/relevance.py) ranks below every
+one that does, whatever the wish, so the adapter does not learn to stop answering.
+`details["checked"]` names what was checked (the aspects, `answers`); the trainer gives such a
+sample's RL term its full weight, `actor.rl_coef_hinted` notwithstanding.
 
 Not practised: a turn sampled greedily (its replies would all be one) or under a grammar (the
 teacher does not score those), a turn of the shared weights (no adapter), a trajectory that may
@@ -34,8 +37,9 @@ import httpx
 
 from flywheel.bus import Sample, Trajectory, Turn
 from flywheel.bus.stitch import stitch, without_tokens
+from flywheel.judge.relevance import information
 from flywheel.judge.teacher import GRAMMAR_KEYS, Teacher
-from flywheel.judge.wish_checks import rewards
+from flywheel.judge.wish_checks import checkable, rewards
 from flywheel.judge.wishes import told, wish_reader
 
 log = logging.getLogger(__name__)
@@ -96,25 +100,37 @@ class Practice:
                 practice = _trajectory(trajectory, k, j, prompt, reply)
                 teaching = await self.teacher.teach(practice, {0: hint})
                 if teaching.logprobs:
-                    taught.append((practice, teaching, reply["text"]))
+                    taught.append((practice, teaching, reply))
         except (httpx.HTTPError, KeyError, TypeError, ValueError) as exc:
             self.counts["failures"] += 1
             log.warning("no practice for turn %d of %s: %s", k, trajectory.id, exc)
             return []
         if len(taught) < 2:  # a group of one would be judged against the running baseline
             return []
-        checked = rewards(aspects, [text for _, _, text in taught], turn.messages or []) if self.checks else None
+        checked = await self._checked(turn, aspects, [reply for _, _, reply in taught]) if self.checks else None
         self.counts["turns"] += 1
         self.counts["samples"] += len(taught)
         self.counts["checked_turns"] += checked is not None
         samples = []
-        for (practice, teaching, _), reward in zip(taught, checked or [0.0] * len(taught)):
+        for (practice, teaching, _), reward in zip(taught, checked[1] if checked else [0.0] * len(taught)):
             practice.group_size = len(taught)
             samples.append(Sample(
                 id=practice.id, trajectory=practice, reward=reward, turn_rewards=[0.0], judge=JUDGE,
-                details={"practice_of": trajectory.id, "turn": k, **({"checked": aspects} if checked is not None else {})},
+                details={"practice_of": trajectory.id, "turn": k, **({"checked": checked[0]} if checked else {})},
                 tenant=trajectory.tenant, user_id=trajectory.user_id, consent=trajectory.consent, **teaching.sample_fields()))
         return samples
+
+    async def _checked(self, turn: Turn, aspects: list[str], replies: list[dict[str, Any]]
+                       ) -> tuple[list[str], list[float]] | None:
+        """What was checked of a group's replies (the aspects a rule checks, and whether each
+        answers the request) and their rewards by it; None where the checks cannot tell them apart."""
+        messages = turn.messages or []
+        gains = [await information(self.teacher, messages, reply["output_ids"]) for reply in replies] if messages else [None]
+        answered = None if None in gains else [gain > 0 for gain in gains]
+        ranked = rewards(aspects, [reply["text"] for reply in replies], messages, answered)
+        if ranked is None:
+            return None
+        return [*(aspects if checkable(aspects) else []), *(["answers"] if answered else [])], ranked
 
     async def close(self) -> None:
         await self.http.aclose()

@@ -114,8 +114,8 @@ class Teacher:
                 position += 1
                 if hint is None or end == start or any(turn.sampling.get(key) for key in GRAMMAR_KEYS):
                     continue
-                scored = await self._score(turn.messages, list(segment.token_ids[start:end]), hint,
-                                           float(turn.sampling.get("temperature", 1.0)))
+                scored = await self.score(self.told(turn.messages, hint), list(segment.token_ids[start:end]),
+                                          float(turn.sampling.get("temperature", 1.0)), k)
                 if scored is None:
                     continue
                 taught.logprobs[index][start:end] = Float64s(scored["logprobs"])
@@ -127,14 +127,13 @@ class Teacher:
                 self.counts["scored_tokens"] += end - start
         return taught if any_taught else Teaching()
 
-    async def _score(self, messages: list[dict[str, Any]], output_ids: list[int], hint: str,
-                     temperature: float) -> dict[str, Any] | None:
-        """The score server's answer for these tokens told the hint (`logprobs`, and with `top_k`
+    async def score(self, messages: list[dict[str, Any]], output_ids: list[int], temperature: float = 1.0,
+                    k: int = 0) -> dict[str, Any] | None:
+        """The score server's answer for these tokens after `messages` (`logprobs`, and with `k`
         `top_ids` and `top_logprobs`, k per token); None when it failed or answered out of shape."""
-        k = self.config.top_k
         try:
             response = await self.http.post("/engine/score", json={
-                "messages": self.told(messages, hint), "output_ids": output_ids, "temperature": temperature or 1.0,
+                "messages": messages, "output_ids": output_ids, "temperature": temperature or 1.0,
                 **({"top_k": k} if k else {})})
             response.raise_for_status()
             scored = response.json()

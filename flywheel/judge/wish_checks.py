@@ -15,10 +15,13 @@ A score ranks replies to one request against each other; it is not a pass mark. 
 log of the reply's characters other than spaces (halving a reply counts the same at 400 or 40,
 and a language written without spaces is measured as well as one with them). Each aspect's
 scores are standardised within the group and summed, so no aspect outweighs another by its
-scale, and the rewards are centred. A reply without a word ranks last. No rewards (the group
-stays equal, the teacher alone teaching it) where an aspect asked has no rule (plain words, an
-example, a language, `other`: a wish half checked would reward dropping the other half), where
-two asked are opposites, or where the replies do not differ in what is asked.
+scale, and the rewards are centred. A reply without a word, or one that does not answer the
+request (the base model's view, flywheel/judge/relevance.py), ranks last, below every reply
+that answers, whatever its form: the practice does not learn to stop answering. The aspects
+rank nothing (the answers alone may) where one asked has no rule (plain words, an example, a
+language, `other`: a wish half checked would reward dropping the other half) or two asked are
+opposites; no rewards at all (the group stays equal, the teacher alone teaching it) where no
+reply answers or the replies do not differ in what is checked.
 """
 
 from __future__ import annotations
@@ -82,22 +85,24 @@ def checkable(aspects: list[str]) -> bool:
     return bool(aspects) and all(a in CHECKS for a in aspects) and not any(pair <= set(aspects) for pair in OPPOSITES)
 
 
-def rewards(aspects: list[str], replies: list[str], messages: list[dict[str, Any]]) -> list[float] | None:
-    """The rewards of a group of replies to one request for what `aspects` ask (see the module);
-    None where they cannot say or do not differ."""
-    if not checkable(aspects):
+def rewards(aspects: list[str], replies: list[str], messages: list[dict[str, Any]],
+            answered: list[bool] | None = None) -> list[float] | None:
+    """The rewards of a group of replies to one request for what `aspects` ask (see the module),
+    those that do not answer it (`answered`: flywheel/judge/relevance.py) or say no word ranking
+    last; None where they cannot say or do not differ."""
+    answering = [bool(_WORD.search(text)) and (answered is None or answered[j]) for j, text in enumerate(replies)]
+    if not any(answering) or (answered is None and not checkable(aspects)):
         return None
     names = names_in(messages)
     total = [0.0] * len(replies)
-    for aspect in aspects:
+    for aspect in aspects if checkable(aspects) else []:
         scores = [CHECKS[aspect](text, names) for text in replies]
         mean, spread = fmean(scores), pstdev(scores)
         if spread > 0:
             total = [t + (s - mean) / spread for t, s in zip(total, scores)]
-    worded = [bool(_WORD.search(text)) for text in replies]
-    if not all(worded):
-        last = min([t for t, w in zip(total, worded) if w], default=0.0) - 1.0
-        total = [t if w else last for t, w in zip(total, worded)]
+    if not all(answering):
+        last = min(t for t, a in zip(total, answering) if a) - 1.0
+        total = [t if a else last for t, a in zip(total, answering)]
     if max(total) - min(total) < 1e-9:
         return None
     mean = fmean(total)

@@ -1,0 +1,45 @@
+"""Whether a reply answers the request it was given, as the base model sees it.
+
+A reply answers a request when the request makes it likelier: the pointwise mutual information
+of reply and request under the teacher's model, untold of any hint,
+
+    Σ_t log p(y_t | context, request, y_<t) − log p(y_t | context, an empty request, y_<t),
+
+is above zero. A reply that would be written as readily to no request at all ("Sure, I'd be
+happy to help!", the system message said back, a fact about something else) carries no
+information about it and scores at or below zero; an answer, however short or long, scores
+above. It is measured with two prefill-only requests to the teacher's server
+(`/engine/score`), the request's message emptied in the second, the conversation before it and
+the system message kept (so saying back what the system message says is not an answer). No
+threshold to tune: zero is where the request stops mattering.
+
+Practice rewarded by checks (flywheel/judge/wish_checks.py) ranks a reply that does not answer
+last, whatever its form: "at most 30 words" is met by a reply that says nothing, and learning
+that is learning to stop answering.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from flywheel.judge.teacher import Teacher
+
+
+def without_request(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """`messages` with the last user message emptied (the conversation before it kept)."""
+    messages = [dict(m) for m in messages]
+    for message in reversed(messages):
+        if message.get("role") == "user":
+            message["content"] = ""
+            break
+    return messages
+
+
+async def information(teacher: Teacher, messages: list[dict[str, Any]], output_ids: list[int]) -> float | None:
+    """How much likelier the request makes the reply `output_ids`, in nats (see the module); None
+    when the teacher's server could not say."""
+    told = await teacher.score(messages, output_ids)
+    untold = await teacher.score(without_request(messages), output_ids)
+    if told is None or untold is None:
+        return None
+    return sum(told["logprobs"]) - sum(untold["logprobs"])
