@@ -11,7 +11,9 @@ information about it and scores at or below zero; an answer, however short or lo
 above. It is measured with two prefill-only requests to the teacher's server
 (`/engine/score`), the request's message emptied in the second, the conversation before it and
 the system message kept (so saying back what the system message says is not an answer). No
-threshold to tune: zero is where the request stops mattering.
+threshold to tune: zero is where the request stops mattering. (The trainer's adapter guard,
+flywheel/train/adapter_guard.py, reads the same information of a version's replies in process,
+against another question; the judge has only the teacher's server.)
 
 Practice rewarded by checks (flywheel/judge/wish_checks.py) ranks a reply that does not answer
 last, whatever its form: "at most 30 words" is met by a reply that says nothing, and learning
