@@ -1,0 +1,114 @@
+"""Whether a personal-agent trial's replies to new questions still answer them, as a careful
+reader finds, not by the bench's rule.
+
+The personal-agent bench counts a held-out reply as answering when it shares a content word with
+the question and is not one word over and over (`flywheel/drills/simulated_people.answers`). On
+240 pairs a helper wrote (bench/judge_answers.py) that rule passes 0.53 of the replies that
+answer (0.40 of short answers, none of the one-word or numeric ones): a policy that learns to
+answer briefly is read as answering less. So this takes the replies a trial's final policy gives
+to the held-out questions, and the base's, exactly as the bench sampled them (the same seeds,
+temperature and person), for a reader who did not train or tune anything to label.
+
+    .venv/bin/python bench/heldout_answers.py export --results NAME --run-root runs/bench_unscripted \
+        --people bench/data/people_heldout_2.json        # writes bench/data/NAME_replies.jsonl (+ a key)
+    # a reader adds "answers": true|false to every line of the replies file, blind to trial and arm
+    .venv/bin/python bench/heldout_answers.py score --results NAME   # the shares, into bench/results/NAME_answers.json
+
+The replies file holds the question and the reply only, shuffled; which trial and which model
+wrote each is in the key file. `export` checks that the bench's rule gives the same share on
+these replies as the results file holds (the same replies, not new ones).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import sys
+from pathlib import Path
+from statistics import fmean
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # `python bench/NAME.py` as well as `-m bench.NAME`
+
+from bench.lib.common import RESULTS, ROOT, write_result  # noqa: E402
+
+
+def files(name: str) -> tuple[Path, Path]:
+    return ROOT / "bench/data" / f"{name}_replies.jsonl", ROOT / "bench/data" / f"{name}_replies_key.json"
+
+
+async def export(args) -> None:
+    from bench.lib.final_policy import final_policy
+    from bench.lib.personal_eval import sample
+    from flywheel.config import load_config
+    from flywheel.drills.simulated_people import (
+        HELD_OUT_QUESTIONS,
+        User,
+        answers,
+        people_from,
+    )
+    from flywheel.models import load_model, load_weights
+
+    results = json.loads((RESULTS / f"{args.results}.json").read_text())
+    bench_args = argparse.Namespace(**results["args"])
+    people = people_from(args.people)
+    items, key = [], {}
+    for trial in results["trials"]:
+        run_dir = Path(args.run_root) / f"{trial['arm']}-{trial['pref']}-{trial['trial']}"
+        config = load_config(str(run_dir / "config.yaml"), [])
+        name, preference, voice = people[f"{trial['pref']}-{trial['trial'] + 1}"]
+        user = User(name, preference, seed=trial["seed"], voice=voice)
+        asked = [q for q in HELD_OUT_QUESTIONS for _ in range(bench_args.heldout_samples)]
+        chats = [[{"role": "system", "content": user.system}, {"role": "user", "content": q}] for q in asked]
+        for when, weights in (("before", None), ("after", final_policy(config, run_dir))):
+            model, tokenizer = load_model(config.model)
+            if weights is not None:
+                load_weights(model, weights)
+            replies = [tokenizer.decode(ids, skip_special_tokens=True) for ids in await sample(model, tokenizer, chats, bench_args)]
+            recorded = trial["heldout_before" if when == "before" else "heldout"]["answers"]
+            rule = fmean(answers(q, r) for q, r in zip(asked, replies))
+            if abs(rule - recorded) > 1e-9:
+                raise SystemExit(f"{run_dir.name} {when}: the rule gives {rule:.3f} here, {recorded:.3f} in the results: not the same replies")
+            for question, reply in zip(asked, replies):
+                items.append({"question": question, "reply": reply})
+                key[len(items) - 1] = {"trial": f"{trial['pref']}:{trial['trial']}", "when": when,
+                                       "rule": answers(question, reply)}
+    order = list(range(len(items)))
+    random.Random(0).shuffle(order)
+    replies_file, key_file = files(args.results)
+    replies_file.write_text("".join(json.dumps({"id": i, **items[j]}, ensure_ascii=False) + "\n" for i, j in enumerate(order)))
+    key_file.write_text(json.dumps({i: key[j] for i, j in enumerate(order)}, indent=1) + "\n")
+    print(f"wrote {len(items)} replies to {replies_file} and their key to {key_file}")
+
+
+def score(args) -> None:
+    replies_file, key_file = files(args.results)
+    labels = {item["id"]: item["answers"] for item in map(json.loads, replies_file.read_text().splitlines())}
+    key = {int(i): v for i, v in json.loads(key_file.read_text()).items()}
+    if set(labels) != set(key) or not all(isinstance(v, bool) for v in labels.values()):
+        raise SystemExit("every reply needs an `answers` label of true or false")
+    rows = {}
+    for trial in sorted({k["trial"] for k in key.values()}):
+        row = {}
+        for when in ("before", "after"):
+            ids = [i for i, k in key.items() if k["trial"] == trial and k["when"] == when]
+            row[when] = {"reader": fmean(labels[i] for i in ids), "rule": fmean(key[i]["rule"] for i in ids), "n": len(ids)}
+        rows[trial] = row
+        print(f"{trial:12s} reader {row['before']['reader']:.2f} -> {row['after']['reader']:.2f}   "
+              f"rule {row['before']['rule']:.2f} -> {row['after']['rule']:.2f}   (n {row['after']['n']})")
+    print(f"wrote {write_result(f'{args.results}_answers', {'args': vars(args), 'trials': rows})}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("mode", choices=["export", "score"])
+    parser.add_argument("--results", required=True, help="the personal-agent results file's name")
+    parser.add_argument("--run-root", default="runs/bench_unscripted")
+    parser.add_argument("--people", default=str(ROOT / "bench/data/people_heldout_2.json"))
+    args = parser.parse_args()
+    asyncio.run(export(args)) if args.mode == "export" else score(args)
+
+
+if __name__ == "__main__":
+    main()
