@@ -19,7 +19,7 @@ and, for comparison, the same two shares for the personal-agent bench's own rule
 (`flywheel/drills/simulated_people.answers`: a content word in common, not one word over and
 over), which practice must not use (the bench measures with it).
 
-    .venv/bin/python bench/judge_answers.py        # bench/results/judge_answers.json, ~3 min
+    .venv/bin/python bench/judge_answers.py        # bench/results/judge_answers.json
 """
 
 from __future__ import annotations
