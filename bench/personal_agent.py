@@ -34,7 +34,9 @@ Measured
       satisfied the preference in 3 consecutive sessions (capped at `--cap`; `>cap` = not
       learned). A reply satisfies it only if it also answers the question (the person's
       `answers` check): "at most 30 words" is met by nonsense too, and a policy that collapses
-      into repeating its system message must not count as aligned;
+      into repeating its system message must not count as aligned. The rule is a weak measure of
+      answering (passes the base's replies 0.96-1.00 where a reader passes 0.33-0.46; too strict on
+      short answers): `bench/heldout_answers.py` has a reader label the held-out replies instead;
     - the held-out satisfaction rate of the final weights on questions never asked in a trial
       (`HELD_OUT_QUESTIONS`, `--heldout-samples` seeded samples each, the app's temperature);
     - general skill kept: greedy accuracy on held-out arithmetic (bench/learn_arith.py's
