@@ -107,7 +107,10 @@ def main() -> None:
     parser.add_argument("--run-root", default="runs/bench_unscripted")
     parser.add_argument("--people", default=str(ROOT / "bench/data/people_heldout_2.json"))
     args = parser.parse_args()
-    asyncio.run(export(args)) if args.mode == "export" else score(args)
+    if args.mode == "export":
+        asyncio.run(export(args))
+    else:
+        score(args)
 
 
 if __name__ == "__main__":

@@ -259,8 +259,13 @@ def freeze(pid: int, timeout_s: float = 10.0) -> None:
 
 def prompt(tokenizer, text: str) -> list[int]:
     """The ids of a one-message chat asking `text`, with the generation prompt."""
-    rendered = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True, tokenize=False)
-    return tokenizer.encode(rendered, add_special_tokens=False)
+    return chat_prompt(tokenizer, [{"role": "user", "content": text}])
+
+
+def chat_prompt(tokenizer, messages: list[dict]) -> list[int]:
+    """The ids of the chat `messages` rendered by the tokenizer's template, with the generation prompt."""
+    return tokenizer.encode(tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False),
+                            add_special_tokens=False)
 
 
 def recomputed_logprobs(model, prompt_ids, output_ids, temperature=1.0) -> list[float]:

@@ -20,7 +20,7 @@ from flywheel.models.adapter_names import user_adapter
 from flywheel.models.lora_adapter import read_adapter
 
 from bus_reading import read, recorded_turns
-from factories import platform, recomputed_logprobs
+from factories import chat_prompt, platform, recomputed_logprobs
 from peft_adapters import LINEAR, random_adapters
 from tenant_traffic import TENANTS_SETUP, converse, hinted_session, learning
 from waiting import until
@@ -100,10 +100,8 @@ async def test_the_bare_base_on_the_policys_server_is_the_teacher(nats_url, tmp_
     [turn], [teacher] = sample.trajectory.turns, sample.teacher_logprobs
     (_, start, end), = sample.trajectory.segments[0].turn_spans
     assert turn.adapter == ADA and set(sample.trajectory.segments[0].versions[start:end]) == {1}
-    told = Teacher(serve.config.judge.teacher, serve.url).told(messages, hint)
-    prompt_ids = tokenizer.encode(tokenizer.apply_chat_template(told, add_generation_prompt=True, tokenize=False),
-                                  add_special_tokens=False)
+    prompt_ids = chat_prompt(tokenizer, Teacher(serve.config.judge.teacher, serve.url).told(messages, hint))
     output = list(sample.trajectory.segments[0].token_ids[start:end])
-    expected = recomputed_logprobs(base, list(prompt_ids), output)
+    expected = recomputed_logprobs(base, prompt_ids, output)
     assert list(teacher[start:end]) == pytest.approx(expected, abs=2e-4)
-    assert max(abs(a - b) for a, b in zip(expected, recomputed_logprobs(peft, list(prompt_ids), output))) > 1e-3
+    assert max(abs(a - b) for a, b in zip(expected, recomputed_logprobs(peft, prompt_ids, output))) > 1e-3

@@ -22,7 +22,7 @@ from flywheel.models import load_model
 from flywheel.models.adapter_names import user_adapter
 
 from bus_reading import read
-from factories import platform, recomputed_logprobs, teach_tiny
+from factories import chat_prompt, platform, recomputed_logprobs, teach_tiny
 from peft_adapters import LINEAR, random_adapters
 from tenant_traffic import TENANTS_SETUP, hinted_session
 from waiting import until
@@ -62,7 +62,7 @@ async def test_a_corrected_turn_is_practised_by_the_persons_adapter_and_taught_b
     own_segment = (await bus.resolve(own)) and own.trajectory.segments[0]
     (_, start, _), = own_segment.turn_spans
     context = list(own_segment.token_ids[:start])
-    told_ids = chat_ids(tokenizer, Teacher(serve.config.judge.teacher, serve.url).told(messages, hint))
+    told_ids = chat_prompt(tokenizer, Teacher(serve.config.judge.teacher, serve.url).told(messages, hint))
     assert {s.trajectory.task_id for s in practice} == {f"practice:{own.id}:0"}
     for sample in practice:
         trajectory = sample.trajectory
@@ -81,10 +81,11 @@ async def test_a_corrected_turn_is_practised_by_the_persons_adapter_and_taught_b
     # does not, and among those that answer the shorter (characters other than spaces) the higher, centred;
     # where they are alike in both the checks cannot tell them apart and the rewards stay equal.
     lengths = [sum(not c.isspace() for c in s.trajectory.turns[0].response["content"]) for s in practice]
+
     def gain(sample: Sample) -> float:  # how much likelier the request makes the reply, by a forward pass
         [segment], (_, begin, end) = sample.trajectory.segments, sample.trajectory.segments[0].turn_spans[0]
         output = list(segment.token_ids[begin:end])
-        return sum(sum(recomputed_logprobs(base, chat_ids(tokenizer, asked), output)) * sign
+        return sum(sum(recomputed_logprobs(base, chat_prompt(tokenizer, asked), output)) * sign
                    for asked, sign in ((messages, 1), (without_request(messages), -1)))
     answering = [gain(sample) > 0 for sample in practice]
     told_apart = bool(checked) and any(answering) and (
@@ -95,11 +96,6 @@ async def test_a_corrected_turn_is_practised_by_the_persons_adapter_and_taught_b
     for a, b in [(a, b) for a in range(3) for b in range(3)]:
         better = answering[a] and (not answering[b] or lengths[a] < lengths[b])
         assert (practice[a].reward > practice[b].reward) == (told_apart and better)
-
-
-def chat_ids(tokenizer, messages: list[dict]) -> list[int]:
-    return tokenizer.encode(tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False),
-                            add_special_tokens=False)
 
 
 @pytest.mark.parametrize("overrides, key", [
@@ -129,8 +125,7 @@ async def test_practice_replies_holding_personal_data_are_left_out_under_the_ten
     asked = [{"role": "user", "content": "Where can I write to you?"}]
     taught = teach_tiny(asked, None, "Write to ada.lovelace@example.com today.", tmp_path)
     _, tokenizer = load_model(taught)
-    prompt = tokenizer.encode(tokenizer.apply_chat_template(asked, add_generation_prompt=True, tokenize=False),
-                              add_special_tokens=False)
+    prompt = chat_prompt(tokenizer, asked)
     async with platform(nats_url, tmp_path, *PRACTICE, f"model={taught}") as (serve, _, _):
         async with httpx.AsyncClient(base_url=serve.url, headers={"Authorization": "Bearer root"}) as http:
             kept = {}

@@ -56,6 +56,8 @@ def test_a_reply_that_does_not_answer_ranks_last_whatever_its_form():
     assert answer > long > short  # the shortest reply says nothing: below the long answer
     alone = rewards(["simpler"], replies, ASKED, answered=[False, True, True])  # no rule for the wish: the answers alone
     assert alone[0] < alone[1] == alone[2]
+    wordless = rewards(["simpler"], ["Feed it daily.", "..."], ASKED)  # a reply without a word answers nothing
+    assert wordless[1] < wordless[0]
 
 
 def test_no_rewards_where_no_reply_answers_or_all_answer_a_wish_no_rule_checks():

@@ -22,6 +22,7 @@ that is learning to stop answering.
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 from flywheel.judge.teacher import Teacher
@@ -40,8 +41,8 @@ def without_request(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
 async def information(teacher: Teacher, messages: list[dict[str, Any]], output_ids: list[int]) -> float | None:
     """How much likelier the request makes the reply `output_ids`, in nats (see the module); None
     when the teacher's server could not say."""
-    told = await teacher.score(messages, output_ids)
-    untold = await teacher.score(without_request(messages), output_ids)
+    told, untold = await asyncio.gather(teacher.score(messages, output_ids),
+                                        teacher.score(without_request(messages), output_ids))
     if told is None or untold is None:
         return None
     return sum(told["logprobs"]) - sum(untold["logprobs"])

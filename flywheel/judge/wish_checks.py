@@ -91,7 +91,7 @@ def rewards(aspects: list[str], replies: list[str], messages: list[dict[str, Any
     those that do not answer it (`answered`: flywheel/judge/relevance.py) or say no word ranking
     last; None where they cannot say or do not differ."""
     answering = [bool(_WORD.search(text)) and (answered is None or answered[j]) for j, text in enumerate(replies)]
-    if not any(answering) or (answered is None and not checkable(aspects)):
+    if not any(answering):
         return None
     names = names_in(messages)
     total = [0.0] * len(replies)
