@@ -5,6 +5,7 @@ rejecting every version does not stall it: test_deploy_gate.py.)"""
 
 import contextlib
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -26,11 +27,27 @@ from flywheel.train.run_lock import RunLock
 from waiting import until_sync
 
 
-def start_up(run_dir, *overrides: str, env=None, timeout_s: float = 180.0) -> subprocess.Popen:
-    """`flywheel up` on the local config, returned once it is up and has trained a step (within
-    `timeout_s`, else it is stopped with everything it started, and the test fails with what it
-    printed). Without the promotion gate (its evaluation server and loop only lengthen the start;
-    test_deploy_loop.py runs make run's configuration whole)."""
+def ray_log_tails(ray_temp_dir: Path, lines: int = 10) -> str:
+    """The last `lines` of the raylet's warnings and errors and of each worker's stderr (where
+    the loops log) of the Ray under `ray_temp_dir`: what a start that did not finish was doing."""
+    logs = Path(ray_temp_dir) / "session_latest" / "logs"
+    tails = []
+    for path in [logs / "raylet.out", *sorted(logs.glob("worker-*.err"))]:
+        text = path.read_text(errors="replace").splitlines() if path.exists() else []
+        if path.name == "raylet.out":
+            text = [line for line in text if re.match(r"\[[^\]]* [WEF] ", line)]
+        if text:
+            tails.append(f"--- {path.name}\n" + "\n".join(text[-lines:]))
+    return "\n".join(tails)
+
+
+def start_up(run_dir, *overrides: str, ray_temp_dir: Path, env=None,
+             timeout_s: float = 180.0) -> tuple[subprocess.Popen, list[str]]:
+    """`flywheel up` on the local config and what it printed, returned once it is up and has
+    trained a step (within `timeout_s`, else it is stopped with everything it started, and the
+    test fails with what it printed and what its Ray, under `ray_temp_dir`, logged). Without the
+    promotion gate (its evaluation server and loop only lengthen the start; test_deploy_loop.py
+    runs make run's configuration whole)."""
     proc = subprocess.Popen(
         [*command("up"), "--config", "configs/local.yaml", f"run_dir={run_dir}",
          "serve.port=0", "promotion.mode=off", *overrides, "--refresh-s", "0.5"],
@@ -52,8 +69,9 @@ def start_up(run_dir, *overrides: str, env=None, timeout_s: float = 180.0) -> su
             for process in [*psutil.Process(proc.pid).children(recursive=True), psutil.Process(proc.pid)]:
                 with contextlib.suppress(psutil.NoSuchProcess):
                     process.kill()
-        raise AssertionError(f"flywheel up did not come up and train a step within {timeout_s:g} s:\n" + "".join(lines))
-    return proc
+        raise AssertionError(f"flywheel up did not come up and train a step within {timeout_s:g} s:\n" + "".join(lines)
+                             + f"\nits Ray logged:\n{ray_log_tails(ray_temp_dir)}")
+    return proc, lines
 
 
 def test_up_starts_its_own_ray_shows_progress_and_ctrl_c_leaves_no_process(tmp_path):
@@ -62,8 +80,11 @@ def test_up_starts_its_own_ray_shows_progress_and_ctrl_c_leaves_no_process(tmp_p
     ray_tmp = Path(tempfile.mkdtemp(prefix="rt", dir="/tmp"))  # short: Ray's socket paths live under it
     (ray_tmp / "ray").mkdir()
     (ray_tmp / "ray" / "ray_current_cluster").write_text("127.0.0.1:9")
-    proc = start_up(tmp_path, env={**os.environ, "RAY_TMPDIR": str(ray_tmp), "RAY_ADDRESS": ""})
+    env = {**os.environ, "RAY_TMPDIR": str(ray_tmp), "RAY_ADDRESS": ""}
+    proc, lines = start_up(tmp_path, ray_temp_dir=ray_tmp / "ray", env=env)
     try:
+        up = [line.split(" is up (")[0] for line in lines if " is up (" in line]  # said as each loop came up
+        assert sorted(up) == ["collect", "judge", "rollout", "serve", "train"], lines
         family = psutil.Process(proc.pid).children(recursive=True)
         names = {p.name() for p in family if p.is_running()}
         assert "nats-server" in names and any("raylet" in n for n in names), names
@@ -90,7 +111,7 @@ def test_up_joins_an_existing_cluster_and_leaves_it_running(tmp_path):
         check=True, capture_output=True, env=env, timeout=120,
     )
     try:
-        proc = start_up(tmp_path, f"deploy.ray_address=127.0.0.1:{port}", env=env)
+        proc, _ = start_up(tmp_path, f"deploy.ray_address=127.0.0.1:{port}", ray_temp_dir=temp_dir, env=env)
         proc.send_signal(signal.SIGINT)
         rest, _ = proc.communicate(timeout=120)
         assert proc.returncode == 0 and "stopped." in rest, rest
@@ -122,7 +143,7 @@ def test_a_signal_that_lands_inside_a_stats_call_still_stops_the_deployment():
         def __init__(self):
             self.calls, self.stopped = 0, False
 
-        def start(self):
+        def start(self, progress):
             return self
 
         def stats(self):

@@ -20,6 +20,7 @@ from __future__ import annotations
 import logging
 import os
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -37,6 +38,7 @@ LOCAL_RAY_ENV = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
 """Only for a Ray this deployment starts itself: its node advertises the loopback address. Never
 set when joining a cluster (`deploy.ray_address`), whose nodes must reach this driver."""
 CALL_TIMEOUT_S = 300.0
+PROGRESS_EVERY_S = 15.0
 
 
 class Deployment:
@@ -52,15 +54,18 @@ class Deployment:
         self._nats: EmbeddedNats | None = None
         self._owns_ray = False
 
-    def start(self) -> "Deployment":
+    def start(self, progress: Callable[[str], None] = log.info) -> "Deployment":
+        """Start everything; `progress` hears each loop come up and, while some are starting,
+        which (every `PROGRESS_EVERY_S`)."""
         try:
-            self._start()
+            self._start(progress)
         except BaseException:
             self.stop()
             raise
         return self
 
-    def _start(self) -> None:
+    def _start(self, progress: Callable[[str], None]) -> None:
+        self._began = time.monotonic()
         run_dir = Path(self.config.run_dir)
         run_dir.mkdir(parents=True, exist_ok=True)
         (run_dir / "config.yaml").write_text(dump_config(self.config))
@@ -85,8 +90,8 @@ class Deployment:
             first["eval_serve"] = side_server_config(self.config, "eval")
         started: dict[str, Any] = {}
         if "serve" in first and self.config.serve.engine_kind == "vllm":  # vLLM sizes itself by the memory free as it starts
-            started = self._launch({"serve": first.pop("serve")})
-        started |= self._launch(first)  # none of these needs another's address: they start side by side
+            started = self._launch({"serve": first.pop("serve")}, progress)
+        started |= self._launch(first, progress)  # none of these needs another's address: they start side by side
         self.serve_url, self.judge_url, self.eval_url = (started.get(k) for k in ("serve", "judge_serve", "eval_serve"))
         gateway = self.serve_url or self.config.rollout.endpoint  # gateways hosted elsewhere
         then: dict[str, FlywheelConfig] = {}
@@ -103,9 +108,9 @@ class Deployment:
         if self.config.rollout.enabled:
             then["rollout"] = rollout = self.config.model_copy(deep=True)
             rollout.rollout.endpoint = gateway
-        self._launch(then)
+        self._launch(then, progress)
 
-    def _launch(self, configs: dict[str, FlywheelConfig]) -> dict[str, Any]:
+    def _launch(self, configs: dict[str, FlywheelConfig], progress: Callable[[str], None]) -> dict[str, Any]:
         """Start each loop's actor where `deploy.resources` places it, all at once (a loop's
         process spends seconds importing torch and its model: on two cores, two at a time);
         each one's `start` result. The first to fail raises at once; `CALL_TIMEOUT_S` bounds them all."""
@@ -118,13 +123,17 @@ class Deployment:
             )
             self.actors[kind] = actor
             refs[kind] = actor.address.remote()
-        pending, deadline = list(refs.values()), time.monotonic() + CALL_TIMEOUT_S
-        while pending:
-            ready, pending = ray.wait(pending, num_returns=1, timeout=max(0.0, deadline - time.monotonic()))
+        starting, began = {ref: kind for kind, ref in refs.items()}, time.monotonic()
+        while starting:
+            waited = time.monotonic() - began
+            if waited >= CALL_TIMEOUT_S:
+                raise TimeoutError(f"{', '.join(starting.values())} did not start within {CALL_TIMEOUT_S:.0f} s")
+            ready, _ = ray.wait(list(starting), num_returns=1, timeout=min(PROGRESS_EVERY_S, CALL_TIMEOUT_S - waited))
             if not ready:
-                late = [kind for kind, ref in refs.items() if ref in pending]
-                raise TimeoutError(f"{', '.join(late)} did not start within {CALL_TIMEOUT_S:.0f} s")
+                progress(f"starting {', '.join(starting.values())} ({time.monotonic() - self._began:.0f} s)")
+                continue
             ray.get(ready)  # a loop that failed to start raises here, as soon as it fails
+            progress(f"{starting.pop(ready[0])} is up ({time.monotonic() - self._began:.0f} s)")
         return {kind: ray.get(ref) for kind, ref in refs.items()}
 
     def stats(self, timeout_s: float = 10.0) -> dict[str, dict[str, Any]]:

@@ -1,6 +1,7 @@
 """Running a deployment in the foreground of a terminal: what `flywheel up` and `flywheel train` share.
 
-Start the deployment (with a spinner), show its progress (a live table on a terminal, a plain
+Start the deployment (a spinner saying which loops are still starting; a line as each comes up
+where the output is not a terminal), show its progress (a live table on a terminal, a plain
 line per refresh elsewhere) until `done` says so or Ctrl-C / SIGTERM arrives, then stop it,
 leaving no process behind.
 
@@ -50,8 +51,8 @@ def run_in_foreground(
     listen()
     stats: Stats = {}
     try:
-        with console.status("starting the bus, Ray and the loops..."):
-            deployment.start()
+        with console.status("starting the bus, Ray and the loops...") as status:
+            deployment.start(progress=status.update if console.is_terminal else console.print)
         listen()  # again: starting Ray installed its own SIGTERM handler
         if not stopping.is_set():
             on_started()
