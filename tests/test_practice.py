@@ -1,6 +1,8 @@
 """Practice (`judge.teacher.practice`): a corrected turn's request answered again by the person's
 own adapter on the policy's server, each reply taught by the teacher told the correction, and
-published as one group of samples with the engine's exact tokens, log-probs and versions."""
+published as one group of samples with the engine's exact tokens, log-probs and versions; with
+`judge.teacher.practice_history`, the person's earlier requests (never another's) replayed with
+the correction too, until the person is forgotten."""
 
 import httpx
 import pytest
@@ -12,6 +14,8 @@ from flywheel.bus import (
     Trajectory,
     WeightUpdate,
 )
+from flywheel.bus.records import AuditEntry
+from flywheel.bus.streams import AUDIT_SUBJECT
 from flywheel.config import load_config
 from flywheel.config.loader import ConfigError
 from flywheel.judge.loop import JudgeLoop
@@ -24,7 +28,7 @@ from flywheel.models.adapter_names import user_adapter
 from bus_reading import read
 from factories import chat_prompt, platform, recomputed_logprobs, teach_tiny
 from peft_adapters import LINEAR, random_adapters
-from tenant_traffic import TENANTS_SETUP, hinted_session
+from tenant_traffic import TENANTS_SETUP, converse, hinted_session
 from waiting import until
 
 ADA = user_adapter("acme", "ada")
@@ -90,7 +94,7 @@ async def test_a_corrected_turn_is_practised_by_the_persons_adapter_and_taught_b
     answering = [gain(sample) > 0 for sample in practice]
     told_apart = bool(checked) and any(answering) and (
         not all(answering) or len({n for n, a in zip(lengths, answering) if a}) > 1)
-    assert counts == {"turns": 1, "samples": 3, "failures": 0, "checked_turns": int(told_apart)}
+    assert counts == {"turns": 1, "replayed": 0, "samples": 3, "failures": 0, "checked_turns": int(told_apart)}
     assert all(s.details.get("checked") == (checked if told_apart else None) for s in practice)
     assert sum(s.reward for s in practice) == pytest.approx(0.0, abs=1e-9)
     for a, b in [(a, b) for a in range(3) for b in range(3)]:
@@ -98,8 +102,66 @@ async def test_a_corrected_turn_is_practised_by_the_persons_adapter_and_taught_b
         assert (practice[a].reward > practice[b].reward) == (told_apart and better)
 
 
+async def test_a_correction_is_practised_on_the_persons_earlier_requests_too_until_they_are_forgotten(nats_url, tmp_path,
+                                                                                                   bus):
+    base, tokenizer = load_model("tiny")
+    [(adapter, peft)] = random_adapters(tmp_path, {"ada-adapter": (1, {"r": 4, "target_modules": LINEAR})}).values()
+    async with platform(nats_url, tmp_path, *PRACTICE, "judge.teacher.practice_history=2") as (serve, _, _):
+        await bus.publish(WEIGHTS_SUBJECT, WeightUpdate(id="ada-v1", version=1, path=str(adapter), step=1, adapter=ADA))
+        await until(lambda: serve.pool.adapter_versions.get(ADA) == 1)
+        judge = JudgeLoop(serve.config, nats_url)
+        await judge.start()
+        try:
+            await converse(serve, "ada", "ada-earlier")  # an approved request of Ada's: remembered
+            await converse(serve, "bob", "bob-earlier")  # Bob's: never replayed for Ada
+            await until(lambda: judge.scored == 2)
+            messages = [{"role": "user", "content": "Greet me."}]
+            await hinted_session(serve, "corrected", messages, HINT, reward=-1.0)
+            await until(lambda: judge.scored == 3)
+            counts = dict(judge.practice.counts)
+            samples = {s.id: s for s in await read(bus, SAMPLE_SUBJECT, "history", 9)}
+            await bus.publish(AUDIT_SUBJECT, AuditEntry(id="forget-ada", action="forget", actor="test", target="acme",
+                                                        details={"tenant": "acme", "user": "ada"}))
+            ada = Trajectory(id="", session_id="", segments=[], turns=[], close_reason="done", tenant="acme", adapter=ADA,
+                             user_id="ada")
+            await until(lambda: not judge.practice.requests.recall(ada))
+            await hinted_session(serve, "after", messages, HINT, reward=-1.0)
+            after = [s for s in await read(bus, SAMPLE_SUBJECT, "after", 13) if s.id not in samples]
+        finally:
+            await judge.stop()
+    for sample in samples.values():
+        await bus.resolve(sample)
+    own = {s.trajectory.session_id.split("/")[-1]: s for s in samples.values() if s.judge != "practice"}  # tenant/session
+    earlier = own["ada-earlier"].trajectory
+
+    def context(trajectory: Trajectory) -> list[int]:
+        [segment] = trajectory.segments
+        (_, start, _), = segment.turn_spans
+        return list(segment.token_ids[:start])
+    replayed = [s for s in samples.values() if s.details.get("replayed")]
+    assert {s.trajectory.task_id for s in samples.values() if s.judge == "practice"} == {
+        f"practice:{own['corrected'].id}:0", f"practice:{own['corrected'].id}:0:{earlier.turns[0].id}"}
+    assert counts["turns"] == 2 and counts["replayed"] == 1 and counts["samples"] == 6 and len(replayed) == 3
+    told_ids = chat_prompt(tokenizer, Teacher(serve.config.judge.teacher, serve.url).told(earlier.turns[0].messages, HINT))
+    for sample in replayed:
+        trajectory = sample.trajectory
+        [segment], [turn] = trajectory.segments, trajectory.turns
+        (_, begin, end), = segment.turn_spans
+        output = list(segment.token_ids[begin:end])
+        assert sample.details == {"practice_of": own["corrected"].id, "turn": 0, "replayed": earlier.turns[0].id}
+        assert list(segment.token_ids[:begin]) == context(earlier) != context(own["bob-earlier"].trajectory)
+        assert (sample.user_id, trajectory.adapter, turn.messages) == ("ada", ADA, earlier.turns[0].messages)
+        assert list(segment.logprobs[begin:end]) == pytest.approx(recomputed_logprobs(peft, context(earlier), output), abs=2e-4)
+        [teacher] = sample.teacher_logprobs  # taught by the correction, told after the earlier request
+        assert list(teacher[begin:end]) == pytest.approx(recomputed_logprobs(base, told_ids, output), abs=2e-4)
+    # Forgotten: neither her earlier requests nor the corrected one are replayed any more, only the new turn practised.
+    assert len(after) == 4 and {s.trajectory.task_id for s in after if s.judge == "practice"} == {
+        f"practice:{next(s.id for s in after if s.judge != 'practice')}:0"}
+
+
 @pytest.mark.parametrize("overrides, key", [
     (["adapters.kind=lora", "judge.teacher.practice=1"], "judge.teacher.practice"),
+    (["adapters.kind=lora", "judge.teacher.practice_history=2"], "judge.teacher: practice_history needs practice"),
     (["judge.teacher.practice=4"], "adapters.kind=lora"),
     ([*TENANTS_SETUP[1:], "adapters.kind=lora", "judge.teacher.practice=4"], "serve.admin_key"),
 ])

@@ -267,12 +267,26 @@ class TeacherConfig(Section):
     likelier told the request: flywheel/judge/relevance.py) ranks below every one that does,
     whatever the wish; equal where neither tells the replies apart."""
 
+    practice_history: int = Field(0, ge=0, le=8)
+    """Earlier requests of the person practised with each corrected turn as well: the judge
+    remembers each person's newest requests (the exact contexts of their turns, as many as this),
+    and a correction has their adapter answer each of them `practice` times too, taught the same
+    hint and rewarded as the corrected turn's replies are, each request's replies a group of
+    their own: one correction teaches the person's other requests, not only the one it was about.
+    Kept and forgotten as the hint memory is (flywheel/judge/people_memory.py). 0: off."""
+
     @field_validator("practice")
     @classmethod
     def _a_group_of_several(cls, value: int) -> int:
         if value == 1:
             raise ValueError("0 (off) or at least 2 replies (they train as one group)")
         return value
+
+    @model_validator(mode="after")
+    def _history_is_practised(self) -> "TeacherConfig":
+        if self.practice_history and not self.practice:
+            raise ValueError("practice_history needs practice (the replies to each remembered request)")
+        return self
 
 
 class JudgeConfig(Section):

@@ -15,7 +15,9 @@ With `judge.teacher.memory`, the loop keeps each person's newest hints for the t
 (flywheel/judge/hint_memory.py) and follows the audit log to drop a forgotten tenant's or user's.
 With `judge.teacher.wishes`, the teacher is told what a correction asks for as an instruction
 (flywheel/judge/wishes.py). With `judge.teacher.practice`, a sample's corrected turns are practised once it is published
-(flywheel/judge/practice.py): more samples on SAMPLES, before the trajectory is acknowledged.
+(flywheel/judge/practice.py): more samples on SAMPLES, before the trajectory is acknowledged;
+with `judge.teacher.practice_history`, the person's earlier requests with them, remembered as
+the hints are and dropped with them when the person is forgotten.
 
 Both records carry the trajectory's id, so a re-publish after a crash is dropped as a
 duplicate. If publishing fails (the bus is away), the trajectory is negatively acknowledged and
@@ -51,6 +53,7 @@ from flywheel.config import FlywheelConfig
 from flywheel.judge.base import Unscorable, Verdict
 from flywheel.judge.build import build_judge
 from flywheel.judge.hint_memory import HintMemory
+from flywheel.judge.people_memory import PeopleMemory
 from flywheel.judge.practice import Practice, corrected_turns
 from flywheel.judge.teacher import Teacher, Teaching, hints_of
 from flywheel.judge.wishes import told, wish_reader
@@ -85,15 +88,20 @@ class JudgeLoop(ConsumerLoop):
             await asyncio.to_thread(wish_reader)  # trained now, off the event loop
         self.teacher = self._teacher()
         self.practice = self._practice()
-        if self.memory is not None:
+        if self._memories():
             self._tasks.append(asyncio.create_task(repeat(self._follow_forgetting, "judge.forget"), name="judge.forget"))
 
+    def _memories(self) -> list[PeopleMemory]:
+        """What the judge remembers of people: the teacher's hints, the requests practice replays."""
+        return [m for m in (self.memory, self.practice and self.practice.requests) if m is not None]
+
     async def _follow_forgetting(self) -> None:
-        """A forgotten tenant's or user's hints leave the teacher's memory."""
+        """A forgotten tenant's or user's hints and requests leave the judge's memory."""
         async for entry in self.bus.follow(AUDIT_SUBJECT, from_first=True):  # again after a fault: none missed
-            assert isinstance(entry, AuditEntry) and self.memory is not None
+            assert isinstance(entry, AuditEntry)
             if entry.action == "forget":
-                self.memory.forget(entry.details["tenant"], entry.details.get("user"), entry.created_at)
+                for memory in self._memories():
+                    memory.forget(entry.details["tenant"], entry.details.get("user"), entry.created_at)
 
     def _teacher(self) -> Teacher | None:
         """The hint teacher (`judge.teacher`) on the judge's own server, or with adapters on the
@@ -122,7 +130,7 @@ class JudgeLoop(ConsumerLoop):
             return None
         teacher = self.config.judge.teacher
         return Practice(teacher.practice, url, self.teacher, self._key(), wishes=teacher.wishes,
-                        checks=teacher.practice_reward == "checks")
+                        checks=teacher.practice_reward == "checks", history=teacher.practice_history)
 
     def _key(self) -> str | None:
         """The key the judge's own calls carry: the admin key, else the first client key."""

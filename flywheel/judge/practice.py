@@ -21,7 +21,15 @@ one that does, whatever the wish, so the adapter does not learn to stop answerin
 `details["checked"]` names what was checked (the aspects, `answers`); the trainer gives such a
 sample's RL term its full weight, `actor.rl_coef_hinted` notwithstanding.
 
-Not practised: a turn sampled greedily (its replies would all be one) or under a grammar (the
+With `judge.teacher.practice_history` H, the judge also remembers each person's newest H
+requests (the contexts of their practisable turns, flywheel/judge/people_memory.py), and a
+correction replays each of them as it replays the corrected turn: K replies by the person's
+adapter, taught the correction's hint, checked alike, a group per request
+(`practice:<trajectory>:<turn>:<request's turn>`, `details["replayed"]` naming that turn). A
+person who says "shorter" once then practises it on several of their questions, as they will
+ask new ones, not only on the one the correction was about.
+
+Not practised or remembered: a turn sampled greedily (its replies would all be one) or under a grammar (the
 teacher does not score those), a turn of the shared weights (no adapter), a trajectory that may
 not be trained; the server leaves out a reply that holds personal data under the tenant's policy. Ids are fixed by the trajectory, turn and reply, so a trajectory judged again
 after a crash practises again and the bus drops the repeats. A failure (the server, the engine,
@@ -32,12 +40,14 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import Any
+from collections.abc import Iterator
+from typing import Any, NamedTuple
 
 import httpx
 
 from flywheel.bus import Sample, Trajectory, Turn
 from flywheel.bus.stitch import stitch, without_tokens
+from flywheel.judge.people_memory import PeopleMemory
 from flywheel.judge.relevance import information
 from flywheel.judge.teacher import GRAMMAR_KEYS, Teacher
 from flywheel.judge.wish_checks import checkable, rewards
@@ -62,62 +72,74 @@ def practisable(turn: Turn) -> bool:
             and not any(turn.sampling.get(key) for key in GRAMMAR_KEYS))
 
 
+class Request(NamedTuple):
+    """A practisable turn and its exact context (the tokens before its reply in its segment)."""
+
+    turn: Turn
+    prompt: list[int]
+
+
 class Practice:
     def __init__(self, replies: int, server_url: str, teacher: Teacher, api_key: str | None = None,
-                 timeout_s: float = 300.0, wishes: str = "words", checks: bool = False):
+                 timeout_s: float = 300.0, wishes: str = "words", checks: bool = False, history: int = 0):
         self.replies, self.teacher, self.wishes, self.checks = replies, teacher, wishes, checks
+        self.requests: PeopleMemory[Request] | None = (
+            PeopleMemory(history, key=lambda request: request.turn.id) if history else None)
+        """Each person's newest practisable requests, replayed with their corrections."""
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self.http = httpx.AsyncClient(base_url=server_url, headers=headers, timeout=timeout_s)
-        self.counts = {"turns": 0, "samples": 0, "failures": 0, "checked_turns": 0}
+        self.counts = {"turns": 0, "replayed": 0, "samples": 0, "failures": 0, "checked_turns": 0}
 
     async def samples(self, trajectory: Trajectory, corrections: dict[int, list[str]], corrected: set[int]) -> list[Sample]:
         """The practice samples of `trajectory`'s corrected turns that have hints (`corrections`:
-        each turn's, as the teacher was told them: flywheel/judge/hint_memory.py); see the module."""
+        each turn's, as the teacher was told them: flywheel/judge/hint_memory.py), and of the
+        person's earlier requests replayed with them; see the module."""
         if not trajectory.consent:
             return []
-        out: list[Sample] = []
-        position = 0
-        for segment in trajectory.segments:
-            for _, start, _ in segment.turn_spans:
-                k, turn = position, trajectory.turns[position]
-                position += 1
-                if k in corrected and k in corrections and practisable(turn):
-                    aspects = wish_reader().aspects(corrections[k]) if self.checks else []
-                    out += await self._practise(trajectory, k, list(segment.token_ids[:start]),
-                                                told(corrections[k], self.wishes), aspects)
-        return out
+        requests = list(_requests(trajectory))
+        earlier = self.requests.recall(trajectory) if self.requests else []
+        groups = []
+        for k, request in requests:
+            if k in corrected and k in corrections:
+                hint = told(corrections[k], self.wishes)
+                aspects = wish_reader().aspects(corrections[k]) if self.checks else []
+                groups += [self._practise(trajectory, k, each, hint, aspects) for each in (request, *earlier)]
+        if self.requests:
+            self.requests.keep(trajectory, [request for _, request in requests])
+        return [sample for group in await asyncio.gather(*groups) for sample in group]  # the engine batches them
 
-    async def _practise(self, trajectory: Trajectory, k: int, prompt: list[int], hint: str,
+    async def _practise(self, trajectory: Trajectory, k: int, request: Request, hint: str,
                         aspects: list[str]) -> list[Sample]:
-        turn = trajectory.turns[k]
+        """Turn `k`'s correction practised on `request` (the turn's own, or an earlier one replayed)."""
+        turn, replayed = request.turn, request.turn.id != trajectory.turns[k].id
+        group = f"{k}:{turn.id}" if replayed else f"{k}"
         try:
             response = await self.http.post("/engine/practice", json={
-                "adapter": turn.adapter, "tenant": trajectory.tenant, "input_ids": prompt, "n": self.replies,
+                "adapter": turn.adapter, "tenant": trajectory.tenant, "input_ids": request.prompt, "n": self.replies,
                 "sampling_params": turn.sampling})
             response.raise_for_status()
             replies = [r for r in response.json()["replies"] if r["output_ids"]]
-            taught = []
-            for j, reply in enumerate(replies):
-                practice = _trajectory(trajectory, k, j, prompt, reply)
-                teaching = await self.teacher.teach(practice, {0: hint})
-                if teaching.logprobs:
-                    taught.append((practice, teaching, reply))
+            practices = [_trajectory(trajectory, group, j, request, reply) for j, reply in enumerate(replies)]
+            teachings = await asyncio.gather(*(self.teacher.teach(practice, {0: hint}) for practice in practices))
         except (httpx.HTTPError, KeyError, TypeError, ValueError) as exc:
             self.counts["failures"] += 1
-            log.warning("no practice for turn %d of %s: %s", k, trajectory.id, exc)
+            log.warning("no practice of turn %s for turn %d of %s: %s", turn.id, k, trajectory.id, exc)
             return []
+        taught = [(p, t, r) for p, t, r in zip(practices, teachings, replies) if t.logprobs]
         if len(taught) < 2:  # a group of one would be judged against the running baseline
             return []
         checked = await self._checked(turn, aspects, [reply for _, _, reply in taught]) if self.checks else None
         self.counts["turns"] += 1
+        self.counts["replayed"] += replayed
         self.counts["samples"] += len(taught)
         self.counts["checked_turns"] += checked is not None
+        details = {"practice_of": trajectory.id, "turn": k, **({"replayed": turn.id} if replayed else {}),
+                   **({"checked": checked[0]} if checked else {})}
         samples = []
         for (practice, teaching, _), reward in zip(taught, checked[1] if checked else [0.0] * len(taught)):
             practice.group_size = len(taught)
             samples.append(Sample(
-                id=practice.id, trajectory=practice, reward=reward, turn_rewards=[0.0], judge=JUDGE,
-                details={"practice_of": trajectory.id, "turn": k, **({"checked": checked[0]} if checked else {})},
+                id=practice.id, trajectory=practice, reward=reward, turn_rewards=[0.0], judge=JUDGE, details=details,
                 tenant=trajectory.tenant, user_id=trajectory.user_id, consent=trajectory.consent, **teaching.sample_fields()))
         return samples
 
@@ -138,22 +160,36 @@ class Practice:
         await self.http.aclose()
 
 
-def _trajectory(trajectory: Trajectory, k: int, j: int, prompt: list[int], reply: dict[str, Any]) -> Trajectory:
-    """Reply `j` to turn `k`'s context, as a one-turn trajectory (its tokens in its segment)."""
-    turn = trajectory.turns[k]
+def _requests(trajectory: Trajectory) -> Iterator[tuple[int, Request]]:
+    """The trajectory's practisable turns, by index, with their contexts."""
+    position = 0
+    for segment in trajectory.segments:
+        for _, start, _ in segment.turn_spans:
+            k, turn = position, trajectory.turns[position]
+            position += 1
+            if practisable(turn):
+                yield k, Request(turn, list(segment.token_ids[:start]))
+
+
+def _trajectory(trajectory: Trajectory, group: str, j: int, request: Request, reply: dict[str, Any]) -> Trajectory:
+    """Reply `j` to `request`'s context, practised for `trajectory` (`group`: the corrected turn's
+    index, and the request's turn where it is an earlier one), as a one-turn trajectory (its
+    tokens in its segment)."""
+    turn, prompt = request
     n = len(reply["output_ids"])
     if len(reply["logprobs"]) != n or len(reply["versions"]) != n:
         raise ValueError(f"practice reply {j}: {n} tokens, {len(reply['logprobs'])} log-probs, "
                          f"{len(reply['versions'])} versions")
+    practice_id = f"{trajectory.id}:practice:{group}:{j}"
     practice_turn = Turn(
-        id=f"{turn.id}:practice:{j}", session_id=trajectory.session_id, tenant=trajectory.tenant, user_id=trajectory.user_id,
+        id=practice_id, session_id=turn.session_id, tenant=trajectory.tenant, user_id=trajectory.user_id,
         adapter=turn.adapter, consent=trajectory.consent, turn_index=turn.turn_index, model=turn.model,
         endpoint=turn.endpoint, messages=turn.messages, prompt=turn.prompt, response=_response(turn, reply["text"]),
         prompt_ids=prompt, output_ids=reply["output_ids"], output_logprobs=reply["logprobs"],
         output_versions=reply["versions"], finish_reason=reply["finish_reason"], sampling=turn.sampling)
     return Trajectory(
-        id=f"{trajectory.id}:practice:{k}:{j}", session_id=trajectory.session_id, tenant=trajectory.tenant,
-        user_id=trajectory.user_id, adapter=turn.adapter, consent=trajectory.consent, task_id=f"practice:{trajectory.id}:{k}",
+        id=practice_id, session_id=turn.session_id, tenant=trajectory.tenant,
+        user_id=trajectory.user_id, adapter=turn.adapter, consent=trajectory.consent, task_id=f"practice:{trajectory.id}:{group}",
         segments=stitch([practice_turn]), turns=[without_tokens(practice_turn)], close_reason="done")
 
 

@@ -1,0 +1,64 @@
+"""What the judge remembers of each person: their newest few things, bounded, and forgotten with them.
+
+A person is an end user of a tenant on the adapter their turns train (a tenant's traffic that
+names no user is one person). The teacher's memory of hints (flywheel/judge/hint_memory.py) and
+the requests practice replays (flywheel/judge/practice.py) are kept so: in the judge's memory only
+(lost when it restarts: the verdicts do not depend on them), bounded (`size` things a person,
+`max_people` people, those given something least recently dropped first), and forgotten with the
+person: `forget` drops a tenant's or one user's, and a trajectory collected before that is not
+remembered again (the judge loop follows the audit log).
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict, deque
+from collections.abc import Callable, Hashable, Iterable
+from typing import Generic, TypeVar
+
+from flywheel.bus import Trajectory
+from flywheel.tenants.forgotten import Forgettings, forgets
+
+MAX_PEOPLE = 10_000
+T = TypeVar("T")
+
+
+class PeopleMemory(Generic[T]):
+    """Each person's newest `size` things (two with the same `key`: the newer kept); see the module."""
+
+    def __init__(self, size: int, key: Callable[[T], Hashable] = lambda item: item, max_people: int = MAX_PEOPLE):
+        self.size, self.key, self.max_people = size, key, max_people
+        self._kept: OrderedDict[tuple[str, str, str], deque[T]] = OrderedDict()
+        self._forgotten = Forgettings()
+        """Who was forgotten, and when (Unix time)."""
+
+    @staticmethod
+    def person(trajectory: Trajectory) -> tuple[str, str, str]:
+        """Whose things these are: (tenant, the adapter the turns train, the end user)."""
+        return trajectory.tenant, trajectory.adapter or "", trajectory.user_id or ""
+
+    def recall(self, trajectory: Trajectory) -> list[T]:
+        """What the trajectory's person gave, newest first."""
+        return list(reversed(self._kept.get(self.person(trajectory), ())))
+
+    def keep(self, trajectory: Trajectory, items: Iterable[T]) -> None:
+        """Remember a trajectory's `items` (oldest first) for its person; nothing of a trajectory
+        collected before its person was forgotten."""
+        tenant, _, user = person = self.person(trajectory)
+        items = list(items)
+        if not items or self._forgotten.since(tenant, user or None, trajectory.created_at):
+            return
+        kept = self._kept.pop(person, None) or deque(maxlen=self.size)
+        for item in items:
+            for same in [old for old in kept if self.key(old) == self.key(item)]:
+                kept.remove(same)
+            kept.append(item)
+        self._kept[person] = kept
+        while len(self._kept) > self.max_people:
+            self._kept.popitem(last=False)
+
+    def forget(self, tenant: str, user: str | None, at: float) -> None:
+        """Drop what a tenant gave, or one end user; forgotten at time `at` (a trajectory collected
+        until then is not remembered again)."""
+        self._forgotten.add(tenant, user, at)
+        for person in [person for person in self._kept if forgets((tenant, user), (person[0], person[2]))]:
+            del self._kept[person]
