@@ -269,8 +269,8 @@ class TeacherConfig(Section):
 
     practice_history: int = Field(0, ge=0, le=8)
     """Earlier requests of the person practised with each corrected turn as well: the judge
-    remembers each person's newest requests (the exact contexts of their turns, as many as this),
-    and a correction has their adapter answer each of them `practice` times too, taught the same
+    remembers the requests that opened each person's newest conversations (as many as this; the
+    exact context of each one's first turn), and a correction has their adapter answer each of them `practice` times too, taught the same
     hint and rewarded as the corrected turn's replies are, each request's replies a group of
     their own: one correction teaches the person's other requests, not only the one it was about.
     Kept and forgotten as the hint memory is (flywheel/judge/people_memory.py). 0: off."""

@@ -21,8 +21,9 @@ one that does, whatever the wish, so the adapter does not learn to stop answerin
 `details["checked"]` names what was checked (the aspects, `answers`); the trainer gives such a
 sample's RL term its full weight, `actor.rl_coef_hinted` notwithstanding.
 
-With `judge.teacher.practice_history` H, the judge also remembers each person's newest H
-requests (the contexts of their practisable turns, flywheel/judge/people_memory.py), and a
+With `judge.teacher.practice_history` H, the judge also remembers the requests that opened each
+person's newest H conversations (the first practisable turn's exact context; a later turn's
+holds the conversation so far, corrections included: flywheel/judge/people_memory.py), and a
 correction replays each of them as it replays the corrected turn: K replies by the person's
 adapter, taught the correction's hint, checked alike, a group per request
 (`practice:<trajectory>:<turn>:<request's turn>`, `details["replayed"]` naming that turn). A
@@ -105,7 +106,7 @@ class Practice:
                 aspects = wish_reader().aspects(corrections[k]) if self.checks else []
                 groups += [self._practise(trajectory, k, each, hint, aspects) for each in (request, *earlier)]
         if self.requests:
-            self.requests.keep(trajectory, [request for _, request in requests])
+            self.requests.keep(trajectory, [request for _, request in requests[:1]])  # the one that opened it
         return [sample for group in await asyncio.gather(*groups) for sample in group]  # the engine batches them
 
     async def _practise(self, trajectory: Trajectory, k: int, request: Request, hint: str,
