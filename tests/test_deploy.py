@@ -41,8 +41,15 @@ def ray_log_tails(ray_temp_dir: Path, lines: int = 10) -> str:
     return "\n".join(tails)
 
 
+UP_S = 300.0
+"""How long `flywheel up` may take to come up and train a step: as long as the deployment gives
+its loops to start (`CALL_TIMEOUT_S`), past which it fails the start itself, naming them. Near
+the end of a fresh clone's suite, three Ray clusters and their loops on two cores, Ray's own calls
+took 11-20 s and a start took more than 180 s (40-80 s in most)."""
+
+
 def start_up(run_dir, *overrides: str, ray_temp_dir: Path, env=None,
-             timeout_s: float = 180.0) -> tuple[subprocess.Popen, list[str]]:
+             timeout_s: float = UP_S) -> tuple[subprocess.Popen, list[str]]:
     """`flywheel up` on the local config and what it printed, returned once it is up and has
     trained a step (within `timeout_s`, else it is stopped with everything it started, and the
     test fails with what it printed and what its Ray, under `ray_temp_dir`, logged). Without the
@@ -74,6 +81,7 @@ def start_up(run_dir, *overrides: str, ray_temp_dir: Path, env=None,
     return proc, lines
 
 
+@pytest.mark.timeout(UP_S + 300)  # and its stop, which may take 120 s
 def test_up_starts_its_own_ray_shows_progress_and_ctrl_c_leaves_no_process(tmp_path):
     # The address a `ray start` wrote down for later `ray.init()` calls on this machine, its
     # cluster gone: with no `deploy.ray_address`, `flywheel up` starts a Ray of its own all the same.
@@ -100,6 +108,7 @@ def test_up_starts_its_own_ray_shows_progress_and_ctrl_c_leaves_no_process(tmp_p
         shutil.rmtree(ray_tmp, ignore_errors=True)
 
 
+@pytest.mark.timeout(UP_S + 300)  # and the cluster's start and stop
 def test_up_joins_an_existing_cluster_and_leaves_it_running(tmp_path):
     ray_cli = str(Path(sys.executable).parent / "ray")
     port = 6390

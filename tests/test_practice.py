@@ -120,6 +120,9 @@ async def test_a_correction_is_practised_on_the_persons_earlier_requests_too_unt
             await until(lambda: judge.scored == 3)
             counts = dict(judge.practice.counts)
             samples = {s.id: s for s in await read(bus, SAMPLE_SUBJECT, "history", 9)}
+            corrected = next(s for s in samples.values() if s.reward < 0 and s.judge != "practice")
+            assert await bus.resolve(corrected)
+            again = await judge.practice.samples(corrected.trajectory, {0: [HINT]}, {0})  # judged again after a crash
             await bus.publish(AUDIT_SUBJECT, AuditEntry(id="forget-ada", action="forget", actor="test", target="acme",
                                                         details={"tenant": "acme", "user": "ada"}))
             ada = Trajectory(id="", session_id="", segments=[], turns=[], close_reason="done", tenant="acme", adapter=ADA,
@@ -142,6 +145,7 @@ async def test_a_correction_is_practised_on_the_persons_earlier_requests_too_unt
     assert {s.trajectory.task_id for s in samples.values() if s.judge == "practice"} == {
         f"practice:{own['corrected'].id}:0", f"practice:{own['corrected'].id}:0:{earlier.turns[0].id}"}
     assert counts["turns"] == 2 and counts["replayed"] == 1 and counts["samples"] == 6 and len(replayed) == 3
+    assert sorted(s.id for s in again) == sorted(s.id for s in samples.values() if s.judge == "practice")  # not itself
     told_ids = chat_prompt(tokenizer, Teacher(serve.config.judge.teacher, serve.url).told(earlier.turns[0].messages, HINT))
     for sample in replayed:
         trajectory = sample.trajectory

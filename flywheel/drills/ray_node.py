@@ -146,7 +146,7 @@ async def drill(run_dir: Path, temp_dir: str, every_s: float = 5.0, concurrency:
         async def both_nodes_up() -> bool:
             return sum(n["Alive"] for n in ray.nodes()) == 2
 
-        await wait_for(both_nodes_up, 60, "the two nodes did not join")
+        await wait_for(both_nodes_up, 180, "the two nodes did not join")  # 60 s was too little on a loaded host
         reached("both nodes up")
         config = load_config(None, [
             f"run_dir={run_dir}", f"deploy.ray_address={nodes.address}", f"deploy.resources={json.dumps(PLACEMENT)}",

@@ -98,7 +98,8 @@ class Practice:
         if not trajectory.consent:
             return []
         requests = list(_requests(trajectory))
-        earlier = self.requests.recall(trajectory) if self.requests else []
+        own = {turn.id for turn in trajectory.turns}  # judged again after a crash: not replayed as its own earlier
+        earlier = [r for r in self.requests.recall(trajectory) if r.turn.id not in own] if self.requests else []
         groups = []
         for k, request in requests:
             if k in corrected and k in corrections:
@@ -140,7 +141,7 @@ class Practice:
         for (practice, teaching, _), reward in zip(taught, checked[1] if checked else [0.0] * len(taught)):
             practice.group_size = len(taught)
             samples.append(Sample(
-                id=practice.id, trajectory=practice, reward=reward, turn_rewards=[0.0], judge=JUDGE, details=details,
+                id=practice.id, trajectory=practice, reward=reward, turn_rewards=[0.0], judge=JUDGE, details={**details},
                 tenant=trajectory.tenant, user_id=trajectory.user_id, consent=trajectory.consent, **teaching.sample_fields()))
         return samples
 
