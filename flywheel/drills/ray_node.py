@@ -177,7 +177,7 @@ async def drill(run_dir: Path, temp_dir: str, every_s: float = 5.0, concurrency:
                                  for n in ray.nodes()})
             return node != node_before
 
-        await wait_for(trainer_moved, 120, "the trainer did not come back on the new node")
+        await wait_for(trainer_moved, 240, "the trainer did not come back on the new node")  # 120 s was too little under load
         trainer_back_s = time.monotonic() - killed_at
         reached("the trainer back on the new node")
         await asyncio.sleep(every_s)
