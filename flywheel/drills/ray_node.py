@@ -41,11 +41,15 @@ NODE_RESOURCES = {"head": {"head": 100}, "trainer": {"trainer": 100}}
 """A node advertises many units of its kind's resource, so every loop placed there (1 each) fits."""
 STOP_TIMEOUT_S = 20.0
 """A loop that has not stopped within this is killed with its node: the drill's measuring is done."""
-FAST_FAILURE_DETECTION = {  # a dead node is declared dead in ~5-8 s instead of ~30 s; a busy one is not
+FAST_FAILURE_DETECTION = {
     "RAY_health_check_period_ms": "1000",
-    "RAY_health_check_timeout_ms": "3000",
+    "RAY_health_check_timeout_ms": "10000",
     "RAY_health_check_failure_threshold": "5",
 }
+"""A killed node (its health checks refused at once) is declared dead in ~5-8 s instead of ~30 s;
+a busy one, whose checks may each take up to 10 s (Ray's default), is not. With 3 s a check, live
+nodes were declared dead at the end of fresh clones' suites (load 10 on two cores: "missed too many
+heartbeats ... busy workload", and a node that never joined in 180 s)."""
 
 
 class RayNodes:
