@@ -46,10 +46,12 @@ FAST_FAILURE_DETECTION = {
     "RAY_health_check_timeout_ms": "10000",
     "RAY_health_check_failure_threshold": "5",
 }
-"""A killed node (its health checks refused at once) is declared dead in ~5-8 s instead of ~30 s;
-a busy one, whose checks may each take up to 10 s (Ray's default), is not. With 3 s a check, live
-nodes were declared dead at the end of fresh clones' suites (load 10 on two cores: "missed too many
-heartbeats ... busy workload", and a node that never joined in 180 s)."""
+"""A killed node, whose health checks are refused at once, is declared dead after 5 checks a second
+apart instead of Ray's ~30 s; a busy one may take up to 10 s a check (Ray's default) before it
+counts as missed. With 3 s a check, at the end of fresh clones' suites (load 10 on two cores), the
+drill's nodes did not join in 180 s and the trainer did not come back in 120 s, Ray logging a node
+"marked dead ... missed too many heartbeats ... busy workload" (which node, and why the join
+failed, not seen: the nodes' logs went with the drill's temp dir; it now prints their tails)."""
 
 
 class RayNodes:
@@ -88,6 +90,12 @@ class RayNodes:
                 time.sleep(0.2)
         log = (Path(self.temp_dir) / "node0.log").read_text()[-2000:]
         raise RuntimeError(f"the Ray head did not start (exit code {head.poll()}):\n{log}")
+
+    def log_tails(self, lines: int = 15) -> str:
+        """The last `lines` of each node's `ray start` output (its log goes with the temp dir)."""
+        logs = sorted(Path(self.temp_dir).glob("node*.log"))
+        return "\n".join(f"--- {log.name}\n" + "\n".join(log.read_text(errors="replace").splitlines()[-lines:])
+                         for log in logs)
 
     def start_worker(self, resources: dict[str, float]) -> subprocess.Popen:
         return self._start(["--address", self.address], resources, 1)
@@ -198,6 +206,9 @@ async def drill(run_dir: Path, temp_dir: str, every_s: float = 5.0, concurrency:
         reached(f"audited: {report['trained']} trained")
         return {"placement": placed, "placement_after": await placement(), "trainer_back_s": round(trainer_back_s, 1),
                 "load_s": round(load_s, 1), "trainer_version": deployment.stats()["train"].get("version"), **report}
+    except BaseException:
+        print(f"the nodes' last words:\n{nodes.log_tails()}", file=sys.stderr, flush=True)
+        raise
     finally:
         if deployment is not None:
             deployment.stop(timeout_s=STOP_TIMEOUT_S)
