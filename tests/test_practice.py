@@ -23,6 +23,7 @@ from flywheel.judge.loop import JudgeLoop
 from flywheel.judge.practice import corrected_turns
 from flywheel.judge.relevance import without_request
 from flywheel.judge.teacher import Teacher
+from flywheel.judge.wishes import Wish
 from flywheel.models import load_model
 from flywheel.models.adapter_names import user_adapter
 
@@ -131,7 +132,7 @@ async def test_a_correction_is_practised_on_the_persons_earlier_requests_too_unt
             samples = {s.id: s for s in await read(bus, SAMPLE_SUBJECT, "history", 9)}
             corrected = next(s for s in samples.values() if s.reward < 0 and s.judge != "practice")
             assert await bus.resolve(corrected)
-            again = await judge.practice.samples(corrected.trajectory, {0: [HINT]}, {0})  # judged again after a crash
+            again = await judge.practice.samples(corrected.trajectory, {0: Wish([HINT], "words")}, {0})  # judged again after a crash
             await bus.publish(AUDIT_SUBJECT, AuditEntry(id="forget-ada", action="forget", actor="test", target="acme",
                                                         details={"tenant": "acme", "user": "ada"}))
             ada = Trajectory(id="", session_id="", segments=[], turns=[], close_reason="done", tenant="acme", adapter=ADA,

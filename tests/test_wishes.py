@@ -16,7 +16,7 @@ from flywheel.judge.base import Verdict
 from flywheel.judge.loop import JudgeLoop
 from flywheel.judge.reaction_reader import load
 from flywheel.judge.teacher import Teaching
-from flywheel.judge.wishes import ASPECTS, WishReader, told, training_set, wish_reader
+from flywheel.judge.wishes import ASPECTS, Wish, WishReader, training_set, wish_reader
 
 from factories import make_turn
 
@@ -31,29 +31,29 @@ SHORT = ASPECTS["shorter"]
     ("je ne comprends pas l'anglais, en français svp", "language"),
 ])
 def test_a_correction_in_words_no_list_holds_is_read_as_its_aspect(said, aspect):
-    assert wish_reader().read(said).label == aspect and wish_reader().wanted([said]) == [ASPECTS[aspect]]
+    assert wish_reader().read(said).label == aspect and wish_reader().aspects([said]) == [aspect]
 
 
 def test_the_teacher_is_told_what_the_corrections_ask_beside_or_instead_of_the_words():
     corrections = ["way too long for my phone", "shorter!! I said shorter"]
-    assert told(corrections, "words") == " ".join(corrections)
-    assert told(corrections, "beside") == " ".join([SHORT, *corrections])
-    assert told(corrections, "instead") == SHORT  # once, however many asked
+    assert Wish(corrections, "words").told == " ".join(corrections)
+    assert Wish(corrections, "beside").told == " ".join([SHORT, *corrections])
+    assert Wish(corrections, "instead").told == SHORT  # once, however many asked
 
 
 def test_a_correction_about_anything_else_and_a_bare_complaint_stay_words():
     for said in ("Canberra is the capital, not Sydney.", "bad answer"):
-        assert told([said], "instead") == said
+        assert Wish([said], "instead").told == said
 
 
 def test_a_persons_corrections_are_read_together():
     """A vague correction alone is below the bar; with the person's clearer ones, what most of
     them ask for is told."""
     vague = "my thumb hurts from scrolling"
-    assert told([vague], "instead") == vague
-    assert told([vague, "way too long for my phone"], "instead") == SHORT
+    assert Wish([vague], "instead").told == vague
+    assert Wish([vague, "way too long for my phone"], "instead").told == SHORT
     listed = ["could you break it into points I can tick off?", "bullets please, I skim", "way too long for my phone"]
-    assert told(listed, "instead") == ASPECTS["list"]  # what most of them ask for
+    assert Wish(listed, "instead").told == ASPECTS["list"]  # what most of them ask for
 
 
 def test_every_process_trains_the_same_reader():
@@ -102,5 +102,5 @@ async def test_the_judge_loop_tells_its_teacher_the_instruction(mode, tmp_path):
     said = "way too long for my phone"
     trajectory = Trajectory(id="s", session_id="s", segments=[], turns=[turn], next_states=[[]], close_reason="done", consent=True,
                             feedback=[SessionEvent(id="f", session_id="s", kind="feedback", text=said, interaction_id="t0")])
-    _, corrections = await loop._teach(trajectory, Verdict(-1.0, [-1.0]))
-    assert loop.teacher.told == [{0: said if mode == "words" else SHORT}] and corrections == {0: [said]}
+    _, wishes = await loop._teach(trajectory, Verdict(-1.0, [-1.0]))
+    assert loop.teacher.told == [{0: said if mode == "words" else SHORT}] and wishes[0].corrections == [said]

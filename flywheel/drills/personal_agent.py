@@ -84,12 +84,12 @@ def with_memory(system: str, name: str, hints: list[str], wishes: str = "words")
     """The system message with the newest `MEMORY` hints the person gave, as the app remembers them:
     their words, or with `wishes` `beside` / `instead` what they ask for, as the judge's teacher is
     told it (flywheel/judge/wishes.py)."""
-    from flywheel.judge.wishes import told
+    from flywheel.judge.wishes import Wish
 
     if not hints:
         return system
     kept = hints[-MEMORY:]
-    said = " ".join(f'"{hint}"' for hint in kept) if wishes == "words" else told(kept[::-1], wishes)  # newest first
+    said = " ".join(f'"{hint}"' for hint in kept) if wishes == "words" else Wish(kept[::-1], wishes).told  # newest first
     return f"{system} What {name} has told you about how they like replies: {said}"
 
 

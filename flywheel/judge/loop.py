@@ -56,7 +56,7 @@ from flywheel.judge.hint_memory import HintMemory
 from flywheel.judge.people_memory import PeopleMemory
 from flywheel.judge.practice import Practice, corrected_turns
 from flywheel.judge.teacher import Teacher, Teaching, hints_of
-from flywheel.judge.wishes import told, wish_reader
+from flywheel.judge.wishes import Wish, wish_reader
 from flywheel.runtime import cancel_and_wait, repeat
 
 log = logging.getLogger(__name__)
@@ -129,7 +129,7 @@ class JudgeLoop(ConsumerLoop):
             log.warning("judge.teacher.practice is on but no policy server wrote %s: no practice", addresses.SERVE)
             return None
         teacher = self.config.judge.teacher
-        return Practice(teacher.practice, url, self.teacher, self._key(), wishes=teacher.wishes,
+        return Practice(teacher.practice, url, self.teacher, self._key(),
                         checks=teacher.practice_reward == "checks", history=teacher.practice_history)
 
     def _key(self) -> str | None:
@@ -154,17 +154,17 @@ class JudgeLoop(ConsumerLoop):
         trajectory = delivery.record
         assert isinstance(trajectory, Trajectory)
         unscorable: Unscorable | None = None
-        corrections: dict[int, list[str]] = {}
+        wishes: dict[int, Wish] = {}
         try:
             record: Sample | Unscored
-            record, corrections = await self._score(trajectory, delivery.stream_seq)
+            record, wishes = await self._score(trajectory, delivery.stream_seq)
         except Unscorable as error:
             unscorable = error
             record = Unscored(id=trajectory.id, trajectory=trajectory, judge=self.judge.name, reason=error.reason)
         try:
             await self.bus.publish(UNSCORED_SUBJECT if unscorable else SAMPLE_SUBJECT, record)
             if isinstance(record, Sample):
-                for sample in await self._practise(trajectory, record, corrections):
+                for sample in await self._practise(trajectory, record, wishes):
                     await self.bus.publish(SAMPLE_SUBJECT, sample)
             await delivery.ack()
         except Exception:
@@ -179,9 +179,9 @@ class JudgeLoop(ConsumerLoop):
             self.unscored[unscorable.category] += 1
             log.warning("trajectory %s unscored by the %s judge: %s", trajectory.id, self.judge.name, unscorable.reason)
 
-    async def _score(self, trajectory: Trajectory, stream_seq: int) -> tuple[Sample, dict[int, list[str]]]:
+    async def _score(self, trajectory: Trajectory, stream_seq: int) -> tuple[Sample, dict[int, Wish]]:
         """The sample for `trajectory` (referring to it by its sequence in the TRAJECTORIES
-        stream) and the corrections its turns were taught with; `Unscorable` for whatever keeps it
+        stream) and the wishes its turns were taught; `Unscorable` for whatever keeps it
         from being scored."""
         deadline_s = self.config.judge.deadline_s
         try:
@@ -197,17 +197,18 @@ class JudgeLoop(ConsumerLoop):
         except Exception as error:
             log.exception("the %s judge failed on %s", self.judge.name, trajectory.id)
             raise Unscorable("judge error", f"{type(error).__name__}: {error}") from error
-        teaching, corrections = await self._teach(trajectory, verdict)
+        teaching, wishes = await self._teach(trajectory, verdict)
         return Sample(
             id=trajectory.id, trajectory_seq=stream_seq, reward=verdict.reward, turn_rewards=verdict.turn_rewards,
             judge=self.judge.name, details=verdict.details, judge_model=self.judge.identity,
             tenant=trajectory.tenant, user_id=trajectory.user_id, consent=trajectory.consent,
             **teaching.sample_fields(),
-        ), corrections
+        ), wishes
 
-    async def _teach(self, trajectory: Trajectory, verdict: Verdict) -> tuple[Teaching, dict[int, list[str]]]:
+    async def _teach(self, trajectory: Trajectory, verdict: Verdict) -> tuple[Teaching, dict[int, Wish]]:
         """What the teacher said of the turns that got a hint (flywheel/judge/teacher.py), and each
-        turn's corrections it was told (with the memory, the person's earlier ones after its own);
+        turn's wish it was told (of its corrections: with the memory, the person's earlier ones after
+        its own);
         nothing when there is no teacher, no hint, or the teacher failed (the sample goes without),
         and for a trajectory that may not be trained (nothing would use it)."""
         if self.teacher is None or not trajectory.consent:
@@ -215,22 +216,22 @@ class JudgeLoop(ConsumerLoop):
         own = hints_of(trajectory, verdict.details)
         said = ({k: [hint] for k, hint in own.items()} if self.memory is None  # remembered: those of turns judged below zero
                 else self.memory.teach(trajectory, own, {k for k, r in enumerate(verdict.turn_rewards) if r < 0}))
-        hints = {k: told(corrections, self.config.judge.teacher.wishes) for k, corrections in said.items()}
-        if not hints:
+        wishes = {k: Wish(corrections, self.config.judge.teacher.wishes) for k, corrections in said.items()}
+        if not wishes:
             return Teaching(), {}
         try:
-            return await self.teacher.teach(trajectory, hints), said
+            return await self.teacher.teach(trajectory, {k: each.told for k, each in wishes.items()}), wishes
         except Exception:
             log.exception("the teacher failed on %s; the sample goes without it", trajectory.id)
-            return Teaching(), said
+            return Teaching(), wishes
 
-    async def _practise(self, trajectory: Trajectory, sample: Sample, corrections: dict[int, list[str]]) -> list[Sample]:
+    async def _practise(self, trajectory: Trajectory, sample: Sample, wishes: dict[int, Wish]) -> list[Sample]:
         """The practice samples of the trajectory's corrected turns (flywheel/judge/practice.py);
         none without practice, or when it failed (the sample itself is published already)."""
         if self.practice is None:
             return []
         try:
-            return await self.practice.samples(trajectory, corrections, corrected_turns(sample, trajectory))
+            return await self.practice.samples(trajectory, wishes, corrected_turns(sample, trajectory))
         except Exception:
             log.exception("practice failed on %s; its sample goes on without it", trajectory.id)
             return []

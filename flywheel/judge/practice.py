@@ -52,7 +52,7 @@ from flywheel.judge.people_memory import PeopleMemory
 from flywheel.judge.relevance import information
 from flywheel.judge.teacher import GRAMMAR_KEYS, Teacher
 from flywheel.judge.wish_checks import checkable, rewards
-from flywheel.judge.wishes import told, wish_reader
+from flywheel.judge.wishes import Wish
 
 log = logging.getLogger(__name__)
 
@@ -82,8 +82,8 @@ class Request(NamedTuple):
 
 class Practice:
     def __init__(self, replies: int, server_url: str, teacher: Teacher, api_key: str | None = None,
-                 timeout_s: float = 300.0, wishes: str = "words", checks: bool = False, history: int = 0):
-        self.replies, self.teacher, self.wishes, self.checks = replies, teacher, wishes, checks
+                 timeout_s: float = 300.0, checks: bool = False, history: int = 0):
+        self.replies, self.teacher, self.checks = replies, teacher, checks
         self.requests: PeopleMemory[Request] | None = (
             PeopleMemory(history, key=lambda request: request.turn.id) if history else None)
         """Each person's newest practisable requests, replayed with their corrections."""
@@ -91,10 +91,11 @@ class Practice:
         self.http = httpx.AsyncClient(base_url=server_url, headers=headers, timeout=timeout_s)
         self.counts = {"turns": 0, "replayed": 0, "samples": 0, "failures": 0, "checked_turns": 0}
 
-    async def samples(self, trajectory: Trajectory, corrections: dict[int, list[str]], corrected: set[int]) -> list[Sample]:
-        """The practice samples of `trajectory`'s corrected turns that have hints (`corrections`:
-        each turn's, as the teacher was told them: flywheel/judge/hint_memory.py), and of the
-        person's earlier requests replayed with them; see the module."""
+    async def samples(self, trajectory: Trajectory, wishes: dict[int, Wish], corrected: set[int]) -> list[Sample]:
+        """The practice samples of `trajectory`'s corrected turns that have hints (`wishes`: each
+        turn's, as the teacher was told it, of its corrections and the person's remembered ones:
+        flywheel/judge/hint_memory.py), and of the person's earlier requests replayed with them;
+        see the module."""
         if not trajectory.consent:
             return []
         requests = list(_requests(trajectory))
@@ -102,10 +103,9 @@ class Practice:
         earlier = [r for r in self.requests.recall(trajectory) if r.turn.id not in own] if self.requests else []
         groups = []
         for k, request in requests:
-            if k in corrected and k in corrections:
-                hint = told(corrections[k], self.wishes)
-                aspects = wish_reader().aspects(corrections[k]) if self.checks else []
-                groups += [self._practise(trajectory, k, each, hint, aspects) for each in (request, *earlier)]
+            if k in corrected and k in wishes:
+                aspects = wishes[k].aspects if self.checks else []
+                groups += [self._practise(trajectory, k, each, wishes[k].told, aspects) for each in (request, *earlier)]
         if self.requests:
             self.requests.keep(trajectory, [request for _, request in requests[:1]])  # the one that opened it
         return [sample for group in await asyncio.gather(*groups) for sample in group]  # the engine batches them

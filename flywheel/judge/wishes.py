@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import functools
 from collections import Counter
+from dataclasses import dataclass
 from pathlib import Path
 
 from flywheel.judge.hashed_classifier import HashedLinear, Reading, text_features
@@ -67,10 +68,6 @@ class WishReader:
         label = max(probabilities, key=probabilities.__getitem__)
         return Reading(label, probabilities[label])
 
-    def wanted(self, corrections: list[str]) -> list[str]:
-        """The instructions for what a person's corrections ask for most often (`aspects`)."""
-        return [ASPECTS[aspect] for aspect in self.aspects(corrections)]
-
     def aspects(self, corrections: list[str]) -> list[str]:
         """The aspects a person's corrections ask for most often, each correction read alone
         (ties: each); those read as `other` or below `WISH_AT` do not vote. One correction is
@@ -85,13 +82,26 @@ class WishReader:
         return reading.label if reading.probability >= WISH_AT and ASPECTS[reading.label] else None
 
 
-def told(corrections: list[str], mode: str) -> str:
-    """What the teacher is told of a turn's corrections (its own first, then the person's earlier
-    ones) under `judge.teacher.wishes` `mode`: `words`, the corrections; `beside`, the instructions
-    they ask for most often (`WishReader.wanted`), then the corrections; `instead`, the
-    instructions alone. The corrections wherever no instruction is read."""
-    wanted = [] if mode == "words" else wish_reader().wanted(corrections)
-    return " ".join(wanted + corrections if mode == "beside" or not wanted else wanted)
+@dataclass
+class Wish:
+    """What a turn's corrections (its own first, then the person's earlier ones) ask for, as the
+    teacher is told it under `judge.teacher.wishes` `mode`; each read at most once, when first asked."""
+
+    corrections: list[str]
+    mode: str
+
+    @functools.cached_property
+    def aspects(self) -> list[str]:
+        """The aspects they ask for most often (`WishReader.aspects`)."""
+        return wish_reader().aspects(self.corrections)
+
+    @functools.cached_property
+    def told(self) -> str:
+        """`words`: the corrections; `beside`: the instructions of their `aspects`, then the
+        corrections; `instead`: the instructions alone. The corrections wherever no instruction is
+        read."""
+        wanted = [] if self.mode == "words" else [ASPECTS[aspect] for aspect in self.aspects]
+        return " ".join(wanted + self.corrections if self.mode == "beside" or not wanted else wanted)
 
 
 def training_set() -> list[dict]:
