@@ -64,7 +64,7 @@ def told(chat: list[dict], hint: str | list[str], args) -> list[dict]:
     from flywheel.judge import teacher, wishes
 
     config = load_config(CONFIG, args.overrides).judge.teacher
-    return teacher.told(chat, wishes.told([hint] if isinstance(hint, str) else hint, config.wishes), config)
+    return teacher.told(chat, wishes.Wish([hint] if isinstance(hint, str) else hint, config.wishes).told, config)
 
 
 def prompt_ids(tokenizer, chat: list[dict]) -> list[int]:

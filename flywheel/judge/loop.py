@@ -219,8 +219,9 @@ class JudgeLoop(ConsumerLoop):
         wishes = {k: Wish(corrections, self.config.judge.teacher.wishes) for k, corrections in said.items()}
         if not wishes:
             return Teaching(), {}
+        hints = {k: each.told for k, each in wishes.items()}
         try:
-            return await self.teacher.teach(trajectory, {k: each.told for k, each in wishes.items()}), wishes
+            return await self.teacher.teach(trajectory, hints), wishes
         except Exception:
             log.exception("the teacher failed on %s; the sample goes without it", trajectory.id)
             return Teaching(), wishes
