@@ -22,7 +22,8 @@ Arms: `none` (serve, collect and judge only: the base model), `rl` (next-state R
 model told the correction, scores the tokens sampled, and gives its distribution at each of
 them), `both`, `memory` (nothing trains: the app keeps the hints the judge's reader finds and
 puts them in the system message, OpenClaw-RL's memory baseline; with `judge.teacher.wishes`
-`instead`, what they ask for, as the teacher would be told it).
+`instead`, what they ask for, as the teacher would be told it). `--memory` gives a training arm
+the app's memory too: the person's adapter learns with those hints in its prompts.
 
 People: by default the drill's own (flywheel/drills/simulated_people.py, phrasings written with
 the rules); `--people bench/data/people_heldout.json` takes trial i of a preference's person
@@ -134,7 +135,7 @@ def trial(arm: str, pref: str, index: int, args, progress) -> dict:
     started = time.monotonic()
     deployment = Deployment(config).start()
     sessions: list[dict] = []
-    memory: list[str] | None = [] if arm == "memory" else None
+    memory: list[str] | None = [] if arm == "memory" or args.memory else None
     try:
         client = OpenAI(base_url=f"{deployment.serve_url}/v1", api_key="unused")
         stats = deployment.stats()
@@ -291,6 +292,8 @@ def main() -> None:
     parser.add_argument("--after", type=int, default=0, help="sessions to go on once learned (for the curve)")
     parser.add_argument("--pace", choices=("trained", "free"), default="trained")
     parser.add_argument("--wait-s", type=float, default=180.0, help="longest wait for a session to be trained")
+    parser.add_argument("--memory", action="store_true",
+                        help="every arm with the memory arm's app memory: the hints it keeps in the system message")
     parser.add_argument("--reactions", type=int, choices=(1, 2), default=1,
                         help="2: the person also reacts to the second reply (unless they had said thanks)")
     parser.add_argument("--people", help="a people file (JSON); default: the drill's own people")
