@@ -206,11 +206,10 @@ class JudgeLoop(ConsumerLoop):
         ), wishes
 
     async def _teach(self, trajectory: Trajectory, verdict: Verdict) -> tuple[Teaching, dict[int, Wish]]:
-        """What the teacher said of the turns that got a hint (flywheel/judge/teacher.py), and each
-        turn's wish it was told (of its corrections: with the memory, the person's earlier ones after
-        its own);
-        nothing when there is no teacher, no hint, or the teacher failed (the sample goes without),
-        and for a trajectory that may not be trained (nothing would use it)."""
+        """What the teacher said of the turns that got a hint (flywheel/judge/teacher.py), and the
+        wish each was told (its corrections; with the memory, the person's earlier ones after its
+        own); nothing when there is no teacher, no hint, or the teacher failed (the sample goes
+        without), and for a trajectory that may not be trained (nothing would use it)."""
         if self.teacher is None or not trajectory.consent:
             return Teaching(), {}
         own = hints_of(trajectory, verdict.details)
