@@ -24,12 +24,16 @@ MARKERS = {"ada": "ZEBRA-7731", "bob": "OKAPI-4412"}
 """What each of acme's users says: a string to look for wherever their records might be."""
 
 
-async def converse(serve, user: str, session: str, reward: float = 1.0) -> None:
-    """One turn of tenant acme's `user` saying their marker, rewarded, and the session ended."""
+async def converse(serve, user: str, session: str, reward: float = 1.0, follow_ups: tuple[str, ...] = ()) -> None:
+    """A turn of tenant acme's `user` saying their marker (and one more for each of `follow_ups`,
+    said after the reply), rewarded, and the session ended."""
     client = openai.AsyncOpenAI(base_url=f"{serve.url}/v1", api_key="acme-key", max_retries=0)
-    await client.chat.completions.create(
-        model="tiny", messages=[{"role": "user", "content": f"My code word is {MARKERS[user]}."}], max_tokens=4,
-        extra_headers={"X-Session-Id": session, "X-User-Id": user})
+    said: list[dict[str, Any]] = []
+    for content in (f"My code word is {MARKERS[user]}.", *follow_ups):
+        said.append({"role": "user", "content": content})
+        reply = await client.chat.completions.create(
+            model="tiny", messages=said, max_tokens=4, extra_headers={"X-Session-Id": session, "X-User-Id": user})
+        said.append(reply.choices[0].message.model_dump(exclude_none=True))
     async with httpx.AsyncClient(base_url=serve.url, headers={"Authorization": "Bearer acme-key"}) as http:
         (await http.post(f"/v1/sessions/{session}/feedback", json={"reward": reward})).raise_for_status()
         (await http.post(f"/v1/sessions/{session}/end")).raise_for_status()

@@ -5,7 +5,6 @@ published as one group of samples with the engine's exact tokens, log-probs and 
 the correction too, until the person is forgotten."""
 
 import httpx
-import openai
 import pytest
 
 from flywheel.bus import (
@@ -114,15 +113,7 @@ async def test_a_correction_is_practised_on_the_persons_earlier_requests_too_unt
         judge = JudgeLoop(serve.config, nats_url)
         await judge.start()
         try:
-            client = openai.AsyncOpenAI(base_url=f"{serve.url}/v1", api_key="acme-key", max_retries=0)
-            said = [{"role": "user", "content": "Name a colour."}]
-            for follow_up in ("And another?", "Thanks."):  # an approved conversation of Ada's: its opening remembered
-                reply = await client.chat.completions.create(
-                    model="tiny", messages=said, max_tokens=4, extra_headers={"X-Session-Id": "ada-earlier", "X-User-Id": "ada"})
-                said += [reply.choices[0].message.model_dump(exclude_none=True), {"role": "user", "content": follow_up}]
-            async with httpx.AsyncClient(base_url=serve.url, headers={"Authorization": "Bearer acme-key"}) as http:
-                for route, body in (("feedback", {"reward": 1.0}), ("end", None)):
-                    (await http.post(f"/v1/sessions/ada-earlier/{route}", json=body)).raise_for_status()
+            await converse(serve, "ada", "ada-earlier", follow_ups=("And another?",))  # approved: its opening remembered
             await converse(serve, "bob", "bob-earlier")  # Bob's: never replayed for Ada
             await until(lambda: judge.scored == 2)
             messages = [{"role": "user", "content": "Greet me."}]

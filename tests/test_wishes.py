@@ -41,6 +41,18 @@ def test_the_teacher_is_told_what_the_corrections_ask_beside_or_instead_of_the_w
     assert Wish(corrections, "instead").told == SHORT  # once, however many asked
 
 
+def test_a_wish_reads_each_correction_once_for_teacher_and_practice(monkeypatch):
+    """The teacher's instruction and practice's checked aspects come of one reading (the reader
+    read each correction once for the teacher and twice more for practice); words are not read."""
+    reads = []
+    read = WishReader.read
+    monkeypatch.setattr(WishReader, "read", lambda self, said: reads.append(said) or read(self, said))
+    corrections = ["way too long for my phone", "shorter!! I said shorter"]
+    wish = Wish(corrections, "instead")
+    assert (wish.told, wish.aspects, wish.told) == (SHORT, ["shorter"], SHORT) and reads == corrections
+    assert Wish(corrections, "words").told == " ".join(corrections) and reads == corrections
+
+
 def test_a_correction_about_anything_else_and_a_bare_complaint_stay_words():
     for said in ("Canberra is the capital, not Sydney.", "bad answer"):
         assert Wish([said], "instead").told == said
