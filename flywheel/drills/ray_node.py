@@ -46,12 +46,13 @@ FAST_FAILURE_DETECTION = {
     "RAY_health_check_timeout_ms": "10000",
     "RAY_health_check_failure_threshold": "5",
 }
-"""A killed node, whose health checks are refused at once, is declared dead after 5 checks a second
-apart instead of Ray's ~30 s; a busy one may take up to 10 s a check (Ray's default) before it
-counts as missed. With 3 s a check, at the end of fresh clones' suites (load 10 on two cores), the
-drill's nodes did not join in 180 s and the trainer did not come back in 120 s, Ray logging a node
-"marked dead ... missed too many heartbeats ... busy workload" (which node, and why the join
-failed, not seen: the nodes' logs went with the drill's temp dir; it now prints their tails)."""
+"""A killed node, whose health checks are refused at once, should be declared dead after 5 checks a
+second apart, sooner than with Ray's defaults (its detection time not measured); a busy one may
+take up to 10 s a check (Ray's default) before it counts as missed. With 3 s a check, at the end of
+fresh clones' suites (load 10 on two cores), the drill's nodes did not join in 180 s and the
+trainer did not come back in 120 s, Ray logging a node "marked dead ... missed too many heartbeats
+... busy workload" (which node, and why the join failed, not seen: the nodes' logs went with the
+drill's temp dir; it now prints their tails)."""
 
 
 class RayNodes:
