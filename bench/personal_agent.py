@@ -23,7 +23,9 @@ model told the correction, scores the tokens sampled, and gives its distribution
 them), `both`, `memory` (nothing trains: the app keeps the hints the judge's reader finds and
 puts them in the system message, OpenClaw-RL's memory baseline; with `judge.teacher.wishes`
 `instead`, what they ask for, as the teacher would be told it). `--memory` gives a training arm
-the app's memory too: the person's adapter learns with those hints in its prompts.
+the app's memory too: the person's adapter learns with those hints in its prompts. `served`: the
+platform keeps that memory itself (`memory.enabled`: the judge reads the instructions, the
+gateway puts them in the person's system message; `memory.enabled=true` gives a training arm it).
 
 People: by default the drill's own (flywheel/drills/simulated_people.py, phrasings written with
 the rules); `--people bench/data/people_heldout.json` takes trial i of a preference's person
@@ -94,6 +96,7 @@ from flywheel.drills.personal_agent import (  # noqa: E402
     summary_rows,
     verdicts,
     with_memory,
+    with_served_memory,
 )
 from flywheel.drills.simulated_people import (  # noqa: E402
     HELD_OUT_QUESTIONS,
@@ -106,7 +109,8 @@ from flywheel.drills.simulated_people import (  # noqa: E402
 )
 
 DEFAULT_PREFS = {"both": ["brief", "bullets", "name", "formal"], "rl": ["brief", "name"], "opd": ["brief", "name"],
-                 "none": ["brief", "name"], "memory": ["brief", "bullets", "name", "formal"]}
+                 "none": ["brief", "name"], "memory": ["brief", "bullets", "name", "formal"],
+                 "served": ["brief", "bullets", "name", "formal"]}
 
 
 # ---- one trial ------------------------------------------------------------------------------
@@ -144,7 +148,7 @@ def trial(arm: str, pref: str, index: int, args, progress) -> dict:
                                      wishes=config.judge.teacher.wishes))
             if memory is not None:
                 remember(memory, sessions[-1], config.judge.next_state)
-            if trains and args.pace == "trained":
+            if (trains or config.memory.enabled) and args.pace == "trained":
                 stats = wait_trained(deployment, s + 1, args.wait_s)
             learned = sessions_to_learn([x["satisfied"] for x in sessions], RUN)
             progress(arm, pref, index, user, sessions, stats, learned)
@@ -152,6 +156,9 @@ def trial(arm: str, pref: str, index: int, args, progress) -> dict:
                 break
         stats = wait_trained(deployment, len(sessions), args.wait_s)
         said = asyncio.run(verdicts(deployment.bus_url))
+        system = with_memory(user.system, user.name, memory or [], config.judge.teacher.wishes)
+        if config.memory.enabled:
+            system = asyncio.run(with_served_memory(system, deployment.bus_url, config.memory.template))
     finally:
         deployment.stop()
     for s in sessions:
@@ -168,9 +175,7 @@ def trial(arm: str, pref: str, index: int, args, progress) -> dict:
         "weights": str(weights) if weights else None, "stats": {k: v for k, v in stats.items() if k in ("serve", "judge", "train")},
         "memory": memory,
         "heldout_before": asyncio.run(satisfaction(None, config.model, user, HELD_OUT_QUESTIONS, args)),
-        "heldout": asyncio.run(satisfaction(weights, config.model, user, HELD_OUT_QUESTIONS, args,
-                                            system=with_memory(user.system, user.name, memory or [],
-                                                               config.judge.teacher.wishes))),
+        "heldout": asyncio.run(satisfaction(weights, config.model, user, HELD_OUT_QUESTIONS, args, system=system)),
     }
 
 
@@ -255,7 +260,8 @@ def plot(trials: list[dict], path: Path) -> None:
 
     prefs = sorted({t["pref"] for t in trials})
     fig, axes = plt.subplots(2, len(prefs), figsize=(max(6.0, 4.2 * len(prefs)), 6), squeeze=False, sharex=True)
-    colors = {"none": "tab:gray", "rl": "tab:blue", "opd": "tab:orange", "both": "tab:green", "memory": "tab:purple"}
+    colors = {"none": "tab:gray", "rl": "tab:blue", "opd": "tab:orange", "both": "tab:green", "memory": "tab:purple",
+              "served": "tab:brown"}
     for col, pref in enumerate(prefs):
         rate, version = axes[0][col], axes[1][col]
         for arm in (arm for arm in colors if any(t["arm"] == arm and t["pref"] == pref for t in trials)):

@@ -14,7 +14,8 @@ from flywheel.drills.simulated_people import User, answers
 
 
 def wait_trained(deployment, sessions: int, timeout_s: float) -> dict:
-    """Until the judge has scored `sessions` sessions, the trainer has taken (trained or dropped)
+    """Until the judge has scored `sessions` sessions, the gateway has taken every person's
+    instructions it published (`memory.enabled`), the trainer has taken (trained or dropped)
     every sample the judge published, a session's own and its practice samples, and serve answers
     with the version that came of it (or the timeout: the next session starts anyway, with
     whatever is served). The deployment's stats at the end."""
@@ -23,7 +24,7 @@ def wait_trained(deployment, sessions: int, timeout_s: float) -> dict:
         stats = deployment.stats()
         judge, train, serve = stats.get("judge", {}), stats.get("train"), stats.get("serve", {})
         judged = judge.get("scored", 0) + judge.get("unscored", 0)
-        done = judged >= sessions
+        done = judged >= sessions and (serve.get("instructions_taken") or 0) >= (judge.get("instructions_published") or 0)
         if done and train is not None:
             trained = train.get("adapters")
             served = (all(serve.get("adapters", {}).get(name, 0) >= v for name, v in trained.items()) if trained

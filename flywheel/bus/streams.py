@@ -19,6 +19,7 @@ from flywheel.bus.records import (
     Unscored,
     WeightUpdate,
 )
+from flywheel.tenants.instructions import Instructions
 from flywheel.versions.records import Routing, TrainerDirective, VersionCommand
 
 
@@ -43,6 +44,8 @@ UNSCORED_SUBJECT = "flywheel.unscored"
 WEIGHTS_SUBJECT = "flywheel.weights"
 AUDIT_SUBJECT = "flywheel.audit"
 """Administrative actions, who did them and when (the admin API, `flywheel forget`, the promotion loop)."""
+MEMORY_SUBJECT = "flywheel.memory"
+"""Each person's instructions for replies, read from their corrections (`memory.enabled`)."""
 COMMANDS_SUBJECT = "flywheel.versions.commands"
 """Operators' requests to the promotion loop (`flywheel versions`, the gateway's admin routes)."""
 REGISTRY_BUCKET = "FLYWHEEL_VERSIONS"
@@ -58,11 +61,12 @@ TRAFFIC = StreamSpec("TRAFFIC", (TRAFFIC_SUBJECTS,), max_age_s=7 * DAY, tenant_r
 TRAJECTORIES = StreamSpec("TRAJECTORIES", (TRAJECTORY_SUBJECT,), max_age_s=7 * DAY, tenant_records=True)
 SAMPLES = StreamSpec("SAMPLES", (SAMPLE_SUBJECT,), max_age_s=7 * DAY, tenant_records=True)
 UNSCORED = StreamSpec("UNSCORED", (UNSCORED_SUBJECT,), max_age_s=30 * DAY, tenant_records=True)
+MEMORY = StreamSpec("MEMORY", (MEMORY_SUBJECT,), max_age_s=7 * DAY, tenant_records=True)
 WEIGHTS = StreamSpec("WEIGHTS", (WEIGHTS_SUBJECT,), max_age_s=30 * DAY, max_msgs_per_subject=64)
 COMMANDS = StreamSpec("VERSION_COMMANDS", (COMMANDS_SUBJECT,), max_age_s=30 * DAY)
 AUDIT = StreamSpec("AUDIT", (AUDIT_SUBJECT,), max_age_s=400 * DAY)
 
-STREAMS: dict[str, StreamSpec] = {s.name: s for s in (TRAFFIC, TRAJECTORIES, SAMPLES, UNSCORED, WEIGHTS, COMMANDS, AUDIT)}
+STREAMS: dict[str, StreamSpec] = {s.name: s for s in (TRAFFIC, TRAJECTORIES, SAMPLES, UNSCORED, MEMORY, WEIGHTS, COMMANDS, AUDIT)}
 
 RECORD_TYPES: dict[str, type[Record]] = {
     TURN_SUBJECT: Turn,
@@ -70,6 +74,7 @@ RECORD_TYPES: dict[str, type[Record]] = {
     TRAJECTORY_SUBJECT: Trajectory,
     SAMPLE_SUBJECT: Sample,
     UNSCORED_SUBJECT: Unscored,
+    MEMORY_SUBJECT: Instructions,
     WEIGHTS_SUBJECT: WeightUpdate,
     COMMANDS_SUBJECT: VersionCommand,
     AUDIT_SUBJECT: AuditEntry,

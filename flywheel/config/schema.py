@@ -15,6 +15,7 @@ from pydantic import Field, field_validator, model_validator
 from flywheel.config.actor import ActorConfig
 from flywheel.config.adapters import AdaptersConfig
 from flywheel.config.judge import JudgeConfig
+from flywheel.config.memory import MemoryConfig
 from flywheel.config.promotion import PromotionConfig
 from flywheel.config.section import Section
 from flywheel.config.serve import ServeConfig
@@ -249,6 +250,9 @@ class FlywheelConfig(Section):
     deploy: DeployConfig = DeployConfig()
     adapters: AdaptersConfig = AdaptersConfig()
     """Personal LoRA adapters instead of full fine-tuning (flywheel/config/adapters.py)."""
+    memory: MemoryConfig = MemoryConfig()
+    """Each person's instructions, read from their corrections and put in their prompts
+    (flywheel/config/memory.py)."""
     tenants: dict[str, TenantConfig] = Field(default_factory=dict)
     """The customers and their keys (flywheel/config/tenants.py); empty: each key in
     `serve.api_keys` is a tenant of its own, and with no keys there is one open tenant."""

@@ -12,7 +12,9 @@ learned their hidden preference.
 `ARMS` are the configurations compared (on `CONFIG`): the base model, next-state RL, hint
 distillation, both, and OpenClaw-RL's memory baseline (nothing trains; the app keeps the hints
 the judge's reader finds in the person's reactions and puts them in the system message:
-`with_memory`). `bench/personal_agent.py` runs trials of them; tests/test_personal_agent.py
+`with_memory`), and the platform's own memory of that kind (`served`: `memory.enabled`, the
+instructions the judge reads in the person's corrections put in their prompts by the gateway:
+flywheel/serve/served_memory.py). `bench/personal_agent.py` runs trials of them; tests/test_personal_agent.py
 runs one small session pair on live loops.
 """
 
@@ -33,6 +35,7 @@ ARMS = {
     "opd": ["actor.rl_coef=0.0"],
     "both": ["actor.rl_coef=1.0"],
     "memory": ["deploy.loops=[serve,collect,judge]", "judge.teacher.enabled=false"],
+    "served": ["deploy.loops=[serve,collect,judge]", "judge.teacher.enabled=false", "memory.enabled=true"],
 }
 """Each arm's overrides; hint distillation's form and weights (`actor.opd_coef`, `opd_topk_coef`,
 `judge.teacher.top_k`) are the config's."""
@@ -78,6 +81,23 @@ def sessions_to_learn(satisfied: list[bool], run: int = RUN) -> int | None:
         if streak == run:
             return i + 1
     return None
+
+
+async def with_served_memory(system: str, bus_url: str, template: str) -> str:
+    """The system message with the instructions the deployment serves its one person now
+    (`memory.enabled`: the newest on MEMORY), as the gateway puts them (`memory.template`)."""
+    from string import Template
+
+    from flywheel.bus import Bus
+    from flywheel.bus.streams import MEMORY_SUBJECT
+
+    bus = await Bus.connect(bus_url, name="personal-agent-drill")
+    try:
+        newest = await bus.last(MEMORY_SUBJECT)
+    finally:
+        await bus.close()
+    said = newest.instructions if newest is not None else []
+    return system + Template(template).substitute(instructions=" ".join(said)) if said else system
 
 
 def with_memory(system: str, name: str, hints: list[str], wishes: str = "words") -> str:

@@ -11,6 +11,8 @@ the trajectory acknowledged:
   ran past the deadline, or failed unexpectedly (`judge error`, logged with its traceback).
   Never a silent zero.
 
+With `memory.enabled`, the loop keeps each person's newest corrections and publishes the
+instructions they ask for on MEMORY for the gateways to serve (flywheel/judge/instruction_memory.py).
 With `judge.teacher.memory`, the loop keeps each person's newest hints for the teacher
 (flywheel/judge/hint_memory.py) and follows the audit log to drop a forgotten tenant's or user's.
 With `judge.teacher.wishes`, the teacher is told what a correction asks for as an instruction
@@ -48,16 +50,18 @@ from flywheel.bus import (
 from flywheel.bus.addresses import read_address
 from flywheel.bus.consumer_loop import ConsumerLoop
 from flywheel.bus.records import AuditEntry
-from flywheel.bus.streams import AUDIT_SUBJECT
+from flywheel.bus.streams import AUDIT_SUBJECT, MEMORY_SUBJECT
 from flywheel.config import FlywheelConfig
 from flywheel.judge.base import Unscorable, Verdict
 from flywheel.judge.build import build_judge
 from flywheel.judge.hint_memory import HintMemory
+from flywheel.judge.instruction_memory import InstructionMemory
 from flywheel.judge.people_memory import PeopleMemory
 from flywheel.judge.practice import Practice, corrected_turns
 from flywheel.judge.teacher import Teacher, Teaching, hints_of
 from flywheel.judge.wishes import Wish, wish_reader
 from flywheel.runtime import cancel_and_wait, repeat
+from flywheel.tenants.forgotten import FORGETTING
 
 log = logging.getLogger(__name__)
 
@@ -76,15 +80,18 @@ class JudgeLoop(ConsumerLoop):
         self.unscored: Counter[str] = Counter()
         """Unscored trajectories by reason category (`no reward`, `no valid vote`, `deadline`, ...)."""
         self.publish_failures = 0
+        self.instructions_published = 0
         self._in_flight: dict[asyncio.Task, Delivery] = {}
         self.teacher: Teacher | None = None
         self.practice: Practice | None = None
         self.memory = HintMemory(config.judge.teacher.memory) if config.judge.teacher.memory else None
+        self.instructions = InstructionMemory(config.memory.corrections) if config.memory.enabled else None
 
     async def prepare(self) -> None:
         await self.judge.start()
         teacher = self.config.judge.teacher
-        if teacher.wishes != "words" or (teacher.practice and teacher.practice_reward == "checks"):
+        if (teacher.wishes != "words" or (teacher.practice and teacher.practice_reward == "checks")
+                or self.instructions is not None):
             await asyncio.to_thread(wish_reader)  # trained now, off the event loop
         self.teacher = self._teacher()
         self.practice = self._practice()
@@ -92,14 +99,15 @@ class JudgeLoop(ConsumerLoop):
             self._tasks.append(asyncio.create_task(repeat(self._follow_forgetting, "judge.forget"), name="judge.forget"))
 
     def _memories(self) -> list[PeopleMemory]:
-        """What the judge remembers of people: the teacher's hints, the requests practice replays."""
-        return [m for m in (self.memory, self.practice and self.practice.requests) if m is not None]
+        """What the judge remembers of people: the teacher's hints, the requests practice replays,
+        the corrections their served instructions are read from."""
+        return [m for m in (self.memory, self.practice and self.practice.requests, self.instructions) if m is not None]
 
     async def _follow_forgetting(self) -> None:
         """A forgotten tenant's or user's hints and requests leave the judge's memory."""
         async for entry in self.bus.follow(AUDIT_SUBJECT, from_first=True):  # again after a fault: none missed
             assert isinstance(entry, AuditEntry)
-            if entry.action == "forget":
+            if entry.action in FORGETTING:  # from when it begins: nothing of theirs is published after it
                 for memory in self._memories():
                     memory.forget(entry.details["tenant"], entry.details.get("user"), entry.created_at)
 
@@ -166,6 +174,9 @@ class JudgeLoop(ConsumerLoop):
             if isinstance(record, Sample):
                 for sample in await self._practise(trajectory, record, wishes):
                     await self.bus.publish(SAMPLE_SUBJECT, sample)
+                if self.instructions is not None and (read := self.instructions.read(trajectory, record)) is not None:
+                    await self.bus.publish(MEMORY_SUBJECT, read)
+                    self.instructions_published += 1
             await delivery.ack()
         except Exception:
             self.publish_failures += 1
@@ -252,6 +263,7 @@ class JudgeLoop(ConsumerLoop):
             "unscored_by_reason": dict(self.unscored),
             "in_flight": len(self._in_flight),
             "publish_failures": self.publish_failures,
+            "instructions_published": self.instructions_published,
             "malformed": self.consumer.malformed,
             "judge": self.judge.stats(),
             "teacher": self.teacher.counts if self.teacher else None,

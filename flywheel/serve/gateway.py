@@ -45,19 +45,22 @@ from flywheel.serve.personal_data import PersonalData
 from flywheel.serve.prompts import PromptBuilder
 from flywheel.serve.recorder import Recorder, RecordLost
 from flywheel.serve.scoring_server import install_scoring_routes
+from flywheel.serve.served_memory import ServedMemory
 from flywheel.tenants.forgotten import Forgettings
 from flywheel.tenants.sessions import SessionRegistry, SessionUnknown
 
 
 def create_gateway(pool: EnginePool, tokenizer: Any, recorder: Recorder, model_name: str, config: ServeConfig,
                    context_length: int, metrics: ServeMetrics, tenants: TenantDirectory,
-                   sessions: SessionRegistry, adapters: AdapterRouting | None = None, teaches: bool = False) -> FastAPI:
+                   sessions: SessionRegistry, adapters: AdapterRouting | None = None, teaches: bool = False,
+                   memory: ServedMemory | None = None) -> FastAPI:
     """The gateway app. Operations: tenants' API keys and the admin key (`tenants`,
     `serve.api_keys`, `serve.admin_key`), a body size limit (413), a concurrency limit with a
     bounded queue (429 with Retry-After), a per-request timeout (504), Prometheus metrics on
     `/metrics`. Every session is its tenant's (`request.state.tenant`), and feedback or an end
     names one its tenant opened (`sessions`), else it is a 404. `adapters`: which LoRA adapter
-    answers each request (`adapters.kind: lora`; None: the shared weights answer all)."""
+    answers each request (`adapters.kind: lora`; None: the shared weights answer all). `memory`:
+    each person's instructions, put in their chat requests' system message (`memory.enabled`)."""
     app = FastAPI(title="Flywheel gateway", docs_url=None, redoc_url=None)
     install_error_handlers(app)
     install_metrics_route(app, metrics)
@@ -84,10 +87,11 @@ def create_gateway(pool: EnginePool, tokenizer: Any, recorder: Recorder, model_n
                         sessions, personal_data, adapters, forgettings)
 
     def guarded(body: Any, session: Any) -> Any:
-        """The request as the model may see it: its prompt redacted under `redact_input`."""
-        if session.pii != "redact_input":
-            return body
-        return personal_data.redact_request(body, session.tenant, session.pii_entities)
+        """The request as the model sees it: its prompt redacted under `redact_input`, then its
+        person's instructions added."""
+        if session.pii == "redact_input":
+            body = personal_data.redact_request(body, session.tenant, session.pii_entities)
+        return body if memory is None else memory.applied(body, session)
     stats = app.state.stats = answerer.stats
     app.state.limiter = limiter
     app.state.prompts = prompts  # closed by the serve loop once the server has stopped

@@ -7,7 +7,8 @@ from the bus (starting with the newest one, so a restarted server comes back on 
 policy) and rolled across the engines (`EnginePool.swap`, in `serve.swap_mode`) while the
 gateway keeps answering. Under promotion (`promotion.mode` not off) the gateway follows the
 registry's routing instead: the version that serves, and a canary's (flywheel/serve/routing.py).
-Tenants changed at run time, and tenants or users forgotten, are followed from the bus too.
+Tenants changed at run time, and tenants or users forgotten, are followed from the bus too, and
+with `memory.enabled` each person's instructions (flywheel/serve/served_memory.py).
 With `adapters.kind: lora` announcements of LoRA adapters' versions (`WeightUpdate.adapter`) are
 loaded into every engine, apart from the shared weights (`_follow_weights`), and the gateway
 routes each request to its adapter (flywheel/serve/adapter_routing.py); under promotion too, the
@@ -31,7 +32,7 @@ import uvicorn
 from flywheel.bus import WEIGHTS_SUBJECT, Bus, WeightUpdate, addresses
 from flywheel.bus.addresses import write_address
 from flywheel.bus.records import AuditEntry
-from flywheel.bus.streams import AUDIT_SUBJECT, ROUTING_SUBJECT, TRAFFIC
+from flywheel.bus.streams import AUDIT_SUBJECT, MEMORY_SUBJECT, ROUTING_SUBJECT, TRAFFIC
 from flywheel.config import ConfigError, FlywheelConfig
 from flywheel.config.serve import ServeConfig
 from flywheel.config.tenants import retention_s
@@ -54,6 +55,7 @@ from flywheel.serve.ops.version_routes import VersionBoard
 from flywheel.serve.practice import install_practice_route
 from flywheel.serve.recorder import Recorder
 from flywheel.serve.routing import RoutedPool
+from flywheel.serve.served_memory import ServedMemory
 from flywheel.tenants.forgotten import BEGUN, FORGETTING
 from flywheel.tenants.registry import TenantRegistry
 from flywheel.tenants.sessions import SessionRegistry
@@ -120,8 +122,11 @@ class ServeLoop:
             routing = await (await Registry.open(self.bus)).routing() if self.routed else None
             if routing is not None:  # before the first request, as the stored ones
                 await self.adapters.take_routed(routing)
+        self.memory = (ServedMemory(self.config.memory.template)
+                       if self.config.memory.enabled and cfg.role == "policy" else None)
         self.app = create_gateway(self.pool, tokenizer, self.recorder, self.model_name, cfg, context_length, self.metrics,
-                                  self.tenants, sessions, self._adapter_routing(), teaches=self.config.base_teaches)
+                                  self.tenants, sessions, self._adapter_routing(), teaches=self.config.base_teaches,
+                                  memory=self.memory)
         if self.config.judge.teacher.practice and cfg.role == "policy":
             install_practice_route(self.app, self.pool, self._adapter_routing(), self.tenants)
         install_tenant_routes(self.app, self.tenants, self.tenant_registry, cfg.admin_key, [spill_dir],
@@ -143,6 +148,8 @@ class ServeLoop:
         self._tasks = [asyncio.create_task(self.recorder.run(), name="recorder"), self._http,
                        asyncio.create_task(repeat(self._follow_tenants, "flywheel.serve.tenants"), name="tenants"),
                        asyncio.create_task(repeat(self._follow_forgetting, "flywheel.serve.forget"), name="forget")]
+        if self.memory is not None:
+            self._tasks.append(asyncio.create_task(repeat(self._follow_memory, "flywheel.serve.memory"), name="memory"))
         if self.board is not None:
             self._tasks.append(asyncio.create_task(repeat(self._follow_routing, "flywheel.serve.routing"), name="routing"))
             self._tasks.append(asyncio.create_task(self.board.refresh_forever(), name="versions"))
@@ -220,7 +227,8 @@ class ServeLoop:
 
     async def _follow_forgetting(self) -> None:
         """A tenant or user forgotten anywhere (`flywheel forget`, any gateway's admin route) is
-        forgotten from this gateway's memory too: its session continuations, its stored responses;
+        forgotten from this gateway's memory too: its session continuations, its stored responses,
+        its people's instructions (`memory.enabled`);
         and its LoRA adapters (`adapter_store.owned_by`) from every engine, so the user's next
         request is served as a new user's (their adapter's version 0: its origin, or the base).
         Those adapters are unloaded again once the trainer says it dropped them (`forget.adapters`,
@@ -232,8 +240,15 @@ class ServeLoop:
             tenant, user = entry.details["tenant"], entry.details.get("user")
             if entry.action in FORGETTING:  # from when it begins: their requests under way are not recorded
                 self.app.state.forget_cached(tenant, user)
+                if self.memory is not None:
+                    self.memory.forget(tenant, user, entry.created_at)
             if entry.action != BEGUN:
                 await self.adapters.forget(tenant, user)
+
+    async def _follow_memory(self) -> None:
+        """Every person's newest instructions, from the stream's start (again after a fault)."""
+        async for record in self.bus.follow(MEMORY_SUBJECT, from_first=True):
+            self.memory.take(record)
 
     async def _follow_routing(self) -> None:
         async for routing in self.bus.follow(ROUTING_SUBJECT, newest_only=True):
@@ -309,6 +324,8 @@ class ServeLoop:
             "swaps": self.swaps,
             "engine": dict(self.engine.stats) if self.engine else None,
             "last_pause_s": self.pauses[-1] if self.pauses else None,
+            "people_remembered": None if self.memory is None else len(self.memory),
+            "instructions_taken": None if self.memory is None else self.memory.taken,
         }
 
 

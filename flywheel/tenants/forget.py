@@ -3,8 +3,9 @@ and the run directory, and a report of what was removed and which versions learn
 
 What goes:
 - their records on every stream that holds traffic (TRAFFIC: turns and session events;
-  TRAJECTORIES; SAMPLES; UNSCORED), each message deleted and its storage overwritten
-  (JetStream's secure erase), with the object a large record's body was kept in;
+  TRAJECTORIES; SAMPLES; UNSCORED; MEMORY: the instructions read from their corrections), each
+  message deleted and its storage overwritten (JetStream's secure erase), with the object a
+  large record's body was kept in;
 - the sessions they opened (`FLYWHEEL_SESSIONS`), so feedback naming one is a 404 again;
 - their records waiting in the gateways' spill files (each file rewritten without them);
 - for a whole tenant, its keys made or changed at run time (`FLYWHEEL_TENANTS`): revoked, first;
@@ -57,6 +58,7 @@ from flywheel.bus.records import (
 from flywheel.bus.scan import stored_records
 from flywheel.bus.streams import (
     AUDIT_SUBJECT,
+    MEMORY,
     RECORD_TYPES,
     SAMPLES,
     TRAFFIC,
@@ -70,7 +72,7 @@ from flywheel.tenants.sessions import BUCKET as SESSIONS_BUCKET
 from flywheel.tenants.sessions import session_key
 
 log = logging.getLogger(__name__)
-STREAMS = (TRAFFIC.name, TRAJECTORIES.name, SAMPLES.name, UNSCORED.name)
+STREAMS = (TRAFFIC.name, TRAJECTORIES.name, SAMPLES.name, UNSCORED.name, MEMORY.name)
 
 
 @dataclass

@@ -1,0 +1,41 @@
+"""A served memory of what each person asked of replies (`memory.*`), as chat apps keep one.
+
+The judge reads, in each person's newest corrections, which aspect of a reply they ask to change
+(its length, lists or prose, being named, register, ...: flywheel/judge/wishes.py) and keeps the
+instruction for it on the bus; the gateways put the person's instructions in the system message
+of their chat requests, from their next session on. Never their words: only instructions of a
+fixed list. On SmolLM2-135M such a memory meets a person's wish about as often as their trained
+adapter does, at once (docs/experiments/learning-from-use.md); with adapters, the adapter learns
+from the turns served with it. Corrections are read only from turns their person consented to
+train on, and the memory is forgotten with them (`flywheel forget`) and kept no longer than
+their tenant's records (`tenants.NAME.retention_days`).
+"""
+
+from __future__ import annotations
+
+from string import Template
+
+from pydantic import Field, field_validator
+
+from flywheel.config.section import Section
+
+
+class MemoryConfig(Section):
+    enabled: bool = False
+    """Keep and serve each person's instructions (flywheel/judge/instruction_memory.py,
+    flywheel/serve/served_memory.py). Their corrections: the hints of their turns judged below
+    zero, feedback text aimed at a reply or what a judge that reads their next message finds in it
+    (`judge.kind: next_state`)."""
+    corrections: int = Field(5, ge=1, le=32)
+    """A person's newest corrections read for their instructions: those most of them ask for
+    are served (a person's several corrections point the same way where one is vague)."""
+    template: str = "\n\nWhat this user has asked of your replies: $instructions"
+    """Appended to the request's system message (`string.Template`, $instructions); a request
+    without one gets a system message of it, stripped."""
+
+    @field_validator("template")
+    @classmethod
+    def _names_the_instructions(cls, template: str) -> str:
+        if "instructions" not in Template(template).get_identifiers():
+            raise ValueError("the template must hold $instructions")
+        return template

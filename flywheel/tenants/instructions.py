@@ -1,0 +1,23 @@
+"""A person's instructions for replies (`memory.*`): the record the judge keeps on the MEMORY
+stream for the gateways (flywheel/judge/instruction_memory.py, flywheel/serve/served_memory.py).
+
+It carries instructions from a fixed list (flywheel/judge/wishes.py, `ASPECTS`), never the
+person's words; a person's newest record holds all of theirs (an empty list: none any more). It
+is their tenant's traffic: kept no longer than their tenant's records, and deleted by
+`flywheel forget` with the rest of theirs (flywheel/tenants/forget.py).
+"""
+
+from __future__ import annotations
+
+from flywheel.bus.records import Record
+
+
+class Instructions(Record, kw_only=True):
+    tenant: str
+    user_id: str | None = None
+    """The end user (None: the tenant's traffic that names none, one person)."""
+    instructions: list[str]
+    """What their newest corrections ask of replies, as instructions to the model."""
+    read_from: float
+    """When the newest conversation they were read from was collected (Unix time): read from
+    what was said before a forget, they are not taken after it."""
