@@ -12,7 +12,9 @@ import pytest
 
 from flywheel.bus import SessionEvent, Trajectory
 from flywheel.config import load_config
+from flywheel.judge import hashed_classifier
 from flywheel.judge.base import Verdict
+from flywheel.judge.hashed_classifier import text_features, trained_once
 from flywheel.judge.loop import JudgeLoop
 from flywheel.judge.reaction_reader import load
 from flywheel.judge.teacher import Teaching
@@ -75,6 +77,27 @@ def test_every_process_trains_the_same_reader():
     first, again = WishReader(some), WishReader(some)
     for said in ("too long", "use my name", "que?"):
         assert again.read(said) == first.read(said)
+
+
+def test_a_reader_is_trained_once_per_machine_and_read_back_exactly(tmp_path, monkeypatch):
+    """A judge that starts again loads its reader from the model cache instead of training it, and
+    reads exactly as the one trained; other examples (or code) train afresh."""
+    monkeypatch.setenv("FLYWHEEL_CACHE", str(tmp_path))
+    some, trained = training_set()[::5], []
+
+    def train():
+        trained.append(1)
+        return WishReader(some).model
+
+    first = trained_once("wishes", some, [hashed_classifier.__file__], train)
+    again = trained_once("wishes", some, [hashed_classifier.__file__], train)
+    fresh = WishReader(some).model
+    assert len(trained) == 1 and again.labels == fresh.labels
+    for said in ("too long", "use my name", "que?"):
+        assert first.probabilities(text_features(said)) == again.probabilities(text_features(said)) \
+            == fresh.probabilities(text_features(said))
+    trained_once("wishes", some[1:], [hashed_classifier.__file__], train)
+    assert len(trained) == 2
 
 
 def test_the_training_set_is_well_formed():

@@ -3,7 +3,7 @@ is (a correction, a complaint, a retry, approval, thanks, moving on to something
 with no list of phrasings.
 
 The model is a linear classifier over hashed features of the message and of how it relates to
-the turn (flywheel/judge/hashed_classifier.py; trained at first use: about 11 s on one thread of
+the turn (flywheel/judge/hashed_classifier.py; trained at first use: about 10 s on one thread of
 a small CPU): the message's own (words, word pairs, character n-grams, first words, punctuation,
 length), the rules' class of it, and how much of its content the request
 and the reply already hold (a restated request is a retry; a message that speaks of the reply's
@@ -14,7 +14,8 @@ the author of the reader never read those: `bench/judge_reactions.py`).
 
 `ReactionReader.read` gives the label and its probability; `reader()` is the process's one reader,
 trained from the shipped examples on first use (the `next_state` judge trains it when it starts,
-off its event loop), on one thread, so that every process reads alike.
+off its event loop), on one thread, so that every process reads alike, and once per machine
+(kept in the model cache: `hashed_classifier.trained_once`).
 """
 
 from __future__ import annotations
@@ -24,9 +25,12 @@ import json
 import re
 from pathlib import Path
 
-from flywheel.judge.hashed_classifier import HashedLinear, Reading, text_features
+from flywheel.judge import hashed_classifier, next_state_rules
+from flywheel.judge.hashed_classifier import HashedLinear, Reading, text_features, trained_once
 from flywheel.judge.next_state_rules import classify_user_text
 
+SOURCES = [__file__, hashed_classifier.__file__, next_state_rules.__file__]
+"""The code that reads a reaction: a change to it trains the reader afresh."""
 READ_LABELS = ("correction", "complaint", "retry", "acceptance", "thanks", "moving_on", "unclear")
 TRAIN_DATA = Path(__file__).resolve().parent / "data"
 TRAIN_FILES = "reactions_train*.jsonl"
@@ -59,9 +63,12 @@ class ReactionReader:
     """A linear classifier over hashed features, trained on labelled reactions (dicts with
     `request`, `reply`, `next` (the user's message first) and `gold`, one of `READ_LABELS`)."""
 
-    def __init__(self, examples: list[dict]):
-        self.model = HashedLinear(READ_LABELS, [features(_said(e), e.get("request", ""), e.get("reply", ""))
-                                                for e in examples], [e["gold"] for e in examples])
+    def __init__(self, examples: list[dict], once: bool = False):
+        """Trained on `examples`; `once`: trained once per machine (`trained_once`)."""
+        def train() -> HashedLinear:
+            return HashedLinear(READ_LABELS, [features(_said(e), e.get("request", ""), e.get("reply", "")) for e in examples],
+                                [e["gold"] for e in examples])
+        self.model = trained_once("reactions", examples, SOURCES, train) if once else train()
 
     def probabilities(self, message: str, request: str = "", reply: str = "", rule: str | None = None) -> dict[str, float]:
         return self.model.probabilities(features(message, request, reply, rule))
@@ -93,5 +100,5 @@ def training_set() -> list[dict]:
 
 @functools.cache
 def reader() -> ReactionReader:
-    """The process's reader, trained on the shipped examples at first use."""
-    return ReactionReader(training_set())
+    """The process's reader, trained on the shipped examples at first use, once per machine."""
+    return ReactionReader(training_set(), once=True)

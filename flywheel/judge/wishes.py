@@ -26,7 +26,8 @@ from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
-from flywheel.judge.hashed_classifier import HashedLinear, Reading, text_features
+from flywheel.judge import hashed_classifier
+from flywheel.judge.hashed_classifier import HashedLinear, Reading, text_features, trained_once
 from flywheel.judge.reaction_reader import load
 from flywheel.judge.reaction_reader import training_set as reaction_training_set
 
@@ -60,8 +61,11 @@ class WishReader:
     """Which of `ASPECTS` a correction is about, from labelled corrections (dicts with `text` and
     `aspect`)."""
 
-    def __init__(self, examples: list[dict]):
-        self.model = HashedLinear(LABELS, [text_features(e["text"]) for e in examples], [e["aspect"] for e in examples])
+    def __init__(self, examples: list[dict], once: bool = False):
+        """Trained on `examples`; `once`: trained once per machine (`trained_once`)."""
+        def train() -> HashedLinear:
+            return HashedLinear(LABELS, [text_features(e["text"]) for e in examples], [e["aspect"] for e in examples])
+        self.model = trained_once("wishes", examples, [hashed_classifier.__file__], train) if once else train()
 
     def read(self, correction: str) -> Reading:
         probabilities = self.model.probabilities(text_features(correction))
@@ -115,5 +119,5 @@ def training_set() -> list[dict]:
 
 @functools.cache
 def wish_reader() -> WishReader:
-    """The process's reader, trained on the shipped corrections at first use."""
-    return WishReader(training_set())
+    """The process's reader, trained on the shipped corrections at first use, once per machine."""
+    return WishReader(training_set(), once=True)
