@@ -5,19 +5,22 @@ by a session it started; gone when they are forgotten."""
 
 from __future__ import annotations
 
+import time
+
 import httpx
 
 from flywheel.bus import Sample, Trajectory
+from flywheel.bus.instructions import Instructions
 from flywheel.bus.streams import MEMORY_SUBJECT
 from flywheel.judge.instruction_memory import InstructionMemory
 from flywheel.judge.loop import JudgeLoop
 from flywheel.judge.wishes import ASPECTS
 from flywheel.serve.api.chat import ChatCompletionRequest, CompletionRequest
 from flywheel.serve.api.sessions import session_of
+from flywheel.serve.loop import ServeLoop
 from flywheel.serve.ops.tenants import OPEN, Grant
 from flywheel.serve.served_memory import ServedMemory
 from flywheel.tenants.forget import forget
-from flywheel.tenants.instructions import Instructions
 
 from bus_reading import collected, read
 from factories import make_turn, platform
@@ -30,7 +33,7 @@ TOO_LONG = "Way too long. Keep it short, please."
 def corrected(user: str | None, hints: list[str], rewards: list[float], tenant: str = "open", consent: bool = True,
               created_at: float = 1000.0) -> tuple[Trajectory, Sample]:
     """A trajectory of `user` whose turns a judge read `hints` in and scored `rewards`."""
-    turns = [make_turn(id=f"t{k}", turn_index=k) for k in range(len(hints))]
+    turns = [make_turn(id=f"{user}-{created_at}-t{k}", turn_index=k) for k in range(len(hints))]
     trajectory = Trajectory(id=f"{user}-{created_at}", session_id="s", segments=[], turns=turns,
                             next_states=[[] for _ in turns], close_reason="done", tenant=tenant, user_id=user,
                             consent=consent, created_at=created_at)
@@ -39,16 +42,29 @@ def corrected(user: str | None, hints: list[str], rewards: list[float], tenant: 
     return trajectory, sample
 
 
-def test_a_persons_corrections_become_instructions_never_their_words():
+def test_a_persons_corrections_become_instructions_and_labels_never_their_words():
     memory = InstructionMemory(size=3)
     read = memory.read(*corrected("ada", [TOO_LONG], [-1.0]))
-    assert read.instructions == [SHORTER] and read.user_id == "ada" and read.tenant == "open"
-    assert "short, please" not in " ".join(read.instructions)
+    assert (read.instructions, read.read, read.user_id, read.tenant) == ([SHORTER], ["shorter"], "ada", "open")
     # A correction about a fact reads no aspect: hers still ask for shorter replies.
-    assert memory.read(*corrected("ada", ["No, the capital of Australia is Canberra."], [-1.0])).instructions == [SHORTER]
+    read = memory.read(*corrected("ada", ["No, the capital of Australia is Canberra."], [-1.0], created_at=1001.0))
+    assert read.instructions == [SHORTER] and read.read == ["", "shorter"]
     assert memory.read(*corrected("ada", ["Perfect, thanks!"], [1.0])) is None  # approved: not a correction
     assert memory.read(*corrected("bob", ["No, the capital of Australia is Canberra."], [-1.0])).instructions == []
     assert memory.read(*corrected("cy", [TOO_LONG], [-1.0], consent=False)) is None  # not consented: not learned from
+
+
+def test_a_conversation_judged_again_counts_once_and_a_restarted_judge_goes_on_from_the_record():
+    memory = InstructionMemory(size=3)
+    memory.read(*corrected("ada", [TOO_LONG], [-1.0]))
+    again = memory.read(*corrected("ada", [TOO_LONG], [-1.0]))  # redelivered: the same turn
+    assert again.read == ["shorter"]
+    read = memory.read(*corrected("ada", ["Call me Ada."], [-1.0], created_at=1001.0))
+    assert read.instructions == [SHORTER, NAME] or read.instructions == [NAME, SHORTER]  # one vote each
+    restarted = InstructionMemory(size=3)
+    restarted.restore(read)
+    later = restarted.read(*corrected("ada", ["Say my name, Ada, please."], [-1.0], created_at=1002.0))
+    assert later.instructions == [NAME] and later.read == ["name", "name", "shorter"]
 
 
 def test_a_forgotten_persons_older_corrections_are_not_read_again():
@@ -57,16 +73,19 @@ def test_a_forgotten_persons_older_corrections_are_not_read_again():
     memory.forget("open", "ada", at=1001.0)
     assert memory.read(*corrected("ada", ["Call me Ada."], [-1.0], created_at=1000.5)) is None
     assert memory.read(*corrected("ada", ["Call me Ada."], [-1.0], created_at=1002.0)).instructions == [NAME]
+    assert memory.read(*corrected("ada", [TOO_LONG], [-1.0], created_at=1000.8)) is None  # still before it
 
 
-def chat(user: str | None, session: str | None, system: str | None = None, tenant: str = "open"):
-    messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": "Hi"}]
-    headers = {**({"x-session-id": session} if session else {}), **({"x-user-id": user} if user else {})}
+def chat(user: str | None, session: str | None, system: str | None = None, tenant: str = "open", role: str = "system"):
+    messages = ([{"role": role, "content": system}] if system else []) + [{"role": "user", "content": "Hi"}]
+    headers = {**({"x-session-id": session} if session else {}), **({"x-user-id": user} if user is not None else {})}
     return ChatCompletionRequest(model="tiny", messages=messages), session_of(headers, None, None, grant=Grant(tenant, OPEN.training, True))
 
 
-def instructions(user: str | None, said: list[str], tenant: str = "open", read_from: float = 1000.0) -> Instructions:
-    return Instructions(id=f"{tenant}-{user}-{read_from}", tenant=tenant, user_id=user, instructions=said, read_from=read_from)
+def instructions(user: str | None, said: list[str], tenant: str = "open", read_from: float = 1000.0,
+                 written: float | None = None) -> Instructions:
+    return Instructions(id=f"{tenant}-{user}-{read_from}", tenant=tenant, user_id=user, instructions=said, read=[],
+                        read_from=read_from, created_at=time.time() if written is None else written)
 
 
 def test_the_gateway_serves_a_persons_instructions_in_their_system_message_alone():
@@ -76,8 +95,13 @@ def test_the_gateway_serves_a_persons_instructions_in_their_system_message_alone
     assert body.messages[0].content == f"You help.\n\nAsked: {SHORTER} {NAME}" and len(body.messages) == 2
     body = memory.applied(*chat("ada", "a2"))  # no system message: one of them
     assert body.messages[0].role == "system" and body.messages[0].content == f"Asked: {SHORTER} {NAME}"
-    for request in (chat("bob", "b1"), chat("ada", "o1", tenant="other"), chat(None, "n1")):
-        assert memory.applied(*request) is request[0]  # another user, the same id in another tenant, no user
+    memory.take(instructions(None, [LIST]))  # the tenant's traffic that names no user: one person
+    for request in (chat("bob", "b1"), chat("ada", "o1", tenant="other")):
+        assert memory.applied(*request) is request[0]  # another user, the same id in another tenant
+    assert memory.applied(*chat(None, "n1")).messages[0].content == f"Asked: {LIST}"
+    assert memory.applied(*chat("", "n2")).messages[0].content == f"Asked: {LIST}"  # an empty id names nobody too
+    body = memory.applied(*chat("ada", "a5", system="Be kind.", role="developer"))
+    assert body.messages[0].role == "developer" and body.messages[0].content == f"Be kind.\n\nAsked: {SHORTER} {NAME}"
     completion = CompletionRequest(model="tiny", prompt="Hi")
     assert memory.applied(completion, chat("ada", "a3")[1]) is completion  # a raw prompt has no system message
     memory.take(instructions("ada", [], read_from=1001.0))
@@ -91,6 +115,16 @@ def test_a_session_keeps_the_instructions_it_started_with():
     memory.take(instructions("ada", [LIST], read_from=1001.0))
     assert memory.applied(*chat("ada", "a1")).messages[0].content == SHORTER  # its prompts go on extending
     assert memory.applied(*chat("ada", "a2")).messages[0].content == LIST  # her next session: the new
+
+
+def test_instructions_are_held_no_longer_than_their_record_is_kept():
+    memory = ServedMemory("$instructions", retention_s={"brief": 60.0})
+    memory.take(instructions("ada", [SHORTER], tenant="brief", written=time.time() - 61))
+    memory.take(instructions("bob", [SHORTER], tenant="brief"))
+    memory.take(instructions("cy", [SHORTER], written=time.time() - 61))  # another tenant: the stream's 7 days
+    assert len(memory.applied(*chat("ada", None, tenant="brief")).messages) == 1 and len(memory) == 2
+    assert memory.applied(*chat("bob", None, tenant="brief")).messages[0].content == SHORTER
+    assert memory.applied(*chat("cy", None)).messages[0].content == SHORTER
 
 
 def test_forgetting_drops_a_persons_instructions_and_what_was_read_before_it():
@@ -107,43 +141,66 @@ def test_forgetting_drops_a_persons_instructions_and_what_was_read_before_it():
     assert len(memory) == 1 and memory.applied(*chat("ada", "o1", tenant="other")).messages[0].content == NAME
 
 
-async def test_a_correction_reaches_the_persons_next_prompt_and_leaves_with_them(nats_url, tmp_path, bus):
-    """Ada says a reply was too long; her next session's prompt holds the instruction (the recorded
-    tokens too), Bob's does not; once she is forgotten, its record is gone from the bus and her
-    next prompt is as it was."""
+async def test_a_correction_reaches_the_persons_next_prompts_and_leaves_with_them(nats_url, tmp_path, bus):
+    """Ada says a reply was too long, Bob asks to be named; their next sessions' prompts (Chat
+    Completions and Responses) hold their own instruction alone, in the recorded tokens too. Once
+    Ada is forgotten her record is gone from the bus, a record read before the forget that comes
+    late is not taken, and a gateway that starts then has Bob's before its first request, not hers."""
     async with platform(nats_url, tmp_path, "judge.kind=next_state", "memory.enabled=true") as (serve, _, client):
         judge = JudgeLoop(serve.config, nats_url)
         await judge.start()
 
-        async def session(name: str, user: str, feedback: str | None = None) -> None:
+        async def session(name: str, user: str, feedback: str | None = None, api: str = "chat") -> None:
             """Greet me; a reply; (a correction aimed at it;) the end."""
-            reply = await client.chat.completions.with_raw_response.create(
-                model="tiny", messages=[{"role": "user", "content": "Greet me."}], max_tokens=4,
-                extra_headers={"X-Session-Id": name, "X-User-Id": user})
+            headers = {"X-Session-Id": name, "X-User-Id": user}
+            if api == "chat":
+                reply = await client.chat.completions.with_raw_response.create(
+                    model="tiny", messages=[{"role": "user", "content": "Greet me."}], max_tokens=4, extra_headers=headers)
+            else:
+                reply = await client.responses.with_raw_response.create(
+                    model="tiny", input="Greet me.", max_output_tokens=4, extra_headers=headers)
             async with httpx.AsyncClient(base_url=f"{serve.url}/v1/sessions/{name}") as http:
                 if feedback:
                     aimed = {"interaction_id": reply.headers["x-interaction-id"], "text": feedback}
                     (await http.post("/feedback", json=aimed)).raise_for_status()
                 (await http.post("/end")).raise_for_status()
 
+        def served(gateway, user: str) -> tuple[str, ...]:
+            return gateway.memory.instructions(chat(user, None)[1])
+
         try:
             await session("ada-1", "ada", feedback=TOO_LONG)
-            [read_back] = await read(bus, MEMORY_SUBJECT, "memory-check")
-            await until(lambda: serve.memory.instructions(chat("ada", None)[1]) == (SHORTER,))
+            await session("bob-1", "bob", feedback="Please call me Bob.")
+            await until(lambda: served(serve, "ada") == (SHORTER,) and served(serve, "bob") == (NAME,))
+            [ada_read] = await read(bus, MEMORY_SUBJECT, "memory-check", keep=lambda r: r.user_id == "ada")
             await session("ada-2", "ada")
-            await session("bob-1", "bob")
-            _, turns = await collected(bus, 3, 3)
+            await session("ada-2r", "ada", api="responses")
+            await session("bob-2", "bob")
+            _, turns = await collected(bus, 5, 5)
             report = await forget(bus, "open", "ada")
-            await until(lambda: len(serve.memory) == 0)
+            await until(lambda: served(serve, "ada") == ())
+            taken = serve.memory.taken
+            await bus.publish(MEMORY_SUBJECT, instructions("ada", [SHORTER], read_from=ada_read.read_from))  # late
+            await until(lambda: serve.memory.taken > taken)
+            late = served(serve, "ada")
+            second = ServeLoop(serve.config, nats_url)
+            await second.start()
+            try:
+                started_with = served(second, "ada"), served(second, "bob")
+            finally:
+                await second.stop()
             await session("ada-3", "ada")
             _, after = await collected(bus, 1, 1)
         finally:
             await judge.stop()
-    assert read_back.instructions == [SHORTER] and TOO_LONG not in str(read_back)
     tokenizer = serve.engine.tokenizer
-    assert SHORTER in tokenizer.decode(turns["ada-2"][0].prompt_ids) and turns["ada-2"][0].messages[0]["role"] == "system"
-    assert SHORTER not in tokenizer.decode(turns["ada-1"][0].prompt_ids)
-    assert SHORTER not in tokenizer.decode(turns["bob-1"][0].prompt_ids)
+
+    def prompt(session: str) -> str:
+        return tokenizer.decode(turns[session][0].prompt_ids)
+    assert ada_read.instructions == [SHORTER] and ada_read.read == ["shorter"]
+    assert SHORTER in prompt("ada-2") and NAME not in prompt("ada-2") and turns["ada-2"][0].messages[0]["role"] == "system"
+    assert SHORTER in prompt("ada-2r") and NAME in prompt("bob-2") and SHORTER not in prompt("bob-2")
+    assert not any(said in prompt(first) for said in (SHORTER, NAME) for first in ("ada-1", "bob-1"))
     assert report.records["MEMORY"] == 1
-    assert await bus.last(MEMORY_SUBJECT) is None
+    assert late == () and started_with == ((), (NAME,))
     assert SHORTER not in tokenizer.decode(after["ada-3"][0].prompt_ids)

@@ -312,15 +312,19 @@ class Bus:
                 log.error("ignoring malformed %s record at %s #%d: %s", kind.__name__, stream, raw.seq, exc)
 
     async def follow(self, subject: str, from_last: bool = True, newest_only: bool = False,
-                     from_first: bool = False) -> AsyncIterator[Record]:
+                     from_first: bool = False, after_seq: int | None = None) -> AsyncIterator[Record]:
         """Every new record on a subject (starting with the newest existing one if `from_last`,
-        with every one the stream holds if `from_first`), through an ephemeral ordered consumer:
-        for state every process must see, like weights. `newest_only`: of records that arrived
-        together (a backlog after the bus was away, or while the caller was busy) only the
-        newest, for state where it supersedes the rest."""
+        with every one the stream holds if `from_first`, with those after stream sequence
+        `after_seq` if given: what a scan of the stream did not read), through an ephemeral
+        ordered consumer: for state every process must see, like weights. `newest_only`: of
+        records that arrived together (a backlog after the bus was away, or while the caller was
+        busy) only the newest, for state where it supersedes the rest."""
         queue: asyncio.Queue[Msg] = asyncio.Queue()
         policy = DeliverPolicy.ALL if from_first else DeliverPolicy.LAST if from_last else DeliverPolicy.NEW
-        sub = await self.js.subscribe(subject, cb=queue.put, ordered_consumer=True, deliver_policy=policy)
+        config = None
+        if after_seq is not None:
+            policy, config = None, ConsumerConfig(deliver_policy=DeliverPolicy.BY_START_SEQUENCE, opt_start_seq=after_seq + 1)
+        sub = await self.js.subscribe(subject, cb=queue.put, ordered_consumer=True, deliver_policy=policy, config=config)
         kind = RECORD_TYPES[subject]
         try:
             while True:

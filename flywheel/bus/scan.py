@@ -1,5 +1,6 @@
 """Reading every record a stream holds, oldest first: for the operations that must see all of it
-(`flywheel forget` removing a tenant's records, `--retrain` replaying the samples that remain).
+(`flywheel forget` removing a tenant's records, `--retrain` replaying the samples that remain, a
+judge or gateway taking the forgets and the people's instructions before it starts: `take_all`).
 
 A message that cannot be read (another schema, a large record whose body is gone) is logged and
 passed over: the scan is not the place to judge it.
@@ -8,7 +9,7 @@ passed over: the scan is not the place to judge it.
 from __future__ import annotations
 
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -51,3 +52,14 @@ async def stored_records(bus: Any, stream: str) -> AsyncIterator[Stored]:
             log.warning("%s #%d cannot be read (%s); passed over", stream, seq, exc)
             continue
         yield Stored(seq, message.headers, record)
+
+
+async def take_all(bus: Any, stream: str, take: Callable[[Record], Any]) -> int:
+    """Hand every readable record `stream` holds now to `take`, in order; the last sequence read
+    (0: none), to follow the stream from (`Bus.follow(after_seq=...)`): state a process must
+    have whole before it starts work, and then keep up with."""
+    last = 0
+    async for stored in stored_records(bus, stream):
+        take(stored.record)
+        last = stored.seq
+    return last

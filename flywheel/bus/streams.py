@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from flywheel.bus.instructions import Instructions
 from flywheel.bus.records import (
     AuditEntry,
     Record,
@@ -19,7 +20,6 @@ from flywheel.bus.records import (
     Unscored,
     WeightUpdate,
 )
-from flywheel.tenants.instructions import Instructions
 from flywheel.versions.records import Routing, TrainerDirective, VersionCommand
 
 

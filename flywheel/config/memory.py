@@ -4,11 +4,13 @@ The judge reads, in each person's newest corrections, which aspect of a reply th
 (its length, lists or prose, being named, register, ...: flywheel/judge/wishes.py) and keeps the
 instruction for it on the bus; the gateways put the person's instructions in the system message
 of their chat requests, from their next session on. Never their words: only instructions of a
-fixed list. On SmolLM2-135M such a memory meets a person's wish about as often as their trained
-adapter does, at once (docs/experiments/learning-from-use.md); with adapters, the adapter learns
-from the turns served with it. Corrections are read only from turns their person consented to
+fixed list. On SmolLM2-135M an app's memory of that kind (the instructions read, else the words)
+met people's wishes about as often as their trained adapters did, at once
+(docs/experiments/learning-from-use.md, where this one is measured too); with adapters, the
+adapter learns from the turns served with it. Corrections are read only from turns their person consented to
 train on, and the memory is forgotten with them (`flywheel forget`) and kept no longer than
-their tenant's records (`tenants.NAME.retention_days`).
+their tenant's records (`tenants.NAME.retention_days`). `flywheel tail memory` prints what is
+kept: each record a person's instructions as of one of their corrections.
 """
 
 from __future__ import annotations

@@ -289,6 +289,14 @@ class FlywheelConfig(Section):
         return self
 
     @model_validator(mode="after")
+    def _memory_reads_corrections(self) -> "FlywheelConfig":
+        if self.memory.enabled and self.judge.kind == "llm" and self.judge.llm.mode != "next_state":
+            raise ValueError(f"memory.enabled with judge.kind=llm and judge.llm.mode={self.judge.llm.mode}: its rewards "
+                             "are in [0, 1], so no reply is judged below zero and no correction is read; use "
+                             "judge.llm.mode=next_state or judge.kind=next_state")
+        return self
+
+    @model_validator(mode="after")
     def _practice_needs_adapters(self) -> "FlywheelConfig":
         if self.judge.teacher.practice and self.adapters.kind != "lora":
             raise ValueError("judge.teacher.practice needs adapters.kind=lora: the practice replies are the person's "

@@ -86,10 +86,9 @@ def sessions_to_learn(satisfied: list[bool], run: int = RUN) -> int | None:
 async def with_served_memory(system: str, bus_url: str, template: str) -> str:
     """The system message with the instructions the deployment serves its one person now
     (`memory.enabled`: the newest on MEMORY), as the gateway puts them (`memory.template`)."""
-    from string import Template
-
     from flywheel.bus import Bus
     from flywheel.bus.streams import MEMORY_SUBJECT
+    from flywheel.serve.served_memory import appended
 
     bus = await Bus.connect(bus_url, name="personal-agent-drill")
     try:
@@ -97,7 +96,7 @@ async def with_served_memory(system: str, bus_url: str, template: str) -> str:
     finally:
         await bus.close()
     said = newest.instructions if newest is not None else []
-    return system + Template(template).substitute(instructions=" ".join(said)) if said else system
+    return system + appended(template, said) if said else system
 
 
 def with_memory(system: str, name: str, hints: list[str], wishes: str = "words") -> str:

@@ -15,8 +15,10 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import math
 import re
+import shutil
 import zlib
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -24,13 +26,16 @@ from itertools import accumulate
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from flywheel.models.cache import cached_build
 from flywheel.torch_threads import one_thread
 
+log = logging.getLogger(__name__)
 BUCKETS = 1 << 16
+FILE = "model.safetensors"
+"""A trained reader's file in its cache directory (`trained_once`)."""
 _TOKEN = re.compile(r"\w+|[^\w\s]", re.UNICODE)
 
 
@@ -120,10 +125,20 @@ def _pack(batch: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor, torch.Ten
 def trained_once(name: str, examples: list[dict], sources: list[str], train: Callable[[], HashedLinear]) -> HashedLinear:
     """What `train` makes of `examples`, trained once per machine: kept in the model cache
     (`cache_root()/readers/<name>-<digest>`) under a digest of the examples, the code that reads
-    them (`sources`, files) and torch's version, so a change to any of them trains it afresh."""
+    them and names its labels (`sources`, files) and torch's version, so a change to any of them
+    trains it afresh; a damaged file is trained again."""
     digest = hashlib.sha256(json.dumps(examples, sort_keys=True).encode())
     for source in sorted(sources):
         digest.update(Path(source).read_bytes())
     digest.update(torch.__version__.encode())
-    path = cached_build(f"readers/{name}-{digest.hexdigest()[:24]}", lambda tmp: train().save(tmp / "model.safetensors"))
-    return HashedLinear.load(path / "model.safetensors")
+    name = f"readers/{name}-{digest.hexdigest()[:24]}"
+
+    def build(directory: Path) -> None:
+        train().save(directory / FILE)
+    path = cached_build(name, build)
+    try:
+        return HashedLinear.load(path / FILE)
+    except (OSError, ValueError, KeyError, SafetensorError) as exc:
+        log.warning("the cached reader %s cannot be read (%s); training it again", path, exc)
+        shutil.rmtree(path, ignore_errors=True)
+        return HashedLinear.load(cached_build(name, build) / FILE)

@@ -1,43 +1,60 @@
 """What each person asked of replies, read from their corrections and kept on the bus for the
 gateways to serve (`memory.enabled`; flywheel/config/memory.py).
 
-The judge keeps each person's newest corrections (`memory.corrections`: the hints of their turns
-judged below zero, as the teacher's memory does) and, after each new one, reads which aspects of
-a reply most of them ask to change (`Wish.aspects`, flywheel/judge/wishes.py) and publishes the
-instructions for those (`Instructions`), never the words: a correction about anything else
-(`other`) or too vague to read adds none, and a person whose kept corrections read none gets an
-empty list (the gateways stop serving the old). A person here is an end user of a tenant, whatever
-adapter their turns train: the gateways know a request's tenant and user, and the memory is the
-person's. Kept and forgotten as flywheel/judge/people_memory.py keeps what the judge remembers.
+For each new correction of a person (the hint of a turn of theirs judged below zero, as the
+teacher's memory takes them) the judge reads which aspect of a reply it asks to change
+(`WishReader.aspect`, flywheel/judge/wishes.py: "" where none is read, a correction about
+anything else or too vague) and keeps that label, never the words, for their newest
+`memory.corrections`; then it publishes the instructions for the aspects most of those ask for
+(`Instructions`): a person whose kept corrections read none gets an empty list, and the gateways
+stop serving the old. The labels travel in the record, so a judge that starts again reads each
+person's newest record first (`restore`) and goes on from it. A person here is an end user of a
+tenant, whatever adapter their turns train: the gateways know a request's tenant and user, and
+the memory is the person's. Kept and forgotten as flywheel/judge/people_memory.py keeps what the
+judge remembers.
 """
 
 from __future__ import annotations
 
 from flywheel.bus import Sample, Trajectory
+from flywheel.bus.instructions import Instructions
 from flywheel.judge.people_memory import PeopleMemory
 from flywheel.judge.teacher import hints_of
-from flywheel.judge.wishes import ASPECTS, Wish
-from flywheel.tenants.instructions import Instructions
+from flywheel.judge.wishes import ASPECTS, most_asked, wish_reader
+
+Read = tuple[str, str]
+"""(the correction's turn id, the aspect read in it): a trajectory judged again is not counted twice."""
 
 
-class InstructionMemory(PeopleMemory[str]):
+class InstructionMemory(PeopleMemory[Read]):
+    def __init__(self, size: int):
+        super().__init__(size, key=lambda read: read[0])
+
     @staticmethod
     def person(trajectory: Trajectory) -> tuple[str, str, str]:
         """(tenant, "", end user): a person's corrections under any adapter are theirs."""
         return trajectory.tenant, "", trajectory.user_id or ""
 
     def read(self, trajectory: Trajectory, sample: Sample) -> Instructions | None:
-        """Keep the corrections of the trajectory's turns the sample judged below zero; the
-        person's instructions now, or None when it brought none (or may not be learned from:
-        not consented to train, or collected before they were forgotten)."""
-        if not trajectory.consent:
+        """Keep what the corrections of the trajectory's turns the sample judged below zero ask
+        for; the person's instructions now, or None when it brought none, or may not be learned
+        from (not consented to train, or collected before its person was forgotten)."""
+        person = self.person(trajectory)
+        if not trajectory.consent or self.forgotten_since(person, trajectory.created_at):
             return None
         hints = hints_of(trajectory, sample.details)
-        corrections = [hints[k] for k in sorted(hints) if sample.turn_rewards[k] < 0]
-        self.keep(trajectory, corrections)
-        kept = self.recall(trajectory)
-        if not corrections or not kept:
+        corrected = [k for k in sorted(hints) if sample.turn_rewards[k] < 0]
+        if not corrected:
             return None
+        reader = wish_reader()
+        self.keep(trajectory, [(trajectory.turns[k].id, reader.aspect(hints[k]) or "") for k in corrected])
+        read = [aspect for _, aspect in self.recall(trajectory)]
         return Instructions(id=f"{trajectory.id}#memory", tenant=trajectory.tenant, user_id=trajectory.user_id,
-                            instructions=[ASPECTS[aspect] for aspect in Wish(kept, "instead").aspects],
+                            instructions=[ASPECTS[aspect] for aspect in most_asked(read)], read=read,
                             read_from=trajectory.created_at)
+
+    def restore(self, record: Instructions) -> None:
+        """Go on from a person's record (published by this judge before it restarted, or another)."""
+        person = (record.tenant, "", record.user_id or "")
+        reads = [(f"{record.id}#{i}", aspect) for i, aspect in enumerate(record.read) if aspect in ASPECTS or not aspect]
+        self.keep_for(person, reversed(reads), record.read_from, replace=True)

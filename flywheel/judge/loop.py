@@ -11,10 +11,12 @@ the trajectory acknowledged:
   ran past the deadline, or failed unexpectedly (`judge error`, logged with its traceback).
   Never a silent zero.
 
-With `memory.enabled`, the loop keeps each person's newest corrections and publishes the
-instructions they ask for on MEMORY for the gateways to serve (flywheel/judge/instruction_memory.py).
+With `memory.enabled`, the loop reads what each person's newest corrections ask for and
+publishes their instructions on MEMORY for the gateways to serve (flywheel/judge/instruction_memory.py).
 With `judge.teacher.memory`, the loop keeps each person's newest hints for the teacher
-(flywheel/judge/hint_memory.py) and follows the audit log to drop a forgotten tenant's or user's.
+(flywheel/judge/hint_memory.py). What it remembers of people it drops when they are forgotten:
+before it judges anything it reads every forget on the audit log (and the people's instructions
+on MEMORY), then follows the log.
 With `judge.teacher.wishes`, the teacher is told what a correction asks for as an instruction
 (flywheel/judge/wishes.py). With `judge.teacher.practice`, a sample's corrected turns are practised once it is published
 (flywheel/judge/practice.py): more samples on SAMPLES, before the trajectory is acknowledged;
@@ -49,8 +51,9 @@ from flywheel.bus import (
 )
 from flywheel.bus.addresses import read_address
 from flywheel.bus.consumer_loop import ConsumerLoop
-from flywheel.bus.records import AuditEntry
-from flywheel.bus.streams import AUDIT_SUBJECT, MEMORY_SUBJECT
+from flywheel.bus.records import AuditEntry, Record
+from flywheel.bus.scan import take_all
+from flywheel.bus.streams import AUDIT, AUDIT_SUBJECT, MEMORY, MEMORY_SUBJECT
 from flywheel.config import FlywheelConfig
 from flywheel.judge.base import Unscorable, Verdict
 from flywheel.judge.build import build_judge
@@ -95,7 +98,10 @@ class JudgeLoop(ConsumerLoop):
             await asyncio.to_thread(wish_reader)  # trained now, off the event loop
         self.teacher = self._teacher()
         self.practice = self._practice()
-        if self._memories():
+        if self._memories():  # every forget so far, and the people's instructions, before anything is judged
+            await take_all(self.bus, AUDIT.name, self._heard)
+            if self.instructions is not None:
+                await take_all(self.bus, MEMORY.name, self.instructions.restore)
             self._tasks.append(asyncio.create_task(repeat(self._follow_forgetting, "judge.forget"), name="judge.forget"))
 
     def _memories(self) -> list[PeopleMemory]:
@@ -104,12 +110,15 @@ class JudgeLoop(ConsumerLoop):
         return [m for m in (self.memory, self.practice and self.practice.requests, self.instructions) if m is not None]
 
     async def _follow_forgetting(self) -> None:
-        """A forgotten tenant's or user's hints and requests leave the judge's memory."""
         async for entry in self.bus.follow(AUDIT_SUBJECT, from_first=True):  # again after a fault: none missed
-            assert isinstance(entry, AuditEntry)
-            if entry.action in FORGETTING:  # from when it begins: nothing of theirs is published after it
-                for memory in self._memories():
-                    memory.forget(entry.details["tenant"], entry.details.get("user"), entry.created_at)
+            self._heard(entry)
+
+    def _heard(self, entry: Record) -> None:
+        """A forgotten tenant's or user's hints, requests and corrections leave the judge's memory,
+        from when the forget begins: nothing of theirs is published after it."""
+        if isinstance(entry, AuditEntry) and entry.action in FORGETTING:
+            for memory in self._memories():
+                memory.forget(entry.details["tenant"], entry.details.get("user"), entry.created_at)
 
     def _teacher(self) -> Teacher | None:
         """The hint teacher (`judge.teacher`) on the judge's own server, or with adapters on the

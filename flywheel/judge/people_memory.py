@@ -43,11 +43,21 @@ class PeopleMemory(Generic[T]):
     def keep(self, trajectory: Trajectory, items: Iterable[T]) -> None:
         """Remember a trajectory's `items` (oldest first) for its person; nothing of a trajectory
         collected before its person was forgotten."""
-        tenant, _, user = person = self.person(trajectory)
+        self.keep_for(self.person(trajectory), items, trajectory.created_at)
+
+    def forgotten_since(self, person: tuple[str, str, str], made: float) -> bool:
+        """Whether `person` was forgotten after Unix time `made`."""
+        tenant, _, user = person
+        return self._forgotten.since(tenant, user or None, made)
+
+    def keep_for(self, person: tuple[str, str, str], items: Iterable[T], made: float, replace: bool = False) -> None:
+        """Remember `items` (oldest first) for `person`, made at Unix time `made` (nothing made
+        before the person was forgotten); `replace`: instead of what they gave before."""
         items = list(items)
-        if not items or self._forgotten.since(tenant, user or None, trajectory.created_at):
+        if not items or self.forgotten_since(person, made):
             return
-        kept = self._kept.pop(person, None) or deque(maxlen=self.size)
+        before = self._kept.pop(person, None)
+        kept = deque(maxlen=self.size) if replace or before is None else before
         for item in items:
             for same in [old for old in kept if self.key(old) == self.key(item)]:
                 kept.remove(same)

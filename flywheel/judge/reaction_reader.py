@@ -25,11 +25,12 @@ import json
 import re
 from pathlib import Path
 
-from flywheel.judge import hashed_classifier, next_state_rules
+from flywheel.judge import hashed_classifier, next_state_classes, next_state_rules, next_state_tool_output
 from flywheel.judge.hashed_classifier import HashedLinear, Reading, text_features, trained_once
 from flywheel.judge.next_state_rules import classify_user_text
 
-SOURCES = [__file__, hashed_classifier.__file__, next_state_rules.__file__]
+SOURCES = [__file__, *(module.__file__ for module in (hashed_classifier, next_state_classes, next_state_rules,
+                                                      next_state_tool_output))]
 """The code that reads a reaction: a change to it trains the reader afresh."""
 READ_LABELS = ("correction", "complaint", "retry", "acceptance", "thanks", "moving_on", "unclear")
 TRAIN_DATA = Path(__file__).resolve().parent / "data"

@@ -13,7 +13,8 @@ read alone with at least `WISH_AT` confidence. Where none is (corrections about 
 `other`: a wrong fact, a missed requirement; or too vague to read), it is told the words.
 
 The reader is a linear classifier over hashed features of the words (flywheel/judge/hashed_classifier.py),
-trained at first use on `flywheel/judge/data/correction_aspects_train*.jsonl` (corrections of
+trained at first use (once per machine: `hashed_classifier.trained_once`) on
+`flywheel/judge/data/correction_aspects_train*.jsonl` (corrections of
 many people's styles and languages four helpers wrote from a brief) and the reaction reader's
 complaints as `other`; another helper wrote the set it is measured on, unread by its author
 (bench/judge_wishes.py).
@@ -23,6 +24,7 @@ from __future__ import annotations
 
 import functools
 from collections import Counter
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -52,6 +54,8 @@ ASPECTS: dict[str, str | None] = {
 LABELS = tuple(ASPECTS)
 TRAIN_DATA = Path(__file__).resolve().parent / "data"
 TRAIN_FILES = "correction_aspects_train*.jsonl"
+SOURCES = [__file__, hashed_classifier.__file__]
+"""The code that reads a correction and names its aspects: a change to it trains the reader afresh."""
 WISH_AT = 0.4
 """The least probability of an aspect for its instruction to be told: on the training set's 5-fold
 cross-validation, 85 % of the form wishes are told and 92 % of what is told is right (bench/judge_wishes.py)."""
@@ -65,7 +69,7 @@ class WishReader:
         """Trained on `examples`; `once`: trained once per machine (`trained_once`)."""
         def train() -> HashedLinear:
             return HashedLinear(LABELS, [text_features(e["text"]) for e in examples], [e["aspect"] for e in examples])
-        self.model = trained_once("wishes", examples, [hashed_classifier.__file__], train) if once else train()
+        self.model = trained_once("wishes", examples, SOURCES, train) if once else train()
 
     def read(self, correction: str) -> Reading:
         probabilities = self.model.probabilities(text_features(correction))
@@ -76,14 +80,19 @@ class WishReader:
         """The aspects a person's corrections ask for most often, each correction read alone
         (ties: each); those read as `other` or below `WISH_AT` do not vote. One correction is
         often vague ("hmm, that's a lot"); a person's several point the same way."""
-        votes = Counter(aspect for aspect in map(self.aspect, corrections) if aspect)
-        return [aspect for aspect, n in votes.most_common() if n == max(votes.values())]
+        return most_asked(map(self.aspect, corrections))
 
     def aspect(self, correction: str) -> str | None:
         """The aspect a correction is about, where it has an instruction and is read at `WISH_AT`
         or more; else None."""
         reading = self.read(correction)
         return reading.label if reading.probability >= WISH_AT and ASPECTS[reading.label] else None
+
+
+def most_asked(aspects: Iterable[str | None]) -> list[str]:
+    """The aspects read most often (ties: each); corrections none was read in (None, "") do not vote."""
+    votes = Counter(aspect for aspect in aspects if aspect)
+    return [aspect for aspect, n in votes.most_common() if n == max(votes.values())]
 
 
 @dataclass

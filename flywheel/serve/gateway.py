@@ -72,13 +72,16 @@ def create_gateway(pool: EnginePool, tokenizer: Any, recorder: Recorder, model_n
     stored_responses = ResponseStore(config.stored_responses)
     forgettings = Forgettings()
 
-    def forget_cached(tenant: str, user: str | None) -> None:
-        """Drop what this gateway holds in memory of a forgotten tenant or user: the tenant's
-        session continuations (all of them, for one user too: they are not kept by user; the
-        cost is tokenizing whole prompts again) and their stored responses."""
+    def forget_cached(tenant: str, user: str | None, at: float | None = None) -> None:
+        """Drop what this gateway holds in memory of a forgotten tenant or user, forgotten at Unix
+        time `at` (None: now): the tenant's session continuations (all of them, for one user too:
+        they are not kept by user; the cost is tokenizing whole prompts again), their stored
+        responses and their instructions (`memory`)."""
         continuations.forget(tenants.session(tenant, ""))
         stored_responses.forget(tenant, user)
         forgettings.add(tenant, user, time.monotonic())  # a request's `arrived` is on that clock
+        if memory is not None:
+            memory.forget(tenant, user, time.time() if at is None else at)
     app.state.forget_cached = forget_cached
     limiter = ConcurrencyLimiter(config.max_concurrent_requests, config.max_queued_requests, config.retry_after_s)
     personal_data = app.state.personal_data = PersonalData()

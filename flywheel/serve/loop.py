@@ -122,8 +122,9 @@ class ServeLoop:
             routing = await (await Registry.open(self.bus)).routing() if self.routed else None
             if routing is not None:  # before the first request, as the stored ones
                 await self.adapters.take_routed(routing)
-        self.memory = (ServedMemory(self.config.memory.template)
-                       if self.config.memory.enabled and cfg.role == "policy" else None)
+        self.memory, self._memory_read = (await ServedMemory.read(self.bus, self.config.memory.template,
+                                                                  retention_s(self.config.tenants))
+                                          if self.config.memory.enabled and cfg.role == "policy" else (None, 0))
         self.app = create_gateway(self.pool, tokenizer, self.recorder, self.model_name, cfg, context_length, self.metrics,
                                   self.tenants, sessions, self._adapter_routing(), teaches=self.config.base_teaches,
                                   memory=self.memory)
@@ -228,8 +229,7 @@ class ServeLoop:
     async def _follow_forgetting(self) -> None:
         """A tenant or user forgotten anywhere (`flywheel forget`, any gateway's admin route) is
         forgotten from this gateway's memory too: its session continuations, its stored responses,
-        its people's instructions (`memory.enabled`);
-        and its LoRA adapters (`adapter_store.owned_by`) from every engine, so the user's next
+        its people's instructions (`memory.enabled`); and its LoRA adapters (`adapter_store.owned_by`) from every engine, so the user's next
         request is served as a new user's (their adapter's version 0: its origin, or the base).
         Those adapters are unloaded again once the trainer says it dropped them (`forget.adapters`,
         flywheel/train/forget_adapters.py): a version a step under way published meanwhile goes too."""
@@ -239,15 +239,13 @@ class ServeLoop:
                 continue
             tenant, user = entry.details["tenant"], entry.details.get("user")
             if entry.action in FORGETTING:  # from when it begins: their requests under way are not recorded
-                self.app.state.forget_cached(tenant, user)
-                if self.memory is not None:
-                    self.memory.forget(tenant, user, entry.created_at)
+                self.app.state.forget_cached(tenant, user, entry.created_at)
             if entry.action != BEGUN:
                 await self.adapters.forget(tenant, user)
 
     async def _follow_memory(self) -> None:
-        """Every person's newest instructions, from the stream's start (again after a fault)."""
-        async for record in self.bus.follow(MEMORY_SUBJECT, from_first=True):
+        """Every person's newest instructions, after those read before the first request."""
+        async for record in self.bus.follow(MEMORY_SUBJECT, after_seq=self._memory_read):
             self.memory.take(record)
 
     async def _follow_routing(self) -> None:

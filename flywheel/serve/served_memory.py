@@ -1,75 +1,108 @@
 """Each person's instructions, served in their prompts (`memory.enabled`, flywheel/config/memory.py).
 
-The gateway follows the MEMORY stream from its start (each person's newest `Instructions`, which
-the judge reads from their corrections: flywheel/judge/instruction_memory.py) and puts a
-person's instructions in the system message of their chat requests (Chat Completions, Responses,
-Messages; a raw completion prompt has no system message and goes as sent) before the prompt is
-built: the recorded prompt tokens hold them exactly as the model saw them, and the person's
-adapter learns with them. A session keeps the instructions it started with (the newest
-`SESSIONS` sessions are remembered), so its prompts go on extending one another when the
-person's memory changes while it is open. A forgotten tenant or user is dropped at once (the
-audit log), and instructions read from what they said before the forget are not taken after it.
-Held in the gateway's memory: a few references a person, to the instructions' shared strings.
+The gateway reads the MEMORY stream whole before it serves (each person's newest `Instructions`,
+which the judge reads from their corrections: flywheel/judge/instruction_memory.py; after every
+forget on the audit log, so nothing read before one is taken), then follows it, and puts a
+person's instructions at the end of the system message of their chat requests (Chat
+Completions, Responses, Messages; a raw completion prompt has no system message and goes as
+sent) before the prompt is built: the recorded prompt tokens hold them exactly as the model saw
+them, and the person's adapter learns with them. A person is an end user of a tenant; a tenant's
+traffic that names no user is one person, as it is one adapter. A session keeps the
+instructions it started with (the newest `SESSIONS` sessions are remembered), so its prompts go
+on extending one another when the person's memory changes while it is open. Instructions are
+held no longer than their record is kept on the bus (their tenant's `retention_days`, else the
+stream's age), and at most `PEOPLE` people's (those given theirs least recently dropped first).
 """
 
 from __future__ import annotations
 
 import sys
+import time
+from collections.abc import Iterable, Mapping
 from string import Template
 from typing import Any
 
+from flywheel.bus.instructions import Instructions
+from flywheel.bus.records import AuditEntry
+from flywheel.bus.scan import take_all
+from flywheel.bus.streams import AUDIT, MEMORY
 from flywheel.lru import LRU
 from flywheel.serve.api.chat import ChatCompletionRequest, Message
 from flywheel.serve.api.sessions import SessionInfo
-from flywheel.tenants.forgotten import Forgettings, forgets
-from flywheel.tenants.instructions import Instructions
+from flywheel.tenants.forgotten import FORGETTING, Forgettings, forgets
 
 SESSIONS = 100_000
+PEOPLE = 1_000_000
 Person = tuple[str, str | None]
 
 
+def appended(template: str, instructions: Iterable[str]) -> str:
+    """What the memory adds to a system message (`memory.template`)."""
+    return Template(template).substitute(instructions=" ".join(instructions))
+
+
 class ServedMemory:
-    def __init__(self, template: str, sessions: int = SESSIONS):
-        self.template = Template(template)
-        self._people: dict[Person, tuple[str, ...]] = {}
+    def __init__(self, template: str, retention_s: Mapping[str, float] | None = None, people: int = PEOPLE,
+                 sessions: int = SESSIONS):
+        self.template = template
+        self.retention_s = dict(retention_s or {})
+        """Tenant -> seconds its records are kept (`retention_days`); others: the MEMORY stream's age."""
+        self._people: LRU[Person, tuple[tuple[str, ...], float]] = LRU(people)
+        """Person -> their instructions and when they expire (Unix time)."""
         self._sessions: LRU[str, tuple[Person, tuple[str, ...]]] = LRU(sessions)
         """Session -> whose it is and the instructions it started with."""
         self._forgotten = Forgettings()
         self.taken = 0
         """Records followed, taken or not (the serve loop's stats: `instructions_taken`)."""
 
+    @classmethod
+    async def read(cls, bus: Any, template: str, retention_s: Mapping[str, float]) -> tuple[ServedMemory, int]:
+        """The memory read whole from `bus`, before a gateway's first request: every forget so
+        far on the audit log, then every record on MEMORY; and the last of those, to follow from."""
+        memory = cls(template, retention_s)
+
+        def heard(entry: Any) -> None:
+            if isinstance(entry, AuditEntry) and entry.action in FORGETTING:
+                memory.forget(entry.details["tenant"], entry.details.get("user"), entry.created_at)
+        await take_all(bus, AUDIT.name, heard)
+        return memory, await take_all(bus, MEMORY.name, memory.take)
+
     def __len__(self) -> int:
         """The people with instructions (the serve loop's stats: `people_remembered`)."""
         return len(self._people)
 
     def take(self, record: Instructions) -> None:
-        """A person's newest instructions (none: they have none any more), unless read before
-        they were forgotten."""
+        """A person's newest instructions (none: they have none any more), unless read from what
+        they said before they were forgotten."""
         self.taken += 1
-        person = (record.tenant, record.user_id)
+        person = (record.tenant, record.user_id or None)
         if self._forgotten.since(*person, record.read_from):
             return
-        if record.instructions:
-            self._people[person] = tuple(sys.intern(text) for text in record.instructions)
-        else:
-            self._people.pop(person, None)
+        if not record.instructions:
+            self._people.pop(person)
+            return
+        expires = record.created_at + self.retention_s.get(record.tenant, MEMORY.max_age_s)
+        self._people[person] = (tuple(sys.intern(text) for text in record.instructions), expires)
 
     def forget(self, tenant: str, user: str | None, at: float) -> None:
         """Drop a tenant's people (or one user) and their sessions' instructions; forgotten at
         Unix time `at`."""
         self._forgotten.add(tenant, user, at)
         for person in [person for person in self._people if forgets((tenant, user), person)]:
-            del self._people[person]
+            self._people.pop(person)
         for session in [s for s in self._sessions if forgets((tenant, user), self._sessions.peek(s)[0])]:
             self._sessions.pop(session)
 
     def instructions(self, session: SessionInfo) -> tuple[str, ...]:
         """What the session's person asked of replies, as of the session's first request here."""
-        person = (session.tenant, session.user_id)
+        person = (session.tenant, session.user_id or None)
         pinned = None if session.anonymous else self._sessions.get(session.session_id)
         if pinned is not None and pinned[0] == person:
             return pinned[1]
-        current = self._people.get(person, ())
+        current, expires = self._people.peek(person) or ((), 0.0)
+        if current and expires <= time.time():
+            self._people.pop(person)
+            current = ()
         if not session.anonymous:
             self._sessions[session.session_id] = (person, current)
         return current
@@ -79,7 +112,7 @@ class ServedMemory:
         system message of them first, where it has none); any other request as it is."""
         if not isinstance(body, ChatCompletionRequest) or not (instructions := self.instructions(session)):
             return body
-        said = self.template.substitute(instructions=" ".join(instructions))
+        said = appended(self.template, instructions)
         messages = list(body.messages)
         if messages and messages[0].role in ("system", "developer"):
             messages[0] = messages[0].model_copy(update={"content": messages[0].text() + said})

@@ -24,7 +24,8 @@ trained on them: those weights still hold what they learned (retraining them wit
 forgotten samples is the operator's decision: `flywheel forget --retrain`,
 flywheel/train/retrain.py). Two audit entries say who asked and when: `forget.begin` before
 anything is deleted (the gateways and the collector stop keeping what of theirs is under way or
-held), and `forget`, with what was removed, once it is done (the judge and the trainer forget then).
+held, and the judge what it remembers of them), and `forget`, with what was removed, once it is
+done (the trainer forgets then).
 """
 
 from __future__ import annotations

@@ -1,10 +1,11 @@
 """A person's instructions for replies (`memory.*`): the record the judge keeps on the MEMORY
 stream for the gateways (flywheel/judge/instruction_memory.py, flywheel/serve/served_memory.py).
 
-It carries instructions from a fixed list (flywheel/judge/wishes.py, `ASPECTS`), never the
-person's words; a person's newest record holds all of theirs (an empty list: none any more). It
-is their tenant's traffic: kept no longer than their tenant's records, and deleted by
-`flywheel forget` with the rest of theirs (flywheel/tenants/forget.py).
+It carries instructions from a fixed list (flywheel/judge/wishes.py, `ASPECTS`) and the aspect
+read in each of the person's newest corrections, never their words; a person's newest record
+holds all of theirs (an empty list of instructions: none any more). It is their tenant's
+traffic: kept on the bus no longer than their tenant's records, and deleted by `flywheel forget`
+with the rest of theirs (flywheel/tenants/forget.py).
 """
 
 from __future__ import annotations
@@ -18,6 +19,9 @@ class Instructions(Record, kw_only=True):
     """The end user (None: the tenant's traffic that names none, one person)."""
     instructions: list[str]
     """What their newest corrections ask of replies, as instructions to the model."""
+    read: list[str]
+    """The aspect read in each of their newest corrections, newest first ("": none read), which
+    the instructions were voted from: a judge that starts again goes on from them."""
     read_from: float
     """When the newest conversation they were read from was collected (Unix time): read from
     what was said before a forget, they are not taken after it."""
