@@ -173,6 +173,10 @@ async def test_a_correction_reaches_the_persons_next_prompts_and_leaves_with_the
             await session("bob-1", "bob", feedback="Please call me Bob.")
             await until(lambda: served(serve, "ada") == (SHORTER,) and served(serve, "bob") == (NAME,))
             [ada_read] = await read(bus, MEMORY_SUBJECT, "memory-check", keep=lambda r: r.user_id == "ada")
+            async with httpx.AsyncClient(base_url=serve.url) as http:  # Messages' count as the model would see it
+                counted = [(await http.post("/v1/messages/count_tokens", headers={"X-User-Id": user}, json={
+                    "model": "tiny", "messages": [{"role": "user", "content": "Greet me."}]})).json()["input_tokens"]
+                    for user in ("ada", "cy")]
             await session("ada-2", "ada")
             await session("ada-2r", "ada", api="responses")
             await session("bob-2", "bob")
@@ -198,6 +202,7 @@ async def test_a_correction_reaches_the_persons_next_prompts_and_leaves_with_the
     def prompt(session: str) -> str:
         return tokenizer.decode(turns[session][0].prompt_ids)
     assert ada_read.instructions == [SHORTER] and ada_read.read == ["shorter"]
+    assert counted[0] > counted[1]  # hers holds the instruction
     assert SHORTER in prompt("ada-2") and NAME not in prompt("ada-2") and turns["ada-2"][0].messages[0]["role"] == "system"
     assert SHORTER in prompt("ada-2r") and NAME in prompt("bob-2") and SHORTER not in prompt("bob-2")
     assert not any(said in prompt(first) for said in (SHORTER, NAME) for first in ("ada-1", "bob-1"))

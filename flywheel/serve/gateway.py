@@ -169,9 +169,10 @@ def create_gateway(pool: EnginePool, tokenizer: Any, recorder: Recorder, model_n
                                      wire=MessagesWire(body.stop_sequences))
 
     @app.post("/v1/messages/count_tokens")
-    async def count_tokens(body: CountTokensRequest) -> dict[str, int]:
-        chat = translated(body.to_chat)
-        prompt_ids, *_ = await prompts.chat(chat, session_of({}, None, None))
+    async def count_tokens(body: CountTokensRequest, request: Request) -> dict[str, int]:
+        """The prompt's tokens as the model would see it (redacted, its person's instructions added)."""
+        session = session_of(request.headers, None, None, **caller(request))
+        prompt_ids, *_ = await prompts.chat(guarded(translated(body.to_chat), session), session_of({}, None, None))
         return {"input_tokens": len(prompt_ids)}
 
     @app.api_route("/", methods=["GET", "HEAD"], include_in_schema=False)
