@@ -46,12 +46,21 @@ def test_a_persons_corrections_become_instructions_and_labels_never_their_words(
     memory = InstructionMemory(size=3)
     read = memory.read(*corrected("ada", [TOO_LONG], [-1.0]))
     assert (read.instructions, read.read, read.user_id, read.tenant) == ([SHORTER], ["shorter"], "ada", "open")
-    # A correction about a fact reads no aspect: hers still ask for shorter replies.
-    read = memory.read(*corrected("ada", ["No, the capital of Australia is Canberra."], [-1.0], created_at=1001.0))
-    assert read.instructions == [SHORTER] and read.read == ["", "shorter"]
+    # A correction about a fact reads no aspect: it neither votes nor pushes out what she asked.
+    for k in range(4):
+        assert memory.read(*corrected("ada", ["No, the capital of Australia is Canberra."], [-1.0], created_at=1001.0 + k)) is None
+    assert memory.read(*corrected("ada", ["Call me Ada."], [-1.0], created_at=1005.0)).read == ["name", "shorter"]
     assert memory.read(*corrected("ada", ["Perfect, thanks!"], [1.0])) is None  # approved: not a correction
-    assert memory.read(*corrected("bob", ["No, the capital of Australia is Canberra."], [-1.0])).instructions == []
     assert memory.read(*corrected("cy", [TOO_LONG], [-1.0], consent=False)) is None  # not consented: not learned from
+
+
+def test_of_two_opposite_wishes_asked_as_often_the_newer_is_served():
+    memory = InstructionMemory(size=5)
+    memory.read(*corrected("ada", ["Could you break that into bullet points?"], [-1.0], created_at=1000.0))
+    read = memory.read(*corrected("ada", ["No lists please, just write it out in sentences."], [-1.0], created_at=1001.0))
+    assert read.read == ["prose", "list"] and read.instructions == [ASPECTS["prose"]]
+    read = memory.read(*corrected("ada", ["Bullets next time, one per line."], [-1.0], created_at=1002.0))
+    assert read.instructions == [LIST]  # asked twice
 
 
 def test_a_conversation_judged_again_counts_once_and_a_restarted_judge_goes_on_from_the_record():

@@ -2,8 +2,8 @@
 stream for the gateways (flywheel/judge/instruction_memory.py, flywheel/serve/served_memory.py).
 
 It carries instructions from a fixed list (flywheel/judge/wishes.py, `ASPECTS`) and the aspect
-read in each of the person's newest corrections, never their words; a person's newest record
-holds all of theirs (an empty list of instructions: none any more). It is their tenant's
+read in each of the person's newest corrections that read one, never their words; a person's
+newest record holds all of theirs. It is their tenant's
 traffic: kept on the bus no longer than their tenant's records, and deleted by `flywheel forget`
 with the rest of theirs (flywheel/tenants/forget.py).
 """
@@ -20,8 +20,8 @@ class Instructions(Record, kw_only=True):
     instructions: list[str]
     """What their newest corrections ask of replies, as instructions to the model."""
     read: list[str]
-    """The aspect read in each of their newest corrections, newest first ("": none read), which
-    the instructions were voted from: a judge that starts again goes on from them."""
+    """The aspect read in each of their newest corrections that read one, newest first, which the
+    instructions were voted from: a judge that starts again goes on from them."""
     read_from: float
     """When the newest conversation they were read from was collected (Unix time): read from
     what was said before a forget, they are not taken after it."""

@@ -3,12 +3,13 @@ gateways to serve (`memory.enabled`; flywheel/config/memory.py).
 
 For each new correction of a person (the hint of a turn of theirs judged below zero, as the
 teacher's memory takes them) the judge reads which aspect of a reply it asks to change
-(`WishReader.aspect`, flywheel/judge/wishes.py: "" where none is read, a correction about
-anything else or too vague) and keeps that label, never the words, for their newest
-`memory.corrections`; then it publishes the instructions for the aspects most of those ask for
-(`Instructions`): a person whose kept corrections read none gets an empty list, and the gateways
-stop serving the old. The labels travel in the record, so a judge that starts again reads each
-person's newest record first (`restore`) and goes on from it. A person here is an end user of a
+(`WishReader.aspect`, flywheel/judge/wishes.py) and keeps that label, never the words, for their
+newest `memory.corrections` that read one (a correction about anything else, or too vague to
+read, neither votes nor pushes out what they asked before); then it publishes the instructions
+for the aspects most of those ask for (`Instructions`), of two opposite ones asked as often
+(shorter and longer, lists and prose, formal and casual) the one asked last. The labels travel
+in the record, so a judge that starts again reads each person's newest record first (`restore`)
+and goes on from it. A person here is an end user of a
 tenant, whatever adapter their turns train: the gateways know a request's tenant and user, and
 the memory is the person's. Kept and forgotten as flywheel/judge/people_memory.py keeps what the
 judge remembers.
@@ -20,10 +21,10 @@ from flywheel.bus import Sample, Trajectory
 from flywheel.bus.instructions import Instructions
 from flywheel.judge.people_memory import PeopleMemory
 from flywheel.judge.teacher import hints_of
-from flywheel.judge.wishes import ASPECTS, most_asked, wish_reader
+from flywheel.judge.wishes import ASPECTS, OPPOSITES, most_asked, wish_reader
 
 Read = tuple[str, str]
-"""(the correction's turn id, the aspect read in it): a trajectory judged again is not counted twice."""
+"""(the correction's turn id, the aspect read in it): a conversation judged again counts once."""
 
 
 class InstructionMemory(PeopleMemory[Read]):
@@ -43,18 +44,24 @@ class InstructionMemory(PeopleMemory[Read]):
         if not trajectory.consent or self.forgotten_since(person, trajectory.created_at):
             return None
         hints = hints_of(trajectory, sample.details)
-        corrected = [k for k in sorted(hints) if sample.turn_rewards[k] < 0]
-        if not corrected:
-            return None
         reader = wish_reader()
-        self.keep(trajectory, [(trajectory.turns[k].id, reader.aspect(hints[k]) or "") for k in corrected])
-        read = [aspect for _, aspect in self.recall(trajectory)]
+        aspects = [(trajectory.turns[k].id, reader.aspect(hints[k])) for k in sorted(hints) if sample.turn_rewards[k] < 0]
+        if not (read := [(turn, aspect) for turn, aspect in aspects if aspect]):
+            return None
+        self.keep(trajectory, read)
+        kept = [aspect for _, aspect in self.recall(trajectory)]
         return Instructions(id=f"{trajectory.id}#memory", tenant=trajectory.tenant, user_id=trajectory.user_id,
-                            instructions=[ASPECTS[aspect] for aspect in most_asked(read)], read=read,
+                            instructions=[ASPECTS[aspect] for aspect in wanted(kept)], read=kept,
                             read_from=trajectory.created_at)
 
     def restore(self, record: Instructions) -> None:
         """Go on from a person's record (published by this judge before it restarted, or another)."""
         person = (record.tenant, "", record.user_id or "")
-        reads = [(f"{record.id}#{i}", aspect) for i, aspect in enumerate(record.read) if aspect in ASPECTS or not aspect]
+        reads = [(f"{record.id}#{i}", aspect) for i, aspect in enumerate(record.read) if ASPECTS.get(aspect)]
         self.keep_for(person, reversed(reads), record.read_from, replace=True)
+
+
+def wanted(read: list[str]) -> list[str]:
+    """The aspects most of `read` (newest first) ask for; of two opposite ones, the one asked last."""
+    most = most_asked(read)
+    return [aspect for aspect in most if OPPOSITES.get(aspect) not in most or read.index(aspect) < read.index(OPPOSITES[aspect])]

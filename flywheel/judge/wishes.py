@@ -51,6 +51,9 @@ ASPECTS: dict[str, str | None] = {
 """Each aspect's instruction to the teacher (None: the person's words are the instruction). For
 `shorter`, `list`, `name` and `formal`, the phrasing SmolLM2-135M followed best of those tried
 (docs/experiments/learning-from-use.md, section 4); the others are written, not measured."""
+OPPOSITES = {"shorter": "longer", "longer": "shorter", "list": "prose", "prose": "list", "formal": "casual",
+             "casual": "formal"}
+"""Aspects that ask for opposite replies (the reader mistakes one for the other at times)."""
 LABELS = tuple(ASPECTS)
 TRAIN_DATA = Path(__file__).resolve().parent / "data"
 TRAIN_FILES = "correction_aspects_train*.jsonl"
