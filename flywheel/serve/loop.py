@@ -229,8 +229,9 @@ class ServeLoop:
     async def _follow_forgetting(self) -> None:
         """A tenant or user forgotten anywhere (`flywheel forget`, any gateway's admin route) is
         forgotten from this gateway's memory too: its session continuations, its stored responses,
-        its people's instructions (`memory.enabled`); and its LoRA adapters (`adapter_store.owned_by`) from every engine, so the user's next
-        request is served as a new user's (their adapter's version 0: its origin, or the base).
+        its people's instructions (`memory.enabled`); and its LoRA adapters (`adapter_store.owned_by`)
+        from every engine, so the user's next request is served as a new user's (their adapter's
+        version 0: its origin, or the base).
         Those adapters are unloaded again once the trainer says it dropped them (`forget.adapters`,
         flywheel/train/forget_adapters.py): a version a step under way published meanwhile goes too."""
         async for entry in self.bus.follow(AUDIT_SUBJECT, from_last=False):
