@@ -72,6 +72,8 @@ def test_a_conversation_judged_again_counts_once_and_a_restarted_judge_goes_on_f
     assert read.instructions == [SHORTER, NAME] or read.instructions == [NAME, SHORTER]  # one vote each
     restarted = InstructionMemory(size=3)
     restarted.restore(read)
+    again = restarted.read(*corrected("ada", ["Call me Ada."], [-1.0], created_at=1001.0))  # redelivered after it
+    assert again.read == ["name", "shorter"]
     later = restarted.read(*corrected("ada", ["Say my name, Ada, please."], [-1.0], created_at=1002.0))
     assert later.instructions == [NAME] and later.read == ["name", "name", "shorter"]
 
@@ -94,7 +96,7 @@ def chat(user: str | None, session: str | None, system: str | None = None, tenan
 def instructions(user: str | None, said: list[str], tenant: str = "open", read_from: float = 1000.0,
                  written: float | None = None) -> Instructions:
     return Instructions(id=f"{tenant}-{user}-{read_from}", tenant=tenant, user_id=user, instructions=said, read=[],
-                        read_from=read_from, created_at=time.time() if written is None else written)
+                        turns=[], read_from=read_from, created_at=time.time() if written is None else written)
 
 
 def test_the_gateway_serves_a_persons_instructions_in_their_system_message_alone():

@@ -22,6 +22,9 @@ class Instructions(Record, kw_only=True):
     read: list[str]
     """The aspect read in each of their newest corrections that read one, newest first, which the
     instructions were voted from: a judge that starts again goes on from them."""
+    turns: list[str]
+    """The turn each of `read` was read in (its interaction id), so that a conversation judged again
+    after the judge started again counts once."""
     read_from: float
     """When the newest conversation they were read from was collected (Unix time): read from
     what was said before a forget, they are not taken after it."""

@@ -7,12 +7,12 @@ teacher's memory takes them) the judge reads which aspect of a reply it asks to 
 newest `memory.corrections` that read one (a correction about anything else, or too vague to
 read, neither votes nor pushes out what they asked before); then it publishes the instructions
 for the aspects most of those ask for (`Instructions`), of two opposite ones asked as often
-(shorter and longer, lists and prose, formal and casual) the one asked last. The labels travel
-in the record, so a judge that starts again reads each person's newest record first (`restore`)
-and goes on from it. A person here is an end user of a
-tenant, whatever adapter their turns train: the gateways know a request's tenant and user, and
-the memory is the person's. Kept and forgotten as flywheel/judge/people_memory.py keeps what the
-judge remembers.
+(shorter and longer, lists and prose, formal and casual) the one asked last. The labels, and
+the turns they were read in, travel in the record, so a judge that starts again reads each
+person's newest record first (`restore`) and goes on from it, a conversation judged again
+counting once. A person here is an end user of a tenant, whatever adapter their turns train:
+the gateways know a request's tenant and user, and the memory is the person's. Kept and
+forgotten as flywheel/judge/people_memory.py keeps what the judge remembers.
 """
 
 from __future__ import annotations
@@ -49,15 +49,16 @@ class InstructionMemory(PeopleMemory[Read]):
         if not (read := [(turn, aspect) for turn, aspect in aspects if aspect]):
             return None
         self.keep(trajectory, read)
-        kept = [aspect for _, aspect in self.recall(trajectory)]
+        kept = self.recall(trajectory)
+        aspects = [aspect for _, aspect in kept]
         return Instructions(id=f"{trajectory.id}#memory", tenant=trajectory.tenant, user_id=trajectory.user_id,
-                            instructions=[ASPECTS[aspect] for aspect in wanted(kept)], read=kept,
-                            read_from=trajectory.created_at)
+                            instructions=[ASPECTS[aspect] for aspect in wanted(aspects)], read=aspects,
+                            turns=[turn for turn, _ in kept], read_from=trajectory.created_at)
 
     def restore(self, record: Instructions) -> None:
         """Go on from a person's record (published by this judge before it restarted, or another)."""
         person = (record.tenant, "", record.user_id or "")
-        reads = [(f"{record.id}#{i}", aspect) for i, aspect in enumerate(record.read) if ASPECTS.get(aspect)]
+        reads = [(turn, aspect) for turn, aspect in zip(record.turns, record.read) if ASPECTS.get(aspect)]
         self.keep_for(person, reversed(reads), record.read_from, replace=True)
 
 
