@@ -115,8 +115,6 @@ def test_the_gateway_serves_a_persons_instructions_in_their_system_message_alone
     assert body.messages[0].role == "developer" and body.messages[0].content == f"Be kind.\n\nAsked: {SHORTER} {NAME}"
     completion = CompletionRequest(model="tiny", prompt="Hi")
     assert memory.applied(completion, chat("ada", "a3")[1]) is completion  # a raw prompt has no system message
-    memory.take(instructions("ada", [], read_from=1001.0))
-    assert len(memory.applied(*chat("ada", "a4")).messages) == 1  # none any more
 
 
 def test_a_session_keeps_the_instructions_it_started_with():

@@ -74,14 +74,11 @@ class ServedMemory:
         return len(self._people)
 
     def take(self, record: Instructions) -> None:
-        """A person's newest instructions (none: they have none any more), unless read from what
-        they said before they were forgotten."""
+        """A person's newest instructions, unless read from what they said before they were
+        forgotten."""
         self.taken += 1
         person = (record.tenant, record.user_id or None)
         if self._forgotten.since(*person, record.read_from):
-            return
-        if not record.instructions:
-            self._people.pop(person)
             return
         expires = record.created_at + self.retention_s.get(record.tenant, MEMORY.max_age_s)
         self._people[person] = (tuple(sys.intern(text) for text in record.instructions), expires)
