@@ -5,6 +5,7 @@ by a session it started; gone when they are forgotten."""
 
 from __future__ import annotations
 
+import json
 import time
 
 import httpx
@@ -12,6 +13,7 @@ import httpx
 from flywheel.bus import Sample, Trajectory
 from flywheel.bus.instructions import Instructions
 from flywheel.bus.streams import MEMORY_SUBJECT
+from flywheel.config import load_config
 from flywheel.judge.instruction_memory import InstructionMemory
 from flywheel.judge.loop import JudgeLoop
 from flywheel.judge.wishes import ASPECTS
@@ -134,6 +136,17 @@ def test_instructions_are_held_no_longer_than_their_record_is_kept():
     assert len(memory.applied(*chat("ada", None, tenant="brief")).messages) == 1 and len(memory) == 2
     assert memory.applied(*chat("bob", None, tenant="brief")).messages[0].content == SHORTER
     assert memory.applied(*chat("cy", None)).messages[0].content == SHORTER
+
+
+def test_a_tenant_may_keep_its_people_out_of_the_memory():
+    tenants = json.dumps({"quiet": {"keys": ["sk-q"], "memory": False}, "loud": {"keys": ["sk-l"]}})
+    judge = JudgeLoop(load_config(None, ["memory.enabled=true", "judge.kind=next_state", f"tenants={tenants}"]), "nats://x")
+    assert [judge._remembers(corrected("ada", [TOO_LONG], [-1.0], tenant=t)[0]) for t in ("quiet", "loud")] == [False, True]
+    memory = ServedMemory("$instructions", without={"quiet"})
+    for tenant in ("quiet", "loud"):
+        memory.take(instructions("ada", [SHORTER], tenant=tenant))  # a record from before the setting
+    assert len(memory.applied(*chat("ada", "q1", tenant="quiet")).messages) == 1
+    assert memory.applied(*chat("ada", "l1", tenant="loud")).messages[0].content == SHORTER
 
 
 def test_forgetting_drops_a_persons_instructions_and_what_was_read_before_it():

@@ -99,6 +99,9 @@ class TenantConfig(Section):
     """The types looked for (`flywheel.privacy.SUPPORTED_ENTITIES`); null: the default set."""
     adapter_scope: Literal["shared", "tenant", "user"] | None = None
     """Whose adapter this tenant's requests use, when `adapters.kind` is `lora` (null: `adapters.scope`)."""
+    memory: bool = True
+    """With `memory.enabled`: false keeps no served memory for this tenant's people (nothing of
+    their corrections is read for it, and no instructions are added to their requests)."""
     retention_days: float | None = Field(None, gt=0, le=7)
     """How long its records (turns, trajectories, samples, unscored) are kept on the bus, each
     from when it was written; at most 7, the streams' own age limit (null: 7; unscored: 30)."""

@@ -113,6 +113,11 @@ class JudgeLoop(ConsumerLoop):
         async for entry in self.bus.follow(AUDIT_SUBJECT, from_first=True):  # again after a fault: none missed
             self._heard(entry)
 
+    def _remembers(self, trajectory: Trajectory) -> bool:
+        """Whether the served memory reads this trajectory's corrections (on, and its tenant's)."""
+        tenant = self.config.tenants.get(trajectory.tenant)
+        return self.instructions is not None and (tenant is None or tenant.memory)
+
     def _heard(self, entry: Record) -> None:
         """A forgotten tenant's or user's hints, requests and corrections leave the judge's memory,
         from when the forget begins: nothing of theirs is published after it."""
@@ -183,7 +188,7 @@ class JudgeLoop(ConsumerLoop):
             if isinstance(record, Sample):
                 for sample in await self._practise(trajectory, record, wishes):
                     await self.bus.publish(SAMPLE_SUBJECT, sample)
-                if self.instructions is not None and (read := self.instructions.read(trajectory, record)) is not None:
+                if self._remembers(trajectory) and (read := self.instructions.read(trajectory, record)) is not None:
                     await self.bus.publish(MEMORY_SUBJECT, read)
                     self.instructions_published += 1
             await delivery.ack()

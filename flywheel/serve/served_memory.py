@@ -45,8 +45,10 @@ def appended(template: str, instructions: Iterable[str]) -> str:
 
 class ServedMemory:
     def __init__(self, template: str, retention_s: Mapping[str, float] | None = None, people: int = PEOPLE,
-                 sessions: int = SESSIONS):
+                 sessions: int = SESSIONS, without: Iterable[str] = ()):
         self.template = template
+        self.without = frozenset(without)
+        """Tenants whose people are served no memory (`tenants.NAME.memory: false`)."""
         self.retention_s = dict(retention_s or {})
         """Tenant -> seconds its records are kept (`retention_days`); others: the MEMORY stream's age."""
         self._people: LRU[Person, tuple[tuple[str, ...], float]] = LRU(people)
@@ -58,10 +60,11 @@ class ServedMemory:
         """Records followed, taken or not (the serve loop's stats: `instructions_taken`)."""
 
     @classmethod
-    async def read(cls, bus: Any, template: str, retention_s: Mapping[str, float]) -> tuple[ServedMemory, int]:
+    async def read(cls, bus: Any, template: str, retention_s: Mapping[str, float],
+                   without: Iterable[str] = ()) -> tuple[ServedMemory, int]:
         """The memory read whole from `bus`, before a gateway's first request: every forget so
         far on the audit log, then every record on MEMORY; and the last of those, to follow from."""
-        memory = cls(template, retention_s)
+        memory = cls(template, retention_s, without=without)
 
         def heard(entry: Any) -> None:
             if isinstance(entry, AuditEntry) and entry.action in FORGETTING:
@@ -109,7 +112,8 @@ class ServedMemory:
     def applied(self, body: Any, session: SessionInfo) -> Any:
         """A chat request with its person's instructions at the end of its system message (a
         system message of them first, where it has none); any other request as it is."""
-        if not isinstance(body, ChatCompletionRequest) or not (instructions := self.instructions(session)):
+        if (not isinstance(body, ChatCompletionRequest) or session.tenant in self.without
+                or not (instructions := self.instructions(session))):
             return body
         said = appended(self.template, instructions)
         messages = list(body.messages)
