@@ -22,13 +22,12 @@ from typing import Any
 
 from flywheel.bus import TRAFFIC_SUBJECTS, TRAJECTORY_SUBJECT, Delivery
 from flywheel.bus.consumer_loop import ConsumerLoop
-from flywheel.bus.records import AuditEntry
 from flywheel.bus.streams import AUDIT_SUBJECT
 from flywheel.collect.recovery import RestartBarrier
 from flywheel.collect.tracker import Closed, SessionTracker
 from flywheel.config import FlywheelConfig
 from flywheel.runtime import cancel_and_wait, repeat
-from flywheel.tenants.forgotten import FORGETTING
+from flywheel.tenants.forgotten import forget_of
 
 log = logging.getLogger(__name__)
 SWEEP_S = 60.0
@@ -55,9 +54,8 @@ class CollectLoop(ConsumerLoop):
     async def _follow_forgetting(self) -> None:
         """Every forget, from the first (a restarted collector, or this follower, must miss none)."""
         async for entry in self.bus.follow(AUDIT_SUBJECT, from_last=False, from_first=True):
-            assert isinstance(entry, AuditEntry)
-            if entry.action in FORGETTING:
-                self._forgotten.append((entry.details["tenant"], entry.details.get("user"), entry.created_at))
+            if (forget := forget_of(entry)) is not None:
+                self._forgotten.append(forget)
 
     async def _sweep_large(self) -> None:
         """Large records' bodies past their tenant's retention go (flywheel/bus/large.py), every minute."""

@@ -51,7 +51,7 @@ from flywheel.bus import (
 )
 from flywheel.bus.addresses import read_address
 from flywheel.bus.consumer_loop import ConsumerLoop
-from flywheel.bus.records import AuditEntry, Record
+from flywheel.bus.records import Record
 from flywheel.bus.scan import take_all
 from flywheel.bus.streams import AUDIT, AUDIT_SUBJECT, MEMORY, MEMORY_SUBJECT
 from flywheel.config import FlywheelConfig
@@ -64,7 +64,7 @@ from flywheel.judge.practice import Practice, corrected_turns
 from flywheel.judge.teacher import Teacher, Teaching, hints_of
 from flywheel.judge.wishes import Wish, wish_reader
 from flywheel.runtime import cancel_and_wait, repeat
-from flywheel.tenants.forgotten import FORGETTING
+from flywheel.tenants.forgotten import forget_of
 
 log = logging.getLogger(__name__)
 
@@ -121,9 +121,9 @@ class JudgeLoop(ConsumerLoop):
     def _heard(self, entry: Record) -> None:
         """A forgotten tenant's or user's hints, requests and corrections leave the judge's memory,
         from when the forget begins: nothing of theirs is published after it."""
-        if isinstance(entry, AuditEntry) and entry.action in FORGETTING:
+        if (forget := forget_of(entry)) is not None:
             for memory in self._memories():
-                memory.forget(entry.details["tenant"], entry.details.get("user"), entry.created_at)
+                memory.forget(*forget)
 
     def _teacher(self) -> Teacher | None:
         """The hint teacher (`judge.teacher`) on the judge's own server, or with adapters on the

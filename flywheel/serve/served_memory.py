@@ -25,13 +25,12 @@ from string import Template
 from typing import Any
 
 from flywheel.bus.instructions import Instructions
-from flywheel.bus.records import AuditEntry
 from flywheel.bus.scan import take_all
 from flywheel.bus.streams import AUDIT, MEMORY
 from flywheel.lru import LRU
 from flywheel.serve.api.chat import ChatCompletionRequest, Message
 from flywheel.serve.api.sessions import SessionInfo
-from flywheel.tenants.forgotten import FORGETTING, Forgettings, forgets
+from flywheel.tenants.forgotten import Forgettings, forget_of, forgets
 
 SESSIONS = 100_000
 PEOPLE = 1_000_000
@@ -67,8 +66,8 @@ class ServedMemory:
         memory = cls(template, retention_s, without=without)
 
         def heard(entry: Any) -> None:
-            if isinstance(entry, AuditEntry) and entry.action in FORGETTING:
-                memory.forget(entry.details["tenant"], entry.details.get("user"), entry.created_at)
+            if (forget := forget_of(entry)) is not None:
+                memory.forget(*forget)
         await take_all(bus, AUDIT.name, heard)
         return memory, await take_all(bus, MEMORY.name, memory.take)
 

@@ -5,12 +5,22 @@ of, for what of theirs comes later (`Forgettings`)."""
 
 from __future__ import annotations
 
+from typing import Any
+
 from flywheel.lru import LRU
 
 BEGUN = "forget.begin"
 """The audit entry a forget puts on the log before it deletes anything (`forget`, with its report,
 when it is done): whoever holds traffic stops keeping theirs at once."""
 FORGETTING = frozenset({BEGUN, "forget"})
+
+
+def forget_of(entry: Any) -> tuple[str, str | None, float] | None:
+    """The tenant, end user (None: all of them) and Unix time of the forget an audit entry begins
+    or ends; None for any other record."""
+    if getattr(entry, "action", None) not in FORGETTING:
+        return None
+    return entry.details["tenant"], entry.details.get("user"), entry.created_at
 
 
 def forgets(forgotten: tuple[str, str | None], holder: tuple[str, str | None]) -> bool:
