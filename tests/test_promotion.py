@@ -211,6 +211,17 @@ async def test_a_canary_whose_sessions_fare_worse_is_rolled_back_across_a_promot
         assert one.online_reward() == (8, 0.0) and (await p.registry.get(0)).online_reward()[0] == 10
 
 
+async def test_a_fetch_seen_again_after_a_promoter_died_before_acknowledging_counts_once_online(bus, nats_url, tmp_path):
+    """A promoter killed after writing a fetch's evidence and before acknowledging it is handed the
+    same samples again: each version's online reward counts them once (it counted them twice)."""
+    async with promoting(bus, nats_url, tmp_path, *GATE) as g:
+        seen = {(None, 0): [(10**9, 1.0), (10**9 + 1, 0.0)]}  # stream sequences past any the test publishes
+        for _ in range(2):  # written, then handed again
+            async with g.promoter.decisions.lock:
+                await g.promoter._apply(seen)
+        assert (await g.registry.get(0)).online_reward() == (2, 0.5)
+
+
 async def test_a_canary_whose_sessions_fare_no_worse_is_promoted(bus, nats_url, tmp_path):
     turns = await sampled_turns(16)
     async with promoting(bus, nats_url, tmp_path, *CANARY) as p:

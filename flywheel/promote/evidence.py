@@ -13,9 +13,10 @@ away), and its median time per output token after the first. Either far worse on
 (`promotion.canary.max_error_rate_increase`, `max_latency_ratio`) rolls it back at once.
 
 Exactly once: a canary's entry keeps the stream sequence of the last sample it applied
-(`applied_seq`), written with the arms; a redelivered sample at or below it is skipped, so a
-promoter killed between writing and acknowledging does not count a sample twice (the same for
-turns, `applied_turn_seq`).
+(`applied_seq`), written with the arms, and each version's entry that of the last sample in its
+online series (`online_seq`, written before the arms); a redelivered sample at or below it is
+skipped, so a promoter killed between writing and acknowledging does not count a sample twice
+(the same for turns, `applied_turn_seq`).
 """
 
 from __future__ import annotations
@@ -42,7 +43,13 @@ def sampling_version(sample: Sample) -> int | None:
     return versions.pop() if len(versions) == 1 else None
 
 
-def add_online(entry: VersionEntry, rewards: list[float], now: float | None = None) -> None:
+def add_online(entry: VersionEntry, seen: list[tuple[int, float]], now: float | None = None) -> bool:
+    """Count (stream sequence, reward) of judged samples in the entry's online series, those past
+    its `online_seq` only; whether any were."""
+    rewards = [r for seq, r in seen if seq > entry.online_seq]
+    if not rewards:
+        return False
+    entry.online_seq = max(seq for seq, _ in seen)
     bucket = float(int((now or time.time()) // ONLINE_BUCKET_S * ONLINE_BUCKET_S))
     if entry.online and entry.online[-1][0] == bucket:
         entry.online[-1][1] += len(rewards)
@@ -50,6 +57,7 @@ def add_online(entry: VersionEntry, rewards: list[float], now: float | None = No
     else:
         entry.online.append([bucket, float(len(rewards)), float(sum(rewards))])
     del entry.online[:-ONLINE_ROWS]
+    return True
 
 
 def by_version(deliveries: list[Delivery]) -> dict[tuple[str | None, int], list[tuple[int, float]]]:

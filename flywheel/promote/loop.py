@@ -265,6 +265,9 @@ class PromoteLoop:
         routing = await self.decisions.routing()
         applied: dict[str | None, int] = {}  # each canary's watermark before this fetch: both arms' groups are read against it
         for (adapter, version), seen in rewards.items():
+            entry = await self.registry.get(version, adapter)  # an adapter's start (version 0) has none
+            if entry is not None and add_online(entry, seen):  # before the arms: a canary's evidence implies its online rows
+                await self.registry.put(entry)
             canary = routing.canary_of(adapter)
             arms = {canary.version: "canary_arm", routing.serving_version(adapter): "serving_arm"} if canary else {}
             if version in arms:  # while a canary runs, both arms' state lives in the canary's entry
@@ -278,10 +281,6 @@ class PromoteLoop:
                 state[arms[version]] = stats.as_dict()
                 state["applied_seq"] = max([state["applied_seq"], *(seq for seq, _ in fresh)])
                 await self.registry.put(holder)
-            entry = await self.registry.get(version, adapter)  # an adapter's start (version 0) has none
-            if entry is not None:
-                add_online(entry, [r for _, r in seen])
-                await self.registry.put(entry)
 
     async def _operations(self) -> None:
         deliveries = await self.turns.fetch(batch=256, timeout_s=1.0)

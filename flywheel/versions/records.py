@@ -81,6 +81,8 @@ class VersionEntry(Record, kw_only=True):
     online: list[list[float]] = msgspec.field(default_factory=list)
     """Its online reward over time: `[bucket start (unix s), sessions, reward sum]` per 15 s
     (`flywheel/promote/evidence.py`)."""
+    online_seq: int = 0
+    """The stream sequence of the last sample counted in `online` (a sample handed again is not)."""
 
     def moved(self, state: State, reason: str, by: str) -> "VersionEntry":
         self.state = state
