@@ -17,7 +17,8 @@ Measured, per scope and person
     - the rate of each over the first and the last `--window` sessions;
     - held-out (questions never asked, `--heldout-samples` seeded samples each): the policy each
       person ends with (their adapter merged into the base; the shared one under `shared`), the
-      rate of their own wish and of the other's.
+      rate of their own wish and of the other's; with `memory.enabled=true`, asked with what the
+      gateway serves that person at the end (their instructions in the system message: `served`).
 
 How to run (from the repository root; about 20-40 min on 2 cores)
     .venv/bin/python bench/two_people.py [--wishes brief detailed] [--sessions 16] [--scopes user shared] [key=value ...]
@@ -41,7 +42,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # `python bench
 from bench.lib.common import RESULTS, ROOT, START_COMMIT, quiet_logs, table  # noqa: E402
 from bench.lib.final_policy import final_policy  # noqa: E402
 from bench.lib.personal_eval import satisfaction, wait_trained  # noqa: E402
-from flywheel.drills.personal_agent import ARMS, CONFIG, converse  # noqa: E402
+from flywheel.drills.personal_agent import ARMS, CONFIG, converse, with_served_memory  # noqa: E402
 from flywheel.drills.simulated_people import (  # noqa: E402
     HELD_OUT_QUESTIONS,
     NAMES,
@@ -94,6 +95,8 @@ def run_scope(scope: str, args) -> dict:
             print(f"{scope} session {s}: " + "; ".join(
                 f"{p.name} ({p.preference.kind}) own {sessions[p.name][-1]['satisfied']:d} other "
                 f"{sessions[p.name][-1]['other_satisfied']:d}" for p in pair), flush=True)
+        systems = {p.name: asyncio.run(with_served_memory(p.system, deployment.bus_url, config.memory.template, p.name))
+                   if config.memory.enabled else p.system for p in pair}
     finally:
         deployment.stop()
     result = {"scope": scope, "sessions": sessions, "wall_s": round(time.monotonic() - started, 1), "people": {}}
@@ -102,9 +105,9 @@ def run_scope(scope: str, args) -> dict:
         weights = final_policy(config, run_dir, adapter)
         mine = sessions[person.name]
         heldout = asyncio.run(satisfaction(weights, config.model, person, HELD_OUT_QUESTIONS, args,
-                                           others=(in_their_place(person, other),)))
+                                           others=(in_their_place(person, other),), system=systems[person.name]))
         result["people"][person.name] = {
-            "wish": person.preference.kind, "adapter": adapter,
+            "wish": person.preference.kind, "adapter": adapter, "served": systems[person.name][len(person.system):],
             "own_first": fmean(r["satisfied"] for r in mine[:args.window]),
             "own_last": fmean(r["satisfied"] for r in mine[-args.window:]),
             "other_first": fmean(r["other_satisfied"] for r in mine[:args.window]),

@@ -83,19 +83,22 @@ def sessions_to_learn(satisfied: list[bool], run: int = RUN) -> int | None:
     return None
 
 
-async def with_served_memory(system: str, bus_url: str, template: str) -> str:
-    """The system message with the instructions the deployment serves its one person now
-    (`memory.enabled`: the newest on MEMORY), as the gateway puts them (`memory.template`)."""
+async def with_served_memory(system: str, bus_url: str, template: str, user_id: str | None = None) -> str:
+    """The system message with the instructions the deployment serves `user_id` now (None: the
+    person who names none; `memory.enabled`: their newest record on MEMORY), as the gateway puts
+    them (`memory.template`)."""
     from flywheel.bus import Bus
-    from flywheel.bus.streams import MEMORY_SUBJECT
+    from flywheel.bus.scan import take_all
+    from flywheel.bus.streams import MEMORY
     from flywheel.serve.served_memory import appended
 
+    newest = {}
     bus = await Bus.connect(bus_url, name="personal-agent-drill")
     try:
-        newest = await bus.last(MEMORY_SUBJECT)
+        await take_all(bus, MEMORY.name, lambda record: newest.__setitem__(record.user_id, record))
     finally:
         await bus.close()
-    said = newest.instructions if newest is not None else []
+    said = newest[user_id].instructions if user_id in newest else []
     return system + appended(template, said) if said else system
 
 

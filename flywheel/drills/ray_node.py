@@ -20,14 +20,15 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -55,42 +56,59 @@ trainer did not come back in 120 s, Ray logging a node "marked dead ... missed t
 drill's temp dir; it now prints their tails)."""
 
 
+STARTED_LINE = "Ray runtime started."
+"""What `ray start` prints once its node runs."""
+NODE_START_S = 120.0
+START_TRIES = 3
+
+
 class RayNodes:
     """A Ray head and worker nodes, each `ray start --block` in its own process group."""
 
     def __init__(self, temp_dir: str):
-        self.address = f"127.0.0.1:{free_port()}"
+        self.address = ""
+        """The head's, once started."""
         self.temp_dir = temp_dir
         self.env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0", "RAY_AUTH_MODE": "disabled",
                     "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "1",  # multi-node, even where a local Ray was asked for loopback
                     **FAST_FAILURE_DETECTION}
         self.nodes: list[subprocess.Popen] = []
 
-    def _start(self, args: list[str], resources: dict[str, float], cpus: int) -> subprocess.Popen:
-        ray = str(Path(sys.executable).parent / "ray")
-        log = open(Path(self.temp_dir) / f"node{len(self.nodes)}.log", "w")
-        proc = subprocess.Popen(
-            [ray, "start", *args, "--node-ip-address", "127.0.0.1", "--num-cpus", str(cpus),
-             "--resources", json.dumps(resources), "--disable-usage-stats", "--block"],
-            env=self.env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-        )
-        self.nodes.append(proc)
-        return proc
-
-    def start_head(self, resources: dict[str, float], timeout_s: float = 60.0) -> None:
-        """Start the head and return once its GCS takes connections; a head that exits first (a
-        port Ray refuses) raises with its log, where `ray.init` would wait for it forever."""
-        port = self.address.rsplit(":", 1)[1]
-        head = self._start(["--head", "--port", port, "--temp-dir", self.temp_dir, "--include-dashboard=false"], resources, 2)
-        deadline = time.monotonic() + timeout_s
-        while head.poll() is None and time.monotonic() < deadline:
-            try:
-                socket.create_connection(("127.0.0.1", int(port)), timeout=1).close()
-                return
-            except OSError:
+    def _start(self, args: Callable[[], list[str]], resources: dict[str, float], cpus: int) -> subprocess.Popen:
+        """Start a node (`args`: its own arguments, made for each try) and return once its `ray
+        start` says it runs. Ray gives a node's raylet a fixed 30 s to register with the GCS
+        (`raylet_start_wait_time_s` in ray/_private/node.py) and its `ray start` exits when that
+        is missed, which a loaded machine does (a fresh clone's suite, 2026-12-02: the head's start
+        gave up and the drill could not connect); such a node is killed with its processes and
+        started again, at most `START_TRIES` times."""
+        for _ in range(START_TRIES):
+            ray = str(Path(sys.executable).parent / "ray")
+            log_path = Path(self.temp_dir) / f"node{len(self.nodes)}.log"
+            with open(log_path, "w") as log:
+                proc = subprocess.Popen(
+                    [ray, "start", *args(), "--node-ip-address", "127.0.0.1", "--num-cpus", str(cpus),
+                     "--resources", json.dumps(resources), "--disable-usage-stats", "--block"],
+                    env=self.env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+                )
+            self.nodes.append(proc)
+            deadline = time.monotonic() + NODE_START_S
+            while proc.poll() is None and time.monotonic() < deadline:
+                if STARTED_LINE in log_path.read_text(errors="replace"):
+                    return proc
                 time.sleep(0.2)
-        log = (Path(self.temp_dir) / "node0.log").read_text()[-2000:]
-        raise RuntimeError(f"the Ray head did not start (exit code {head.poll()}):\n{log}")
+            reached(f"a node's `ray start` gave up (exit code {proc.poll()}); starting it again")
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)  # its GCS or raylet may outlive it
+            proc.wait()
+        raise RuntimeError(f"a Ray node did not start in {START_TRIES} tries:\n{self.log_tails()}")
+
+    def start_head(self, resources: dict[str, float]) -> None:
+        """Start the head (on a new port at each try: a killed one's may linger)."""
+        def args() -> list[str]:
+            self.address = f"127.0.0.1:{free_port()}"
+            return ["--head", "--port", self.address.rsplit(":", 1)[1], "--temp-dir", self.temp_dir,
+                    "--include-dashboard=false"]
+        self._start(args, resources, 2)
 
     def log_tails(self, lines: int = 15) -> str:
         """The last `lines` of each node's `ray start` output (its log goes with the temp dir)."""
@@ -99,7 +117,7 @@ class RayNodes:
                          for log in logs)
 
     def start_worker(self, resources: dict[str, float]) -> subprocess.Popen:
-        return self._start(["--address", self.address], resources, 1)
+        return self._start(lambda: ["--address", self.address], resources, 1)
 
     @staticmethod
     def kill(node: subprocess.Popen) -> None:
@@ -181,7 +199,7 @@ async def drill(run_dir: Path, temp_dir: str, every_s: float = 5.0, concurrency:
         await asyncio.sleep(every_s)
         nodes.kill(worker)
         killed_at = time.monotonic()
-        nodes.start_worker(NODE_RESOURCES["trainer"])
+        await asyncio.to_thread(nodes.start_worker, NODE_RESOURCES["trainer"])  # the load goes on meanwhile
         reached("the trainer's node killed, a new one started")
 
         async def trainer_moved() -> bool:
