@@ -23,7 +23,7 @@ Measured, per scope and person
 How to run (from the repository root; about 20-40 min on 2 cores)
     .venv/bin/python bench/two_people.py [--wishes brief detailed] [--sessions 16] [--scopes user shared] [key=value ...]
 
-Writes bench/results/two_people.json (another pair of wishes: two_people_<wish>_<wish>.json).
+Writes bench/results/two_people.json (another pair of wishes: two_people_<wish>_<wish>.json; or `--name`).
 """
 
 from __future__ import annotations
@@ -130,6 +130,7 @@ def main() -> None:
     parser.add_argument("--temperature", type=float, default=0.7)
     parser.add_argument("--heldout-samples", type=int, default=2)
     parser.add_argument("--run-root", default="runs/bench_two_people")
+    parser.add_argument("--name", help="the results file's name (default: two_people, or two_people_<wish>_<wish>)")
     parser.add_argument("overrides", nargs="*", metavar="key=value")
     args = parser.parse_args()
     quiet_logs()
@@ -140,7 +141,7 @@ def main() -> None:
     print(table(["scope", "person", "wish", "own, first", "own, last", "other's, first", "other's, last",
                  "held-out own", "held-out other's", "answers"], rows))
     RESULTS.mkdir(parents=True, exist_ok=True)
-    name = "two_people" if tuple(args.wishes) == WISHES else f"two_people_{'_'.join(args.wishes)}"
+    name = args.name or ("two_people" if tuple(args.wishes) == WISHES else f"two_people_{'_'.join(args.wishes)}")
     (RESULTS / f"{name}.json").write_text(json.dumps({"commit": START_COMMIT, "args": vars(args), "results": results},
                                                         indent=2))
 
