@@ -12,7 +12,8 @@ import httpx
 
 from flywheel.bus import Sample, Trajectory
 from flywheel.bus.instructions import Instructions
-from flywheel.bus.streams import MEMORY_SUBJECT
+from flywheel.bus.scan import take_all
+from flywheel.bus.streams import MEMORY, MEMORY_SUBJECTS, memory_subject
 from flywheel.config import load_config
 from flywheel.judge.instruction_memory import InstructionMemory
 from flywheel.judge.loop import JudgeLoop
@@ -99,6 +100,27 @@ def instructions(user: str | None, said: list[str], tenant: str = "open", read_f
                  written: float | None = None) -> Instructions:
     return Instructions(id=f"{tenant}-{user}-{read_from}", tenant=tenant, user_id=user, instructions=said, read=[],
                         turns=[], read_from=read_from, created_at=time.time() if written is None else written)
+
+
+async def test_the_memory_stream_keeps_each_persons_newest_record_and_a_start_reads_only_those(bus):
+    """A record per person, not per correction (a gateway's start reads the stream whole): the
+    same user id in two tenants, and the person who names none (or an empty one), are three people."""
+    for k, said in enumerate([[SHORTER], [NAME], [LIST]]):
+        await bus.publish(memory_subject("open", "ada"), instructions("ada", said, read_from=1000.0 + k))
+    await bus.publish(memory_subject("open", None), instructions(None, [NAME]))
+    await bus.publish(memory_subject("acme", "ada"), instructions("ada", [SHORTER], tenant="acme"))
+    await bus.publish(memory_subject("open", ""), instructions("", [LIST]))  # the one who names none, again
+    kept: list[Instructions] = []
+    last = await take_all(bus, MEMORY.name, kept.append)  # the gaps the replaced records left are not asked for
+    info = await bus.js.stream_info(MEMORY.name)
+    assert info.state.messages == 3 and last == info.state.last_seq == 6
+    assert [(r.tenant, r.user_id, r.instructions) for r in kept] == [
+        ("open", "ada", [LIST]), ("acme", "ada", [SHORTER]), ("open", "", [LIST])]
+    memory = ServedMemory("\n\nAsked: $instructions")
+    for record in kept:
+        memory.take(record)
+    served = [memory.instructions(chat(user, None, tenant=tenant)[1]) for tenant, user in [("open", "ada"), ("acme", "ada"), ("open", None)]]
+    assert served == [(LIST,), (SHORTER,), (LIST,)]
 
 
 def test_the_gateway_serves_a_persons_instructions_in_their_system_message_alone():
@@ -194,7 +216,7 @@ async def test_a_correction_reaches_the_persons_next_prompts_and_leaves_with_the
             await session("ada-1", "ada", feedback=TOO_LONG)
             await session("bob-1", "bob", feedback="Please call me Bob.")
             await until(lambda: served(serve, "ada") == (SHORTER,) and served(serve, "bob") == (NAME,))
-            [ada_read] = await read(bus, MEMORY_SUBJECT, "memory-check", keep=lambda r: r.user_id == "ada")
+            [ada_read] = await read(bus, MEMORY_SUBJECTS, "memory-check", keep=lambda r: r.user_id == "ada")
             async with httpx.AsyncClient(base_url=serve.url) as http:  # Messages' count as the model would see it
                 counted = [(await http.post("/v1/messages/count_tokens", headers={"X-User-Id": user}, json={
                     "model": "tiny", "messages": [{"role": "user", "content": "Greet me."}]})).json()["input_tokens"]
@@ -206,7 +228,7 @@ async def test_a_correction_reaches_the_persons_next_prompts_and_leaves_with_the
             report = await forget(bus, "open", "ada")
             await until(lambda: served(serve, "ada") == ())
             taken = serve.memory.taken
-            await bus.publish(MEMORY_SUBJECT, instructions("ada", [SHORTER], read_from=ada_read.read_from))  # late
+            await bus.publish(memory_subject("open", "ada"), instructions("ada", [SHORTER], read_from=ada_read.read_from))  # late
             await until(lambda: serve.memory.taken > taken)
             late = served(serve, "ada")
             second = ServeLoop(serve.config, nats_url)

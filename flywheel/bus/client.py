@@ -30,7 +30,7 @@ from flywheel.bus.acks import PublishAcks
 from flywheel.bus.large import HEADER, HEADROOM, LargeRecords, is_large, read_payload
 from flywheel.bus.pull import PullRequests
 from flywheel.bus.records import Record, Sample, Trajectory, decode, encode, tenant_of
-from flywheel.bus.streams import RECORD_TYPES, STREAMS, TRAJECTORIES, StreamSpec
+from flywheel.bus.streams import STREAMS, TRAJECTORIES, StreamSpec, carried_by, record_type
 
 log = logging.getLogger(__name__)
 
@@ -121,7 +121,7 @@ class Consumer:
         msgs = await (await self._requests()).pull(batch, timeout_s)
         out = []
         for msg in msgs:
-            kind = RECORD_TYPES.get(msg.subject)
+            kind = record_type(msg.subject)
             try:
                 if kind is None:
                     raise msgspec.ValidationError(f"no record type is defined for {msg.subject}")
@@ -221,7 +221,7 @@ class Bus:
         """Publish records pipelined: send them all, then wait for JetStream's acks together
         (one round trip and no task per record). Per record: None once it is durable, else the
         error (`TimeoutError`, ...)."""
-        kind = RECORD_TYPES[subject]
+        kind = carried_by(subject)
         for record in records:
             if not isinstance(record, kind):
                 raise TypeError(f"{subject} carries {kind.__name__}, not {type(record).__name__}")
@@ -288,7 +288,7 @@ class Bus:
             raw = await self.js.get_last_msg(stream, subject)
         except NotFoundError:
             return None
-        return decode(await read_payload(self, raw.data, raw.headers), RECORD_TYPES[subject])
+        return decode(await read_payload(self, raw.data, raw.headers), carried_by(subject))
 
     async def recent(self, subject: str, window: int) -> AsyncIterator[tuple[int, Record]]:
         """The records on `subject` among the last `window` messages its stream held when called,
@@ -297,7 +297,7 @@ class Bus:
         recent history; a record that does not decode is logged and skipped."""
         stream = await self.js.find_stream_name_by_subject(subject)
         last = (await self.js.stream_info(stream)).state.last_seq
-        seq, kind = max(1, last - window + 1), RECORD_TYPES[subject]
+        seq, kind = max(1, last - window + 1), carried_by(subject)
         while seq <= last:
             try:
                 raw = await self.js.get_msg(stream, seq, subject=subject, next=True, direct=True)
@@ -325,7 +325,7 @@ class Bus:
         if after_seq is not None:
             policy, config = None, ConsumerConfig(deliver_policy=DeliverPolicy.BY_START_SEQUENCE, opt_start_seq=after_seq + 1)
         sub = await self.js.subscribe(subject, cb=queue.put, ordered_consumer=True, deliver_policy=policy, config=config)
-        kind = RECORD_TYPES[subject]
+        kind = carried_by(subject)
         try:
             while True:
                 msg = await queue.get()

@@ -2,8 +2,10 @@
 (`flywheel forget` removing a tenant's records, `--retrain` replaying the samples that remain, a
 judge or gateway taking the forgets and the people's instructions before it starts: `take_all`).
 
-A message that cannot be read (another schema, a large record whose body is gone) is logged and
-passed over: the scan is not the place to judge it.
+One direct get per message, each for the next one the stream holds from a sequence on: what was
+deleted, expired or replaced in between (MEMORY keeps each person's newest record only) costs
+nothing. A message that cannot be read (another schema, a large record whose body is gone) is
+logged and passed over: the scan is not the place to judge it.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from nats.js.errors import NotFoundError
 
 from flywheel.bus.large import read_payload
 from flywheel.bus.records import Record, decode
-from flywheel.bus.streams import RECORD_TYPES
+from flywheel.bus.streams import record_type
 
 log = logging.getLogger(__name__)
 
@@ -38,20 +40,24 @@ async def stored_records(bus: Any, stream: str) -> AsyncIterator[Stored]:
         return
     if not info.state.messages:
         return
-    for seq in range(info.state.first_seq, info.state.last_seq + 1):
-        try:
-            message = await bus.js.get_msg(stream, seq)
+    seq, last = info.state.first_seq, info.state.last_seq
+    while seq <= last:
+        try:  # the next message from `seq` on: one request each, whatever was deleted or expired between
+            message = await bus.js.get_msg(stream, seq, subject=">", next=True, direct=True)
         except NotFoundError:
-            continue  # a gap: deleted already, or expired
-        kind = RECORD_TYPES.get(message.subject)
+            return
+        if message.seq > last:
+            return
+        seq = message.seq + 1
+        kind = record_type(message.subject)
         if kind is None:
             continue
         try:
             record = decode(await read_payload(bus, message.data, message.headers), kind)
         except (msgspec.ValidationError, msgspec.DecodeError, NotFoundError) as exc:
-            log.warning("%s #%d cannot be read (%s); passed over", stream, seq, exc)
+            log.warning("%s #%d cannot be read (%s); passed over", stream, message.seq, exc)
             continue
-        yield Stored(seq, message.headers, record)
+        yield Stored(message.seq, message.headers, record)
 
 
 async def take_all(bus: Any, stream: str, take: Callable[[Record], Any]) -> int:

@@ -7,6 +7,7 @@ it (JetStream orders messages within a stream).
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass
 
 from flywheel.bus.instructions import Instructions
@@ -44,8 +45,9 @@ UNSCORED_SUBJECT = "flywheel.unscored"
 WEIGHTS_SUBJECT = "flywheel.weights"
 AUDIT_SUBJECT = "flywheel.audit"
 """Administrative actions, who did them and when (the admin API, `flywheel forget`, the promotion loop)."""
-MEMORY_SUBJECT = "flywheel.memory"
-"""Each person's instructions for replies, read from their corrections (`memory.enabled`)."""
+MEMORY_SUBJECTS = "flywheel.memory.>"
+"""Each person's instructions for replies, read from their corrections (`memory.enabled`), on a
+subject of their own (`memory_subject`): the stream keeps each person's newest record only."""
 COMMANDS_SUBJECT = "flywheel.versions.commands"
 """Operators' requests to the promotion loop (`flywheel versions`, the gateway's admin routes)."""
 REGISTRY_BUCKET = "FLYWHEEL_VERSIONS"
@@ -61,7 +63,7 @@ TRAFFIC = StreamSpec("TRAFFIC", (TRAFFIC_SUBJECTS,), max_age_s=7 * DAY, tenant_r
 TRAJECTORIES = StreamSpec("TRAJECTORIES", (TRAJECTORY_SUBJECT,), max_age_s=7 * DAY, tenant_records=True)
 SAMPLES = StreamSpec("SAMPLES", (SAMPLE_SUBJECT,), max_age_s=7 * DAY, tenant_records=True)
 UNSCORED = StreamSpec("UNSCORED", (UNSCORED_SUBJECT,), max_age_s=30 * DAY, tenant_records=True)
-MEMORY = StreamSpec("MEMORY", (MEMORY_SUBJECT,), max_age_s=7 * DAY, tenant_records=True)
+MEMORY = StreamSpec("MEMORY", (MEMORY_SUBJECTS,), max_age_s=7 * DAY, max_msgs_per_subject=1, tenant_records=True)
 WEIGHTS = StreamSpec("WEIGHTS", (WEIGHTS_SUBJECT,), max_age_s=30 * DAY, max_msgs_per_subject=64)
 COMMANDS = StreamSpec("VERSION_COMMANDS", (COMMANDS_SUBJECT,), max_age_s=30 * DAY)
 AUDIT = StreamSpec("AUDIT", (AUDIT_SUBJECT,), max_age_s=400 * DAY)
@@ -74,11 +76,31 @@ RECORD_TYPES: dict[str, type[Record]] = {
     TRAJECTORY_SUBJECT: Trajectory,
     SAMPLE_SUBJECT: Sample,
     UNSCORED_SUBJECT: Unscored,
-    MEMORY_SUBJECT: Instructions,
+    MEMORY_SUBJECTS: Instructions,  # and each person's subject under it
     WEIGHTS_SUBJECT: WeightUpdate,
     COMMANDS_SUBJECT: VersionCommand,
     AUDIT_SUBJECT: AuditEntry,
     ROUTING_SUBJECT: Routing,  # keys of the registry's bucket (flywheel/versions/registry.py), not streams of their own
     DIRECTIVE_SUBJECT: TrainerDirective,
 }
-"""Which record type a subject carries; the bus decodes by subject."""
+"""Which record type a subject carries; the bus decodes by subject (`record_type`)."""
+
+
+def record_type(subject: str) -> type[Record] | None:
+    """The record type `subject` carries, or None: its own, or its family's (`flywheel.memory.<person>`
+    carries `flywheel.memory.>`'s)."""
+    return RECORD_TYPES.get(subject) or RECORD_TYPES.get(subject.rpartition(".")[0] + ".>")
+
+
+def carried_by(subject: str) -> type[Record]:
+    """`record_type`, for a subject a caller names: a KeyError when there is none."""
+    kind = record_type(subject)
+    if kind is None:
+        raise KeyError(f"no record type is defined for {subject}")
+    return kind
+
+
+def memory_subject(tenant: str, user_id: str | None) -> str:
+    """A person's own subject on MEMORY: a digest of their tenant and user id (no id's characters
+    reach a subject; an empty user id is the person who names none, as the gateway reads it)."""
+    return "flywheel.memory." + hashlib.sha256(f"{tenant}\0{user_id or ''}".encode()).hexdigest()[:32]

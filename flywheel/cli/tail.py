@@ -22,13 +22,13 @@ from flywheel.bus.large import read_payload
 from flywheel.bus.records import decode, encode
 from flywheel.bus.streams import (
     AUDIT_SUBJECT,
-    RECORD_TYPES,
     SAMPLE_SUBJECT,
     SESSION_EVENT_SUBJECT,
     STREAMS,
     TRAJECTORY_SUBJECT,
     TURN_SUBJECT,
     WEIGHTS_SUBJECT,
+    record_type,
 )
 from flywheel.cli.arguments import add_config, bus_url, load
 
@@ -56,7 +56,7 @@ def resolve_subject(name: str) -> str:
 
 async def _as_json(bus: Bus, msg: Any) -> str:
     """A message as one JSON line: the record re-encoded, or what is wrong with it."""
-    kind = RECORD_TYPES.get(msg.subject)
+    kind = record_type(msg.subject)
     try:
         if kind is None:
             raise msgspec.ValidationError(f"no record type is defined for {msg.subject}")

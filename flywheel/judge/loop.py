@@ -53,7 +53,7 @@ from flywheel.bus.addresses import read_address
 from flywheel.bus.consumer_loop import ConsumerLoop
 from flywheel.bus.records import Record
 from flywheel.bus.scan import take_all
-from flywheel.bus.streams import AUDIT, AUDIT_SUBJECT, MEMORY, MEMORY_SUBJECT
+from flywheel.bus.streams import AUDIT, AUDIT_SUBJECT, MEMORY, memory_subject
 from flywheel.config import FlywheelConfig
 from flywheel.judge.base import Unscorable, Verdict
 from flywheel.judge.build import build_judge
@@ -189,7 +189,7 @@ class JudgeLoop(ConsumerLoop):
                 for sample in await self._practise(trajectory, record, wishes):
                     await self.bus.publish(SAMPLE_SUBJECT, sample)
                 if self._remembers(trajectory) and (read := self.instructions.read(trajectory, record)) is not None:
-                    await self.bus.publish(MEMORY_SUBJECT, read)
+                    await self.bus.publish(memory_subject(read.tenant, read.user_id), read)
                     self.instructions_published += 1
             await delivery.ack()
         except Exception:

@@ -32,7 +32,7 @@ import uvicorn
 from flywheel.bus import WEIGHTS_SUBJECT, Bus, WeightUpdate, addresses
 from flywheel.bus.addresses import write_address
 from flywheel.bus.records import AuditEntry
-from flywheel.bus.streams import AUDIT_SUBJECT, MEMORY_SUBJECT, ROUTING_SUBJECT, TRAFFIC
+from flywheel.bus.streams import AUDIT_SUBJECT, MEMORY_SUBJECTS, ROUTING_SUBJECT, TRAFFIC
 from flywheel.config import ConfigError, FlywheelConfig
 from flywheel.config.serve import ServeConfig
 from flywheel.config.tenants import retention_s
@@ -247,7 +247,7 @@ class ServeLoop:
 
     async def _follow_memory(self) -> None:
         """Every person's newest instructions, after those read before the first request."""
-        async for record in self.bus.follow(MEMORY_SUBJECT, after_seq=self._memory_read):
+        async for record in self.bus.follow(MEMORY_SUBJECTS, after_seq=self._memory_read):
             self.memory.take(record)
 
     async def _follow_routing(self) -> None:

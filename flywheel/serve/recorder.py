@@ -32,7 +32,7 @@ from typing import BinaryIO
 import msgspec
 
 from flywheel.bus import Bus, Record, decode, encode
-from flywheel.bus.streams import RECORD_TYPES
+from flywheel.bus.streams import carried_by, record_type
 from flywheel.models.cache import fsync_directory
 
 log = logging.getLogger(__name__)
@@ -102,7 +102,7 @@ class SpillLog:
             for number, line in enumerate(f, 1):
                 try:
                     entry = _LINE_DECODER.decode(line)
-                    yield entry.subject, decode(entry.record, RECORD_TYPES[entry.subject], "json")
+                    yield entry.subject, decode(entry.record, carried_by(entry.subject), "json")
                 except (msgspec.DecodeError, msgspec.ValidationError, KeyError) as exc:
                     log.error("spill file %s line %d cannot be read (%s); skipped", path, number, exc)
                     yield None
@@ -165,7 +165,7 @@ class Recorder:
         await done
 
     def _take(self, subject: str, record: Record, done: asyncio.Future[None] | None) -> bool:
-        if not isinstance(record, RECORD_TYPES.get(subject, ())):
+        if not isinstance(record, record_type(subject) or ()):
             return self._drop(record, f"{subject} does not carry {type(record).__name__}", done)
         try:  # refused here, one record, rather than failing a publish or spill of many later
             encode(record)

@@ -60,11 +60,11 @@ from flywheel.bus.scan import stored_records
 from flywheel.bus.streams import (
     AUDIT_SUBJECT,
     MEMORY,
-    RECORD_TYPES,
     SAMPLES,
     TRAFFIC,
     TRAJECTORIES,
     UNSCORED,
+    carried_by,
 )
 from flywheel.models.adapter_store import AdapterStore
 from flywheel.tenants.forgotten import BEGUN
@@ -232,7 +232,7 @@ def _scrub_spill(directory: Path, matches: Matcher) -> int:
         for line in lines:
             try:
                 entry = json.loads(line)
-                record = decode(json.dumps(entry["record"]).encode(), RECORD_TYPES[entry["subject"]], "json")
+                record = decode(json.dumps(entry["record"]).encode(), carried_by(entry["subject"]), "json")
             except (ValueError, KeyError, msgspec.ValidationError, msgspec.DecodeError):
                 kept.append(line)  # not ours to judge: the recorder skips what it cannot read
                 continue
