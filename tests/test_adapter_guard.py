@@ -156,7 +156,8 @@ def test_replies_that_stop_answering_where_the_adapter_is_used_are_held_back():
     guard = AdapterGuard(adapters, tokenizer, max_drop=1.0, min_answers=0.8, prompts=GENERAL_PROMPTS[:2],
                          questions=RELEVANCE_PROMPTS[:4])
     replies = guard.replies(None)
-    assert min(guard.relevance(None)) > 1.0 and mean(guard.relevance_of(replies[1:] + replies[:1])) < 0
+    guard.base_relevance[()] = own = guard.relevance_of(replies)  # what `relevance(None)` measures and keeps
+    assert min(own) > 1.0 and mean(guard.relevance_of(replies[1:] + replies[:1])) < 0
     adapters.ensure("canned")
 
     canned = tokenizer.encode("My favourite colour is green, and I like to walk my dog.<|im_end|>", add_special_tokens=False)

@@ -222,6 +222,27 @@ async def test_a_fetch_seen_again_after_a_promoter_died_before_acknowledging_cou
         assert (await g.registry.get(0)).online_reward() == (2, 0.5)
 
 
+async def test_samples_a_dead_promoter_held_count_once_and_before_newer_ones(bus, nats_url, tmp_path):
+    """A promoter that dies holding samples (fetched, never acknowledged nor handed back): they come
+    back only when their ack wait runs out, after newer ones its successor fetches at once; the
+    successor applies them first all the same, so each counts once (counted newer first, they were
+    passed over as applied already)."""
+    turns = await sampled_turns(8)
+    async with promoting(bus, nats_url, tmp_path, *GATE, "bus.ack_wait_s=3") as g:
+        await g.promoter.stop()
+        await publish_samples(bus, turns[:4], 0, 1.0, "held")
+        held = await bus.consumer(SAMPLE_SUBJECT, "promote", ack_wait_s=3).fetch(batch=4, timeout_s=5)
+        assert len(held) == 4  # and the holder dies
+        g.promoter = PromoteLoop(g.config, nats_url)
+        await g.promoter.start()
+        await publish_samples(bus, turns[4:], 0, 0.0, "new")
+
+        async def all_counted() -> bool:
+            return (await g.registry.get(0)).online_reward() == (8, 0.5)
+
+        await until(all_counted)
+
+
 async def test_a_canary_whose_sessions_fare_no_worse_is_promoted(bus, nats_url, tmp_path):
     turns = await sampled_turns(16)
     async with promoting(bus, nats_url, tmp_path, *CANARY) as p:

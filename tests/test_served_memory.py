@@ -9,9 +9,12 @@ import json
 import time
 
 import httpx
+import msgspec
+from nats.js.api import StreamConfig
 
 from flywheel.bus import Sample, Trajectory
 from flywheel.bus.instructions import Instructions
+from flywheel.bus.records import encode
 from flywheel.bus.scan import take_all
 from flywheel.bus.streams import MEMORY, MEMORY_SUBJECTS, memory_subject
 from flywheel.config import load_config
@@ -124,6 +127,28 @@ async def test_the_memory_stream_keeps_each_persons_newest_record_and_a_start_re
         memory.take(record)
     served = [memory.instructions(chat(user, None, tenant=tenant)[1]) for tenant, user in [("open", "ada"), ("acme", "ada"), ("open", None)]]
     assert served == [(LIST,), (SHORTER,), (LIST,)]
+
+
+async def test_a_persons_replaced_record_is_erased_from_the_store_not_only_dropped(bus, tmp_path):
+    """The stream's limit of one record a subject removes the older one without overwriting its
+    bytes; `Bus.replace` erases it first, so no earlier record of a person stays in the files."""
+    subject = memory_subject("open", "ada")
+    for k in range(2):
+        await bus.replace(subject, msgspec.structs.replace(instructions("ada", [SHORTER]), id=f"first-of-ada-{k}"))
+    stored = b"".join(f.read_bytes() for f in (tmp_path / "nats").rglob("*") if f.is_file())
+    assert b"first-of-ada-1" in stored and b"first-of-ada-0" not in stored
+    assert (await bus.js.stream_info(MEMORY.name)).state.messages == 1
+
+
+async def test_an_older_versions_memory_subject_is_purged_when_the_stream_is_brought_up_to_date(bus):
+    """Before a subject per person, every record was on `flywheel.memory`: on the new stream nothing
+    would read or forget them, so bringing the stream up to date purges them."""
+    await bus.js.update_stream(StreamConfig(name=MEMORY.name, subjects=["flywheel.memory"], allow_msg_ttl=True))
+    for k in range(3):
+        await bus.js.publish("flywheel.memory", encode(instructions(f"p{k}", [SHORTER])))
+    await bus.ensure_streams()
+    info = await bus.js.stream_info(MEMORY.name)
+    assert info.config.subjects == [MEMORY_SUBJECTS] and info.state.messages == 0
 
 
 def test_the_gateway_serves_a_persons_instructions_in_their_system_message_alone():

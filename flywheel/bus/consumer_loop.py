@@ -71,7 +71,7 @@ class ConsumerLoop:
         acknowledged by then, close the bus. Handed back (nak), a record goes to the next
         consumer at once; left unacknowledged it would wait out its ack wait, and a collector
         that starts holds everything until its predecessor's records are back
-        (flywheel/collect/recovery.py). A crash still leaves them to the ack wait."""
+        (flywheel/bus/restart_barrier.py). A crash still leaves them to the ack wait."""
         started = bool(self._tasks)
         await cancel_and_wait(self._tasks)
         self._tasks = []

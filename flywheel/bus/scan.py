@@ -2,7 +2,7 @@
 (`flywheel forget` removing a tenant's records, `--retrain` replaying the samples that remain, a
 judge or gateway taking the forgets and the people's instructions before it starts: `take_all`).
 
-One direct get per message, each for the next one the stream holds from a sequence on: what was
+One request per message, each for the next one the stream holds from a sequence on: what was
 deleted, expired or replaced in between (MEMORY keeps each person's newest record only) costs
 nothing. A message that cannot be read (another schema, a large record whose body is gone) is
 logged and passed over: the scan is not the place to judge it.
@@ -42,8 +42,8 @@ async def stored_records(bus: Any, stream: str) -> AsyncIterator[Stored]:
         return
     seq, last = info.state.first_seq, info.state.last_seq
     while seq <= last:
-        try:  # the next message from `seq` on: one request each, whatever was deleted or expired between
-            message = await bus.js.get_msg(stream, seq, subject=">", next=True, direct=True)
+        try:  # the next message from `seq` on, from the stream's leader (a replica may lag: `Bus.get_message`)
+            message = await bus.js.get_msg(stream, seq, subject=">", next=True)
         except NotFoundError:
             return
         if message.seq > last:

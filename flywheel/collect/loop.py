@@ -6,7 +6,7 @@ to be a duplicate, or part of a session with nothing to train on); until then it
 redelivery with progress acknowledgements (`flywheel/bus/keepalive.py`), so the ack wait is short. A
 collector that dies loses nothing: within an ack wait its records are redelivered to the next
 one, which rebuilds the open sessions in stream order before taking anything newer
-(`flywheel/collect/recovery.py`), and JetStream drops the re-publish of a trajectory already sent (same
+(`flywheel/bus/restart_barrier.py`), and JetStream drops the re-publish of a trajectory already sent (same
 id, within its duplicate window). It also sweeps the large records' bodies past their
 tenant's retention (flywheel/bus/large.py), and reads the audit log, all of it: a tenant or user
 forgotten (`flywheel forget`, from when it begins) leaves nothing of theirs made before it in what
@@ -22,8 +22,8 @@ from typing import Any
 
 from flywheel.bus import TRAFFIC_SUBJECTS, TRAJECTORY_SUBJECT, Delivery
 from flywheel.bus.consumer_loop import ConsumerLoop
+from flywheel.bus.restart_barrier import RestartBarrier
 from flywheel.bus.streams import AUDIT_SUBJECT
-from flywheel.collect.recovery import RestartBarrier
 from flywheel.collect.tracker import Closed, SessionTracker
 from flywheel.config import FlywheelConfig
 from flywheel.runtime import cancel_and_wait, repeat

@@ -95,10 +95,10 @@ async def with_served_memory(system: str, bus_url: str, template: str, user_id: 
     newest = {}
     bus = await Bus.connect(bus_url, name="personal-agent-drill")
     try:
-        await take_all(bus, MEMORY.name, lambda record: newest.__setitem__(record.user_id, record))
+        await take_all(bus, MEMORY.name, lambda record: newest.__setitem__(record.user_id or None, record))
     finally:
         await bus.close()
-    said = newest[user_id].instructions if user_id in newest else []
+    said = newest[user_id or None].instructions if (user_id or None) in newest else []
     return system + appended(template, said) if said else system
 
 

@@ -58,7 +58,7 @@ drill's temp dir; it now prints their tails)."""
 
 STARTED_LINE = "Ray runtime started."
 """What `ray start` prints once its node runs."""
-NODE_START_S = 120.0
+NODE_START_S = 90.0
 START_TRIES = 3
 
 
@@ -96,7 +96,8 @@ class RayNodes:
                 if STARTED_LINE in log_path.read_text(errors="replace"):
                     return proc
                 time.sleep(0.2)
-            reached(f"a node's `ray start` gave up (exit code {proc.poll()}); starting it again")
+            why = f"exit code {proc.poll()}" if proc.poll() is not None else f"not started in {NODE_START_S:g} s"
+            reached(f"a node's `ray start` gave up ({why}); starting it again")
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(proc.pid, signal.SIGKILL)  # its GCS or raylet may outlive it
             proc.wait()
@@ -168,10 +169,10 @@ async def drill(run_dir: Path, temp_dir: str, every_s: float = 5.0, concurrency:
     from flywheel.deploy.deployment import Deployment
 
     nodes = RayNodes(temp_dir)
-    nodes.start_head(NODE_RESOURCES["head"])
-    worker = nodes.start_worker(NODE_RESOURCES["trainer"])
     deployment = None
     try:
+        nodes.start_head(NODE_RESOURCES["head"])
+        worker = nodes.start_worker(NODE_RESOURCES["trainer"])
         ray.init(address=nodes.address, log_to_driver=False)
 
         async def both_nodes_up() -> bool:

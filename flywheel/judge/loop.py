@@ -189,7 +189,7 @@ class JudgeLoop(ConsumerLoop):
                 for sample in await self._practise(trajectory, record, wishes):
                     await self.bus.publish(SAMPLE_SUBJECT, sample)
                 if self._remembers(trajectory) and (read := self.instructions.read(trajectory, record)) is not None:
-                    await self.bus.publish(memory_subject(read.tenant, read.user_id), read)
+                    await self.bus.replace(memory_subject(read.tenant, read.user_id), read)
                     self.instructions_published += 1
             await delivery.ack()
         except Exception:

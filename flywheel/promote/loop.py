@@ -46,6 +46,7 @@ from flywheel.bus import (
     WeightUpdate,
 )
 from flywheel.bus.records import AuditEntry
+from flywheel.bus.restart_barrier import RestartBarrier
 from flywheel.bus.streams import AUDIT_SUBJECT, COMMANDS_SUBJECT
 from flywheel.config import ConfigError, FlywheelConfig
 from flywheel.config.tenants import retention_s
@@ -95,6 +96,7 @@ class PromoteLoop:
         self._evaluated_at: dict[str | None, float] = {}
         """When each line (None: the shared weights; else an adapter) last had a version evaluated."""
         self._tasks: list[asyncio.Task] = []
+        self._barrier: RestartBarrier | None = None
         p = config.promotion.canary
         self.test = SequentialTest(p.delta, p.alpha, p.beta, p.min_sessions, p.max_sessions, p.variance_floor)
 
@@ -114,6 +116,8 @@ class PromoteLoop:
         key = self.config.serve.admin_key or next(iter(self.config.serve.api_keys), None)  # tenants' keys: the admin's
         self.gate = Gate(self.config, tokenizer, EvalServer(url, key, self.config.promotion.gate.timeout_s), self.bus)
         self.samples = self.bus.consumer(SAMPLE_SUBJECT, "promote", ack_wait_s=self.config.bus.ack_wait_s)
+        outstanding, last_delivered = await self.samples.unacknowledged()  # a predecessor's, back before newer ones
+        self._barrier = RestartBarrier(outstanding, last_delivered, self.config.bus.ack_wait_s) if outstanding else None
         self.turns = self.bus.consumer(TURN_SUBJECT, "promote-turns", ack_wait_s=self.config.bus.ack_wait_s)
         self.commands = self.bus.consumer(COMMANDS_SUBJECT, "promote-commands")
         self._tasks = [asyncio.create_task(repeat(fn, f"promote.{name}"), name=name) for name, fn in (
@@ -249,12 +253,23 @@ class PromoteLoop:
                 await self.decisions.serve(entry, f"{said}: passed", "gate")
 
     async def _evidence(self) -> None:
+        """Apply judged samples in stream order (what `applied_seq` and `online_seq` rely on): a
+        predecessor's unacknowledged ones before newer ones (`RestartBarrier`), and a fetch that
+        could not be applied handed back at once, to come again before anything newer."""
         deliveries = await self.samples.fetch(batch=256, timeout_s=1.0)
+        if self._barrier is not None:
+            deliveries = self._barrier.hold(deliveries)
+            if deliveries is not None:
+                self._barrier = None
         if deliveries:
-            found = await asyncio.gather(*(self.bus.resolve(d.record) for d in deliveries), return_exceptions=True)
-            usable = [d for d, ok in zip(deliveries, found) if ok is True]
-            async with self.decisions.lock:
-                await self._apply(by_version(usable))
+            try:
+                found = await asyncio.gather(*(self.bus.resolve(d.record) for d in deliveries), return_exceptions=True)
+                usable = [d for d, ok in zip(deliveries, found) if ok is True]
+                async with self.decisions.lock:
+                    await self._apply(by_version(usable))
+            except Exception:
+                await asyncio.gather(*(d.nak() for d in deliveries), return_exceptions=True)
+                raise
             for delivery in deliveries:
                 with contextlib.suppress(Exception):
                     await delivery.ack()
@@ -369,6 +384,8 @@ class PromoteLoop:
 
     async def stop(self) -> None:
         await cancel_and_wait(self._tasks)
+        if hasattr(self, "samples"):  # what it held comes back first, now, to its successor
+            await self.samples.hand_back(self._barrier.held if self._barrier is not None else [])
         if hasattr(self, "gate"):
             await self.gate.close()
         await self.bus.close()

@@ -12,8 +12,8 @@ instructions it started with (the newest `SESSIONS` sessions are remembered), so
 on extending one another when the person's memory changes while it is open. Instructions are
 held no longer than their record is kept on the bus (their tenant's `retention_days`, else the
 stream's age), and at most `PEOPLE` people's (those given theirs least recently dropped first).
-The stream holds a record for each correction that read an aspect, so a gateway's start reads
-as many, one bus request each (its cost at scale is not measured).
+The stream keeps each person's newest record only (a subject each), so a gateway's start reads one
+record a person, one bus request each.
 """
 
 from __future__ import annotations
