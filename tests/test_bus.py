@@ -286,3 +286,19 @@ async def test_handing_back_gives_up_within_its_bound_when_the_server_is_gone(na
     await consumer.hand_back([again])
     assert loop.time() - started < HAND_BACK_S + 1
     await bus.close()
+
+
+async def test_streams_are_asked_for_again_while_jetstream_does_not_answer(bus, monkeypatch):
+    """A cluster that lost a member answers no JetStream request until it has a leader again: a
+    process starting then (a fault drill's trainer) died of the first timeout; it asks again."""
+    refusals, stream_info = [], bus.js.stream_info
+
+    async def not_yet(*args, **kwargs):
+        if len(refusals) < 2:
+            refusals.append(args)
+            raise nats.errors.TimeoutError
+        return await stream_info(*args, **kwargs)
+
+    monkeypatch.setattr(bus.js, "stream_info", not_yet)
+    await bus.ensure_streams()
+    assert len(refusals) == 2 and (await stream_info("SAMPLES")).config.name == "SAMPLES"

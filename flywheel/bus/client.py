@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from collections.abc import AsyncIterator, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -25,7 +26,7 @@ import msgspec
 import nats
 from nats.aio.msg import Msg
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy, StreamConfig
-from nats.js.errors import APIError, NotFoundError
+from nats.js.errors import APIError, NotFoundError, ServiceUnavailableError
 
 from flywheel.bus.acks import PublishAcks
 from flywheel.bus.large import HEADER, HEADROOM, LargeRecords, is_large, read_payload
@@ -34,6 +35,9 @@ from flywheel.bus.records import Record, Sample, Trajectory, decode, encode, ten
 from flywheel.bus.streams import STREAMS, TRAJECTORIES, StreamSpec, carried_by, record_type
 
 log = logging.getLogger(__name__)
+
+JETSTREAM_WAIT_S = 60.0
+"""How long a process's start asks again for its streams when JetStream does not answer."""
 
 
 @dataclass
@@ -193,29 +197,44 @@ class Bus:
         return bus
 
     async def ensure_streams(self, specs: list[StreamSpec] | None = None) -> None:
+        """Create each stream, or bring it up to date; JetStream not answering yet (a cluster that lost
+        a member elects a leader first: a trainer starting then died of it in a drill) is asked
+        again for up to `JETSTREAM_WAIT_S`."""
         for spec in specs or list(STREAMS.values()):
-            config = StreamConfig(
-                name=spec.name,
-                subjects=list(spec.subjects),
-                max_age=spec.max_age_s,
-                max_msgs_per_subject=spec.max_msgs_per_subject,
-                duplicate_window=120.0,
-                allow_direct=True,  # `resolve` reads trajectories by sequence number
-                allow_msg_ttl=spec.tenant_records,  # a tenant's `retention_days`
-                num_replicas=self.replicas,
-            )
-            try:
-                carried = (await self.js.stream_info(spec.name)).config.subjects or []
-                await self.js.update_stream(config)
-            except NotFoundError:
-                await self.js.add_stream(config)
+            deadline = time.monotonic() + JETSTREAM_WAIT_S
+            while True:
+                try:
+                    await self._ensure_stream(spec)
+                    break
+                except (nats.errors.TimeoutError, nats.errors.NoRespondersError, ServiceUnavailableError) as exc:
+                    if time.monotonic() > deadline:
+                        raise
+                    log.warning("%s: JetStream did not answer (%r); asking again", spec.name, exc)
+                    await asyncio.sleep(1.0)
+
+    async def _ensure_stream(self, spec: StreamSpec) -> None:
+        config = StreamConfig(
+            name=spec.name,
+            subjects=list(spec.subjects),
+            max_age=spec.max_age_s,
+            max_msgs_per_subject=spec.max_msgs_per_subject,
+            duplicate_window=120.0,
+            allow_direct=True,  # `resolve` reads trajectories by sequence number
+            allow_msg_ttl=spec.tenant_records,  # a tenant's `retention_days`
+            num_replicas=self.replicas,
+        )
+        try:
+            carried = (await self.js.stream_info(spec.name)).config.subjects or []
+            await self.js.update_stream(config)
+        except NotFoundError:
+            await self.js.add_stream(config)
+            return
+        for subject in set(carried) - set(spec.subjects):  # an older version's: nothing reads or forgets them now
+            if "*" in subject or ">" in subject:  # its filter could take what the new subjects carry
+                log.warning("%s: records on %s, a subject it no longer carries, are left", spec.name, subject)
                 continue
-            for subject in set(carried) - set(spec.subjects):  # an older version's: nothing reads or forgets them now
-                if "*" in subject or ">" in subject:  # its filter could take what the new subjects carry
-                    log.warning("%s: records on %s, a subject it no longer carries, are left", spec.name, subject)
-                    continue
-                await self.js.purge_stream(spec.name, subject=subject)
-                log.warning("%s: records on %s, a subject it no longer carries, purged", spec.name, subject)
+            await self.js.purge_stream(spec.name, subject=subject)
+            log.warning("%s: records on %s, a subject it no longer carries, purged", spec.name, subject)
 
     async def publish(self, subject: str, record: Record, timeout_s: float = 10.0) -> None:
         """Publish and wait for JetStream's ack (the record is then durable)."""

@@ -253,9 +253,8 @@ class PromoteLoop:
                 await self.decisions.serve(entry, f"{said}: passed", "gate")
 
     async def _evidence(self) -> None:
-        """Apply judged samples in stream order (what `applied_seq` and `online_seq` rely on): a
-        predecessor's unacknowledged ones before newer ones (`RestartBarrier`), and a fetch that
-        could not be applied handed back at once, to come again before anything newer."""
+        """Apply judged samples in stream order (`applied_seq`, `online_seq` rely on it): a dead
+        predecessor's first (`RestartBarrier`); a fetch not applied handed back, to come first."""
         deliveries = await self.samples.fetch(batch=256, timeout_s=1.0)
         if self._barrier is not None:
             deliveries = self._barrier.hold(deliveries)
