@@ -20,6 +20,8 @@ def test_newer_records_wait_for_the_predecessors_and_each_comes_out_once_in_orde
     # The other outstanding one, with the first again (its ack wait ran out while it was held).
     released = barrier.hold([delivery(2), delivery(1, "again")])
     assert [d.stream_seq for d in released] == [1, 2, 3, 4] and released[0].record.tag == "again"
+    later = [delivery(6), delivery(5)]  # open now: fetches go through as they come, nothing held
+    assert barrier.open and barrier.hold(later) is later and barrier.held == []
 
 
 def test_records_that_never_come_back_are_waited_for_twice_the_ack_wait_and_no_longer():
@@ -28,3 +30,8 @@ def test_records_that_never_come_back_are_waited_for_twice_the_ack_wait_and_no_l
     assert barrier.hold([delivery(6)]) is None
     now[0] = 26.0
     assert [d.stream_seq for d in barrier.hold([])] == [6]
+
+
+def test_a_consumer_whose_predecessor_left_nothing_outstanding_starts_open():
+    first = [delivery(1)]
+    assert RestartBarrier(outstanding=0, last_delivered=9, ack_wait_s=10.0).hold(first) is first

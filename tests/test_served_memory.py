@@ -5,6 +5,8 @@ by a session it started; gone when they are forgotten."""
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import json
 import time
 
@@ -14,7 +16,7 @@ from nats.js.api import StreamConfig
 
 from flywheel.bus import Sample, Trajectory
 from flywheel.bus.instructions import Instructions
-from flywheel.bus.records import encode
+from flywheel.bus.records import decode, encode
 from flywheel.bus.scan import take_all
 from flywheel.bus.streams import MEMORY, MEMORY_SUBJECTS, memory_subject
 from flywheel.config import load_config
@@ -138,6 +140,30 @@ async def test_a_persons_replaced_record_is_erased_from_the_store_not_only_dropp
     stored = b"".join(f.read_bytes() for f in (tmp_path / "nats").rglob("*") if f.is_file())
     assert b"first-of-ada-1" in stored and b"first-of-ada-0" not in stored
     assert (await bus.js.stream_info(MEMORY.name)).state.messages == 1
+
+
+async def test_of_two_conversations_of_a_person_judged_at_once_the_newer_record_is_the_one_kept(nats_url, tmp_path, bus):
+    """The judge handles conversations concurrently: one whose publish is slow (read first) must not
+    land after the next one's record, which holds both reads, and leave her newest correction unserved."""
+    judge = JudgeLoop(load_config(None, [f"run_dir={tmp_path}", "judge.kind=next_state", "memory.enabled=true"]), nats_url)
+    await judge.start()
+    second_publishing, replace = asyncio.Event(), judge.bus.replace
+
+    async def slow_first(subject: str, record: Instructions) -> None:
+        if record.read == ["shorter"]:  # the first read: held until the second publishes, or for 2 s
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(second_publishing.wait(), 2.0)
+        else:
+            second_publishing.set()
+        await replace(subject, record)
+    judge.bus.replace = slow_first
+    try:
+        await asyncio.gather(judge._remember(*corrected("ada", [TOO_LONG], [-1.0], created_at=1000.0)),
+                             judge._remember(*corrected("ada", ["Call me Ada."], [-1.0], created_at=1001.0)))
+    finally:
+        await judge.stop()
+    kept = decode((await bus.js.get_last_msg(MEMORY.name, memory_subject("open", "ada"))).data, Instructions)
+    assert kept.read == ["name", "shorter"] and judge.instructions_published == 2
 
 
 async def test_an_older_versions_memory_subject_is_purged_when_the_stream_is_brought_up_to_date(bus):

@@ -13,6 +13,7 @@ acknowledged) first holds everything it receives, until all of those outstanding
 come back (or, should some never come, e.g. because a live predecessor acknowledged them, twice
 the ack wait has passed), and then releases what it holds in stream order (each record once):
 the sessions are rebuilt exactly as they were published, and what followed joins them in order.
+Open (a predecessor left nothing outstanding, or all of it is back), it lets every fetch through.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ import logging
 import time
 from collections.abc import Callable
 
-from flywheel.bus import Delivery
+from flywheel.bus import Consumer, Delivery
 
 log = logging.getLogger(__name__)
 
@@ -35,10 +36,18 @@ class RestartBarrier:
         self._clock = clock
         self._deadline = clock() + 2 * ack_wait_s + 5.0
         self.held: list[Delivery] = []
+        self.open = outstanding <= 0
+
+    @classmethod
+    async def of(cls, consumer: Consumer, ack_wait_s: float) -> RestartBarrier:
+        """The barrier of a consumer starting now, from what its predecessor left outstanding."""
+        return cls(*await consumer.unacknowledged(), ack_wait_s)
 
     def hold(self, deliveries: list[Delivery]) -> list[Delivery] | None:
         """Take `deliveries`; once the predecessor's records are all back, everything held so
-        far in stream order (and None until then)."""
+        far in stream order (and None until then); open, `deliveries` themselves."""
+        if self.open:
+            return deliveries
         for delivery in deliveries:
             if delivery.stream_seq <= self.last_delivered:
                 self.outstanding -= 1
@@ -47,6 +56,7 @@ class RestartBarrier:
             return None
         if self.outstanding > 0:
             log.warning("%d records held by the previous consumer did not come back; going on", self.outstanding)
+        self.open = True
         released = {d.stream_seq: d for d in self.held}  # a record its ack wait brought back again while held: once
         self.held = []
         return [released[seq] for seq in sorted(released)]

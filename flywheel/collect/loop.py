@@ -46,8 +46,7 @@ class CollectLoop(ConsumerLoop):
         """Forgets read on the audit log (who, when), applied at the next step."""
 
     async def prepare(self) -> None:
-        outstanding, last_delivered = await self.consumer.unacknowledged()
-        self._barrier = RestartBarrier(outstanding, last_delivered, self.config.bus.ack_wait_s) if outstanding else None
+        self._barrier = await RestartBarrier.of(self.consumer, self.config.bus.ack_wait_s)
         self._sweeper = asyncio.create_task(repeat(self._sweep_large, "collect.sweep"), name="collect.sweep")
         self._forgetting = asyncio.create_task(repeat(self._follow_forgetting, "collect.forget"), name="collect.forget")
 
@@ -66,16 +65,12 @@ class CollectLoop(ConsumerLoop):
         await cancel_and_wait([self._sweeper, self._forgetting])
 
     def held(self) -> list[Delivery]:
-        barrier = self._barrier.held if self._barrier is not None else []
-        return [*self.tracker.handles(), *barrier, *(h for item in self._closed for h in item.handles)]
+        return [*self.tracker.handles(), *self._barrier.held, *(h for item in self._closed for h in item.handles)]
 
     async def step(self) -> None:
-        deliveries: list[Delivery] | None = await self.consumer.fetch(batch=512, timeout_s=0.25)
-        if self._barrier is not None:
-            deliveries = self._barrier.hold(deliveries)
-            if deliveries is None:
-                return
-            self._barrier = None
+        deliveries = self._barrier.hold(await self.consumer.fetch(batch=512, timeout_s=0.25))
+        if deliveries is None:
+            return
         for delivery in deliveries:
             self._closed.extend(self.tracker.add(delivery.record, delivery))
         while self._forgotten:
@@ -111,4 +106,4 @@ class CollectLoop(ConsumerLoop):
 
     def stats(self) -> dict[str, Any]:
         return {**self.tracker.counts, "open_sessions": self.tracker.open_sessions, "malformed": self.consumer.malformed,
-                "recovering": self._barrier is not None}
+                "recovering": not self._barrier.open}

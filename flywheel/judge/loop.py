@@ -89,6 +89,7 @@ class JudgeLoop(ConsumerLoop):
         self.practice: Practice | None = None
         self.memory = HintMemory(config.judge.teacher.memory) if config.judge.teacher.memory else None
         self.instructions = InstructionMemory(config.memory.corrections) if config.memory.enabled else None
+        self._remembering = asyncio.Lock()
 
     async def prepare(self) -> None:
         await self.judge.start()
@@ -117,6 +118,15 @@ class JudgeLoop(ConsumerLoop):
         """Whether the served memory reads this trajectory's corrections (on, and its tenant's)."""
         tenant = self.config.tenants.get(trajectory.tenant)
         return self.instructions is not None and (tenant is None or tenant.memory)
+
+    async def _remember(self, trajectory: Trajectory, sample: Sample) -> None:
+        """Read the corrections `sample` judged and publish their person's instructions, one
+        conversation at a time: read in the order published, a slower publish of an older record
+        never lands after a newer one of the same person (each holds all their newest reads)."""
+        async with self._remembering:
+            if (read := self.instructions.read(trajectory, sample)) is not None:
+                await self.bus.replace(memory_subject(read.tenant, read.user_id), read)
+                self.instructions_published += 1
 
     def _heard(self, entry: Record) -> None:
         """A forgotten tenant's or user's hints, requests and corrections leave the judge's memory,
@@ -188,9 +198,8 @@ class JudgeLoop(ConsumerLoop):
             if isinstance(record, Sample):
                 for sample in await self._practise(trajectory, record, wishes):
                     await self.bus.publish(SAMPLE_SUBJECT, sample)
-                if self._remembers(trajectory) and (read := self.instructions.read(trajectory, record)) is not None:
-                    await self.bus.replace(memory_subject(read.tenant, read.user_id), read)
-                    self.instructions_published += 1
+                if self._remembers(trajectory):
+                    await self._remember(trajectory, record)
             await delivery.ack()
         except Exception:
             self.publish_failures += 1

@@ -96,7 +96,7 @@ class PromoteLoop:
         self._evaluated_at: dict[str | None, float] = {}
         """When each line (None: the shared weights; else an adapter) last had a version evaluated."""
         self._tasks: list[asyncio.Task] = []
-        self._barrier: RestartBarrier | None = None
+        self._barrier = RestartBarrier(0, 0, 0.0)  # open, until `start` reads what a predecessor left
         p = config.promotion.canary
         self.test = SequentialTest(p.delta, p.alpha, p.beta, p.min_sessions, p.max_sessions, p.variance_floor)
 
@@ -116,8 +116,7 @@ class PromoteLoop:
         key = self.config.serve.admin_key or next(iter(self.config.serve.api_keys), None)  # tenants' keys: the admin's
         self.gate = Gate(self.config, tokenizer, EvalServer(url, key, self.config.promotion.gate.timeout_s), self.bus)
         self.samples = self.bus.consumer(SAMPLE_SUBJECT, "promote", ack_wait_s=self.config.bus.ack_wait_s)
-        outstanding, last_delivered = await self.samples.unacknowledged()  # a predecessor's, back before newer ones
-        self._barrier = RestartBarrier(outstanding, last_delivered, self.config.bus.ack_wait_s) if outstanding else None
+        self._barrier = await RestartBarrier.of(self.samples, self.config.bus.ack_wait_s)  # a predecessor's first
         self.turns = self.bus.consumer(TURN_SUBJECT, "promote-turns", ack_wait_s=self.config.bus.ack_wait_s)
         self.commands = self.bus.consumer(COMMANDS_SUBJECT, "promote-commands")
         self._tasks = [asyncio.create_task(repeat(fn, f"promote.{name}"), name=name) for name, fn in (
@@ -255,11 +254,7 @@ class PromoteLoop:
     async def _evidence(self) -> None:
         """Apply judged samples in stream order (`applied_seq`, `online_seq` rely on it): a dead
         predecessor's first (`RestartBarrier`); a fetch not applied handed back, to come first."""
-        deliveries = await self.samples.fetch(batch=256, timeout_s=1.0)
-        if self._barrier is not None:
-            deliveries = self._barrier.hold(deliveries)
-            if deliveries is not None:
-                self._barrier = None
+        deliveries = self._barrier.hold(await self.samples.fetch(batch=256, timeout_s=1.0))
         if deliveries:
             try:
                 found = await asyncio.gather(*(self.bus.resolve(d.record) for d in deliveries), return_exceptions=True)
@@ -384,7 +379,7 @@ class PromoteLoop:
     async def stop(self) -> None:
         await cancel_and_wait(self._tasks)
         if hasattr(self, "samples"):  # what it held comes back first, now, to its successor
-            await self.samples.hand_back(self._barrier.held if self._barrier is not None else [])
+            await self.samples.hand_back(self._barrier.held)
         if hasattr(self, "gate"):
             await self.gate.close()
         await self.bus.close()
