@@ -16,6 +16,7 @@ from typing import Any
 
 import msgspec
 from nats.js.api import DeliverPolicy
+from nats.js.errors import NotFoundError
 
 from flywheel.bus.client import Bus
 from flywheel.bus.large import read_payload
@@ -65,12 +66,21 @@ async def _as_json(bus: Bus, msg: Any) -> str:
         return json.dumps({"subject": msg.subject, "malformed": str(exc)})
 
 
+async def _holds_any(bus: Bus, stream: str, subject: str) -> bool:
+    """Whether `stream` holds a record on `subject`: one request, however many subjects it matches
+    (MEMORY has one a person)."""
+    try:
+        await bus.js.get_msg(stream, 0, subject=subject, next=True)
+    except NotFoundError:
+        return False
+    return True
+
+
 async def tail(url: str, subject: str, follow: bool, limit: int | None, out=sys.stdout) -> int:
     """Write records on `subject` to `out`, one JSON object per line; returns how many."""
     bus = await Bus.connect(url, name="flywheel.cli.tail", ensure_streams=False)
     stream = await bus.js.find_stream_name_by_subject(subject)
-    info = await bus.js.stream_info(stream, subjects_filter=subject)
-    if not follow and not info.state.subjects:
+    if not follow and not await _holds_any(bus, stream, subject):
         await bus.close()
         return 0
     queue: asyncio.Queue = asyncio.Queue()
