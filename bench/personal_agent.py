@@ -42,6 +42,8 @@ Measured
       short answers): `bench/heldout_answers.py` has a reader label the held-out replies instead;
     - the held-out satisfaction rate of the final weights on questions never asked in a trial
       (`HELD_OUT_QUESTIONS`, `--heldout-samples` seeded samples each, the app's temperature);
+      where a trained arm has a memory, also of the base with what it serves at the end
+      (`heldout_base_served`: how much of the rate, and of the answers, is the person's adapter's);
     - general skill kept: greedy accuracy on held-out arithmetic (bench/learn_arith.py's
       evaluation) of the base model and of each trained trial's final weights;
     - per session: the version that answered, whether it satisfied, what the judge made of the
@@ -176,6 +178,8 @@ def trial(arm: str, pref: str, index: int, args, progress) -> dict:
         "memory": memory,
         "heldout_before": asyncio.run(satisfaction(None, config.model, user, HELD_OUT_QUESTIONS, args)),
         "heldout": asyncio.run(satisfaction(weights, config.model, user, HELD_OUT_QUESTIONS, args, system=system)),
+        "heldout_base_served": asyncio.run(satisfaction(None, config.model, user, HELD_OUT_QUESTIONS, args, system=system))
+        if weights and system != user.system else None,
     }
 
 
