@@ -7,7 +7,9 @@ the question and is not one word over and over (`flywheel/drills/simulated_peopl
 answer (0.40 of short answers, none of the one-word or numeric ones): a policy that learns to
 answer briefly is read as answering less. So this takes the replies a trial's final policy gives
 to the held-out questions, and the base's, exactly as the bench sampled them (the same seeds,
-temperature and person), for a reader who did not train or tune anything to label.
+temperature, person and served instructions; and the base's with those instructions, where the bench
+measured it: how much of a fall is the served memory's), for a reader who did not train or tune
+anything to label.
 
     .venv/bin/python bench/heldout_answers.py export --results NAME --run-root runs/bench_unscripted \
         --people bench/data/people_heldout_2.json        # writes bench/data/NAME_replies.jsonl (+ a key)
@@ -33,6 +35,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # `python bench
 
 from bench.lib.common import RESULTS, ROOT, write_result  # noqa: E402
 
+RECORDED = {"before": "heldout_before", "after": "heldout", "base_served": "heldout_base_served"}
+"""Each policy's replies and the results field that holds their rule's share: the base, the trial's
+final policy (with what the gateway served the person at the end, where it served anything), and
+the base with what was served (a trial with a served memory and a trained adapter)."""
+
 
 def files(name: str) -> tuple[Path, Path]:
     return ROOT / "bench/data" / f"{name}_replies.jsonl", ROOT / "bench/data" / f"{name}_replies_key.json"
@@ -42,6 +49,7 @@ async def export(args) -> None:
     from bench.lib.final_policy import final_policy
     from bench.lib.personal_eval import sample
     from flywheel.config import load_config
+    from flywheel.drills.personal_agent import with_instructions
     from flywheel.drills.simulated_people import (
         HELD_OUT_QUESTIONS,
         User,
@@ -60,13 +68,17 @@ async def export(args) -> None:
         name, preference, voice = people[f"{trial['pref']}-{trial['trial'] + 1}"]
         user = User(name, preference, seed=trial["seed"], voice=voice)
         asked = [q for q in HELD_OUT_QUESTIONS for _ in range(bench_args.heldout_samples)]
-        chats = [[{"role": "system", "content": user.system}, {"role": "user", "content": q}] for q in asked]
-        for when, weights in (("before", None), ("after", final_policy(config, run_dir))):
+        served = with_instructions(user.system, config.memory.template, trial.get("served") or [])
+        policies = [("before", None, user.system), ("after", final_policy(config, run_dir), served)]
+        if trial.get("heldout_base_served"):
+            policies.append(("base_served", None, served))
+        for when, weights, system in policies:
+            chats = [[{"role": "system", "content": system}, {"role": "user", "content": q}] for q in asked]
             model, tokenizer = load_model(config.model)
             if weights is not None:
                 load_weights(model, weights)
             replies = [tokenizer.decode(ids, skip_special_tokens=True) for ids in await sample(model, tokenizer, chats, bench_args)]
-            recorded = trial["heldout_before" if when == "before" else "heldout"]["answers"]
+            recorded = trial[RECORDED[when]]["answers"]
             rule = fmean(answers(q, r) for q, r in zip(asked, replies))
             if abs(rule - recorded) > 1e-9:
                 raise SystemExit(f"{run_dir.name} {when}: the rule gives {rule:.3f} here, {recorded:.3f} in the results: not the same replies")
@@ -91,12 +103,12 @@ def score(args) -> None:
     rows = {}
     for trial in sorted({k["trial"] for k in key.values()}):
         row = {}
-        for when in ("before", "after"):
-            ids = [i for i, k in key.items() if k["trial"] == trial and k["when"] == when]
-            row[when] = {"reader": fmean(labels[i] for i in ids), "rule": fmean(key[i]["rule"] for i in ids), "n": len(ids)}
+        for when in RECORDED:
+            if ids := [i for i, k in key.items() if k["trial"] == trial and k["when"] == when]:
+                row[when] = {"reader": fmean(labels[i] for i in ids), "rule": fmean(key[i]["rule"] for i in ids), "n": len(ids)}
         rows[trial] = row
-        print(f"{trial:12s} reader {row['before']['reader']:.2f} -> {row['after']['reader']:.2f}   "
-              f"rule {row['before']['rule']:.2f} -> {row['after']['rule']:.2f}   (n {row['after']['n']})")
+        print(f"{trial:12s} " + "   ".join(f"{when} reader {r['reader']:.2f} rule {r['rule']:.2f}" for when, r in row.items())
+              + f"   (n {row['after']['n']})")
     print(f"wrote {write_result(f'{args.results}_answers', {'args': vars(args), 'trials': rows})}")
 
 

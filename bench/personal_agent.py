@@ -94,11 +94,12 @@ from flywheel.drills.personal_agent import (  # noqa: E402
     judge_agreement,
     remember,
     rolling_rate,
+    served_instructions,
     sessions_to_learn,
     summary_rows,
     verdicts,
+    with_instructions,
     with_memory,
-    with_served_memory,
 )
 from flywheel.drills.simulated_people import (  # noqa: E402
     HELD_OUT_QUESTIONS,
@@ -158,9 +159,9 @@ def trial(arm: str, pref: str, index: int, args, progress) -> dict:
                 break
         stats = wait_trained(deployment, len(sessions), args.wait_s)
         said = asyncio.run(verdicts(deployment.bus_url))
-        system = with_memory(user.system, user.name, memory or [], config.judge.teacher.wishes)
-        if config.memory.enabled:
-            system = asyncio.run(with_served_memory(system, deployment.bus_url, config.memory.template))
+        served = asyncio.run(served_instructions(deployment.bus_url)) if config.memory.enabled else None
+        system = with_instructions(with_memory(user.system, user.name, memory or [], config.judge.teacher.wishes),
+                                   config.memory.template, served or [])
     finally:
         deployment.stop()
     for s in sessions:
@@ -175,7 +176,7 @@ def trial(arm: str, pref: str, index: int, args, progress) -> dict:
         "unjudged": sum(s.get("judge_score") is None for s in sessions),
         "taught": sum(bool(s.get("teacher_tokens")) for s in sessions), "trial_s": round(time.monotonic() - started, 1),
         "weights": str(weights) if weights else None, "stats": {k: v for k, v in stats.items() if k in ("serve", "judge", "train")},
-        "memory": memory,
+        "memory": memory, "served": served,
         "heldout_before": asyncio.run(satisfaction(None, config.model, user, HELD_OUT_QUESTIONS, args)),
         "heldout": asyncio.run(satisfaction(weights, config.model, user, HELD_OUT_QUESTIONS, args, system=system)),
         "heldout_base_served": asyncio.run(satisfaction(None, config.model, user, HELD_OUT_QUESTIONS, args, system=system))

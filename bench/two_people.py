@@ -42,7 +42,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # `python bench
 from bench.lib.common import RESULTS, ROOT, START_COMMIT, quiet_logs, table  # noqa: E402
 from bench.lib.final_policy import final_policy  # noqa: E402
 from bench.lib.personal_eval import satisfaction, wait_trained  # noqa: E402
-from flywheel.drills.personal_agent import ARMS, CONFIG, converse, with_served_memory  # noqa: E402
+from flywheel.drills.personal_agent import ARMS, CONFIG, converse, served_instructions, with_instructions  # noqa: E402
 from flywheel.drills.simulated_people import (  # noqa: E402
     HELD_OUT_QUESTIONS,
     NAMES,
@@ -95,7 +95,8 @@ def run_scope(scope: str, args) -> dict:
             print(f"{scope} session {s}: " + "; ".join(
                 f"{p.name} ({p.preference.kind}) own {sessions[p.name][-1]['satisfied']:d} other "
                 f"{sessions[p.name][-1]['other_satisfied']:d}" for p in pair), flush=True)
-        systems = {p.name: asyncio.run(with_served_memory(p.system, deployment.bus_url, config.memory.template, p.name))
+        systems = {p.name: with_instructions(p.system, config.memory.template,
+                                             asyncio.run(served_instructions(deployment.bus_url, p.name)))
                    if config.memory.enabled else p.system for p in pair}
     finally:
         deployment.stop()

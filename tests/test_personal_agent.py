@@ -17,6 +17,8 @@ import openai
 import pytest
 
 from flywheel.bus import SAMPLE_SUBJECT, Sample, Trajectory
+from flywheel.bus.instructions import Instructions
+from flywheel.bus.streams import memory_subject
 from flywheel.collect.loop import CollectLoop
 from flywheel.config import load_config
 from flywheel.deploy.deployment import sharing_cores, side_server_config
@@ -26,10 +28,12 @@ from flywheel.drills.personal_agent import (
     converse,
     judge_agreement,
     rolling_rate,
+    served_instructions,
     sessions_to_learn,
     summary_rows,
     verdicts,
     version_of,
+    with_instructions,
     with_memory,
 )
 from flywheel.drills.simulated_people import (
@@ -221,6 +225,23 @@ def test_the_memory_baseline_keeps_the_words_or_what_they_ask_for():
     assert worded.endswith(" ".join(f'"{hint}"' for hint in hints))
     assert with_memory("S.", "Ada", hints, "instead") == f"S. What Ada has told you about how they like replies: {ASPECTS['shorter']}"
     assert with_memory("S.", "Ada", [], "instead") == "S."
+
+
+async def test_the_bench_asks_held_out_questions_with_what_the_gateway_serves_that_person(nats_url, bus):
+    """The held-out replies of a served-memory trial are asked with the person's newest
+    instructions, as the gateway puts them; the person who names no user id is one person."""
+    def record(user: str | None, said: list[str], k: int) -> Instructions:
+        return Instructions(id=f"{user}-{k}", tenant="open", user_id=user, instructions=said, read=[], turns=[], read_from=k)
+
+    await bus.publish(memory_subject("open", None), record(None, [ASPECTS["shorter"]], 0))
+    await bus.publish(memory_subject("open", None), record(None, [ASPECTS["list"], ASPECTS["formal"]], 1))
+    await bus.publish(memory_subject("open", "maya"), record("maya", [ASPECTS["name"]], 2))
+    assert await served_instructions(nats_url) == [ASPECTS["list"], ASPECTS["formal"]]
+    assert await served_instructions(nats_url, "maya") == [ASPECTS["name"]]
+    assert await served_instructions(nats_url, "tomas") == []
+    template = "\n\nAsked: $instructions"
+    assert with_instructions("S.", template, ["A.", "B."]) == "S.\n\nAsked: A. B."
+    assert with_instructions("S.", template, []) == "S."
 
 
 async def test_a_sessions_verdict_is_its_own_samples_not_its_practices(nats_url, bus):

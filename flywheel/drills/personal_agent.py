@@ -83,14 +83,12 @@ def sessions_to_learn(satisfied: list[bool], run: int = RUN) -> int | None:
     return None
 
 
-async def with_served_memory(system: str, bus_url: str, template: str, user_id: str | None = None) -> str:
-    """The system message with the instructions the deployment serves `user_id` now (None: the
-    person who names none; `memory.enabled`: their newest record on MEMORY), as the gateway puts
-    them (`memory.template`)."""
+async def served_instructions(bus_url: str, user_id: str | None = None) -> list[str]:
+    """The instructions the deployment serves `user_id` now (None: the person who names none;
+    `memory.enabled`: their newest record on MEMORY)."""
     from flywheel.bus import Bus
     from flywheel.bus.scan import take_all
     from flywheel.bus.streams import MEMORY
-    from flywheel.serve.served_memory import appended
 
     newest = {}
     bus = await Bus.connect(bus_url, name="personal-agent-drill")
@@ -98,8 +96,14 @@ async def with_served_memory(system: str, bus_url: str, template: str, user_id: 
         await take_all(bus, MEMORY.name, lambda record: newest.__setitem__(record.user_id or None, record))
     finally:
         await bus.close()
-    said = newest[user_id or None].instructions if (user_id or None) in newest else []
-    return system + appended(template, said) if said else system
+    return list(newest[user_id or None].instructions) if (user_id or None) in newest else []
+
+
+def with_instructions(system: str, template: str, instructions: list[str]) -> str:
+    """The system message with `instructions`, as the gateway puts a person's (`memory.template`)."""
+    from flywheel.serve.served_memory import appended
+
+    return system + appended(template, instructions) if instructions else system
 
 
 def with_memory(system: str, name: str, hints: list[str], wishes: str = "words") -> str:
