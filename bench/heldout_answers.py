@@ -38,7 +38,7 @@ from bench.lib.common import RESULTS, ROOT, write_result  # noqa: E402
 RECORDED = {"before": "heldout_before", "after": "heldout", "base_served": "heldout_base_served"}
 """Each policy's replies and the results field that holds their rule's share: the base, the trial's
 final policy (with what the gateway served the person at the end, where it served anything), and
-the base with what was served (a trial with a served memory and a trained adapter)."""
+the base with what was served (a trained trial with a served memory)."""
 
 
 def files(name: str) -> tuple[Path, Path]:
@@ -65,6 +65,10 @@ async def export(args) -> None:
     for trial in results["trials"]:
         run_dir = Path(args.run_root) / f"{trial['arm']}-{trial['pref']}-{trial['trial']}"
         config = load_config(str(run_dir / "config.yaml"), [])
+        if trial.get("memory") is not None or (config.memory.enabled and "served" not in trial):
+            raise SystemExit(f"{run_dir.name}: its replies were asked with a memory this results file does not hold "
+                             "(the app's memory keeps a file's people's words out of it; a served memory before the "
+                             "bench recorded `served`)")
         name, preference, voice = people[f"{trial['pref']}-{trial['trial'] + 1}"]
         user = User(name, preference, seed=trial["seed"], voice=voice)
         asked = [q for q in HELD_OUT_QUESTIONS for _ in range(bench_args.heldout_samples)]
