@@ -1,6 +1,6 @@
 """How a long-lived loop runs: its steps repeated through passing faults (`repeat`), its tasks
-stopped for sure (`cancel_and_wait`), and a garbage collector tuned for many short-lived records
-(`tune_gc`). Every loop uses these, wherever it is hosted (a Ray actor, a process of its own)."""
+stopped for sure (`cancel_and_wait`, and `together` for tasks that stand or fall as one), and a
+garbage collector tuned for many short-lived records (`tune_gc`). Every loop uses these, wherever it is hosted (a Ray actor, a process of its own)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import asyncio
 import gc
 import io
 import logging
-from collections.abc import Callable, Iterable
+from collections.abc import Awaitable, Callable, Iterable
 from typing import Any
 
 log = logging.getLogger(__name__)
@@ -58,3 +58,25 @@ async def cancel_and_wait(tasks: Iterable[asyncio.Task], patience_s: float = 2.0
             task.print_stack(file=stack)
             log.warning("task %s went on after it was cancelled; cancelling it again:\n%s", task.get_name(), stack.getvalue())
             task.cancel()
+
+
+async def together(*steps: Awaitable[Any]) -> None:
+    """Run `steps` as tasks until one of them fails (its error raised here) or this is cancelled;
+    then cancel the rest as `cancel_and_wait` does, again until they end, even if this is
+    cancelled again meanwhile. Not an asyncio.TaskGroup: one that is cancelled again while it
+    waits for its tasks to end does not cancel them again, so a task that swallowed its one
+    cancellation kept it waiting for good (the rollout driver's stop, in a fresh clone's suite)."""
+    tasks = [asyncio.ensure_future(step) for step in steps]
+    try:
+        done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
+        for task in done:
+            task.result()
+    finally:
+        ending = asyncio.ensure_future(cancel_and_wait(tasks))
+        _ending.add(ending)  # the loop keeps only weak references to tasks
+        ending.add_done_callback(_ending.discard)
+        await asyncio.shield(ending)
+
+
+_ending: set[asyncio.Future] = set()
+"""`together`'s stops under way, which go on when the caller is cancelled again."""

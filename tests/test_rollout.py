@@ -13,6 +13,7 @@ from flywheel.config import ConfigError, load_config
 from flywheel.envs import make_env
 from flywheel.models import WeightStore, load_model
 from flywheel.rollout.driver import RolloutDriver
+from flywheel.runtime import cancel_and_wait, repeat
 
 from waiting import until
 
@@ -160,3 +161,30 @@ async def test_admission_rises_only_once_the_endpoint_serves_the_announced_versi
     await asyncio.wait_for(watcher, 60)
     follower.cancel()
     assert served_when_admitted == [1]
+
+
+async def test_a_driver_under_promotion_stops_though_a_follower_swallows_its_cancellation(bus, tmp_path, monkeypatch):
+    """Under promotion the driver follows the routing and the trainer's directive in tasks of their
+    own. A library may swallow a cancellation once (nats-py's flush, gh-86296), and stopping cancels
+    again until every task ends (`cancel_and_wait`); with the followers in an asyncio.TaskGroup a
+    second cancellation never reached them: the group, already aborting, waited on, and a
+    deployment's stop hung until its 300 s bound killed the driver (the gate test, in a fresh
+    clone's full suite)."""
+    d = RolloutDriver(load_config("configs/local.yaml", [f"run_dir={tmp_path}", "rollout.endpoint=http://127.0.0.1:9"]), "nats://unused")
+    d.bus = bus
+    following, swallowed = [], []
+
+    async def stubborn_follow(subject: str, **_):
+        following.append(subject)
+        try:
+            await asyncio.Event().wait()
+        except asyncio.CancelledError:
+            swallowed.append(subject)
+            await asyncio.Event().wait()
+        yield
+
+    monkeypatch.setattr(bus, "follow", stubborn_follow)
+    versions = asyncio.create_task(repeat(d._follow_versions, "rollout.versions"))
+    await until(lambda: len(following) == 2)
+    await asyncio.wait_for(cancel_and_wait([versions]), 20)
+    assert sorted(swallowed) == sorted(following) and versions.cancelled()

@@ -54,7 +54,7 @@ from flywheel.config import ConfigError, FlywheelConfig
 from flywheel.config.tenants import retention_s
 from flywheel.envs import ENVS, Env, Task, make_env
 from flywheel.rollout.env_pool import make_runner
-from flywheel.runtime import cancel_and_wait, repeat
+from flywheel.runtime import cancel_and_wait, repeat, together
 from flywheel.versions.records import abandoned_above
 from flywheel.versions.registry import Registry
 
@@ -155,10 +155,7 @@ class RolloutDriver:
                         served = serving
                     self._advance(serving + abandoned_above(await registry.versions(above=serving), serving))
 
-        async with asyncio.TaskGroup() as group:  # one that fails takes the others down, and `repeat` starts over
-            for subject in (ROUTING_SUBJECT, DIRECTIVE_SUBJECT):
-                group.create_task(watch(subject))
-            group.create_task(track())
+        await together(watch(ROUTING_SUBJECT), watch(DIRECTIVE_SUBJECT), track())  # one that fails ends them, `repeat` starts over
 
     def _advance(self, version: int) -> None:
         if version > self.version:
