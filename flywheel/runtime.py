@@ -1,6 +1,7 @@
 """How a long-lived loop runs: its steps repeated through passing faults (`repeat`), its tasks
 stopped for sure (`cancel_and_wait`, and `together` for tasks that stand or fall as one), and a
-garbage collector tuned for many short-lived records (`tune_gc`). Every loop uses these, wherever it is hosted (a Ray actor, a process of its own)."""
+garbage collector tuned for many short-lived records (`tune_gc`). Every loop uses these, wherever
+it is hosted (a Ray actor, a process of its own)."""
 
 from __future__ import annotations
 
