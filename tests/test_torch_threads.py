@@ -4,8 +4,9 @@ steps on its own thread run slower (docs/experiments/adapters.md)."""
 
 from __future__ import annotations
 
+import ctypes
 import json
-import os
+import threading
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -24,8 +25,17 @@ BIG = (1024, 64)
 """B's shape: more elements than torch's grain for one thread (32,768), so its ops run in parallel."""
 
 
-def os_threads() -> int:
-    return len(os.listdir("/proc/self/task"))
+PROBE = b"threads-probe"
+"""The OS name of the thread that runs the work: a thread it starts (an OpenMP team's) inherits it."""
+
+
+def threads_named(name: bytes) -> int:
+    return sum(1 for task in Path("/proc/self/task").iterdir()
+               if (task / "comm").read_bytes().rstrip(b"\n") == name)
+
+
+def name_this_thread(name: bytes) -> None:
+    ctypes.CDLL(None).prctl(15, name, 0, 0, 0)  # PR_SET_NAME
 
 
 def write_wide_adapter(path: Path) -> Path:
@@ -38,12 +48,13 @@ def write_wide_adapter(path: Path) -> Path:
 
 
 def threads_added_by(work) -> int:
-    """How many OS threads `work` adds to this process, run on a thread of a pool that stays alive."""
+    """How many OS threads `work` starts, run on a thread of a pool that stays alive: the threads
+    that thread started, not the process's count (other threads of a test session end meanwhile)."""
     with ThreadPoolExecutor(1) as pool:
-        pool.submit(lambda: None).result()
-        before = os_threads()
+        pool.submit(name_this_thread, PROBE).result()
+        before = threads_named(PROBE)
         pool.submit(work).result()
-        return os_threads() - before
+        return threads_named(PROBE) - before
 
 
 def test_a_parallel_op_on_another_thread_starts_a_team_of_its_own():
@@ -61,6 +72,15 @@ def test_a_parallel_op_on_another_thread_starts_a_team_of_its_own():
             torch.set_num_threads(threads)
 
     assert threads_added_by(doubled) >= 1
+
+
+def test_a_thread_of_the_process_that_ends_meanwhile_is_not_counted():
+    """The count itself: in a whole test session threads of earlier tests end while the work runs
+    (CI at d38e300 counted -2)."""
+    ending = threading.Event()
+    other = threading.Thread(target=ending.wait)
+    other.start()
+    assert threads_added_by(lambda: (ending.set(), other.join())) == 0
 
 
 def test_work_in_one_thread_starts_no_team_and_leaves_the_thread_count_as_it_was():
