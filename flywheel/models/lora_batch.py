@@ -3,8 +3,8 @@ low-rank product beside the shared base product (what Punica's BGMV and S-LoRA's
 GPUs), in a few batched products per layer rather than one forward per adapter.
 
 `AdapterTable` holds, for every linear layer of the model that some adapter adapts, A as
-[slots + 1, in, r] and B as [slots + 1, r, out] (transposed from PEFT's layout, the scaling
-folded into B). Slot 0 is the bare base and stays zero; an adapter written into slot s fills
+[slots + 1, in, r] and B as [slots + 1, r, out] (B transposed from PEFT's layout, the scaling
+folded into it; A a transposed view of PEFT's [r, in] rows, below). Slot 0 is the bare base and stays zero; an adapter written into slot s fills
 A[s] and B[s]; adapters of lower rank than the table's `rank` are padded with zeros (they add
 nothing), and a layer an adapter does not adapt stays zero in its slot. The rank grows when an
 adapter of a higher rank is written (rounded up so that every slot starts on 16 bytes, as
@@ -54,7 +54,13 @@ deltas in place where every token has an adapter (a gather in the forward's orde
 rank 8, 8 / 32 adapters 18-21 / 32-33 -> 15-16 / 27 ms. Through the engine
 (`bench/adapter_throughput.py`), 32 adapters of rank 32 went from 0.12x of base-only to
 0.45-0.63x; 32 of rank 8 from 0.71-0.73x to 0.74-0.81x (docs/experiments/adapters.md), which their
-bytes alone (313 MB read a step) bound at ~0.87x on two cores.
+bytes alone (313 MB read a step) bound at ~0.87x on two cores. Each slot's A stored as PEFT writes
+it, [r, in], and multiplied as its transposed view (MKL's batched product then reads each of the r
+rows along `in` for a decode step's one token a slot), `bench/adapter_profile.py` alternating A/B,
+two runs each: the products of 32 adapters, rank 8 25.1-26.4 -> 22.2-22.7 ms, rank 32 70.6-71.7 ->
+63.6-63.7; 8 adapters at rank 8 13.1-14.0 -> 12.3-12.5; one adapter 0.3-0.8 ms slower (7.3 -> 7.8 at
+rank 8). Through the engine, two runs each way: 32 adapters of rank 8 0.80-0.81x -> 0.81-0.82x, of
+rank 32 0.62-0.67x -> 0.65-0.70x (within the runs' spread).
 
 A product reads the slots from 0 (or 1) up to the highest its forward uses, as views of the
 stacks, and the engine fills the lowest free slot first: 8 adapters resident in a table of 32
@@ -101,7 +107,8 @@ class LowRank:
     """One linear layer's stacked adapter matrices."""
 
     a: torch.Tensor
-    """[slots + 1, in, rank]: each slot's A one contiguous matrix, or a view of `flat`."""
+    """[slots + 1, in, rank]: each slot's A one contiguous matrix stored [rank, in] and seen
+    transposed, or a view of `flat`."""
     b: torch.Tensor
     """[slots + 1, rank, out]"""
     flat: torch.Tensor | None = None
@@ -180,8 +187,8 @@ class AdapterTable:
     def _zeros(self, layer: torch.nn.Linear, rank: int) -> LowRank:
         like = dict(dtype=self.dtype, device=self.device)
         b = torch.zeros(self.slots + 1, rank, layer.out_features, **like)
-        if not self.dense_columns:
-            return LowRank(torch.zeros(self.slots + 1, layer.in_features, rank, **like), b)
+        if not self.dense_columns:  # each slot's A stored [rank, in] (PEFT's own layout), used transposed
+            return LowRank(torch.zeros(self.slots + 1, rank, layer.in_features, **like).transpose(1, 2), b)
         flat = torch.zeros(layer.in_features, self.slots + 1, rank, **like)
         return LowRank(flat.permute(1, 0, 2), b, flat)
 
