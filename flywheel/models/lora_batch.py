@@ -43,24 +43,24 @@ before the padded products:
 
 The dense products followed (x [A_0 ... A_slots] masked to each token's own slot's columns, then
 times the stacked B: no gathering, sorting or scattering): rank 8, 32 adapters 111 -> 53 ms, but
-their arithmetic grows with every slot's columns on every token (slower than grouped at rank 32).
-On a GPU, where a decode step is launch-bound, they are a few small kernels, and they stay there.
-The padded products do each token's arithmetic once and read each slot once, with A kept as [slots
-+ 1, in, r] (each slot's A one contiguous matrix; the dense products want it as [in, slots + 1,
-r], so a table keeps the layout its device's products read). `bench/adapter_profile.py`, 32 slots,
-two runs each way alternating (base products 60-67 ms): rank 8, 1 / 8 / 32 adapters 11-12 / 23-24
-/ 47-52 -> 6-8 / 21 / 35-38 ms; rank 32 14 / 66 / 147-151 -> 10 / 36-40 / 83-99 ms. Adding the
-deltas in place where every token has an adapter (a gather in the forward's order, not a scatter):
-rank 8, 8 / 32 adapters 18-21 / 32-33 -> 15-16 / 27 ms. Through the engine
-(`bench/adapter_throughput.py`), 32 adapters of rank 32 went from 0.12x of base-only to
-0.45-0.63x; 32 of rank 8 from 0.71-0.73x to 0.74-0.81x (docs/experiments/adapters.md), which their
-bytes alone (313 MB read a step) bound at ~0.87x on two cores. Each slot's A stored as PEFT writes
-it, [r, in], and multiplied as its transposed view (MKL's batched product then reads each of the r
-rows along `in` for a decode step's one token a slot), `bench/adapter_profile.py` alternating A/B,
-two runs each: the products of 32 adapters, rank 8 25.1-26.4 -> 22.2-22.7 ms, rank 32 70.6-71.7 ->
-63.6-63.7; 8 adapters at rank 8 13.1-14.0 -> 12.3-12.5; one adapter 0.3-0.8 ms slower (7.3 -> 7.8 at
-rank 8). Through the engine, two runs each way: 32 adapters of rank 8 0.80-0.81x -> 0.81-0.82x, of
-rank 32 0.62-0.67x -> 0.65-0.70x (within the runs' spread).
+their arithmetic grows with every slot's columns on every token (slower than grouped at rank 32). On
+a GPU, where a decode step is launch-bound, they are a few small kernels, and they stay there. The
+padded products do each token's arithmetic once and read each slot once, with each slot's A one
+contiguous matrix (the dense products want A as [in, slots + 1, r], so a table keeps the layout its
+device's products read). `bench/adapter_profile.py`, 32 slots, two runs each way alternating (base
+products 60-67 ms): rank 8, 1 / 8 / 32 adapters 11-12 / 23-24 / 47-52 -> 6-8 / 21 / 35-38 ms; rank
+32 14 / 66 / 147-151 -> 10 / 36-40 / 83-99 ms. Adding the deltas in place where every token has an
+adapter (a gather in the forward's order, not a scatter): rank 8, 8 / 32 adapters 18-21 / 32-33 ->
+15-16 / 27 ms. Through the engine (`bench/adapter_throughput.py`), 32 adapters of rank 32 went from
+0.12x of base-only to 0.45-0.63x; 32 of rank 8 from 0.71-0.73x to 0.74-0.81x
+(docs/experiments/adapters.md), which their bytes alone (313 MB read a step) bound at ~0.87x on two
+cores. Each slot's A stored as PEFT writes it, [r, in], and multiplied as its transposed view: a
+decode step's products (one token a slot), `bench/adapter_profile.py` alternating A/B, two runs
+each: 32 adapters, rank 8 25.1-26.4 -> 22.2-22.7 ms, rank 32 70.6-71.7 -> 63.6-63.7; 8 adapters,
+rank 8 13.1-14.0 -> 12.3-12.5, rank 32 25.0-25.9 -> 26.7-27.1; one adapter 0.3-0.8 ms slower. A
+prefill's first products are slower so (32 slots x 32 tokens, every projection: 32.5 -> 38.0 ms of a
+~1 s prefill). Through the engine, two runs each way: 32 adapters of rank 8 0.80-0.81x ->
+0.81-0.82x, of rank 32 0.62-0.67x -> 0.65-0.70x (within the runs' spread).
 
 A product reads the slots from 0 (or 1) up to the highest its forward uses, as views of the
 stacks, and the engine fills the lowest free slot first: 8 adapters resident in a table of 32
