@@ -30,7 +30,7 @@ from statistics import fmean
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # `python bench/NAME.py` as well as `-m bench.NAME`
 
 from bench.adapter_guard import guard_for  # noqa: E402
-from bench.heldout_answers import files  # noqa: E402
+from bench.heldout_answers import labelled  # noqa: E402
 from bench.judge_answers import auc  # noqa: E402
 from bench.lib.common import quiet_logs, table, write_result  # noqa: E402
 
@@ -39,17 +39,11 @@ LORA = json.dumps({"r": 8, "lora_alpha": 16, "target_modules": "all-linear"})
 """A guard needs an adapter set; its base reads the replies (no adapter is used)."""
 
 
-def labelled(name: str) -> dict[tuple[str, str], list[dict]]:
-    """The replies a reader labelled, by (trial, policy), in the file's order."""
-    replies, key = files(name)
-    keyed = json.loads(key.read_text(encoding="utf-8"))
+def by_trial(name: str) -> dict[tuple[str, str], list[dict]]:
+    """The replies of results `name` a reader labelled, by (trial, policy), in the file's order."""
     groups: dict[tuple[str, str], list[dict]] = {}
-    for line in replies.read_text(encoding="utf-8").splitlines():
-        item = json.loads(line)
-        if "answers" not in item:
-            raise SystemExit(f"{replies}: a reply without the reader's label; label it first (bench/heldout_answers.py)")
-        known = keyed[str(item["id"])]
-        groups.setdefault((f"{name}:{known['trial']}", known["when"]), []).append(item)
+    for item in labelled(name):
+        groups.setdefault((f"{name}:{item['trial']}", item["when"]), []).append(item)
     return groups
 
 
@@ -69,7 +63,7 @@ def main() -> None:
     args = parser.parse_args()
     quiet_logs()
     _, guard = guard_for(LORA, args.model)
-    groups = {key: items for name in args.results for key, items in labelled(name).items()}
+    groups = {key: items for name in args.results for key, items in by_trial(name).items()}
     for items in groups.values():
         for item, relevance in zip(items, read(guard, items)):
             item["relevance"] = relevance

@@ -98,18 +98,26 @@ async def export(args) -> None:
     print(f"wrote {len(items)} replies to {replies_file} and their key to {key_file}")
 
 
+def labelled(name: str) -> list[dict]:
+    """The replies of results `name` a reader labelled, each with its trial, policy (`when`) and the
+    rule's reading from the key."""
+    replies_file, key_file = files(name)
+    items = [json.loads(line) for line in replies_file.read_text(encoding="utf-8").splitlines()]
+    key = json.loads(key_file.read_text(encoding="utf-8"))
+    if {str(i["id"]) for i in items} != set(key) or not all(isinstance(i.get("answers"), bool) for i in items):
+        raise SystemExit(f"{replies_file}: every reply needs an `answers` label of true or false")
+    return [{**item, **key[str(item["id"])]} for item in items]
+
+
 def score(args) -> None:
-    replies_file, key_file = files(args.results)
-    labels = {item["id"]: item["answers"] for item in map(json.loads, replies_file.read_text().splitlines())}
-    key = {int(i): v for i, v in json.loads(key_file.read_text()).items()}
-    if set(labels) != set(key) or not all(isinstance(v, bool) for v in labels.values()):
-        raise SystemExit("every reply needs an `answers` label of true or false")
+    items = labelled(args.results)
     rows = {}
-    for trial in sorted({k["trial"] for k in key.values()}):
+    for trial in sorted({i["trial"] for i in items}):
         row = {}
         for when in RECORDED:
-            if ids := [i for i, k in key.items() if k["trial"] == trial and k["when"] == when]:
-                row[when] = {"reader": fmean(labels[i] for i in ids), "rule": fmean(key[i]["rule"] for i in ids), "n": len(ids)}
+            if group := [i for i in items if i["trial"] == trial and i["when"] == when]:
+                row[when] = {"reader": fmean(i["answers"] for i in group), "rule": fmean(i["rule"] for i in group),
+                             "n": len(group)}
         rows[trial] = row
         print(f"{trial:12s} " + "   ".join(f"{when} reader {r['reader']:.2f} rule {r['rule']:.2f}" for when, r in row.items())
               + f"   (n {row['after']['n']})")

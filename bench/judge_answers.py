@@ -20,6 +20,8 @@ and, for comparison, the same two shares for the personal-agent bench's own rule
 over), which practice must not use (the bench measures with it).
 
     .venv/bin/python bench/judge_answers.py        # bench/results/judge_answers.json
+    .venv/bin/python bench/judge_answers.py --replies NAME [NAME ...] --name judge_answers_trials
+        # the same on trials' held-out replies blind readers labelled (bench/heldout_answers.py)
 """
 
 from __future__ import annotations
@@ -57,6 +59,15 @@ def row(items: list[dict]) -> list:
             auc([i["gain"] for i in yes], [i["gain"] for i in no]), share(yes, "rule", True), share(no, "rule", False)]
 
 
+def trials_replies(names: list[str]) -> list[dict]:
+    """Trials' labelled held-out replies as items: each asked bare (the files hold no system
+    message), in English, its `kind` the policy that wrote it."""
+    from bench.heldout_answers import labelled
+
+    return [{"request": i["question"], "reply": i["reply"], "answers": i["answers"], "lang": "en", "kind": i["when"]}
+            for name in names for i in labelled(name)]
+
+
 async def measure(items: list[dict], model: str) -> None:
     from transformers import AutoTokenizer
 
@@ -80,11 +91,14 @@ async def measure(items: list[dict], model: str) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--set", default=str(ROOT / "bench/data/answer_pairs_heldout.jsonl"))
+    parser.add_argument("--replies", nargs="+", help="instead of --set: personal-agent trials' held-out replies a "
+                        "reader labelled (bench/heldout_answers.py), by results name; grouped by policy")
     parser.add_argument("--model", default="smollm2-135m")
     parser.add_argument("--name", default="judge_answers")
     args = parser.parse_args()
     quiet_logs()
-    items = [json.loads(line) for line in Path(args.set).read_text(encoding="utf-8").splitlines() if line.strip()]
+    items = trials_replies(args.replies) if args.replies else [
+        json.loads(line) for line in Path(args.set).read_text(encoding="utf-8").splitlines() if line.strip()]
     asyncio.run(measure(items, args.model))
     groups = {"English": [i for i in items if i["lang"] == "en"], "other languages": [i for i in items if i["lang"] != "en"],
               "all": items}
