@@ -21,7 +21,7 @@ import pytest
 from flywheel.bus import WEIGHTS_SUBJECT, WeightUpdate
 from flywheel.config import load_config
 from flywheel.models import WeightStore, load_model
-from flywheel.models.adapter_names import user_adapter
+from flywheel.models.adapter_names import adapter_for, origin, scope_of, user_adapter
 from flywheel.serve.backends.sglang import HTTPEngineClient
 from flywheel.serve.engine import Engine
 from flywheel.serve.engine.server import create_engine_app
@@ -314,6 +314,21 @@ def test_adapter_labels_and_versions():
     updates = [WeightUpdate(id=str(i), version=v, path="p", step=0, adapter=a)
                for i, (v, a) in enumerate([(1, None), (2, "a"), (2, None), (1, "b"), (1, "a")])]
     assert [(u.version, u.adapter) for u in _newest(updates)] == [(2, "a"), (2, None), (1, "b")]
+
+
+def test_each_scope_and_a_tenants_own_scope_name_the_adapter_a_request_trains():
+    """`adapters.scope` names one adapter for the deployment, one a tenant or one a user; a
+    tenant's own `adapter_scope` holds for its requests alone, and a user's new adapter starts
+    from its tenant's only where the user scope holds."""
+    config = load_config(None, ["adapters.kind=lora", "adapters.scope=user",
+                                "tenants={acme: {adapter_scope: shared}, globex: {adapter_scope: tenant}, initech: {}}"])
+    named = {tenant: adapter_for(scope_of(config, tenant), tenant, "ann") for tenant in ("acme", "globex", "initech", "hooli")}
+    assert named == {"acme": "shared", "globex": "globex", "initech": user_adapter("initech", "ann"),
+                     "hooli": user_adapter("hooli", "ann")}
+    assert adapter_for("user", "initech", None) == "initech"  # a request that names no user: its tenant's
+    assert user_adapter("initech", "ann") != user_adapter("initech", "bob") != user_adapter("hooli", "bob")
+    assert origin(named["initech"], config) == "initech" and origin(user_adapter("globex", "ann"), config) is None
+    assert origin("globex", config) is None and origin("shared", config) is None
 
 
 async def test_a_gateway_starts_with_every_adapter_in_the_store(nats_url, tmp_path, bus, routed_adapters):
