@@ -71,12 +71,14 @@ def _step_ms(fn, repeats: int = 7) -> float:
 
 
 @torch.inference_mode()
-def profile_adapter_path(model: torch.nn.Module, ranks: list[int], counts: list[int], n_rows: int = 32) -> dict:
-    """{"step_ms": rows of (rank, adapters, base ms, adapter ms), "top_ops": {rank/adapters: ops}}."""
+def profile_adapter_path(model: torch.nn.Module, ranks: list[int], counts: list[int], n_rows: int = 32,
+                         tokens: int = 1) -> dict:
+    """{"step_ms": rows of (rank, adapters, base ms, adapter ms), "top_ops": {rank/adapters: ops}};
+    `tokens` a row: 1 a decode step, more a prefill's forward."""
     groups = step_groups(model)
     like = {"dtype": next(model.parameters()).dtype, "device": next(model.parameters()).device}
-    inputs = [torch.randn(n_rows, group[0].in_features, **like) for group in groups]
-    outputs = [torch.zeros(n_rows, sum(layer.out_features for layer in group), **like) for group in groups]
+    inputs = [torch.randn(n_rows * tokens, group[0].in_features, **like) for group in groups]
+    outputs = [torch.zeros(n_rows * tokens, sum(layer.out_features for layer in group), **like) for group in groups]
 
     def base() -> None:
         for x, out, group in zip(inputs, outputs, groups):
@@ -96,7 +98,7 @@ def profile_adapter_path(model: torch.nn.Module, ranks: list[int], counts: list[
             rows_out.append({"rank": rank, "adapters": n, "base_products_ms": base_ms, "adapter_products_ms": _step_ms(adapters)})
             if n == max(counts):
                 top[f"r{rank}/{n}"] = _top_ops(adapters)
-    return {"rows": n_rows, "step_ms": rows_out, "top_ops": top}
+    return {"rows": n_rows, "tokens": tokens, "step_ms": rows_out, "top_ops": top}
 
 
 def _top_ops(fn, steps: int = 3, limit: int = 10) -> list[dict]:
@@ -122,9 +124,11 @@ def main() -> None:
     p.add_argument("--device", default="cpu")
     p.add_argument("--dtype", default="float32")
     p.add_argument("--random-weights", action="store_true", help="seeded random weights of the model's shape")
+    p.add_argument("--tokens", type=int, default=1, help="tokens a row: 1 a decode step, more a prefill's forward")
     args = p.parse_args()
     model, _ = bench_model(args.model, args.dtype, args.device, args.random_weights)
-    result = profile_adapter_path(model, [int(r) for r in args.ranks.split(",")], [int(n) for n in args.adapters.split(",")])
+    result = profile_adapter_path(model, [int(r) for r in args.ranks.split(",")], [int(n) for n in args.adapters.split(",")],
+                                  tokens=args.tokens)
     for row in result["step_ms"]:
         print(row)
     for key, ops in result["top_ops"].items():

@@ -58,9 +58,10 @@ cores. Each slot's A stored as PEFT writes it, [r, in], and multiplied as its tr
 decode step's products (one token a slot), `bench/adapter_profile.py` alternating A/B, two runs
 each: 32 adapters, rank 8 25.1-26.4 -> 22.2-22.7 ms, rank 32 70.6-71.7 -> 63.6-63.7; 8 adapters,
 rank 8 13.1-14.0 -> 12.3-12.5, rank 32 25.0-25.9 -> 26.7-27.1; one adapter 0.3-0.8 ms slower. A
-prefill's first products are slower so (32 slots x 32 tokens, every projection: 32.5 -> 38.0 ms of a
-~1 s prefill). Through the engine, two runs each way: 32 adapters of rank 8 0.80-0.81x ->
-0.81-0.82x, of rank 32 0.62-0.67x -> 0.65-0.70x (within the runs' spread).
+prefill's products are slower so (`--tokens 32`, 32 rows of 32 tokens, two runs each way: 32
+adapters of rank 32 238-240 -> 262-296 ms, beside 764-801 ms of base products; at rank 8 both
+layouts ran 166-375 ms by run). Through the engine, two runs each way: 32 adapters of rank 8
+0.80-0.81x -> 0.81-0.82x, of rank 32 0.62-0.67x -> 0.65-0.70x (within the runs' spread).
 
 A product reads the slots from 0 (or 1) up to the highest its forward uses, as views of the
 stacks, and the engine fills the lowest free slot first: 8 adapters resident in a table of 32
