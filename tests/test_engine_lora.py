@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import shutil
+from itertools import product
 from pathlib import Path
 
 import httpx
@@ -29,16 +30,19 @@ from engine_adapters import GREEDY, TEXTS, TOL, fresh_engine, root_of
 from factories import RunningApp, prompt, recomputed_logprobs
 from waiting import until
 
-PRODUCTS = ["dense", "padded", "gathered", "grouped"]
+PRODUCTS = ["dense", "padded", "gathered", "grouped", "rows"]
 """The ways `lora_batch` computes several adapters' deltas, each forced in turn."""
 
 
 def use_products(monkeypatch: pytest.MonkeyPatch, products: str) -> None:
     """Several adapters' deltas by `products` on every device, in tables and engines made after:
-    dense, padded over the slots' range or over the used slots gathered, or grouped."""
+    dense, padded over the slots' range or over the used slots gathered, grouped, or by row (where
+    every row has an adapter; else padded)."""
     monkeypatch.setattr(lora_batch, "DENSE_COLUMNS", {"cpu": 512, "cuda": 8192} if products == "dense" else {})
     monkeypatch.setattr(lora_batch, "PADDED_SPREAD", 0 if products == "gathered" else lora_batch.PADDED_SPREAD)
     monkeypatch.setattr(lora_batch, "PADDED_WASTE", {"grouped": 0, "gathered": 1e9}.get(products, lora_batch.PADDED_WASTE))
+    monkeypatch.setattr(lora_batch, "ROW_TOKENS", 1 if products == "rows" else 10**9)
+    monkeypatch.setattr(lora_batch, "ROW_RANKS", 0)
 
 
 DEVICES = pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
@@ -249,9 +253,9 @@ def test_an_adapter_with_inf_or_nan_reaches_no_other_row(model_and_tokenizer, mo
 @pytest.mark.parametrize("products", PRODUCTS)
 def test_uneven_rows_over_slots_with_a_gap_get_each_their_own_deltas(model_and_tokenizer, monkeypatch, products):
     """Adapters of ranks 4, 2 and 8 in slots 1, 2 and 4 (3 empty), rows over them unevenly and in
-    no order, with a base row and without, two layers that share their input (q and k, as the
-    decoder fuses them): each row gets exactly its own adapter's delta in each layer's columns,
-    the base row none."""
+    no order, with a base row and without, of one token (a decode step) and of three (a prefill),
+    two layers that share their input (q and k, as the decoder fuses them): each row's tokens get
+    exactly their own adapter's delta in each layer's columns, the base row's none."""
     use_products(monkeypatch, products)
     model, _ = model_and_tokenizer
     table = AdapterTable(model, slots=4)
@@ -262,18 +266,21 @@ def test_uneven_rows_over_slots_with_a_gap_get_each_their_own_deltas(model_and_t
                       for name, layer in zip(names, layers)} for slot, rank in ((1, 4), (2, 2), (4, 8))}
     for slot, matrices in written.items():
         table.write(slot, LoraAdapter(Path(f"slot{slot}"), matrices))
-    for slots in ([2, 0, 4, 2, 2, 1, 4], [4, 2, 2, 1, 4, 2]):  # with a base row; every row adapted
-        x = torch.randn(len(slots), layers[0].in_features)
-        out = torch.zeros(len(slots), sum(layer.out_features for layer in layers))
+    for slots, tokens in product(([2, 0, 4, 2, 2, 1, 4], [4, 2, 2, 1, 4, 2]), (1, 3)):  # with a base row; every row
+        x = torch.randn(len(slots) * tokens, layers[0].in_features)                    # adapted; a token a row or 3
+        out = torch.zeros(len(x), sum(layer.out_features for layer in layers))
         rows = table.rows(slots)
         rows.add(out, x, layers)
-        plan = rows._plan(len(slots))  # the products forced are the ones that ran
-        assert (plan.foreign is not None, plan.padded is not None, plan.gathered is not None) == {
-            "dense": (True, False, False), "padded": (False, True, False), "gathered": (False, True, True),
-            "grouped": (False, False, False)}[products]
-        for row, slot in enumerate(slots):
-            expected = [x[row] @ a.T @ b.T for a, b in written[slot].values()] if slot else [torch.zeros(out.shape[1])]
-            torch.testing.assert_close(out[row], torch.cat(expected), rtol=1e-4, atol=1e-4)
+        plan = rows._plan(len(x))  # the products forced are the ones that ran
+        every = all(slots)
+        ran = (plan.foreign is not None, plan.padded is not None, plan.gathered is not None, plan.row_slots is not None)
+        assert ran == {"dense": (True, False, False, False), "padded": (False, True, False, False),
+                       "gathered": (False, True, True, False), "grouped": (False, False, False, False),
+                       "rows": (False, not every, False, every)}[products]
+        for token in range(len(x)):
+            slot = slots[token // tokens]
+            expected = [x[token] @ a.T @ b.T for a, b in written[slot].values()] if slot else [torch.zeros(out.shape[1])]
+            torch.testing.assert_close(out[token], torch.cat(expected), rtol=1e-4, atol=1e-4)
 
 
 def test_an_adapter_whose_weights_are_not_finite_is_refused(engine_adapters, tmp_path):

@@ -29,7 +29,10 @@ ones are spread out (`PADDED_SPREAD`). Where padding would be most of the work (
 `PADDED_WASTE`), one grouped product per matrix instead (`torch._grouped_mm`: each slot's rows
 against its own A and B; on the CPU a loop of one small product per slot, empty slots
 included). On CUDA, in a decode step, while the slot columns ((slots + 1) x rank) are at most
-`DENSE_COLUMNS`, two dense products over every token (below).
+`DENSE_COLUMNS`, two dense products over every token (below). Where every row has an adapter
+and holds many tokens (a prefill's forward: `ROW_TOKENS`, `ROW_RANKS`), each row's tokens take its
+own slot's A and B, gathered a row each, in place: a row's matrices are fewer bytes to move than
+its tokens, which the padded products gather, multiply and gather back.
 
 Measured per decode step of SmolLM2-135M's 210 projections (float32, 32 rows spread evenly over
 1, 8 or 32 adapters, 2 cores; the base products alone took ~51 ms unfused), at rank 8 / rank 32,
@@ -62,6 +65,12 @@ prefill's products are slower so (`--tokens 32`, 32 rows of 32 tokens, two runs 
 adapters of rank 32 238-240 -> 262-296 ms, beside 764-801 ms of base products; at rank 8 both
 layouts ran 166-375 ms by run). Through the engine, two runs each way: 32 adapters of rank 8
 0.80-0.81x -> 0.81-0.82x, of rank 32 0.62-0.67x -> 0.65-0.70x (within the runs' spread).
+
+The products by row, on a prefill's forward (`bench/adapter_profile.py --tokens 32`: 32 rows of 32
+tokens, rank 8, three runs, against the padded products alternating): 8 adapters 161-168 ms against
+301-358, 32 adapters 176-187 against 183-350 (the padded products' time by run is bimodal: most of
+it `index_select` and `add_` on the tokens), beside ~800 ms of base products. At rank 32 a row's
+matrices outweigh 32 tokens' and the padded products stay (`ROW_RANKS`).
 
 A product reads the slots from 0 (or 1) up to the highest its forward uses, as views of the
 stacks, and the engine fills the lowest free slot first: 8 adapters resident in a table of 32
@@ -98,6 +107,12 @@ decode step is launch-bound, and the dense products are 3 kernels a layer (the p
 more a fused product); `torch._grouped_mm` in float32 loops over the slots on the host after a device sync
 (adapters on a GPU: 32 adapters of rank 32 at 0.11x of base-only with it, 0.60x dense). The
 padded products were not measured on a GPU. CPU: the padded products (module docstring)."""
+ROW_TOKENS = 8
+ROW_RANKS = 2
+"""Where every row of a forward has an adapter and holds at least `ROW_TOKENS` tokens and
+`ROW_RANKS` times the table's rank (a prefill's), each row's tokens take its slot's A and B
+gathered, in place (`_Plan.row_slots`): no token is gathered or scattered, and a row's matrices
+are fewer bytes than its tokens' (module docstring)."""
 DENSE_TOKENS = 64
 """The dense products only in forwards of at most this many tokens (decode steps): in a prefill
 every token would pay every slot's columns."""
@@ -237,7 +252,7 @@ class Rows:
             if tokens % len(self.slots):
                 raise ValueError(f"{tokens} tokens are not {len(self.slots)} rows of equal length")
             slots = torch.tensor(self.slots, device=self.table.device).repeat_interleave(tokens // len(self.slots))
-            self._plans[tokens] = _Plan(slots, self.table)
+            self._plans[tokens] = _Plan(slots, self.table, len(self.slots))
         return self._plans[tokens]
 
 
@@ -249,7 +264,7 @@ def applied(rows: Rows | None) -> contextlib.AbstractContextManager:
 class _Plan:
     """A forward's tokens that have an adapter, sorted by slot, for one token count."""
 
-    def __init__(self, slots: torch.Tensor, table: AdapterTable):
+    def __init__(self, slots: torch.Tensor, table: AdapterTable, rows: int):
         adapted = int((slots > 0).sum())
         self.order = torch.argsort(slots, stable=True)[len(slots) - adapted:]
         """The adapted tokens' indices, by slot."""
@@ -287,7 +302,14 @@ class _Plan:
         self.gathered: torch.Tensor | None = None
         """The slots the padded products read, gathered from the stacks, when those from 1 to the
         highest used would be more than `PADDED_SPREAD` times those used; None: that range, as views."""
-        if self.single is None and self.foreign is None:
+        self.row_slots: torch.Tensor | None = None
+        """For the products by row (several adapters, every row adapted, at least `ROW_TOKENS` tokens
+        a row: a prefill's forward): each row's slot, whose A and B the row's tokens take in place."""
+        if (self.single is None and self.foreign is None and adapted == len(slots)
+                and len(slots) >= max(ROW_TOKENS, ROW_RANKS * table.rank) * rows):
+            self.row_slots = slots[::len(slots) // rows]
+            self.identity = True
+        elif self.single is None and self.foreign is None:
             self._pad(slots[self.order], distinct, counts, len(slots))
 
     def _pad(self, by_slot: torch.Tensor, distinct: torch.Tensor, counts: torch.Tensor, tokens: int) -> None:
@@ -316,6 +338,8 @@ class _Plan:
     def pick(self, x: torch.Tensor) -> torch.Tensor:
         """The forward's tokens `x` [tokens, in] as the products take them: all of them (`identity`),
         padded by slot, or the adapted ones in `order`."""
+        if self.row_slots is not None:
+            return x.view(len(self.row_slots), -1, x.shape[1])
         if self.identity:
             return x
         if self.padded is not None:
@@ -327,7 +351,10 @@ class _Plan:
         in place where every token is computed in place (`identity`, the second product
         accumulating: `addmm_`, no delta tensor) or the padded deltas land in the forward's order,
         else scattered to the adapted tokens' rows."""
-        if self.identity and self.single is not None:
+        if self.row_slots is not None:
+            a, b = stacks.a.index_select(0, self.row_slots), stacks.b.index_select(0, self.row_slots)
+            out.view(len(self.row_slots), -1, out.shape[1]).baddbmm_(torch.bmm(x, a), b)
+        elif self.identity and self.single is not None:
             out.addmm_(x @ stacks.a[self.single], stacks.b[self.single])
         elif self.identity:
             every = x @ stacks.flat[:, :self.width].flatten(1)  # a view: each row of A strided by the table's width
