@@ -1,11 +1,11 @@
 """Where a decode step's time goes in the embedded engine's adapter path
-(`flywheel.models.lora_batch.Rows.add`), measured alone: one decode step's worth of adapter
-products (every decoder layer's q/k/v, o, gate/up and down, grouped as the engine's decoder
-fuses them) for R rows spread over 1, 8 or 32 adapters, against the base products of the same
-layers, then torch's profiler on the adapter products (the ops taking the most time, per step).
-On the model's device: on a GPU the step times are synced wall times (the host's launches
-included) and the profile also counts each op's kernels' GPU time.
-Used by `bench/adapter_throughput.py` (`--profile`, or when the engine misses 0.8x); alone:
+(`flywheel.models.lora_batch.Rows.add`), measured alone (or a prefill's: `--tokens N` a row): one
+decode step's worth of adapter products (every decoder layer's q/k/v, o, gate/up and down, grouped
+as the engine's decoder fuses them) for R rows spread over 1, 8 or 32 adapters, against the base
+products of the same layers, then torch's profiler on the adapter products (the ops taking the most
+time, per step). On the model's device: on a GPU the step times are synced wall times (the host's
+launches included) and the profile also counts each op's kernels' GPU time. Used by
+`bench/adapter_throughput.py` (`--profile`, or when the engine misses 0.8x); alone:
 
     .venv/bin/python bench/adapter_profile.py [--model smollm2-135m] [--ranks 8,32]
     python3 bench/adapter_profile.py --model DIR --random-weights --device cuda --dtype bfloat16

@@ -69,6 +69,8 @@ def main() -> None:
             item["relevance"] = relevance
     rows = []
     for (trial, policy), items in sorted(groups.items()):
+        if (trial, "before") not in groups:
+            raise SystemExit(f"{trial}: no replies of the base (`before`) to set the guard's bar by")
         bar = fmean(i["relevance"] for i in groups[(trial, "before")]) / 2
         rows.append([trial, policy, len(items), fmean(i["answers"] for i in items), fmean(i["relevance"] for i in items),
                      fmean(i["relevance"] >= bar for i in items)])

@@ -97,6 +97,8 @@ def main() -> None:
     parser.add_argument("--name", default="judge_answers")
     args = parser.parse_args()
     quiet_logs()
+    if args.replies:
+        args.set = None  # the result names what it read
     items = trials_replies(args.replies) if args.replies else [
         json.loads(line) for line in Path(args.set).read_text(encoding="utf-8").splitlines() if line.strip()]
     asyncio.run(measure(items, args.model))

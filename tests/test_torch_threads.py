@@ -5,6 +5,7 @@ steps on its own thread run slower (docs/experiments/adapters.md)."""
 from __future__ import annotations
 
 import ctypes
+import itertools
 import json
 import threading
 from concurrent.futures import ThreadPoolExecutor
@@ -25,13 +26,19 @@ BIG = (1024, 64)
 """B's shape: more elements than torch's grain for one thread (32,768), so its ops run in parallel."""
 
 
-PROBE = b"threads-probe"
-"""The OS name of the thread that runs the work: a thread it starts (an OpenMP team's) inherits it."""
+PROBES = itertools.count()
+"""Each count's own OS name for the thread that runs the work (a thread it starts, an OpenMP
+team's, inherits it): an earlier count's team may still be ending."""
 
 
 def threads_named(name: bytes) -> int:
-    return sum(1 for task in Path("/proc/self/task").iterdir()
-               if (task / "comm").read_bytes().rstrip(b"\n") == name)
+    named = 0
+    for task in Path("/proc/self/task").iterdir():
+        try:
+            named += (task / "comm").read_bytes().rstrip(b"\n") == name
+        except OSError:  # the thread ended meanwhile
+            pass
+    return named
 
 
 def name_this_thread(name: bytes) -> None:
@@ -50,11 +57,12 @@ def write_wide_adapter(path: Path) -> Path:
 def threads_added_by(work) -> int:
     """How many OS threads `work` starts, run on a thread of a pool that stays alive: the threads
     that thread started, not the process's count (other threads of a test session end meanwhile)."""
+    name = f"probe-{next(PROBES)}".encode()
     with ThreadPoolExecutor(1) as pool:
-        pool.submit(name_this_thread, PROBE).result()
-        before = threads_named(PROBE)
+        pool.submit(name_this_thread, name).result()
+        before = threads_named(name)
         pool.submit(work).result()
-        return threads_named(PROBE) - before
+        return threads_named(name) - before
 
 
 def test_a_parallel_op_on_another_thread_starts_a_team_of_its_own():

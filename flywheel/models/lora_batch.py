@@ -60,7 +60,7 @@ adapter (a gather in the forward's order, not a scatter): rank 8, 8 / 32 adapter
 cores. Each slot's A stored as PEFT writes it, [r, in], and multiplied as its transposed view: a
 decode step's products (one token a slot), `bench/adapter_profile.py` alternating A/B, two runs
 each: 32 adapters, rank 8 25.1-26.4 -> 22.2-22.7 ms, rank 32 70.6-71.7 -> 63.6-63.7; 8 adapters,
-rank 8 13.1-14.0 -> 12.3-12.5, rank 32 25.0-25.9 -> 26.7-27.1; one adapter 0.3-0.8 ms slower. A
+rank 8 13.1-14.0 -> 12.3-12.5, rank 32 25.0-25.9 -> 26.7-27.1; one adapter 0.1-0.8 ms slower. A
 prefill's products are slower so (`--tokens 32`, 32 rows of 32 tokens, two runs each way: 32
 adapters of rank 32 238-240 -> 262-296 ms, beside 764-801 ms of base products; at rank 8 both
 layouts ran 166-375 ms by run). Through the engine, two runs each way: 32 adapters of rank 8
@@ -70,7 +70,8 @@ The products by row, on a prefill's forward (`bench/adapter_profile.py --tokens 
 tokens, rank 8, three runs, against the padded products alternating): 8 adapters 161-168 ms against
 301-358, 32 adapters 176-187 against 183-350 (the padded products' time by run is bimodal: most of
 it `index_select` and `add_` on the tokens), beside ~800 ms of base products. At rank 32 a row's
-matrices outweigh 32 tokens' and the padded products stay (`ROW_RANKS`).
+matrices weigh as much as 32 tokens': by row there (before `ROW_RANKS`, one run each way twice)
+318-371 ms against the padded products' 207-447, no gain shown, and the padded products stay.
 
 A product reads the slots from 0 (or 1) up to the highest its forward uses, as views of the
 stacks, and the engine fills the lowest free slot first: 8 adapters resident in a table of 32
@@ -108,6 +109,7 @@ more a fused product); `torch._grouped_mm` in float32 loops over the slots on th
 (adapters on a GPU: 32 adapters of rank 32 at 0.11x of base-only with it, 0.60x dense). The
 padded products were not measured on a GPU. CPU: the padded products (module docstring)."""
 ROW_TOKENS = 8
+"""The fewest tokens a row of a forward holds for the products by row (`ROW_RANKS`)."""
 ROW_RANKS = 2
 """Where every row of a forward has an adapter and holds at least `ROW_TOKENS` tokens and
 `ROW_RANKS` times the table's rank (a prefill's), each row's tokens take its slot's A and B
@@ -308,7 +310,6 @@ class _Plan:
         if (self.single is None and self.foreign is None and adapted == len(slots)
                 and len(slots) >= max(ROW_TOKENS, ROW_RANKS * table.rank) * rows):
             self.row_slots = slots[::len(slots) // rows]
-            self.identity = True
         elif self.single is None and self.foreign is None:
             self._pad(slots[self.order], distinct, counts, len(slots))
 
