@@ -2,13 +2,14 @@
 low-rank product beside the shared base product (what Punica's BGMV and S-LoRA's kernels do on
 GPUs), in a few batched products per layer rather than one forward per adapter.
 
-`AdapterTable` holds, for every linear layer of the model that some adapter adapts, A as
-[slots + 1, in, r] and B as [slots + 1, r, out] (B transposed from PEFT's layout, the scaling
-folded into it; A a transposed view of PEFT's [r, in] rows, below). Slot 0 is the bare base and stays zero; an adapter written into slot s fills
-A[s] and B[s]; adapters of lower rank than the table's `rank` are padded with zeros (they add
-nothing), and a layer an adapter does not adapt stays zero in its slot. The rank grows when an
-adapter of a higher rank is written (rounded up so that every slot starts on 16 bytes, as
-`torch._grouped_mm` requires); the layers' stacks are allocated when a first adapter adapts them.
+`AdapterTable` holds, for every linear layer of the model that some adapter adapts, A as [slots + 1,
+in, r] and B as [slots + 1, r, out] (B transposed from PEFT's layout, the scaling folded into it; A
+a transposed view of PEFT's [r, in] rows, below). Slot 0 is the bare base and stays zero; an adapter
+written into slot s fills A[s] and B[s]; adapters of lower rank than the table's `rank` are padded
+with zeros (they add nothing), and a layer an adapter does not adapt stays zero in its slot. The
+rank grows when an adapter of a higher rank is written (rounded up so that every slot starts on 16
+bytes, as `torch._grouped_mm` requires); the layers' stacks are allocated when a first adapter
+adapts them.
 
 `AdapterTable.rows(slots)` describes one forward's rows (each its slot; None when every row is
 the base: then nothing here runs at all) as `Rows`, which adds the rows' deltas
