@@ -97,12 +97,15 @@ async def test_rows_of_many_adapters_and_the_base_decode_together_as_alone(optio
     """Three adapters (ranks 4, 16 and 3) and base rows, prompts of different lengths, greedy and
     seeded: each row of the mixed batch gets the tokens and log-probs it gets alone, with its
     adapter's version; the base rows are the model's without adapters. Both ways of computing
-    several adapters' deltas (`lora_batch`: dense, padded, grouped)."""
+    several adapters' deltas (`lora_batch`: dense, padded, grouped, by row: there without the base
+    rows)."""
     use_products(monkeypatch, products)
     model, tokenizer = model_and_tokenizer
     engine = fresh_engine(root_of(engine_adapters), device, **options)
     seeded = SamplingParams(max_new_tokens=16, temperature=1.0, sampling_seed=11, ignore_eos=True)
     names = ["alice", None, "bob", "carol", None, "alice", "bob", "carol"]
+    if products == "rows":  # only where every row has an adapter
+        names = [name or "bob" for name in names]
     work = [(prompt(tokenizer, TEXTS[i % len(TEXTS)]), GREEDY if i % 2 else seeded, name) for i, name in enumerate(names)]
     try:
         alone, together = await alone_and_together(engine, work)
@@ -124,7 +127,7 @@ async def test_bfloat16_rows_of_many_adapters_stay_near_peft(products, device, e
     use_products(monkeypatch, products)
     model, tokenizer = model_and_tokenizer
     engine = fresh_engine(root_of(engine_adapters), device, torch.bfloat16)
-    names = ["alice", "bob", "carol", None]
+    names = ["alice", "bob", "carol", "bob" if products == "rows" else None]  # by row: only where every row has one
     work = [(prompt(tokenizer, TEXTS[i]), GREEDY, name) for i, name in enumerate(names)]
     try:
         _, together = await alone_and_together(engine, work)
