@@ -34,6 +34,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # `python bench/NAME.py` as well as `-m bench.NAME`
 
+from bench.heldout_answers import labelled  # noqa: E402
 from bench.lib.common import ROOT, machine, quiet_logs, table, write_result  # noqa: E402
 from bench.lib.served import Served  # noqa: E402
 
@@ -62,8 +63,6 @@ def row(items: list[dict]) -> list:
 def trials_replies(names: list[str]) -> list[dict]:
     """Trials' labelled held-out replies as items: each asked bare (the files hold no system
     message), in English, its `kind` the policy that wrote it."""
-    from bench.heldout_answers import labelled
-
     return [{"request": i["question"], "reply": i["reply"], "answers": i["answers"], "lang": "en", "kind": i["when"]}
             for name in names for i in labelled(name)]
 
