@@ -49,7 +49,7 @@ async def export(args) -> None:
     from bench.lib.final_policy import final_policy
     from bench.lib.personal_eval import sample
     from flywheel.config import load_config
-    from flywheel.drills.personal_agent import with_instructions
+    from flywheel.drills.personal_agent import Asked
     from flywheel.drills.simulated_people import (
         HELD_OUT_QUESTIONS,
         User,
@@ -72,12 +72,12 @@ async def export(args) -> None:
         name, preference, voice = people[f"{trial['pref']}-{trial['trial'] + 1}"]
         user = User(name, preference, seed=trial["seed"], voice=voice)
         asked = [q for q in HELD_OUT_QUESTIONS for _ in range(bench_args.heldout_samples)]
-        served = with_instructions(user.system, config.memory.template, trial.get("served") or [])
-        policies = [("before", None, user.system), ("after", final_policy(config, run_dir), served)]
+        served = Asked(user.system, tuple(trial.get("served") or ()), config.memory)
+        policies = [("before", None, Asked(user.system)), ("after", final_policy(config, run_dir), served)]
         if trial.get("heldout_base_served"):
             policies.append(("base_served", None, served))
-        for when, weights, system in policies:
-            chats = [[{"role": "system", "content": system}, {"role": "user", "content": q}] for q in asked]
+        for when, weights, put in policies:
+            chats = [put.chat(q) for q in asked]
             model, tokenizer = load_model(config.model)
             if weights is not None:
                 load_weights(model, weights)

@@ -90,6 +90,7 @@ from flywheel.drills.personal_agent import (  # noqa: E402
     HEADERS,
     RUN,
     WINDOW,
+    Asked,
     converse,
     judge_agreement,
     remember,
@@ -98,7 +99,6 @@ from flywheel.drills.personal_agent import (  # noqa: E402
     sessions_to_learn,
     summary_rows,
     verdicts,
-    with_instructions,
     with_memory,
 )
 from flywheel.drills.simulated_people import (  # noqa: E402
@@ -160,8 +160,8 @@ def trial(arm: str, pref: str, index: int, args, progress) -> dict:
         stats = wait_trained(deployment, len(sessions), args.wait_s)
         said = asyncio.run(verdicts(deployment.bus_url))
         served = asyncio.run(served_instructions(deployment.bus_url)) if config.memory.enabled else None
-        system = with_instructions(with_memory(user.system, user.name, memory or [], config.judge.teacher.wishes),
-                                   config.memory.template, served or [])
+        asked = Asked(with_memory(user.system, user.name, memory or [], config.judge.teacher.wishes), tuple(served or ()),
+                      config.memory)
     finally:
         deployment.stop()
     for s in sessions:
@@ -178,9 +178,9 @@ def trial(arm: str, pref: str, index: int, args, progress) -> dict:
         "weights": str(weights) if weights else None, "stats": {k: v for k, v in stats.items() if k in ("serve", "judge", "train")},
         "memory": memory, "served": served,
         "heldout_before": asyncio.run(satisfaction(None, config.model, user, HELD_OUT_QUESTIONS, args)),
-        "heldout": asyncio.run(satisfaction(weights, config.model, user, HELD_OUT_QUESTIONS, args, system=system)),
-        "heldout_base_served": asyncio.run(satisfaction(None, config.model, user, HELD_OUT_QUESTIONS, args, system=system))
-        if weights and system != user.system else None,
+        "heldout": asyncio.run(satisfaction(weights, config.model, user, HELD_OUT_QUESTIONS, args, asked=asked)),
+        "heldout_base_served": asyncio.run(satisfaction(None, config.model, user, HELD_OUT_QUESTIONS, args, asked=asked))
+        if weights and asked != Asked(user.system, memory=config.memory) else None,
     }
 
 

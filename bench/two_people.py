@@ -42,7 +42,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # `python bench
 from bench.lib.common import RESULTS, ROOT, START_COMMIT, quiet_logs, table  # noqa: E402
 from bench.lib.final_policy import final_policy  # noqa: E402
 from bench.lib.personal_eval import satisfaction, wait_trained  # noqa: E402
-from flywheel.drills.personal_agent import ARMS, CONFIG, converse, served_instructions, with_instructions  # noqa: E402
+from flywheel.drills.personal_agent import ARMS, CONFIG, Asked, converse, served_instructions  # noqa: E402
 from flywheel.drills.simulated_people import (  # noqa: E402
     HELD_OUT_QUESTIONS,
     NAMES,
@@ -95,9 +95,8 @@ def run_scope(scope: str, args) -> dict:
             print(f"{scope} session {s}: " + "; ".join(
                 f"{p.name} ({p.preference.kind}) own {sessions[p.name][-1]['satisfied']:d} other "
                 f"{sessions[p.name][-1]['other_satisfied']:d}" for p in pair), flush=True)
-        systems = {p.name: with_instructions(p.system, config.memory.template,
-                                             asyncio.run(served_instructions(deployment.bus_url, p.name)))
-                   if config.memory.enabled else p.system for p in pair}
+        asked = {p.name: Asked(p.system, tuple(asyncio.run(served_instructions(deployment.bus_url, p.name)))
+                               if config.memory.enabled else (), config.memory) for p in pair}
     finally:
         deployment.stop()
     result = {"scope": scope, "sessions": sessions, "wall_s": round(time.monotonic() - started, 1), "people": {}}
@@ -106,9 +105,9 @@ def run_scope(scope: str, args) -> dict:
         weights = final_policy(config, run_dir, adapter)
         mine = sessions[person.name]
         heldout = asyncio.run(satisfaction(weights, config.model, person, HELD_OUT_QUESTIONS, args,
-                                           others=(in_their_place(person, other),), system=systems[person.name]))
+                                           others=(in_their_place(person, other),), asked=asked[person.name]))
         result["people"][person.name] = {
-            "wish": person.preference.kind, "adapter": adapter, "served": systems[person.name][len(person.system):],
+            "wish": person.preference.kind, "adapter": adapter, "served": list(asked[person.name].instructions),
             "own_first": fmean(r["satisfied"] for r in mine[:args.window]),
             "own_last": fmean(r["satisfied"] for r in mine[-args.window:]),
             "other_first": fmean(r["other_satisfied"] for r in mine[:args.window]),

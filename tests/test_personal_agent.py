@@ -21,9 +21,11 @@ from flywheel.bus.instructions import Instructions
 from flywheel.bus.streams import memory_subject
 from flywheel.collect.loop import CollectLoop
 from flywheel.config import load_config
+from flywheel.config.memory import MemoryConfig
 from flywheel.deploy.deployment import sharing_cores, side_server_config
 from flywheel.drills.personal_agent import (
     CONFIG,
+    Asked,
     all_taken,
     converse,
     judge_agreement,
@@ -33,7 +35,6 @@ from flywheel.drills.personal_agent import (
     summary_rows,
     verdicts,
     version_of,
-    with_instructions,
     with_memory,
 )
 from flywheel.drills.simulated_people import (
@@ -239,9 +240,12 @@ async def test_the_bench_asks_held_out_questions_with_what_the_gateway_serves_th
     assert await served_instructions(nats_url) == [ASPECTS["list"], ASPECTS["formal"]]
     assert await served_instructions(nats_url, "maya") == [ASPECTS["name"]]
     assert await served_instructions(nats_url, "tomas") == []
-    template = "\n\nAsked: $instructions"
-    assert with_instructions("S.", template, ["A.", "B."]) == "S.\n\nAsked: A. B."
-    assert with_instructions("S.", template, []) == "S."
+    in_system = MemoryConfig(template="\n\nAsked: $instructions")
+    assert Asked("S.", ("A.", "B."), in_system).chat("Q?") == [
+        {"role": "system", "content": "S.\n\nAsked: A. B."}, {"role": "user", "content": "Q?"}]
+    assert Asked("S.", ("A.",), MemoryConfig(placement="user")).chat("Q?") == [
+        {"role": "system", "content": "S."}, {"role": "user", "content": "A.\n\nQ?"}]
+    assert Asked("S.", (), in_system).chat("Q?") == [{"role": "system", "content": "S."}, {"role": "user", "content": "Q?"}]
 
 
 async def test_a_sessions_verdict_is_its_own_samples_not_its_practices(nats_url, bus):

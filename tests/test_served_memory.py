@@ -195,6 +195,24 @@ def test_the_gateway_serves_a_persons_instructions_in_their_system_message_alone
     assert memory.applied(completion, chat("ada", "a3")[1]) is completion  # a raw prompt has no system message
 
 
+def test_placed_in_the_user_message_they_go_before_the_first_ones_text_alone():
+    """`memory.placement: user`: before the text of the conversation's first user message, so a
+    session's next request (its history and the person's reaction) extends the first one's
+    messages, and the reaction stays the person's words."""
+    memory = ServedMemory("$instructions\n\n", placement="user")
+    memory.take(instructions("ada", [SHORTER, NAME]))
+    first = memory.applied(*chat("ada", "a1", system="You help."))
+    assert [(m.role, m.text()) for m in first.messages] == [("system", "You help."), ("user", f"{SHORTER} {NAME}\n\nHi")]
+    body, session = chat("ada", "a1", system="You help.")
+    later = body.model_copy(update={"messages": [*body.messages, *ChatCompletionRequest(model="tiny", messages=[
+        {"role": "assistant", "content": "Hello."}, {"role": "user", "content": "Too long."}]).messages]})
+    second = memory.applied(later, session)
+    assert second.messages[:2] == first.messages and [m.text() for m in second.messages[2:]] == ["Hello.", "Too long."]
+    parts = ChatCompletionRequest(model="tiny", messages=[{"role": "user", "content": [{"type": "text", "text": "Hi"}]}])
+    assert [p.text for p in memory.applied(parts, chat("ada", "a2")[1]).messages[0].content] == [f"{SHORTER} {NAME}\n\n", "Hi"]
+    assert memory.applied(*chat("bob", "b1")).messages[0].text() == "Hi"  # nothing of hers in another's
+
+
 def test_a_session_keeps_the_instructions_it_started_with():
     memory = ServedMemory("$instructions")
     memory.take(instructions("ada", [SHORTER]))
@@ -307,3 +325,26 @@ async def test_a_correction_reaches_the_persons_next_prompts_and_leaves_with_the
     assert report.records["MEMORY"] == 1
     assert late == () and started_with == ((), (NAME,))
     assert SHORTER not in tokenizer.decode(after["ada-3"][0].prompt_ids)
+
+
+async def test_in_the_user_message_the_prompt_holds_them_and_the_judges_read_the_persons_words(nats_url, tmp_path, bus):
+    """Through a gateway with `memory.placement=user`: the recorded prompt holds her instruction
+    before her question, her second request's prompt extends her first turn (one trajectory), and
+    what followed her first reply, which the judges read, is her reaction alone."""
+    async with platform(nats_url, tmp_path, "memory.enabled=true", "memory.placement=user") as (serve, _, client):
+        await bus.publish(memory_subject("open", "ada"), instructions("ada", [SHORTER]))
+        await until(lambda: serve.memory.instructions(chat("ada", None)[1]) == (SHORTER,))
+        headers = {"X-Session-Id": "ada-1", "X-User-Id": "ada"}
+        asked = [{"role": "system", "content": "You help."}, {"role": "user", "content": "Greet me."}]
+        first = await client.chat.completions.create(model="tiny", messages=asked, max_tokens=4, extra_headers=headers)
+        reaction = {"role": "user", "content": "Too long, again."}
+        await client.chat.completions.create(model="tiny", max_tokens=4, extra_headers=headers, messages=[
+            *asked, {"role": "assistant", "content": first.choices[0].message.content}, reaction])
+        async with httpx.AsyncClient(base_url=f"{serve.url}/v1/sessions/ada-1") as http:
+            (await http.post("/end")).raise_for_status()
+        trajectories, turns = await collected(bus, 1, 2)
+    prompt = serve.engine.tokenizer.decode(turns["ada-1"][0].prompt_ids)
+    assert f"{SHORTER}\n\nGreet me." in prompt and prompt.index("You help.") < prompt.index(SHORTER)
+    trajectory = trajectories["ada-1"]
+    assert len(trajectory.segments) == 1 and len(trajectory.turns) == 2  # the second prompt extends the first turn
+    assert trajectory.next_states[0] == [reaction]

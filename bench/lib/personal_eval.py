@@ -9,7 +9,7 @@ import time
 from pathlib import Path
 from statistics import fmean
 
-from flywheel.drills.personal_agent import CONFIG, all_taken
+from flywheel.drills.personal_agent import CONFIG, Asked, all_taken
 from flywheel.drills.simulated_people import User, answers
 
 
@@ -36,25 +36,26 @@ def wait_trained(deployment, sessions: int, timeout_s: float) -> dict:
 
 
 async def satisfaction(weights: Path | None, model_name: str, user: User, questions: tuple[str, ...] | list[str],
-                       args, hint: str | list[str] | None = None, others: tuple[User, ...] = (), system: str | None = None) -> dict:
+                       args, hint: str | list[str] | None = None, others: tuple[User, ...] = (), asked: Asked | None = None) -> dict:
     """How often replies to `questions` satisfy the user (`--heldout-samples` seeded samples each,
     the app's temperature and max_tokens, the same seeds for every arm), and how often the same
     replies would satisfy each of `others` (`others`: their preference's kind -> rate). With a
     `hint`: the teacher's view, each request told the hint exactly as the hint teacher renders it;
-    `system`: another system message than the user's (the memory baseline's)."""
+    `asked`: how the questions are put (the memory baseline's system message, the served memory's
+    instructions; default: the user's system message alone)."""
     from flywheel.models import load_model, load_weights
 
     model, tokenizer = load_model(model_name)
     if weights is not None:
         load_weights(model, weights)
-    asked = [q for q in questions for _ in range(args.heldout_samples)]
-    chats = [[{"role": "system", "content": system or user.system}, {"role": "user", "content": q}] for q in asked]
+    questions = [q for q in questions for _ in range(args.heldout_samples)]
+    chats = [(asked or Asked(user.system)).chat(q) for q in questions]
     if hint is not None:
         chats = [told(chat, hint, args) for chat in chats]
     replies = [tokenizer.decode(ids, skip_special_tokens=True) for ids in await sample(model, tokenizer, chats, args)]
-    return {"rate": fmean(user.satisfied(r, q) for r, q in zip(replies, asked)),
-            "others": {o.preference.kind: fmean(o.satisfied(r, q) for r, q in zip(replies, asked)) for o in others},
-            "answers": fmean(answers(q, r) for r, q in zip(replies, asked)), "n": len(replies), "examples": replies[:3]}
+    return {"rate": fmean(user.satisfied(r, q) for r, q in zip(replies, questions)),
+            "others": {o.preference.kind: fmean(o.satisfied(r, q) for r, q in zip(replies, questions)) for o in others},
+            "answers": fmean(answers(q, r) for r, q in zip(replies, questions)), "n": len(replies), "examples": replies[:3]}
 
 
 def told(chat: list[dict], hint: str | list[str], args) -> list[dict]:

@@ -24,8 +24,10 @@ import math
 import os
 import re
 import time
+from dataclasses import dataclass, field
 from statistics import fmean
 
+from flywheel.config.memory import MemoryConfig
 from flywheel.drills.simulated_people import User
 
 CONFIG = "configs/personal_agent.yaml"
@@ -99,11 +101,24 @@ async def served_instructions(bus_url: str, user_id: str | None = None) -> list[
     return list(newest[user_id or None].instructions) if (user_id or None) in newest else []
 
 
-def with_instructions(system: str, template: str, instructions: list[str]) -> str:
-    """The system message with `instructions`, as the gateway puts a person's (`memory.template`)."""
-    from flywheel.serve.served_memory import appended
+@dataclass(frozen=True)
+class Asked:
+    """How a person's questions reach the model: their system message, and the instructions the
+    gateway's served memory adds where `memory.placement` puts them (none: the message alone)."""
 
-    return system + appended(template, instructions) if instructions else system
+    system: str
+    instructions: tuple[str, ...] = ()
+    memory: MemoryConfig = field(default_factory=MemoryConfig)
+
+    def chat(self, question: str) -> list[dict]:
+        """The chat `question` is asked in, as the gateway serves it."""
+        from flywheel.serve.api.chat import Message
+        from flywheel.serve.served_memory import placed
+
+        messages = [Message(role="system", content=self.system), Message(role="user", content=question)]
+        if self.instructions:
+            messages = placed(messages, self.memory.said, self.memory.placement, self.instructions)
+        return [m.for_template() for m in messages]
 
 
 def with_memory(system: str, name: str, hints: list[str], wishes: str = "words") -> str:

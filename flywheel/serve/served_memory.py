@@ -3,9 +3,11 @@
 The gateway reads the MEMORY stream whole before it serves (each person's newest `Instructions`,
 which the judge reads from their corrections: flywheel/judge/instruction_memory.py; after every
 forget on the audit log, so nothing read before one is taken), then follows it, and puts a
-person's instructions at the end of the system message of their chat requests (Chat
-Completions, Responses, Messages; a raw completion prompt has no system message and goes as
-sent) before the prompt is built: the recorded prompt tokens hold them exactly as the model saw
+person's instructions in their chat requests (Chat Completions, Responses, Messages; a raw
+completion prompt goes as sent) before the prompt is built, where `memory.placement` says: at the
+end of the system message, or before the text of the conversation's first user message (the
+first, so its prompts go on extending one another and what follows each reply, which the judges
+read, stays the person's own words): the recorded prompt tokens hold them exactly as the model saw
 them, and the person's adapter learns with them. A person is an end user of a tenant; a tenant's
 traffic that names no user is one person, as it is one adapter. A session keeps the
 instructions it started with (the newest `SESSIONS` sessions are remembered), so its prompts go
@@ -28,7 +30,7 @@ from flywheel.bus.instructions import Instructions
 from flywheel.bus.scan import take_all
 from flywheel.bus.streams import AUDIT, MEMORY
 from flywheel.lru import LRU
-from flywheel.serve.api.chat import ChatCompletionRequest, Message
+from flywheel.serve.api.chat import ChatCompletionRequest, Message, TextPart
 from flywheel.serve.api.sessions import SessionInfo
 from flywheel.tenants.forgotten import Forgettings, forget_of, forgets
 
@@ -37,15 +39,35 @@ PEOPLE = 1_000_000
 Person = tuple[str, str | None]
 
 
-def appended(template: str, instructions: Iterable[str]) -> str:
-    """What the memory adds to a system message (`memory.template`)."""
+def said(template: str, instructions: Iterable[str]) -> str:
+    """What the memory adds to a message (`memory.template`)."""
     return Template(template).substitute(instructions=" ".join(instructions))
+
+
+def placed(messages: list[Message], template: str, placement: str, instructions: Iterable[str]) -> list[Message]:
+    """`messages` with `instructions` where `placement` puts them: appended to the system message (a
+    system message of them first, where there is none), or before the first user message's text."""
+    text = said(template, instructions)
+    if placement == "user":
+        first = next((i for i, m in enumerate(messages) if m.role == "user"), None)
+        return messages if first is None else [*messages[:first], _prepended(messages[first], text), *messages[first + 1:]]
+    if messages and messages[0].role in ("system", "developer"):
+        return [messages[0].model_copy(update={"content": messages[0].text() + text}), *messages[1:]]
+    return [Message(role="system", content=text.strip()), *messages]
+
+
+def _prepended(message: Message, text: str) -> Message:
+    content = message.content
+    return message.model_copy(update={"content": [TextPart(type="text", text=text), *content]
+                                      if isinstance(content, list) else text + message.text()})
 
 
 class ServedMemory:
     def __init__(self, template: str, retention_s: Mapping[str, float] | None = None, people: int = PEOPLE,
-                 sessions: int = SESSIONS, without: Iterable[str] = ()):
+                 sessions: int = SESSIONS, without: Iterable[str] = (), placement: str = "system"):
         self.template = template
+        self.placement = placement
+        """`memory.placement`: `system` or `user`."""
         self.without = frozenset(without)
         """Tenants whose people are served no memory (`tenants.NAME.memory: false`)."""
         self.retention_s = dict(retention_s or {})
@@ -60,10 +82,10 @@ class ServedMemory:
 
     @classmethod
     async def read(cls, bus: Any, template: str, retention_s: Mapping[str, float],
-                   without: Iterable[str] = ()) -> tuple[ServedMemory, int]:
+                   without: Iterable[str] = (), placement: str = "system") -> tuple[ServedMemory, int]:
         """The memory read whole from `bus`, before a gateway's first request: every forget so
         far on the audit log, then every record on MEMORY; and the last of those, to follow from."""
-        memory = cls(template, retention_s, without=without)
+        memory = cls(template, retention_s, without=without, placement=placement)
 
         def heard(entry: Any) -> None:
             if (forget := forget_of(entry)) is not None:
@@ -109,15 +131,9 @@ class ServedMemory:
         return current
 
     def applied(self, body: Any, session: SessionInfo) -> Any:
-        """A chat request with its person's instructions at the end of its system message (a
-        system message of them first, where it has none); any other request as it is."""
+        """A chat request with its person's instructions `placed`; any other request as it is."""
         if (not isinstance(body, ChatCompletionRequest) or session.tenant in self.without
                 or not (instructions := self.instructions(session))):
             return body
-        said = appended(self.template, instructions)
-        messages = list(body.messages)
-        if messages and messages[0].role in ("system", "developer"):
-            messages[0] = messages[0].model_copy(update={"content": messages[0].text() + said})
-        else:
-            messages.insert(0, Message(role="system", content=said.strip()))
-        return body.model_copy(update={"messages": messages})
+        return body.model_copy(update={"messages": placed(list(body.messages), self.template, self.placement,
+                                                          instructions)})
