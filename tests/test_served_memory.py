@@ -22,6 +22,7 @@ from flywheel.bus.streams import MEMORY, MEMORY_SUBJECTS, memory_subject
 from flywheel.config import load_config
 from flywheel.judge.instruction_memory import InstructionMemory
 from flywheel.judge.loop import JudgeLoop
+from flywheel.judge.next_state import request_text
 from flywheel.judge.wishes import ASPECTS
 from flywheel.serve.api.chat import ChatCompletionRequest, CompletionRequest
 from flywheel.serve.api.sessions import session_of
@@ -180,19 +181,19 @@ async def test_an_older_versions_memory_subject_is_purged_when_the_stream_is_bro
 def test_the_gateway_serves_a_persons_instructions_in_their_system_message_alone():
     memory = ServedMemory("\n\nAsked: $instructions")
     memory.take(instructions("ada", [SHORTER, NAME]))
-    body = memory.applied(*chat("ada", "a1", system="You help."))
+    body = memory.applied(*chat("ada", "a1", system="You help."))[0]
     assert body.messages[0].content == f"You help.\n\nAsked: {SHORTER} {NAME}" and len(body.messages) == 2
-    body = memory.applied(*chat("ada", "a2"))  # no system message: one of them
+    body = memory.applied(*chat("ada", "a2"))[0]  # no system message: one of them
     assert body.messages[0].role == "system" and body.messages[0].content == f"Asked: {SHORTER} {NAME}"
     memory.take(instructions(None, [LIST]))  # the tenant's traffic that names no user: one person
     for request in (chat("bob", "b1"), chat("ada", "o1", tenant="other")):
-        assert memory.applied(*request) is request[0]  # another user, the same id in another tenant
-    assert memory.applied(*chat(None, "n1")).messages[0].content == f"Asked: {LIST}"
-    assert memory.applied(*chat("", "n2")).messages[0].content == f"Asked: {LIST}"  # an empty id names nobody too
-    body = memory.applied(*chat("ada", "a5", system="Be kind.", role="developer"))
+        assert memory.applied(*request)[0] is request[0]  # another user, the same id in another tenant
+    assert memory.applied(*chat(None, "n1"))[0].messages[0].content == f"Asked: {LIST}"
+    assert memory.applied(*chat("", "n2"))[0].messages[0].content == f"Asked: {LIST}"  # an empty id names nobody too
+    body = memory.applied(*chat("ada", "a5", system="Be kind.", role="developer"))[0]
     assert body.messages[0].role == "developer" and body.messages[0].content == f"Be kind.\n\nAsked: {SHORTER} {NAME}"
     completion = CompletionRequest(model="tiny", prompt="Hi")
-    assert memory.applied(completion, chat("ada", "a3")[1]) is completion  # a raw prompt has no system message
+    assert memory.applied(completion, chat("ada", "a3")[1])[0] is completion  # a raw prompt has no system message
 
 
 def test_placed_in_the_user_message_they_go_before_the_first_ones_text_alone():
@@ -201,25 +202,25 @@ def test_placed_in_the_user_message_they_go_before_the_first_ones_text_alone():
     messages, and the reaction stays the person's words."""
     memory = ServedMemory("$instructions\n\n", placement="user")
     memory.take(instructions("ada", [SHORTER, NAME]))
-    first = memory.applied(*chat("ada", "a1", system="You help."))
+    first = memory.applied(*chat("ada", "a1", system="You help."))[0]
     assert [(m.role, m.text()) for m in first.messages] == [("system", "You help."), ("user", f"{SHORTER} {NAME}\n\nHi")]
     body, session = chat("ada", "a1", system="You help.")
     later = body.model_copy(update={"messages": [*body.messages, *ChatCompletionRequest(model="tiny", messages=[
         {"role": "assistant", "content": "Hello."}, {"role": "user", "content": "Too long."}]).messages]})
-    second = memory.applied(later, session)
+    second = memory.applied(later, session)[0]
     assert second.messages[:2] == first.messages and [m.text() for m in second.messages[2:]] == ["Hello.", "Too long."]
     parts = ChatCompletionRequest(model="tiny", messages=[{"role": "user", "content": [{"type": "text", "text": "Hi"}]}])
-    assert [p.text for p in memory.applied(parts, chat("ada", "a2")[1]).messages[0].content] == [f"{SHORTER} {NAME}\n\n", "Hi"]
-    assert memory.applied(*chat("bob", "b1")).messages[0].text() == "Hi"  # nothing of hers in another's
+    assert [p.text for p in memory.applied(parts, chat("ada", "a2")[1])[0].messages[0].content] == [f"{SHORTER} {NAME}\n\n", "Hi"]
+    assert memory.applied(*chat("bob", "b1"))[0].messages[0].text() == "Hi"  # nothing of hers in another's
 
 
 def test_a_session_keeps_the_instructions_it_started_with():
     memory = ServedMemory("$instructions")
     memory.take(instructions("ada", [SHORTER]))
-    assert memory.applied(*chat("ada", "a1")).messages[0].content == SHORTER
+    assert memory.applied(*chat("ada", "a1"))[0].messages[0].content == SHORTER
     memory.take(instructions("ada", [LIST], read_from=1001.0))
-    assert memory.applied(*chat("ada", "a1")).messages[0].content == SHORTER  # its prompts go on extending
-    assert memory.applied(*chat("ada", "a2")).messages[0].content == LIST  # her next session: the new
+    assert memory.applied(*chat("ada", "a1"))[0].messages[0].content == SHORTER  # its prompts go on extending
+    assert memory.applied(*chat("ada", "a2"))[0].messages[0].content == LIST  # her next session: the new
 
 
 def test_instructions_are_held_no_longer_than_their_record_is_kept():
@@ -227,9 +228,9 @@ def test_instructions_are_held_no_longer_than_their_record_is_kept():
     memory.take(instructions("ada", [SHORTER], tenant="brief", written=time.time() - 61))
     memory.take(instructions("bob", [SHORTER], tenant="brief"))
     memory.take(instructions("cy", [SHORTER], written=time.time() - 61))  # another tenant: the stream's 7 days
-    assert len(memory.applied(*chat("ada", None, tenant="brief")).messages) == 1 and len(memory) == 2
-    assert memory.applied(*chat("bob", None, tenant="brief")).messages[0].content == SHORTER
-    assert memory.applied(*chat("cy", None)).messages[0].content == SHORTER
+    assert len(memory.applied(*chat("ada", None, tenant="brief"))[0].messages) == 1 and len(memory) == 2
+    assert memory.applied(*chat("bob", None, tenant="brief"))[0].messages[0].content == SHORTER
+    assert memory.applied(*chat("cy", None))[0].messages[0].content == SHORTER
 
 
 def test_a_tenant_may_keep_its_people_out_of_the_memory():
@@ -239,8 +240,8 @@ def test_a_tenant_may_keep_its_people_out_of_the_memory():
     memory = ServedMemory("$instructions", without={"quiet"})
     for tenant in ("quiet", "loud"):
         memory.take(instructions("ada", [SHORTER], tenant=tenant))  # a record from before the setting
-    assert len(memory.applied(*chat("ada", "q1", tenant="quiet")).messages) == 1
-    assert memory.applied(*chat("ada", "l1", tenant="loud")).messages[0].content == SHORTER
+    assert len(memory.applied(*chat("ada", "q1", tenant="quiet"))[0].messages) == 1
+    assert memory.applied(*chat("ada", "l1", tenant="loud"))[0].messages[0].content == SHORTER
 
 
 def test_forgetting_drops_a_persons_instructions_and_what_was_read_before_it():
@@ -248,13 +249,13 @@ def test_forgetting_drops_a_persons_instructions_and_what_was_read_before_it():
     memory.take(instructions("ada", [SHORTER]))
     memory.take(instructions("bob", [NAME]))
     memory.take(instructions("ada", [NAME], tenant="other"))
-    memory.applied(*chat("ada", "a1"))
+    memory.applied(*chat("ada", "a1"))[0]
     memory.forget("open", "ada", at=1001.0)
-    assert len(memory.applied(*chat("ada", "a1")).messages) == 1  # her open session too
+    assert len(memory.applied(*chat("ada", "a1"))[0].messages) == 1  # her open session too
     memory.take(instructions("ada", [LIST], read_from=1000.5))  # read from what she said before the forget
-    assert len(memory.applied(*chat("ada", "a2")).messages) == 1 and len(memory) == 2
+    assert len(memory.applied(*chat("ada", "a2"))[0].messages) == 1 and len(memory) == 2
     memory.forget("open", None, at=1002.0)
-    assert len(memory) == 1 and memory.applied(*chat("ada", "o1", tenant="other")).messages[0].content == NAME
+    assert len(memory) == 1 and memory.applied(*chat("ada", "o1", tenant="other"))[0].messages[0].content == NAME
 
 
 async def test_a_correction_reaches_the_persons_next_prompts_and_leaves_with_them(nats_url, tmp_path, bus):
@@ -322,6 +323,7 @@ async def test_a_correction_reaches_the_persons_next_prompts_and_leaves_with_the
     assert SHORTER in prompt("ada-2") and NAME not in prompt("ada-2") and turns["ada-2"][0].messages[0]["role"] == "system"
     assert SHORTER in prompt("ada-2r") and NAME in prompt("bob-2") and SHORTER not in prompt("bob-2")
     assert not any(said in prompt(first) for said in (SHORTER, NAME) for first in ("ada-1", "bob-1"))
+    assert [turns[s][0].instructions for s in ("ada-1", "ada-2", "ada-2r", "bob-2")] == [[], [SHORTER], [SHORTER], [NAME]]
     assert report.records["MEMORY"] == 1
     assert late == () and started_with == ((), (NAME,))
     assert SHORTER not in tokenizer.decode(after["ada-3"][0].prompt_ids)
@@ -329,8 +331,9 @@ async def test_a_correction_reaches_the_persons_next_prompts_and_leaves_with_the
 
 async def test_in_the_user_message_the_prompt_holds_them_and_the_judges_read_the_persons_words(nats_url, tmp_path, bus):
     """Through a gateway with `memory.placement=user`: the recorded prompt holds her instruction
-    before her question, her second request's prompt extends her first turn (one trajectory), and
-    what followed her first reply, which the judges read, is her reaction alone."""
+    before her question, her turns record which instructions they were served, her second request's
+    prompt extends her first turn (one trajectory), and what the judges read is her words alone:
+    what followed her first reply, and what it answered."""
     async with platform(nats_url, tmp_path, "memory.enabled=true", "memory.placement=user") as (serve, _, client):
         await bus.publish(memory_subject("open", "ada"), instructions("ada", [SHORTER]))
         await until(lambda: serve.memory.instructions(chat("ada", None)[1]) == (SHORTER,))
@@ -347,4 +350,6 @@ async def test_in_the_user_message_the_prompt_holds_them_and_the_judges_read_the
     assert f"{SHORTER}\n\nGreet me." in prompt and prompt.index("You help.") < prompt.index(SHORTER)
     trajectory = trajectories["ada-1"]
     assert len(trajectory.segments) == 1 and len(trajectory.turns) == 2  # the second prompt extends the first turn
+    assert [t.instructions for t in trajectory.turns] == [[SHORTER], [SHORTER]]
     assert trajectory.next_states[0] == [reaction]
+    assert [request_text(t) for t in trajectory.turns] == ["Greet me.", reaction["content"]]

@@ -35,8 +35,8 @@ def wait_trained(deployment, sessions: int, timeout_s: float) -> dict:
         time.sleep(0.2)
 
 
-async def satisfaction(weights: Path | None, model_name: str, user: User, questions: tuple[str, ...] | list[str],
-                       args, hint: str | list[str] | None = None, others: tuple[User, ...] = (), asked: Asked | None = None) -> dict:
+async def satisfaction(weights: Path | None, model_name: str, user: User, questions: tuple[str, ...] | list[str], args,
+                       hint: str | list[str] | None = None, others: tuple[User, ...] = (), asked: Asked | None = None) -> dict:
     """How often replies to `questions` satisfy the user (`--heldout-samples` seeded samples each,
     the app's temperature and max_tokens, the same seeds for every arm), and how often the same
     replies would satisfy each of `others` (`others`: their preference's kind -> rate). With a
@@ -74,16 +74,17 @@ def prompt_ids(tokenizer, chat: list[dict]) -> list[int]:
                             add_special_tokens=False)
 
 
-async def sample(model, tokenizer, chats: list[list[dict]], args) -> list[list[int]]:
+async def sample(model, tokenizer, chats: list[list[dict]], args, first_seed: int = 0) -> list[list[int]]:
     """One reply's tokens to each chat, all in one batch of the embedded engine (`args.max_tokens`,
-    `args.temperature`; request i seeded i)."""
+    `args.temperature`; request i seeded `first_seed` + i)."""
     from flywheel.serve.engine import Engine, SamplingParams
 
     prompts = [prompt_ids(tokenizer, chat) for chat in chats]
     engine = Engine(model, tokenizer, max_batch_size=len(prompts)).start()
     try:
         results = await asyncio.gather(*(engine.generate(p, SamplingParams(
-            max_new_tokens=args.max_tokens, temperature=args.temperature, sampling_seed=i)) for i, p in enumerate(prompts)))
+            max_new_tokens=args.max_tokens, temperature=args.temperature, sampling_seed=first_seed + i))
+            for i, p in enumerate(prompts)))
     finally:
         engine.stop()
     return [list(r.output_ids) for r in results]

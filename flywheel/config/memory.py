@@ -16,6 +16,7 @@ kept: each record a person's instructions as of one of their corrections.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from string import Template
 from typing import Literal
 
@@ -56,3 +57,8 @@ class MemoryConfig(Section):
     def said(self) -> str:
         """The template the gateway uses."""
         return self.template if self.template is not None else TEMPLATES[self.placement]
+
+
+def said(template: str, instructions: Iterable[str]) -> str:
+    """What the served memory adds to a message: `instructions` in `template`."""
+    return Template(template).substitute(instructions=" ".join(instructions))

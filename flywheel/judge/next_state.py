@@ -103,9 +103,14 @@ def hint_of(call: Call, words: str, config: NextStateJudgeConfig | None = None) 
 
 
 def request_text(turn: Turn) -> str:
-    """What the turn's conversation last asked for: its last user message (or the text prompt)."""
+    """What the turn's conversation last asked for: its last user message (or the text prompt), in
+    the person's words: without the instructions the served memory put in it (`Turn.instructions`),
+    which would make a reaction that asks for the same look like the request said again."""
     users = [m for m in turn.messages if m.get("role") == "user"]
-    return content_text(users[-1].get("content")) if users else turn.prompt or ""
+    text = content_text(users[-1].get("content")) if users else turn.prompt or ""
+    for instruction in turn.instructions:
+        text = text.replace(instruction, "")
+    return text.strip() if turn.instructions else text
 
 
 def classify_next_state(messages: list[Message], request: str = "", reply: str = "",

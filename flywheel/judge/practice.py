@@ -186,7 +186,8 @@ def _trajectory(trajectory: Trajectory, group: str, j: int, request: Request, re
     practice_turn = Turn(
         id=practice_id, session_id=turn.session_id, tenant=trajectory.tenant, user_id=trajectory.user_id,
         adapter=turn.adapter, consent=trajectory.consent, turn_index=turn.turn_index, model=turn.model,
-        endpoint=turn.endpoint, messages=turn.messages, prompt=turn.prompt, response=_response(turn, reply["text"]),
+        endpoint=turn.endpoint, messages=turn.messages, instructions=turn.instructions, prompt=turn.prompt,
+        response=_response(turn, reply["text"]),
         prompt_ids=prompt, output_ids=reply["output_ids"], output_logprobs=reply["logprobs"],
         output_versions=reply["versions"], finish_reason=reply["finish_reason"], sampling=turn.sampling)
     return Trajectory(

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import time
 import uuid
+from dataclasses import replace
 from typing import Any
 
 from fastapi import FastAPI, Request, Response
@@ -30,7 +31,7 @@ from flywheel.serve.api.messages import CountTokensRequest, MessagesRequest
 from flywheel.serve.api.messages_wire import MessagesWire
 from flywheel.serve.api.responses import ResponsesRequest
 from flywheel.serve.api.responses_wire import ResponseStore, ResponsesWire
-from flywheel.serve.api.sessions import FeedbackRequest, header_text, session_of
+from flywheel.serve.api.sessions import FeedbackRequest, SessionInfo, header_text, session_of
 from flywheel.serve.backends.pool import EnginePool
 from flywheel.serve.continuation import SessionContinuations
 from flywheel.serve.ops.auth import install_auth
@@ -89,12 +90,15 @@ def create_gateway(pool: EnginePool, tokenizer: Any, recorder: Recorder, model_n
     answerer = Answerer(pool, tokenizer, recorder, model_name, config, context_length, metrics, continuations, limiter,
                         sessions, personal_data, adapters, forgettings)
 
-    def guarded(body: Any, session: Any) -> Any:
+    def guarded(body: Any, session: SessionInfo) -> tuple[Any, SessionInfo]:
         """The request as the model sees it: its prompt redacted under `redact_input`, then its
-        person's instructions added."""
+        person's instructions added (the session says which, for its turns' record)."""
         if session.pii == "redact_input":
             body = personal_data.redact_request(body, session.tenant, session.pii_entities)
-        return body if memory is None else memory.applied(body, session)
+        if memory is None:
+            return body, session
+        body, instructions = memory.applied(body, session)
+        return body, replace(session, instructions=instructions) if instructions else session
     stats = app.state.stats = answerer.stats
     app.state.limiter = limiter
     app.state.prompts = prompts  # closed by the serve loop once the server has stopped
@@ -125,14 +129,14 @@ def create_gateway(pool: EnginePool, tokenizer: Any, recorder: Recorder, model_n
     async def chat_completions(body: ChatCompletionRequest, request: Request, response: Response) -> Any:
         session = session_of(request.headers, body.metadata, body.user, safety_identifier=body.safety_identifier,
                              store=client_store(body.store), **caller(request))
-        body = guarded(body, session)
+        body, session = guarded(body, session)
         return await answerer.answer(request, response.headers, body, session, *await prompts.chat(body, session))
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request, response: Response) -> Any:
         session = session_of(request.headers, body.metadata, body.user, safety_identifier=body.safety_identifier,
                              **caller(request))
-        body = guarded(body, session)
+        body, session = guarded(body, session)
         return await answerer.answer(request, response.headers, body, session, *await prompts.completion(body, session))
 
     @app.post("/v1/responses")
@@ -148,7 +152,7 @@ def create_gateway(pool: EnginePool, tokenizer: Any, recorder: Recorder, model_n
                         or (response_id if body.store else None))  # a stored response may be continued
         session = session_of(request.headers, body.metadata, body.user, conversation,
                              safety_identifier=body.safety_identifier, store=client_store(body.store), **caller(request))
-        chat = guarded(translated(lambda: body.to_chat(previous.conversation if previous else [])), session)
+        chat, session = guarded(translated(lambda: body.to_chat(previous.conversation if previous else [])), session)
         wire = ResponsesWire(body, stored_responses, response_id, session, previous)
         return await answerer.answer(request, response.headers, chat, session, *await prompts.chat(chat, session), wire=wire)
 
@@ -164,7 +168,7 @@ def create_gateway(pool: EnginePool, tokenizer: Any, recorder: Recorder, model_n
         conversation = header_text(request.headers, "x-claude-code-session-id") or body.session_hint()
         session = session_of(request.headers, None, None, conversation,
                              safety_identifier=body.metadata.user_id if body.metadata else None, **caller(request))
-        chat = guarded(translated(body.to_chat), session)
+        chat, session = guarded(translated(body.to_chat), session)
         return await answerer.answer(request, response.headers, chat, session, *await prompts.chat(chat, session),
                                      wire=MessagesWire(body.stop_sequences))
 
@@ -172,7 +176,7 @@ def create_gateway(pool: EnginePool, tokenizer: Any, recorder: Recorder, model_n
     async def count_tokens(body: CountTokensRequest, request: Request) -> dict[str, int]:
         """The prompt's tokens as the model would see it (redacted, its person's instructions added)."""
         session = session_of(request.headers, None, None, **caller(request))
-        prompt_ids, *_ = await prompts.chat(guarded(translated(body.to_chat), session), session_of({}, None, None))
+        prompt_ids, *_ = await prompts.chat(guarded(translated(body.to_chat), session)[0], session_of({}, None, None))
         return {"input_tokens": len(prompt_ids)}
 
     @app.api_route("/", methods=["GET", "HEAD"], include_in_schema=False)

@@ -340,6 +340,7 @@ class Generation:
                 model=self.model_name,
                 endpoint=self.wire.endpoint,
                 messages=[m.model_dump(exclude_none=True) for m in self.body.messages] if self.chat else [],
+                instructions=list(self.session.instructions),
                 prompt=self.body.prompt if not self.chat and isinstance(self.body.prompt, str) else None,
                 response=response,
                 prompt_ids=self.prompt_ids,

@@ -23,12 +23,12 @@ from __future__ import annotations
 import sys
 import time
 from collections.abc import Iterable, Mapping
-from string import Template
 from typing import Any
 
 from flywheel.bus.instructions import Instructions
 from flywheel.bus.scan import take_all
 from flywheel.bus.streams import AUDIT, MEMORY
+from flywheel.config.memory import said
 from flywheel.lru import LRU
 from flywheel.serve.api.chat import ChatCompletionRequest, Message, TextPart
 from flywheel.serve.api.sessions import SessionInfo
@@ -37,11 +37,6 @@ from flywheel.tenants.forgotten import Forgettings, forget_of, forgets
 SESSIONS = 100_000
 PEOPLE = 1_000_000
 Person = tuple[str, str | None]
-
-
-def said(template: str, instructions: Iterable[str]) -> str:
-    """What the memory adds to a message (`memory.template`)."""
-    return Template(template).substitute(instructions=" ".join(instructions))
 
 
 def placed(messages: list[Message], template: str, placement: str, instructions: Iterable[str]) -> list[Message]:
@@ -130,10 +125,11 @@ class ServedMemory:
             self._sessions[session.session_id] = (person, current)
         return current
 
-    def applied(self, body: Any, session: SessionInfo) -> Any:
-        """A chat request with its person's instructions `placed`; any other request as it is."""
+    def applied(self, body: Any, session: SessionInfo) -> tuple[Any, tuple[str, ...]]:
+        """A chat request with its person's instructions `placed`, and them (recorded on its turns,
+        `Turn.instructions`); any other request as it is, and none."""
         if (not isinstance(body, ChatCompletionRequest) or session.tenant in self.without
                 or not (instructions := self.instructions(session))):
-            return body
+            return body, ()
         return body.model_copy(update={"messages": placed(list(body.messages), self.template, self.placement,
-                                                          instructions)})
+                                                          instructions)}), instructions

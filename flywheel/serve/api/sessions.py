@@ -57,6 +57,8 @@ class SessionInfo:
     done: bool
     anonymous: bool
     """No session id was given: a one-turn session of its own."""
+    instructions: tuple[str, ...] = ()
+    """The person's instructions the served memory put in this request (`memory.*`)."""
 
 
 def consent_of(grant: Grant, headers: Mapping[str, str], store: bool | None) -> tuple[bool, bool]:
