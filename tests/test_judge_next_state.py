@@ -16,7 +16,7 @@ from flywheel.judge.base import Unscorable
 from flywheel.judge.build import build_judge
 from flywheel.judge.composite import CompositeJudge
 from flywheel.judge.evaluation import evaluate, load_examples
-from flywheel.judge.next_state import NextStateJudge, hint_for
+from flywheel.judge.next_state import NextStateJudge, hint_for, request_text
 from flywheel.judge.next_state_classes import LABELS, polarity
 from flywheel.judge.next_state_rules import classify_user_text
 from flywheel.judge.next_state_tool_output import classify_tool_output
@@ -203,3 +203,15 @@ async def test_accuracy_does_not_regress_below_what_docs_report():
         assert judge["class_accuracy"] >= class_accuracy - 0.03, split
         assert judge["polarity_accuracy"] >= polarity_accuracy - 0.03, split
         assert judge["polarity_accuracy"] > keyword["polarity_accuracy"] + 0.2, split
+
+
+def test_the_request_is_read_in_the_persons_words_without_the_served_instructions():
+    """What a reply answered, as the reaction reader compares a reaction with it: the first user
+    message without the instructions the served memory put before it (`Turn.instructions`); a later
+    message as the person wrote it, even when it says the same words as an instruction."""
+    asked = [{"role": "user", "content": "Answer in one short sentence.\n\nHow do tides work?"}]
+    assert request_text(make_turn(messages=asked, instructions=["Answer in one short sentence."])) == "How do tides work?"
+    assert request_text(make_turn(messages=asked)) == asked[0]["content"]  # none served: all of it is theirs
+    later = [*asked, {"role": "assistant", "content": "The moon."},
+             {"role": "user", "content": "Answer in one short sentence.\n\nAnd waves?"}]
+    assert request_text(make_turn(messages=later, instructions=["Answer in one short sentence."])) == later[-1]["content"]

@@ -204,3 +204,14 @@ async def test_practice_replies_holding_personal_data_are_left_out_under_the_ten
                 kept[tenant] = [reply["text"] for reply in response.json()["replies"]]
     assert len(kept["acme"]) == 3 and all("ada.lovelace@example.com" in text for text in kept["acme"])
     assert kept["other"] == []
+
+
+def test_the_answers_check_takes_away_the_persons_words_and_keeps_what_the_served_memory_put_before_them():
+    """With `memory.placement: user` a conversation's first user message holds the person's
+    instructions before their question: the untold request keeps them (a reply that only follows
+    them must not count as answering), and a later user message is emptied whole."""
+    first = [{"role": "system", "content": "S."}, {"role": "user", "content": "Be brief.\n\nHow do tides work?"}]
+    assert without_request(first, ["Be brief."]) == [{"role": "system", "content": "S."}, {"role": "user", "content": "Be brief.\n\n"}]
+    assert without_request(first)[1]["content"] == ""  # none were served
+    later = [*first, {"role": "assistant", "content": "The moon."}, {"role": "user", "content": "Be brief.\n\nMore?"}]
+    assert without_request(later, ["Be brief."])[1:] == [first[1], later[2], {"role": "user", "content": ""}]

@@ -12,6 +12,7 @@ import time
 
 import httpx
 import msgspec
+import pytest
 from nats.js.api import StreamConfig
 
 from flywheel.bus import Sample, Trajectory
@@ -25,6 +26,7 @@ from flywheel.judge.loop import JudgeLoop
 from flywheel.judge.next_state import request_text
 from flywheel.judge.wishes import ASPECTS
 from flywheel.serve.api.chat import ChatCompletionRequest, CompletionRequest
+from flywheel.serve.api.messages import MessagesRequest
 from flywheel.serve.api.sessions import session_of
 from flywheel.serve.loop import ServeLoop
 from flywheel.serve.ops.tenants import OPEN, Grant
@@ -200,7 +202,7 @@ def test_placed_in_the_user_message_they_go_before_the_first_ones_text_alone():
     """`memory.placement: user`: before the text of the conversation's first user message, so a
     session's next request (its history and the person's reaction) extends the first one's
     messages, and the reaction stays the person's words."""
-    memory = ServedMemory("$instructions\n\n", placement="user")
+    memory = ServedMemory("\n\nAsked: $instructions", placement="user")
     memory.take(instructions("ada", [SHORTER, NAME]))
     first = memory.applied(*chat("ada", "a1", system="You help."))[0]
     assert [(m.role, m.text()) for m in first.messages] == [("system", "You help."), ("user", f"{SHORTER} {NAME}\n\nHi")]
@@ -212,6 +214,17 @@ def test_placed_in_the_user_message_they_go_before_the_first_ones_text_alone():
     parts = ChatCompletionRequest(model="tiny", messages=[{"role": "user", "content": [{"type": "text", "text": "Hi"}]}])
     assert [p.text for p in memory.applied(parts, chat("ada", "a2")[1])[0].messages[0].content] == [f"{SHORTER} {NAME}\n\n", "Hi"]
     assert memory.applied(*chat("bob", "b1"))[0].messages[0].text() == "Hi"  # nothing of hers in another's
+    alone = ChatCompletionRequest(model="tiny", messages=[{"role": "system", "content": "You help."}])
+    assert memory.applied(alone, chat("ada", "a3")[1]) == (alone, ())  # nowhere to put them: none recorded
+    agent = MessagesRequest(model="tiny", max_tokens=4, messages=[
+        {"role": "user", "content": "Weather?"}, {"role": "assistant", "content": [
+            {"type": "tool_use", "id": "t1", "name": "weather", "input": {}}]},
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t1", "content": "Sunny"}]}]).to_chat()
+    served, said = memory.applied(agent, chat("ada", "a4")[1])
+    assert said == (SHORTER, NAME) and [(m.role, m.text()) for m in served.messages] == [
+        ("user", f"{SHORTER} {NAME}\n\nWeather?"), ("assistant", ""), ("tool", "Sunny")]  # a tool result as it came
+    with pytest.raises(ValueError, match="memory.template"):
+        load_config(None, ["memory.placement=user", "memory.template=Asked: $instructions"])
 
 
 def test_a_session_keeps_the_instructions_it_started_with():
@@ -343,9 +356,15 @@ async def test_in_the_user_message_the_prompt_holds_them_and_the_judges_read_the
         reaction = {"role": "user", "content": "Too long, again."}
         await client.chat.completions.create(model="tiny", max_tokens=4, extra_headers=headers, messages=[
             *asked, {"role": "assistant", "content": first.choices[0].message.content}, reaction])
-        async with httpx.AsyncClient(base_url=f"{serve.url}/v1/sessions/ada-1") as http:
-            (await http.post("/end")).raise_for_status()
-        trajectories, turns = await collected(bus, 1, 2)
+        chained = {"X-Session-Id": "ada-r", "X-User-Id": "ada"}  # Responses: a stored response continued
+        opening = await client.responses.create(model="tiny", input="Greet me.", store=True, max_output_tokens=4,
+                                                extra_headers=chained)
+        await client.responses.create(model="tiny", input="Too long, again.", previous_response_id=opening.id,
+                                      max_output_tokens=4, extra_headers=chained)
+        async with httpx.AsyncClient(base_url=f"{serve.url}/v1/sessions") as http:
+            for session in ("ada-1", "ada-r"):
+                (await http.post(f"/{session}/end")).raise_for_status()
+        trajectories, turns = await collected(bus, 2, 4)
     prompt = serve.engine.tokenizer.decode(turns["ada-1"][0].prompt_ids)
     assert f"{SHORTER}\n\nGreet me." in prompt and prompt.index("You help.") < prompt.index(SHORTER)
     trajectory = trajectories["ada-1"]
@@ -353,3 +372,6 @@ async def test_in_the_user_message_the_prompt_holds_them_and_the_judges_read_the
     assert [t.instructions for t in trajectory.turns] == [[SHORTER], [SHORTER]]
     assert trajectory.next_states[0] == [reaction]
     assert [request_text(t) for t in trajectory.turns] == ["Greet me.", reaction["content"]]
+    chain = trajectories["ada-r"]
+    assert len(chain.segments) == 1 and [t.instructions for t in chain.turns] == [[SHORTER], [SHORTER]]
+    assert [request_text(t) for t in chain.turns] == ["Greet me.", "Too long, again."]

@@ -10,7 +10,21 @@ with the rest of theirs (flywheel/tenants/forget.py).
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 from flywheel.bus.records import Record
+
+
+def placed_before(instructions: Iterable[str]) -> str:
+    """What `memory.placement: user` puts before the text of a conversation's first user message."""
+    return " ".join(instructions) + "\n\n"
+
+
+def persons_words(text: str, instructions: Iterable[str]) -> str:
+    """The text of a conversation's first user message without what the served memory put before
+    it (`Turn.instructions`): the person's own words."""
+    instructions = list(instructions)
+    return text.removeprefix(placed_before(instructions)) if instructions else text
 
 
 class Instructions(Record, kw_only=True):

@@ -1,4 +1,4 @@
-"""Recorded chat messages (`Turn.messages`, as the gateway received them): their text."""
+"""Recorded chat messages (`Turn.messages`, as the model was asked them): their text."""
 
 from __future__ import annotations
 

@@ -106,9 +106,8 @@ class Turn(Record, kw_only=True):
     endpoint: Literal["chat", "completions", "responses", "messages"] = "chat"
     """The API the client called (Responses and Messages requests are served, and recorded, as chat)."""
     messages: list[dict[str, Any]] = msgspec.field(default_factory=list)
-    """The chat request's messages as the model was asked them: as received, redacted where the
-    tenant redacts input, with the person's served instructions where they were put (`memory.*`);
-    empty for `completions`."""
+    """The chat request's messages as the model was asked them: redacted where the tenant redacts
+    input, with the person's served instructions (`memory.*`); empty for `completions`."""
     instructions: list[str] = msgspec.field(default_factory=list)
     """The person's instructions the served memory put in `messages` (`memory.*`: at the end of the
     system message, or before the text of the first user message), none where it put nothing."""

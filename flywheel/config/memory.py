@@ -16,16 +16,14 @@ kept: each record a person's instructions as of one of their corrections.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
 from string import Template
 from typing import Literal
 
-from pydantic import Field, field_validator
+from pydantic import Field, field_validator, model_validator
 
 from flywheel.config.section import Section
 
-TEMPLATES = {"system": "\n\nWhat this user has asked of your replies: $instructions", "user": "$instructions\n\n"}
-"""Each placement's template."""
+TEMPLATE = "\n\nWhat this user has asked of your replies: $instructions"
 
 
 class MemoryConfig(Section):
@@ -38,27 +36,26 @@ class MemoryConfig(Section):
     """A person's newest corrections read for their instructions: those most of them ask for
     are served (a person's several corrections point the same way where one is vague)."""
     placement: Literal["system", "user"] = "system"
-    """Where a request gets them: `system`, the end of its system message (a request without one
-    gets a system message of them); `user`, before the text of its first user message (on
-    SmolLM2-135M the base then met people's wishes about half as often again, answering about as
-    often: docs/experiments/learning-from-use.md#where-the-instructions-go)."""
-    template: str | None = None
-    """What they are put in (`string.Template`, $instructions): appended to the system message, or
-    prepended to the first user message; None: the placement's own (`TEMPLATES`)."""
+    """Where a request gets them: `system`, in `template` at the end of its system message (a
+    request without one gets a system message of them); `user`, the instructions alone and a blank
+    line before the text of its first user message, which the judge can take off again to read the
+    person's words (flywheel/bus/instructions.py). On SmolLM2-135M the base met people's wishes
+    about half as often again before the question, answering about as often
+    (docs/experiments/learning-from-use.md#where-the-instructions-go-memoryplacement)."""
+    template: str = TEMPLATE
+    """What `placement: system` appends to the system message (`string.Template`, $instructions);
+    a request without one gets a system message of it, stripped."""
 
     @field_validator("template")
     @classmethod
-    def _names_the_instructions(cls, template: str | None) -> str | None:
-        if template is not None and "instructions" not in Template(template).get_identifiers():
+    def _names_the_instructions(cls, template: str) -> str:
+        if "instructions" not in Template(template).get_identifiers():
             raise ValueError("the template must hold $instructions")
         return template
 
-    @property
-    def said(self) -> str:
-        """The template the gateway uses."""
-        return self.template if self.template is not None else TEMPLATES[self.placement]
-
-
-def said(template: str, instructions: Iterable[str]) -> str:
-    """What the served memory adds to a message: `instructions` in `template`."""
-    return Template(template).substitute(instructions=" ".join(instructions))
+    @model_validator(mode="after")
+    def _template_only_in_the_system_message(self) -> "MemoryConfig":
+        if self.placement == "user" and self.template != TEMPLATE:
+            raise ValueError("memory.template is what placement: system appends to the system message; "
+                             "placement: user puts the instructions alone before the person's words")
+        return self

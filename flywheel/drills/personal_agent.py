@@ -117,7 +117,7 @@ class Asked:
 
         messages = [Message(role="system", content=self.system), Message(role="user", content=question)]
         if self.instructions:
-            messages = placed(messages, self.memory.said, self.memory.placement, self.instructions)
+            messages = placed(messages, self.memory.template, self.memory.placement, self.instructions)
         return [m.for_template() for m in messages]
 
 

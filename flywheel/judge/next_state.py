@@ -38,6 +38,7 @@ from statistics import fmean
 from typing import Any
 
 from flywheel.bus import SessionEvent, Trajectory, Turn
+from flywheel.bus.instructions import persons_words
 from flywheel.config.judge import NextStateJudgeConfig
 from flywheel.judge.base import Judge, Unscorable, Verdict
 from flywheel.judge.next_state_classes import Call
@@ -104,13 +105,14 @@ def hint_of(call: Call, words: str, config: NextStateJudgeConfig | None = None) 
 
 def request_text(turn: Turn) -> str:
     """What the turn's conversation last asked for: its last user message (or the text prompt), in
-    the person's words: without the instructions the served memory put in it (`Turn.instructions`),
-    which would make a reaction that asks for the same look like the request said again."""
+    the person's words: the first without the instructions the served memory put before them
+    (`Turn.instructions`), which would make a reaction asking for the same look like the request
+    said again."""
     users = [m for m in turn.messages if m.get("role") == "user"]
-    text = content_text(users[-1].get("content")) if users else turn.prompt or ""
-    for instruction in turn.instructions:
-        text = text.replace(instruction, "")
-    return text.strip() if turn.instructions else text
+    if not users:
+        return turn.prompt or ""
+    text = content_text(users[-1].get("content"))
+    return persons_words(text, turn.instructions) if len(users) == 1 else text
 
 
 def classify_next_state(messages: list[Message], request: str = "", reply: str = "",

@@ -150,7 +150,8 @@ class Practice:
         """What was checked of a group's replies (the aspects a rule checks, and whether each
         answers the request) and their rewards by it; None where the checks cannot tell them apart."""
         messages = turn.messages or []
-        gains = (await asyncio.gather(*(information(self.teacher, messages, reply["output_ids"]) for reply in replies))
+        gains = (await asyncio.gather(*(information(self.teacher, messages, reply["output_ids"], turn.instructions)
+                                        for reply in replies))
                  if messages else [None])  # concurrent: the engine batches the prefills
         answered = None if None in gains else [gain > 0 for gain in gains]
         ranked = rewards(aspects, [reply["text"] for reply in replies], messages, answered)

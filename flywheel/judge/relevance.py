@@ -23,26 +23,31 @@ that is learning to stop answering.
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Sequence
 from typing import Any
 
+from flywheel.bus.instructions import persons_words
+from flywheel.bus.messages import content_text
 from flywheel.judge.teacher import Teacher
 
 
-def without_request(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """`messages` with the last user message emptied (the conversation before it kept)."""
+def without_request(messages: list[dict[str, Any]], instructions: Sequence[str] = ()) -> list[dict[str, Any]]:
+    """`messages` with the last user message emptied of the person's words (the conversation before
+    it kept, and what the served memory put before them: `instructions`, `Turn.instructions`)."""
     messages = [dict(m) for m in messages]
-    for message in reversed(messages):
-        if message.get("role") == "user":
-            message["content"] = ""
-            break
+    users = [m for m in messages if m.get("role") == "user"]
+    if users:
+        text = content_text(users[-1].get("content"))
+        users[-1]["content"] = text[:len(text) - len(persons_words(text, instructions))] if len(users) == 1 else ""
     return messages
 
 
-async def information(teacher: Teacher, messages: list[dict[str, Any]], output_ids: list[int]) -> float | None:
+async def information(teacher: Teacher, messages: list[dict[str, Any]], output_ids: list[int],
+                      instructions: Sequence[str] = ()) -> float | None:
     """How much likelier the request makes the reply `output_ids`, in nats (see the module); None
     when the teacher's server could not say."""
     told, untold = await asyncio.gather(teacher.score(messages, output_ids),
-                                        teacher.score(without_request(messages), output_ids))
+                                        teacher.score(without_request(messages, instructions), output_ids))
     if told is None or untold is None:
         return None
     return sum(told["logprobs"]) - sum(untold["logprobs"])

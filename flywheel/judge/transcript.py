@@ -1,7 +1,7 @@
 """A trajectory's conversation as the judges read it: the task context, what each turn was asked,
 the turn's reply, what followed it, and a plain-text rendering of messages.
 
-Messages are OpenAI chat messages as the gateway received them (`content` a string, a list of
+Messages are OpenAI chat messages as the model was asked them (`content` a string, a list of
 parts, or None; assistant `tool_calls`; tool results). Only text is rendered: image parts and
 other non-text parts become a placeholder naming their type.
 """

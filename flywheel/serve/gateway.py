@@ -61,7 +61,7 @@ def create_gateway(pool: EnginePool, tokenizer: Any, recorder: Recorder, model_n
     `/metrics`. Every session is its tenant's (`request.state.tenant`), and feedback or an end
     names one its tenant opened (`sessions`), else it is a 404. `adapters`: which LoRA adapter
     answers each request (`adapters.kind: lora`; None: the shared weights answer all). `memory`:
-    each person's instructions, put in their chat requests' system message (`memory.enabled`)."""
+    each person's instructions, put in their chat requests (`memory.enabled`, `memory.placement`)."""
     app = FastAPI(title="Flywheel gateway", docs_url=None, redoc_url=None)
     install_error_handlers(app)
     install_metrics_route(app, metrics)

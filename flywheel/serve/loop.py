@@ -123,7 +123,7 @@ class ServeLoop:
             if routing is not None:  # before the first request, as the stored ones
                 await self.adapters.take_routed(routing)
         self.memory, self._memory_read = (await ServedMemory.read(
-            self.bus, self.config.memory.said, retention_s(self.config.tenants),
+            self.bus, self.config.memory.template, retention_s(self.config.tenants),
             without=[name for name, tenant in self.config.tenants.items() if not tenant.memory],
             placement=self.config.memory.placement)
             if self.config.memory.enabled and cfg.role == "policy" else (None, 0))

@@ -23,12 +23,12 @@ from __future__ import annotations
 import sys
 import time
 from collections.abc import Iterable, Mapping
+from string import Template
 from typing import Any
 
-from flywheel.bus.instructions import Instructions
+from flywheel.bus.instructions import Instructions, placed_before
 from flywheel.bus.scan import take_all
 from flywheel.bus.streams import AUDIT, MEMORY
-from flywheel.config.memory import said
 from flywheel.lru import LRU
 from flywheel.serve.api.chat import ChatCompletionRequest, Message, TextPart
 from flywheel.serve.api.sessions import SessionInfo
@@ -39,13 +39,21 @@ PEOPLE = 1_000_000
 Person = tuple[str, str | None]
 
 
-def placed(messages: list[Message], template: str, placement: str, instructions: Iterable[str]) -> list[Message]:
-    """`messages` with `instructions` where `placement` puts them: appended to the system message (a
-    system message of them first, where there is none), or before the first user message's text."""
-    text = said(template, instructions)
+def said(template: str, instructions: Iterable[str]) -> str:
+    """What `placement: system` appends to a system message (`memory.template`)."""
+    return Template(template).substitute(instructions=" ".join(instructions))
+
+
+def placed(messages: list[Message], template: str, placement: str, instructions: Iterable[str]) -> list[Message] | None:
+    """`messages` with `instructions` where `placement` puts them: in `template` at the end of the
+    system message (a system message of them first, where there is none), or alone before the first
+    user message's text (`placed_before`; None where there is no user message)."""
     if placement == "user":
         first = next((i for i, m in enumerate(messages) if m.role == "user"), None)
-        return messages if first is None else [*messages[:first], _prepended(messages[first], text), *messages[first + 1:]]
+        if first is None:
+            return None
+        return [*messages[:first], _prepended(messages[first], placed_before(instructions)), *messages[first + 1:]]
+    text = said(template, instructions)
     if messages and messages[0].role in ("system", "developer"):
         return [messages[0].model_copy(update={"content": messages[0].text() + text}), *messages[1:]]
     return [Message(role="system", content=text.strip()), *messages]
@@ -129,7 +137,7 @@ class ServedMemory:
         """A chat request with its person's instructions `placed`, and them (recorded on its turns,
         `Turn.instructions`); any other request as it is, and none."""
         if (not isinstance(body, ChatCompletionRequest) or session.tenant in self.without
-                or not (instructions := self.instructions(session))):
+                or not (instructions := self.instructions(session))
+                or (messages := placed(list(body.messages), self.template, self.placement, instructions)) is None):
             return body, ()
-        return body.model_copy(update={"messages": placed(list(body.messages), self.template, self.placement,
-                                                          instructions)}), instructions
+        return body.model_copy(update={"messages": messages}), instructions
