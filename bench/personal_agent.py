@@ -25,7 +25,8 @@ puts them in the system message, OpenClaw-RL's memory baseline; with `judge.teac
 `instead`, what they ask for, as the teacher would be told it). `--memory` gives a training arm
 the app's memory too: the person's adapter learns with those hints in its prompts. `served`: the
 platform keeps that memory itself (`memory.enabled`: the judge reads the instructions, the
-gateway puts them in the person's system message; `memory.enabled=true` gives a training arm it).
+gateway puts them in the person's requests, `memory.placement`; `memory.enabled=true` gives a
+training arm it).
 
 People: by default the drill's own (flywheel/drills/simulated_people.py, phrasings written with
 the rules); `--people bench/data/people_heldout.json` takes trial i of a preference's person

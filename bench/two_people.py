@@ -18,7 +18,7 @@ Measured, per scope and person
     - held-out (questions never asked, `--heldout-samples` seeded samples each): the policy each
       person ends with (their adapter merged into the base; the shared one under `shared`), the
       rate of their own wish and of the other's; with `memory.enabled=true`, asked with what the
-      gateway serves that person at the end (their instructions in the system message: `served`).
+      gateway serves that person at the end (their instructions, `served`, where `memory.placement` puts them).
 
 How to run (from the repository root; about 20-40 min on 2 cores)
     .venv/bin/python bench/two_people.py [--wishes brief detailed] [--sessions 16] [--scopes user shared] [key=value ...]
