@@ -14,10 +14,12 @@ from flywheel.bus import (
     Trajectory,
     WeightUpdate,
 )
+from flywheel.bus.instructions import Instructions, placed_before, unplaced
 from flywheel.bus.records import AuditEntry
-from flywheel.bus.streams import AUDIT_SUBJECT
+from flywheel.bus.streams import AUDIT_SUBJECT, memory_subject
 from flywheel.config import load_config
 from flywheel.config.loader import ConfigError
+from flywheel.config.memory import TEMPLATE
 from flywheel.judge.loop import JudgeLoop
 from flywheel.judge.practice import corrected_turns
 from flywheel.judge.relevance import without_request
@@ -36,6 +38,7 @@ ADA = user_adapter("acme", "ada")
 PRACTICE = [*TENANTS_SETUP, "adapters.kind=lora", "adapters.scope=user", "judge.teacher.enabled=true",
             "judge.teacher.practice=3"]
 HINT = "Say my name, Ada, first."
+SAY_NAME = "Call me Ada."
 
 
 @pytest.mark.parametrize("reward, hint, checked", [
@@ -168,6 +171,9 @@ async def test_a_correction_is_practised_on_the_persons_earlier_requests_too_unt
     (["adapters.kind=lora", "judge.teacher.practice=1"], "judge.teacher.practice"),
     (["adapters.kind=lora", "judge.teacher.practice_history=2"], "judge.teacher: practice_history needs practice"),
     (["judge.teacher.practice=4"], "adapters.kind=lora"),
+    (["adapters.kind=lora", "memory.enabled=true", "judge.teacher.practice_prompt=bare"],
+     "judge.teacher: practice_prompt=bare needs practice"),
+    (["adapters.kind=lora", "judge.teacher.practice=4", "judge.teacher.practice_prompt=bare"], "memory.enabled"),
     ([*TENANTS_SETUP[1:], "adapters.kind=lora", "judge.teacher.practice=4"], "serve.admin_key"),
 ])
 def test_practice_settings_that_cannot_work_are_refused_by_name(overrides, key):
@@ -215,3 +221,62 @@ def test_the_answers_check_takes_away_the_persons_words_and_keeps_what_the_serve
     assert without_request(first)[1]["content"] == ""  # none were served
     later = [*first, {"role": "assistant", "content": "The moon."}, {"role": "user", "content": "Be brief.\n\nMore?"}]
     assert without_request(later, ["Be brief."])[1:] == [first[1], later[2], {"role": "user", "content": ""}]
+
+
+@pytest.mark.parametrize("placement", ["user", "system"])
+async def test_bare_practice_answers_the_request_without_the_served_instructions(placement, nats_url, tmp_path, bus):
+    """`judge.teacher.practice_prompt: bare`: the person's turn was served with her instruction, but
+    her adapter practises her request as she sent it (rendered again by the policy's server), with
+    the engine's exact log-probs of that prompt, and the teacher, told her correction, scores that."""
+    base, tokenizer = load_model("tiny")
+    [(adapter, peft)] = random_adapters(tmp_path, {"ada-adapter": (1, {"r": 4, "target_modules": LINEAR})}).values()
+    memory = ["memory.enabled=true", f"memory.placement={placement}", "judge.teacher.practice_prompt=bare"]
+    async with platform(nats_url, tmp_path, *PRACTICE, *memory) as (serve, _, _):
+        await bus.publish(WEIGHTS_SUBJECT, WeightUpdate(id="ada-v1", version=1, path=str(adapter), step=1, adapter=ADA))
+        await bus.publish(memory_subject("acme", "ada"), Instructions(
+            id="ada-memory", tenant="acme", user_id="ada", instructions=[SAY_NAME], read=[], turns=[], read_from=0.0))
+        await until(lambda: serve.pool.adapter_versions.get(ADA) == 1 and len(serve.memory) == 1)
+        async with httpx.AsyncClient(base_url=serve.url, headers={"Authorization": "Bearer root"}) as http:
+            both = await http.post("/engine/practice", json={"adapter": ADA, "tenant": "acme", "input_ids": [1, 2],
+                                                              "messages": [{"role": "user", "content": "Hi"}], "n": 2})
+        assert both.status_code == 400 and "input_ids or as messages" in both.json()["error"]["message"]
+        judge = JudgeLoop(serve.config, nats_url)
+        await judge.start()
+        try:
+            messages = [{"role": "system", "content": "You help."}, {"role": "user", "content": "Greet me."}]
+            await hinted_session(serve, "corrected", messages, HINT, reward=-1.0)
+            samples = await read(bus, SAMPLE_SUBJECT, "practice-bare", 4)
+        finally:
+            await judge.stop()
+    [own] = [s for s in samples if s.judge != "practice"]
+    await bus.resolve(own)
+    assert own.trajectory.turns[0].instructions == [SAY_NAME]
+    assert SAY_NAME in tokenizer.decode(own.trajectory.segments[0].token_ids)  # served with it
+    context = chat_prompt(tokenizer, messages)  # practised without it
+    told_ids = chat_prompt(tokenizer, Teacher(serve.config.judge.teacher, serve.url).told(messages, HINT))
+    for sample in [s for s in samples if s.judge == "practice"]:
+        [segment], [turn] = sample.trajectory.segments, sample.trajectory.turns
+        (_, begin, end), = segment.turn_spans
+        output = list(segment.token_ids[begin:end])
+        assert list(segment.token_ids[:begin]) == context and (turn.messages, turn.instructions) == (messages, [])
+        assert list(segment.logprobs[begin:end]) == pytest.approx(recomputed_logprobs(peft, context, output), abs=2e-4)
+        [teacher] = sample.teacher_logprobs
+        assert list(teacher[begin:end]) == pytest.approx(recomputed_logprobs(base, told_ids, output), abs=2e-4)
+
+
+def test_a_requests_messages_as_the_person_sent_them_are_those_without_the_served_instructions():
+    """`unplaced` undoes either placement: the text before the first user message's (a string, or a
+    part of its own), or the template at the end of the system message (or a system message of it
+    alone); a later message that happens to begin with the same words is the person's own."""
+    said = [SAY_NAME]
+    asked = [{"role": "system", "content": "S."}, {"role": "user", "content": "Hi"},
+             {"role": "assistant", "content": "Hello"}, {"role": "user", "content": placed_before(said) + "More"}]
+    in_user = [asked[0], {"role": "user", "content": placed_before(said) + "Hi"}, *asked[2:]]
+    as_part = [asked[0], {"role": "user", "content": [{"type": "text", "text": placed_before(said)},
+                                                      {"type": "text", "text": "Hi"}]}, *asked[2:]]
+    in_system = [{"role": "system", "content": "S." + TEMPLATE.replace("$instructions", SAY_NAME)}, *asked[1:]]
+    alone = [{"role": "system", "content": TEMPLATE.replace("$instructions", SAY_NAME).strip()}, *asked[1:]]
+    assert unplaced(in_user, said, TEMPLATE) == asked and unplaced(in_system, said, TEMPLATE) == asked
+    assert unplaced(as_part, said, TEMPLATE)[1] == {"role": "user", "content": [{"type": "text", "text": "Hi"}]}
+    assert unplaced(alone, said, TEMPLATE) == asked[1:]
+    assert unplaced(asked, [], TEMPLATE) == asked and unplaced(asked, said, TEMPLATE) == asked

@@ -274,6 +274,12 @@ class TeacherConfig(Section):
     hint and rewarded as the corrected turn's replies are, each request's replies a group of
     their own: one correction teaches the person's other requests, not only the one it was about.
     Kept and forgotten as the hint memory is (flywheel/judge/people_memory.py). 0: off."""
+    practice_prompt: Literal["served", "bare"] = "served"
+    """What the practice replies answer: `served`, each request's exact context, with the person's
+    instructions where the served memory put them (`memory.enabled`); `bare`, the request as the
+    person sent it, without them (rendered again through the chat template, on the policy's
+    server): the adapter then learns to do what they ask untold, taught by the teacher told them
+    (the memory distilled into the adapter). A request the memory put nothing in goes as served."""
 
     @field_validator("practice")
     @classmethod
@@ -286,6 +292,8 @@ class TeacherConfig(Section):
     def _history_is_practised(self) -> "TeacherConfig":
         if self.practice_history and not self.practice:
             raise ValueError("practice_history needs practice (the replies to each remembered request)")
+        if self.practice_prompt == "bare" and not self.practice:
+            raise ValueError("practice_prompt=bare needs practice (the replies to the bare requests)")
         return self
 
 

@@ -304,6 +304,9 @@ class FlywheelConfig(Section):
         if self.judge.teacher.practice and self.serve.admin_key is None and any(t.keys for t in self.tenants.values()):
             raise ValueError("judge.teacher.practice with tenants' keys needs serve.admin_key: the judge samples every "
                              "tenant's adapters with it, and no tenant's key may")
+        if self.judge.teacher.practice_prompt == "bare" and not self.memory.enabled:
+            raise ValueError("judge.teacher.practice_prompt=bare needs memory.enabled: it leaves out the instructions "
+                             "the served memory puts in a person's prompts")
         return self
 
     @model_validator(mode="after")

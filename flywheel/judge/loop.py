@@ -162,7 +162,8 @@ class JudgeLoop(ConsumerLoop):
             return None
         teacher = self.config.judge.teacher
         return Practice(teacher.practice, url, self.teacher, self._key(),
-                        checks=teacher.practice_reward == "checks", history=teacher.practice_history)
+                        checks=teacher.practice_reward == "checks", history=teacher.practice_history,
+                        bare=self.config.memory.template if teacher.practice_prompt == "bare" else None)
 
     def _key(self) -> str | None:
         """The key the judge's own calls carry: the admin key, else the first client key."""

@@ -30,6 +30,12 @@ adapter, taught the correction's hint, checked alike, a group per request
 person who says "shorter" once then practises it on several of their questions, as they will
 ask new ones, not only on the one the correction was about.
 
+With `judge.teacher.practice_prompt: bare`, a request the served memory put the person's
+instructions in (`Turn.instructions`) is practised without them: its messages as the person sent
+them (`unplaced`), rendered again by the policy's server, so the adapter answers untold and the
+teacher, told the correction and the instructions it holds, teaches it what they ask: the memory
+distilled into the adapter, which the served instructions then add to.
+
 Not practised or remembered: a turn sampled greedily (its replies would all be one) or under a grammar (the
 teacher does not score those), a turn of the shared weights (no adapter), a trajectory that may
 not be trained; the server leaves out a reply that holds personal data under the tenant's policy. Ids are fixed by the trajectory, turn and reply, so a trajectory judged again
@@ -45,8 +51,10 @@ from collections.abc import Iterator
 from typing import Any, NamedTuple
 
 import httpx
+import msgspec
 
 from flywheel.bus import Sample, Trajectory, Turn
+from flywheel.bus.instructions import unplaced
 from flywheel.bus.stitch import stitch, without_tokens
 from flywheel.judge.people_memory import PeopleMemory
 from flywheel.judge.relevance import information
@@ -82,8 +90,11 @@ class Request(NamedTuple):
 
 class Practice:
     def __init__(self, replies: int, server_url: str, teacher: Teacher, api_key: str | None = None,
-                 timeout_s: float = 300.0, checks: bool = False, history: int = 0):
+                 timeout_s: float = 300.0, checks: bool = False, history: int = 0, bare: str | None = None):
         self.replies, self.teacher, self.checks = replies, teacher, checks
+        self.bare = bare
+        """`memory.template` where requests are practised without the served instructions
+        (`practice_prompt: bare`); None: as served."""
         self.requests: PeopleMemory[Request] | None = (
             PeopleMemory(history, key=lambda request: request.turn.id) if history else None)
         """Each person's newest practisable requests, replayed with their corrections."""
@@ -115,12 +126,16 @@ class Practice:
         """Turn `k`'s correction practised on `request` (the turn's own, or an earlier one replayed)."""
         turn, replayed = request.turn, request.turn.id != trajectory.turns[k].id
         group = f"{k}:{turn.id}" if replayed else f"{k}"
+        bare = unplaced(turn.messages, turn.instructions, self.bare) if self.bare and turn.instructions else None
         try:
             response = await self.http.post("/engine/practice", json={
-                "adapter": turn.adapter, "tenant": trajectory.tenant, "input_ids": request.prompt, "n": self.replies,
-                "sampling_params": turn.sampling})
+                "adapter": turn.adapter, "tenant": trajectory.tenant, "n": self.replies, "sampling_params": turn.sampling,
+                **({"input_ids": request.prompt} if bare is None else {"messages": bare})})
             response.raise_for_status()
-            replies = [r for r in response.json()["replies"] if r["output_ids"]]
+            answer = response.json()
+            replies = [r for r in answer["replies"] if r["output_ids"]]
+            if bare is not None:  # asked as the person sent it: the prompt the server rendered
+                request = Request(msgspec.structs.replace(turn, messages=bare, instructions=[]), answer["prompt_ids"])
             practices = [_trajectory(trajectory, group, j, request, reply) for j, reply in enumerate(replies)]
             teachings = await asyncio.gather(*(self.teacher.teach(practice, {0: hint}) for practice in practices))
         except (httpx.HTTPError, KeyError, TypeError, ValueError) as exc:
@@ -130,7 +145,7 @@ class Practice:
         taught = [(p, t, r) for p, t, r in zip(practices, teachings, replies) if t.logprobs]
         if len(taught) < 2:  # a group of one would be judged against the running baseline
             return []
-        checked = await self._checked(turn, aspects, [reply for _, _, reply in taught]) if self.checks else None
+        checked = await self._checked(request.turn, aspects, [reply for _, _, reply in taught]) if self.checks else None
         self.counts["turns"] += 1
         self.counts["replayed"] += replayed
         self.counts["samples"] += len(taught)

@@ -131,7 +131,7 @@ class ServeLoop:
                                   self.tenants, sessions, self._adapter_routing(), teaches=self.config.base_teaches,
                                   memory=self.memory)
         if self.config.judge.teacher.practice and cfg.role == "policy":
-            install_practice_route(self.app, self.pool, self._adapter_routing(), self.tenants)
+            install_practice_route(self.app, self.pool, self._adapter_routing(), self.tenants, self.model_name)
         install_tenant_routes(self.app, self.tenants, self.tenant_registry, cfg.admin_key, [spill_dir],
                               Path(self.config.run_dir) / "trained.jsonl")
         self.board: VersionBoard | None = None

@@ -23,10 +23,9 @@ from __future__ import annotations
 import sys
 import time
 from collections.abc import Iterable, Mapping
-from string import Template
 from typing import Any
 
-from flywheel.bus.instructions import Instructions, placed_before
+from flywheel.bus.instructions import Instructions, placed_before, said
 from flywheel.bus.scan import take_all
 from flywheel.bus.streams import AUDIT, MEMORY
 from flywheel.lru import LRU
@@ -37,11 +36,6 @@ from flywheel.tenants.forgotten import Forgettings, forget_of, forgets
 SESSIONS = 100_000
 PEOPLE = 1_000_000
 Person = tuple[str, str | None]
-
-
-def said(template: str, instructions: Iterable[str]) -> str:
-    """What `placement: system` appends to a system message (`memory.template`)."""
-    return Template(template).substitute(instructions=" ".join(instructions))
 
 
 def placed(messages: list[Message], template: str, placement: str, instructions: Iterable[str]) -> list[Message] | None:
