@@ -28,6 +28,7 @@ import asyncio
 import json
 import random
 import sys
+from dataclasses import replace
 from pathlib import Path
 from statistics import fmean
 
@@ -35,10 +36,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # `python bench
 
 from bench.lib.common import RESULTS, ROOT, write_result  # noqa: E402
 
-RECORDED = {"before": "heldout_before", "after": "heldout", "base_served": "heldout_base_served"}
+RECORDED = {"before": "heldout_before", "after": "heldout", "base_served": "heldout_base_served",
+            "untold": "heldout_untold"}
 """Each policy's replies and the results field that holds their rule's share: the base, the trial's
-final policy (with what the gateway served the person at the end, where it served anything), and
-the base with what was served (a trained trial with a served memory)."""
+final policy (with what the gateway served the person at the end, where it served anything), the
+base with what was served, and the final policy without it (a trained trial with a served memory)."""
 
 
 def files(name: str) -> tuple[Path, Path]:
@@ -76,6 +78,8 @@ async def export(args) -> None:
         policies = [("before", None, Asked(user.system)), ("after", final_policy(config, run_dir), served)]
         if trial.get("heldout_base_served"):
             policies.append(("base_served", None, served))
+        if trial.get("heldout_untold"):
+            policies.append(("untold", policies[1][1], replace(served, instructions=())))
         for when, weights, put in policies:
             chats = [put.chat(q) for q in asked]
             model, tokenizer = load_model(config.model)

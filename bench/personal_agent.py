@@ -44,7 +44,8 @@ Measured
     - the held-out satisfaction rate of the final weights on questions never asked in a trial
       (`HELD_OUT_QUESTIONS`, `--heldout-samples` seeded samples each, the app's temperature);
       where a trained arm has a memory, also of the base with what it serves at the end
-      (`heldout_base_served`: how much of the rate, and of the answers, is the person's adapter's);
+      (`heldout_base_served`: how much of the rate, and of the answers, is the person's adapter's),
+      and of the final weights without what it serves (`heldout_untold`: what the adapter learned);
     - general skill kept: greedy accuracy on held-out arithmetic (bench/learn_arith.py's
       evaluation) of the base model and of each trained trial's final weights;
     - per session: the version that answered, whether it satisfied, what the judge made of the
@@ -77,6 +78,7 @@ import os
 import shutil
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 from statistics import fmean
 
@@ -182,6 +184,8 @@ def trial(arm: str, pref: str, index: int, args, progress) -> dict:
         "heldout": asyncio.run(satisfaction(weights, config.model, user, HELD_OUT_QUESTIONS, args, asked=asked)),
         "heldout_base_served": asyncio.run(satisfaction(None, config.model, user, HELD_OUT_QUESTIONS, args, asked=asked))
         if weights and asked != Asked(user.system, memory=config.memory) else None,
+        "heldout_untold": asyncio.run(satisfaction(weights, config.model, user, HELD_OUT_QUESTIONS, args,
+                                                   asked=replace(asked, instructions=()))) if weights and served else None,
     }
 
 
