@@ -15,6 +15,7 @@ import torch
 from safetensors.torch import load_file
 
 from flywheel.bus import SAMPLE_SUBJECT, WEIGHTS_SUBJECT
+from flywheel.bus.instructions import placed_before
 from flywheel.config import ConfigError, load_config
 from flywheel.models import load_model
 from flywheel.models.adapter_store import AdapterStore
@@ -24,6 +25,7 @@ from flywheel.train.adapter_guard import (
     GENERAL_PROMPTS,
     RELEVANCE_PROMPTS,
     AdapterGuard,
+    Context,
     _right_padded,
     _token_logprobs,
     context_of,
@@ -33,7 +35,7 @@ from flywheel.train.ledger import lineage
 from flywheel.train.loop import TrainLoop
 from flywheel.train.trainer import Trainer
 
-from factories import sample_of, sampled_turns
+from factories import make_turn, sample_of, sampled_turns
 from waiting import until
 
 ARTHUR = "You are Arthur's personal assistant."
@@ -116,14 +118,53 @@ def test_a_context_is_the_first_system_messages_as_one_and_bounded():
     messages = [{"role": "system", "content": "You are Ada's assistant."},
                 {"role": "developer", "content": [{"type": "text", "text": "Be kind."}, {"type": "image_url"}]},
                 {"role": "user", "content": "hi"}, {"role": "system", "content": "not a context"}]
-    assert context_of(messages) == ("You are Ada's assistant.", "Be kind.")
-    assert context_of([{"role": "user", "content": "hi"}]) == ()
-    long = context_of([{"role": "system", "content": "x" * CONTEXT_CHARS}, {"role": "system", "content": "more"}])
-    assert long == ("x" * CONTEXT_CHARS,)
+    assert context_of(make_turn(messages=messages)) == Context(("You are Ada's assistant.", "Be kind."))
+    assert context_of(make_turn(messages=[{"role": "user", "content": "hi"}])) == Context()
+    long = context_of(make_turn(messages=[{"role": "system", "content": "x" * CONTEXT_CHARS},
+                                          {"role": "system", "content": "more"}]))
+    assert long == Context(("x" * CONTEXT_CHARS,))
     _, tokenizer = load_model("tiny")
     guard = AdapterGuard(None, tokenizer, None)
-    text = tokenizer.decode(guard._chat("How?", context_of(messages)))
+    text = tokenizer.decode(guard._chat("How?", context_of(make_turn(messages=messages))))
     assert text.count("system") == 1 and "You are Ada's assistant.\n\nBe kind." in text
+
+
+def test_the_questions_are_asked_after_the_instructions_the_served_memory_put_before_the_persons():
+    """With `memory.placement: user` the person's questions come after their instructions, and so do
+    the check's; at the end of the system message they are in the context already; a request the
+    memory put nothing in (or whose first message does not begin with them) has none before it."""
+    said = ["Be brief."]
+    in_user = make_turn(messages=[{"role": "system", "content": ARTHUR},
+                                  {"role": "user", "content": placed_before(said) + "hi"}], instructions=said)
+    in_system = make_turn(messages=[{"role": "system", "content": ARTHUR + " Be brief."},
+                                    {"role": "user", "content": "hi"}], instructions=said)
+    assert context_of(in_user) == Context((ARTHUR,), placed_before(said))
+    assert context_of(in_system) == Context((ARTHUR + " Be brief.",))
+    assert context_of(make_turn(messages=in_user.messages)) == Context((ARTHUR,))
+    _, tokenizer = load_model("tiny")
+    text = tokenizer.decode(AdapterGuard(None, tokenizer, None)._chat("How?", context_of(in_user)))
+    assert text.count("Be brief.") == 1 and text.index(ARTHUR) < text.index("Be brief.\n\nHow?")
+
+
+async def test_a_practice_reply_does_not_move_where_the_adapter_is_checked(bus, tmp_path):
+    """The guard asks where the person's own conversations were asked, not where the judge asked a
+    practice reply (bare, `judge.teacher.practice_prompt: bare`), whichever the step trained last."""
+    said = ["Be brief."]
+    config = load_config(None, LORA)
+    model, tokenizer = load_model("tiny")
+    adapters = Trainer(model, config.actor, config.train, config.adapters).adapters
+    versions = AdapterVersions(AdapterStore(tmp_path / "adapters"), bus, interval=10, guard=None)
+    served = sample_of(make_turn(messages=[{"role": "system", "content": ARTHUR},
+                                           {"role": "user", "content": placed_before(said) + "hi"}], instructions=said), 1.0)
+    practised = sample_of(make_turn(id="p", session_id="p", messages=[{"role": "system", "content": ARTHUR},
+                                                                      {"role": "user", "content": "hi"}]), 0.0)
+    practised.details = {"practice_of": served.id}
+    for sample in (served, practised):
+        sample.trajectory.adapter = "alice"
+    adapters.ensure("alice")
+    versions.trained(["alice"])
+    await versions.stepped(adapters, [served, practised], step=1, config=config)
+    assert versions.contexts["alice"] == ("open", None, Context((ARTHUR,), placed_before(said)))
 
 
 def test_a_deployment_sets_the_checks_prompts_and_questions(tmp_path):
@@ -156,14 +197,14 @@ def test_replies_that_stop_answering_where_the_adapter_is_used_are_held_back():
     guard = AdapterGuard(adapters, tokenizer, max_drop=1.0, min_answers=0.8, prompts=GENERAL_PROMPTS[:2],
                          questions=RELEVANCE_PROMPTS[:4])
     replies = guard.replies(None)
-    guard.base_relevance[()] = own = guard.relevance_of(replies)  # what `relevance(None)` measures and keeps
+    guard.base_relevance[Context()] = own = guard.relevance_of(replies)  # what `relevance(None)` measures and keeps
     assert min(own) > 1.0 and mean(guard.relevance_of(replies[1:] + replies[:1])) < 0
     adapters.ensure("canned")
 
     canned = tokenizer.encode("My favourite colour is green, and I like to walk my dog.<|im_end|>", add_special_tokens=False)
     questions = ("How do I keep basil alive?", "What should I pack for a hike?", "How do I clean a cast iron pan?",
                  "How can I save money on groceries?")
-    rows = [guard._chat(q, (ARTHUR,)) + canned for q in questions] + [q + r for q, r in zip(guard._questions(), replies)]
+    rows = [guard._chat(q, Context((ARTHUR,))) + canned for q in questions] + [q + r for q, r in zip(guard._questions(), replies)]
     ids, attention, marks = _right_padded(rows, [len(canned)] * len(questions) + [len(r) for r in replies])
     adapters.activate("canned")
     optimizer = torch.optim.Adam(adapters.params["canned"], lr=2e-3)
@@ -173,7 +214,7 @@ def test_replies_that_stop_answering_where_the_adapter_is_used_are_held_back():
         loss.backward()
         optimizer.step()
     assert guard.allows("canned")  # asked bare, it passes both checks (its drop under 1.0 too)
-    assert not guard.allows("canned", context=(ARTHUR,))  # where it is used, its replies answer nothing
+    assert not guard.allows("canned", context=Context((ARTHUR,)))  # where it is used, its replies answer nothing
     assert guard.held_back == {"canned": 1}
 
 
@@ -216,7 +257,7 @@ async def test_a_held_back_version_is_not_published_and_the_adapter_returns_to_t
     assert weights.keys() == published.keys() and all(torch.equal(weights[k], published[k]) for k in weights)
     assert not any(moments)
     assert [(s["adapter"], s["version"]) for s in lineage(tmp_path / "trained.jsonl")] == [("alice", 1)]  # not the held-back v2
-    assert asked == [("alice", None, ("You are Alice's assistant.",))] * 2
+    assert asked == [("alice", None, Context(("You are Alice's assistant.",)))] * 2
 
 
 async def test_weights_a_restarted_trainer_never_published_pass_the_guard_first(bus, tmp_path):

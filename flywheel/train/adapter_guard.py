@@ -15,8 +15,12 @@ do the same to its one user. So before an adapter's version is published the tra
   least half the mean of its reference's replies. Erosion shows here first: replies that speak
   of something else, a canned line, "as a chatbot I cannot...", a list of nothing, while the
   base's answers stay likely. The questions are asked where the adapter is used: after the
-  system messages the last conversation it trained on began with (`context_of`; the trainer
-  keeps them per adapter, in memory only: a restarted trainer asks bare until its next step). What an
+  system messages the last conversation of its person's it trained on began with, and after the
+  instructions the served memory put before that conversation's first question (`context_of`,
+  `memory.placement: user`; at the end of the system message they are in it already); the
+  trainer keeps them per adapter, in memory only: a restarted trainer asks bare until its next
+  step. Practice replies, asked as the judge chose (`judge.teacher.practice_prompt: bare`), are
+  not where it is used and set no context. What an
   adapter learns under its user's system message it erodes there first: an unscripted person's
   adapter (personal-agent bench, `name` trial 2) answered 7 of 8 questions asked bare and, after
   "You are Arthur's personal assistant.", 5 of the 7 the base answers there (the person's rule
@@ -42,10 +46,12 @@ import contextlib
 import logging
 from collections.abc import Callable
 from statistics import mean
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
+from flywheel.bus import Turn
+from flywheel.bus.instructions import placed_before
 from flywheel.bus.messages import content_text
 from flywheel.lru import LRU
 from flywheel.train.adapters import AdapterSet
@@ -87,8 +93,14 @@ CONTEXTS = 64
 measures the others again when they come back)."""
 CONTEXT_CHARS = 2000
 """The most characters of an adapter's system messages its check asks after (the first ones)."""
-Context = tuple[str, ...]
-"""The system messages an adapter's conversations begin with (its user's or agent's), in order."""
+
+
+class Context(NamedTuple):
+    """Where an adapter's questions are asked: the system messages its conversations begin with
+    (its user's or agent's), in order, and what the served memory puts before the first question."""
+
+    system: tuple[str, ...] = ()
+    before: str = ""
 
 
 class AdapterGuard:
@@ -114,11 +126,11 @@ class AdapterGuard:
             def measure() -> float:
                 self.adapters.activate(origin)
                 return _mean_logprob(self.adapters.model, ids, attention, answer)
-            reference = self._of_origin(("logprob", origin, ()), measure)
+            reference = self._of_origin(("logprob", origin, Context()), measure)
         self.adapters.activate(name)
         return reference - _mean_logprob(self.adapters.model, ids, attention, answer)
 
-    def answers_kept(self, name: str, origin: str | None = None, context: Context = ()) -> float:
+    def answers_kept(self, name: str, origin: str | None = None, context: Context = Context()) -> float:
         """The share of the questions its reference answers that `name` still answers, each asked
         after the system messages `context`: the reference is `origin` when that adapter is here,
         else the base. A reply answers when it fits its question at least half as well as the
@@ -135,7 +147,7 @@ class AdapterGuard:
         answered = sum(r >= bar for r in self.relevance(name, context))
         return answered / sum(r >= bar for r in reference)
 
-    def allows(self, name: str, origin: str | None = None, context: Context = ()) -> bool:
+    def allows(self, name: str, origin: str | None = None, context: Context = Context()) -> bool:
         """Whether `name`'s current weights may be published (and count it when not); its replies
         are asked for in `context`, the system messages its conversations begin with (an adapter
         is used there, and what it learned there is what it may have eroded: an adapter trained
@@ -149,7 +161,7 @@ class AdapterGuard:
                               "(adapters.guard_answers %.2f)", kept, self.min_answers)
         return True
 
-    def relevance(self, name: str | None, context: Context = ()) -> list[float]:
+    def relevance(self, name: str | None, context: Context = Context()) -> list[float]:
         """How much better each reply `name` writes (greedy; None: the base, computed once for
         each context) to `questions` (`RELEVANCE_PROMPTS`), asked after the system messages
         `context`, fits its own question than the next one, as the base reads it (nats a token)."""
@@ -160,7 +172,7 @@ class AdapterGuard:
             known = self.base_relevance[context] = self.relevance_of(self.replies(None, context), context)
         return known
 
-    def relevance_of(self, replies: list[list[int]], context: Context = ()) -> list[float]:
+    def relevance_of(self, replies: list[list[int]], context: Context = Context()) -> list[float]:
         """For each of `replies` (token ids, one for each of `questions`, in order),
         log p_base(reply | its question) - log p_base(reply | the next question), per token: the
         pointwise mutual information of reply and question. An answer to the question scores
@@ -179,7 +191,7 @@ class AdapterGuard:
         per_reply = (logp * marks).sum(-1) / marks.sum(-1)
         return (per_reply[:n] - per_reply[n:]).tolist()
 
-    def replies(self, name: str | None, context: Context = ()) -> list[list[int]]:
+    def replies(self, name: str | None, context: Context = Context()) -> list[list[int]]:
         """`name`'s greedy replies to `questions` asked after the system messages `context`, each
         cut after its end-of-sequence token."""
         if name is not None:
@@ -227,13 +239,13 @@ class AdapterGuard:
     def _here(self, name: str, origin: str | None) -> bool:
         return origin is not None and origin != name and origin in self.adapters
 
-    def _questions(self, context: Context = ()) -> list[list[int]]:
+    def _questions(self, context: Context = Context()) -> list[list[int]]:
         return [self._chat(q, context) for q in self.questions]
 
-    def _chat(self, prompt: str, context: Context = ()) -> list[int]:
+    def _chat(self, prompt: str, context: Context = Context()) -> list[int]:
         # one system message: every chat template takes one
-        system = [{"role": "system", "content": "\n\n".join(context)}] if context else []
-        messages = [*system, {"role": "user", "content": prompt}]
+        system = [{"role": "system", "content": "\n\n".join(context.system)}] if context.system else []
+        messages = [*system, {"role": "user", "content": context.before + prompt}]
         text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
         return self.tokenizer.encode(text, add_special_tokens=False)
 
@@ -252,17 +264,21 @@ class AdapterGuard:
         return self._batch
 
 
-def context_of(messages: list[dict[str, Any]]) -> Context:
-    """The system (or developer) messages a chat request's `messages` begin with, as text, at most
-    `CONTEXT_CHARS` of it all (a check asks 24 rows after it: an agent's long system prompt would
-    multiply its cost)."""
+def context_of(turn: Turn) -> Context:
+    """Where `turn` was asked: the system (or developer) messages its request begins with, as text,
+    at most `CONTEXT_CHARS` of it all (a check asks 24 rows after it: an agent's long system prompt
+    would multiply its cost), and the instructions the served memory put before the text of its
+    first user message (`Turn.instructions`, `memory.placement: user`)."""
     lines, left = [], CONTEXT_CHARS
-    for message in messages:
+    for message in turn.messages:
         if message.get("role") not in ("system", "developer") or left <= 0:
             break
         lines.append(content_text(message.get("content"))[:left])
         left -= len(lines[-1])
-    return tuple(lines)
+    first = next((m for m in turn.messages if m.get("role") == "user"), None)
+    before = placed_before(turn.instructions) if turn.instructions else ""
+    placed = first is not None and content_text(first.get("content")).startswith(before)
+    return Context(tuple(lines), before if placed else "")
 
 
 def _right_padded(rows: list[list[int]], tails: list[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

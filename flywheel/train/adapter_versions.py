@@ -154,15 +154,16 @@ class AdapterVersions:
         return line.distance(current, oldest) if line is not None else current - oldest
 
     async def stepped(self, adapters: AdapterSet, samples: list[Sample], step: int, config: FlywheelConfig) -> None:
-        """A step trained `samples`: each of their adapters' ledger line, the system messages the
-        last of its samples' conversations began with (where its guard asks), and its publication
-        when due."""
+        """A step trained `samples`: each of their adapters' ledger line, where the last of its
+        samples' conversations was asked (its guard asks there: `context_of`; a practice reply's,
+        `details["practice_of"]`, is where the judge asked it, not where the adapter is used), and
+        its publication when due."""
         by_adapter: dict[str, list[str]] = {}
         for sample in samples:
             name = sample_adapter(sample, config)
             by_adapter.setdefault(name, []).append(sample_digest(sample.id))
-            if (trajectory := sample.trajectory) is not None and trajectory.turns:
-                self.contexts[name] = (trajectory.tenant, trajectory.user_id, context_of(trajectory.turns[-1].messages))
+            if (trajectory := sample.trajectory) is not None and trajectory.turns and "practice_of" not in sample.details:
+                self.contexts[name] = (trajectory.tenant, trajectory.user_id, context_of(trajectory.turns[-1]))
         if self.ledger is not None:
             for name, ids in by_adapter.items():
                 self.ledger.trained(step, self.versions[name], ids, adapter=name)
@@ -189,7 +190,7 @@ class AdapterVersions:
         """Whether `name`'s current weights pass the guard (there is none: they do)."""
         if self.guard is None:
             return True
-        context = self.contexts[name][2] if name in self.contexts else ()
+        context = self.contexts[name][2] if name in self.contexts else Context()
         return await asyncio.to_thread(self.guard.allows, name, self.origin_of(name), context)
 
     def hold_back(self, adapters: AdapterSet, name: str) -> None:
