@@ -23,7 +23,7 @@ from flywheel.serve.backends.sglang import HTTPEngineClient
 from flywheel.serve.engine import Engine
 from flywheel.serve.engine.server import create_engine_app
 from flywheel.tenants.forgotten import Forgettings, forgets
-from flywheel.train.adapter_guard import RELEVANCE_PROMPTS, AdapterGuard
+from flywheel.train.adapter_guard import RELEVANCE_PROMPTS, AdapterGuard, Context
 from flywheel.train.adapter_versions import AdapterVersions
 from flywheel.train.adapters import AdapterSet
 from flywheel.train.trainer import Trainer
@@ -205,10 +205,11 @@ def test_the_system_messages_a_forgotten_user_gave_the_guard_go_with_them(tmp_pa
     guard = AdapterGuard(Trainer(model, config.actor, config.train, config.adapters).adapters, tokenizer, None, 0.8,
                          questions=RELEVANCE_PROMPTS[:2])
     versions = AdapterVersions(AdapterStore(tmp_path), None, interval=1, guard=guard)
-    versions.contexts = {"acme": ("acme", "ada", ("You are Ada's assistant.",)), BOB: ("acme", "bob", ("Hi Bob.",)),
-                         "umbrella": ("umbrella", "ada", ("You are Ada's other assistant.",))}
-    guard.relevance(None, ("You are Ada's assistant.",))  # measured in her words: kept by them
+    hers = Context(("You are Ada's assistant.",))
+    versions.contexts = {"acme": ("acme", "ada", hers), BOB: ("acme", "bob", Context(("Hi Bob.",))),
+                         "umbrella": ("umbrella", "ada", Context(("You are Ada's other assistant.",)))}
+    guard.relevance(None, hers)  # measured in her words: kept by them
     versions.forget("acme", "ada")
-    assert list(versions.contexts) == [BOB, "umbrella"] and ("You are Ada's assistant.",) not in guard.base_relevance
+    assert list(versions.contexts) == [BOB, "umbrella"] and hers not in guard.base_relevance
     versions.forget("acme", None)
     assert list(versions.contexts) == ["umbrella"]
