@@ -92,7 +92,7 @@ class Practice:
     def __init__(self, replies: int, server_url: str, teacher: Teacher, api_key: str | None = None,
                  timeout_s: float = 300.0, checks: bool = False, history: int = 0, bare: str | None = None):
         self.replies, self.teacher, self.checks = replies, teacher, checks
-        self.bare = bare
+        self.bare_template = bare
         """`memory.template` where requests are practised without the served instructions
         (`practice_prompt: bare`); None: as served."""
         self.requests: PeopleMemory[Request] | None = (
@@ -126,7 +126,8 @@ class Practice:
         """Turn `k`'s correction practised on `request` (the turn's own, or an earlier one replayed)."""
         turn, replayed = request.turn, request.turn.id != trajectory.turns[k].id
         group = f"{k}:{turn.id}" if replayed else f"{k}"
-        bare = unplaced(turn.messages, turn.instructions, self.bare) if self.bare and turn.instructions else None
+        bare = (unplaced(turn.messages, turn.instructions, self.bare_template)
+                if self.bare_template and turn.instructions else None)
         try:
             response = await self.http.post("/engine/practice", json={
                 "adapter": turn.adapter, "tenant": trajectory.tenant, "n": self.replies, "sampling_params": turn.sampling,

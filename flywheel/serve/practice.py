@@ -29,9 +29,8 @@ from fastapi import FastAPI, Request
 from pydantic import Field, model_validator
 
 from flywheel.serve.adapter_routing import AdapterRouting, owned
-from flywheel.serve.api.chat import ChatCompletionRequest, Message
-from flywheel.serve.api.errors import APIError, translated
-from flywheel.serve.api.sessions import session_of
+from flywheel.serve.api.chat import Message
+from flywheel.serve.api.errors import APIError
 from flywheel.serve.api.validation import Body
 from flywheel.serve.backends.base import EngineError
 from flywheel.serve.backends.pool import EnginePool
@@ -39,7 +38,7 @@ from flywheel.serve.engine_choice import Choice
 from flywheel.serve.ops.tenants import TenantDirectory
 from flywheel.serve.personal_data import PersonalData
 from flywheel.serve.prompts import PromptBuilder
-from flywheel.serve.scoring_server import operator_only
+from flywheel.serve.scoring_server import operator_only, rendered
 
 MAX_REPLIES = 16
 
@@ -64,13 +63,6 @@ def install_practice_route(app: FastAPI, pool: EnginePool, routing: AdapterRouti
     personal_data: PersonalData = app.state.personal_data
     prompts: PromptBuilder = app.state.prompts
 
-    async def prompt_of(body: PracticeRequest) -> list[int]:
-        if body.messages is None:
-            return list(body.input_ids or ())
-        chat = translated(lambda: ChatCompletionRequest(model=model_name, messages=body.messages))
-        prompt_ids, *_ = await prompts.chat(chat, session_of({}, None, None))
-        return prompt_ids
-
     @app.post("/engine/practice")
     async def practice(body: PracticeRequest, request: Request) -> dict[str, Any]:
         operator_only(request)
@@ -79,7 +71,8 @@ def install_practice_route(app: FastAPI, pool: EnginePool, routing: AdapterRouti
             raise routing.not_found(body.adapter)
         choice = routing.serving(body.adapter)
         params = {key: value for key, value in body.sampling_params.items() if key != "sampling_seed"}
-        prompt_ids = await prompt_of(body)
+        prompt_ids = (list(body.input_ids or ()) if body.messages is None
+                      else await rendered(prompts, model_name, body.messages))
         engine_body = {"input_ids": prompt_ids, "sampling_params": params, "return_logprob": True,
                        **({"lora_path": choice.lora_path} if choice.lora_path is not None else {})}
         engine = pool.route(body.adapter)

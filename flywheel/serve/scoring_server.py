@@ -66,6 +66,14 @@ class AdapterLoadRequest(Body):
     lora_path: str = Field(min_length=1)
 
 
+async def rendered(prompts: PromptBuilder, model_name: str, messages: list[Message]) -> list[int]:
+    """The prompt's token ids of chat `messages`, rendered through the server's chat template as a
+    request's are (no session: nothing a gateway adds to a person's requests)."""
+    chat = translated(lambda: ChatCompletionRequest(model=model_name, messages=messages))
+    prompt_ids, *_ = await prompts.chat(chat, session_of({}, None, None))
+    return prompt_ids
+
+
 def operator_only(request: Request) -> None:
     if not getattr(request.state, "operator", False):
         raise APIError(403, "this route is the operator's: send the admin key", code="permission_denied")
@@ -125,8 +133,7 @@ def install_scoring_routes(app: FastAPI, pool: EnginePool, prompts: PromptBuilde
 
     @app.post("/engine/score")
     async def score(body: ScoreRequest) -> dict[str, Any]:
-        chat = translated(lambda: ChatCompletionRequest(model=model_name, messages=body.messages))
-        prompt_ids, *_ = await prompts.chat(chat, session_of({}, None, None))
+        prompt_ids = await rendered(prompts, model_name, body.messages)
         scored = await generate_on_engine({
             "input_ids": prompt_ids + body.output_ids, "return_logprob": True, "logprob_start_len": len(prompt_ids) - 1,
             "sampling_params": {"max_new_tokens": 0, "temperature": body.temperature},
