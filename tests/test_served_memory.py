@@ -16,7 +16,7 @@ import pytest
 from nats.js.api import StreamConfig
 
 from flywheel.bus import Sample, Trajectory
-from flywheel.bus.instructions import Instructions
+from flywheel.bus.instructions import Instructions, addressed
 from flywheel.bus.records import decode, encode
 from flywheel.bus.scan import take_all
 from flywheel.bus.streams import MEMORY, MEMORY_SUBJECTS, memory_subject
@@ -37,7 +37,8 @@ from bus_reading import collected, read
 from factories import make_turn, platform
 from waiting import until
 
-SHORTER, NAME, LIST = ASPECTS["shorter"], ASPECTS["name"], ASPECTS["list"]
+SHORTER, NAME, LIST, FORMAL = ASPECTS["shorter"], ASPECTS["name"], ASPECTS["list"], ASPECTS["formal"]
+NAMELESS, DEAR_BOB = addressed(NAME, []), addressed(NAME, ["Bob"])
 TOO_LONG = "Way too long. Keep it short, please."
 
 
@@ -182,18 +183,18 @@ async def test_an_older_versions_memory_subject_is_purged_when_the_stream_is_bro
 
 def test_the_gateway_serves_a_persons_instructions_in_their_system_message_alone():
     memory = ServedMemory("\n\nAsked: $instructions")
-    memory.take(instructions("ada", [SHORTER, NAME]))
+    memory.take(instructions("ada", [SHORTER, FORMAL]))
     body = memory.applied(*chat("ada", "a1", system="You help."))[0]
-    assert body.messages[0].content == f"You help.\n\nAsked: {SHORTER} {NAME}" and len(body.messages) == 2
+    assert body.messages[0].content == f"You help.\n\nAsked: {SHORTER} {FORMAL}" and len(body.messages) == 2
     body = memory.applied(*chat("ada", "a2"))[0]  # no system message: one of them
-    assert body.messages[0].role == "system" and body.messages[0].content == f"Asked: {SHORTER} {NAME}"
+    assert body.messages[0].role == "system" and body.messages[0].content == f"Asked: {SHORTER} {FORMAL}"
     memory.take(instructions(None, [LIST]))  # the tenant's traffic that names no user: one person
     for request in (chat("bob", "b1"), chat("ada", "o1", tenant="other")):
         assert memory.applied(*request)[0] is request[0]  # another user, the same id in another tenant
     assert memory.applied(*chat(None, "n1"))[0].messages[0].content == f"Asked: {LIST}"
     assert memory.applied(*chat("", "n2"))[0].messages[0].content == f"Asked: {LIST}"  # an empty id names nobody too
     body = memory.applied(*chat("ada", "a5", system="Be kind.", role="developer"))[0]
-    assert body.messages[0].role == "developer" and body.messages[0].content == f"Be kind.\n\nAsked: {SHORTER} {NAME}"
+    assert body.messages[0].role == "developer" and body.messages[0].content == f"Be kind.\n\nAsked: {SHORTER} {FORMAL}"
     completion = CompletionRequest(model="tiny", prompt="Hi")
     assert memory.applied(completion, chat("ada", "a3")[1])[0] is completion  # a raw prompt has no system message
 
@@ -203,16 +204,16 @@ def test_placed_in_the_user_message_they_go_before_the_first_ones_text_alone():
     session's next request (its history and the person's reaction) extends the first one's
     messages, and the reaction stays the person's words."""
     memory = ServedMemory("\n\nAsked: $instructions", placement="user")
-    memory.take(instructions("ada", [SHORTER, NAME]))
+    memory.take(instructions("ada", [SHORTER, FORMAL]))
     first = memory.applied(*chat("ada", "a1", system="You help."))[0]
-    assert [(m.role, m.text()) for m in first.messages] == [("system", "You help."), ("user", f"{SHORTER} {NAME}\n\nHi")]
+    assert [(m.role, m.text()) for m in first.messages] == [("system", "You help."), ("user", f"{SHORTER} {FORMAL}\n\nHi")]
     body, session = chat("ada", "a1", system="You help.")
     later = body.model_copy(update={"messages": [*body.messages, *ChatCompletionRequest(model="tiny", messages=[
         {"role": "assistant", "content": "Hello."}, {"role": "user", "content": "Too long."}]).messages]})
     second = memory.applied(later, session)[0]
     assert second.messages[:2] == first.messages and [m.text() for m in second.messages[2:]] == ["Hello.", "Too long."]
     parts = ChatCompletionRequest(model="tiny", messages=[{"role": "user", "content": [{"type": "text", "text": "Hi"}]}])
-    assert [p.text for p in memory.applied(parts, chat("ada", "a2")[1])[0].messages[0].content] == [f"{SHORTER} {NAME}\n\n", "Hi"]
+    assert [p.text for p in memory.applied(parts, chat("ada", "a2")[1])[0].messages[0].content] == [f"{SHORTER} {FORMAL}\n\n", "Hi"]
     assert memory.applied(*chat("bob", "b1"))[0].messages[0].text() == "Hi"  # nothing of hers in another's
     alone = ChatCompletionRequest(model="tiny", messages=[{"role": "system", "content": "You help."}])
     assert memory.applied(alone, chat("ada", "a3")[1]) == (alone, ())  # nowhere to put them: none recorded
@@ -221,8 +222,8 @@ def test_placed_in_the_user_message_they_go_before_the_first_ones_text_alone():
             {"type": "tool_use", "id": "t1", "name": "weather", "input": {}}]},
         {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t1", "content": "Sunny"}]}]).to_chat()
     served, said = memory.applied(agent, chat("ada", "a4")[1])
-    assert said == (SHORTER, NAME) and [(m.role, m.text()) for m in served.messages] == [
-        ("user", f"{SHORTER} {NAME}\n\nWeather?"), ("assistant", ""), ("tool", "Sunny")]  # a tool result as it came
+    assert said == (SHORTER, FORMAL) and [(m.role, m.text()) for m in served.messages] == [
+        ("user", f"{SHORTER} {FORMAL}\n\nWeather?"), ("assistant", ""), ("tool", "Sunny")]  # a tool result as it came
     with pytest.raises(ValueError, match="memory.template"):
         load_config(None, ["memory.placement=user", "memory.template=Asked: $instructions"])
 
@@ -260,15 +261,15 @@ def test_a_tenant_may_keep_its_people_out_of_the_memory():
 def test_forgetting_drops_a_persons_instructions_and_what_was_read_before_it():
     memory = ServedMemory("$instructions")
     memory.take(instructions("ada", [SHORTER]))
-    memory.take(instructions("bob", [NAME]))
-    memory.take(instructions("ada", [NAME], tenant="other"))
+    memory.take(instructions("bob", [FORMAL]))
+    memory.take(instructions("ada", [FORMAL], tenant="other"))
     memory.applied(*chat("ada", "a1"))[0]
     memory.forget("open", "ada", at=1001.0)
     assert len(memory.applied(*chat("ada", "a1"))[0].messages) == 1  # her open session too
     memory.take(instructions("ada", [LIST], read_from=1000.5))  # read from what she said before the forget
     assert len(memory.applied(*chat("ada", "a2"))[0].messages) == 1 and len(memory) == 2
     memory.forget("open", None, at=1002.0)
-    assert len(memory) == 1 and memory.applied(*chat("ada", "o1", tenant="other"))[0].messages[0].content == NAME
+    assert len(memory) == 1 and memory.applied(*chat("ada", "o1", tenant="other"))[0].messages[0].content == FORMAL
 
 
 async def test_a_correction_reaches_the_persons_next_prompts_and_leaves_with_them(nats_url, tmp_path, bus):
@@ -280,15 +281,16 @@ async def test_a_correction_reaches_the_persons_next_prompts_and_leaves_with_the
         judge = JudgeLoop(serve.config, nats_url)
         await judge.start()
 
-        async def session(name: str, user: str, feedback: str | None = None, api: str = "chat") -> None:
-            """Greet me; a reply; (a correction aimed at it;) the end."""
+        async def session(name: str, user: str, feedback: str | None = None, api: str = "chat",
+                          said: str = "Greet me.") -> None:
+            """`said`; a reply; (a correction aimed at it;) the end."""
             headers = {"X-Session-Id": name, "X-User-Id": user}
             if api == "chat":
                 reply = await client.chat.completions.with_raw_response.create(
-                    model="tiny", messages=[{"role": "user", "content": "Greet me."}], max_tokens=4, extra_headers=headers)
+                    model="tiny", messages=[{"role": "user", "content": said}], max_tokens=4, extra_headers=headers)
             else:
                 reply = await client.responses.with_raw_response.create(
-                    model="tiny", input="Greet me.", max_output_tokens=4, extra_headers=headers)
+                    model="tiny", input=said, max_output_tokens=4, extra_headers=headers)
             async with httpx.AsyncClient(base_url=f"{serve.url}/v1/sessions/{name}") as http:
                 if feedback:
                     aimed = {"interaction_id": reply.headers["x-interaction-id"], "text": feedback}
@@ -301,7 +303,7 @@ async def test_a_correction_reaches_the_persons_next_prompts_and_leaves_with_the
         try:
             await session("ada-1", "ada", feedback=TOO_LONG)
             await session("bob-1", "bob", feedback="Please call me Bob.")
-            await until(lambda: served(serve, "ada") == (SHORTER,) and served(serve, "bob") == (NAME,))
+            await until(lambda: served(serve, "ada") == (SHORTER,) and served(serve, "bob") == (NAMELESS,))
             [ada_read] = await read(bus, MEMORY_SUBJECTS, "memory-check", keep=lambda r: r.user_id == "ada")
             async with httpx.AsyncClient(base_url=serve.url) as http:  # Messages' count as the model would see it
                 counted = [(await http.post("/v1/messages/count_tokens", headers={"X-User-Id": user}, json={
@@ -309,7 +311,7 @@ async def test_a_correction_reaches_the_persons_next_prompts_and_leaves_with_the
                     for user in ("ada", "cy")]
             await session("ada-2", "ada")
             await session("ada-2r", "ada", api="responses")
-            await session("bob-2", "bob")
+            await session("bob-2", "bob", said="I'm Bob. Greet me.")
             _, turns = await collected(bus, 5, 5)
             report = await forget(bus, "open", "ada")
             await until(lambda: served(serve, "ada") == ())
@@ -333,12 +335,12 @@ async def test_a_correction_reaches_the_persons_next_prompts_and_leaves_with_the
         return tokenizer.decode(turns[session][0].prompt_ids)
     assert ada_read.instructions == [SHORTER] and ada_read.read == ["shorter"]
     assert counted[0] > counted[1]  # hers holds the instruction
-    assert SHORTER in prompt("ada-2") and NAME not in prompt("ada-2") and turns["ada-2"][0].messages[0]["role"] == "system"
-    assert SHORTER in prompt("ada-2r") and NAME in prompt("bob-2") and SHORTER not in prompt("bob-2")
-    assert not any(said in prompt(first) for said in (SHORTER, NAME) for first in ("ada-1", "bob-1"))
-    assert [turns[s][0].instructions for s in ("ada-1", "ada-2", "ada-2r", "bob-2")] == [[], [SHORTER], [SHORTER], [NAME]]
+    assert SHORTER in prompt("ada-2") and NAMELESS not in prompt("ada-2") and turns["ada-2"][0].messages[0]["role"] == "system"
+    assert SHORTER in prompt("ada-2r") and DEAR_BOB in prompt("bob-2") and SHORTER not in prompt("bob-2")
+    assert not any(said in prompt(first) for said in (SHORTER, DEAR_BOB, NAMELESS) for first in ("ada-1", "bob-1"))
+    assert [turns[s][0].instructions for s in ("ada-1", "ada-2", "ada-2r", "bob-2")] == [[], [SHORTER], [SHORTER], [DEAR_BOB]]
     assert report.records["MEMORY"] == 1
-    assert late == () and started_with == ((), (NAME,))
+    assert late == () and started_with == ((), (NAMELESS,))
     assert SHORTER not in tokenizer.decode(after["ada-3"][0].prompt_ids)
 
 

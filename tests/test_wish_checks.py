@@ -4,7 +4,8 @@ each does, and say nothing where they cannot."""
 
 import pytest
 
-from flywheel.judge.wish_checks import names_in, rewards
+from flywheel.bus.instructions import names_in
+from flywheel.judge.wish_checks import rewards
 
 ASKED = [{"role": "system", "content": "You are Maya's personal assistant."},
          {"role": "user", "content": "How do I keep a sourdough starter alive?"}]
@@ -20,6 +21,8 @@ LONG = "Feed it equal weights of flour and water every day, keep it somewhere wa
     ("formal", "Feed Maya's starter daily; it is hungry.", "Don't forget to feed it! It's hungry!"),  # a possessive is formal
     ("name", "Maya, feed it daily.", "Feed it daily, Maya."),
     ("name", "Feed it daily, Maya.", "Feed it daily."),
+    ("name", "Dear Maya, feed it daily.", "Feed it daily, Maya."),  # addressed first, after a greeting
+    ("name", "Hi Maya! Feed it daily.", "Hi there! Feed it daily, Maya."),
 ])
 def test_the_reply_that_does_more_of_what_was_asked_gets_the_higher_reward(aspect, more, less):
     high, low = rewards([aspect], [more, less], ASKED)
@@ -69,4 +72,4 @@ def test_the_names_a_person_goes_by_are_those_the_conversation_gives_them():
     said = [{"role": "system", "content": "You are Maya's personal assistant."},
             {"role": "user", "content": [{"type": "text", "text": "Hi! Call me Tom. Where is Lisbon?"}]},
             {"role": "assistant", "content": "My name is Sage, I am Sage."}]
-    assert names_in(said) == {"Maya", "Tom"}  # not a place, nor the assistant's own words
+    assert names_in(said) == ["Maya", "Tom"]  # in the order said; not a place, nor the assistant's own words

@@ -6,15 +6,47 @@ read in each of the person's newest corrections that read one, never their words
 newest record holds all of theirs. It is their tenant's
 traffic: kept on the bus no longer than their tenant's records, and deleted by `flywheel forget`
 with the rest of theirs (flywheel/tenants/forget.py).
+
+An instruction may show how to greet the person (`GREETING`, the `name` aspect's): SmolLM2-135M
+writes a person's name where it is told the name itself far more often than where it is told to
+use "the user's name" (docs/experiments/learning-from-use.md). The record keeps the slot, never a
+name; where the instruction is served or told, the slot is filled from the conversation it goes
+into (`addressed`): the name the person gives there, else the words that ask for one.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import re
+from collections.abc import Iterable, Sequence
 from string import Template
 from typing import Any
 
 from flywheel.bus.records import Record
+
+GREETING = "{greeting}"
+"""Where an instruction shows the greeting that opens a reply, filled by `addressed`."""
+_NAMED = re.compile(r"\b(?:[Mm]y name is|I['’]m|I am|[Cc]all me|[Tt]his is)\s+([A-Z][a-z]+)\b"
+                    r"|\b([A-Z][a-z]+)['’]s (?:\w+ )?assistant\b")
+
+
+def names_in(messages: list[dict[str, Any]]) -> list[str]:
+    """The names the person goes by, in the order the conversation first says them: "my name is
+    Maya", "I'm Maya", "call me Maya", a system message's "You are Maya's personal assistant"."""
+    said = [_text(m.get("content")) for m in messages if m.get("role") in ("system", "developer", "user")]
+    return list(dict.fromkeys(name for text in said for match in _NAMED.finditer(text) for name in match.groups()
+                              if name))
+
+
+def _text(content: Any) -> str:
+    if isinstance(content, list):
+        return " ".join(part.get("text", "") for part in content if isinstance(part, dict))
+    return content if isinstance(content, str) else ""
+
+
+def addressed(text: str, names: Sequence[str]) -> str:
+    """`text` with its `GREETING` filled: "Dear Maya," for the first of the person's `names`, or,
+    with none known, "Dear" and the user's name."""
+    return text.replace(GREETING, f'"Dear {names[0]},"' if names else '"Dear" and the user\'s name')
 
 
 def said(template: str, instructions: Iterable[str]) -> str:

@@ -112,12 +112,15 @@ class Asked:
 
     def chat(self, question: str) -> list[dict]:
         """The chat `question` is asked in, as the gateway serves it."""
+        from flywheel.bus.instructions import addressed, names_in
         from flywheel.serve.api.chat import Message
         from flywheel.serve.served_memory import placed
 
         messages = [Message(role="system", content=self.system), Message(role="user", content=question)]
         if self.instructions:
-            messages = placed(messages, self.memory.template, self.memory.placement, self.instructions)
+            names = names_in([m.for_template() for m in messages])
+            instructions = [addressed(text, names) for text in self.instructions]
+            messages = placed(messages, self.memory.template, self.memory.placement, instructions)
         return [m.for_template() for m in messages]
 
 
@@ -125,12 +128,14 @@ def with_memory(system: str, name: str, hints: list[str], wishes: str = "words")
     """The system message with the newest `MEMORY` hints the person gave, as the app remembers them:
     their words, or with `wishes` `beside` / `instead` what they ask for, as the judge's teacher is
     told it (flywheel/judge/wishes.py)."""
+    from flywheel.bus.instructions import addressed
     from flywheel.judge.wishes import Wish
 
     if not hints:
         return system
     kept = hints[-MEMORY:]
-    said = " ".join(f'"{hint}"' for hint in kept) if wishes == "words" else Wish(kept[::-1], wishes).told  # newest first
+    said = (" ".join(f'"{hint}"' for hint in kept) if wishes == "words"
+            else addressed(Wish(kept[::-1], wishes).told, [name]))  # newest first
     return f"{system} What {name} has told you about how they like replies: {said}"
 
 

@@ -35,6 +35,7 @@ import httpx
 
 from flywheel.bus import Trajectory
 from flywheel.bus.arrays import Float64s, Int32s
+from flywheel.bus.instructions import addressed, names_in
 from flywheel.config.judge import TeacherConfig
 from flywheel.judge.rule import turn_positions
 
@@ -160,8 +161,10 @@ class Teacher:
 
 def told(messages: list[dict[str, Any]], hint: str, config: TeacherConfig) -> list[dict[str, Any]]:
     """A turn's request told `hint`: appended to its last user message (a user message of its own
-    when there is none), by `config.hint_template`."""
-    addition = Template(config.hint_template).safe_substitute(hint=hint[: config.max_hint_chars])
+    when there is none), by `config.hint_template`; a greeting it shows is the person's, by the
+    name the request gives them (flywheel/bus/instructions.py, `addressed`)."""
+    hint = addressed(hint[: config.max_hint_chars], names_in(messages))
+    addition = Template(config.hint_template).safe_substitute(hint=hint)
     messages = [dict(m) for m in messages]
     for message in reversed(messages):
         if message.get("role") == "user":

@@ -32,12 +32,14 @@ from collections.abc import Callable
 from statistics import fmean, pstdev
 from typing import Any
 
+from flywheel.bus.instructions import names_in
+
 _WORD = re.compile(r"[^\W_]+(?:['’][^\W_]+)*")
 _LIST_LINE = re.compile(r"^\s*(?:[-*•+]|\d{1,2}[.)])\s+\S", re.MULTILINE)
 _MARKUP = re.compile(r"^\s*#{1,6}\s|\*\*|__|`|^\s*>", re.MULTILINE)
 _CONTRACTION = re.compile(r"\w(?:n['’]t|['’](?:re|ve|ll|d|m))\b|\b(?:it|that|there|here|what|who|where|he|she|let)['’]s\b",
                           re.IGNORECASE)
-_NAMED = re.compile(r"\b(?:[Mm]y name is|I['’]m|I am|[Cc]all me|[Tt]his is)\s+([A-Z][a-z]+)\b|\b([A-Z][a-z]+)['’]s (?:\w+ )?assistant\b")
+_GREETINGS = {"dear", "hi", "hello", "hey"}
 
 
 def _length(text: str) -> float:
@@ -49,9 +51,11 @@ def _list_lines(text: str) -> int:
 
 
 def _named(text: str, names: set[str]) -> float:
-    """1 for a reply that opens with one of the person's names, 0.5 for one that uses it later."""
+    """1 for a reply that opens by addressing the person (one of their names first, or after a
+    greeting: "Dear Maya,"), 0.5 for one that uses a name later."""
     said = _WORD.findall(text)
-    return 1.0 if said[:1] and said[0] in names else 0.5 if names & set(said) else 0.0
+    opening = said[1:2] if said[:1] and said[0].lower() in _GREETINGS else said[:1]
+    return 1.0 if set(opening) & names else 0.5 if names & set(said) else 0.0
 
 
 CHECKS: dict[str, Callable[[str, set[str]], float]] = {
@@ -67,19 +71,6 @@ more of what the aspect asks."""
 OPPOSITES = ({"shorter", "longer"}, {"list", "prose"})
 
 
-def names_in(messages: list[dict[str, Any]]) -> set[str]:
-    """The names the person goes by, as the conversation says them: "my name is Maya", "I'm
-    Maya", "call me Maya", a system message's "You are Maya's personal assistant"."""
-    said = [_text(m.get("content")) for m in messages if m.get("role") in ("system", "user")]
-    return {name for text in said for match in _NAMED.finditer(text) for name in match.groups() if name}
-
-
-def _text(content: Any) -> str:
-    if isinstance(content, list):
-        return " ".join(part.get("text", "") for part in content if isinstance(part, dict))
-    return content if isinstance(content, str) else ""
-
-
 def checkable(aspects: list[str]) -> bool:
     """Whether a rule checks every aspect asked, and none asks the opposite of another."""
     return bool(aspects) and all(a in CHECKS for a in aspects) and not any(pair <= set(aspects) for pair in OPPOSITES)
@@ -93,7 +84,7 @@ def rewards(aspects: list[str], replies: list[str], messages: list[dict[str, Any
     answering = [bool(_WORD.search(text)) and (answered is None or answered[j]) for j, text in enumerate(replies)]
     if not any(answering):
         return None
-    names = names_in(messages)
+    names = set(names_in(messages))
     total = [0.0] * len(replies)
     for aspect in aspects if checkable(aspects) else []:
         scores = [CHECKS[aspect](text, names) for text in replies]

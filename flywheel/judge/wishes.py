@@ -28,6 +28,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
+from flywheel.bus.instructions import GREETING
 from flywheel.judge import hashed_classifier
 from flywheel.judge.hashed_classifier import HashedLinear, Reading, text_features, trained_once
 from flywheel.judge.reaction_reader import load
@@ -38,7 +39,7 @@ ASPECTS: dict[str, str | None] = {
     "longer": "Give a detailed answer that explains each point.",
     "list": "Format your answer as a list of 3 bullet points, one per line, each starting with \"- \".",
     "prose": "Write the answer as plain sentences: no lists, headings or markdown.",
-    "name": "Start your reply with the user's name followed by a comma.",
+    "name": f"Write your reply as a short note that starts with {GREETING}.",
     "formal": "Write in formal English: do not use contractions, exclamation marks or casual words.",
     "casual": "Write in a warm, relaxed, friendly tone.",
     "language": "Answer in the language the user asks for.",
@@ -50,7 +51,9 @@ ASPECTS: dict[str, str | None] = {
 }
 """Each aspect's instruction to the teacher (None: the person's words are the instruction). For
 `shorter`, `list`, `name` and `formal`, the phrasing SmolLM2-135M followed best of those tried
-(docs/experiments/learning-from-use.md, section 4); the others are written, not measured."""
+(docs/experiments/learning-from-use.md, section 4; for `name`, told the person's name: a greeting
+filled where it is served or told, flywheel/bus/instructions.py); the others are written, not
+measured."""
 OPPOSITES = {"shorter": "longer", "longer": "shorter", "list": "prose", "prose": "list", "formal": "casual",
              "casual": "formal"}
 """Aspects that ask for opposite replies (the reader mistakes one for the other at times)."""

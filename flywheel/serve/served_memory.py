@@ -11,7 +11,9 @@ read, stays the person's own words): the recorded prompt tokens hold them exactl
 them, and the person's adapter learns with them. A person is an end user of a tenant; a tenant's
 traffic that names no user is one person, as it is one adapter. A session keeps the
 instructions it started with (the newest `SESSIONS` sessions are remembered), so its prompts go
-on extending one another when the person's memory changes while it is open. Instructions are
+on extending one another when the person's memory changes while it is open; an instruction that
+greets the person is served with the name its first request gives them
+(flywheel/bus/instructions.py, `addressed`). Instructions are
 held no longer than their record is kept on the bus (their tenant's `retention_days`, else the
 stream's age), and at most `PEOPLE` people's (those given theirs least recently dropped first).
 The stream keeps each person's newest record only (a subject each), so a gateway's start reads one
@@ -25,7 +27,7 @@ import time
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-from flywheel.bus.instructions import Instructions, placed_before, said
+from flywheel.bus.instructions import GREETING, Instructions, addressed, names_in, placed_before, said
 from flywheel.bus.scan import take_all
 from flywheel.bus.streams import AUDIT, MEMORY
 from flywheel.lru import LRU
@@ -113,8 +115,9 @@ class ServedMemory:
         for session in [s for s in self._sessions if forgets((tenant, user), self._sessions.peek(s)[0])]:
             self._sessions.pop(session)
 
-    def instructions(self, session: SessionInfo) -> tuple[str, ...]:
-        """What the session's person asked of replies, as of the session's first request here."""
+    def instructions(self, session: SessionInfo, messages: list[Message] = ()) -> tuple[str, ...]:
+        """What the session's person asked of replies, as of the session's first request here,
+        greeting them by the name that request's `messages` give (`addressed`)."""
         person = (session.tenant, session.user_id or None)
         pinned = None if session.anonymous else self._sessions.get(session.session_id)
         if pinned is not None and pinned[0] == person:
@@ -123,6 +126,9 @@ class ServedMemory:
         if current and expires <= time.time():
             self._people.pop(person)
             current = ()
+        if any(GREETING in text for text in current):
+            names = names_in([{"role": m.role, "content": m.text()} for m in messages])
+            current = tuple(addressed(text, names) for text in current)
         if not session.anonymous:
             self._sessions[session.session_id] = (person, current)
         return current
@@ -131,7 +137,7 @@ class ServedMemory:
         """A chat request with its person's instructions `placed`, and them (recorded on its turns,
         `Turn.instructions`); any other request as it is, and none."""
         if (not isinstance(body, ChatCompletionRequest) or session.tenant in self.without
-                or not (instructions := self.instructions(session))
+                or not (instructions := self.instructions(session, body.messages))
                 or (messages := placed(list(body.messages), self.template, self.placement, instructions)) is None):
             return body, ()
         return body.model_copy(update={"messages": messages}), instructions
