@@ -21,6 +21,7 @@ from collections.abc import Iterable, Sequence
 from string import Template
 from typing import Any
 
+from flywheel.bus.messages import content_parts
 from flywheel.bus.records import Record
 
 GREETING = "{greeting}"
@@ -32,15 +33,10 @@ _NAMED = re.compile(r"\b(?:[Mm]y name is|I['’]m|I am|[Cc]all me|[Tt]his is)\s+
 def names_in(messages: list[dict[str, Any]]) -> list[str]:
     """The names the person goes by, in the order the conversation first says them: "my name is
     Maya", "I'm Maya", "call me Maya", a system message's "You are Maya's personal assistant"."""
-    said = [_text(m.get("content")) for m in messages if m.get("role") in ("system", "developer", "user")]
+    said = [" ".join(content_parts(m.get("content"))) for m in messages
+            if m.get("role") in ("system", "developer", "user")]
     return list(dict.fromkeys(name for text in said for match in _NAMED.finditer(text) for name in match.groups()
                               if name))
-
-
-def _text(content: Any) -> str:
-    if isinstance(content, list):
-        return " ".join(part.get("text", "") for part in content if isinstance(part, dict))
-    return content if isinstance(content, str) else ""
 
 
 def addressed(text: str, names: Sequence[str]) -> str:
