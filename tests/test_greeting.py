@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import time
 
-from flywheel.bus.instructions import GREETING, Instructions, addressed, persons_words
+from flywheel.bus.instructions import GREETING, Instructions, addressed, names_in, persons_words
 from flywheel.config.judge import TeacherConfig
 from flywheel.config.memory import MemoryConfig
 from flywheel.drills.personal_agent import Asked, with_memory
@@ -54,6 +54,16 @@ def test_the_teacher_and_the_bench_greet_the_person_by_the_name_the_conversation
     asked = Asked("You are Ada's personal assistant.", (NAME,), MemoryConfig(placement="user")).chat("Where is Lisbon?")
     assert asked[1]["content"] == f"{DEAR_ADA}\n\nWhere is Lisbon?"
     assert with_memory("S.", "Ada", ["Please call me by my name."], "instead").endswith(f"like replies: {DEAR_ADA}")
+
+
+def test_a_name_in_a_recorded_messages_text_parts_is_found_and_other_parts_are_not_read():
+    """Recorded turns keep content as text parts (flywheel/bus/messages.py, `content_parts`): the
+    name is read in them, across parts and roles, in the order first said; an image part is no text."""
+    turn = [{"role": "system", "content": [{"type": "text", "text": "You are Ada's personal assistant."}]},
+            {"role": "user", "content": [{"type": "image_url", "image_url": {"url": "data:,"}},
+                                         {"type": "text", "text": "Call me Bea."}, {"type": "text", "text": "Hi"}]}]
+    assert names_in(turn) == ["Ada", "Bea"] and names_in([{"role": "user", "content": None}]) == []
+    assert told(turn, NAME, TeacherConfig())[-1]["content"][-1]["text"].endswith(f"how to do better: {DEAR_ADA}]")
 
 
 def test_a_text_without_the_greeting_is_left_as_it_is():
