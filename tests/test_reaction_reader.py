@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import contextlib
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -22,6 +24,7 @@ from flywheel.judge.reaction_reader import (
     reader,
     training_set,
 )
+from flywheel.judge.wishes import wish_reader
 
 QUESTION = "How do I keep basil alive on a windowsill?"
 REPLY = ("Basil loves light! Water it often, pinch the tops, and keep it warm. It's a great herb for beginners and "
@@ -73,6 +76,23 @@ def test_every_process_trains_the_same_reader():
     again = ReactionReader(training_set())
     for said in ("too long", "thanks, and how do I prune it?", "que?"):
         assert again.probabilities(said, QUESTION, REPLY) == reader().probabilities(said, QUESTION, REPLY)
+
+
+def test_a_judge_reads_with_the_machines_readers_and_never_imports_torch():
+    """Reading is numpy's; only training the readers (once per machine) needs torch. A judge or a
+    collector that starts (every restart, every drill) does not pay torch's 3-5 s of CPU and its
+    memory."""
+    reader(), wish_reader()  # trained here, or already in the machine's cache
+    code = ("import sys, flywheel.judge.loop, flywheel.collect.loop\n"
+            "from flywheel.judge.reaction_reader import reader\n"
+            "from flywheel.judge.wishes import wish_reader\n"
+            "print(reader().read('shorter please').label, wish_reader().read('shorter please').label)\n"
+            "print(sorted(name for name in sys.modules if name.partition('.')[0] == 'torch')[:3])")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+    read, imported = done.stdout.splitlines()
+    assert read == f"{reader().read('shorter please').label} {wish_reader().read('shorter please').label}"
+    assert imported == "[]"
 
 
 def test_the_training_set_is_well_formed():

@@ -5,7 +5,8 @@ readers of people's words are made of (flywheel/judge/reaction_reader.py, flywhe
 inflections share most of theirs, and so do many languages' words), its first words, its
 punctuation and its length; a reader adds what else it knows. `HashedLinear` hashes them into
 `BUCKETS` rows of one embedding bag and trains it full batch from zeros on one thread, so that
-every process that trains it from the same examples reads exactly alike. `trained_once` keeps a
+every process that trains it from the same examples reads exactly alike; reading needs numpy
+alone. `trained_once` keeps a
 trained one in the model cache, so that a judge that starts again (or another process on the
 machine) loads it in milliseconds instead of training it for 10-15 s, and reads exactly as
 the one that trained it.
@@ -14,6 +15,7 @@ the one that trained it.
 from __future__ import annotations
 
 import hashlib
+import importlib.metadata
 import json
 import logging
 import math
@@ -25,12 +27,11 @@ from dataclasses import dataclass
 from itertools import accumulate
 from pathlib import Path
 
-import torch
+import numpy as np
 from safetensors import SafetensorError, safe_open
-from safetensors.torch import save_file
+from safetensors.numpy import save_file
 
 from flywheel.models.cache import cached_build
-from flywheel.torch_threads import one_thread
 
 log = logging.getLogger(__name__)
 BUCKETS = 1 << 16
@@ -62,63 +63,64 @@ def text_features(message: str) -> list[str]:
 
 
 class HashedLinear:
-    """Softmax regression over `labels`, from bags of feature strings; rarer labels weigh more in
-    training (by the square root of how much rarer)."""
+    """Softmax regression over `labels`, from bags of feature strings: `train` fits one, rarer
+    labels weighing more (by the square root of how much rarer). Reading is numpy's (a judge that
+    reads never imports torch); training is torch's, once per machine (`trained_once`)."""
 
-    def __init__(self, labels: tuple[str, ...], bags: list[list[str]], gold: list[str], steps: int = 100,
-                 lr: float = 0.3, weight_decay: float = 1e-5):
-        self.labels = labels
-        ids, offsets, scale = _pack([_hashed(bag) for bag in bags])
+    def __init__(self, labels: tuple[str, ...], weights: np.ndarray, bias: np.ndarray):
+        self.labels, self.weights, self.bias = labels, weights, bias
+
+    @classmethod
+    def train(cls, labels: tuple[str, ...], bags: list[list[str]], gold: list[str], steps: int = 100,
+              lr: float = 0.3, weight_decay: float = 1e-5) -> HashedLinear:
+        import torch
+
+        from flywheel.torch_threads import one_thread
+
+        ids, offsets, scale = (torch.from_numpy(array) for array in _pack([_hashed(bag) for bag in bags]))
         target = torch.tensor([labels.index(label) for label in gold])
         counts = torch.bincount(target, minlength=len(labels)).clamp(min=1).float()
         loss_fn = torch.nn.CrossEntropyLoss(weight=(counts.sum() / counts) ** 0.5)
         # Zeros, not a random draw (the process's RNG stays where it was); one thread, so that every
         # process sums in the same order.
-        self.weights = torch.nn.EmbeddingBag.from_pretrained(torch.zeros(BUCKETS, len(labels)), freeze=False,
-                                                             mode="sum")
-        self.bias = torch.nn.Parameter(torch.zeros(len(labels)))
-        optimizer = torch.optim.Adam([self.weights.weight, self.bias], lr=lr)
+        weights = torch.nn.EmbeddingBag.from_pretrained(torch.zeros(BUCKETS, len(labels)), freeze=False, mode="sum")
+        bias = torch.nn.Parameter(torch.zeros(len(labels)))
+        optimizer = torch.optim.Adam([weights.weight, bias], lr=lr)
         with one_thread():
             for _ in range(steps):  # full batch: deterministic, and a step is a few milliseconds
-                logits = self.weights(ids, offsets, per_sample_weights=scale) + self.bias
-                loss = loss_fn(logits, target) + weight_decay * self.weights.weight.pow(2).sum()
+                logits = weights(ids, offsets, per_sample_weights=scale) + bias
+                loss = loss_fn(logits, target) + weight_decay * weights.weight.pow(2).sum()
                 optimizer.zero_grad()
                 loss.backward()
                 optimizer.step()
-        self.weights.requires_grad_(False)
-        self.bias.requires_grad_(False)
+        return cls(labels, weights.weight.detach().numpy(), bias.detach().numpy())
 
     @classmethod
     def load(cls, path: Path) -> HashedLinear:
         """A classifier `save` wrote."""
-        model = cls.__new__(cls)
-        with safe_open(path, "pt") as f:
-            model.labels = tuple(json.loads(f.metadata()["labels"]))
-            weights, bias = f.get_tensor("weights"), f.get_tensor("bias")
-        model.weights = torch.nn.EmbeddingBag.from_pretrained(weights, freeze=True, mode="sum")
-        model.bias = torch.nn.Parameter(bias, requires_grad=False)
-        return model
+        with safe_open(path, "np") as f:
+            return cls(tuple(json.loads(f.metadata()["labels"])), f.get_tensor("weights"), f.get_tensor("bias"))
 
     def save(self, path: Path) -> None:
-        save_file({"weights": self.weights.weight.detach().contiguous(), "bias": self.bias.detach()}, path,
+        save_file({"weights": np.ascontiguousarray(self.weights), "bias": self.bias}, path,
                   metadata={"labels": json.dumps(self.labels)})
 
     def probabilities(self, bag: list[str]) -> dict[str, float]:
-        ids, offsets, scale = _pack([_hashed(bag)])
-        with torch.no_grad():
-            p = torch.softmax(self.weights(ids, offsets, per_sample_weights=scale)[0] + self.bias, -1)
-        return dict(zip(self.labels, p.tolist()))
+        ids, _, scale = _pack([_hashed(bag)])
+        logits = scale @ self.weights[ids] + self.bias
+        exp = np.exp(logits - logits.max())
+        return dict(zip(self.labels, (exp / exp.sum()).tolist()))
 
 
 def _hashed(items: list[str]) -> list[int]:
     return [zlib.crc32(item.encode()) % BUCKETS for item in items] or [0]
 
 
-def _pack(batch: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _pack(batch: list[list[int]]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """EmbeddingBag's flat ids, offsets and per-id weights (1/sqrt of each bag's size)."""
-    ids = torch.tensor([i for bag in batch for i in bag])
-    offsets = torch.tensor([0, *accumulate(len(bag) for bag in batch)][:-1])
-    scale = torch.tensor([1 / math.sqrt(len(bag)) for bag in batch for _ in bag])
+    ids = np.array([i for bag in batch for i in bag], dtype=np.int64)
+    offsets = np.array([0, *accumulate(len(bag) for bag in batch)][:-1], dtype=np.int64)
+    scale = np.array([1 / math.sqrt(len(bag)) for bag in batch for _ in bag], dtype=np.float32)
     return ids, offsets, scale
 
 
@@ -130,7 +132,7 @@ def trained_once(name: str, examples: list[dict], sources: list[str], train: Cal
     digest = hashlib.sha256(json.dumps(examples, sort_keys=True).encode())
     for source in sorted(sources):
         digest.update(Path(source).read_bytes())
-    digest.update(torch.__version__.encode())
+    digest.update(importlib.metadata.version("torch").encode())
     name = f"readers/{name}-{digest.hexdigest()[:24]}"
 
     def build(directory: Path) -> None:

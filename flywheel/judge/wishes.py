@@ -74,7 +74,7 @@ class WishReader:
     def __init__(self, examples: list[dict], once: bool = False):
         """Trained on `examples`; `once`: trained once per machine (`trained_once`)."""
         def train() -> HashedLinear:
-            return HashedLinear(LABELS, [text_features(e["text"]) for e in examples], [e["aspect"] for e in examples])
+            return HashedLinear.train(LABELS, [text_features(e["text"]) for e in examples], [e["aspect"] for e in examples])
         self.model = trained_once("wishes", examples, SOURCES, train) if once else train()
 
     def read(self, correction: str) -> Reading:
