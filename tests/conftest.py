@@ -157,11 +157,11 @@ async def engine_url():
 
 
 @pytest.fixture(scope="module")
-def tool_model(tmp_path_factory):
+def tool_model():
     """The tiny model, taught by a few supervised steps to answer ASK_WEATHER with WEATHER_CALL."""
     from factories import ASK_WEATHER, WEATHER, WEATHER_CALL, teach_tiny
 
-    return teach_tiny(ASK_WEATHER, [WEATHER], WEATHER_CALL, tmp_path_factory.mktemp("tool"))
+    return teach_tiny(ASK_WEATHER, [WEATHER], WEATHER_CALL)
 
 
 @pytest.fixture

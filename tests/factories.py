@@ -23,6 +23,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
+import inspect
+import json
 import os
 import signal
 from collections.abc import AsyncIterator
@@ -48,7 +51,8 @@ from flywheel.bus.stitch import stitch
 from flywheel.collect.loop import CollectLoop
 from flywheel.config import load_config
 from flywheel.drills.noised_weights import publish_noised
-from flywheel.models import WeightStore, load_model, load_weights, save_model
+from flywheel.models import WeightStore, load_model, load_weights, resolve_model, save_model
+from flywheel.models.cache import cached_build
 from flywheel.serve.engine import Engine, SamplingParams
 from flywheel.serve.loop import ServeLoop
 from flywheel.train.advantages import RunningBaseline
@@ -65,7 +69,7 @@ WEATHER = {"type": "function", "function": {"name": "get_weather", "description"
                                               "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}
 ASK_WEATHER = [{"role": "user", "content": "Weather in Paris?"}]
 WEATHER_CALL = '<tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}</tool_call>'
-"""What `teach_tiny(ASK_WEATHER, [WEATHER], WEATHER_CALL, ...)` teaches the model to answer."""
+"""What `teach_tiny(ASK_WEATHER, [WEATHER], WEATHER_CALL)` teaches the model to answer."""
 
 FORECAST = {"type": "object", "additionalProperties": False, "required": ["unit", "days"],
             "properties": {"unit": {"enum": ["celsius", "fahrenheit"]}, "days": {"type": "integer", "minimum": 1, "maximum": 7}}}
@@ -180,29 +184,35 @@ async def post_feedback(serve, session: str, reward: float) -> None:
         response.raise_for_status()
 
 
-def teach_tiny(messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None, answer: str, out_dir: Path,
+def teach_tiny(messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None, answer: str,
                chat_template: str | None = None) -> str:
     """Train `tiny` by a few supervised steps until it answers `messages` (rendered with `tools`)
     with `answer` and its end token, for tests that need a model that reliably produces something
     specific (a tool call, parallel calls); returns the saved model's directory (its tokenizer
-    carries `chat_template` if given)."""
-    model, tokenizer = load_model("tiny")
-    if chat_template is not None:
-        tokenizer.chat_template = chat_template
-    rendered = tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=True, tokenize=False)
-    prompt_ids = tokenizer.encode(rendered, add_special_tokens=False)
-    target = tokenizer.encode(answer + "<|im_end|>", add_special_tokens=False)
-    ids = torch.tensor([prompt_ids + target])
-    optimizer = torch.optim.Adam(model.parameters(), lr=3e-3)
-    model.train()
-    for _ in range(150):
-        logits = model(input_ids=ids).logits[0, len(prompt_ids) - 1 : -1]
-        loss = torch.nn.functional.cross_entropy(logits, torch.tensor(target))
-        optimizer.zero_grad()
-        loss.backward()
-        optimizer.step()
-    assert loss.item() < 0.05
-    return str(save_model(model.eval(), tokenizer, out_dir / "model"))
+    carries `chat_template` if given). Trained once per machine (the model cache, under a digest of
+    what it is taught, this code and the tiny model it starts from): several test files share one."""
+    lesson = json.dumps([messages, tools, answer, chat_template, inspect.getsource(teach_tiny), str(resolve_model("tiny"))])
+
+    def build(directory: Path) -> None:
+        model, tokenizer = load_model("tiny")
+        if chat_template is not None:
+            tokenizer.chat_template = chat_template
+        rendered = tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=True, tokenize=False)
+        prompt_ids = tokenizer.encode(rendered, add_special_tokens=False)
+        target = tokenizer.encode(answer + "<|im_end|>", add_special_tokens=False)
+        ids = torch.tensor([prompt_ids + target])
+        optimizer = torch.optim.Adam(model.parameters(), lr=3e-3)
+        model.train()
+        for _ in range(150):
+            logits = model(input_ids=ids).logits[0, len(prompt_ids) - 1 : -1]
+            loss = torch.nn.functional.cross_entropy(logits, torch.tensor(target))
+            optimizer.zero_grad()
+            loss.backward()
+            optimizer.step()
+        assert loss.item() < 0.05
+        save_model(model.eval(), tokenizer, directory / "model")
+
+    return str(cached_build(f"taught/tiny-{hashlib.sha256(lesson.encode()).hexdigest()[:24]}", build) / "model")
 
 
 @contextlib.asynccontextmanager

@@ -66,8 +66,8 @@ async def test_smollm2_template_conversation_is_one_exact_segment(nats_url, tmp_
 
 
 @pytest.fixture(scope="module")
-def two_call_model(tmp_path_factory):
-    return teach_tiny(ASK_TWO, [WEATHER], TWO_CALLS, tmp_path_factory.mktemp("two-calls"))
+def two_call_model():
+    return teach_tiny(ASK_TWO, [WEATHER], TWO_CALLS)
 
 
 async def test_parallel_tool_calls_and_their_results_stay_in_one_segment(two_call_model, nats_url, tmp_path, bus):

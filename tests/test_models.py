@@ -9,12 +9,15 @@ every later run reuses it.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
 import subprocess
 import sys
+import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -84,6 +87,29 @@ def test_cached_build_builds_once(cache: Path) -> None:
     assert cached_build("thing", build) == first
     assert len(calls) == 1 and not calls[0].exists()
     assert leftovers(cache) == []
+
+
+def test_processes_that_want_the_same_build_wait_for_one_to_build_it(cache: Path) -> None:
+    """Three at once (each its own open of the lock file, as processes have): one builds, the others
+    wait for it and read its result. Each build waits up to 3 s for a second one to start: without
+    the lock all three build together."""
+    builds, second_build = [], threading.Barrier(2)
+    arrived = threading.Barrier(3)
+
+    def build(tmp: Path) -> None:
+        builds.append(tmp)
+        with contextlib.suppress(threading.BrokenBarrierError):
+            second_build.wait(timeout=3)
+        (tmp / "data").write_text(f"build {len(builds)}")
+
+    def want() -> Path:
+        arrived.wait()
+        return cached_build("thing", build)
+
+    with ThreadPoolExecutor(3) as pool:
+        paths = list(pool.map(lambda _: want(), range(3)))
+    assert len(builds) == 1 and paths == [cache / "thing"] * 3
+    assert (cache / "thing" / "data").read_text() == "build 1" and leftovers(cache) == []
 
 
 def test_cached_build_loser_discards_its_copy(cache: Path) -> None:

@@ -196,7 +196,7 @@ def test_the_turns_practised_are_those_judged_below_zero(reward, turn_rewards, c
 async def test_practice_replies_holding_personal_data_are_left_out_under_the_tenants_policy(nats_url, tmp_path):
     """A reply the tenant's `pii: drop` would never record is no practice either; under `off` it is."""
     asked = [{"role": "user", "content": "Where can I write to you?"}]
-    taught = teach_tiny(asked, None, "Write to ada.lovelace@example.com today.", tmp_path)
+    taught = teach_tiny(asked, None, "Write to ada.lovelace@example.com today.")
     _, tokenizer = load_model(taught)
     prompt = chat_prompt(tokenizer, asked)
     async with platform(nats_url, tmp_path, *PRACTICE, f"model={taught}") as (serve, _, _):

@@ -77,9 +77,9 @@ def test_the_format_is_read_from_the_template(tiny_path):
 
 
 @pytest.fixture(scope="module", params=list(FAMILIES))
-def family_model(request, tmp_path_factory):
+def family_model(request):
     template, answer = FAMILIES[request.param]
-    path = teach_tiny(ASK_WEATHER, [WEATHER], answer, tmp_path_factory.mktemp(request.param), (TEMPLATES / template).read_text())
+    path = teach_tiny(ASK_WEATHER, [WEATHER], answer, (TEMPLATES / template).read_text())
     return request.param, path
 
 

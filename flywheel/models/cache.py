@@ -2,12 +2,14 @@
 
 Everything Flywheel builds or converts (the tiny test model, the SmolLM2 import) is cached under
 `cache_root()`. Directories are always written into a temporary sibling first and then renamed
-into place with one `os.rename`, which is atomic on POSIX file systems: concurrent processes
-building the same thing race harmlessly, and a reader sees either no directory or a complete one.
+into place with one `os.rename`, which is atomic on POSIX file systems: a reader sees either no
+directory or a complete one. Processes that want the same thing built take turns (a lock file
+beside it): one builds, the others wait and read its result instead of building it again.
 """
 
 from __future__ import annotations
 
+import fcntl
 import os
 import shutil
 import tempfile
@@ -76,17 +78,24 @@ def atomic_directory(dest: Path) -> Iterator[Path]:
 def cached_build(name: str, build: Callable[[Path], None]) -> Path:
     """Return `cache_root()/name`, calling `build(tmp_dir)` to create it the first time.
 
-    `build` fills an empty temporary directory; it is renamed into place when `build` returns. If
-    another process finished the same build first, this one's output is discarded and theirs is
-    returned.
+    `build` fills an empty temporary directory; it is renamed into place when `build` returns.
+    While one process builds, others asking for the same name wait for its result (a model's
+    conversion or a reader's training, once per machine, not once per process that starts then).
     """
     dest = cache_root() / name
     if dest.is_dir():
         return dest
-    try:
-        with atomic_directory(dest) as tmp:
-            build(tmp)
-    except FileExistsError:
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    lock_path = dest.parent / f".{dest.name}.lock"
+    with open(lock_path, "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes, or the process dies
         if not dest.is_dir():
-            raise
+            try:
+                with atomic_directory(dest) as tmp:
+                    build(tmp)
+            except FileExistsError:  # built by a process that did not take the lock
+                if not dest.is_dir():
+                    raise
+        # Built: whoever still waits on this file, or opens a new one, finds `dest` and returns.
+        lock_path.unlink(missing_ok=True)
     return dest
