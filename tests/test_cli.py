@@ -5,6 +5,7 @@ command would run with, and its reference is docs/configuration.md."""
 
 import signal
 import subprocess
+import sys
 from pathlib import Path
 
 import openai
@@ -40,9 +41,20 @@ def test_every_subcommand_answers_help(name):
 @pytest.mark.parametrize("words", [["serve"], ["loop", "collect"], ["loop", "judge"], ["loop", "train"], ["up"],
                                    ["train"], ["engine"], ["config"]])
 def test_a_bad_config_is_refused_naming_the_keys(words, tmp_path):
-    refused = flywheel(*words, f"run_dir={tmp_path}", "actor.use_decoupled_loss=true", "actor.recompute_logprobs=false")
+    """... at once: before torch or Ray load (`flywheel engine` took 6 s of CPU to refuse one)."""
+    refused = subprocess.run([sys.executable, "-c", REFUSED, *words, f"run_dir={tmp_path}", "actor.use_decoupled_loss=true",
+                              "actor.recompute_logprobs=false"], capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert refused.returncode == 2
     assert "actor.use_decoupled_loss" in refused.stderr and "actor.recompute_logprobs" in refused.stderr
+    assert refused.stdout == "loaded: []\n"
+
+
+REFUSED = """import sys
+from flywheel.cli.main import main
+code = main(sys.argv[1:])
+print("loaded:", sorted(name for name in sys.modules if name in ("torch", "ray", "transformers")))
+sys.exit(code)"""
+"""`flywheel ARGS...` (the console script's main), saying which heavy libraries it loaded."""
 
 
 def test_a_subcommand_without_a_configuration_refuses_settings():

@@ -60,6 +60,8 @@ def configure(parser: argparse.ArgumentParser, command: str) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    config = load(args)  # a bad configuration is refused before torch and the engine load (seconds)
+
     import torch
     import uvicorn
 
@@ -68,7 +70,6 @@ def run(args: argparse.Namespace) -> int:
     from flywheel.serve.engine.cpu_threads import torch_threads
     from flywheel.serve.engine.server import create_engine_app
 
-    config = load(args)
     serve = config.serve
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     torch.set_num_threads(torch_threads(serve.torch_threads))

@@ -23,12 +23,13 @@ def configure(parser: argparse.ArgumentParser, command: str) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    config = load(args, ["train.resume=true"] if args.resume else [])  # refused before the loops import
+
     from rich.console import Console
 
     from flywheel.config import ConfigError
     from flywheel.deploy.offline_rl import run_offline
 
-    config = load(args, ["train.resume=true"] if args.resume else [])
     logging.basicConfig(level=logging.WARNING)
     console = Console()
     try:

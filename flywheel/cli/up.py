@@ -21,12 +21,13 @@ def configure(parser: argparse.ArgumentParser, command: str) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    config = load(args)  # refused before Ray imports
+
     from rich.console import Console
 
     from flywheel.deploy.deployment import Deployment
     from flywheel.deploy.foreground import run_in_foreground
 
-    config = load(args)
     logging.basicConfig(level=logging.WARNING)
     console = Console()
     deployment = Deployment(config)
