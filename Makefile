@@ -79,9 +79,13 @@ run: install $(if $(filter vllm,$(ENGINE)),vllm-venv)
 
 # The three virtualenvs install side by side (each is one pip process at a time), then the suite
 # runs: 3:13 against 4:57 one after another, from a fresh clone here (docs/experiments/odd-things.md).
+# It writes bytecode even where the environment says not to (PYTHONDONTWRITEBYTECODE=1, as on
+# these machines): else each of the ~250 processes it starts compiles Flywheel's modules again (0.3-0.5
+# s of CPU each) and each worker rewrites every test file (6 s); the files go to gitignored
+# __pycache__ directories (docs/experiments/odd-things.md, 13).
 test:
 	$(MAKE) --no-print-directory --output-sync=target -j3 install msa-venv vllm-venv
-	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile
+	PYTHONDONTWRITEBYTECODE= $(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile
 
 clean:
 	rm -rf $(VENV) $(MSA_VENV) $(VLLM_VENV) runs .pytest_cache
