@@ -24,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hashlib
+import importlib.metadata
 import inspect
 import json
 import os
@@ -190,8 +191,10 @@ def teach_tiny(messages: list[dict[str, Any]], tools: list[dict[str, Any]] | Non
     with `answer` and its end token, for tests that need a model that reliably produces something
     specific (a tool call, parallel calls); returns the saved model's directory (its tokenizer
     carries `chat_template` if given). Trained once per machine (the model cache, under a digest of
-    what it is taught, this code and the tiny model it starts from): several test files share one."""
-    lesson = json.dumps([messages, tools, answer, chat_template, inspect.getsource(teach_tiny), str(resolve_model("tiny"))])
+    what it is taught, this code, the tiny model it starts from, torch's and transformers' versions):
+    several test files share one."""
+    lesson = json.dumps([messages, tools, answer, chat_template, inspect.getsource(teach_tiny), str(resolve_model("tiny")),
+                         *map(importlib.metadata.version, ("torch", "transformers"))])
 
     def build(directory: Path) -> None:
         model, tokenizer = load_model("tiny")

@@ -67,8 +67,8 @@ class ReactionReader:
     def __init__(self, examples: list[dict], once: bool = False):
         """Trained on `examples`; `once`: trained once per machine (`trained_once`)."""
         def train() -> HashedLinear:
-            return HashedLinear.train(READ_LABELS, [features(_said(e), e.get("request", ""), e.get("reply", "")) for e in examples],
-                                [e["gold"] for e in examples])
+            bags = [features(_said(e), e.get("request", ""), e.get("reply", "")) for e in examples]
+            return HashedLinear.train(READ_LABELS, bags, [e["gold"] for e in examples])
         self.model = trained_once("reactions", examples, SOURCES, train) if once else train()
 
     def probabilities(self, message: str, request: str = "", reply: str = "", rule: str | None = None) -> dict[str, float]:
