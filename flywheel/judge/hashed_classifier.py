@@ -6,10 +6,9 @@ inflections share most of theirs, and so do many languages' words), its first wo
 punctuation and its length; a reader adds what else it knows. `HashedLinear` hashes them into
 `BUCKETS` rows of one embedding bag and trains it full batch from zeros on one thread, so that
 every process that trains it from the same examples reads exactly alike; reading needs numpy
-alone. `trained_once` keeps a
-trained one in the model cache, so that a judge that starts again (or another process on the
-machine) loads it in milliseconds instead of training it for 10-15 s, and reads exactly as
-the one that trained it.
+alone. `trained_once` keeps a trained one in the model cache, so that a judge that starts again
+(or another process on the machine) loads it in milliseconds instead of training it for 10-15 s,
+and reads exactly as the one that trained it.
 """
 
 from __future__ import annotations
