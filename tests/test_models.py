@@ -112,6 +112,27 @@ def test_processes_that_want_the_same_build_wait_for_one_to_build_it(cache: Path
     assert (cache / "thing" / "data").read_text() == "build 1" and leftovers(cache) == []
 
 
+def test_a_cached_build_that_cannot_be_read_is_built_again_once_while_the_others_wait(cache: Path) -> None:
+    """A damaged result (here: a truncated file) is removed and built again by one of three
+    processes that find it so; the others wait and read the new one."""
+    (cache / "thing").mkdir(parents=True)
+    (cache / "thing" / "data").write_text("buil")
+    builds, arrived = [], threading.Barrier(3)
+
+    def build(tmp: Path) -> None:
+        builds.append(tmp)
+        (tmp / "data").write_text("built")
+
+    def want() -> Path:
+        arrived.wait()
+        return cached_build("thing", build, usable=lambda path: (path / "data").read_text() == "built")
+
+    with ThreadPoolExecutor(3) as pool:
+        paths = list(pool.map(lambda _: want(), range(3)))
+    assert len(builds) == 1 and paths == [cache / "thing"] * 3
+    assert (cache / "thing" / "data").read_text() == "built" and leftovers(cache) == []
+
+
 def test_cached_build_loser_discards_its_copy(cache: Path) -> None:
     def build(tmp: Path) -> None:
         (tmp / "data").write_text("mine")

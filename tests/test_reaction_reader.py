@@ -9,6 +9,9 @@ import contextlib
 import json
 import subprocess
 import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -17,6 +20,7 @@ from flywheel.bus import Trajectory, Turn
 from flywheel.config.judge import NextStateJudgeConfig
 from flywheel.judge.base import Unscorable
 from flywheel.judge.evaluation import unseen
+from flywheel.judge.hashed_classifier import FILE, HashedLinear, text_features, trained_once
 from flywheel.judge.next_state import NextStateJudge
 from flywheel.judge.reaction_reader import (
     READ_LABELS,
@@ -93,6 +97,46 @@ def test_a_judge_reads_with_the_machines_readers_and_never_imports_torch():
     read, imported = done.stdout.splitlines()
     assert read == f"{reader().read('shorter please').label} {wish_reader().read('shorter please').label}"
     assert imported == "[]"
+
+
+def test_a_damaged_reader_is_trained_again_once_though_two_judges_found_it_so(tmp_path, monkeypatch):
+    """Two judges start and find the machine's reader damaged (a truncated file). The first trains
+    it again; the second, slower to act on what it read, must find the new one and use it, not
+    delete it and train it a third time (nor pull it from under the first)."""
+    monkeypatch.setenv("FLYWHEEL_CACHE", str(tmp_path))
+    trainings, load, slower_read_it = [], HashedLinear.load, threading.Event()
+
+    def train() -> HashedLinear:
+        trainings.append(1)
+        return HashedLinear.train(("short", "long"), [text_features("too long"), text_features("more please")],
+                                  ["short", "long"], steps=5)
+
+    def readable(path: Path) -> bool:
+        with contextlib.suppress(Exception):
+            return bool(load(path))
+        return False
+
+    def slow_load(path: Path) -> HashedLinear:
+        try:
+            return load(path)
+        except Exception:
+            if threading.current_thread() is not threading.main_thread() and not slower_read_it.is_set():
+                slower_read_it.set()
+                deadline = time.monotonic() + 30
+                while time.monotonic() < deadline and not readable(path):  # until the first has trained it
+                    time.sleep(0.01)
+            raise
+    first = trained_once("test", [{"said": "too long"}], [], train)
+    [file] = tmp_path.glob(f"readers/test-*/{FILE}")
+    file.write_bytes(file.read_bytes()[:100])
+    monkeypatch.setattr(HashedLinear, "load", staticmethod(slow_load))
+    with ThreadPoolExecutor(1) as pool:
+        slower = pool.submit(trained_once, "test", [{"said": "too long"}], [], train)
+        assert slower_read_it.wait(timeout=30)
+        again = trained_once("test", [{"said": "too long"}], [], train)
+        late = slower.result(timeout=60)
+    assert len(trainings) == 2  # the first time, and once again
+    assert again.probabilities(["w:too"]) == late.probabilities(["w:too"]) == first.probabilities(["w:too"])
 
 
 def test_the_training_set_is_well_formed():

@@ -19,7 +19,6 @@ import json
 import logging
 import math
 import re
-import shutil
 import zlib
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -136,10 +135,12 @@ def trained_once(name: str, examples: list[dict], sources: list[str], train: Cal
 
     def build(directory: Path) -> None:
         train().save(directory / FILE)
-    path = cached_build(name, build)
-    try:
-        return HashedLinear.load(path / FILE)
-    except (OSError, ValueError, KeyError, SafetensorError) as exc:
-        log.warning("the cached reader %s cannot be read (%s); training it again", path, exc)
-        shutil.rmtree(path, ignore_errors=True)
-        return HashedLinear.load(cached_build(name, build) / FILE)
+
+    def readable(directory: Path) -> bool:
+        try:
+            HashedLinear.load(directory / FILE)
+        except (OSError, ValueError, KeyError, SafetensorError) as exc:
+            log.warning("the cached reader %s cannot be read (%s); training it again", directory, exc)
+            return False
+        return True
+    return HashedLinear.load(cached_build(name, build, readable) / FILE)

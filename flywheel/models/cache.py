@@ -75,20 +75,25 @@ def atomic_directory(dest: Path) -> Iterator[Path]:
         shutil.rmtree(tmp, ignore_errors=True)
 
 
-def cached_build(name: str, build: Callable[[Path], None]) -> Path:
+def cached_build(name: str, build: Callable[[Path], None], usable: Callable[[Path], bool] | None = None) -> Path:
     """Return `cache_root()/name`, calling `build(tmp_dir)` to create it the first time.
 
     `build` fills an empty temporary directory; it is renamed into place when `build` returns.
     While one process builds, others asking for the same name wait for its result (a model's
     conversion or a reader's training, once per machine, not once per process that starts then).
+    `usable(path)`, if given, says whether a cached result can still be read: one that cannot is
+    removed and built again, by one process while the others wait, as the first time. A build that
+    fails is tried again by the next process that asks (each waiter in turn, if it keeps failing).
     """
     dest = cache_root() / name
-    if dest.is_dir():
+    if dest.is_dir() and (usable is None or usable(dest)):
         return dest
     dest.parent.mkdir(parents=True, exist_ok=True)
     lock_path = dest.parent / f".{dest.name}.lock"
     with open(lock_path, "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes, or the process dies
+        if dest.is_dir() and usable is not None and not usable(dest):
+            shutil.rmtree(dest)
         if not dest.is_dir():
             try:
                 with atomic_directory(dest) as tmp:
