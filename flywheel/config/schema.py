@@ -183,7 +183,7 @@ class TrainConfig(Section):
     (docs/experiments/gpu-path.md)."""
     fsdp: bool = False
     """Shard the model with FSDP2 across the ranks of an initialised torch.distributed process
-    group (multi-GPU; see docs/architecture.md). Refused without one."""
+    group (multi-GPU; docs/experiments/gpu-path.md). Refused without one."""
 
 
     @model_validator(mode="after")
