@@ -99,10 +99,11 @@ def test_a_judge_reads_with_the_machines_readers_and_never_imports_torch():
     assert imported == "[]"
 
 
-def test_a_damaged_reader_is_trained_again_once_though_two_judges_found_it_so(tmp_path, monkeypatch):
+def test_a_damaged_reader_is_trained_again_once_though_two_judges_found_it_so(tmp_path, monkeypatch, caplog):
     """Two judges start and find the machine's reader damaged (a truncated file). The first trains
     it again; the second, slower to act on what it read, must find the new one and use it, not
-    delete it and train it a third time (nor pull it from under the first)."""
+    delete it and train it a third time (nor pull it from under the first); the rebuilding is said
+    once, by the one that rebuilds."""
     monkeypatch.setenv("FLYWHEEL_CACHE", str(tmp_path))
     trainings, load, slower_read_it = [], HashedLinear.load, threading.Event()
 
@@ -136,6 +137,7 @@ def test_a_damaged_reader_is_trained_again_once_though_two_judges_found_it_so(tm
         again = trained_once("test", [{"said": "too long"}], [], train)
         late = slower.result(timeout=60)
     assert len(trainings) == 2  # the first time, and once again
+    assert [r.levelname for r in caplog.records if "building it again" in r.getMessage()] == ["WARNING"]
     assert again.probabilities(["w:too"]) == late.probabilities(["w:too"]) == first.probabilities(["w:too"])
 
 

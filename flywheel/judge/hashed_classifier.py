@@ -140,7 +140,7 @@ def trained_once(name: str, examples: list[dict], sources: list[str], train: Cal
         try:
             HashedLinear.load(directory / FILE)
         except (OSError, ValueError, KeyError, SafetensorError) as exc:
-            log.warning("the cached reader %s cannot be read (%s); training it again", directory, exc)
+            log.info("the cached reader %s cannot be read: %s", directory, exc)  # the cache says what it does
             return False
         return True
     return HashedLinear.load(cached_build(name, build, readable) / FILE)

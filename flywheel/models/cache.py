@@ -10,6 +10,7 @@ beside it): one builds, the others wait and read its result instead of building 
 from __future__ import annotations
 
 import fcntl
+import logging
 import os
 import shutil
 import tempfile
@@ -18,6 +19,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 TMP_PREFIX = ".tmp-"
+log = logging.getLogger(__name__)
 
 
 def cache_root() -> Path:
@@ -93,6 +95,7 @@ def cached_build(name: str, build: Callable[[Path], None], usable: Callable[[Pat
     with open(lock_path, "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes, or the process dies
         if dest.is_dir() and usable is not None and not usable(dest):
+            log.warning("the cached %s cannot be read: building it again", dest)
             shutil.rmtree(dest)
         if not dest.is_dir():
             try:
