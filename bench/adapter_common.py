@@ -58,14 +58,15 @@ def write_adapters(root: Path, model: torch.nn.Module, names: list[str], rank: i
 
 
 def embedded_engine(model_spec: str, max_batch_size: int, max_loras: int, lora_root: Path | None = None,
-                    dtype: str = "float32", device: str = "cpu", random_weights: bool = False):
-    """A started embedded engine (its own decoder) on its own copy of the model, in `dtype` on
-    `device` (`bench_model`: real or seeded random weights)."""
+                    dtype: str = "float32", device: str = "cpu", random_weights: bool = False, cuda_graphs: bool = True):
+    """A started embedded engine (its own decoder; on CUDA its steps replayed from graphs unless
+    `cuda_graphs` is false) on its own copy of the model, in `dtype` on `device` (`bench_model`:
+    real or seeded random weights)."""
     from flywheel.serve.engine import Engine
 
     model, tokenizer = bench_model(model_spec, dtype, device, random_weights)
     return Engine(model, tokenizer, max_batch_size=max_batch_size, max_loras=max_loras,
-                  lora_root=str(lora_root) if lora_root else None).start()
+                  lora_root=str(lora_root) if lora_root else None, cuda_graphs=cuda_graphs).start()
 
 
 def start_vllm(model_spec: str, log_dir: Path, max_num_seqs: int, max_loras: int, rank: int):

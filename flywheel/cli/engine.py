@@ -23,6 +23,7 @@ SHORTCUTS = {
     "--device": ("serve.device", str),
     "--dtype": ("serve.dtype", str),
     "--own-decoder": ("serve.own_decoder", bool),
+    "--cuda-graphs": ("serve.cuda_graphs", bool),
     "--chunked-prefill-size": ("serve.chunked_prefill_size", int),
     "--schedule-policy": ("serve.schedule_policy", str),
     "--max-stall-s": ("serve.max_stall_s", float),
@@ -50,6 +51,8 @@ def configure(parser: argparse.ArgumentParser, command: str) -> None:
     parser.add_argument("--dtype", dest="serve.dtype", choices=["float32", "bfloat16"], help="weights and KV cache")
     parser.add_argument("--own-decoder", dest="serve.own_decoder", action=argparse.BooleanOptionalAction,
                         help="decode steps through the engine's own forward")
+    parser.add_argument("--cuda-graphs", dest="serve.cuda_graphs", action=argparse.BooleanOptionalAction,
+                        help="on CUDA, the own forward's decode steps captured as CUDA graphs and replayed")
     parser.add_argument("--chunked-prefill-size", dest="serve.chunked_prefill_size", type=int,
                         help="most prompt tokens prefilled between two decode steps")
     parser.add_argument("--schedule-policy", dest="serve.schedule_policy", choices=["shortest-first", "fcfs"],
@@ -81,7 +84,8 @@ def run(args: argparse.Namespace) -> int:
     engine = Engine(model, tokenizer, version=args.weight_version, max_batch_size=serve.max_batch_size,
                     context_length=args.context_length, load_weights=load_weights,
                     chunked_prefill_size=serve.chunked_prefill_size, schedule_policy=serve.schedule_policy,
-                    max_stall_s=serve.max_stall_s, own_decoder=serve.own_decoder).start()
+                    max_stall_s=serve.max_stall_s, own_decoder=serve.own_decoder,
+                    cuda_graphs=serve.cuda_graphs).start()
     app = create_engine_app(engine, config.model, config.served_model, serve.admin_key,
                             args.incremental_streaming_output, args.version_spans)
     server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level="warning"))

@@ -55,6 +55,11 @@ class ServeConfig(Section):
     """Decode steps of Llama-family models through the embedded engine's own forward
     (`flywheel/serve/engine/decoder.py`: fused, oneDNN-packed weights; 0.77x the CPU time of a float32
     step, 0.72x bfloat16; docs/experiments/engine-vs-vllm.md). False: transformers' forward."""
+    cuda_graphs: bool = True
+    """On CUDA, the embedded engine's own decode steps (`own_decoder`) are captured as CUDA graphs,
+    one per batch width, and replayed: one launch for a step's ~1,000 kernels, where an eager
+    step of a small model waits on launching them (`flywheel/serve/engine/decode_graphs.py`;
+    docs/experiments/adapters.md). No effect on a CPU."""
     max_loras: int = Field(8, ge=0)
     """LoRA adapters the embedded engine holds at once (slots; vLLM's `--max-loras`): rows of
     that many adapters, and of the bare base, decode in one batch. Beyond it the least recently

@@ -154,6 +154,10 @@ class AdapterTable:
         self.rank = 0
         self.low_rank: dict[torch.nn.Module, LowRank] = {}
         """The adapted layers' stacks, by layer."""
+        self.generation = 0
+        """Counts the times the stacks were allocated anew (a layer's first adapter, a higher rank):
+        what holds their tensors (a captured CUDA graph) must take them again. Writing a slot
+        writes in place."""
 
     def check(self, adapter: LoraAdapter) -> None:
         """Raise `AdapterError` unless every layer `adapter` adapts is one of this model's
@@ -188,6 +192,15 @@ class AdapterTable:
         """One forward's rows, row i of which uses `slots[i]`; None when none uses an adapter."""
         return Rows(self, list(slots)) if any(slots) else None
 
+    @property
+    def fixed_fits(self) -> bool:
+        """Whether `fixed_rows` serves this table: the dense products over every slot's columns."""
+        return 0 < (self.slots + 1) * self.rank <= self.dense_columns
+
+    def fixed_rows(self, slots: torch.Tensor) -> FixedRows:
+        """The rows of a decode step whose slots are `slots` [rows] on the table's device (`FixedRows`)."""
+        return FixedRows(self, slots)
+
     def _fit(self, rank: int) -> None:
         """Grow every stack's rank to hold `rank` (rounded up to 16 bytes), keeping what is written."""
         rank = -(-rank // self._align) * self._align
@@ -198,9 +211,11 @@ class AdapterTable:
             new.a[:, :, :self.rank] = old.a
             new.b[:, :self.rank] = old.b
         self.rank = rank
+        self.generation += 1
 
     def _allocate(self, layer: torch.nn.Linear) -> LowRank:
         stacks = self.low_rank[layer] = self._zeros(layer, self.rank)
+        self.generation += 1
         return stacks
 
     def _zeros(self, layer: torch.nn.Linear, rank: int) -> LowRank:
@@ -227,14 +242,7 @@ class Rows:
     def add(self, out: torch.Tensor, x: torch.Tensor, layers: Sequence[torch.nn.Linear]) -> None:
         """Add to `out` [tokens, sum of the layers' out features] the rows' deltas of `layers`
         (whose inputs are all `x` [tokens, in]), each layer's to its own range of columns."""
-        plan = self._plan(len(x))
-        picked = plan.pick(x)
-        column = 0
-        for layer in layers:
-            stacks = self.table.low_rank.get(layer)
-            if stacks is not None:
-                plan.add(out[:, column:column + layer.out_features], picked, stacks)
-            column += layer.out_features
+        _add_deltas(self._plan(len(x)), self.table, out, x, layers)
 
     @contextlib.contextmanager
     def applied(self) -> Iterator[None]:
@@ -257,6 +265,52 @@ class Rows:
             slots = torch.tensor(self.slots, device=self.table.device).repeat_interleave(tokens // len(self.slots))
             self._plans[tokens] = _Plan(slots, self.table, len(self.slots))
         return self._plans[tokens]
+
+
+class FixedRows:
+    """The rows of a decode step (one token each) whose slots are a tensor on the table's device,
+    read only there: every token takes the dense products over all of the table's slots, its own
+    slot's columns picked by a mask made on the device. Nothing is read back to the host and no
+    shape depends on which slots are used, so a CUDA graph captured over them replays for any
+    slots written into the same tensor (`flywheel/serve/engine/decode_graphs.py`). Only where
+    the table `fixed_fits`."""
+
+    def __init__(self, table: AdapterTable, slots: torch.Tensor):
+        self.table = table
+        self.width = table.slots + 1
+        columns = torch.arange(self.width * table.rank, device=slots.device) // table.rank  # each column's slot
+        self.foreign = columns[None, :] != slots[:, None]
+        """[tokens, every slot's columns]: True but where a token's own slot's columns are."""
+
+    def add(self, out: torch.Tensor, x: torch.Tensor, layers: Sequence[torch.nn.Linear]) -> None:
+        """As `Rows.add`."""
+        _add_deltas(self, self.table, out, x, layers)
+
+    def pick(self, x: torch.Tensor) -> torch.Tensor:
+        return x
+
+    def add_one(self, out: torch.Tensor, x: torch.Tensor, stacks: LowRank) -> None:
+        _add_dense(out, x, stacks, self.width, self.foreign)
+
+
+def _add_deltas(plan: _Plan | FixedRows, table: AdapterTable, out: torch.Tensor, x: torch.Tensor,
+                layers: Sequence[torch.nn.Linear]) -> None:
+    """`Rows.add` by `plan`: the tokens picked once, each adapted layer's deltas to its columns."""
+    picked = plan.pick(x)
+    column = 0
+    for layer in layers:
+        stacks = table.low_rank.get(layer)
+        if stacks is not None:
+            plan.add_one(out[:, column:column + layer.out_features], picked, stacks)
+        column += layer.out_features
+
+
+def _add_dense(out: torch.Tensor, x: torch.Tensor, stacks: LowRank, width: int, foreign: torch.Tensor) -> None:
+    """out += each token's (x A[slot]) B[slot] by the dense products over slots 0..width - 1: x
+    times every slot's A, the columns of other slots than the token's own cleared (not multiplied
+    by 0, so that no slot's inf or NaN reaches another's rows), times the stacked B, in place."""
+    every = x @ stacks.flat[:, :width].flatten(1)  # a view: each row of A strided by the table's width
+    out.addmm_(every.masked_fill_(foreign, 0), stacks.b[:width].flatten(0, 1))
 
 
 def applied(rows: Rows | None) -> contextlib.AbstractContextManager:
@@ -348,7 +402,7 @@ class _Plan:
             return x.index_select(0, self.padded).view(self.blocks, -1, x.shape[1])
         return x.index_select(0, self.order)
 
-    def add(self, out: torch.Tensor, x: torch.Tensor, stacks: LowRank) -> None:
+    def add_one(self, out: torch.Tensor, x: torch.Tensor, stacks: LowRank) -> None:
         """out [tokens, out] += (x A[slot]) B[slot] for each adapted token, `x` as `pick` gave it;
         in place where every token is computed in place (`identity`, the second product
         accumulating: `addmm_`, no delta tensor) or the padded deltas land in the forward's order,
@@ -359,8 +413,7 @@ class _Plan:
         elif self.identity and self.single is not None:
             out.addmm_(x @ stacks.a[self.single], stacks.b[self.single])
         elif self.identity:
-            every = x @ stacks.flat[:, :self.width].flatten(1)  # a view: each row of A strided by the table's width
-            out.addmm_(every.masked_fill_(self.foreign, 0), stacks.b[:self.width].flatten(0, 1))
+            _add_dense(out, x, stacks, self.width, self.foreign)
         elif self.padded is not None:
             deltas = torch.bmm(torch.bmm(x, self._read(stacks.a)), self._read(stacks.b)).flatten(0, 1)
             if self.placed is not None:

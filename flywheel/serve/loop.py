@@ -373,7 +373,7 @@ def embedded_engine(model: torch.nn.Module, tokenizer: Any, cfg: ServeConfig) ->
     return Engine(model, tokenizer, max_batch_size=cfg.max_batch_size, load_weights=load_weights,
                   chunked_prefill_size=cfg.chunked_prefill_size, schedule_policy=cfg.schedule_policy,
                   max_stall_s=cfg.max_stall_s, own_decoder=cfg.own_decoder, max_loras=cfg.max_loras,
-                  lora_root=cfg.lora_root).start()
+                  lora_root=cfg.lora_root, cuda_graphs=cfg.cuda_graphs).start()
 
 
 def _engine_state(engine: Engine) -> dict[str, Any]:

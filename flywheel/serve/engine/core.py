@@ -5,7 +5,8 @@ A worker thread owns the model. Between two decode steps it runs control command
 abort, weight updates), admits waiting requests (`admission.Admission`: prefilled together, then
 merged into the running batch, see `kv_cache.KVBatch`), and removes finished ones; each decode step
 advances every running request by one token (Llama-family models through the engine's own
-forward, `decoder.Decoder`, with fused and packed weights; others through transformers'). A round prefills at most
+forward, `decoder.Decoder`, with fused and packed weights, on CUDA replayed from graphs,
+`decode_graphs`; others through transformers'). A round prefills at most
 `chunked_prefill_size` prompt tokens, shortest prompt first (`schedule_policy`), a longer prompt in
 pieces over several rounds (`chunked`). While prompts wait, rounds run back to back until the
 running streams' last tokens are `max_stall_s` old; then a decode step gives each a token. A
@@ -54,6 +55,7 @@ from flywheel.serve.engine.adapter_commands import AdapterCommands
 from flywheel.serve.engine.adapters import Adapters
 from flywheel.serve.engine.admission import Admission
 from flywheel.serve.engine.chunked import SchedulePolicy
+from flywheel.serve.engine.decode_graphs import DecodeGraphs
 from flywheel.serve.engine.decoder import Decoder
 from flywheel.serve.engine.grammar import Grammars
 from flywheel.serve.engine.kv_cache import KVBatch
@@ -99,6 +101,7 @@ class Engine(Admission, AdapterCommands):
         own_decoder: bool = True,
         max_loras: int = 8,
         lora_root: str | None = None,
+        cuda_graphs: bool = True,
     ):
         self.model = model.eval()
         self.chunked_prefill_size = chunked_prefill_size
@@ -125,6 +128,8 @@ class Engine(Admission, AdapterCommands):
         """Whether the last round could admit no waiting request: each waits for an adapter slot."""
         self._own_decoder = own_decoder
         self._decoder: Decoder | None = None  # built on the worker thread; None: transformers' forward
+        self._cuda_graphs = cuda_graphs
+        self._graphs: DecodeGraphs | None = None  # on CUDA, with the decoder: its steps captured
         self._wake = threading.Condition()
         self._running = False
         self._thread: threading.Thread | None = None
@@ -242,6 +247,8 @@ class Engine(Admission, AdapterCommands):
         with torch.inference_mode():
             if self._own_decoder:  # packed here: torch work on another thread slows this one (docs/experiments/odd-things.md)
                 self._decoder = Decoder.build(self.model, self.max_batch_size)
+            if self._decoder is not None and self._cuda_graphs and self._batch.device.type == "cuda":
+                self._graphs = DecodeGraphs(self._decoder, self._batch, self.adapters.table)
             self._serve_forever()
 
     def _serve_forever(self) -> None:
@@ -339,7 +346,7 @@ class Engine(Admission, AdapterCommands):
         if not self._rows:
             return
         tokens = torch.tensor([r.output_ids[-1] for r in self._rows])
-        logits = self._batch.step(self.model, tokens, self._decoder, self._lora(self._rows))
+        logits = self._batch.step(self.model, tokens, self._decoder, self._lora(self._rows), self._graphs)
         self._tokens_at = time.monotonic()
         self.stats["steps"] += 1
         self._sample(self._rows, logits)

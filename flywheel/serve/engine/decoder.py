@@ -38,7 +38,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from flywheel.models.lora_batch import Rows
+from flywheel.models.lora_batch import FixedRows, Rows
 
 log = logging.getLogger(__name__)
 
@@ -54,7 +54,7 @@ class _Product:
     linear: Linear
     layers: tuple[torch.nn.Linear, ...]
 
-    def __call__(self, x: torch.Tensor, lora: Rows | None) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor, lora: Rows | FixedRows | None) -> torch.Tensor:
         out = self.linear(x)
         if lora is not None:
             lora.add(out, x, self.layers)
@@ -83,6 +83,8 @@ class Decoder:
         self.kv_heads = config.num_key_value_heads
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         self.scale = 1 / math.sqrt(self.head_dim)
+        self.generation = 0
+        """Counts `refresh`es: what holds the fused weights (a captured CUDA graph) must take them again."""
         self.refresh()
 
     @classmethod
@@ -112,9 +114,10 @@ class Decoder:
             ))
         self.norm = (body.norm.weight, body.norm.variance_epsilon)
         self.head = pack(self.model.lm_head.weight, self.model.lm_head.bias)
+        self.generation += 1
 
     def step(self, tokens: torch.Tensor, positions: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tensor],
-             spans: list[tuple[int, int, torch.Tensor]], lora: Rows | None = None) -> torch.Tensor:
+             spans: list[tuple[int, int, torch.Tensor]], lora: Rows | FixedRows | None = None) -> torch.Tensor:
         """One token per row: `tokens` [rows] at `positions` [rows] (each row's column in the cache);
         writes their keys and values into `keys`/`values` (per layer [slots, kv heads, columns, head
         dim]) and attends span by span: rows [start, end) over the columns where their `visible`

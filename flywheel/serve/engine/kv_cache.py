@@ -33,6 +33,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from transformers import Cache, DynamicCache
 
 from flywheel.models.lora_batch import Rows, applied
+from flywheel.serve.engine.decode_graphs import DecodeGraphs
 from flywheel.serve.engine.decoder import Decoder
 
 PREFILL_TOKENS = 4096
@@ -195,15 +196,19 @@ class KVBatch(Cache):
     # ---- decode ----------------------------------------------------------------------------
 
     def step(self, model: torch.nn.Module, tokens: torch.Tensor, decoder: Decoder | None = None,
-             lora: Rows | None = None) -> torch.Tensor:
-        """Feed one token per row [rows]; returns next-token logits [rows, vocab]. With a `decoder`
-        (`flywheel/serve/engine/decoder.py`) the step runs its forward, else transformers'; each
-        row with the adapter of its row in `lora`, if any."""
+             lora: Rows | None = None, graphs: DecodeGraphs | None = None) -> torch.Tensor:
+        """Feed one token per row [rows]; returns next-token logits [rows, vocab]. With `graphs`
+        that serve these rows the step is replayed from a CUDA graph of the decoder's
+        (`flywheel/serve/engine/decode_graphs.py`); else with a `decoder`
+        (`flywheel/serve/engine/decoder.py`) it runs its forward, else transformers'; each row
+        with the adapter of its row in `lora`, if any."""
         width = int(self.lengths.max()) + 1
         self._reserve(width)
         tokens = tokens.to(self.device)
         with attention_kernels(self.device):
-            if decoder is not None:
+            if graphs is not None and graphs.serves(lora):
+                logits = graphs.step(tokens, self.lengths, lora)
+            elif decoder is not None:
                 logits = decoder.step(tokens, self.lengths, self.keys, self.values, self._spans(), lora)
             else:
                 visible = torch.arange(width, device=self.device)[None, :] <= self.lengths[:, None]
