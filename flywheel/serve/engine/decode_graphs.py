@@ -87,7 +87,7 @@ class DecodeGraphs:
         graph = self._graphs.get(key)
         fresh = graph is None
         if fresh:
-            graph = self._graphs[key] = self._inputs(bucket, lora is not None)
+            graph = self._inputs(bucket, lora is not None)
         graph.tokens[:rows].copy_(tokens)
         graph.positions[:rows].copy_(positions)
         graph.positions[rows:].zero_()
@@ -97,11 +97,13 @@ class DecodeGraphs:
             return self._run(graph)[:rows]
         if fresh:
             self._capture(graph)
+            self._graphs[key] = graph  # only once captured: a capture that raised is tried again
         graph.graph.replay()
         return graph.logits[:rows].clone()
 
     def _drop_stale(self) -> None:
-        held = (self.decoder.generation, self.table.generation, self.batch.keys[0].data_ptr(), self.batch.columns)
+        held = (self.decoder.generation, self.table.generation, self.batch.columns,
+                *(store.data_ptr() for store in self.batch.keys + self.batch.values))
         if held != self._held:
             self._graphs.clear()
             if self.capture:
