@@ -88,3 +88,34 @@ def test_adapter_tables_beyond_the_dense_products_step_eagerly(tiny_path, monkey
     table = adapter_table(model)
     graphs = DecodeGraphs(Decoder.build(model, 4), KVBatch(model, 4), table)
     assert not table.fixed_fits and not graphs.serves(table.rows([1, 0])) and graphs.serves(None)
+
+
+def test_the_graphs_are_dropped_when_any_tensor_they_captured_is_replaced(tiny_path):
+    """A graph replays on the addresses it captured. Any one layer's keys or values allocated anew
+    (a cache given back and grown again, where the first layer's tensor may get its old address
+    back and another layer's not), the decoder's fused weights rebuilt, the adapter stacks
+    reallocated for a higher rank: each changes what the graphs hold (so they are captured again);
+    a step that replaces nothing keeps them."""
+    model = load_model(tiny_path)[0]
+    table = adapter_table(model)
+    decoder, batch = Decoder.build(model, 4), KVBatch(model, 4)
+    graphs = DecodeGraphs(decoder, batch, table)
+    with torch.inference_mode():
+        batch.add(batch.prefill(model, [[5, 6, 7], [8, 9]], pad_id=0))
+    held = []
+
+    def hold() -> None:
+        graphs._drop_stale()
+        held.append(graphs._held)
+
+    hold()
+    hold()
+    batch.values[1] = batch.values[1].clone()
+    hold()
+    decoder.refresh()
+    hold()
+    layer = next(iter(table.layers))
+    table.write(3, LoraAdapter(Path("wide"), {layer: (torch.zeros(64, table.layers[layer].in_features),
+                                                      torch.zeros(table.layers[layer].out_features, 64))}))
+    hold()
+    assert held[0] == held[1] and len(set(held)) == 4
