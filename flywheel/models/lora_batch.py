@@ -22,6 +22,11 @@ the base: then nothing here runs at all) as `Rows`, which adds the rows' deltas
   models the decoder does not implement), forward hooks on the adapted layers, registered for
   the forward and removed after it; a row of a forward may hold many tokens (x [rows, seq, in]).
 
+`AdapterTable.fixed_rows(slots)` (`FixedRows`) is a decode step's rows whose slots are a tensor
+on the device, for a step captured as a CUDA graph (`flywheel/serve/engine/decode_graphs.py`):
+the dense products over every slot, nothing read back to the host, no shape that depends on the
+slots used.
+
 The rows that have an adapter are sorted by slot once per forward. With one adapter the deltas
 are two plain products. With several, two batched products over the slots (`torch.bmm`, the
 padded products): each slot's tokens padded to the most any slot has, so that every product is
@@ -35,52 +40,9 @@ and holds many tokens (a prefill's forward: `ROW_TOKENS`, `ROW_RANKS`), each row
 own slot's A and B, gathered a row each, in place: a row's matrices are fewer bytes to move than
 its tokens, which the padded products gather, multiply and gather back.
 
-Measured per decode step of SmolLM2-135M's 210 projections (float32, 32 rows spread evenly over
-1, 8 or 32 adapters, 2 cores; the base products alone took ~51 ms unfused), at rank 8 / rank 32,
-before the padded products:
-
-| deltas by | 1 adapter | 8 adapters | 32 adapters |
-|---|---|---|---|
-| each row's matrices gathered, two `bmm`s (vLLM's CPU path) | 34 / 102 ms | 40 / 136 ms | 55 / 180 ms |
-| a loop over the adapters, plain products | 3 / 6 ms | 45 / 69 ms | 160 / 192 ms |
-| grouped products (`torch._grouped_mm`) | 7 / 9 ms | 19 / 41 ms | 74 / 121 ms |
-
-The dense products followed (x [A_0 ... A_slots] masked to each token's own slot's columns, then
-times the stacked B: no gathering, sorting or scattering): rank 8, 32 adapters 111 -> 53 ms, but
-their arithmetic grows with every slot's columns on every token (slower than grouped at rank 32). On
-a GPU, where a decode step is launch-bound, they are a few small kernels, and they stay there. The
-padded products do each token's arithmetic once and read each slot once, with each slot's A one
-contiguous matrix (the dense products want A as [in, slots + 1, r], so a table keeps the layout its
-device's products read). `bench/adapter_profile.py`, 32 slots, two runs each way alternating (base
-products 60-67 ms): rank 8, 1 / 8 / 32 adapters 11-12 / 23-24 / 47-52 -> 6-8 / 21 / 35-38 ms; rank
-32 14 / 66 / 147-151 -> 10 / 36-40 / 83-99 ms. Adding the deltas in place where every token has an
-adapter (a gather in the forward's order, not a scatter): rank 8, 8 / 32 adapters 18-21 / 32-33 ->
-15-16 / 27 ms. Through the engine (`bench/adapter_throughput.py`), 32 adapters of rank 32 went from
-0.12x of base-only to 0.45-0.63x; 32 of rank 8 from 0.71-0.73x to 0.74-0.81x
-(docs/experiments/adapters.md), which their bytes alone (313 MB read a step) bound at ~0.87x on two
-cores. Each slot's A stored as PEFT writes it, [r, in], and multiplied as its transposed view: a
-decode step's products (one token a slot), `bench/adapter_profile.py` alternating A/B, two runs
-each: 32 adapters, rank 8 25.1-26.4 -> 22.2-22.7 ms, rank 32 70.6-71.7 -> 63.6-63.7; 8 adapters,
-rank 8 13.1-14.0 -> 12.3-12.5, rank 32 25.0-25.9 -> 26.7-27.1; one adapter 0.1-0.8 ms slower. A
-prefill's products are slower so (`--tokens 32`, 32 rows of 32 tokens, two runs each way: 32
-adapters of rank 32 238-240 -> 262-296 ms, beside 764-801 ms of base products; at rank 8 both
-layouts ran 166-375 ms by run). Through the engine, two runs each way: 32 adapters of rank 8
-0.80-0.81x -> 0.81-0.82x, of rank 32 0.62-0.67x -> 0.65-0.70x (within the runs' spread).
-
-The products by row, on a prefill's forward (`bench/adapter_profile.py --tokens 32`: 32 rows of 32
-tokens, rank 8, three runs, against the padded products alternating): 8 adapters 161-168 ms against
-301-358, 32 adapters 176-187 against 183-350 (the padded products' time by run is bimodal: most of
-it `index_select` and `add_` on the tokens), beside ~800 ms of base products. At rank 32 a row's
-matrices weigh as much as 32 tokens': by row there (before `ROW_RANKS`, one run each way twice)
-318-371 ms against the padded products' 207-447, no gain shown, and the padded products stay.
-
-A product reads the slots from 0 (or 1) up to the highest its forward uses, as views of the
-stacks, and the engine fills the lowest free slot first: 8 adapters resident in a table of 32
-slots cost what they cost in a table of 8 (measured with the grouped and dense products: 8
-adapters at rank 8 41-47 -> 17-18 ms). Gathering just the forward's slots for every product
-(`index_select`, every layer, every step) was no faster then, at rank 8, and slower at rank 32;
-the padded products gather them only where the used slots are spread out (`PADDED_SPREAD`), as
-they are once idle adapters sit between them.
+Why these products, measured on this machine and a GPU (a loop over the adapters, each row's
+matrices gathered as vLLM's CPU path does, grouped, dense, padded, by row; A's layout; which slots
+a product reads): docs/experiments/adapters.md, "How the batched products were chosen".
 """
 
 from __future__ import annotations
