@@ -206,7 +206,8 @@ async def main() -> None:
             result["long_outputs"] = {"runs": long_runs, "median_tok_s": long_medians,
                                       "embedded_over_vllm": ratio(long_medians.get("embedded"), long_medians.get("vllm"))}
     result["table"] = rows_out
-    missed = args.engines[0] == "embedded" and any(r[3] is not None and r[3] < 0.8 for r in rows_out)
+    at = 3 + 2 * args.engines.index("embedded") if "embedded" in args.engines else None  # its x base column
+    missed = at is not None and any(r[at] is not None and r[at] < 0.8 for r in rows_out)
     if args.profile or (missed and args.device == "cpu"):
         result["profile"] = profile_adapter_path(model, args.ranks, args.adapters, args.rows)
     print(table(["rank", "rows over", *[h for kind in args.engines for h in (f"{kind} tok/s", "x base")], "embedded/vLLM"],

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from transformers import LlamaConfig, LlamaForCausalLM
 
 from flywheel.models import load_model, lora_batch
 from flywheel.models.lora_adapter import LoraAdapter
@@ -26,18 +27,26 @@ DEVICES = pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=p
 def adapter_table(model: torch.nn.Module) -> AdapterTable:
     """Three slots: rank 4 on every linear layer in slot 1, rank 8 on q and v in slot 2, slot 3 empty."""
     table = AdapterTable(model, slots=3)
-    generator = torch.Generator().manual_seed(2)
-    for slot, rank, kinds in ((1, 4, None), (2, 8, ("q_proj", "v_proj"))):
-        layers = {name: (torch.randn(rank, layer.in_features, generator=generator) * 0.1,
-                         torch.randn(layer.out_features, rank, generator=generator) * 0.1)
-                  for name, layer in table.layers.items() if kinds is None or name.endswith(kinds)}
-        table.write(slot, LoraAdapter(Path(f"slot{slot}"), layers))
+    table.write(1, random_adapter(table, 4, seed=1))
+    table.write(2, random_adapter(table, 8, seed=2, kinds=("q_proj", "v_proj")))
     return table
+
+
+def random_adapter(table: AdapterTable, rank: int, seed: int, kinds: tuple[str, ...] | None = None) -> LoraAdapter:
+    generator = torch.Generator().manual_seed(seed)
+    return LoraAdapter(Path(f"adapter{seed}"), {
+        name: (torch.randn(rank, layer.in_features, generator=generator) * 0.1,
+               torch.randn(layer.out_features, rank, generator=generator) * 0.1)
+        for name, layer in table.layers.items() if kinds is None or name.endswith(kinds)})
 
 
 @pytest.mark.parametrize("adapters", [True, False], ids=["adapters", "base"])
 @DEVICES
 def test_replayed_steps_give_the_eager_decoders_logits(device, adapters, tiny_path, monkeypatch):
+    """Five rows (bucket 8), three leave (bucket 4), three join in slots the padded rows wrote
+    (bucket 8 again: its first graph replayed after another was captured in the shared pool), an
+    adapter rewritten in place while the graphs hold it, the cache grown, new weights: every
+    step's logits, and the live rows' keys and values, are the eager step's."""
     monkeypatch.setattr(lora_batch, "DENSE_COLUMNS", {"cpu": 8192, "cuda": 8192})
     model = load_model(tiny_path)[0].to(device)
     decoder = Decoder.build(model, 8)
@@ -45,20 +54,31 @@ def test_replayed_steps_give_the_eager_decoders_logits(device, adapters, tiny_pa
     eager, ours = (KVBatch(model, 8, first_columns=32) for _ in range(2))
     graphs = DecodeGraphs(decoder, ours, table)
     generator = torch.Generator().manual_seed(1)
-    sequences = [torch.randint(3, model.config.vocab_size, (n,), generator=generator).tolist() for n in (26, 1, 25, 2, 24)]
+
+    def sequences(*lengths: int) -> list[list[int]]:
+        return [torch.randint(3, model.config.vocab_size, (n,), generator=generator).tolist() for n in lengths]
+
     slots = [1, 0, 2, 1, 0] if adapters else [0] * 5
-    steps, held = 16, []
+    held = []
     with torch.inference_mode():
-        prefill = eager.prefill(model, sequences, pad_id=0)
+        prefill = eager.prefill(model, sequences(20, 1, 19, 2, 18), pad_id=0)
         eager.add(prefill)
         ours.add(prefill)
         tokens = prefill.logits.argmax(-1)
-        for step in range(steps):
-            if step == 5:  # two rows leave: 3 rows, another bucket (4 instead of 8)
+        for step in range(16):
+            if step == 4:  # two rows leave: 3 rows, bucket 4
                 order = eager.retain([0, 2, 4])
                 assert ours.retain([0, 2, 4]) == order
                 tokens, slots = tokens[order], [slots[i] for i in order]
-            if step == 11:  # new weights: the decoder's fused copy is rebuilt, the graphs must follow
+            if step == 6:  # three join (slots 3-5, whose column 0 padded rows wrote): bucket 8 again
+                joining = eager.prefill(model, sequences(5, 9, 3), pad_id=0)
+                eager.add(joining)
+                ours.add(joining)
+                tokens = torch.cat([tokens, joining.logits.argmax(-1)])
+                slots += [2, 0, 1] if adapters else [0] * 3
+            if step == 8:  # slot 1 rewritten in place (no higher rank): the graphs read the new matrices
+                table.write(1, random_adapter(table, 4, seed=7))
+            if step == 14:  # new weights: the decoder's fused copy is rebuilt, the graphs must follow
                 for parameter in model.parameters():
                     parameter.add_(torch.randn_like(parameter) * 0.02)
                 decoder.refresh()
@@ -70,14 +90,14 @@ def test_replayed_steps_give_the_eager_decoders_logits(device, adapters, tiny_pa
             torch.testing.assert_close(got, expected, rtol=0, atol=1e-4)
             held.append(graphs._held)
             tokens = expected.argmax(-1)
-    assert eager.columns == 64 and len(set(held)) == 3  # the cache grew at 33 tokens, the weights changed
+    assert eager.columns == 64 and len(set(held)) == 3  # the cache grew at 33 tokens (step 12), the weights changed
     for layer in range(eager.layer_count):
         for store in ("keys", "values"):
             for row, length in enumerate(eager.lengths.tolist()):
                 torch.testing.assert_close(getattr(ours, store)[layer][row, :, :length],
                                            getattr(eager, store)[layer][row, :, :length], rtol=0, atol=1e-5)
-    if device == "cuda":  # (bucket 8, then 4) x (the first cache, the grown one, the new weights), less unused pairs
-        assert 3 <= graphs.captures <= 4
+    if device == "cuda":  # bucket 8, bucket 4; bucket 8 again after the cache grew and after the new weights
+        assert graphs.captures == 4 and graphs.failed is None
 
 
 def test_adapter_tables_beyond_the_dense_products_step_eagerly(tiny_path, monkeypatch):
@@ -114,8 +134,57 @@ def test_the_graphs_are_dropped_when_any_tensor_they_captured_is_replaced(tiny_p
     hold()
     decoder.refresh()
     hold()
-    layer = next(iter(table.layers))
-    table.write(3, LoraAdapter(Path("wide"), {layer: (torch.zeros(64, table.layers[layer].in_features),
-                                                      torch.zeros(table.layers[layer].out_features, 64))}))
+    table.write(3, random_adapter(table, 64, seed=3, kinds=("q_proj",)))  # a higher rank: every stack anew
     hold()
-    assert held[0] == held[1] and len(set(held)) == 4
+    table.write(3, random_adapter(table, 4, seed=4, kinds=("q_proj",)))  # in place: nothing new
+    hold()
+    assert held[0] == held[1] and held[-1] == held[-2] and len(set(held)) == 4
+    fresh = AdapterTable(model, slots=2)
+    fresh.write(1, random_adapter(fresh, 8, seed=5, kinds=("q_proj",)))
+    graphs = DecodeGraphs(decoder, batch, fresh)
+    held = []
+    hold()
+    fresh.write(2, random_adapter(fresh, 8, seed=6, kinds=("k_proj",)))  # a layer no adapter adapted yet
+    hold()
+    assert held[0] != held[1]
+
+
+def test_ropes_that_grow_with_the_sequence_are_not_captured():
+    """A dynamic rope reads the position back to the host to recompute its frequencies, which a
+    capture may not do: no graphs for it (the decoder steps eagerly); a plain rope gets them."""
+    def llama(rope_scaling: dict | None) -> torch.nn.Module:
+        config = LlamaConfig(vocab_size=100, hidden_size=32, intermediate_size=48, num_hidden_layers=1,
+                             num_attention_heads=4, num_key_value_heads=2, rope_scaling=rope_scaling)
+        return LlamaForCausalLM(config).eval()
+
+    for rope_scaling, captured in (({"rope_type": "dynamic", "factor": 2.0}, False), (None, True)):
+        model = llama(rope_scaling)
+        graphs = DecodeGraphs.build(Decoder.build(model, 2), KVBatch(model, 2), AdapterTable(model, 1))
+        assert (graphs is not None) == captured
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device; none here")
+def test_a_capture_that_fails_leaves_the_engine_stepping_eagerly(tiny_path, monkeypatch):
+    """A capture that raises is logged, its step runs eagerly with the right logits, later steps
+    are eager (not captured again each step), and the engine's thread is back on its stream."""
+    model = load_model(tiny_path)[0].to("cuda")
+    decoder = Decoder.build(model, 4)
+    eager, ours = KVBatch(model, 4), KVBatch(model, 4)
+    graphs = DecodeGraphs(decoder, ours, AdapterTable(model, 1))
+
+    def refuse(*args, **kwargs):
+        raise RuntimeError("no capture here")
+
+    monkeypatch.setattr(torch.cuda.CUDAGraph, "capture_begin", refuse)
+    with torch.inference_mode():
+        prefill = eager.prefill(model, [[5, 6, 7], [8, 9]], pad_id=0)
+        eager.add(prefill)
+        ours.add(prefill)
+        tokens = prefill.logits.argmax(-1)
+        for _ in range(3):
+            expected = eager.step(model, tokens, decoder)
+            got = ours.step(model, tokens, decoder, None, graphs)
+            torch.testing.assert_close(got, expected, rtol=0, atol=1e-4)
+            tokens = expected.argmax(-1)
+    assert "no capture here" in graphs.failed and not graphs.serves(None) and graphs.captures == 0
+    assert torch.cuda.current_stream() == torch.cuda.default_stream()

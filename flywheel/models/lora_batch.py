@@ -117,9 +117,9 @@ class AdapterTable:
         self.low_rank: dict[torch.nn.Module, LowRank] = {}
         """The adapted layers' stacks, by layer."""
         self.generation = 0
-        """Counts the times the stacks were allocated anew (a layer's first adapter, a higher rank):
-        what holds their tensors (a captured CUDA graph) must take them again. Writing a slot
-        writes in place."""
+        """Counts the times the stacks are allocated anew (a layer's first adapter, a higher rank),
+        bumped before they change: what holds their tensors (a captured CUDA graph) must take them
+        again. Writing a slot writes in place."""
 
     def check(self, adapter: LoraAdapter) -> None:
         """Raise `AdapterError` unless every layer `adapter` adapts is one of this model's
@@ -168,16 +168,16 @@ class AdapterTable:
         rank = -(-rank // self._align) * self._align
         if rank <= self.rank:
             return
+        self.generation += 1  # before the stacks change: one that raises half-way leaves no graph on them
         for layer, old in self.low_rank.items():
             new = self.low_rank[layer] = self._zeros(layer, rank)
             new.a[:, :, :self.rank] = old.a
             new.b[:, :self.rank] = old.b
         self.rank = rank
-        self.generation += 1
 
     def _allocate(self, layer: torch.nn.Linear) -> LowRank:
-        stacks = self.low_rank[layer] = self._zeros(layer, self.rank)
         self.generation += 1
+        stacks = self.low_rank[layer] = self._zeros(layer, self.rank)
         return stacks
 
     def _zeros(self, layer: torch.nn.Linear, rank: int) -> LowRank:

@@ -248,7 +248,7 @@ class Engine(Admission, AdapterCommands):
             if self._own_decoder:  # packed here: torch work on another thread slows this one (docs/experiments/odd-things.md)
                 self._decoder = Decoder.build(self.model, self.max_batch_size)
             if self._decoder is not None and self._cuda_graphs and self._batch.device.type == "cuda":
-                self._graphs = DecodeGraphs(self._decoder, self._batch, self.adapters.table)
+                self._graphs = DecodeGraphs.build(self._decoder, self._batch, self.adapters.table)
             self._serve_forever()
 
     def _serve_forever(self) -> None:

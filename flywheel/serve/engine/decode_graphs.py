@@ -8,8 +8,9 @@ step's kernels with their arguments and launches them all at once. What it recor
 the step it captures has fixed shapes and reads its inputs from fixed tensors:
 
 - the rows are padded up to a bucket (`BUCKETS`, at most the batch's slots): a padded row feeds
-  token 0 at column 0 of a slot no live row holds (the live rows are slots 0..n-1, and a slot's
-  next occupant writes its own prompt over column 0), and its logits are dropped;
+  whatever token its place last held at column 0 of a slot no live row holds (the live rows are
+  slots 0..n-1, and a slot's next occupant writes its own prompt over column 0), and its logits
+  are dropped;
 - each row attends over all of the cache's allocated columns, those beyond its own length masked
   (an eager step attends up to the longest row: a little more arithmetic, no more launches);
 - rows with adapters take `lora_batch.FixedRows`: the dense products over every slot, each row's
@@ -19,17 +20,23 @@ the step it captures has fixed shapes and reads its inputs from fixed tensors:
   and its logits copied out after (a later capture may reuse an earlier graph's scratch memory).
 
 A graph is captured on first use of its (bucket, adapters or not), after one eager warm-up of
-the same step (which writes the same keys and values the replay writes again). The graphs hold
-the tensors they captured: the decoder's fused weights, the cache's, the adapter table's stacks.
-When any of those is allocated anew (a weight update's `Decoder.refresh`, the cache growing, a
-new adapted layer or a higher rank: their `generation`s and the cache's address), every graph is
+the same step (which writes the same keys and values the replay writes again), on the engine's
+own stream, one capture at a time in a process. A graph replays on the addresses it captured:
+the decoder's fused weights, the cache's tensors, the adapter table's stacks (the model's own
+parameters are updated in place). When any of those is allocated anew (a weight update's
+`Decoder.refresh`, the cache growing or given back, a new adapted layer or a higher rank: their
+`generation`s, bumped before they change, and every cache tensor's address), every graph is
 dropped and captured again on next use. Writing an adapter into a slot writes in place: the
-graphs read the new matrices. Off CUDA the same padded step runs eagerly, uncaptured (how the
-tests check it on a CPU).
+graphs read the new matrices. Rotary embeddings that recompute their frequencies as sequences
+grow are not captured (`DecodeGraphs.build`); a capture that fails anyway is logged and the
+engine steps eagerly from then on. Off CUDA the same padded step runs eagerly, uncaptured (how
+the tests check it on a CPU).
 """
 
 from __future__ import annotations
 
+import logging
+import threading
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -40,6 +47,8 @@ from flywheel.serve.engine.decoder import Decoder
 
 if TYPE_CHECKING:
     from flywheel.serve.engine.kv_cache import KVBatch
+
+log = logging.getLogger(__name__)
 
 BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512)
 """Batch widths a graph is captured for; a step of n rows replays the smallest that holds n (or
@@ -65,16 +74,31 @@ class DecodeGraphs:
         self.batch = batch
         self.table = table
         self.capture = batch.device.type == "cuda"
+        self.failed: str | None = None
+        """Why a capture failed, if one did: the engine then steps eagerly."""
         self._graphs: dict[tuple[int, bool], _Graph] = {}
         self._held: tuple | None = None
-        """What the graphs captured: the decoder's and table's generations, the cache's address and width."""
-        self._pool = torch.cuda.graph_pool_handle() if self.capture else None
+        """What the graphs captured: the decoder's and table's generations, the cache's width and addresses."""
+        self._pool = None
+        self._stream = torch.cuda.Stream(batch.device) if self.capture else None
+        """This engine's own capture stream (two engines in a process must not capture on one)."""
         self.captures = 0
         """Graphs captured so far (the tests count them)."""
 
+    @classmethod
+    def build(cls, decoder: Decoder, batch: KVBatch, table: AdapterTable) -> DecodeGraphs | None:
+        """`DecodeGraphs` for this decoder, or None where its steps cannot be captured: a rotary
+        embedding that recomputes its frequencies as sequences grow (dynamic and long ropes read
+        the position back to the host, which a capture may not do)."""
+        rope = getattr(decoder.model.model.rotary_emb, "rope_type", "default")
+        if "dynamic" in rope or rope == "longrope":
+            log.info("engine: decode steps not captured as CUDA graphs (rope type %r)", rope)
+            return None
+        return cls(decoder, batch, table)
+
     def serves(self, lora: Rows | None) -> bool:
         """Whether a step of these rows can be replayed (else the engine steps eagerly)."""
-        return lora is None or self.table.fixed_fits
+        return self.failed is None and (lora is None or self.table.fixed_fits)
 
     def step(self, tokens: torch.Tensor, positions: torch.Tensor, lora: Rows | None) -> torch.Tensor:
         """One token per row, as `Decoder.step` over the whole batch: `tokens` [rows] at
@@ -82,7 +106,7 @@ class DecodeGraphs:
         next-token logits [rows, vocab] in float32."""
         rows = len(tokens)
         self._drop_stale()
-        bucket = min(next((b for b in BUCKETS if b >= rows), rows), self.batch.max_rows)
+        bucket = min(next((b for b in BUCKETS if b >= rows), self.batch.max_rows), self.batch.max_rows)
         key = (bucket, lora is not None)
         graph = self._graphs.get(key)
         fresh = graph is None
@@ -92,22 +116,27 @@ class DecodeGraphs:
         graph.positions[:rows].copy_(positions)
         graph.positions[rows:].zero_()
         if graph.slots is not None:
-            graph.slots[:rows].copy_(torch.tensor(lora.slots), non_blocking=True)
+            graph.slots[:rows].copy_(torch.tensor(lora.slots))
         if not self.capture:
             return self._run(graph)[:rows]
-        if fresh:
-            self._capture(graph)
-            self._graphs[key] = graph  # only once captured: a capture that raised is tried again
-        graph.graph.replay()
-        return graph.logits[:rows].clone()
+        with torch.cuda.device(self.batch.device):
+            if fresh:
+                try:
+                    self._capture(graph)
+                except Exception as exc:  # the engine steps eagerly from now on; this step too
+                    self.failed = f"{type(exc).__name__}: {exc}"
+                    log.exception("engine: capturing a decode step failed; decode steps are eager from now on")
+                    return self._run(graph)[:rows]
+                self._graphs[key] = graph
+            graph.graph.replay()
+            return graph.logits[:rows].clone()
 
     def _drop_stale(self) -> None:
         held = (self.decoder.generation, self.table.generation, self.batch.columns,
                 *(store.data_ptr() for store in self.batch.keys + self.batch.values))
         if held != self._held:
             self._graphs.clear()
-            if self.capture:
-                self._pool = torch.cuda.graph_pool_handle()
+            self._pool = torch.cuda.graph_pool_handle() if self.capture else None
             self._held = held
 
     def _inputs(self, bucket: int, adapted: bool) -> _Graph:
@@ -125,13 +154,23 @@ class DecodeGraphs:
                                  [(0, len(graph.tokens), visible)], lora)
 
     def _capture(self, graph: _Graph) -> None:
-        """Warm up on a side stream (the step run once, as CUDA graphs require), then capture it."""
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
+        """On this engine's capture stream: the step run once (the warm-up CUDA graphs require; it
+        writes the keys and values the replay writes again), then captured. One capture at a time
+        in a process (`_CAPTURING`); the stream is left whether the capture ends or raises."""
+        stream = self._stream
+        stream.wait_stream(torch.cuda.current_stream())
+        with _CAPTURING, torch.cuda.stream(stream):
             self._run(graph)
-        torch.cuda.current_stream().wait_stream(side)
-        graph.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph.graph, pool=self._pool, capture_error_mode="thread_local"):  # others' threads may run
-            graph.logits = self._run(graph)
+            captured = torch.cuda.CUDAGraph()
+            captured.capture_begin(pool=self._pool, capture_error_mode="thread_local")  # others' threads may run
+            try:
+                logits = self._run(graph)
+            finally:
+                captured.capture_end()
+        torch.cuda.current_stream().wait_stream(stream)
+        graph.graph, graph.logits = captured, logits
         self.captures += 1
+
+
+_CAPTURING = threading.Lock()
+"""Held while a graph is captured: two engines of one process never capture at once."""

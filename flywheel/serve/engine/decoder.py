@@ -98,6 +98,7 @@ class Decoder:
 
     def refresh(self) -> None:
         """Rebuild the fused (and packed) weights from the model's parameters: after a weight update."""
+        self.generation += 1  # first: a refresh that raises half-way leaves no graph on the old weights
         body = self.model.model
         pack = _packer(next(self.model.parameters()), self.rows_hint)
         self.layers = []
@@ -114,7 +115,6 @@ class Decoder:
             ))
         self.norm = (body.norm.weight, body.norm.variance_epsilon)
         self.head = pack(self.model.lm_head.weight, self.model.lm_head.bias)
-        self.generation += 1
 
     def step(self, tokens: torch.Tensor, positions: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tensor],
              spans: list[tuple[int, int, torch.Tensor]], lora: Rows | FixedRows | None = None) -> torch.Tensor:
