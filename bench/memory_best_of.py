@@ -1,0 +1,118 @@
+"""Issue 45: how often a first reply would meet a person's wish if the platform served the best of
+k sampled replies, ranked by the checks of that wish (not built; this measures whether to build it).
+
+The served memory puts the instruction read in a person's corrections before their question
+(`memory.placement: user`); SmolLM2-135M then meets the wish about half the time (a first reply
+that answers and meets it: the personal-agent bench's measure), too seldom for three first replies
+in a row (docs/experiments/learning-from-use.md). The practice already ranks sampled replies by
+how much of a wish each does (`flywheel/judge/wish_checks.py`, the wish's aspect, a reply that
+does not answer ranked last). This asks SmolLM2-135M the bench's training questions (`--questions`)
+as one person of each preference of a people file (`--people`, written by a helper), each question
+`--k` times (seeds 0, 1000, ...: the app's temperature and max_tokens), with the right instruction
+before the question (`WANTED`), and scores by the person's own rule:
+
+- `single`: each sampled reply as it comes (what is served today);
+- `best of 2`, `best of K`: the reply of the first 2, or all K, that the wish's checks rank first,
+  answering as the judge reads it (the pointwise mutual information of reply and question under
+  the base model above zero, `flywheel/judge/relevance.py`, here computed in process); the first
+  reply where the checks cannot rank them;
+- `met` (answers and meets the wish), `answers` (the bench's rule), n = questions (x K for `single`).
+
+    .venv/bin/python bench/memory_best_of.py --people bench/data/people_heldout_2.json --name memory_best_of_heldout2
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import sys
+import time
+from pathlib import Path
+from statistics import fmean
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # `python bench/NAME.py` as well as `-m bench.NAME`
+
+from bench.judge_wishes import WANTED  # noqa: E402
+from bench.lib.common import machine, quiet_logs, table, write_result  # noqa: E402
+from bench.lib.personal_eval import prompt_ids, sample  # noqa: E402
+from bench.memory_placement import asked  # noqa: E402
+from flywheel.bus.instructions import addressed, names_in  # noqa: E402
+from flywheel.drills.simulated_people import TRAIN_QUESTIONS, User, answers, people_from  # noqa: E402
+from flywheel.judge.relevance import without_request  # noqa: E402
+from flywheel.judge.wish_checks import rewards  # noqa: E402
+
+HEADERS = ["preference", "met: single", "best of 2", "best of K", "answers: single", "best of 2", "best of K", "questions"]
+
+
+def log_prob(model, tokenizer, chat: list[dict], reply: list[int]) -> float:
+    """log p(reply | chat) under `model` (a prefill, as the teacher's server scores)."""
+    import torch
+
+    ids = prompt_ids(tokenizer, chat)
+    with torch.inference_mode():
+        logits = model(torch.tensor([ids + reply])).logits[0, len(ids) - 1:-1].float()
+    return float(torch.log_softmax(logits, -1).gather(1, torch.tensor(reply)[:, None]).sum())
+
+
+def best(kind: str, texts: list[str], answered: list[bool], chat: list[dict]) -> int:
+    """The index of the reply the wish's checks rank first (0 where they cannot rank them)."""
+    scores = rewards([WANTED[kind]], texts, chat, answered)
+    return 0 if scores is None else max(range(len(texts)), key=scores.__getitem__)
+
+
+def measure(model, tokenizer, user: User, questions: list[str], args) -> dict:
+    kind = user.preference.kind
+    person = asked(user, "user")
+    chats = [person.chat(q) for q in questions]
+    drawn = [asyncio.run(sample(model, tokenizer, chats, args, first_seed=1000 * k)) for k in range(args.k)]
+    met: dict[str, list[bool]] = {"single": [], "best of 2": [], "best of K": []}
+    answering: dict[str, list[bool]] = {key: [] for key in met}
+    for i, (question, chat) in enumerate(zip(questions, chats)):
+        replies = [draw[i] for draw in drawn]
+        texts = [tokenizer.decode(r, skip_special_tokens=True) for r in replies]
+        untold = without_request(chat, [addressed(text, names_in(chat)) for text in person.instructions])
+        answered = [log_prob(model, tokenizer, chat, r) > log_prob(model, tokenizer, untold, r) for r in replies]
+        picks = {"single": range(len(texts)), "best of 2": [best(kind, texts[:2], answered[:2], chat)],
+                 "best of K": [best(kind, texts, answered, chat)]}
+        for key, chosen in picks.items():
+            met[key] += [user.satisfied(texts[j], question) for j in chosen]
+            answering[key] += [answers(question, texts[j]) for j in chosen]
+    return {"preference": kind, "questions": len(questions),
+            "met": {key: fmean(values) for key, values in met.items()},
+            "answers": {key: fmean(values) for key, values in answering.items()}}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--people", default="bench/data/people_heldout.json")
+    parser.add_argument("--model", default="smollm2-135m")
+    parser.add_argument("--questions", type=int, default=16)
+    parser.add_argument("--k", type=int, default=4)
+    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--temperature", type=float, default=0.7)
+    parser.add_argument("--name", default="memory_best_of")
+    args = parser.parse_args()
+    quiet_logs()
+    from flywheel.models import load_model
+
+    started = time.monotonic()
+    model, tokenizer = load_model(args.model)
+    firsts: dict[str, User] = {}
+    for name, preference, _ in people_from(args.people).values():  # one person a preference: the rule is theirs
+        if preference.kind in WANTED:
+            firsts.setdefault(preference.kind, User(name, preference, seed=0))
+    questions = list(TRAIN_QUESTIONS)[:args.questions]
+    rows = [measure(model, tokenizer, user, questions, args) for user in firsts.values()]
+    keys = ("single", "best of 2", "best of K")
+    mean = {"preference": "mean", "questions": sum(r["questions"] for r in rows),
+            **{part: {key: fmean(r[part][key] for r in rows) for key in keys} for part in ("met", "answers")}}
+    print(table([h.replace("K", str(args.k)) for h in HEADERS],
+                [[r["preference"], *(round(r[part][key], 2) for part in ("met", "answers") for key in keys), r["questions"]]
+                 for r in rows + [mean]]))
+    path = write_result(args.name, {"args": vars(args), "machine": machine(None), "wall_s": round(time.monotonic() - started, 1),
+                                    "rows": rows, "mean": mean})
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()
