@@ -13,6 +13,7 @@ import contextlib
 import hashlib
 import json
 import os
+import shutil
 import subprocess
 import sys
 import threading
@@ -110,6 +111,28 @@ def test_processes_that_want_the_same_build_wait_for_one_to_build_it(cache: Path
         paths = list(pool.map(lambda _: want(), range(3)))
     assert len(builds) == 1 and paths == [cache / "thing"] * 3
     assert (cache / "thing" / "data").read_text() == "build 1" and leftovers(cache) == []
+
+
+def test_a_cached_result_removed_while_it_is_checked_is_built_again(cache: Path) -> None:
+    """Another process that found the result damaged may remove it (to build it again) while this
+    one is checking it, and the check then finds no file: that reads as not usable, and this one
+    takes the lock and builds it (or finds it built), rather than raising."""
+    (cache / "thing").mkdir(parents=True)
+    (cache / "thing" / "data").write_text("built")
+    checks, builds = [], []
+
+    def usable(path: Path) -> bool:
+        checks.append(path)
+        if len(checks) == 1:  # the other process's rmtree, mid-check
+            shutil.rmtree(path)
+        return (path / "data").read_text() == "built"
+
+    def build(tmp: Path) -> None:
+        builds.append(tmp)
+        (tmp / "data").write_text("built")
+
+    path = cached_build("thing", build, usable)
+    assert (path / "data").read_text() == "built" and len(builds) == 1 and leftovers(cache) == []
 
 
 def test_a_cached_build_that_cannot_be_read_is_built_again_once_while_the_others_wait(cache: Path) -> None:

@@ -88,13 +88,13 @@ def cached_build(name: str, build: Callable[[Path], None], usable: Callable[[Pat
     fails is tried again by the next process that asks (each waiter in turn, if it keeps failing).
     """
     dest = cache_root() / name
-    if dest.is_dir() and (usable is None or usable(dest)):
+    if dest.is_dir() and _usable(dest, usable):
         return dest
     dest.parent.mkdir(parents=True, exist_ok=True)
     lock_path = dest.parent / f".{dest.name}.lock"
     with open(lock_path, "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes, or the process dies
-        if dest.is_dir() and usable is not None and not usable(dest):
+        if dest.is_dir() and not _usable(dest, usable):
             log.warning("the cached %s cannot be read: building it again", dest)
             shutil.rmtree(dest)
         if not dest.is_dir():
@@ -107,3 +107,14 @@ def cached_build(name: str, build: Callable[[Path], None], usable: Callable[[Pat
         # Built: whoever still waits on this file, or opens a new one, finds `dest` and returns.
         lock_path.unlink(missing_ok=True)
     return dest
+
+
+def _usable(dest: Path, usable: Callable[[Path], bool] | None) -> bool:
+    """`usable(dest)`, where a result that cannot be opened is not usable: checked without the lock,
+    it may be a damaged result that another process is removing to build it again."""
+    if usable is None:
+        return True
+    try:
+        return usable(dest)
+    except OSError:
+        return False
