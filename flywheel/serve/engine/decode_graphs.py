@@ -1,11 +1,12 @@
 """Decode steps replayed from CUDA graphs: the embedded engine's own decode step (`decoder.Decoder`)
-captured once per batch width and replayed, one launch for the ~1,000 kernels of a step.
+captured once per batch bucket (with adapter rows or without) and replayed, one launch for the
+~1,340 kernels of a step.
 
 On a GPU a decode step of a small model is bound by launching its kernels, not by running them
-(SmolLM2-135M on an H200: the GPU idle 69 % of an eager step, docs/experiments/gpu-path.md), and
-adapters' products add ~40 % more launches (docs/experiments/adapters.md). A CUDA graph records a
-step's kernels with their arguments and launches them all at once. What it records is fixed, so
-the step it captures has fixed shapes and reads its inputs from fixed tensors:
+(SmolLM2-135M on an H200: the GPU idle 67-88 % of an eager step, docs/experiments/gpu-path.md), and
+adapters' products add ~47 % more launches (630 beside ~1,340; docs/experiments/adapters.md). A
+CUDA graph records a step's kernels with their arguments and launches them all at once. What it
+records is fixed, so the step it captures has fixed shapes and reads its inputs from fixed tensors:
 
 - the rows are padded up to a bucket (`BUCKETS`, at most the batch's slots): a padded row feeds
   whatever token its place last held at column 0 of a slot no live row holds (the live rows are
