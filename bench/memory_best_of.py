@@ -35,9 +35,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # `python bench
 from bench.judge_wishes import WANTED  # noqa: E402
 from bench.lib.common import machine, quiet_logs, table, write_result  # noqa: E402
 from bench.lib.personal_eval import prompt_ids, sample  # noqa: E402
-from bench.memory_placement import asked  # noqa: E402
+from bench.memory_placement import asked, first_of_each  # noqa: E402
 from flywheel.bus.instructions import addressed, names_in  # noqa: E402
-from flywheel.drills.simulated_people import TRAIN_QUESTIONS, User, answers, people_from  # noqa: E402
+from flywheel.drills.simulated_people import TRAIN_QUESTIONS, User, answers  # noqa: E402
 from flywheel.judge.relevance import without_request  # noqa: E402
 from flywheel.judge.wish_checks import rewards  # noqa: E402
 
@@ -97,10 +97,7 @@ def main() -> None:
 
     started = time.monotonic()
     model, tokenizer = load_model(args.model)
-    firsts: dict[str, User] = {}
-    for name, preference, _ in people_from(args.people).values():  # one person a preference: the rule is theirs
-        if preference.kind in WANTED:
-            firsts.setdefault(preference.kind, User(name, preference, seed=0))
+    firsts = first_of_each(args.people)
     questions = list(TRAIN_QUESTIONS)[:args.questions]
     rows = [measure(model, tokenizer, user, questions, args) for user in firsts.values()]
     keys = ("single", "best of 2", "best of K")

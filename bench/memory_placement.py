@@ -40,6 +40,16 @@ PLACEMENTS = ("none", "system", "user")
 HEADERS = ["preference", "placement", "met", "form", "answers", "n"]
 
 
+def first_of_each(people: str) -> dict[str, User]:
+    """The first person of each preference `WANTED` has in the people file `people`, by preference
+    (one person a preference: the rule is theirs)."""
+    firsts: dict[str, User] = {}
+    for name, preference, _ in people_from(people).values():
+        if preference.kind in WANTED:
+            firsts.setdefault(preference.kind, User(name, preference, seed=0))
+    return firsts
+
+
 def asked(user: User, placement: str) -> Asked:
     if placement == "none":
         return Asked(user.system)
@@ -74,10 +84,7 @@ def main() -> None:
 
     started = time.monotonic()
     model, tokenizer = load_model(args.model)
-    firsts: dict[str, User] = {}
-    for name, preference, _ in people_from(args.people).values():  # one person a preference: the rule is theirs
-        if preference.kind in WANTED:
-            firsts.setdefault(preference.kind, User(name, preference, seed=0))
+    firsts = first_of_each(args.people)
     questions = list(TRAIN_QUESTIONS)[:args.questions]
     rows = [asyncio.run(measure(model, tokenizer, user, placement, questions, args))
             for user in firsts.values() for placement in PLACEMENTS]
