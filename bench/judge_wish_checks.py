@@ -1,4 +1,4 @@
-"""How often the checks of practice replies (flywheel/judge/wish_checks.py) rank two replies as a
+"""How often the checks of practice replies (flywheel/formats/wish_checks.py) rank two replies as a
 careful reader would, on pairs their author did not write.
 
 Set: bench/data/wish_pairs_heldout.jsonl, written by a helper from a brief (/work/notes/
@@ -29,7 +29,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # `python bench/NAME.py` as well as `-m bench.NAME`
 
 from bench.lib.common import ROOT, table, write_result  # noqa: E402
-from flywheel.judge.wish_checks import rewards  # noqa: E402
+from flywheel.formats.wish_checks import rewards  # noqa: E402
 
 HEADERS = ["wish", "pairs", "said", "right | said", "wrong", "ties", "ties kept"]
 

@@ -5,7 +5,7 @@ The served memory puts the instruction read in a person's corrections before the
 (`memory.placement: user`); SmolLM2-135M then meets the wish about half the time (a first reply
 that answers and meets it: the personal-agent bench's measure), too seldom for three first replies
 in a row (docs/experiments/learning-from-use.md). The practice already ranks sampled replies by
-how much of a wish each does (`flywheel/judge/wish_checks.py`, the wish's aspect, a reply that
+how much of a wish each does (`flywheel/formats/wish_checks.py`, the wish's aspect, a reply that
 does not answer ranked last). This asks SmolLM2-135M the bench's training questions (`--questions`)
 as one person of each preference of a people file (`--people`, written by a helper), each question
 `--k` times (seeds 0, 1000, ...: the app's temperature and max_tokens), with the right instruction
@@ -38,8 +38,8 @@ from bench.lib.personal_eval import prompt_ids, sample  # noqa: E402
 from bench.memory_placement import asked, first_of_each  # noqa: E402
 from flywheel.bus.instructions import addressed, names_in  # noqa: E402
 from flywheel.drills.simulated_people import TRAIN_QUESTIONS, User, answers  # noqa: E402
-from flywheel.judge.relevance import without_request  # noqa: E402
-from flywheel.judge.wish_checks import rewards  # noqa: E402
+from flywheel.bus.instructions import without_request  # noqa: E402
+from flywheel.formats.wish_checks import rewards  # noqa: E402
 
 HEADERS = ["preference", "met: single", "best of 2", "best of K", "answers: single", "best of 2", "best of K", "questions"]
 

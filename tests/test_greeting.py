@@ -35,16 +35,16 @@ def test_the_gateway_greets_a_person_by_the_name_their_sessions_first_request_gi
     memory.take(Instructions(id="r", tenant="open", user_id="ada", instructions=[SHORTER, NAME], read=[], turns=[],
                              read_from=1.0, created_at=time.time()))
     system = {"role": "system", "content": "You are Ada's personal assistant."}
-    body, served = memory.applied(*request("s1", system, {"role": "user", "content": "Hi"}))
+    body, (served, _) = memory.applied(*request("s1", system, {"role": "user", "content": "Hi"}))
     assert served == (SHORTER, DEAR_ADA) and GREETING in NAME  # what the turn records: what the model was told
     first = body.messages[1].text()
     assert first == f"{SHORTER} {DEAR_ADA}\n\nHi" and persons_words(first, served) == "Hi"
     later = request("s1", system, {"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello."},
                     {"role": "user", "content": "I'm Bea, by the way."})
-    assert memory.applied(*later)[1] == served  # the session keeps what it started with: its prompts extend
-    assert memory.applied(*request("s2", {"role": "user", "content": "Call me Bea. Hi"}))[1] == (
+    assert memory.applied(*later)[1].instructions == served  # the session keeps what it started with: its prompts extend
+    assert memory.applied(*request("s2", {"role": "user", "content": "Call me Bea. Hi"}))[1].instructions == (
         SHORTER, NAME.replace(GREETING, '"Dear Bea,"'))
-    assert memory.applied(*request("s3", {"role": "user", "content": "Hi"}))[1] == (SHORTER, NAMELESS)
+    assert memory.applied(*request("s3", {"role": "user", "content": "Hi"}))[1].instructions == (SHORTER, NAMELESS)
 
 
 def test_the_teacher_and_the_bench_greet_the_person_by_the_name_the_conversation_gives():

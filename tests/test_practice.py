@@ -22,7 +22,7 @@ from flywheel.config.loader import ConfigError
 from flywheel.config.memory import TEMPLATE
 from flywheel.judge.loop import JudgeLoop
 from flywheel.judge.practice import corrected_turns
-from flywheel.judge.relevance import without_request
+from flywheel.bus.instructions import without_request
 from flywheel.judge.teacher import Teacher
 from flywheel.judge.wishes import Wish
 from flywheel.models import load_model

@@ -30,7 +30,7 @@ from flywheel.serve.api.messages import MessagesRequest
 from flywheel.serve.api.sessions import session_of
 from flywheel.serve.loop import ServeLoop
 from flywheel.serve.ops.tenants import OPEN, Grant
-from flywheel.serve.served_memory import ServedMemory
+from flywheel.serve.served_memory import Served, ServedMemory
 from flywheel.tenants.forget import forget
 
 from bus_reading import collected, read
@@ -131,7 +131,7 @@ async def test_the_memory_stream_keeps_each_persons_newest_record_and_a_start_re
     memory = ServedMemory("\n\nAsked: $instructions")
     for record in kept:
         memory.take(record)
-    served = [memory.instructions(chat(user, None, tenant=tenant)[1]) for tenant, user in [("open", "ada"), ("acme", "ada"), ("open", None)]]
+    served = [memory.instructions(chat(user, None, tenant=tenant)[1]).instructions for tenant, user in [("open", "ada"), ("acme", "ada"), ("open", None)]]
     assert served == [(LIST,), (SHORTER,), (LIST,)]
 
 
@@ -216,13 +216,13 @@ def test_placed_in_the_user_message_they_go_before_the_first_ones_text_alone():
     assert [p.text for p in memory.applied(parts, chat("ada", "a2")[1])[0].messages[0].content] == [f"{SHORTER} {FORMAL}\n\n", "Hi"]
     assert memory.applied(*chat("bob", "b1"))[0].messages[0].text() == "Hi"  # nothing of hers in another's
     alone = ChatCompletionRequest(model="tiny", messages=[{"role": "system", "content": "You help."}])
-    assert memory.applied(alone, chat("ada", "a3")[1]) == (alone, ())  # nowhere to put them: none recorded
+    assert memory.applied(alone, chat("ada", "a3")[1]) == (alone, Served())  # nowhere to put them: none recorded
     agent = MessagesRequest(model="tiny", max_tokens=4, messages=[
         {"role": "user", "content": "Weather?"}, {"role": "assistant", "content": [
             {"type": "tool_use", "id": "t1", "name": "weather", "input": {}}]},
         {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t1", "content": "Sunny"}]}]).to_chat()
     served, said = memory.applied(agent, chat("ada", "a4")[1])
-    assert said == (SHORTER, FORMAL) and [(m.role, m.text()) for m in served.messages] == [
+    assert said.instructions == (SHORTER, FORMAL) and [(m.role, m.text()) for m in served.messages] == [
         ("user", f"{SHORTER} {FORMAL}\n\nWeather?"), ("assistant", ""), ("tool", "Sunny")]  # a tool result as it came
     with pytest.raises(ValueError, match="memory.template"):
         load_config(None, ["memory.placement=user", "memory.template=Asked: $instructions"])
@@ -298,13 +298,14 @@ async def test_a_correction_reaches_the_persons_next_prompts_and_leaves_with_the
                 (await http.post("/end")).raise_for_status()
 
         def served(gateway, user: str) -> tuple[str, ...]:
-            return gateway.memory.instructions(chat(user, None)[1])
+            return gateway.memory.instructions(chat(user, None)[1]).instructions
 
         try:
             await session("ada-1", "ada", feedback=TOO_LONG)
             await session("bob-1", "bob", feedback="Please call me Bob.")
             await until(lambda: served(serve, "ada") == (SHORTER,) and served(serve, "bob") == (NAMELESS,))
             [ada_read] = await read(bus, MEMORY_SUBJECTS, "memory-check", keep=lambda r: r.user_id == "ada")
+            assert ada_read.aspects == ["shorter"] and serve.memory.instructions(chat("bob", None)[1]).aspects == ("name",)
             async with httpx.AsyncClient(base_url=serve.url) as http:  # Messages' count as the model would see it
                 counted = [(await http.post("/v1/messages/count_tokens", headers={"X-User-Id": user}, json={
                     "model": "tiny", "messages": [{"role": "user", "content": "Greet me."}]})).json()["input_tokens"]
@@ -351,7 +352,7 @@ async def test_in_the_user_message_the_prompt_holds_them_and_the_judges_read_the
     what followed her first reply, and what it answered."""
     async with platform(nats_url, tmp_path, "memory.enabled=true", "memory.placement=user") as (serve, _, client):
         await bus.publish(memory_subject("open", "ada"), instructions("ada", [SHORTER]))
-        await until(lambda: serve.memory.instructions(chat("ada", None)[1]) == (SHORTER,))
+        await until(lambda: serve.memory.instructions(chat("ada", None)[1]).instructions == (SHORTER,))
         headers = {"X-Session-Id": "ada-1", "X-User-Id": "ada"}
         asked = [{"role": "system", "content": "You help."}, {"role": "user", "content": "Greet me."}]
         first = await client.chat.completions.create(model="tiny", messages=asked, max_tokens=4, extra_headers=headers)

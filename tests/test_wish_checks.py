@@ -5,7 +5,7 @@ each does, and say nothing where they cannot."""
 import pytest
 
 from flywheel.bus.instructions import names_in
-from flywheel.judge.wish_checks import rewards
+from flywheel.formats.wish_checks import rewards
 
 ASKED = [{"role": "system", "content": "You are Maya's personal assistant."},
          {"role": "user", "content": "How do I keep a sourdough starter alive?"}]

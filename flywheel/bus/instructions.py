@@ -21,7 +21,7 @@ from collections.abc import Iterable, Sequence
 from string import Template
 from typing import Any
 
-from flywheel.bus.messages import content_parts
+from flywheel.bus.messages import content_parts, content_text
 from flywheel.bus.records import Record
 
 GREETING = "{greeting}"
@@ -62,6 +62,17 @@ def persons_words(text: str, instructions: Iterable[str]) -> str:
     return text.removeprefix(placed_before(instructions)) if instructions else text
 
 
+def without_request(messages: list[dict[str, Any]], instructions: Sequence[str] = ()) -> list[dict[str, Any]]:
+    """`messages` with the last user message emptied of the person's words (the conversation before
+    it kept, and what the served memory put before them: `instructions`, `Turn.instructions`)."""
+    messages = [dict(m) for m in messages]
+    users = [m for m in messages if m.get("role") == "user"]
+    if users:
+        text = content_text(users[-1].get("content"))
+        users[-1]["content"] = text[:len(text) - len(persons_words(text, instructions))] if len(users) == 1 else ""
+    return messages
+
+
 def unplaced(messages: list[dict[str, Any]], instructions: Iterable[str], template: str) -> list[dict[str, Any]]:
     """A turn's recorded `messages` as the person sent them: without what the served memory put in
     them (`Turn.instructions`), before the first user message's text (`placement: user`) or at the
@@ -96,6 +107,9 @@ class Instructions(Record, kw_only=True):
     """The end user (None: the tenant's traffic that names none, one person)."""
     instructions: list[str]
     """What their newest corrections ask of replies, as instructions to the model."""
+    aspects: list[str] = []
+    """The aspect each of `instructions` is for (a record from before they were kept: none), which
+    the gateway's checks of a reply's form read (`memory.best_of`, flywheel/formats/wish_checks.py)."""
     read: list[str]
     """The aspect read in each of their newest corrections that read one, newest first, which the
     instructions were voted from: a judge that starts again goes on from them."""

@@ -111,6 +111,11 @@ class Turn(Record, kw_only=True):
     instructions: list[str] = msgspec.field(default_factory=list)
     """The person's instructions the served memory put in `messages` (`memory.*`: at the end of the
     system message, or before the text of the first user message), none where it put nothing."""
+    best_of: int = 1
+    """How many replies were sampled for this one's place (`memory.best_of`): with more than one,
+    the one served and recorded is the one the checks of the person's wish ranked first. Its
+    tokens' log-probs are each token's under the policy, as always; the choice among the replies
+    is not a sample of the policy."""
     prompt: str | None = None
     """The `completions` request's text prompt (None for chat, or a prompt given as ids)."""
     response: dict[str, Any]

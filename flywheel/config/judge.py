@@ -260,7 +260,7 @@ class TeacherConfig(Section):
     practice_reward: Literal["equal", "checks"] = "equal"
     """The rewards of a practice group: `equal`, the teacher's term alone moves its replies;
     `checks`, where every aspect the person's corrections ask for is one a rule can check (a
-    reply's length, lists or prose, register, being named: flywheel/judge/wish_checks.py), the
+    reply's length, lists or prose, register, being named: flywheel/formats/wish_checks.py), the
     rewards rank the replies by how much of it each does, so those that do more are learned past
     what the teacher would write (their RL term at full weight, `actor.rl_coef_hinted`
     notwithstanding), and a reply that does not answer the request (the base model finds it no

@@ -43,6 +43,15 @@ class MemoryConfig(Section):
     about half as often again before the question, and more people learned within 15
     conversations, but new questions were answered less often by the bench's rule (0.77 against
     0.90): hence the default (docs/experiments/learning-from-use.md#where-the-instructions-go-memoryplacement)."""
+    best_of: int = Field(1, ge=1, le=8)
+    """Replies sampled for a whole (not streamed) chat answer of one choice, no tools, whose
+    person's instructions a rule checks (a reply's length, lists or prose, register, being named:
+    flywheel/formats/wish_checks.py): the one the checks rank first is served and recorded, one
+    that does not answer the question (the base model's reading, as the judge's) ranked last.
+    1: one reply, as sampled. On SmolLM2-135M with the instructions before the question, 2 raised
+    the share of first replies meeting the wish from about half to 0.7, and answering no less
+    (flywheel/serve/best_of.py; docs/experiments/learning-from-use.md). It costs a decode of k
+    rows and two prefills a reply; streams and other requests are served one reply."""
     template: str = TEMPLATE
     """What `placement: system` appends to the system message (`string.Template`, $instructions);
     a request without one gets a system message of it, stripped."""

@@ -1,1 +1,3 @@
-"""What a model's output must look like: the tool-call formats of model families, and the token grammars that constrain decoding."""
+"""What a model's output must look like: the tool-call formats of model families, the token grammars that
+constrain decoding, and the checks of a reply's form against what a person asked (shared by the judge's
+practice and the gateway's best of k)."""

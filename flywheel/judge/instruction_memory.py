@@ -51,8 +51,9 @@ class InstructionMemory(PeopleMemory[Read]):
         self.keep(trajectory, read)
         kept = self.recall(trajectory)
         aspects = [aspect for _, aspect in kept]
+        served = wanted(aspects)
         return Instructions(id=f"{trajectory.id}#memory", tenant=trajectory.tenant, user_id=trajectory.user_id,
-                            instructions=[ASPECTS[aspect] for aspect in wanted(aspects)], read=aspects,
+                            instructions=[ASPECTS[aspect] for aspect in served], aspects=served, read=aspects,
                             turns=[turn for turn, _ in kept], read_from=trajectory.created_at)
 
     def restore(self, record: Instructions) -> None:

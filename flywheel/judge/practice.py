@@ -13,7 +13,7 @@ with the engine's tokens, log-probabilities and versions. The replies form one t
 teaches every one of them as it teaches the first. (`bench/hint_update.py` measured the update
 alone: four replies to each corrected question, each taught, raised the wanted first token
 further than one.) With `judge.teacher.practice_reward: checks`, where a rule can check every
-aspect the person's corrections ask (flywheel/judge/wish_checks.py), the group's rewards rank
+aspect the person's corrections ask (flywheel/formats/wish_checks.py), the group's rewards rank
 its replies by how much of it each does: it then also learns which of them did what was asked,
 past what the teacher would write. A reply that does not answer the request (the base model
 finds it no likelier told the request than not: flywheel/judge/relevance.py) ranks below every
@@ -59,7 +59,7 @@ from flywheel.bus.stitch import stitch, without_tokens
 from flywheel.judge.people_memory import PeopleMemory
 from flywheel.judge.relevance import information
 from flywheel.judge.teacher import GRAMMAR_KEYS, Teacher
-from flywheel.judge.wish_checks import checkable, rewards
+from flywheel.formats.wish_checks import checkable, rewards
 from flywheel.judge.wishes import Wish
 
 log = logging.getLogger(__name__)

@@ -15,7 +15,7 @@ threshold to tune: zero is where the request stops mattering. (The trainer's ada
 flywheel/train/adapter_guard.py, reads the same information of a version's replies in process,
 against another question; the judge has only the teacher's server.)
 
-Practice rewarded by checks (flywheel/judge/wish_checks.py) ranks a reply that does not answer
+Practice rewarded by checks (flywheel/formats/wish_checks.py) ranks a reply that does not answer
 last, whatever its form: "at most 30 words" is met by a reply that says nothing, and learning
 that is learning to stop answering.
 """
@@ -26,20 +26,8 @@ import asyncio
 from collections.abc import Sequence
 from typing import Any
 
-from flywheel.bus.instructions import persons_words
-from flywheel.bus.messages import content_text
+from flywheel.bus.instructions import without_request
 from flywheel.judge.teacher import Teacher
-
-
-def without_request(messages: list[dict[str, Any]], instructions: Sequence[str] = ()) -> list[dict[str, Any]]:
-    """`messages` with the last user message emptied of the person's words (the conversation before
-    it kept, and what the served memory put before them: `instructions`, `Turn.instructions`)."""
-    messages = [dict(m) for m in messages]
-    users = [m for m in messages if m.get("role") == "user"]
-    if users:
-        text = content_text(users[-1].get("content"))
-        users[-1]["content"] = text[:len(text) - len(persons_words(text, instructions))] if len(users) == 1 else ""
-    return messages
 
 
 async def information(teacher: Teacher, messages: list[dict[str, Any]], output_ids: list[int],

@@ -34,11 +34,13 @@ from flywheel.serve.api.sse import EventStreamResponse
 from flywheel.serve.api.wire import OpenAIWire, Wire
 from flywheel.serve.backends.base import EngineError
 from flywheel.serve.backends.pool import EnginePool
+from flywheel.serve.best_of import BestOf, best_of
 from flywheel.serve.continuation import SessionContinuations
 from flywheel.serve.in_flight import Generation
 from flywheel.serve.ops.limits import ConcurrencyLimiter, request_timeout
 from flywheel.serve.ops.metrics import ServeMetrics
 from flywheel.serve.personal_data import PersonalData
+from flywheel.serve.prompts import PromptBuilder
 from flywheel.serve.recorder import Recorder, RecordLost
 from flywheel.tenants.forgotten import Forgettings
 from flywheel.tenants.sessions import SessionRegistry
@@ -56,7 +58,8 @@ class Answerer:
     def __init__(self, pool: EnginePool, tokenizer: Any, recorder: Recorder, model_name: str, config: ServeConfig,
                  context_length: int, metrics: ServeMetrics, continuations: SessionContinuations,
                  limiter: ConcurrencyLimiter, sessions: SessionRegistry, personal_data: PersonalData,
-                 adapters: AdapterRouting | None = None, forgettings: Forgettings | None = None):
+                 adapters: AdapterRouting | None = None, forgettings: Forgettings | None = None,
+                 prompts: PromptBuilder | None = None, best_of: int = 1):
         self.pool = pool
         self.tokenizer = tokenizer
         self.recorder = recorder
@@ -72,6 +75,10 @@ class Answerer:
         """Forgets heard of: a request under way at one is not recorded."""
         self.adapters = adapters or AdapterRouting(model_name, pool)
         """Which adapter answers a request, and whether `model` may be asked for at all."""
+        self.prompts = prompts
+        self.best_of = best_of
+        """`memory.best_of`: replies sampled for a request whose person's wish a rule checks
+        (flywheel/serve/best_of.py; `prompts` renders the request without their words)."""
         self.stats = GatewayStats()
 
     def new_token_budget(self, body: ChatCompletionRequest | CompletionRequest, prompt_ids: list[int], capped: bool) -> int:
@@ -104,7 +111,7 @@ class Answerer:
             max_new_tokens=self.new_token_budget(body, prompt_ids, capped=wire is not None),
             forced=forced, tool_format=tool_format, on_finish=self._finished, timeout_s=self.config.request_timeout_s,
             personal_data=self.personal_data, adapter=adapter.name, lora_path=adapter.lora_path,
-            forgettings=self.forgettings,
+            forgettings=self.forgettings, best_of=await self._best_of(body, session, forced, tool_format),
         )
         if not session.anonymous and session.store:
             for choice in generation.choices:
@@ -123,6 +130,12 @@ class Answerer:
             raise APIError(exc.status, str(exc)) from None
         except RecordLost as exc:
             raise APIError(503, f"the answer could not be recorded ({exc}); send the request again", code="not_recorded") from None
+
+    async def _best_of(self, body: ChatCompletionRequest | CompletionRequest, session: SessionInfo, forced: str,
+                       tool_format: ToolFormat | None) -> BestOf | None:
+        if self.best_of < 2 or self.prompts is None:
+            return None
+        return await best_of(self.best_of, body, session, self.prompts, self.model_name, forced, tool_format is not None)
 
     def _finished(self, generation: Generation) -> None:
         """Counts, metrics, and each main choice's exact ids kept for the session's next prompt."""

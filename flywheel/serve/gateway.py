@@ -88,7 +88,7 @@ def create_gateway(pool: EnginePool, tokenizer: Any, recorder: Recorder, model_n
     personal_data = app.state.personal_data = PersonalData()
     metrics.on_scrape(lambda m: m.personal_data(personal_data.dropped, personal_data.redacted))
     answerer = Answerer(pool, tokenizer, recorder, model_name, config, context_length, metrics, continuations, limiter,
-                        sessions, personal_data, adapters, forgettings)
+                        sessions, personal_data, adapters, forgettings, prompts, memory.best_of if memory is not None else 1)
 
     def guarded(body: Any, session: SessionInfo) -> tuple[Any, SessionInfo]:
         """The request as the model sees it: its prompt redacted under `redact_input`, then its
@@ -97,8 +97,8 @@ def create_gateway(pool: EnginePool, tokenizer: Any, recorder: Recorder, model_n
             body = personal_data.redact_request(body, session.tenant, session.pii_entities)
         if memory is None:
             return body, session
-        body, instructions = memory.applied(body, session)
-        return body, replace(session, instructions=instructions) if instructions else session
+        body, served = memory.applied(body, session)
+        return body, replace(session, **served._asdict()) if served.instructions else session
     stats = app.state.stats = answerer.stats
     app.state.limiter = limiter
     app.state.prompts = prompts  # closed by the serve loop once the server has stopped

@@ -35,6 +35,7 @@ from flywheel.serve.api.chat import (
 from flywheel.serve.api.formatting import chat_message, output_text
 from flywheel.serve.api.sessions import SessionInfo
 from flywheel.serve.api.wire import Wire
+from flywheel.serve.best_of import BestOf
 from flywheel.serve.backends.base import EngineClient, EngineError
 from flywheel.serve.engine_choice import Choice
 from flywheel.serve.personal_data import PersonalData, texts_of
@@ -74,6 +75,8 @@ class Generation:
     its origin's or None (the bare base), and its tokens are recorded as its version 0."""
     forgettings: Forgettings | None = None
     """Forgets this gateway heard of: a turn of someone forgotten while it ran is not recorded."""
+    best_of: BestOf | None = None
+    """Serve the best of several replies by the checks of the person's wish (`memory.best_of`)."""
     id: str = field(default_factory=lambda: uuid.uuid4().hex)
     created: int = field(default_factory=lambda: int(time.time()))
     arrived: float = field(default_factory=time.monotonic)
@@ -89,6 +92,8 @@ class Generation:
             tools = [t.model_dump(exclude_none=True) for t in self.body.tools]
             self._grammar = self.tool_format.forced_grammar(self.body.tool_choice, tools)
         self._messages: dict[int, tuple[dict[str, Any], str]] = {}
+        self._drawn = 0
+        """Which of the `best_of` replies was served (its sampling is recorded)."""
 
     def session_of(self, choice: Choice) -> str:
         """The session the choice's turn is recorded in: with n > 1 each choice continues its own."""
@@ -119,13 +124,14 @@ class Generation:
             self._messages[choice.index] = chat_message(choice, self.tool_format, self.forced)
         return self._messages[choice.index]
 
-    def _engine_body(self, i: int) -> dict[str, Any]:
+    def _engine_body(self, i: int, draw: int = 0) -> dict[str, Any]:
+        """Choice i's engine request; `draw` > 0: another reply of `best_of` for it."""
         return {
             "input_ids": self.prompt_ids,
-            "sampling_params": self._sampling(i),
+            "sampling_params": self._sampling(i + draw),
             "return_logprob": True,
             "top_logprobs_num": self.top_n,
-            "rid": self.choices[i].rid,
+            "rid": f"{self.choices[i].rid}+{draw}" if draw else self.choices[i].rid,
             **({"lora_path": self.lora_path} if self.lora_path is not None else {}),
         }
 
@@ -155,13 +161,22 @@ class Generation:
     async def complete(self) -> dict[str, Any]:
         """The whole answer, once its turns are durable (`RecordLost` if they cannot be)."""
         try:
-            responses = await asyncio.gather(*(self.engine.generate(self._engine_body(i)) for i in range(self.body.n)))
+            if self.best_of is None:
+                responses = await asyncio.gather(*(self.engine.generate(self._engine_body(i)) for i in range(self.body.n)))
+            else:
+                responses = [await self._best()]
             self.choices = [Choice.from_response(i, c.rid, r) for i, (c, r) in enumerate(zip(self.choices, responses))]
         except BaseException:
             self._record()
             raise
         await self._record_durably()
         return self.wire.answer(self)
+
+    async def _best(self) -> dict[str, Any]:
+        """The engine's response that `best_of` picks of its k (the only choice: n is 1)."""
+        drawn = await asyncio.gather(*(self.engine.generate(self._engine_body(0, j)) for j in range(self.best_of.k)))
+        self._drawn = await self.best_of.pick(self.engine, self.prompt_ids, [(r["text"], r["output_ids"]) for r in drawn])
+        return drawn[self._drawn]
 
     def client_left(self) -> None:
         """The client went away before its answer was ready: its unfinished choices are recorded
@@ -349,7 +364,8 @@ class Generation:
                 adapter=self.adapter,
                 output_versions=self._versions(choice),
                 finish_reason=finish,
-                sampling=self._sampling(choice.index),
+                sampling=self._sampling(choice.index + self._drawn),
+                best_of=self.best_of.k if self.best_of else 1,
                 session_done=self.session.done,
                 client_disconnected=choice.disconnected,
                 timings=Timings(

@@ -44,7 +44,7 @@ from flywheel.serve.api.chat import ChatCompletionRequest, Message
 from flywheel.serve.api.errors import APIError, translated
 from flywheel.serve.api.sessions import session_of
 from flywheel.serve.api.validation import Body
-from flywheel.serve.backends.base import EngineError
+from flywheel.serve.backends.base import EngineClient, EngineError
 from flywheel.serve.backends.pool import EnginePool
 from flywheel.serve.prompts import PromptBuilder
 
@@ -72,6 +72,19 @@ async def rendered(prompts: PromptBuilder, model_name: str, messages: list[Messa
     chat = translated(lambda: ChatCompletionRequest(model=model_name, messages=messages))
     prompt_ids, *_ = await prompts.chat(chat, session_of({}, None, None))
     return prompt_ids
+
+
+async def input_logprobs(engine: EngineClient, prompt_ids: list[int], output_ids: list[int], temperature: float = 1.0,
+                         top_k: int = 0) -> dict[str, Any]:
+    """The engine's `meta_info` for `output_ids` after `prompt_ids`, scored in one prefill-only
+    request on its base (see the module's `/engine/score`): `input_token_logprobs[1:]` are the
+    output's, with `top_k` also `input_top_logprobs[1:]`. `EngineError` if the engine cannot."""
+    scored = await engine.generate({
+        "input_ids": prompt_ids + output_ids, "return_logprob": True, "logprob_start_len": len(prompt_ids) - 1,
+        "sampling_params": {"max_new_tokens": 0, "temperature": temperature},
+        **({"top_logprobs_num": top_k} if top_k else {}),
+    })
+    return scored["meta_info"]
 
 
 def operator_only(request: Request) -> None:
@@ -105,12 +118,6 @@ def install_scoring_routes(app: FastAPI, pool: EnginePool, prompts: PromptBuilde
                 raise APIError(400, f"could not load adapter {body.lora_name} from {body.lora_path}: {exc}") from None
             return {"success": True, "loaded_adapters": sorted(pool.adapter_versions)}
 
-    async def generate_on_engine(body: dict[str, Any]) -> dict[str, Any]:
-        try:
-            return await engine.generate(body)
-        except EngineError as exc:
-            raise APIError(exc.status, str(exc)) from None
-
     async def generate(request: Request) -> Any:
         try:
             body = await request.json()
@@ -134,12 +141,10 @@ def install_scoring_routes(app: FastAPI, pool: EnginePool, prompts: PromptBuilde
     @app.post("/engine/score")
     async def score(body: ScoreRequest) -> dict[str, Any]:
         prompt_ids = await rendered(prompts, model_name, body.messages)
-        scored = await generate_on_engine({
-            "input_ids": prompt_ids + body.output_ids, "return_logprob": True, "logprob_start_len": len(prompt_ids) - 1,
-            "sampling_params": {"max_new_tokens": 0, "temperature": body.temperature},
-            **({"top_logprobs_num": body.top_k} if body.top_k else {}),
-        })
-        meta = scored["meta_info"]
+        try:
+            meta = await input_logprobs(engine, prompt_ids, body.output_ids, body.temperature, body.top_k)
+        except EngineError as exc:
+            raise APIError(exc.status, str(exc)) from None
         answer: dict[str, Any] = {"logprobs": [entry[0] for entry in meta["input_token_logprobs"][1:]],
                                   "prompt_tokens": len(prompt_ids)}
         if body.top_k:

@@ -25,7 +25,7 @@ from __future__ import annotations
 import sys
 import time
 from collections.abc import Iterable, Mapping
-from typing import Any
+from typing import Any, NamedTuple
 
 from flywheel.bus.instructions import GREETING, Instructions, addressed, names_in, placed_before, said
 from flywheel.bus.scan import take_all
@@ -38,6 +38,13 @@ from flywheel.tenants.forgotten import Forgettings, forget_of, forgets
 SESSIONS = 100_000
 PEOPLE = 1_000_000
 Person = tuple[str, str | None]
+
+
+class Served(NamedTuple):
+    """A person's instructions as served, and the aspect each is for (`Instructions.aspects`)."""
+
+    instructions: tuple[str, ...] = ()
+    aspects: tuple[str, ...] = ()
 
 
 def placed(messages: list[Message], template: str, placement: str, instructions: Iterable[str]) -> list[Message] | None:
@@ -63,17 +70,19 @@ def _prepended(message: Message, text: str) -> Message:
 
 class ServedMemory:
     def __init__(self, template: str, retention_s: Mapping[str, float] | None = None, people: int = PEOPLE,
-                 sessions: int = SESSIONS, without: Iterable[str] = (), placement: str = "system"):
+                 sessions: int = SESSIONS, without: Iterable[str] = (), placement: str = "system", best_of: int = 1):
         self.template = template
+        self.best_of = best_of
+        """`memory.best_of`: replies sampled where a rule checks a person's instructions (flywheel/serve/best_of.py)."""
         self.placement = placement
         """`memory.placement`: `system` or `user`."""
         self.without = frozenset(without)
         """Tenants whose people are served no memory (`tenants.NAME.memory: false`)."""
         self.retention_s = dict(retention_s or {})
         """Tenant -> seconds its records are kept (`retention_days`); others: the MEMORY stream's age."""
-        self._people: LRU[Person, tuple[tuple[str, ...], float]] = LRU(people)
+        self._people: LRU[Person, tuple[Served, float]] = LRU(people)
         """Person -> their instructions and when they expire (Unix time)."""
-        self._sessions: LRU[str, tuple[Person, tuple[str, ...]]] = LRU(sessions)
+        self._sessions: LRU[str, tuple[Person, Served]] = LRU(sessions)
         """Session -> whose it is and the instructions it started with."""
         self._forgotten = Forgettings()
         self.taken = 0
@@ -81,10 +90,10 @@ class ServedMemory:
 
     @classmethod
     async def read(cls, bus: Any, template: str, retention_s: Mapping[str, float],
-                   without: Iterable[str] = (), placement: str = "system") -> tuple[ServedMemory, int]:
+                   without: Iterable[str] = (), placement: str = "system", best_of: int = 1) -> tuple[ServedMemory, int]:
         """The memory read whole from `bus`, before a gateway's first request: every forget so
         far on the audit log, then every record on MEMORY; and the last of those, to follow from."""
-        memory = cls(template, retention_s, without=without, placement=placement)
+        memory = cls(template, retention_s, without=without, placement=placement, best_of=best_of)
 
         def heard(entry: Any) -> None:
             if (forget := forget_of(entry)) is not None:
@@ -104,7 +113,8 @@ class ServedMemory:
         if self._forgotten.since(*person, record.read_from):
             return
         expires = record.created_at + self.retention_s.get(record.tenant, MEMORY.max_age_s)
-        self._people[person] = (tuple(sys.intern(text) for text in record.instructions), expires)
+        self._people[person] = (Served(tuple(sys.intern(text) for text in record.instructions),
+                                       tuple(sys.intern(aspect) for aspect in record.aspects)), expires)
 
     def forget(self, tenant: str, user: str | None, at: float) -> None:
         """Drop a tenant's people (or one user) and their sessions' instructions; forgotten at
@@ -115,29 +125,29 @@ class ServedMemory:
         for session in [s for s in self._sessions if forgets((tenant, user), self._sessions.peek(s)[0])]:
             self._sessions.pop(session)
 
-    def instructions(self, session: SessionInfo, messages: list[Message] = ()) -> tuple[str, ...]:
+    def instructions(self, session: SessionInfo, messages: list[Message] = ()) -> Served:
         """What the session's person asked of replies, as of the session's first request here,
         greeting them by the name that request's `messages` give (`addressed`)."""
         person = (session.tenant, session.user_id or None)
         pinned = None if session.anonymous else self._sessions.get(session.session_id)
         if pinned is not None and pinned[0] == person:
             return pinned[1]
-        current, expires = self._people.peek(person) or ((), 0.0)
-        if current and expires <= time.time():
+        current, expires = self._people.peek(person) or (Served(), 0.0)
+        if current.instructions and expires <= time.time():
             self._people.pop(person)
-            current = ()
-        if any(GREETING in text for text in current):
+            current = Served()
+        if any(GREETING in text for text in current.instructions):
             names = names_in([{"role": m.role, "content": m.text()} for m in messages])
-            current = tuple(addressed(text, names) for text in current)
+            current = current._replace(instructions=tuple(addressed(text, names) for text in current.instructions))
         if not session.anonymous:
             self._sessions[session.session_id] = (person, current)
         return current
 
-    def applied(self, body: Any, session: SessionInfo) -> tuple[Any, tuple[str, ...]]:
+    def applied(self, body: Any, session: SessionInfo) -> tuple[Any, Served]:
         """A chat request with its person's instructions `placed`, and them (recorded on its turns,
         `Turn.instructions`); any other request as it is, and none."""
         if (not isinstance(body, ChatCompletionRequest) or session.tenant in self.without
-                or not (instructions := self.instructions(session, body.messages))
-                or (messages := placed(list(body.messages), self.template, self.placement, instructions)) is None):
-            return body, ()
-        return body.model_copy(update={"messages": messages}), instructions
+                or not (served := self.instructions(session, body.messages)).instructions
+                or (messages := placed(list(body.messages), self.template, self.placement, served.instructions)) is None):
+            return body, Served()
+        return body.model_copy(update={"messages": messages}), served

@@ -59,6 +59,8 @@ class SessionInfo:
     """No session id was given: a one-turn session of its own."""
     instructions: tuple[str, ...] = ()
     """The person's instructions the served memory put in this request (`memory.*`)."""
+    aspects: tuple[str, ...] = ()
+    """The aspect each of `instructions` is for (`memory.best_of` checks those a rule can)."""
 
 
 def consent_of(grant: Grant, headers: Mapping[str, str], store: bool | None) -> tuple[bool, bool]:
