@@ -14,13 +14,15 @@ import pytest
 from flywheel.bus.instructions import Instructions
 from flywheel.bus.records import Turn
 from flywheel.bus.streams import TRAFFIC_SUBJECTS, memory_subject
+from flywheel.config import load_config
 from flywheel.formats.wish_checks import rewards
 from flywheel.judge.wishes import ASPECTS
 from flywheel.models import load_model
 from flywheel.serve.api.chat import ChatCompletionRequest
 from flywheel.serve.api.sessions import session_of
+from flywheel.serve.backends.base import EngineError
 from flywheel.serve.backends.in_process import InProcessEngineClient
-from flywheel.serve.best_of import BestOf, best_of
+from flywheel.serve.best_of import BestOf, Reply, best_of
 from flywheel.serve.continuation import SessionContinuations
 from flywheel.serve.engine import Engine
 from flywheel.serve.ops.tenants import OPEN, Grant
@@ -56,20 +58,29 @@ def ids(tokenizer, messages: list[dict]) -> list[int]:
 async def test_the_reply_served_does_most_of_the_wish_among_those_that_answer_the_question(smollm2):
     """SmolLM2-135M reads which replies answer (the request makes them likelier); of those, the
     checks pick the shortest for `shorter` and the longest for `longer`; a short reply that says
-    nothing of the question is never served for being short."""
+    nothing of the question, or one the engine cut off, is never served for being short."""
     engine, tokenizer = smollm2
     told = [{"role": "user", "content": f"{SHORTER}\n\n{QUESTION}"}]
-    prompt, untold = ids(tokenizer, told), ids(tokenizer, [{"role": "user", "content": f"{SHORTER}\n\n"}])
-    replies = [(text, tokenizer.encode(text, add_special_tokens=False)) for text in REPLIES]
-    assert await BestOf(4, ["shorter"], told, untold).pick(engine, prompt, replies) == 1
-    assert await BestOf(4, ["longer"], told, untold).pick(engine, prompt, replies) == 2
-    nothing = [replies[0], replies[3]]  # neither answers: the first, as it would have been alone
-    assert await BestOf(2, ["shorter"], told, untold).pick(engine, prompt, nothing) == 0
+    choosing = BestOf(4, ["shorter"], told, ids(tokenizer, told), ids(tokenizer, [{"role": "user", "content": f"{SHORTER}\n\n"}]))
+    replies = [Reply(text, tokenizer.encode(text, add_special_tokens=False), whole=True) for text in REPLIES]
+    assert await choosing.pick(engine, replies) == 1
+    assert await replace(choosing, aspects=["longer"]).pick(engine, replies) == 2
+    assert await choosing.pick(engine, [replies[0], replies[3]]) is None  # neither answers: as sampled
+    cut = [replies[0], replace(replies[1], whole=False), replies[2]]
+    assert await choosing.pick(engine, cut) == 2
+    draw = {"input_ids": ids(tokenizer, told), "sampling_params": {"max_new_tokens": 8, "temperature": 1.0},
+            "return_logprob": True}
+    broken = {**draw, "input_ids": [10**9]}  # one draw the engine refuses: the others are served
+    j, response, _ = await choosing.served(engine, [broken, {**draw, "rid": "d1"}, {**draw, "rid": "d2"}])
+    assert j in (1, 2) and response["output_ids"]
+    with pytest.raises(EngineError):
+        await choosing.served(engine, [broken, {**broken, "rid": "b2"}])
 
 
 def test_only_a_whole_plain_chat_answer_whose_wish_a_rule_checks_is_drawn_more_than_once(model_and_tokenizer):
-    """Streams, several choices, tools, a response format and wishes no rule checks (or two
-    opposite ones) are served one reply; the untold prompt keeps the instruction, not the question."""
+    """Streams, several choices, greedy sampling, tools, a response format and wishes no rule checks
+    (or two opposite ones) are served one reply; the untold prompt keeps the instruction, not the
+    question; vLLM's engine client, which cannot score, is refused by the configuration."""
     _, tokenizer = model_and_tokenizer
     prompts = PromptBuilder(tokenizer, SessionContinuations(tokenizer, 10))
     asking = session_of({"x-user-id": "ada"}, None, None, grant=Grant("open", OPEN.training, True))
@@ -87,8 +98,11 @@ def test_only_a_whole_plain_chat_answer_whose_wish_a_rule_checks_is_drawn_more_t
     for refused in [choice(("shorter",), k=1), choice(("shorter",), stream=True), choice(("shorter",), n=2),
                     choice(("shorter",), tools=True), choice(("shorter",), forced="<tool_call>"),
                     choice(("shorter",), response_format={"type": "json_object"}), choice(("example",)),
+                    choice(("shorter",), temperature=0.0),
                     choice(("shorter", "longer")), choice(())]:
         assert refused is None
+    with pytest.raises(ValueError, match="memory.best_of"):
+        load_config(None, ["memory.best_of=2", "serve.engine_kind=vllm"])
 
 
 async def test_the_gateway_serves_and_records_the_first_ranked_of_k_draws_alone(nats_url, tmp_path, bus):

@@ -2,10 +2,9 @@
 
 Every record is a `msgspec.Struct` encoded as MessagePack on the wire (JSON where people read
 them: spill files, `flywheel tail`; `encode`/`decode` take the codec). MessagePack because the loops'
-throughput is bound by decoding. Per-token data (ids, logprobs, versions, masks) are typed
-arrays (`flywheel.bus.arrays`) that travel as raw bytes: one copy to decode instead of one object per
-token; logprobs stay exact float64. Each carries `schema`, the
-version of its layout: a consumer accepts any record whose `schema` it knows and ignores
+throughput is bound by decoding. Per-token data (ids, logprobs, versions, masks) are typed arrays
+(`flywheel.bus.arrays`) that travel as raw bytes: one copy to decode instead of one object per
+token; logprobs stay exact float64. Each carries `schema`, the version of its layout: a consumer accepts any record whose `schema` it knows and ignores
 fields it does not (so a producer may add optional fields without breaking older consumers;
 removing or retyping a field bumps `SCHEMA_VERSION`).
 
@@ -112,10 +111,7 @@ class Turn(Record, kw_only=True):
     """The person's instructions the served memory put in `messages` (`memory.*`: at the end of the
     system message, or before the text of the first user message), none where it put nothing."""
     best_of: int = 1
-    """How many replies were sampled for this one's place (`memory.best_of`): with more than one,
-    the one served and recorded is the one the checks of the person's wish ranked first. Its
-    tokens' log-probs are each token's under the policy, as always; the choice among the replies
-    is not a sample of the policy."""
+    """Of how many replies the checks of the person's wish chose this (`memory.best_of`; 1: sampled)."""
     prompt: str | None = None
     """The `completions` request's text prompt (None for chat, or a prompt given as ids)."""
     response: dict[str, Any]
@@ -130,10 +126,9 @@ class Turn(Record, kw_only=True):
     session_done: bool = False
     """The client marked this turn as the last of its session (`X-Session-Done: true`)."""
     client_disconnected: bool = False
-    """The client went away before the answer was complete, streamed or not (the output is what
-    was generated until then; `finish_reason` is `abort`). With an engine abort or a request
-    timeout, `finish_reason` is `abort` too: any such turn is one the client did not use, unless
-    a later turn continues from it."""
+    """The client went away before the answer was complete, streamed or not (the output is what was
+    generated until then; `finish_reason` is `abort`). With an engine abort or a request timeout,
+    `finish_reason` is `abort` too: a turn the client did not use, unless a later one continues it."""
     timings: Timings = msgspec.field(default_factory=Timings)
 
     def __post_init__(self) -> None:  # producers may pass lists

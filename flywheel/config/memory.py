@@ -47,11 +47,13 @@ class MemoryConfig(Section):
     """Replies sampled for a whole (not streamed) chat answer of one choice, no tools, whose
     person's instructions a rule checks (a reply's length, lists or prose, register, being named:
     flywheel/formats/wish_checks.py): the one the checks rank first is served and recorded, one
-    that does not answer the question (the base model's reading, as the judge's) ranked last.
-    1: one reply, as sampled. On SmolLM2-135M with the instructions before the question, 2 raised
-    the share of first replies meeting the wish from about half to 0.7, and answering no less
-    (flywheel/serve/best_of.py; docs/experiments/learning-from-use.md). It costs a decode of k
-    rows and two prefills a reply; streams and other requests are served one reply."""
+    that does not answer the question ranked last (the engine read with no adapter: with adapters,
+    the frozen base the judge's teacher reads with). 1: one reply, as sampled. On SmolLM2-135M with
+    the instructions before the question, 2 raised the share of first replies meeting the wish
+    from about half to 0.7 offline, answering no less (flywheel/serve/best_of.py;
+    docs/experiments/learning-from-use.md). It costs k decodes at once and two prefills a reply;
+    streams and other requests are served one reply. Not with `serve.engine_kind: vllm` (its
+    client does not score)."""
     template: str = TEMPLATE
     """What `placement: system` appends to the system message (`string.Template`, $instructions);
     a request without one gets a system message of it, stripped."""

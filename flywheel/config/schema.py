@@ -294,6 +294,9 @@ class FlywheelConfig(Section):
             raise ValueError(f"memory.enabled with judge.kind=llm and judge.llm.mode={self.judge.llm.mode}: its rewards "
                              "are in [0, 1], so no reply is judged below zero and no correction is read; use "
                              "judge.llm.mode=next_state or judge.kind=next_state")
+        if self.memory.best_of > 1 and self.serve.engine_kind == "vllm":
+            raise ValueError("memory.best_of > 1 with serve.engine_kind=vllm: each reply's answering is read with "
+                             "prefill-only scoring, which the vLLM engine client does not do; set memory.best_of=1")
         return self
 
     @model_validator(mode="after")

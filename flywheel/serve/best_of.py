@@ -5,18 +5,23 @@ Where the served memory put a person's instructions in a request (flywheel/serve
 and a rule checks every aspect they ask for (flywheel/formats/wish_checks.py: a reply's length,
 lists or prose, register, being named), the gateway samples k replies at once on the request's
 engine, reads whether each answers the question as the judge reads it (flywheel/judge/relevance.py:
-the request makes the reply likelier under the engine's base, two prefill-only requests with no
-adapter), and serves the one the checks rank first, a reply that does not answer ranked below
-every one that does. Where they cannot rank them (no reply answers, none differs in what is
-checked, the engine could not score one) the first is served, as it would have been alone.
+the request makes the reply likelier, two prefill-only requests with no adapter: with adapters the
+frozen base the judge's teacher reads with, else the served weights), and serves the one the checks
+rank first, a reply that does not answer (or that the engine cut off) ranked below every one that
+does. Where they cannot rank them (no reply answers, none differs in what is checked, the engine
+could not score one) the first that came back whole is served, as it would have been alone, and
+recorded as a plain sample. Both prompts are rendered from the messages as the judge renders them
+(the told one, in a conversation, may differ from the ids the session continued). The engine client
+must score (the embedded engine, SGLang; not vLLM's: a configuration error).
 
 Only the served reply is recorded (`Turn.best_of` says how many it was chosen from): the person's
 next message follows it, and the collector stitches that message to the reply they saw; the others
-were never shown and are dropped. Each recorded token's behaviour log-prob is its own under the
+were never shown and are dropped. The concurrency limit and the metrics count the request once. Each recorded token's behaviour log-prob is its own under the
 policy, right for the tokens; the choice among the replies is not a sample of the policy (the
 decoupled objective's weights do not correct for it), so what the person's adapter learns from
 leans toward their wish by more than its own samples do. Streams (a reply could not start before
-every one is read), several choices, tools and response formats are served one reply, as sampled.
+every one is read), several choices, greedy sampling, tools and response formats are served one
+reply, as sampled.
 """
 
 from __future__ import annotations
@@ -27,11 +32,24 @@ from typing import Any
 
 from flywheel.bus.instructions import without_request
 from flywheel.formats.wish_checks import checkable, rewards
-from flywheel.serve.api.chat import ChatCompletionRequest, Message
+from flywheel.serve.api.chat import GREEDY_BELOW, ChatCompletionRequest, Message
+from flywheel.serve.api.errors import APIError
+from flywheel.serve.api.formatting import output_text
 from flywheel.serve.api.sessions import SessionInfo
 from flywheel.serve.backends.base import EngineClient, EngineError
+from flywheel.serve.engine_choice import Choice
 from flywheel.serve.prompts import PromptBuilder
 from flywheel.serve.scoring_server import input_logprobs, rendered
+
+
+@dataclass
+class Reply:
+    """One of the k, as the person would be served it."""
+
+    text: str
+    output_ids: list[int]
+    whole: bool
+    """Not cut off by the engine (an abort)."""
 
 
 @dataclass
@@ -43,37 +61,60 @@ class BestOf:
     """What the person's served instructions are for (`SessionInfo.aspects`)."""
     messages: list[dict[str, Any]]
     """The request's messages as the model saw them (the checks read the person's names there)."""
+    told_ids: list[int]
+    """The prompt of those messages, rendered afresh."""
     untold_ids: list[int]
     """The prompt without the person's words in its last user message (what the served memory put
     before them kept): a reply the request does not make likelier does not answer it."""
 
-    async def pick(self, engine: EngineClient, prompt_ids: list[int], replies: list[tuple[str, list[int]]]) -> int:
-        """The index of the reply (its text, its output ids) to serve."""
-        answered = await asyncio.gather(*(self._answers(engine, prompt_ids, ids) for _, ids in replies))
-        if any(a is None for a in answered):
-            return 0
-        scores = rewards(self.aspects, [text for text, _ in replies], self.messages, answered)
-        return 0 if scores is None else max(range(len(replies)), key=scores.__getitem__)
+    async def served(self, engine: EngineClient, bodies: list[dict[str, Any]]) -> tuple[int, dict[str, Any], bool]:
+        """Of the engine's responses to the k `bodies` (one request's draws), the one to serve:
+        (its index, it, whether the checks chose it); the first that came back where they cannot
+        rank them. A draw failing fails the request only if every one does."""
+        drawn = await asyncio.gather(*(engine.generate(body) for body in bodies), return_exceptions=True)
+        back = [(j, response) for j, response in enumerate(drawn) if not isinstance(response, BaseException)]
+        if not back:
+            raise drawn[0]
+        choices = [Choice.from_response(0, "", response) for _, response in back]
+        picked = await self.pick(engine, [Reply(output_text(c), c.output_ids, c.finish_reason != "abort") for c in choices])
+        return (*back[picked or 0], picked is not None)
 
-    async def _answers(self, engine: EngineClient, prompt_ids: list[int], output_ids: list[int]) -> bool | None:
-        """Whether the request makes the reply likelier (None: the engine could not say)."""
-        if not output_ids:
+    async def pick(self, engine: EngineClient, replies: list[Reply]) -> int | None:
+        """The index of the reply to serve; None where the checks cannot rank them (serve the first)."""
+        answered = await asyncio.gather(*(self._answers(engine, reply) for reply in replies))
+        if any(a is None for a in answered):
+            return None
+        scores = rewards(self.aspects, [reply.text for reply in replies], self.messages, answered)
+        return None if scores is None else max(range(len(replies)), key=scores.__getitem__)
+
+    async def _answers(self, engine: EngineClient, reply: Reply) -> bool | None:
+        """Whether the request makes the whole reply likelier (None: the engine could not say)."""
+        if not reply.output_ids or not reply.whole:
             return False
         try:
-            told, untold = await asyncio.gather(input_logprobs(engine, prompt_ids, output_ids),
-                                                input_logprobs(engine, self.untold_ids, output_ids))
-        except EngineError:
+            told, untold = await asyncio.gather(input_logprobs(engine, self.told_ids, reply.output_ids),
+                                                input_logprobs(engine, self.untold_ids, reply.output_ids))
+            return _total(told) > _total(untold)
+        except (EngineError, KeyError, TypeError, IndexError):
             return None
-        return sum(e[0] for e in told["input_token_logprobs"][1:]) > sum(e[0] for e in untold["input_token_logprobs"][1:])
+
+
+def _total(meta: dict[str, Any]) -> float:
+    return sum(entry[0] for entry in meta["input_token_logprobs"][1:])
 
 
 async def best_of(k: int, body: Any, session: SessionInfo, prompts: PromptBuilder, model_name: str,
                   forced: str = "", tools_active: bool = False) -> BestOf | None:
     """The choice among `k` replies for a request, where it is made (see the module); else None."""
     if (k < 2 or not isinstance(body, ChatCompletionRequest) or body.stream or body.n != 1 or forced or tools_active
+            or body.temperature < GREEDY_BELOW
             or body.response_format is not None and body.response_format.constraint() is not None
             or not checkable(list(session.aspects))):
         return None
     messages = [m.model_dump(exclude_none=True) for m in body.messages]
     untold = [Message.model_validate(m) for m in without_request(messages, session.instructions)]
-    return BestOf(k, list(session.aspects), messages, await rendered(prompts, model_name, untold))
+    try:
+        told_ids, untold_ids = await rendered(prompts, model_name, body.messages), await rendered(prompts, model_name, untold)
+    except APIError:  # the template refuses the emptied request: no reading of answers, one reply
+        return None
+    return BestOf(k, list(session.aspects), messages, told_ids, untold_ids)
