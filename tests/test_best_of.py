@@ -9,6 +9,7 @@ import asyncio
 import time
 from dataclasses import replace
 
+import httpx
 import pytest
 
 from flywheel.bus.instructions import Instructions
@@ -133,6 +134,8 @@ async def test_the_gateway_serves_and_records_the_first_ranked_of_k_draws_alone(
         async def likelihood(prompt: list[int], output: list[int]) -> float:
             return sum(entry[0] for entry in (await input_logprobs(engine, list(prompt), list(output)))["input_token_logprobs"][1:])
         answered = [await likelihood(served.prompt_ids, d.output_ids) > await likelihood(untold, d.output_ids) for d in draws]
+        async with httpx.AsyncClient() as http:
+            scraped = (await http.get(f"{serve.url}/metrics")).text
     texts = [d.response["content"] for d in draws]
     scores = rewards(["shorter"], texts, served.messages, answered)
     first = max(range(3), key=scores.__getitem__)
@@ -142,3 +145,4 @@ async def test_the_gateway_serves_and_records_the_first_ranked_of_k_draws_alone(
     assert served.id == raw.headers["x-interaction-id"] and raw.parse().choices[0].message.content == texts[first]
     assert turns["ada-s"].best_of == 1 and {d.best_of for d in draws} == {1}
     assert len(turns) == 5  # nothing recorded of the draws not served
+    assert 'flywheel_best_of_answers_total{outcome="chosen"} 1.0' in scraped and 'outcome="as_sampled"' not in scraped

@@ -146,6 +146,8 @@ class Answerer:
                 self.continuations.remember(generation.session.session_id, generation.prompt_ids + choice.output_ids,
                                             generation.continued_text(choice))
         metrics = self.metrics
+        if generation.best_of is not None:
+            metrics.best_of(generation.chosen)
         metrics.tokens(len(generation.prompt_ids) * generation.body.n, sum(len(c.output_ids) for c in generation.choices))
         for choice in generation.choices:
             if choice.first_token_at is None:

@@ -94,8 +94,8 @@ class Generation:
         self._messages: dict[int, tuple[dict[str, Any], str]] = {}
         self._drawn = 0
         """Which of the `best_of` replies was served (its sampling is recorded)."""
-        self._ranked = False
-        """Whether the checks chose it (else it was served as sampled: `Turn.best_of` 1)."""
+        self.chosen = False
+        """Whether the checks chose the reply (else it was served as sampled: `Turn.best_of` 1)."""
 
     def session_of(self, choice: Choice) -> str:
         """The session the choice's turn is recorded in: with n > 1 each choice continues its own."""
@@ -166,7 +166,7 @@ class Generation:
             if self.best_of is None:
                 responses = await asyncio.gather(*(self.engine.generate(self._engine_body(i)) for i in range(self.body.n)))
             else:
-                self._drawn, response, self._ranked = await self.best_of.served(
+                self._drawn, response, self.chosen = await self.best_of.served(
                     self.engine, [self._engine_body(0, j) for j in range(self.best_of.k)])
                 responses = [response]
             self.choices = [Choice.from_response(i, c.rid, r) for i, (c, r) in enumerate(zip(self.choices, responses))]
@@ -363,7 +363,7 @@ class Generation:
                 output_versions=self._versions(choice),
                 finish_reason=finish,
                 sampling=self._sampling(choice.index + self._drawn),
-                best_of=self.best_of.k if self.best_of and self._ranked else 1,
+                best_of=self.best_of.k if self.best_of and self.chosen else 1,
                 session_done=self.session.done,
                 client_disconnected=choice.disconnected,
                 timings=Timings(

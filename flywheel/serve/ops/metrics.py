@@ -89,12 +89,18 @@ class ServeMetrics:
         self._active = Gauge("flywheel_requests_active", "Requests holding a generation slot.", registry=r)
         self._waiting = Gauge("flywheel_requests_waiting", "Requests waiting for a generation slot.", registry=r)
         self._rejected = Counter("flywheel_requests_rejected", "Requests refused with 429 (overloaded).", registry=r)
+        self._best_of = Counter("flywheel_best_of_answers", "Answers drawn several times (`memory.best_of`): `chosen` "
+                                "by the checks of the person's wish, or served `as_sampled` where they could not rank.",
+                                ["outcome"], registry=r)
         self._totals: dict[Counter, float] = {}
         self._scrape_callbacks: list[Callable[[ServeMetrics], None]] = []
 
     def request_finished(self, endpoint: str, status: int, seconds: float, tenant: str = "none") -> None:
         self._requests.labels(endpoint, str(status), tenant).inc()
         self._request_seconds.labels(endpoint).observe(seconds)
+
+    def best_of(self, chosen: bool) -> None:
+        self._best_of.labels("chosen" if chosen else "as_sampled").inc()
 
     def tokens(self, prompt: int, completion: int) -> None:
         self._prompt_tokens.inc(prompt)
