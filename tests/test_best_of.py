@@ -28,7 +28,7 @@ from flywheel.serve.continuation import SessionContinuations
 from flywheel.serve.engine import Engine
 from flywheel.serve.ops.tenants import OPEN, Grant
 from flywheel.serve.prompts import PromptBuilder
-from flywheel.serve.scoring_server import input_logprobs
+from flywheel.serve.scoring_server import input_logprobs, output_logprobs
 
 from bus_reading import read
 from factories import platform
@@ -132,7 +132,7 @@ async def test_the_gateway_serves_and_records_the_first_ranked_of_k_draws_alone(
         engine = serve.pool.engines[0]
 
         async def likelihood(prompt: list[int], output: list[int]) -> float:
-            return sum(entry[0] for entry in (await input_logprobs(engine, list(prompt), list(output)))["input_token_logprobs"][1:])
+            return sum(output_logprobs(await input_logprobs(engine, list(prompt), list(output))))
         answered = [await likelihood(served.prompt_ids, d.output_ids) > await likelihood(untold, d.output_ids) for d in draws]
         async with httpx.AsyncClient() as http:
             scraped = (await http.get(f"{serve.url}/metrics")).text

@@ -4,9 +4,9 @@ Every record is a `msgspec.Struct` encoded as MessagePack on the wire (JSON wher
 them: spill files, `flywheel tail`; `encode`/`decode` take the codec). MessagePack because the loops'
 throughput is bound by decoding. Per-token data (ids, logprobs, versions, masks) are typed arrays
 (`flywheel.bus.arrays`) that travel as raw bytes: one copy to decode instead of one object per
-token; logprobs stay exact float64. Each carries `schema`, the version of its layout: a consumer accepts any record whose `schema` it knows and ignores
-fields it does not (so a producer may add optional fields without breaking older consumers;
-removing or retyping a field bumps `SCHEMA_VERSION`).
+token; logprobs stay exact float64. Each carries `schema`, the version of its layout: a consumer
+accepts any record whose `schema` it knows and ignores fields it does not (so a producer may add
+optional fields without breaking older consumers; removing or retyping a field bumps `SCHEMA_VERSION`).
 
 Who produces and consumes what:
 

@@ -58,8 +58,8 @@ class ServeConfig(Section):
     cuda_graphs: bool = True
     """On CUDA, the embedded engine's own decode steps (`own_decoder`) are captured as CUDA graphs,
     one per batch bucket, with adapter rows or without, and replayed: one launch for a step's
-    ~1,340 kernels, where an eager step of a small model waits on launching them (`flywheel/serve/engine/decode_graphs.py`;
-    docs/experiments/adapters.md). No effect on a CPU."""
+    ~1,340 kernels, where an eager step of a small model waits on launching them
+    (`flywheel/serve/engine/decode_graphs.py`; docs/experiments/adapters.md). No effect on a CPU."""
     max_loras: int = Field(8, ge=0)
     """LoRA adapters the embedded engine holds at once (slots; vLLM's `--max-loras`): rows of
     that many adapters, and of the bare base, decode in one batch. Beyond it the least recently

@@ -56,10 +56,10 @@ import msgspec
 from flywheel.bus import Sample, Trajectory, Turn
 from flywheel.bus.instructions import unplaced
 from flywheel.bus.stitch import stitch, without_tokens
+from flywheel.formats.wish_checks import checkable, rewards
 from flywheel.judge.people_memory import PeopleMemory
 from flywheel.judge.relevance import information
 from flywheel.judge.teacher import GRAMMAR_KEYS, Teacher
-from flywheel.formats.wish_checks import checkable, rewards
 from flywheel.judge.wishes import Wish
 
 log = logging.getLogger(__name__)

@@ -9,19 +9,19 @@ the request makes the reply likelier, two prefill-only requests with no adapter:
 frozen base the judge's teacher reads with, else the served weights), and serves the one the checks
 rank first, a reply that does not answer (or that the engine cut off) ranked below every one that
 does. Where they cannot rank them (no reply answers, none differs in what is checked, the engine
-could not score one) the first that came back whole is served, as it would have been alone, and
+could not score one) the first that came back is served, as it would have been alone, and
 recorded as a plain sample. Both prompts are rendered from the messages as the judge renders them
 (the told one, in a conversation, may differ from the ids the session continued). The engine client
 must score (the embedded engine, SGLang; not vLLM's: a configuration error).
 
 Only the served reply is recorded (`Turn.best_of` says how many it was chosen from): the person's
 next message follows it, and the collector stitches that message to the reply they saw; the others
-were never shown and are dropped. The concurrency limit and the metrics count the request once. Each recorded token's behaviour log-prob is its own under the
-policy, right for the tokens; the choice among the replies is not a sample of the policy (the
-decoupled objective's weights do not correct for it), so what the person's adapter learns from
-leans toward their wish by more than its own samples do. Streams (a reply could not start before
-every one is read), several choices, greedy sampling, tools and response formats are served one
-reply, as sampled.
+were never shown and are dropped. The concurrency limit and the metrics count the request once. Each
+recorded token's behaviour log-prob is its own under the policy, right for the tokens; the choice
+among the replies is not a sample of the policy (the decoupled objective's weights do not correct
+for it), so what the person's adapter learns from leans toward their wish by more than its own
+samples do. Streams (a reply could not start before every one is read), several choices, greedy
+sampling, tools and response formats are served one reply, as sampled.
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ from flywheel.serve.api.sessions import SessionInfo
 from flywheel.serve.backends.base import EngineClient, EngineError
 from flywheel.serve.engine_choice import Choice
 from flywheel.serve.prompts import PromptBuilder
-from flywheel.serve.scoring_server import input_logprobs, rendered
+from flywheel.serve.scoring_server import input_logprobs, output_logprobs, rendered
 
 
 @dataclass
@@ -100,7 +100,7 @@ class BestOf:
 
 
 def _total(meta: dict[str, Any]) -> float:
-    return sum(entry[0] for entry in meta["input_token_logprobs"][1:])
+    return sum(output_logprobs(meta))
 
 
 async def best_of(k: int, body: Any, session: SessionInfo, prompts: PromptBuilder, model_name: str,

@@ -35,8 +35,8 @@ from flywheel.serve.api.chat import (
 from flywheel.serve.api.formatting import chat_message, output_text
 from flywheel.serve.api.sessions import SessionInfo
 from flywheel.serve.api.wire import Wire
-from flywheel.serve.best_of import BestOf
 from flywheel.serve.backends.base import EngineClient, EngineError
+from flywheel.serve.best_of import BestOf
 from flywheel.serve.engine_choice import Choice
 from flywheel.serve.personal_data import PersonalData, texts_of
 from flywheel.serve.recorder import Recorder, RecordLost

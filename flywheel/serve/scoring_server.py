@@ -87,6 +87,11 @@ async def input_logprobs(engine: EngineClient, prompt_ids: list[int], output_ids
     return scored["meta_info"]
 
 
+def output_logprobs(meta: dict[str, Any]) -> list[float]:
+    """The output's log-probabilities in `input_logprobs`' answer."""
+    return [entry[0] for entry in meta["input_token_logprobs"][1:]]
+
+
 def operator_only(request: Request) -> None:
     if not getattr(request.state, "operator", False):
         raise APIError(403, "this route is the operator's: send the admin key", code="permission_denied")
@@ -145,7 +150,7 @@ def install_scoring_routes(app: FastAPI, pool: EnginePool, prompts: PromptBuilde
             meta = await input_logprobs(engine, prompt_ids, body.output_ids, body.temperature, body.top_k)
         except EngineError as exc:
             raise APIError(exc.status, str(exc)) from None
-        answer: dict[str, Any] = {"logprobs": [entry[0] for entry in meta["input_token_logprobs"][1:]],
+        answer: dict[str, Any] = {"logprobs": output_logprobs(meta),
                                   "prompt_tokens": len(prompt_ids)}
         if body.top_k:
             tops = meta["input_top_logprobs"][1:]
