@@ -1,5 +1,6 @@
-"""Issue 45: how often a first reply would meet a person's wish if the platform served the best of
-k sampled replies, ranked by the checks of that wish (not built; this measures whether to build it).
+"""Issue 45: how often a first reply meets a person's wish where the platform serves the best of k
+sampled replies, ranked by the checks of that wish (`memory.best_of`, measured here before it was
+built; flywheel/serve/best_of.py).
 
 The served memory puts the instruction read in a person's corrections before their question
 (`memory.placement: user`); SmolLM2-135M then meets the wish about half the time (a first reply
@@ -12,10 +13,10 @@ as one person of each preference of a people file (`--people`, written by a help
 before the question (`WANTED`), and scores by the person's own rule:
 
 - `single`: each sampled reply as it comes (what is served today);
-- `best of 2`, `best of K`: the reply of the first 2, or all K, that the wish's checks rank first,
-  answering as the judge reads it (the pointwise mutual information of reply and question under
-  the base model above zero, `flywheel/judge/relevance.py`, here computed in process); the first
-  reply where the checks cannot rank them;
+- `best of 2`, `best of K`: the reply of the first 2, or all K, that the gateway serves
+  (`flywheel/formats/wish_checks.best`: the wish's checks first among those that answer as the judge
+  reads it, the pointwise mutual information of reply and question under the base model above
+  zero, `flywheel/judge/relevance.py`, here computed in process); the first where none answers;
 - `met` (answers and meets the wish), `answers` (the bench's rule), n = questions (x K for `single`).
 
     .venv/bin/python bench/memory_best_of.py --people bench/data/people_heldout_2.json --name memory_best_of_heldout2
@@ -39,7 +40,7 @@ from bench.memory_placement import asked, first_of_each  # noqa: E402
 from flywheel.bus.instructions import addressed, names_in  # noqa: E402
 from flywheel.drills.simulated_people import TRAIN_QUESTIONS, User, answers  # noqa: E402
 from flywheel.bus.instructions import without_request  # noqa: E402
-from flywheel.formats.wish_checks import rewards  # noqa: E402
+from flywheel.formats.wish_checks import best  # noqa: E402
 
 HEADERS = ["preference", "met: single", "best of 2", "best of K", "answers: single", "best of 2", "best of K", "questions"]
 
@@ -54,10 +55,10 @@ def log_prob(model, tokenizer, chat: list[dict], reply: list[int]) -> float:
     return float(torch.log_softmax(logits, -1).gather(1, torch.tensor(reply)[:, None]).sum())
 
 
-def best(kind: str, texts: list[str], answered: list[bool], chat: list[dict]) -> int:
-    """The index of the reply the wish's checks rank first (0 where they cannot rank them)."""
-    scores = rewards([WANTED[kind]], texts, chat, answered)
-    return 0 if scores is None else max(range(len(texts)), key=scores.__getitem__)
+def served(kind: str, texts: list[str], gains: list[float], chat: list[dict]) -> int:
+    """The index of the reply the gateway would serve (`wish_checks.best`; the first where none answers)."""
+    picked = best([WANTED[kind]], texts, chat, gains)
+    return 0 if picked is None else picked
 
 
 def measure(model, tokenizer, user: User, questions: list[str], args) -> dict:
@@ -71,9 +72,9 @@ def measure(model, tokenizer, user: User, questions: list[str], args) -> dict:
         replies = [draw[i] for draw in drawn]
         texts = [tokenizer.decode(r, skip_special_tokens=True) for r in replies]
         untold = without_request(chat, [addressed(text, names_in(chat)) for text in person.instructions])
-        answered = [log_prob(model, tokenizer, chat, r) > log_prob(model, tokenizer, untold, r) for r in replies]
-        picks = {"single": range(len(texts)), "best of 2": [best(kind, texts[:2], answered[:2], chat)],
-                 "best of K": [best(kind, texts, answered, chat)]}
+        gains = [log_prob(model, tokenizer, chat, r) - log_prob(model, tokenizer, untold, r) for r in replies]
+        picks = {"single": range(len(texts)), "best of 2": [served(kind, texts[:2], gains[:2], chat)],
+                 "best of K": [served(kind, texts, gains, chat)]}
         for key, chosen in picks.items():
             met[key] += [user.satisfied(texts[j], question) for j in chosen]
             answering[key] += [answers(question, texts[j]) for j in chosen]

@@ -16,7 +16,7 @@ from flywheel.bus.instructions import Instructions
 from flywheel.bus.records import Turn
 from flywheel.bus.streams import TRAFFIC_SUBJECTS, memory_subject
 from flywheel.config import load_config
-from flywheel.formats.wish_checks import rewards
+from flywheel.formats.wish_checks import best
 from flywheel.judge.wishes import ASPECTS
 from flywheel.models import load_model
 from flywheel.serve.api.chat import ChatCompletionRequest
@@ -58,8 +58,9 @@ def ids(tokenizer, messages: list[dict]) -> list[int]:
 
 async def test_the_reply_served_does_most_of_the_wish_among_those_that_answer_the_question(smollm2):
     """SmolLM2-135M reads which replies answer (the request makes them likelier); of those, the
-    checks pick the shortest for `shorter` and the longest for `longer`; a short reply that says
-    nothing of the question, or one the engine cut off, is never served for being short."""
+    checks pick the one that says the most per character for `shorter` and the longest for
+    `longer`; a short reply that says nothing of the question, or only names its topic, or one the
+    engine cut off, is never served for being short."""
     engine, tokenizer = smollm2
     told = [{"role": "user", "content": f"{SHORTER}\n\n{QUESTION}"}]
     choosing = BestOf(4, ["shorter"], told, ids(tokenizer, told), ids(tokenizer, [{"role": "user", "content": f"{SHORTER}\n\n"}]))
@@ -67,6 +68,9 @@ async def test_the_reply_served_does_most_of_the_wish_among_those_that_answer_th
     assert await choosing.pick(engine, replies) == 1
     assert await replace(choosing, aspects=["longer"]).pick(engine, replies) == 2
     assert await choosing.pick(engine, [replies[0], replies[3]]) is None  # neither answers: as sampled
+    topical = [Reply(text, tokenizer.encode(text, add_special_tokens=False), whole=True)
+               for text in ("Ah, France!", "The capital of France is Paris.", "A question about France.")]
+    assert await choosing.pick(engine, topical) == 1  # the shortest only names the topic: the most said per character
     cut = [replies[0], replace(replies[1], whole=False), replies[2]]
     assert await choosing.pick(engine, cut) == 2
     draw = {"input_ids": ids(tokenizer, told), "sampling_params": {"max_new_tokens": 8, "temperature": 1.0},
@@ -133,12 +137,11 @@ async def test_the_gateway_serves_and_records_the_first_ranked_of_k_draws_alone(
 
         async def likelihood(prompt: list[int], output: list[int]) -> float:
             return sum(output_logprobs(await input_logprobs(engine, list(prompt), list(output))))
-        answered = [await likelihood(served.prompt_ids, d.output_ids) > await likelihood(untold, d.output_ids) for d in draws]
+        gains = [await likelihood(served.prompt_ids, d.output_ids) - await likelihood(untold, d.output_ids) for d in draws]
         async with httpx.AsyncClient() as http:
             scraped = (await http.get(f"{serve.url}/metrics")).text
     texts = [d.response["content"] for d in draws]
-    scores = rewards(["shorter"], texts, served.messages, answered)
-    first = max(range(3), key=scores.__getitem__)
+    first = best(["shorter"], texts, served.messages, gains)
     assert first != 0 and all(d.prompt_ids == served.prompt_ids for d in draws)  # a choice the first draw alone would miss
     assert served.output_ids == draws[first].output_ids and served.output_logprobs == draws[first].output_logprobs
     assert served.best_of == 3 and served.sampling["sampling_seed"] == SEED + first

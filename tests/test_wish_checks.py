@@ -5,7 +5,7 @@ each does, and say nothing where they cannot."""
 import pytest
 
 from flywheel.bus.instructions import names_in
-from flywheel.formats.wish_checks import rewards
+from flywheel.formats.wish_checks import best, rewards
 
 ASKED = [{"role": "system", "content": "You are Maya's personal assistant."},
          {"role": "user", "content": "How do I keep a sourdough starter alive?"}]
@@ -73,3 +73,18 @@ def test_the_names_a_person_goes_by_are_those_the_conversation_gives_them():
             {"role": "user", "content": [{"type": "text", "text": "Hi! Call me Tom. Where is Lisbon?"}]},
             {"role": "assistant", "content": "My name is Sage, I am Sage."}]
     assert names_in(said) == ["Maya", "Tom"]  # in the order said; not a place, nor the assistant's own words
+
+
+def test_the_reply_served_of_k_is_the_checks_first_among_answers_ties_to_the_one_that_says_most():
+    """`best` (memory.best_of): the judge's reading of each reply (nats of information about the
+    request) decides what answers, what `shorter` ranks (the most said per character) and ties."""
+    named = ["Maya, feed it daily.", "Maya, feed it flour and water daily.", "Feed it daily."]
+    assert best(["name"], named, ASKED, gains=[3.0, 9.0, 20.0]) == 1  # both named: the one that says more
+    assert best(["name"], named, ASKED, gains=[3.0, 0.0, 20.0]) == 0  # the other does not answer
+    short = ["Ah, sourdough!", "Feed it flour and water daily.", LONG]
+    assert best(["shorter"], short, ASKED, gains=[2.0, 12.0, 20.0]) == 1  # 0.15, 0.48, 0.22 nats a character
+    practice = rewards(["shorter"], short, ASKED, answered=[True, True, True])
+    assert practice.index(max(practice)) == 0  # practice's checks, without the reading: the shortest
+    assert best(["shorter"], short, ASKED, gains=[0.0, -1.0, 0.0]) is None  # none answers: as sampled
+    assert best(["simpler"], short, ASKED, gains=[2.0, 12.0, 20.0]) == 2  # no rule: the one that says the most
+    assert best(["shorter"], ["...", "Feed it."], ASKED, gains=[5.0, 1.0]) == 1  # no word answers nothing

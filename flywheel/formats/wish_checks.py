@@ -42,8 +42,12 @@ _CONTRACTION = re.compile(r"\w(?:n['’]t|['’](?:re|ve|ll|d|m))\b|\b(?:it|that
 _GREETINGS = {"dear", "hi", "hello", "hey"}
 
 
+def _characters(text: str) -> int:
+    return sum(not c.isspace() for c in text)
+
+
 def _length(text: str) -> float:
-    return math.log1p(sum(not c.isspace() for c in text))
+    return math.log1p(_characters(text))
 
 
 def _list_lines(text: str) -> int:
@@ -76,6 +80,18 @@ def checkable(aspects: list[str]) -> bool:
     return bool(aspects) and all(a in CHECKS for a in aspects) and not any(pair <= set(aspects) for pair in OPPOSITES)
 
 
+def _standardised(aspects: list[str], score: Callable[[str], list[float]], size: int) -> list[float]:
+    """Each checked aspect's scores of a group's replies (`score`), standardised within the group and
+    summed (nothing where the aspects are not `checkable`)."""
+    total = [0.0] * size
+    for aspect in aspects if checkable(aspects) else []:
+        scores = score(aspect)
+        mean, spread = fmean(scores), pstdev(scores)
+        if spread > 0:
+            total = [t + (s - mean) / spread for t, s in zip(total, scores)]
+    return total
+
+
 def rewards(aspects: list[str], replies: list[str], messages: list[dict[str, Any]],
             answered: list[bool] | None = None) -> list[float] | None:
     """The rewards of a group of replies to one request for what `aspects` ask (see the module),
@@ -85,12 +101,7 @@ def rewards(aspects: list[str], replies: list[str], messages: list[dict[str, Any
     if not any(answering):
         return None
     names = set(names_in(messages))
-    total = [0.0] * len(replies)
-    for aspect in aspects if checkable(aspects) else []:
-        scores = [CHECKS[aspect](text, names) for text in replies]
-        mean, spread = fmean(scores), pstdev(scores)
-        if spread > 0:
-            total = [t + (s - mean) / spread for t, s in zip(total, scores)]
+    total = _standardised(aspects, lambda aspect: [CHECKS[aspect](text, names) for text in replies], len(replies))
     if not all(answering):
         last = min(t for t, a in zip(total, answering) if a) - 1.0
         total = [t if a else last for t, a in zip(total, answering)]
@@ -98,3 +109,23 @@ def rewards(aspects: list[str], replies: list[str], messages: list[dict[str, Any
         return None
     mean = fmean(total)
     return [t - mean for t in total]
+
+
+def best(aspects: list[str], replies: list[str], messages: list[dict[str, Any]], gains: list[float]) -> int | None:
+    """Of k replies to one request, the index of the one to serve (`memory.best_of`,
+    flywheel/serve/best_of.py), given what the judge reads of each: `gains`, the reply's pointwise
+    information about the request in nats (flywheel/judge/relevance.py; at or below zero it does
+    not answer). Among the replies that answer and say a word, the one the checks rank first, with
+    two differences from practice's ranking, which has no such reading at hand: `shorter` ranks
+    by the information per character, not by the length alone (the shortest reply that answers at
+    all is often one that only names the topic; the most said in the least space instead), and
+    where the checks tie, the reply that says the most about the request. None where none answers."""
+    answering = [j for j, (text, gain) in enumerate(zip(replies, gains)) if _WORD.search(text) and gain > 0]
+    if not answering:
+        return None
+    names = set(names_in(messages))
+    dense = [gain / max(1, _characters(text)) for text, gain in zip(replies, gains)]
+    total = _standardised(aspects, lambda aspect: dense if aspect == "shorter" else
+                          [CHECKS[aspect](text, names) for text in replies], len(replies))
+    top = max(total[j] for j in answering)
+    return max((j for j in answering if total[j] > top - 1e-9), key=gains.__getitem__)

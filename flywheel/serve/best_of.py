@@ -4,15 +4,17 @@
 Where the served memory put a person's instructions in a request (flywheel/serve/served_memory.py)
 and a rule checks every aspect they ask for (flywheel/formats/wish_checks.py: a reply's length,
 lists or prose, register, being named), the gateway samples k replies at once on the request's
-engine, reads whether each answers the question as the judge reads it (flywheel/judge/relevance.py:
-the request makes the reply likelier, two prefill-only requests with no adapter: with adapters the
-frozen base the judge's teacher reads with, else the served weights), and serves the one the checks
-rank first, a reply that does not answer (or that the engine cut off) ranked below every one that
-does. Where they cannot rank them (no reply answers, none differs in what is checked, the engine
-could not score one) the first that came back is served, as it would have been alone, and
-recorded as a plain sample. Both prompts are rendered from the messages as the judge renders them
-(the told one, in a conversation, may differ from the ids the session continued). The engine client
-must score (the embedded engine, SGLang; not vLLM's: a configuration error).
+engine, reads how much each says about the question as the judge reads it
+(flywheel/judge/relevance.py: how much likelier the request makes the reply, two prefill-only
+requests with no adapter: with adapters the frozen base the judge's teacher reads with, else the
+served weights), and serves the one the checks rank first among those that answer
+(`wish_checks.best`: for `shorter` the most said per character, ties to the one that says the
+most; a reply the request does not make likelier, or that the engine cut off, never). Where none
+answers, or the engine could not score one, the first that came back is served, as it would have
+been alone, and recorded as a plain sample. Both prompts are rendered from the messages as the
+judge renders them (the told one, in a conversation, may differ from the ids the session
+continued). The engine client must score (the embedded engine, SGLang; not vLLM's: a
+configuration error).
 
 Only the served reply is recorded (`Turn.best_of` says how many it was chosen from): the person's
 next message follows it, and the collector stitches that message to the reply they saw; the others
@@ -31,7 +33,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from flywheel.bus.instructions import without_request
-from flywheel.formats.wish_checks import checkable, rewards
+from flywheel.formats.wish_checks import best, checkable
 from flywheel.serve.api.chat import GREEDY_BELOW, ChatCompletionRequest, Message
 from flywheel.serve.api.errors import APIError
 from flywheel.serve.api.formatting import output_text
@@ -69,8 +71,7 @@ class BestOf:
 
     async def served(self, engine: EngineClient, bodies: list[dict[str, Any]]) -> tuple[int, dict[str, Any], bool]:
         """Of the engine's responses to the k `bodies` (one request's draws), the one to serve:
-        (its index, it, whether the checks chose it); the first that came back where they cannot
-        rank them. A draw failing fails the request only if every one does."""
+        (its index, it, whether it was chosen); the first that came back where none could be. A draw failing fails the request only if every one does."""
         drawn = await asyncio.gather(*(engine.generate(body) for body in bodies), return_exceptions=True)
         back = [(j, response) for j, response in enumerate(drawn) if not isinstance(response, BaseException)]
         if not back:
@@ -80,21 +81,23 @@ class BestOf:
         return (*back[picked or 0], picked is not None)
 
     async def pick(self, engine: EngineClient, replies: list[Reply]) -> int | None:
-        """The index of the reply to serve; None where the checks cannot rank them (serve the first)."""
-        answered = await asyncio.gather(*(self._answers(engine, reply) for reply in replies))
-        if any(a is None for a in answered):
+        """The index of the reply to serve; None where none answers or the engine could not read one
+        (serve the first)."""
+        gains = await asyncio.gather(*(self._gain(engine, reply) for reply in replies))
+        if any(gain is None for gain in gains):
             return None
-        scores = rewards(self.aspects, [reply.text for reply in replies], self.messages, answered)
-        return None if scores is None else max(range(len(replies)), key=scores.__getitem__)
+        return best(self.aspects, [reply.text for reply in replies], self.messages, gains)
 
-    async def _answers(self, engine: EngineClient, reply: Reply) -> bool | None:
-        """Whether the request makes the whole reply likelier (None: the engine could not say)."""
+    async def _gain(self, engine: EngineClient, reply: Reply) -> float | None:
+        """How much likelier the request makes the whole reply, in nats: at or below zero it does not
+        answer (0 for one the engine cut off: never served for its form; None: the engine could not
+        say)."""
         if not reply.output_ids or not reply.whole:
-            return False
+            return 0.0
         try:
             told, untold = await asyncio.gather(input_logprobs(engine, self.told_ids, reply.output_ids),
                                                 input_logprobs(engine, self.untold_ids, reply.output_ids))
-            return _total(told) > _total(untold)
+            return _total(told) - _total(untold)
         except (EngineError, KeyError, TypeError, IndexError):
             return None
 
