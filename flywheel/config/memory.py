@@ -46,9 +46,10 @@ class MemoryConfig(Section):
     best_of: int = Field(1, ge=1, le=8)
     """Replies sampled for a whole (not streamed) chat answer of one choice, no tools, whose
     person's instructions a rule checks (a reply's length, lists or prose, register, being named:
-    flywheel/formats/wish_checks.py): the one the checks rank first is served and recorded, one
-    that does not answer the question ranked last (the engine read with no adapter: with adapters,
-    the frozen base the judge's teacher reads with). 1: one reply, as sampled. On SmolLM2-135M with
+    flywheel/formats/wish_checks.py): of those that answer the question (the engine read with no
+    adapter: with adapters, the frozen base the judge's teacher reads with), the one the checks
+    rank first is served and recorded (for a shorter reply, the most said per character; ties, the
+    one that says the most). 1: one reply, as sampled. On SmolLM2-135M with
     the instructions before the question, 2 raised the share of first replies meeting the wish
     from about half to 0.7 offline, answering no less (flywheel/serve/best_of.py;
     docs/experiments/learning-from-use.md). It costs k decodes at once and two prefills a reply;
