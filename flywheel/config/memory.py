@@ -51,7 +51,7 @@ class MemoryConfig(Section):
     rank first is served and recorded (for a shorter reply, the most said per character; ties, the
     one that says the most). 1: one reply, as sampled. On SmolLM2-135M with
     the instructions before the question, 2 raised the share of first replies meeting the wish
-    from about half to 0.7 offline, answering no less (flywheel/serve/best_of.py;
+    from about half to 0.77 offline, answering more (flywheel/serve/best_of.py;
     docs/experiments/learning-from-use.md). It costs k decodes at once and two prefills a reply;
     streams and other requests are served one reply. Not with `serve.engine_kind: vllm` (its
     client does not score)."""
