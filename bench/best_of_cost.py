@@ -91,7 +91,8 @@ def main() -> None:
     model, tokenizer = load_model(args.model)
     engine = Engine(model, tokenizer, max_batch_size=args.k * args.concurrency).start()
     try:
-        asked = [Asked(tokenizer, q, 1000 * i, args.k, args.max_tokens) for i, q in enumerate(list(TRAIN_QUESTIONS)[:args.questions])]
+        questions = list(TRAIN_QUESTIONS)[:args.questions]
+        asked = [Asked(tokenizer, q, 1000 * i, args.k, args.max_tokens) for i, q in enumerate(questions)]
         client = InProcessEngineClient(engine)
         asyncio.run(measure(client, asked[:2], args.concurrency, 1))  # warm-up
         got = asyncio.run(measure(client, asked, args.concurrency, args.rounds))
@@ -103,7 +104,8 @@ def main() -> None:
             ["ratio", round(best["median_s"] / one["median_s"], 2), round(best["p90_s"] / one["p90_s"], 2),
              round(best["replies_per_s"] / one["replies_per_s"], 2)]]
     print(table(["", "alone: median s", "p90 s", f"{args.concurrency} at once: replies/s"], rows))
-    print(f"wrote {write_result(args.name, {'args': vars(args), 'machine': machine(None), 'one': one, 'best_of': best})}")
+    path = write_result(args.name, {"args": vars(args), "machine": machine(None), "one": one, "best_of": best})
+    print(f"wrote {path}")
 
 
 if __name__ == "__main__":

@@ -36,7 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # `python bench
 from bench.lib.common import ROOT, machine, quiet_logs, table, write_result  # noqa: E402
 from bench.memory_best_of import log_prob  # noqa: E402
 from flywheel.bus.instructions import placed_before, without_request  # noqa: E402
-from flywheel.formats.wish_checks import best, rewards  # noqa: E402
+from flywheel.formats.wish_checks import best, characters, rewards  # noqa: E402
 from flywheel.judge.wishes import ASPECTS  # noqa: E402
 
 HEADERS = ["group", "requests", "mixed pairs: shortest", "best", "all four: shortest", "best", "answers passed",
@@ -66,7 +66,7 @@ def read(model, tokenizer, group: dict) -> None:
     for reply in group["replies"]:
         ids = tokenizer.encode(reply["reply"], add_special_tokens=False) + [end]
         reply["gain"] = log_prob(model, tokenizer, messages, ids) - log_prob(model, tokenizer, untold, ids)
-        reply["per_character"] = reply["gain"] / max(1, sum(not c.isspace() for c in reply["reply"]))
+        reply["per_character"] = reply["gain"] / max(1, characters(reply["reply"]))
 
 
 def served_answers(groups: list[dict], pick, pairs: bool) -> float:
@@ -85,7 +85,8 @@ def row(groups: list[dict]) -> list:
     replies = [r for g in groups for r in g["replies"]]
     yes, no = [r for r in replies if r["answers"]], [r for r in replies if not r["answers"]]
     within = [(a, n) for g in groups for a in g["replies"] if a["answers"] for n in g["replies"] if not n["answers"]]
-    return [len(groups), *(round(served_answers(groups, pick, pairs), 2) for pairs in (True, False) for pick in PICKS.values()),
+    served = [served_answers(groups, pick, pairs) for pairs in (True, False) for pick in PICKS.values()]
+    return [len(groups), *(round(share, 2) for share in served),
             round(fmean(r["gain"] > 0 for r in yes), 2), round(fmean(r["gain"] <= 0 for r in no), 2),
             round(fmean(a["per_character"] > n["per_character"] for a, n in within), 2),
             round(fmean(a["gain"] > n["gain"] for a, n in within), 2)]
@@ -104,11 +105,12 @@ def main() -> None:
     groups = [json.loads(line) for line in Path(args.set).read_text(encoding="utf-8").splitlines() if line.strip()]
     for group in groups:
         read(model, tokenizer, group)
-    parts = {"English": [g for g in groups if g["lang"] == "en"], "other languages": [g for g in groups if g["lang"] != "en"],
-             "all": groups}
+    parts = {"English": [g for g in groups if g["lang"] == "en"],
+             "other languages": [g for g in groups if g["lang"] != "en"], "all": groups}
     rows = {name: row(part) for name, part in parts.items()}
     print(table(HEADERS, [[name, *r] for name, r in rows.items()]))
-    print(f"wrote {write_result(args.name, {'args': vars(args), 'machine': machine(None), 'headers': HEADERS, 'rows': rows})}")
+    path = write_result(args.name, {"args": vars(args), "machine": machine(None), "headers": HEADERS, "rows": rows})
+    print(f"wrote {path}")
 
 
 if __name__ == "__main__":

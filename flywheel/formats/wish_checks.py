@@ -9,7 +9,8 @@ a model: how long it is, whether it lists, how formal it is, whether it names th
 For those, the group's rewards rank its replies by how much of the aspect each does, and the
 replies that do more get a positive advantage whether or not the teacher would have written
 them (the verifiable-constraint rewards of RLVR, Tülu 3's instruction-following checks,
-applied to what the person asked for).
+applied to what the person asked for). The gateway's best of k (`best`, flywheel/serve/best_of.py)
+serves the reply the same checks rank first, with the judge's reading of each reply at hand.
 
 A score ranks replies to one request against each other; it is not a pass mark. Length is the
 log of the reply's characters other than spaces (halving a reply counts the same at 400 or 40,
@@ -42,12 +43,13 @@ _CONTRACTION = re.compile(r"\w(?:n['’]t|['’](?:re|ve|ll|d|m))\b|\b(?:it|that
 _GREETINGS = {"dear", "hi", "hello", "hey"}
 
 
-def _characters(text: str) -> int:
+def characters(text: str) -> int:
+    """The reply's characters other than spaces (a language written without them counts alike)."""
     return sum(not c.isspace() for c in text)
 
 
 def _length(text: str) -> float:
-    return math.log1p(_characters(text))
+    return math.log1p(characters(text))
 
 
 def _list_lines(text: str) -> int:
@@ -124,7 +126,7 @@ def best(aspects: list[str], replies: list[str], messages: list[dict[str, Any]],
     if not answering:
         return None
     names = set(names_in(messages))
-    dense = [gain / max(1, _characters(text)) for text, gain in zip(replies, gains)]
+    dense = [gain / max(1, characters(text)) for text, gain in zip(replies, gains)]
     total = _standardised(aspects, lambda aspect: dense if aspect == "shorter" else
                           [CHECKS[aspect](text, names) for text in replies], len(replies))
     top = max(total[j] for j in answering)

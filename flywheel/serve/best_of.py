@@ -71,7 +71,8 @@ class BestOf:
 
     async def served(self, engine: EngineClient, bodies: list[dict[str, Any]]) -> tuple[int, dict[str, Any], bool]:
         """Of the engine's responses to the k `bodies` (one request's draws), the one to serve:
-        (its index, it, whether it was chosen); the first that came back where none could be. A draw failing fails the request only if every one does."""
+        (its index, it, whether it was chosen); the first that came back where none could be. A
+        draw failing fails the request only if every one does."""
         drawn = await asyncio.gather(*(engine.generate(body) for body in bodies), return_exceptions=True)
         back = [(j, response) for j, response in enumerate(drawn) if not isinstance(response, BaseException)]
         if not back:
