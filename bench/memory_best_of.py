@@ -35,30 +35,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # `python bench
 
 from bench.judge_wishes import WANTED  # noqa: E402
 from bench.lib.common import machine, quiet_logs, table, write_result  # noqa: E402
-from bench.lib.personal_eval import prompt_ids, sample  # noqa: E402
+from bench.lib.personal_eval import information, sample, served  # noqa: E402
 from bench.memory_placement import asked, first_of_each  # noqa: E402
 from flywheel.bus.instructions import addressed, names_in  # noqa: E402
 from flywheel.drills.simulated_people import TRAIN_QUESTIONS, User, answers  # noqa: E402
-from flywheel.bus.instructions import without_request  # noqa: E402
-from flywheel.formats.wish_checks import best  # noqa: E402
 
 HEADERS = ["preference", "met: single", "best of 2", "best of K", "answers: single", "best of 2", "best of K", "questions"]
-
-
-def log_prob(model, tokenizer, chat: list[dict], reply: list[int]) -> float:
-    """log p(reply | chat) under `model` (a prefill, as the teacher's server scores)."""
-    import torch
-
-    ids = prompt_ids(tokenizer, chat)
-    with torch.inference_mode():
-        logits = model(torch.tensor([ids + reply])).logits[0, len(ids) - 1:-1].float()
-    return float(torch.log_softmax(logits, -1).gather(1, torch.tensor(reply)[:, None]).sum())
-
-
-def served(kind: str, texts: list[str], gains: list[float], chat: list[dict]) -> int:
-    """The index of the reply the gateway would serve (`wish_checks.best`; the first where none answers)."""
-    picked = best([WANTED[kind]], texts, chat, gains)
-    return 0 if picked is None else picked
 
 
 def measure(model, tokenizer, user: User, questions: list[str], args) -> dict:
@@ -71,10 +53,10 @@ def measure(model, tokenizer, user: User, questions: list[str], args) -> dict:
     for i, (question, chat) in enumerate(zip(questions, chats)):
         replies = [draw[i] for draw in drawn]
         texts = [tokenizer.decode(r, skip_special_tokens=True) for r in replies]
-        untold = without_request(chat, [addressed(text, names_in(chat)) for text in person.instructions])
-        gains = [log_prob(model, tokenizer, chat, r) - log_prob(model, tokenizer, untold, r) for r in replies]
-        picks = {"single": range(len(texts)), "best of 2": [served(kind, texts[:2], gains[:2], chat)],
-                 "best of K": [served(kind, texts, gains, chat)]}
+        gains = information(model, tokenizer, chat, [addressed(text, names_in(chat)) for text in person.instructions],
+                            replies)
+        picks = {"single": range(len(texts)), "best of 2": [served([WANTED[kind]], texts[:2], gains[:2], chat)],
+                 "best of K": [served([WANTED[kind]], texts, gains, chat)]}
         for key, chosen in picks.items():
             met[key] += [user.satisfied(texts[j], question) for j in chosen]
             answering[key] += [answers(question, texts[j]) for j in chosen]

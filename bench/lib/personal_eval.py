@@ -69,6 +69,34 @@ def told(chat: list[dict], hint: str | list[str], args) -> list[dict]:
     return teacher.told(chat, wishes.Wish([hint] if isinstance(hint, str) else hint, config.wishes).told, config)
 
 
+def log_prob(model, tokenizer, chat: list[dict], reply: list[int]) -> float:
+    """log p(reply | chat) under `model` (a prefill, as the teacher's server scores)."""
+    import torch
+
+    ids = prompt_ids(tokenizer, chat)
+    with torch.inference_mode():
+        logits = model(torch.tensor([ids + reply])).logits[0, len(ids) - 1:-1].float()
+    return float(torch.log_softmax(logits, -1).gather(1, torch.tensor(reply)[:, None]).sum())
+
+
+def information(scorer, tokenizer, chat: list[dict], instructions: list[str], replies: list[list[int]]) -> list[float]:
+    """How much likelier the request in `chat` makes each reply, in nats, under `scorer` (the frozen
+    base, as the gateway reads it, flywheel/serve/best_of.py): the request emptied of the person's
+    words and `instructions` (as placed) kept."""
+    from flywheel.bus.instructions import without_request
+
+    untold = without_request(chat, instructions)
+    return [log_prob(scorer, tokenizer, chat, r) - log_prob(scorer, tokenizer, untold, r) for r in replies]
+
+
+def served(aspects: list[str], texts: list[str], gains: list[float], chat: list[dict]) -> int:
+    """The index of the reply the gateway serves (`wish_checks.best`; the first where none answers)."""
+    from flywheel.formats.wish_checks import best
+
+    picked = best(aspects, texts, chat, gains)
+    return 0 if picked is None else picked
+
+
 def prompt_ids(tokenizer, chat: list[dict]) -> list[int]:
     return tokenizer.encode(tokenizer.apply_chat_template(chat, add_generation_prompt=True, tokenize=False),
                             add_special_tokens=False)
