@@ -18,11 +18,14 @@ each as `single` (every draw as it comes), and as the gateway serves `best of 2`
 draws) and `best of K` (all): `wish_checks.best`, each reply's information about the request read
 by the frozen base as the gateway reads it with adapters. Where a rule checks none of the aspects
 served (or nothing is served), the gateway serves one reply: the first draw. `met` = the person's
-rule (answers and meets the wish); `answers` = the bench's rule.
+rule (answers and meets the wish); `answers` = the bench's rule. With `--export` the replies go to
+a reader blind to trial and policy (`export`); `--score` reads the labels back (`score`).
 
     .venv/bin/python bench/heldout_best_of.py --results personal_agent_unscripted2_best_of2 \
         personal_agent_unscripted2_best_of2_dense --run-root runs/bench_unscripted \
-        --people bench/data/people_heldout_2.json --name NAME
+        --people bench/data/people_heldout_2.json --name NAME --export
+    # a reader adds "answers": true|false to every line of bench/data/NAME_replies.jsonl
+    .venv/bin/python bench/heldout_best_of.py --results ... --name NAME --score
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import random
 import sys
 import time
 from pathlib import Path
@@ -37,8 +41,11 @@ from statistics import fmean
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # `python bench/NAME.py` as well as `-m bench.NAME`
 
+from bench.heldout_answers import files  # noqa: E402
 from bench.lib.common import RESULTS, machine, quiet_logs, table, write_result  # noqa: E402
 from bench.lib.personal_eval import information, sample, served  # noqa: E402
+from flywheel.drills.simulated_people import answers  # noqa: E402
+from flywheel.formats.wish_checks import checkable  # noqa: E402
 
 POLICIES = ("before", "base served", "adapter served")
 PICKS = ("single", "best of 2", "best of K")
@@ -58,14 +65,14 @@ def kept_adapter(run_dir: Path, final_version: str | None) -> Path | None:
 def measure(policy, scorer, tokenizer, user, asked, aspects: list[str], args) -> dict:
     """`met` and `answers` of each pick of `policy`'s replies to the held-out questions, `asked` so."""
     from flywheel.bus.instructions import addressed, names_in
-    from flywheel.drills.simulated_people import HELD_OUT_QUESTIONS, answers
-    from flywheel.formats.wish_checks import checkable
+    from flywheel.drills.simulated_people import HELD_OUT_QUESTIONS
 
     questions = [q for q in HELD_OUT_QUESTIONS for _ in range(args.heldout_samples)]
     chats = [asked.chat(q) for q in questions]
     drawn = [asyncio.run(sample(policy, tokenizer, chats, args, first_seed=1000 * k)) for k in range(args.k)]
     met: dict[str, list[bool]] = {pick: [] for pick in PICKS}
     answering: dict[str, list[bool]] = {pick: [] for pick in PICKS}
+    asked_so = []
     for i, (question, chat) in enumerate(zip(questions, chats)):
         replies = [draw[i] for draw in drawn]
         texts = [tokenizer.decode(r, skip_special_tokens=True) for r in replies]
@@ -78,8 +85,48 @@ def measure(policy, scorer, tokenizer, user, asked, aspects: list[str], args) ->
         for pick, chosen in picks.items():
             met[pick] += [user.satisfied(texts[j], question) for j in chosen]
             answering[pick] += [answers(question, texts[j]) for j in chosen]
+        asked_so.append({"question": question, "replies": texts[:2], "served": picks["best of 2"][0]})
     return {"met": {pick: fmean(v) for pick, v in met.items()}, "answers": {pick: fmean(v) for pick, v in answering.items()},
-            "questions": len(questions)}
+            "questions": len(questions), "replies": asked_so}
+
+
+def export(rows: list[dict], name: str) -> None:
+    """For a reader blind to trial and policy: the question and reply of the base's first draws
+    (`before`) and of the adapter's two draws with what was served (`single`; `best of 2` the one
+    the gateway serves), for each trial where the gateway's pick runs; shuffled, with a key."""
+    items, key = [], {}
+    for row in rows:
+        if not checkable(row["aspects"]):
+            continue
+        for policy, draws in (("before", 1), ("adapter served", 2)):
+            for asked in row[policy]["replies"]:
+                for j, reply in enumerate(asked["replies"][:draws]):
+                    items.append({"question": asked["question"], "reply": reply})
+                    key[len(items) - 1] = {"trial": row["trial"], "policy": policy, "served": j == asked["served"],
+                                           "rule": answers(asked["question"], reply)}
+    order = list(range(len(items)))
+    random.Random(0).shuffle(order)
+    replies_file, key_file = files(name)
+    replies_file.write_text("".join(json.dumps({"id": i, **items[j]}, ensure_ascii=False) + "\n" for i, j in enumerate(order)))
+    key_file.write_text(json.dumps({i: key[j] for i, j in enumerate(order)}, indent=1) + "\n")
+    print(f"wrote {len(items)} replies to {replies_file} and their key to {key_file}")
+
+
+def score(name: str) -> None:
+    """The reader's share of answers, by trial: before, the adapter's draws, the one served of two."""
+    items = [json.loads(line) for line in files(name)[0].read_text(encoding="utf-8").splitlines()]
+    key = json.loads(files(name)[1].read_text(encoding="utf-8"))
+    if {str(i["id"]) for i in items} != set(key) or not all(isinstance(i.get("answers"), bool) for i in items):
+        raise SystemExit(f"{files(name)[0]}: every reply needs an `answers` label of true or false")
+    labelled = [{**item, **key[str(item["id"])]} for item in items]
+    groups = {"before": lambda i: i["policy"] == "before", "single": lambda i: i["policy"] == "adapter served",
+              "best of 2": lambda i: i["policy"] == "adapter served" and i["served"]}
+    rows = {trial: {g: {by: fmean(i[by] for i in labelled if i["trial"] == trial and keep(i)) for by in ("answers", "rule")}
+                    for g, keep in groups.items()} for trial in sorted({i["trial"] for i in labelled})}
+    rows["all"] = {g: {by: fmean(i[by] for i in labelled if keep(i)) for by in ("answers", "rule")} for g, keep in groups.items()}
+    print(table(["trial", *(f"{g}: reader / rule" for g in groups)],
+                [[t, *(f"{r[g]['answers']:.2f} / {r[g]['rule']:.2f}" for g in groups)] for t, r in rows.items()]))
+    print(f"wrote {write_result(f'{name}_answers', {'trials': rows})}")
 
 
 def trial(entry: dict, config_memory, people: dict, args) -> dict | None:
@@ -111,14 +158,20 @@ def trial(entry: dict, config_memory, people: dict, args) -> dict | None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--results", nargs="+", required=True,
+    parser.add_argument("--results", nargs="+", default=[],
                         help="personal-agent results files' names (same settings); a trial in a later one replaces it")
     parser.add_argument("--run-root", default="runs/bench_unscripted")
     parser.add_argument("--people", default="bench/data/people_heldout_2.json")
     parser.add_argument("--only", nargs="+", default=None, metavar="PREF:TRIAL")
     parser.add_argument("--k", type=int, default=4)
     parser.add_argument("--name", default="heldout_best_of")
+    parser.add_argument("--export", action="store_true", help="also write the replies for a reader (see `export`)")
+    parser.add_argument("--score", action="store_true", help="only score the reader's labels of NAME's replies")
     args = parser.parse_args()
+    if args.score:
+        return score(args.name)
+    if not args.results:
+        parser.error("--results: the personal-agent results files to measure")
     quiet_logs()
     from flywheel.config import load_config
     from flywheel.drills.personal_agent import CONFIG
@@ -148,6 +201,11 @@ def main() -> None:
     print(table(["policy", *(f"{part}: {pick}".replace("K", str(args.k)) for part in ("met", "answers") for pick in PICKS)],
                 [[p, *(round(mean[p][part][pick], 2) for part in ("met", "answers") for pick in PICKS)] for p in POLICIES]))
     print(f"{len(rows)} trials; final adapter no longer kept: {', '.join(missing) or 'none'}")
+    if args.export:
+        export(rows, args.name)
+    for row in rows:
+        for policy in POLICIES:
+            row[policy].pop("replies")
     path = write_result(args.name, {"args": vars(args), "machine": machine(None), "wall_s": round(time.monotonic() - started, 1),
                                     "trials": rows, "mean": mean, "not_kept": missing})
     print(f"wrote {path}")

@@ -35,6 +35,7 @@ from factories import platform
 from waiting import until
 
 SHORTER = ASPECTS["shorter"]
+FORMAL = ASPECTS["formal"]
 SEED = 7
 QUESTION = "What is the capital of France?"
 REPLIES = ["Sure, I'd be happy to help!", "The capital of France is Paris, a city on the Seine.",
@@ -80,6 +81,19 @@ async def test_the_reply_served_does_most_of_the_wish_among_those_that_answer_th
     assert j in (1, 2) and response["output_ids"]
     with pytest.raises(EngineError):
         await choosing.served(engine, [broken, {**broken, "rid": "b2"}])
+
+
+async def test_a_reply_about_the_instruction_is_not_served_for_its_form(smollm2):
+    """Told how to write, a small model often writes about the instruction: the request makes such a
+    reply a little likelier (SmolLM2-135M: about 4 nats), but it says under half what an answer
+    says (about 11): not served, however well it keeps the form (no exclamation mark here)."""
+    engine, tokenizer = smollm2
+    told = [{"role": "user", "content": f"{FORMAL}\n\n{QUESTION}"}]
+    choosing = BestOf(2, ["formal"], told, ids(tokenizer, told), ids(tokenizer, [{"role": "user", "content": f"{FORMAL}\n\n"}]))
+    replies = [Reply(text, tokenizer.encode(text, add_special_tokens=False), whole=True)
+               for text in ("I shall write in formal English, without contractions, regarding France.",
+                            "The capital of France is Paris!")]
+    assert await choosing.pick(engine, replies) == 1
 
 
 def test_only_a_whole_plain_chat_answer_whose_wish_a_rule_checks_is_drawn_more_than_once(model_and_tokenizer):

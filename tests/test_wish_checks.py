@@ -79,8 +79,11 @@ def test_the_reply_served_of_k_is_the_checks_first_among_answers_ties_to_the_one
     """`best` (memory.best_of): the judge's reading of each reply (nats of information about the
     request) decides what answers, what `shorter` ranks (the most said per character) and ties."""
     named = ["Maya, feed it daily.", "Maya, feed it flour and water daily.", "Feed it daily."]
-    assert best(["name"], named, ASKED, gains=[3.0, 9.0, 20.0]) == 1  # both named: the one that says more
-    assert best(["name"], named, ASKED, gains=[3.0, 0.0, 20.0]) == 0  # the other does not answer
+    assert best(["name"], named, ASKED, gains=[10.0, 20.0, 12.0]) == 1  # both named: the one that says more
+    assert best(["name"], named, ASKED, gains=[10.0, 0.0, 12.0]) == 0  # the other does not answer
+    assert best(["name"], named, ASKED, gains=[4.0, 5.0, 12.0]) == 2  # under half what the third says: no answer
+    about = ["One should not use contractions when writing formally.", "Soak it in vinegar, then rinse; that's all!"]
+    assert best(["formal"], about, ASKED, gains=[4.0, 30.0]) == 1  # formal, but about the instruction
     short = ["Ah, sourdough!", "Feed it flour and water daily.", LONG]
     assert best(["shorter"], short, ASKED, gains=[2.0, 12.0, 20.0]) == 1  # 0.15, 0.48, 0.22 nats a character
     practice = rewards(["shorter"], short, ASKED, answered=[True, True, True])

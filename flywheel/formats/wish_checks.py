@@ -75,6 +75,10 @@ CHECKS: dict[str, Callable[[str, set[str]], float]] = {
 """Each checkable aspect's score of a reply (its text, the names the person goes by): higher is
 more of what the aspect asks."""
 OPPOSITES = ({"shorter", "longer"}, {"list", "prose"})
+ANSWERS_AT = 0.5
+"""`best`: the least share of what the reply of k that says the most about the request says that
+another must say to be read as answering it (the adapter guard's mark for its replies against
+its reference's, flywheel/train/adapter_guard.py)."""
 
 
 def checkable(aspects: list[str]) -> bool:
@@ -116,17 +120,23 @@ def rewards(aspects: list[str], replies: list[str], messages: list[dict[str, Any
 def best(aspects: list[str], replies: list[str], messages: list[dict[str, Any]], gains: list[float]) -> int | None:
     """Of k replies to one request, the index of the one to serve (`memory.best_of`,
     flywheel/serve/best_of.py), given what the judge reads of each: `gains`, the reply's pointwise
-    information about the request in nats (flywheel/judge/relevance.py; at or below zero it does
-    not answer). Among the replies that answer and say a word, the one the checks rank first, with
-    two differences from practice's ranking, which has no such reading at hand: `shorter` ranks
-    by the information per character, not by the length alone (the shortest reply that answers at
-    all is often one that only names the topic; the most said in the least space instead), and
-    where the checks tie, the reply that says the most about the request. None where none answers."""
+    information about the request in nats (flywheel/judge/relevance.py), what it says about the
+    request. For `shorter` what a reply says is weighed per character, the most said in the least
+    space (the shortest reply that answers at all is often one that only names the topic); else
+    whole. A reply answers when it says a word, the request makes it likelier (a gain above zero)
+    and it says at least `ANSWERS_AT` of what the one that says the most says: told how to write,
+    a small model often writes about the instruction or around the topic, replies the request
+    makes a little likelier that answer nothing. Among those, the one the checks rank first
+    (`shorter` by what it says, as weighed), ties to the one that says the most about the request.
+    None where none answers."""
+    dense = [gain / max(1, characters(text)) for text, gain in zip(replies, gains)]
+    said = dense if "shorter" in aspects else gains
     answering = [j for j, (text, gain) in enumerate(zip(replies, gains)) if _WORD.search(text) and gain > 0]
     if not answering:
         return None
+    most = max(said[j] for j in answering)
+    answering = [j for j in answering if said[j] >= ANSWERS_AT * most]
     names = set(names_in(messages))
-    dense = [gain / max(1, characters(text)) for text, gain in zip(replies, gains)]
     total = _standardised(aspects, lambda aspect: dense if aspect == "shorter" else
                           [CHECKS[aspect](text, names) for text in replies], len(replies))
     top = max(total[j] for j in answering)

@@ -9,7 +9,8 @@ engine, reads how much each says about the question as the judge reads it
 requests with no adapter: with adapters the frozen base the judge's teacher reads with, else the
 served weights), and serves the one the checks rank first among those that answer
 (`wish_checks.best`: for `shorter` the most said per character, ties to the one that says the
-most; a reply the request does not make likelier, or that the engine cut off, never). Where none
+most; a reply the request does not make likelier, or that says under half what the one that says
+the most says, or that the engine cut off, never). Where none
 answers, or the engine could not score one, the first that came back is served, as it would have
 been alone, and recorded as a plain sample. Both prompts are rendered from the messages as the
 judge renders them (the told one, in a conversation, may differ from the ids the session
