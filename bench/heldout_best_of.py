@@ -16,8 +16,8 @@ temperature and max_tokens, `--heldout-samples` a question as the bench), of:
 
 each as `single` (every draw as it comes), and as the gateway serves `best of 2` (the first two
 draws) and `best of K` (all): `wish_checks.best`, each reply's information about the request read
-by the frozen base as the gateway reads it with adapters. Where a rule checks none of the aspects
-served (or nothing is served), the gateway serves one reply: the first draw. `met` = the person's
+by the frozen base as the gateway reads it with adapters. Where nothing is served, the gateway
+serves one reply: the first draw. `met` = the person's
 rule (answers and meets the wish); `answers` = the bench's rule. With `--export` the replies go to
 a reader blind to trial and policy (`export`); `--score` reads the labels back (`score`).
 
@@ -45,7 +45,6 @@ from bench.heldout_answers import files  # noqa: E402
 from bench.lib.common import RESULTS, machine, quiet_logs, table, write_result  # noqa: E402
 from bench.lib.personal_eval import information, sample, served  # noqa: E402
 from flywheel.drills.simulated_people import answers  # noqa: E402
-from flywheel.formats.wish_checks import checkable  # noqa: E402
 
 POLICIES = ("before", "base served", "adapter served")
 PICKS = ("single", "best of 2", "best of K")
@@ -77,7 +76,7 @@ def measure(policy, scorer, tokenizer, user, asked, aspects: list[str], args) ->
         replies = [draw[i] for draw in drawn]
         texts = [tokenizer.decode(r, skip_special_tokens=True) for r in replies]
         picks = {"single": range(len(texts)), "best of 2": [0], "best of K": [0]}
-        if asked.instructions and checkable(aspects):
+        if asked.instructions:
             placed = [addressed(text, names_in(chat)) for text in asked.instructions]
             gains = information(scorer, tokenizer, chat, placed, replies)
             picks |= {"best of 2": [served(aspects, texts[:2], gains[:2], chat)],
@@ -93,10 +92,10 @@ def measure(policy, scorer, tokenizer, user, asked, aspects: list[str], args) ->
 def export(rows: list[dict], name: str) -> None:
     """For a reader blind to trial and policy: the question and reply of the base's first draws
     (`before`) and of the adapter's two draws with what was served (`single`; `best of 2` the one
-    the gateway serves), for each trial where the gateway's pick runs; shuffled, with a key."""
+    the gateway serves), for each trial that ended with instructions served; shuffled, with a key."""
     items, key = [], {}
     for row in rows:
-        if not checkable(row["aspects"]):
+        if not row["aspects"]:
             continue
         for policy, draws in (("before", 1), ("adapter served", 2)):
             for asked in row[policy]["replies"]:

@@ -96,29 +96,31 @@ async def test_a_reply_about_the_instruction_is_not_served_for_its_form(smollm2)
     assert await choosing.pick(engine, replies) == 1
 
 
-def test_only_a_whole_plain_chat_answer_whose_wish_a_rule_checks_is_drawn_more_than_once(model_and_tokenizer):
-    """Streams, several choices, greedy sampling, tools, a response format and wishes no rule checks
-    (or two opposite ones) are served one reply; the untold prompt keeps the instruction, not the
-    question; vLLM's engine client, which cannot score, is refused by the configuration."""
+def test_only_a_whole_plain_chat_answer_with_instructions_served_is_drawn_more_than_once(model_and_tokenizer):
+    """Streams, several choices, greedy sampling, tools, a response format and a request the served
+    memory put nothing in are served one reply; a wish no rule checks (or two opposite ones) is
+    drawn too, the reply that says the most served; the untold prompt keeps the instruction, not
+    the question; vLLM's engine client, which cannot score, is refused by the configuration."""
     _, tokenizer = model_and_tokenizer
     prompts = PromptBuilder(tokenizer, SessionContinuations(tokenizer, 10))
     asking = session_of({"x-user-id": "ada"}, None, None, grant=Grant("open", OPEN.training, True))
 
-    def choice(aspects: tuple[str, ...], k: int = 2, forced: str = "", tools: bool = False, **asked) -> BestOf | None:
+    def choice(aspects: tuple[str, ...], k: int = 2, forced: str = "", tools: bool = False,
+               instructions: tuple[str, ...] = (SHORTER,), **asked) -> BestOf | None:
         body = ChatCompletionRequest(model="tiny", messages=[{"role": "user", "content": f"{SHORTER}\n\nTides?"}], **asked)
-        session = replace(asking, instructions=(SHORTER,), aspects=aspects)
+        session = replace(asking, instructions=instructions, aspects=aspects)
         return asyncio.run(best_of(k, body, session, prompts, "tiny", forced, tools))
 
     drawn = choice(("shorter",), k=3)
     assert drawn is not None and drawn.k == 3 and drawn.aspects == ["shorter"]
     untold = tokenizer.decode(drawn.untold_ids)
     assert SHORTER in untold and "Tides?" not in untold and drawn.messages[0]["content"].endswith("Tides?")
-    assert choice(("shorter", "formal")) is not None
+    for unchecked in [("shorter", "formal"), ("example",), ("shorter", "longer")]:
+        assert choice(unchecked).aspects == list(unchecked)
     for refused in [choice(("shorter",), k=1), choice(("shorter",), stream=True), choice(("shorter",), n=2),
                     choice(("shorter",), tools=True), choice(("shorter",), forced="<tool_call>"),
-                    choice(("shorter",), response_format={"type": "json_object"}), choice(("example",)),
-                    choice(("shorter",), temperature=0.0),
-                    choice(("shorter", "longer")), choice(())]:
+                    choice(("shorter",), response_format={"type": "json_object"}),
+                    choice(("shorter",), temperature=0.0), choice((), instructions=())]:
         assert refused is None
     with pytest.raises(ValueError, match="memory.best_of"):
         load_config(None, ["memory.best_of=2", "serve.engine_kind=vllm"])

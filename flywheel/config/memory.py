@@ -44,14 +44,15 @@ class MemoryConfig(Section):
     conversations, but new questions were answered less often by the bench's rule (0.77 against
     0.90): hence the default (docs/experiments/learning-from-use.md#where-the-instructions-go-memoryplacement)."""
     best_of: int = Field(1, ge=1, le=8)
-    """Replies sampled for a whole (not streamed) chat answer of one choice, no tools, whose
-    person's instructions a rule checks (a reply's length, lists or prose, register, being named:
-    flywheel/formats/wish_checks.py): of those that answer the question (the engine read with no
-    adapter: with adapters, the frozen base the judge's teacher reads with), the one the checks
-    rank first is served and recorded (for a shorter reply, the most said per character; ties, the
-    one that says the most). 1: one reply, as sampled. On SmolLM2-135M with
-    the instructions before the question, 2 raised the share of first replies meeting the wish
-    from about half to 0.77 offline, answering more (flywheel/serve/best_of.py;
+    """Replies sampled for a whole (not streamed) chat answer of one choice, no tools, that the
+    served memory put a person's instructions in: of those that answer the question (the engine
+    read with no adapter: with adapters, the frozen base the judge's teacher reads with), the one
+    the checks of the instructions rank first where a rule checks them (a reply's length, lists or
+    prose, register, being named: flywheel/formats/wish_checks.py; for a shorter reply, the most
+    said per character; ties, the one that says the most), else the one that says the most, is
+    served and recorded. 1: one reply, as sampled. On SmolLM2-135M with the instructions before
+    the question, 2 raised the share of first replies meeting the wish from about half to 0.77
+    offline, and the held-out replies served that answer the question (flywheel/serve/best_of.py;
     docs/experiments/learning-from-use.md). It costs k decodes at once and two prefills a reply;
     streams and other requests are served one reply. Not with `serve.engine_kind: vllm` (its
     client does not score)."""

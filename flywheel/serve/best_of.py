@@ -1,21 +1,22 @@
-"""Serving the best of k sampled replies, ranked by the checks of what the person asked
-(`memory.best_of`, flywheel/config/memory.py).
+"""Serving the best of k sampled replies to a request the served memory put a person's instructions
+in (`memory.best_of`, flywheel/config/memory.py).
 
-Where the served memory put a person's instructions in a request (flywheel/serve/served_memory.py)
-and a rule checks every aspect they ask for (flywheel/formats/wish_checks.py: a reply's length,
-lists or prose, register, being named), the gateway samples k replies at once on the request's
-engine, reads how much each says about the question as the judge reads it
-(flywheel/judge/relevance.py: how much likelier the request makes the reply, two prefill-only
-requests with no adapter: with adapters the frozen base the judge's teacher reads with, else the
-served weights), and serves the one the checks rank first among those that answer
-(`wish_checks.best`: for `shorter` the most said per character, ties to the one that says the
-most; a reply the request does not make likelier, or that says under half what the one that says
-the most says, or that the engine cut off, never). Where none
-answers, or the engine could not score one, the first that came back is served, as it would have
-been alone, and recorded as a plain sample. Both prompts are rendered from the messages as the
-judge renders them (the told one, in a conversation, may differ from the ids the session
-continued). The engine client must score (the embedded engine, SGLang; not vLLM's: a
-configuration error).
+Told how to write, SmolLM2-135M answers the question less often (held out, 0.93 of replies
+before against 0.75 with the instructions before the question): it writes about the instruction,
+or around the topic. So where the served memory (flywheel/serve/served_memory.py) put a person's
+instructions in a request, the gateway samples k replies at once on the request's engine, reads
+how much each says about the question as the judge reads it (flywheel/judge/relevance.py: how
+much likelier the request makes the reply, two prefill-only requests with no adapter: with
+adapters the frozen base the judge's teacher reads with, else the served weights), and serves,
+among those that answer, the one the checks of what the person asked rank first where a rule
+checks every aspect (flywheel/formats/wish_checks.py: a reply's length, lists or prose, register,
+being named), else the one that says the most (`wish_checks.best`: for `shorter` the most said per
+character; a reply the request does not make likelier, or that says under half what the one that
+says the most says, or that the engine cut off, never). Where none answers, or the engine could
+not score one, the first that came back is served, as it would have been alone, and recorded as a
+plain sample. Both prompts are rendered from the messages as the judge renders them (the told
+one, in a conversation, may differ from the ids the session continued). The engine client must
+score (the embedded engine, SGLang; not vLLM's: a configuration error).
 
 Only the served reply is recorded (`Turn.best_of` says how many it was chosen from): the person's
 next message follows it, and the collector stitches that message to the reply they saw; the others
@@ -34,7 +35,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from flywheel.bus.instructions import without_request
-from flywheel.formats.wish_checks import best, checkable
+from flywheel.formats.wish_checks import best
 from flywheel.serve.api.chat import GREEDY_BELOW, ChatCompletionRequest, Message
 from flywheel.serve.api.errors import APIError
 from flywheel.serve.api.formatting import output_text
@@ -114,7 +115,7 @@ async def best_of(k: int, body: Any, session: SessionInfo, prompts: PromptBuilde
     if (k < 2 or not isinstance(body, ChatCompletionRequest) or body.stream or body.n != 1 or forced or tools_active
             or body.temperature < GREEDY_BELOW
             or body.response_format is not None and body.response_format.constraint() is not None
-            or not checkable(list(session.aspects))):
+            or not session.instructions):
         return None
     messages = [m.model_dump(exclude_none=True) for m in body.messages]
     untold = [Message.model_validate(m) for m in without_request(messages, session.instructions)]
