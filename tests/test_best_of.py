@@ -99,7 +99,7 @@ async def test_a_reply_about_the_instruction_is_not_served_for_its_form(smollm2)
 def test_only_a_whole_plain_chat_answer_with_instructions_served_is_drawn_more_than_once(model_and_tokenizer):
     """Streams, several choices, greedy sampling, tools, a response format and a request the served
     memory put nothing in are served one reply; a wish no rule checks (or two opposite ones) is
-    drawn too, the reply that says the most served; the untold prompt keeps the instruction, not
+    drawn too, the first that answers served; the untold prompt keeps the instruction, not
     the question; vLLM's engine client, which cannot score, is refused by the configuration."""
     _, tokenizer = model_and_tokenizer
     prompts = PromptBuilder(tokenizer, SessionContinuations(tokenizer, 10))

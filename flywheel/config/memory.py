@@ -49,8 +49,8 @@ class MemoryConfig(Section):
     read with no adapter: with adapters, the frozen base the judge's teacher reads with), the one
     the checks of the instructions rank first where a rule checks them (a reply's length, lists or
     prose, register, being named: flywheel/formats/wish_checks.py; for a shorter reply, the most
-    said per character; ties, the one that says the most), else the one that says the most, is
-    served and recorded. 1: one reply, as sampled. On SmolLM2-135M with the instructions before
+    said per character; ties, the one that says the most), else the first of them, is served and
+    recorded. 1: one reply, as sampled. On SmolLM2-135M with the instructions before
     the question, 2 raised the share of first replies meeting the wish from about half to 0.77
     offline, and the held-out replies served that answer the question (flywheel/serve/best_of.py;
     docs/experiments/learning-from-use.md). It costs k decodes at once and two prefills a reply;

@@ -127,8 +127,9 @@ def best(aspects: list[str], replies: list[str], messages: list[dict[str, Any]],
     and it says at least `ANSWERS_AT` of what the one that says the most says: told how to write,
     a small model often writes about the instruction or around the topic, replies the request
     makes a little likelier that answer nothing. Among those, the one the checks rank first
-    (`shorter` by what it says, as weighed), ties to the one that says the most about the request.
-    None where none answers."""
+    (`shorter` by what it says, as weighed), ties to the one that says the most about the request;
+    where no rule checks what was asked, the first (saying the most would favour the longest, what
+    a person who asked for less, read as something else, does not want). None where none answers."""
     dense = [gain / max(1, characters(text)) for text, gain in zip(replies, gains)]
     said = dense if "shorter" in aspects else gains
     answering = [j for j, (text, gain) in enumerate(zip(replies, gains)) if _WORD.search(text) and gain > 0]
@@ -136,6 +137,8 @@ def best(aspects: list[str], replies: list[str], messages: list[dict[str, Any]],
         return None
     most = max(said[j] for j in answering)
     answering = [j for j in answering if said[j] >= ANSWERS_AT * most]
+    if not checkable(aspects):
+        return answering[0]
     names = set(names_in(messages))
     total = _standardised(aspects, lambda aspect: dense if aspect == "shorter" else
                           [CHECKS[aspect](text, names) for text in replies], len(replies))

@@ -10,11 +10,11 @@ much likelier the request makes the reply, two prefill-only requests with no ada
 adapters the frozen base the judge's teacher reads with, else the served weights), and serves,
 among those that answer, the one the checks of what the person asked rank first where a rule
 checks every aspect (flywheel/formats/wish_checks.py: a reply's length, lists or prose, register,
-being named), else the one that says the most (`wish_checks.best`: for `shorter` the most said per
-character; a reply the request does not make likelier, or that says under half what the one that
-says the most says, or that the engine cut off, never). Where none answers, or the engine could
-not score one, the first that came back is served, as it would have been alone, and recorded as a
-plain sample. Both prompts are rendered from the messages as the judge renders them (the told
+being named), else the first (`wish_checks.best`: for `shorter` the most said per character, ties
+to the one that says the most; a reply the request does not make likelier, or that says under half
+what the one that says the most says, or that the engine cut off, never). Where none answers,
+or the engine could not score one, the first that came back is served, as it would have been
+alone, and recorded as a plain sample. Both prompts are rendered from the messages as the judge renders them (the told
 one, in a conversation, may differ from the ids the session continued). The engine client must
 score (the embedded engine, SGLang; not vLLM's: a configuration error).
 
