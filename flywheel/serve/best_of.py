@@ -14,9 +14,9 @@ being named), else the first (`wish_checks.best`: for `shorter` the most said pe
 to the one that says the most; a reply the request does not make likelier, or that says under half
 what the one that says the most says, or that the engine cut off, never). Where none answers,
 or the engine could not score one, the first that came back is served, as it would have been
-alone, and recorded as a plain sample. Both prompts are rendered from the messages as the judge renders them (the told
-one, in a conversation, may differ from the ids the session continued). The engine client must
-score (the embedded engine, SGLang; not vLLM's: a configuration error).
+alone, and recorded as a plain sample. Both prompts are rendered from the messages as the judge
+renders them (the told one, in a conversation, may differ from the ids the session continued).
+The engine client must score (the embedded engine, SGLang; not vLLM's: a configuration error).
 
 Only the served reply is recorded (`Turn.best_of` says how many it was chosen from): the person's
 next message follows it, and the collector stitches that message to the reply they saw; the others
