@@ -94,10 +94,17 @@ async def export(args) -> None:
                 items.append({"question": question, "reply": reply})
                 key[len(items) - 1] = {"trial": f"{trial['pref']}:{trial['trial']}", "when": when,
                                        "rule": answers(question, reply)}
+    for_reader(items, key, args.results)
+
+
+def for_reader(items: list[dict], key: dict[int, dict], name: str) -> None:
+    """`items` (question and reply) shuffled into NAME's replies file, for a reader blind to where
+    each came from, and what `key` says of each into its key file."""
     order = list(range(len(items)))
     random.Random(0).shuffle(order)
-    replies_file, key_file = files(args.results)
-    replies_file.write_text("".join(json.dumps({"id": i, **items[j]}, ensure_ascii=False) + "\n" for i, j in enumerate(order)))
+    replies_file, key_file = files(name)
+    replies_file.write_text("".join(json.dumps({"id": i, **items[j]}, ensure_ascii=False) + "\n"
+                                    for i, j in enumerate(order)))
     key_file.write_text(json.dumps({i: key[j] for i, j in enumerate(order)}, indent=1) + "\n")
     print(f"wrote {len(items)} replies to {replies_file} and their key to {key_file}")
 

@@ -1,14 +1,14 @@
 """Issue 45: whether the replies a person is *served* once a personal-agent trial ends answer new
 questions, where the gateway serves the best of k (`memory.best_of`, flywheel/serve/best_of.py).
 
-The personal-agent bench's held-out figures are of one sampled reply a question (bench/personal_agent.py:
-`heldout`, the final adapter with the instructions served at the end). With `memory.best_of` the
-person is served the reply the gateway picks of k, so "the share of replies that answer the question
-asked" is the share of those. This re-asks the held-out questions of each trial of a results file
-whose final adapter version is still in its run's adapter store (a later run of the same trial
-replaces the store; the results file says which version the trial ended on), the person and the
-served instructions as at the trial's end, `--k` draws a question (seeds 0, 1000, ...: the app's
-temperature and max_tokens, `--heldout-samples` a question as the bench), of:
+The personal-agent bench's held-out figures are of one sampled reply a question
+(bench/personal_agent.py: `heldout`, the final adapter with the instructions served at the end).
+With `memory.best_of` the person is served the reply the gateway picks of k, so "the share of
+replies that answer the question asked" is the share of those. This re-asks the held-out questions
+of each trial of a results file whose final adapter version is still in its run's adapter store (a
+later run of the same trial replaces the store; the results file says which version the trial ended
+on), the person and the served instructions as at the trial's end, `--k` draws a question (seeds 0,
+1000, ...: the app's temperature and max_tokens, `--heldout-samples` a question as the bench), of:
 
 - `before`: the base, nothing served (the person's first replies; one reply is served);
 - `base served`: the base with the instructions (the served memory alone, nothing trained);
@@ -33,7 +33,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import random
 import sys
 import time
 from pathlib import Path
@@ -41,7 +40,7 @@ from statistics import fmean
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # `python bench/NAME.py` as well as `-m bench.NAME`
 
-from bench.heldout_answers import files  # noqa: E402
+from bench.heldout_answers import files, for_reader  # noqa: E402
 from bench.lib.common import RESULTS, machine, quiet_logs, table, write_result  # noqa: E402
 from bench.lib.personal_eval import information, sample, served  # noqa: E402
 from flywheel.drills.simulated_people import answers  # noqa: E402
@@ -85,7 +84,8 @@ def measure(policy, scorer, tokenizer, user, asked, aspects: list[str], args) ->
             met[pick] += [user.satisfied(texts[j], question) for j in chosen]
             answering[pick] += [answers(question, texts[j]) for j in chosen]
         asked_so.append({"question": question, "replies": texts[:2], "served": picks["best of 2"][0]})
-    return {"met": {pick: fmean(v) for pick, v in met.items()}, "answers": {pick: fmean(v) for pick, v in answering.items()},
+    return {"met": {pick: fmean(v) for pick, v in met.items()},
+            "answers": {pick: fmean(v) for pick, v in answering.items()},
             "questions": len(questions), "replies": asked_so}
 
 
@@ -103,12 +103,7 @@ def export(rows: list[dict], name: str) -> None:
                     items.append({"question": asked["question"], "reply": reply})
                     key[len(items) - 1] = {"trial": row["trial"], "policy": policy, "served": j == asked["served"],
                                            "rule": answers(asked["question"], reply)}
-    order = list(range(len(items)))
-    random.Random(0).shuffle(order)
-    replies_file, key_file = files(name)
-    replies_file.write_text("".join(json.dumps({"id": i, **items[j]}, ensure_ascii=False) + "\n" for i, j in enumerate(order)))
-    key_file.write_text(json.dumps({i: key[j] for i, j in enumerate(order)}, indent=1) + "\n")
-    print(f"wrote {len(items)} replies to {replies_file} and their key to {key_file}")
+    for_reader(items, key, name)
 
 
 def score(name: str) -> None:
@@ -120,9 +115,13 @@ def score(name: str) -> None:
     labelled = [{**item, **key[str(item["id"])]} for item in items]
     groups = {"before": lambda i: i["policy"] == "before", "single": lambda i: i["policy"] == "adapter served",
               "best of 2": lambda i: i["policy"] == "adapter served" and i["served"]}
-    rows = {trial: {g: {by: fmean(i[by] for i in labelled if i["trial"] == trial and keep(i)) for by in ("answers", "rule")}
-                    for g, keep in groups.items()} for trial in sorted({i["trial"] for i in labelled})}
-    rows["all"] = {g: {by: fmean(i[by] for i in labelled if keep(i)) for by in ("answers", "rule")} for g, keep in groups.items()}
+    def shares(chosen: list[dict]) -> dict:
+        return {g: {by: fmean(i[by] for i in chosen if keep(i)) for by in ("answers", "rule")}
+                for g, keep in groups.items()}
+
+    trials = sorted({i["trial"] for i in labelled})
+    rows = {trial: shares([i for i in labelled if i["trial"] == trial]) for trial in trials}
+    rows["all"] = shares(labelled)
     print(table(["trial", *(f"{g}: reader / rule" for g in groups)],
                 [[t, *(f"{r[g]['answers']:.2f} / {r[g]['rule']:.2f}" for g in groups)] for t, r in rows.items()]))
     print(f"wrote {write_result(f'{name}_answers', {'trials': rows})}")
@@ -177,15 +176,15 @@ def main() -> None:
     from flywheel.drills.simulated_people import people_from
 
     started = time.monotonic()
-    files = [json.loads((RESULTS / f"{name}.json").read_text()) for name in args.results]
-    if any(f["args"]["overrides"] != files[0]["args"]["overrides"] for f in files):
+    runs = [json.loads((RESULTS / f"{name}.json").read_text()) for name in args.results]
+    if any(run["args"]["overrides"] != runs[0]["args"]["overrides"] for run in runs):
         raise SystemExit("the results files were run with different settings")
     for key in ("max_tokens", "temperature", "heldout_samples"):
-        setattr(args, key, files[0]["args"][key])
+        setattr(args, key, runs[0]["args"][key])
     args.model = "smollm2-135m"
-    config = load_config(CONFIG, files[0]["args"]["overrides"])
+    config = load_config(CONFIG, runs[0]["args"]["overrides"])
     people = people_from(args.people)
-    latest = {f"{t['pref']}:{t['trial']}": t for results in files for t in results["trials"]}
+    latest = {f"{t['pref']}:{t['trial']}": t for run in runs for t in run["trials"]}
     rows, missing = [], []
     for key, entry in latest.items():
         if args.only and key not in args.only:
@@ -197,15 +196,17 @@ def main() -> None:
                         for p in POLICIES}, flush=True)
     mean = {p: {part: {pick: fmean(r[p][part][pick] for r in rows) for pick in PICKS} for part in ("met", "answers")}
             for p in POLICIES}
-    print(table(["policy", *(f"{part}: {pick}".replace("K", str(args.k)) for part in ("met", "answers") for pick in PICKS)],
-                [[p, *(round(mean[p][part][pick], 2) for part in ("met", "answers") for pick in PICKS)] for p in POLICIES]))
+    columns = [(part, pick) for part in ("met", "answers") for pick in PICKS]
+    print(table(["policy", *(f"{part}: {pick}".replace("K", str(args.k)) for part, pick in columns)],
+                [[p, *(round(mean[p][part][pick], 2) for part, pick in columns)] for p in POLICIES]))
     print(f"{len(rows)} trials; final adapter no longer kept: {', '.join(missing) or 'none'}")
     if args.export:
         export(rows, args.name)
     for row in rows:
         for policy in POLICIES:
             row[policy].pop("replies")
-    path = write_result(args.name, {"args": vars(args), "machine": machine(None), "wall_s": round(time.monotonic() - started, 1),
+    path = write_result(args.name, {"args": vars(args), "machine": machine(None),
+                                    "wall_s": round(time.monotonic() - started, 1),
                                     "trials": rows, "mean": mean, "not_kept": missing})
     print(f"wrote {path}")
 

@@ -90,4 +90,5 @@ def test_the_reply_served_of_k_is_the_checks_first_among_answers_ties_to_the_one
     assert practice.index(max(practice)) == 0  # practice's checks, without the reading: the shortest
     assert best(["shorter"], short, ASKED, gains=[0.0, -1.0, 0.0]) is None  # none answers: as sampled
     assert best(["simpler"], short, ASKED, gains=[2.0, 12.0, 20.0]) == 1  # no rule: the first that answers
+    assert best(["simpler"], short, ASKED, gains=[12.0, 2.0, 20.0]) == 0  # not the one that says the most
     assert best(["shorter"], ["...", "Feed it."], ASKED, gains=[5.0, 1.0]) == 1  # no word answers nothing

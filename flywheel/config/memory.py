@@ -50,10 +50,10 @@ class MemoryConfig(Section):
     the checks of the instructions rank first where a rule checks them (a reply's length, lists or
     prose, register, being named: flywheel/formats/wish_checks.py; for a shorter reply, the most
     said per character; ties, the one that says the most), else the first of them, is served and
-    recorded. 1: one reply, as sampled. On SmolLM2-135M with the instructions before
-    the question, 2 raised the share of first replies meeting the wish from about half to 0.77
-    offline, and the held-out replies served that answer the question (flywheel/serve/best_of.py;
-    docs/experiments/learning-from-use.md). It costs k decodes at once and two prefills a reply;
+    recorded. 1: one reply, as sampled. On SmolLM2-135M with the instructions before the question,
+    2 raised the share of first replies meeting the wish from about half to 0.77 offline, and of
+    adapters' held-out replies answering (the bench's rule) from 0.72 to 0.86
+    (flywheel/serve/best_of.py; docs/experiments/learning-from-use.md). It costs k decodes at once and two prefills a reply;
     streams and other requests are served one reply. Not with `serve.engine_kind: vllm` (its
     client does not score)."""
     template: str = TEMPLATE

@@ -131,7 +131,7 @@ def best(aspects: list[str], replies: list[str], messages: list[dict[str, Any]],
     where no rule checks what was asked, the first (saying the most would favour the longest, what
     a person who asked for less, read as something else, does not want). None where none answers."""
     dense = [gain / max(1, characters(text)) for text, gain in zip(replies, gains)]
-    said = dense if "shorter" in aspects else gains
+    said = dense if "shorter" in aspects and checkable(aspects) else gains
     answering = [j for j, (text, gain) in enumerate(zip(replies, gains)) if _WORD.search(text) and gain > 0]
     if not answering:
         return None

@@ -77,7 +77,7 @@ class Answerer:
         """Which adapter answers a request, and whether `model` may be asked for at all."""
         self.prompts = prompts
         self.best_of = best_of
-        """`memory.best_of`: replies sampled for a request whose person's wish a rule checks
+        """`memory.best_of`: replies sampled for a request the served memory put instructions in
         (flywheel/serve/best_of.py; `prompts` renders the request without their words)."""
         self.stats = GatewayStats()
 

@@ -73,7 +73,7 @@ class ServedMemory:
                  sessions: int = SESSIONS, without: Iterable[str] = (), placement: str = "system", best_of: int = 1):
         self.template = template
         self.best_of = best_of
-        """`memory.best_of`: replies sampled where a rule checks a person's instructions (flywheel/serve/best_of.py)."""
+        """`memory.best_of`: replies sampled where a person's instructions are served (flywheel/serve/best_of.py)."""
         self.placement = placement
         """`memory.placement`: `system` or `user`."""
         self.without = frozenset(without)
