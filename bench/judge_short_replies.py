@@ -34,9 +34,9 @@ from statistics import fmean
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # `python bench/NAME.py` as well as `-m bench.NAME`
 
 from bench.lib.common import ROOT, machine, quiet_logs, table, write_result  # noqa: E402
-from bench.memory_best_of import log_prob  # noqa: E402
-from flywheel.bus.instructions import placed_before, without_request  # noqa: E402
-from flywheel.formats.wish_checks import best, characters, rewards  # noqa: E402
+from bench.lib.personal_eval import information, served  # noqa: E402
+from flywheel.bus.instructions import placed_before  # noqa: E402
+from flywheel.formats.wish_checks import characters, rewards  # noqa: E402
 from flywheel.judge.wishes import ASPECTS  # noqa: E402
 
 HEADERS = ["group", "requests", "mixed pairs: shortest", "best", "all four: shortest", "best", "answers passed",
@@ -50,8 +50,7 @@ def shortest(texts: list[str], gains: list[float], messages: list[dict]) -> int:
 
 
 def most_per_character(texts: list[str], gains: list[float], messages: list[dict]) -> int:
-    picked = best(["shorter"], texts, messages, gains)
-    return 0 if picked is None else picked
+    return served(["shorter"], texts, gains, messages)
 
 
 PICKS = {"shortest": shortest, "best": most_per_character}
@@ -61,12 +60,12 @@ def read(model, tokenizer, group: dict) -> None:
     """Each reply's information about the request, as the gateway reads a draw."""
     messages = [*([{"role": "system", "content": group["system"]}] if group.get("system") else []),
                 {"role": "user", "content": placed_before(SHORTER) + group["request"]}]
-    group["messages"], untold = messages, without_request(messages, SHORTER)
+    group["messages"] = messages
     end = tokenizer.convert_tokens_to_ids("<|im_end|>")
-    for reply in group["replies"]:
-        ids = tokenizer.encode(reply["reply"], add_special_tokens=False) + [end]
-        reply["gain"] = log_prob(model, tokenizer, messages, ids) - log_prob(model, tokenizer, untold, ids)
-        reply["per_character"] = reply["gain"] / max(1, characters(reply["reply"]))
+    replies = [tokenizer.encode(reply["reply"], add_special_tokens=False) + [end] for reply in group["replies"]]
+    for reply, gain in zip(group["replies"], information(model, tokenizer, messages, SHORTER, replies)):
+        reply["gain"] = gain
+        reply["per_character"] = gain / max(1, characters(reply["reply"]))
 
 
 def served_answers(groups: list[dict], pick, pairs: bool) -> float:

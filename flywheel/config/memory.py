@@ -53,8 +53,8 @@ class MemoryConfig(Section):
     recorded. 1: one reply, as sampled. On SmolLM2-135M with the instructions before the question,
     2 raised the share of first replies meeting the wish from about half to 0.77 offline, and of
     adapters' held-out replies answering (the bench's rule) from 0.72 to 0.86
-    (flywheel/serve/best_of.py; docs/experiments/learning-from-use.md). It costs k decodes at once and two prefills a reply;
-    streams and other requests are served one reply. Not with `serve.engine_kind: vllm` (its
+    (flywheel/serve/best_of.py; docs/experiments/learning-from-use.md). It costs k decodes at once
+    and two prefills a reply; streams and other requests are served one reply. Not with `serve.engine_kind: vllm` (its
     client does not score)."""
     template: str = TEMPLATE
     """What `placement: system` appends to the system message (`string.Template`, $instructions);
