@@ -9,6 +9,8 @@ turns recorded before it. With a spill directory, the recorder switches to disk 
 is full, when the bus connection is down, or when a publish fails: what is queued moves to the
 end of an append-only JSON-lines spill file, and every later record is appended after it, until
 the publisher has replayed all spill files in order and JetStream has acknowledged each record.
+The records spilled in one turn of the event loop share one fsync (a group commit), after which
+their `durable()` callers hear back: `record()` itself only writes.
 A spill file is deleted only after all its records are acknowledged; spill files left by a
 previous process are replayed before anything new. Order is kept throughout. A record that
 was in flight when the switch happened may be published twice: JetStream drops the repeat by
@@ -23,6 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import logging
 import os
 from collections.abc import Iterator
@@ -70,13 +73,19 @@ class SpillLog:
                 self.backlog += sum(1 for _ in f)
         self._next = _sequence(self._files[-1]) + 1 if self._files else 0
         self._writer: BinaryIO | None = None
+        self._dirty = False
+        """Written since the last fsync."""
+        self._unsynced: list[asyncio.Future[None]] = []
+        """Who waits for what was written since the last fsync to be on disk."""
 
     @property
     def empty(self) -> bool:
         return not self._files
 
-    def append(self, entries: list[tuple[str, Record]]) -> None:
-        """Write records at the end, in order, and fsync them: once this returns they are on disk."""
+    def append(self, entries: list[tuple[str, Record]], sync: bool = True,
+               waiting: list[asyncio.Future[None]] | None = None) -> None:
+        """Write records at the end, in order. With `sync` they are fsync'd before this returns;
+        without, at the next `sync` (or `close`), which settles `waiting` once they are on disk."""
         data = b"".join(msgspec.json.encode(SpillLine(s, msgspec.Raw(encode(r, "json")))) + b"\n" for s, r in entries)
         if self._writer is None or self._writer.tell() > SPILL_FILE_BYTES:
             self.close()
@@ -87,8 +96,27 @@ class SpillLog:
             fsync_directory(self.directory)  # the new file's name is durable too
         self._writer.write(data)
         self._writer.flush()
-        os.fsync(self._writer.fileno())
         self.backlog += len(entries)
+        self._unsynced.extend(waiting or ())
+        self._dirty = True
+        if sync:
+            self.sync()
+
+    def sync(self) -> None:
+        """fsync what was written since the last sync and settle whoever waits on it (with
+        `RecordLost` if the disk refuses, and the error raised)."""
+        waiting, self._unsynced = self._unsynced, []
+        try:
+            if self._dirty and self._writer is not None:
+                os.fsync(self._writer.fileno())
+            self._dirty = False
+        except OSError as exc:
+            log.error("fsync of %s failed: %s", self.directory, exc)
+            for done in waiting:
+                _settle(done, RecordLost(f"the spill file in {self.directory} could not be synced: {exc}"))
+            raise
+        for done in waiting:
+            _settle(done)
 
     def oldest(self) -> Path | None:
         """The oldest file, closed for writing (appends after this go to a new file)."""
@@ -113,7 +141,10 @@ class SpillLog:
         path.unlink()
 
     def close(self) -> None:
+        """Sync and close the file being written (an fsync that fails was logged and its waiters told)."""
         if self._writer is not None:
+            with contextlib.suppress(OSError):
+                self.sync()
             self._writer.close()
             self._writer = None
 
@@ -137,6 +168,7 @@ class Recorder:
         self._spilling = self._spill is not None and not self._spill.empty
         """While true, records go to disk and the queue is empty; false only when the disk is."""
         self._moves = 0
+        self._sync_scheduled = False
         """How often the queue moved to disk (a publish in flight then is the disk's to finish)."""
         self._stopped = False
         self._work = asyncio.Event()
@@ -176,13 +208,13 @@ class Recorder:
         ):
             try:
                 self._move_queue_to_disk()
-                self._spill.append([(subject, record)])
+                self._spill.append([(subject, record)], sync=False, waiting=[done] if done is not None else None)
                 if self._stopped:
                     self._spill.close()  # no publisher will close it
             except OSError as exc:
                 return self._drop(record, f"spill to {self._spill.directory} failed: {exc}", done)
             self.spilled += 1
-            _settle(done)
+            self._sync_soon()
         elif len(self._queue) >= self._maxsize:
             return self._drop(record, "queue full", done)
         else:
@@ -190,6 +222,25 @@ class Recorder:
         self._drained.clear()
         self._work.set()
         return True
+
+    def _sync_soon(self) -> None:
+        """Group commit: the records spilled in one turn of the event loop share one fsync, after
+        which their `durable` callers hear back (an fsync a record cost each an outage's
+        throughput, and the event loop stalled on every one)."""
+        if self._sync_scheduled:
+            return
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:  # no event loop to come back to: now
+            return self._sync()
+        self._sync_scheduled = True
+        loop.call_soon(self._sync)
+
+    def _sync(self) -> None:
+        self._sync_scheduled = False
+        assert self._spill is not None
+        with contextlib.suppress(OSError):  # logged, and its waiters told, by the spill log
+            self._spill.sync()
 
     def _drop(self, record: Record, reason: str, done: asyncio.Future[None] | None = None) -> bool:
         self.dropped += 1
