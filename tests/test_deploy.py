@@ -90,6 +90,24 @@ def start_up(run_dir, *overrides: str, ray_temp_dir: Path, env=None,
     return proc, lines
 
 
+def stop_up(proc: subprocess.Popen, ray_temp_dir: Path, timeout_s: float = 120.0) -> str:
+    """Ctrl-C to `flywheel up` and what it printed until it exited (within `timeout_s`, else the
+    test fails with its threads' stacks, what it printed and what its Ray logged)."""
+    proc.send_signal(signal.SIGINT)
+    try:
+        rest, _ = proc.communicate(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        proc.send_signal(signal.SIGUSR1)  # faulthandler: every thread's stack, to the output
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.communicate(timeout=5)
+        proc.kill()
+        rest, _ = proc.communicate()
+        raise AssertionError(f"flywheel up did not stop within {timeout_s:g} s of Ctrl-C:\n{rest}"
+                             f"\nits Ray logged:\n{ray_log_tails(ray_temp_dir)}") from None
+    assert proc.returncode == 0 and "stopped." in rest, rest
+    return rest
+
+
 @pytest.mark.timeout(UP_S + 300)  # and its stop, which may take 120 s
 def test_up_starts_its_own_ray_shows_progress_and_ctrl_c_leaves_no_process(tmp_path):
     # The address a `ray start` wrote down for later `ray.init()` calls on this machine, its
@@ -105,10 +123,9 @@ def test_up_starts_its_own_ray_shows_progress_and_ctrl_c_leaves_no_process(tmp_p
         family = psutil.Process(proc.pid).children(recursive=True)
         names = {p.name() for p in family if p.is_running()}
         assert "nats-server" in names and any("raylet" in n for n in names), names
-        proc.send_signal(signal.SIGINT)
-        rest, _ = proc.communicate(timeout=120)
-        assert proc.returncode == 0, rest
-        assert "stopped." in rest
+        rest = stop_up(proc, ray_tmp / "ray")
+        assert [line.split(" stopped (")[0] for line in rest.splitlines() if " stopped (" in line] == [
+            "rollout", "serve", "collect", "judge", "train"], rest  # said as each loop stopped
         _, alive = psutil.wait_procs(family, timeout=30)
         assert not [p for p in alive if running(p)], [p.name() for p in alive]
     finally:
@@ -130,9 +147,7 @@ def test_up_joins_an_existing_cluster_and_leaves_it_running(tmp_path):
     )
     try:
         proc, _ = start_up(tmp_path, f"deploy.ray_address=127.0.0.1:{port}", ray_temp_dir=temp_dir, env=env)
-        proc.send_signal(signal.SIGINT)
-        rest, _ = proc.communicate(timeout=120)
-        assert proc.returncode == 0 and "stopped." in rest, rest
+        stop_up(proc, Path(temp_dir))
         status = subprocess.run([ray_cli, "status", f"--address=127.0.0.1:{port}"], capture_output=True, text=True, timeout=60, env=env)
         assert status.returncode == 0, status.stderr  # the cluster outlives the deployment
     finally:  # stop this cluster only (`ray stop` would take the test session's Ray down too)
@@ -174,7 +189,7 @@ def test_a_signal_that_lands_inside_a_stats_call_still_stops_the_deployment():
                     return {"train": {"error": "interrupted"}}
             return {"train": {"version": self.calls}}
 
-        def stop(self):
+        def stop(self, progress):
             self.stopped = True
 
     deployment = SwallowingDeployment()

@@ -1,13 +1,17 @@
 """`flywheel SUBCOMMAND ...`: the entry point of the command (`[project.scripts]`).
 
 Only the module of the subcommand being run is imported (`configure` adds its arguments), so
-`flywheel --help` and each subcommand start without loading what the others need.
+`flywheel --help` and each subcommand start without loading what the others need. `kill -USR1`
+a running command to have it print every thread's stack to stderr (one that does not stop or
+answer says where it waits).
 """
 
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import importlib
+import signal
 import sys
 
 from flywheel.cli.arguments import ConfigArgumentError, fail, split_overrides
@@ -45,6 +49,7 @@ def parser(command: str | None) -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # `kill -USR1`: where every thread waits
     words, overrides = split_overrides(list(sys.argv[1:] if argv is None else argv))
     command = next((word for word in words if not word.startswith("-")), None)
     top = parser(command)

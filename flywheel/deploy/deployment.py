@@ -147,18 +147,20 @@ class Deployment:
                 out[kind] = {"error": f"{type(exc).__name__}: {exc}"}
         return out
 
-    def stop(self, timeout_s: float = CALL_TIMEOUT_S) -> None:
+    def stop(self, timeout_s: float = CALL_TIMEOUT_S, progress: Callable[[str], None] = log.info) -> None:
         """Stop each loop (within `timeout_s`, else it is killed): traffic sources first, then the
-        loops downstream of them."""
+        loops downstream of them. `progress` hears each one stop, and how long it took."""
         for kind in ("rollout", "serve", "collect", "judge", "judge_serve", "promote", "eval_serve", "train"):
             actor = self.actors.pop(kind, None)
             if actor is None:
                 continue
+            began = time.monotonic()
             try:
                 ray.get(actor.stop.remote(), timeout=timeout_s)  # train finishes its step and checkpoints
             except Exception as exc:
                 log.warning("%s did not stop cleanly: %s", kind, exc)
             ray.kill(actor)
+            progress(f"{kind} stopped ({time.monotonic() - began:.0f} s)")
         if self._owns_ray and ray.is_initialized():
             ray.shutdown()
             self._owns_ray = False

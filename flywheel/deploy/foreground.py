@@ -3,7 +3,7 @@
 Start the deployment (a spinner saying which loops are still starting; a line as each comes up
 where the output is not a terminal), show its progress (a live table on a terminal, a plain
 line per refresh elsewhere) until `done` says so or Ctrl-C / SIGTERM arrives, then stop it,
-leaving no process behind.
+leaving no process behind, saying as each loop stops.
 
 A signal only asks to stop (it sets an event the progress loop waits on); it does not raise into
 whatever the main thread is doing. Raised as KeyboardInterrupt, a Ctrl-C that landed inside
@@ -71,5 +71,6 @@ def run_in_foreground(
         if stopping.is_set():
             console.print("stopping...")
     finally:
-        deployment.stop()
+        with console.status("stopping...") as status:
+            deployment.stop(progress=status.update if console.is_terminal else console.print)
     return stats
