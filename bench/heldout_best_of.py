@@ -19,7 +19,9 @@ draws) and `best of K` (all): `wish_checks.best`, each reply's information about
 by the frozen base as the gateway reads it with adapters. Where nothing is served, the gateway
 serves one reply: the first draw. `met` = the person's
 rule (answers and meets the wish); `answers` = the bench's rule. With `--export` the replies go to
-a reader blind to trial and policy (`export`); `--score` reads the labels back (`score`).
+a reader blind to trial and policy (`export`); `--score` reads the labels back (`score`). With
+`--phrased-now`, also `adapter served, phrased now`: the same adapter served each instruction as
+`ASPECTS` phrases its aspect now (bench/instruction_phrasings.py), exported beside the others.
 
     .venv/bin/python bench/heldout_best_of.py --results personal_agent_unscripted2_best_of2 \
         personal_agent_unscripted2_best_of2_dense --run-root runs/bench_unscripted \
@@ -46,7 +48,13 @@ from bench.lib.personal_eval import information, sample, served  # noqa: E402
 from flywheel.drills.simulated_people import answers  # noqa: E402
 
 POLICIES = ("before", "base served", "adapter served")
+NOW = "adapter served, phrased now"
+"""With `--phrased-now`: the adapter served each instruction as `ASPECTS` phrases its aspect now."""
 PICKS = ("single", "best of 2", "best of K")
+FORMER = {"no_preamble": "Start with the answer itself: no introduction, no restating the question, no filler.",
+          "casual": "Write in a warm, relaxed, friendly tone."}
+"""Instructions as earlier commits phrased them (flywheel/judge/wishes.py `ASPECTS`), by aspect, so
+that the trials run then map to their aspects."""
 
 
 def kept_adapter(run_dir: Path, final_version: str | None) -> Path | None:
@@ -97,8 +105,8 @@ def export(rows: list[dict], name: str) -> None:
     for row in rows:
         if not row["aspects"]:
             continue
-        for policy, draws in (("before", 1), ("adapter served", 2)):
-            for asked in row[policy]["replies"]:
+        for policy, draws in (("before", 1), ("adapter served", 2), (NOW, 2)):
+            for asked in row.get(policy, {}).get("replies", ()):
                 for j, reply in enumerate(asked["replies"][:draws]):
                     items.append({"question": asked["question"], "reply": reply})
                     key[len(items) - 1] = {"trial": row["trial"], "policy": policy, "served": j == asked["served"],
@@ -114,7 +122,10 @@ def score(name: str) -> None:
         raise SystemExit(f"{files(name)[0]}: every reply needs an `answers` label of true or false")
     labelled = [{**item, **key[str(item["id"])]} for item in items]
     groups = {"before": lambda i: i["policy"] == "before", "single": lambda i: i["policy"] == "adapter served",
-              "best of 2": lambda i: i["policy"] == "adapter served" and i["served"]}
+              "best of 2": lambda i: i["policy"] == "adapter served" and i["served"],
+              "single, now": lambda i: i["policy"] == NOW, "best of 2, now": lambda i: i["policy"] == NOW and i["served"]}
+    if not any(i["policy"] == NOW for i in labelled):
+        groups = dict(list(groups.items())[:3])
     def shares(chosen: list[dict]) -> dict:
         return {g: {by: fmean(i[by] for i in chosen if keep(i)) for by in ("answers", "rule")}
                 for g, keep in groups.items()}
@@ -140,7 +151,7 @@ def trial(entry: dict, config_memory, people: dict, args) -> dict | None:
     adapter = kept_adapter(run_dir, entry.get("final_version"))
     if adapter is None:
         return None
-    aspect_of = {text: aspect for aspect, text in ASPECTS.items() if text}
+    aspect_of = {text: aspect for aspect, text in [*ASPECTS.items(), *FORMER.items()] if text}
     name, preference, voice = people[f"{entry['pref']}-{entry['trial'] + 1}"]
     user = User(name, preference, seed=entry["seed"], voice=voice)
     instructions = tuple(entry.get("served") or ())
@@ -151,6 +162,9 @@ def trial(entry: dict, config_memory, people: dict, args) -> dict | None:
     rows = {"before": measure(base, base, tokenizer, user, Asked(user.system), [], args),
             "base served": measure(base, base, tokenizer, user, served_asked, aspects, args),
             "adapter served": measure(policy, base, tokenizer, user, served_asked, aspects, args)}
+    if args.phrased_now:
+        now = tuple(ASPECTS[aspect] or text for aspect, text in zip(aspects, instructions))
+        rows[NOW] = measure(policy, base, tokenizer, user, Asked(user.system, now, config_memory), aspects, args)
     return {"trial": f"{entry['pref']}:{entry['trial']}", "adapter": entry["final_version"], "aspects": aspects, **rows}
 
 
@@ -164,6 +178,8 @@ def main() -> None:
     parser.add_argument("--k", type=int, default=4)
     parser.add_argument("--name", default="heldout_best_of")
     parser.add_argument("--export", action="store_true", help="also write the replies for a reader (see `export`)")
+    parser.add_argument("--phrased-now", action="store_true",
+                        help=f"also the adapter served the instructions as phrased now ({NOW!r})")
     parser.add_argument("--score", action="store_true", help="only score the reader's labels of NAME's replies")
     args = parser.parse_args()
     if args.score:
@@ -185,6 +201,7 @@ def main() -> None:
     config = load_config(CONFIG, runs[0]["args"]["overrides"])
     people = people_from(args.people)
     latest = {f"{t['pref']}:{t['trial']}": t for run in runs for t in run["trials"]}
+    policies = (*POLICIES, NOW) if args.phrased_now else POLICIES
     rows, missing = [], []
     for key, entry in latest.items():
         if args.only and key not in args.only:
@@ -193,17 +210,17 @@ def main() -> None:
         (rows.append(row) if row else missing.append(key))
         if row:
             print(key, {p: (round(row[p]["met"]["best of 2"], 2), round(row[p]["answers"]["best of 2"], 2))
-                        for p in POLICIES}, flush=True)
+                        for p in policies}, flush=True)
     mean = {p: {part: {pick: fmean(r[p][part][pick] for r in rows) for pick in PICKS} for part in ("met", "answers")}
-            for p in POLICIES}
+            for p in policies}
     columns = [(part, pick) for part in ("met", "answers") for pick in PICKS]
     print(table(["policy", *(f"{part}: {pick}".replace("K", str(args.k)) for part, pick in columns)],
-                [[p, *(round(mean[p][part][pick], 2) for part, pick in columns)] for p in POLICIES]))
+                [[p, *(round(mean[p][part][pick], 2) for part, pick in columns)] for p in policies]))
     print(f"{len(rows)} trials; final adapter no longer kept: {', '.join(missing) or 'none'}")
     if args.export:
         export(rows, args.name)
     for row in rows:
-        for policy in POLICIES:
+        for policy in policies:
             row[policy].pop("replies")
     path = write_result(args.name, {"args": vars(args), "machine": machine(None),
                                     "wall_s": round(time.monotonic() - started, 1),

@@ -41,10 +41,10 @@ ASPECTS: dict[str, str | None] = {
     "prose": "Write the answer as plain sentences: no lists, headings or markdown.",
     "name": f"Write your reply as a short note that starts with {GREETING}.",
     "formal": "Write in formal English: do not use contractions, exclamation marks or casual words.",
-    "casual": "Write in a warm, relaxed, friendly tone.",
+    "casual": "Answer like a friend would: casual and warm.",
     "language": "Answer in the language the user asks for.",
     "code_only": "Reply with the code or command alone, without explanation.",
-    "no_preamble": "Start with the answer itself: no introduction, no restating the question, no filler.",
+    "no_preamble": "Answer directly.",
     "simpler": "Explain it in plain words a beginner understands, without jargon.",
     "example": "Include a concrete example.",
     "other": None,
@@ -52,8 +52,10 @@ ASPECTS: dict[str, str | None] = {
 """Each aspect's instruction to the teacher (None: the person's words are the instruction). For
 `shorter`, `list`, `name` and `formal`, the phrasing SmolLM2-135M followed best of those tried
 (docs/experiments/learning-from-use.md, section 4; for `name`, told the person's name: a greeting
-filled where it is served or told, flywheel/bus/instructions.py); the others are written, not
-measured."""
+filled where it is served or told, flywheel/bus/instructions.py). For `no_preamble` and `casual`,
+of those tried the one after which its replies answer most often (bench/instruction_phrasings.py:
+no phrasing tried moved either's form past the base's own, and the first ones written cost a fifth
+of the answers); the others are written, not measured."""
 OPPOSITES = {"shorter": "longer", "longer": "shorter", "list": "prose", "prose": "list", "formal": "casual",
              "casual": "formal"}
 """Aspects that ask for opposite replies (the reader mistakes one for the other at times)."""

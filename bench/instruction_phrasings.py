@@ -1,0 +1,124 @@
+"""Issue 45: which phrasing of a served instruction SmolLM2 follows while still answering.
+
+The held-out readers found that the people whose corrections were read as `no_preamble` (or
+`casual`) were served replies that answer half as often as the base's (docs/experiments/
+learning-from-use.md, "Served replies that answer"): those instructions were written, not measured
+(flywheel/judge/wishes.py `ASPECTS`). This asks the base model the training questions (never the
+held-out ones) as the gateway serves them with each candidate instruction (`memory.placement` as
+the bench's configuration places it, the drill's first person), `--samples` seeded draws each, the
+app's temperature and max_tokens, and reads each reply:
+
+- `answers (rule)`: the bench's rule (a content word of the question, not one word over and over);
+- `says`: how much likelier the request makes the reply, in nats, under the base as the gateway
+  reads it (`personal_eval.information`: the request emptied, the instruction kept);
+- `answers (says)`: the share of replies that say at least `wish_checks.ANSWERS_AT` of what the
+  base's own replies to that question say on average, nothing told (the gateway's mark);
+- `follows`: the aspect's check where the drill has one (`no_preamble`: its `answer_first`;
+  `casual`: a contraction or an exclamation mark, the opposite of the `formal` check).
+
+The candidates are written here before they are measured; the first of each is the instruction as
+`ASPECTS` had it.
+
+    .venv/bin/python bench/instruction_phrasings.py --aspect no_preamble casual
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import sys
+import time
+from pathlib import Path
+from statistics import fmean
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # `python bench/NAME.py` as well as `-m bench.NAME`
+
+from bench.lib.common import machine, quiet_logs, table, write_result  # noqa: E402
+from bench.lib.personal_eval import information, sample  # noqa: E402
+
+CANDIDATES = {
+    "no_preamble": (
+        "Start with the answer itself: no introduction, no restating the question, no filler.",
+        "Answer directly.",
+        "Begin your reply with the answer.",
+        "Answer the question first, then add details if needed.",
+        "Give the answer in your first sentence.",
+        "Answer right away, without an introduction.",
+    ),
+    "casual": (
+        "Write in a warm, relaxed, friendly tone.",
+        "Answer the question in a casual, friendly tone.",
+        "Answer like a friend would: casual and warm.",
+        "Use a friendly, relaxed tone in your answer.",
+    ),
+}
+
+
+def follows(aspect: str, text: str, name: str) -> bool:
+    from flywheel.drills.simulated_people import answer_first
+    from flywheel.formats.wish_checks import CHECKS
+
+    return answer_first(text, name) if aspect == "no_preamble" else CHECKS["formal"](text, set()) < 0
+
+
+def measure(model, tokenizer, user, instruction: str | None, args, untold: list[float] | None) -> dict:
+    """The replies to the training questions asked with `instruction` (None: nothing told), read as
+    the module says; `untold`: the mean of what the base's untold replies say, per question."""
+    from flywheel.bus.instructions import addressed, names_in
+    from flywheel.drills.personal_agent import Asked
+    from flywheel.drills.simulated_people import TRAIN_QUESTIONS, answers
+    from flywheel.formats.wish_checks import ANSWERS_AT
+
+    questions = TRAIN_QUESTIONS[:args.questions]
+    asked = Asked(user.system, (instruction,) if instruction else (), args.memory)
+    chats = [asked.chat(q) for q in questions]
+    draws = [asyncio.run(sample(model, tokenizer, chats, args, first_seed=1000 * k)) for k in range(args.samples)]
+    says, rule, texts = [], [], []
+    for i, (question, chat) in enumerate(zip(questions, chats)):
+        replies = [draw[i] for draw in draws]
+        placed = [addressed(instruction, names_in(chat))] if instruction else []
+        says.append(information(model, tokenizer, chat, placed, replies))
+        texts += [tokenizer.decode(r, skip_special_tokens=True) for r in replies]
+        rule += [answers(question, text) for text in texts[-len(replies):]]
+    per_question = [fmean(s) for s in says]
+    mark = untold or per_question
+    return {"instruction": instruction, "answers_rule": fmean(rule), "texts": texts,
+            "says": fmean(per_question), "per_question": per_question,
+            "answers_says": fmean(s >= ANSWERS_AT * m for row, m in zip(says, mark) for s in row)}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--aspect", nargs="+", default=list(CANDIDATES), choices=list(CANDIDATES))
+    parser.add_argument("--questions", type=int, default=16)
+    parser.add_argument("--samples", type=int, default=2)
+    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--temperature", type=float, default=0.7)
+    parser.add_argument("--name", default="instruction_phrasings")
+    args = parser.parse_args()
+    quiet_logs()
+    from flywheel.config import load_config
+    from flywheel.drills.personal_agent import CONFIG
+    from flywheel.drills.simulated_people import PREFERENCES, User
+    from flywheel.models import load_model
+
+    started = time.monotonic()
+    args.memory = load_config(CONFIG, ["memory.enabled=true", "memory.placement=user"]).memory
+    model, tokenizer = load_model("smollm2-135m")
+    user = User("Maya", PREFERENCES["brief"], seed=0)
+    untold = measure(model, tokenizer, user, None, args, None)
+    rows, results = [], {}
+    for aspect in args.aspect:
+        measured = [untold] + [measure(model, tokenizer, user, text, args, untold["per_question"])
+                               for text in CANDIDATES[aspect]]
+        for row in measured:
+            row["follows"] = fmean(follows(aspect, text, user.name) for text in row["texts"])
+        results[aspect] = [{k: v for k, v in row.items() if k != "texts"} for row in measured]
+        rows += [[aspect, r["instruction"] or "(nothing told)", f"{r['answers_rule']:.2f}", f"{r['says']:.1f}",
+                  f"{r['answers_says']:.2f}", f"{r['follows']:.2f}"] for r in results[aspect]]
+    print(table(["aspect", "instruction", "answers (rule)", "says (nats)", "answers (says)", "follows"], rows))
+    print(f"wrote {write_result(args.name, {'args': {k: v for k, v in vars(args).items() if k != 'memory'}, **results, 'machine': machine(None), 'seconds': time.monotonic() - started})}")
+
+
+if __name__ == "__main__":
+    main()
