@@ -51,8 +51,7 @@ POLICIES = ("before", "base served", "adapter served")
 NOW = "adapter served, phrased now"
 """With `--phrased-now`: the adapter served each instruction as `ASPECTS` phrases its aspect now."""
 PICKS = ("single", "best of 2", "best of K")
-FORMER = {"no_preamble": "Start with the answer itself: no introduction, no restating the question, no filler.",
-          "casual": "Write in a warm, relaxed, friendly tone."}
+FORMER = {"no_preamble": "Start with the answer itself: no introduction, no restating the question, no filler."}
 """Instructions as earlier commits phrased them (flywheel/judge/wishes.py `ASPECTS`), by aspect, so
 that the trials run then map to their aspects."""
 

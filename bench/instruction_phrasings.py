@@ -13,6 +13,7 @@ app's temperature and max_tokens, and reads each reply:
   reads it (`personal_eval.information`: the request emptied, the instruction kept);
 - `answers (says)`: the share of replies that say at least `wish_checks.ANSWERS_AT` of what the
   base's own replies to that question say on average, nothing told (the gateway's mark);
+- `words`: the replies' mean length in words (64 new tokens at most);
 - `follows`: the aspect's check where the drill has one (`no_preamble`: its `answer_first`;
   `casual`: a contraction or an exclamation mark, the opposite of the `formal` check).
 
@@ -66,7 +67,7 @@ def measure(model, tokenizer, user, instruction: str | None, args, untold: list[
     the module says; `untold`: the mean of what the base's untold replies say, per question."""
     from flywheel.bus.instructions import addressed, names_in
     from flywheel.drills.personal_agent import Asked
-    from flywheel.drills.simulated_people import TRAIN_QUESTIONS, answers
+    from flywheel.drills.simulated_people import TRAIN_QUESTIONS, answers, words
     from flywheel.formats.wish_checks import ANSWERS_AT
 
     questions = TRAIN_QUESTIONS[:args.questions]
@@ -83,6 +84,7 @@ def measure(model, tokenizer, user, instruction: str | None, args, untold: list[
     per_question = [fmean(s) for s in says]
     mark = untold or per_question
     return {"instruction": instruction, "answers_rule": fmean(rule), "texts": texts,
+            "words": fmean(len(words(text)) for text in texts),
             "says": fmean(per_question), "per_question": per_question,
             "answers_says": fmean(s >= ANSWERS_AT * m for row, m in zip(says, mark) for s in row)}
 
@@ -90,12 +92,15 @@ def measure(model, tokenizer, user, instruction: str | None, args, untold: list[
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--aspect", nargs="+", default=list(CANDIDATES), choices=list(CANDIDATES))
+    parser.add_argument("--texts", nargs="+", help="with one --aspect: these candidates instead of the module's")
     parser.add_argument("--questions", type=int, default=16)
     parser.add_argument("--samples", type=int, default=2)
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--temperature", type=float, default=0.7)
     parser.add_argument("--name", default="instruction_phrasings")
     args = parser.parse_args()
+    if args.texts and len(args.aspect) != 1:
+        parser.error("--texts: name the one --aspect they phrase")
     quiet_logs()
     from flywheel.config import load_config
     from flywheel.drills.personal_agent import CONFIG
@@ -110,13 +115,13 @@ def main() -> None:
     rows, results = [], {}
     for aspect in args.aspect:
         measured = [untold] + [measure(model, tokenizer, user, text, args, untold["per_question"])
-                               for text in CANDIDATES[aspect]]
+                               for text in args.texts or CANDIDATES[aspect]]
         for row in measured:
             row["follows"] = fmean(follows(aspect, text, user.name) for text in row["texts"])
         results[aspect] = [{k: v for k, v in row.items() if k != "texts"} for row in measured]
         rows += [[aspect, r["instruction"] or "(nothing told)", f"{r['answers_rule']:.2f}", f"{r['says']:.1f}",
-                  f"{r['answers_says']:.2f}", f"{r['follows']:.2f}"] for r in results[aspect]]
-    print(table(["aspect", "instruction", "answers (rule)", "says (nats)", "answers (says)", "follows"], rows))
+                  f"{r['answers_says']:.2f}", f"{r['words']:.0f}", f"{r['follows']:.2f}"] for r in results[aspect]]
+    print(table(["aspect", "instruction", "answers (rule)", "says (nats)", "answers (says)", "words", "follows"], rows))
     print(f"wrote {write_result(args.name, {'args': {k: v for k, v in vars(args).items() if k != 'memory'}, **results, 'machine': machine(None), 'seconds': time.monotonic() - started})}")
 
 

@@ -41,7 +41,7 @@ ASPECTS: dict[str, str | None] = {
     "prose": "Write the answer as plain sentences: no lists, headings or markdown.",
     "name": f"Write your reply as a short note that starts with {GREETING}.",
     "formal": "Write in formal English: do not use contractions, exclamation marks or casual words.",
-    "casual": "Answer like a friend would: casual and warm.",
+    "casual": "Write in a warm, relaxed, friendly tone.",
     "language": "Answer in the language the user asks for.",
     "code_only": "Reply with the code or command alone, without explanation.",
     "no_preamble": "Answer directly.",
@@ -52,10 +52,13 @@ ASPECTS: dict[str, str | None] = {
 """Each aspect's instruction to the teacher (None: the person's words are the instruction). For
 `shorter`, `list`, `name` and `formal`, the phrasing SmolLM2-135M followed best of those tried
 (docs/experiments/learning-from-use.md, section 4; for `name`, told the person's name: a greeting
-filled where it is served or told, flywheel/bus/instructions.py). For `no_preamble` and `casual`,
-of those tried the one after which its replies answer most often (bench/instruction_phrasings.py:
-no phrasing tried moved either's form past the base's own, and the first ones written cost a fifth
-of the answers); the others are written, not measured."""
+filled where it is served or told, flywheel/bus/instructions.py). For `no_preamble`, of those
+tried, the one after which replies answer as often as told nothing (bench/instruction_phrasings.py;
+none moved the drill's answer-first check past the base's own; the one first written cost a fifth
+of the answers, and held out, served to the three people whose corrections were read so, a blind
+reader's answers went 0.15 -> 0.65, 0.42 before training). `casual` stays as first written: one
+that answered more on the training questions answered less held out beside the greeting (0.21 ->
+0.08, one person). The others are written, not measured."""
 OPPOSITES = {"shorter": "longer", "longer": "shorter", "list": "prose", "prose": "list", "formal": "casual",
              "casual": "formal"}
 """Aspects that ask for opposite replies (the reader mistakes one for the other at times)."""
