@@ -20,8 +20,9 @@ by the frozen base as the gateway reads it with adapters. Where nothing is serve
 serves one reply: the first draw. `met` = the person's
 rule (answers and meets the wish); `answers` = the bench's rule. With `--export` the replies go to
 a reader blind to trial and policy (`export`); `--score` reads the labels back (`score`). With
-`--phrased-now`, also `adapter served, phrased now`: the same adapter served each instruction as
-`ASPECTS` phrases its aspect now (bench/instruction_phrasings.py), exported beside the others.
+`--phrased-now`, also `adapter served, phrased now`: the same adapter served the instructions as
+the judge serves them now: `ASPECTS` phrasing each aspect (bench/instruction_phrasings.py), none
+for an `UNSERVED` one; exported beside the others.
 
     .venv/bin/python bench/heldout_best_of.py --results personal_agent_unscripted2_best_of2 \
         personal_agent_unscripted2_best_of2_dense --run-root runs/bench_unscripted \
@@ -49,7 +50,7 @@ from flywheel.drills.simulated_people import answers  # noqa: E402
 
 POLICIES = ("before", "base served", "adapter served")
 NOW = "adapter served, phrased now"
-"""With `--phrased-now`: the adapter served each instruction as `ASPECTS` phrases its aspect now."""
+"""With `--phrased-now`: the adapter served the instructions as the judge serves them now."""
 PICKS = ("single", "best of 2", "best of K")
 FORMER = {"no_preamble": "Start with the answer itself: no introduction, no restating the question, no filler."}
 """Instructions as earlier commits phrased them (flywheel/judge/wishes.py `ASPECTS`), by aspect, so
@@ -143,7 +144,7 @@ def trial(entry: dict, config_memory, people: dict, args) -> dict | None:
 
     from flywheel.drills.personal_agent import Asked
     from flywheel.drills.simulated_people import User
-    from flywheel.judge.wishes import ASPECTS
+    from flywheel.judge.wishes import ASPECTS, UNSERVED
     from flywheel.models import load_model
 
     run_dir = Path(args.run_root) / f"{entry['arm']}-{entry['pref']}-{entry['trial']}"
@@ -162,8 +163,9 @@ def trial(entry: dict, config_memory, people: dict, args) -> dict | None:
             "base served": measure(base, base, tokenizer, user, served_asked, aspects, args),
             "adapter served": measure(policy, base, tokenizer, user, served_asked, aspects, args)}
     if args.phrased_now:
-        now = tuple(ASPECTS[aspect] or text for aspect, text in zip(aspects, instructions))
-        rows[NOW] = measure(policy, base, tokenizer, user, Asked(user.system, now, config_memory), aspects, args)
+        now = [(aspect, ASPECTS[aspect] or text) for aspect, text in zip(aspects, instructions) if aspect not in UNSERVED]
+        rows[NOW] = measure(policy, base, tokenizer, user, Asked(user.system, tuple(text for _, text in now), config_memory),
+                            [aspect for aspect, _ in now], args)
     return {"trial": f"{entry['pref']}:{entry['trial']}", "adapter": entry["final_version"], "aspects": aspects, **rows}
 
 

@@ -24,7 +24,7 @@ from flywheel.config import load_config
 from flywheel.judge.instruction_memory import InstructionMemory
 from flywheel.judge.loop import JudgeLoop
 from flywheel.judge.next_state import request_text
-from flywheel.judge.wishes import ASPECTS
+from flywheel.judge.wishes import ASPECTS, Wish
 from flywheel.serve.api.chat import ChatCompletionRequest, CompletionRequest
 from flywheel.serve.api.messages import MessagesRequest
 from flywheel.serve.api.sessions import session_of
@@ -73,6 +73,15 @@ def test_of_two_opposite_wishes_asked_as_often_the_newer_is_served():
     assert read.read == ["prose", "list"] and read.instructions == [ASPECTS["prose"]]
     read = memory.read(*corrected("ada", ["Bullets next time, one per line."], [-1.0], created_at=1002.0))
     assert read.instructions == [LIST]  # asked twice
+
+
+def test_a_casual_tone_is_told_the_teacher_but_never_served():
+    memory = InstructionMemory(size=5)
+    read = memory.read(*corrected("ada", ["You sound like a robot, loosen up a bit."], [-1.0], created_at=1000.0))
+    assert (read.read, read.instructions, read.aspects) == (["casual"], [], [])  # read and kept, not served
+    read = memory.read(*corrected("ada", ["Call me Ada."], [-1.0], created_at=1001.0))
+    assert read.read == ["name", "casual"] and read.instructions == [NAME]  # a tie: the greeting alone
+    assert Wish(["You sound like a robot, loosen up a bit."], "instead").told == ASPECTS["casual"]
 
 
 def test_a_conversation_judged_again_counts_once_and_a_restarted_judge_goes_on_from_the_record():

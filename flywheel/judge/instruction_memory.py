@@ -7,7 +7,9 @@ teacher's memory takes them) the judge reads which aspect of a reply it asks to 
 newest `memory.corrections` that read one (a correction about anything else, or too vague to
 read, neither votes nor pushes out what they asked before); then it publishes the instructions
 for the aspects most of those ask for (`Instructions`), of two opposite ones asked as often
-(shorter and longer, lists and prose, formal and casual) the one asked last. The labels, and
+(shorter and longer, lists and prose, formal and casual) the one asked last, and none for an
+aspect whose instruction cost answers and gained nothing measured (`UNSERVED`: the teacher is
+still told it). The labels, and
 the turns they were read in, travel in the record, so a judge that starts again reads each
 person's newest record first (`restore`) and goes on from it, a conversation judged again
 counting once. A person here is an end user of a tenant, whatever adapter their turns train:
@@ -21,7 +23,7 @@ from flywheel.bus import Sample, Trajectory
 from flywheel.bus.instructions import Instructions
 from flywheel.judge.people_memory import PeopleMemory
 from flywheel.judge.teacher import hints_of
-from flywheel.judge.wishes import ASPECTS, OPPOSITES, most_asked, wish_reader
+from flywheel.judge.wishes import ASPECTS, OPPOSITES, UNSERVED, most_asked, wish_reader
 
 Read = tuple[str, str]
 """(the correction's turn id, the aspect read in it): a conversation judged again counts once."""
@@ -64,6 +66,8 @@ class InstructionMemory(PeopleMemory[Read]):
 
 
 def wanted(read: list[str]) -> list[str]:
-    """The aspects most of `read` (newest first) ask for; of two opposite ones, the one asked last."""
+    """The aspects most of `read` (newest first) ask for that are served (not `UNSERVED`); of two
+    opposite ones, the one asked last."""
     most = most_asked(read)
-    return [aspect for aspect in most if OPPOSITES.get(aspect) not in most or read.index(aspect) < read.index(OPPOSITES[aspect])]
+    return [aspect for aspect in most if aspect not in UNSERVED and
+            (OPPOSITES.get(aspect) not in most or read.index(aspect) < read.index(OPPOSITES[aspect]))]

@@ -59,6 +59,13 @@ of the answers, and held out, served to the three people whose corrections were 
 reader's answers went 0.15 -> 0.65, 0.42 before training). `casual` stays as first written: one
 that answered more on the training questions answered less held out beside the greeting (0.21 ->
 0.08, one person). The others are written, not measured."""
+UNSERVED = frozenset({"casual"})
+"""Aspects whose instruction the teacher is told but the gateway does not serve
+(flywheel/judge/instruction_memory.py). Told before the question, every `casual` phrasing tried
+cost answers (0.71-0.80 of the training questions answered by the bench's rule, 0.85 told
+nothing) and none made the base write more casually than it does untold (a contraction or "!"
+in 0.88 of its replies: bench/instruction_phrasings.py); held out, served beside the greeting, a
+blind reader passed 0.21 of one person's replies against 0.38 before training."""
 OPPOSITES = {"shorter": "longer", "longer": "shorter", "list": "prose", "prose": "list", "formal": "casual",
              "casual": "formal"}
 """Aspects that ask for opposite replies (the reader mistakes one for the other at times)."""
