@@ -22,7 +22,9 @@ Numbers
       person's words;
     - the same for the probability bars `--bars` (how `WISH_AT` was chosen, on the 5-fold set);
     - with `--people`: for each person of a people file, by labels alone, what the teacher is
-      told of the probe's draw of their corrections and of all of them.
+      told of the probe's draw of their corrections and of all of them, and how often the gateway
+      serves their wish (alone, or among others) over `--windows` orders of their corrections;
+      the same on the held-out set, each aspect's corrections taken as one person's.
 
     .venv/bin/python bench/judge_wishes.py                # bench/results/judge_wishes.json
     .venv/bin/python bench/judge_wishes.py --no-heldout   # while changing the reader
@@ -35,14 +37,17 @@ import argparse
 import random
 import sys
 from collections import Counter
+from statistics import fmean
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # `python bench/NAME.py` as well as `-m bench.NAME`
 
 from bench.lib.common import ROOT, table, write_result  # noqa: E402
+from flywheel.config.memory import MemoryConfig  # noqa: E402
 from flywheel.judge import reaction_reader  # noqa: E402
 from flywheel.judge.hashed_classifier import Reading  # noqa: E402
-from flywheel.judge.wishes import ASPECTS, LABELS, WISH_AT, WishReader, training_set, wish_reader  # noqa: E402
+from flywheel.judge.instruction_memory import wanted  # noqa: E402
+from flywheel.judge.wishes import ASPECTS, LABELS, UNSERVED, WISH_AT, WishReader, training_set, wish_reader  # noqa: E402
 
 HELDOUT = ROOT / "bench" / "data" / "correction_aspects_heldout.jsonl"
 REACTIONS_HELDOUT = ROOT / "bench" / "data" / "reactions_heldout.jsonl"
@@ -96,11 +101,11 @@ WANTED = {"brief": "shorter", "bullets": "list", "name": "name", "formal": "form
 """The aspect each preference of a people file is about."""
 
 
-def people(path: str, draw: int) -> dict:
+def people(path: str, draw: int, windows: int) -> dict:
     """Per person of a people file (bench/data/people_heldout*.json), by aspect labels only (their
     words stay unread): the share of their corrections read alone as their wish, and what the
     teacher is told of `draw` of them at once (the same draw as `personal_agent.py --probe-hints
-    --probe-together`) and of all of them."""
+    --probe-together`) and of all of them; what the gateway serves them (`served_windows`)."""
     from flywheel.drills.simulated_people import User, people_from
 
     out = {}
@@ -111,8 +116,22 @@ def people(path: str, draw: int) -> dict:
         out[key] = {"alone_right": sum(wish_reader().aspect(c) == wish for c in voice.corrections)
                     / len(voice.corrections),
                     "drawn": wish_reader().aspects(drawn),
-                    "all": wish_reader().aspects(voice.corrections)}
+                    "all": wish_reader().aspects(voice.corrections),
+                    "served": served_windows(voice.corrections, wish, windows)}
     return out
+
+
+def served_windows(corrections: list[str], wish: str, windows: int, size: int = MemoryConfig().corrections) -> dict:
+    """What the served memory serves a person whose corrections come in a random order: over
+    `windows` seeded orders, the aspects of their newest `size` that read one (`memory.corrections`)
+    as the judge votes them (`instruction_memory.wanted`); the share served their wish alone, and
+    with others."""
+    read = [wish_reader().aspect(c) for c in corrections]
+    served = []
+    for seed in range(windows):
+        order = random.Random(seed).sample(read, len(read))
+        served.append(wanted([aspect for aspect in order if aspect][:size]))
+    return {"alone": sum(s == [wish] for s in served) / windows, "with": sum(wish in s for s in served) / windows}
 
 
 def _pct(value: float | None) -> str:
@@ -128,13 +147,20 @@ def report(result: dict) -> str:
         parts.append("\n" + table(["bar", "told", "told right", "form wishes told", "`other` told"],
                                   [[bar, _pct(a["told"]), _pct(a["told_right"]), _pct(a["form_told"]), _pct(a["other_told"])]
                                    for bar, a in s["at"].items()]) + "\n")
+        if "served" in s:
+            parts.append("served, each aspect's corrections as one person's: its aspect alone / with others\n\n" + table(
+                ["aspect", "alone", "with others"],
+                [[aspect, _pct(w["alone"]), _pct(w["with"])] for aspect, w in s["served"].items()]) + "\n")
     for file, by_person in result.get("people", {}).items():
         parts.append(f"\n## {file}: what the teacher is told (aspects; their wish alone: "
                      f"{sum(p['drawn'] == [WANTED[k.split('-')[0]]] for k, p in by_person.items())} of {len(by_person)} "
                      f"drawn, {sum(p['all'] == [WANTED[k.split('-')[0]]] for k, p in by_person.items())} of {len(by_person)} all)\n")
-        parts.append(table(["person", "corrections read alone as the wish", "told of the probe's draw", "told of all"],
-                           [[k, _pct(p["alone_right"]), " ".join(p["drawn"]) or "(words)", " ".join(p["all"]) or "(words)"]
-                            for k, p in by_person.items()]))
+        parts.append(table(["person", "corrections read alone as the wish", "told of the probe's draw", "told of all",
+                            "served the wish alone / with others"],
+                           [[k, _pct(p["alone_right"]), " ".join(p["drawn"]) or "(words)", " ".join(p["all"]) or "(words)",
+                             f"{_pct(p['served']['alone'])} / {_pct(p['served']['with'])}"] for k, p in by_person.items()]))
+        parts.append(f"\nserved the wish alone, mean: {fmean(p['served']['alone'] for p in by_person.values()):.2f}; "
+                     f"with others: {fmean(p['served']['with'] for p in by_person.values()):.2f}\n")
     for name, r in result["reactions"].items():
         parts.append(f"## {name} ({r['n']}): an instruction told for {_pct(r['told'])}; "
                      + ", ".join(f"{k} {v}" for k, v in r["aspects"].items()))
@@ -148,6 +174,7 @@ def main() -> None:
     parser.add_argument("--bars", type=float, nargs="+", default=[0.3, 0.4, 0.5, 0.6, 0.7])
     parser.add_argument("--people", nargs="*", default=[], help="people files: what the teacher is told of each person")
     parser.add_argument("--draw", type=int, default=5, help="with --people: corrections told at once (the probe's)")
+    parser.add_argument("--windows", type=int, default=500, help="with --people: orders of their corrections served")
     args = parser.parse_args()
     train = training_set()
     sets = {}
@@ -155,8 +182,11 @@ def main() -> None:
         known = {e["text"].strip().lower() for e in train}
         heldout = [e for e in reaction_reader.load(HELDOUT) if e["text"].strip().lower() not in known]
         sets["heldout"] = scores(heldout, [wish_reader().read(e["text"]) for e in heldout], args.bars)
+        sets["heldout"]["served"] = {aspect: served_windows([e["text"] for e in heldout if e["aspect"] == aspect], aspect,
+                                                            args.windows)
+                                     for aspect in LABELS if ASPECTS[aspect] and aspect not in UNSERVED}
     sets["train (5-fold)"] = scores(train, cross_validated(train), args.bars)
-    result = {"sets": sets, "reactions": {}, "people": {file: people(file, args.draw) for file in args.people}}
+    result = {"sets": sets, "reactions": {}, "people": {file: people(file, args.draw, args.windows) for file in args.people}}
     for gold, heldout in (("correction", True), ("complaint", True), ("correction", False)):
         if heldout and args.no_heldout:
             continue

@@ -18,7 +18,7 @@ from flywheel.judge.hashed_classifier import text_features, trained_once
 from flywheel.judge.loop import JudgeLoop
 from flywheel.judge.reaction_reader import load
 from flywheel.judge.teacher import Teaching
-from flywheel.judge.wishes import ASPECTS, Wish, WishReader, training_set, wish_reader
+from flywheel.judge.wishes import ASPECTS, Wish, WishReader, most_asked, training_set, wish_reader
 
 from factories import make_turn
 
@@ -68,6 +68,15 @@ def test_a_persons_corrections_are_read_together():
     assert Wish([vague, "way too long for my phone"], "instead").told == SHORT
     listed = ["could you break it into points I can tick off?", "bullets please, I skim", "way too long for my phone"]
     assert Wish(listed, "instead").told == ASPECTS["list"]  # what most of them ask for
+
+
+def test_a_preamble_read_beside_a_shorter_reply_counts_for_the_shorter_reply():
+    """One short sentence has no preamble: where a person's corrections read both, the reader's
+    usual mistake (a `shorter` correction read as `no_preamble`) no longer outvotes the wish."""
+    assert most_asked(["no_preamble", "no_preamble", "shorter"]) == ["shorter"]
+    assert most_asked(["no_preamble", "list", "list"]) == ["list"]
+    assert most_asked(["no_preamble", "no_preamble", "list"]) == ["no_preamble"]  # nothing implies it
+    assert most_asked(["no_preamble", "shorter", "list", "list"]) == ["shorter", "list"]
 
 
 def test_every_process_trains_the_same_reader():

@@ -9,7 +9,8 @@ person's adapter toward, so the judge reads which aspect of the reply a correcti
 plain words, examples; or anything else) and tells the teacher that aspect's instruction, with
 the person's words after it (`beside`) or alone (`instead`). The person's remembered corrections
 (`judge.teacher.memory`) are read together: the teacher is told what most of them ask for, each
-read alone with at least `WISH_AT` confidence. Where none is (corrections about anything else,
+read alone with at least `WISH_AT` confidence (a preamble read beside a shorter reply counts
+for the shorter reply: `IMPLIED`). Where none is (corrections about anything else,
 `other`: a wrong fact, a missed requirement; or too vague to read), it is told the words.
 
 The reader is a linear classifier over hashed features of the words (flywheel/judge/hashed_classifier.py),
@@ -66,6 +67,13 @@ cost answers (0.71-0.80 of the training questions answered by the bench's rule, 
 nothing) and none made the base write more casually than it does untold (a contraction or "!"
 in 0.88 of its replies: bench/instruction_phrasings.py); held out, served beside the greeting, a
 blind reader passed 0.21 of one person's replies against 0.38 before training."""
+IMPLIED = {"no_preamble": "shorter"}
+"""An aspect another's replies do too (one short sentence has no room for a preamble), whose votes
+count for that one where a person's corrections read both. The reader takes `shorter` corrections
+for `no_preamble` at times and not the reverse (held out: 4 of 22 and 0 of 22;
+bench/judge_wishes.py), so a person whose corrections read both most likely wants less; served
+`shorter` they are served a reply the checks can rank. Told "Answer directly." a brief person's
+replies met their wish 0.04 of the time held out (docs/experiments/learning-from-use.md)."""
 OPPOSITES = {"shorter": "longer", "longer": "shorter", "list": "prose", "prose": "list", "formal": "casual",
              "casual": "formal"}
 """Aspects that ask for opposite replies (the reader mistakes one for the other at times)."""
@@ -108,8 +116,12 @@ class WishReader:
 
 
 def most_asked(aspects: Iterable[str | None]) -> list[str]:
-    """The aspects read most often (ties: each); corrections none was read in (None, "") do not vote."""
+    """The aspects read most often (ties: each); corrections none was read in (None, "") do not vote,
+    and an `IMPLIED` aspect's votes count for the one that implies it where that is read too."""
     votes = Counter(aspect for aspect in aspects if aspect)
+    for implied, by in IMPLIED.items():
+        if votes[implied] and votes[by]:
+            votes[by] += votes.pop(implied)
     return [aspect for aspect, n in votes.most_common() if n == max(votes.values())]
 
 
