@@ -168,8 +168,9 @@ class Recorder:
         self._spilling = self._spill is not None and not self._spill.empty
         """While true, records go to disk and the queue is empty; false only when the disk is."""
         self._moves = 0
-        self._sync_scheduled = False
         """How often the queue moved to disk (a publish in flight then is the disk's to finish)."""
+        self._sync_scheduled = False
+        """A group commit's fsync is due at the event loop's next turn (`_sync_soon`)."""
         self._stopped = False
         self._work = asyncio.Event()
         self._drained = asyncio.Event()
