@@ -81,13 +81,18 @@ def start_up(run_dir, *overrides: str, ray_temp_dir: Path, env=None,
     reader.start()
     reader.join(timeout_s)
     if reader.is_alive() or not any("Flywheel is up" in line for line in lines):
-        with contextlib.suppress(psutil.NoSuchProcess):
-            for process in [*psutil.Process(proc.pid).children(recursive=True), psutil.Process(proc.pid)]:
-                with contextlib.suppress(psutil.NoSuchProcess):
-                    process.kill()
+        kill_with_children(proc)
         raise AssertionError(f"flywheel up did not come up and train a step within {timeout_s:g} s:\n" + "".join(lines)
                              + f"\nits Ray logged:\n{ray_log_tails(ray_temp_dir)}")
     return proc, lines
+
+
+def kill_with_children(proc: subprocess.Popen) -> None:
+    """Kill `flywheel up` and everything it started (its NATS, its Ray's processes)."""
+    with contextlib.suppress(psutil.NoSuchProcess):
+        for process in [*psutil.Process(proc.pid).children(recursive=True), psutil.Process(proc.pid)]:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                process.kill()
 
 
 def stop_up(proc: subprocess.Popen, ray_temp_dir: Path, timeout_s: float = 120.0) -> str:
@@ -100,7 +105,7 @@ def stop_up(proc: subprocess.Popen, ray_temp_dir: Path, timeout_s: float = 120.0
         proc.send_signal(signal.SIGUSR1)  # faulthandler: every thread's stack, to the output
         with contextlib.suppress(subprocess.TimeoutExpired):
             proc.communicate(timeout=5)
-        proc.kill()
+        kill_with_children(proc)
         rest, _ = proc.communicate()
         raise AssertionError(f"flywheel up did not stop within {timeout_s:g} s of Ctrl-C:\n{rest}"
                              f"\nits Ray logged:\n{ray_log_tails(ray_temp_dir)}") from None
