@@ -52,7 +52,9 @@ async def test_a_request_whose_adapter_finds_every_slot_held_waits(engine_adapte
     _, tokenizer = model_and_tokenizer
     engine = fresh_engine(root_of(engine_adapters), max_loras=1)
     ids = prompt(tokenizer, TEXTS[0])
-    long = SamplingParams(max_new_tokens=40, temperature=0.0, ignore_eos=True)
+    # long enough that the base row (16 tokens, admitted a poll after alice starts) ends first
+    # however loaded the machine: with 40 tokens alice once finished first under a busy suite
+    long = SamplingParams(max_new_tokens=240, temperature=0.0, ignore_eos=True)
     try:
         first = asyncio.ensure_future(engine.generate(ids, long, adapter="alice"))
         await until(lambda: engine.load()["num_running_reqs"] == 1)
