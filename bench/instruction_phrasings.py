@@ -18,9 +18,14 @@ app's temperature and max_tokens, and reads each reply:
   `casual`: a contraction or an exclamation mark, the opposite of the `formal` check).
 
 The candidates are written here before they are measured; the first of each is the instruction as
-`ASPECTS` had it.
+`ASPECTS` had it. The bench's rule misreads answers (bench/judge_answers.py), so `--export` also
+writes every reply for a reader blind to the instruction, and `--score` reads the labels back:
+`answers (reader)`, and `met (reader)` where the aspect has a check (it follows and answers).
 
     .venv/bin/python bench/instruction_phrasings.py --aspect no_preamble casual
+    .venv/bin/python bench/instruction_phrasings.py --aspect name --name NAME --export
+    # a reader adds "answers": true|false to every line of bench/data/NAME_replies.jsonl
+    .venv/bin/python bench/instruction_phrasings.py --name NAME --score
 """
 
 from __future__ import annotations
@@ -34,8 +39,10 @@ from statistics import fmean
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # `python bench/NAME.py` as well as `-m bench.NAME`
 
+from bench.heldout_answers import for_reader, labelled  # noqa: E402
 from bench.lib.common import machine, quiet_logs, table, write_result  # noqa: E402
 from bench.lib.personal_eval import information, sample  # noqa: E402
+from flywheel.bus.instructions import GREETING  # noqa: E402
 
 CANDIDATES = {
     "no_preamble": (
@@ -52,13 +59,23 @@ CANDIDATES = {
         "Answer like a friend would: casual and warm.",
         "Use a friendly, relaxed tone in your answer.",
     ),
+    "name": (  # a blind reader found the note's replies answer a sixth of the time (name 1, held out)
+        f"Write your reply as a short note that starts with {GREETING}.",
+        f"Answer the question in a short note that starts with {GREETING}.",
+        f"Write your reply as a short note that starts with {GREETING} and gives the answer in its first sentence.",
+        f"Start with {GREETING} then answer the question in your first sentence.",
+        "Start your reply with \"Hi Maya,\" and then answer the question.",
+        "Answer the question, and call the user Maya in your first sentence.",
+    ),
 }
 
 
 def follows(aspect: str, text: str, name: str) -> bool:
-    from flywheel.drills.simulated_people import answer_first
+    from flywheel.drills.simulated_people import answer_first, by_name
     from flywheel.formats.wish_checks import CHECKS
 
+    if aspect == "name":
+        return by_name(text, name)
     return answer_first(text, name) if aspect == "no_preamble" else CHECKS["formal"](text, set()) < 0
 
 
@@ -74,19 +91,51 @@ def measure(model, tokenizer, user, instruction: str | None, args, untold: list[
     asked = Asked(user.system, (instruction,) if instruction else (), args.memory)
     chats = [asked.chat(q) for q in questions]
     draws = [asyncio.run(sample(model, tokenizer, chats, args, first_seed=1000 * k)) for k in range(args.samples)]
-    says, rule, texts = [], [], []
+    says, rule, texts, asked_so = [], [], [], []
     for i, (question, chat) in enumerate(zip(questions, chats)):
         replies = [draw[i] for draw in draws]
         placed = [addressed(instruction, names_in(chat))] if instruction else []
         says.append(information(model, tokenizer, chat, placed, replies))
         texts += [tokenizer.decode(r, skip_special_tokens=True) for r in replies]
         rule += [answers(question, text) for text in texts[-len(replies):]]
+        asked_so += [{"question": question, "reply": text} for text in texts[-len(replies):]]
     per_question = [fmean(s) for s in says]
     mark = untold or per_question
-    return {"instruction": instruction, "answers_rule": fmean(rule), "texts": texts,
+    return {"instruction": instruction, "answers_rule": fmean(rule), "texts": texts, "asked": asked_so,
             "words": fmean(len(words(text)) for text in texts),
             "says": fmean(per_question), "per_question": per_question,
             "answers_says": fmean(s >= ANSWERS_AT * m for row, m in zip(says, mark) for s in row)}
+
+
+def export(results: dict, name: str, person: str) -> None:
+    """Every reply, with its question, for a reader blind to the instruction it was asked with."""
+    from flywheel.drills.simulated_people import answers
+
+    items, key = [], {}
+    for aspect, rows in results.items():
+        for row in rows:
+            for asked in row.pop("asked"):
+                items.append(asked)
+                key[len(items) - 1] = {"aspect": aspect, "instruction": row["instruction"],
+                                       "rule": answers(asked["question"], asked["reply"]),
+                                       "follows": follows(aspect, asked["reply"], person)}
+    for_reader(items, key, name)
+
+
+def score(name: str) -> None:
+    """The reader's share of answers by instruction, and the share that also follows it."""
+    items = labelled(name)
+    rows, results = [], {}
+    for aspect, instruction in dict.fromkeys((i["aspect"], i["instruction"]) for i in items):
+        group = [i for i in items if i["aspect"] == aspect and i["instruction"] == instruction]
+        row = {"instruction": instruction, "n": len(group), "answers_reader": fmean(i["answers"] for i in group),
+               "answers_rule": fmean(i["rule"] for i in group), "follows": fmean(i["follows"] for i in group),
+               "met_reader": fmean(i["answers"] and i["follows"] for i in group)}
+        results.setdefault(aspect, []).append(row)
+        rows.append([aspect, instruction or "(nothing told)", row["n"], *(f"{row[k]:.2f}" for k in
+                     ("answers_reader", "answers_rule", "follows", "met_reader"))])
+    print(table(["aspect", "instruction", "n", "answers (reader)", "answers (rule)", "follows", "met (reader)"], rows))
+    print(f"wrote {write_result(f'{name}_answers', results)}")
 
 
 def main() -> None:
@@ -98,7 +147,11 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--temperature", type=float, default=0.7)
     parser.add_argument("--name", default="instruction_phrasings")
+    parser.add_argument("--export", action="store_true", help="also write the replies for a reader")
+    parser.add_argument("--score", action="store_true", help="only score the reader's labels of NAME's replies")
     args = parser.parse_args()
+    if args.score:
+        return score(args.name)
     if args.texts and len(args.aspect) != 1:
         parser.error("--texts: name the one --aspect they phrase")
     quiet_logs()
@@ -122,6 +175,10 @@ def main() -> None:
         rows += [[aspect, r["instruction"] or "(nothing told)", f"{r['answers_rule']:.2f}", f"{r['says']:.1f}",
                   f"{r['answers_says']:.2f}", f"{r['words']:.0f}", f"{r['follows']:.2f}"] for r in results[aspect]]
     print(table(["aspect", "instruction", "answers (rule)", "says (nats)", "answers (says)", "words", "follows"], rows))
+    if args.export:
+        export(results, args.name, user.name)
+    for row in (row for rows_ in results.values() for row in rows_):
+        row.pop("asked", None)
     print(f"wrote {write_result(args.name, {'args': {k: v for k, v in vars(args).items() if k != 'memory'}, **results, 'machine': machine(None), 'seconds': time.monotonic() - started})}")
 
 
