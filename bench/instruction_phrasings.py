@@ -126,7 +126,9 @@ def score(name: str) -> None:
     """The reader's share of answers by instruction, and the share that also follows it."""
     items = labelled(name)
     rows, results = [], {}
-    for aspect, instruction in dict.fromkeys((i["aspect"], i["instruction"]) for i in items):
+    asked = dict.fromkeys((i["aspect"], i["instruction"]) for i in items)
+    order = {(aspect, text): n for aspect, texts in CANDIDATES.items() for n, text in enumerate(texts)}
+    for aspect, instruction in sorted(asked, key=lambda pair: (pair[0], order.get(pair, -1))):
         group = [i for i in items if i["aspect"] == aspect and i["instruction"] == instruction]
         row = {"instruction": instruction, "n": len(group), "answers_reader": fmean(i["answers"] for i in group),
                "answers_rule": fmean(i["rule"] for i in group), "follows": fmean(i["follows"] for i in group),
