@@ -64,7 +64,7 @@ CANDIDATES = {
         f"Answer the question in a short note that starts with {GREETING}.",
         f"Write your reply as a short note that starts with {GREETING} and gives the answer in its first sentence.",
         f"Start with {GREETING} then answer the question in your first sentence.",
-        "Start your reply with \"Hi Maya,\" and then answer the question.",
+        "Start your reply with \"Hi Maya,\" and then answer the question.",  # Maya: the person `main` asks as
         "Answer the question, and call the user Maya in your first sentence.",
     ),
 }
@@ -114,7 +114,7 @@ def export(results: dict, name: str, person: str) -> None:
     items, key = [], {}
     for aspect, rows in results.items():
         for row in rows:
-            for asked in row.pop("asked"):
+            for asked in row["asked"]:
                 items.append(asked)
                 key[len(items) - 1] = {"aspect": aspect, "instruction": row["instruction"],
                                        "rule": answers(asked["question"], asked["reply"]),
@@ -156,6 +156,8 @@ def main() -> None:
         return score(args.name)
     if args.texts and len(args.aspect) != 1:
         parser.error("--texts: name the one --aspect they phrase")
+    if args.export and len(args.aspect) != 1:
+        parser.error("--export: one --aspect (the untold replies would go to the reader once per aspect)")
     quiet_logs()
     from flywheel.config import load_config
     from flywheel.drills.personal_agent import CONFIG
@@ -180,7 +182,7 @@ def main() -> None:
     if args.export:
         export(results, args.name, user.name)
     for row in (row for rows_ in results.values() for row in rows_):
-        row.pop("asked", None)
+        row.pop("asked")
     print(f"wrote {write_result(args.name, {'args': {k: v for k, v in vars(args).items() if k != 'memory'}, **results, 'machine': machine(None), 'seconds': time.monotonic() - started})}")
 
 
