@@ -51,7 +51,7 @@ async def export(args) -> None:
     from bench.lib.final_policy import final_policy
     from bench.lib.personal_eval import sample
     from flywheel.config import load_config
-    from flywheel.drills.personal_agent import Asked
+    from flywheel.drills.personal_agent import Asked, opening_of
     from flywheel.drills.simulated_people import (
         HELD_OUT_QUESTIONS,
         User,
@@ -85,7 +85,8 @@ async def export(args) -> None:
             model, tokenizer = load_model(config.model)
             if weights is not None:
                 load_weights(model, weights)
-            replies = [tokenizer.decode(ids, skip_special_tokens=True) for ids in await sample(model, tokenizer, chats, bench_args)]
+            replies = [opening_of(chat) + tokenizer.decode(ids, skip_special_tokens=True)
+                       for chat, ids in zip(chats, await sample(model, tokenizer, chats, bench_args))]
             recorded = trial[RECORDED[when]]["answers"]
             rule = fmean(answers(q, r) for q, r in zip(asked, replies))
             if abs(rule - recorded) > 1e-9:

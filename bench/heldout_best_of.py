@@ -46,6 +46,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # `python bench
 from bench.heldout_answers import files, for_reader  # noqa: E402
 from bench.lib.common import RESULTS, machine, quiet_logs, table, write_result  # noqa: E402
 from bench.lib.personal_eval import information, sample, served  # noqa: E402
+from flywheel.drills.personal_agent import opening_of  # noqa: E402
 from flywheel.drills.simulated_people import answers  # noqa: E402
 
 POLICIES = ("before", "base served", "adapter served")
@@ -70,7 +71,6 @@ def kept_adapter(run_dir: Path, final_version: str | None) -> Path | None:
 
 def measure(policy, scorer, tokenizer, user, asked, aspects: list[str], args) -> dict:
     """`met` and `answers` of each pick of `policy`'s replies to the held-out questions, `asked` so."""
-    from flywheel.bus.instructions import addressed, names_in
     from flywheel.drills.simulated_people import HELD_OUT_QUESTIONS
 
     questions = [q for q in HELD_OUT_QUESTIONS for _ in range(args.heldout_samples)]
@@ -81,11 +81,10 @@ def measure(policy, scorer, tokenizer, user, asked, aspects: list[str], args) ->
     asked_so = []
     for i, (question, chat) in enumerate(zip(questions, chats)):
         replies = [draw[i] for draw in drawn]
-        texts = [tokenizer.decode(r, skip_special_tokens=True) for r in replies]
+        texts = [opening_of(chat) + tokenizer.decode(r, skip_special_tokens=True) for r in replies]
         picks = {"single": range(len(texts)), "best of 2": [0], "best of K": [0]}
         if asked.instructions:
-            placed = [addressed(text, names_in(chat)) for text in asked.instructions]
-            gains = information(scorer, tokenizer, chat, placed, replies)
+            gains = information(scorer, tokenizer, chat, list(asked.served(question).instructions), replies)
             picks |= {"best of 2": [served(aspects, texts[:2], gains[:2], chat)],
                       "best of K": [served(aspects, texts, gains, chat)]}
         for pick, chosen in picks.items():

@@ -119,7 +119,7 @@ def test_only_a_whole_plain_chat_answer_with_instructions_served_is_drawn_more_t
     for unchecked in [("example",), ("shorter", "longer")]:
         assert choice(unchecked).aspects == list(unchecked)
     for refused in [choice(("shorter",), k=1), choice(("shorter",), stream=True), choice(("shorter",), n=2),
-                    choice(("shorter",), tools=True), choice(("shorter",), forced="<tool_call>"),
+                    choice(("shorter",), tools=True, forced="<tool_call>"),
                     choice(("shorter",), response_format={"type": "json_object"}),
                     choice(("shorter",), temperature=0.0), choice((), instructions=())]:
         assert refused is None

@@ -35,7 +35,7 @@ def test_the_gateway_greets_a_person_by_the_name_their_sessions_first_request_gi
     memory.take(Instructions(id="r", tenant="open", user_id="ada", instructions=[SHORTER, NAME], read=[], turns=[],
                              read_from=1.0, created_at=time.time()))
     system = {"role": "system", "content": "You are Ada's personal assistant."}
-    body, (served, _) = memory.applied(*request("s1", system, {"role": "user", "content": "Hi"}))
+    body, (served, _, _) = memory.applied(*request("s1", system, {"role": "user", "content": "Hi"}))
     assert served == (SHORTER, DEAR_ADA) and GREETING in NAME  # what the turn records: what the model was told
     first = body.messages[1].text()
     assert first == f"{SHORTER} {DEAR_ADA}\n\nHi" and persons_words(first, served) == "Hi"

@@ -9,7 +9,7 @@ import time
 from pathlib import Path
 from statistics import fmean
 
-from flywheel.drills.personal_agent import CONFIG, Asked, all_taken
+from flywheel.drills.personal_agent import CONFIG, Asked, all_taken, opening_of
 from flywheel.drills.simulated_people import User, answers
 
 
@@ -52,7 +52,8 @@ async def satisfaction(weights: Path | None, model_name: str, user: User, questi
     chats = [(asked or Asked(user.system)).chat(q) for q in questions]
     if hint is not None:
         chats = [told(chat, hint, args) for chat in chats]
-    replies = [tokenizer.decode(ids, skip_special_tokens=True) for ids in await sample(model, tokenizer, chats, args)]
+    replies = [opening_of(chat) + tokenizer.decode(ids, skip_special_tokens=True)
+               for chat, ids in zip(chats, await sample(model, tokenizer, chats, args))]
     return {"rate": fmean(user.satisfied(r, q) for r, q in zip(replies, questions)),
             "others": {o.preference.kind: fmean(o.satisfied(r, q) for r, q in zip(replies, questions)) for o in others},
             "answers": fmean(answers(q, r) for r, q in zip(replies, questions)), "n": len(replies), "examples": replies[:3]}
@@ -98,8 +99,11 @@ def served(aspects: list[str], texts: list[str], gains: list[float], chat: list[
 
 
 def prompt_ids(tokenizer, chat: list[dict]) -> list[int]:
-    return tokenizer.encode(tokenizer.apply_chat_template(chat, add_generation_prompt=True, tokenize=False),
-                            add_special_tokens=False)
+    """`chat`'s prompt as the gateway renders it: a reply's opening it ends with (`opening_of`)
+    after the generation prompt."""
+    opening = opening_of(chat)
+    text = tokenizer.apply_chat_template(chat[:-1] if opening else chat, add_generation_prompt=True, tokenize=False)
+    return tokenizer.encode(text + opening, add_special_tokens=False)
 
 
 async def sample(model, tokenizer, chats: list[list[dict]], args, first_seed: int = 0) -> list[list[int]]:

@@ -110,6 +110,9 @@ class Turn(Record, kw_only=True):
     instructions: list[str] = msgspec.field(default_factory=list)
     """The person's instructions the served memory put in `messages` (`memory.*`: at the end of the
     system message, or before the text of the first user message), none where it put nothing."""
+    opening: str = ""
+    """The start of `response` the served memory wrote, not the model (`memory.opening`): the end
+    of the prompt (`prompt_ids` hold it), the model's tokens following."""
     best_of: int = 1
     """Of how many replies the checks of the person's wish chose this (`memory.best_of`; 1: sampled)."""
     prompt: str | None = None

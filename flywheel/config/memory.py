@@ -56,6 +56,13 @@ class MemoryConfig(Section):
     (flywheel/serve/best_of.py; docs/experiments/learning-from-use.md). It costs k decodes at once
     and two prefills a reply; streams and other requests are served one reply. Not with `serve.engine_kind: vllm` (its
     client does not score)."""
+    opening: bool = False
+    """Where a person asked to be named (the `name` aspect) and the conversation gives their name,
+    the gateway writes the opening of the conversation's first reply itself ("Maya,") and the model
+    goes on after it, in place of the instruction to greet them (flywheel/serve/served_memory.py).
+    Told to open with the name, SmolLM2-135M writes a letter that answers about a fifth of the
+    time; continuing an opening written for it, it answers about as often as untold
+    (docs/experiments/learning-from-use.md#a-served-opening-memoryopening)."""
     template: str = TEMPLATE
     """What `placement: system` appends to the system message (`string.Template`, $instructions);
     a request without one gets a system message of it, stripped."""

@@ -111,17 +111,37 @@ class Asked:
     memory: MemoryConfig = field(default_factory=MemoryConfig)
 
     def chat(self, question: str) -> list[dict]:
-        """The chat `question` is asked in, as the gateway serves it."""
-        from flywheel.bus.instructions import addressed, names_in
+        """The chat `question` is asked in, as the gateway serves it: with `memory.opening` where
+        the instructions greet the person, ending with the assistant message the gateway opens the
+        reply with (`opening_of`)."""
         from flywheel.serve.api.chat import Message
         from flywheel.serve.served_memory import placed
 
         messages = [Message(role="system", content=self.system), Message(role="user", content=question)]
-        if self.instructions:
-            names = names_in([m.for_template() for m in messages])
-            instructions = [addressed(text, names) for text in self.instructions]
-            messages = placed(messages, self.memory.template, self.memory.placement, instructions)
-        return [m.for_template() for m in messages]
+        served = self.served(question)
+        if served.instructions:
+            messages = placed(messages, self.memory.template, self.memory.placement, served.instructions)
+        opening = [{"role": "assistant", "content": served.opening}] if served.opening else []
+        return [m.for_template() for m in messages] + opening
+
+    def served(self, question: str):
+        """What the gateway serves with `question` (`served_memory.Served`): the instructions it
+        places, greeting the person by the name their system message or `question` gives, and the
+        opening it writes where `memory.opening` writes the greeting itself."""
+        from flywheel.bus.instructions import GREETING, addressed, names_in
+        from flywheel.serve.served_memory import Served, opened
+
+        names = names_in([{"role": "system", "content": self.system}, {"role": "user", "content": question}])
+        served = Served(tuple(self.instructions))
+        if self.memory.opening and names and any(GREETING in text for text in served.instructions):
+            served = opened(served, names[0])
+        return served._replace(instructions=tuple(addressed(text, names) for text in served.instructions))
+
+
+def opening_of(chat: list[dict]) -> str:
+    """The start of the reply `chat` asks for (`Asked.chat` under `memory.opening`): the gateway's
+    words before the model's; "" where it asks for a whole reply."""
+    return chat[-1]["content"] if chat and chat[-1].get("role") == "assistant" else ""
 
 
 def with_memory(system: str, name: str, hints: list[str], wishes: str = "words") -> str:

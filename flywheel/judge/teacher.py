@@ -16,7 +16,9 @@ It scores every token the policy sampled in that turn with one prefill-only engi
 the turn was sampled at. Its log-probabilities go on the sample, per segment, aligned with the
 trajectory's tokens (NaN where no teacher spoke); the trainer adds w_opd · clip(log π_teacher −
 log π_student) to those tokens' advantage (flywheel/train/distill.py). A turn drawn under a grammar (a
-forced tool call, a JSON schema) gets no teacher: its tokens' distribution is the grammar's.
+forced tool call, a JSON schema) gets no teacher: its tokens' distribution is the grammar's. Nor
+does a reply the served memory opened (`Turn.opening`): told the hint, the teacher reads the
+request without the opening its tokens went on from.
 
 With `judge.teacher.top_k` k, the same request also returns the teacher's k likeliest tokens at
 each of those positions (its distribution, not only its view of the token sampled), carried as
@@ -113,7 +115,7 @@ class Teacher:
                 turn = trajectory.turns[position]
                 hint = hints.get(position)
                 position += 1
-                if hint is None or end == start or any(turn.sampling.get(key) for key in GRAMMAR_KEYS):
+                if hint is None or end == start or turn.opening or any(turn.sampling.get(key) for key in GRAMMAR_KEYS):
                     continue
                 scored = await self.score(self.told(turn.messages, hint), list(segment.token_ids[start:end]),
                                           float(turn.sampling.get("temperature", 1.0)), k)

@@ -25,7 +25,8 @@ recorded token's behaviour log-prob is its own under the policy, right for the t
 among the replies is not a sample of the policy (the decoupled objective's weights do not correct
 for it), so what the person's adapter learns from leans toward their wish by more than its own
 samples do. Streams (a reply could not start before every one is read), several choices, greedy
-sampling, tools and response formats are served one reply, as sampled.
+sampling, tools and response formats are served one reply, as sampled. Where the served memory
+writes the reply's opening (`memory.opening`), the k replies go on from it, and it is read with each.
 """
 
 from __future__ import annotations
@@ -70,6 +71,9 @@ class BestOf:
     untold_ids: list[int]
     """The prompt without the person's words in its last user message (what the served memory put
     before them kept): a reply the request does not make likelier does not answer it."""
+    opening: str = ""
+    """What the served memory opens each reply with (`memory.opening`): both prompts end with it,
+    and the checks read it at the start of each reply."""
 
     async def served(self, engine: EngineClient, bodies: list[dict[str, Any]]) -> tuple[int, dict[str, Any], bool]:
         """Of the engine's responses to the k `bodies` (one request's draws), the one to serve:
@@ -80,7 +84,8 @@ class BestOf:
         if not back:
             raise drawn[0]
         choices = [Choice.from_response(0, "", response) for _, response in back]
-        picked = await self.pick(engine, [Reply(output_text(c), c.output_ids, c.finish_reason != "abort") for c in choices])
+        picked = await self.pick(engine, [Reply(self.opening + output_text(c), c.output_ids, c.finish_reason != "abort")
+                                          for c in choices])
         return (*back[picked or 0], picked is not None)
 
     async def pick(self, engine: EngineClient, replies: list[Reply]) -> int | None:
@@ -112,15 +117,16 @@ def _total(meta: dict[str, Any]) -> float:
 async def best_of(k: int, body: Any, session: SessionInfo, prompts: PromptBuilder, model_name: str,
                   forced: str = "", tools_active: bool = False) -> BestOf | None:
     """The choice among `k` replies for a request, where it is made (see the module); else None."""
-    if (k < 2 or not isinstance(body, ChatCompletionRequest) or body.stream or body.n != 1 or forced or tools_active
+    if (k < 2 or not isinstance(body, ChatCompletionRequest) or body.stream or body.n != 1 or tools_active
             or body.temperature < GREEDY_BELOW
             or body.response_format is not None and body.response_format.constraint() is not None
-            or not session.instructions):
+            or not (session.instructions or session.opening)):
         return None
     messages = [m.model_dump(exclude_none=True) for m in body.messages]
     untold = [Message.model_validate(m) for m in without_request(messages, session.instructions)]
     try:
-        told_ids, untold_ids = await rendered(prompts, model_name, body.messages), await rendered(prompts, model_name, untold)
+        told_ids = await rendered(prompts, model_name, body.messages, forced)
+        untold_ids = await rendered(prompts, model_name, untold, forced)
     except APIError:  # the template refuses the emptied request: no reading of answers, one reply
         return None
-    return BestOf(k, list(session.aspects), messages, told_ids, untold_ids)
+    return BestOf(k, list(session.aspects), messages, told_ids, untold_ids, forced)

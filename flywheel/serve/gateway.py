@@ -98,7 +98,7 @@ def create_gateway(pool: EnginePool, tokenizer: Any, recorder: Recorder, model_n
         if memory is None:
             return body, session
         body, served = memory.applied(body, session)
-        return body, replace(session, **served._asdict()) if served.instructions else session
+        return body, replace(session, **served._asdict()) if served.instructions or served.opening else session
     stats = app.state.stats = answerer.stats
     app.state.limiter = limiter
     app.state.prompts = prompts  # closed by the serve loop once the server has stopped

@@ -59,7 +59,8 @@ class Generation:
     wire: Wire
     """What the client sees: the API's answer object and stream events."""
     forced: str = ""
-    """Prompt text that forces a tool call; the answer's text starts with it."""
+    """Prompt text that forces a tool call, or the served memory's opening (no tools); the
+    answer's text starts with it."""
     tool_format: ToolFormat | None = None
     """How the model writes tool calls, when the request has tools active (None: no tools)."""
     on_finish: Callable[["Generation"], None] | None = None
@@ -354,6 +355,7 @@ class Generation:
                 endpoint=self.wire.endpoint,
                 messages=[m.model_dump(exclude_none=True) for m in self.body.messages] if self.chat else [],
                 instructions=list(self.session.instructions),
+                opening=self.forced if self.tool_format is None else "",
                 prompt=self.body.prompt if not self.chat and isinstance(self.body.prompt, str) else None,
                 response=response,
                 prompt_ids=self.prompt_ids,

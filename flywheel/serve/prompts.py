@@ -40,8 +40,9 @@ class PromptBuilder:
         self._thread.shutdown(wait=True)
 
     async def chat(self, body: ChatCompletionRequest, session: SessionInfo) -> tuple[list[int], str, str, ToolFormat | None]:
-        """(prompt ids, the text they stand for, forced tool-call prefix, the tool-call format
-        when tools are active)."""
+        """(prompt ids, the text they stand for, the answer's forced start: a forced tool call's
+        prefix, else the served memory's opening (`SessionInfo.opening`), the tool-call format when
+        tools are active)."""
         return await asyncio.get_running_loop().run_in_executor(self._thread, self._chat, body, session)
 
     async def completion(self, body: CompletionRequest, session: SessionInfo) -> tuple[list[int], str | None]:
@@ -63,7 +64,7 @@ class PromptBuilder:
                 text = self._render(merged, tools)
             except Exception:
                 raise APIError(400, f"messages cannot be rendered by the chat template: {exc}", "messages") from None
-        forced = self.tool_format.forced_prefix(body.tool_choice) if tools else ""
+        forced = self.tool_format.forced_prefix(body.tool_choice) if tools else session.opening
         active = self.tool_format if tools else None
         return self.continuations.encode(session.session_id, text + forced), text + forced, forced, active
 

@@ -33,6 +33,7 @@ hint teacher). All sit under `/engine/`, which needs a client key when the serve
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -66,11 +67,12 @@ class AdapterLoadRequest(Body):
     lora_path: str = Field(min_length=1)
 
 
-async def rendered(prompts: PromptBuilder, model_name: str, messages: list[Message]) -> list[int]:
+async def rendered(prompts: PromptBuilder, model_name: str, messages: list[Message], opening: str = "") -> list[int]:
     """The prompt's token ids of chat `messages`, rendered through the server's chat template as a
-    request's are (no session: nothing a gateway adds to a person's requests)."""
+    request's are (no session: nothing a gateway adds to a person's requests), ending with
+    `opening`, the start of the reply the served memory writes (`memory.opening`)."""
     chat = translated(lambda: ChatCompletionRequest(model=model_name, messages=messages))
-    prompt_ids, *_ = await prompts.chat(chat, session_of({}, None, None))
+    prompt_ids, *_ = await prompts.chat(chat, replace(session_of({}, None, None), opening=opening))
     return prompt_ids
 
 

@@ -13,7 +13,9 @@ traffic that names no user is one person, as it is one adapter. A session keeps 
 instructions it started with (the newest `SESSIONS` sessions are remembered), so its prompts go
 on extending one another when the person's memory changes while it is open; an instruction that
 greets the person is served with the name its first request gives them
-(flywheel/bus/instructions.py, `addressed`). Instructions are
+(flywheel/bus/instructions.py, `addressed`); with `memory.opening`, the gateway writes that
+greeting itself, the person's name opening the conversation's first reply, and the model goes on
+after it (`SessionInfo.opening`, the end of the prompt and the start of the answer). Instructions are
 held no longer than their record is kept on the bus (their tenant's `retention_days`, else the
 stream's age), and at most `PEOPLE` people's (those given theirs least recently dropped first).
 The stream keeps each person's newest record only (a subject each), so a gateway's start reads one
@@ -41,10 +43,12 @@ Person = tuple[str, str | None]
 
 
 class Served(NamedTuple):
-    """A person's instructions as served, and the aspect each is for (`Instructions.aspects`)."""
+    """A person's instructions as served, the aspect each is for (`Instructions.aspects`), and the
+    opening the gateway writes of a conversation's first reply (`memory.opening`)."""
 
     instructions: tuple[str, ...] = ()
     aspects: tuple[str, ...] = ()
+    opening: str = ""
 
 
 def placed(messages: list[Message], template: str, placement: str, instructions: Iterable[str]) -> list[Message] | None:
@@ -70,8 +74,11 @@ def _prepended(message: Message, text: str) -> Message:
 
 class ServedMemory:
     def __init__(self, template: str, retention_s: Mapping[str, float] | None = None, people: int = PEOPLE,
-                 sessions: int = SESSIONS, without: Iterable[str] = (), placement: str = "system", best_of: int = 1):
+                 sessions: int = SESSIONS, without: Iterable[str] = (), placement: str = "system", best_of: int = 1,
+                 opening: bool = False):
         self.template = template
+        self.opening = opening
+        """`memory.opening`: open a named person's first reply with their name in place of the greeting instruction."""
         self.best_of = best_of
         """`memory.best_of`: replies sampled where a person's instructions are served (flywheel/serve/best_of.py)."""
         self.placement = placement
@@ -90,10 +97,11 @@ class ServedMemory:
 
     @classmethod
     async def read(cls, bus: Any, template: str, retention_s: Mapping[str, float],
-                   without: Iterable[str] = (), placement: str = "system", best_of: int = 1) -> tuple[ServedMemory, int]:
+                   without: Iterable[str] = (), placement: str = "system", best_of: int = 1,
+                   opening: bool = False) -> tuple[ServedMemory, int]:
         """The memory read whole from `bus`, before a gateway's first request: every forget so
         far on the audit log, then every record on MEMORY; and the last of those, to follow from."""
-        memory = cls(template, retention_s, without=without, placement=placement, best_of=best_of)
+        memory = cls(template, retention_s, without=without, placement=placement, best_of=best_of, opening=opening)
 
         def heard(entry: Any) -> None:
             if (forget := forget_of(entry)) is not None:
@@ -138,16 +146,32 @@ class ServedMemory:
             current = Served()
         if any(GREETING in text for text in current.instructions):
             names = names_in([{"role": m.role, "content": m.text()} for m in messages])
-            current = current._replace(instructions=tuple(addressed(text, names) for text in current.instructions))
+            current = opened(current, names[0]) if self.opening and names else \
+                current._replace(instructions=tuple(addressed(text, names) for text in current.instructions))
         if not session.anonymous:
             self._sessions[session.session_id] = (person, current)
         return current
 
     def applied(self, body: Any, session: SessionInfo) -> tuple[Any, Served]:
         """A chat request with its person's instructions `placed`, and them (recorded on its turns,
-        `Turn.instructions`); any other request as it is, and none."""
-        if (not isinstance(body, ChatCompletionRequest) or session.tenant in self.without
-                or not (served := self.instructions(session, body.messages)).instructions
-                or (messages := placed(list(body.messages), self.template, self.placement, served.instructions)) is None):
+        `Turn.instructions`), with the opening of its reply where it is the conversation's first
+        (no assistant message yet); any other request as it is, and none."""
+        if not isinstance(body, ChatCompletionRequest) or session.tenant in self.without:
+            return body, Served()
+        served = self.instructions(session, body.messages)
+        if any(m.role == "assistant" for m in body.messages):
+            served = served._replace(opening="")
+        if not served.instructions:
+            return body, served
+        if (messages := placed(list(body.messages), self.template, self.placement, served.instructions)) is None:
             return body, Served()
         return body.model_copy(update={"messages": messages}), served
+
+
+def opened(served: Served, name: str) -> Served:
+    """`served` with its greeting instructions taken out and the opening they show written in their
+    place: the person's name (`memory.opening`)."""
+    kept = [(text, aspect) for text, aspect in zip(served.instructions, served.aspects or [""] * len(served.instructions))
+            if GREETING not in text]
+    return Served(tuple(text for text, _ in kept), tuple(aspect for _, aspect in kept) if served.aspects else (),
+                  f"{name},")

@@ -1,7 +1,8 @@
 """What of a streamed choice's text the client sees, chunk by chunk, at a cost bounded by the
 new text rather than by the answer so far.
 
-Without tools every piece is shown as it comes. With tools, text that may be (the start of) a
+Without tools every piece is shown as it comes, the first after the served memory's opening
+(`memory.opening`), which the prompt ends with. With tools, text that may be (the start of) a
 tool call is held back (`ToolFormat.release`): only the unreleased tail is examined at each
 chunk, and once a call has begun nothing more is shown or examined (the calls go out when the
 choice ends). A forced call's prefix counts as the answer's start, so it holds everything.
@@ -17,13 +18,13 @@ class StreamedText:
     def __init__(self, tool_format: ToolFormat | None, forced: str = ""):
         self.tool_format = tool_format
         self._shown = TextPieces()
-        self._pending = forced if tool_format is not None else ""
+        self._pending = forced
         self._call_begun = False
 
     def add(self, text: str) -> str:
         """Take a chunk's text; returns what the client may see of it now."""
         if self.tool_format is None:
-            visible = text
+            visible, self._pending = self._pending + text, ""
         elif self._call_begun:
             return ""
         else:

@@ -61,6 +61,9 @@ class SessionInfo:
     """The person's instructions the served memory put in this request (`memory.*`)."""
     aspects: tuple[str, ...] = ()
     """The aspect each of `instructions` is for (`memory.best_of` checks those a rule can)."""
+    opening: str = ""
+    """The text the served memory opens the reply with (`memory.opening`): the end of the prompt,
+    and the start of the answer the client gets."""
 
 
 def consent_of(grant: Grant, headers: Mapping[str, str], store: bool | None) -> tuple[bool, bool]:
