@@ -26,6 +26,10 @@ writes every reply for a reader blind to the instruction, and `--score` reads th
     .venv/bin/python bench/instruction_phrasings.py --aspect name --name NAME --export
     # a reader adds "answers": true|false to every line of bench/data/NAME_replies.jsonl
     .venv/bin/python bench/instruction_phrasings.py --name NAME --score
+
+With `--opening` (`memory.opening`) a candidate that shows the greeting is served as the gateway
+then serves it: the greeting written as the reply's opening, the model going on after it (the row
+`(opened) Maya,`; `--texts` picks the candidate).
 """
 
 from __future__ import annotations
@@ -82,8 +86,7 @@ def follows(aspect: str, text: str, name: str) -> bool:
 def measure(model, tokenizer, user, instruction: str | None, args, untold: list[float] | None) -> dict:
     """The replies to the training questions asked with `instruction` (None: nothing told), read as
     the module says; `untold`: the mean of what the base's untold replies say, per question."""
-    from flywheel.bus.instructions import addressed, names_in
-    from flywheel.drills.personal_agent import Asked
+    from flywheel.drills.personal_agent import Asked, opening_of
     from flywheel.drills.simulated_people import TRAIN_QUESTIONS, answers, words
     from flywheel.formats.wish_checks import ANSWERS_AT
 
@@ -94,14 +97,14 @@ def measure(model, tokenizer, user, instruction: str | None, args, untold: list[
     says, rule, texts, asked_so = [], [], [], []
     for i, (question, chat) in enumerate(zip(questions, chats)):
         replies = [draw[i] for draw in draws]
-        placed = [addressed(instruction, names_in(chat))] if instruction else []
-        says.append(information(model, tokenizer, chat, placed, replies))
-        texts += [tokenizer.decode(r, skip_special_tokens=True) for r in replies]
+        says.append(information(model, tokenizer, chat, list(asked.served(question).instructions), replies))
+        texts += [opening_of(chat) + tokenizer.decode(r, skip_special_tokens=True) for r in replies]
         rule += [answers(question, text) for text in texts[-len(replies):]]
         asked_so += [{"question": question, "reply": text} for text in texts[-len(replies):]]
     per_question = [fmean(s) for s in says]
     mark = untold or per_question
-    return {"instruction": instruction, "answers_rule": fmean(rule), "texts": texts, "asked": asked_so,
+    opening = opening_of(chats[0]) if chats else ""
+    return {"instruction": f"(opened) {opening}" if opening else instruction, "answers_rule": fmean(rule), "texts": texts, "asked": asked_so,
             "words": fmean(len(words(text)) for text in texts),
             "says": fmean(per_question), "per_question": per_question,
             "answers_says": fmean(s >= ANSWERS_AT * m for row, m in zip(says, mark) for s in row)}
@@ -151,6 +154,7 @@ def main() -> None:
     parser.add_argument("--name", default="instruction_phrasings")
     parser.add_argument("--export", action="store_true", help="also write the replies for a reader")
     parser.add_argument("--score", action="store_true", help="only score the reader's labels of NAME's replies")
+    parser.add_argument("--opening", action="store_true", help="memory.opening: a greeting asked is written as the reply's opening")
     args = parser.parse_args()
     if args.score:
         return score(args.name)
@@ -165,7 +169,8 @@ def main() -> None:
     from flywheel.models import load_model
 
     started = time.monotonic()
-    args.memory = load_config(CONFIG, ["memory.enabled=true", "memory.placement=user"]).memory
+    args.memory = load_config(CONFIG, ["memory.enabled=true", "memory.placement=user",
+                                       f"memory.opening={str(args.opening).lower()}"]).memory
     model, tokenizer = load_model("smollm2-135m")
     user = User("Maya", PREFERENCES["brief"], seed=0)
     untold = measure(model, tokenizer, user, None, args, None)
