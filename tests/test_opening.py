@@ -58,6 +58,11 @@ def test_the_greeting_is_written_as_the_first_replys_opening_and_the_other_instr
     assert body.messages[1].text() == f"{SHORTER}\n\nHi"  # no instruction to greet: the opening does
     later = asking("s1", SYSTEM, question, {"role": "assistant", "content": "Ada, hello."}, {"role": "user", "content": "And?"})
     assert memory.applied(*later)[1] == Served((SHORTER,), ("shorter",))  # a conversation is greeted once
+    schema = {"type": "json_schema", "json_schema": {"name": "a", "schema": {"type": "object"}}}
+    for constrained in [{"response_format": schema},
+                        {"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]}]:
+        body = ChatCompletionRequest(model="tiny", messages=[SYSTEM, question], **constrained)
+        assert memory.applied(body, asking("s5", SYSTEM)[1])[1].opening == ""  # the answer is not free text
     nameless = memory.applied(*asking("s2", question))[1]
     assert nameless == Served((SHORTER, addressed(NAME, [])), ("shorter", "name"))  # no name to open with: told
     only = ServedMemory("$instructions", opening=True)

@@ -59,7 +59,8 @@ class MemoryConfig(Section):
     opening: bool = False
     """Where a person asked to be named (the `name` aspect) and the conversation gives their name,
     the gateway writes the opening of the conversation's first reply itself ("Maya,") and the model
-    goes on after it, in place of the instruction to greet them (flywheel/serve/served_memory.py).
+    goes on after it, in place of the instruction to greet them (flywheel/serve/served_memory.py;
+    not where the answer is not free text: tools active, a response format that constrains it).
     Told to open with the name, SmolLM2-135M writes a letter that both names and answers 0.16 of
     the time (a blind reader); continuing an opening written for it, 0.41 (untold it answers 0.53
     and names 0.06), and the three people of the bench who asked for their name learned within

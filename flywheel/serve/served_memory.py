@@ -154,12 +154,14 @@ class ServedMemory:
 
     def applied(self, body: Any, session: SessionInfo) -> tuple[Any, Served]:
         """A chat request with its person's instructions `placed`, and them (recorded on its turns,
-        `Turn.instructions`), with the opening of its reply where it is the conversation's first
-        (no assistant message yet); any other request as it is, and none."""
+        `Turn.instructions`), with the opening of its reply where that is the conversation's first
+        (no assistant message yet) and free text (no tools active, no response format that
+        constrains it); any other request as it is, and none."""
         if not isinstance(body, ChatCompletionRequest) or session.tenant in self.without:
             return body, Served()
         served = self.instructions(session, body.messages)
-        if any(m.role == "assistant" for m in body.messages):
+        if (any(m.role == "assistant" for m in body.messages) or body.tools and body.tool_choice != "none"
+                or body.response_format is not None and body.response_format.constraint() is not None):
             served = served._replace(opening="")
         if not served.instructions:
             return body, served
