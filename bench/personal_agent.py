@@ -131,7 +131,7 @@ def trial(arm: str, pref: str, index: int, args, progress) -> dict:
     from flywheel.config import load_config
     from flywheel.deploy.deployment import Deployment
 
-    seed = 1000 * index + PREFERENCE_ORDER.index(pref)
+    seed = args.seed_base + 1000 * index + PREFERENCE_ORDER.index(pref)
     if args.people:
         name, preference, voice = people_from(args.people)[f"{pref}-{index + 1}"]
         user = User(name, preference, seed=seed, voice=voice)
@@ -305,6 +305,8 @@ def main() -> None:
     parser.add_argument("--only", nargs="+", default=None, metavar="PREF:TRIAL",
                         help="run only these trials (e.g. formal:2), each with its own person and seed")
     parser.add_argument("--cap", type=int, default=60, help="sessions at most per trial")
+    parser.add_argument("--seed-base", type=int, default=0,
+                        help="added to every trial's seed: the same people again, their own draws and the platform's")
     parser.add_argument("--after", type=int, default=0, help="sessions to go on once learned (for the curve)")
     parser.add_argument("--pace", choices=("trained", "free"), default="trained")
     parser.add_argument("--wait-s", type=float, default=180.0, help="longest wait for a session to be trained")
