@@ -25,7 +25,7 @@ from statistics import median, quantiles
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # `python bench/NAME.py` as well as `-m bench.NAME`
 
 from bench.lib.common import machine, quiet_logs, table, write_result  # noqa: E402
-from bench.lib.personal_eval import prompt_ids  # noqa: E402
+from flywheel.drills.personal_agent import prompt_ids  # noqa: E402
 from flywheel.bus.instructions import placed_before, without_request  # noqa: E402
 from flywheel.drills.simulated_people import TRAIN_QUESTIONS  # noqa: E402
 from flywheel.judge.wishes import ASPECTS  # noqa: E402

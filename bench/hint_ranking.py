@@ -39,7 +39,8 @@ from statistics import fmean
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # `python bench/NAME.py` as well as `-m bench.NAME`
 
 from bench.lib.common import machine, quiet_logs, table, write_result  # noqa: E402
-from bench.lib.personal_eval import prompt_ids, sample, told  # noqa: E402
+from bench.lib.personal_eval import sample, told  # noqa: E402
+from flywheel.drills.personal_agent import prompt_ids  # noqa: E402
 from flywheel.drills.simulated_people import NAMES, PREFERENCES, TRAIN_QUESTIONS, User, people_from  # noqa: E402
 
 HEADERS = ["person", "hints", "rate", "meets", "pairs (sum)", "pairs (mean)", "auc (sum)"]

@@ -17,7 +17,7 @@ from flywheel.bus.instructions import GREETING, Instructions, addressed
 from flywheel.bus.streams import memory_subject
 from flywheel.config.judge import TeacherConfig
 from flywheel.config.memory import MemoryConfig
-from flywheel.drills.personal_agent import Asked, opening_of
+from flywheel.drills.personal_agent import Asked, opening_of, prompt_ids
 from flywheel.judge.teacher import Teacher
 from flywheel.judge.wishes import ASPECTS
 from flywheel.serve.api.chat import ChatCompletionRequest
@@ -28,7 +28,6 @@ from flywheel.serve.ops.tenants import OPEN, Grant
 from flywheel.serve.prompts import PromptBuilder
 from flywheel.serve.served_memory import Served, ServedMemory
 
-from bench.lib.personal_eval import prompt_ids
 from bus_reading import collected
 from factories import platform
 from waiting import until

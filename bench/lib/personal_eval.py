@@ -9,7 +9,7 @@ import time
 from pathlib import Path
 from statistics import fmean
 
-from flywheel.drills.personal_agent import CONFIG, Asked, all_taken, opening_of
+from flywheel.drills.personal_agent import CONFIG, Asked, all_taken, opening_of, prompt_ids
 from flywheel.drills.simulated_people import User, answers
 
 
@@ -96,14 +96,6 @@ def served(aspects: list[str], texts: list[str], gains: list[float], chat: list[
 
     picked = best(aspects, texts, chat, gains)
     return 0 if picked is None else picked
-
-
-def prompt_ids(tokenizer, chat: list[dict]) -> list[int]:
-    """`chat`'s prompt as the gateway renders it: a reply's opening it ends with (`opening_of`)
-    after the generation prompt."""
-    opening = opening_of(chat)
-    text = tokenizer.apply_chat_template(chat[:-1] if opening else chat, add_generation_prompt=True, tokenize=False)
-    return tokenizer.encode(text + opening, add_special_tokens=False)
 
 
 async def sample(model, tokenizer, chats: list[list[dict]], args, first_seed: int = 0) -> list[list[int]]:

@@ -98,9 +98,8 @@ class Turn(Record, kw_only=True):
     task_id: str | None = None
     """Groups samples of the same task (`X-Task-Id`), e.g. the n samples of one prompt."""
     group_size: int | None = None
-    """How many sessions the task group has in all (`X-Group-Size`, or n for the choices of
-    one request): the trainer takes a group once all of them are scored. None: unknown (the
-    group is complete when no member has arrived for `train.group_timeout_s`)."""
+    """Sessions in the task group (`X-Group-Size`, or n for one request's choices): the trainer takes
+    it once all are scored; None: unknown, complete when none arrives for `train.group_timeout_s`."""
     model: str
     endpoint: Literal["chat", "completions", "responses", "messages"] = "chat"
     """The API the client called (Responses and Messages requests are served, and recorded, as chat)."""
@@ -108,11 +107,9 @@ class Turn(Record, kw_only=True):
     """The chat request's messages as the model was asked them: redacted where the tenant redacts
     input, with the person's served instructions (`memory.*`); empty for `completions`."""
     instructions: list[str] = msgspec.field(default_factory=list)
-    """The person's instructions the served memory put in `messages` (`memory.*`: at the end of the
-    system message, or before the text of the first user message), none where it put nothing."""
+    """The person's instructions the served memory put in `messages` (`memory.*`: in the system message
+    or before the first user message's text); `opening`: the start of `response` it wrote, ending `prompt_ids`."""
     opening: str = ""
-    """The start of `response` the served memory wrote, not the model (`memory.opening`): the end
-    of the prompt (`prompt_ids` hold it), the model's tokens following."""
     best_of: int = 1
     """Of how many replies the checks of the person's wish chose this (`memory.best_of`; 1: sampled)."""
     prompt: str | None = None

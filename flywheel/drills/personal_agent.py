@@ -144,6 +144,14 @@ def opening_of(chat: list[dict]) -> str:
     return chat[-1]["content"] if chat and chat[-1].get("role") == "assistant" else ""
 
 
+def prompt_ids(tokenizer, chat: list[dict]) -> list[int]:
+    """`chat`'s prompt as the gateway renders it: a reply's opening it ends with (`opening_of`)
+    after the generation prompt."""
+    opening = opening_of(chat)
+    text = tokenizer.apply_chat_template(chat[:-1] if opening else chat, add_generation_prompt=True, tokenize=False)
+    return tokenizer.encode(text + opening, add_special_tokens=False)
+
+
 def with_memory(system: str, name: str, hints: list[str], wishes: str = "words") -> str:
     """The system message with the newest `MEMORY` hints the person gave, as the app remembers them:
     their words, or with `wishes` `beside` / `instead` what they ask for, as the judge's teacher is
