@@ -94,6 +94,7 @@ def test_the_bench_asks_as_the_gateway_serves(model_and_tokenizer):
     chat = asked.chat("Tides?")
     assert opening_of(chat) == "Ada," and chat[1]["content"] == f"{SHORTER}\n\nTides?"
     assert asked.served("Tides?") == Served((SHORTER,), (), "Ada,")
+    assert Asked(SYSTEM["content"], (SHORTER,), asked.memory).served("Tides?") == Served((SHORTER,))  # no greeting asked
     body, session = asking("s", *chat[:-1])
     served_ids, *_ = asyncio.run(PromptBuilder(tokenizer, SessionContinuations(tokenizer, 10)).chat(
         body, replace(session, opening="Ada,")))

@@ -63,8 +63,9 @@ class MemoryConfig(Section):
     not where the answer is not free text: tools active, a response format that constrains it).
     Told to open with the name, SmolLM2-135M writes a letter that both names and answers 0.16 of
     the time (a blind reader); continuing an opening written for it, 0.41 (untold it answers 0.53
-    and names 0.06), and the three people of the bench who asked for their name learned within
-    9 conversations, none before (docs/experiments/learning-from-use.md#a-served-opening-memoryopening)."""
+    and names 0.06); the bench's three people who asked for their name learned at 4, 7 and 9 (none
+    within 15 before), and at >15, 4 and 9 in a second trial, the first's wish never read
+    (docs/experiments/learning-from-use.md#a-served-opening-memoryopening)."""
     template: str = TEMPLATE
     """What `placement: system` appends to the system message (`string.Template`, $instructions);
     a request without one gets a system message of it, stripped."""

@@ -128,14 +128,11 @@ class Asked:
         """What the gateway serves with `question` (`served_memory.Served`): the instructions it
         places, greeting the person by the name their system message or `question` gives, and the
         opening it writes where `memory.opening` writes the greeting itself."""
-        from flywheel.bus.instructions import GREETING, addressed, names_in
-        from flywheel.serve.served_memory import Served, opened
+        from flywheel.bus.instructions import names_in
+        from flywheel.serve.served_memory import Served, greeted
 
         names = names_in([{"role": "system", "content": self.system}, {"role": "user", "content": question}])
-        served = Served(tuple(self.instructions))
-        if self.memory.opening and names and any(GREETING in text for text in served.instructions):
-            served = opened(served, names[0])
-        return served._replace(instructions=tuple(addressed(text, names) for text in served.instructions))
+        return greeted(Served(tuple(self.instructions)), names, self.memory.opening)
 
 
 def opening_of(chat: list[dict]) -> str:

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import sys
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, NamedTuple
 
 from flywheel.bus.instructions import GREETING, Instructions, addressed, names_in, placed_before, said
@@ -145,9 +145,7 @@ class ServedMemory:
             self._people.pop(person)
             current = Served()
         if any(GREETING in text for text in current.instructions):
-            names = names_in([{"role": m.role, "content": m.text()} for m in messages])
-            current = opened(current, names[0]) if self.opening and names else \
-                current._replace(instructions=tuple(addressed(text, names) for text in current.instructions))
+            current = greeted(current, names_in([{"role": m.role, "content": m.text()} for m in messages]), self.opening)
         if not session.anonymous:
             self._sessions[session.session_id] = (person, current)
         return current
@@ -170,10 +168,12 @@ class ServedMemory:
         return body.model_copy(update={"messages": messages}), served
 
 
-def opened(served: Served, name: str) -> Served:
-    """`served` with its greeting instructions taken out and the opening they show written in their
-    place: the person's name (`memory.opening`)."""
-    kept = [(text, aspect) for text, aspect in zip(served.instructions, served.aspects or [""] * len(served.instructions))
-            if GREETING not in text]
-    return Served(tuple(text for text, _ in kept), tuple(aspect for _, aspect in kept) if served.aspects else (),
-                  f"{name},")
+def greeted(served: Served, names: Sequence[str], opening: bool) -> Served:
+    """`served` greeting the person by the first of their `names`: with `opening` (`memory.opening`),
+    a name known and an instruction that greets, that instruction taken out and the name written as
+    the reply's opening; else any greeting told (`addressed`)."""
+    if not (opening and names and any(GREETING in text for text in served.instructions)):
+        return served._replace(instructions=tuple(addressed(text, names) for text in served.instructions))
+    kept = [j for j, text in enumerate(served.instructions) if GREETING not in text]
+    return Served(tuple(served.instructions[j] for j in kept),
+                  tuple(served.aspects[j] for j in kept) if served.aspects else (), f"{names[0]},")
