@@ -29,7 +29,8 @@ writes every reply for a reader blind to the instruction, and `--score` reads th
 
 With `--opening` (`memory.opening`) a candidate that shows the greeting is served as the gateway
 then serves it: the greeting written as the reply's opening, the model going on after it (the row
-`(opened) Maya,`; `--texts` picks the candidate).
+`(opened) Maya,`; `--texts` picks the candidate; `--openings` measures each opening text given,
+`memory.opening_text`).
 """
 
 from __future__ import annotations
@@ -83,15 +84,16 @@ def follows(aspect: str, text: str, name: str) -> bool:
     return answer_first(text, name) if aspect == "no_preamble" else CHECKS["formal"](text, set()) < 0
 
 
-def measure(model, tokenizer, user, instruction: str | None, args, untold: list[float] | None) -> dict:
-    """The replies to the training questions asked with `instruction` (None: nothing told), read as
-    the module says; `untold`: the mean of what the base's untold replies say, per question."""
+def measure(model, tokenizer, user, instruction: str | None, args, memory, untold: list[float] | None) -> dict:
+    """The replies to the training questions asked with `instruction` (None: nothing told) as the
+    gateway serves it under `memory` (`memory.*`), read as the module says; `untold`: the mean of
+    what the base's untold replies say, per question."""
     from flywheel.drills.personal_agent import Asked, opening_of
     from flywheel.drills.simulated_people import TRAIN_QUESTIONS, answers, words
     from flywheel.formats.wish_checks import ANSWERS_AT
 
     questions = TRAIN_QUESTIONS[:args.questions]
-    asked = Asked(user.system, (instruction,) if instruction else (), args.memory)
+    asked = Asked(user.system, (instruction,) if instruction else (), memory)
     chats = [asked.chat(q) for q in questions]
     draws = [asyncio.run(sample(model, tokenizer, chats, args, first_seed=1000 * k)) for k in range(args.samples)]
     says, rule, texts, asked_so = [], [], [], []
@@ -155,9 +157,12 @@ def main() -> None:
     parser.add_argument("--export", action="store_true", help="also write the replies for a reader")
     parser.add_argument("--score", action="store_true", help="only score the reader's labels of NAME's replies")
     parser.add_argument("--opening", action="store_true", help="memory.opening: a greeting asked is written as the reply's opening")
+    parser.add_argument("--openings", nargs="+", help="with --opening: each of these openings (`memory.opening_text`, {name})")
     args = parser.parse_args()
     if args.score:
         return score(args.name)
+    if args.openings and not args.opening:
+        parser.error("--openings: with --opening")
     if args.texts and len(args.aspect) != 1:
         parser.error("--texts: name the one --aspect they phrase")
     if args.export and len(args.aspect) != 1:
@@ -173,11 +178,12 @@ def main() -> None:
                                        f"memory.opening={str(args.opening).lower()}"]).memory
     model, tokenizer = load_model("smollm2-135m")
     user = User("Maya", PREFERENCES["brief"], seed=0)
-    untold = measure(model, tokenizer, user, None, args, None)
+    untold = measure(model, tokenizer, user, None, args, args.memory, None)
+    memories = [args.memory.model_copy(update={"opening_text": text}) for text in args.openings or [args.memory.opening_text]]
     rows, results = [], {}
     for aspect in args.aspect:
-        measured = [untold] + [measure(model, tokenizer, user, text, args, untold["per_question"])
-                               for text in args.texts or CANDIDATES[aspect]]
+        measured = [untold] + [measure(model, tokenizer, user, text, args, memory, untold["per_question"])
+                               for memory in memories for text in args.texts or CANDIDATES[aspect]]
         for row in measured:
             row["follows"] = fmean(follows(aspect, text, user.name) for text in row["texts"])
         results[aspect] = [{k: v for k, v in row.items() if k != "texts"} for row in measured]

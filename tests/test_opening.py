@@ -12,6 +12,8 @@ import time
 from dataclasses import replace
 
 import httpx
+import pytest
+from pydantic import ValidationError
 
 from flywheel.bus.instructions import GREETING, Instructions, addressed
 from flywheel.bus.streams import memory_subject
@@ -49,7 +51,7 @@ def asking(session: str, *said: dict):
 
 
 def test_the_greeting_is_written_as_the_first_replys_opening_and_the_other_instructions_are_placed():
-    memory = ServedMemory("\n\nAsked: $instructions", placement="user", opening=True)
+    memory = ServedMemory("\n\nAsked: $instructions", placement="user", opening="{name},")
     memory.take(record([SHORTER, NAME], ["shorter", "name"]))
     question = {"role": "user", "content": "Hi"}
     body, served = memory.applied(*asking("s1", SYSTEM, question))
@@ -64,13 +66,24 @@ def test_the_greeting_is_written_as_the_first_replys_opening_and_the_other_instr
         assert memory.applied(body, asking("s5", SYSTEM)[1])[1].opening == ""  # the answer is not free text
     nameless = memory.applied(*asking("s2", question))[1]
     assert nameless == Served((SHORTER, addressed(NAME, [])), ("shorter", "name"))  # no name to open with: told
-    only = ServedMemory("$instructions", opening=True)
+    only = ServedMemory("$instructions", opening="{name},")
     only.take(record([NAME], ["name"]))
     body, served = only.applied(*asking("s3", SYSTEM, question))
     assert served == Served(opening="Ada,") and body.messages[0].text() == SYSTEM["content"]  # nothing placed
     without = ServedMemory("$instructions")
     without.take(record([NAME], ["name"]))
     assert without.applied(*asking("s4", SYSTEM, question))[1] == Served((addressed(NAME, ["Ada"]),), ("name",))
+
+
+def test_the_opening_is_the_configured_text_with_the_name_and_a_text_without_it_is_refused():
+    memory = MemoryConfig(opening=True, opening_text="Sure, {name}!")
+    assert memory.opened == "Sure, {name}!" and MemoryConfig(opening_text="Sure, {name}!").opened == ""
+    served = ServedMemory("$instructions", opening=memory.opened)
+    served.take(record([NAME], ["name"]))
+    assert served.applied(*asking("s", SYSTEM, {"role": "user", "content": "Hi"}))[1].opening == "Sure, Ada!"
+    for wrong in ("Hello,", "{nam},", "{name}, {0}", "{name}, {"):
+        with pytest.raises(ValidationError, match="opening must hold"):
+            MemoryConfig(opening_text=wrong)
 
 
 def test_best_of_k_goes_on_from_the_opening_and_reads_it_with_each_reply(model_and_tokenizer):

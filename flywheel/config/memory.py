@@ -58,14 +58,16 @@ class MemoryConfig(Section):
     client does not score)."""
     opening: bool = False
     """Where a person asked to be named (the `name` aspect) and the conversation gives their name,
-    the gateway writes the opening of the conversation's first reply itself ("Maya,") and the model
-    goes on after it, in place of the instruction to greet them (flywheel/serve/served_memory.py;
+    the gateway writes the opening of the conversation's first reply itself (`opening_text`: "Maya,")
+    and the model goes on after it, in place of the instruction to greet them (flywheel/serve/served_memory.py;
     not where the answer is not free text: tools active, a response format that constrains it).
     Told to open with the name, SmolLM2-135M writes a letter that both names and answers 0.16 of
     the time (a blind reader); continuing an opening written for it, 0.41 (untold it answers 0.53
     and names 0.06); the bench's three people who asked for their name learned at 4, 7 and 9 (none
     within 15 before), and at >15, 4 and 9 in a second trial, the first's wish never read
     (docs/experiments/learning-from-use.md#a-served-opening-memoryopening)."""
+    opening_text: str = "{name},"
+    """The opening `opening` writes, `{name}` the person's name (no other braces)."""
     template: str = TEMPLATE
     """What `placement: system` appends to the system message (`string.Template`, $instructions);
     a request without one gets a system message of it, stripped."""
@@ -76,6 +78,22 @@ class MemoryConfig(Section):
         if "instructions" not in Template(template).get_identifiers():
             raise ValueError("the template must hold $instructions")
         return template
+
+    @field_validator("opening_text")
+    @classmethod
+    def _names_the_person(cls, text: str) -> str:
+        try:
+            names = "{name}" in text and text.format(name="") is not None
+        except (KeyError, IndexError, ValueError):
+            names = False
+        if not names:
+            raise ValueError("the opening must hold {name} and no other braces")
+        return text
+
+    @property
+    def opened(self) -> str:
+        """The opening written where a person asked to be named: `opening_text`, or "" (`opening` off)."""
+        return self.opening_text if self.opening else ""
 
     @model_validator(mode="after")
     def _template_only_in_the_system_message(self) -> "MemoryConfig":

@@ -132,7 +132,7 @@ class Asked:
         from flywheel.serve.served_memory import Served, greeted
 
         names = names_in([{"role": "system", "content": self.system}, {"role": "user", "content": question}])
-        return greeted(Served(tuple(self.instructions)), names, self.memory.opening)
+        return greeted(Served(tuple(self.instructions)), names, self.memory.opened)
 
 
 def opening_of(chat: list[dict]) -> str:

@@ -126,7 +126,7 @@ class ServeLoop:
             self.bus, self.config.memory.template, retention_s(self.config.tenants),
             without=[name for name, tenant in self.config.tenants.items() if not tenant.memory],
             placement=self.config.memory.placement, best_of=self.config.memory.best_of,
-            opening=self.config.memory.opening)
+            opening=self.config.memory.opened)
             if self.config.memory.enabled and cfg.role == "policy" else (None, 0))
         self.app = create_gateway(self.pool, tokenizer, self.recorder, self.model_name, cfg, context_length, self.metrics,
                                   self.tenants, sessions, self._adapter_routing(), teaches=self.config.base_teaches,

@@ -75,10 +75,11 @@ def _prepended(message: Message, text: str) -> Message:
 class ServedMemory:
     def __init__(self, template: str, retention_s: Mapping[str, float] | None = None, people: int = PEOPLE,
                  sessions: int = SESSIONS, without: Iterable[str] = (), placement: str = "system", best_of: int = 1,
-                 opening: bool = False):
+                 opening: str = ""):
         self.template = template
         self.opening = opening
-        """`memory.opening`: open a named person's first reply with their name in place of the greeting instruction."""
+        """What opens a named person's first reply in place of the greeting instruction, `{name}` their
+        name (`MemoryConfig.opened`); "" where `memory.opening` is off."""
         self.best_of = best_of
         """`memory.best_of`: replies sampled where a person's instructions are served (flywheel/serve/best_of.py)."""
         self.placement = placement
@@ -98,7 +99,7 @@ class ServedMemory:
     @classmethod
     async def read(cls, bus: Any, template: str, retention_s: Mapping[str, float],
                    without: Iterable[str] = (), placement: str = "system", best_of: int = 1,
-                   opening: bool = False) -> tuple[ServedMemory, int]:
+                   opening: str = "") -> tuple[ServedMemory, int]:
         """The memory read whole from `bus`, before a gateway's first request: every forget so
         far on the audit log, then every record on MEMORY; and the last of those, to follow from."""
         memory = cls(template, retention_s, without=without, placement=placement, best_of=best_of, opening=opening)
@@ -168,12 +169,12 @@ class ServedMemory:
         return body.model_copy(update={"messages": messages}), served
 
 
-def greeted(served: Served, names: Sequence[str], opening: bool) -> Served:
-    """`served` greeting the person by the first of their `names`: with `opening` (`memory.opening`),
-    a name known and an instruction that greets, that instruction taken out and the name written as
-    the reply's opening; else any greeting told (`addressed`)."""
+def greeted(served: Served, names: Sequence[str], opening: str) -> Served:
+    """`served` greeting the person by the first of their `names`: with an `opening` (`memory.opening`:
+    its text, `{name}` the name), a name known and an instruction that greets, that instruction taken
+    out and the opening written as the reply's start; else any greeting told (`addressed`)."""
     if not (opening and names and any(GREETING in text for text in served.instructions)):
         return served._replace(instructions=tuple(addressed(text, names) for text in served.instructions))
     kept = [j for j, text in enumerate(served.instructions) if GREETING not in text]
     return Served(tuple(served.instructions[j] for j in kept),
-                  tuple(served.aspects[j] for j in kept) if served.aspects else (), f"{names[0]},")
+                  tuple(served.aspects[j] for j in kept) if served.aspects else (), opening.format(name=names[0]))
