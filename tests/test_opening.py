@@ -38,6 +38,7 @@ SHORTER, NAME = ASPECTS["shorter"], ASPECTS["name"]
 SYSTEM = {"role": "system", "content": "You are Ada's personal assistant."}
 ADA = {"X-User-Id": "ada"}
 ADA_HEADERS = {"x-user-id": "ada"}
+OPENED = MemoryConfig().opening_text.format(name="Ada")
 
 
 def record(said: list[str], aspects: list[str]) -> Instructions:
@@ -105,26 +106,26 @@ def test_the_bench_asks_as_the_gateway_serves(model_and_tokenizer):
     _, tokenizer = model_and_tokenizer
     asked = Asked(SYSTEM["content"], (SHORTER, NAME), MemoryConfig(placement="user", opening=True))
     chat = asked.chat("Tides?")
-    assert opening_of(chat) == "Ada," and chat[1]["content"] == f"{SHORTER}\n\nTides?"
-    assert asked.served("Tides?") == Served((SHORTER,), (), "Ada,")
+    assert opening_of(chat) == OPENED and chat[1]["content"] == f"{SHORTER}\n\nTides?"
+    assert asked.served("Tides?") == Served((SHORTER,), (), OPENED)
     assert Asked(SYSTEM["content"], (SHORTER,), asked.memory).served("Tides?") == Served((SHORTER,))  # no greeting asked
     body, session = asking("s", *chat[:-1])
     served_ids, *_ = asyncio.run(PromptBuilder(tokenizer, SessionContinuations(tokenizer, 10)).chat(
-        body, replace(session, opening="Ada,")))
+        body, replace(session, opening=OPENED)))
     assert prompt_ids(tokenizer, chat) == served_ids
     told = Asked(SYSTEM["content"], (SHORTER, NAME), MemoryConfig(placement="user")).chat("Tides?")
     assert opening_of(told) == "" and addressed(NAME, ["Ada"]) in told[1]["content"]
 
 
 async def test_through_the_gateway_the_answer_starts_with_the_opening_and_the_next_prompt_extends_it(nats_url, tmp_path, bus):
-    """Whole, streamed and Responses answers start with "Ada,"; the turn records the opening at the
+    """Whole, streamed and Responses answers start with the opening; the turn records the opening at the
     end of its prompt, the model's tokens after it; her second message's prompt extends the first
     turn (one trajectory), and is not opened; the teacher scores only the second turn."""
     async with platform(nats_url, tmp_path, "memory.enabled=true", "memory.placement=user", "memory.opening=true") as (
             serve, _, client):
         await bus.publish(memory_subject("open", "ada"), record([NAME], ["name"]))
         anyone = session_of(ADA_HEADERS, None, None, grant=Grant("open", OPEN.training, True))  # anonymous: not pinned
-        await until(lambda: serve.memory.instructions(anyone, asking("x", SYSTEM)[0].messages).opening == "Ada,")
+        await until(lambda: serve.memory.instructions(anyone, asking("x", SYSTEM)[0].messages).opening == OPENED)
         asked = [SYSTEM, {"role": "user", "content": "Where is Lisbon?"}]
         first = await client.chat.completions.create(model="tiny", messages=asked, max_tokens=6,
                                                      extra_headers={**ADA, "X-Session-Id": "ada-1"})
@@ -141,12 +142,12 @@ async def test_through_the_gateway_the_answer_starts_with_the_opening_and_the_ne
             (await http.post(f"{serve.url}/v1/sessions/ada-1/end")).raise_for_status()
         trajectories, turns = await collected(bus, 1, 4)
     shown = [delta for delta in deltas if delta]
-    assert said.startswith("Ada,") and shown[0].startswith("Ada,") and response.output_text.startswith("Ada,")
+    assert said.startswith(OPENED) and shown[0].startswith(OPENED) and response.output_text.startswith(OPENED)
     opened, second = turns["ada-1"]
     tokenizer = serve.engine.tokenizer
-    assert opened.opening == "Ada," and opened.instructions == [] and second.opening == ""
-    assert tokenizer.decode(opened.prompt_ids).endswith("assistant\nAda,")
-    assert said == "Ada," + tokenizer.decode(opened.output_ids, skip_special_tokens=True)
+    assert opened.opening == OPENED and opened.instructions == [] and second.opening == ""
+    assert tokenizer.decode(opened.prompt_ids).endswith("assistant\n" + OPENED)
+    assert said == OPENED + tokenizer.decode(opened.output_ids, skip_special_tokens=True)
     assert opened.response["content"] == said and "".join(deltas) == turns["ada-s"][0].response["content"]
     trajectory = trajectories["ada-1"]
     assert len(trajectory.segments) == 1 and len(trajectory.turns) == 2  # the second prompt extends the opened turn

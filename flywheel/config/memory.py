@@ -58,16 +58,19 @@ class MemoryConfig(Section):
     client does not score)."""
     opening: bool = False
     """Where a person asked to be named (the `name` aspect) and the conversation gives their name,
-    the gateway writes the opening of the conversation's first reply itself (`opening_text`: "Maya,")
-    and the model goes on after it, in place of the instruction to greet them (flywheel/serve/served_memory.py;
-    not where the answer is not free text: tools active, a response format that constrains it).
-    Told to open with the name, SmolLM2-135M writes a letter that both names and answers 0.16 of
-    the time (a blind reader); continuing an opening written for it, 0.41 (untold it answers 0.53
-    and names 0.06); the bench's three people who asked for their name learned at 4, 7 and 9 (none
-    within 15 before), and at >15, 4 and 9 in a second trial, the first's wish never read
-    (docs/experiments/learning-from-use.md#a-served-opening-memoryopening)."""
-    opening_text: str = "{name},"
-    """The opening `opening` writes, `{name}` the person's name (no other braces)."""
+    the gateway writes the opening of the conversation's first reply itself (`opening_text`) and
+    the model goes on after it, in place of the instruction to greet them
+    (flywheel/serve/served_memory.py; not where the answer is not free text: tools active, a
+    response format that constrains it). Told to open with the name, SmolLM2-135M writes a letter
+    that both names and answers 0.16 of the time (a blind reader); after "Maya," 0.42, after
+    "Good question, Maya." 0.54 (untold it answers 0.51 and names 0.07). The bench's three people
+    who asked for their name learned at 4, 7 and 9 with "Maya,", and at 4, 7 and 7 with "Good
+    question, Maya.", whose held-out replies answered as often as before training (0.40; after
+    "Maya," 0.39 -> 0.24) (docs/experiments/learning-from-use.md#a-served-opening-memoryopening)."""
+    opening_text: str = "Good question, {name}."
+    """The opening `opening` writes, `{name}` the person's name (no other braces): of four measured,
+    the one after which the base answered most (a blind reader; "{name}," 0.42, "Sure, {name}!"
+    0.49, this 0.54)."""
     template: str = TEMPLATE
     """What `placement: system` appends to the system message (`string.Template`, $instructions);
     a request without one gets a system message of it, stripped."""
