@@ -65,11 +65,12 @@ class MemoryConfig(Section):
     that both names and answers 0.16 of the time (a blind reader); after "Maya," 0.42, after
     "Good question, Maya." 0.54 (untold it answers 0.51 and names 0.07). The bench's three people
     who asked for their name learned at 4, 7 and 9 with "Maya,", and at 4, 7 and 7 with "Good
-    question, Maya.", whose held-out replies answered as often as before training (0.40; after
-    "Maya," 0.39 -> 0.24) (docs/experiments/learning-from-use.md#a-served-opening-memoryopening)."""
+    question, Maya." (and >15, 4, 5), whose held-out replies answered 0.40 -> 0.35 over five trials
+    (blind readers; after "Maya," 0.39 -> 0.25)
+    (docs/experiments/learning-from-use.md#a-served-opening-memoryopening)."""
     opening_text: str = "Good question, {name}."
     """The opening `opening` writes, `{name}` the person's name (no other braces): of four measured,
-    the one after which the base answered most (a blind reader; "{name}," 0.42, "Sure, {name}!"
+    the one after which the base answered most (blind readers; "{name}," 0.42, "Sure, {name}!"
     0.49, this 0.54)."""
     template: str = TEMPLATE
     """What `placement: system` appends to the system message (`string.Template`, $instructions);
