@@ -87,10 +87,10 @@ class MemoryConfig(Section):
     @classmethod
     def _names_the_person(cls, text: str) -> str:
         try:
-            names = "{name}" in text and text.format(name="") is not None
+            text.format(name="")
         except (KeyError, IndexError, ValueError):
-            names = False
-        if not names:
+            text = ""
+        if "{name}" not in text:
             raise ValueError("the opening must hold {name} and no other braces")
         return text
 
