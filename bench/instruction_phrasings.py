@@ -179,7 +179,8 @@ def main() -> None:
     model, tokenizer = load_model("smollm2-135m")
     user = User("Maya", PREFERENCES["brief"], seed=0)
     untold = measure(model, tokenizer, user, None, args, args.memory, None)
-    memories = [args.memory.model_copy(update={"opening_text": text}) for text in args.openings or [args.memory.opening_text]]
+    memories = [type(args.memory).model_validate({**args.memory.model_dump(), "opening_text": text})
+                for text in args.openings or [args.memory.opening_text]]  # each checked as the config checks it
     rows, results = [], {}
     for aspect in args.aspect:
         measured = [untold] + [measure(model, tokenizer, user, text, args, memory, untold["per_question"])

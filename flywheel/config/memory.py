@@ -64,8 +64,8 @@ class MemoryConfig(Section):
     response format that constrains it). Told to open with the name, SmolLM2-135M writes a letter
     that both names and answers 0.16 of the time (a blind reader); after "Maya," 0.42, after
     "Good question, Maya." 0.54 (untold it answers 0.51 and names 0.07). The bench's three people
-    who asked for their name learned at 4, 7 and 9 with "Maya,", and at 4, 7 and 7 with "Good
-    question, Maya." (and >15, 4, 5), whose held-out replies answered 0.40 -> 0.35 over five trials
+    who asked for their name learned at 4, 7 and 9 with "Maya," (and >15, 4, 9), and at 4, 7 and 7
+    with "Good question, Maya." (and >15, 4, 5), whose held-out replies answered 0.40 -> 0.35 over five trials
     (blind readers; after "Maya," 0.39 -> 0.25)
     (docs/experiments/learning-from-use.md#a-served-opening-memoryopening)."""
     opening_text: str = "Good question, {name}."

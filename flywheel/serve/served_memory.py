@@ -16,10 +16,10 @@ greets the person is served with the name its first request gives them
 (flywheel/bus/instructions.py, `addressed`); with `memory.opening`, the gateway writes that
 greeting itself, an opening that names the person (`memory.opening_text`) starting the
 conversation's first reply, and the model goes on after it (`SessionInfo.opening`, the end of the
-prompt and the start of the answer). Instructions are held no longer than their record is kept on the bus (their tenant's `retention_days`, else the
-stream's age), and at most `PEOPLE` people's (those given theirs least recently dropped first).
-The stream keeps each person's newest record only (a subject each), so a gateway's start reads one
-record a person, one bus request each.
+prompt and the start of the answer). Instructions are held no longer than their record is kept
+on the bus (their tenant's `retention_days`, else the stream's age), and at most `PEOPLE`
+people's (those given theirs least recently dropped first). The stream keeps each person's newest
+record only (a subject each), so a gateway's start reads one record a person, one bus request each.
 """
 
 from __future__ import annotations
