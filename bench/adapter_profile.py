@@ -2,9 +2,11 @@
 (`flywheel.models.lora_batch.Rows.add`), measured alone (or a prefill's: `--tokens N` a row): one
 decode step's worth of adapter products (every decoder layer's q/k/v, o, gate/up and down, grouped
 as the engine's decoder fuses them) for R rows spread over 1, 8 or 32 adapters, against the base
-products of the same layers, then torch's profiler on the adapter products (the ops taking the most
-time, per step). On the model's device: on a GPU the step times are synced wall times (the host's
-launches included) and the profile also counts each op's kernels' GPU time. Used by
+products of the same layers and against their floor (`read_ms`: the time to read once, by a sum,
+the `adapters_mb` of A and B the step's adapters hold, which any product over them must read),
+then torch's profiler on the adapter products (the ops taking the most time, per step). On the
+model's device: on a GPU the step times are synced wall times (the host's launches included) and
+the profile also counts each op's kernels' GPU time. Used by
 `bench/adapter_throughput.py` (`--profile`, or when the engine misses 0.8x); alone:
 
     .venv/bin/python bench/adapter_profile.py [--model smollm2-135m] [--ranks 8,32]
@@ -95,7 +97,15 @@ def profile_adapter_path(model: torch.nn.Module, ranks: list[int], counts: list[
                 for x, out, group in zip(inputs, outputs, groups):
                     rows.add(out, x, group)
 
-            rows_out.append({"rank": rank, "adapters": n, "base_products_ms": base_ms, "adapter_products_ms": _step_ms(adapters)})
+            used = [(stacks.a[1:n + 1], stacks.b[1:n + 1]) for stacks in table.low_rank.values()]
+
+            def read(used=used) -> None:
+                for a, b in used:
+                    a.sum(), b.sum()
+
+            floor_mb = sum(a.numel() + b.numel() for a, b in used) * like["dtype"].itemsize / 1e6
+            rows_out.append({"rank": rank, "adapters": n, "base_products_ms": base_ms, "adapter_products_ms": _step_ms(adapters),
+                             "adapters_mb": round(floor_mb), "read_ms": _step_ms(read)})
             if n == max(counts):
                 top[f"r{rank}/{n}"] = _top_ops(adapters)
     return {"rows": n_rows, "tokens": tokens, "step_ms": rows_out, "top_ops": top}

@@ -256,9 +256,9 @@ def test_an_adapter_with_inf_or_nan_reaches_no_other_row(model_and_tokenizer, mo
 @pytest.mark.parametrize("products", PRODUCTS)
 def test_uneven_rows_over_slots_with_a_gap_get_each_their_own_deltas(model_and_tokenizer, monkeypatch, products):
     """Adapters of ranks 4, 2 and 8 in slots 1, 2 and 4 (3 empty), rows over them unevenly and in
-    no order, with a base row and without, of one token (a decode step) and of three (a prefill),
-    two layers that share their input (q and k, as the decoder fuses them): each row's tokens get
-    exactly their own adapter's delta in each layer's columns, the base row's none."""
+    no order (or one a slot), with a base row and without, of one token (a decode step) and of
+    three (a prefill), two layers that share their input (q and k, as the decoder fuses them): each
+    row's tokens get exactly their own adapter's delta in each layer's columns, the base row's none."""
     use_products(monkeypatch, products)
     model, _ = model_and_tokenizer
     table = AdapterTable(model, slots=4)
@@ -269,8 +269,9 @@ def test_uneven_rows_over_slots_with_a_gap_get_each_their_own_deltas(model_and_t
                       for name, layer in zip(names, layers)} for slot, rank in ((1, 4), (2, 2), (4, 8))}
     for slot, matrices in written.items():
         table.write(slot, LoraAdapter(Path(f"slot{slot}"), matrices))
-    for slots, tokens in product(([2, 0, 4, 2, 2, 1, 4], [4, 2, 2, 1, 4, 2]), (1, 3)):  # with a base row; every row
-        x = torch.randn(len(slots) * tokens, layers[0].in_features)                    # adapted; a token a row or 3
+    # with a base row; every row adapted; a row a slot (the padded products' one-token form); a token a row or 3
+    for slots, tokens in product(([2, 0, 4, 2, 2, 1, 4], [4, 2, 2, 1, 4, 2], [4, 0, 1, 2]), (1, 3)):
+        x = torch.randn(len(slots) * tokens, layers[0].in_features)
         out = torch.zeros(len(x), sum(layer.out_features for layer in layers))
         rows = table.rows(slots)
         rows.add(out, x, layers)
@@ -280,6 +281,8 @@ def test_uneven_rows_over_slots_with_a_gap_get_each_their_own_deltas(model_and_t
         assert ran == {"dense": (True, False, False, False), "padded": (False, True, False, False),
                        "gathered": (False, True, True, False), "grouped": (False, False, False, False),
                        "rows": (False, not every, False, every)}[products]
+        adapted = [slot for slot in slots if slot]
+        assert plan.padded is None or plan.one_each == (tokens == 1 and len(set(adapted)) == len(adapted))
         for token in range(len(x)):
             slot = slots[token // tokens]
             expected = [x[token] @ a.T @ b.T for a, b in written[slot].values()] if slot else [torch.zeros(out.shape[1])]

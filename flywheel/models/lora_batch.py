@@ -341,6 +341,11 @@ class _Plan:
             return
         self.blocks = blocks
         """How many slots the padded products read."""
+        self.one_each = most == 1
+        """Whether each slot read has one token (a decode step's rows over as many adapters): its
+        x A then taken as A's rows against the token, `A @ x^T`, which streams each slot's A as
+        it is stored ([rank, in]): 10.5 against 14.8 ms for 32 slots of rank 32 over SmolLM2's
+        projections, the whole decode step's products 28.5 -> 24.4 ms (rank 8: 8.4 -> 7.8)."""
         self.gathered = distinct if gather else None
         self.kept = block * most + torch.arange(adapted, device=by_slot.device) - (self.ends - counts)[by_slot]
         self.padded = self.order[:1].repeat(blocks * most)
@@ -370,14 +375,19 @@ class _Plan:
         accumulating: `addmm_`, no delta tensor) or the padded deltas land in the forward's order,
         else scattered to the adapted tokens' rows."""
         if self.row_slots is not None:
-            a, b = stacks.a.index_select(0, self.row_slots), stacks.b.index_select(0, self.row_slots)
+            a = stacks.a.transpose(1, 2).index_select(0, self.row_slots).transpose(1, 2)  # gathered as stored
+            b = stacks.b.index_select(0, self.row_slots)
             out.view(len(self.row_slots), -1, out.shape[1]).baddbmm_(torch.bmm(x, a), b)
         elif self.identity and self.single is not None:
             out.addmm_(x @ stacks.a[self.single], stacks.b[self.single])
         elif self.identity:
             _add_dense(out, x, stacks, self.width, self.foreign)
         elif self.padded is not None:
-            deltas = torch.bmm(torch.bmm(x, self._read(stacks.a)), self._read(stacks.b)).flatten(0, 1)
+            if self.one_each:
+                low = torch.bmm(self._read(stacks.a.transpose(1, 2)), x.transpose(1, 2)).transpose(1, 2)
+            else:
+                low = torch.bmm(x, self._read(stacks.a))
+            deltas = torch.bmm(low, self._read(stacks.b)).flatten(0, 1)
             if self.placed is not None:
                 out.add_(deltas.index_select(0, self.placed))
             else:
