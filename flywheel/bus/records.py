@@ -31,14 +31,7 @@ from typing import Any, Literal
 
 import msgspec
 
-from flywheel.bus.arrays import (
-    Float64s,
-    Int8s,
-    Int32s,
-    decode_hook,
-    encode_json_hook,
-    encode_msgpack_hook,
-)
+from flywheel.bus.arrays import Float64s, Int8s, Int32s, decode_hook, encode_json_hook, encode_msgpack_hook
 
 SCHEMA_VERSION = 2
 """2: per-token fields became typed arrays (raw bytes in MessagePack). Version 1 records, with
@@ -107,9 +100,11 @@ class Turn(Record, kw_only=True):
     """The chat request's messages as the model was asked them: redacted where the tenant redacts
     input, with the person's served instructions (`memory.*`); empty for `completions`."""
     instructions: list[str] = msgspec.field(default_factory=list)
-    """The person's instructions the served memory put in `messages` (`memory.*`: in the system message
-    or before the first user message's text); `opening`: the start of `response` it wrote, ending `prompt_ids`."""
+    """The person's instructions the served memory put in `messages` (`memory.*`: in the system
+    message or before the first user message's text)."""
     opening: str = ""
+    """The start of `response` the served memory wrote (`memory.opening`: the greeting asked for,
+    `memory.opening_text`), which ends `prompt_ids`: the model continues from it; "" where none."""
     best_of: int = 1
     """Of how many replies the checks of the person's wish chose this (`memory.best_of`; 1: sampled)."""
     prompt: str | None = None
