@@ -46,6 +46,13 @@ async def test_a_bounded_set_of_slots_evicts_and_reloads(engine_adapters, model_
     assert changed.logprobs == pytest.approx(recomputed_logprobs(engine_adapters["alice-v2"][1], ids, changed.output_ids), abs=TOL)
 
 
+async def last(stream):
+    """The final item of an engine's `stream` (its `GenerationResult`), read to the end."""
+    async for item in stream:
+        pass
+    return item
+
+
 async def test_a_request_whose_adapter_finds_every_slot_held_waits(engine_adapters, model_and_tokenizer):
     """One slot, held by a running request: a request for another adapter waits in the queue (it
     does not fail) and is served right once the slot is free, while base rows go on decoding."""
@@ -56,8 +63,9 @@ async def test_a_request_whose_adapter_finds_every_slot_held_waits(engine_adapte
     # however loaded the machine: with 40 tokens alice once finished first under a busy suite
     long = SamplingParams(max_new_tokens=240, temperature=0.0, ignore_eos=True)
     try:
-        first = asyncio.ensure_future(engine.generate(ids, long, adapter="alice"))
-        await until(lambda: engine.load()["num_running_reqs"] == 1)
+        tokens = engine.stream(ids, long, adapter="alice")
+        await anext(tokens)  # a token sampled: alice holds the slot
+        first = asyncio.ensure_future(last(tokens))
         second = asyncio.ensure_future(engine.generate(ids, GREEDY, adapter="bob"))
         plain = await engine.generate(ids, GREEDY)
         assert not first.done() and engine.load()["num_waiting_reqs"] == 1  # bob waits; the base row did not
@@ -112,8 +120,8 @@ async def test_unloading_lets_the_requests_that_hold_an_adapter_finish(engine_ad
     long = SamplingParams(max_new_tokens=60, temperature=0.0, ignore_eos=True)
     try:
         await engine.load_adapter("alice", str(engine_adapters["alice"][0]), label="7")
-        running = asyncio.ensure_future(engine.generate(ids, long, adapter="alice"))
-        await until(lambda: engine.load()["num_running_reqs"] == 1)
+        running = engine.stream(ids, long, adapter="alice")
+        await anext(running)  # a token sampled: under way (polling the engine's load can miss a short request)
         assert await engine.unload_adapter("alice") == {}
         with pytest.raises(UnknownAdapter, match="not loaded: alice"):
             await engine.generate(ids, GREEDY, adapter="alice")
@@ -121,7 +129,7 @@ async def test_unloading_lets_the_requests_that_hold_an_adapter_finish(engine_ad
             await engine.unload_adapter("alice")
         await engine.load_adapter("alice", str(engine_adapters["alice-v2"][0]), label="8")
         beside = await engine.generate(ids, GREEDY, adapter="alice")
-        finished = await running
+        finished = await last(running)
     finally:
         engine.stop()
     assert finished.versions == ["alice@7"] * 60
@@ -132,20 +140,25 @@ async def test_unloading_lets_the_requests_that_hold_an_adapter_finish(engine_ad
 
 async def test_a_request_waiting_for_an_adapter_that_is_unloaded_fails_alone(engine_adapters, model_and_tokenizer):
     """A request waits for the only slot; its adapter is unloaded meanwhile: once admitted it
-    fails with the reason, and the request that held the slot finishes."""
+    fails with the reason, and the request that held the slot finishes. The engine is paused in
+    place while the waiting request arrives and its adapter goes, so that the slot's holder (a few
+    milliseconds of decoding on the tiny model) cannot finish first."""
     _, tokenizer = model_and_tokenizer
     engine = fresh_engine(max_loras=1)
     ids = prompt(tokenizer, TEXTS[0])
     try:
         for name in ("alice", "bob"):
             await engine.load_adapter(name, str(engine_adapters[name][0]))
-        running = asyncio.ensure_future(engine.generate(ids, SamplingParams(max_new_tokens=40, ignore_eos=True), adapter="alice"))
-        await until(lambda: engine.load()["num_running_reqs"] == 1)
+        running = engine.stream(ids, SamplingParams(max_new_tokens=40, ignore_eos=True), adapter="alice")
+        await anext(running)  # alice's request holds the slot
+        await engine.pause("in_place")
         waiting = asyncio.ensure_future(engine.generate(ids, GREEDY, adapter="bob"))
         await until(lambda: engine.load()["num_waiting_reqs"] == 1)
+        assert engine.load()["num_running_reqs"] == 1
         await engine.unload_adapter("bob")
+        await engine.resume()
         with pytest.raises(RequestFailed, match="its adapter cannot be served: The following requested LoRA adapters are not loaded: bob"):
             await waiting
-        assert len((await running).output_ids) == 40
+        assert len((await last(running)).output_ids) == 40
     finally:
         engine.stop()

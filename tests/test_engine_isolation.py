@@ -75,8 +75,9 @@ async def test_a_request_whose_prefill_fails_fails_alone(engine):
     whose vocabulary can be larger than the model's): an id with no embedding fails its prefill."""
     ids = prompt(engine.tokenizer, "Write some digits.")
     alone = await engine.generate(ids, GOOD)
-    running = asyncio.ensure_future(collect(engine.stream(ids, SamplingParams(max_new_tokens=60, ignore_eos=True))))
-    await until(lambda: engine.load()["num_running_reqs"] == 1)
+    tokens = engine.stream(ids, SamplingParams(max_new_tokens=60, ignore_eos=True))
+    await anext(tokens)  # a token sampled: under way (polling the engine's load can miss a short request)
+    running = asyncio.ensure_future(collect(tokens))
     await engine.pause("in_place")  # the three below are prefilled together first
     try:
         tasks = [asyncio.ensure_future(engine.generate(p, GOOD)) for p in (ids, ids[:-1] + [10**6], ids)]
@@ -93,8 +94,9 @@ async def test_a_bad_newcomer_fails_alone_and_the_running_batch_goes_on(engine):
     ids = prompt(engine.tokenizer, "Give me a long number.")
     long = SamplingParams(max_new_tokens=60, temperature=0.0, ignore_eos=True)
     alone = await engine.generate(ids, long)
-    running = asyncio.ensure_future(collect(engine.stream(ids, long)))
-    await until(lambda: engine.load()["num_running_reqs"] == 1)
+    tokens = engine.stream(ids, long)
+    await anext(tokens)  # under way
+    running = asyncio.ensure_future(collect(tokens))
     with pytest.raises(RuntimeError, match="not finite"):
         await asyncio.wait_for(engine.generate(ids, SamplingParams(**NAN)), WAIT_S)
     items = await asyncio.wait_for(running, WAIT_S)
@@ -119,12 +121,16 @@ async def test_engine_server_answers_a_failed_request_with_an_error_and_serves_t
             httpx.AsyncClient(base_url=url, timeout=WAIT_S) as http:
         alone = (await http.post("/generate", json=body(good_params))).json()
 
+        lines: list[str] = []
+
         async def good_stream() -> list[str]:
             async with http.stream("POST", "/generate", json=body(good_params, stream=True)) as response:
-                return [line async for line in response.aiter_lines()]
+                async for line in response.aiter_lines():
+                    lines.append(line)
+            return lines
 
         streaming = asyncio.ensure_future(good_stream())
-        await until(lambda: engine.load()["num_running_reqs"] == 1)
+        await until(lambda: lines)  # a line streamed: under way
         failed, failed_stream, tiny_p, seeded, reduced = await asyncio.wait_for(asyncio.gather(
             http.post("/generate", json=body(NAN)),
             http.post("/generate", json=body(NAN, stream=True)),
