@@ -212,6 +212,31 @@ async def test_samples_are_kept_from_redelivery_while_their_step_outlasts_the_ac
         await loop.stop()
 
 
+async def test_samples_are_kept_from_redelivery_while_their_trajectories_are_looked_up(bus, nats_url, tmp_path):
+    """Between a fetch and the batcher the trainer looks each sample's trajectory up on the bus:
+    lookups slower than the ack wait (a loaded bus) must not have the samples delivered again."""
+    turns = await sampled_turns(4)
+    overrides = [f"run_dir={tmp_path}", "bus.ack_wait_s=1", "train.batch_size=4"]
+    loop = TrainLoop(load_config(None, overrides), nats_url)
+    await loop.start()
+    resolve = loop.bus.resolve
+
+    async def slow_resolve(record):
+        await asyncio.sleep(2.5)  # two and a half ack waits
+        return await resolve(record)
+
+    loop.bus.resolve = slow_resolve
+    try:
+        for turn in turns:
+            await bus.publish(SAMPLE_SUBJECT, sample_of(turn, 1.0))
+        await until(lambda: (tmp_path / "metrics.jsonl").exists() and lines(tmp_path))
+        await asyncio.sleep(2.5)  # as above: a redelivery would be in by then
+        info = await bus.js.consumer_info("SAMPLES", "train")
+        assert info.delivered.consumer_seq == 4 and loop.counts["duplicates_dropped"] == 0
+    finally:
+        await loop.stop()
+
+
 async def announced_version(bus, version: int) -> bool:
     """Whether the newest weights announcement is `version`."""
     return (await bus.last(WEIGHTS_SUBJECT)).version == version

@@ -91,6 +91,9 @@ class TrainLoop(ConsumerLoop):
         """Deliveries of trained samples, acknowledged at the next checkpoint."""
         self._training: list[Group] = []
         """The groups of the step under way (held too: a step can outlast the ack wait)."""
+        self._arriving: list[Delivery] = []
+        """Samples fetched whose trajectories are being looked up (held too: on a loaded bus the
+        lookups can outlast the ack wait)."""
         self._checkpointed_at = -1
         self.last_metrics: dict[str, Any] = {}
         self._inflight: asyncio.Task | None = None
@@ -140,7 +143,7 @@ class TrainLoop(ConsumerLoop):
             refused.pop_all()  # prepared: `finish` lets go of them
 
     def held(self) -> list[Delivery]:
-        return [*self.batcher.deliveries(), *(d for g in self._training for d in g.deliveries), *self.unacknowledged]
+        return [*self._arriving, *self.batcher.deliveries(), *(d for g in self._training for d in g.deliveries), *self.unacknowledged]
 
     async def _restore(self) -> None:
         """Continue from the newest checkpoint, if any, at a version newer than any published before."""
@@ -228,7 +231,11 @@ class TrainLoop(ConsumerLoop):
                 deliveries.append(delivery)
             else:
                 await self._refuse(delivery)
-        found = await asyncio.gather(*(self.bus.resolve(d.record) for d in deliveries), return_exceptions=True)
+        self._arriving = deliveries
+        try:
+            found = await asyncio.gather(*(self.bus.resolve(d.record) for d in deliveries), return_exceptions=True)
+        finally:
+            self._arriving = []
         ready = []
         for delivery, outcome in zip(deliveries, found):
             if outcome is True and not delivery.record.trajectory.consent:
