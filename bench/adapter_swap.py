@@ -11,7 +11,10 @@ What it measures (SmolLM2-135M float32 unless told, rank-8 all-linear random PEF
     the longest gap between two tokens of any stream while a load was under way (from its call
     to its return, and 0.1 s after), against the longest gap over the same stretch of a run
     with no load (target <= 50 ms more), and the load's own time. The two runs alternate
-    `--repeats` times.
+    `--repeats` times. `--engine vllm`: the same against vLLM's CPU build as Flywheel runs it
+    (`adapters.kind: lora`, `bench/adapter_common.start_vllm`), through Flywheel's client
+    (`VLLMEngineClient`: each version loaded under a name of its own, `/v1/load_lora_adapter`;
+    the streams on SGLang's protocol, `/inference/v1/generate`); the swap stall only.
 
     scale: N (1,000) adapters on disk under the engine's adapter root (`serve.lora_root`), with
     `max_loras` 8 and then 32:
@@ -29,15 +32,16 @@ What it measures (SmolLM2-135M float32 unless told, rank-8 all-linear random PEF
 How to run (from the repository root)
     .venv/bin/python bench/adapter_swap.py
     options: --model M --streams C --tokens T --swaps K --repeats R --adapters N
-             --max-loras 8,32 --duration D --no-scale
+             --max-loras 8,32 --duration D --no-scale --engine embedded|vllm
 
-    Writes bench/results/adapter_swap_<model>.json.
+    Writes bench/results/adapter_swap_<model>.json (`--engine vllm`: ..._vllm.json).
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import itertools
 import os
 import random
 import sys
@@ -49,7 +53,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # `python bench
 
 import psutil
 
-from bench.adapter_common import embedded_engine, write_adapters
+from bench.adapter_common import embedded_engine, start_vllm, write_adapters
 from bench.lib.common import (
     CpuWatch,
     machine,
@@ -74,6 +78,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--max-loras", default="8,32")
     p.add_argument("--duration", type=float, default=20.0)
     p.add_argument("--no-scale", action="store_true")
+    p.add_argument("--engine", choices=("embedded", "vllm"), default="embedded")
     args = p.parse_args()
     args.max_loras = [int(n) for n in args.max_loras.split(",")]
     return args
@@ -86,6 +91,8 @@ async def stream(engine, ids: list[int], n: int, seed: int, adapter: str | None,
     rec = rec if rec is not None else new_record(adapter or "base")
     params = SamplingParams(max_new_tokens=n, temperature=1.0, ignore_eos=True, sampling_seed=seed)
     try:
+        if hasattr(engine, "generate_stream"):  # a client of an engine server (SGLang's protocol)
+            return await _served_stream(engine, ids, params, adapter, rec)
         async for item in engine.stream(ids, params, adapter=adapter):
             if isinstance(item, TokenDelta):
                 rec["chunks"].append(time.monotonic())
@@ -96,14 +103,28 @@ async def stream(engine, ids: list[int], n: int, seed: int, adapter: str | None,
     return rec
 
 
+async def _served_stream(client, ids: list[int], params, adapter: str | None, rec: dict) -> dict:
+    body = {"input_ids": ids, "sampling_params": {"max_new_tokens": params.max_new_tokens, "temperature": 1.0,
+                                                  "ignore_eos": True, "sampling_seed": params.sampling_seed}}
+    if adapter is not None:
+        body["lora_path"] = adapter
+    tokens = 0
+    async for chunk in client.generate_stream(body):
+        if chunk["output_ids"]:
+            rec["chunks"].append(time.monotonic())
+            tokens += len(chunk["output_ids"])
+    rec["tokens"], rec["t_finish"] = tokens, time.monotonic()
+    return rec
+
+
 def max_gap(records: list[dict], start: float, end: float) -> float:
     """The longest gap between two tokens of a stream that ends inside [start, end]."""
     gaps = [b - a for rec in records for a, b in zip(rec["chunks"], rec["chunks"][1:]) if start <= b <= end]
     return max(gaps, default=0.0)
 
 
-async def swap_run(engine, prompts, args, versions: list[Path] | None) -> dict:
-    """C streams; with `versions`, alice's versions loaded K times meanwhile."""
+async def swap_run(engine, prompts, args, load=None) -> dict:
+    """C streams; with `load` (k -> a coroutine loading alice's next version), K loads meanwhile."""
     await wait_quiet_async(max_wait_s=20)
     t0 = time.monotonic()
     records = [new_record("stream") for _ in prompts]
@@ -115,8 +136,8 @@ async def swap_run(engine, prompts, args, versions: list[Path] | None) -> dict:
     windows = []
     for k in range(args.swaps):
         started = time.monotonic()
-        if versions:
-            await engine.load_adapter("alice", str(versions[k % 2]))
+        if load:
+            await load(k)
         else:
             await asyncio.sleep(0.005)  # the no-load run's stand-in for a load's stretch
         windows.append((started, time.monotonic()))
@@ -124,25 +145,43 @@ async def swap_run(engine, prompts, args, versions: list[Path] | None) -> dict:
     await asyncio.gather(*tasks)
     assert not any(r["error"] for r in records), [r["error"] for r in records if r["error"]]
     span = (windows[0][0], windows[-1][1] + 0.1)
-    return {"loads_ms": [round((b - a) * 1000, 1) for a, b in windows] if versions else None,
+    return {"loads_ms": [round((b - a) * 1000, 1) for a, b in windows] if load else None,
             "max_gap_during_loads_ms": round(max(max_gap(records, a, b + 0.1) for a, b in windows) * 1000, 1),
             "max_gap_over_span_ms": round(max_gap(records, *span) * 1000, 1), "wall_s": round(time.monotonic() - t0, 2)}
 
 
 async def swap_phase(args, workdir: Path, model, prompts) -> dict:
     versions = list(write_adapters(workdir / "swap", model, ["alice", "alice-next"], 8, seed=100).values())
-    engine = await asyncio.to_thread(embedded_engine, args.model, args.streams, 8, workdir / "swap")
+    if args.engine == "vllm":
+        from flywheel.serve.backends.vllm import VLLMEngineClient
+
+        server = await asyncio.to_thread(start_vllm, args.model, workdir / "vllm", args.streams, 4, 8)
+        engine = await VLLMEngineClient(server.url).connect()
+        await engine.load_adapter("alice", str(versions[1]), 1)
+        numbers = itertools.count(2)  # each version loaded under a name of its own: alice@v2, alice@v3, ...
+
+        async def load(k: int) -> None:
+            await engine.load_adapter("alice", str(versions[k % 2]), next(numbers))
+    else:
+        engine = await asyncio.to_thread(embedded_engine, args.model, args.streams, 8, workdir / "swap")
+
+        async def load(k: int) -> None:
+            await engine.load_adapter("alice", str(versions[k % 2]))
     runs = {"load": [], "none": []}
     try:
-        await swap_run(engine, prompts, _short(args), versions)  # warm-up
+        await swap_run(engine, prompts, _short(args), load)  # warm-up
         for _ in range(args.repeats):
             for kind in ("none", "load"):
-                run = await swap_run(engine, prompts, args, versions if kind == "load" else None)
+                run = await swap_run(engine, prompts, args, load if kind == "load" else None)
                 runs[kind].append(run)
                 print(f"  swap {kind}: max gap {run['max_gap_during_loads_ms']} ms (span {run['max_gap_over_span_ms']}), "
                       f"loads {run['loads_ms']}", flush=True)
     finally:
-        engine.stop()
+        if args.engine == "vllm":
+            await engine.close()
+            await asyncio.to_thread(server.stop)
+        else:
+            engine.stop()
     worst = {kind: max(r["max_gap_during_loads_ms"] for r in rs) for kind, rs in runs.items()}
     return {"runs": runs, "worst_gap_ms": worst, "stall_added_ms": round(worst["load"] - worst["none"], 1)}
 
@@ -238,12 +277,12 @@ async def main() -> None:
     result: dict = {"machine": machine(None), "args": vars(args)}
     with tempfile.TemporaryDirectory(prefix="adapter-swap-") as tmp:
         result["swap"] = await swap_phase(args, Path(tmp), model, prompts[:args.streams])
-        if not args.no_scale:
+        if not args.no_scale and args.engine == "embedded":
             result["scale"] = await scale_phase(args, Path(tmp), model, prompts)
     swap = result["swap"]
     print(table(["", "worst gap during loads (ms)"], [[kind, gap] for kind, gap in swap["worst_gap_ms"].items()]))
     print("stall added by a load:", swap["stall_added_ms"], "ms")
-    print("wrote", write_result(f"adapter_swap_{args.model}", result))
+    print("wrote", write_result(f"adapter_swap_{args.model}" + ("_vllm" if args.engine == "vllm" else ""), result))
 
 
 if __name__ == "__main__":

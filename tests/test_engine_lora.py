@@ -299,3 +299,22 @@ def test_an_adapter_whose_weights_are_not_finite_is_refused(engine_adapters, tmp
         save_file(tensors, tmp_path / matrix / "adapter_model.safetensors")
         with pytest.raises(AdapterError, match="up_proj's weights are not all finite"):
             read_adapter(tmp_path / matrix)
+
+
+def test_a_slot_written_again_holds_only_its_new_adapter(model_and_tokenizer):
+    """An adapter of lower rank on fewer layers written over another leaves nothing of it: the
+    slot's stacks equal those of a table that only ever held the new one."""
+    model, _ = model_and_tokenizer
+    torch.manual_seed(0)
+    wide = {name: (torch.randn(16, layer.in_features), torch.randn(layer.out_features, 16))
+            for name, layer in AdapterTable(model, slots=1).layers.items()}
+    q = "model.layers.0.self_attn.q_proj"
+    narrow = {q: (torch.randn(4, wide[q][0].shape[1]), torch.randn(wide[q][1].shape[0], 4))}
+    table, fresh = AdapterTable(model, slots=2), AdapterTable(model, slots=2)
+    table.write(1, LoraAdapter(Path("wide"), wide))
+    table.write(1, LoraAdapter(Path("narrow"), narrow))
+    fresh.write(1, LoraAdapter(Path("wide"), wide))  # the same stacks and rank, slot 1 never written twice
+    fresh.write(2, LoraAdapter(Path("narrow"), narrow))
+    for layer, stacks in table.low_rank.items():
+        assert torch.equal(stacks.a[1], fresh.low_rank[layer].a[2]) and torch.equal(stacks.b[1], fresh.low_rank[layer].b[2])
+    assert table.low_rank[table.layers[q]].a[1].abs().sum() > 0

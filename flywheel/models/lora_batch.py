@@ -141,14 +141,20 @@ class AdapterTable:
         if not 1 <= slot <= self.slots:
             raise ValueError(f"slot {slot} is not in 1..{self.slots}")
         self._fit(adapter.rank)
-        for stacks in self.low_rank.values():
-            stacks.a[slot] = 0
-            stacks.b[slot] = 0
-        for name, (a, b) in adapter.layers.items():
-            stacks = self.low_rank.get(self.layers[name]) or self._allocate(self.layers[name])
-            rank = a.shape[0]
-            stacks.a[slot, :, :rank] = a.T.to(self.dtype)
-            stacks.b[slot, :rank] = b.T.to(self.dtype)
+        adapted = {self.layers[name]: pair for name, pair in adapter.layers.items()}
+        for layer in adapted:
+            if layer not in self.low_rank:  # a layer's first adapter
+                self.generation += 1
+                self.low_rank[layer] = self._zeros(layer, self.rank)
+        for layer, stacks in self.low_rank.items():  # on the engine's thread between two steps: few ops
+            a, b = adapted.get(layer, (None, None))
+            rank = 0 if a is None else a.shape[0]
+            if rank:
+                stacks.a[slot, :, :rank] = a.T.to(self.dtype)
+                stacks.b[slot, :rank] = b.T.to(self.dtype)
+            if rank < self.rank:
+                stacks.a[slot, :, rank:] = 0
+                stacks.b[slot, rank:] = 0
 
     def rows(self, slots: Sequence[int]) -> Rows | None:
         """One forward's rows, row i of which uses `slots[i]`; None when none uses an adapter."""
@@ -174,11 +180,6 @@ class AdapterTable:
             new.a[:, :, :self.rank] = old.a
             new.b[:, :self.rank] = old.b
         self.rank = rank
-
-    def _allocate(self, layer: torch.nn.Linear) -> LowRank:
-        self.generation += 1
-        stacks = self.low_rank[layer] = self._zeros(layer, self.rank)
-        return stacks
 
     def _zeros(self, layer: torch.nn.Linear, rank: int) -> LowRank:
         like = dict(dtype=self.dtype, device=self.device)
