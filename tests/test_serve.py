@@ -39,6 +39,25 @@ async def test_a_server_starting_forces_no_collection_of_the_whole_process(nats_
     assert gc.get_freeze_count() == 0  # what it froze may be collected again
 
 
+async def test_a_port_in_use_is_a_config_error_and_the_process_goes_on(nats_url, tmp_path):
+    """uvicorn exits (SystemExit) when it cannot listen: the server says which setting, stops what
+    it started, and the event loop it ran in goes on (the SystemExit had stopped the tests' loop:
+    every later test of that worker failed)."""
+    from flywheel.config import ConfigError
+
+    taken = await asyncio.start_server(lambda reader, writer: None, "127.0.0.1", 0)
+    port = taken.sockets[0].getsockname()[1]
+    try:
+        loop = ServeLoop(load_config(None, [f"run_dir={tmp_path}", f"serve.port={port}"]), nats_url)
+        with pytest.raises(ConfigError, match=f"serve.port.*{port}"):
+            await loop.start()
+        assert [t for t in asyncio.all_tasks() if t is not asyncio.current_task() and not t.done()
+                and t.get_name() in ("recorder", "http", "tenants", "forget")] == []
+        await asyncio.sleep(0)  # the loop still runs
+    finally:
+        taken.close()
+
+
 async def test_chat_completion_is_recorded_with_exact_tokens(served, client, bus):
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Write some digits."}]
     reply = await client.chat.completions.create(

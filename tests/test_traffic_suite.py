@@ -50,7 +50,7 @@ async def record(url: str, session: str, *user_messages: str, side: bool = False
 
 async def gateway(nats_url: str, tmp_path) -> ServeLoop:
     """A policy gateway (no promotion) whose traffic is recorded on the bus."""
-    server = ServeLoop(load_config(None, [f"run_dir={tmp_path / 'traffic'}", "rollout.enabled=false"]), nats_url)
+    server = ServeLoop(load_config(None, [f"run_dir={tmp_path / 'traffic'}", "serve.port=0", "rollout.enabled=false"]), nats_url)
     await server.start()
     return server
 

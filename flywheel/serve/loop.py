@@ -150,7 +150,7 @@ class ServeLoop:
             self.app, host=cfg.host, port=cfg.port, log_level="warning", lifespan="off",
             timeout_graceful_shutdown=cfg.shutdown_grace_s, timeout_keep_alive=cfg.keep_alive_s,
         ))
-        self._http = asyncio.create_task(self._server.serve(), name="http")
+        self._http = asyncio.create_task(self._serve(), name="http")
         self._tasks = [asyncio.create_task(self.recorder.run(), name="recorder"), self._http,
                        asyncio.create_task(repeat(self._follow_tenants, "flywheel.serve.tenants"), name="tenants"),
                        asyncio.create_task(repeat(self._follow_forgetting, "flywheel.serve.forget"), name="forget")]
@@ -163,8 +163,9 @@ class ServeLoop:
             # a judge's weights do not move; the gate's move when it says; users' own adapters as announced
             self._tasks.append(asyncio.create_task(repeat(self._follow_weights, "serve.weights"), name="weights"))
         while not self._server.started:
-            if self._http.done():
-                self._http.result()  # raises the reason it could not start
+            if self._http.done():  # it could not start: what did stopped, then the reason raised
+                await self.stop()
+                self._http.result()
             await asyncio.sleep(0.01)
         port = self._server.servers[0].sockets[0].getsockname()[1]
         self.url = f"http://{cfg.host}:{port}"
@@ -172,6 +173,16 @@ class ServeLoop:
         write_address(self.config.run_dir, address, self.url)
         log.info("serving %s at %s", self.model_name, self.url)
         return self.url
+
+    async def _serve(self) -> None:
+        """uvicorn's server, whose failure to listen (it logs why and exits) raises a `ConfigError`:
+        a SystemExit raised in a task stops the whole event loop it runs in."""
+        try:
+            await self._server.serve()
+        except SystemExit as exc:
+            cfg = self.config.serve
+            raise ConfigError(f"serve.host, serve.port: cannot listen on {cfg.host}:{cfg.port}: "
+                              f"{exc.__context__ or 'see the log'}") from None
 
     def _adapter_routing(self) -> AdapterRouting:
         """Adapters answer a policy server's requests; a judge or eval server's are the bare
