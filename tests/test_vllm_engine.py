@@ -340,7 +340,10 @@ async def test_hot_swaps_under_load_fail_nothing_and_label_every_token(platform,
         await until(lambda: received.get(session, 0) >= 2 or probe.done(), poll_s=0.005)
         resets.setdefault(mode, cache_resets(serve.vllm_server))
         modes[version] = serve.config.serve.swap_mode = mode
-        await platform.bus.publish(WEIGHTS_SUBJECT, WeightUpdate(id=f"w{version}", version=version, path=str(path), step=version))
+        # The claim is the swap's, not the bus's speed: in a fresh clone's suite (two cores, three
+        # workers, vLLM here) JetStream's ack of this announcement took more than the default 10 s.
+        await platform.bus.publish(WEIGHTS_SUBJECT, WeightUpdate(id=f"w{version}", version=version, path=str(path), step=version),
+                                   timeout_s=120)
         await until(lambda: serve.stats()["swaps"] >= version)
         await probe
         return session
