@@ -95,13 +95,17 @@ async def timed_batch(engine: Any, prompts: list[list[int]], adapters: list[str 
     return {"tokens": tokens, "wall_s": round(wall, 3), "tok_s": round(tokens / wall, 1), "foreign_cores": noise["foreign_cores"]}
 
 
+def served_body(ids: list[int], adapter: str | None, n: int, seed: int) -> dict[str, Any]:
+    """A request on SGLang's protocol (an engine server's client): `n` tokens exactly, temperature
+    1, seeded, on `adapter` (`lora_path`) or the base."""
+    body = {"input_ids": ids, "sampling_params": {"max_new_tokens": n, "temperature": 1.0, "ignore_eos": True,
+                                                  "sampling_seed": seed}}
+    return body if adapter is None else body | {"lora_path": adapter}
+
+
 async def _one(engine: Any, ids: list[int], adapter: str | None, n: int, seed: int) -> int:
     if hasattr(engine, "generate_stream"):  # a client of an engine server (SGLang's protocol)
-        body = {"input_ids": ids, "sampling_params": {"max_new_tokens": n, "temperature": 1.0, "ignore_eos": True,
-                                                      "sampling_seed": seed}}
-        if adapter is not None:
-            body["lora_path"] = adapter
-        return len((await engine.generate(body))["output_ids"])
+        return len((await engine.generate(served_body(ids, adapter, n, seed)))["output_ids"])
     from flywheel.serve.engine import SamplingParams
 
     params = SamplingParams(max_new_tokens=n, temperature=1.0, ignore_eos=True, sampling_seed=seed)

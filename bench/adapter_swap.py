@@ -53,7 +53,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # `python bench
 
 import psutil
 
-from bench.adapter_common import embedded_engine, start_vllm, write_adapters
+from bench.adapter_common import embedded_engine, served_body, start_vllm, write_adapters
 from bench.lib.common import (
     CpuWatch,
     machine,
@@ -104,12 +104,8 @@ async def stream(engine, ids: list[int], n: int, seed: int, adapter: str | None,
 
 
 async def _served_stream(client, ids: list[int], params, adapter: str | None, rec: dict) -> dict:
-    body = {"input_ids": ids, "sampling_params": {"max_new_tokens": params.max_new_tokens, "temperature": 1.0,
-                                                  "ignore_eos": True, "sampling_seed": params.sampling_seed}}
-    if adapter is not None:
-        body["lora_path"] = adapter
     tokens = 0
-    async for chunk in client.generate_stream(body):
+    async for chunk in client.generate_stream(served_body(ids, adapter, params.max_new_tokens, params.sampling_seed)):
         if chunk["output_ids"]:
             rec["chunks"].append(time.monotonic())
             tokens += len(chunk["output_ids"])

@@ -87,19 +87,16 @@ def engine_adapters(tmp_path_factory):
     return random_adapters(tmp_path_factory.mktemp("adapters"), ADAPTERS)
 
 
-RAY_CLUSTERS = ("test_deploy.py", "test_deploy_gate.py", "test_deploy_loop.py", "test_episodes.py", "test_ray_cluster.py")
-"""The files whose tests start Ray clusters of their own (`flywheel up`, `ray_session`, `ray start`)."""
-
-
 @pytest.hookimpl(tryfirst=True)  # before xdist's own, which reads the groups
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """Groups for `make test`'s `--dist loadgroup`: each file whole in one worker, as `loadfile`
-    would, but the files that start Ray clusters one group, run one after another. Side by side
-    on two cores, three Ray clusters and their loops left a raylet unregistered past Ray's fixed
-    30 s (`flywheel up` then fails to start: "The current node timed out during startup")."""
+    would, but for a file that names its group. The files that start Ray clusters of their own
+    (`flywheel up`, `ray_session`, `ray start`) name one, "ray-clusters", and so run one after
+    another: side by side on two cores, three Ray clusters and their loops left a raylet
+    unregistered past Ray's fixed 30 s ("The current node timed out during startup")."""
     for item in items:
-        name = item.path.name
-        item.add_marker(pytest.mark.xdist_group("ray-clusters" if name in RAY_CLUSTERS else name))
+        if item.get_closest_marker("xdist_group") is None:
+            item.add_marker(pytest.mark.xdist_group(item.path.name))
 
 
 @pytest.fixture(scope="session")
