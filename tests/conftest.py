@@ -87,16 +87,14 @@ def engine_adapters(tmp_path_factory):
     return random_adapters(tmp_path_factory.mktemp("adapters"), ADAPTERS)
 
 
-@pytest.hookimpl(tryfirst=True)  # before xdist's own, which reads the groups
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """Groups for `make test`'s `--dist loadgroup`: each file whole in one worker, as `loadfile`
-    would, but for a file that names its group. The files that start Ray clusters of their own
-    (`flywheel up`, `ray_session`, `ray start`) name one, "ray-clusters", and so run one after
-    another: side by side on two cores, three Ray clusters and their loops left a raylet
-    unregistered past Ray's fixed 30 s ("The current node timed out during startup")."""
-    for item in items:
-        if item.get_closest_marker("xdist_group") is None:
-            item.add_marker(pytest.mark.xdist_group(item.path.name))
+def pytest_xdist_make_scheduler(config, log):
+    """`--dist loadfile` (as `make test` runs) keeps the files that start Ray clusters in one
+    worker, one after another (`file_groups.py`); other modes are xdist's own."""
+    if config.getvalue("dist") != "loadfile":
+        return None
+    from file_groups import FileGroupScheduling
+
+    return FileGroupScheduling(config, log)
 
 
 @pytest.fixture(scope="session")

@@ -26,8 +26,6 @@ from flywheel.train.run_lock import RunLock
 
 from waiting import until_sync
 
-pytestmark = pytest.mark.xdist_group("ray-clusters")  # starts Ray clusters: one file at a time (conftest.py)
-
 
 def running(process: psutil.Process) -> bool:
     """Whether `process` still runs: a zombie has exited (orphaned, it waits for this machine's init

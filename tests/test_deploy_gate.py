@@ -2,16 +2,12 @@
 
 import asyncio
 
-import pytest
-
 from flywheel.bus import Bus
 from flywheel.config import load_config
 from flywheel.deploy.deployment import Deployment
 from flywheel.versions.registry import Registry
 
 from waiting import until_sync
-
-pytestmark = pytest.mark.xdist_group("ray-clusters")  # starts Ray clusters: one file at a time (conftest.py)
 
 ETA = 2
 

@@ -16,8 +16,6 @@ from flywheel.deploy.deployment import Deployment
 
 from waiting import until, until_sync
 
-pytestmark = pytest.mark.xdist_group("ray-clusters")  # starts Ray clusters: one file at a time (conftest.py)
-
 ETA = 2
 LEARN_S = 480
 """How long the loop may take to learn: 190 s on a quiet host, 295 s on a loaded one (two fresh clones, 2026-11-30)."""

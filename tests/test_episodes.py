@@ -7,8 +7,6 @@ import os
 import random
 import signal
 
-import pytest
-
 from flywheel.envs import make_env
 from flywheel.envs.base import RETRY
 from flywheel.rollout.env_pool import LocalRunner, RayEnvPool
@@ -16,8 +14,6 @@ from flywheel.rollout.env_pool import LocalRunner, RayEnvPool
 from bus_reading import collected, recorded_turns
 from factories import assert_segment_is_exact, freeze, platform
 from waiting import until
-
-pytestmark = pytest.mark.xdist_group("ray-clusters")  # starts Ray clusters: one file at a time (conftest.py)
 
 ARITHMETIC = ["rollout.env=arithmetic", "rollout.env_args={max_operand: 20, attempts: 3}", "rollout.sampling.max_new_tokens=8"]
 

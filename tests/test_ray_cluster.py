@@ -11,8 +11,6 @@ import sys
 import psutil
 import pytest
 
-pytestmark = pytest.mark.xdist_group("ray-clusters")  # starts Ray clusters: one file at a time (conftest.py)
-
 DRILL_LIMIT_S = 600
 """Far beyond the drill's 40-90 s alone (100-215 s in fresh clones' suites; near a suite's end, three
 Ray clusters on two cores, Ray's own calls took 11-20 s, the nodes more than 60 s to join and the
