@@ -4,6 +4,7 @@ groups per step, every sample trained once (across restarts too), and a PPO clip
 
 import asyncio
 import json
+import time
 from collections import Counter
 
 import msgspec
@@ -191,23 +192,31 @@ async def test_a_restart_behind_published_versions_announces_a_newer_one(bus, na
 
 async def test_samples_are_kept_from_redelivery_while_their_step_outlasts_the_ack_wait(bus, nats_url, tmp_path):
     """A step slower than the ack wait (SmolLM2's take ~35 s against 30 s) must not have its
-    samples delivered again meanwhile."""
+    samples delivered again meanwhile. A burst of 240 samples, and a step made two and a half
+    ack waits slower than it is: with the step's own time against a 1 s ack wait, two fresh
+    clones on a loaded host saw 227 of the 240 delivered again (cause not found; odd things 14, 16)."""
     [turn] = await sampled_turns(1)
     samples = [sample_of(msgspec.structs.replace(turn, session_id=f"s{i}"), float(i % 2)) for i in range(240)]
-    overrides = [f"run_dir={tmp_path}", "bus.ack_wait_s=1", "train.batch_size=240", "train.micro_batch_tokens=16"]
+    overrides = [f"run_dir={tmp_path}", "bus.ack_wait_s=2", "train.batch_size=240", "train.micro_batch_tokens=16"]
     loop = TrainLoop(load_config(None, overrides), nats_url)
     await loop.start()
+    train = loop._train
+
+    def slow_train(groups):
+        time.sleep(5.0)
+        return train(groups)
+
+    loop._train = slow_train
     try:
         for sample in samples:
             await bus.publish(SAMPLE_SUBJECT, sample)
         # The step's metrics line, not its count: the count goes up inside the step, the line after it.
         await until(lambda: (tmp_path / "metrics.jsonl").exists() and lines(tmp_path))
-        assert lines(tmp_path)[0]["step_s"] > 1.2  # the step did outlast the 1 s ack wait
         # A sleep, not a wait: that nothing comes is the claim. Two more ack waits, the loop
         # fetching all along: a redelivery would be in by then.
-        await asyncio.sleep(2.5)
+        await asyncio.sleep(4.5)
         info = await bus.js.consumer_info("SAMPLES", "train")
-        assert info.delivered.consumer_seq == 240 and loop.counts["duplicates_dropped"] == 0
+        assert (info.delivered.consumer_seq, loop.counts["duplicates_dropped"]) == (240, 0), (info, lines(tmp_path))
     finally:
         await loop.stop()
 
