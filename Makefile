@@ -18,7 +18,7 @@ ENGINE ?=
 # them (a file's shared fixtures, such as its one vLLM server, stay shared); on 2 cores, 2 took
 # 8.3 minutes against 16.6 in one process; from fresh clones now, 3 took 13:34 and 14:55 against
 # 17:44 for 2: many tests wait on servers and processes (docs/experiments/odd-things.md, 11).
-# The files that start Ray clusters run one after another, in one worker (tests/file_groups.py).
+# The files that start Ray clusters run in two groups, each in one worker (tests/file_groups.py).
 # 0: in this process.
 TEST_WORKERS ?= 3
 

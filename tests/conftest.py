@@ -88,8 +88,8 @@ def engine_adapters(tmp_path_factory):
 
 
 def pytest_xdist_make_scheduler(config, log):
-    """`--dist loadfile` (as `make test` runs) keeps the files that start Ray clusters in one
-    worker, one after another (`file_groups.py`); other modes are xdist's own."""
+    """`--dist loadfile` (as `make test` runs) keeps each group of the files that start Ray
+    clusters in one worker, one after another (`file_groups.py`); other modes are xdist's own."""
     if config.getvalue("dist") != "loadfile":
         return None
     from file_groups import FileGroupScheduling

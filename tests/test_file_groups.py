@@ -1,6 +1,6 @@
-"""`make test`'s workers: each test file whole in one worker, and the files that start Ray
-clusters together in one (`file_groups.py`), checked on the suite's own files by xdist run as
-`make test` runs it, with a plugin that records each test's worker and runs none of them."""
+"""`make test`'s workers: each test file whole in one worker, and each group of the files that
+start Ray clusters whole in one (`file_groups.py`), checked on the suite's own files by xdist
+run as `make test` runs it, with a plugin that records each test's worker and runs none."""
 
 import os
 import re
@@ -33,12 +33,12 @@ def make_test_dist() -> str:
     return re.search(r"pytest -n \S+ --dist (\w+)", (HERE.parent / "Makefile").read_text()).group(1)
 
 
-def test_make_test_keeps_a_files_tests_in_one_worker_and_the_ray_files_in_one(tmp_path):
+def test_make_test_keeps_a_files_tests_in_one_worker_and_a_group_of_ray_files_in_one(tmp_path):
     (tmp_path / "record_worker.py").write_text(RECORD)
     where = tmp_path / "where.txt"
-    files = [*sorted(RAY_CLUSTERS), "test_sft.py", "test_envs.py"]
+    files = [*sorted(RAY_CLUSTERS), "test_sft.py"]
     env = {**os.environ, "WHERE": str(where), "PYTHONPATH": str(tmp_path)}
-    run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-n", "3", "--dist", make_test_dist(),
+    run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-n", "2", "--dist", make_test_dist(),
                           "-p", "record_worker", "-p", "no:cacheprovider", *(f"tests/{f}" for f in files)],
                          cwd=HERE.parent, env=env, capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
@@ -48,4 +48,5 @@ def test_make_test_keeps_a_files_tests_in_one_worker_and_the_ray_files_in_one(tm
         workers[Path(nodeid.split("::")[0]).name].add(worker)
     assert set(workers) == set(files)
     assert all(len(held) == 1 for held in workers.values()), dict(workers)
-    assert len({worker for name in RAY_CLUSTERS for worker in workers[name]}) == 1, dict(workers)
+    for group in set(RAY_CLUSTERS.values()):
+        assert len({w for name, g in RAY_CLUSTERS.items() if g == group for w in workers[name]}) == 1, dict(workers)
