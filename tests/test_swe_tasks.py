@@ -22,6 +22,7 @@ from flywheel.envs.swe import TINY_TASKS, SweTask, grade, load_tasks, materializ
 from flywheel.envs.swe.mutate import find_sites, mutate, sample_sites
 from flywheel.envs.swe.testenv import default_backend
 from flywheel.envs.swe.testpaths import without_test_changes
+from waiting import until_sync
 
 ROOT = Path(__file__).resolve().parent.parent
 SLOT = 800  # slots of their own (uid 10800+): other tests sandbox 0, 1, ... and 700+
@@ -91,6 +92,26 @@ def test_grading_rewards_the_gold_patch_and_nothing_else(tasks, backend):
     assert wrong.reward == 0.0 and not wrong.details["applied"] and "does not apply" in wrong.details["reason"]
     assert grade(task, "not a diff\n", backend, SLOT).reward == 0.0
 
+
+
+def test_a_grading_killed_mid_run_leaves_nothing_past_its_slots_next_grading(tasks, backend, tmp_path, monkeypatch):
+    """A run's env workers are killed when it ends, some mid-grading: what such a grading leaves
+    goes with the slot's next one, instead of piling up (a copy per killed grading)."""
+    work = tmp_path / "work"
+    monkeypatch.setenv("FLYWHEEL_SANDBOX_WORK", str(work))
+    task, slot = _easy(tasks), SLOT + 2
+    script = ("import sys; from flywheel.envs.swe import TINY_TASKS, grade, load_tasks; "
+              "task = next(t for t in load_tasks(TINY_TASKS) if t.instance_id == sys.argv[1]); "
+              "grade(task, task.patch, None, int(sys.argv[2]))")
+    doomed = subprocess.Popen([sys.executable, "-c", script, task.instance_id, str(slot)], cwd=ROOT)
+    try:
+        until_sync(lambda: any(work.glob("*/.git")))  # its copy of the repository is made
+    finally:
+        doomed.kill()
+        doomed.wait()
+    assert any(work.iterdir())
+    assert grade(task, task.patch, backend, slot).reward == 1.0
+    assert list(work.iterdir()) == []
 
 CHEAT = '''import pytest
 
