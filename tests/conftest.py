@@ -3,7 +3,7 @@ tests' PEFT adapters of it, serve loops (one per test in the test's event loop, 
 on a thread of its own), an engine behind HTTP, and a `tiny` taught to call a tool. What they are
 built from, and every other helper tests share, is in `factories.py` (reading the bus:
 `bus_reading.py`; PEFT adapters: `peft_adapters.py`; the engine's adapter tests:
-`engine_adapters.py`).
+`engine_adapters.py`). How `make test`'s workers share the files: `file_groups.py`.
 
 Property-based tests (the fuzzers) draw the same examples on every run (hypothesis's
 `derandomize`), so the suite passes or fails the same way each time. To search for new failures,
