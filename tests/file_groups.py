@@ -4,7 +4,7 @@ whole in one worker, its files one after another: so at most two Ray clusters ru
 by side on two cores, three Ray clusters and their loops left a raylet unregistered past Ray's
 fixed 30 s ("The current node timed out during startup"). One group (about ten minutes of
 tests) left the two other workers the rest: the one fresh clone so took 916 s against 775 an
-hour before without (odd things 15).
+hour before without, the host's drift not told apart (odd things 15).
 
 xdist's own `--dist loadgroup` would say this with `xdist_group` marks, but it carries the group
 by rewriting each test's node id, which pytest 9.2 no longer lets it do (pytest-xdist#1386): the
@@ -24,7 +24,7 @@ RAY_CLUSTERS = {"test_deploy_loop.py": "ray-clusters-1", "test_deploy_gate.py": 
                 "test_deploy.py": "ray-clusters-2", "test_episodes.py": "ray-clusters-2",
                 "test_ray_cluster.py": "ray-clusters-2"}
 """The files whose tests start Ray clusters (`flywheel up`, `ray_session`, `ray start`), and
-their group: two of about five minutes each on a fresh clone."""
+their group: two of about five minutes each (one fresh clone's test durations)."""
 
 
 class FileGroupScheduling(LoadScopeScheduling):

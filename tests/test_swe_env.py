@@ -65,6 +65,23 @@ def test_a_scripted_fix_resolves_the_task_and_doing_nothing_does_not(swe):
     assert grade.reward == 0.0 and not grade.details["resolved"] and not any(grade.details["FAIL_TO_PASS"].values())
 
 
+def test_slots_numbered_alike_under_two_uid_bases_keep_their_episodes_apart(monkeypatch):
+    """Two test workers (or rollout processes) both number their slots from 0: their uid bases
+    keep their sandboxes apart, and so must they keep their episodes' working copies (an episode
+    empties its slot's copy first)."""
+    episodes = []
+    try:
+        for base in (40000, 50000):
+            monkeypatch.setenv("FLYWHEEL_SANDBOX_UID_BASE", str(base))
+            env = make_env("swe", {"difficulty": ["easy"]})
+            episodes.append(env.open(env.reset(random.Random(3)), slot=2))
+        first, second = episodes
+        assert first.workdir != second.workdir
+        assert "<returncode>0</returncode>" in first.step(bash("git status --short | wc -l")).messages[0]["content"]
+    finally:
+        for episode in episodes:
+            episode.close()
+
 async def test_an_episode_through_the_endpoint_is_one_trajectory_graded_by_the_tests(nats_url, tmp_path, bus, swe):
     overrides = ["rollout.env=swe", "rollout.episode.max_turns=3", "rollout.sampling.max_new_tokens=16"]
     async with platform(nats_url, tmp_path, *overrides) as (serve, collect, _):

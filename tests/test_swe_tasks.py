@@ -10,7 +10,9 @@ sandboxes; bwrap missing is a failure here, as in test_sandbox.py.
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -93,7 +95,6 @@ def test_grading_rewards_the_gold_patch_and_nothing_else(tasks, backend):
     assert grade(task, "not a diff\n", backend, SLOT).reward == 0.0
 
 
-
 def test_a_grading_killed_mid_run_leaves_nothing_past_its_slots_next_grading(tasks, backend, tmp_path, monkeypatch):
     """A run's env workers are killed when it ends, some mid-grading: what such a grading leaves
     goes with the slot's next one, instead of piling up (a copy per killed grading)."""
@@ -103,15 +104,17 @@ def test_a_grading_killed_mid_run_leaves_nothing_past_its_slots_next_grading(tas
     script = ("import sys; from flywheel.envs.swe import TINY_TASKS, grade, load_tasks; "
               "task = next(t for t in load_tasks(TINY_TASKS) if t.instance_id == sys.argv[1]); "
               "grade(task, task.patch, None, int(sys.argv[2]))")
-    doomed = subprocess.Popen([sys.executable, "-c", script, task.instance_id, str(slot)], cwd=ROOT)
+    doomed = subprocess.Popen([sys.executable, "-c", script, task.instance_id, str(slot)], cwd=ROOT,
+                              start_new_session=True)
     try:
         until_sync(lambda: any(work.glob("*/.git")))  # its copy of the repository is made
-    finally:
-        doomed.kill()
+    finally:  # the grading and its git commands: an orphaned `git add` could still be writing
+        os.killpg(doomed.pid, signal.SIGKILL)
         doomed.wait()
     assert any(work.iterdir())
     assert grade(task, task.patch, backend, slot).reward == 1.0
     assert list(work.iterdir()) == []
+
 
 CHEAT = '''import pytest
 

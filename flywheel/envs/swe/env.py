@@ -25,7 +25,7 @@ from typing import Any
 
 from flywheel.envs.base import Grade, Step, Task
 from flywheel.envs.sandbox import make_backend
-from flywheel.envs.sandbox.workdirs import work_root
+from flywheel.envs.sandbox.workdirs import slot_workdir
 from flywheel.envs.swe.agent import (
     INSTANCE,
     SYSTEM,
@@ -42,7 +42,7 @@ from flywheel.envs.swe.tasks import TINY_TASKS, SweTask, load_tasks
 class SweEpisode:
     def __init__(self, task: SweTask, backend, slot: int, command_timeout_s: float):
         self.task, self.backend, self.slot = task, backend, slot
-        self.workdir = work_root() / f"episode-slot-{slot}"
+        self.workdir = slot_workdir("episode", slot)
         self.sandbox = open_sandbox(task, backend, slot, command_timeout_s, self.workdir)
         self.commands = 0
         self.submitted = False

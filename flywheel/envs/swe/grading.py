@@ -1,10 +1,9 @@
 """Grading a candidate fix of a SWE task: the reward an RL episode ends with.
 
 `grade(task, diff)` exports the task's buggy tree into its slot's sandbox working directory
-(`grade-slot-N`, emptied first: a grading killed mid-run, as a run's env workers are when it
-ends, leaves its copy there for the slot's next grading to clear, not to pile up), applies the
-candidate diff without its changes to test files and pytest configuration
-(`testpaths.is_test_path`: a fix cannot make a test pass by editing it), then the task's
+(`workdirs.slot_workdir`, emptied first: what a grading killed mid-run left goes with the
+slot's next grading instead of piling up), applies the candidate diff without its changes to
+test files and pytest configuration (`testpaths.is_test_path`: a fix cannot make a test pass by editing it), then the task's
 `test_patch` if it has one (SWE-bench), runs the task's test command in the sandbox with the
 report plugin, and returns an `flywheel.envs.base.Grade`:
 
@@ -25,7 +24,7 @@ import shutil
 
 from flywheel.envs.base import Grade
 from flywheel.envs.sandbox.base import SandboxBackend
-from flywheel.envs.sandbox.workdirs import work_root
+from flywheel.envs.sandbox.workdirs import slot_workdir
 from flywheel.envs.swe import gitstore
 from flywheel.envs.swe.tasks import SweTask, materialize
 from flywheel.envs.swe.testenv import default_backend, opened, run_tests
@@ -40,7 +39,7 @@ def grade(task: SweTask, diff: str, backend: SandboxBackend | None = None, slot:
     details: dict = {"resolved": False, "applied": False, "reason": "", "excluded_files": excluded}
     if diff.strip() and not split_diff(diff):
         return Grade(0.0, {**details, "reason": "the diff does not apply: it is not a unified diff"})
-    workdir = work_root() / f"grade-slot-{slot}"
+    workdir = slot_workdir("grade", slot)
     shutil.rmtree(workdir, ignore_errors=True)
     try:
         materialize(task, workdir)
