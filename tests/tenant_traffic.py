@@ -1,8 +1,8 @@
 """The tenants' tests' traffic: two tenants (`TENANTS_SETUP`), acme's users ada and bob, each
 saying a marker string (`MARKERS`) to look for wherever their records might be; a rewarded turn
 of one of them (`converse`), a turn of ada's with a hint aimed at it (`hinted_session`), a judge
-and a trainer behind a platform (`learning`), and every file of a run directory at once
-(`everything_in`)."""
+and a trainer behind a platform (`learning`), a user's adapter version reaching the gateway
+(`published`, under `LORA`), and every file of a run directory at once (`everything_in`)."""
 
 from __future__ import annotations
 
@@ -15,13 +15,20 @@ import httpx
 import openai
 
 from flywheel.judge.loop import JudgeLoop
+from flywheel.models.adapter_names import user_adapter
 from flywheel.train.loop import TrainLoop
+
+from waiting import until
 
 TENANTS_SETUP = ["serve.admin_key=root", "judge.kind=rule", "train.batch_size=1", "rollout.max_head_offpolicyness=8",
                  "tenants={acme: {training: opt_out, pii: \"off\", keys: [acme-key]}, other: {training: opt_out, keys: [other-key]}}"]
 """Two tenants: acme (users ada and bob) and other, trained unless they opt out."""
 MARKERS = {"ada": "ZEBRA-7731", "bob": "OKAPI-4412"}
 """What each of acme's users says: a string to look for wherever their records might be."""
+LORA = [*TENANTS_SETUP, "adapters.kind=lora", "adapters.scope=user", "actor.optimizer.lr=0.05",
+        "train.checkpoint_interval=1", "adapters.guard_drop=null"]  # the guard is test_adapter_guard.py's
+"""The same with an adapter of each user's own, a trainer step and checkpoint for every turn."""
+ADA, BOB = user_adapter("acme", "ada"), user_adapter("acme", "bob")
 
 
 async def converse(serve, user: str, session: str, reward: float = 1.0, follow_ups: tuple[str, ...] = ()) -> None:
@@ -62,6 +69,11 @@ async def learning(serve, nats_url: str) -> AsyncIterator[TrainLoop]:
         yield train
     finally:
         await asyncio.gather(judge.stop(), train.stop())
+
+
+async def published(serve, adapter: str, version: int) -> None:
+    """Until `serve`'s engines have `adapter`'s `version` (published by the trainer, loaded)."""
+    await until(lambda: serve.pool.adapter_versions.get(adapter) == version)
 
 
 def everything_in(run_dir) -> bytes:

@@ -30,12 +30,9 @@ from flywheel.train.trainer import Trainer
 
 from bus_reading import read
 from factories import RunningApp, platform, recomputed_logprobs
-from tenant_traffic import TENANTS_SETUP, converse, learning
+from tenant_traffic import ADA, BOB, LORA, converse, learning, published
 from waiting import until
 
-LORA = [*TENANTS_SETUP, "adapters.kind=lora", "adapters.scope=user", "actor.optimizer.lr=0.05",
-        "train.checkpoint_interval=1", "adapters.guard_drop=null"]  # the guard is test_adapter_guard.py's
-ADA, BOB = user_adapter("acme", "ada"), user_adapter("acme", "bob")
 
 
 async def flywheel_forget(tmp_path, nats_url, *who: str) -> dict:
@@ -43,11 +40,6 @@ async def flywheel_forget(tmp_path, nats_url, *who: str) -> dict:
                                    capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
     return json.loads(done.stdout)
-
-
-async def published(serve, adapter: str, version: int) -> None:
-    """Until `serve`'s engines have `adapter`'s `version` (published by the trainer, loaded)."""
-    await until(lambda: serve.pool.adapter_versions.get(adapter) == version)
 
 
 def checkpoint_files(tmp_path) -> bytes:

@@ -13,11 +13,16 @@
     flywheel versions adapters [--tenant T [--user U]]
                                            the LoRA adapters (`adapters.kind: lora`) and their
                                            versions in the store: all, a tenant's, or one user's
+    flywheel versions rollback [N] --tenant T --user U
+                                           an end user's own adapter back to its version N (0:
+                                           its start), else to the one before its newest
 
 It finds the deployment's bus as the other subcommands do: from `--config FILE` and `key=value`
 (`bus.url`, else the `bus.url` file in `run_dir`, default `runs/local`). Reading needs only the registry; commands are carried out by the promotion loop, in
 order, and this waits for each one's result (exit status 1 when it was refused, 2 when no
 promotion loop answered). `adapters` reads the adapter store in `run_dir/adapters` (no bus).
+A user's adapter's rollback is the trainer's to carry out (flywheel/versions/adapter_rollback.py):
+this waits for its answer likewise (1 refused, 2 no trainer answered).
 """
 
 from __future__ import annotations
@@ -35,6 +40,7 @@ from flywheel.bus import Bus
 from flywheel.cli.arguments import add_config, bus_url, load
 from flywheel.models.adapter_names import user_adapter
 from flywheel.models.adapter_store import AdapterStore
+from flywheel.versions.adapter_rollback import request_rollback
 from flywheel.versions.records import Routing, VersionEntry
 from flywheel.versions.registry import Registry, send_command
 
@@ -125,9 +131,20 @@ def show(console: Console, entry: VersionEntry, routing: Routing | None) -> None
             console.print(f"[bold]{name}[/bold]: {json.dumps(part, indent=1, default=str)}", highlight=False)
 
 
+def _said(console: Console, ok: bool, message: str) -> int:
+    """Print a command's result; its exit status."""
+    console.print(("done: " if ok else "refused: ") + message, highlight=False)
+    return 0 if ok else 1
+
+
 async def run(args: argparse.Namespace, url: str, console: Console) -> int:
     bus = await Bus.connect(url, name="versions-cli")
     try:
+        if args.user is not None:  # an end user's own adapter: the trainer's to take back
+            store = AdapterStore(Path(args.run_dir) / "adapters")
+            result = await request_rollback(bus, store, args.tenant, args.user, args.version, args.reason,
+                                            args.operator, args.timeout_s)
+            return _said(console, result.ok, result.message)
         registry = await Registry.open(bus)
         routing = await registry.routing()
         if args.action == "list":
@@ -144,8 +161,7 @@ async def run(args: argparse.Namespace, url: str, console: Console) -> int:
             return 0
         result = await send_command(bus, registry, args.action, args.version, reason=args.reason, operator=args.operator,
                                     timeout_s=args.timeout_s, adapter=args.adapter)
-        console.print(("done: " if result.ok else "refused: ") + result.message, highlight=False)
-        return 0 if result.ok else 1
+        return _said(console, result.ok, result.message)
     except TimeoutError as exc:
         console.print(str(exc))
         return 2
@@ -163,8 +179,8 @@ def configure(parser: argparse.ArgumentParser, command: str) -> None:
     parser.add_argument("--operator", default="cli", help="who (kept in the version's history)")
     parser.add_argument("--timeout-s", type=float, default=60.0)
     parser.add_argument("--adapter", help="show, promote, rollback, pin, unpin: on this shared or tenant adapter's line")
-    parser.add_argument("--tenant", help="adapters: this tenant's only")
-    parser.add_argument("--user", help="adapters: this end user's (with --tenant)")
+    parser.add_argument("--tenant", help="adapters: this tenant's only; rollback: with --user")
+    parser.add_argument("--user", help="adapters: this end user's (with --tenant); rollback: their own adapter's")
     add_config(parser)
     parser.set_defaults(run=main, parser=parser)
 
@@ -178,7 +194,16 @@ def main(args: argparse.Namespace) -> int:
         args.parser.error("--user needs --tenant")
     if args.adapter is not None and args.action in ("list", "adapters"):
         args.parser.error(f"{args.action} takes no --adapter (list shows every line)")
+    if args.user is not None and args.action not in ("adapters", "rollback"):
+        args.parser.error(f"{args.action} takes no --user (an end user's adapter: adapters, rollback)")
+    if args.user is not None and args.adapter is not None:
+        args.parser.error("rollback takes --adapter (a line under promotion) or --tenant and --user, not both")
+    if args.tenant is not None and args.user is None and args.action == "rollback":
+        args.parser.error("rollback --tenant needs --user (a tenant's adapter's line: --adapter)")
     config = load(args)
+    if args.user is not None and args.action == "rollback" and config.adapters.kind != "lora":
+        args.parser.error("rollback --user: the configuration trains no adapters (adapters.kind: none)")
+    args.run_dir = config.run_dir
     if args.action == "adapters":
         Console(width=160).print(adapter_table(AdapterStore(Path(config.run_dir) / "adapters"), args.tenant, args.user))
         return 0

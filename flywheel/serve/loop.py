@@ -134,7 +134,7 @@ class ServeLoop:
         if self.config.judge.teacher.practice and cfg.role == "policy":
             install_practice_route(self.app, self.pool, self._adapter_routing(), self.tenants, self.model_name)
         install_tenant_routes(self.app, self.tenants, self.tenant_registry, cfg.admin_key, [spill_dir],
-                              Path(self.config.run_dir) / "trained.jsonl")
+                              Path(self.config.run_dir) / "trained.jsonl", self.config.adapters.kind == "lora")
         self.board: VersionBoard | None = None
         if self.routed:
             assert isinstance(self.pool, RoutedPool)

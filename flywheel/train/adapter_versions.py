@@ -27,7 +27,8 @@ that serves, fresh moments, its versions since abandoned; its versions keep coun
 number names two weights), its staleness is counted in updates on its line, and it takes a step
 only while at most max(η, 1) updates ahead of its serving version (`may_train`); its serving
 version is never pruned from the store. An end user's own adapter is published to its user as
-it is made.
+it is made, and an operator may take it back to an earlier version (`roll_back`,
+flywheel/versions/adapter_rollback.py).
 """
 
 from __future__ import annotations
@@ -202,6 +203,16 @@ class AdapterVersions:
             line.skip(self.versions.get(name, 0))
         else:
             self.versions[name] = back
+
+    async def roll_back(self, adapters: AdapterSet, name: str, version: int, step: int) -> int:
+        """An end user's adapter `name` back to its published `version` (0: its start), with fresh
+        moments, published and announced as a version above every one it had (its parent `version`):
+        that one (flywheel/versions/adapter_rollback.py)."""
+        newest = max(self.store.latest(name) or 0, self.versions.get(name, 0))
+        await asyncio.to_thread(self._back_to, adapters, name, version)
+        self.versions[name], self.parents[name] = newest + 1, version
+        await self.publish(adapters, name, step)
+        return newest + 1
 
     def _back_to(self, adapters: AdapterSet, name: str, version: int | None) -> int:
         """`name`'s weights those of its published `version` (None, 0, or one no longer stored: its

@@ -2,8 +2,8 @@
 (`flywheel forget`, `POST /admin/forget`: flywheel/tenants/forget.py, which deletes their adapters
 from the store and then puts a `forget` entry on the audit log) is forgotten by the trainer too.
 
-`Forgetting.follow` reads the audit log in the background, as every gateway does (the loops
-share only the bus); between two steps `apply` drops what it heard of: the adapters they own
+The trainer hears of it on the audit log (flywheel/train/audit_requests.py), and between two
+steps `forget` drops what it heard of: the adapters they own
 (`adapter_store.owned_by`: a user's own, or the tenant's and all its users') with their PEFT
 weights, optimizer and schedule (`AdapterSet.drop`), their versions and any directory of theirs a
 step under way published meanwhile (`AdapterVersions.drop`), the system messages of their
@@ -13,13 +13,11 @@ checkpoint on disk is rewritten without those adapters (`scrub`: each `state.pt`
 the loop then saves a checkpoint at once. An audit entry (`forget.adapters`, actor `train`) says
 so, and every gateway unloads their adapters again on it: a version that a step under way
 published after the forgetting, and a gateway loaded, is not served on. A user who comes back is
-a new user: their adapter starts again from its origin, at version 0.
-
-Which entries count: those made after the checkpoint the trainer started from was saved (its
-`state.pt`'s time), or after the trainer started when it had none. So a trainer that was stopped
+a new user: their adapter starts again from its origin, at version 0. A trainer that was stopped
 when the forgetting happened drops them once it starts, from the state it restored; a forgotten
-user who came back since, and whose new adapter a later checkpoint holds, is not forgotten again.
-A replaced `state.pt` is unlinked, not overwritten: its old blocks stay on the disk until reused.
+user who came back since, and whose new adapter a later checkpoint holds, is not forgotten again
+(which entries count: flywheel/train/audit_requests.py). A replaced `state.pt` is unlinked, not
+overwritten: its old blocks stay on the disk until reused.
 """
 
 from __future__ import annotations
@@ -28,7 +26,6 @@ import asyncio
 import contextlib
 import logging
 import os
-import time
 import uuid
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -48,55 +45,33 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 
-class Forgetting:
-    """Forgettings heard on the audit log, applied between two steps (see the module docstring)."""
+async def forget(loop: TrainLoop, bus: Bus, forgotten: list[tuple[str, str | None]]) -> None:
+    """Drop from `loop` the tenants and end users `forgotten` ((tenant, user or None) each), and
+    rewrite its checkpoints without their adapters (the loop then checkpoints at once)."""
+    adapters = loop.trainer.adapters
+    assert adapters is not None
 
-    def __init__(self, bus: Bus, checkpoints: Checkpoints):
-        self.bus = bus
-        latest = checkpoints.latest()
-        self.since = (latest / "state.pt").stat().st_mtime if latest is not None else time.time()
-        """Entries made until then are in the trainer's state already (or precede it)."""
-        self.pending: list[tuple[str, str | None]] = []
-        """(tenant, user or None) forgotten and not yet applied."""
+    def theirs(sample: Sample) -> bool:
+        return any(forgets(each, (sample.trajectory.tenant, sample.trajectory.user_id)) for each in forgotten)
 
-    async def follow(self) -> None:
-        async for entry in self.bus.follow(AUDIT_SUBJECT, from_first=True):
-            assert isinstance(entry, AuditEntry)
-            if entry.action == "forget" and entry.created_at > self.since:
-                self.pending.append((entry.details["tenant"], entry.details.get("user")))
-                self.since = entry.created_at  # a follow started again reads the log from its start
-
-    async def apply(self, loop: TrainLoop) -> bool:
-        """Drop from `loop` what was forgotten since the last call, and rewrite its checkpoints
-        without those adapters; whether anything was (the loop then checkpoints at once)."""
-        forgotten, self.pending = self.pending, []
-        if not forgotten:
-            return False
-        adapters = loop.trainer.adapters
-        assert adapters is not None
-
-        def theirs(sample: Sample) -> bool:
-            return any(forgets(each, (sample.trajectory.tenant, sample.trajectory.user_id)) for each in forgotten)
-
-        for group in loop.batcher.drop_stale(theirs):
-            for delivery in group.deliveries:
-                with contextlib.suppress(Exception):  # the message is gone from the stream already
-                    await delivery.ack()
-        dropped = {(tenant, user): owned_by(adapters.names(), tenant, user) for tenant, user in forgotten}
-        names = {name for owned in dropped.values() for name in owned}
-        for name in names:
-            adapters.drop(name)
-            loop.adapter_versions.drop(name)
-            loop.baseline.adapters.pop(name, None)
-        for tenant, user in forgotten:
-            loop.adapter_versions.forget(tenant, user)  # the system messages their conversations gave the guard
-        rewritten = await asyncio.to_thread(scrub, loop.checkpoints, names) if names else 0
-        for (tenant, user), owned in dropped.items():
-            await self.bus.publish(AUDIT_SUBJECT, AuditEntry(
-                id=uuid.uuid4().hex, actor="train", action=DROPPED, target=tenant if user is None else f"{tenant}/{user}",
-                details={"tenant": tenant, "user": user, "adapters": len(owned), "checkpoints": rewritten}))
-        log.info("forgot %d adapters; %d checkpoints rewritten without them", len(names), rewritten)
-        return True
+    for group in loop.batcher.drop_stale(theirs):
+        for delivery in group.deliveries:
+            with contextlib.suppress(Exception):  # the message is gone from the stream already
+                await delivery.ack()
+    dropped = {(tenant, user): owned_by(adapters.names(), tenant, user) for tenant, user in forgotten}
+    names = {name for owned in dropped.values() for name in owned}
+    for name in names:
+        adapters.drop(name)
+        loop.adapter_versions.drop(name)
+        loop.baseline.adapters.pop(name, None)
+    for tenant, user in forgotten:
+        loop.adapter_versions.forget(tenant, user)  # the system messages their conversations gave the guard
+    rewritten = await asyncio.to_thread(scrub, loop.checkpoints, names) if names else 0
+    for (tenant, user), owned in dropped.items():
+        await bus.publish(AUDIT_SUBJECT, AuditEntry(
+            id=uuid.uuid4().hex, actor="train", action=DROPPED, target=tenant if user is None else f"{tenant}/{user}",
+            details={"tenant": tenant, "user": user, "adapters": len(owned), "checkpoints": rewritten}))
+    log.info("forgot %d adapters; %d checkpoints rewritten without them", len(names), rewritten)
 
 
 def scrub(checkpoints: Checkpoints, names: set[str]) -> int:

@@ -29,8 +29,8 @@ served versions in the weight store.
 With `adapters.kind: lora` the base stays frozen and each sample trains its adapter
 (flywheel/train/adapters.py): versions, staleness and publishing are per adapter (`AdapterVersions`,
 flywheel/train/adapter_versions.py), each adapter published alone to `run_dir/adapters/`
-(flywheel/models/adapter_store.py); forgotten tenants' and users' adapters are dropped between two
-steps (flywheel/train/forget_adapters.py). Promotion holds per adapter too.
+(flywheel/models/adapter_store.py); between two steps it forgets adapters and takes users' back as
+operators ask (flywheel/train/audit_requests.py). Promotion holds per adapter too.
 """
 
 from __future__ import annotations
@@ -56,7 +56,7 @@ from flywheel.models.adapter_names import sample_adapter
 from flywheel.runtime import repeat
 from flywheel.train.advantages import RunningBaseline
 from flywheel.train.checkpoint import Checkpoints
-from flywheel.train.forget_adapters import Forgetting
+from flywheel.train.audit_requests import AuditRequests
 from flywheel.train.grouping import Group, GroupBatcher
 from flywheel.train.ledger import Ledger
 from flywheel.train.publisher import Lineage, WeightPublisher
@@ -111,8 +111,8 @@ class TrainLoop(ConsumerLoop):
         self.checkpoints = Checkpoints(self.run_dir / "checkpoints", keep=self.config.train.keep_checkpoints)
         self.trainer = Trainer(model, self.config.actor, self.config.train, self.config.adapters)
         await super().start()
-        if self.lora:  # forgotten tenants' and users' adapters (flywheel/train/forget_adapters.py)
-            self._tasks.append(asyncio.create_task(repeat(self.forgetting.follow, "train.forget"), name="train.forget"))
+        if self.lora:  # forgettings and adapter rollbacks (flywheel/train/audit_requests.py)
+            self._tasks.append(asyncio.create_task(repeat(self.audit_requests.follow, "train.audit"), name="train.audit"))
 
     async def prepare(self) -> None:
         self.lock = RunLock(self.run_dir)
@@ -130,7 +130,7 @@ class TrainLoop(ConsumerLoop):
 
                 self.adapter_versions = AdapterVersions.of(self.config, self.run_dir, self.bus, self.trainer.adapters,
                                                            self.tokenizer, registry, self.ledger)
-                self.forgetting = Forgetting(self.bus, self.checkpoints)
+                self.audit_requests = AuditRequests(self.bus, self.checkpoints)
                 self.trainer.adapters.keep_on_disk(self.run_dir / "trainer_adapters")  # under the lock: a live trainer's are not ours
             else:
                 self.store = WeightStore(self.run_dir / "weights", keep=self.config.train.keep_versions)
@@ -274,8 +274,8 @@ class TrainLoop(ConsumerLoop):
     async def step(self) -> None:
         for delivery in await self._fetch(self.config.train.batch_size):
             await self._admit(delivery)
-        if self.lora and await self.forgetting.apply(self):
-            await self._checkpoint()  # at once: no checkpoint holds a forgotten adapter any more
+        if self.lora and await self.audit_requests.apply(self):
+            await self._checkpoint()  # at once: no checkpoint holds a forgotten adapter, none is carried out again
         if self.promotion is not None and not await self._follow_registry():
             return  # too far ahead of the serving version: the samples wait
         if self.lora and await self.adapter_versions.follow_registry(self.trainer.adapters):

@@ -1,0 +1,152 @@
+"""An operator takes an end user's own adapter back to an earlier version, on a live deployment
+(`adapters.kind: lora`, `adapters.scope: user`): `flywheel versions rollback --tenant T --user U
+[N]` and `POST /admin/adapters/rollback` put the request on the audit log, and the trainer carries
+it out: N's weights published again as the adapter's next version, served to the user at once
+(their tokens' log-probs are N's), and trained on from there; the other user's adapter is left
+alone. Refusals (no such adapter, a version not kept, a deployment without adapters) and a trainer
+that was stopped when it was asked."""
+
+import asyncio
+import json
+import subprocess
+
+import httpx
+import torch
+from peft import PeftModel
+from safetensors.torch import load_file
+
+from flywheel.bus import TRAFFIC_SUBJECTS, Turn
+from flywheel.cli import command
+from flywheel.models import load_model
+from flywheel.models.lora_adapter import WEIGHTS_FILE
+
+from bus_reading import read
+from factories import platform, recomputed_logprobs
+from tenant_traffic import ADA, BOB, LORA, TENANTS_SETUP, converse, learning, published
+from waiting import until
+
+
+async def flywheel_rollback(tmp_path, nats_url, *words: str, adapters: str = "lora") -> subprocess.CompletedProcess:
+    return await asyncio.to_thread(subprocess.run, command("versions", "rollback", *words, "--tenant", "acme",
+                                                           f"run_dir={tmp_path}", f"bus.url={nats_url}",
+                                                           f"adapters.kind={adapters}"),
+                                   capture_output=True, text=True)
+
+
+def weights(tmp_path, adapter: str, version: int) -> dict[str, torch.Tensor]:
+    return load_file(tmp_path / "adapters" / adapter / f"v{version}" / WEIGHTS_FILE)
+
+
+def same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+async def turn_of(bus, session: str) -> Turn:
+    [turn] = await read(bus, TRAFFIC_SUBJECTS, session, 1, lambda r: isinstance(r, Turn) and r.session_id.endswith(session))
+    return turn
+
+
+def logprobs_under(tmp_path, adapter: str, version: int, turn: Turn) -> torch.Tensor:
+    model = PeftModel.from_pretrained(load_model("tiny")[0], str(tmp_path / "adapters" / adapter / f"v{version}")).eval()
+    return torch.tensor(recomputed_logprobs(model, turn.prompt_ids, turn.output_ids))
+
+
+async def adas_first_two_versions(serve) -> None:
+    """ada's first reward sets her baseline (v1, the base's weights); her second moves her adapter (v2)."""
+    for number, reward in enumerate((1.0, -1.0)):
+        await converse(serve, "ada", f"ada-{number}", reward=reward)
+        await published(serve, ADA, number + 1)
+
+
+async def test_a_users_adapter_rolled_back_serves_the_version_asked_and_trains_on_from_it(nats_url, tmp_path, bus):
+    async with platform(nats_url, tmp_path, *LORA) as (serve, _, _):
+        async with learning(serve, nats_url) as train:
+            # ada's first reward sets her baseline; the next two move her adapter (v2, v3); bob has v1
+            for number, (user, reward, version) in enumerate([("ada", 1.0, 1), ("ada", -1.0, 2), ("ada", 1.0, 3),
+                                                              ("bob", 1.0, 1)]):
+                await converse(serve, user, f"{user}-{number}", reward=reward)
+                await published(serve, ADA if user == "ada" else BOB, version)
+            assert not same(weights(tmp_path, ADA, 2), weights(tmp_path, ADA, 3))  # the check below can fail
+            bobs = weights(tmp_path, BOB, 1)
+
+            done = await flywheel_rollback(tmp_path, nats_url, "2", "--user", "ada", "--reason", "too terse")
+
+            assert done.returncode == 0, done.stdout + done.stderr
+            assert "v2's weights again, as v4" in done.stdout
+            assert same(weights(tmp_path, ADA, 4), weights(tmp_path, ADA, 2))
+            await published(serve, ADA, 4)
+            assert train.adapter_versions.versions[ADA] == 4 and train.adapter_versions.parents[ADA] == 4
+            assert same(train.trainer.adapters.weights(ADA), weights(tmp_path, ADA, 2))
+            assert serve.pool.adapter_versions[BOB] == 1 and same(train.trainer.adapters.weights(BOB), bobs)
+            ledger = [json.loads(line) for line in (tmp_path / "trained.jsonl").read_text().splitlines()]
+            assert {"back_to": 2, "adapter": ADA} in ledger
+            async with httpx.AsyncClient(base_url=serve.url, headers={"Authorization": "Bearer root"}) as http:
+                audit = (await http.get("/admin/audit")).json()["data"]
+            [asked] = [e for e in audit if e["action"] == "adapter.rollback"]
+            [answered] = [e for e in audit if e["action"] == "adapter.rolled_back"]
+            assert asked["actor"] == "cli" and asked["details"] == {"tenant": "acme", "user": "ada", "version": 2,
+                                                                    "reason": "too terse"}
+            assert answered["actor"] == "train" and answered["details"]["ok"] and answered["details"]["version"] == 4
+
+            await converse(serve, "ada", "ada-back", reward=-1.0)
+            served = await turn_of(bus, "ada-back")
+            await published(serve, ADA, 5)  # trained on from v2's weights
+            assert not same(weights(tmp_path, ADA, 5), weights(tmp_path, ADA, 4))
+
+    assert served.adapter == ADA and set(served.output_versions) == {4}
+    logprobs = torch.tensor(served.output_logprobs)
+    torch.testing.assert_close(logprobs, logprobs_under(tmp_path, ADA, 4, served), atol=2e-4, rtol=0)  # v2's weights
+    assert (logprobs - logprobs_under(tmp_path, ADA, 3, served)).abs().max() > 1e-3  # not the version taken back
+
+
+async def test_the_admin_api_refuses_what_it_cannot_take_back_and_takes_a_user_back_to_their_start(nats_url, tmp_path, bus):
+    async with platform(nats_url, tmp_path, *LORA) as (serve, _, _):
+        async with learning(serve, nats_url):
+            await adas_first_two_versions(serve)
+            assert any(t.any() for k, t in weights(tmp_path, ADA, 2).items() if "lora_B" in k)  # not the base's
+            async with httpx.AsyncClient(base_url=serve.url, headers={"Authorization": "Bearer root"}) as http:
+                async def rollback(**body) -> httpx.Response:
+                    return await http.post("/admin/adapters/rollback", json={"tenant": "acme", **body})
+
+                nobody = await rollback(user="bob")
+                assert nobody.status_code == 409 and "no adapter of their own" in nobody.json()["error"]["message"]
+                unkept = await rollback(user="ada", version=7)
+                assert unkept.status_code == 409 and "no v7" in unkept.json()["error"]["message"]
+                assert (await rollback(user="ada", version=-1)).status_code == 400
+                assert (await http.post("/admin/adapters/rollback", json={"tenant": "nope", "user": "ada"})).status_code == 404
+                async with httpx.AsyncClient(base_url=serve.url, headers={"Authorization": "Bearer acme-key"}) as tenant:
+                    assert (await tenant.post("/admin/adapters/rollback",
+                                              json={"tenant": "acme", "user": "ada"})).status_code in (401, 403)
+
+                start = await rollback(user="ada", version=0)
+
+                assert start.status_code == 200 and start.json()["version"] == 3
+            await published(serve, ADA, 3)
+            await converse(serve, "ada", "ada-start")
+            served = await turn_of(bus, "ada-start")
+    base = recomputed_logprobs(load_model("tiny")[0], served.prompt_ids, served.output_ids)
+    assert set(served.output_versions) == {3}
+    torch.testing.assert_close(torch.tensor(served.output_logprobs), torch.tensor(base), atol=2e-4, rtol=0)
+
+
+async def test_a_rollback_asked_of_a_stopped_trainer_is_carried_out_when_it_starts(nats_url, tmp_path, bus):
+    async with platform(nats_url, tmp_path, *LORA) as (serve, _, _):
+        async with learning(serve, nats_url):
+            await adas_first_two_versions(serve)
+
+        unanswered = await flywheel_rollback(tmp_path, nats_url, "--user", "ada", "--timeout-s", "1")
+        assert unanswered.returncode == 2 and "no trainer answered" in unanswered.stdout
+
+        async with learning(serve, nats_url) as train:
+            await published(serve, ADA, 3)  # the version before her newest: v1's weights
+            assert same(weights(tmp_path, ADA, 3), weights(tmp_path, ADA, 1))
+            await until(lambda: train.adapter_versions.versions.get(ADA) == 3)
+
+
+async def test_a_deployment_without_adapters_says_so_instead_of_waiting_for_a_trainer(nats_url, tmp_path, bus):
+    done = await flywheel_rollback(tmp_path, nats_url, "--user", "ada", adapters="none")
+    assert done.returncode == 2 and "adapters.kind: none" in done.stderr
+    async with platform(nats_url, tmp_path, *TENANTS_SETUP) as (serve, _, _):
+        async with httpx.AsyncClient(base_url=serve.url, headers={"Authorization": "Bearer root"}) as http:
+            refused = await http.post("/admin/adapters/rollback", json={"tenant": "acme", "user": "ada"})
+    assert refused.status_code == 409 and "trains no adapters" in refused.json()["error"]["message"]
