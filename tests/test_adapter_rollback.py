@@ -1,10 +1,11 @@
-"""An operator takes an end user's own adapter back to an earlier version, on a live deployment
-(`adapters.kind: lora`, `adapters.scope: user`): `flywheel versions rollback --tenant T --user U
-[N]` and `POST /admin/adapters/rollback` put the request on the audit log, and the trainer carries
+"""An operator, or a tenant's application for its user, takes an end user's own adapter back to an
+earlier version, on a live deployment (`adapters.kind: lora`, `adapters.scope: user`): `flywheel
+versions rollback --tenant T --user U [N]`, `POST /admin/adapters/rollback` and `POST
+/v1/adapter/rollback` put the request on the audit log, and the trainer carries
 it out: N's weights published again as the adapter's next version, served to the user at once
 (their tokens' log-probs are N's), and trained on from there; the other user's adapter is left
-alone. Refusals (no such adapter, a version not kept, a deployment without adapters) and a trainer
-that was stopped when it was asked."""
+alone. Refusals (no such adapter, a version not kept, another tenant's user, a deployment without
+adapters) and a trainer that was stopped when it was asked."""
 
 import asyncio
 import json
@@ -99,31 +100,40 @@ async def test_a_users_adapter_rolled_back_serves_the_version_asked_and_trains_o
     assert (logprobs - logprobs_under(tmp_path, ADA, 3, served)).abs().max() > 1e-3  # not the version taken back
 
 
-async def test_the_admin_api_refuses_what_it_cannot_take_back_and_takes_a_user_back_to_their_start(nats_url, tmp_path, bus):
+async def test_a_tenants_key_takes_its_own_users_adapter_back_to_its_start_and_reaches_no_other(nats_url, tmp_path, bus):
     async with platform(nats_url, tmp_path, *LORA) as (serve, _, _):
         async with learning(serve, nats_url):
             await adas_first_two_versions(serve)
-            assert any(t.any() for k, t in weights(tmp_path, ADA, 2).items() if "lora_B" in k)  # not the base's
-            async with httpx.AsyncClient(base_url=serve.url, headers={"Authorization": "Bearer root"}) as http:
-                async def rollback(**body) -> httpx.Response:
-                    return await http.post("/admin/adapters/rollback", json={"tenant": "acme", **body})
-
-                nobody = await rollback(user="bob")
-                assert nobody.status_code == 409 and "no adapter of their own" in nobody.json()["error"]["message"]
-                unkept = await rollback(user="ada", version=7)
+            second = weights(tmp_path, ADA, 2)
+            assert any(t.any() for k, t in second.items() if "lora_B" in k)  # not the base's
+            acme, other = ({"Authorization": f"Bearer {key}", "X-User-Id": "ada"} for key in ("acme-key", "other-key"))
+            async with httpx.AsyncClient(base_url=serve.url) as http:
+                assert (await http.get("/v1/adapter", headers=acme)).json() == {"object": "adapter", "versions": [1, 2],
+                                                                                "serving": 2}
+                theirs = await http.get("/v1/adapter", headers=other)  # other's ada has none: as if acme's did not exist
+                assert theirs.status_code == 404 and theirs.json()["error"]["code"] == "adapter_not_found"
+                assert (await http.post("/v1/adapter/rollback", json={}, headers=other)).json() == theirs.json()
+                unnamed = await http.get("/v1/adapter", headers={"Authorization": "Bearer acme-key"})
+                assert unnamed.status_code == 400 and unnamed.json()["error"]["param"] == "X-User-Id"
+                unkept = await http.post("/v1/adapter/rollback", json={"version": 7}, headers=acme)
                 assert unkept.status_code == 409 and "no v7" in unkept.json()["error"]["message"]
-                assert (await rollback(user="ada", version=-1)).status_code == 400
-                assert (await http.post("/admin/adapters/rollback", json={"tenant": "nope", "user": "ada"})).status_code == 404
-                async with httpx.AsyncClient(base_url=serve.url, headers={"Authorization": "Bearer acme-key"}) as tenant:
-                    assert (await tenant.post("/admin/adapters/rollback",
-                                              json={"tenant": "acme", "user": "ada"})).status_code in (401, 403)
+                assert (await http.post("/v1/adapter/rollback", json={"version": -1}, headers=acme)).status_code == 400
+                admin = await http.post("/admin/adapters/rollback", json={"tenant": "acme", "user": "ada"}, headers=acme)
+                assert admin.status_code in (401, 403)  # a client key does not open the admin API
 
-                start = await rollback(user="ada", version=0)
+                start = await http.post("/v1/adapter/rollback", json={"version": 0}, headers=acme)
 
                 assert start.status_code == 200 and start.json()["version"] == 3
             await published(serve, ADA, 3)
             await converse(serve, "ada", "ada-start")
             served = await turn_of(bus, "ada-start")
+            await published(serve, ADA, 4)  # trained on that turn
+            async with httpx.AsyncClient(base_url=serve.url, headers={"Authorization": "Bearer root"}) as http:
+                again = await http.post("/admin/adapters/rollback", json={"tenant": "acme", "user": "ada", "version": 2})
+            assert again.status_code == 200 and again.json()["version"] == 5
+            assert same(weights(tmp_path, ADA, 5), second)
+            nobody = await flywheel_rollback(tmp_path, nats_url, "--user", "bob")  # the trainer's own refusal
+            assert nobody.returncode == 1 and "no adapter of their own" in nobody.stdout
     base = recomputed_logprobs(load_model("tiny")[0], served.prompt_ids, served.output_ids)
     assert set(served.output_versions) == {3}
     torch.testing.assert_close(torch.tensor(served.output_logprobs), torch.tensor(base), atol=2e-4, rtol=0)
@@ -149,4 +159,4 @@ async def test_a_deployment_without_adapters_says_so_instead_of_waiting_for_a_tr
     async with platform(nats_url, tmp_path, *TENANTS_SETUP) as (serve, _, _):
         async with httpx.AsyncClient(base_url=serve.url, headers={"Authorization": "Bearer root"}) as http:
             refused = await http.post("/admin/adapters/rollback", json={"tenant": "acme", "user": "ada"})
-    assert refused.status_code == 409 and "trains no adapters" in refused.json()["error"]["message"]
+    assert refused.status_code == 404 and refused.json()["error"]["code"] == "adapter_not_found"

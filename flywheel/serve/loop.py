@@ -49,6 +49,7 @@ from flywheel.serve.backends.vllm_server import uses_vllm, vllm_engines
 from flywheel.serve.engine import Engine, torch_threads
 from flywheel.serve.gateway import create_gateway
 from flywheel.serve.ops.metrics import ServeMetrics
+from flywheel.serve.ops.adapter_routes import install_adapter_routes
 from flywheel.serve.ops.tenant_routes import install_tenant_routes
 from flywheel.serve.ops.tenants import TenantDirectory
 from flywheel.serve.ops.version_routes import VersionBoard
@@ -117,7 +118,7 @@ class ServeLoop:
         for entry in await self.tenant_registry.current():  # before the first request: a revoked key opens nothing
             self.tenants.apply(entry)
         self.adapters = AdapterLoading(self.pool, self.config.run_dir, self.routed)
-        if self.config.adapters.kind == "lora" and cfg.role == "policy":  # a judge's or the gate's serve the base
+        if personal := self.config.adapters.kind == "lora" and cfg.role == "policy":  # a judge's or the gate's: the base
             await self.adapters.load_stored()
             routing = await (await Registry.open(self.bus)).routing() if self.routed else None
             if routing is not None:  # before the first request, as the stored ones
@@ -134,7 +135,8 @@ class ServeLoop:
         if self.config.judge.teacher.practice and cfg.role == "policy":
             install_practice_route(self.app, self.pool, self._adapter_routing(), self.tenants, self.model_name)
         install_tenant_routes(self.app, self.tenants, self.tenant_registry, cfg.admin_key, [spill_dir],
-                              Path(self.config.run_dir) / "trained.jsonl", self.config.adapters.kind == "lora")
+                              Path(self.config.run_dir) / "trained.jsonl")
+        install_adapter_routes(self.app, self.bus, self.adapters if personal else None, cfg.admin_key)
         self.board: VersionBoard | None = None
         if self.routed:
             assert isinstance(self.pool, RoutedPool)

@@ -30,13 +30,13 @@ async def roll_back(loop: TrainLoop, bus: Bus, request: AuditEntry) -> None:
     tenant, user, version = (request.details.get(key) for key in ("tenant", "user", "version"))
     if not isinstance(tenant, str) or not isinstance(user, str) or type(version) is not int:
         await bus.publish(AUDIT_SUBJECT, answer(request, RollbackResult(False, "not a rollback request: it needs a "
-                                                                        "tenant, a user and a version"), ""))
+                                                                        "tenant, a user and a version", found=False), ""))
         return
     name = user_adapter(tenant, user)
     stored = loop.adapter_versions.store.versions(name)
     if name not in loop.trainer.adapters:
         result = RollbackResult(False, f"{tenant}/{user} has no adapter of their own here (none under the tenant's "
-                                       "adapters.scope, forgotten, or not trained yet)")
+                                       "adapters.scope, forgotten, or not trained yet)", found=False)
     elif version != 0 and version not in stored:
         kept = ", ".join(f"v{v}" for v in stored) or "none"
         result = RollbackResult(False, f"{tenant}/{user}'s adapter has no v{version} in the store (kept: {kept}; "

@@ -4,8 +4,9 @@
 A user's own adapter is published to its user as it is made: no gate or canary (those are for
 the lines many people share, flywheel/versions/registry.py), only the trainer's guard
 (flywheel/train/adapter_guard.py). When a version serves its user worse all the same, an operator
-takes it back: `flywheel versions rollback --tenant T --user U [N]`, or `POST
-/admin/adapters/rollback` `{"tenant", "user", "version"?, "reason"?}`. N is one of the versions
+takes it back (`flywheel versions rollback --tenant T --user U [N]`, or `POST
+/admin/adapters/rollback`), or the tenant's application for its user (`POST /v1/adapter/rollback`:
+flywheel/serve/ops/adapter_routes.py). N is one of the versions
 the adapter store keeps (`flywheel versions adapters --tenant T --user U` lists them), or 0: the
 adapter's start (its tenant's adapter, else the base). Without N, the version before the newest
 (0 when there is none), resolved here from the store, so that the request names a version.
@@ -44,6 +45,8 @@ class RollbackResult:
     message: str
     version: int | None = None
     """The adapter's new version (N's weights), when done."""
+    found: bool = True
+    """Whether the trainer has the adapter (refused otherwise)."""
 
 
 def previous_version(store: AdapterStore, name: str) -> int:
@@ -67,7 +70,8 @@ async def request_rollback(bus: Any, store: AdapterStore, tenant: str, user: str
             while True:
                 entry = await anext(answers)
                 if entry.action == ROLLED_BACK and entry.details.get("request") == request.id:
-                    return RollbackResult(entry.details["ok"], entry.details["message"], entry.details.get("version"))
+                    details = entry.details
+                    return RollbackResult(details["ok"], details["message"], details.get("version"), details.get("found", True))
     except TimeoutError:
         raise TimeoutError(f"no trainer answered within {timeout_s:.0f} s (the request stays on the audit log: "
                            "a trainer carries it out when it starts)") from None
@@ -78,5 +82,5 @@ async def request_rollback(bus: Any, store: AdapterStore, tenant: str, user: str
 def answer(request: AuditEntry, result: RollbackResult, adapter: str) -> AuditEntry:
     """The trainer's answer to `request`, on the audit log."""
     return AuditEntry(id=uuid.uuid4().hex, actor="train", action=ROLLED_BACK, target=request.target,
-                      details={"request": request.id, "ok": result.ok, "message": result.message,
-                               "adapter": adapter, "version": result.version, "to": request.details["version"]})
+                      details={"request": request.id, "ok": result.ok, "message": result.message, "found": result.found,
+                               "adapter": adapter, "version": result.version, "to": request.details.get("version")})

@@ -8,11 +8,6 @@
 - `DELETE /admin/tenants/{name}/keys/{id}`: revoke a key (one of the configuration's too).
 - `POST /admin/forget` `{"tenant", "user"?}`: remove their records (`flywheel/tenants/forget.py`,
   as `flywheel forget` does) and answer what went and which versions learned from them.
-- `POST /admin/adapters/rollback` `{"tenant", "user", "version"?, "reason"?}`: an end user's own
-  adapter back to an earlier version, which the trainer carries out
-  (flywheel/versions/adapter_rollback.py): 200 with its answer, 409 when it refused (no such
-  adapter, a version not kept) or the deployment trains no adapters, 504 when no trainer answered in `ROLLBACK_WAIT_S` (the request
-  stays on the audit log, carried out when a trainer starts).
 - `GET /admin/audit`: the audit log, newest last.
 
 Every change is written to the bus (`TenantRegistry`), which every gateway follows, and appended
@@ -28,23 +23,18 @@ from pathlib import Path
 from typing import Any, Literal
 
 from fastapi import FastAPI
-from pydantic import Field
 
 from flywheel.bus.records import AuditEntry
 from flywheel.config.tenants import tenant_name_error
-from flywheel.models.adapter_store import AdapterStore
 from flywheel.serve.api.errors import APIError
 from flywheel.serve.api.validation import Body
 from flywheel.serve.ops.tenants import TenantDirectory
 from flywheel.tenants.forget import forget
 from flywheel.tenants.records import KeyEntry, TenantEntry
 from flywheel.tenants.registry import Changed, TenantRegistry
-from flywheel.versions.adapter_rollback import request_rollback
 
 Training = Literal["opt_in", "opt_out", "off"]
 PiiPolicy = Literal["off", "drop", "redact_input"]
-ROLLBACK_WAIT_S = 60.0
-"""How long `POST /admin/adapters/rollback` waits for the trainer's answer."""
 
 
 class NewTenant(Body):
@@ -65,21 +55,13 @@ class Forget(Body):
     user: str | None = None
 
 
-class AdapterRollback(Body):
-    tenant: str
-    user: str
-    version: int | None = Field(None, ge=0)
-    reason: str = ""
-
-
 class NewKey(Body):
     training: Training | None = None
     store: bool = True
 
 
 def install_tenant_routes(app: FastAPI, directory: TenantDirectory, registry: TenantRegistry,
-                          admin_key: str | None, spill_dirs: list[Path], ledger: Path, adapters: bool = False) -> None:
-    """The routes above; `adapters`: whether the deployment trains adapters (`adapters.kind: lora`)."""
+                          admin_key: str | None, spill_dirs: list[Path], ledger: Path) -> None:
     def admin() -> None:
         """Refuse every call where no admin key guards these routes (the middleware checks the key)."""
         if admin_key is None:
@@ -170,21 +152,6 @@ def install_tenant_routes(app: FastAPI, directory: TenantDirectory, registry: Te
         if body.user is None and (entry := await registry.get(body.tenant)) is not None:
             directory.apply(entry)  # here at once (the watcher may be a moment behind)
         return report.as_dict()
-
-    @app.post("/admin/adapters/rollback")
-    async def roll_back(body: AdapterRollback) -> dict[str, Any]:
-        admin()
-        await entry_of(body.tenant)  # 404 for a tenant that does not exist
-        if not adapters:
-            raise APIError(409, "this deployment trains no adapters (adapters.kind: none)", code="refused")
-        try:
-            result = await request_rollback(registry.bus, AdapterStore(ledger.parent / "adapters"), body.tenant,
-                                            body.user, body.version, body.reason, "admin", ROLLBACK_WAIT_S)
-        except TimeoutError as exc:
-            raise APIError(504, str(exc), code="no_trainer") from None
-        if not result.ok:
-            raise APIError(409, result.message, code="refused")
-        return {"ok": True, "message": result.message, "version": result.version}
 
     @app.get("/admin/audit")
     async def audit() -> dict[str, Any]:
