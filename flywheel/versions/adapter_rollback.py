@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from flywheel.bus.records import AuditEntry
-from flywheel.bus.streams import AUDIT_SUBJECT
+from flywheel.bus.streams import AUDIT, AUDIT_SUBJECT
 from flywheel.models.adapter_names import user_adapter
 from flywheel.models.adapter_store import AdapterStore
 
@@ -63,8 +63,9 @@ async def request_rollback(bus: Any, store: AdapterStore, tenant: str, user: str
         version = previous_version(store, user_adapter(tenant, user))
     request = AuditEntry(id=uuid.uuid4().hex, actor=operator, action=ROLLBACK, target=f"{tenant}/{user}",
                          details={"tenant": tenant, "user": user, "version": version, "reason": reason})
-    answers = bus.follow(AUDIT_SUBJECT, from_first=True)
+    before = (await bus.js.stream_info(AUDIT.name)).state.last_seq  # the answer comes after the request
     await bus.publish(AUDIT_SUBJECT, request)
+    answers = bus.follow(AUDIT_SUBJECT, after_seq=before)
     try:
         async with asyncio.timeout(timeout_s):
             while True:
