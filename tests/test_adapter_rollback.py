@@ -5,11 +5,13 @@ versions rollback --tenant T --user U [N]`, `POST /admin/adapters/rollback` and 
 it out: N's weights published again as the adapter's next version, served to the user at once
 (their tokens' log-probs are N's), and trained on from there; the other user's adapter is left
 alone. Refusals (no such adapter, a version not kept, another tenant's user, a deployment without
-adapters) and a trainer that was stopped when it was asked."""
+adapters, a line under promotion), a trainer that was stopped when it was asked, and a tenant's
+adapter taken back where no promotion loop has its line."""
 
 import asyncio
 import json
 import subprocess
+from types import SimpleNamespace
 
 import httpx
 import torch
@@ -17,9 +19,17 @@ from peft import PeftModel
 from safetensors.torch import load_file
 
 from flywheel.bus import TRAFFIC_SUBJECTS, Turn
+from flywheel.bus.records import AuditEntry
 from flywheel.cli import command
+from flywheel.config import load_config
 from flywheel.models import load_model
+from flywheel.models.adapter_store import AdapterStore
 from flywheel.models.lora_adapter import WEIGHTS_FILE
+from flywheel.train.adapter_rollback import carry_out
+from flywheel.train.adapter_versions import AdapterVersions
+from flywheel.train.trainer import Trainer
+from flywheel.versions.adapter_rollback import ROLLBACK
+from flywheel.versions.registry import Registry
 
 from bus_reading import read
 from factories import platform, recomputed_logprobs
@@ -28,7 +38,7 @@ from waiting import until
 
 
 async def flywheel_rollback(tmp_path, nats_url, *words: str, adapters: str = "lora") -> subprocess.CompletedProcess:
-    return await asyncio.to_thread(subprocess.run, command("versions", "rollback", *words, "--tenant", "acme",
+    return await asyncio.to_thread(subprocess.run, command("versions", "rollback", *words,
                                                            f"run_dir={tmp_path}", f"bus.url={nats_url}",
                                                            f"adapters.kind={adapters}"),
                                    capture_output=True, text=True)
@@ -70,7 +80,8 @@ async def test_a_users_adapter_rolled_back_serves_the_version_asked_and_trains_o
             assert not same(weights(tmp_path, ADA, 2), weights(tmp_path, ADA, 3))  # the check below can fail
             bobs = weights(tmp_path, BOB, 1)
 
-            done = await flywheel_rollback(tmp_path, nats_url, "2", "--user", "ada", "--reason", "too terse")
+            done = await flywheel_rollback(tmp_path, nats_url, "2", "--tenant", "acme", "--user", "ada",
+                                           "--reason", "too terse")
 
             assert done.returncode == 0, done.stdout + done.stderr
             assert "v2's weights again, as v4" in done.stdout
@@ -85,8 +96,8 @@ async def test_a_users_adapter_rolled_back_serves_the_version_asked_and_trains_o
                 audit = (await http.get("/admin/audit")).json()["data"]
             [asked] = [e for e in audit if e["action"] == "adapter.rollback"]
             [answered] = [e for e in audit if e["action"] == "adapter.rolled_back"]
-            assert asked["actor"] == "cli" and asked["details"] == {"tenant": "acme", "user": "ada", "version": 2,
-                                                                    "reason": "too terse"}
+            assert asked["actor"] == "cli" and asked["target"] == "acme/ada"
+            assert asked["details"] == {"adapter": ADA, "version": 2, "reason": "too terse"}
             assert answered["actor"] == "train" and answered["details"]["ok"] and answered["details"]["version"] == 4
 
             await converse(serve, "ada", "ada-back", reward=-1.0)
@@ -132,8 +143,8 @@ async def test_a_tenants_key_takes_its_own_users_adapter_back_to_its_start_and_r
                 again = await http.post("/admin/adapters/rollback", json={"tenant": "acme", "user": "ada", "version": 2})
             assert again.status_code == 200 and again.json()["version"] == 5
             assert same(weights(tmp_path, ADA, 5), second)
-            nobody = await flywheel_rollback(tmp_path, nats_url, "--user", "bob")  # the trainer's own refusal
-            assert nobody.returncode == 1 and "no adapter of their own" in nobody.stdout
+            nobody = await flywheel_rollback(tmp_path, nats_url, "--tenant", "acme", "--user", "bob")  # the trainer's refusal
+            assert nobody.returncode == 1 and "acme/bob has no adapter here" in nobody.stdout
     base = recomputed_logprobs(load_model("tiny")[0], served.prompt_ids, served.output_ids)
     assert set(served.output_versions) == {3}
     torch.testing.assert_close(torch.tensor(served.output_logprobs), torch.tensor(base), atol=2e-4, rtol=0)
@@ -144,7 +155,7 @@ async def test_a_rollback_asked_of_a_stopped_trainer_is_carried_out_when_it_star
         async with learning(serve, nats_url):
             await adas_first_two_versions(serve)
 
-        unanswered = await flywheel_rollback(tmp_path, nats_url, "--user", "ada", "--timeout-s", "1")
+        unanswered = await flywheel_rollback(tmp_path, nats_url, "--tenant", "acme", "--user", "ada", "--timeout-s", "1")
         assert unanswered.returncode == 2 and "no trainer answered" in unanswered.stdout
 
         async with learning(serve, nats_url) as train:
@@ -154,9 +165,45 @@ async def test_a_rollback_asked_of_a_stopped_trainer_is_carried_out_when_it_star
 
 
 async def test_a_deployment_without_adapters_says_so_instead_of_waiting_for_a_trainer(nats_url, tmp_path, bus):
-    done = await flywheel_rollback(tmp_path, nats_url, "--user", "ada", adapters="none")
+    done = await flywheel_rollback(tmp_path, nats_url, "--tenant", "acme", "--user", "ada", adapters="none")
     assert done.returncode == 2 and "adapters.kind: none" in done.stderr
     async with platform(nats_url, tmp_path, *TENANTS_SETUP) as (serve, _, _):
         async with httpx.AsyncClient(base_url=serve.url, headers={"Authorization": "Bearer root"}) as http:
             refused = await http.post("/admin/adapters/rollback", json={"tenant": "acme", "user": "ada"})
     assert refused.status_code == 404 and refused.json()["error"]["code"] == "adapter_not_found"
+
+
+async def test_without_promotion_a_tenants_adapter_is_taken_back_by_the_trainer(nats_url, tmp_path, bus):
+    tenant_scope = [*LORA, "adapters.scope=tenant"]
+    async with platform(nats_url, tmp_path, *tenant_scope) as (serve, _, _):
+        async with learning(serve, nats_url):
+            for number, (reward, version) in enumerate([(1.0, 1), (-1.0, 2), (1.0, 3)]):
+                await converse(serve, "ada", f"ada-{number}", reward=reward)
+                await published(serve, "acme", version)
+            mixed = await flywheel_rollback(tmp_path, nats_url, "2", "--adapter", "acme", "--tenant", "acme")
+            assert mixed.returncode == 2 and "--tenant needs --user" in mixed.stderr  # --adapter names it alone
+            done = await flywheel_rollback(tmp_path, nats_url, "2", "--adapter", "acme")
+            assert done.returncode == 0, done.stdout + done.stderr
+            assert same(weights(tmp_path, "acme", 4), weights(tmp_path, "acme", 2))
+            await published(serve, "acme", 4)
+            async with httpx.AsyncClient(base_url=serve.url, headers={"Authorization": "Bearer root"}) as http:
+                start = await http.post("/admin/adapters/rollback", json={"tenant": "acme", "version": 0})
+            assert start.status_code == 200 and start.json()["version"] == 5
+            await published(serve, "acme", 5)
+            assert not any(t.any() for k, t in weights(tmp_path, "acme", 5).items() if "lora_B" in k)  # the base
+
+
+async def test_a_line_under_promotion_is_the_promotion_loops_to_take_back(tmp_path, bus):
+    config = load_config(None, ["adapters.kind=lora"])
+    trainer = Trainer(load_model("tiny")[0], config.actor, config.train, config.adapters)
+    versions = AdapterVersions(AdapterStore(tmp_path), bus, interval=1, registry=await Registry.open(bus))
+    loop = SimpleNamespace(trainer=trainer, adapter_versions=versions)
+    for name in ("acme", ADA):
+        trainer.adapters.ensure(name)
+    asked = [AuditEntry(id=name, actor="cli", action=ROLLBACK, target=name, details={"adapter": name, "version": 0})
+             for name in ("acme", ADA)]
+
+    tenants, adas = [await carry_out(loop, request) for request in asked]
+
+    assert not tenants.ok and "under promotion" in tenants.message and "--adapter acme" in tenants.message
+    assert adas.ok and adas.version == 1 and versions.versions[ADA] == 1  # a user's own is nobody's line

@@ -15,14 +15,17 @@
                                            versions in the store: all, a tenant's, or one user's
     flywheel versions rollback [N] --tenant T --user U
                                            an end user's own adapter back to its version N (0:
-                                           its start), else to the one before its newest
+                                           its start), else to the one before its newest; with
+                                           promotion.mode off, `--adapter A` does the same for a
+                                           shared or tenant adapter
 
 It finds the deployment's bus as the other subcommands do: from `--config FILE` and `key=value`
 (`bus.url`, else the `bus.url` file in `run_dir`, default `runs/local`). Reading needs only the registry; commands are carried out by the promotion loop, in
 order, and this waits for each one's result (exit status 1 when it was refused, 2 when no
 promotion loop answered). `adapters` reads the adapter store in `run_dir/adapters` (no bus).
-A user's adapter's rollback is the trainer's to carry out (flywheel/versions/adapter_rollback.py):
-this waits for its answer likewise (1 refused, 2 no trainer answered).
+An adapter's rollback where no promotion loop has its line is the trainer's to carry out
+(flywheel/versions/adapter_rollback.py): this waits for its answer likewise (1 refused, 2 no
+trainer answered).
 """
 
 from __future__ import annotations
@@ -140,10 +143,11 @@ def _said(console: Console, ok: bool, message: str) -> int:
 async def run(args: argparse.Namespace, url: str, console: Console) -> int:
     bus = await Bus.connect(url, name="versions-cli")
     try:
-        if args.user is not None:  # an end user's own adapter: the trainer's to take back
+        if args.trainers is not None:  # an adapter no promotion loop has a line of: the trainer's to take back
+            name, target = args.trainers
             store = AdapterStore(Path(args.run_dir) / "adapters")
-            result = await request_rollback(bus, store, args.tenant, args.user, args.version, args.reason,
-                                            args.operator, args.timeout_s)
+            result = await request_rollback(bus, store, name, target, args.version, args.reason, args.operator,
+                                            args.timeout_s)
             return _said(console, result.ok, result.message)
         registry = await Registry.open(bus)
         routing = await registry.routing()
@@ -178,7 +182,8 @@ def configure(parser: argparse.ArgumentParser, command: str) -> None:
     parser.add_argument("--reason", default="", help="why (kept in the version's history)")
     parser.add_argument("--operator", default="cli", help="who (kept in the version's history)")
     parser.add_argument("--timeout-s", type=float, default=60.0)
-    parser.add_argument("--adapter", help="show, promote, rollback, pin, unpin: on this shared or tenant adapter's line")
+    parser.add_argument("--adapter", help="show, promote, rollback, pin, unpin: on this shared or tenant adapter's line "
+                                          "(rollback with promotion.mode off: the trainer takes the adapter back)")
     parser.add_argument("--tenant", help="adapters: this tenant's only; rollback: with --user")
     parser.add_argument("--user", help="adapters: this end user's (with --tenant); rollback: their own adapter's")
     add_config(parser)
@@ -201,9 +206,13 @@ def main(args: argparse.Namespace) -> int:
     if args.tenant is not None and args.user is None and args.action == "rollback":
         args.parser.error("rollback --tenant needs --user (a tenant's adapter's line: --adapter)")
     config = load(args)
-    if args.user is not None and args.action == "rollback" and config.adapters.kind != "lora":
-        args.parser.error("rollback --user: the configuration trains no adapters (adapters.kind: none)")
-    args.run_dir = config.run_dir
+    args.run_dir, args.trainers = config.run_dir, None
+    if args.action == "rollback" and args.user is not None:
+        args.trainers = (user_adapter(args.tenant, args.user), f"{args.tenant}/{args.user}")
+    elif args.action == "rollback" and args.adapter is not None and not config.promotion.enabled:
+        args.trainers = (args.adapter, args.adapter)
+    if args.trainers is not None and config.adapters.kind != "lora":
+        args.parser.error("rollback: the configuration trains no adapters (adapters.kind: none)")
     if args.action == "adapters":
         Console(width=160).print(adapter_table(AdapterStore(Path(config.run_dir) / "adapters"), args.tenant, args.user))
         return 0

@@ -212,6 +212,7 @@ class AdapterVersions:
         await asyncio.to_thread(self._back_to, adapters, name, version)
         self.versions[name], self.parents[name] = newest + 1, version
         await self.publish(adapters, name, step)
+        adapters.trim()  # brought into memory to be taken back: memory stays bounded
         return newest + 1
 
     def _back_to(self, adapters: AdapterSet, name: str, version: int | None) -> int:

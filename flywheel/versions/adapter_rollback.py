@@ -1,15 +1,17 @@
-"""Taking an end user's own adapter back to an earlier version (`adapters.kind: lora`,
-`adapters.scope: user`): the request an operator puts on the audit log, and the trainer's answer.
+"""Taking an adapter back to an earlier version where no promotion loop does (`adapters.kind:
+lora`): the request an operator puts on the audit log, and the trainer's answer.
 
-A user's own adapter is published to its user as it is made: no gate or canary (those are for
-the lines many people share, flywheel/versions/registry.py), only the trainer's guard
-(flywheel/train/adapter_guard.py). When a version serves its user worse all the same, an operator
-takes it back (`flywheel versions rollback --tenant T --user U [N]`, or `POST
-/admin/adapters/rollback`), or the tenant's application for its user (`POST /v1/adapter/rollback`:
-flywheel/serve/ops/adapter_routes.py). N is one of the versions
-the adapter store keeps (`flywheel versions adapters --tenant T --user U` lists them), or 0: the
-adapter's start (its tenant's adapter, else the base). Without N, the version before the newest
-(0 when there is none), resolved here from the store, so that the request names a version.
+An end user's own adapter is published to its user as it is made: no gate or canary, only the
+trainer's guard (flywheel/train/adapter_guard.py); and with `promotion.mode: off` so are the
+shared and tenant adapters. When a version serves worse all the same, an operator takes it back
+(`flywheel versions rollback [N] --tenant T --user U`, or `--adapter A` for a shared or tenant
+adapter; `POST /admin/adapters/rollback`), or a tenant's application for its user (`POST
+/v1/adapter/rollback`: flywheel/serve/ops/adapter_routes.py). Under promotion a shared or tenant
+adapter's line is the promotion loop's (flywheel/versions/registry.py), and the trainer refuses.
+N is one of the versions the adapter store keeps (`flywheel versions adapters` lists them), or
+0: the adapter's start (a user's: their tenant's adapter, else the base). Without N, the version
+before the newest (0 when there is none), resolved here from the store, so that the request
+names a version.
 
 The request is an audit entry (`adapter.rollback`: who asked, whose adapter, to which version,
 why), and so is the trainer's answer (`adapter.rolled_back`, with the request's id, whether it was
@@ -30,7 +32,6 @@ from typing import Any
 
 from flywheel.bus.records import AuditEntry
 from flywheel.bus.streams import AUDIT, AUDIT_SUBJECT
-from flywheel.models.adapter_names import user_adapter
 from flywheel.models.adapter_store import AdapterStore
 
 ROLLBACK = "adapter.rollback"
@@ -55,14 +56,15 @@ def previous_version(store: AdapterStore, name: str) -> int:
     return versions[-2] if len(versions) > 1 else 0
 
 
-async def request_rollback(bus: Any, store: AdapterStore, tenant: str, user: str, version: int | None,
+async def request_rollback(bus: Any, store: AdapterStore, adapter: str, target: str, version: int | None,
                            reason: str = "", operator: str = "cli", timeout_s: float = 60.0) -> RollbackResult:
-    """Ask the trainer to take `tenant`'s end user `user`'s adapter back to `version` (None: the
-    one before its newest) and wait for its answer; TimeoutError when none came in time."""
+    """Ask the trainer to take `adapter` (`target` on the audit log: `tenant/user` for a user's own)
+    back to `version` (None: the one before its newest) and wait for its answer; TimeoutError when
+    none came in time."""
     if version is None:
-        version = previous_version(store, user_adapter(tenant, user))
-    request = AuditEntry(id=uuid.uuid4().hex, actor=operator, action=ROLLBACK, target=f"{tenant}/{user}",
-                         details={"tenant": tenant, "user": user, "version": version, "reason": reason})
+        version = previous_version(store, adapter)
+    request = AuditEntry(id=uuid.uuid4().hex, actor=operator, action=ROLLBACK, target=target,
+                         details={"adapter": adapter, "version": version, "reason": reason})
     before = (await bus.js.stream_info(AUDIT.name)).state.last_seq  # the answer comes after the request
     await bus.publish(AUDIT_SUBJECT, request)
     answers = bus.follow(AUDIT_SUBJECT, after_seq=before)
@@ -80,8 +82,9 @@ async def request_rollback(bus: Any, store: AdapterStore, tenant: str, user: str
         await answers.aclose()
 
 
-def answer(request: AuditEntry, result: RollbackResult, adapter: str) -> AuditEntry:
+def answer(request: AuditEntry, result: RollbackResult) -> AuditEntry:
     """The trainer's answer to `request`, on the audit log."""
     return AuditEntry(id=uuid.uuid4().hex, actor="train", action=ROLLED_BACK, target=request.target,
                       details={"request": request.id, "ok": result.ok, "message": result.message, "found": result.found,
-                               "adapter": adapter, "version": result.version, "to": request.details.get("version")})
+                               "adapter": request.details.get("adapter"), "version": result.version,
+                               "to": request.details.get("version")})

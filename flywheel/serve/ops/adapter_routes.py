@@ -1,5 +1,6 @@
 """An end user's own adapter (`adapters.kind: lora`, `adapters.scope: user`), seen and taken back
-through the gateway; the trainer carries a rollback out (flywheel/versions/adapter_rollback.py).
+through the gateway, and a tenant's adapter by an operator; the trainer carries a rollback out
+(flywheel/versions/adapter_rollback.py).
 
 - `GET /v1/adapter` (a client key; the end user in `X-User-Id`): the user's own adapter,
   `{"object": "adapter", "versions": [...], "serving": N}`: the versions the store keeps, oldest
@@ -8,14 +9,15 @@ through the gateway; the trainer carries a rollback out (flywheel/versions/adapt
   adapter back to `version` (one of `versions`, or 0: its start, the tenant's adapter or the
   base), else to the one before its newest. The tenant's application acts for its users, as it
   names them on every request.
-- `POST /admin/adapters/rollback` `{"tenant", "user", "version"?, "reason"?}` (the admin key; 403
-  where none is configured): the same for any tenant's user (`flywheel versions rollback [N]
-  --tenant T --user U` from a shell).
+- `POST /admin/adapters/rollback` `{"tenant", "user"?, "version"?, "reason"?}` (the admin key; 403
+  where none is configured): the same for any tenant's user, or without `user` for the tenant's
+  own adapter where no promotion loop has its line (`flywheel versions rollback [N] --tenant T
+  --user U`, `--adapter T`, from a shell).
 
 A rollback answers 200 `{"version", "message"}` (the adapter's new version, which holds the
-weights asked for) once the trainer carried it out, 409 when it refused the version (not kept),
-504 when no trainer answered in `ROLLBACK_WAIT_S` (the request stays on the audit log: a trainer
-that starts carries it out). A user with no adapter of their own (none yet, another scope, a
+weights asked for) once the trainer carried it out, 409 when it refused (a version not kept, a
+line under promotion), 504 when no trainer answered in `ROLLBACK_WAIT_S` (the request stays on
+the audit log: a trainer that starts carries it out). A user with no adapter of their own (none yet, another scope, a
 deployment without adapters) is a 404, as is a user of another tenant: a key reaches its own
 tenant's users alone, and what it may not reach answers as what does not exist.
 """
@@ -45,25 +47,29 @@ class Rollback(Body):
 
 class AdminRollback(Rollback):
     tenant: str
-    user: str
+    user: str | None = None
 
 
 def install_adapter_routes(app: FastAPI, bus: Any, adapters: AdapterLoading | None, admin_key: str | None) -> None:
     """The routes above; `adapters`: the gateway's (None where the deployment trains none)."""
 
-    def own_adapter(tenant: str, user: str | None) -> str:
-        """`user`'s own adapter's name; 404 unless the store has a version of it."""
-        if user is None:
-            raise APIError(400, "name the end user whose adapter this is in X-User-Id", "X-User-Id", "missing_user")
-        name = user_adapter(tenant, user)
+    def stored(name: str, param: str) -> str:
+        """`name`; 404 unless the store has a version of it."""
         if adapters is None or not adapters.store.versions(name):
-            raise APIError(404, "this user has no adapter of their own", "X-User-Id", "adapter_not_found")
+            raise APIError(404, "no such adapter: this user has none of their own" if "." in name else
+                           f"no such adapter: {name!r}", param, "adapter_not_found")
         return name
 
-    async def roll_back(tenant: str, user: str, body: Rollback, actor: str) -> dict[str, Any]:
-        assert adapters is not None  # own_adapter checked it
+    def own_adapter(tenant: str, user: str | None) -> str:
+        """`user`'s own adapter's name (404 unless stored)."""
+        if user is None:
+            raise APIError(400, "name the end user whose adapter this is in X-User-Id", "X-User-Id", "missing_user")
+        return stored(user_adapter(tenant, user), "X-User-Id")
+
+    async def roll_back(name: str, target: str, body: Rollback, actor: str) -> dict[str, Any]:
+        assert adapters is not None  # `stored` checked it
         try:
-            result = await request_rollback(bus, adapters.store, tenant, user, body.version, body.reason, actor,
+            result = await request_rollback(bus, adapters.store, name, target, body.version, body.reason, actor,
                                             ROLLBACK_WAIT_S)
         except TimeoutError as exc:
             raise APIError(504, str(exc), code="no_trainer") from None
@@ -81,12 +87,13 @@ def install_adapter_routes(app: FastAPI, bus: Any, adapters: AdapterLoading | No
     @app.post("/v1/adapter/rollback")
     async def rollback(body: Rollback, request: Request) -> dict[str, Any]:
         tenant, user = request.state.tenant, header_text(request.headers, "x-user-id")
-        own_adapter(tenant, user)
-        return await roll_back(tenant, str(user), body, f"tenant:{tenant}")
+        return await roll_back(own_adapter(tenant, user), f"{tenant}/{user}", body, f"tenant:{tenant}")
 
     @app.post("/admin/adapters/rollback")
     async def admin_rollback(body: AdminRollback) -> dict[str, Any]:
         if admin_key is None:  # else every caller is the operator (flywheel/serve/ops/auth.py)
             raise APIError(403, "the admin API needs serve.admin_key to be set", code="admin_key_required")
-        own_adapter(body.tenant, body.user)
-        return await roll_back(body.tenant, body.user, body, "admin")
+        if body.user is None:  # the tenant's own adapter
+            return await roll_back(stored(body.tenant, "tenant"), body.tenant, body, "admin")
+        return await roll_back(stored(user_adapter(body.tenant, body.user), "user"), f"{body.tenant}/{body.user}",
+                               body, "admin")
