@@ -70,7 +70,7 @@ async def adas_first_two_versions(serve) -> None:
 
 
 async def test_a_users_adapter_rolled_back_serves_the_version_asked_and_trains_on_from_it(nats_url, tmp_path, bus):
-    async with platform(nats_url, tmp_path, *LORA) as (serve, _, _):
+    async with platform(nats_url, tmp_path, *LORA, "adapters.train_resident=1") as (serve, _, _):
         async with learning(serve, nats_url) as train:
             # ada's first reward sets her baseline; the next two move her adapter (v2, v3); bob has v1
             for number, (user, reward, version) in enumerate([("ada", 1.0, 1), ("ada", -1.0, 2), ("ada", 1.0, 3),
@@ -79,6 +79,7 @@ async def test_a_users_adapter_rolled_back_serves_the_version_asked_and_trains_o
                 await published(serve, ADA if user == "ada" else BOB, version)
             assert not same(weights(tmp_path, ADA, 2), weights(tmp_path, ADA, 3))  # the check below can fail
             bobs = weights(tmp_path, BOB, 1)
+            assert ADA in train.trainer.adapters.spilled  # one adapter in memory, bob's: hers is taken back from disk
 
             done = await flywheel_rollback(tmp_path, nats_url, "2", "--tenant", "acme", "--user", "ada",
                                            "--reason", "too terse")
@@ -88,6 +89,7 @@ async def test_a_users_adapter_rolled_back_serves_the_version_asked_and_trains_o
             assert same(weights(tmp_path, ADA, 4), weights(tmp_path, ADA, 2))
             await published(serve, ADA, 4)
             assert train.adapter_versions.versions[ADA] == 4 and train.adapter_versions.parents[ADA] == 4
+            assert list(train.trainer.adapters.keys) == [ADA] and BOB in train.trainer.adapters.spilled  # bounded
             assert same(train.trainer.adapters.weights(ADA), weights(tmp_path, ADA, 2))
             assert serve.pool.adapter_versions[BOB] == 1 and same(train.trainer.adapters.weights(BOB), bobs)
             ledger = [json.loads(line) for line in (tmp_path / "trained.jsonl").read_text().splitlines()]
