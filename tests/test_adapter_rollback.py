@@ -14,6 +14,7 @@ import subprocess
 from types import SimpleNamespace
 
 import httpx
+import pytest
 import torch
 from peft import PeftModel
 from safetensors.torch import load_file
@@ -27,6 +28,8 @@ from flywheel.models.adapter_store import AdapterStore
 from flywheel.models.lora_adapter import WEIGHTS_FILE
 from flywheel.train.adapter_rollback import carry_out
 from flywheel.train.adapter_versions import AdapterVersions
+from flywheel.train.audit_requests import AuditRequests
+from flywheel.train.checkpoint import Checkpoints
 from flywheel.train.trainer import Trainer
 from flywheel.versions.adapter_rollback import ROLLBACK
 from flywheel.versions.registry import Registry
@@ -195,17 +198,44 @@ async def test_without_promotion_a_tenants_adapter_is_taken_back_by_the_trainer(
             assert not any(t.any() for k, t in weights(tmp_path, "acme", 5).items() if "lora_B" in k)  # the base
 
 
-async def test_a_line_under_promotion_is_the_promotion_loops_to_take_back(tmp_path, bus):
+def trainer_of(bus, tmp_path, *names: str, registry=None) -> SimpleNamespace:
+    """What of a train loop a rollback touches: its trainer (`names` its adapters) and their versions."""
     config = load_config(None, ["adapters.kind=lora"])
     trainer = Trainer(load_model("tiny")[0], config.actor, config.train, config.adapters)
-    versions = AdapterVersions(AdapterStore(tmp_path), bus, interval=1, registry=await Registry.open(bus))
-    loop = SimpleNamespace(trainer=trainer, adapter_versions=versions)
-    for name in ("acme", ADA):
+    for name in names:
         trainer.adapters.ensure(name)
-    asked = [AuditEntry(id=name, actor="cli", action=ROLLBACK, target=name, details={"adapter": name, "version": 0})
-             for name in ("acme", ADA)]
+    return SimpleNamespace(trainer=trainer, adapter_versions=AdapterVersions(AdapterStore(tmp_path), bus, 1, registry=registry))
 
-    tenants, adas = [await carry_out(loop, request) for request in asked]
+
+def asked(name: str) -> AuditEntry:
+    return AuditEntry(id=f"to-start-{name}", actor="cli", action=ROLLBACK, target=name,
+                      details={"adapter": name, "version": 0})
+
+
+async def test_a_line_under_promotion_is_the_promotion_loops_to_take_back(tmp_path, bus):
+    loop = trainer_of(bus, tmp_path, "acme", ADA, registry=await Registry.open(bus))
+    versions = loop.adapter_versions
+
+    tenants, adas = [await carry_out(loop, asked(name)) for name in ("acme", ADA)]
 
     assert not tenants.ok and "under promotion" in tenants.message and "--adapter acme" in tenants.message
     assert adas.ok and adas.version == 1 and versions.versions[ADA] == 1  # a user's own is nobody's line
+
+
+async def test_a_request_that_failed_is_carried_out_at_the_next_step(tmp_path, bus):
+    loop = trainer_of(bus, tmp_path, ADA)
+    requests = AuditRequests(bus, Checkpoints(tmp_path / "checkpoints", keep=1))
+    requests.pending = [request := asked(ADA)]
+    roll_back = loop.adapter_versions.roll_back
+
+    async def failing_once(*args):
+        loop.adapter_versions.roll_back = roll_back
+        raise OSError("the store's disk is full")
+
+    loop.adapter_versions.roll_back = failing_once
+    with pytest.raises(OSError):
+        await requests.apply(loop)
+    assert requests.pending == [request] and loop.adapter_versions.versions == {}
+
+    assert await requests.apply(loop) and requests.pending == []
+    assert loop.adapter_versions.versions[ADA] == 1 and not await requests.apply(loop)

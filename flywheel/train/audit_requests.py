@@ -1,6 +1,6 @@
 """What operators ask of the trainer on the audit log (`adapters.kind: lora`): forgetting a tenant or
-an end user (`forget`: flywheel/train/forget_adapters.py) and taking an end user's adapter back to
-an earlier version (`adapter.rollback`: flywheel/train/adapter_rollback.py).
+an end user (`forget`: flywheel/train/forget_adapters.py) and taking an adapter back to an earlier
+version (`adapter.rollback`: flywheel/train/adapter_rollback.py).
 
 `AuditRequests.follow` reads the audit log in the background, as every gateway does (the loops
 share only the bus); between two steps `apply` carries out what it heard, in the log's order, and
@@ -52,13 +52,18 @@ class AuditRequests:
                 self.since = entry.created_at  # a follow started again reads the log from its start
 
     async def apply(self, loop: TrainLoop) -> bool:
-        """Carry out in `loop` what was asked since the last call; whether anything was."""
-        pending, self.pending = self.pending, []
-        for action, run in itertools.groupby(pending, key=lambda entry: entry.action):
-            entries = list(run)
-            if action == "forget":  # together: the checkpoints are rewritten once
-                await forget(loop, self.bus, [(e.details["tenant"], e.details.get("user")) for e in entries])
+        """Carry out in `loop` what was asked since the last call, in order; whether anything was.
+        A request stays pending until it is carried out: one that raised is tried again at the next
+        step (the loop's step fails meanwhile, as it does while the bus is away)."""
+        applied = False
+        while self.pending:
+            first = self.pending[0]
+            if first.action == "forget":  # those in a row together: the checkpoints are rewritten once
+                run = list(itertools.takewhile(lambda entry: entry.action == "forget", self.pending))
+                await forget(loop, self.bus, [(e.details["tenant"], e.details.get("user")) for e in run])
             else:
-                for entry in entries:
-                    await roll_back(loop, self.bus, entry)
-        return bool(pending)
+                run = [first]
+                await roll_back(loop, self.bus, first)
+            del self.pending[:len(run)]
+            applied = True
+        return applied
