@@ -72,6 +72,21 @@ def test_forgetting_drops_a_users_hints_or_a_tenants_and_older_trajectories_stay
     assert memory.recall(trajectory("cy", tenant="other")) == ["Be brief."]
 
 
+def test_a_forget_heard_again_drops_nothing_the_person_gave_after_it():
+    """The judge reads every forget on the audit log before it restores its people's memory, then
+    follows the log from its start (after a restart, or a fault of its follower): a forget of
+    someone who came back since is heard again, and what they gave since stays."""
+    memory = HintMemory(size=4)
+    memory.teach(trajectory("ada"), {0: "Be formal."})
+    memory.teach(trajectory("bob"), {0: "Use bullets."})
+    memory.forget("open", "ada", at=1001.0)
+    memory.teach(trajectory("ada", created_at=1002.0), {0: "Call me Ada."})  # back: a new start
+    memory.forget("open", "ada", at=1001.0)  # the same forget, heard again
+    assert memory.recall(trajectory("ada")) == ["Call me Ada."]
+    memory.forget("open", None, at=1001.5)  # a forget first heard drops all it covers (fail closed)
+    assert memory.recall(trajectory("ada")) == [] and memory.recall(trajectory("bob")) == []
+
+
 def test_people_are_bounded_those_given_a_hint_least_recently_first():
     memory = HintMemory(size=1, max_people=2)
     for user in ("a", "b", "c"):

@@ -30,6 +30,8 @@ class PeopleMemory(Generic[T]):
         self._kept: OrderedDict[tuple[str, str, str], deque[T]] = OrderedDict()
         self._forgotten = Forgettings()
         """Who was forgotten, and when (Unix time)."""
+        self._made: dict[tuple[str, str, str], float] = {}
+        """When the oldest thing kept of each person was made (at most: the oldest may have been pushed out)."""
 
     @staticmethod
     def person(trajectory: Trajectory) -> tuple[str, str, str]:
@@ -58,17 +60,21 @@ class PeopleMemory(Generic[T]):
             return
         before = self._kept.pop(person, None)
         kept = deque(maxlen=self.size) if replace or before is None else before
+        self._made[person] = made if kept is not before else min(self._made[person], made)
         for item in items:
             for same in [old for old in kept if self.key(old) == self.key(item)]:
                 kept.remove(same)
             kept.append(item)
         self._kept[person] = kept
         while len(self._kept) > self.max_people:
-            self._kept.popitem(last=False)
+            del self._made[self._kept.popitem(last=False)[0]]
 
     def forget(self, tenant: str, user: str | None, at: float) -> None:
         """Drop what a tenant gave, or one end user; forgotten at time `at` (a trajectory collected
-        until then is not remembered again)."""
+        until then is not remembered again). A forget heard again (the judge reads the audit log
+        from its start after a restart) drops nothing a person gave after it, when they came back."""
+        again = self._forgotten.since(tenant, user, at)
         self._forgotten.add(tenant, user, at)
-        for person in [person for person in self._kept if forgets((tenant, user), (person[0], person[2]))]:
-            del self._kept[person]
+        for person in [person for person in self._kept if forgets((tenant, user), (person[0], person[2]))
+                       and not (again and self._made[person] > at)]:
+            del self._kept[person], self._made[person]
