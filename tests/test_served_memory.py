@@ -17,9 +17,9 @@ from nats.js.api import StreamConfig
 
 from flywheel.bus import Sample, Trajectory
 from flywheel.bus.instructions import Instructions, addressed
-from flywheel.bus.records import decode, encode
+from flywheel.bus.records import AuditEntry, decode, encode
 from flywheel.bus.scan import take_all
-from flywheel.bus.streams import MEMORY, MEMORY_SUBJECTS, memory_subject
+from flywheel.bus.streams import AUDIT_SUBJECT, MEMORY, MEMORY_SUBJECTS, memory_subject
 from flywheel.config import load_config
 from flywheel.judge.instruction_memory import InstructionMemory
 from flywheel.judge.loop import JudgeLoop
@@ -387,3 +387,42 @@ async def test_in_the_user_message_the_prompt_holds_them_and_the_judges_read_the
     chain = trajectories["ada-r"]
     assert len(chain.segments) == 1 and [t.instructions for t in chain.turns] == [[SHORTER], [SHORTER]]
     assert [request_text(t) for t in chain.turns] == ["Greet me.", "Too long, again."]
+
+
+async def test_a_gateway_misses_no_forget_made_while_it_starts_or_while_its_follower_fails(nats_url, tmp_path, bus,
+                                                                                           monkeypatch):
+    """A forget made after a starting gateway read the audit log and the instructions, before it
+    follows the log, reaches it; and one its follower failed on is taken again when it resumes
+    (the follower resumed from the log's end before: neither was ever heard)."""
+    for user in ("ada", "bob"):
+        await bus.publish(memory_subject("open", user), instructions(user, [SHORTER]))
+    read_whole = ServedMemory.read.__func__
+
+    async def forget_meanwhile(cls, *args, **kwargs):
+        read = await read_whole(cls, *args, **kwargs)
+        await bus.publish(AUDIT_SUBJECT, AuditEntry(id="ada", actor="cli", action="forget", target="open/ada",
+                                                    details={"tenant": "open", "user": "ada"}))
+        return read
+
+    monkeypatch.setattr(ServedMemory, "read", classmethod(forget_meanwhile))
+    serve = ServeLoop(load_config(None, [f"run_dir={tmp_path}", "serve.port=0", "memory.enabled=true"]), nats_url)
+    await serve.start()
+    try:
+        served = lambda user: serve.memory.instructions(chat(user, None)[1]).instructions  # noqa: E731
+        await until(lambda: served("ada") == (), timeout_s=10)
+        assert served("bob") == (SHORTER,)
+        forget_cached, failures = serve.app.state.forget_cached, []
+
+        def failing_once(*args):
+            if not failures:
+                failures.append(args)
+                raise ConnectionError("a passing fault")
+            forget_cached(*args)
+
+        serve.app.state.forget_cached = failing_once
+        await bus.publish(AUDIT_SUBJECT, AuditEntry(id="bob", actor="cli", action="forget", target="open/bob",
+                                                    details={"tenant": "open", "user": "bob"}))
+        await until(lambda: served("bob") == (), timeout_s=10)
+        assert failures  # the first try failed
+    finally:
+        await serve.stop()

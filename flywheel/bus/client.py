@@ -18,7 +18,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator, Iterable, Mapping
+from collections.abc import AsyncIterator, Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -331,7 +331,7 @@ class Bus:
         the subject (the stream's other subjects are skipped by the server). For a sample of
         recent history; a record that does not decode is logged and skipped."""
         stream = await self.js.find_stream_name_by_subject(subject)
-        last = (await self.js.stream_info(stream)).state.last_seq
+        last = await self.last_seq(stream)
         seq, kind = max(1, last - window + 1), carried_by(subject)
         while seq <= last:
             try:
@@ -346,14 +346,21 @@ class Bus:
             except (msgspec.ValidationError, msgspec.DecodeError) as exc:
                 log.error("ignoring malformed %s record at %s #%d: %s", kind.__name__, stream, raw.seq, exc)
 
+    async def last_seq(self, stream: str) -> int:
+        """The stream's last sequence now (0: empty): to follow it later from here (`after_seq`)."""
+        return (await self.js.stream_info(stream)).state.last_seq
+
     async def follow(self, subject: str, from_last: bool = True, newest_only: bool = False,
-                     from_first: bool = False, after_seq: int | None = None) -> AsyncIterator[Record]:
+                     from_first: bool = False, after_seq: int | None = None,
+                     on_seq: Callable[[int], None] | None = None) -> AsyncIterator[Record]:
         """Every new record on a subject (starting with the newest existing one if `from_last`,
         with every one the stream holds if `from_first`, with those after stream sequence
         `after_seq` if given: what a scan of the stream did not read), through an ephemeral
         ordered consumer: for state every process must see, like weights. `newest_only`: of
         records that arrived together (a backlog after the bus was away, or while the caller was
-        busy) only the newest, for state where it supersedes the rest."""
+        busy) only the newest, for state where it supersedes the rest. `on_seq` is given each
+        record's stream sequence once the caller has taken it (asked for the next): where to
+        follow again from after a fault, the record the caller failed on included."""
         queue: asyncio.Queue[Msg] = asyncio.Queue()
         policy = DeliverPolicy.ALL if from_first else DeliverPolicy.LAST if from_last else DeliverPolicy.NEW
         config = None
@@ -370,6 +377,8 @@ class Bus:
                     yield decode(await read_payload(self, msg.data, msg.headers), kind)
                 except (msgspec.ValidationError, msgspec.DecodeError) as exc:
                     log.error("ignoring malformed %s record: %s", kind.__name__, exc)
+                if on_seq is not None:
+                    on_seq(msg.metadata.sequence.stream)
         finally:
             await sub.unsubscribe()
 

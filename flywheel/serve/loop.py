@@ -32,7 +32,7 @@ import uvicorn
 from flywheel.bus import WEIGHTS_SUBJECT, Bus, WeightUpdate, addresses
 from flywheel.bus.addresses import write_address
 from flywheel.bus.records import AuditEntry
-from flywheel.bus.streams import AUDIT_SUBJECT, MEMORY_SUBJECTS, ROUTING_SUBJECT, TRAFFIC
+from flywheel.bus.streams import AUDIT, AUDIT_SUBJECT, MEMORY_SUBJECTS, ROUTING_SUBJECT, TRAFFIC
 from flywheel.config import ConfigError, FlywheelConfig
 from flywheel.config.serve import ServeConfig
 from flywheel.config.tenants import retention_s
@@ -64,7 +64,6 @@ from flywheel.versions.records import Arm, Routing
 from flywheel.versions.registry import Registry
 
 log = logging.getLogger(__name__)
-
 
 
 class ServeLoop:
@@ -117,6 +116,7 @@ class ServeLoop:
         self.tenant_registry = await TenantRegistry.open(self.bus)
         for entry in await self.tenant_registry.current():  # before the first request: a revoked key opens nothing
             self.tenants.apply(entry)
+        self._audit_read = await self.bus.last_seq(AUDIT.name)  # forgets from here on reach what is read next
         self.adapters = AdapterLoading(self.pool, self.config.run_dir, self.routed)
         if personal := self.config.adapters.kind == "lora" and cfg.role == "policy":  # a judge's or the gate's: the base
             await self.adapters.load_stored()
@@ -246,13 +246,13 @@ class ServeLoop:
 
     async def _follow_forgetting(self) -> None:
         """A tenant or user forgotten anywhere (`flywheel forget`, any gateway's admin route) is
-        forgotten from this gateway's memory too: its session continuations, its stored responses,
-        its people's instructions (`memory.enabled`); and its LoRA adapters (`adapter_store.owned_by`)
-        from every engine, so the user's next request is served as a new user's (their adapter's
-        version 0: its origin, or the base).
-        Those adapters are unloaded again once the trainer says it dropped them (`forget.adapters`,
-        flywheel/train/forget_adapters.py): a version a step under way published meanwhile goes too."""
-        async for entry in self.bus.follow(AUDIT_SUBJECT, from_last=False):
+        forgotten here too: session continuations, stored responses, instructions (`memory`); its
+        LoRA adapters (`adapter_store.owned_by`) leave every engine, so the user's next request is a
+        new user's (version 0), and again once the trainer dropped them (`forget.adapters`): a
+        version a step under way published meanwhile goes too. Followed from before the start read
+        adapters and instructions, after a fault from the last entry taken: none is missed."""
+        async for entry in self.bus.follow(AUDIT_SUBJECT, after_seq=self._audit_read,
+                                           on_seq=lambda seq: setattr(self, "_audit_read", seq)):
             assert isinstance(entry, AuditEntry)
             if entry.action not in (*FORGETTING, DROPPED):
                 continue

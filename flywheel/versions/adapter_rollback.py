@@ -65,7 +65,7 @@ async def request_rollback(bus: Any, store: AdapterStore, adapter: str, target: 
         version = previous_version(store, adapter)
     request = AuditEntry(id=uuid.uuid4().hex, actor=operator, action=ROLLBACK, target=target,
                          details={"adapter": adapter, "version": version, "reason": reason})
-    before = (await bus.js.stream_info(AUDIT.name)).state.last_seq  # the answer comes after the request
+    before = await bus.last_seq(AUDIT.name)  # the answer comes after the request
     await bus.publish(AUDIT_SUBJECT, request)
     answers = bus.follow(AUDIT_SUBJECT, after_seq=before)
     try:
