@@ -146,10 +146,15 @@ async def test_a_tenants_key_takes_its_own_users_adapter_back_to_its_start_and_r
             await published(serve, ADA, 4)  # trained on that turn
             async with httpx.AsyncClient(base_url=serve.url, headers={"Authorization": "Bearer root"}) as http:
                 again = await http.post("/admin/adapters/rollback", json={"tenant": "acme", "user": "ada", "version": 2})
+                for body in ({"tenant": "../acme"}, {"tenant": ".hidden"}, {"tenant": "a/b", "user": "ada"}):
+                    odd = await http.post("/admin/adapters/rollback", json=body)  # no adapter is named so
+                    assert odd.status_code == 404 and odd.json()["error"]["code"] == "adapter_not_found"
             assert again.status_code == 200 and again.json()["version"] == 5
             assert same(weights(tmp_path, ADA, 5), second)
             nobody = await flywheel_rollback(tmp_path, nats_url, "--tenant", "acme", "--user", "bob")  # the trainer's refusal
             assert nobody.returncode == 1 and "acme/bob has no adapter here" in nobody.stdout
+            odd = await flywheel_rollback(tmp_path, nats_url, "--adapter", "../acme")
+            assert odd.returncode == 1 and "../acme has no adapter here" in odd.stdout
     base = recomputed_logprobs(load_model("tiny")[0], served.prompt_ids, served.output_ids)
     assert set(served.output_versions) == {3}
     torch.testing.assert_close(torch.tensor(served.output_logprobs), torch.tensor(base), atol=2e-4, rtol=0)

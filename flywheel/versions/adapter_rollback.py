@@ -32,7 +32,7 @@ from typing import Any
 
 from flywheel.bus.records import AuditEntry
 from flywheel.bus.streams import AUDIT, AUDIT_SUBJECT
-from flywheel.models.adapter_store import AdapterStore
+from flywheel.models.adapter_store import NAME, AdapterStore
 
 ROLLBACK = "adapter.rollback"
 """The audit action of an operator's request."""
@@ -51,8 +51,9 @@ class RollbackResult:
 
 
 def previous_version(store: AdapterStore, name: str) -> int:
-    """The version before `name`'s newest in `store` (0, its start, when it has no other)."""
-    versions = store.versions(name)
+    """The version before `name`'s newest in `store` (0, its start, when it has no other, or no
+    adapter may have its name: the trainer refuses it)."""
+    versions = store.versions(name) if NAME.fullmatch(name) else []
     return versions[-2] if len(versions) > 1 else 0
 
 

@@ -30,6 +30,7 @@ from fastapi import FastAPI, Request
 from pydantic import Field
 
 from flywheel.models.adapter_names import user_adapter
+from flywheel.models.adapter_store import NAME
 from flywheel.serve.adapter_loading import AdapterLoading
 from flywheel.serve.api.errors import APIError
 from flywheel.serve.api.sessions import header_text
@@ -54,8 +55,8 @@ def install_adapter_routes(app: FastAPI, bus: Any, adapters: AdapterLoading | No
     """The routes above; `adapters`: the gateway's (None where the deployment trains none)."""
 
     def stored(name: str, param: str) -> str:
-        """`name`; 404 unless the store has a version of it."""
-        if adapters is None or not adapters.store.versions(name):
+        """`name`; 404 unless the store has a version of it (a name no adapter may have included)."""
+        if adapters is None or not NAME.fullmatch(name) or not adapters.store.versions(name):
             raise APIError(404, "no such adapter: this user has none of their own" if "." in name else
                            f"no such adapter: {name!r}", param, "adapter_not_found")
         return name
