@@ -32,6 +32,7 @@ OPERATIONS = {
     "/v1/sessions/{session_id}/feedback": {"post"},
     "/v1/sessions/{session_id}/end": {"post"},
     "/v1/models": {"get"},
+    "/v1/memory": {"get"},
     "/v1/adapter": {"get"},  # the end user's own adapter: named in X-User-Id, which the schema does not hold (400)
     "/v1/adapter/rollback": {"post"},
     "/health": {"get"},

@@ -426,3 +426,30 @@ async def test_a_gateway_misses_no_forget_made_while_it_starts_or_while_its_foll
         assert failures  # the first try failed
     finally:
         await serve.stop()
+
+
+async def test_a_person_sees_what_the_memory_gives_them_and_nobody_elses(nats_url, tmp_path, bus):
+    """`GET /v1/memory`: the instructions the person named in X-User-Id is served, under the
+    caller's tenant only; a tenant whose people are kept out of the memory says it is off."""
+    await bus.publish(memory_subject("acme", "ada"), instructions("ada", [SHORTER, NAME], tenant="acme"))
+    await bus.publish(memory_subject("other", "ada"), instructions("ada", [LIST], tenant="other"))
+    tenants = "tenants={acme: {keys: [acme-key]}, other: {keys: [other-key], memory: false}}"
+    serve = ServeLoop(load_config(None, [f"run_dir={tmp_path}", "serve.port=0", "memory.enabled=true", tenants]),
+                      nats_url)
+    await serve.start()
+    try:
+        async with httpx.AsyncClient(base_url=serve.url) as http:
+            async def memory_of(key: str, user: str | None) -> dict:
+                headers = {"Authorization": f"Bearer {key}", **({"X-User-Id": user} if user else {})}
+                response = await http.get("/v1/memory", headers=headers)
+                assert response.status_code == 200, response.text
+                return response.json()
+
+            adas = await memory_of("acme-key", "ada")
+            assert adas["enabled"] and adas["instructions"] == [SHORTER, NAME]
+            assert (await memory_of("acme-key", "bob"))["instructions"] == []
+            assert (await memory_of("acme-key", None))["instructions"] == []  # the tenant's unnamed traffic
+            assert await memory_of("other-key", "ada") == {"object": "memory", "enabled": False, "instructions": [],
+                                                          "aspects": []}
+    finally:
+        await serve.stop()

@@ -141,14 +141,19 @@ class ServedMemory:
         pinned = None if session.anonymous else self._sessions.get(session.session_id)
         if pinned is not None and pinned[0] == person:
             return pinned[1]
-        current, expires = self._people.peek(person) or (Served(), 0.0)
-        if current.instructions and expires <= time.time():
-            self._people.pop(person)
-            current = Served()
+        current = self.of(*person)
         if any(GREETING in text for text in current.instructions):
             current = greeted(current, names_in([{"role": m.role, "content": m.text()} for m in messages]), self.opening)
         if not session.anonymous:
             self._sessions[session.session_id] = (person, current)
+        return current
+
+    def of(self, tenant: str, user: str | None) -> Served:
+        """A person's instructions now (dropped once their record's time is up)."""
+        current, expires = self._people.peek((tenant, user)) or (Served(), 0.0)
+        if current.instructions and expires <= time.time():
+            self._people.pop((tenant, user))
+            return Served()
         return current
 
     def applied(self, body: Any, session: SessionInfo) -> tuple[Any, Served]:
