@@ -82,6 +82,7 @@ def test_slots_numbered_alike_under_two_uid_bases_keep_their_episodes_apart(monk
         for episode in episodes:
             episode.close()
 
+
 async def test_an_episode_through_the_endpoint_is_one_trajectory_graded_by_the_tests(nats_url, tmp_path, bus, swe):
     overrides = ["rollout.env=swe", "rollout.episode.max_turns=3", "rollout.sampling.max_new_tokens=16"]
     async with platform(nats_url, tmp_path, *overrides) as (serve, collect, _):

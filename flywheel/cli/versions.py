@@ -140,13 +140,15 @@ def _said(console: Console, ok: bool, message: str) -> int:
     return 0 if ok else 1
 
 
-async def run(args: argparse.Namespace, url: str, console: Console) -> int:
+async def run(args: argparse.Namespace, url: str, console: Console, adapters: Path,
+              trainers: tuple[str, str] | None) -> int:
+    """The command on the bus; `trainers`: (adapter, whose) when its rollback is the trainer's
+    (the version before its newest read from the store in `adapters`)."""
     bus = await Bus.connect(url, name="versions-cli")
     try:
-        if args.trainers is not None:  # an adapter no promotion loop has a line of: the trainer's to take back
-            name, target = args.trainers
-            store = AdapterStore(Path(args.run_dir) / "adapters")
-            result = await request_rollback(bus, store, name, target, args.version, args.reason, args.operator,
+        if trainers is not None:  # an adapter no promotion loop has a line of: the trainer's to take back
+            name, target = trainers
+            result = await request_rollback(bus, AdapterStore(adapters), name, target, args.version, args.reason, args.operator,
                                             args.timeout_s)
             return _said(console, result.ok, result.message)
         registry = await Registry.open(bus)
@@ -206,14 +208,15 @@ def main(args: argparse.Namespace) -> int:
     if args.tenant is not None and args.user is None and args.action == "rollback":
         args.parser.error("rollback --tenant needs --user (a tenant's adapter's line: --adapter)")
     config = load(args)
-    args.run_dir, args.trainers = config.run_dir, None
+    trainers = None
     if args.action == "rollback" and args.user is not None:
-        args.trainers = (user_adapter(args.tenant, args.user), f"{args.tenant}/{args.user}")
+        trainers = (user_adapter(args.tenant, args.user), f"{args.tenant}/{args.user}")
     elif args.action == "rollback" and args.adapter is not None and not config.promotion.enabled:
-        args.trainers = (args.adapter, args.adapter)
-    if args.trainers is not None and config.adapters.kind != "lora":
+        trainers = (args.adapter, args.adapter)
+    if trainers is not None and config.adapters.kind != "lora":
         args.parser.error("rollback: the configuration trains no adapters (adapters.kind: none)")
+    adapters = Path(config.run_dir) / "adapters"
     if args.action == "adapters":
-        Console(width=160).print(adapter_table(AdapterStore(Path(config.run_dir) / "adapters"), args.tenant, args.user))
+        Console(width=160).print(adapter_table(AdapterStore(adapters), args.tenant, args.user))
         return 0
-    return asyncio.run(run(args, bus_url(config), Console(width=160)))
+    return asyncio.run(run(args, bus_url(config), Console(width=160), adapters, trainers))

@@ -3,9 +3,9 @@
 `grade(task, diff)` exports the task's buggy tree into its slot's sandbox working directory
 (`workdirs.slot_workdir`, emptied first: what a grading killed mid-run left goes with the
 slot's next grading instead of piling up), applies the candidate diff without its changes to
-test files and pytest configuration (`testpaths.is_test_path`: a fix cannot make a test pass by editing it), then the task's
-`test_patch` if it has one (SWE-bench), runs the task's test command in the sandbox with the
-report plugin, and returns an `flywheel.envs.base.Grade`:
+test files and pytest configuration (`testpaths.is_test_path`: a fix cannot make a test pass by
+editing it), then the task's `test_patch` if it has one (SWE-bench), runs the task's test command
+in the sandbox with the report plugin, and returns an `flywheel.envs.base.Grade`:
 
     reward   1.0 iff every FAIL_TO_PASS and every PASS_TO_PASS test passed, else 0.0
     details  resolved (bool), applied (bool), reason (why not resolved; "" when resolved),
