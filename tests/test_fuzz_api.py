@@ -32,7 +32,7 @@ OPERATIONS = {
     "/v1/sessions/{session_id}/feedback": {"post"},
     "/v1/sessions/{session_id}/end": {"post"},
     "/v1/models": {"get"},
-    "/v1/memory": {"get"},
+    "/v1/memory": {"get", "delete"},  # a person: named in X-User-Id (a DELETE without one: 400)
     "/v1/adapter": {"get"},  # the end user's own adapter: named in X-User-Id, which the schema does not hold (400)
     "/v1/adapter/rollback": {"post"},
     "/health": {"get"},
@@ -42,11 +42,13 @@ OPERATIONS = {
     "/admin/tenants/{name}/keys/{key_id}": {"delete"},
     "/admin/forget": {"post"},
     "/admin/adapters/rollback": {"post"},
+    "/admin/memory/clear": {"post"},
     "/admin/audit": {"get"},
 }
 
 WITH_BODY = {"/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/messages", "/v1/messages/count_tokens",
-             "/v1/sessions/{session_id}/feedback", "/v1/adapter/rollback", "/admin/adapters/rollback"}
+             "/v1/sessions/{session_id}/feedback", "/v1/adapter/rollback", "/admin/adapters/rollback",
+             "/admin/memory/clear"}
 
 
 @pytest.fixture(scope="module")

@@ -108,7 +108,7 @@ def test_no_file_of_the_package_or_the_benchmarks_is_over_400_lines():
 def test_no_test_module_imports_another():
     tests = ROOT / "tests"
     shared = {"factories", "bus_reading", "waiting", "conftest", "adapter_training", "peft_adapters",
-              "engine_adapters", "tenant_traffic", "file_groups"}
+              "engine_adapters", "tenant_traffic", "file_groups", "served_people"}
     own = {path.stem for path in tests.glob("*.py")} - shared
     imports = [
         f"{path.name}:{line} imports {module}"

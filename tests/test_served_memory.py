@@ -27,14 +27,13 @@ from flywheel.judge.next_state import request_text
 from flywheel.judge.wishes import ASPECTS, Wish
 from flywheel.serve.api.chat import ChatCompletionRequest, CompletionRequest
 from flywheel.serve.api.messages import MessagesRequest
-from flywheel.serve.api.sessions import session_of
 from flywheel.serve.loop import ServeLoop
-from flywheel.serve.ops.tenants import OPEN, Grant
 from flywheel.serve.served_memory import Served, ServedMemory
 from flywheel.tenants.forget import forget
 
 from bus_reading import collected, read
 from factories import make_turn, platform
+from served_people import chat, instructions
 from waiting import until
 
 SHORTER, NAME, LIST, FORMAL = ASPECTS["shorter"], ASPECTS["name"], ASPECTS["list"], ASPECTS["formal"]
@@ -106,18 +105,6 @@ def test_a_forgotten_persons_older_corrections_are_not_read_again():
     assert memory.read(*corrected("ada", ["Call me Ada."], [-1.0], created_at=1000.5)) is None
     assert memory.read(*corrected("ada", ["Call me Ada."], [-1.0], created_at=1002.0)).instructions == [NAME]
     assert memory.read(*corrected("ada", [TOO_LONG], [-1.0], created_at=1000.8)) is None  # still before it
-
-
-def chat(user: str | None, session: str | None, system: str | None = None, tenant: str = "open", role: str = "system"):
-    messages = ([{"role": role, "content": system}] if system else []) + [{"role": "user", "content": "Hi"}]
-    headers = {**({"x-session-id": session} if session else {}), **({"x-user-id": user} if user is not None else {})}
-    return ChatCompletionRequest(model="tiny", messages=messages), session_of(headers, None, None, grant=Grant(tenant, OPEN.training, True))
-
-
-def instructions(user: str | None, said: list[str], tenant: str = "open", read_from: float = 1000.0,
-                 written: float | None = None) -> Instructions:
-    return Instructions(id=f"{tenant}-{user}-{read_from}", tenant=tenant, user_id=user, instructions=said, read=[],
-                        turns=[], read_from=read_from, created_at=time.time() if written is None else written)
 
 
 async def test_the_memory_stream_keeps_each_persons_newest_record_and_a_start_reads_only_those(bus, monkeypatch):
@@ -424,32 +411,5 @@ async def test_a_gateway_misses_no_forget_made_while_it_starts_or_while_its_foll
                                                     details={"tenant": "open", "user": "bob"}))
         await until(lambda: served("bob") == (), timeout_s=10)
         assert failures  # the first try failed
-    finally:
-        await serve.stop()
-
-
-async def test_a_person_sees_what_the_memory_gives_them_and_nobody_elses(nats_url, tmp_path, bus):
-    """`GET /v1/memory`: the instructions the person named in X-User-Id is served, under the
-    caller's tenant only; a tenant whose people are kept out of the memory says it is off."""
-    await bus.publish(memory_subject("acme", "ada"), instructions("ada", [SHORTER, NAME], tenant="acme"))
-    await bus.publish(memory_subject("other", "ada"), instructions("ada", [LIST], tenant="other"))
-    tenants = "tenants={acme: {keys: [acme-key]}, other: {keys: [other-key], memory: false}}"
-    serve = ServeLoop(load_config(None, [f"run_dir={tmp_path}", "serve.port=0", "memory.enabled=true", tenants]),
-                      nats_url)
-    await serve.start()
-    try:
-        async with httpx.AsyncClient(base_url=serve.url) as http:
-            async def memory_of(key: str, user: str | None) -> dict:
-                headers = {"Authorization": f"Bearer {key}", **({"X-User-Id": user} if user else {})}
-                response = await http.get("/v1/memory", headers=headers)
-                assert response.status_code == 200, response.text
-                return response.json()
-
-            adas = await memory_of("acme-key", "ada")
-            assert adas["enabled"] and adas["instructions"] == [SHORTER, NAME]
-            assert (await memory_of("acme-key", "bob"))["instructions"] == []
-            assert (await memory_of("acme-key", None))["instructions"] == []  # the tenant's unnamed traffic
-            assert await memory_of("other-key", "ada") == {"object": "memory", "enabled": False, "instructions": [],
-                                                          "aspects": []}
     finally:
         await serve.stop()

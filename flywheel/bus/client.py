@@ -15,7 +15,6 @@ larger than a NATS message goes through the object store (`flywheel/bus/large.py
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
 from collections.abc import AsyncIterator, Callable, Iterable, Mapping
@@ -245,10 +244,17 @@ class Bus:
     async def replace(self, subject: str, record: Record) -> None:
         """Publish `record` on a subject whose stream keeps one message a subject (MEMORY), erasing
         the one it replaces first: the stream's limit would remove it without overwriting its bytes."""
-        stream = await self.js.find_stream_name_by_subject(subject)
-        with contextlib.suppress(NotFoundError):
-            await self.js.delete_msg(stream, (await self.js.get_last_msg(stream, subject)).seq)  # nats-py erases
+        await self.erase_last(subject)
         await self.publish(subject, record)
+
+    async def erase_last(self, subject: str) -> bool:
+        """Erase (overwrite, then delete) the newest message of `subject`; whether there was one."""
+        stream = await self.js.find_stream_name_by_subject(subject)
+        try:
+            await self.js.delete_msg(stream, (await self.js.get_last_msg(stream, subject)).seq)  # nats-py erases
+        except NotFoundError:
+            return False
+        return True
 
     async def publish_all(
         self, subject: str, records: list[Record], timeout_s: float = 10.0

@@ -99,6 +99,9 @@ class Turn(Record, kw_only=True):
     messages: list[dict[str, Any]] = msgspec.field(default_factory=list)
     """The chat request's messages as the model was asked them: redacted where the tenant redacts
     input, with the person's served instructions (`memory.*`); empty for `completions`."""
+    memory: bool = True
+    """Whether the served memory took this turn: false where its request said `X-Flywheel-Memory:
+    false` (then it served no instructions, and reads no correction from its conversation)."""
     instructions: list[str] = msgspec.field(default_factory=list)
     """The person's instructions the served memory put in `messages` (`memory.*`: in the system
     message or before the first user message's text)."""

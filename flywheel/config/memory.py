@@ -9,8 +9,10 @@ fixed list. On SmolLM2-135M an app's memory of that kind (the instructions read,
 met people's wishes about as often as their trained adapters did, at once
 (docs/experiments/learning-from-use.md, where this one is measured too); with adapters, the
 adapter learns from the turns served with it. Corrections are read only from turns their person consented to
-train on, and the memory is forgotten with them (`flywheel forget`) and kept no longer than
-their tenant's records (`tenants.NAME.retention_days`). `flywheel tail memory` prints what is
+train on and did not keep out of the memory (`X-Flywheel-Memory: false`); the memory is forgotten
+with them (`flywheel forget`), cleared on their or an operator's request (`DELETE /v1/memory`,
+flywheel/tenants/memory_clear.py) and kept no longer than their tenant's records
+(`tenants.NAME.retention_days`). `flywheel tail memory` prints what is
 kept: each record a person's instructions as of one of their corrections.
 """
 

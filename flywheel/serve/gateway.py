@@ -46,7 +46,7 @@ from flywheel.serve.personal_data import PersonalData
 from flywheel.serve.prompts import PromptBuilder
 from flywheel.serve.recorder import Recorder, RecordLost
 from flywheel.serve.scoring_server import install_scoring_routes
-from flywheel.serve.served_memory import Served, ServedMemory
+from flywheel.serve.served_memory import ServedMemory
 from flywheel.tenants.forgotten import Forgettings
 from flywheel.tenants.sessions import SessionRegistry, SessionUnknown
 
@@ -116,16 +116,6 @@ def create_gateway(pool: EnginePool, tokenizer: Any, recorder: Recorder, model_n
             "object": "list",
             "data": [{"id": model_name, "object": "model", "created": int(stats.started_at), "owned_by": "flywheel"}],
         }
-
-    @app.get("/v1/memory")
-    async def person_memory(request: Request) -> dict[str, Any]:
-        """What the served memory gives the person named in `X-User-Id` (none: the tenant's traffic
-        that names no user) in their prompts: instructions read from their corrections."""
-        tenant, user = request.state.tenant, header_text(request.headers, "x-user-id") or None
-        enabled = memory is not None and tenant not in memory.without
-        served = memory.of(tenant, user) if enabled else Served()
-        return {"object": "memory", "enabled": enabled, "instructions": list(served.instructions),
-                "aspects": list(served.aspects)}
 
     def caller(request: Request) -> dict[str, Any]:
         """Whose request this is and what its key may do, for `session_of`."""

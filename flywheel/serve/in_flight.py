@@ -354,6 +354,7 @@ class Generation:
                 model=self.model_name,
                 endpoint=self.wire.endpoint,
                 messages=[m.model_dump(exclude_none=True) for m in self.body.messages] if self.chat else [],
+                memory=self.session.memory,
                 instructions=list(self.session.instructions),
                 opening=self.forced if self.tool_format is None else "",
                 prompt=self.body.prompt if not self.chat and isinstance(self.body.prompt, str) else None,

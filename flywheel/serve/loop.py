@@ -50,6 +50,7 @@ from flywheel.serve.engine import Engine, torch_threads
 from flywheel.serve.gateway import create_gateway
 from flywheel.serve.ops.metrics import ServeMetrics
 from flywheel.serve.ops.adapter_routes import install_adapter_routes
+from flywheel.serve.ops.memory_routes import install_memory_routes
 from flywheel.serve.ops.tenant_routes import install_tenant_routes
 from flywheel.serve.ops.tenants import TenantDirectory
 from flywheel.serve.ops.version_routes import VersionBoard
@@ -123,12 +124,8 @@ class ServeLoop:
             routing = await (await Registry.open(self.bus)).routing() if self.routed else None
             if routing is not None:  # before the first request, as the stored ones
                 await self.adapters.take_routed(routing)
-        self.memory, self._memory_read = (await ServedMemory.read(
-            self.bus, self.config.memory.template, retention_s(self.config.tenants),
-            without=[name for name, tenant in self.config.tenants.items() if not tenant.memory],
-            placement=self.config.memory.placement, best_of=self.config.memory.best_of,
-            opening=self.config.memory.opened)
-            if self.config.memory.enabled and cfg.role == "policy" else (None, 0))
+        self.memory, self._memory_read = (await ServedMemory.read(self.bus, self.config)
+                                          if self.config.memory.enabled and cfg.role == "policy" else (None, 0))
         self.app = create_gateway(self.pool, tokenizer, self.recorder, self.model_name, cfg, context_length, self.metrics,
                                   self.tenants, sessions, self._adapter_routing(), teaches=self.config.base_teaches,
                                   memory=self.memory)
@@ -137,6 +134,7 @@ class ServeLoop:
         install_tenant_routes(self.app, self.tenants, self.tenant_registry, cfg.admin_key, [spill_dir],
                               Path(self.config.run_dir) / "trained.jsonl")
         install_adapter_routes(self.app, self.bus, self.adapters if personal else None, cfg.admin_key)
+        install_memory_routes(self.app, self.bus, self.memory, cfg.admin_key)
         self.board: VersionBoard | None = None
         if self.routed:
             assert isinstance(self.pool, RoutedPool)
@@ -246,14 +244,16 @@ class ServeLoop:
 
     async def _follow_forgetting(self) -> None:
         """A tenant or user forgotten anywhere (`flywheel forget`, any gateway's admin route) is
-        forgotten here too: session continuations, stored responses, instructions (`memory`); its
-        LoRA adapters (`adapter_store.owned_by`) leave every engine, so the user's next request is a
-        new user's (version 0), and again once the trainer dropped them (`forget.adapters`): a
-        version a step under way published meanwhile goes too. Followed from before the start read
-        adapters and instructions, after a fault from the last entry taken: none is missed."""
+        forgotten here too: session continuations, stored responses, instructions (`memory`, also
+        cleared alone); its LoRA adapters (`adapter_store.owned_by`) leave every engine, so the user's
+        next request is a new user's (version 0), and again once the trainer dropped them
+        (`forget.adapters`): a version a step under way published meanwhile goes too. Followed from
+        before the start read adapters and instructions, after a fault from the last entry taken."""
         async for entry in self.bus.follow(AUDIT_SUBJECT, after_seq=self._audit_read,
                                            on_seq=lambda seq: setattr(self, "_audit_read", seq)):
             assert isinstance(entry, AuditEntry)
+            if self.memory is not None:
+                self.memory.hear(entry)
             if entry.action not in (*FORGETTING, DROPPED):
                 continue
             tenant, user = entry.details["tenant"], entry.details.get("user")

@@ -2,9 +2,11 @@
 
 The gateway reads the MEMORY stream whole before it serves (each person's newest `Instructions`,
 which the judge reads from their corrections: flywheel/judge/instruction_memory.py; after every
-forget on the audit log, so nothing read before one is taken), then follows it, and puts a
-person's instructions in their chat requests (Chat Completions, Responses, Messages; a raw
-completion prompt goes as sent) before the prompt is built, where `memory.placement` says: at the
+forget and clear of the memory on the audit log, so nothing read before one is taken:
+flywheel/tenants/memory_clear.py), then follows it, and puts a person's instructions in their
+chat requests (Chat Completions, Responses, Messages; a raw completion prompt goes as sent; none
+where a request says `X-Flywheel-Memory: false`) before the prompt is built, where
+`memory.placement` says: at the
 end of the system message, or before the text of the conversation's first user message (the
 first, so its prompts go on extending one another and what follows each reply, which the judges
 read, stays the person's own words): the recorded prompt tokens hold them exactly as the model saw
@@ -32,10 +34,12 @@ from typing import Any, NamedTuple
 from flywheel.bus.instructions import GREETING, Instructions, addressed, names_in, placed_before, said
 from flywheel.bus.scan import take_all
 from flywheel.bus.streams import AUDIT, MEMORY
+from flywheel.config import FlywheelConfig
+from flywheel.config.tenants import retention_s
 from flywheel.lru import LRU
 from flywheel.serve.api.chat import ChatCompletionRequest, Message, TextPart
 from flywheel.serve.api.sessions import SessionInfo
-from flywheel.tenants.forgotten import Forgettings, forget_of, forgets
+from flywheel.tenants.forgotten import MEMORY_FORGETTING, Forgettings, forget_of, forgets
 
 SESSIONS = 100_000
 PEOPLE = 1_000_000
@@ -97,17 +101,14 @@ class ServedMemory:
         """Records followed, taken or not (the serve loop's stats: `instructions_taken`)."""
 
     @classmethod
-    async def read(cls, bus: Any, template: str, retention_s: Mapping[str, float],
-                   without: Iterable[str] = (), placement: str = "system", best_of: int = 1,
-                   opening: str = "") -> tuple[ServedMemory, int]:
-        """The memory read whole from `bus`, before a gateway's first request: every forget so
-        far on the audit log, then every record on MEMORY; and the last of those, to follow from."""
-        memory = cls(template, retention_s, without=without, placement=placement, best_of=best_of, opening=opening)
-
-        def heard(entry: Any) -> None:
-            if (forget := forget_of(entry)) is not None:
-                memory.forget(*forget)
-        await take_all(bus, AUDIT.name, heard)
+    async def read(cls, bus: Any, config: FlywheelConfig) -> tuple[ServedMemory, int]:
+        """The memory `config` asks for (`memory.*`, the tenants' `retention_days` and `memory`),
+        read whole from `bus`, before a gateway's first request: every forget and clear so far on
+        the audit log, then every record on MEMORY; and the last of those, to follow from."""
+        memory = cls(config.memory.template, retention_s(config.tenants), placement=config.memory.placement,
+                     without=[name for name, tenant in config.tenants.items() if not tenant.memory],
+                     best_of=config.memory.best_of, opening=config.memory.opened)
+        await take_all(bus, AUDIT.name, memory.hear)
         return memory, await take_all(bus, MEMORY.name, memory.take)
 
     def __len__(self) -> int:
@@ -124,6 +125,11 @@ class ServedMemory:
         expires = record.created_at + self.retention_s.get(record.tenant, MEMORY.max_age_s)
         self._people[person] = (Served(tuple(sys.intern(text) for text in record.instructions),
                                        tuple(sys.intern(aspect) for aspect in record.aspects)), expires)
+
+    def hear(self, entry: Any) -> None:
+        """An entry of the audit log: the people a forget or a clear of the memory covers leave it."""
+        if (heard := forget_of(entry, MEMORY_FORGETTING)) is not None:
+            self.forget(*heard)
 
     def forget(self, tenant: str, user: str | None, at: float) -> None:
         """Drop a tenant's people (or one user) and their sessions' instructions; forgotten at
@@ -160,8 +166,9 @@ class ServedMemory:
         """A chat request with its person's instructions `placed`, and them (recorded on its turns,
         `Turn.instructions`), with the opening of its reply where that is the conversation's first
         (no assistant message yet) and free text (no tools active, no response format that
-        constrains it); any other request as it is, and none."""
-        if not isinstance(body, ChatCompletionRequest) or session.tenant in self.without:
+        constrains it); any other request (one whose person turned the memory off in it:
+        `X-Flywheel-Memory: false`) as it is, and none."""
+        if not isinstance(body, ChatCompletionRequest) or session.tenant in self.without or not session.memory:
             return body, Served()
         served = self.instructions(session, body.messages)
         if (any(m.role == "assistant" for m in body.messages) or body.tools and body.tool_choice != "none"

@@ -152,7 +152,7 @@ async def forget(bus: Any, tenant: str, user: str | None = None, spill_dirs: Ite
     # A user's sessions are known from their records as the streams are read; a second pass takes
     # what came before (an event before their first turn, another's turn or trajectory before theirs).
     for stream in STREAMS * (2 if user is not None else 1):
-        deleted, large = await _delete_matching(bus, stream, matches)
+        deleted, large = await delete_matching(bus, stream, matches)
         report.records[stream] = report.records.get(stream, 0) + deleted
         report.large_objects += large
     report.sample_digests = matches.sample_digests
@@ -170,7 +170,7 @@ async def forget(bus: Any, tenant: str, user: str | None = None, spill_dirs: Ite
     return report
 
 
-async def _delete_matching(bus: Any, stream: str, matches: Matcher) -> tuple[int, int]:
+async def delete_matching(bus: Any, stream: str, matches: Matcher) -> tuple[int, int]:
     """Delete (and overwrite) every message of `stream` whose record matches; (deleted, large objects)."""
     deleted = large = 0
     async for stored in stored_records(bus, stream):

@@ -13,12 +13,17 @@ BEGUN = "forget.begin"
 """The audit entry a forget puts on the log before it deletes anything (`forget`, with its report,
 when it is done): whoever holds traffic stops keeping theirs at once."""
 FORGETTING = frozenset({BEGUN, "forget"})
+CLEARED = "memory.clear"
+"""The audit entry that clears a person's served memory (flywheel/tenants/memory_clear.py): what
+was read of them until then is dropped, as a forget drops it, and nothing else of theirs."""
+MEMORY_FORGETTING = FORGETTING | {CLEARED}
+"""The audit entries whose people leave the served memory."""
 
 
-def forget_of(entry: Any) -> tuple[str, str | None, float] | None:
+def forget_of(entry: Any, actions: frozenset[str] = FORGETTING) -> tuple[str, str | None, float] | None:
     """The tenant, end user (None: all of them) and Unix time of the forget an audit entry begins
-    or ends; None for any other record."""
-    if getattr(entry, "action", None) not in FORGETTING:
+    or ends (or of any of `actions`: `MEMORY_FORGETTING`, a clear too); None for any other record."""
+    if getattr(entry, "action", None) not in actions:
         return None
     return entry.details["tenant"], entry.details.get("user"), entry.created_at
 

@@ -7,12 +7,14 @@ these is a one-turn session of its own (still recorded and trainable: an unpatch
 client must never silently produce nothing). The session belongs to the caller's tenant: on the
 bus its id is namespaced (`TenantDirectory.session`), so another tenant's same id is another
 session. Consent: `X-Flywheel-Train: true|false` and the body's `store` narrow what the key's
-grant allows (`consent_of`); a request not to be kept is served and never recorded. The end user: `X-User-Id`, else the request's `safety_identifier`, `user` or
-`metadata.user_id`. `X-Turn-Type: side` marks turns that are served but
-not trained; `X-Session-Done: true` ends the session with this turn; `X-Task-Id` (or
-`metadata.task_id`) groups sessions of one task, e.g. the samples of one prompt, and
-`X-Group-Size` says how many sessions that group has in all, so the trainer knows when it is
-whole.
+grant allows (`consent_of`); a request not to be kept is served and never recorded.
+`X-Flywheel-Memory: false` keeps a request out of the served memory (`memory.*`: none of the
+person's instructions put in it, none of their corrections read from its conversation). The end
+user: `X-User-Id`, else the request's `safety_identifier`, `user` or `metadata.user_id`.
+`X-Turn-Type: side` marks turns that are served but not trained; `X-Session-Done: true` ends the
+session with this turn; `X-Task-Id` (or `metadata.task_id`) groups sessions of one task, e.g. the
+samples of one prompt, and `X-Group-Size` says how many sessions that group has in all, so the
+trainer knows when it is whole.
 """
 
 from __future__ import annotations
@@ -57,6 +59,8 @@ class SessionInfo:
     done: bool
     anonymous: bool
     """No session id was given: a one-turn session of its own."""
+    memory: bool = True
+    """Whether the served memory may take this request (`X-Flywheel-Memory`, `Turn.memory`)."""
     instructions: tuple[str, ...] = ()
     """The person's instructions the served memory put in this request (`memory.*`)."""
     aspects: tuple[str, ...] = ()
@@ -84,6 +88,14 @@ def consent_of(grant: Grant, headers: Mapping[str, str], store: bool | None) -> 
         return True, True
     train = kept and grant.training == "opt_out" and asked == ""
     return train, kept
+
+
+def memory_of(headers: Mapping[str, str]) -> bool:
+    """Whether the served memory may take a request: `X-Flywheel-Memory`, true where not said."""
+    said = headers.get("x-flywheel-memory")
+    if said is not None and said.strip().lower() not in _TRUE | _FALSE - {""}:
+        raise APIError(400, "X-Flywheel-Memory must be 'true' or 'false'", param="X-Flywheel-Memory")
+    return said is None or said.strip().lower() in _TRUE
 
 
 def header_text(headers: Mapping[str, str], name: str) -> str | None:
@@ -134,6 +146,7 @@ def session_of(headers: Mapping[str, str], metadata: dict[str, str] | None, user
         group_size=int(size_header) if size_header else None,
         done=anonymous or done_header in _TRUE,
         anonymous=anonymous,
+        memory=memory_of(headers),
     )
 
 
