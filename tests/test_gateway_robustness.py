@@ -3,6 +3,7 @@ surrogates, huge integers, deep nesting included) never produce a 5xx, invalid s
 are 400s naming their field, keys are enforced, bodies and concurrency are bounded, metrics are
 exposed, and a real agent framework (LangChain's ChatOpenAI) works unmodified."""
 
+import asyncio
 import contextlib
 import functools
 import json
@@ -264,3 +265,29 @@ async def test_a_request_past_the_concurrency_limit_is_refused_with_retry_after_
         await until(lambda: serve.app.state.limiter.active == 0)  # the closed stream gives its slot back
         ok = await client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "x"}], max_tokens=2)
         assert ok.choices[0].finish_reason in ("stop", "length")
+
+
+async def test_one_tenants_burst_does_not_keep_another_tenant_out(nats_url, tmp_path):
+    """One slot and a line of two: tenant A's stream holds the slot and two more of A's requests
+    wait. B's request takes the newest of A's places (that one is refused, 429) and is answered
+    once A's stream ends; first come, first served refused B."""
+    async with limited(nats_url, tmp_path, "serve.api_keys=[key-a, key-b]", "serve.max_concurrent_requests=1",
+                       "serve.max_queued_requests=2") as serve:
+        limiter = serve.app.state.limiter
+        a, b = (openai.AsyncOpenAI(base_url=f"{serve.url}/v1", api_key=key, max_retries=0) for key in ("key-a", "key-b"))
+        ask = {"model": "tiny", "messages": [{"role": "user", "content": "x"}], "max_tokens": 2}
+        stream = await a.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}],
+                                                 max_tokens=200, stream=True, temperature=0)
+        await anext(aiter(stream))
+        waiting = [asyncio.create_task(a.chat.completions.create(**ask)) for _ in range(2)]
+        await until(lambda: limiter.waiting == 2)
+        bs = asyncio.create_task(b.chat.completions.create(**ask))
+        await until(lambda: any(t.done() for t in (*waiting, bs)))
+        assert not bs.done(), bs.exception()  # waiting in line, not refused
+        [refused] = [t for t in waiting if t.done()]
+        assert isinstance(refused.exception(), openai.RateLimitError) and limiter.waiting == 2
+        await stream.close()
+        assert (await bs).choices[0].finish_reason in ("stop", "length")
+        answers = await asyncio.gather(*waiting, return_exceptions=True)
+        assert [isinstance(answer, openai.RateLimitError) for answer in answers].count(True) == 1
+        await until(lambda: limiter.active == 0)

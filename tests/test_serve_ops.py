@@ -14,7 +14,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from pydantic import BaseModel
 
 from flywheel.config import load_config
-from flywheel.serve.api.errors import install_error_handlers
+from flywheel.serve.api.errors import APIError, install_error_handlers
 from flywheel.serve.ops.auth import install_auth
 from flywheel.serve.ops.limits import (
     ConcurrencyLimiter,
@@ -36,6 +36,7 @@ class StandIn(BaseModel):
     """Wait for the test to open the gate while holding a generation slot."""
     timeout_s: float = 30.0
     padding: str = ""
+    tenant: str = "open"
 
 
 class Gateway:
@@ -50,7 +51,7 @@ class Gateway:
 
         @app.post("/v1/chat/completions")
         async def complete(body: StandIn) -> dict:
-            async with request_timeout(body.timeout_s), self.limiter.slot():
+            async with request_timeout(body.timeout_s), self.limiter.slot(body.tenant):
                 if body.hold:
                     await self.gate.wait()
             self.metrics.tokens(prompt=3, completion=2)
@@ -185,6 +186,47 @@ async def test_overload_is_a_429_with_retry_after_until_slots_free_up():
         assert [r.status_code for r in await asyncio.gather(*held)] == [200, 200, 200]
         assert (await http.post("/v1/chat/completions", json={})).status_code == 200
         assert limiter.active == 0 and limiter.waiting == 0
+
+
+async def test_one_tenants_burst_keeps_no_other_tenant_out_of_line_nor_ahead_of_it():
+    """Two slots and a line of three: A holds both and fills the line. B, arriving at the full line,
+    takes A's newest place (that caller gets the 429), and so does C; a freed slot goes to the waiting
+    tenant that holds the fewest, the first to arrive between equals; a tenant whose own line is as
+    long as the longest but one is refused itself. First come, first served alone would have
+    refused B and C, and served A's three first."""
+    limiter = ConcurrencyLimiter(2, 3, retry_after_s=1)
+    granted: list[str] = []
+
+    async def waits(tenant: str, name: str) -> None:
+        await limiter.acquire(tenant)
+        granted.append(name)
+
+    for _ in range(2):
+        await limiter.acquire("a")
+    a = [asyncio.create_task(waits("a", f"a{k}")) for k in range(3)]
+    await until(lambda: limiter.waiting == 3)
+    b = asyncio.create_task(waits("b", "b"))
+    with pytest.raises(APIError) as refused:
+        await a[2]
+    assert refused.value.status == 429 and refused.value.code == "overloaded"
+    c = asyncio.create_task(waits("c", "c"))
+    with pytest.raises(APIError):
+        await a[1]
+    await until(lambda: limiter.waiting == 3)  # a0, b, c
+    with pytest.raises(APIError):  # b's line (1) is as long as the longest (1) but one: no room made
+        await limiter.acquire("b")
+    assert limiter.rejected == 3 and granted == []
+
+    limiter.release("a")  # a holds 1; b and c none: b came first
+    await b
+    limiter.release("a")  # a, c: none each; a0 came before c
+    await a[0]
+    limiter.release("b")
+    await c
+    assert granted == ["b", "a0", "c"] and limiter.active == 2 and limiter.waiting == 0
+    limiter.release("a")
+    limiter.release("c")
+    assert limiter.active == 0
 
 
 async def test_a_request_timed_out_in_line_is_a_504_and_gives_back_its_place():

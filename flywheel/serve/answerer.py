@@ -118,12 +118,13 @@ class Answerer:
                 await self.sessions.opened(generation.session_of(choice), session.tenant)
         interaction = {"X-Interaction-Id": ",".join(choice.rid for choice in generation.choices)}
         if body.stream:
-            await self.limiter.acquire()  # a 429 must be a real status, before the stream starts
+            await self.limiter.acquire(session.tenant)  # a 429 must be a real status, before the stream starts
             generation.announce()
-            return EventStreamResponse(generation.events(), on_close=self.limiter.release, headers=interaction)
+            return EventStreamResponse(generation.events(), on_close=lambda: self.limiter.release(session.tenant),
+                                       headers=interaction)
         headers.update(interaction)
         try:
-            async with request_timeout(self.config.request_timeout_s), self.limiter.slot():
+            async with request_timeout(self.config.request_timeout_s), self.limiter.slot(session.tenant):
                 generation.announce()
                 return await _unless_client_leaves(generation, request.receive)
         except EngineError as exc:

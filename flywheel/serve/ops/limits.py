@@ -4,7 +4,12 @@
   (`Content-Length`) or only discovered while a chunked body is read. It counts bytes as the app
   reads them and never buffers a body itself.
 - `ConcurrencyLimiter` bounds the generations running at once; a bounded number of callers wait
-  (first come, first served) for a slot, and beyond that a caller gets a 429 with `Retry-After`.
+  for a slot, and beyond that a caller gets a 429 with `Retry-After`. The line is shared fairly
+  between tenants: a freed slot goes to the waiting tenant that holds the fewest (first come,
+  first served within a tenant and between equals), and when the line is full, a caller whose
+  tenant has fewer callers in it than the longest line takes that line's newest place (the caller
+  who had it gets the 429). One tenant's burst fills only its own share: it cannot keep another
+  tenant's requests out, nor ahead of them in line beyond one turn.
 - `request_timeout` turns a request that runs too long into a 504 (`code: timeout`): the gateway
   gave up waiting on its upstream, the engine, which is what 504 Gateway Timeout means (408 says
   the *client* was too slow to send its request). OpenAI's clients retry both.
@@ -14,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import itertools
 import math
 import sys
 from collections.abc import AsyncIterator
@@ -23,6 +29,7 @@ from fastapi import FastAPI
 from starlette.datastructures import Headers
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from flywheel.config.tenants import OPEN_TENANT
 from flywheel.serve.api.errors import APIError, anthropic_path
 
 
@@ -84,7 +91,8 @@ def install_body_limit(app: FastAPI, max_body_bytes: int) -> None:
 
 
 class ConcurrencyLimiter:
-    """At most `max_concurrent` holders of a slot; up to `max_queue` more wait in arrival order."""
+    """At most `max_concurrent` holders of a slot; up to `max_queue` more wait in line, shared fairly
+    between tenants (see the module)."""
 
     def __init__(self, max_concurrent: int, max_queue: int, retry_after_s: float):
         if max_concurrent < 1 or max_queue < 0:
@@ -94,16 +102,18 @@ class ConcurrencyLimiter:
         self.retry_after_s = retry_after_s
         self.active = 0
         """Slots held now."""
+        self.waiting = 0
+        """Callers queued for a slot now."""
         self.rejected = 0
         """Callers turned away with a 429 since start."""
-        self._waiters: collections.deque[asyncio.Future[None]] = collections.deque()
-
-    @property
-    def waiting(self) -> int:
-        """Callers queued for a slot now."""
-        return len(self._waiters)
+        self._held: collections.Counter[str] = collections.Counter()
+        """Slots held by tenant."""
+        self._lines: dict[str, collections.deque[tuple[int, asyncio.Future[None]]]] = {}
+        """Each tenant's callers in line, in arrival order (with their place in the arrivals)."""
+        self._arrivals = itertools.count()
 
     def _overloaded(self) -> APIError:
+        self.rejected += 1
         headers = {
             "Retry-After": str(max(1, math.ceil(self.retry_after_s))),  # HTTP wants whole seconds
             "retry-after-ms": str(round(self.retry_after_s * 1000)),  # what OpenAI's clients read first
@@ -111,43 +121,75 @@ class ConcurrencyLimiter:
         return APIError(429, "server overloaded, retry later", code="overloaded", headers=headers)
 
     @asynccontextmanager
-    async def slot(self) -> AsyncIterator[None]:
+    async def slot(self, tenant: str = OPEN_TENANT) -> AsyncIterator[None]:
         """Hold a slot for the body; waits in line if all are taken, or raises the 429 `APIError`
-        when the line is full too."""
-        await self.acquire()
+        when the line is full too (for `tenant`: see the module)."""
+        await self.acquire(tenant)
         try:
             yield
         finally:
-            self.release()
+            self.release(tenant)
 
-    async def acquire(self) -> None:
+    async def acquire(self, tenant: str = OPEN_TENANT) -> None:
         """What `slot()` does on entry, for a slot held beyond one block (a streamed answer):
-        pair it with exactly one `release()`."""
-        if self.active < self.max_concurrent and not self._waiters:
-            self.active += 1
+        pair it with exactly one `release()` of the same tenant."""
+        if self.active < self.max_concurrent and not self.waiting:
+            self._hold(tenant)
             return
-        if len(self._waiters) >= self.max_queue:
-            self.rejected += 1
+        if self.waiting >= self.max_queue and not self._make_room(tenant):
             raise self._overloaded()
         turn = asyncio.get_running_loop().create_future()
-        self._waiters.append(turn)
+        place = (next(self._arrivals), turn)
+        self._lines.setdefault(tenant, collections.deque()).append(place)
+        self.waiting += 1
         try:
             await turn
         except asyncio.CancelledError:
-            if turn.done() and not turn.cancelled():
-                self.release()  # the slot was handed over just as this caller gave up
-            elif turn in self._waiters:  # (a release may already have skipped past it)
-                self._waiters.remove(turn)
+            if turn.done() and not turn.cancelled() and turn.exception() is None:
+                self.release(tenant)  # the slot was handed over just as this caller gave up
+            elif place in self._lines.get(tenant, ()):  # (a release may already have skipped past it)
+                self._leave(tenant, place)
             raise
 
-    def release(self) -> None:
-        """Hand the slot to the first caller in line (it stays counted in `active`), or free it."""
-        while self._waiters:
-            turn = self._waiters.popleft()
-            if not turn.done():
-                turn.set_result(None)
-                return
+    def release(self, tenant: str = OPEN_TENANT) -> None:
+        """Hand the slot to the first caller in line of the waiting tenant that holds the fewest
+        (it stays counted in `active`), or free it."""
         self.active -= 1
+        self._held[tenant] -= 1
+        if not self._held[tenant]:
+            del self._held[tenant]
+        while self._lines:
+            tenant = min(self._lines, key=lambda t: (self._held[t], self._lines[t][0][0]))
+            place = self._lines[tenant][0]
+            self._leave(tenant, place)
+            if not place[1].done():
+                self._hold(tenant)
+                place[1].set_result(None)
+                return
+
+    def _hold(self, tenant: str) -> None:
+        self.active += 1
+        self._held[tenant] += 1
+
+    def _leave(self, tenant: str, place: tuple[int, asyncio.Future[None]]) -> None:
+        line = self._lines[tenant]
+        line.remove(place)
+        self.waiting -= 1
+        if not line:
+            del self._lines[tenant]
+
+    def _make_room(self, tenant: str) -> bool:
+        """In a full line, the newest place of the longest tenant's line given to `tenant` (its
+        caller refused with the 429), where `tenant`'s own line is shorter; whether there is room."""
+        mine = len(self._lines.get(tenant, ()))
+        longest = max(self._lines, key=lambda t: len(self._lines[t]), default=None)
+        if longest is None or len(self._lines[longest]) <= mine + 1:
+            return False
+        place = self._lines[longest][-1]
+        self._leave(longest, place)
+        if not place[1].done():
+            place[1].set_exception(self._overloaded())
+        return True
 
 
 @asynccontextmanager
