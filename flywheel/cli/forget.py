@@ -1,7 +1,8 @@
 """`flywheel forget --tenant T [--user U] [--retrain]`: remove a tenant's (or one end user's) records
 from the deployment's bus and run directory, and say what went and which versions learned from
 them (`flywheel/tenants/forget.py`); with `--retrain`, rebuild the trainer's weights without their
-samples and publish them as a new version (`flywheel/train/retrain.py`; the trainer must be
+samples and publish them as a new version (`flywheel/train/retrain.py`; with adapters, each
+adapter they trained with others: `flywheel/train/adapter_retrain.py`; the trainer must be
 stopped). Both actions are on the audit log.
 """
 
@@ -38,6 +39,10 @@ def run(args: argparse.Namespace) -> int:
     run_dir = Path(config.run_dir)
     spill_dirs = {Path(config.serve.spill_dir) if config.serve.spill_dir else run_dir / "spill"}
     lock = RunLock(run_dir)
+    if args.retrain and config.adapters.kind == "lora" and config.promotion.enabled:
+        print("flywheel forget: --retrain: adapters are not retrained under promotion (promotion.mode is "
+              f"{config.promotion.mode}); nothing was removed", file=sys.stderr)
+        return 1
     if args.retrain:
         try:
             lock.acquire()  # before anything is removed: their digests are needed to retrain
@@ -52,7 +57,12 @@ def run(args: argparse.Namespace) -> int:
         try:
             report = await forget(bus, args.tenant, args.user, spill_dirs, run_dir / "trained.jsonl", args.operator)
             result = report.as_dict()
-            if args.retrain:
+            if args.retrain and config.adapters.kind == "lora":
+                from flywheel.train.adapter_retrain import retrain_adapters
+
+                result["retrained"] = await retrain_adapters(config, bus, report.sample_digests, args.tenant, args.user,
+                                                             args.operator)
+            elif args.retrain:
                 from flywheel.train.retrain import retrain
 
                 target = args.tenant if args.user is None else f"{args.tenant}/{args.user}"

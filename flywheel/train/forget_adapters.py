@@ -90,20 +90,22 @@ def scrub(checkpoints: Checkpoints, names: set[str]) -> int:
         for table in tables:
             for name in names:
                 table.pop(name, None)
-        _replace(path, state)
-        kept = {a["file"].path.name for a in state["trainer"]["adapters"] if "file" in a}
-        for stray in (path.parent / FILES).glob("*"):  # the forgotten ones the trainer kept on disk (and any a crash left)
-            if stray.name not in kept:
-                stray.unlink()
+        rewrite(path, state)
         rewritten += 1
     return rewritten
 
 
-def _replace(path: Path, state: dict) -> None:
-    """Write `state` to `path` atomically (aside, fsynced, renamed over it)."""
-    aside = path.with_name(f".{path.name}.forget")
+def rewrite(path: Path, state: dict) -> None:
+    """A checkpoint's `state.pt` at `path` replaced by `state` (atomically: aside, fsynced, renamed
+    over it), and the adapter files its `files/` holds that `state` no longer names removed (the
+    trainer kept them on disk; and any a crash left)."""
+    aside = path.with_name(f".{path.name}.rewritten")
     with aside.open("wb") as file:
         torch.save(state, file)
         file.flush()
         os.fsync(file.fileno())
     os.replace(aside, path)
+    kept = {a["file"].path.name for a in state["trainer"].get("adapters", []) if "file" in a}
+    for stray in (path.parent / FILES).glob("*"):
+        if stray.name not in kept:
+            stray.unlink()

@@ -1,4 +1,6 @@
-"""Shared weights rebuilt without forgotten samples: `flywheel forget --tenant T [--user U] --retrain`.
+"""Shared weights rebuilt without forgotten samples: `flywheel forget --tenant T [--user U] --retrain`
+(with `adapters.kind: lora`, the adapters: flywheel/train/adapter_retrain.py, which takes its steps
+again with `take_again` on the samples `held_samples` finds).
 
 `flywheel forget` removes a tenant's or a user's records; the weights trained on their samples
 still hold what they learned. The ledger (`run_dir/trained.jsonl`) says which steps used them,
@@ -74,8 +76,8 @@ async def retrain(config: FlywheelConfig, bus: Any, forgotten: set[str], target:
     """Rebuild the trainer's newest checkpoint without the samples whose digests are `forgotten`
     (see the module docstring); `target` names whom they were forgotten for, on the audit log.
     The caller holds the run directory's `RunLock` (no trainer runs meanwhile)."""
-    if config.adapters.kind == "lora":  # the adapters' trainer is not replayed (yet): forgetting is deleting an adapter
-        raise ConfigError("adapters.kind: retraining without forgotten samples is for the shared weights only")
+    if config.adapters.kind == "lora":  # the adapters': flywheel/train/adapter_retrain.py
+        raise ConfigError("adapters.kind: lora: the adapters are retrained by adapter_retrain.retrain_adapters")
     run_dir = Path(config.run_dir)
     checkpoints = Checkpoints(run_dir / "checkpoints", keep=config.train.keep_checkpoints)
     ledger_path = run_dir / "trained.jsonl"
@@ -86,7 +88,7 @@ async def retrain(config: FlywheelConfig, bus: Any, forgotten: set[str], target:
         return Retrained(0, 0, 0, 0, 0, None)  # no checkpointed weights learned from them
     start = max((s for s in checkpoints.steps() if s < affected[0]), default=0)
     replay = [s for s in steps if start < s["step"] <= newest]
-    held = await _samples(bus, {d for s in replay for d in s["samples"]} - forgotten)
+    held = await held_samples(bus, {d for s in replay for d in s["samples"]} - forgotten)
 
     torch.manual_seed(config.seed)
     model, tokenizer = await asyncio.to_thread(load_model, config.model)
@@ -108,13 +110,7 @@ async def retrain(config: FlywheelConfig, bus: Any, forgotten: set[str], target:
         report.missing += sum(d not in forgotten and d not in held for d in step["samples"])
         if not samples:
             continue
-        batcher = GroupBatcher(batch_size=len(samples), group_timeout_s=0.0)
-        for sample in samples:
-            batcher.add(sample, None)
-        groups = batcher.take()
-        assert groups is not None
-        batch = StepBatch(groups, config, baseline, tokenizer.pad_token_id or 0)
-        await asyncio.to_thread(trainer.step, batch.minibatches)
+        await asyncio.to_thread(take_again, trainer, samples, config, baseline, tokenizer.pad_token_id or 0)
         taken.append([sample_digest(s.id) for s in samples])
         report.steps += 1
         report.samples += len(samples)
@@ -135,7 +131,18 @@ async def retrain(config: FlywheelConfig, bus: Any, forgotten: set[str], target:
     return report
 
 
-async def _samples(bus: Any, wanted: set[str]) -> dict[str, Sample]:
+def take_again(trainer: Trainer, samples: list[Sample], config: FlywheelConfig, baseline: RunningBaseline,
+               pad_id: int) -> None:
+    """One step of `trainer` on `samples`, in their groups, as the train loop takes a step."""
+    batcher = GroupBatcher(batch_size=len(samples), group_timeout_s=0.0)
+    for sample in samples:
+        batcher.add(sample, None)
+    groups = batcher.take()
+    assert groups is not None
+    trainer.step(StepBatch(groups, config, baseline, pad_id).minibatches)
+
+
+async def held_samples(bus: Any, wanted: set[str]) -> dict[str, Sample]:
     """The samples the SAMPLES stream holds among `wanted` (digests), with their trajectories."""
     found: dict[str, Sample] = {}
     async for stored in stored_records(bus, SAMPLES.name):

@@ -1,0 +1,163 @@
+"""Adapters rebuilt without forgotten samples: `flywheel forget --tenant T --user U --retrain` under
+`adapters.kind: lora`.
+
+Forgetting deletes the forgotten people's own adapters (flywheel/tenants/forget.py); the adapters
+they trained together with others (their tenant's under `adapters.scope: tenant`, the
+deployment's `shared`) still hold what their samples taught. Each of those is rebuilt as
+flywheel/train/retrain.py rebuilds the shared weights, from its own lines of the ledger:
+
+1. the start is the newest checkpoint from before the first of its steps that used a forgotten
+   sample, with the adapter's weights, optimizer, schedule and reward baseline there; where that
+   checkpoint does not hold the adapter (made after it), the adapter starts as a new one does
+   (PEFT's initialisation: the base);
+2. each of its later steps, up to the newest checkpoint, is taken again on its samples less the
+   forgotten ones and those SAMPLES no longer holds (`missing`);
+3. the rebuilt adapter is published as its next version (above every one stored) and announced,
+   so the gateways serve it at once; it replaces the adapter in every checkpoint after the start,
+   where its version becomes that one and the forgotten samples leave the trained list; the
+   ledger takes the adapter back to its version at the start and names the steps taken again with
+   the new version; an audit entry (`retrain`) names the adapter and the version.
+
+Other adapters, their checkpoints' states and versions are untouched. The trainer must be
+stopped (the caller holds `run_dir/train.lock`); a trainer that starts next goes on from the
+rebuilt adapters. Not under promotion (`promotion.mode` not off): there a tenant's or the shared
+adapter is a line of the version registry, which a retrain would have to go through (refused).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from flywheel.bus.records import AuditEntry
+from flywheel.bus.streams import AUDIT_SUBJECT
+from flywheel.config import ConfigError, FlywheelConfig
+from flywheel.models import load_model
+from flywheel.models.adapter_store import AdapterStore, owned_by
+from flywheel.train.adapter_versions import AdapterVersions
+from flywheel.train.advantages import RunningBaseline
+from flywheel.train.checkpoint import Checkpoints
+from flywheel.train.forget_adapters import rewrite
+from flywheel.train.ledger import Ledger, lineage
+from flywheel.train.retrain import held_samples, take_again
+from flywheel.train.trainer import Trainer
+
+
+@dataclass
+class RetrainedAdapter:
+    """What `retrain_adapters` did to one adapter."""
+
+    adapter: str
+    from_step: int
+    """The step of the checkpoint it started from (0: a new adapter's start, where none held it)."""
+    steps: int
+    samples: int
+    left_out: int
+    """Forgotten samples its original steps used."""
+    missing: int
+    """Samples of its replayed steps the SAMPLES stream no longer holds (past its age)."""
+    version: int
+
+
+async def retrain_adapters(config: FlywheelConfig, bus: Any, forgotten: set[str], tenant: str, user: str | None,
+                           actor: str = "cli") -> list[dict[str, Any]]:
+    """Rebuild every adapter but the forgotten `tenant`'s (or `user`'s) own that the samples whose
+    digests are `forgotten` trained (see the module docstring); what was done to each. The caller
+    holds the run directory's `RunLock`."""
+    if config.promotion.enabled:
+        raise ConfigError("promotion.mode: adapters are not retrained under promotion (their lines are the registry's)")
+    run_dir = Path(config.run_dir)
+    checkpoints = Checkpoints(run_dir / "checkpoints", keep=config.train.keep_checkpoints)
+    steps = lineage(run_dir / "trained.jsonl") if (run_dir / "trained.jsonl").exists() else []
+    newest = checkpoints.steps()[-1] if checkpoints.steps() else 0
+    learned = {s["adapter"] for s in steps if s.get("adapter") and s["step"] <= newest and forgotten.intersection(s["samples"])}
+    deleted = set(owned_by(learned, tenant, user))
+    target = tenant if user is None else f"{tenant}/{user}"
+    done = []
+    for name in sorted(learned - deleted):
+        report = await _retrain(config, bus, checkpoints, [s for s in steps if s.get("adapter") == name], newest,
+                                forgotten, name)
+        await bus.publish(AUDIT_SUBJECT, AuditEntry(id=uuid.uuid4().hex, actor=actor, action="retrain",
+                                                    target=f"{name} v{report.version}",
+                                                    details={"without": target, **asdict(report)}))
+        done.append(asdict(report))
+    return done
+
+
+async def _retrain(config: FlywheelConfig, bus: Any, checkpoints: Checkpoints, lines: list[dict[str, Any]],
+                   newest: int, forgotten: set[str], name: str) -> RetrainedAdapter:
+    """Adapter `name` rebuilt from its ledger `lines`, published, and put in the checkpoints."""
+    first = next(s["step"] for s in lines if forgotten.intersection(s["samples"]))
+    start = max((s for s in checkpoints.steps() if s < first), default=0)
+    replay = [s for s in lines if start < s["step"] <= newest]
+    held = await held_samples(bus, {d for s in replay for d in s["samples"]} - forgotten)
+
+    torch.manual_seed(config.seed)
+    model, tokenizer = await asyncio.to_thread(load_model, config.model)
+    trainer = Trainer(model, config.actor, config.train, config.adapters)
+    assert trainer.adapters is not None
+    baseline, was = RunningBaseline(), 0
+    state = await asyncio.to_thread(checkpoints.load, checkpoints.path(start), None) if start else None
+    saved = [a for a in state["trainer"]["adapters"] if a["name"] == name] if state else []
+    if saved:
+        trainer.adapters.restore(saved)
+        baseline.of(name).value = state["loop"].get("adapter_baselines", {}).get(name, 0.0)
+        was = state["loop"].get("adapters", {}).get("versions", {}).get(name, 0)
+    else:  # made after the start: from a new adapter's start
+        trainer.adapters.ensure(name)
+
+    report = RetrainedAdapter(name, start if saved else 0, 0, 0, 0, 0, 0)
+    taken: list[tuple[int, list[str]]] = []
+    for step in replay:
+        samples = [held[d] for d in step["samples"] if d in held]
+        report.left_out += sum(d in forgotten for d in step["samples"])
+        report.missing += sum(d not in forgotten and d not in held for d in step["samples"])
+        if samples:
+            await asyncio.to_thread(take_again, trainer, samples, config, baseline, tokenizer.pad_token_id or 0)
+            taken.append((step["step"], [d for d in step["samples"] if d in held]))
+            report.steps += 1
+            report.samples += len(samples)
+
+    versions = AdapterVersions(AdapterStore(Path(config.run_dir) / "adapters", keep=config.train.keep_versions), bus,
+                               interval=1)
+    report.version = max([versions.store.latest(name) or 0, *(s["version"] for s in lines)]) + 1
+    versions.versions[name], versions.parents[name] = report.version, was
+    await versions.publish(trainer.adapters, name, newest)
+    ledger = Ledger(Path(config.run_dir) / "trained.jsonl")
+    try:
+        ledger.back_to(was, adapter=name)
+        for number, digests in taken:
+            ledger.trained(number, report.version, digests, adapter=name)
+    finally:
+        ledger.close()
+    [rebuilt] = trainer.adapters.state()
+    await asyncio.to_thread(_into_checkpoints, checkpoints, start, rebuilt, baseline.of(name).value, report.version,
+                            forgotten)
+    return report
+
+
+def _into_checkpoints(checkpoints: Checkpoints, start: int, rebuilt: dict[str, Any], baseline: float, version: int,
+                      forgotten: set[str]) -> None:
+    """The rebuilt adapter, its baseline and `version` in place of what every checkpoint after
+    `start` held of it, and the forgotten samples out of their trained lists."""
+    name = rebuilt["name"]
+    for step in checkpoints.steps():
+        if step <= start:
+            continue
+        path = checkpoints.path(step) / "state.pt"
+        state = torch.load(path, weights_only=False)
+        saved = state["trainer"]["adapters"]
+        state["trainer"]["adapters"] = [rebuilt if a["name"] == name else a for a in saved]
+        if all(a["name"] != name for a in saved):
+            state["trainer"]["adapters"].append(rebuilt)
+        loop = state["loop"]
+        loop.setdefault("adapter_baselines", {})[name] = baseline
+        tables = loop.setdefault("adapters", {})
+        tables.setdefault("versions", {})[name] = tables.setdefault("parents", {})[name] = version
+        loop["trained"] = [d for d in loop.get("trained", []) if d not in forgotten]
+        rewrite(path, state)
