@@ -18,10 +18,14 @@ flywheel/train/retrain.py rebuilds the shared weights, from its own lines of the
    ledger takes the adapter back to its version at the start and names the steps taken again with
    the new version; an audit entry (`retrain`) names the adapter and the version.
 
-Other adapters, their checkpoints' states and versions are untouched. The trainer must be
-stopped (the caller holds `run_dir/train.lock`); a trainer that starts next goes on from the
-rebuilt adapters. Not under promotion (`promotion.mode` not off): there a tenant's or the shared
-adapter is a line of the version registry, which a retrain would have to go through (refused).
+Other adapters, their checkpoints' states and versions are untouched. The adapter guard
+(`adapters.guard_*`) is not asked: the rebuilt adapter learned from part of what its published
+versions learned from, on the same steps. Steps after the newest checkpoint are not taken again
+here: the trainer that starts next goes back to that checkpoint and trains their samples again,
+the forgotten ones gone from the bus. The trainer must be stopped (the caller holds
+`run_dir/train.lock`); a trainer that starts next goes on from the rebuilt adapters. Not under
+promotion (`promotion.mode` not off): there a tenant's or the shared adapter is a line of the
+version registry, which a retrain would have to go through (refused).
 """
 
 from __future__ import annotations
