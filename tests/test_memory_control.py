@@ -8,15 +8,20 @@ from __future__ import annotations
 from dataclasses import replace
 
 import httpx
+import msgspec
 import pytest
 from nats.js.errors import NotFoundError
 
+from flywheel.bus import Sample, Trajectory
 from flywheel.bus.instructions import Instructions, addressed
 from flywheel.bus.records import AuditEntry, decode
 from flywheel.bus.scan import take_all
 from flywheel.bus.streams import AUDIT, MEMORY, memory_subject
 from flywheel.config import load_config
+from flywheel.judge.hint_memory import HintMemory
+from flywheel.judge.instruction_memory import InstructionMemory
 from flywheel.judge.loop import JudgeLoop
+from flywheel.judge.people_memory import PeopleMemory
 from flywheel.judge.wishes import ASPECTS
 from flywheel.serve.api.errors import APIError
 from flywheel.serve.api.sessions import session_of
@@ -24,7 +29,7 @@ from flywheel.serve.loop import ServeLoop
 from flywheel.serve.served_memory import Served, ServedMemory
 
 from bus_reading import collected
-from factories import platform
+from factories import make_turn, platform
 from served_people import chat, instructions
 from waiting import until
 
@@ -93,6 +98,42 @@ async def test_a_person_sees_what_the_memory_gives_them_and_nobody_elses(nats_ur
                                                           "aspects": []}
     finally:
         await serve.stop()
+
+
+def conversation(user: str, memory: bool = True, at: float = 1000.0) -> Trajectory:
+    """A one-turn conversation of acme's `user`, collected at `at`; `memory`: its turn's `Turn.memory`."""
+    return Trajectory(id=f"{user}-{at}", session_id="s", segments=[], turns=[make_turn(id=f"{user}-{at}", memory=memory)],
+                      next_states=[[]], close_reason="done", tenant="acme", user_id=user, consent=True, created_at=at)
+
+
+def test_the_judge_remembers_nothing_of_a_conversation_kept_out_and_forgets_what_a_clear_covers(tmp_path):
+    """Kept out: not told the person's remembered hints, its own not remembered, no practice
+    request kept, no correction read. A clear heard on the audit log empties the judge's memories
+    of that person (the teacher's hints, practice requests, corrections), and no one else's."""
+    hints = HintMemory(size=4)
+    hints.teach(conversation("ada"), {0: "Be brief."})
+    assert hints.teach(conversation("ada", memory=False), {0: "Use bullets."}) == {0: ["Use bullets."]}
+    assert hints.recall(conversation("ada")) == ["Be brief."]
+    requests = PeopleMemory(size=2)
+    requests.keep(conversation("ada", memory=False), ["her question"])
+    assert requests.recall(conversation("ada")) == []
+    corrections = InstructionMemory(size=3)
+    trajectory = conversation("ada", memory=False)
+    sample = Sample(id=trajectory.id, trajectory_seq=1, reward=0.0, turn_rewards=[-1.0], judge="next_state",
+                    details={"turns": [{"hint": "Way too long. Keep it short, please."}]})
+    assert corrections.read(trajectory, sample) is None
+    assert corrections.read(conversation("ada"), msgspec.structs.replace(sample, id="on")).instructions == [SHORTER]
+
+    judge = JudgeLoop(load_config(None, [f"run_dir={tmp_path}", "judge.kind=next_state", "judge.teacher.memory=4",
+                                         "memory.enabled=true"]), "nats://127.0.0.1:1")
+    for user in ("ada", "bob"):
+        judge.memory.teach(conversation(user), {0: "Be brief."})
+        judge.instructions.keep(conversation(user), [(f"{user}-turn", "shorter")])
+    judge._heard(cleared("acme", "ada", at=1001.0))
+    assert judge.memory.recall(conversation("ada")) == [] and judge.instructions.recall(conversation("ada")) == []
+    assert judge.memory.recall(conversation("bob")) == ["Be brief."] and judge.instructions.recall(conversation("bob"))
+    judge.memory.teach(conversation("ada", at=1000.5), {0: "Use bullets."})  # said before the clear: not again
+    assert judge.memory.recall(conversation("ada")) == []
 
 
 async def stored(bus, tenant: str, user: str):

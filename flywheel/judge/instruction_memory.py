@@ -41,9 +41,10 @@ class InstructionMemory(PeopleMemory[Read]):
     def read(self, trajectory: Trajectory, sample: Sample) -> Instructions | None:
         """Keep what the corrections of the trajectory's turns the sample judged below zero ask
         for; the person's instructions now, or None when it brought none, or may not be learned
-        from (not consented to train, or collected before its person was forgotten)."""
+        from (not consented to train, kept out of the memory, or collected before its person was
+        forgotten or their memory cleared)."""
         person = self.person(trajectory)
-        if not trajectory.consent or self.forgotten_since(person, trajectory.created_at):
+        if not trajectory.consent or self.kept_out(trajectory) or self.forgotten_since(person, trajectory.created_at):
             return None
         hints = hints_of(trajectory, sample.details)
         reader = wish_reader()

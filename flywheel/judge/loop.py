@@ -14,10 +14,10 @@ the trajectory acknowledged:
 With `memory.enabled`, the loop reads what each person's newest corrections ask for and
 publishes their instructions on MEMORY for the gateways to serve (flywheel/judge/instruction_memory.py).
 With `judge.teacher.memory`, the loop keeps each person's newest hints for the teacher
-(flywheel/judge/hint_memory.py). What it remembers of people it drops when they are forgotten,
-and the corrections read for a person's instructions when their memory is cleared: before it
-judges anything it reads every forget and clear on the audit log (and the people's instructions
-on MEMORY), then follows the log.
+(flywheel/judge/hint_memory.py). What it remembers of people it drops when they are forgotten or
+their memory is cleared: before it judges anything it reads every forget and clear on the audit
+log (and the people's instructions on MEMORY), then follows the log; of a conversation kept out
+of the memory (`X-Flywheel-Memory: false`) it remembers nothing (flywheel/judge/people_memory.py).
 With `judge.teacher.wishes`, the teacher is told what a correction asks for as an instruction
 (flywheel/judge/wishes.py). With `judge.teacher.practice`, a sample's corrected turns are practised once it is published
 (flywheel/judge/practice.py): more samples on SAMPLES, before the trajectory is acknowledged;
@@ -116,11 +116,9 @@ class JudgeLoop(ConsumerLoop):
             self._heard(entry)
 
     def _remembers(self, trajectory: Trajectory) -> bool:
-        """Whether the served memory reads this trajectory's corrections (on, its tenant's, and
-        each of its turns': none said `X-Flywheel-Memory: false`)."""
+        """Whether the served memory reads this trajectory's corrections (on, and its tenant's)."""
         tenant = self.config.tenants.get(trajectory.tenant)
-        return (self.instructions is not None and (tenant is None or tenant.memory)
-                and all(turn.memory for turn in trajectory.turns))
+        return self.instructions is not None and (tenant is None or tenant.memory)
 
     async def _remember(self, trajectory: Trajectory, sample: Sample) -> None:
         """Read the corrections `sample` judged and publish their person's instructions, one
@@ -133,13 +131,11 @@ class JudgeLoop(ConsumerLoop):
 
     def _heard(self, entry: Record) -> None:
         """A forgotten tenant's or user's hints, requests and corrections leave the judge's memory,
-        from when the forget begins: nothing of theirs is published after it; a person whose
-        served memory was cleared (`memory.clear`), the corrections read for it alone."""
-        if (forget := forget_of(entry)) is not None:
+        from when the forget begins (or a clear of their memory, `memory.clear`): nothing of
+        theirs is published after it, nor remembered from what they said before it."""
+        if (heard := forget_of(entry, MEMORY_FORGETTING)) is not None:
             for memory in self._memories():
-                memory.forget(*forget)
-        elif self.instructions is not None and (cleared := forget_of(entry, MEMORY_FORGETTING)) is not None:
-            self.instructions.forget(*cleared)
+                memory.forget(*heard)
 
     def _teacher(self) -> Teacher | None:
         """The hint teacher (`judge.teacher`) on the judge's own server, or with adapters on the

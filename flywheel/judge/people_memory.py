@@ -6,7 +6,9 @@ the requests practice replays (flywheel/judge/practice.py) are kept so: in the j
 (lost when it restarts: the verdicts do not depend on them), bounded (`size` things a person,
 `max_people` people, those given something least recently dropped first), and forgotten with the
 person: `forget` drops a tenant's or one user's, and a trajectory collected before that is not
-remembered again (the judge loop follows the audit log).
+remembered again (the judge loop follows the audit log; a clear of a person's memory,
+`memory.clear`, drops the same way). A conversation kept out of the memory (a turn of it said
+`X-Flywheel-Memory: false`: `Turn.memory`) is neither remembered nor given what is remembered.
 """
 
 from __future__ import annotations
@@ -38,14 +40,20 @@ class PeopleMemory(Generic[T]):
         """Whose things these are: (tenant, the adapter the turns train, the end user)."""
         return trajectory.tenant, trajectory.adapter or "", trajectory.user_id or ""
 
+    @staticmethod
+    def kept_out(trajectory: Trajectory) -> bool:
+        """Whether the conversation was kept out of the memory (a turn said `X-Flywheel-Memory: false`)."""
+        return not all(turn.memory for turn in trajectory.turns)
+
     def recall(self, trajectory: Trajectory) -> list[T]:
-        """What the trajectory's person gave, newest first."""
-        return list(reversed(self._kept.get(self.person(trajectory), ())))
+        """What the trajectory's person gave, newest first (none where it was `kept_out`)."""
+        return [] if self.kept_out(trajectory) else list(reversed(self._kept.get(self.person(trajectory), ())))
 
     def keep(self, trajectory: Trajectory, items: Iterable[T]) -> None:
         """Remember a trajectory's `items` (oldest first) for its person; nothing of a trajectory
-        collected before its person was forgotten."""
-        self.keep_for(self.person(trajectory), items, trajectory.created_at)
+        collected before its person was forgotten, or `kept_out`."""
+        if not self.kept_out(trajectory):
+            self.keep_for(self.person(trajectory), items, trajectory.created_at)
 
     def forgotten_since(self, person: tuple[str, str, str], made: float) -> bool:
         """Whether `person` was forgotten after Unix time `made`."""

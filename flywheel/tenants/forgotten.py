@@ -14,8 +14,9 @@ BEGUN = "forget.begin"
 when it is done): whoever holds traffic stops keeping theirs at once."""
 FORGETTING = frozenset({BEGUN, "forget"})
 CLEARED = "memory.clear"
-"""The audit entry that clears a person's served memory (flywheel/tenants/memory_clear.py): what
-was read of them until then is dropped, as a forget drops it, and nothing else of theirs."""
+"""The audit entry that clears a person's memory (flywheel/tenants/memory_clear.py): what the
+gateways serve them and the judge remembers of them until then is dropped, as a forget drops it,
+and nothing else of theirs."""
 MEMORY_FORGETTING = FORGETTING | {CLEARED}
 """The audit entries whose people leave the served memory."""
 

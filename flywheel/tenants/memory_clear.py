@@ -4,9 +4,10 @@ read from their corrections go, their records and adapter stay.
 `clear_memory` puts a `memory.clear` entry on the audit log (who asked, whose memory), then erases
 their record on MEMORY (for a whole tenant, each of its people's). Every gateway and the judge
 follow the log: a gateway drops the person's instructions, their open sessions' too, and takes no
-record read from what they said until then (flywheel/serve/served_memory.py); the judge drops the
-corrections it read of theirs (flywheel/judge/instruction_memory.py), so the memory starts again
-from their next correction. Nothing else of theirs changes: their turns stay recorded and
+record read from what they said until then (flywheel/serve/served_memory.py); the judge drops
+what it remembers of them (flywheel/judge/people_memory.py: the corrections read for their
+instructions, the hints its teacher is told on their later replies, the requests practice
+replays), so the memory starts again from their next correction. Nothing else of theirs changes: their turns stay recorded and
 trainable as they consented, and their adapter keeps what it learned (taking it back is
 `/v1/adapter/rollback`). The routes: flywheel/serve/ops/memory_routes.py.
 """

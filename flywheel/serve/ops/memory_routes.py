@@ -8,7 +8,8 @@ clears a tenant's (flywheel/tenants/memory_clear.py).
 - `DELETE /v1/memory` (a client key, `X-User-Id`): their memory cleared, `{"object": "memory",
   "deleted": true}`: their instructions are no longer served (at this gateway from the answer on,
   at the others once they read the audit log), and what was read of their corrections until now
-  is not read again; their records, their consent and their adapter stay. The tenant's
+  is not read again, nor remembered by the judge; their records, their consent and their adapter
+  stay. The tenant's
   application acts for its people, as it names them on every request; a request that must not
   be remembered at all says `X-Flywheel-Memory: false` (flywheel/serve/api/sessions.py).
 - `POST /admin/memory/clear` `{"tenant", "user"?}` (the admin key; 403 where none is
