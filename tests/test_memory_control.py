@@ -5,6 +5,9 @@ a conversation out of it (`X-Flywheel-Memory: false`), under their own tenant on
 
 from __future__ import annotations
 
+import asyncio
+import json
+import subprocess
 from dataclasses import replace
 
 import httpx
@@ -17,6 +20,7 @@ from flywheel.bus.instructions import Instructions, addressed
 from flywheel.bus.records import AuditEntry, decode
 from flywheel.bus.scan import take_all
 from flywheel.bus.streams import AUDIT, MEMORY, memory_subject
+from flywheel.cli import command
 from flywheel.config import load_config
 from flywheel.judge.hint_memory import HintMemory
 from flywheel.judge.instruction_memory import InstructionMemory
@@ -228,3 +232,24 @@ async def test_a_person_clears_their_memory_and_keeps_a_conversation_out_of_it(n
     assert NAMELESS not in serve.engine.tokenizer.decode(ada_3.prompt_ids)
     assert [(e.actor, e.target) for e in entries if e.action == "memory.clear"] == [
         ("tenant:other", "other/ada"), ("tenant:acme", "acme/ada"), ("admin", "acme")]
+
+
+async def test_an_operator_sees_and_clears_a_persons_memory_from_a_shell(nats_url, tmp_path, bus):
+    """`flywheel memory --tenant T --user U [--clear]`: the person's instructions, and their memory
+    cleared on the audit log as the operator; another person's stays."""
+    for user in ("ada", "bob"):
+        await bus.publish(memory_subject("acme", user), instructions(user, [SHORTER], tenant="acme"))
+
+    async def memory(*args: str) -> dict:
+        done = await asyncio.to_thread(subprocess.run, command("memory", "--tenant", "acme", *args, f"run_dir={tmp_path}",
+                                                               f"bus.url={nats_url}"), capture_output=True, text=True)
+        assert done.returncode == 0, done.stderr
+        return json.loads(done.stdout)
+
+    assert (await memory("--user", "ada"))["instructions"] == [SHORTER]
+    assert (await memory("--user", "ada", "--clear", "--operator", "support"))["records_erased"] == 1
+    assert (await memory("--user", "ada"))["instructions"] == [] and await stored(bus, "acme", "ada") is None
+    assert (await stored(bus, "acme", "bob")).instructions == [SHORTER]
+    entries: list[AuditEntry] = []
+    await take_all(bus, AUDIT.name, entries.append)
+    assert [(e.actor, e.target) for e in entries if e.action == "memory.clear"] == [("support", "acme/ada")]

@@ -27,6 +27,7 @@ COMMANDS = {
     "versions": ("versions", "the policy versions of a running deployment, and an operator's say"),
     "tail": ("tail", "print the records of a stream as JSON lines"),
     "forget": ("forget", "remove a tenant's or an end user's records, and say which versions learned from them"),
+    "memory": ("memory", "what the served memory gives a tenant's end user, or clearing it"),
     "swe": ("swe", "SWE task sets: build, validate, run a command in a task's sandbox, demonstrations"),
     "config": ("config", "the resolved configuration, or the reference of every key"),
     "nats-cluster": ("nats_cluster", "a JetStream cluster of several servers on this machine"),
