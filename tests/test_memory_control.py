@@ -140,6 +140,30 @@ def test_the_judge_remembers_nothing_of_a_conversation_kept_out_and_forgets_what
     assert judge.memory.recall(conversation("ada")) == []
 
 
+def test_a_record_a_judge_made_before_hearing_of_a_clear_is_not_served_after_it():
+    """The judge reads ada's correction (collected at 1000), her memory is cleared at 1001, and before
+    the judge hears of it, it reads her next conversation's (1002): that record holds both. It says
+    it was read from 1000 on, so a gateway that heard of the clear does not serve it (said 1002, it
+    served the cleared "shorter" again)."""
+    corrections = InstructionMemory(size=3)
+
+    def read(user: str, hint: str, at: float):
+        trajectory = conversation(user, at=at)
+        return corrections.read(trajectory, Sample(id=trajectory.id, trajectory_seq=1, reward=0.0, turn_rewards=[-1.0],
+                                                   judge="next_state", details={"turns": [{"hint": hint}]}))
+
+    read("ada", "Way too long. Keep it short, please.", 1000.0)
+    record = read("ada", "Please call me Ada.", 1002.0)
+    assert record.read == ["name", "shorter"] and record.read_from == 1000.0
+    memory = ServedMemory("$instructions")
+    memory.hear(cleared("acme", "ada", at=1001.0))
+    memory.take(record)
+    assert memory.of("acme", "ada").instructions == ()
+    corrections.forget("acme", "ada", 1001.0)  # once the judge hears of it: her next record is hers since
+    memory.take(read("ada", "Please call me Ada.", 1003.0))
+    assert memory.of("acme", "ada").instructions == (NAME,)
+
+
 async def stored(bus, tenant: str, user: str):
     """The person's record on MEMORY, or None."""
     try:

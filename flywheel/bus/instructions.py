@@ -117,5 +117,7 @@ class Instructions(Record, kw_only=True):
     """The turn each of `read` was read in (its interaction id), so that a conversation judged again
     after the judge started again counts once."""
     read_from: float
-    """When the newest conversation they were read from was collected (Unix time): read from
-    what was said before a forget, they are not taken after it."""
+    """When the oldest conversation they were read from was collected (Unix time, at most): read
+    from what was said before a forget or a clear of the memory, they are not taken after it (a
+    judge that had not heard of the clear yet may publish a newer conversation's record that still
+    holds older corrections)."""

@@ -57,7 +57,7 @@ class InstructionMemory(PeopleMemory[Read]):
         served = wanted(aspects)
         return Instructions(id=f"{trajectory.id}#memory", tenant=trajectory.tenant, user_id=trajectory.user_id,
                             instructions=[ASPECTS[aspect] for aspect in served], aspects=served, read=aspects,
-                            turns=[turn for turn, _ in kept], read_from=trajectory.created_at)
+                            turns=[turn for turn, _ in kept], read_from=self.oldest(person))
 
     def restore(self, record: Instructions) -> None:
         """Go on from a person's record (published by this judge before it restarted, or another)."""

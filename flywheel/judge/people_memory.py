@@ -55,6 +55,10 @@ class PeopleMemory(Generic[T]):
         if not self.kept_out(trajectory):
             self.keep_for(self.person(trajectory), items, trajectory.created_at)
 
+    def oldest(self, person: tuple[str, str, str]) -> float:
+        """When the oldest thing kept of `person` was made (at most; they have something kept)."""
+        return self._made[person]
+
     def forgotten_since(self, person: tuple[str, str, str], made: float) -> bool:
         """Whether `person` was forgotten after Unix time `made`."""
         tenant, _, user = person
