@@ -1,4 +1,4 @@
-"""The tenants' tests' traffic: two tenants (`TENANTS_SETUP`), acme's users ada and bob, each
+"""The tenants' tests' traffic: two tenants (`TENANTS_SETUP`), acme's users ada, bob and cy, each
 saying a marker string (`MARKERS`) to look for wherever their records might be; a rewarded turn
 of one of them (`converse`), a turn of ada's with a hint aimed at it (`hinted_session`), a judge
 and a trainer behind a platform (`learning`), a user's adapter version reaching the gateway
@@ -23,7 +23,7 @@ from waiting import until
 TENANTS_SETUP = ["serve.admin_key=root", "judge.kind=rule", "train.batch_size=1", "rollout.max_head_offpolicyness=8",
                  "tenants={acme: {training: opt_out, pii: \"off\", keys: [acme-key]}, other: {training: opt_out, keys: [other-key]}}"]
 """Two tenants: acme (users ada and bob) and other, trained unless they opt out."""
-MARKERS = {"ada": "ZEBRA-7731", "bob": "OKAPI-4412"}
+MARKERS = {"ada": "ZEBRA-7731", "bob": "OKAPI-4412", "cy": "IBIS-2093"}
 """What each of acme's users says: a string to look for wherever their records might be."""
 LORA = [*TENANTS_SETUP, "adapters.kind=lora", "adapters.scope=user", "actor.optimizer.lr=0.05",
         "train.checkpoint_interval=1", "adapters.guard_drop=null"]  # the guard is test_adapter_guard.py's

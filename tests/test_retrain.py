@@ -42,8 +42,8 @@ def forget_command(tmp_path, nats_url):
 async def test_retrain_rebuilds_the_weights_from_the_others_samples(nats_url, tmp_path, bus):
     async with platform(nats_url, tmp_path, *RETRAIN) as (serve, _, _):
         async with learning(serve, nats_url) as train:
-            for number, user in enumerate(["ada", "bob", "ada", "bob"], 1):  # one step each, in this order
-                await converse(serve, user, f"{user}-{number}")
+            for number, (user, reward) in enumerate([("ada", 1.0), ("bob", -1.0), ("ada", -0.5), ("bob", 0.5)], 1):
+                await converse(serve, user, f"{user}-{number}", reward)  # one step each, in this order
                 await until(lambda: train.trainer.step_count == number)
         config = serve.config
         original = {s["step"]: s["samples"] for s in lineage(tmp_path / "trained.jsonl")}
@@ -66,7 +66,12 @@ async def test_retrain_rebuilds_the_weights_from_the_others_samples(nats_url, tm
     baseline = RunningBaseline()
     baseline.value = state["loop"]["baseline"]
     group = Group(f"sample:{ada_second.id}", 1, 0.0, 0.0, {ada_second.id: Member(ada_second, [])})
-    trainer.step(StepBatch([group], config, baseline, tokenizer.pad_token_id or 0).minibatches)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(config.train.torch_threads)  # as the trainer and the retrain compute
+    try:
+        trainer.step(StepBatch([group], config, baseline, tokenizer.pad_token_id or 0).minibatches)
+    finally:
+        torch.set_num_threads(threads)
 
     assert checkpoints.steps() == [1, 2]  # the steps after 1 that learned from Bob are gone
     rebuilt, _ = load_model(config.model)

@@ -12,11 +12,14 @@ flywheel/train/retrain.py rebuilds the shared weights, from its own lines of the
    (PEFT's initialisation: the base);
 2. each of its later steps, up to the newest checkpoint, is taken again on its samples less the
    forgotten ones and those SAMPLES no longer holds (`missing`);
-3. the rebuilt adapter is published as its next version (above every one stored) and announced,
-   so the gateways serve it at once; it replaces the adapter in every checkpoint after the start,
-   where its version becomes that one and the forgotten samples leave the trained list; the
-   ledger takes the adapter back to its version at the start and names the steps taken again with
-   the new version; an audit entry (`retrain`) names the adapter and the version.
+3. each step taken again makes a version of its own, above every one the adapter had; every
+   checkpoint after the start then holds the adapter as those steps left it by that checkpoint's
+   step (so a later retrain can start there), the newest first, its version, and no forgotten
+   sample in its trained list; the ledger takes the adapter back to its version at the start and
+   names the steps taken again; last, the rebuilt adapter is published as the newest of those
+   versions (one more where no step was left) and announced, so the gateways serve it at once (a
+   crash before then leaves the newest checkpoint rebuilt: the trainer that starts next publishes
+   it); an audit entry (`retrain`) names the adapter and the version.
 
 Other adapters, their checkpoints' states and versions are untouched. The adapter guard
 (`adapters.guard_*`) is not asked: the rebuilt adapter learned from part of what its published
@@ -31,6 +34,7 @@ version registry, which a retrain would have to go through (refused).
 from __future__ import annotations
 
 import asyncio
+import copy
 import uuid
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -102,6 +106,7 @@ async def _retrain(config: FlywheelConfig, bus: Any, checkpoints: Checkpoints, l
     held = await held_samples(bus, {d for s in replay for d in s["samples"]} - forgotten)
 
     torch.manual_seed(config.seed)
+    torch.set_num_threads(config.train.torch_threads)  # the trainer's: its numbers, not a near copy
     model, tokenizer = await asyncio.to_thread(load_model, config.model)
     trainer = Trainer(model, config.actor, config.train, config.adapters)
     assert trainer.adapters is not None
@@ -116,52 +121,66 @@ async def _retrain(config: FlywheelConfig, bus: Any, checkpoints: Checkpoints, l
         trainer.adapters.ensure(name)
 
     report = RetrainedAdapter(name, start if saved else 0, 0, 0, 0, 0, 0)
-    taken: list[tuple[int, list[str]]] = []
+    store = AdapterStore(Path(config.run_dir) / "adapters", keep=config.train.keep_versions)
+    above = max([store.latest(name) or 0, *(s["version"] for s in lines)])
+    later = [c for c in checkpoints.steps() if c > start]
+    held_at: dict[int, Held] = {}
+    version, taken = was, []
     for step in replay:
+        for c in later:  # the checkpoints before this step hold the adapter as it is now
+            if c < step["step"] and c not in held_at:
+                held_at[c] = _held(trainer, baseline, name, version, bool(saved or taken))
         samples = [held[d] for d in step["samples"] if d in held]
         report.left_out += sum(d in forgotten for d in step["samples"])
         report.missing += sum(d not in forgotten and d not in held for d in step["samples"])
         if samples:
             await asyncio.to_thread(take_again, trainer, samples, config, baseline, tokenizer.pad_token_id or 0)
-            taken.append((step["step"], [d for d in step["samples"] if d in held]))
+            version = above + len(taken) + 1  # each step taken again its own version: a later retrain starts between them
+            taken.append((step["step"], version, [d for d in step["samples"] if d in held]))
             report.steps += 1
             report.samples += len(samples)
+    report.version = version if taken else above + 1
+    for c in later:
+        held_at.setdefault(c, _held(trainer, baseline, name, report.version if c == newest else version,
+                                    bool(saved or taken) or c == newest))
 
-    versions = AdapterVersions(AdapterStore(Path(config.run_dir) / "adapters", keep=config.train.keep_versions), bus,
-                               interval=1)
-    report.version = max([versions.store.latest(name) or 0, *(s["version"] for s in lines)]) + 1
-    versions.versions[name], versions.parents[name] = report.version, was
-    await versions.publish(trainer.adapters, name, newest)
+    await asyncio.to_thread(_into_checkpoints, checkpoints, name, held_at, forgotten)  # the newest first
     ledger = Ledger(Path(config.run_dir) / "trained.jsonl")
     try:
         ledger.back_to(was, adapter=name)
-        for number, digests in taken:
-            ledger.trained(number, report.version, digests, adapter=name)
+        for number, made, digests in taken:
+            ledger.trained(number, made, digests, adapter=name)
     finally:
         ledger.close()
-    [rebuilt] = trainer.adapters.state()
-    await asyncio.to_thread(_into_checkpoints, checkpoints, start, rebuilt, baseline.of(name).value, report.version,
-                            forgotten)
+    versions = AdapterVersions(store, bus, interval=1)
+    versions.versions[name], versions.parents[name] = report.version, was
+    await versions.publish(trainer.adapters, name, newest)  # last: until then a trainer that starts publishes it
     return report
 
 
-def _into_checkpoints(checkpoints: Checkpoints, start: int, rebuilt: dict[str, Any], baseline: float, version: int,
-                      forgotten: set[str]) -> None:
-    """The rebuilt adapter, its baseline and `version` in place of what every checkpoint after
-    `start` held of it, and the forgotten samples out of their trained lists."""
-    name = rebuilt["name"]
-    for step in checkpoints.steps():
-        if step <= start:
-            continue
+Held = tuple[dict[str, Any], float, int, bool]
+"""What a checkpoint is to hold of the adapter: its saved state, reward baseline and version, and
+whether it is to be there where the checkpoint did not have it (it was made by then)."""
+
+
+def _held(trainer: Trainer, baseline: RunningBaseline, name: str, version: int, there: bool) -> Held:
+    """The adapter as `trainer` has it now (a copy: later steps change it in place)."""
+    assert trainer.adapters is not None
+    return copy.deepcopy(trainer.adapters.state()[0]), baseline.of(name).value, version, there
+
+
+def _into_checkpoints(checkpoints: Checkpoints, name: str, held_at: dict[int, Held], forgotten: set[str]) -> None:
+    """Each checkpoint of `held_at`, the newest first, holding the adapter as given there (where it
+    is to be), and its trained list without the forgotten samples."""
+    for step in sorted(held_at, reverse=True):
         path = checkpoints.path(step) / "state.pt"
         state = torch.load(path, weights_only=False)
-        saved = state["trainer"]["adapters"]
-        state["trainer"]["adapters"] = [rebuilt if a["name"] == name else a for a in saved]
-        if all(a["name"] != name for a in saved):
-            state["trainer"]["adapters"].append(rebuilt)
-        loop = state["loop"]
-        loop.setdefault("adapter_baselines", {})[name] = baseline
-        tables = loop.setdefault("adapters", {})
-        tables.setdefault("versions", {})[name] = tables.setdefault("parents", {})[name] = version
+        rebuilt, baseline, version, there = held_at[step]
+        saved, loop = state["trainer"]["adapters"], state["loop"]
+        if there or any(a["name"] == name for a in saved):
+            state["trainer"]["adapters"] = [a for a in saved if a["name"] != name] + [rebuilt]
+            loop.setdefault("adapter_baselines", {})[name] = baseline
+            tables = loop.setdefault("adapters", {})
+            tables.setdefault("versions", {})[name] = tables.setdefault("parents", {})[name] = version
         loop["trained"] = [d for d in loop.get("trained", []) if d not in forgotten]
         rewrite(path, state)

@@ -91,6 +91,7 @@ async def retrain(config: FlywheelConfig, bus: Any, forgotten: set[str], target:
     held = await held_samples(bus, {d for s in replay for d in s["samples"]} - forgotten)
 
     torch.manual_seed(config.seed)
+    torch.set_num_threads(config.train.torch_threads)  # the trainer's: its numbers, not a near copy
     model, tokenizer = await asyncio.to_thread(load_model, config.model)
     trainer = Trainer(model, config.actor, config.train)
     baseline = RunningBaseline()
