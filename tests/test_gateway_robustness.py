@@ -270,7 +270,8 @@ async def test_a_request_past_the_concurrency_limit_is_refused_with_retry_after_
 async def test_one_tenants_burst_does_not_keep_another_tenant_out(nats_url, tmp_path):
     """One slot and a line of two: tenant A's stream holds the slot and two more of A's requests
     wait. B's request takes the newest of A's places (that one is refused, 429) and is answered
-    once A's stream ends; first come, first served refused B."""
+    once A's stream and A's older waiting request have had the slot; first come, first served
+    refused B."""
     async with limited(nats_url, tmp_path, "serve.api_keys=[key-a, key-b]", "serve.max_concurrent_requests=1",
                        "serve.max_queued_requests=2") as serve:
         limiter = serve.app.state.limiter

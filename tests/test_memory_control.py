@@ -229,6 +229,7 @@ async def test_a_person_clears_their_memory_and_keeps_a_conversation_out_of_it(n
                 "X-Flywheel-Memory": "false"})
             await session("acme-key", "bob-2", "bob", "Use a bulleted list, please.")  # read where not kept out
             await until(lambda: judge.scored + sum(judge.unscored.values()) >= 6)
+            assert judge.scored == 6  # ada-3 judged too: its correction was there to read
             assert (await stored(bus, "acme", "ada")).read == ["name"]
             assert (await stored(bus, "acme", "bob")).read == ["list", "shorter"]
 

@@ -119,8 +119,8 @@ class ServeConfig(Section):
     max_queued_requests: int = Field(1024, ge=0)
     """Requests waiting for a generation slot at most; beyond that a 429 with `Retry-After`. Shared
     fairly between tenants: a freed slot goes to the waiting tenant holding the fewest, and a
-    tenant with fewer requests waiting than the longest line takes that line's newest place
-    (flywheel/serve/ops/limits.py)."""
+    tenant with at least two fewer requests waiting than the longest line takes that line's newest
+    place (flywheel/serve/ops/limits.py)."""
     retry_after_s: float = Field(1.0, gt=0)
     """What the 429 asks clients to wait before retrying."""
     max_body_bytes: int = Field(4 * 1024 * 1024, ge=1)

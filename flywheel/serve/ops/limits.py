@@ -7,8 +7,8 @@
   for a slot, and beyond that a caller gets a 429 with `Retry-After`. The line is shared fairly
   between tenants: a freed slot goes to the waiting tenant that holds the fewest (first come,
   first served within a tenant and between equals), and when the line is full, a caller whose
-  tenant has fewer callers in it than the longest line takes that line's newest place (the caller
-  who had it gets the 429). One tenant's burst fills only its own share: it cannot keep another
+  tenant has at least two fewer callers in it than the longest line takes that line's newest place
+  (the caller who had it gets the 429; one fewer, and taking it would only swap the two lines). One tenant's burst fills only its own share: it cannot keep another
   tenant's requests out, nor ahead of them in line beyond one turn.
 - `request_timeout` turns a request that runs too long into a 504 (`code: timeout`): the gateway
   gave up waiting on its upstream, the engine, which is what 504 Gateway Timeout means (408 says

@@ -34,6 +34,8 @@ from flywheel.tenants.memory_clear import clear_memory
 
 
 class AdminClear(Body):
+    """`POST /admin/memory/clear`: a tenant's user, or without `user` all of the tenant's people."""
+
     tenant: str
     user: str | None = None
 
