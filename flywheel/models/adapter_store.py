@@ -105,6 +105,10 @@ class AdapterStore:
             self._remove(self.root / name / f"v{old}", self.root / name)
         return dest
 
+    def delete_version(self, name: str, version: int) -> bool:
+        """Remove `name`'s `version`; whether it was there."""
+        return self._remove(self.root / valid_name(name) / f"v{version}", self.root / valid_name(name))
+
     def delete(self, name: str) -> bool:
         """Remove `name` and all its versions; whether there was anything to remove."""
         return self._remove(self.root / valid_name(name), self.root)

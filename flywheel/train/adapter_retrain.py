@@ -19,11 +19,16 @@ flywheel/train/retrain.py rebuilds the shared weights, from its own lines of the
    names the steps taken again; last, the rebuilt adapter is published as the newest of those
    versions (one more where no step was left) and announced, so the gateways serve it at once (a
    crash before then leaves the newest checkpoint rebuilt: the trainer that starts next publishes
-   it); an audit entry (`retrain`) names the adapter and the version.
+   it, its guard asked), and the stored versions it replaces (trained on the forgotten samples or
+   after them) are deleted, so no rollback serves one again; an audit entry (`retrain`) names the
+   adapter and the version.
 
 Other adapters, their checkpoints' states and versions are untouched. The adapter guard
-(`adapters.guard_*`) is not asked: the rebuilt adapter learned from part of what its published
-versions learned from, on the same steps. Steps after the newest checkpoint are not taken again
+(`adapters.guard_*`) is not asked here: the rebuilt adapter learned from part of what its
+published versions learned from, on the same steps. A retrain cut off part way cannot be run
+again (the forgotten samples' digests were read from the records the forget deleted): the newest
+checkpoint is rewritten first, so the trainer goes on from the rebuilt adapter, but older
+checkpoints may still hold what they taught. Steps after the newest checkpoint are not taken again
 here: the trainer that starts next goes back to that checkpoint and trains their samples again,
 the forgotten ones gone from the bus. The trainer must be stopped (the caller holds
 `run_dir/train.lock`); a trainer that starts next goes on from the rebuilt adapters. Not under
@@ -140,9 +145,9 @@ async def _retrain(config: FlywheelConfig, bus: Any, checkpoints: Checkpoints, l
             report.steps += 1
             report.samples += len(samples)
     report.version = version if taken else above + 1
-    for c in later:
-        held_at.setdefault(c, _held(trainer, baseline, name, report.version if c == newest else version,
-                                    bool(saved or taken) or c == newest))
+    for c in (c for c in later if c not in held_at):
+        held_at[c] = _held(trainer, baseline, name, report.version if c == newest else version,
+                           bool(saved or taken) or c == newest)
 
     await asyncio.to_thread(_into_checkpoints, checkpoints, name, held_at, forgotten)  # the newest first
     ledger = Ledger(Path(config.run_dir) / "trained.jsonl")
@@ -155,6 +160,8 @@ async def _retrain(config: FlywheelConfig, bus: Any, checkpoints: Checkpoints, l
     versions = AdapterVersions(store, bus, interval=1)
     versions.versions[name], versions.parents[name] = report.version, was
     await versions.publish(trainer.adapters, name, newest)  # last: until then a trainer that starts publishes it
+    for stale in (v for v in store.versions(name) if was < v <= above):  # trained on forgotten samples, or after them
+        store.delete_version(name, stale)
     return report
 
 

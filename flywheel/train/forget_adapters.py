@@ -97,13 +97,17 @@ def scrub(checkpoints: Checkpoints, names: set[str]) -> int:
 
 def rewrite(path: Path, state: dict) -> None:
     """A checkpoint's `state.pt` at `path` replaced by `state` (atomically: aside, fsynced, renamed
-    over it), and the adapter files its `files/` holds that `state` no longer names removed (the
-    trainer kept them on disk; and any a crash left)."""
+    over it) with the time it was saved kept (it says how far the trainer had read the audit log:
+    `AuditRequests.since`; what was asked since is still carried out when the trainer starts), and
+    the adapter files its `files/` holds that `state` no longer names removed (the trainer kept
+    them on disk; and any a crash left)."""
+    saved = path.stat()
     aside = path.with_name(f".{path.name}.rewritten")
     with aside.open("wb") as file:
         torch.save(state, file)
         file.flush()
         os.fsync(file.fileno())
+    os.utime(aside, ns=(saved.st_atime_ns, saved.st_mtime_ns))
     os.replace(aside, path)
     kept = {a["file"].path.name for a in state["trainer"].get("adapters", []) if "file" in a}
     for stray in (path.parent / FILES).glob("*"):
