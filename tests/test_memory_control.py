@@ -73,6 +73,8 @@ def test_a_clear_drops_the_persons_instructions_and_what_was_read_before_it_and_
     assert served("ada") == ()
     memory.take(instructions("ada", [NAME], tenant="acme", read_from=1002.0))
     assert served("ada") == (NAMELESS,)
+    memory.hear(cleared("acme", "ada", at=1001.0))  # heard again (a follower resumed on it): what came since stays
+    assert served("ada") == (NAMELESS,)
     memory.hear(cleared("acme", None, at=1003.0))  # all of a tenant's people
     assert served("ada") == served("bob") == () and served("ada", "other") == (SHORTER,)
 

@@ -33,6 +33,7 @@ def run(args: argparse.Namespace) -> int:
     from flywheel.bus import Bus
     from flywheel.config.tenants import retention_s
     from flywheel.tenants.forget import forget
+    from flywheel.tenants.forgotten import target_of
     from flywheel.train.run_lock import RunLock, TrainerRunning
 
     config = load(args)
@@ -65,8 +66,8 @@ def run(args: argparse.Namespace) -> int:
             elif args.retrain:
                 from flywheel.train.retrain import retrain
 
-                target = args.tenant if args.user is None else f"{args.tenant}/{args.user}"
-                result["retrained"] = (await retrain(config, bus, report.sample_digests, target, args.operator)).as_dict()
+                result["retrained"] = (await retrain(config, bus, report.sample_digests, target_of(args.tenant, args.user),
+                                                     args.operator)).as_dict()
         finally:
             await bus.close()
         return result

@@ -3,25 +3,24 @@
 The gateway reads the MEMORY stream whole before it serves (each person's newest `Instructions`,
 which the judge reads from their corrections: flywheel/judge/instruction_memory.py; after every
 forget and clear of the memory on the audit log, so nothing read before one is taken:
-flywheel/tenants/memory_clear.py), then follows it, and puts a person's instructions in their
-chat requests (Chat Completions, Responses, Messages; a raw completion prompt goes as sent; none
-where a request says `X-Flywheel-Memory: false`) before the prompt is built, where
-`memory.placement` says: at the
-end of the system message, or before the text of the conversation's first user message (the
+flywheel/tenants/memory_clear.py), then follows it, and puts a person's instructions in their chat
+requests (Chat Completions, Responses, Messages; a raw completion prompt goes as sent; none where a
+request says `X-Flywheel-Memory: false`) before the prompt is built, where `memory.placement` says:
+at the end of the system message, or before the text of the conversation's first user message (the
 first, so its prompts go on extending one another and what follows each reply, which the judges
 read, stays the person's own words): the recorded prompt tokens hold them exactly as the model saw
 them, and the person's adapter learns with them. A person is an end user of a tenant; a tenant's
-traffic that names no user is one person, as it is one adapter. A session keeps the
-instructions it started with (the newest `SESSIONS` sessions are remembered), so its prompts go
-on extending one another when the person's memory changes while it is open; an instruction that
-greets the person is served with the name its first request gives them
-(flywheel/bus/instructions.py, `addressed`); with `memory.opening`, the gateway writes that
-greeting itself, an opening that names the person (`memory.opening_text`) starting the
-conversation's first reply, and the model goes on after it (`SessionInfo.opening`, the end of the
-prompt and the start of the answer). Instructions are held no longer than their record is kept
-on the bus (their tenant's `retention_days`, else the stream's age), and at most `PEOPLE`
-people's (those given theirs least recently dropped first). The stream keeps each person's newest
-record only (a subject each), so a gateway's start reads one record a person, one bus request each.
+traffic that names no user is one person, as it is one adapter. A session keeps the instructions it
+started with (the newest `SESSIONS` sessions are remembered), so its prompts go on extending one
+another when the person's memory changes while it is open; an instruction that greets the person is
+served with the name its first request gives them (flywheel/bus/instructions.py, `addressed`); with
+`memory.opening`, the gateway writes that greeting itself, an opening that names the person
+(`memory.opening_text`) starting the conversation's first reply, and the model goes on after it
+(`SessionInfo.opening`, the end of the prompt and the start of the answer). Instructions are held no
+longer than their record is kept on the bus (their tenant's `retention_days`, else the stream's
+age), and at most `PEOPLE` people's (those given theirs least recently dropped first). The stream
+keeps each person's newest record only (a subject each), so a gateway's start reads one record a
+person, one bus request each.
 """
 
 from __future__ import annotations
@@ -133,7 +132,11 @@ class ServedMemory:
 
     def forget(self, tenant: str, user: str | None, at: float) -> None:
         """Drop a tenant's people (or one user) and their sessions' instructions; forgotten at
-        Unix time `at`."""
+        Unix time `at`. One heard again, or covered by a forget as late or later (a gateway hears
+        a forget it made, and each forget begins and ends on the log), drops nothing: what was
+        taken since is newer."""
+        if self._forgotten.since(tenant, user, at):
+            return
         self._forgotten.add(tenant, user, at)
         for person in [person for person in self._people if forgets((tenant, user), person)]:
             self._people.pop(person)

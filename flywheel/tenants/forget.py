@@ -67,7 +67,7 @@ from flywheel.bus.streams import (
     carried_by,
 )
 from flywheel.models.adapter_store import AdapterStore
-from flywheel.tenants.forgotten import BEGUN
+from flywheel.tenants.forgotten import BEGUN, target_of
 from flywheel.tenants.records import KeyEntry
 from flywheel.tenants.sessions import BUCKET as SESSIONS_BUCKET
 from flywheel.tenants.sessions import session_key
@@ -145,7 +145,7 @@ async def forget(bus: Any, tenant: str, user: str | None = None, spill_dirs: Ite
     """Remove `tenant`'s (or its `user`'s) records everywhere; see the module docstring."""
     report = Forgotten(tenant, user)
     await bus.publish(AUDIT_SUBJECT, AuditEntry(id=uuid.uuid4().hex, actor=actor, action=BEGUN,
-                                                target=_target(tenant, user), details={"tenant": tenant, "user": user}))
+                                                target=target_of(tenant, user), details={"tenant": tenant, "user": user}))
     if user is None:
         await _forget_tenant_entry(bus, tenant)
     matches = Matcher(tenant, user)
@@ -165,7 +165,7 @@ async def forget(bus: Any, tenant: str, user: str | None = None, spill_dirs: Ite
     if ledger is not None and (ledger.parent / "adapters").is_dir():
         report.adapters = len(AdapterStore(ledger.parent / "adapters").forget(tenant, user))
     await bus.publish(AUDIT_SUBJECT, AuditEntry(
-        id=uuid.uuid4().hex, actor=actor, action="forget", target=_target(tenant, user),
+        id=uuid.uuid4().hex, actor=actor, action="forget", target=target_of(tenant, user),
         details=report.as_dict()))
     return report
 
@@ -197,10 +197,6 @@ async def _forget_sessions(bus: Any, sessions: set[str]) -> int:
         except KeyNotFoundError:
             pass
     return removed
-
-
-def _target(tenant: str, user: str | None) -> str:
-    return tenant if user is None else f"{tenant}/{user}"
 
 
 async def _forget_tenant_entry(bus: Any, tenant: str) -> None:

@@ -29,6 +29,11 @@ def forget_of(entry: Any, actions: frozenset[str] = FORGETTING) -> tuple[str, st
     return entry.details["tenant"], entry.details.get("user"), entry.created_at
 
 
+def target_of(tenant: str, user: str | None) -> str:
+    """How the audit log names a tenant (`user` None) or one end user of it: `tenant/user`."""
+    return tenant if user is None else f"{tenant}/{user}"
+
+
 def forgets(forgotten: tuple[str, str | None], holder: tuple[str, str | None]) -> bool:
     """Whether forgetting `forgotten` (a tenant and one of its end users, or None for all of them)
     covers what `holder` (a tenant and the end user, if any, it was for) holds."""

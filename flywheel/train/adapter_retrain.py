@@ -52,6 +52,7 @@ from flywheel.bus.streams import AUDIT_SUBJECT
 from flywheel.config import ConfigError, FlywheelConfig
 from flywheel.models import load_model
 from flywheel.models.adapter_store import AdapterStore, owned_by
+from flywheel.tenants.forgotten import target_of
 from flywheel.train.adapter_versions import AdapterVersions
 from flywheel.train.advantages import RunningBaseline
 from flywheel.train.checkpoint import Checkpoints
@@ -90,7 +91,7 @@ async def retrain_adapters(config: FlywheelConfig, bus: Any, forgotten: set[str]
     newest = checkpoints.steps()[-1] if checkpoints.steps() else 0
     learned = {s["adapter"] for s in steps if s.get("adapter") and s["step"] <= newest and forgotten.intersection(s["samples"])}
     deleted = set(owned_by(learned, tenant, user))
-    target = tenant if user is None else f"{tenant}/{user}"
+    target = target_of(tenant, user)
     done = []
     for name in sorted(learned - deleted):
         report = await _retrain(config, bus, checkpoints, [s for s in steps if s.get("adapter") == name], newest,

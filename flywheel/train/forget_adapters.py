@@ -36,7 +36,7 @@ from flywheel.bus import Bus, Sample
 from flywheel.bus.records import AuditEntry
 from flywheel.bus.streams import AUDIT_SUBJECT
 from flywheel.models.adapter_store import DROPPED, owned_by
-from flywheel.tenants.forgotten import forgets
+from flywheel.tenants.forgotten import forgets, target_of
 from flywheel.train.checkpoint import FILES, Checkpoints
 
 if TYPE_CHECKING:
@@ -69,7 +69,7 @@ async def forget(loop: TrainLoop, bus: Bus, forgotten: list[tuple[str, str | Non
     rewritten = await asyncio.to_thread(scrub, loop.checkpoints, names) if names else 0
     for (tenant, user), owned in dropped.items():
         await bus.publish(AUDIT_SUBJECT, AuditEntry(
-            id=uuid.uuid4().hex, actor="train", action=DROPPED, target=tenant if user is None else f"{tenant}/{user}",
+            id=uuid.uuid4().hex, actor="train", action=DROPPED, target=target_of(tenant, user),
             details={"tenant": tenant, "user": user, "adapters": len(owned), "checkpoints": rewritten}))
     log.info("forgot %d adapters; %d checkpoints rewritten without them", len(names), rewritten)
 

@@ -3,13 +3,14 @@
 - `install_body_limit` answers 413 to a body larger than the limit, whether its size is declared
   (`Content-Length`) or only discovered while a chunked body is read. It counts bytes as the app
   reads them and never buffers a body itself.
-- `ConcurrencyLimiter` bounds the generations running at once; a bounded number of callers wait
-  for a slot, and beyond that a caller gets a 429 with `Retry-After`. The line is shared fairly
-  between tenants: a freed slot goes to the waiting tenant that holds the fewest (first come,
-  first served within a tenant and between equals), and when the line is full, a caller whose
-  tenant has at least two fewer callers in it than the longest line takes that line's newest place
-  (the caller who had it gets the 429; one fewer, and taking it would only swap the two lines). One tenant's burst fills only its own share: it cannot keep another
-  tenant's requests out, nor ahead of them in line beyond one turn.
+- `ConcurrencyLimiter` bounds the generations running at once; a bounded number of callers wait for
+  a slot, and beyond that a caller gets a 429 with `Retry-After`. The line is shared fairly between
+  tenants: a freed slot goes to the waiting tenant that holds the fewest (first come, first served
+  within a tenant and between equals), and when the line is full, a caller whose tenant has at least
+  two fewer callers in it than the longest line takes that line's newest place (the caller who had
+  it gets the 429; one fewer, and taking it would only swap the two lines). One tenant's burst fills
+  only its own share: it cannot keep another tenant's requests out, nor ahead of them in line beyond
+  one turn.
 - `request_timeout` turns a request that runs too long into a 504 (`code: timeout`): the gateway
   gave up waiting on its upstream, the engine, which is what 504 Gateway Timeout means (408 says
   the *client* was too slow to send its request). OpenAI's clients retry both.
@@ -159,11 +160,11 @@ class ConcurrencyLimiter:
         if not self._held[tenant]:
             del self._held[tenant]
         while self._lines:
-            tenant = min(self._lines, key=lambda t: (self._held[t], self._lines[t][0][0]))
-            place = self._lines[tenant][0]
-            self._leave(tenant, place)
+            fewest = min(self._lines, key=lambda t: (self._held[t], self._lines[t][0][0]))
+            place = self._lines[fewest][0]
+            self._leave(fewest, place)
             if not place[1].done():
-                self._hold(tenant)
+                self._hold(fewest)
                 place[1].set_result(None)
                 return
 
@@ -180,7 +181,8 @@ class ConcurrencyLimiter:
 
     def _make_room(self, tenant: str) -> bool:
         """In a full line, the newest place of the longest tenant's line given to `tenant` (its
-        caller refused with the 429), where `tenant`'s own line is shorter; whether there is room."""
+        caller refused with the 429), where `tenant`'s own line is at least two shorter; whether
+        there is room."""
         mine = len(self._lines.get(tenant, ()))
         longest = max(self._lines, key=lambda t: len(self._lines[t]), default=None)
         if longest is None or len(self._lines[longest]) <= mine + 1:
